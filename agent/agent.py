@@ -1,0 +1,454 @@
+"""The per-node agent: rendezvous, start workers, watch them, and restart the whole job on failure.
+
+    loop:
+        assignment = rendezvous.next_round()          # who is in, my node rank, world size
+        workers    = WorkerGroup.start(...)           # one process group each
+        end        = watch(workers)                   # first of: a local exit, the round's end
+                                                      # key in the store, a lost peer, a signal
+        stop the workers (signal, one grace period, SIGKILL of every descendant)
+        succeeded -> exit 0;  failed and budget left -> next round;  else report, exit non-zero
+
+Everything the agent waits for arrives on file descriptors watched by one `selectors` loop in
+the main thread: pidfds (readable the moment a worker exits), worker output pipes, the
+signal wake-up fd, and a pipe that the store-watching threads write to. Nothing polls.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import selectors
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from agent import processes
+from agent.report import JobReport, explain, failure_end
+from agent.spec import JobSpec
+from agent.workers import LogLayout, WorkerGroup
+from launcher import console
+from rendezvous.protocol import (
+    Assignment,
+    NodeInfo,
+    Rendezvous,
+    RendezvousError,
+    RendezvousSettings,
+    RoundEnd,
+)
+from rendezvous.store import Store, StoreEndpoint, StoreError, StoreUnavailable, host_tcp_store, open_store
+
+EXIT_BAD_INPUT = 2
+EXIT_INFRASTRUCTURE = 1
+# How long the store's host waits for the other agents to read the final state before exiting.
+EXIT_BARRIER_SECONDS = 30.0
+
+
+class AgentExit(Exception):
+    """Leave the agent with this exit code (after workers are stopped)."""
+
+    def __init__(self, code: int, message: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class RendezvousPlan:
+    """How this node finds the others: the store, the membership rules, and who it is."""
+
+    endpoint: StoreEndpoint
+    settings: RendezvousSettings
+    local_addr: str
+    preferred_rank: int | None = None
+    connect_timeout: float = 600.0
+    read_timeout: float = 60.0
+
+
+class _Inbox:
+    """Events from threads, delivered to the main loop through a pipe it selects on."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+        self.items: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+
+    def post(self, kind: str, value: Any = None) -> None:
+        self.items.put((kind, value))
+        try:
+            os.write(self.write_fd, b"x")
+        except BlockingIOError:
+            pass
+
+    def drain(self) -> list[tuple[str, Any]]:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while not self.items.empty():
+            out.append(self.items.get_nowait())
+        return out
+
+
+class Agent:
+    """Runs this node's share of one job until it succeeds, fails for good, or is stopped."""
+
+    def __init__(self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str]):
+        self.spec = spec
+        self.plan = plan
+        self.base_env = base_env
+        self.host = socket.gethostname()
+        self.node = NodeInfo(
+            node_id=f"{self.host}:{os.getpid()}:{os.urandom(4).hex()}",
+            host=self.host,
+            addr=plan.local_addr,
+            nproc=spec.nproc_per_node,
+            preferred_rank=plan.preferred_rank,
+        )
+        self.selector = selectors.DefaultSelector()
+        self.inbox = _Inbox()
+        self.selector.register(self.inbox.read_fd, selectors.EVENT_READ, ("inbox", None))
+        self.signal_r, self.signal_w = os.pipe()
+        os.set_blocking(self.signal_r, False)
+        os.set_blocking(self.signal_w, False)
+        self.selector.register(self.signal_r, selectors.EVENT_READ, ("signal", None))
+        self.pending_signals: list[int] = []
+        self.pending_events: list[tuple[str, Any]] = []
+        self.group: WorkerGroup | None = None
+        self.store: Store | None = None
+        self.store_server: Any = None
+        self.worker_store: Any = None
+        self.guard: Any = None
+        self.logs = LogLayout.create(spec.log_dir, spec.run_id)
+        self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
+
+    # ================================================================ entry point
+    def run(self) -> int:
+        processes.become_subreaper()
+        self._install_signal_handlers()
+        self._start_orphan_guard()
+        try:
+            code = self._run()
+        except AgentExit as exc:
+            if str(exc):
+                console.error(str(exc))
+            code = exc.code
+        finally:
+            self._stop_workers(signal.SIGTERM)
+            self._stop_orphan_guard()
+        self.report.exit_code = code
+        if self.report.outcome == "running":
+            self.report.outcome = "succeeded" if code == 0 else "failed"
+        self.report.write()
+        return code
+
+    def _run(self) -> int:
+        self.store, self.store_server = self._blocking(self._open_store)
+        if self.store_server is not None:
+            console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
+        rdzv = Rendezvous(self.store, self.plan.settings, self.node)
+        watcher = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
+        keeper = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
+        while True:
+            try:
+                assignment = self._blocking(rdzv.next_round)
+            except RendezvousError as exc:
+                raise AgentExit(EXIT_BAD_INPUT if assignment_never_formed(rdzv) else EXIT_INFRASTRUCTURE, str(exc))
+            end = self._run_round(rdzv, watcher, keeper, assignment)
+            code = self._after_round(rdzv, assignment, end)
+            if code is not None:
+                return code
+
+    def _open_store(self) -> tuple[Store, Any]:
+        try:
+            return open_store(
+                self.plan.endpoint,
+                f"rally/{self.spec.run_id}/",
+                self.plan.connect_timeout,
+                self.plan.read_timeout,
+            )
+        except StoreUnavailable as exc:
+            raise AgentExit(EXIT_BAD_INPUT, str(exc)) from exc
+
+    # ================================================================ one round
+    def _run_round(self, rdzv: Rendezvous, watcher: Rendezvous, keeper: Rendezvous, a: Assignment) -> RoundEnd:
+        r = a.round
+        self.report.begin(a)
+        console.say(
+            f"round {r}: node {a.group_rank} of {a.group_world_size}, ranks "
+            f"{a.rank_offset}-{a.rank_offset + self.spec.nproc_per_node - 1} of {a.world_size}, "
+            f"restart {a.restart_count}/{self.spec.max_restarts}"
+        )
+        if a.group_rank == 0:
+            self.worker_store = None  # the previous round's store closes here
+            self.worker_store = host_tcp_store(0, self.plan.read_timeout)
+            rdzv.publish_master(r, a.master_host, self.worker_store.port)
+            master: tuple[str, int] | RoundEnd = (a.master_host, self.worker_store.port)
+        else:
+            master = self._blocking(lambda: rdzv.wait_master(r, self.plan.settings.keep_alive_timeout * 4 + 30))
+        if isinstance(master, RoundEnd):
+            return master
+        round_over = threading.Event()
+        threading.Thread(target=self._watch_round_end, args=(watcher, r), daemon=True).start()
+        threading.Thread(target=self._keep_alive, args=(keeper, a, round_over), daemon=True).start()
+        try:
+            return self._watch_workers(rdzv, a, master)
+        finally:
+            round_over.set()
+
+    def _watch_workers(self, rdzv: Rendezvous, a: Assignment, master: tuple[str, int]) -> RoundEnd:
+        multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
+        self.group = WorkerGroup.start(self.spec, self.base_env, a, master, self.logs, multi_node)
+        for stream in self.group.streams:
+            self.selector.register(stream.fd, selectors.EVENT_READ, ("stream", stream))
+        for worker in self.group.workers:
+            self.selector.register(worker.process.pidfd, selectors.EVENT_READ, ("exit", worker))
+            self._guard_group(worker.pid)
+        reported_success = False
+        while True:
+            self._pump(None)
+            for signum in self._take_signals():
+                self._leave_on_signal(rdzv, a, signum)
+            for kind, value in self._take_events():
+                if kind == "round_end" and value[0] == a.round:
+                    return value[1]
+                if kind == "store_lost":
+                    raise AgentExit(EXIT_INFRASTRUCTURE, self._store_lost_message(value))
+            failed = [w for w in self.group.workers if w.returncode not in (None, 0)]
+            if failed:
+                first = min(failed, key=lambda w: w.process.ended_at or 0)
+                return self._end_round(rdzv, a.round, failure_end(first, a))
+            if not reported_success and self.group.all_succeeded():
+                reported_success = True
+                if a.group_world_size > 1:
+                    console.say(    f"all {len(self.group.workers)} workers on this node finished; waiting for the other nodes"
+                    )
+                self._store_call(lambda: rdzv.report_success(a.round, a.group_world_size))
+
+    def _end_round(self, rdzv: Rendezvous, r: int, end: RoundEnd) -> RoundEnd:
+        return self._store_call(lambda: rdzv.end_round(r, end))
+
+    def _after_round(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd) -> int | None:
+        """Stop this round's workers and decide: exit with a code, or None to go round again."""
+        group = self.group
+        self._stop_workers(signal.SIGTERM)
+        self.report.finish_attempt(group, end)
+        self._store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))
+        if end.kind == "succeeded":
+            self._store_call(lambda: rdzv.close_job(end))
+            console.say(f"job succeeded: {a.world_size} workers on {a.group_world_size} nodes finished")
+            self._exit_barrier(rdzv, a)
+            return 0
+        if end.is_failure:
+            console.error("root cause: " + explain(end))
+            if a.restart_count + 1 > self.spec.max_restarts:
+                self.report.outcome = "failed"
+                self._store_call(lambda: rdzv.close_job(RoundEnd("aborted", f"restarts exhausted; {end.detail}", end.node, end.info)))
+                console.console().print(self.report.workers_table())
+                console.error(
+                    f"job failed: no restarts left (--max-restarts {self.spec.max_restarts}); "
+                    f"report: {self.report.path}"
+                )
+                self._exit_barrier(rdzv, a)
+                return int(end.info.get("exit_status", 1)) or 1
+            console.say(f"restarting all workers (restart {a.restart_count + 1} of {self.spec.max_restarts})")
+            return None
+        if end.kind == "aborted":
+            console.error(f"job ended: {end.detail}")
+            return int(end.info.get("exit_status", 1)) or 1
+        console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
+        return None
+
+    def _exit_barrier(self, rdzv: Rendezvous, a: Assignment) -> None:
+        if self.store_server is not None:
+            self._store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS))
+
+    # ================================================================ threads
+    def _watch_round_end(self, watcher: Rendezvous, r: int) -> None:
+        try:
+            self.inbox.post("round_end", (r, watcher.wait_round_end(r)))
+        except StoreError as exc:
+            self.inbox.post("store_lost", exc)
+
+    def _keep_alive(self, keeper: Rendezvous, a: Assignment, round_over: threading.Event) -> None:
+        """Send this node's keep-alives and watch the next node's (a ring)."""
+        s = self.plan.settings
+        interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
+        last_seen, last_change = -1, time.monotonic()
+        try:
+            while not round_over.is_set():
+                keeper.keep_alive(a.round, a.group_rank)
+                if a.watch_rank is not None:
+                    seen = keeper.alive_count(a.round, a.watch_rank)
+                    now = time.monotonic()
+                    if seen != last_seen:
+                        last_seen, last_change = seen, now
+                    elif now - last_change > s.keep_alive_timeout:
+                        keeper.declare_lost(a.round, a.watch_rank, a.watch_host, now - last_change)
+                        return
+                round_over.wait(interval)
+        except StoreError as exc:
+            if not round_over.is_set():
+                self.inbox.post("store_lost", exc)
+
+    def _blocking(self, fn: Callable[[], Any]) -> Any:
+        """Run a blocking store call in a thread while the main loop keeps handling signals."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                box["error"] = exc
+            done.set()
+            self.inbox.post("wake")
+
+        threading.Thread(target=call, daemon=True).start()
+        while not done.is_set():
+            self._pump(None)
+            for signum in self._take_signals():
+                raise AgentExit(128 + signum, f"stopped by {processes.signal_name(signum)} while waiting for the rendezvous")
+            events = [e for e in self._take_events() if e[0] != "wake"]
+            self.pending_events.extend(events)
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _store_call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except StoreUnavailable as exc:
+            raise AgentExit(EXIT_INFRASTRUCTURE, self._store_lost_message(exc)) from exc
+
+    def _store_lost_message(self, exc: BaseException) -> str:
+        where = self.plan.endpoint
+        return (
+            f"{exc}; the rendezvous store at {where} is gone, so this node stops. Its host "
+            "was probably lost. To survive the loss of any compute node next time, run "
+            "`rally store --port PORT` on a machine that does not train and point "
+            "--rdzv-endpoint at it"
+        )
+
+    # ================================================================ event plumbing
+    def _pump(self, timeout: float | None) -> None:
+        """Wait for and handle I/O: worker exits, worker output, signals, thread events."""
+        for key, _ in self.selector.select(timeout):
+            kind, obj = key.data
+            if kind == "stream":
+                if not obj.on_readable():
+                    self.selector.unregister(key.fd)
+            elif kind == "exit":
+                obj.process.poll()
+                self.selector.unregister(key.fd)
+            elif kind == "signal":
+                try:
+                    data = os.read(self.signal_r, 64)
+                except BlockingIOError:
+                    data = b""
+                self.pending_signals.extend(data)
+            elif kind == "inbox":
+                self.pending_events.extend(self.inbox.drain())
+
+    def _take_signals(self) -> list[int]:
+        out, self.pending_signals = self.pending_signals, []
+        return out
+
+    def _take_events(self) -> list[tuple[str, Any]]:
+        out, self.pending_events = self.pending_events, []
+        return out
+
+    def _install_signal_handlers(self) -> None:
+        signal.set_wakeup_fd(self.signal_w, warn_on_full_buffer=False)
+        for signum in self.spec.signals_to_handle:
+            signal.signal(signum, lambda *_: None)  # the wake-up fd carries the number
+
+    def _leave_on_signal(self, rdzv: Rendezvous, a: Assignment, signum: int) -> None:
+        name = processes.signal_name(signum)
+        console.say(f"received {name}: forwarding it to the workers, then stopping")
+        self._stop_workers(signum)
+        try:
+            rdzv.leave(a.round, RoundEnd("node_left", f"{self.host} stopped by {name}", self.host))
+        except StoreError:
+            pass
+        raise AgentExit(128 + signum)
+
+    # ================================================================ stopping
+    def _stop_workers(self, signum: int) -> None:
+        """Signal every worker's group, keep draining output for one grace period, then SIGKILL."""
+        group = self.group
+        if group is None:
+            return
+        running = group.running()
+        if running:
+            tree = processes.snapshot_descendants([w.process for w in running])
+            for worker in running:
+                processes.send_to_group(worker.pid, signum)
+            deadline = time.monotonic() + self.spec.shutdown_timeout
+            while group.running() and time.monotonic() < deadline:
+                self._pump(max(0.0, deadline - time.monotonic()))
+                if any(self.pending_signals):  # a second signal: no more grace
+                    self.pending_signals.clear()
+                    break
+            processes.kill_all([w.process for w in group.workers], tree, self._helper_pids())
+        self._drain_output(group)
+        for worker in group.workers:
+            self._unguard_group(worker.pid)
+        group.close()
+        self.group = None
+
+    def _drain_output(self, group: WorkerGroup) -> None:
+        deadline = time.monotonic() + 2.0
+        while any(s.open for s in group.streams) and time.monotonic() < deadline:
+            self._pump(0.05)
+        for key in list(self.selector.get_map().values()):
+            if key.data[0] in ("stream", "exit"):
+                self.selector.unregister(key.fd)
+
+    # ================================================================ orphan guard
+    def _start_orphan_guard(self) -> None:
+        import subprocess
+        import sys
+
+        self.guard = subprocess.Popen(
+            [sys.executable, "-m", "agent.orphan_guard"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            cwd=str(Path(__file__).resolve().parents[1]),
+        )
+
+    def _guard_group(self, pgid: int) -> None:
+        self._tell_guard(f"{pgid}\n")
+
+    def _unguard_group(self, pgid: int) -> None:
+        self._tell_guard(f"-{pgid}\n")
+
+    def _tell_guard(self, line: str) -> None:
+        if self.guard is not None and self.guard.stdin is not None:
+            try:
+                self.guard.stdin.write(line.encode())
+                self.guard.stdin.flush()
+            except OSError:
+                pass
+
+    def _stop_orphan_guard(self) -> None:
+        if self.guard is not None:
+            try:
+                self.guard.stdin.close()
+            except OSError:
+                pass
+            self.guard.wait()
+            self.guard = None
+
+    def _helper_pids(self) -> frozenset[int]:
+        return frozenset({self.guard.pid} if self.guard is not None else set())
+
+
+def assignment_never_formed(rdzv: Rendezvous) -> bool:
+    """A rendezvous error before the first round formed is a setup problem (exit 2)."""
+    return rdzv.last_round is None

@@ -1,0 +1,380 @@
+"""Helpers for training scripts run by rally (or torchrun): job context, checkpoints, heartbeat, preemption.
+
+Import it as ``from agent import job``. Importing is cheap and never imports torch: the agent's
+template process and scripts that only need :func:`context` or :func:`heartbeat` should not pay
+two seconds for it. Torch is imported inside :func:`save` and :func:`load_latest`.
+
+Environment (all optional; outside a launcher the job is rank 0 of 1)::
+
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    GROUP_RANK, GROUP_WORLD_SIZE                   torchrun's names, set by rally and torchrun
+    TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID
+    RALLY_CHECKPOINT_DIR     where save/load_latest keep checkpoints; must be one directory
+                             that every rank sees (a shared file system on several nodes)
+    RALLY_CHECKPOINT_KEEP    how many checkpoints save() keeps (default 3)
+    RALLY_HEARTBEAT_FILE     per-worker heartbeat file created by the agent (see heartbeat_file)
+    RALLY_PREEMPT_SIGNALS    comma-separated signal names rally forwards before a kill, e.g. SIGUSR1,SIGTERM
+
+Typical loop::
+
+    ckpt = job.load_latest()
+    start = ckpt.step if ckpt else 0
+    for step in range(start + 1, steps + 1):
+        train_one_step(step)
+        job.heartbeat()
+        if step % 100 == 0 or job.preempted():
+            job.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent import heartbeat_file
+
+CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
+CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
+HEARTBEAT_FILE_ENV = "RALLY_HEARTBEAT_FILE"
+PREEMPT_SIGNALS_ENV = "RALLY_PREEMPT_SIGNALS"
+
+DEFAULT_CHECKPOINT_KEEP = 3
+"""Checkpoints kept by :func:`save` when neither ``keep`` nor RALLY_CHECKPOINT_KEEP says otherwise.
+More than one, so that a newest file damaged after it was written still leaves a fallback."""
+
+_CHECKPOINT_RE = re.compile(r"^step_(\d+)\.pt$")
+_TEMP_RE = re.compile(r"^\.step_\d+\.pt\..*\.tmp$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Context
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Where this worker sits in the job, read from the launcher's environment by :func:`context`."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+    restart_count: int
+    max_restarts: int
+    run_id: str
+    checkpoint_dir: Path | None
+    preempt_signals: tuple[signal.Signals, ...] = ()
+
+    @property
+    def is_rank0(self) -> bool:
+        """True on the one worker (global rank 0) that writes checkpoints and prints progress."""
+        return self.rank == 0
+
+
+def context() -> JobContext:
+    """Read the job context from the environment; defaults describe a single process (rank 0 of 1).
+
+    Read afresh on each call (a few microseconds), so a forked worker sees its own environment.
+    Raises ``ValueError`` with a one-line reason when a variable is malformed.
+    """
+    ckpt_dir = os.environ.get(CHECKPOINT_DIR_ENV, "")
+    return JobContext(
+        rank=_env_int("RANK", 0),
+        local_rank=_env_int("LOCAL_RANK", 0),
+        world_size=_env_int("WORLD_SIZE", 1),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        group_rank=_env_int("GROUP_RANK", 0),
+        group_world_size=_env_int("GROUP_WORLD_SIZE", 1),
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_env_int("TORCHELASTIC_MAX_RESTARTS", 0),
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+        checkpoint_dir=Path(ckpt_dir) if ckpt_dir else None,
+        preempt_signals=parse_signals(os.environ.get(PREEMPT_SIGNALS_ENV, "")),
+    )
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """Parse ``"SIGUSR1,TERM,12"`` into signals; the format of RALLY_PREEMPT_SIGNALS."""
+    signals: list[signal.Signals] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name = item.upper()
+        try:
+            if name.isdigit():
+                signals.append(signal.Signals(int(name)))
+            else:
+                signals.append(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"rally: unknown signal {item!r} in {PREEMPT_SIGNALS_ENV}; use names like SIGUSR1,SIGTERM"
+            ) from None
+    return tuple(signals)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"rally: environment variable {name} must be an integer, got {value!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+class CheckpointDirNotSet(RuntimeError):
+    """save/load_latest were called without a checkpoint directory."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint found by :func:`load_latest`: the step it was saved at, its state and its file."""
+
+    step: int
+    state: Any
+    path: Path
+
+
+def save(state: Any, step: int, *, keep: int | None = None) -> Path | None:
+    """Write ``state`` as the checkpoint of ``step`` on rank 0; return its path (``None`` on other ranks).
+
+    Only global rank 0 writes; every other rank returns ``None`` at once. The caller is expected to
+    hold the same state on every rank (as DDP guarantees for model and optimizer), so rank 0's copy
+    speaks for all. Call it from every rank at the same step anyway: that is harmless and keeps the
+    script free of rank checks.
+
+    The write is atomic and durable: ``torch.save`` into a temporary file in the same directory,
+    flush and fsync it, rename it over ``step_<step:012d>.pt``, fsync the directory. A crash at any
+    moment, even SIGKILL or power loss, leaves either the old set of checkpoints or the old set plus
+    the new complete one; never a damaged or missing previous checkpoint. Temporary files left by a
+    crashed writer are never read by :func:`load_latest` and are deleted by the next ``save``
+    (there is one writer per job: the agent stops every worker before it starts the next round).
+
+    After the new checkpoint is durable, all but the newest ``keep`` checkpoints are deleted
+    (``keep`` defaults to RALLY_CHECKPOINT_KEEP, else 3). The one just written is never deleted.
+    """
+    ctx = context()
+    if not ctx.is_rank0:
+        return None
+    if step < 0:
+        raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
+    keep = _resolve_keep(keep)
+    directory = _require_dir(ctx)
+    directory.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(directory)
+
+    import tempfile
+
+    import torch
+
+    final = directory / f"step_{step:012d}.pt"
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+    _prune(directory, keep, protect=final)
+    return final
+
+
+def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Checkpoint | None:
+    """Load the newest complete checkpoint, or return ``None`` when there is none; call it on every rank.
+
+    If the newest file cannot be read (truncated or damaged after it was written), warn on stderr
+    and fall back to the next older one. All ranks must see the same directory, and should call
+    this at the same point (before the first collective), so that they all resume from one step.
+    ``weights_only=True`` (torch's safe loader) accepts tensors, numbers, strings and containers,
+    which covers model and optimizer state dicts; pass ``False`` for trusted arbitrary pickles.
+    Rank 0 logs one line: where it resumes from, or that it starts from scratch.
+    """
+    ctx = context()
+    directory = _require_dir(ctx)
+
+    import torch
+
+    for step, path in reversed(_list_checkpoints(directory)):
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=weights_only)
+        except FileNotFoundError:
+            continue  # pruned by rank 0 between listing and opening; an older one is still there
+        except MemoryError:
+            raise
+        except Exception as error:
+            if "was not an allowed global" in str(error):
+                raise  # not damage: every checkpoint would fail alike; torch's message says what to do
+            if ctx.local_rank == 0:
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                _log(f"warning: checkpoint {path} is unreadable ({reason}); trying an older one")
+            continue
+        if ctx.is_rank0:
+            _log(f"resuming from step {step} ({path})")
+        return Checkpoint(step=step, state=state, path=path)
+    if ctx.is_rank0:
+        _log("no checkpoint, starting from scratch")
+    return None
+
+
+def _require_dir(ctx: JobContext) -> Path:
+    if ctx.checkpoint_dir is None:
+        raise CheckpointDirNotSet(
+            f"rally: no checkpoint directory; set {CHECKPOINT_DIR_ENV} to a directory that every rank can see"
+        )
+    return ctx.checkpoint_dir
+
+
+def _resolve_keep(keep: int | None) -> int:
+    if keep is None:
+        keep = _env_int(CHECKPOINT_KEEP_ENV, DEFAULT_CHECKPOINT_KEEP)
+    if keep < 1:
+        raise ValueError(f"rally: checkpoints to keep must be >= 1, got {keep} (keep= or {CHECKPOINT_KEEP_ENV})")
+    return keep
+
+
+def _list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``directory``, oldest first. Temporary files never match."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), directory / name) for name in names if (m := _CHECKPOINT_RE.match(name))]
+    return sorted(found)
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    for name in os.listdir(directory):
+        if _TEMP_RE.match(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / name)
+
+
+def _prune(directory: Path, keep: int, protect: Path) -> None:
+    checkpoints = _list_checkpoints(directory)
+    for _, path in checkpoints[: max(0, len(checkpoints) - keep)]:
+        if path != protect:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable: without this a power loss may forget the new directory entry."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heartbeat
+
+
+def heartbeat() -> None:
+    """Tell the agent this worker is making progress; call it once per step. Costs about a microsecond.
+
+    The first call maps RALLY_HEARTBEAT_FILE (see :mod:`agent.heartbeat_file`); later calls write a
+    counter and ``time.monotonic_ns()`` into it. Without that variable (torchrun, a plain
+    ``python script.py``) every call is a no-op. Never imports torch, never blocks.
+    """
+    _beat()
+
+
+def _first_beat() -> None:
+    """Decide once, at the first heartbeat, whether beats go to a file or nowhere.
+
+    Lazy so that a process forked from the agent's template (which imported this module before the
+    worker's environment existed) reads the worker's own RALLY_HEARTBEAT_FILE.
+    """
+    global _beat
+    path = os.environ.get(HEARTBEAT_FILE_ENV, "")
+    _beat = heartbeat_file.HeartbeatWriter(path).beat if path else _no_beat
+    _beat()
+
+
+def _no_beat() -> None:
+    pass
+
+
+_beat: Callable[[], None] = _first_beat
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption
+
+_preempted = False
+_preempt_callbacks: list[Callable[[int], object]] = []
+_in_callbacks = False
+
+
+def preempted() -> bool:
+    """True once a preemption signal (see :func:`install_preemption_handler`) has arrived.
+
+    Check it in the training loop: save a checkpoint and exit when it turns true, because the
+    scheduler will kill the job soon.
+    """
+    return _preempted
+
+
+def on_preempt(callback: Callable[[int], object]) -> None:
+    """Call ``callback(signum)`` each time a preemption signal arrives.
+
+    Callbacks run like any Python signal handler: in the main thread, between two bytecodes of
+    whatever it was doing (possibly in the middle of a training step or inside a collective).
+    So keep them short and do not start collectives or write checkpoints from them; set a flag or
+    log a line, and let the loop act on :func:`preempted`. An exception from a callback is printed
+    to stderr and swallowed, so it cannot kill training at a random point. A signal that arrives
+    while callbacks are running sets the flag but does not run them again re-entrantly.
+    Callbacks registered after a signal are not called for that past signal.
+    """
+    _preempt_callbacks.append(callback)
+
+
+def install_preemption_handler(signums: Iterable[int]) -> None:
+    """Catch ``signums`` so that they mark the worker preempted instead of killing it.
+
+    Called by rally's worker bootstrap before the training script runs, with the signals from
+    RALLY_PREEMPT_SIGNALS (``context().preempt_signals``), so a forwarded SIGUSR1 never kills a
+    worker whose script ignores preemption. Must run in the main thread (a Python rule).
+    """
+    for signum in signums:
+        signal.signal(signum, _handle_preemption)
+
+
+def _handle_preemption(signum: int, frame: object) -> None:
+    global _preempted, _in_callbacks
+    _preempted = True
+    if _in_callbacks:
+        return
+    _in_callbacks = True
+    try:
+        for callback in list(_preempt_callbacks):
+            try:
+                callback(signum)
+            except Exception:
+                _log(f"preemption callback {callback!r} failed:")
+                traceback.print_exc(file=sys.stderr)
+    finally:
+        _in_callbacks = False
+
+
+def _log(message: str) -> None:
+    print(f"rally: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,211 @@
+"""One round's workers on this node: their environment, log files, processes and output.
+
+The environment is torchrun's, name for name (see `worker_env`), so a script written for
+torchrun runs unchanged. Log files follow torchrun's layout:
+`<log-dir>/<run-id>_<suffix>/attempt_<n>/<local_rank>/{stdout,stderr}.log` and `error.json`,
+where n is the rendezvous round (equal to TORCHELASTIC_RESTART_COUNT until a node joins or
+leaves; using the round keeps a membership change from overwriting an earlier attempt's logs).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from agent.output import OutputStream, WorkerOutput
+from agent.processes import ChildProcess, describe_exit, spawn
+from agent.spec import STDERR, STDOUT, JobSpec
+from rendezvous.protocol import Assignment
+
+
+@dataclass
+class Worker:
+    """One worker process and what is known about it."""
+
+    local_rank: int
+    global_rank: int
+    process: ChildProcess
+    output: WorkerOutput
+    error_file: str
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def duration(self) -> float:
+        end = self.process.ended_at or time.monotonic()
+        return end - self.process.started_at
+
+    def state(self) -> str:
+        code = self.returncode
+        if code is None:
+            return "running"
+        return "succeeded" if code == 0 else "failed"
+
+    def describe_exit(self) -> str:
+        return "running" if self.returncode is None else describe_exit(self.returncode)
+
+
+def worker_env(
+    spec: JobSpec,
+    base_env: dict[str, str],
+    assignment: Assignment,
+    master: tuple[str, int],
+    local_rank: int,
+    error_file: str,
+) -> dict[str, str]:
+    """The environment torchrun 2.13 gives a worker, plus rally's own RALLY_* variables."""
+    env = dict(base_env)
+    rank = assignment.rank_offset + local_rank
+    env.update(
+        {
+            "LOCAL_RANK": str(local_rank),
+            "RANK": str(rank),
+            "GROUP_RANK": str(assignment.group_rank),
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
+            "WORLD_SIZE": str(assignment.world_size),
+            "GROUP_WORLD_SIZE": str(assignment.group_world_size),
+            "ROLE_WORLD_SIZE": str(assignment.world_size),
+            "MASTER_ADDR": master[0],
+            "MASTER_PORT": str(master[1]),
+            "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": spec.run_id,
+            # Workers connect to a store the agent hosts; rally hosts a fresh one every round,
+            # so no key from an earlier attempt can reach a later one.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            "RALLY_ROUND": str(assignment.round),
+        }
+    )
+    if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base_env:
+        env["OMP_NUM_THREADS"] = "1"
+    if spec.checkpoint_dir:
+        env["RALLY_CHECKPOINT_DIR"] = spec.checkpoint_dir
+    return env
+
+
+@dataclass
+class LogLayout:
+    """Where this node's log files go; one run directory per agent, as torchrun does."""
+
+    run_dir: Path
+
+    @classmethod
+    def create(cls, log_dir: str | None, run_id: str) -> "LogLayout":
+        import tempfile
+
+        base = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="rally_"))
+        base.mkdir(parents=True, exist_ok=True)
+        safe_run_id = run_id.replace("/", "_")
+        return cls(Path(tempfile.mkdtemp(prefix=f"{safe_run_id}_", dir=base)))
+
+    def attempt_dir(self, attempt: int) -> Path:
+        return self.run_dir / f"attempt_{attempt}"
+
+    def rank_dir(self, attempt: int, local_rank: int) -> Path:
+        path = self.attempt_dir(attempt) / str(local_rank)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+@dataclass
+class WorkerGroup:
+    """This node's workers for one round. `streams` are the pipes the agent must read."""
+
+    workers: list[Worker] = field(default_factory=list)
+    streams: list[OutputStream] = field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls,
+        spec: JobSpec,
+        base_env: dict[str, str],
+        assignment: Assignment,
+        master: tuple[str, int],
+        logs: LogLayout,
+        multi_node: bool,
+        console_out: BinaryIO | None = None,
+        console_err: BinaryIO | None = None,
+    ) -> "WorkerGroup":
+        console_out = console_out or sys.stdout.buffer
+        console_err = console_err or sys.stderr.buffer
+        group = cls()
+        host = socket.gethostname()
+        for local_rank in range(spec.nproc_per_node):
+            rank = assignment.rank_offset + local_rank
+            rank_dir = logs.rank_dir(assignment.round, local_rank)
+            error_file = str(rank_dir / "error.json")
+            env = worker_env(spec, base_env, assignment, master, local_rank, error_file)
+            output = WorkerOutput()
+            redirect = spec.redirects.get(local_rank, 0) | spec.tee.get(local_rank, 0)
+            tee = spec.tee.get(local_rank, 0)
+            shown = spec.shows_on_console(local_rank)
+            if tee or redirect:
+                prefix = f"[{spec.role}{local_rank}]:".encode()
+            elif multi_node:
+                prefix = f"[{host}:{rank}] ".encode()
+            else:
+                prefix = f"[{rank}] ".encode()
+            fds: dict[int, object] = {}
+            pipes: list[tuple[int, int, int]] = []  # (bit, read end, write end)
+            for bit, name, console in ((STDOUT, "stdout", console_out), (STDERR, "stderr", console_err)):
+                path = rank_dir / f"{name}.log"
+                if redirect & bit and not tee & bit:
+                    fds[bit] = open(path, "wb")  # noqa: SIM115 - handed to the child, closed below
+                    if bit == STDERR:
+                        output.stderr_file = str(path)
+                    continue
+                read_end, write_end = os.pipe()
+                os.set_blocking(read_end, False)
+                fds[bit] = write_end
+                pipes.append((bit, read_end, write_end))
+                output.streams.append(
+                    OutputStream(
+                        fd=read_end,
+                        console=console if shown else None,
+                        prefix=prefix if spec.prefix_output or tee & bit else b"",
+                        whole_lines=spec.prefix_output or bool(tee & bit),
+                        file=open(path, "wb") if tee & bit else None,  # noqa: SIM115
+                        tail=output.stderr_tail if bit == STDERR else None,
+                    )
+                )
+            try:
+                process = spawn(spec.command(), env, spec.cwd, fds[STDOUT], fds[STDERR])
+            finally:
+                for value in fds.values():
+                    if isinstance(value, int):
+                        os.close(value)
+                    else:
+                        value.close()  # type: ignore[attr-defined]
+            group.workers.append(Worker(local_rank, rank, process, output, error_file))
+            group.streams.extend(output.streams)
+        return group
+
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers if w.returncode is None]
+
+    def all_succeeded(self) -> bool:
+        return all(w.returncode == 0 for w in self.workers)
+
+    def by_pidfd(self) -> dict[int, Worker]:
+        return {w.process.pidfd: w for w in self.workers if w.process.pidfd >= 0}
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.process.close()
+        for stream in self.streams:
+            if stream.open:
+                stream.finish()

@@ -1,0 +1,171 @@
+"""The `rally` command: torchrun's flags (both spellings, and PET_* variables) plus rally's own.
+
+    rally [OPTIONS] SCRIPT [SCRIPT ARGS]...     run a training job (one rally per node)
+    rally store --port PORT                     run a standalone rendezvous store
+    rally status --rdzv-endpoint H:P --rdzv-id ID   (planned) show a running job
+
+Precedence, highest first: command-line flags > environment (PET_<NAME>, as torchrun, or
+RALLY_<NAME>) > the --config YAML file > SLURM (when inside a SLURM job) > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import click
+
+from launcher import __version__, console
+from launcher.config import ConfigError, build_launch, load_config_file
+
+# Option declarations: (name, click kwargs, help group). The name's dashed and underscored
+# spellings are both accepted, as torchrun accepts both.
+GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "rally extras")
+
+OPTIONS: list[tuple[str, dict[str, Any], str]] = [
+    ("nnodes", dict(default="1:1", metavar="N|MIN:MAX", help="Number of nodes, or MIN:MAX for an elastic job."), "Job"),
+    ("nproc-per-node", dict(default="1", metavar="N|auto|cpu|gpu", help="Workers per node."), "Job"),
+    ("role", dict(default="default", help="Worker role name (ROLE_NAME, log prefixes)."), "Job"),
+    ("standalone", dict(is_flag=True, help="Single node: a private store on a free port, a random run id."), "Rendezvous"),
+    ("rdzv-backend", dict(default="static", metavar="c10d|static", help="c10d: elastic rendezvous through a store; static: fixed node ranks."), "Rendezvous"),
+    ("rdzv-endpoint", dict(default="", metavar="HOST[:PORT]", help="The rendezvous store (c10d default port 29400)."), "Rendezvous"),
+    ("rdzv-id", dict(default="none", metavar="ID", help="Job id shared by all nodes."), "Rendezvous"),
+    ("rdzv-conf", dict(default="", metavar="K=V,...", help="join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, store_type, ..."), "Rendezvous"),
+    ("node-rank", dict(type=int, default=None, help="This node's rank (static backend)."), "Rendezvous"),
+    ("master-addr", dict(default=None, help="Address of node rank 0 (static backend)."), "Rendezvous"),
+    ("master-port", dict(type=int, default=None, help="Port of the store on node rank 0 (static backend)."), "Rendezvous"),
+    ("local-addr", dict(default=None, help="Address other nodes use to reach this one (default: FQDN)."), "Rendezvous"),
+    ("max-restarts", dict(type=int, default=0, help="Job-wide restarts allowed after worker failures."), "Restarts and shutdown"),
+    ("monitor-interval", dict(type=float, default=0.1, help="Accepted for torchrun compatibility; rally needs no polling."), "Restarts and shutdown"),
+    ("shutdown-timeout", dict(type=float, default=None, help="Grace period between the stop signal and SIGKILL (default 30 s)."), "Restarts and shutdown"),
+    ("signals-to-handle", dict(default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="Signals forwarded to workers before shutdown."), "Restarts and shutdown"),
+    ("start-method", dict(default="spawn", type=click.Choice(["spawn", "fork", "forkserver"]), help="Accepted for torchrun compatibility."), "Restarts and shutdown"),
+    ("log-dir", dict(default=None, help="Base directory for per-rank log files and report.json."), "Logs and output"),
+    ("redirects", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files only: 1 stdout, 2 stderr, 3 both."), "Logs and output"),
+    ("tee", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files and the console."), "Logs and output"),
+    ("local-ranks-filter", dict(default="", metavar="R,...", help="Show only these local ranks on the console."), "Logs and output"),
+    ("module", dict(is_flag=True, help="Run SCRIPT as a module, like python -m."), "Entry point"),
+    ("no-python", dict(is_flag=True, help="Run SCRIPT as an executable, not with python."), "Entry point"),
+    ("run-path", dict(is_flag=True, help="Run SCRIPT with runpy.run_path."), "Entry point"),
+    ("no-prefix", dict(is_flag=True, help="Do not prefix worker output lines with their rank."), "rally extras"),
+    ("checkpoint-dir", dict(default=None, help="Where workers save checkpoints (RALLY_CHECKPOINT_DIR)."), "rally extras"),
+]
+SHORT_NAMES = {"module": "-m", "redirects": "-r", "tee": "-t"}
+CONFIG_KEYS = [name.replace("-", "_") for name, _, _ in OPTIONS]
+
+EPILOG = """\b
+Examples:
+  rally --standalone --nproc-per-node 4 train.py --lr 0.1
+  rally --nnodes 1:4 --nproc-per-node 2 --rdzv-backend c10d \\
+        --rdzv-endpoint node1:29400 --rdzv-id job42 --max-restarts 3 train.py
+  srun rally train.py                 (under SLURM nothing else is needed)
+  rally --config job.yaml
+
+\b
+Other commands:
+  rally store --port PORT     a standalone rendezvous store that survives any compute node
+
+Precedence: flags > PET_*/RALLY_* environment > --config file > defaults.
+"""
+
+
+class GroupedCommand(click.Command):
+    """Help text with options grouped by purpose, as torchrun users look for them."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        by_group: dict[str, list[tuple[str, str]]] = {g: [] for g in ("General", *GROUPS)}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                by_group[getattr(param, "help_group", "General")].append(record)
+        for group, records in by_group.items():
+            if records:
+                with formatter.section(f"{group} options"):
+                    formatter.write_dl(records)
+
+
+def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value:
+        try:
+            ctx.default_map = load_config_file(value, CONFIG_KEYS)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
+    return value
+
+
+def _declare(fn: Callable) -> Callable:
+    for name, kwargs, group in reversed(OPTIONS):
+        dest = name.replace("-", "_")
+        spellings = [f"--{name}"] + ([f"--{dest}"] if dest != name else [])
+        if name in SHORT_NAMES:
+            spellings.insert(0, SHORT_NAMES[name])
+        env = [f"PET_{dest.upper()}", f"RALLY_{dest.upper()}"]
+        option = click.Option([*spellings, dest], envvar=env, show_envvar=False, **kwargs)
+        option.help_group = group  # type: ignore[attr-defined]
+        fn.__click_params__ = getattr(fn, "__click_params__", [])  # type: ignore[attr-defined]
+        fn.__click_params__.append(option)  # type: ignore[attr-defined]
+    return fn
+
+
+@click.command(
+    cls=GroupedCommand,
+    name="rally",
+    epilog=EPILOG,
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option("--config", "config", is_eager=True, expose_value=True, callback=_load_config, metavar="FILE", help="YAML file with any of these options (plus script and args).")
+@click.version_option(__version__, "--version", prog_name="rally")
+@_declare
+@click.argument("script", required=False)
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def run_command(ctx: click.Context, config: str | None, script: str | None, script_args: tuple[str, ...], **options: Any) -> int:
+    """Launch SCRIPT on this node's workers, torchrun-compatible: same flags, same worker environment."""
+    file_values = ctx.default_map or {}
+    if script is None:
+        script = file_values.get("script")
+        script_args = tuple(file_values.get("args", ()))
+    launch = build_launch(options, script, list(script_args))
+    for note in launch.notes:
+        console.say(note)
+    return _run_agent(launch)
+
+
+def _run_agent(launch) -> int:  # noqa: ANN001 - launcher.config.Launch
+    from rendezvous.store import quiet_torch_logs
+
+    base_env = dict(os.environ)  # the workers' environment, before rally touches its own
+    quiet_torch_logs()
+    from agent.agent import Agent
+
+    return Agent(launch.spec, launch.plan, base_env).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `rally` and `python -m launcher`: one clear line and exit 2 on bad input."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "store":
+        from launcher.store_command import store_command
+
+        command: click.Command = store_command
+        args = args[1:]
+    else:
+        command = run_command
+    try:
+        code = command.main(args, prog_name="rally", standalone_mode=False)
+    except ConfigError as exc:
+        console.plain_error(str(exc))
+        sys.exit(2)
+    except click.UsageError as exc:
+        hint = ""
+        if isinstance(exc, click.NoSuchOption) and exc.possibilities:
+            hint = f"; did you mean {exc.possibilities[0]}?"
+        console.plain_error(f"{exc.format_message()}{hint}")
+        sys.exit(2)
+    except click.ClickException as exc:
+        console.plain_error(exc.format_message())
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

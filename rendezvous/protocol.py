@@ -1,0 +1,393 @@
+"""The rendezvous: how agents form a job, one numbered round at a time, through a c10d store.
+
+Every round has its own key prefix `<round>/`, so nothing from an earlier round can leak
+into a later one. A round goes through three states:
+
+    forming  --close-->  running  --end-->  ended      (the next round is `round + 1`)
+
+Forming (O(1) store calls per node):
+    idx = add(<r>/joined, 1) - 1            arrival order; idx >= MAX is late
+    multi_set(<r>/node/<idx>, <r>/arrival/<idx>)
+    wait on <r>/arrival/<count>             a doorbell rung by the next arrival (or the closer)
+  A round closes when MAX nodes joined, or at least MIN joined and every node expected back
+  from the previous round is in, or MIN joined and `last_call_timeout` passed. The first node
+  to win `compare_set(<r>/closer)` reads the descriptors once, assigns group ranks (a node
+  keeps its rank across rounds when it can) and writes one small assignment key per node.
+  A node only reads its own assignment: joining costs each node a constant number of calls.
+
+Running: every member bumps its keep-alive counter `<r>/alive/<group_rank>` and watches the
+  next member's counter (a ring), so a dead node is noticed by exactly one watcher within the
+  keep-alive timeout, without any node reading all the others.
+
+Ending: the first `compare_set(<r>/end)` wins, so the first failure is the one every node
+  reports. Whoever wins also advances the `current` round counter for late joiners. The
+  restart count of round r+1 is derived from round r's record and end reason, so it is the
+  same on every node and can never drift apart (torchrun counts per agent).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from rendezvous.store import Store, StoreTimeout
+
+# Round-end kinds. Failures spend the restart budget; membership changes do not.
+FAILURE_KINDS = frozenset({"worker_failed", "worker_hung"})
+MEMBERSHIP_KINDS = frozenset({"node_lost", "node_left", "node_joined"})
+FINAL_KINDS = frozenset({"succeeded", "aborted"})
+
+# How long a closer waits for a node that counted itself in but has not written its descriptor.
+DESCRIPTOR_GRACE_SECONDS = 10.0
+# Long waits are cut into slices this long so a closed job or a stop request is noticed.
+WAIT_SLICE_SECONDS = 30.0
+
+
+class RendezvousError(Exception):
+    """The job cannot be formed; the message says why and what to do."""
+
+
+class JobClosed(RendezvousError):
+    """The job has already ended (succeeded or failed) when this node arrived or waited."""
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Membership and timing of the rendezvous (torchrun's `--nnodes` and `--rdzv-conf`)."""
+
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    keep_alive_interval: float = 1.0
+    keep_alive_timeout: float = 5.0
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a node tells the round about itself."""
+
+    node_id: str
+    host: str
+    addr: str
+    nproc: int
+    prev_rank: int | None = None
+    preferred_rank: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> "NodeInfo":
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One node's place in a formed round: all it needs to start its workers."""
+
+    round: int
+    group_rank: int
+    group_world_size: int
+    rank_offset: int
+    world_size: int
+    restart_count: int
+    membership_changes: int
+    watch_rank: int | None
+    watch_host: str
+    master_host: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> "Assignment":
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """Why a round ended. `kind` decides what happens next; `detail` is for people."""
+
+    kind: str
+    detail: str
+    node: str = ""
+    info: dict = field(default_factory=dict)
+
+    @property
+    def is_failure(self) -> bool:
+        return self.kind in FAILURE_KINDS
+
+    @property
+    def is_membership_change(self) -> bool:
+        return self.kind in MEMBERSHIP_KINDS
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> "RoundEnd":
+        return cls(**json.loads(text))
+
+
+def assign_group_ranks(nodes: list[NodeInfo]) -> list[int]:
+    """Contiguous, deterministic group ranks 0..n-1 for `nodes` (in arrival order).
+
+    A node keeps its previous rank when it is still in range and unclaimed; then a preferred
+    rank (static `--node-rank`, SLURM_NODEID) is honoured; the rest fill the free ranks in
+    order of (host, node id), so the same set of nodes always gets the same ranks.
+    """
+    n = len(nodes)
+    ranks: list[int | None] = [None] * n
+    free = set(range(n))
+    for attribute in ("prev_rank", "preferred_rank"):
+        for i, node in enumerate(nodes):
+            wanted = getattr(node, attribute)
+            if ranks[i] is None and wanted is not None and wanted in free:
+                ranks[i] = wanted
+                free.discard(wanted)
+    unplaced = sorted((i for i in range(n) if ranks[i] is None), key=lambda i: (nodes[i].host, nodes[i].node_id))
+    for i, rank in zip(unplaced, sorted(free)):
+        ranks[i] = rank
+    return [int(rank) for rank in ranks]  # type: ignore[arg-type] - every slot is filled above
+
+
+class Rendezvous:
+    """One node's view of the job's rendezvous. Not thread-safe: give each thread its own."""
+
+    def __init__(self, store: Store, settings: RendezvousSettings, me: NodeInfo):
+        self.store = store
+        self.settings = settings
+        self.me = me
+        self.last_round: int | None = None
+        self.last_rank: int | None = None
+
+    # ----------------------------------------------------------------- job state
+    def job_closed(self) -> RoundEnd | None:
+        if not self.store.check("job/closed"):
+            return None
+        return RoundEnd.from_json(self.store.get("job/closed"))
+
+    def close_job(self, end: RoundEnd) -> RoundEnd:
+        """Mark the whole job finished so late joiners and spares stop waiting; first reason wins."""
+        _, standing = self.store.set_once("job/closed", end.to_json())
+        return RoundEnd.from_json(standing)
+
+    def _raise_if_closed(self) -> None:
+        closed = self.job_closed()
+        if closed is not None:
+            raise JobClosed(f"job already ended ({closed.kind}): {closed.detail}")
+
+    # ----------------------------------------------------------------- forming
+    def next_round(self) -> Assignment:
+        """Join the next round and block until it forms; return this node's assignment."""
+        deadline = time.monotonic() + self.settings.join_timeout
+        r = self.store.counter("current") if self.last_round is None else self.last_round + 1
+        while True:
+            self._raise_if_closed()
+            assignment = self._join(r, deadline)
+            if assignment is not None:
+                self.last_round = r
+                self.last_rank = assignment.group_rank
+                return assignment
+            self._wait_as_spare(r)
+            r += 1
+            deadline = time.monotonic() + self.settings.join_timeout
+
+    def _join(self, r: int, deadline: float) -> Assignment | None:
+        s = self.settings
+        idx = self.store.add(f"{r}/joined", 1) - 1
+        if idx >= s.max_nodes:
+            return None
+        me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank})
+        self.store.multi_set({f"{r}/node/{idx}": me.to_json(), f"{r}/arrival/{idx}": "1"})
+        quorum_seen_at: float | None = None
+        while not self.store.check(f"{r}/closed"):
+            count = self.store.counter(f"{r}/joined")
+            now = time.monotonic()
+            if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(r)):
+                self._try_close(r)
+                continue
+            if count >= s.min_nodes:
+                quorum_seen_at = quorum_seen_at or now
+                remaining = quorum_seen_at + s.last_call_timeout - now
+                if remaining <= 0:
+                    self._try_close(r)
+                    continue
+            else:
+                remaining = deadline - now
+                if remaining <= 0:
+                    raise RendezvousError(
+                        f"rendezvous timed out after {s.join_timeout:g} s at {self.store.describe}: "
+                        f"{count} of at least {s.min_nodes} nodes joined; start the missing nodes "
+                        "or raise join_timeout (--rdzv-conf join_timeout=SECONDS)"
+                    )
+            self.store.try_wait([f"{r}/arrival/{count}"], min(remaining, WAIT_SLICE_SECONDS))
+        mine = f"{r}/assign/{idx}"
+        if not self.store.check(mine):
+            return None
+        return Assignment.from_json(self.store.get(mine))
+
+    def _expected(self, r: int) -> int:
+        """How many nodes round r can expect: the last round's members, less the lost, plus joiners."""
+        if r == 0 or not self.store.check(f"{r - 1}/closed"):
+            return self.settings.max_nodes
+        previous = json.loads(self.store.get(f"{r - 1}/closed"))
+        lost = self.store.counter(f"{r - 1}/lost")
+        waiting = self.store.counter(f"{r - 1}/waiting")
+        return max(1, min(self.settings.max_nodes, previous["members"] - lost + waiting))
+
+    def _try_close(self, r: int) -> None:
+        won, _ = self.store.set_once(f"{r}/closer", self.me.node_id)
+        if not won:
+            # Someone else is closing; their `closed` key ends our loop. Wait for it briefly.
+            self.store.try_wait([f"{r}/closed"], DESCRIPTOR_GRACE_SECONDS + 5)
+            return
+        count = min(self.store.counter(f"{r}/joined"), self.settings.max_nodes)
+        names = [f"{r}/node/{i}" for i in range(count)]
+        if not self.store.try_wait(names, DESCRIPTOR_GRACE_SECONDS):
+            names = [n for n in names if self.store.check(n)]  # a node died between add and set
+        indices = [int(n.rsplit("/", 1)[1]) for n in names]
+        nodes = [NodeInfo.from_json(raw) for raw in self.store.multi_get(names)] if names else []
+        ranks = assign_group_ranks(nodes)
+        restart_count, membership_changes = self._counts_entering(r)
+        by_rank = sorted(range(len(nodes)), key=lambda i: ranks[i])
+        offsets, total = {}, 0
+        for i in by_rank:
+            offsets[i] = total
+            total += nodes[i].nproc
+        master_host = nodes[by_rank[0]].addr if nodes else ""
+        n = len(nodes)
+        assignments = {}
+        for i, idx in enumerate(indices):
+            watch = (ranks[i] + 1) % n if n > 1 else None
+            watch_host = nodes[by_rank[watch]].host if watch is not None else ""
+            assignments[f"{r}/assign/{idx}"] = Assignment(
+                round=r,
+                group_rank=ranks[i],
+                group_world_size=n,
+                rank_offset=offsets[i],
+                world_size=total,
+                restart_count=restart_count,
+                membership_changes=membership_changes,
+                watch_rank=watch,
+                watch_host=watch_host,
+                master_host=master_host,
+            ).to_json()
+        if assignments:
+            self.store.multi_set(assignments)
+        record = {"members": n, "restart_count": restart_count, "membership_changes": membership_changes}
+        self.store.set(f"{r}/closed", json.dumps(record))
+        self.store.set(f"{r}/arrival/{self.store.counter(f'{r}/joined')}", "closed")
+
+    def _counts_entering(self, r: int) -> tuple[int, int]:
+        """(restart count, membership changes) for round r, from round r-1's record and end."""
+        if r == 0 or not self.store.check(f"{r - 1}/closed"):
+            return 0, 0
+        previous = json.loads(self.store.get(f"{r - 1}/closed"))
+        restarts, changes = previous["restart_count"], previous["membership_changes"]
+        if self.store.check(f"{r - 1}/end"):
+            end = RoundEnd.from_json(self.store.get(f"{r - 1}/end"))
+            restarts += end.is_failure
+            changes += end.is_membership_change
+        return restarts, changes
+
+    def _wait_as_spare(self, r: int) -> None:
+        """Late for round r: register as waiting, ask a running job below MAX to re-form, wait."""
+        self.store.add(f"{r}/waiting", 1)
+        while not self.store.try_wait([f"{r}/closed"], WAIT_SLICE_SECONDS):
+            self._raise_if_closed()
+        members = json.loads(self.store.get(f"{r}/closed"))["members"]
+        if members < self.settings.max_nodes:
+            self.end_round(r, RoundEnd("node_joined", f"{self.me.host} joined the job", self.me.host))
+        self.wait_round_end(r)
+
+    # ----------------------------------------------------------------- running
+    def publish_master(self, r: int, host: str, port: int) -> None:
+        self.store.set(f"{r}/master", f"{host}:{port}")
+
+    def wait_master(self, r: int, timeout: float) -> tuple[str, int] | RoundEnd:
+        """The workers' store address for round r, or the round's end if it ended first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.store.try_wait([f"{r}/master"], min(1.0, max(deadline - time.monotonic(), 0.01))):
+                host, port = self.store.get_str(f"{r}/master").rsplit(":", 1)
+                return host, int(port)
+            end = self.round_end(r)
+            if end is not None:
+                return end
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"node rank 0 did not publish the workers' store within {timeout:g} s"
+                )
+
+    def keep_alive(self, r: int, group_rank: int) -> None:
+        self.store.add(f"{r}/alive/{group_rank}", 1)
+
+    def alive_count(self, r: int, group_rank: int) -> int:
+        return self.store.counter(f"{r}/alive/{group_rank}")
+
+    def declare_lost(self, r: int, group_rank: int, host: str, silent_for: float) -> RoundEnd:
+        """Report a member whose keep-alives stopped; only the first declaration counts."""
+        won, _ = self.store.set_once(f"{r}/lost/{group_rank}", self.me.node_id)
+        if won:
+            self.store.add(f"{r}/lost", 1)
+        return self.end_round(
+            r,
+            RoundEnd(
+                "node_lost",
+                f"node {group_rank} ({host}) sent no keep-alive for {silent_for:.1f} s",
+                host,
+                {"group_rank": group_rank},
+            ),
+        )
+
+    def leave(self, r: int, end: RoundEnd) -> RoundEnd:
+        """This node is going away for good (a signal): let the others re-form without it."""
+        self.store.add(f"{r}/lost", 1)
+        return self.end_round(r, end)
+
+    def report_success(self, r: int, members: int) -> RoundEnd | None:
+        """This node's workers all succeeded; the last node to report ends the round."""
+        if self.store.add(f"{r}/succeeded", 1) >= members:
+            return self.end_round(r, RoundEnd("succeeded", "all workers finished successfully"))
+        return None
+
+    def end_round(self, r: int, end: RoundEnd) -> RoundEnd:
+        """End round r with `end` unless it already ended; return the reason that stands."""
+        won, standing = self.store.set_once(f"{r}/end", end.to_json())
+        if won:
+            self.store.add("current", 1)
+        return RoundEnd.from_json(standing)
+
+    def round_end(self, r: int) -> RoundEnd | None:
+        if not self.store.check(f"{r}/end"):
+            return None
+        return RoundEnd.from_json(self.store.get(f"{r}/end"))
+
+    def wait_round_end(self, r: int, slice_seconds: float = WAIT_SLICE_SECONDS) -> RoundEnd:
+        """Block until round r ends (event-driven: a store wait on its end key)."""
+        while not self.store.try_wait([f"{r}/end"], slice_seconds):
+            pass
+        return RoundEnd.from_json(self.store.get(f"{r}/end"))
+
+    def acknowledge_end(self, r: int, members: int) -> None:
+        if self.store.add(f"{r}/acked", 1) >= members:
+            self.store.set(f"{r}/all_acked", "1")
+
+    def wait_all_acknowledged(self, r: int, timeout: float) -> bool:
+        """The store's host waits here before exiting, so no agent loses the store mid-read."""
+        return self.store.try_wait([f"{r}/all_acked"], timeout)
+
+
+__all__ = [
+    "Assignment",
+    "JobClosed",
+    "NodeInfo",
+    "Rendezvous",
+    "RendezvousError",
+    "RendezvousSettings",
+    "RoundEnd",
+    "StoreTimeout",
+    "assign_group_ranks",
+]
