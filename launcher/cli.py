@@ -15,6 +15,7 @@ import sys
 from typing import Any, Callable
 
 import click
+from click.core import ParameterSource
 
 from launcher import __version__, console
 from launcher.config import ConfigError, build_launch, load_config_file
@@ -50,6 +51,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("run-path", dict(is_flag=True, help="Run SCRIPT with runpy.run_path."), "Entry point"),
     ("no-prefix", dict(is_flag=True, help="Do not prefix worker output lines with their rank."), "rally extras"),
     ("checkpoint-dir", dict(default=None, help="Where workers save checkpoints (RALLY_CHECKPOINT_DIR)."), "rally extras"),
+    ("no-slurm", dict(is_flag=True, help="Ignore the SLURM environment even inside a SLURM job."), "rally extras"),
 ]
 SHORT_NAMES = {"module": "-m", "redirects": "-r", "tee": "-t"}
 CONFIG_KEYS = [name.replace("-", "_") for name, _, _ in OPTIONS]
@@ -126,10 +128,52 @@ def run_command(ctx: click.Context, config: str | None, script: str | None, scri
     if script is None:
         script = file_values.get("script")
         script_args = tuple(file_values.get("args", ()))
+    _apply_slurm(ctx, options)
     launch = build_launch(options, script, list(script_args))
     for note in launch.notes:
         console.say(note)
     return _run_agent(launch)
+
+
+def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
+    """Inside a SLURM job, fill in what the user did not set from SLURM's environment.
+
+    Only options still at their defaults are taken (a flag, a PET_/RALLY_ variable or the
+    config file always wins), and one line says what was taken.
+    """
+    if options["no_slurm"]:
+        return
+    from launcher.slurm import SlurmJob
+
+    try:
+        job = SlurmJob.from_env(os.environ)
+    except ValueError as exc:
+        raise ConfigError(f"cannot read the SLURM environment: {exc} (use --no-slurm to ignore it)") from None
+    if job is None:
+        return
+
+    def unset(name: str) -> bool:
+        return ctx.get_parameter_source(name) == ParameterSource.DEFAULT
+
+    taken = []
+    options["_preferred_rank"] = job.node_rank
+    if unset("nnodes"):
+        options["nnodes"] = str(job.nnodes)
+        taken += ["nnodes", "node_rank"]
+    rendezvous_set = not all(unset(n) for n in ("rdzv_backend", "rdzv_endpoint", "master_addr", "master_port"))
+    if not options["standalone"] and not rendezvous_set:
+        options["rdzv_backend"] = "c10d"
+        options["rdzv_endpoint"] = f"{job.store_host}:{job.store_port}"
+        taken.append("rdzv_endpoint")
+    if unset("rdzv_id"):
+        options["rdzv_id"] = job.run_id
+        taken.append("rdzv_id")
+    if unset("nproc_per_node"):
+        options["nproc_per_node"] = "auto"
+    if str(options["nproc_per_node"]).lower() == "auto":
+        options["nproc_per_node"] = str(job.nproc_auto())
+        taken.append("nproc_per_node")
+    console.say(job.describe(taken))
 
 
 def _run_agent(launch) -> int:  # noqa: ANN001 - launcher.config.Launch

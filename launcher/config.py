@@ -90,18 +90,18 @@ def visible_gpu_count() -> int:
         return 0
 
 
-def parse_nproc(text: str, cpu_fallback: int | None = None) -> int:
+def parse_nproc(text: str) -> int:
     """int, `cpu`, `gpu` (error without GPUs), or `auto` (GPUs if any, else CPUs)."""
     value = str(text).strip().lower()
     if value == "cpu":
-        return cpu_fallback or os.cpu_count() or 1
+        return os.cpu_count() or 1
     if value == "gpu":
         count = visible_gpu_count()
         if count == 0:
             raise ConfigError("--nproc-per-node gpu: no GPU is visible on this node; use a number, 'cpu' or 'auto'")
         return count
     if value == "auto":
-        return visible_gpu_count() or cpu_fallback or os.cpu_count() or 1
+        return visible_gpu_count() or os.cpu_count() or 1
     try:
         number = int(value)
     except ValueError:
@@ -258,7 +258,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         raise ConfigError(f"training script '{script}' does not exist (working directory: {os.getcwd()})")
 
     min_nodes, max_nodes = parse_nnodes(o["nnodes"])
-    nproc = parse_nproc(o["nproc_per_node"], o.get("_cpu_fallback"))
+    nproc = parse_nproc(o["nproc_per_node"])
     max_restarts = int(o["max_restarts"])
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts}: cannot be negative")
