@@ -151,7 +151,7 @@ class Agent:
         self.store, self.store_server = self._blocking(self._open_store)
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
-        rdzv = Rendezvous(self.store, self.plan.settings, self.node)
+        rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say)
         watcher = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
         keeper = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
         while True:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 from dataclasses import asdict, dataclass, field
 from rendezvous.store import Store, StoreTimeout
 
@@ -155,8 +156,15 @@ def assign_group_ranks(nodes: list[NodeInfo]) -> list[int]:
 class Rendezvous:
     """One node's view of the job's rendezvous. Not thread-safe: give each thread its own."""
 
-    def __init__(self, store: Store, settings: RendezvousSettings, me: NodeInfo):
+    def __init__(
+        self,
+        store: Store,
+        settings: RendezvousSettings,
+        me: NodeInfo,
+        on_status: Callable[[str], None] = lambda _message: None,
+    ):
         self.store = store
+        self.on_status = on_status
         self.settings = settings
         self.me = me
         self.last_round: int | None = None
@@ -299,7 +307,13 @@ class Rendezvous:
             self._raise_if_closed()
         members = json.loads(self.store.get(f"{r}/closed"))["members"]
         if members < self.settings.max_nodes:
+            self.on_status(f"round {r} is running with {members} nodes; asking it to re-form with this node")
             self.end_round(r, RoundEnd("node_joined", f"{self.me.host} joined the job", self.me.host))
+        else:
+            self.on_status(
+                f"the job is full ({members} of at most {self.settings.max_nodes} nodes); "
+                "waiting as a spare until a node leaves"
+            )
         self.wait_round_end(r)
 
     # ----------------------------------------------------------------- running
