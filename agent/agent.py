@@ -388,6 +388,7 @@ class Agent:
         if running:
             tree = processes.snapshot_descendants([w.process for w in running])
             for worker in running:
+                worker.stopped = True
                 processes.send_to_group(worker.pid, signum)
             deadline = time.monotonic() + self.spec.shutdown_timeout
             while group.running() and time.monotonic() < deadline:

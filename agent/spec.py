@@ -5,9 +5,14 @@ from __future__ import annotations
 import signal
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 STDOUT = 1
 STDERR = 2
+# The signal on which every Python worker dumps all its threads' stacks (see agent/bootstrap.py).
+# A real-time signal, so it never collides with a signal the training script uses.
+STACK_SIGNAL = signal.SIGRTMIN + 2
+BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 
 
 @dataclass(frozen=True)
@@ -38,19 +43,16 @@ class JobSpec:
     python_exec: str = sys.executable
     cwd: str | None = None
 
+    @property
+    def is_python(self) -> bool:
+        return not self.no_python
+
     def command(self) -> list[str]:
-        """The worker's argv, as torchrun builds it."""
+        """The worker's argv: torchrun's `python -u script args`, through rally's bootstrap."""
         if self.no_python:
             return [self.entrypoint, *self.args]
-        if self.module:
-            return [self.python_exec, "-u", "-m", self.entrypoint, *self.args]
-        if self.run_path:
-            runner = (
-                "import runpy, sys; sys.argv = sys.argv[1:]; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')"
-            )
-            return [self.python_exec, "-u", "-c", runner, self.entrypoint, *self.args]
-        return [self.python_exec, "-u", self.entrypoint, *self.args]
+        mode = "module" if self.module else "path" if self.run_path else "script"
+        return [self.python_exec, "-u", BOOTSTRAP, mode, self.entrypoint, *self.args]
 
     def shows_on_console(self, local_rank: int) -> bool:
         return self.local_ranks_filter is None or local_rank in self.local_ranks_filter

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from agent.output import OutputStream, WorkerOutput
 from agent.processes import ChildProcess, describe_exit, spawn
-from agent.spec import STDERR, STDOUT, JobSpec
+from agent.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec
 from rendezvous.protocol import Assignment
 
 
@@ -32,6 +32,7 @@ class Worker:
     process: ChildProcess
     output: WorkerOutput
     error_file: str
+    stopped: bool = False  # the agent stopped it (another worker failed, a signal, the end)
 
     @property
     def pid(self) -> int:
@@ -49,7 +50,9 @@ class Worker:
         code = self.returncode
         if code is None:
             return "running"
-        return "succeeded" if code == 0 else "failed"
+        if code == 0:
+            return "succeeded"
+        return "stopped" if self.stopped else "failed"
 
     def describe_exit(self) -> str:
         return "running" if self.returncode is None else describe_exit(self.returncode)
@@ -92,6 +95,8 @@ def worker_env(
     )
     if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base_env:
         env["OMP_NUM_THREADS"] = "1"
+    if spec.is_python:
+        env["RALLY_STACK_SIGNAL"] = str(int(STACK_SIGNAL))
     if spec.checkpoint_dir:
         env["RALLY_CHECKPOINT_DIR"] = spec.checkpoint_dir
     return env
