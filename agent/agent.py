@@ -43,6 +43,8 @@ from rendezvous.store import Store, StoreEndpoint, StoreError, StoreUnavailable,
 
 EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1
+# The job was preempted (or hit its time limit) and stopped on purpose: retry later. EX_TEMPFAIL.
+EXIT_PREEMPTED = 75
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
 
@@ -98,8 +100,16 @@ class _Inbox:
 class Agent:
     """Runs this node's share of one job until it succeeds, fails for good, or is stopped."""
 
-    def __init__(self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str]):
+    def __init__(
+        self,
+        spec: JobSpec,
+        plan: RendezvousPlan,
+        base_env: dict[str, str],
+        requeue: Callable[[], str] | None = None,
+    ):
+        """`requeue`, when given, asks the scheduler to requeue this job and returns a message."""
         self.spec = spec
+        self.requeue = requeue
         self.plan = plan
         self.base_env = base_env
         self.host = socket.gethostname()
@@ -213,6 +223,8 @@ class Agent:
         while True:
             self._pump(None)
             for signum in self._take_signals():
+                if signum in self.spec.preemption_signals:
+                    return self._preempt(rdzv, a, signum)
                 self._leave_on_signal(rdzv, a, signum)
             for kind, value in self._take_events():
                 if kind == "round_end" and value[0] == a.round:
@@ -258,6 +270,12 @@ class Agent:
                 return int(end.info.get("exit_status", 1)) or 1
             console.say(f"restarting all workers (restart {a.restart_count + 1} of {self.spec.max_restarts})")
             return None
+        if end.kind == "preempted":
+            self.report.outcome = "preempted"
+            self._store_call(lambda: rdzv.close_job(end))
+            console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")
+            self._exit_barrier(rdzv, a)
+            return EXIT_PREEMPTED
         if end.kind == "aborted":
             console.error(f"job ended: {end.detail}")
             return int(end.info.get("exit_status", 1)) or 1
@@ -313,7 +331,11 @@ class Agent:
         while not done.is_set():
             self._pump(None)
             for signum in self._take_signals():
-                raise AgentExit(128 + signum, f"stopped by {processes.signal_name(signum)} while waiting for the rendezvous")
+                name = processes.signal_name(signum)
+                if signum in self.spec.preemption_signals:
+                    self._requeue_once(None, None)
+                    raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for the rendezvous")
+                raise AgentExit(128 + signum, f"stopped by {name} while waiting for the rendezvous")
             events = [e for e in self._take_events() if e[0] != "wake"]
             self.pending_events.extend(events)
         if "error" in box:
@@ -365,8 +387,48 @@ class Agent:
 
     def _install_signal_handlers(self) -> None:
         signal.set_wakeup_fd(self.signal_w, warn_on_full_buffer=False)
-        for signum in self.spec.signals_to_handle:
+        for signum in {*self.spec.signals_to_handle, *self.spec.preemption_signals}:
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the number
+
+    def _preempt(self, rdzv: Rendezvous, a: Assignment, signum: int) -> RoundEnd:
+        """The scheduler warned that the job will be killed: let workers checkpoint, then stop.
+
+        The signal is forwarded to every worker (rally's bootstrap turns it into
+        `agent.job.preempted()` instead of a kill), the workers get up to
+        `--preemption-grace` seconds to save and exit, node 0 requeues the job when asked to,
+        and the round ends as "preempted" so every node stops with EXIT_PREEMPTED.
+        """
+        name = processes.signal_name(signum)
+        group = self.group
+        grace = self.spec.preemption_grace
+        console.say(f"received {name} (preemption or time limit): forwarding it to the workers; up to {grace:g} s to checkpoint")
+        for worker in group.running() if group else []:
+            processes.send_to_group(worker.pid, signum)
+        deadline = time.monotonic() + grace
+        while group and group.running() and time.monotonic() < deadline:
+            self._pump(max(0.0, deadline - time.monotonic()))
+            if any(s not in self.spec.preemption_signals for s in self._take_signals()):
+                break
+        self._requeue_once(rdzv, a)
+        end = RoundEnd("preempted", f"{self.host} received {name}", self.host, {"exit_status": EXIT_PREEMPTED})
+        return self._store_call(lambda: rdzv.end_round(a.round, end))
+
+    def _requeue_once(self, rdzv: Rendezvous | None, a: Assignment | None) -> None:
+        """Node 0 asks the scheduler to requeue the job, once per job, when --requeue is on."""
+        if not self.spec.requeue or self.requeue is None:
+            return
+        if a is not None and a.group_rank != 0:
+            return
+        if a is None and self.plan.preferred_rank not in (0, None):
+            return
+        if rdzv is not None and a is not None:
+            won, _ = self._store_call(lambda: rdzv.store.set_once("job/requeued", self.node.node_id))
+            if not won:
+                return
+        try:
+            console.say(self.requeue())
+        except Exception as exc:  # noqa: BLE001 - a failed requeue is reported, not fatal
+            console.error(f"could not requeue the job: {exc}")
 
     def _leave_on_signal(self, rdzv: Rendezvous, a: Assignment, signum: int) -> None:
         name = processes.signal_name(signum)

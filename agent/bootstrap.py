@@ -36,9 +36,9 @@ def install_preemption_handler() -> None:
     if not names:
         return
     signums = [int(signal.Signals[n.strip()]) for n in names.split(",") if n.strip()]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if repo not in sys.path:
-        sys.path.append(repo)
+    # sys.path[0] is this file's directory (agent/) until run() replaces it; point it at the
+    # directory that holds the `agent` package instead, or agent/agent.py would shadow it.
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     from agent import job
 
     job.install_preemption_handler(signums)

@@ -39,6 +39,9 @@ class JobSpec:
     prefix_output: bool = True
     shutdown_timeout: float = 30.0
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    preemption_signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)
+    preemption_grace: float = 60.0
+    requeue: bool = False
     checkpoint_dir: str | None = None
     python_exec: str = sys.executable
     cwd: str | None = None

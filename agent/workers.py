@@ -10,6 +10,7 @@ leaves; using the round keeps a membership change from overwriting an earlier at
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -97,6 +98,8 @@ def worker_env(
         env["OMP_NUM_THREADS"] = "1"
     if spec.is_python:
         env["RALLY_STACK_SIGNAL"] = str(int(STACK_SIGNAL))
+        if spec.preemption_signals:
+            env["RALLY_PREEMPT_SIGNALS"] = ",".join(signal.Signals(s).name for s in spec.preemption_signals)
     if spec.checkpoint_dir:
         env["RALLY_CHECKPOINT_DIR"] = spec.checkpoint_dir
     return env

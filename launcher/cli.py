@@ -51,6 +51,9 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("run-path", dict(is_flag=True, help="Run SCRIPT with runpy.run_path."), "Entry point"),
     ("no-prefix", dict(is_flag=True, help="Do not prefix worker output lines with their rank."), "rally extras"),
     ("checkpoint-dir", dict(default=None, help="Where workers save checkpoints (RALLY_CHECKPOINT_DIR)."), "rally extras"),
+    ("preemption-signals", dict(default="SIGUSR1,SIGUSR2", help="Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint."), "rally extras"),
+    ("preemption-grace", dict(type=float, default=60.0, help="Seconds workers get to checkpoint after a preemption signal."), "rally extras"),
+    ("requeue", dict(is_flag=True, help="On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."), "rally extras"),
     ("no-slurm", dict(is_flag=True, help="Ignore the SLURM environment even inside a SLURM job."), "rally extras"),
 ]
 SHORT_NAMES = {"module": "-m", "redirects": "-r", "tee": "-t"}
@@ -132,7 +135,20 @@ def run_command(ctx: click.Context, config: str | None, script: str | None, scri
     launch = build_launch(options, script, list(script_args))
     for note in launch.notes:
         console.say(note)
-    return _run_agent(launch)
+    return _run_agent(launch, _slurm_requeue if options["requeue"] else None)
+
+
+def _slurm_requeue() -> str:
+    """Requeue this SLURM job (called by node 0's agent on a preemption signal)."""
+    import subprocess
+
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        raise RuntimeError("--requeue: not inside a SLURM job (SLURM_JOB_ID is unset)")
+    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"scontrol requeue {job_id} failed: {done.stderr.strip() or done.returncode}")
+    return f"requeued SLURM job {job_id}; it will resume from the latest checkpoint"
 
 
 def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
@@ -176,14 +192,14 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
     console.say(job.describe(taken))
 
 
-def _run_agent(launch) -> int:  # noqa: ANN001 - launcher.config.Launch
+def _run_agent(launch, requeue: Callable[[], str] | None = None) -> int:  # noqa: ANN001 - launcher.config.Launch
     from rendezvous.store import quiet_torch_logs
 
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own
     quiet_torch_logs()
     from agent.agent import Agent
 
-    return Agent(launch.spec, launch.plan, base_env).run()
+    return Agent(launch.spec, launch.plan, base_env, requeue).run()
 
 
 def main(argv: list[str] | None = None) -> None:

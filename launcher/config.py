@@ -186,7 +186,14 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
     return ranks
 
 
-def parse_signals(text: str) -> tuple[int, ...]:
+def _non_negative(value: Any, flag: str) -> float:
+    number = float(value)
+    if number < 0:
+        raise ConfigError(f"{flag} {value}: cannot be negative")
+    return number
+
+
+def parse_signals(text: str, flag: str) -> tuple[int, ...]:
     out = []
     for name in str(text).split(","):
         name = name.strip().upper()
@@ -196,7 +203,7 @@ def parse_signals(text: str) -> tuple[int, ...]:
         try:
             out.append(int(signal.Signals[full]))
         except KeyError:
-            raise ConfigError(f"--signals-to-handle: unknown signal '{name}'{suggest(full, signal.Signals.__members__)}") from None
+            raise ConfigError(f"{flag}: unknown signal '{name}'{suggest(full, signal.Signals.__members__)}") from None
     return tuple(out)
 
 
@@ -342,7 +349,10 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         local_ranks_filter=parse_ranks_filter(o["local_ranks_filter"]),
         prefix_output=not o["no_prefix"],
         shutdown_timeout=float(shutdown_timeout),
-        signals_to_handle=parse_signals(o["signals_to_handle"]),
+        signals_to_handle=parse_signals(o["signals_to_handle"], "--signals-to-handle"),
+        preemption_signals=parse_signals(o["preemption_signals"], "--preemption-signals"),
+        preemption_grace=_non_negative(o["preemption_grace"], "--preemption-grace"),
+        requeue=bool(o["requeue"]),
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
     )

@@ -36,7 +36,7 @@ from rendezvous.store import Store, StoreTimeout
 # Round-end kinds. Failures spend the restart budget; membership changes do not.
 FAILURE_KINDS = frozenset({"worker_failed", "worker_hung"})
 MEMBERSHIP_KINDS = frozenset({"node_lost", "node_left", "node_joined"})
-FINAL_KINDS = frozenset({"succeeded", "aborted"})
+FINAL_KINDS = frozenset({"succeeded", "aborted", "preempted"})
 
 # How long a closer waits for a node that counted itself in but has not written its descriptor.
 DESCRIPTOR_GRACE_SECONDS = 10.0
