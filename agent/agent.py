@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent import processes
-from agent.report import JobReport, explain, failure_end
-from agent.spec import JobSpec
+from agent.events import EventLog
+from agent.health import Hang, HealthMonitor, HealthSettings
+from agent.report import JobReport, explain, failure_end, failure_info
+from agent.spec import STACK_SIGNAL, JobSpec
 from agent.workers import LogLayout, WorkerGroup
 from launcher import console
 from rendezvous.protocol import (
@@ -136,6 +138,14 @@ class Agent:
         self.guard: Any = None
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
+        self.events = EventLog(self.logs.run_dir / "events.jsonl")
+        self.health_settings = HealthSettings(
+            heartbeat_timeout=spec.heartbeat_timeout,
+            silence_timeout=spec.silence_timeout,
+            resource_interval=spec.resource_interval,
+        )
+        self.health = HealthMonitor(self.health_settings)
+        self.kill_causes: dict[int, str] = {}
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -155,6 +165,8 @@ class Agent:
         if self.report.outcome == "running":
             self.report.outcome = "succeeded" if code == 0 else "failed"
         self.report.write()
+        self.events.emit("job_end", outcome=self.report.outcome, exit_code=code)
+        self.events.close()
         return code
 
     def _run(self) -> int:
@@ -189,6 +201,14 @@ class Agent:
     def _run_round(self, rdzv: Rendezvous, watcher: Rendezvous, keeper: Rendezvous, a: Assignment) -> RoundEnd:
         r = a.round
         self.report.begin(a)
+        self.events.emit(
+            "round_formed",
+            round=r,
+            group_rank=a.group_rank,
+            group_world_size=a.group_world_size,
+            world_size=a.world_size,
+            restart_count=a.restart_count,
+        )
         console.say(
             f"round {r}: node {a.group_rank} of {a.group_world_size}, ranks "
             f"{a.rank_offset}-{a.rank_offset + self.spec.nproc_per_node - 1} of {a.world_size}, "
@@ -214,14 +234,17 @@ class Agent:
     def _watch_workers(self, rdzv: Rendezvous, a: Assignment, master: tuple[str, int]) -> RoundEnd:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
         self.group = WorkerGroup.start(self.spec, self.base_env, a, master, self.logs, multi_node)
+        self.health = HealthMonitor(self.health_settings)
         for stream in self.group.streams:
             self.selector.register(stream.fd, selectors.EVENT_READ, ("stream", stream))
         for worker in self.group.workers:
             self.selector.register(worker.process.pidfd, selectors.EVENT_READ, ("exit", worker))
             self._guard_group(worker.pid)
+            self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
+            self.events.emit("worker_started", round=a.round, rank=worker.global_rank, local_rank=worker.local_rank, pid=worker.pid)
         reported_success = False
         while True:
-            self._pump(None)
+            self._pump(self.health.next_due(time.monotonic()))
             for signum in self._take_signals():
                 if signum in self.spec.preemption_signals:
                     return self._preempt(rdzv, a, signum)
@@ -231,16 +254,72 @@ class Agent:
                     return value[1]
                 if kind == "store_lost":
                     raise AgentExit(EXIT_INFRASTRUCTURE, self._store_lost_message(value))
+            for worker in self.group.workers:
+                if worker.returncode is not None and worker.local_rank in self.health.watched:
+                    self._note_exit(a, worker)
             failed = [w for w in self.group.workers if w.returncode not in (None, 0)]
             if failed:
                 first = min(failed, key=lambda w: w.process.ended_at or 0)
-                return self._end_round(rdzv, a.round, failure_end(first, a))
+                return self._end_round(rdzv, a.round, failure_end(first, a, self.kill_causes.get(first.local_rank)))
+            hangs = self.health.check({w.local_rank: w.output.last_output_at() for w in self.group.running()})
+            if hangs:
+                return self._end_round(rdzv, a.round, self._hung_end(a, hangs[0]))
             if not reported_success and self.group.all_succeeded():
                 reported_success = True
                 if a.group_world_size > 1:
-                    console.say(    f"all {len(self.group.workers)} workers on this node finished; waiting for the other nodes"
-                    )
+                    console.say(f"all {len(self.group.workers)} workers on this node finished; waiting for the other nodes")
                 self._store_call(lambda: rdzv.report_success(a.round, a.group_world_size))
+
+    def _note_exit(self, a: Assignment, worker) -> None:  # noqa: ANN001 - agent.workers.Worker
+        """Record a worker's exit once; explain a SIGKILL that nobody here sent."""
+        if worker.returncode == -signal.SIGKILL and not worker.stopped:
+            cause = self.health.explain_kill(worker.local_rank)
+            if cause:
+                self.kill_causes[worker.local_rank] = cause
+        self.health.forget(worker.local_rank)
+        self.events.emit(
+            "worker_exited",
+            round=a.round,
+            rank=worker.global_rank,
+            pid=worker.pid,
+            exit=worker.describe_exit(),
+            returncode=worker.returncode,
+            duration=round(worker.duration(), 3),
+            cause=self.kill_causes.get(worker.local_rank),
+        )
+
+    def _hung_end(self, a: Assignment, hang: Hang) -> RoundEnd:
+        """Collect the hung worker's Python stacks (before anyone kills it) and describe it."""
+        worker = next(w for w in self.group.workers if w.local_rank == hang.local_rank)
+        stacks = self._collect_stacks(worker)
+        self.events.emit("worker_hung", round=a.round, rank=worker.global_rank, pid=worker.pid, reason=hang.reason)
+        detail = f"rank {worker.global_rank} (local rank {worker.local_rank}, pid {worker.pid}) on {self.host} is hung: it {hang.reason}"
+        info = failure_info(worker, a)
+        info.update({"stacks": stacks, "hang": hang.reason, "exit_status": EXIT_INFRASTRUCTURE})
+        return RoundEnd("worker_hung", detail, self.host, info)
+
+    def _collect_stacks(self, worker) -> list[str]:  # noqa: ANN001 - agent.workers.Worker
+        """Ask the worker's faulthandler (installed by rally's bootstrap) for every thread's stack."""
+        if not self.spec.is_python:
+            return []
+        if self.health.is_stopped(worker.local_rank):
+            os.kill(worker.pid, signal.SIGCONT)  # a stopped process cannot run its dump handler
+        mark = worker.output.stderr_mark()
+        try:
+            os.kill(worker.pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            return []
+        deadline = time.monotonic() + self.health_settings.stack_dump_wait
+        quiet_since = time.monotonic()
+        seen = 0
+        while time.monotonic() < deadline:
+            self._pump(0.05)
+            lines = worker.output.stderr_since(mark)
+            if len(lines) != seen:
+                seen, quiet_since = len(lines), time.monotonic()
+            elif seen and time.monotonic() - quiet_since > 0.2:
+                break
+        return worker.output.stderr_since(mark)
 
     def _end_round(self, rdzv: Rendezvous, r: int, end: RoundEnd) -> RoundEnd:
         return self._store_call(lambda: rdzv.end_round(r, end))
@@ -250,6 +329,7 @@ class Agent:
         group = self.group
         self._stop_workers(signal.SIGTERM)
         self.report.finish_attempt(group, end)
+        self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail)
         self._store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))
         if end.kind == "succeeded":
             self._store_call(lambda: rdzv.close_job(end))
@@ -269,6 +349,7 @@ class Agent:
                 self._exit_barrier(rdzv, a)
                 return int(end.info.get("exit_status", 1)) or 1
             console.say(f"restarting all workers (restart {a.restart_count + 1} of {self.spec.max_restarts})")
+            self.events.emit("restart", round=a.round, restart_count=a.restart_count + 1, cause=end.detail)
             return None
         if end.kind == "preempted":
             self.report.outcome = "preempted"
@@ -280,6 +361,7 @@ class Agent:
             console.error(f"job ended: {end.detail}")
             return int(end.info.get("exit_status", 1)) or 1
         console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
+        self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
         return None
 
     def _exit_barrier(self, rdzv: Rendezvous, a: Assignment) -> None:

@@ -9,12 +9,32 @@ memory for the root-cause report, so a failure can be explained even without log
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-TAIL_LINES = 40
+TAIL_LINES = 400  # enough for the stack dumps of a hung worker with a few threads
 READ_CHUNK = 65536
+
+
+class LineTail:
+    """The last lines of a stream, plus a running count so a caller can ask "what came since"."""
+
+    def __init__(self, maxlen: int = TAIL_LINES):
+        self.lines: deque[bytes] = deque(maxlen=maxlen)
+        self.total = 0
+
+    def extend(self, lines: list[bytes]) -> None:
+        self.lines.extend(lines)
+        self.total += len(lines)
+
+    def since(self, mark: int) -> list[bytes]:
+        count = min(self.total - mark, len(self.lines))
+        return list(self.lines)[len(self.lines) - count :] if count > 0 else []
+
+    def last(self, count: int) -> list[bytes]:
+        return list(self.lines)[-count:]
 
 
 @dataclass
@@ -26,9 +46,10 @@ class OutputStream:
     prefix: bytes = b""
     whole_lines: bool = True  # False (--no-prefix): pass bytes through as they arrive
     file: BinaryIO | None = None  # --tee: an exact copy of everything
-    tail: deque[bytes] | None = None
+    tail: LineTail | None = None
     _partial: bytes = b""
     open: bool = True
+    last_read_at: float = 0.0  # monotonic time of the last bytes seen (silence detection)
 
     def on_readable(self) -> bool:
         """Move what is available; return False once the worker closed the pipe."""
@@ -39,6 +60,7 @@ class OutputStream:
         if not data:
             self.finish()
             return False
+        self.last_read_at = time.monotonic()
         if self.file is not None:
             self.file.write(data)
             self.file.flush()
@@ -89,13 +111,45 @@ class WorkerOutput:
     """The output streams of one worker and where its stderr can be read back."""
 
     streams: list[OutputStream] = field(default_factory=list)
-    stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    stderr_tail: LineTail = field(default_factory=LineTail)
     stderr_file: str | None = None  # set when stderr goes straight to a file (--redirects)
+    file_paths: list[str] = field(default_factory=list)  # streams written straight to files
 
     def last_stderr_lines(self, count: int = 20) -> list[str]:
         if self.stderr_file:
             return _tail_of_file(self.stderr_file, count)
-        return [line.decode(errors="replace").rstrip("\n") for line in list(self.stderr_tail)[-count:]]
+        return [line.decode(errors="replace").rstrip("\n") for line in self.stderr_tail.last(count)]
+
+    def stderr_mark(self) -> int:
+        """A position in stderr; `stderr_since(mark)` returns what the worker wrote after it."""
+        if self.stderr_file:
+            try:
+                return os.path.getsize(self.stderr_file)
+            except OSError:
+                return 0
+        return self.stderr_tail.total
+
+    def stderr_since(self, mark: int) -> list[str]:
+        if self.stderr_file:
+            try:
+                with open(self.stderr_file, "rb") as f:
+                    f.seek(mark)
+                    data = f.read(256 * 1024)
+            except OSError:
+                return []
+            return [line.decode(errors="replace") for line in data.splitlines()]
+        return [line.decode(errors="replace").rstrip("\n") for line in self.stderr_tail.since(mark)]
+
+    def last_output_at(self) -> float:
+        """Monotonic time of the worker's latest output, on a pipe or in a redirected file."""
+        latest = max((s.last_read_at for s in self.streams), default=0.0)
+        for path in self.file_paths:
+            try:
+                age = time.time() - os.path.getmtime(path)
+            except OSError:
+                continue
+            latest = max(latest, time.monotonic() - age)
+        return latest
 
 
 def _tail_of_file(path: str, count: int) -> list[str]:

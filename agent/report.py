@@ -62,12 +62,15 @@ def failure_info(worker: Worker, assignment: Assignment) -> dict:
     }
 
 
-def failure_end(worker: Worker, assignment: Assignment) -> RoundEnd:
+def failure_end(worker: Worker, assignment: Assignment, cause: str | None = None) -> RoundEnd:
     info = failure_info(worker, assignment)
     detail = (
         f"rank {info['rank']} (local rank {info['local_rank']}, pid {info['pid']}) on {info['host']} "
         f"failed with {info['exit']} after {info['duration']:.1f} s"
     )
+    if cause:
+        info["cause"] = cause
+        detail += f": {cause}"
     return RoundEnd("worker_failed", detail, info["host"], info)
 
 
@@ -75,7 +78,9 @@ def explain(end: RoundEnd) -> str:
     """The root cause as a few lines of text: what failed, then its traceback or stderr tail."""
     lines = [end.detail]
     info = end.info or {}
-    if info.get("traceback"):
+    if info.get("stacks"):
+        lines += ["its Python stacks when it was found hung:", *("  " + line for line in info["stacks"])]
+    elif info.get("traceback"):
         lines += ["traceback (from its error file):", info["traceback"].rstrip()]
     elif info.get("stderr_tail"):
         lines += ["last lines of its stderr:", *("  " + line for line in info["stderr_tail"])]

@@ -42,6 +42,9 @@ class JobSpec:
     preemption_signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)
     preemption_grace: float = 60.0
     requeue: bool = False
+    heartbeat_timeout: float | None = None
+    silence_timeout: float | None = None
+    resource_interval: float = 5.0
     checkpoint_dir: str | None = None
     python_exec: str = sys.executable
     cwd: str | None = None

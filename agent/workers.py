@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from agent.health import heartbeat_path
 from agent.output import OutputStream, WorkerOutput
 from agent.processes import ChildProcess, describe_exit, spawn
 from agent.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec
@@ -33,6 +34,7 @@ class Worker:
     process: ChildProcess
     output: WorkerOutput
     error_file: str
+    heartbeat_file: str | None = None
     stopped: bool = False  # the agent stopped it (another worker failed, a signal, the end)
 
     @property
@@ -157,6 +159,9 @@ class WorkerGroup:
             rank_dir = logs.rank_dir(assignment.round, local_rank)
             error_file = str(rank_dir / "error.json")
             env = worker_env(spec, base_env, assignment, master, local_rank, error_file)
+            heartbeat = heartbeat_path(rank_dir) if spec.is_python else None
+            if heartbeat:
+                env["RALLY_HEARTBEAT_FILE"] = heartbeat
             output = WorkerOutput()
             redirect = spec.redirects.get(local_rank, 0) | spec.tee.get(local_rank, 0)
             tee = spec.tee.get(local_rank, 0)
@@ -173,6 +178,7 @@ class WorkerGroup:
                 path = rank_dir / f"{name}.log"
                 if redirect & bit and not tee & bit:
                     fds[bit] = open(path, "wb")  # noqa: SIM115 - handed to the child, closed below
+                    output.file_paths.append(str(path))
                     if bit == STDERR:
                         output.stderr_file = str(path)
                     continue
@@ -198,7 +204,7 @@ class WorkerGroup:
                         os.close(value)
                     else:
                         value.close()  # type: ignore[attr-defined]
-            group.workers.append(Worker(local_rank, rank, process, output, error_file))
+            group.workers.append(Worker(local_rank, rank, process, output, error_file, heartbeat))
             group.streams.extend(output.streams)
         return group
 

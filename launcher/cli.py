@@ -22,7 +22,7 @@ from launcher.config import ConfigError, build_launch, load_config_file
 
 # Option declarations: (name, click kwargs, help group). The name's dashed and underscored
 # spellings are both accepted, as torchrun accepts both.
-GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "rally extras")
+GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "Health", "rally extras")
 
 OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("nnodes", dict(default="1:1", metavar="N|MIN:MAX", help="Number of nodes, or MIN:MAX for an elastic job."), "Job"),
@@ -51,6 +51,9 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("run-path", dict(is_flag=True, help="Run SCRIPT with runpy.run_path."), "Entry point"),
     ("no-prefix", dict(is_flag=True, help="Do not prefix worker output lines with their rank."), "rally extras"),
     ("checkpoint-dir", dict(default=None, help="Where workers save checkpoints (RALLY_CHECKPOINT_DIR)."), "rally extras"),
+    ("heartbeat-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without agent.job.heartbeat() (armed by its first beat)."), "Health"),
+    ("silence-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without output."), "Health"),
+    ("resource-interval", dict(type=float, default=5.0, help="Seconds between samples of workers' CPU, memory and threads."), "Health"),
     ("preemption-signals", dict(default="SIGUSR1,SIGUSR2", help="Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint."), "rally extras"),
     ("preemption-grace", dict(type=float, default=60.0, help="Seconds workers get to checkpoint after a preemption signal."), "rally extras"),
     ("requeue", dict(is_flag=True, help="On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."), "rally extras"),

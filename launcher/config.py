@@ -193,6 +193,15 @@ def _non_negative(value: Any, flag: str) -> float:
     return number
 
 
+def _positive_or_none(value: Any, flag: str) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    if number <= 0:
+        raise ConfigError(f"{flag} {value}: must be a positive number of seconds")
+    return number
+
+
 def parse_signals(text: str, flag: str) -> tuple[int, ...]:
     out = []
     for name in str(text).split(","):
@@ -353,6 +362,9 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         preemption_signals=parse_signals(o["preemption_signals"], "--preemption-signals"),
         preemption_grace=_non_negative(o["preemption_grace"], "--preemption-grace"),
         requeue=bool(o["requeue"]),
+        heartbeat_timeout=_positive_or_none(o["heartbeat_timeout"], "--heartbeat-timeout"),
+        silence_timeout=_positive_or_none(o["silence_timeout"], "--silence-timeout"),
+        resource_interval=_positive_or_none(o["resource_interval"], "--resource-interval") or 5.0,
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
     )
