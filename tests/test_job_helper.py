@@ -1,0 +1,393 @@
+"""Specification of agent.job, the helper module training scripts import, and agent.heartbeat_file.
+
+Crash, heartbeat and signal behaviour is checked with real subprocesses, real files and real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import heartbeat_file, job
+
+REPO = Path(__file__).resolve().parents[1]
+
+JOB_ENV = [
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    job.CHECKPOINT_DIR_ENV, job.CHECKPOINT_KEEP_ENV, job.HEARTBEAT_FILE_ENV, job.PREEMPT_SIGNALS_ENV,
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def clean_job_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts as a plain process outside any launcher."""
+    for name in JOB_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "ckpt"
+    monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(directory))
+    return directory
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for a helper subprocess: this repo importable, no launcher variables but ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=child_env(**env), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def checkpoint_names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+
+
+def temp_names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+# --- context ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_context_outside_a_launcher_is_rank_0_of_1() -> None:
+    ctx = job.context()
+    assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.local_world_size) == (0, 0, 1, 1)
+    assert (ctx.group_rank, ctx.group_world_size, ctx.restart_count, ctx.max_restarts) == (0, 1, 0, 0)
+    assert ctx.is_rank0 and ctx.checkpoint_dir is None and ctx.preempt_signals == ()
+
+
+@pytest.mark.timeout(10)
+def test_context_reads_the_torchrun_and_rally_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {
+        "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_RUN_ID": "job42", "RALLY_CHECKPOINT_DIR": "/shared/ckpt",
+        "RALLY_PREEMPT_SIGNALS": "SIGUSR1, TERM",
+    }  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    ctx = job.context()
+    assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.local_world_size) == (5, 1, 8, 4)
+    assert (ctx.group_rank, ctx.group_world_size, ctx.restart_count, ctx.max_restarts) == (1, 2, 2, 3)
+    assert ctx.run_id == "job42" and ctx.checkpoint_dir == Path("/shared/ckpt") and not ctx.is_rank0
+    assert ctx.preempt_signals == (signal.SIGUSR1, signal.SIGTERM)
+
+
+@pytest.mark.timeout(10)
+def test_malformed_environment_gives_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "zero")
+    with pytest.raises(ValueError, match="RANK must be an integer, got 'zero'"):
+        job.context()
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("RALLY_PREEMPT_SIGNALS", "SIGUSR1,SIGNOPE")
+    with pytest.raises(ValueError, match="unknown signal 'SIGNOPE'"):
+        job.context()
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_save_then_load_latest_round_trips_state_and_step(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    assert job.load_latest() is None
+    assert "rally: no checkpoint, starting from scratch" in capsys.readouterr().err
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"lr": 0.1, "step": torch.tensor(7)}}
+    path = job.save(state, 7)
+    assert path == ckpt_dir / "step_000000000007.pt"
+
+    ckpt = job.load_latest()
+    assert ckpt is not None and ckpt.step == 7 and ckpt.path == path
+    assert torch.equal(ckpt.state["model"]["w"], state["model"]["w"]) and ckpt.state["optim"]["lr"] == 0.1
+    assert f"rally: resuming from step 7 ({path})" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_save_keeps_only_the_newest_k(ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for step in range(1, 6):
+        job.save({"step": step}, step, keep=2)
+    assert checkpoint_names(ckpt_dir) == ["step_000000000004.pt", "step_000000000005.pt"]
+
+    monkeypatch.setenv(job.CHECKPOINT_KEEP_ENV, "1")
+    job.save({"step": 6}, 6)
+    assert checkpoint_names(ckpt_dir) == ["step_000000000006.pt"]
+
+    monkeypatch.delenv(job.CHECKPOINT_KEEP_ENV)
+    for step in range(7, 12):
+        job.save({"step": step}, step)
+    assert len(checkpoint_names(ckpt_dir)) == job.DEFAULT_CHECKPOINT_KEEP == 3
+
+
+@pytest.mark.timeout(60)
+def test_non_rank0_save_writes_nothing_but_load_works(ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job.save({"step": 3}, 3)
+    monkeypatch.setenv("RANK", "1")
+    assert job.save({"step": 4}, 4) is None
+    assert checkpoint_names(ckpt_dir) == ["step_000000000003.pt"]
+    ckpt = job.load_latest()
+    assert ckpt is not None and ckpt.step == 3
+
+
+@pytest.mark.timeout(60)
+def test_truncated_newest_checkpoint_falls_back_to_previous(
+    ckpt_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    job.save({"w": torch.full((1000,), 1.0)}, 1)
+    newest = job.save({"w": torch.full((1000,), 2.0)}, 2)
+    assert newest is not None
+    with open(newest, "r+b") as f:  # as if the disk lost the file's tail
+        f.truncate(newest.stat().st_size // 2)
+    capsys.readouterr()
+
+    ckpt = job.load_latest()
+    assert ckpt is not None and ckpt.step == 1 and torch.equal(ckpt.state["w"], torch.full((1000,), 1.0))
+    err = capsys.readouterr().err
+    assert f"rally: warning: checkpoint {newest} is unreadable" in err
+    assert "rally: resuming from step 1" in err
+
+
+@pytest.mark.timeout(60)
+def test_stale_temp_file_is_ignored_by_load_and_removed_by_next_save(ckpt_dir: Path) -> None:
+    job.save({"step": 1}, 1)
+    stale = ckpt_dir / ".step_000000000002.pt.abc123.tmp"  # what a killed writer leaves behind
+    stale.write_bytes(b"half a checkpoint")
+
+    ckpt = job.load_latest()
+    assert ckpt is not None and ckpt.step == 1
+    job.save({"step": 2}, 2)
+    assert temp_names(ckpt_dir) == []
+    assert checkpoint_names(ckpt_dir) == ["step_000000000001.pt", "step_000000000002.pt"]
+
+
+@pytest.mark.timeout(10)
+def test_missing_checkpoint_dir_is_a_one_line_error() -> None:
+    for call in (lambda: job.save({}, 1), job.load_latest):
+        with pytest.raises(job.CheckpointDirNotSet) as info:
+            call()
+        assert "set RALLY_CHECKPOINT_DIR" in str(info.value) and "\n" not in str(info.value)
+
+
+WRITER = """
+    import sys
+    import torch
+    from agent import job
+
+    size = int(sys.argv[1])
+    ckpt = job.load_latest()
+    step = ckpt.step + 1 if ckpt else 1
+    print("writing from step", step, flush=True)
+    while True:  # a training loop that does nothing but checkpoint: SIGKILL lands mid-write
+        job.save({"step": step, "data": torch.full((size,), float(step))}, step, keep=2)
+        step += 1
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(180)
+def test_sigkill_during_save_never_damages_or_hides_the_previous_checkpoint(
+    ckpt_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    size = 4_000_000  # 16 MB: each save takes ~30 ms here; the kill waits for one to be under way
+    rng = random.Random(1234)
+    mid_write_kills = 0
+    last_step = 0
+    ckpt_dir.mkdir()
+    for attempt in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(WRITER), str(size)],
+            env=child_env(RALLY_CHECKPOINT_DIR=str(ckpt_dir)), cwd=REPO, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().startswith("writing from step")
+            # Once a checkpoint exists, kill at a random moment, preferably while a write is under way.
+            deadline = time.monotonic() + 30
+            while not checkpoint_names(ckpt_dir):
+                assert time.monotonic() < deadline, "writer never saved a checkpoint"
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.3))
+            deadline = time.monotonic() + 0.5
+            while not temp_names(ckpt_dir) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            mid_write_kills += bool(temp_names(ckpt_dir))
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+        # Every checkpoint that is visible is complete and holds what was saved for its step ...
+        capsys.readouterr()
+        for name in checkpoint_names(ckpt_dir):
+            state = torch.load(ckpt_dir / name, weights_only=True)
+            assert int(name[5:17]) == state["step"] and torch.equal(state["data"], torch.full((size,), float(state["step"])))
+        # ... and load_latest finds the newest of them without needing to fall back.
+        ckpt = job.load_latest()
+        assert ckpt is not None and ckpt.step >= max(last_step, 1)
+        assert "unreadable" not in capsys.readouterr().err
+        last_step = ckpt.step
+
+    assert mid_write_kills >= 1, "no kill landed while a checkpoint was being written"
+    job.save({"step": last_step + 1}, last_step + 1)
+    assert temp_names(ckpt_dir) == []
+
+
+# --- heartbeat -------------------------------------------------------------------------------
+
+HEARTBEATER = """
+    import sys, time
+    from agent import job
+    job.heartbeat()
+    print("beat", flush=True)
+    sys.stdin.readline()
+    start = time.process_time()
+    for _ in range(10_000):
+        job.heartbeat()
+    print(time.process_time() - start, flush=True)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_heartbeat_round_trips_through_a_file_between_processes(tmp_path: Path) -> None:
+    path = heartbeat_file.create(tmp_path / "rank0.hb")
+    assert heartbeat_file.read(path) == (0, 0)
+
+    before = time.monotonic_ns()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HEARTBEATER)], env=child_env(RALLY_HEARTBEAT_FILE=str(path)),
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "beat\n"
+        count, ns = heartbeat_file.read(path)
+        assert count == 1 and before < ns <= time.monotonic_ns()
+
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        elapsed = float(proc.stdout.readline())
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    count, last_ns = heartbeat_file.read(path)
+    assert count == 10_001 and ns < last_ns <= time.monotonic_ns()
+    assert elapsed < 1.0, f"10,000 heartbeats took {elapsed:.3f} s of CPU"  # typically ~5 ms
+
+
+@pytest.mark.timeout(30)
+def test_heartbeat_without_a_file_is_a_cheap_no_op() -> None:
+    result = run_python("""
+        import time
+        from agent import job
+        start = time.process_time()
+        for _ in range(10_000):
+            job.heartbeat()
+        print(time.process_time() - start)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) < 1.0
+
+
+@pytest.mark.timeout(10)
+def test_heartbeat_file_refuses_a_file_that_is_not_one(tmp_path: Path) -> None:
+    other = tmp_path / "not-a-heartbeat"
+    other.write_bytes(b"x" * 64)
+    with pytest.raises(heartbeat_file.HeartbeatFileError, match="not a rally heartbeat file"):
+        heartbeat_file.HeartbeatWriter(other)
+    with pytest.raises(heartbeat_file.HeartbeatFileError, match="does not exist"):
+        heartbeat_file.read(tmp_path / "missing")
+
+
+@pytest.mark.timeout(10)
+def test_recreating_a_heartbeat_file_resets_it_without_hurting_an_old_writer(tmp_path: Path) -> None:
+    path = heartbeat_file.create(tmp_path / "hb")
+    old = heartbeat_file.HeartbeatWriter(path)
+    old.beat()
+    heartbeat_file.create(path)  # next round
+    old.beat()  # a straggler from the previous round: no SIGBUS, no effect on the new file
+    assert heartbeat_file.read(path) == (0, 0)
+    heartbeat_file.HeartbeatWriter(path).beat()
+    assert heartbeat_file.read(path)[0] == 1
+    old.close()
+
+
+# --- preemption ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_preemption_signal_sets_the_flag_and_runs_callbacks_instead_of_killing() -> None:
+    result = run_python(
+        """
+        import os, signal, time
+        from agent import job
+        job.install_preemption_handler(job.context().preempt_signals)
+        calls = []
+        job.on_preempt(lambda signum: 1 / 0)  # a broken callback must not kill the worker
+        job.on_preempt(calls.append)
+        assert not job.preempted()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while not job.preempted() and time.monotonic() < deadline:
+            pass
+        print(job.preempted(), calls)
+        """,
+        RALLY_PREEMPT_SIGNALS="SIGUSR1",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"True [{int(signal.SIGUSR1)}]"
+    assert "ZeroDivisionError" in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_without_the_handler_the_preemption_signal_kills_as_usual() -> None:
+    result = run_python("""
+        import os, signal, time
+        from agent import job
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)
+    """)
+    assert result.returncode == -signal.SIGUSR1
+
+
+# --- import cost -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_importing_the_helper_does_not_import_torch() -> None:
+    result = run_python("""
+        import sys
+        import agent.job
+        from agent import job
+        job.context(); job.heartbeat(); job.preempted()
+        print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
