@@ -49,6 +49,8 @@ EXIT_INFRASTRUCTURE = 1
 EXIT_PREEMPTED = 75
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
+# How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
+STATUS_INTERVAL_SECONDS = 2.0
 
 
 class AgentExit(Exception):
@@ -174,6 +176,7 @@ class Agent:
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
         rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say)
+        self._store_call(rdzv.register_status)
         watcher = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
         keeper = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
         while True:
@@ -380,9 +383,13 @@ class Agent:
         s = self.plan.settings
         interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
         last_seen, last_change = -1, time.monotonic()
+        next_status = 0.0
         try:
             while not round_over.is_set():
                 keeper.keep_alive(a.round, a.group_rank)
+                if time.monotonic() >= next_status:
+                    keeper.publish_status(self._status_record(a))
+                    next_status = time.monotonic() + STATUS_INTERVAL_SECONDS
                 if a.watch_rank is not None:
                     seen = keeper.alive_count(a.round, a.watch_rank)
                     now = time.monotonic()
@@ -395,6 +402,34 @@ class Agent:
         except StoreError as exc:
             if not round_over.is_set():
                 self.inbox.post("store_lost", exc)
+
+    def _status_record(self, a: Assignment) -> dict:
+        """This node as `rally status` shows it (built from a snapshot; races are harmless)."""
+        workers = []
+        group = self.group
+        for w in list(group.workers) if group else []:
+            sample = self.health.resources(w.local_rank)
+            workers.append(
+                {
+                    "rank": w.global_rank,
+                    "local_rank": w.local_rank,
+                    "pid": w.pid,
+                    "state": w.state(),
+                    "cpu": sample.cpu_percent,
+                    "rss": sample.rss,
+                    "heartbeat_age": self.health.heartbeat_age(w.local_rank),
+                }
+            )
+        return {
+            "host": self.host,
+            "node_id": self.node.node_id,
+            "group_rank": a.group_rank,
+            "round": a.round,
+            "restart_count": a.restart_count,
+            "world_size": a.world_size,
+            "updated": time.time(),
+            "workers": workers,
+        }
 
     def _blocking(self, fn: Callable[[], Any]) -> Any:
         """Run a blocking store call in a thread while the main loop keeps handling signals."""

@@ -215,6 +215,17 @@ class HealthMonitor:
             )
         return None
 
+    def heartbeat_age(self, local_rank: int) -> float | None:
+        """Seconds since the worker's last heartbeat (None if it never sent one)."""
+        w = self.watched.get(local_rank)
+        if w is None or not w.heartbeat_path:
+            return None
+        try:
+            count, ns = heartbeat_file.read(w.heartbeat_path)
+        except (heartbeat_file.HeartbeatFileError, OSError):
+            return None
+        return None if count == 0 else max(0.0, time.monotonic() - ns / 1e9)
+
     def resources(self, local_rank: int) -> ResourceSample:
         w = self.watched.get(local_rank)
         return w.sample if w else ResourceSample()

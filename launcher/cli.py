@@ -2,7 +2,7 @@
 
     rally [OPTIONS] SCRIPT [SCRIPT ARGS]...     run a training job (one rally per node)
     rally store --port PORT                     run a standalone rendezvous store
-    rally status --rdzv-endpoint H:P --rdzv-id ID   (planned) show a running job
+    rally status --rdzv-endpoint H:P --rdzv-id ID   show a running job
 
 Precedence, highest first: command-line flags > environment (PET_<NAME>, as torchrun, or
 RALLY_<NAME>) > the --config YAML file > SLURM (when inside a SLURM job) > defaults.
@@ -73,6 +73,7 @@ Examples:
 \b
 Other commands:
   rally store --port PORT     a standalone rendezvous store that survives any compute node
+  rally status --rdzv-endpoint HOST:PORT --rdzv-id ID    a running job, as its store sees it
 
 Precedence: flags > PET_*/RALLY_* environment > --config file > defaults.
 """
@@ -212,6 +213,11 @@ def main(argv: list[str] | None = None) -> None:
         from launcher.store_command import store_command
 
         command: click.Command = store_command
+        args = args[1:]
+    elif args and args[0] == "status":
+        from launcher.status_command import status_command
+
+        command = status_command
         args = args[1:]
     else:
         command = run_command

@@ -131,6 +131,22 @@ class RoundEnd:
         return cls(**json.loads(text))
 
 
+def read_job_status(store: Store) -> dict | None:
+    """What `rally status` shows: the job's round, end state and every node's last record.
+
+    Returns None when no agent of this run id has registered at this store.
+    """
+    if not store.check("status/nodes"):
+        return None
+    node_ids = [n for n in store.get_str("status/nodes").splitlines() if n]
+    names = [f"status/node/{n}" for n in node_ids]
+    present = [n for n in names if store.check(n)]
+    records = [json.loads(raw) for raw in store.multi_get(present)] if present else []
+    current = store.counter("current")
+    closed = RoundEnd.from_json(store.get("job/closed")) if store.check("job/closed") else None
+    return {"round": current, "closed": closed, "nodes": records}
+
+
 def assign_group_ranks(nodes: list[NodeInfo]) -> list[int]:
     """Contiguous, deterministic group ranks 0..n-1 for `nodes` (in arrival order).
 
@@ -315,6 +331,14 @@ class Rendezvous:
                 "waiting as a spare until a node leaves"
             )
         self.wait_round_end(r)
+
+    # ----------------------------------------------------------------- status (for `rally status`)
+    def register_status(self) -> None:
+        """List this node once under `status/nodes`, so `rally status` can find its record."""
+        self.store.raw.append(self.store.key("status/nodes"), self.me.node_id + "\n")
+
+    def publish_status(self, record: dict) -> None:
+        self.store.set(f"status/node/{self.me.node_id}", json.dumps(record))
 
     # ----------------------------------------------------------------- running
     def publish_master(self, r: int, host: str, port: int) -> None:
