@@ -1,79 +1,147 @@
-"""examples/train.py under a real launcher: a run whose worker is SIGKILLed and restarted ends bit-identical.
+"""examples/train.py under rally: a job whose workers are SIGKILLed at random steps loses nothing.
 
-Each run starts two workers that import torch (~2 s of CPU each on this machine), plus their
-restarts, so this file keeps to one test.
+Each attempt starts two workers that import torch, so this file keeps to a clean run and two
+seeds of one to three random kills each.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
+STEPS, EVERY = 40, 5
 
 
-def launcher_command(script_args: list[str], *, nproc: int, max_restarts: int) -> tuple[list[str], dict[str, str]]:
-    """How a job is launched: the argv and the extra environment. The one place to swap torchrun for rally."""
-    argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), str(TRAIN), *script_args,
-    ]  # fmt: skip
-    env = {
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # torchrun 2.13 cannot restart gloo workers without it
-        "RES_OPTIONS": "timeout:1 attempts:1",  # see DESIGN.md: TCPStore reverse-DNS stalls
-    }
-    return argv, env
-
-
-def run_job(script_args: list[str], *, nproc: int = 2, max_restarts: int = 2, timeout: float = 110) -> tuple[str, str]:
-    """Run one job to completion in its own process group; return (stdout, stderr) after asserting success."""
-    argv, extra_env = launcher_command(script_args, nproc=nproc, max_restarts=max_restarts)
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(extra_env)
-    proc = subprocess.Popen(
-        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    return env
+
+
+def _rally(tmp: Path, name: str, max_restarts: int, step_time: float) -> subprocess.Popen:
+    argv = [
+        sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", str(max_restarts), "--log-dir", str(tmp / f"{name}-logs"),
+        str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--step-time", str(step_time),
+        "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--out", str(tmp / f"{name}.pt"),
+    ]  # fmt: skip
+    return subprocess.Popen(
+        argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+
+
+def _finish(proc: subprocess.Popen, lines: list[str], timeout: float) -> int:
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}"
-    return stdout, stderr
+            proc.wait()
+        assert proc.returncode is not None, "\n".join(lines[-50:])
 
 
-def params_hash(stdout: str) -> str:
-    match = re.search(r"^params sha256 ([0-9a-f]{64})$", stdout, re.MULTILINE)
-    assert match, f"no final hash in output:\n{stdout[-2000:]}"
-    return match.group(1)
+def _reader(proc: subprocess.Popen, lines: list[str]) -> threading.Thread:
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line.rstrip("\n"))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def _params_hash(lines: list[str]) -> str:
+    for line in lines:
+        match = re.search(r"params sha256 ([0-9a-f]{64})$", line)
+        if match:
+            return match.group(1)
+    raise AssertionError("no final hash in output:\n" + "\n".join(lines[-40:]))
+
+
+def _start_point(line: str) -> int | None:
+    """The step an attempt starts from, from rank 0's checkpoint-helper line (0: from scratch)."""
+    if line.startswith("[0] rally: no checkpoint"):
+        return 0
+    match = re.match(r"\[0\] rally: resuming from step (\d+)", line)
+    return int(match.group(1)) if match else None
+
+
+def _worker_pid(log_dir: Path, rank: int) -> int | None:
+    """The pid of `rank` in the newest round, from the agent's events.jsonl."""
+    pid = None
+    for events in log_dir.glob("*/events.jsonl"):
+        for line in events.read_text().splitlines():
+            record = json.loads(line)
+            if record["event"] == "worker_started" and record["rank"] == rank:
+                pid = record["pid"]
+    return pid
+
+
+@pytest.fixture(scope="module")
+def clean_hash(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("clean")
+    proc = _rally(tmp, "clean", 0, 0.0)
+    lines: list[str] = []
+    reader = _reader(proc, lines)
+    assert _finish(proc, lines, 240) == 0, "\n".join(lines[-40:])
+    reader.join(10)
+    assert any(f"step {STEPS} loss" in line for line in lines)
+    return _params_hash(lines)
 
 
 @pytest.mark.torch
-@pytest.mark.timeout(240)
-def test_worker_killed_mid_run_and_restarted_ends_with_bit_identical_parameters(tmp_path: Path) -> None:
-    import torch
-
-    common = ["--steps", "30", "--checkpoint-every", "5"]
-    clean_out, _ = run_job([*common, "--checkpoint-dir", str(tmp_path / "clean"), "--out", str(tmp_path / "clean.pt")])
-    assert "step 30 loss" in clean_out
-
-    killed_out, killed_err = run_job([
-        *common, "--checkpoint-dir", str(tmp_path / "killed"), "--out", str(tmp_path / "killed.pt"),
-        "--fail-at-step", "17", "--fail-rank", "1",
-    ])  # fmt: skip
-    assert "rank 1: killing myself at step 17" in killed_err
-    assert "rally: resuming from step 15" in killed_err  # the restart resumed from the last checkpoint
-
-    assert params_hash(killed_out) == params_hash(clean_out)
-    clean = torch.load(tmp_path / "clean.pt", weights_only=True)
-    killed = torch.load(tmp_path / "killed.pt", weights_only=True)
-    assert clean.keys() == killed.keys() and all(torch.equal(clean[k], killed[k]) for k in clean)
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_sigkills_of_workers_lose_nothing_and_end_bit_identical(tmp_path: Path, clean_hash: str, seed: int):
+    rng = random.Random(seed)
+    count = rng.randint(1, 3)
+    kill_steps = sorted(rng.sample(range(4, STEPS - 4, EVERY + 1), count))
+    victims = [rng.randint(0, 1) for _ in kill_steps]
+    proc = _rally(tmp_path, "killed", count, 0.08)
+    lines: list[str] = []
+    reader = _reader(proc, lines)
+    kills: list[tuple[int, int]] = []  # (step at which it was killed, rank)
+    deadline = time.monotonic() + 300
+    seen = 0
+    while kill_steps and proc.poll() is None and time.monotonic() < deadline:
+        for line in lines[seen:]:
+            match = re.search(r"\] step (\d+) loss", line)
+            if match and kill_steps and int(match.group(1)) >= kill_steps[0]:
+                pid = _worker_pid(tmp_path / "killed-logs", victims[0])
+                if pid:
+                    os.kill(pid, signal.SIGKILL)
+                    kills.append((int(match.group(1)), victims.pop(0)))
+                    kill_steps.pop(0)
+                    # wait for the restart before looking for the next kill step
+                    lines_before = len(lines)
+                    while proc.poll() is None and not any(_start_point(line) is not None for line in lines[lines_before:]):
+                        time.sleep(0.05)
+                    seen = len(lines)
+                    break
+        else:
+            seen = len(lines)
+            time.sleep(0.02)
+    code = _finish(proc, lines, 300)
+    reader.join(10)
+    text = "\n".join(lines)
+    assert code == 0, text[-4000:]
+    assert len(kills) == count, f"planned {count} kills, did {kills}\n{text[-3000:]}"
+    starts = [p for p in map(_start_point, lines) if p is not None]
+    assert starts[0] == 0 and len(starts) == count + 1, text[-3000:]
+    resumed = starts[1:]
+    for (killed_at, _rank), resumed_at in zip(kills, resumed):
+        assert killed_at - EVERY <= resumed_at <= killed_at, f"killed at {killed_at}, resumed at {resumed_at}"
+    assert _params_hash(lines) == clean_hash
+    assert "SIGKILL" in text  # the root cause names the signal
