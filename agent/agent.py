@@ -31,6 +31,7 @@ from agent.events import EventLog
 from agent.health import Hang, HealthMonitor, HealthSettings
 from agent.report import JobReport, explain, failure_end, failure_info
 from agent.spec import STACK_SIGNAL, JobSpec
+from agent.template import TemplateClient
 from agent.workers import LogLayout, WorkerGroup
 from launcher import console
 from rendezvous.protocol import (
@@ -138,6 +139,7 @@ class Agent:
         self.store_server: Any = None
         self.worker_store: Any = None
         self.guard: Any = None
+        self.template: TemplateClient | None = None  # workers are forked from it (agent/template.py)
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
@@ -154,6 +156,7 @@ class Agent:
         processes.become_subreaper()
         self._install_signal_handlers()
         self._start_orphan_guard()
+        self._start_template()
         try:
             code = self._run()
         except AgentExit as exc:
@@ -162,6 +165,7 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
+            self._stop_template()
             self._stop_orphan_guard()
         self.report.exit_code = code
         if self.report.outcome == "running":
@@ -236,7 +240,8 @@ class Agent:
 
     def _watch_workers(self, rdzv: Rendezvous, a: Assignment, master: tuple[str, int]) -> RoundEnd:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
-        self.group = WorkerGroup.start(self.spec, self.base_env, a, master, self.logs, multi_node)
+        launch = self.template.spawn if self.template is not None else processes.spawn
+        self.group = WorkerGroup.start(self.spec, self.base_env, a, master, self.logs, multi_node, launch=launch)
         self.health = HealthMonitor(self.health_settings)
         for stream in self.group.streams:
             self.selector.register(stream.fd, selectors.EVENT_READ, ("stream", stream))
@@ -626,7 +631,25 @@ class Agent:
             self.guard = None
 
     def _helper_pids(self) -> frozenset[int]:
-        return frozenset({self.guard.pid} if self.guard is not None else set())
+        template = self.template.helper_pids() if self.template is not None else set()
+        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template)
+
+    # ================================================================ worker template
+    def _start_template(self) -> None:
+        """Start the worker template now, so it preloads torch while the rendezvous runs."""
+        self.template = TemplateClient.for_job(self.spec, self.base_env)
+        if self.template is None:
+            return
+        try:
+            self.template.start()
+        except OSError as exc:
+            console.warn(f"could not start the worker template ({exc}); starting workers plainly")
+            self.template = None
+
+    def _stop_template(self) -> None:
+        if self.template is not None:
+            self.template.stop()
+            self.template = None
 
 
 def assignment_never_formed(rdzv: Rendezvous) -> bool:

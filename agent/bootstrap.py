@@ -13,6 +13,13 @@ and then becomes exactly what `python script.py args` would be: sys.argv, sys.pa
 `__main__`, and the same traceback and exit code on an uncaught exception (the frames of
 this file and of runpy are removed from the traceback). Only the standard library is
 imported here, so it costs nothing measurable.
+
+The same file is also the worker template (`python -u <path>/agent/bootstrap.py template`,
+see agent/template.py): a process that imports the heavy modules once and forks a worker
+per request. `serve_as_template` returns only in a forked child, already turned into a fresh
+worker (session, fds, cwd, environment, signals, RNGs), and the child then runs `run()` from
+this file's top level exactly as a plainly started worker does, so the frames, the exit
+code and the interpreter's shutdown are the same in both.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ def install_preemption_handler() -> None:
     signums = [int(signal.Signals[n.strip()]) for n in names.split(",") if n.strip()]
     # sys.path[0] is this file's directory (agent/) until run() replaces it; point it at the
     # directory that holds the `agent` package instead, or agent/agent.py would shadow it.
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[0] = _package_root()
     from agent import job
 
     job.install_preemption_handler(signums)
@@ -113,5 +120,22 @@ def run(mode: str, target: str, args: list[str]) -> None:
         sys.exit(1)
 
 
+def _package_root() -> str:
+    """The directory that holds the `agent` package (this file's parent's parent)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def serve_as_template() -> tuple[str, str, list[str]]:
+    """Serve as this node's worker template; returns (mode, target, args) in each forked worker."""
+    sys.path[0] = _package_root()  # agent/agent.py must not shadow the `agent` package
+    from agent import template
+
+    return template.serve()
+
+
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2], sys.argv[3:])
+    if sys.argv[1] == "template":
+        _mode, _target, _args = serve_as_template()
+    else:
+        _mode, _target, _args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    run(_mode, _target, _args)

@@ -77,6 +77,13 @@ class ChildProcess:
             self.ended_at = time.monotonic()
         return self.popen.returncode
 
+    def wait(self) -> int:
+        """Block until the process has exited and been reaped; return its returncode."""
+        self.popen.wait()
+        if self.ended_at is None:  # poll() cannot tell any more: wait() has set the returncode
+            self.ended_at = time.monotonic()
+        return self.popen.returncode
+
     def close(self) -> None:
         if self.pidfd >= 0:
             os.close(self.pidfd)
@@ -149,8 +156,7 @@ def kill_all(children: Sequence[ChildProcess], tree: dict[int, psutil.Process], 
         except psutil.Error:
             pass
     for child in children:
-        child.popen.wait()
-        child.poll()
+        child.wait()
     reap_orphans(keep | {c.pid for c in children})
 
 

@@ -48,6 +48,9 @@ class JobSpec:
     checkpoint_dir: str | None = None
     python_exec: str = sys.executable
     cwd: str | None = None
+    # Modules the worker template imports once (agent/template.py); workers are then forked
+    # from it. None: every worker is started plainly (--no-preload, --no-python).
+    preload: tuple[str, ...] | None = None
 
     @property
     def is_python(self) -> bool:

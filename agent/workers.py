@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from agent.health import heartbeat_path
 from agent.output import OutputStream, WorkerOutput
@@ -61,6 +61,19 @@ class Worker:
         return "running" if self.returncode is None else describe_exit(self.returncode)
 
 
+def shared_worker_env(spec: JobSpec, base_env: dict[str, str]) -> dict[str, str]:
+    """The part of every worker's environment that is the same for all ranks and rounds.
+
+    The worker template (agent/template.py) starts with exactly this environment, so that
+    what libraries read when they are loaded (OMP_NUM_THREADS by OpenMP and OpenBLAS) is what
+    a worker started plainly would have read.
+    """
+    env = dict(base_env)
+    if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base_env:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def worker_env(
     spec: JobSpec,
     base_env: dict[str, str],
@@ -70,7 +83,7 @@ def worker_env(
     error_file: str,
 ) -> dict[str, str]:
     """The environment torchrun 2.13 gives a worker, plus rally's own RALLY_* variables."""
-    env = dict(base_env)
+    env = shared_worker_env(spec, base_env)
     rank = assignment.rank_offset + local_rank
     env.update(
         {
@@ -96,8 +109,6 @@ def worker_env(
             "RALLY_ROUND": str(assignment.round),
         }
     )
-    if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base_env:
-        env["OMP_NUM_THREADS"] = "1"
     if spec.is_python:
         env["RALLY_STACK_SIGNAL"] = str(int(STACK_SIGNAL))
         if spec.preemption_signals:
@@ -149,7 +160,10 @@ class WorkerGroup:
         multi_node: bool,
         console_out: BinaryIO | None = None,
         console_err: BinaryIO | None = None,
+        launch: Callable[..., ChildProcess] = spawn,
     ) -> "WorkerGroup":
+        """Start this node's workers. `launch` has `processes.spawn`'s signature: a plain start by
+        default, or the worker template's `TemplateClient.spawn` (agent/template.py)."""
         console_out = console_out or sys.stdout.buffer
         console_err = console_err or sys.stderr.buffer
         group = cls()
@@ -197,7 +211,7 @@ class WorkerGroup:
                     )
                 )
             try:
-                process = spawn(spec.command(), env, spec.cwd, fds[STDOUT], fds[STDERR])
+                process = launch(spec.command(), env, spec.cwd, fds[STDOUT], fds[STDERR])
             finally:
                 for value in fds.values():
                     if isinstance(value, int):

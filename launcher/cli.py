@@ -42,6 +42,8 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("shutdown-timeout", dict(type=float, default=None, help="Grace period between the stop signal and SIGKILL (default 30 s)."), "Restarts and shutdown"),
     ("signals-to-handle", dict(default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="Signals forwarded to workers before shutdown."), "Restarts and shutdown"),
     ("start-method", dict(default="spawn", type=click.Choice(["spawn", "fork", "forkserver"]), help="Accepted for torchrun compatibility."), "Restarts and shutdown"),
+    ("preload", dict(default=None, metavar="MODULE,...", help="Modules a per-node template process imports once; workers are forked from it and start in milliseconds (default: torch, for Python entry points)."), "Restarts and shutdown"),
+    ("no-preload", dict(is_flag=True, help="No template: start every worker as a fresh python process."), "Restarts and shutdown"),
     ("log-dir", dict(default=None, help="Base directory for per-rank log files and report.json."), "Logs and output"),
     ("redirects", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files only: 1 stdout, 2 stderr, 3 both."), "Logs and output"),
     ("tee", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files and the console."), "Logs and output"),

@@ -216,6 +216,26 @@ def parse_signals(text: str, flag: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def parse_preload(text: str | None, no_preload: bool, no_python: bool) -> tuple[str, ...] | None:
+    """What the worker template imports (agent/template.py); None: no template, plain starts.
+
+    Default: torch, when the entry point is Python and torch is importable. --no-preload wins
+    over --preload; --no-python always starts plainly.
+    """
+    if no_preload or no_python:
+        return None
+    if text is None:
+        import importlib.util
+
+        return ("torch",) if importlib.util.find_spec("torch") is not None else None
+    items = text if isinstance(text, (list, tuple)) else str(text).split(",")  # a YAML list or A,B
+    names = tuple(str(n).strip() for n in items if str(n).strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(f"--preload '{name}' is not a module name; write e.g. --preload torch,numpy")
+    return names
+
+
 # ------------------------------------------------------------------ YAML
 def load_config_file(path: str, valid_keys: Iterable[str]) -> dict[str, Any]:
     """Read a YAML job file; keys are option names (dashes or underscores) plus script and args."""
@@ -367,6 +387,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         resource_interval=_positive_or_none(o["resource_interval"], "--resource-interval") or 5.0,
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
+        preload=parse_preload(o.get("preload"), bool(o.get("no_preload")), bool(o["no_python"])),
     )
     plan = RendezvousPlan(
         endpoint=endpoint,

@@ -71,7 +71,10 @@ def start_agent(
 ) -> AgentProcess:
     log = tmp / f"{name}.log"
     handle = open(log, "wb")  # noqa: SIM115 - owned by the child
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # Hook: RALLY_TEST_START_MODE=plain|template picks how workers start (see start_mode_env in
+    # tests/helpers.py and agent/template.py); unset keeps rally's default.
+    start_mode = {"plain": {"RALLY_NO_PRELOAD": "1"}, "template": {"RALLY_PRELOAD": "torch"}}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **start_mode.get(os.environ.get("RALLY_TEST_START_MODE", ""), {}), **(env or {})}
     popen = subprocess.Popen(
         [sys.executable, "-m", "launcher", *args],
         stdout=handle,
