@@ -1,0 +1,160 @@
+"""Specification: bad input gets exit status 2 and one clear line, never a traceback.
+
+    $ rally --nnodes 3:1 train.py
+    rally: error: --nnodes '3:1': MIN (3) is larger than MAX (1); write --nnodes 1:3
+    $ echo $?
+    2
+
+Input that is wrong on its face (flags, config file) is rejected before anything starts, so
+stderr holds exactly that one line. A rendezvous that cannot form (no store, missing nodes)
+is found out only at run time: rally's progress lines may come first, but the failure is
+still one `rally: error:` line naming the endpoint, exit 2, and nothing else (no traceback,
+no C++ log dump).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import Result, free_port, run_rally, write_probe
+
+# rally's own lines; off a terminal, messages from a running agent carry a timestamp.
+RALLY_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3} )?rally: ")
+# join_timeout=2 plus rally's start-up (importing torch, ~2-3 s here) and slack for a busy machine.
+JOIN_TIMEOUT_BUDGET = 15
+RALLY_ERROR = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3} )?rally: error: ")
+
+
+def rally_fails(tmp_path: Path, *args: str, timeout: float = 45) -> Result:
+    write_probe(tmp_path / "train.py", "print('the job must not start')")
+    return run_rally(list(args), cwd=tmp_path, timeout=timeout)
+
+
+def the_error_line(result: Result) -> str:
+    """Assert the bad-input contract and return the one error line."""
+    assert result.returncode == 2, result.describe()
+    assert "Traceback" not in result.stderr, result.describe()
+    assert "the job must not start" not in result.stdout + result.stderr
+    errors = [line for line in result.stderr_lines if RALLY_ERROR.match(line)]
+    assert len(errors) == 1, f"expected one 'rally: error:' line\n{result.describe()}"
+    return errors[0]
+
+
+def assert_one_line_only(result: Result) -> str:
+    """Rejected before anything ran: stderr is exactly the error line, stdout is empty."""
+    line = the_error_line(result)
+    assert line.startswith("rally: error: "), line
+    assert result.stderr_lines == [line], result.describe()
+    assert result.stdout == "", result.describe()
+    return line
+
+
+BAD_FLAGS = [
+    pytest.param(["--nnodes", "3:1", "train.py"], "--nnodes", id="nnodes-min-above-max"),
+    pytest.param(["--nnodes", "0", "train.py"], "--nnodes", id="nnodes-zero"),
+    pytest.param(["--nnodes", "x", "train.py"], "--nnodes", id="nnodes-not-a-number"),
+    pytest.param(["--nproc-per-node", "-1", "train.py"], "--nproc-per-node", id="nproc-negative"),
+    pytest.param(["--nproc-per-node", "gpu", "train.py"], "gpu", id="nproc-gpu-without-gpus"),
+    pytest.param(["--max-restarts", "-1", "train.py"], "--max-restarts", id="max-restarts-negative"),
+    pytest.param(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "a:b:c", "train.py"], "a:b:c", id="endpoint-malformed-c10d"),
+    pytest.param(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host:99999", "train.py"], "99999", id="endpoint-port-out-of-range-c10d"),
+    # torchrun's default (static) backend takes its store address from --rdzv-endpoint too.
+    pytest.param(["--rdzv-endpoint", "a:b:c", "train.py"], "a:b:c", id="endpoint-malformed-default-backend"),
+    pytest.param(["--rdzv-endpoint", "host:99999", "train.py"], "99999", id="endpoint-port-out-of-range-default-backend"),
+    pytest.param(["--rdzv-conf", "bogus=1", "train.py"], "bogus", id="rdzv-conf-unknown-key"),
+    pytest.param(["missing_script.py"], "missing_script.py", id="script-missing"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("args", "named"), BAD_FLAGS)
+def test_bad_flag_exits_2_with_one_line_naming_the_problem(tmp_path: Path, args: list[str], named: str) -> None:
+    line = assert_one_line_only(rally_fails(tmp_path, *args))
+    assert named in line, line
+
+
+@pytest.mark.timeout(60)
+def test_misspelled_option_suggests_the_right_one_once(tmp_path: Path) -> None:
+    line = assert_one_line_only(rally_fails(tmp_path, "--nprocs-per-node", "2", "train.py"))
+    assert "--nprocs-per-node" in line and "--nproc-per-node" in line, line
+    assert line.lower().count("did you mean") == 1, f"the suggestion is made once: {line}"
+
+
+@pytest.mark.timeout(60)
+def test_rdzv_conf_misspelled_key_suggests_the_right_one(tmp_path: Path) -> None:
+    line = assert_one_line_only(rally_fails(tmp_path, "--rdzv-conf", "join_timout=5", "train.py"))
+    assert "join_timeout" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_config_file_with_malformed_yaml_names_the_line(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("nproc_per_node: 2\nscript: train.py\nargs: [--lr, 0.1\nmax_restarts: 1\n")
+    line = assert_one_line_only(rally_fails(tmp_path, "--config", str(config)))
+    assert str(config) in line and re.search(r"\bline [34]\b", line), line
+
+
+@pytest.mark.timeout(60)
+def test_config_file_with_unknown_key_suggests_the_nearest_valid_key(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("nproc_per_node: 2\nmax_restart: 1\nscript: train.py\n")
+    line = assert_one_line_only(rally_fails(tmp_path, "--config", str(config)))
+    assert "max_restart" in line and "max_restarts" in line.replace("max-restarts", "max_restarts"), line
+
+
+def assert_only_rally_lines(result: Result) -> None:
+    """Runtime failures: every stderr line is one of rally's own (no C++ log dump, no traceback)."""
+    other = [line for line in result.stderr_lines if not RALLY_LINE.match(line) and line.strip()]
+    assert not other, f"stderr has lines that are not rally's:\n" + "\n".join(other[:15]) + f"\n{result.describe()}"
+
+
+@pytest.mark.timeout(60)
+def test_rendezvous_that_never_completes_exits_2_within_seconds_naming_the_endpoint(tmp_path: Path) -> None:
+    # 127.0.0.1 is this host, so rally hosts the store there (as torchrun would) and waits
+    # for a second node that never comes.
+    endpoint = f"127.0.0.1:{free_port()}"
+    result = rally_fails(
+        tmp_path, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        "--rdzv-conf", "join_timeout=2", "train.py",
+    )  # fmt: skip
+    line = the_error_line(result)
+    assert endpoint in line, line
+    assert result.elapsed < JOIN_TIMEOUT_BUDGET, f"join_timeout=2 but rally took {result.elapsed:.1f} s"
+    assert_only_rally_lines(result)
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_store_exits_2_within_seconds_naming_the_endpoint(tmp_path: Path) -> None:
+    # is_host=0: this node must connect to a store someone else hosts; nobody listens there.
+    endpoint = f"127.0.0.1:{free_port()}"
+    result = rally_fails(
+        tmp_path, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        "--rdzv-conf", "join_timeout=2,is_host=0", "train.py",
+    )  # fmt: skip
+    line = the_error_line(result)
+    assert endpoint in line, line
+    assert result.elapsed < JOIN_TIMEOUT_BUDGET, f"join_timeout=2 but rally took {result.elapsed:.1f} s"
+    assert_only_rally_lines(result)
+
+
+@pytest.mark.timeout(60)
+def test_help_shows_grouped_options_and_examples(tmp_path: Path) -> None:
+    result = run_rally(["--help"], cwd=tmp_path)
+    assert result.returncode == 0, result.describe()
+    for heading in ("Job options:", "Rendezvous options:", "Restarts and shutdown options:", "Logs and output options:", "Entry point options:"):
+        assert heading in result.stdout, heading
+    assert "Examples:" in result.stdout
+    assert "rally --standalone --nproc-per-node" in result.stdout
+    for flag in ("--nproc-per-node", "--nproc_per_node", "--rdzv-endpoint", "--max-restarts", "--tee", "--no-python"):
+        assert flag in result.stdout, flag
+    assert result.stderr == ""
+
+
+@pytest.mark.timeout(60)
+def test_version_prints_the_version_and_exits_0(tmp_path: Path) -> None:
+    result = run_rally(["--version"], cwd=tmp_path)
+    assert result.returncode == 0, result.describe()
+    assert re.fullmatch(r"rally, version \d+\.\d+\.\d+\S*\n", result.stdout), result.stdout
