@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from agent import processes
 from agent.events import EventLog
+from agent.job import newest_checkpoint_step
 from agent.health import Hang, HealthMonitor, HealthSettings
 from agent.report import JobReport, explain, failure_end, failure_info
 from agent.spec import STACK_SIGNAL, JobSpec
@@ -50,6 +51,8 @@ EXIT_INFRASTRUCTURE = 1
 EXIT_PREEMPTED = 75
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
+# How long to keep reading a dead worker's pipes for its last lines (a grandchild may hold them).
+OUTPUT_DRAIN_SECONDS = 0.5
 # How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
 STATUS_INTERVAL_SECONDS = 2.0
 
@@ -150,6 +153,7 @@ class Agent:
         )
         self.health = HealthMonitor(self.health_settings)
         self.kill_causes: dict[int, str] = {}
+        self.last_failure: RoundEnd | None = None
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -179,7 +183,7 @@ class Agent:
         self.store, self.store_server = self._blocking(self._open_store)
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
-        rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say)
+        rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         self._store_call(rdzv.register_status)
         watcher = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
         keeper = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
@@ -188,10 +192,33 @@ class Agent:
                 assignment = self._blocking(rdzv.next_round)
             except RendezvousError as exc:
                 raise AgentExit(EXIT_BAD_INPUT if assignment_never_formed(rdzv) else EXIT_INFRASTRUCTURE, str(exc))
+            limit = self.spec.crash_loop_limit
+            if limit and assignment.stalled_restarts >= limit:
+                return self._stop_crash_loop(rdzv, assignment)
             end = self._run_round(rdzv, watcher, keeper, assignment)
             code = self._after_round(rdzv, assignment, end)
             if code is not None:
                 return code
+
+    def _checkpoint_step(self) -> int | None:
+        return newest_checkpoint_step(self.spec.checkpoint_dir) if self.spec.checkpoint_dir else None
+
+    def _stop_crash_loop(self, rdzv: Rendezvous, a: Assignment) -> int:
+        """K failures in a row without a newer checkpoint: stop instead of burning the budget."""
+        detail = (
+            f"crash loop: {a.stalled_restarts} restarts in a row made no progress (the newest "
+            f"checkpoint is still step {a.checkpoint_step}); fix the cause, or raise --crash-loop-limit"
+        )
+        last = self.last_failure
+        info = dict(last.info) if last else {}
+        end = self._store_call(lambda: rdzv.end_round(a.round, RoundEnd("aborted", detail, self.host, info)))
+        self._store_call(lambda: rdzv.close_job(end))
+        self.report.outcome = "crash loop"
+        console.error(end.detail)
+        if last is not None:
+            console.error("the last failure: " + explain(last))
+        self._exit_barrier(rdzv, a)
+        return int(info.get("exit_status", 1)) or 1
 
     def _open_store(self) -> tuple[Store, Any]:
         try:
@@ -268,6 +295,7 @@ class Agent:
             failed = [w for w in self.group.workers if w.returncode not in (None, 0)]
             if failed:
                 first = min(failed, key=lambda w: w.process.ended_at or 0)
+                self._drain_streams(first.output.streams, OUTPUT_DRAIN_SECONDS)  # its last words
                 return self._end_round(rdzv, a.round, failure_end(first, a, self.kill_causes.get(first.local_rank)))
             hangs = self.health.check({w.local_rank: w.output.last_output_at() for w in self.group.running()})
             if hangs:
@@ -345,6 +373,7 @@ class Agent:
             self._exit_barrier(rdzv, a)
             return 0
         if end.is_failure:
+            self.last_failure = end
             console.error("root cause: " + explain(end))
             if a.restart_count + 1 > self.spec.max_restarts:
                 self.report.outcome = "failed"
@@ -587,10 +616,14 @@ class Agent:
         group.close()
         self.group = None
 
-    def _drain_output(self, group: WorkerGroup) -> None:
-        deadline = time.monotonic() + 2.0
-        while any(s.open for s in group.streams) and time.monotonic() < deadline:
+    def _drain_streams(self, streams: list, seconds: float) -> None:
+        """Keep reading until these pipes reach end-of-file (bounded: a grandchild may hold them)."""
+        deadline = time.monotonic() + seconds
+        while any(s.open for s in streams) and time.monotonic() < deadline:
             self._pump(0.05)
+
+    def _drain_output(self, group: WorkerGroup) -> None:
+        self._drain_streams(group.streams, OUTPUT_DRAIN_SECONDS * 4)
         for key in list(self.selector.get_map().values()):
             if key.data[0] in ("stream", "exit"):
                 self.selector.unregister(key.fd)

@@ -234,6 +234,16 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Chec
     return None
 
 
+def newest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
+    """The step of the newest checkpoint file in `directory` (None if there is none).
+
+    The agent uses this to tell a crash loop (restarts that make no progress) from a job
+    that fails now and then but keeps moving forward.
+    """
+    found = _list_checkpoints(Path(directory))
+    return max(step for step, _ in found) if found else None
+
+
 def _require_dir(ctx: JobContext) -> Path:
     if ctx.checkpoint_dir is None:
         raise CheckpointDirNotSet(

@@ -46,6 +46,7 @@ class JobSpec:
     silence_timeout: float | None = None
     resource_interval: float = 5.0
     checkpoint_dir: str | None = None
+    crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
     python_exec: str = sys.executable
     cwd: str | None = None
     # Modules the worker template imports once (agent/template.py); workers are then forked

@@ -59,6 +59,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("preemption-signals", dict(default="SIGUSR1,SIGUSR2", help="Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint."), "rally extras"),
     ("preemption-grace", dict(type=float, default=60.0, help="Seconds workers get to checkpoint after a preemption signal."), "rally extras"),
     ("requeue", dict(is_flag=True, help="On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."), "rally extras"),
+    ("crash-loop-limit", dict(type=int, default=3, help="Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never)."), "rally extras"),
     ("no-slurm", dict(is_flag=True, help="Ignore the SLURM environment even inside a SLURM job."), "rally extras"),
 ]
 SHORT_NAMES = {"module": "-m", "redirects": "-r", "tee": "-t"}

@@ -386,6 +386,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         silence_timeout=_positive_or_none(o["silence_timeout"], "--silence-timeout"),
         resource_interval=_positive_or_none(o["resource_interval"], "--resource-interval") or 5.0,
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
+        crash_loop_limit=int(_non_negative(o["crash_loop_limit"], "--crash-loop-limit")),
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
         preload=parse_preload(o.get("preload"), bool(o.get("no_preload")), bool(o["no_python"])),
     )

@@ -74,6 +74,7 @@ class NodeInfo:
     nproc: int
     prev_rank: int | None = None
     preferred_rank: int | None = None
+    checkpoint_step: int | None = None  # the newest checkpoint this node can see (crash loops)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -97,6 +98,8 @@ class Assignment:
     watch_rank: int | None
     watch_host: str
     master_host: str
+    stalled_restarts: int = 0  # failures in a row after which no newer checkpoint appeared
+    checkpoint_step: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -178,8 +181,11 @@ class Rendezvous:
         settings: RendezvousSettings,
         me: NodeInfo,
         on_status: Callable[[str], None] = lambda _message: None,
+        progress: Callable[[], int | None] = lambda: None,
     ):
+        """`progress` returns the newest checkpoint step this node sees, for crash-loop detection."""
         self.store = store
+        self.progress = progress
         self.on_status = on_status
         self.settings = settings
         self.me = me
@@ -223,7 +229,7 @@ class Rendezvous:
         idx = self.store.add(f"{r}/joined", 1) - 1
         if idx >= s.max_nodes:
             return None
-        me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank})
+        me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress()})
         self.store.multi_set({f"{r}/node/{idx}": me.to_json(), f"{r}/arrival/{idx}": "1"})
         quorum_seen_at: float | None = None
         while not self.store.check(f"{r}/closed"):
@@ -274,7 +280,9 @@ class Rendezvous:
         indices = [int(n.rsplit("/", 1)[1]) for n in names]
         nodes = [NodeInfo.from_json(raw) for raw in self.store.multi_get(names)] if names else []
         ranks = assign_group_ranks(nodes)
-        restart_count, membership_changes = self._counts_entering(r)
+        steps = [n.checkpoint_step for n in nodes if n.checkpoint_step is not None]
+        checkpoint_step = max(steps) if steps else None
+        restart_count, membership_changes, stalled = self._counts_entering(r, checkpoint_step)
         by_rank = sorted(range(len(nodes)), key=lambda i: ranks[i])
         offsets, total = {}, 0
         for i in by_rank:
@@ -297,24 +305,41 @@ class Rendezvous:
                 watch_rank=watch,
                 watch_host=watch_host,
                 master_host=master_host,
+                stalled_restarts=stalled,
+                checkpoint_step=checkpoint_step,
             ).to_json()
         if assignments:
             self.store.multi_set(assignments)
-        record = {"members": n, "restart_count": restart_count, "membership_changes": membership_changes}
+        record = {
+            "members": n,
+            "restart_count": restart_count,
+            "membership_changes": membership_changes,
+            "stalled_restarts": stalled,
+            "checkpoint_step": checkpoint_step,
+        }
         self.store.set(f"{r}/closed", json.dumps(record))
         self.store.set(f"{r}/arrival/{self.store.counter(f'{r}/joined')}", "closed")
 
-    def _counts_entering(self, r: int) -> tuple[int, int]:
-        """(restart count, membership changes) for round r, from round r-1's record and end."""
+    def _counts_entering(self, r: int, checkpoint_step: int | None) -> tuple[int, int, int]:
+        """(restart count, membership changes, stalled restarts) for round r.
+
+        Derived from round r-1's record and end reason, so every node gets the same numbers.
+        A failure after which no newer checkpoint appeared extends the stall; any progress
+        resets it. Without checkpoints there is nothing to judge, and the stall stays 0.
+        """
         if r == 0 or not self.store.check(f"{r - 1}/closed"):
-            return 0, 0
+            return 0, 0, 0
         previous = json.loads(self.store.get(f"{r - 1}/closed"))
         restarts, changes = previous["restart_count"], previous["membership_changes"]
+        stalled = previous.get("stalled_restarts", 0)
         if self.store.check(f"{r - 1}/end"):
             end = RoundEnd.from_json(self.store.get(f"{r - 1}/end"))
             restarts += end.is_failure
             changes += end.is_membership_change
-        return restarts, changes
+            if end.is_failure and checkpoint_step is not None:
+                before = previous.get("checkpoint_step")
+                stalled = stalled + 1 if before is not None and checkpoint_step <= before else 0
+        return restarts, changes, stalled
 
     def _wait_as_spare(self, r: int) -> None:
         """Late for round r: register as waiting, ask a running job below MAX to re-form, wait."""
