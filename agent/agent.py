@@ -538,8 +538,12 @@ class Agent:
 
     def _install_signal_handlers(self) -> None:
         signal.set_wakeup_fd(self.signal_w, warn_on_full_buffer=False)
-        for signum in {*self.spec.signals_to_handle, *self.spec.preemption_signals}:
+        handled = {*self.spec.signals_to_handle, *self.spec.preemption_signals}
+        for signum in handled:
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the number
+        # The launcher blocks the preemption signals until now (see launcher.cli.main); a signal
+        # that arrived meanwhile is delivered here, to the handler just installed.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled | {signal.SIGUSR1, signal.SIGUSR2})
 
     def _preempt(self, rdzv: Rendezvous, a: Assignment, signum: int) -> RoundEnd:
         """The scheduler warned that the job will be killed: let workers checkpoint, then stop.
@@ -560,9 +564,21 @@ class Agent:
             self._pump(max(0.0, deadline - time.monotonic()))
             if any(s not in self.spec.preemption_signals for s in self._take_signals()):
                 break
+        self._wait_for_all_nodes_to_checkpoint(rdzv, a, deadline)
         self._requeue_once(rdzv, a)
         end = RoundEnd("preempted", f"{self.host} received {name}", self.host, {"exit_status": EXIT_PREEMPTED})
         return self._store_call(lambda: rdzv.end_round(a.round, end))
+
+    def _wait_for_all_nodes_to_checkpoint(self, rdzv: Rendezvous, a: Assignment, deadline: float) -> None:
+        """Node 0 requeues only when every node's workers are done (or the grace is over):
+        the requeue makes SLURM kill every task, and a shard still being saved would be lost."""
+        r = a.round
+        if self._store_call(lambda: rdzv.store.add(f"{r}/preempt_done", 1)) >= a.group_world_size:
+            self._store_call(lambda: rdzv.store.set(f"{r}/preempt_all_done", "1"))
+        if a.group_rank == 0 and self.spec.requeue:
+            remaining = max(0.01, deadline - time.monotonic())
+            if not self._store_call(lambda: rdzv.store.try_wait([f"{r}/preempt_all_done"], remaining)):
+                console.warn("not every node finished checkpointing within --preemption-grace; requeueing anyway")
 
     def _requeue_once(self, rdzv: Rendezvous | None, a: Assignment | None) -> None:
         """Node 0 asks the scheduler to requeue the job, once per job, when --requeue is on."""

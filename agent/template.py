@@ -52,6 +52,7 @@ The template half of this file imports only the standard library (it runs in eve
 from __future__ import annotations
 
 import array
+import gc
 import json
 import os
 import select
@@ -320,6 +321,10 @@ class _Template:
                 os.close(fd)
             self._send({"op": "refused", "reason": reason})
             return None
+        # Move everything the preload created into the GC's permanent generation: the child's
+        # collections (and the one at its exit) then skip torch's heap instead of touching every
+        # object, which would copy each page and, at exit, take seconds on a loaded machine.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             try:
@@ -503,8 +508,16 @@ REPLY_TIMEOUT = 30.0
 REPORT_TIMEOUT = 5.0  # between a worker's exit and the template's report of it
 
 
+# How long the template may take to exit by itself when the agent stops it.
+STOP_GRACE_SECONDS = 0.2
+
+
 class TemplateGone(Exception):
     """The template process died or stopped answering."""
+
+
+class TemplateStuck(TemplateGone):
+    """The template is alive but did not answer in time (a preload that hangs, say)."""
 
 
 class TemplateRefused(Exception):
@@ -605,7 +618,7 @@ class _Connection:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TemplateGone(f"the template did not answer within {timeout:g} s")
+                raise TemplateStuck(f"the worker template did not answer within {timeout:g} s")
             message = self._read(left)
             if message is None or message["op"] == "filed":
                 continue
@@ -626,10 +639,10 @@ class _Connection:
                 except TemplateGone:
                     return
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         with self.lock:
             if self.ready is None:
-                self._await(("ready",), timeout)
+                self._await(("ready",), READY_TIMEOUT if timeout is None else timeout)
             assert self.ready is not None
             return self.ready
 
@@ -837,8 +850,11 @@ class TemplateClient:
         return {self.connection.pid} if self.connection is not None else set()
 
     def stop(self) -> None:
+        """Stop the template at the agent's exit. Its workers are already stopped by then, so it
+        gets only a moment to leave by itself: one still importing torch cannot notice the
+        closed socket, and under SLURM's KillWait every second of exit counts."""
         if self.connection is not None:
-            self.connection.close()
+            self.connection.close(timeout=STOP_GRACE_SECONDS)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -886,10 +902,11 @@ class TemplateClient:
                 self._warn_once("refused", f"starting workers plainly from now on: {exc} (forking it would not be safe)")
                 break  # left running until stop(): workers it already forked die with it
             except TemplateGone as exc:
-                connection.close(timeout=1.0)
-                if attempt == 2:
+                connection.close(timeout=1.0)  # kills it if it is stuck: workers it forked die with it
+                if attempt == 2 or isinstance(exc, TemplateStuck):
                     self.disabled = str(exc)
                     self._warn_once("gone", f"starting workers plainly from now on: {exc}")
+                    break
                 else:
                     self.warn(f"the worker template failed ({exc}); starting a new one")
                     self.start()

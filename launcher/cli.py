@@ -11,6 +11,7 @@ RALLY_<NAME>) > the --config YAML file > SLURM (when inside a SLURM job) > defau
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any, Callable
 
@@ -63,6 +64,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("no-slurm", dict(is_flag=True, help="Ignore the SLURM environment even inside a SLURM job."), "rally extras"),
 ]
 SHORT_NAMES = {"module": "-m", "redirects": "-r", "tee": "-t"}
+EARLY_BLOCKED_SIGNALS = {signal.SIGUSR1, signal.SIGUSR2}
 CONFIG_KEYS = [name.replace("-", "_") for name, _, _ in OPTIONS]
 
 EPILOG = """\b
@@ -183,7 +185,10 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
     if unset("nnodes"):
         options["nnodes"] = str(job.nnodes)
         taken += ["nnodes", "node_rank"]
-    rendezvous_set = not all(unset(n) for n in ("rdzv_backend", "rdzv_endpoint", "master_addr", "master_port"))
+    rendezvous_set = (
+        not all(unset(n) for n in ("rdzv_endpoint", "master_addr", "master_port"))
+        or str(options["rdzv_backend"]).lower() == "static" and not unset("rdzv_backend")
+    )
     if not options["standalone"] and not rendezvous_set:
         options["rdzv_backend"] = "c10d"
         options["rdzv_endpoint"] = f"{job.store_host}:{job.store_port}"
@@ -211,6 +216,10 @@ def _run_agent(launch, requeue: Callable[[], str] | None = None) -> int:  # noqa
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `rally` and `python -m launcher`: one clear line and exit 2 on bad input."""
+    # A preemption warning can arrive while torch is still importing; its default action would
+    # kill rally before the agent can forward it. Blocked here, it stays pending until the agent
+    # installs its handlers and unblocks it (threads started meanwhile inherit the block).
+    signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "store":
         from launcher.store_command import store_command
