@@ -29,6 +29,7 @@ from typing import Any, Callable
 from agent import processes
 from agent.events import EventLog
 from agent.job import newest_checkpoint_step
+from agent.live import LiveView
 from agent.health import Hang, HealthMonitor, HealthSettings
 from agent.report import JobReport, explain, failure_end, failure_info
 from agent.spec import STACK_SIGNAL, JobSpec
@@ -154,6 +155,8 @@ class Agent:
         self.health = HealthMonitor(self.health_settings)
         self.kill_causes: dict[int, str] = {}
         self.last_failure: RoundEnd | None = None
+        self.assignment: Assignment | None = None
+        self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -169,6 +172,8 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
+            if self.live is not None:
+                self.live.stop()
             self._stop_template()
             self._stop_orphan_guard()
         self.report.exit_code = code
@@ -234,6 +239,10 @@ class Agent:
     # ================================================================ one round
     def _run_round(self, rdzv: Rendezvous, watcher: Rendezvous, keeper: Rendezvous, a: Assignment) -> RoundEnd:
         r = a.round
+        self.assignment = a
+        if self.live is None and LiveView.wanted(console.console()) and not self.spec.quiet:
+            self.live = LiveView(console.console(), lambda: self._status_record(self.assignment))
+            self.live.start()
         self.report.begin(a)
         self.events.emit(
             "round_formed",
@@ -268,7 +277,10 @@ class Agent:
     def _watch_workers(self, rdzv: Rendezvous, a: Assignment, master: tuple[str, int]) -> RoundEnd:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
-        self.group = WorkerGroup.start(self.spec, self.base_env, a, master, self.logs, multi_node, launch=launch)
+        sink = self.live.sink if self.live is not None else None
+        self.group = WorkerGroup.start(
+            self.spec, self.base_env, a, master, self.logs, multi_node, console_out=sink, console_err=sink, launch=launch
+        )
         self.health = HealthMonitor(self.health_settings)
         for stream in self.group.streams:
             self.selector.register(stream.fd, selectors.EVENT_READ, ("stream", stream))

@@ -37,6 +37,7 @@ class JobSpec:
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
     prefix_output: bool = True
+    quiet: bool = False  # --quiet: only rally's own lines on the console (log files unchanged)
     shutdown_timeout: float = 30.0
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     preemption_signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)
@@ -64,5 +65,11 @@ class JobSpec:
         mode = "module" if self.module else "path" if self.run_path else "script"
         return [self.python_exec, "-u", BOOTSTRAP, mode, self.entrypoint, *self.args]
 
+    def uses_torchrun_logs(self) -> bool:
+        """--redirects or --tee given: console output then follows torchrun's format exactly."""
+        return any(self.redirects.values()) or any(self.tee.values())
+
     def shows_on_console(self, local_rank: int) -> bool:
+        if self.quiet:
+            return False
         return self.local_ranks_filter is None or local_rank in self.local_ranks_filter

@@ -180,14 +180,10 @@ class WorkerGroup:
             redirect = spec.redirects.get(local_rank, 0) | spec.tee.get(local_rank, 0)
             tee = spec.tee.get(local_rank, 0)
             shown = spec.shows_on_console(local_rank)
-            if tee or redirect:
-                prefix = f"[{spec.role}{local_rank}]:".encode()
-            elif multi_node:
-                prefix = f"[{host}:{rank}] ".encode()
-            else:
-                prefix = f"[{rank}] ".encode()
+            torchrun_style = spec.uses_torchrun_logs()
+            tee_prefix = f"[{spec.role}{local_rank}]:".encode()
+            rally_prefix = f"[{host}:{rank}] ".encode() if multi_node else f"[{rank}] ".encode()
             fds: dict[int, object] = {}
-            pipes: list[tuple[int, int, int]] = []  # (bit, read end, write end)
             for bit, name, console in ((STDOUT, "stdout", console_out), (STDERR, "stderr", console_err)):
                 path = rank_dir / f"{name}.log"
                 if redirect & bit and not tee & bit:
@@ -199,13 +195,14 @@ class WorkerGroup:
                 read_end, write_end = os.pipe()
                 os.set_blocking(read_end, False)
                 fds[bit] = write_end
-                pipes.append((bit, read_end, write_end))
                 output.streams.append(
                     OutputStream(
                         fd=read_end,
                         console=console if shown else None,
-                        prefix=prefix if spec.prefix_output or tee & bit else b"",
-                        whole_lines=spec.prefix_output or bool(tee & bit),
+                        # As torchrun when its log flags are used: tee'd streams get
+                        # "[role0]:", the others go to the console untouched.
+                        prefix=tee_prefix if tee & bit else b"" if torchrun_style or not spec.prefix_output else rally_prefix,
+                        whole_lines=bool(tee & bit) or (spec.prefix_output and not torchrun_style),
                         file=open(path, "wb") if tee & bit else None,  # noqa: SIM115
                         tail=output.stderr_tail if bit == STDERR else None,
                     )

@@ -53,6 +53,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("no-python", dict(is_flag=True, help="Run SCRIPT as an executable, not with python."), "Entry point"),
     ("run-path", dict(is_flag=True, help="Run SCRIPT with runpy.run_path."), "Entry point"),
     ("no-prefix", dict(is_flag=True, help="Do not prefix worker output lines with their rank."), "rally extras"),
+    ("quiet", dict(is_flag=True, help="Show only rally's own lines on the console, not the workers' output."), "Logs and output"),
     ("checkpoint-dir", dict(default=None, help="Where workers save checkpoints (RALLY_CHECKPOINT_DIR)."), "rally extras"),
     ("heartbeat-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without agent.job.heartbeat() (armed by its first beat)."), "Health"),
     ("silence-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without output."), "Health"),
@@ -137,7 +138,7 @@ def _declare(fn: Callable) -> Callable:
 def run_command(ctx: click.Context, config: str | None, script: str | None, script_args: tuple[str, ...], **options: Any) -> int:
     """Launch SCRIPT on this node's workers, torchrun-compatible: same flags, same worker environment."""
     file_values = ctx.default_map or {}
-    if script is None:
+    if script is None or ctx.get_parameter_source("script") == ParameterSource.DEFAULT_MAP:
         script = file_values.get("script")
         script_args = tuple(file_values.get("args", ()))
     _apply_slurm(ctx, options)
@@ -239,10 +240,12 @@ def main(argv: list[str] | None = None) -> None:
         console.plain_error(str(exc))
         sys.exit(2)
     except click.UsageError as exc:
-        hint = ""
-        if isinstance(exc, click.NoSuchOption) and exc.possibilities:
-            hint = f"; did you mean {exc.possibilities[0]}?"
-        console.plain_error(f"{exc.format_message()}{hint}")
+        message = exc.format_message()
+        if isinstance(exc, click.NoSuchOption):
+            message = f"no such option {exc.option_name}; see rally --help"
+            if exc.possibilities:
+                message = f"no such option {exc.option_name}; did you mean {sorted(exc.possibilities)[0]}?"
+        console.plain_error(message)
         sys.exit(2)
     except click.ClickException as exc:
         console.plain_error(exc.format_message())

@@ -317,17 +317,18 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         # torchrun 2.13 does the same: a single-node static job needs no fixed port.
         backend, endpoint_text, run_id = "c10d", "localhost:0", str(uuid.uuid4()) if run_id == "none" else run_id
 
-    preferred_rank = int(node_rank) if node_rank is not None else o.get("_preferred_rank")
+    preferred_rank = int(node_rank) if node_rank is not None else (0 if backend == "static" else o.get("_preferred_rank"))
     if backend == "static":
         if min_nodes != max_nodes:
             raise ConfigError("--rdzv-backend static needs a fixed --nnodes N (MIN:MAX needs c10d)")
-        if node_rank is None:
-            raise ConfigError("--rdzv-backend static needs --node-rank (0 on the node that hosts the store)")
-        if int(node_rank) >= max_nodes:
+        node_rank = 0 if node_rank is None else int(node_rank)  # torchrun's default too
+        if node_rank >= max_nodes:
             raise ConfigError(f"--node-rank {node_rank} is not below --nnodes {max_nodes}")
-        host = o["master_addr"] or "127.0.0.1"
-        port = int(o["master_port"] if o["master_port"] is not None else DEFAULT_MASTER_PORT)
-        endpoint = StoreEndpoint(host, port, host_here=int(node_rank) == 0)
+        # As torchrun: --rdzv-endpoint, when given, is the master address and port.
+        host, port = parse_endpoint(endpoint_text, -1) if endpoint_text else (o["master_addr"] or "127.0.0.1", -1)
+        if port < 0:
+            port = int(o["master_port"] if o["master_port"] is not None else DEFAULT_MASTER_PORT)
+        endpoint = StoreEndpoint(host, port, host_here=node_rank == 0)
     else:
         if not endpoint_text:
             if max_nodes > 1:
@@ -361,7 +362,9 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
     shutdown_timeout = o["shutdown_timeout"]
     if shutdown_timeout is None:
         shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
-    local_addr = o["local_addr"] or (o["master_addr"] if backend == "static" and int(node_rank or 0) == 0 and o["master_addr"] else None) or socket.getfqdn()
+    # Node rank 0 of a static job is, by definition, reachable at the master address.
+    static_master = endpoint.host if backend == "static" and endpoint.host_here else None
+    local_addr = o["local_addr"] or static_master or socket.getfqdn()
     spec = JobSpec(
         entrypoint=script,
         args=tuple(script_args),
@@ -377,6 +380,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         tee=parse_std_map(o["tee"], "--tee", nproc),
         local_ranks_filter=parse_ranks_filter(o["local_ranks_filter"]),
         prefix_output=not o["no_prefix"],
+        quiet=bool(o["quiet"]),
         shutdown_timeout=float(shutdown_timeout),
         signals_to_handle=parse_signals(o["signals_to_handle"], "--signals-to-handle"),
         preemption_signals=parse_signals(o["preemption_signals"], "--preemption-signals"),

@@ -40,7 +40,7 @@ def quiet_torch_logs() -> None:
 
     Must run before torch is imported. Only sets the level when the user has not chosen one.
     """
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     # A TCPStore client reverse-resolves its peer; where the resolver drops queries this
     # stalls a connect for 5 s (see DESIGN.md). One short attempt is enough for a log line.
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
