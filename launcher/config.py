@@ -216,17 +216,43 @@ def parse_signals(text: str, flag: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def parse_preload(text: str | None, no_preload: bool, no_python: bool) -> tuple[str, ...] | None:
+def imports_only_stdlib(script: str) -> bool:
+    """True when a script imports nothing but the standard library (and rally's own `agent`).
+
+    Such a script has nothing heavy to preload, so a template would only cost an import of
+    torch that no worker uses. Read with `ast`, never executed; unreadable means "no".
+    """
+    import ast
+
+    try:
+        tree = ast.parse(Path(script).read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names <= set(sys.stdlib_module_names) | {"agent", "__future__"}
+
+
+def parse_preload(
+    text: str | None, no_preload: bool, no_python: bool, script: str | None = None, module: bool = False
+) -> tuple[str, ...] | None:
     """What the worker template imports (agent/template.py); None: no template, plain starts.
 
-    Default: torch, when the entry point is Python and torch is importable. --no-preload wins
-    over --preload; --no-python always starts plainly.
+    Default: torch, when the entry point is Python, torch is importable, and the script imports
+    something beyond the standard library (a script that does not has nothing to preload).
+    --no-preload wins over --preload; --no-python always starts plainly.
     """
     if no_preload or no_python:
         return None
     if text is None:
         import importlib.util
 
+        if script and not module and imports_only_stdlib(script):
+            return None
         return ("torch",) if importlib.util.find_spec("torch") is not None else None
     items = text if isinstance(text, (list, tuple)) else str(text).split(",")  # a YAML list or A,B
     names = tuple(str(n).strip() for n in items if str(n).strip())
@@ -392,7 +418,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
         crash_loop_limit=int(_non_negative(o["crash_loop_limit"], "--crash-loop-limit")),
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
-        preload=parse_preload(o.get("preload"), bool(o.get("no_preload")), bool(o["no_python"])),
+        preload=parse_preload(o.get("preload"), bool(o.get("no_preload")), bool(o["no_python"]), script, bool(o["module"])),
     )
     plan = RendezvousPlan(
         endpoint=endpoint,
