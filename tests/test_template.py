@@ -332,6 +332,34 @@ def test_an_environment_the_template_was_not_started_with_means_a_plain_start(te
     assert any("LD_PRELOAD" in w for w in template.warnings)  # type: ignore[attr-defined]
 
 
+@pytest.mark.timeout(120)
+def test_a_preload_that_hangs_means_plain_starts_not_a_hung_agent(workdir: Path, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import agent.template
+
+    write_probe(workdir / "sleepy.py", "import time\ntime.sleep(600)\n")
+    write_probe(workdir / "hello.py", "print('hello')\n")
+    monkeypatch.setattr(agent.template, "READY_TIMEOUT", 2.0)
+    warnings: list[str] = []
+    argv = worker_argv("script", "hello.py")
+    client = TemplateClient(sys.executable, BOOTSTRAP, argv, ("sleepy",), base_env, str(workdir), warnings.append)
+    client.start()
+    stuck = client.pid
+    try:
+        started = time.monotonic()
+        child = client.spawn(argv, {**base_env, "RANK": "0"}, str(workdir), subprocess.DEVNULL, None)
+        assert not isinstance(child, ForkedChild) and child.wait() == 0
+        assert time.monotonic() - started < 30
+        child.close()
+        assert len(warnings) == 1 and "did not answer within 2 s" in warnings[0], warnings
+        assert stuck is not None and not is_alive(stuck), "the stuck template is killed"
+        second = client.spawn(argv, {**base_env, "RANK": "1"}, str(workdir), subprocess.DEVNULL, None)
+        assert not isinstance(second, ForkedChild) and second.wait() == 0
+        second.close()
+        assert len(warnings) == 1
+    finally:
+        client.stop()
+
+
 def test_template_command_line_has_room_for_the_workers_exactly() -> None:
     worker = worker_argv("script", "train.py", "--lr", "0.1")
     padded = template_command(sys.executable, BOOTSTRAP, worker)
@@ -395,7 +423,7 @@ def test_rally_forks_every_round_from_one_template(tmp_path: Path) -> None:
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
     result = run_rally(
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--shutdown-timeout", "5", "probe.py", "--flag"],
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--shutdown-timeout", "5", "--preload", "torch", "probe.py", "--flag"],
         cwd=tmp_path,
         env=rally_env(out, PROBE_FAIL_UNTIL="2"),
         timeout=170,
@@ -445,7 +473,7 @@ def test_a_dead_template_takes_its_workers_and_is_replaced(tmp_path: Path, procs
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
     rally = start_rally(
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "3", "probe.py"],
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "3", "--preload", "torch", "probe.py"],
         cwd=tmp_path,
         env=rally_env(out, PROBE_SLEEP_ROUND0="120"),
     )
