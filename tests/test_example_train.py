@@ -27,6 +27,10 @@ STEPS, EVERY = 40, 5
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # Hook: RALLY_TEST_START_MODE=plain|template picks how workers start (tests/helpers.py
+    # start_mode_env, agent/template.py); unset keeps rally's default.
+    start_mode = {"plain": {"RALLY_NO_PRELOAD": "1"}, "template": {"RALLY_PRELOAD": "torch"}}
+    env.update(start_mode.get(os.environ.get("RALLY_TEST_START_MODE", ""), {}))
     return env
 
 
