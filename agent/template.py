@@ -14,7 +14,8 @@ What the child resets, in this order (`_become_worker`):
   the agent dies), then its own session and process group (setsid);
 * signal dispositions and the signal mask, back to what the template had when its
   interpreter started, which is what a fresh worker gets: Python's own SIGINT handler,
-  SIGPIPE and SIGXFSZ ignored, every signal the agent ignores still ignored, all else default;
+  SIGPIPE and SIGXFSZ ignored, every signal the agent ignores still ignored, all else default
+  (the agent sends what it ignores and blocks at each request, in case that changed);
 * stdin, stdout, stderr: the fds the agent sent (log files or pipes), new `sys.std*` objects
   built the way the interpreter builds them; the control socket and every other fd the
   template opened are closed (fds a preloaded module opened for itself are kept);
@@ -353,7 +354,7 @@ class _Template:
         if os.getppid() != self.pid:
             os._exit(1)
         os.setsid()
-        self._restore_signals()
+        self._restore_signals(set(request.get("ignored", ())), request.get("sigmask"))
         self._install_stdio(request, fds)
         os.chdir(request["cwd"])
         os.environ.clear()
@@ -363,15 +364,27 @@ class _Template:
         sys.orig_argv = list(request["argv"])
         _fresh_process_state()
 
-    def _restore_signals(self) -> None:
+    def _restore_signals(self, ignored: set[int], sigmask: list[int] | None) -> None:
+        """Dispositions and mask as a fresh worker started by the agent right now would have them.
+
+        That is the template's own start-up state (same interpreter, same start path), adjusted
+        for what the agent ignores or blocks now if that changed since: an ignored signal stays
+        ignored across exec, SIGPIPE/SIGXFSZ are ignored by every Python, SIGINT gets Python's
+        handler unless ignored, and the mask is inherited as it is.
+        """
         signal.set_wakeup_fd(-1)
         for signum, handler in self.initial_handlers.items():
+            if signum not in _PYTHON_IGNORES:
+                if signum in ignored:
+                    handler = signal.SIG_IGN
+                elif handler is signal.SIG_IGN:
+                    handler = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
             if signal.getsignal(signum) is not handler:
                 try:
                     signal.signal(signum, handler)
                 except (OSError, ValueError):
                     pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, self.initial_mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.initial_mask if sigmask is None else sigmask)
 
     def _install_stdio(self, request: dict[str, Any], fds: list[int]) -> None:
         """fds 0-2 from the request, everything the template opened closed, new sys.std* objects."""
@@ -400,6 +413,20 @@ class _Template:
             except OSError:
                 pass
         _reopen_stdio(self.unbuffered)
+
+
+# Python ignores these at start-up whatever it inherited (subprocess resets them before exec).
+_PYTHON_IGNORES = frozenset({signal.SIGPIPE, signal.SIGXFSZ})
+
+
+def ignored_signals() -> set[int]:
+    """Signals this process ignores that a child would inherit ignored (agent side)."""
+    out = set()
+    for signum in signal.valid_signals():
+        if signum not in (signal.SIGKILL, signal.SIGSTOP) and signum not in _PYTHON_IGNORES:
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                out.add(int(signum))
+    return out
 
 
 def _rewrite_proc_area(which: str, strings: list[str]) -> bool:
@@ -940,6 +967,9 @@ class TemplateClient:
             "env": env,
             "cwd": os.path.abspath(cwd or os.getcwd()),
             "stdio": [fd is not None for fd in stdio],
+            # What a plainly started worker would inherit from this thread right now.
+            "ignored": sorted(ignored_signals()),
+            "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
         }
         started = time.monotonic()
         pid, pidfd = connection.fork(message, [fd for fd in stdio if fd is not None])

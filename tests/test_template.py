@@ -332,6 +332,41 @@ def test_an_environment_the_template_was_not_started_with_means_a_plain_start(te
     assert any("LD_PRELOAD" in w for w in template.warnings)  # type: ignore[attr-defined]
 
 
+SIGNAL_STATE = """
+import json, os, signal
+# Not SigCgt: glibc catches signal 33 (SIGSETXID) once a process has had a thread, and the
+# template has (OpenBLAS, see agent/template.py); this probe imports nothing that starts one.
+status = {l.split(":")[0]: l.split()[1] for l in open("/proc/self/status") if l.startswith(("SigIgn", "SigBlk"))}
+handlers = {int(s): getattr(signal.getsignal(s), "name", None) or getattr(signal.getsignal(s), "__qualname__", "?")
+            for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)}
+print(json.dumps({"status": status, "handlers": handlers}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_signals_the_agent_ignores_or_blocks_at_spawn_time_are_inherited_as_by_a_plain_start(
+    template: TemplateClient, workdir: Path, base_env: dict[str, str]
+) -> None:
+    """The template started before; the agent (this process) now ignores SIGHUP, as under nohup,
+    and blocks SIGUSR2: a forked worker must get what a plain start gets now."""
+    write_probe(workdir / "signal_state.py", SIGNAL_STATE)
+    argv = worker_argv("script", "signal_state.py")
+    runs = {}
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    try:
+        for how in ("plain", "template"):
+            runs[how] = start(how, template, argv, {**base_env, "RANK": "0"}, workdir, f"signals-{how}")
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
+        signal.signal(signal.SIGHUP, previous)
+    assert runs["template"] == runs["plain"]
+    state = json.loads(runs["template"][1])
+    assert state["handlers"][str(int(signal.SIGHUP))] == "SIG_IGN"
+    assert int(state["status"]["SigBlk"], 16) == 1 << (signal.SIGUSR2 - 1)
+    assert state["handlers"][str(int(signal.SIGINT))] == "default_int_handler"
+
+
 @pytest.mark.timeout(120)
 def test_a_preload_that_hangs_means_plain_starts_not_a_hung_agent(workdir: Path, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     import agent.template
