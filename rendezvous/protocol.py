@@ -5,15 +5,17 @@ into a later one. A round goes through three states:
 
     forming  --close-->  running  --end-->  ended      (the next round is `round + 1`)
 
-Forming (O(1) store calls per node):
+Forming (O(1) store calls per node, however the arrivals are spread out):
     idx = add(<r>/joined, 1) - 1            arrival order; idx >= MAX is late
-    multi_set(<r>/node/<idx>, <r>/arrival/<idx>)
-    wait on <r>/arrival/<count>             a doorbell rung by the next arrival (or the closer)
-  A round closes when MAX nodes joined, or at least MIN joined and every node expected back
-  from the previous round is in, or MIN joined and `last_call_timeout` passed. The first node
-  to win `compare_set(<r>/closer)` reads the descriptors once, assigns group ranks (a node
-  keeps its rank across rounds when it can) and writes one small assignment key per node.
-  A node only reads its own assignment: joining costs each node a constant number of calls.
+    set(<r>/node/<idx>)                     this node's descriptor
+    wait on <r>/closed                      nobody wakes for other nodes' arrivals
+  The arrival that completes the round closes it: the MAX-th, or one that brings in every
+  node expected back from the previous round (at least MIN). The MIN-th arrival keeps the
+  last call: it waits `last_call_timeout` for more, then closes. (Any waiter whose wait runs
+  out with MIN present closes too, should that node have died.) The first node to win
+  `compare_set(<r>/closer)` reads the descriptors once, assigns group ranks (a node keeps its
+  rank across rounds when it can) and writes one small assignment key per node; each node
+  reads only its own.
 
 Running: every member bumps its keep-alive counter `<r>/alive/<group_rank>` and watches the
   next member's counter (a ring), so a dead node is noticed by exactly one watcher within the
@@ -230,7 +232,7 @@ class Rendezvous:
         if idx >= s.max_nodes:
             return None
         me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress()})
-        self.store.multi_set({f"{r}/node/{idx}": me.to_json(), f"{r}/arrival/{idx}": "1"})
+        self.store.set(f"{r}/node/{idx}", me.to_json())
         quorum_seen_at: float | None = None
         while not self.store.check(f"{r}/closed"):
             count = self.store.counter(f"{r}/joined")
@@ -252,7 +254,7 @@ class Rendezvous:
                         f"{count} of at least {s.min_nodes} nodes joined; start the missing nodes "
                         "or raise join_timeout (--rdzv-conf join_timeout=SECONDS)"
                     )
-            self.store.try_wait([f"{r}/arrival/{count}"], min(remaining, WAIT_SLICE_SECONDS))
+            self.store.try_wait([f"{r}/closed"], min(remaining, WAIT_SLICE_SECONDS))
         mine = f"{r}/assign/{idx}"
         if not self.store.check(mine):
             return None
@@ -318,7 +320,6 @@ class Rendezvous:
             "checkpoint_step": checkpoint_step,
         }
         self.store.set(f"{r}/closed", json.dumps(record))
-        self.store.set(f"{r}/arrival/{self.store.counter(f'{r}/joined')}", "closed")
 
     def _counts_entering(self, r: int, checkpoint_step: int | None) -> tuple[int, int, int]:
         """(restart count, membership changes, stalled restarts) for round r.
