@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 from dataclasses import asdict, dataclass, field
 from rendezvous.store import Store, StoreTimeout
+
+T = TypeVar("T")
 
 # Round-end kinds. Failures spend the restart budget; membership changes do not.
 FAILURE_KINDS = frozenset({"worker_failed", "worker_hung"})
@@ -66,8 +68,19 @@ class RendezvousSettings:
     keep_alive_timeout: float = 5.0
 
 
+class _StoredRecord:
+    """A dataclass that travels through the store as JSON."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls: type[T], text: bytes | str) -> T:
+        return cls(**json.loads(text))
+
+
 @dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(_StoredRecord):
     """What a node tells the round about itself."""
 
     node_id: str
@@ -78,16 +91,10 @@ class NodeInfo:
     preferred_rank: int | None = None
     checkpoint_step: int | None = None  # the newest checkpoint this node can see (crash loops)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: bytes | str) -> "NodeInfo":
-        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True)
-class Assignment:
+class Assignment(_StoredRecord):
     """One node's place in a formed round: all it needs to start its workers."""
 
     round: int
@@ -103,16 +110,10 @@ class Assignment:
     stalled_restarts: int = 0  # failures in a row after which no newer checkpoint appeared
     checkpoint_step: int | None = None
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: bytes | str) -> "Assignment":
-        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True)
-class RoundEnd:
+class RoundEnd(_StoredRecord):
     """Why a round ended. `kind` decides what happens next; `detail` is for people."""
 
     kind: str
@@ -128,12 +129,6 @@ class RoundEnd:
     def is_membership_change(self) -> bool:
         return self.kind in MEMBERSHIP_KINDS
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: bytes | str) -> "RoundEnd":
-        return cls(**json.loads(text))
 
 
 def read_job_status(store: Store) -> dict | None:
