@@ -1,0 +1,375 @@
+"""Simulated rendezvous: N nodes as threads spread over a few processes, one TCPStore.
+
+    python -m bench.simrdzv --nodes N [--trials floor,rally,rally,torch] [--procs P] [--timeout S]
+
+Prints one JSON line per trial: {"impl", "nodes", "converged", "done", "elapsed", "store_ops", ...}.
+
+How it runs:
+* this (parent) process hosts the TCPStore server on 127.0.0.1, port 0 (OS-assigned), and
+  does nothing else, so the server's thread has a core's worth of attention;
+* P child processes each simulate N/P nodes as threads. Every node has its own TCPStore
+  client connection (as a real node would), opened once and used by every trial;
+* per trial, every node gets a fresh rendezvous object before the clock starts: rally's
+  `rendezvous.protocol.Rendezvous` under a fresh key prefix, or torch's
+  `DynamicRendezvousHandler` over a `C10dRendezvousBackend` with a fresh run id;
+* when every child is ready the parent says "go" to all of them and takes t0
+  (time.monotonic(), one clock for all processes on Linux); a node is done when its
+  `next_round()` / `next_rendezvous()` returns. `elapsed` = last node done - t0;
+* after `--timeout` the parent collects how many nodes finished, reports the trial as not
+  converged, skips the remaining trials and kills the children. torch trials should come
+  last: a converged torch handler keeps sending keep-alives to the store in the background.
+
+`--stagger S` spreads the arrivals evenly over S seconds (node i starts at i/N * S), as
+start-up skew between real nodes would; `elapsed` then includes S.
+
+`floor` is the harness's own floor: every node does 16 store `add`s (about as many store
+calls as one rally node makes per round) and nothing else, i.e. how fast this machine can
+serve N clients at all, with their Python threads sharing its cores.
+
+Caveat: the nodes' client-side CPU work shares this machine's cores (and each child's GIL).
+torch's client work per operation grows with N (it pickles and base64-encodes the whole
+state, every participant and heartbeat, on every compare-and-set); rally's does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# Each TCPStore client reverse-resolves its peer; with a resolver that drops queries every
+# connect would stall 5 s (DESIGN.md). glibc reads this at the first lookup.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+# torch's handler would start a TCPStore server for the workers on rank 0: not part of the
+# rendezvous being measured (rally's simulation starts none either).
+os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+FLOOR_OPS = 16
+IMPLS = ("floor", "rally", "torch")
+
+
+def raise_fd_limit(needed: int) -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < needed:
+        target = hard if hard == resource.RLIM_INFINITY else min(hard, needed)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# ================================================================== child: some of the nodes
+class Counter:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.events: dict[str, float] = {}  # rally: when the last join / the close happened here
+
+    def event(self, name: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.events[name] = max(self.events.get(name, 0.0), now)
+
+    def bump(self) -> None:
+        with self.lock:
+            self.calls += 1
+
+
+def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counter: Counter, timeout: float) -> list:
+    """One callable per simulated node that blocks until the node has its assignment."""
+    nodes = []
+    if impl == "rally":
+        from rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
+        from rendezvous.store import Store
+
+        class CountingStore(Store):
+            def _call(self, fn, *a):  # noqa: ANN001, ANN202
+                counter.bump()
+                value = super()._call(fn, *a)
+                name = getattr(fn, "__name__", "")
+                if name == "add" and a[1] == 1 and a[0].endswith("/joined"):
+                    counter.event("last_join")
+                elif name == "set" and a[0].endswith("/closed"):
+                    counter.event("closed")
+                return value
+
+        settings = RendezvousSettings(min_nodes=n, max_nodes=n, join_timeout=timeout + 30, last_call_timeout=30)
+        for j, raw in enumerate(clients):
+            i = first + j
+            store = CountingStore(raw, f"rally/sim{trial}/", "the simulated store", lambda raw=raw: raw)
+            me = NodeInfo(node_id=f"node{i:05d}:{i}:sim", host=f"node{i:05d}", addr="127.0.0.1", nproc=8)
+            nodes.append(lambda r=Rendezvous(store, settings, me): r.next_round().group_rank)
+    elif impl == "torch":
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            DynamicRendezvousHandler,
+            RendezvousTimeout,
+        )
+
+        class CountingProxy:
+            """What C10dRendezvousBackend sees: the node's store, with its calls counted."""
+
+            def __init__(self, store) -> None:  # noqa: ANN001
+                self._store = store
+
+            def __getattr__(self, name):  # noqa: ANN001, ANN204
+                fn = getattr(self._store, name)
+
+                def call(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                    counter.bump()
+                    return fn(*a, **k)
+
+                return call
+
+        rdzv_timeout = RendezvousTimeout(join=timedelta(seconds=timeout + 30))
+        run_id = f"sim{trial}"
+        for j, raw in enumerate(clients):
+            i = first + j
+            backend = C10dRendezvousBackend(CountingProxy(raw), run_id)
+            handler = DynamicRendezvousHandler.from_backend(
+                run_id, raw, backend, min_nodes=n, max_nodes=n, local_addr=f"node{i:05d}", timeout=rdzv_timeout
+            )
+            nodes.append(lambda h=handler: h.next_rendezvous().rank)
+    else:  # floor
+        for j, raw in enumerate(clients):
+            key = f"floor{trial}/{first + j}"
+
+            def ops(raw=raw, key=key) -> int:  # noqa: ANN001
+                for _ in range(FLOOR_OPS):
+                    counter.bump()
+                    raw.add(key, 1)
+                return 0
+
+            nodes.append(ops)
+    return nodes
+
+
+def run_trial(nodes: list, first: int, counter: Counter, n: int = 0, stagger: float = 0.0) -> dict:
+    """Start one thread per node, say "ready", run on "go", report when done or asked."""
+    count = len(nodes)
+    lock = threading.Lock()
+    start = threading.Event()
+    report = threading.Event()  # every node here is done, or the parent asks for a report
+    done_at: list[float | None] = [None] * count
+    ranks: list[int | None] = [None] * count
+    errors: list[str] = []
+    remaining = [count]
+    ops_done: list[int | None] = [None]
+    calls_before = counter.calls
+    counter.events.clear()
+
+    def node(j: int) -> None:
+        start.wait()
+        if stagger:  # arrivals spread evenly over `stagger` seconds, as with start-up skew
+            time.sleep(stagger * (first + j) / max(n, 1))
+        try:
+            ranks[j] = nodes[j]()
+            done_at[j] = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            text = str(exc).strip().splitlines()
+            with lock:
+                errors.append(f"node {first + j}: {type(exc).__name__}: {text[0] if text else ''}")
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                ops_done[0] = counter.calls
+                report.set()
+
+    for j in range(count):
+        threading.Thread(target=node, args=(j,), daemon=True).start()
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        os._exit(1)
+    start.set()
+
+    def listen() -> None:
+        if sys.stdin.readline().strip() == "report":
+            report.set()
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    report.wait()
+    with lock:
+        result = {
+            "done_at": list(done_at),
+            "ranks": list(ranks),
+            "errors": list(errors),
+            "store_ops": (ops_done[0] if ops_done[0] is not None else counter.calls) - calls_before,
+            "events": dict(counter.events),
+        }
+    print(json.dumps(result), flush=True)
+    if remaining[0]:
+        return {"stop": True}
+    # The parent sends "next" (or "report" we must swallow) before the next trial's "ready".
+    listener.join()
+    return {"stop": False}
+
+
+def child(args: argparse.Namespace) -> None:
+    n, first, count = args.nodes, args.first, args.count
+    raise_fd_limit(count + 256)
+    threading.stack_size(512 * 1024)
+    from torch.distributed import TCPStore
+
+    op_timeout = timedelta(seconds=args.timeout + 30)
+    clients = [TCPStore("127.0.0.1", args.port, is_master=False, timeout=op_timeout) for _ in range(count)]
+    counter = Counter()
+    for trial, impl in enumerate(args.trials.split(",")):
+        nodes = build_nodes(impl, trial, n, first, clients, counter, args.timeout)
+        if run_trial(nodes, first, counter, n, args.stagger)["stop"]:
+            break
+    time.sleep(args.timeout + 60)  # the parent kills us
+    os._exit(0)
+
+
+# ================================================================== parent: the store and the clock
+def parent(args: argparse.Namespace) -> None:
+    n, procs = args.nodes, max(1, min(args.procs, args.nodes))
+    trials = args.trials.split(",")
+    fd_limit = raise_fd_limit(n + 512)
+    if fd_limit < n + 64:
+        for impl in trials:
+            emit({"impl": impl, "nodes": n, "converged": False, "error": f"fd limit {fd_limit} too low"})
+        return
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
+                      timeout=timedelta(seconds=args.timeout + 30))
+    base, extra = divmod(n, procs)
+    children: list[subprocess.Popen] = []
+    first = 0
+    t_setup = time.monotonic()
+    try:
+        for p in range(procs):
+            count = base + (1 if p < extra else 0)
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "bench.simrdzv", "--child", "--trials", args.trials, "--nodes", str(n),
+                     "--first", str(first), "--count", str(count), "--port", str(server.port),
+                     "--timeout", str(args.timeout), "--stagger", str(args.stagger)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                )
+            )
+            first += count
+        stopped = False
+        for trial, impl in enumerate(trials):
+            base_result = {"impl": impl, "nodes": n, "procs": procs, "trial": trial, "timeout": args.timeout,
+                           "stagger": args.stagger}
+            if stopped:
+                emit({**base_result, "converged": False, "skipped": True, "error": "an earlier trial did not converge"})
+                continue
+            setup_deadline = time.monotonic() + 120 + n * 0.05
+            lines = [_readline(c, setup_deadline) for c in children]
+            if any(line != "ready" for line in lines):
+                emit({**base_result, "converged": False, "error": f"a child did not get ready ({lines})"})
+                stopped = True
+                continue
+            setup = time.monotonic() - t_setup
+            t0 = time.monotonic()
+            for c in children:
+                c.stdin.write("go\n")
+                c.stdin.flush()
+            deadline = t0 + args.timeout
+            done_at, ranks, errors, ops = [], [], [], 0
+            events: dict[str, float] = {}
+            complete = True
+            for c in children:
+                line = _readline(c, deadline)
+                if not line:  # not converged in time: ask for what this child has so far
+                    complete = False
+                    _send(c, "report")
+                    line = _readline(c, time.monotonic() + 10)
+                if line:
+                    part = json.loads(line)
+                    done_at += part["done_at"]
+                    ranks += part["ranks"]
+                    errors += part["errors"]
+                    ops += part["store_ops"]
+                    for k, v in part.get("events", {}).items():
+                        events[k] = max(events.get(k, 0.0), v)
+            finished = [d for d in done_at if d is not None]
+            unique = len({r for r in ranks if r is not None})
+            converged = complete and len(finished) == n and not errors and unique == (1 if impl == "floor" else n)
+            emit({
+                **base_result,
+                "converged": converged,
+                "done": len(finished),
+                "elapsed": (max(finished) - t0) if converged else None,
+                "median_node": (sorted(finished)[len(finished) // 2] - t0) if finished else None,
+                "setup": setup,
+                "store_ops": ops,
+                "store_ops_per_node": ops / n,
+                # rally only: when the last node joined and when the round was closed
+                **{f"{k}_at": v - t0 for k, v in events.items()},
+                "errors": errors[:5],
+                "error_count": len(errors),
+            })
+            if not complete:
+                stopped = True
+                continue
+            for c in children:
+                _send(c, "next")
+            t_setup = time.monotonic()
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+            c.wait()
+
+
+def emit(result: dict) -> None:
+    print(json.dumps(result), flush=True)
+
+
+def _send(proc: subprocess.Popen, line: str) -> None:
+    try:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+    except OSError:
+        pass
+
+
+def _readline(proc: subprocess.Popen, deadline: float) -> str:
+    """One line from a child's stdout, or "" if none arrives before `deadline`."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return ""
+        ready, _, _ = select.select([proc.stdout], [], [], remaining)
+        if ready:
+            return proc.stdout.readline().strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--trials", default="floor,rally,torch", help=f"comma-separated, from {', '.join(IMPLS)}")
+    parser.add_argument("--procs", type=int, default=4, help="child processes that share the nodes")
+    parser.add_argument("--timeout", type=float, default=60.0, help="per trial")
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="spread the nodes' arrivals evenly over this many seconds (default: all at once)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if any(t not in IMPLS for t in args.trials.split(",")):
+        parser.error(f"--trials: choose from {', '.join(IMPLS)}")
+    if args.child:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        child(args)
+        return
+    parent(args)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
