@@ -52,8 +52,8 @@ EXIT_INFRASTRUCTURE = 1
 EXIT_PREEMPTED = 75
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
-# How long to keep reading a dead worker's pipes for its last lines (a grandchild may hold them).
-OUTPUT_DRAIN_SECONDS = 0.5
+# How long to keep reading stopped workers' pipes to their end (a grandchild may hold them open).
+OUTPUT_DRAIN_SECONDS = 2.0
 # How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
 STATUS_INTERVAL_SECONDS = 2.0
 
@@ -307,7 +307,7 @@ class Agent:
             failed = [w for w in self.group.workers if w.returncode not in (None, 0)]
             if failed:
                 first = min(failed, key=lambda w: w.process.ended_at or 0)
-                self._drain_streams(first.output.streams, OUTPUT_DRAIN_SECONDS)  # its last words
+                self._read_what_is_left(first.output.streams)  # its last words, without waiting
                 return self._end_round(rdzv, a.round, failure_end(first, a, self.kill_causes.get(first.local_rank)))
             hangs = self.health.check({w.local_rank: w.output.last_output_at() for w in self.group.running()})
             if hangs:
@@ -644,6 +644,24 @@ class Agent:
         group.close()
         self.group = None
 
+    def _read_what_is_left(self, streams: list) -> None:
+        """Read whatever a dead worker left in its pipes, without waiting for end-of-file (a
+        child of the worker may hold the pipe open for a long time)."""
+        for stream in streams:
+            while stream.open:
+                before = stream.last_read_at
+                if not stream.on_readable():
+                    self._unregister(stream.fd)
+                    break
+                if stream.last_read_at == before:  # nothing more available right now
+                    break
+
+    def _unregister(self, fd: int) -> None:
+        try:
+            self.selector.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
     def _drain_streams(self, streams: list, seconds: float) -> None:
         """Keep reading until these pipes reach end-of-file (bounded: a grandchild may hold them)."""
         deadline = time.monotonic() + seconds
@@ -651,7 +669,7 @@ class Agent:
             self._pump(0.05)
 
     def _drain_output(self, group: WorkerGroup) -> None:
-        self._drain_streams(group.streams, OUTPUT_DRAIN_SECONDS * 4)
+        self._drain_streams(group.streams, OUTPUT_DRAIN_SECONDS)
         for key in list(self.selector.get_map().values()):
             if key.data[0] in ("stream", "exit"):
                 self.selector.unregister(key.fd)
