@@ -463,6 +463,7 @@ class Agent:
                     "state": w.state(),
                     "cpu": sample.cpu_percent,
                     "rss": sample.rss,
+                    "gpu_memory": sample.gpu_memory,
                     "heartbeat_age": self.health.heartbeat_age(w.local_rank),
                 }
             )

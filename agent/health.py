@@ -18,6 +18,8 @@ and folds that into its one `select` timeout.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from agent import heartbeat_file
 
 MEMORY_SHORT_FRACTION = 0.10  # the host counts as short of memory below 10% available
 MIB = 1024 * 1024
+GPU_QUERY_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class ResourceSample:
     threads: int = 0
     status: str = ""
     at: float = 0.0
+    gpu_memory: int | None = None  # bytes on GPUs, where nvidia-smi is present
 
 
 @dataclass
@@ -171,6 +175,7 @@ class HealthMonitor:
         """CPU, RSS, threads and status of every worker, and the host's available memory."""
         self.host_available = psutil.virtual_memory().available
         now = time.monotonic()
+        gpu = gpu_memory_by_pid()
         for w in self.watched.values():
             try:
                 if w.process is None:
@@ -183,6 +188,7 @@ class HealthMonitor:
                         threads=w.process.num_threads(),
                         status=w.process.status(),
                         at=now,
+                        gpu_memory=_gpu_memory_of_tree(w.process, gpu),
                     )
                 counter = _memory_cgroup_counter(w.pid)
                 if counter != w.oom_counter:
@@ -229,6 +235,41 @@ class HealthMonitor:
     def resources(self, local_rank: int) -> ResourceSample:
         w = self.watched.get(local_rank)
         return w.sample if w else ResourceSample()
+
+
+def gpu_memory_by_pid() -> dict[int, int] | None:
+    """GPU memory used per process (bytes), from nvidia-smi; None where there is no NVIDIA GPU.
+
+    nvidia-smi costs tens of milliseconds; it runs only at the resource interval and only on
+    machines that have it, so CPU-only nodes pay nothing.
+    """
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    usage: dict[int, int] = {}
+    for line in done.stdout.splitlines():
+        try:
+            pid, mib = (int(part.strip()) for part in line.split(","))
+        except ValueError:
+            continue
+        usage[pid] = usage.get(pid, 0) + mib * MIB
+    return usage
+
+
+def _gpu_memory_of_tree(process: psutil.Process, usage: dict[int, int] | None) -> int | None:
+    """GPU memory of a worker and its children (a DataLoader worker may hold CUDA memory too)."""
+    if usage is None:
+        return None
+    pids = {process.pid} | {child.pid for child in process.children(recursive=True)}
+    return sum(usage.get(pid, 0) for pid in pids)
 
 
 def heartbeat_path(rank_dir: Path) -> str:

@@ -69,16 +69,21 @@ class LiveView:
             f"restarts {record.get('restart_count', 0)} · world {record.get('world_size', '?')}"
         )
         table = Table(title=title, title_justify="left", expand=False)
-        for column in ("rank", "pid", "state", "cpu %", "rss MiB", "heartbeat"):
-            table.add_column(column, justify="right" if column in ("cpu %", "rss MiB") else "left")
-        for w in record.get("workers", []):
+        workers = record.get("workers", [])
+        with_gpu = any(w.get("gpu_memory") is not None for w in workers)  # absent GPUs: no column
+        columns = ["rank", "pid", "state", "cpu %", "rss MiB", *(["gpu MiB"] if with_gpu else []), "heartbeat"]
+        for column in columns:
+            table.add_column(column, justify="right" if column.endswith(("%", "MiB")) else "left")
+        for w in workers:
             heartbeat = w.get("heartbeat_age")
+            gpu = [f"{(w.get('gpu_memory') or 0) / MIB:.0f}"] if with_gpu else []
             table.add_row(
                 str(w["rank"]),
                 str(w["pid"]),
                 w["state"],
                 f"{w['cpu']:.0f}",
                 f"{w['rss'] / MIB:.0f}",
+                *gpu,
                 "-" if heartbeat is None else f"{heartbeat:.1f} s ago",
             )
         return table

@@ -40,7 +40,9 @@ def status_command(endpoint: str, run_id: str, timeout: float) -> int:
         raise click.ClickException(f"no job with run id '{run_id}' at {host}:{port} (no agent has registered there)")
     now = time.time()
     table = Table(title=f"job {run_id} at {host}:{port}: round {status['round']}", title_justify="left")
-    for column in ("node", "host", "round", "restarts", "keep-alive", "rank", "pid", "state", "cpu %", "rss MiB", "heartbeat"):
+    with_gpu = any(w.get("gpu_memory") is not None for n in status["nodes"] for w in n["workers"])
+    columns = ["node", "host", "round", "restarts", "keep-alive", "rank", "pid", "state", "cpu %", "rss MiB"]
+    for column in [*columns, *(["gpu MiB"] if with_gpu else []), "heartbeat"]:
         table.add_column(column)
     for node in sorted(status["nodes"], key=lambda n: (n.get("group_rank", 0), n["host"])):
         age = f"{now - node['updated']:.1f} s ago"
@@ -57,6 +59,7 @@ def status_command(endpoint: str, run_id: str, timeout: float) -> int:
                 w.get("state", "-"),
                 f"{w.get('cpu', 0):.0f}" if w else "",
                 f"{w.get('rss', 0) / MIB:.0f}" if w else "",
+                *([f"{(w.get('gpu_memory') or 0) / MIB:.0f}" if w else ""] if with_gpu else []),
                 "-" if heartbeat is None else f"{heartbeat:.1f} s ago",
             )
     from rich.console import Console

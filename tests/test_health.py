@@ -230,3 +230,26 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
         assert "no job with run id 'nosuchjob'" in missing.stderr and "Traceback" not in missing.stderr
     finally:
         stop_all(agents)
+
+
+@pytest.mark.timeout(60)
+def test_gpu_memory_is_sampled_where_nvidia_smi_exists_and_absent_otherwise(tmp_path, monkeypatch):
+    """No GPU here: a stand-in nvidia-smi prints what the real one prints for --query-compute-apps."""
+    from agent.health import HealthMonitor, HealthSettings
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        monitor = HealthMonitor(HealthSettings())
+        monitor.watch(0, os.getpid(), None, time.monotonic())
+        monitor.sample()
+        assert monitor.resources(0).gpu_memory is None  # no nvidia-smi: not shown at all
+        fake = tmp_path / "bin" / "nvidia-smi"
+        fake.parent.mkdir()
+        fake.write_text(f"#!/bin/sh\necho '{os.getpid()}, 1200'\necho '{child.pid}, 300'\necho '999999, 5'\n")
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+        monitor.sample()
+        assert monitor.resources(0).gpu_memory == 1500 * 1024 * 1024  # the worker and its child
+    finally:
+        child.kill()
+        child.wait()
