@@ -530,6 +530,7 @@ class Agent:
                 if not obj.on_readable():
                     self.selector.unregister(key.fd)
             elif kind == "exit":
+                self.health.note_exit(obj.local_rank)
                 obj.process.poll()
                 self.selector.unregister(key.fd)
             elif kind == "signal":

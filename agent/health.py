@@ -196,6 +196,15 @@ class HealthMonitor:
             except psutil.Error:
                 pass
 
+    def note_exit(self, local_rank: int) -> None:
+        """Called the moment a worker's pidfd turns readable, before it is reaped: its memory
+        cgroup can still be read then, even if it joined the cgroup after the last sample."""
+        w = self.watched.get(local_rank)
+        if w is not None and w.oom_counter is None:
+            counter = _memory_cgroup_counter(w.pid)
+            if counter is not None and _oom_kill_count(counter) > 0:
+                w.oom_counter, w.oom_kills_seen = counter, 0
+
     def is_stopped(self, local_rank: int) -> bool:
         w = self.watched.get(local_rank)
         try:

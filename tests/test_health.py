@@ -131,7 +131,7 @@ def test_worker_killed_by_the_oom_killer_is_reported_as_such(tmp_path):
         script = f"""
 import os, time
 open({str(group / 'cgroup.procs')!r}, "w").write(str(os.getpid()))
-time.sleep(0.3)  # let rally sample the worker inside its cgroup
+time.sleep(1.5)  # let rally sample the worker inside its cgroup (it samples every 0.1 s)
 hog = []
 while True:
     hog.append(bytearray(8 * 1024 * 1024))
