@@ -23,6 +23,7 @@ print("PROBE " + json.dumps(record), flush=True)
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
 if mode == "exit-rank" and int(record["RANK"]) == int(sys.argv[2]):
+    time.sleep(2)  # let every other rank print its record before the job is stopped
     sys.exit(int(sys.argv[3]))
 if mode == "until-world":
     while int(record["WORLD_SIZE"]) != int(sys.argv[2]):
