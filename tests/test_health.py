@@ -253,3 +253,46 @@ def test_gpu_memory_is_sampled_where_nvidia_smi_exists_and_absent_otherwise(tmp_
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.timeout(120)
+def test_on_a_terminal_a_live_table_of_the_workers_is_shown(tmp_path):
+    """rally under a real pseudo-terminal (both stdout and stderr), as a person would run it."""
+    import pty
+    import select
+
+    script = write_script(tmp_path, "w.py", "import time\nfor i in range(25):\n    print('step', i, flush=True)\n    time.sleep(0.2)\n")
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node", "2", str(script)],
+        stdin=terminal, stdout=terminal, stderr=terminal, cwd=tmp_path, env=env, start_new_session=True,
+    )  # fmt: skip
+    os.close(terminal)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 100
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(controller, 65536)
+                except OSError:  # the terminal closed: rally is gone
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        os.close(controller)
+    raw = seen.decode(errors="replace")
+    assert "\x1b[" in raw  # a live display redraws with control codes, unlike plain output
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)
+    assert "rally · node 0 · round 0" in text, text[-2000:]
+    assert re.search(r"┃ rank\s+┃ pid\s+┃ state", text) and "heartbeat" in text, text[-2000:]
+    assert "step 24" in text  # worker lines still scroll past above the table
