@@ -26,17 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from agent import processes
-from agent.events import EventLog
-from agent.job import newest_checkpoint_step
-from agent.live import LiveView
-from agent.health import Hang, HealthMonitor, HealthSettings
-from agent.report import JobReport, explain, failure_end, failure_info
-from agent.spec import STACK_SIGNAL, JobSpec
-from agent.template import TemplateClient
-from agent.workers import LogLayout, WorkerGroup
-from launcher import console
-from rendezvous.protocol import (
+from rally.agent import processes
+from rally.agent.events import EventLog
+from rally.agent.job import newest_checkpoint_step
+from rally.agent.live import LiveView
+from rally.agent.health import Hang, HealthMonitor, HealthSettings
+from rally.agent.report import JobReport, explain, failure_end, failure_info
+from rally.agent.spec import STACK_SIGNAL, JobSpec
+from rally.agent.template import TemplateClient
+from rally.agent.workers import LogLayout, WorkerGroup
+from rally.launcher import console
+from rally.rendezvous.protocol import (
     Assignment,
     NodeInfo,
     Rendezvous,
@@ -44,7 +44,7 @@ from rendezvous.protocol import (
     RendezvousSettings,
     RoundEnd,
 )
-from rendezvous.store import Store, StoreEndpoint, StoreError, StoreUnavailable, host_tcp_store, open_store
+from rally.rendezvous.store import Store, StoreEndpoint, StoreError, StoreUnavailable, host_tcp_store, open_store
 
 EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1
@@ -563,7 +563,7 @@ class Agent:
         """The scheduler warned that the job will be killed: let workers checkpoint, then stop.
 
         The signal is forwarded to every worker (rally's bootstrap turns it into
-        `agent.job.preempted()` instead of a kill), the workers get up to
+        `rally.job.preempted()` instead of a kill), the workers get up to
         `--preemption-grace` seconds to save and exit, node 0 requeues the job when asked to,
         and the round ends as "preempted" so every node stops with EXIT_PREEMPTED.
         """

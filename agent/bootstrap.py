@@ -43,10 +43,7 @@ def install_preemption_handler() -> None:
     if not names:
         return
     signums = [int(signal.Signals[n.strip()]) for n in names.split(",") if n.strip()]
-    # sys.path[0] is this file's directory (agent/) until run() replaces it; point it at the
-    # directory that holds the `agent` package instead, or agent/agent.py would shadow it.
-    sys.path[0] = _package_root()
-    from agent import job
+    from rally.agent import job
 
     job.install_preemption_handler(signums)
 
@@ -120,20 +117,19 @@ def run(mode: str, target: str, args: list[str]) -> None:
         sys.exit(1)
 
 
-def _package_root() -> str:
-    """The directory that holds the `agent` package (this file's parent's parent)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def serve_as_template() -> tuple[str, str, list[str]]:
     """Serve as this node's worker template; returns (mode, target, args) in each forked worker."""
-    sys.path[0] = _package_root()  # agent/agent.py must not shadow the `agent` package
-    from agent import template
+    from rally.agent import template
 
     return template.serve()
 
 
 if __name__ == "__main__":
+    # python put this file's folder (rally's agent/) first on sys.path; take it off before
+    # anything is imported, so none of rally's modules can shadow a module of the user's.
+    # run() sets sys.path[0] to what the script would have (the template sets it per preload).
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        sys.path[0] = os.getcwd()
     if sys.argv[1] == "template":
         _mode, _target, _args = serve_as_template()
     else:

@@ -3,7 +3,7 @@
 A hung collective is a live process that makes no progress; torchrun waits for the backend's
 timeout (30 min for gloo) and never says which rank hung. The agent checks three signals:
 
-* heartbeats: workers that call `agent.job.heartbeat()` write a counter and a CLOCK_MONOTONIC
+* heartbeats: workers that call `rally.job.heartbeat()` write a counter and a CLOCK_MONOTONIC
   time to a per-worker shared file; `--heartbeat-timeout` seconds without a new beat (counted
   from the first beat, so start-up time is never counted) means hung;
 * silence: with `--silence-timeout`, a worker that printed nothing for that long is hung;
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from agent import heartbeat_file
+from rally.agent import heartbeat_file
 
 MEMORY_SHORT_FRACTION = 0.10  # the host counts as short of memory below 10% available
 MIB = 1024 * 1024

@@ -1,6 +1,6 @@
 """Helpers for training scripts run by rally (or torchrun): job context, checkpoints, heartbeat, preemption.
 
-Import it as ``from agent import job``. Importing is cheap and never imports torch: the agent's
+Import it as ``from rally import job``. Importing is cheap and never imports torch: the agent's
 template process and scripts that only need :func:`context` or :func:`heartbeat` should not pay
 two seconds for it. Torch is imported inside :func:`save` and :func:`load_latest`.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent import heartbeat_file
+from rally.agent import heartbeat_file
 
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
@@ -301,7 +301,7 @@ def _fsync_dir(directory: Path) -> None:
 def heartbeat() -> None:
     """Tell the agent this worker is making progress; call it once per step. Costs about a microsecond.
 
-    The first call maps RALLY_HEARTBEAT_FILE (see :mod:`agent.heartbeat_file`); later calls write a
+    The first call maps RALLY_HEARTBEAT_FILE (see :mod:`rally.agent.heartbeat_file`); later calls write a
     counter and ``time.monotonic_ns()`` into it. Without that variable (torchrun, a plain
     ``python script.py``) every call is a no-op. Never imports torch, never blocks.
     """

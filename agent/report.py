@@ -18,9 +18,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from agent.processes import describe_exit, exit_status_for_shell
-from agent.workers import Worker, WorkerGroup
-from rendezvous.protocol import Assignment, RoundEnd
+from rally.agent.processes import describe_exit, exit_status_for_shell
+from rally.agent.workers import Worker, WorkerGroup
+from rally.rendezvous.protocol import Assignment, RoundEnd
 
 STDERR_LINES_IN_REPORT = 20
 MAX_TRACEBACK_CHARS = 16_000

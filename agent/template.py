@@ -584,7 +584,7 @@ class _Connection:
     def __init__(self, argv: list[str], env: dict[str, str], cwd: str, init: dict[str, Any]) -> None:
         import subprocess
 
-        from agent import processes
+        from rally.agent import processes
 
         parent = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -710,7 +710,7 @@ class _Connection:
             code = self.popen.wait(timeout=1.0)
         except Exception:  # noqa: BLE001 - still running, or not ours to wait for
             return "the template stopped answering"
-        from agent.processes import describe_exit
+        from rally.agent.processes import describe_exit
 
         return f"the template process exited ({describe_exit(code)})"
 
@@ -853,11 +853,11 @@ class TemplateClient:
         preload = getattr(spec, "preload", None)
         if preload is None or not spec.is_python:
             return None
-        from agent.spec import BOOTSTRAP
-        from agent.workers import shared_worker_env
+        from rally.agent.spec import BOOTSTRAP
+        from rally.agent.workers import shared_worker_env
 
         if warn is None:
-            from launcher import console
+            from rally.launcher import console
 
             warn = console.warn
         cwd = os.path.abspath(spec.cwd or os.getcwd())
@@ -901,7 +901,7 @@ class TemplateClient:
 
     # ------------------------------------------------------------ spawning
     def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None, stdout: Any, stderr: Any) -> Any:
-        from agent import processes
+        from rally.agent import processes
 
         request = bootstrap_request(argv, self.bootstrap)
         if request is None or self.disabled or argv[0] != self.python_exec:

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from agent.health import heartbeat_path
-from agent.output import OutputStream, WorkerOutput
-from agent.processes import ChildProcess, describe_exit, spawn
-from agent.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec
-from rendezvous.protocol import Assignment
+from rally.agent.health import heartbeat_path
+from rally.agent.output import OutputStream, WorkerOutput
+from rally.agent.processes import ChildProcess, describe_exit, spawn
+from rally.agent.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec
+from rally.rendezvous.protocol import Assignment
 
 
 @dataclass

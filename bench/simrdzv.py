@@ -86,8 +86,8 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
     """One callable per simulated node that blocks until the node has its assignment."""
     nodes = []
     if impl == "rally":
-        from rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
-        from rendezvous.store import Store
+        from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
+        from rally.rendezvous.store import Store
 
         class CountingStore(Store):
             def _call(self, fn, *a):  # noqa: ANN001, ANN202

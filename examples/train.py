@@ -1,7 +1,7 @@
 """A small deterministic DDP training script that survives being killed: the demo and test workload.
 
 A 2-layer MLP learns a synthetic regression (256 samples from a fixed seed) with Adam, on CPU
-with gloo. It resumes from the newest checkpoint (``agent.job.load_latest``), saves model and
+with gloo. It resumes from the newest checkpoint (``rally.job.load_latest``), saves model and
 optimizer every ``--checkpoint-every`` steps, beats the hang-detection heartbeat every step, and
 stops cleanly (after a checkpoint) when rally forwards a preemption signal.
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent import job
+from rally import job
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
-"""`python -m launcher` is the same as the `rally` command."""
+"""`python -m rally.launcher` is the same as the `rally` command."""
 
-from launcher.cli import main
+from rally.launcher.cli import main
 
 if __name__ == "__main__":
     main()

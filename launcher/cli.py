@@ -18,8 +18,8 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
-from launcher import __version__, console
-from launcher.config import ConfigError, build_launch, load_config_file
+from rally.launcher import __version__, console
+from rally.launcher.config import ConfigError, build_launch, load_config_file
 
 # Option declarations: (name, click kwargs, help group). The name's dashed and underscored
 # spellings are both accepted, as torchrun accepts both.
@@ -55,7 +55,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("no-prefix", dict(is_flag=True, help="Do not prefix worker output lines with their rank."), "rally extras"),
     ("quiet", dict(is_flag=True, help="Show only rally's own lines on the console, not the workers' output."), "Logs and output"),
     ("checkpoint-dir", dict(default=None, help="Where workers save checkpoints (RALLY_CHECKPOINT_DIR)."), "rally extras"),
-    ("heartbeat-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without agent.job.heartbeat() (armed by its first beat)."), "Health"),
+    ("heartbeat-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat)."), "Health"),
     ("silence-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without output."), "Health"),
     ("resource-interval", dict(type=float, default=5.0, help="Seconds between samples of workers' CPU, memory and threads."), "Health"),
     ("preemption-signals", dict(default="SIGUSR1,SIGUSR2", help="Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint."), "rally extras"),
@@ -169,7 +169,7 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
     """
     if options["no_slurm"]:
         return
-    from launcher.slurm import SlurmJob
+    from rally.launcher.slurm import SlurmJob
 
     try:
         job = SlurmJob.from_env(os.environ)
@@ -206,29 +206,29 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
 
 
 def _run_agent(launch, requeue: Callable[[], str] | None = None) -> int:  # noqa: ANN001 - launcher.config.Launch
-    from rendezvous.store import quiet_torch_logs
+    from rally.rendezvous.store import quiet_torch_logs
 
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own
     quiet_torch_logs()
-    from agent.agent import Agent
+    from rally.agent.agent import Agent
 
     return Agent(launch.spec, launch.plan, base_env, requeue).run()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `rally` and `python -m launcher`: one clear line and exit 2 on bad input."""
+    """Entry point of `rally` and `python -m rally`: one clear line and exit 2 on bad input."""
     # A preemption warning can arrive while torch is still importing; its default action would
     # kill rally before the agent can forward it. Blocked here, it stays pending until the agent
     # installs its handlers and unblocks it (threads started meanwhile inherit the block).
     signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "store":
-        from launcher.store_command import store_command
+        from rally.launcher.store_command import store_command
 
         command: click.Command = store_command
         args = args[1:]
     elif args and args[0] == "status":
-        from launcher.status_command import status_command
+        from rally.launcher.status_command import status_command
 
         command = status_command
         args = args[1:]

@@ -22,10 +22,10 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from agent.agent import RendezvousPlan
-from agent.spec import JobSpec
-from rendezvous.protocol import RendezvousSettings
-from rendezvous.store import StoreEndpoint, is_local_host
+from rally.agent.agent import RendezvousPlan
+from rally.agent.spec import JobSpec
+from rally.rendezvous.protocol import RendezvousSettings
+from rally.rendezvous.store import StoreEndpoint, is_local_host
 
 DEFAULT_C10D_PORT = 29400
 DEFAULT_MASTER_PORT = 29500

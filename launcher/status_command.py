@@ -11,8 +11,8 @@ import time
 import click
 from rich.table import Table
 
-from launcher import console
-from launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint
+from rally.launcher import console
+from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint
 
 MIB = 1024 * 1024
 
@@ -23,8 +23,8 @@ MIB = 1024 * 1024
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the store.")
 def status_command(endpoint: str, run_id: str, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
-    from rendezvous.protocol import read_job_status
-    from rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
+    from rally.rendezvous.protocol import read_job_status
+    from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
 
     quiet_torch_logs()
     try:

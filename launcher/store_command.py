@@ -11,7 +11,7 @@ import signal
 
 import click
 
-from launcher import console
+from rally.launcher import console
 
 
 @click.command(name="rally store", context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,7 +19,7 @@ from launcher import console
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Per-operation timeout of the store, seconds.")
 def store_command(port: int, timeout: float) -> int:
     """Serve a c10d TCPStore until SIGINT or SIGTERM."""
-    from rendezvous.store import host_tcp_store, quiet_torch_logs
+    from rally.rendezvous.store import host_tcp_store, quiet_torch_logs
 
     quiet_torch_logs()
     try:

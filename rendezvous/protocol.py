@@ -33,7 +33,7 @@ import json
 import time
 from typing import Callable, TypeVar
 from dataclasses import asdict, dataclass, field
-from rendezvous.store import Store, StoreTimeout
+from rally.rendezvous.store import Store, StoreTimeout
 
 T = TypeVar("T")
 

@@ -76,7 +76,7 @@ def start_agent(
     start_mode = {"plain": {"RALLY_NO_PRELOAD": "1"}, "template": {"RALLY_PRELOAD": "torch"}}
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **start_mode.get(os.environ.get("RALLY_TEST_START_MODE", ""), {}), **(env or {})}
     popen = subprocess.Popen(
-        [sys.executable, "-m", "launcher", *args],
+        [sys.executable, "-m", "rally", *args],
         stdout=handle,
         stderr=subprocess.STDOUT,
         cwd=tmp,

@@ -1,6 +1,6 @@
 """Shared utilities for the CLI-level tests: run rally as a user would, and check what is left behind.
 
-Everything here uses real processes: `rally` is `sys.executable -m launcher ...` in its own
+Everything here uses real processes: `rally` is `sys.executable -m rally ...` in its own
 session (so a test can always clean it up by process group), workers are plain-Python probe
 scripts written into the test's tmp directory, and "is it gone?" is answered by pid with psutil
 (a zombie counts as gone: it runs no code and holds no resources but its table entry).
@@ -41,11 +41,10 @@ _LAUNCH_PREFIXES = ("PET_", "RALLY_", "TORCHELASTIC_", "SLURM_")
 def clean_env(**extra: str | None) -> dict[str, str]:
     """This process's environment without any launcher or rally settings, plus `extra`.
 
-    A value of None removes the variable. The repo is on PYTHONPATH so `-m launcher` works from
-    any working directory.
+    A value of None removes the variable. rally comes from its installed package (`-m rally`),
+    never from the repository on PYTHONPATH, so workers see nothing of rally on sys.path.
     """
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(start_mode_env())  # hook: RALLY_TEST_START_MODE, see start_mode_env
     for key, value in extra.items():
@@ -75,7 +74,7 @@ def start_mode_env() -> dict[str, str]:
 
 
 def rally_argv(args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "launcher", *map(str, args)]
+    return [sys.executable, "-m", "rally", *map(str, args)]
 
 
 @dataclass

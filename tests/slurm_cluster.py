@@ -56,7 +56,7 @@ class SlurmCluster:
 
     Every SLURM command runs on the login host through ``login_exec`` (the
     cluster's addresses and slurm.conf exist only inside its namespaces). By
-    default commands run in the repository with it on PYTHONPATH; srun passes
+    default commands run in the repository (rally is installed); srun passes
     environment and working directory on to the tasks, and all nodes share this
     machine's file system, so tasks can run this checkout with ``sys.executable``.
     """
@@ -89,9 +89,8 @@ class SlurmCluster:
         )
 
     def task_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment commands (and through srun, tasks) get: ours, plus the repo on PYTHONPATH."""
+        """The environment commands (and through srun, tasks) get: ours (rally is installed, not on PYTHONPATH)."""
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.update(extra or {})
         return env
 

@@ -13,6 +13,7 @@ they saw to $PROBE_OUT, so that their argv holds only what is being tested.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ def test_module_is_found_on_pythonpath(tmp_path: Path) -> None:
     write_probe(elsewhere / "otherpkg" / "__init__.py", "")
     module_file = write_probe(elsewhere / "otherpkg" / "entry.py", ARGV_PROBE)
     env = clean_env()
-    env["PYTHONPATH"] = f"{elsewhere}:{env['PYTHONPATH']}"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(elsewhere), env.get("PYTHONPATH")]))
     for record in run_probe(tmp_path, ["--module", "otherpkg.entry", "--x", "1"], nproc=1, env=env):
         assert record["argv"] == [str(module_file), "--x", "1"]
 

@@ -26,7 +26,6 @@ STEPS, EVERY = 40, 5
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "TORCHELASTIC_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     # Hook: RALLY_TEST_START_MODE=plain|template picks how workers start (tests/helpers.py
     # start_mode_env, agent/template.py); unset keeps rally's default.
     start_mode = {"plain": {"RALLY_NO_PRELOAD": "1"}, "template": {"RALLY_PRELOAD": "torch"}}
@@ -36,7 +35,7 @@ def _env() -> dict[str, str]:
 
 def _rally(tmp: Path, name: str, max_restarts: int, step_time: float) -> subprocess.Popen:
     argv = [
-        sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2",
         "--max-restarts", str(max_restarts), "--log-dir", str(tmp / f"{name}-logs"),
         str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--step-time", str(step_time),
         "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--out", str(tmp / f"{name}.pt"),

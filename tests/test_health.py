@@ -17,7 +17,7 @@ from agents import REPO, c10d_args, free_port, start_agent, stop_all, wait_for, 
 
 HEARTBEATS_THEN_HANG = """
 import os, sys, time
-from agent import job
+from rally import job
 def stuck_in_allreduce():
     while True:
         time.sleep(0.05)
@@ -31,7 +31,7 @@ if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
 
 STOPS_ITSELF = """
 import os, signal, sys, time
-from agent import job
+from rally import job
 def about_to_stop():
     os.kill(os.getpid(), signal.SIGSTOP)
 for _ in range(20):
@@ -53,10 +53,10 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
 
 def _run(tmp: Path, script: str, *args: str, timeout: float = 90) -> tuple[int, str, float]:
     path = write_script(tmp, "w.py", script)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher", "--standalone", "--log-dir", str(tmp / "logs"), *args, str(path)],
+        [sys.executable, "-m", "rally", "--standalone", "--log-dir", str(tmp / "logs"), *args, str(path)],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp,
     )  # fmt: skip
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
@@ -174,7 +174,7 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1"
 def test_restarts_that_make_no_checkpoint_progress_stop_as_a_crash_loop(tmp_path):
     script = """
 import sys
-from agent import job
+from rally import job
 ckpt = job.load_latest()
 step = ckpt.step + 1 if ckpt else 0
 while step < 100:
@@ -211,7 +211,7 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
 
         def status() -> str:
             done = subprocess.run(
-                [sys.executable, "-m", "launcher", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "statusjob"],
+                [sys.executable, "-m", "rally", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "statusjob"],
                 capture_output=True, text=True, timeout=30, env=env,
             )  # fmt: skip
             assert done.returncode == 0, done.stderr
@@ -223,7 +223,7 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
         for rank in range(6):
             assert re.search(rf"│ {rank}\s+│", text), text
         missing = subprocess.run(
-            [sys.executable, "-m", "launcher", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nosuchjob"],
+            [sys.executable, "-m", "rally", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nosuchjob"],
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert missing.returncode != 0
@@ -235,7 +235,7 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
 @pytest.mark.timeout(60)
 def test_gpu_memory_is_sampled_where_nvidia_smi_exists_and_absent_otherwise(tmp_path, monkeypatch):
     """No GPU here: a stand-in nvidia-smi prints what the real one prints for --query-compute-apps."""
-    from agent.health import HealthMonitor, HealthSettings
+    from rally.agent.health import HealthMonitor, HealthSettings
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -263,9 +263,9 @@ def test_on_a_terminal_a_live_table_of_the_workers_is_shown(tmp_path):
 
     script = write_script(tmp_path, "w.py", "import time\nfor i in range(25):\n    print('step', i, flush=True)\n    time.sleep(0.2)\n")
     controller, terminal = pty.openpty()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node", "2", str(script)],
+        [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2", str(script)],
         stdin=terminal, stdout=terminal, stderr=terminal, cwd=tmp_path, env=env, start_new_session=True,
     )  # fmt: skip
     os.close(terminal)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import heartbeat_file, job
+from rally.agent import heartbeat_file, job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,6 @@ def ckpt_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for a helper subprocess: this repo importable, no launcher variables but ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 
@@ -193,7 +192,7 @@ def test_missing_checkpoint_dir_is_a_one_line_error() -> None:
 WRITER = """
     import sys
     import torch
-    from agent import job
+    from rally import job
 
     size = int(sys.argv[1])
     ckpt = job.load_latest()
@@ -262,7 +261,7 @@ def test_sigkill_during_save_never_damages_or_hides_the_previous_checkpoint(
 
 HEARTBEATER = """
     import sys, time
-    from agent import job
+    from rally import job
     job.heartbeat()
     print("beat", flush=True)
     sys.stdin.readline()
@@ -306,7 +305,7 @@ def test_heartbeat_round_trips_through_a_file_between_processes(tmp_path: Path) 
 def test_heartbeat_without_a_file_is_a_cheap_no_op() -> None:
     result = run_python("""
         import time
-        from agent import job
+        from rally import job
         start = time.process_time()
         for _ in range(10_000):
             job.heartbeat()
@@ -347,7 +346,7 @@ def test_preemption_signal_sets_the_flag_and_runs_callbacks_instead_of_killing()
     result = run_python(
         """
         import os, signal, time
-        from agent import job
+        from rally import job
         job.install_preemption_handler(job.context().preempt_signals)
         calls = []
         job.on_preempt(lambda signum: 1 / 0)  # a broken callback must not kill the worker
@@ -370,7 +369,7 @@ def test_preemption_signal_sets_the_flag_and_runs_callbacks_instead_of_killing()
 def test_without_the_handler_the_preemption_signal_kills_as_usual() -> None:
     result = run_python("""
         import os, signal, time
-        from agent import job
+        from rally import job
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(5)
     """)
@@ -384,8 +383,8 @@ def test_without_the_handler_the_preemption_signal_kills_as_usual() -> None:
 def test_importing_the_helper_does_not_import_torch() -> None:
     result = run_python("""
         import sys
-        import agent.job
-        from agent import job
+        import rally.agent.job
+        from rally import job
         job.context(); job.heartbeat(); job.preempted()
         print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
     """)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import slurm
-from launcher.slurm import SlurmJob, expand_hostlist, first_host, hostnames
+from rally.launcher import slurm
+from rally.launcher.slurm import SlurmJob, expand_hostlist, first_host, hostnames
 
 pytestmark = pytest.mark.timeout(30)
 

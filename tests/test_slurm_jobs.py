@@ -320,7 +320,7 @@ def test_elastic_requeue_template_checkpoints_requeues_and_resumes_bit_identical
     # The uninterrupted reference, at the same world size (2), on this host with --standalone;
     # it runs while the cluster job does (determinism does not depend on timing).
     reference = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node", "2", str(TRAIN), *train_args,
+        [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2", str(TRAIN), *train_args,
          "--checkpoint-dir", str(tmp_path / "reference")],
         cwd=REPO, env=job_env(jobs.cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,

@@ -35,9 +35,9 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from agent import processes
-from agent.spec import BOOTSTRAP
-from agent.template import ForkedChild, TemplateClient, template_command
+from rally.agent import processes
+from rally.agent.spec import BOOTSTRAP
+from rally.agent.template import ForkedChild, TemplateClient, template_command
 from helpers import (
     REPO,
     clean_env,
@@ -369,11 +369,11 @@ def test_signals_the_agent_ignores_or_blocks_at_spawn_time_are_inherited_as_by_a
 
 @pytest.mark.timeout(120)
 def test_a_preload_that_hangs_means_plain_starts_not_a_hung_agent(workdir: Path, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import agent.template
+    import rally.agent.template
 
     write_probe(workdir / "sleepy.py", "import time\ntime.sleep(600)\n")
     write_probe(workdir / "hello.py", "print('hello')\n")
-    monkeypatch.setattr(agent.template, "READY_TIMEOUT", 2.0)
+    monkeypatch.setattr(rally.agent.template, "READY_TIMEOUT", 2.0)
     warnings: list[str] = []
     argv = worker_argv("script", "hello.py")
     client = TemplateClient(sys.executable, BOOTSTRAP, argv, ("sleepy",), base_env, str(workdir), warnings.append)
@@ -405,7 +405,7 @@ def test_template_command_line_has_room_for_the_workers_exactly() -> None:
 def test_cuda_or_threads_in_the_template_make_forking_unsafe() -> None:
     code = """
         import sys, threading, time, types
-        from agent.template import why_fork_is_unsafe
+        from rally.agent.template import why_fork_is_unsafe
         print(why_fork_is_unsafe())
         sys.modules["torch"] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
         print(why_fork_is_unsafe())
