@@ -119,9 +119,9 @@ def run(mode: str, target: str, args: list[str]) -> None:
 
 def serve_as_template() -> tuple[str, str, list[str]]:
     """Serve as this node's worker template; returns (mode, target, args) in each forked worker."""
-    from rally.agent import template
+    from rally.agent import template_server
 
-    return template.serve()
+    return template_server.serve()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,30 @@
+"""The few Linux calls rally needs that the standard library does not wrap (stdlib only).
+
+Shared by the agent (processes.py) and the worker template (template_server.py), which runs in
+every worker and so must not import anything heavy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import select
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc: ctypes.CDLL | None = None
+
+
+def prctl(option: int, value: int) -> int:
+    """prctl(2) with one argument; returns its result (-1 with errno set on failure)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc.prctl(option, value, 0, 0, 0)
+
+
+def readable(fd: int, timeout: float | None) -> bool:
+    """Whether `fd` becomes readable within `timeout` seconds (None: wait for ever)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
