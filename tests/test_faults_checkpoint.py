@@ -168,6 +168,26 @@ def test_a_save_in_progress_keeps_its_temp_file_while_another_saver_cleans_up(ck
     assert ckpt is not None and ckpt.step == 50 and ckpt.state["step"] == 50
 
 
+class FailsWhilePickled:
+    """torch.save raises halfway through writing, as a full disk or a broken state would."""
+
+    def __reduce__(self) -> tuple:
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_a_save_that_fails_midway_leaves_the_last_good_checkpoint_and_no_temp_file(ckpt_dir: Path) -> None:
+    import torch
+
+    job.save({"step": 1, "w": torch.ones(1000)}, 1, keep=1)
+    with pytest.raises(OSError, match="No space left"):
+        job.save({"w": torch.zeros(1000), "bad": FailsWhilePickled()}, 2, keep=1)
+    assert steps_on_disk(ckpt_dir) == [1] and temps_on_disk(ckpt_dir) == []
+    ckpt = job.load_latest()
+    assert ckpt is not None and ckpt.step == 1 and torch.equal(ckpt.state["w"], torch.ones(1000))
+
+
 # --- damaged newest checkpoints --------------------------------------------------------------
 
 
