@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rally.agent import heartbeat_file
+from rally.agent import checkpoint_file, heartbeat_file
 
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
@@ -51,7 +51,6 @@ DEFAULT_CHECKPOINT_KEEP = 3
 More than one, so that a newest file damaged after it was written still leaves a fallback."""
 
 _CHECKPOINT_RE = re.compile(r"^step_(\d+)\.pt$")
-_TEMP_RE = re.compile(r"^\.step_\d+\.pt\..*\.tmp$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,14 +156,17 @@ def save(state: Any, step: int, *, keep: int | None = None) -> Path | None:
     script free of rank checks.
 
     The write is atomic and durable: ``torch.save`` into a temporary file in the same directory,
-    flush and fsync it, rename it over ``step_<step:012d>.pt``, fsync the directory. A crash at any
-    moment, even SIGKILL or power loss, leaves either the old set of checkpoints or the old set plus
-    the new complete one; never a damaged or missing previous checkpoint. Temporary files left by a
-    crashed writer are never read by :func:`load_latest` and are deleted by the next ``save``
-    (there is one writer per job: the agent stops every worker before it starts the next round).
+    a footer with the payload's length and CRC-32 (see :mod:`rally.agent.checkpoint_file`), flush
+    and fsync, rename over ``step_<step:012d>.pt``, fsync the directory. A crash at any moment,
+    even SIGKILL or power loss, leaves either the old set of checkpoints or the old set plus the
+    new complete one; never a damaged or missing previous checkpoint.
 
-    After the new checkpoint is durable, all but the newest ``keep`` checkpoints are deleted
-    (``keep`` defaults to RALLY_CHECKPOINT_KEEP, else 3). The one just written is never deleted.
+    Several savers may share a directory (a straggler from an earlier round, two jobs, threads):
+    each locks its temporary file while writing, and a temporary file is deleted by the next
+    ``save`` only once its writer is dead. After the new checkpoint is durable, older checkpoints
+    are deleted but for the newest ``keep - 1`` of them (``keep`` defaults to RALLY_CHECKPOINT_KEEP,
+    else 3), so a single saver keeps the newest ``keep``; files newer than the one just written
+    (a concurrent saver's, or damaged ones this job resumed past) are left alone.
     """
     ctx = context()
     if not ctx.is_rank0:
@@ -174,38 +176,26 @@ def save(state: Any, step: int, *, keep: int | None = None) -> Path | None:
     keep = _resolve_keep(keep)
     directory = _require_dir(ctx)
     directory.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(directory)
-
-    import tempfile
-
-    import torch
-
+    checkpoint_file.remove_dead_writers_temps(directory)
     final = directory / f"step_{step:012d}.pt"
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
+    checkpoint_file.write(state, final)
     _prune(directory, keep, protect=final)
     return final
 
 
 def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Checkpoint | None:
-    """Load the newest complete checkpoint, or return ``None`` when there is none; call it on every rank.
+    """Load the newest intact checkpoint, or return ``None`` when there is none; call it on every rank.
 
-    If the newest file cannot be read (truncated or damaged after it was written), warn on stderr
-    and fall back to the next older one. All ranks must see the same directory, and should call
-    this at the same point (before the first collective), so that they all resume from one step.
+    A file is intact when its footer's length and CRC-32 match (see
+    :mod:`rally.agent.checkpoint_file`); a damaged newest file (truncated, garbage, empty,
+    unreadable) is skipped with a warning and the next older one is tried. The verdict depends on
+    the bytes alone, so every rank skips the same files and resumes from the same step, and the
+    agent's crash-loop check (:func:`newest_checkpoint_step`) counts the same step. All ranks must
+    see the same directory and should call this before the first collective.
     ``weights_only=True`` (torch's safe loader) accepts tensors, numbers, strings and containers,
     which covers model and optimizer state dicts; pass ``False`` for trusted arbitrary pickles.
-    Rank 0 logs one line: where it resumes from, or that it starts from scratch.
+    An intact file that torch cannot load is not skipped: the error is raised, the same on every
+    rank. Rank 0 logs one line: where it resumes from, or that it starts from scratch.
     """
     ctx = context()
     directory = _require_dir(ctx)
@@ -214,18 +204,15 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Chec
 
     for step, path in reversed(_list_checkpoints(directory)):
         try:
-            state = torch.load(path, map_location=map_location, weights_only=weights_only)
+            file = checkpoint_file.open_verified(path)
         except FileNotFoundError:
-            continue  # pruned by rank 0 between listing and opening; an older one is still there
-        except MemoryError:
-            raise
-        except Exception as error:
-            if "was not an allowed global" in str(error):
-                raise  # not damage: every checkpoint would fail alike; torch's message says what to do
+            continue  # pruned by a saver between listing and opening; an older one is still there
+        except checkpoint_file.DamagedCheckpoint as damage:
             if ctx.local_rank == 0:
-                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                _log(f"warning: checkpoint {path} is unreadable ({reason}); trying an older one")
+                _log(f"warning: checkpoint {path} is damaged ({damage}); trying an older one")
             continue
+        with file:
+            state = torch.load(file, map_location=map_location, weights_only=weights_only)
         if ctx.is_rank0:
             _log(f"resuming from step {step} ({path})")
         return Checkpoint(step=step, state=state, path=path)
@@ -235,13 +222,21 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Chec
 
 
 def newest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
-    """The step of the newest checkpoint file in `directory` (None if there is none).
+    """The step of the newest intact checkpoint in `directory` (None if there is none).
 
     The agent uses this to tell a crash loop (restarts that make no progress) from a job
-    that fails now and then but keeps moving forward.
+    that fails now and then but keeps moving forward. Damaged files are skipped exactly as
+    :func:`load_latest` skips them, so the step counted is the step the workers resume from;
+    an unreadable directory counts as no checkpoint rather than stopping the agent.
     """
-    found = _list_checkpoints(Path(directory))
-    return max(step for step, _ in found) if found else None
+    try:
+        found = _list_checkpoints(Path(directory))
+    except OSError:
+        return None
+    for step, path in reversed(found):
+        if checkpoint_file.is_intact(path):
+            return step
+    return None
 
 
 def _require_dir(ctx: JobContext) -> Path:
@@ -270,28 +265,18 @@ def _list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _remove_stale_temps(directory: Path) -> None:
-    for name in os.listdir(directory):
-        if _TEMP_RE.match(name):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(directory / name)
-
-
 def _prune(directory: Path, keep: int, protect: Path) -> None:
-    checkpoints = _list_checkpoints(directory)
-    for _, path in checkpoints[: max(0, len(checkpoints) - keep)]:
-        if path != protect:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    """Keep ``protect`` (just written) and the ``keep - 1`` newest checkpoints older than it.
 
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable: without this a power loss may forget the new directory entry."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    Files newer than the one just written are not this save's to judge: they belong to a
+    concurrent saver that is further along (whose own save prunes relative to its step), or
+    they are damaged files this job resumed past, which the save of their step replaces.
+    """
+    own_step = int(_CHECKPOINT_RE.match(protect.name).group(1))  # type: ignore[union-attr]
+    older = [path for step, path in _list_checkpoints(directory) if step < own_step]
+    for path in older[: max(0, len(older) - (keep - 1))]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import yaml
 from rally.agent.agent import RendezvousPlan
 from rally.agent.spec import JobSpec
 from rally.rendezvous.protocol import RendezvousSettings
+from rally.launcher import validate
+from rally.launcher.validate import ConfigError
 from rally.rendezvous.store import StoreEndpoint, is_local_host
 
 DEFAULT_C10D_PORT = 29400
@@ -44,10 +46,6 @@ RDZV_CONF_DEFAULTS: dict[str, Any] = {
     "heartbeat_timeout": None,  # torch's name for the same idea; accepted as an alias
     "store_type": "tcp",
 }
-
-
-class ConfigError(Exception):
-    """A user error in flags, environment or config file. The message is shown as is."""
 
 
 def suggest(word: str, choices: Iterable[str]) -> str:
@@ -136,6 +134,8 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
         if key not in RDZV_CONF_DEFAULTS:
             raise ConfigError(f"--rdzv-conf: unknown key '{key}'{suggest(key, RDZV_CONF_DEFAULTS)}")
         if key == "is_host":
+            if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                raise ConfigError(f"--rdzv-conf is_host={value}: use true or false")
             conf[key] = value.lower() in ("1", "true", "yes")
         elif key == "store_type":
             if value not in ("tcp", "file"):
@@ -210,10 +210,10 @@ def parse_signals(text: str, flag: str) -> tuple[int, ...]:
             continue
         full = name if name.startswith("SIG") else "SIG" + name
         try:
-            out.append(int(signal.Signals[full]))
-        except KeyError:
+            out.append(int(signal.Signals(int(name)) if name.isdigit() else signal.Signals[full]))
+        except (KeyError, ValueError):
             raise ConfigError(f"{flag}: unknown signal '{name}'{suggest(full, signal.Signals.__members__)}") from None
-    return tuple(out)
+    return validate.handled_signals(tuple(out), flag)
 
 
 def imports_only_stdlib(script: str) -> bool:
@@ -267,9 +267,11 @@ def load_config_file(path: str, valid_keys: Iterable[str]) -> dict[str, Any]:
     """Read a YAML job file; keys are option names (dashes or underscores) plus script and args."""
     valid = set(valid_keys) | {"script", "args"}
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save it as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -281,6 +283,7 @@ def load_config_file(path: str, valid_keys: Iterable[str]) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    validate.check_config_values(path, {str(k).replace("-", "_"): v for k, v in data.items()})
     result: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
@@ -313,6 +316,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         raise ConfigError("-m/--module and --no-python cannot be used together")
     if o["run_path"] and (o["module"] or o["no_python"]):
         raise ConfigError("--run-path cannot be combined with -m/--module or --no-python")
+    validate.check_entry_point(o, script)
     if o["no_python"]:
         if not (shutil.which(script) or Path(script).exists()):
             raise ConfigError(f"--no-python: '{script}' is not an executable on PATH or a file")
@@ -321,6 +325,8 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
 
     min_nodes, max_nodes = parse_nnodes(o["nnodes"])
     nproc = parse_nproc(o["nproc_per_node"])
+    validate.check_counts(nproc, max_nodes, o["node_rank"])
+    validate.check_options(o)
     max_restarts = int(o["max_restarts"])
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts}: cannot be negative")
@@ -328,6 +334,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         if o[name] is not None and float(o[name]) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {o[name]}: cannot be negative")
     conf = parse_rdzv_conf(o["rdzv_conf"])
+    validate.check_rdzv_conf(conf)
     backend = str(o["rdzv_backend"]).lower()
     if backend not in ("c10d", "static"):
         raise ConfigError(f"--rdzv-backend '{backend}' is not supported; use c10d (elastic) or static{suggest(backend, ['c10d', 'static'])}")
@@ -354,6 +361,8 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         host, port = parse_endpoint(endpoint_text, -1) if endpoint_text else (o["master_addr"] or "127.0.0.1", -1)
         if port < 0:
             port = int(o["master_port"] if o["master_port"] is not None else DEFAULT_MASTER_PORT)
+        validate.port(port, "--master-port")
+        validate.resolvable(host, "--rdzv-endpoint" if endpoint_text else "--master-addr")
         endpoint = StoreEndpoint(host, port, host_here=node_rank == 0)
     else:
         if not endpoint_text:
@@ -361,9 +370,11 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
                 raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use --rdzv-backend static)")
             endpoint_text = "localhost:0"
         if conf["store_type"] == "file":
+            validate.file_store_path(str(endpoint_text))
             endpoint = StoreEndpoint("", 0, host_here=False, file_path=str(endpoint_text))
         else:
             host, port = parse_endpoint(endpoint_text, DEFAULT_C10D_PORT)
+            validate.resolvable(host, "--rdzv-endpoint")
             host_here = conf["is_host"] if conf["is_host"] is not None else is_local_host(host)
             if port == 0 and not host_here:
                 raise ConfigError(f"--rdzv-endpoint {endpoint_text}: port 0 only works on the store's own host")

@@ -12,6 +12,7 @@ import click
 from rich.table import Table
 
 from rally.launcher import console
+from rally.launcher import validate
 from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint
 
 MIB = 1024 * 1024
@@ -29,6 +30,7 @@ def status_command(endpoint: str, run_id: str, timeout: float) -> int:
     quiet_torch_logs()
     try:
         host, port = parse_endpoint(endpoint, DEFAULT_C10D_PORT)
+        validate.resolvable(host, "--rdzv-endpoint")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     try:

@@ -11,12 +11,19 @@ import signal
 
 import click
 
-from rally.launcher import console
+from rally.launcher import console, validate
+
+
+def _timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+    try:
+        return validate.seconds(value, "--timeout", zero_ok=False)
+    except validate.ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix(f"--timeout {value}: ")) from None
 
 
 @click.command(name="rally store", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--port", type=click.IntRange(0, 65535), required=True, help="TCP port to listen on (0: a free port, printed).")
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Per-operation timeout of the store, seconds.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, callback=_timeout, help="Per-operation timeout of the store, seconds.")
 def store_command(port: int, timeout: float) -> int:
     """Serve a c10d TCPStore until SIGINT or SIGTERM."""
     from rally.rendezvous.store import host_tcp_store, quiet_torch_logs

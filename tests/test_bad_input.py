@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Result, free_port, run_rally, write_probe
+from helpers import Result, clean_env, free_port, run_rally, write_probe
 
 # rally's own lines; off a terminal, messages from a running agent carry a timestamp.
 RALLY_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3} )?rally: ")
@@ -73,6 +73,105 @@ BAD_FLAGS = [
 @pytest.mark.parametrize(("args", "named"), BAD_FLAGS)
 def test_bad_flag_exits_2_with_one_line_naming_the_problem(tmp_path: Path, args: list[str], named: str) -> None:
     line = assert_one_line_only(rally_fails(tmp_path, *args))
+    assert named in line, line
+
+
+# Issue 10: inputs that used to end in a traceback, a hang or a silently wrong job. "{tmp}" is the
+# test's directory, which holds train.py, noexec.sh (a script without the x bit), adir/ and afile.
+MORE_BAD_FLAGS = [
+    pytest.param(["--signals-to-handle", "SIGKILL", "train.py"], "SIGKILL", id="handle-sigkill"),
+    pytest.param(["--signals-to-handle", "SIGTERM,SIGSTOP", "train.py"], "SIGSTOP", id="handle-sigstop"),
+    pytest.param(["--signals-to-handle", "SIGCHLD", "train.py"], "SIGCHLD", id="handle-sigchld"),
+    pytest.param(["--signals-to-handle", "SIGNOPE", "train.py"], "SIGNOPE", id="handle-unknown-signal"),
+    pytest.param(["--preemption-signals", "SIGKILL", "train.py"], "--preemption-signals", id="preempt-sigkill"),
+    pytest.param(["--preemption-signals", "STOP", "train.py"], "SIGSTOP", id="preempt-sigstop"),
+    pytest.param(["--preemption-signals", "SIGWHAT", "train.py"], "--preemption-signals", id="preempt-unknown-signal"),
+    pytest.param(["--log-dir", "/proc/rally-test-logs", "train.py"], "--log-dir", id="log-dir-unwritable"),
+    pytest.param(["--log-dir", "{tmp}/afile", "train.py"], "--log-dir", id="log-dir-is-a-file"),
+    pytest.param(["--log-dir", "", "train.py"], "--log-dir", id="log-dir-empty"),
+    pytest.param(["--checkpoint-dir", "/proc/rally-test-ckpt", "train.py"], "--checkpoint-dir", id="checkpoint-dir-unwritable"),
+    pytest.param(["--checkpoint-dir", "{tmp}/afile/sub", "train.py"], "--checkpoint-dir", id="checkpoint-dir-under-a-file"),
+    pytest.param(["--checkpoint-dir", "", "train.py"], "--checkpoint-dir", id="checkpoint-dir-empty"),
+    *[
+        pytest.param([option, value, "train.py"], option, id=f"{option[2:]}-{value}")
+        for option in ("--shutdown-timeout", "--heartbeat-timeout", "--silence-timeout", "--preemption-grace", "--resource-interval")
+        for value in ("inf", "nan", "-1", "1e300")
+    ],
+    pytest.param(["--resource-interval", "1e-9", "train.py"], "--resource-interval", id="resource-interval-tiny"),
+    pytest.param(["--monitor-interval", "nan", "train.py"], "--monitor-interval", id="monitor-interval-nan"),
+    *[
+        pytest.param(["--rdzv-conf", f"{key}={value}", "train.py"], key, id=f"rdzv-conf-{key}-{value}")
+        for key, value in [("join_timeout", "inf"), ("read_timeout", "nan"), ("last_call_timeout", "1e300"), ("timeout", "inf"),
+                           ("keep_alive_interval", "nan"), ("keep_alive_timeout", "-3"), ("keep_alive_max_attempt", "0.5")]
+    ],  # fmt: skip
+    pytest.param(["--rdzv-conf", "is_host=maybe", "train.py"], "is_host", id="rdzv-conf-is-host-not-a-boolean"),
+    pytest.param(["--no-python", "{tmp}/noexec.sh"], "noexec.sh", id="no-python-not-executable"),
+    pytest.param(["--no-python", "{tmp}/adir"], "adir", id="no-python-a-directory"),
+    pytest.param(["{tmp}/adir"], "adir", id="script-is-a-directory"),
+    pytest.param(["-m", "no.such..module"], "no.such..module", id="module-name-malformed"),
+    pytest.param(["--master-port", "70000", "train.py"], "--master-port", id="master-port-70000"),
+    pytest.param(["--master-port", "-1", "train.py"], "--master-port", id="master-port-negative"),
+    pytest.param(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:70000", "train.py"], "70000", id="c10d-endpoint-port-70000"),
+    pytest.param(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "no-such-host.invalid:29400", "train.py"], "no-such-host.invalid", id="c10d-endpoint-unresolvable"),
+    pytest.param(["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400", "train.py"], "--rdzv-endpoint", id="static-endpoint-unresolvable"),
+    pytest.param(["--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid", "--master-port", "29999", "train.py"], "--master-addr", id="master-addr-unresolvable"),
+    pytest.param(["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file", "--rdzv-endpoint", "/nonexistent-rally/store", "train.py"], "--rdzv-endpoint", id="file-store-directory-missing"),
+    pytest.param(["--nproc-per-node", "100000", "train.py"], "--nproc-per-node", id="nproc-huge"),
+    pytest.param(["--nproc-per-node", "0", "train.py"], "--nproc-per-node", id="nproc-zero"),
+    pytest.param(["--nnodes", "0:0", "train.py"], "--nnodes", id="nnodes-0-0"),
+    pytest.param(["--nnodes", "99999999999999999999", "train.py"], "--nnodes", id="nnodes-huge"),
+    pytest.param(["--node-rank", "5", "train.py"], "--node-rank", id="node-rank-not-below-nnodes"),
+    pytest.param(["--rdzv-id", "", "train.py"], "--rdzv-id", id="rdzv-id-empty"),
+    pytest.param(["store", "--port", "70000"], "--port", id="store-port-70000"),
+    *[pytest.param(["store", "--port", "0", "--timeout", value], "--timeout", id=f"store-timeout-{value}") for value in ("inf", "nan", "-1", "1e300")],
+    pytest.param(["status", "--rdzv-endpoint", "no-such-host.invalid:29400", "--rdzv-id", "x"], "no-such-host.invalid", id="status-endpoint-unresolvable"),
+]
+
+
+def bad_input_dir(tmp_path: Path) -> None:
+    write_probe(tmp_path / "noexec.sh", "#!/bin/sh\necho the job must not start\n")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("not a directory")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("args", "named"), MORE_BAD_FLAGS)
+def test_more_bad_flags_exit_2_with_one_line_naming_the_option(tmp_path: Path, args: list[str], named: str) -> None:
+    bad_input_dir(tmp_path)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    line = assert_one_line_only(rally_fails(tmp_path, *args))
+    assert named in line, line
+
+
+@pytest.mark.timeout(60)
+def test_bad_environment_timeout_exits_2_naming_the_variable(tmp_path: Path) -> None:
+    write_probe(tmp_path / "train.py", "print('the job must not start')")
+    result = run_rally(["train.py"], cwd=tmp_path, env=clean_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="forever"))
+    line = assert_one_line_only(result)
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in line, line
+
+
+BAD_CONFIG_FILES = [
+    pytest.param(b"nproc_per_node: 1\nscript: tr\xe9in.py\n", "UTF-8", id="not-utf8"),
+    pytest.param(b"script: 123\n", "'script'", id="script-a-number"),
+    pytest.param(b"script: [train.py, other.py]\n", "'script'", id="script-a-list"),
+    pytest.param(b"script: ''\n", "'script'", id="script-empty"),
+    pytest.param(b"script: train.py\nargs: [{lr: 1}]\n", "'args'", id="args-item-a-mapping"),
+    pytest.param(b"script: train.py\nmax_restarts: [1]\n", "'max_restarts'", id="max-restarts-a-list"),
+    pytest.param(b"script: train.py\nheartbeat_timeout: {s: 1}\n", "'heartbeat_timeout'", id="timeout-a-mapping"),
+    pytest.param(b"script: train.py\nlog-dir: [logs]\n", "'log_dir'", id="log-dir-a-list"),
+    pytest.param(b"script: train.py\nrdzv_conf: {join_timeout: 5}\n", "'rdzv_conf'", id="rdzv-conf-a-mapping"),
+    pytest.param(b"script: train.py\nshutdown_timeout: .inf\n", "--shutdown-timeout", id="timeout-yaml-infinity"),
+    pytest.param(b"script: train.py\nsignals_to_handle: SIGKILL\n", "SIGKILL", id="signal-sigkill"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("content", "named"), BAD_CONFIG_FILES)
+def test_bad_config_file_value_exits_2_with_one_line_naming_it(tmp_path: Path, content: bytes, named: str) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_bytes(content)
+    line = assert_one_line_only(rally_fails(tmp_path, "--config", str(config)))
     assert named in line, line
 
 

@@ -164,7 +164,7 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(
     ckpt = job.load_latest()
     assert ckpt is not None and ckpt.step == 1 and torch.equal(ckpt.state["w"], torch.full((1000,), 1.0))
     err = capsys.readouterr().err
-    assert f"rally: warning: checkpoint {newest} is unreadable" in err
+    assert f"rally: warning: checkpoint {newest} is damaged" in err
     assert "rally: resuming from step 1" in err
 
 
@@ -249,7 +249,7 @@ def test_sigkill_during_save_never_damages_or_hides_the_previous_checkpoint(
         # ... and load_latest finds the newest of them without needing to fall back.
         ckpt = job.load_latest()
         assert ckpt is not None and ckpt.step >= max(last_step, 1)
-        assert "unreadable" not in capsys.readouterr().err
+        assert "damaged" not in capsys.readouterr().err
         last_step = ckpt.step
 
     assert mid_write_kills >= 1, "no kill landed while a checkpoint was being written"

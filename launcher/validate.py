@@ -1,0 +1,227 @@
+"""Checks of raw user input at the edge, before anything starts: each failure is one line that fixes it.
+
+launcher/config.py parses values into the agent's types; this module rejects values that parse
+but cannot work (an infinite timeout, SIGKILL as a signal to forward, a log directory nobody can
+write, a port above 65535, a host that does not resolve, a config file value of the wrong type),
+so that none of them turns into a traceback, a hang or a silently wrong job later on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ConfigError(Exception):
+    """A user error in flags, environment or config file. The message is shown as is."""
+
+
+MAX_SECONDS = 7 * 24 * 3600.0
+"""Upper bound of every timeout and interval (7 days): beyond it torch's store timeouts overflow
+a C int of milliseconds and time stamps leave the platform's range; no job needs more."""
+
+MIN_INTERVAL = 0.01
+"""Smallest sampling interval (--resource-interval, keep_alive_interval): below it rally would spin."""
+
+MAX_NPROC_PER_NODE = 1024
+"""More workers than this on one node is a typo (each is a process with its own interpreter)."""
+
+MAX_NODES = 100_000
+"""Largest --nnodes: far beyond any cluster, small enough to catch a slipped key."""
+
+UNHANDLED_SIGNALS = {
+    signal.SIGKILL: "it cannot be caught",
+    signal.SIGSTOP: "it cannot be caught",
+    signal.SIGCHLD: "rally uses it to see workers exit",
+}
+
+# Options whose value, in a config file, is a list of strings rather than a scalar.
+LIST_OPTIONS = {"preload", "args"}
+
+# (option, may be zero) for every timeout or interval option given in seconds.
+SECONDS_OPTIONS = {
+    "shutdown_timeout": True,
+    "preemption_grace": True,
+    "monitor_interval": True,
+    "heartbeat_timeout": False,
+    "silence_timeout": False,
+    "resource_interval": False,
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ------------------------------------------------------------------ config file values
+def check_config_values(path: str, data: Mapping[str, Any]) -> None:
+    """Every value in a YAML job file has the shape its option takes (scalars; lists of scalars)."""
+    for key, value in data.items():
+        if key == "script":
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(
+                    f"--config {path}: 'script' must be the path of the training script as text, "
+                    f"got {value!r} ({type(value).__name__}); write e.g. script: train.py (quote numbers)"
+                )
+        elif key in LIST_OPTIONS:
+            items = value if isinstance(value, list) else [value]
+            bad = [item for item in items if isinstance(item, (list, dict)) or item is None]
+            if bad:
+                raise ConfigError(
+                    f"--config {path}: '{key}' must be a list of plain values, got the item {bad[0]!r}; "
+                    f"e.g. {key}: [--lr, '0.1']"
+                )
+        elif isinstance(value, (list, dict)):
+            raise ConfigError(
+                f"--config {path}: '{key}' must be a single value, got a {type(value).__name__} "
+                f"({value!r}); write it as {key}: VALUE"
+            )
+
+
+# ------------------------------------------------------------------ individual values
+def seconds(value: Any, option: str, *, zero_ok: bool, minimum: float = 0.0) -> float:
+    """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``), at least ``minimum``, at most MAX_SECONDS."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{option} {value!r}: expected a number of seconds, e.g. {option} 30") from None
+    if math.isnan(number) or math.isinf(number) or number > MAX_SECONDS or number < 0 or (number == 0 and not zero_ok):
+        lowest = "from 0" if zero_ok else f"from {minimum:g}" if minimum else "above 0 and"
+        raise ConfigError(f"{option} {value}: must be a number of seconds {lowest} up to {MAX_SECONDS:g} (7 days)")
+    if number and number < minimum:
+        raise ConfigError(f"{option} {value}: must be at least {minimum:g} s (smaller values make rally spin)")
+    return number
+
+
+def port(value: Any, option: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{option} {value!r}: expected a port number from 0 to 65535") from None
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"{option} {value}: port {number} is out of range; use a port from 0 to 65535")
+    return number
+
+
+def handled_signals(signums: tuple[int, ...], option: str) -> tuple[int, ...]:
+    """Signals rally installs handlers for: none that cannot be caught or that rally needs itself."""
+    for signum in signums:
+        reason = UNHANDLED_SIGNALS.get(signal.Signals(signum))
+        if reason:
+            name = signal.Signals(signum).name
+            raise ConfigError(f"{option}: {name} cannot be handled ({reason}); remove it, e.g. {option} SIGTERM,SIGUSR1")
+    return signums
+
+
+def writable_dir(value: Any, option: str) -> str:
+    """Create ``value`` (with parents) if needed and prove a file can be written there."""
+    text = str(value)
+    if not text.strip():
+        raise ConfigError(f"{option} is empty; give a directory, or leave the option out")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{option} {text}: exists and is not a directory; give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{option} {text}: cannot write there ({exc.strerror}); give a writable directory") from None
+    return text
+
+
+def runnable_program(script: str) -> None:
+    """--no-python: the program is an executable file, or a command found on PATH."""
+    path = Path(script)
+    if os.sep in script or path.exists():
+        if path.is_dir():
+            raise ConfigError(f"--no-python: '{script}' is a directory, not a program")
+        if not path.is_file():
+            raise ConfigError(f"--no-python: '{script}' does not exist")
+        if not os.access(path, os.X_OK):
+            raise ConfigError(f"--no-python: '{script}' is not executable; chmod +x it, or drop --no-python for a Python script")
+    elif not shutil.which(script):
+        raise ConfigError(f"--no-python: '{script}' is not a program on PATH or a file")
+
+
+def python_script(script: str, module: bool) -> None:
+    if module:
+        if not all(part.isidentifier() for part in script.split(".")):
+            raise ConfigError(f"-m/--module '{script}' is not a module name; write e.g. -m mypackage.train")
+    elif Path(script).is_dir():
+        raise ConfigError(f"training script '{script}' is a directory; give the script file, e.g. {Path(script) / 'train.py'}")
+
+
+def resolvable(host: str, option: str) -> None:
+    """The store's host must resolve here; otherwise rally would wait out join_timeout for nothing."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(f"{option}: host '{host}' does not resolve ({reason}); check the name, or use an IP address") from None
+
+
+def file_store_path(text: str) -> None:
+    parent = Path(text).parent
+    if not parent.is_dir():
+        raise ConfigError(f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a shared file system")
+
+
+# ------------------------------------------------------------------ all options together
+def check_entry_point(o: Mapping[str, Any], script: str) -> None:
+    """The program to run can be run: an executable for --no-python, a file or module name otherwise."""
+    if o.get("no_python"):
+        runnable_program(script)
+    else:
+        python_script(script, bool(o.get("module")))
+
+
+def check_options(o: Mapping[str, Any]) -> None:
+    """Everything that can be checked from the raw options alone, before parsing builds the job.
+
+    Directories come last: checking them creates them, which only a launch that is otherwise
+    sound should do.
+    """
+    for name, zero_ok in SECONDS_OPTIONS.items():
+        if o.get(name) is not None:
+            minimum = MIN_INTERVAL if name in ("resource_interval", "monitor_interval") else 0.0
+            seconds(o[name], flag(name), zero_ok=zero_ok, minimum=minimum)
+    shutdown_env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if o.get("shutdown_timeout") is None and shutdown_env:
+        seconds(shutdown_env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", zero_ok=True)
+    if o.get("master_port") is not None:
+        port(o["master_port"], "--master-port")
+    if not str(o.get("rdzv_id", "none")).strip():
+        raise ConfigError("--rdzv-id is empty; give the id every node of the job shares, e.g. --rdzv-id job42")
+    for name in ("log_dir", "checkpoint_dir"):
+        if o.get(name) is not None:
+            writable_dir(o[name], flag(name))
+
+
+def check_counts(nproc: int, max_nodes: int, node_rank: Any) -> None:
+    if nproc > MAX_NPROC_PER_NODE:
+        raise ConfigError(f"--nproc-per-node {nproc}: at most {MAX_NPROC_PER_NODE} workers per node")
+    if max_nodes > MAX_NODES:
+        raise ConfigError(f"--nnodes {max_nodes}: at most {MAX_NODES} nodes")
+    if node_rank is not None and int(node_rank) >= max_nodes:
+        raise ConfigError(f"--node-rank {node_rank} is not below --nnodes {max_nodes}; node ranks are 0 to {max_nodes - 1}")
+
+
+def check_rdzv_conf(conf: dict[str, Any]) -> None:
+    """--rdzv-conf numbers are finite seconds within range; keep_alive_max_attempt a whole count."""
+    for key, value in conf.items():
+        if key in ("is_host", "store_type") or value is None:
+            continue
+        if key == "keep_alive_max_attempt":
+            if not math.isfinite(value) or value != int(value) or not 1 <= value <= 1_000_000:
+                raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={value:g}: must be a whole number from 1 to 1000000")
+            conf[key] = int(value)
+            continue
+        minimum = MIN_INTERVAL if key == "keep_alive_interval" else 0.0
+        seconds(value, f"--rdzv-conf {key}", zero_ok=False, minimum=minimum)
