@@ -21,7 +21,7 @@ import pytest
 
 from agents import AgentProcess, start_agent, stop_all, wait_for
 from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
-from helpers import free_port, write_probe
+from helpers import free_port, run_rally, write_probe
 from rally.rendezvous.etcd_client import Member
 from rally.rendezvous.etcd_store import EtcdStore, open_etcd_store
 from rally.rendezvous.store import StoreTimeout, StoreUnavailable
@@ -249,9 +249,15 @@ def longest_pause(steps: list[dict]) -> float:
 
 def kill_node(agent: AgentProcess) -> float:
     """SIGKILL a node as a whole: the process group of its agent and of each of its workers."""
-    groups = {os.getpgid(p.pid) for p in agent.descendants() if p.is_running()} | {agent.popen.pid}
+    worker_groups: set[int] = set()
+    for process in agent.descendants():
+        try:
+            worker_groups.add(os.getpgid(process.pid))
+        except ProcessLookupError:
+            pass
+    worker_groups.discard(agent.popen.pid)
     killed_at = time.time()
-    for pgid in groups:
+    for pgid in [agent.popen.pid, *worker_groups]:  # the agent first: a crashed node reports nothing
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
@@ -288,6 +294,14 @@ def test_a_node_sigkilled_is_lost_by_lease_expiry_and_the_survivor_trains_again_
     job = etcd_job(etcd.endpoints(), "1:2")
     agents = [job.start(f"n{i}", finish_world=1, seconds=1) for i in range(2)]
     assert wait_for(lambda: job.stepping(ranks=2, at_least=10), 90), job.outputs()
+    status_argv = ["status", "--rdzv-backend", "etcd", "--rdzv-endpoint", job.endpoints, "--rdzv-id", job.run_id]
+
+    def status_shows_both_workers() -> bool:  # records are refreshed every 2 s by each agent
+        status = run_rally(status_argv, cwd=job.tmp, timeout=60)
+        assert status.returncode == 0 and f"job {job.run_id} at etcd at" in status.stdout, status.describe()
+        return status.stdout.count("running") == 2
+
+    assert wait_for(status_shows_both_workers, 20), "`rally status` reads the job from etcd"
     rank0_pid = next(s["pid"] for s in job.steps() if s["GROUP_RANK"] == "0")
     victim = next(a for a in agents if rank0_pid in {p.pid for p in a.descendants()})  # the workers' store host
     survivor = next(a for a in agents if a is not victim)
