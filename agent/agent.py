@@ -526,7 +526,7 @@ class Agent:
     def _store_lost_message(self, exc: BaseException) -> str:
         where = self.plan.endpoint
         if where.etcd:
-            return f"{exc}; no member of the etcd cluster answered, so this node stops. Check the etcd cluster's health (etcdctl endpoint health)"
+            return f"{exc}; the job cannot go on without its rendezvous, so this node stops. Check the cluster: etcdctl --endpoints {','.join(map(str, where.etcd))} endpoint health"
         return (
             f"{exc}; the rendezvous store at {where} is gone, so this node stops. Its host "
             "was probably lost. To survive the loss of any compute node next time, run "

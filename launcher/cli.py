@@ -188,7 +188,7 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
         taken += ["nnodes", "node_rank"]
     rendezvous_set = (
         not all(unset(n) for n in ("rdzv_endpoint", "master_addr", "master_port"))
-        or str(options["rdzv_backend"]).lower() == "static" and not unset("rdzv_backend")
+        or str(options["rdzv_backend"]).lower() in ("static", "etcd", "etcd-v2") and not unset("rdzv_backend")
     )
     if not options["standalone"] and not rendezvous_set:
         options["rdzv_backend"] = "c10d"

@@ -112,7 +112,7 @@ class EtcdClient:
         """POST `body` to `path` on some member; fail over until `budget` seconds are spent."""
         deadline = time.monotonic() + budget
         delay = RETRY_DELAY_SECONDS
-        failures: list[str] = []
+        failures: dict[Member, str] = {}  # the latest reason of each member
         while True:
             for _ in range(len(self.members)):
                 with self._lock:
@@ -120,13 +120,13 @@ class EtcdClient:
                     try:
                         return self._post(path, body, max(0.05, min(REQUEST_TIMEOUT_SECONDS, deadline - time.monotonic())))
                     except _TryElsewhere as exc:
-                        failures.append(f"{member}: {exc}")
+                        failures[member] = str(exc)
                         self._drop_connection()
                         self._advance()
                 if time.monotonic() >= deadline:
                     break
             if time.monotonic() + delay >= deadline:
-                raise EtcdUnavailable(f"no member answered within {budget:g} s ({'; '.join(failures[-len(self.members):])})")
+                raise EtcdUnavailable(f"no member answered within {budget:g} s: {_summary(failures)}")
             time.sleep(delay)  # every member failed just now: give the cluster a moment
             delay = min(delay * 2, RETRY_DELAY_MAX_SECONDS)
 
@@ -208,8 +208,17 @@ def _left(deadline: float, cap: float) -> float:
 
 
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror  # "Connection refused", not "[Errno 111] Connection refused"
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _summary(failures: dict[Member, str]) -> str:
+    reasons = set(failures.values())
+    if len(reasons) == 1 and len(failures) > 1:
+        return f"{reasons.pop()} (every member)"
+    return "; ".join(f"{member}: {reason}" for member, reason in failures.items())
 
 
 def _parse_reply(status: int, data: bytes) -> dict[str, Any]:

@@ -258,7 +258,7 @@ def open_etcd_store(members: Sequence[Member], prefix: str, op_timeout: float, c
         client.call("/v3/kv/range", {"key": b64(prefix), "count_only": True}, connect_timeout)
     except (EtcdUnavailable, EtcdError) as exc:
         raise StoreUnavailable(
-            f"cannot reach etcd at {client.describe()} within {connect_timeout:g} s ({exc}); check "
+            f"cannot reach etcd at {client.describe()}: {exc}; check "
             "--rdzv-endpoint (etcd client endpoints HOST[:PORT],..., default port 2379) and that etcd is running"
         ) from exc
     return store

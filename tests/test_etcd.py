@@ -130,11 +130,12 @@ def test_a_lease_keeps_its_key_while_refreshed_and_the_key_vanishes_when_it_expi
     lease = store.grant_lease(2)
     store.set_leased("alive/0", "node0", lease)
     stop = threading.Event()
+    refreshed: list[bool] = []
 
     def refresh() -> None:
         refresher_store = store.connect_again()
         while not stop.is_set():
-            assert refresher_store.refresh_lease(lease)
+            refreshed.append(refresher_store.refresh_lease(lease))
             stop.wait(0.3)
 
     refresher = threading.Thread(target=refresh, daemon=True)
@@ -143,6 +144,7 @@ def test_a_lease_keeps_its_key_while_refreshed_and_the_key_vanishes_when_it_expi
     assert not watcher.wait_deleted("alive/0", 3.5), "a refreshed lease must not expire"
     stop.set()
     refresher.join(5)
+    assert len(refreshed) >= 5 and all(refreshed), refreshed
     stopped = time.monotonic()
     assert watcher.wait_deleted("alive/0", 10)
     gone_after = time.monotonic() - stopped
@@ -198,8 +200,9 @@ class EtcdJob:
         self.probe = write_probe(tmp / "probe.py", PROBE)
         self.agents: list[AgentProcess] = []
 
-    def start(self, name: str, finish_world: int, seconds: float) -> AgentProcess:
+    def start(self, name: str, finish_world: int, seconds: float, extra_conf: str = "") -> AgentProcess:
         conf = f"join_timeout=60,last_call_timeout=1,keep_alive_interval=0.2,keep_alive_timeout={KEEP_ALIVE_TIMEOUT:g}"
+        conf += f",{extra_conf}" if extra_conf else ""
         args = [
             "--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-backend", "etcd",
             "--rdzv-endpoint", self.endpoints, "--rdzv-id", self.run_id, "--local-addr", "127.0.0.1",
@@ -316,6 +319,23 @@ def test_a_node_sigkilled_is_lost_by_lease_expiry_and_the_survivor_trains_again_
     text = survivor.output()
     assert "sent no keep-alive" in text and "re-forming the job" in text, text
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in victim.descendants())
+
+
+@needs_etcd
+@pytest.mark.timeout(180)
+def test_losing_the_whole_etcd_cluster_stops_every_node_with_a_clear_message(etcd, etcd_job):
+    job = etcd_job(etcd.endpoints(), "2")
+    agents = [job.start(f"n{i}", finish_world=3, seconds=0, extra_conf="read_timeout=3") for i in range(2)]
+    assert wait_for(lambda: job.stepping(ranks=2, at_least=10), 90), job.outputs()
+    workers = {s["pid"] for s in job.steps()}
+    for member in etcd.members:
+        etcd.kill(member)
+    codes = [agent.wait(60) for agent in agents]
+    assert codes == [1, 1], job.outputs()
+    for agent in agents:
+        assert "is unreachable: no member answered within 3 s" in agent.output(), job.outputs()
+        assert "so this node stops" in agent.output(), job.outputs()
+    assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.timeout(60)
