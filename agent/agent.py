@@ -15,6 +15,7 @@ signal wake-up fd, and a pipe that the store-watching threads write to. Nothing 
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import selectors
@@ -29,6 +30,7 @@ from typing import Any, Callable
 from rally.agent import processes
 from rally.agent.events import EventLog
 from rally.agent.job import newest_checkpoint_step
+from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.agent.live import LiveView
 from rally.agent.health import Hang, HealthMonitor, HealthSettings
 from rally.agent.report import JobReport, explain, failure_end, failure_info
@@ -227,7 +229,7 @@ class Agent:
 
     def _open_store(self) -> tuple[Store, Any]:
         try:
-            return open_store(
+            opened = open_store(
                 self.plan.endpoint,
                 f"rally/{self.spec.run_id}/",
                 self.plan.connect_timeout,
@@ -235,6 +237,11 @@ class Agent:
             )
         except StoreUnavailable as exc:
             raise AgentExit(EXIT_BAD_INPUT, str(exc)) from exc
+        if self.plan.endpoint.etcd:
+            # Reaching etcd needs no torch, but any node may host the workers' TCPStore in a
+            # later round: import it now, beside the rendezvous, not in the middle of a re-form.
+            threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
+        return opened
 
     # ================================================================ one round
     def _run_round(self, rdzv: Rendezvous, watcher: Rendezvous, keeper: Rendezvous, a: Assignment) -> RoundEnd:
@@ -426,6 +433,10 @@ class Agent:
 
     def _keep_alive(self, keeper: Rendezvous, a: Assignment, round_over: threading.Event) -> None:
         """Send this node's keep-alives and watch the next node's (a ring)."""
+        if keeper.store.leased_liveness:  # etcd: leases expire by themselves (agent/leased_liveness.py)
+            return keep_alive_with_lease(
+                keeper, a, round_over, lambda: self._status_record(a), STATUS_INTERVAL_SECONDS, self.inbox.post
+            )
         s = self.plan.settings
         interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
         last_seen, last_change = -1, time.monotonic()
@@ -514,6 +525,8 @@ class Agent:
 
     def _store_lost_message(self, exc: BaseException) -> str:
         where = self.plan.endpoint
+        if where.etcd:
+            return f"{exc}; the job cannot go on without its rendezvous, so this node stops. Check the cluster: etcdctl --endpoints {','.join(map(str, where.etcd))} endpoint health"
         return (
             f"{exc}; the rendezvous store at {where} is gone, so this node stops. Its host "
             "was probably lost. To survive the loss of any compute node next time, run "

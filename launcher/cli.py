@@ -30,8 +30,8 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("nproc-per-node", dict(default="1", metavar="N|auto|cpu|gpu", help="Workers per node."), "Job"),
     ("role", dict(default="default", help="Worker role name (ROLE_NAME, log prefixes)."), "Job"),
     ("standalone", dict(is_flag=True, help="Single node: a private store on a free port, a random run id."), "Rendezvous"),
-    ("rdzv-backend", dict(default="static", metavar="c10d|static", help="c10d: elastic rendezvous through a store; static: fixed node ranks."), "Rendezvous"),
-    ("rdzv-endpoint", dict(default="", metavar="HOST[:PORT]", help="The rendezvous store (c10d default port 29400)."), "Rendezvous"),
+    ("rdzv-backend", dict(default="static", metavar="c10d|etcd|static", help="c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: fixed node ranks."), "Rendezvous"),
+    ("rdzv-endpoint", dict(default="", metavar="HOST[:PORT]", help="The rendezvous store (c10d default port 29400), or etcd client endpoints HOST[:PORT],... (default port 2379)."), "Rendezvous"),
     ("rdzv-id", dict(default="none", metavar="ID", help="Job id shared by all nodes."), "Rendezvous"),
     ("rdzv-conf", dict(default="", metavar="K=V,...", help="join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, store_type, ..."), "Rendezvous"),
     ("node-rank", dict(type=int, default=None, help="This node's rank (static backend)."), "Rendezvous"),
@@ -188,7 +188,7 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
         taken += ["nnodes", "node_rank"]
     rendezvous_set = (
         not all(unset(n) for n in ("rdzv_endpoint", "master_addr", "master_port"))
-        or str(options["rdzv_backend"]).lower() == "static" and not unset("rdzv_backend")
+        or str(options["rdzv_backend"]).lower() in ("static", "etcd", "etcd-v2") and not unset("rdzv_backend")
     )
     if not options["standalone"] and not rendezvous_set:
         options["rdzv_backend"] = "c10d"

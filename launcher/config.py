@@ -24,12 +24,16 @@ import yaml
 
 from rally.agent.agent import RendezvousPlan
 from rally.agent.spec import JobSpec
+from rally.rendezvous.etcd_client import DEFAULT_ETCD_PORT, Member
 from rally.rendezvous.protocol import RendezvousSettings
 from rally.launcher import validate
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.store import StoreEndpoint, is_local_host
 
 DEFAULT_C10D_PORT = 29400
+# torchrun's etcd backends; rally runs both over the etcd v3 API (rendezvous/etcd_store.py).
+ETCD_BACKENDS = ("etcd", "etcd-v2")
+BACKENDS = ("c10d", "static", *ETCD_BACKENDS)
 DEFAULT_MASTER_PORT = 29500
 
 # torchrun's --rdzv-conf keys (c10d), plus rally's keep_alive_timeout.
@@ -119,6 +123,27 @@ def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ConfigError(f"--rdzv-endpoint '{text}': port {port} is out of range (0-65535)")
     return match.group(1), port
+
+
+def parse_etcd_endpoints(text: str) -> tuple[Member, ...]:
+    """`HOST[:PORT][,HOST[:PORT]...]` (an `http://` scheme is allowed); default port 2379."""
+    members = []
+    for item in str(text).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.lower().startswith("https://"):
+            raise ConfigError(f"--rdzv-endpoint '{item}': rally talks to etcd over plain HTTP only; give an http:// client endpoint")
+        item = item[len("http://") :] if item.lower().startswith("http://") else item
+        host, port = parse_endpoint(item.rstrip("/"), DEFAULT_ETCD_PORT)
+        if port == 0:
+            raise ConfigError(f"--rdzv-endpoint '{item}': port 0 is not an etcd endpoint; etcd listens on 2379 by default")
+        members.append(Member(host, port))
+    if not members:
+        raise ConfigError(
+            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client endpoints (default port 2379)"
+        )
+    return tuple(dict.fromkeys(members))
 
 
 def parse_rdzv_conf(text: str) -> dict[str, Any]:
@@ -336,8 +361,8 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
     conf = parse_rdzv_conf(o["rdzv_conf"])
     validate.check_rdzv_conf(conf)
     backend = str(o["rdzv_backend"]).lower()
-    if backend not in ("c10d", "static"):
-        raise ConfigError(f"--rdzv-backend '{backend}' is not supported; use c10d (elastic) or static{suggest(backend, ['c10d', 'static'])}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"--rdzv-backend '{backend}' is not supported; use c10d, etcd (elastic) or static{suggest(backend, BACKENDS)}")
     endpoint_text, run_id = o["rdzv_endpoint"], str(o["rdzv_id"])
     node_rank = o["node_rank"]
     if node_rank is not None and int(node_rank) < 0:
@@ -364,6 +389,14 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         validate.port(port, "--master-port")
         validate.resolvable(host, "--rdzv-endpoint" if endpoint_text else "--master-addr")
         endpoint = StoreEndpoint(host, port, host_here=node_rank == 0)
+    elif backend in ETCD_BACKENDS:
+        if conf["store_type"] != "tcp":
+            raise ConfigError(f"--rdzv-conf store_type={conf['store_type']} does not apply to --rdzv-backend {backend}; remove it")
+        endpoint = StoreEndpoint("", 0, host_here=False, etcd=parse_etcd_endpoints(endpoint_text))
+        if run_id == "none":
+            raise ConfigError(
+                f"--rdzv-backend {backend} needs --rdzv-id ID, one per job: etcd keeps a job's keys after it ends"
+            )
     else:
         if not endpoint_text:
             if max_nodes > 1:

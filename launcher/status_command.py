@@ -13,7 +13,7 @@ from rich.table import Table
 
 from rally.launcher import console
 from rally.launcher import validate
-from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint
+from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint, parse_etcd_endpoints
 
 MIB = 1024 * 1024
 
@@ -21,27 +21,36 @@ MIB = 1024 * 1024
 @click.command(name="rally status", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", required=True, metavar="HOST[:PORT]", help="The job's rendezvous store.")
 @click.option("--rdzv-id", "--rdzv_id", "run_id", required=True, help="The job's run id.")
+@click.option(
+    "--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
+    type=click.Choice(["c10d", "etcd", "etcd-v2"], case_sensitive=False),
+    help="etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
+)
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the store.")
-def status_command(endpoint: str, run_id: str, timeout: float) -> int:
+def status_command(endpoint: str, run_id: str, backend: str, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.protocol import read_job_status
     from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
 
     quiet_torch_logs()
     try:
-        host, port = parse_endpoint(endpoint, DEFAULT_C10D_PORT)
-        validate.resolvable(host, "--rdzv-endpoint")
+        if backend.lower().startswith("etcd"):
+            where = StoreEndpoint("", 0, host_here=False, etcd=parse_etcd_endpoints(endpoint))
+        else:
+            host, port = parse_endpoint(endpoint, DEFAULT_C10D_PORT)
+            validate.resolvable(host, "--rdzv-endpoint")
+            where = StoreEndpoint(host, port, host_here=False)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        store, _ = open_store(StoreEndpoint(host, port, host_here=False), f"rally/{run_id}/", timeout, timeout)
+        store, _ = open_store(where, f"rally/{run_id}/", timeout, timeout)
+        status = read_job_status(store)
     except StoreUnavailable as exc:
         raise click.ClickException(str(exc)) from None
-    status = read_job_status(store)
     if status is None:
-        raise click.ClickException(f"no job with run id '{run_id}' at {host}:{port} (no agent has registered there)")
+        raise click.ClickException(f"no job with run id '{run_id}' at {where} (no agent has registered there)")
     now = time.time()
-    table = Table(title=f"job {run_id} at {host}:{port}: round {status['round']}", title_justify="left")
+    table = Table(title=f"job {run_id} at {where}: round {status['round']}", title_justify="left")
     with_gpu = any(w.get("gpu_memory") is not None for n in status["nodes"] for w in n["workers"])
     columns = ["node", "host", "round", "restarts", "keep-alive", "rank", "pid", "state", "cpu %", "rss MiB"]
     for column in [*columns, *(["gpu MiB"] if with_gpu else []), "heartbeat"]:

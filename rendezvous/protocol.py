@@ -356,7 +356,7 @@ class Rendezvous:
     # ----------------------------------------------------------------- status (for `rally status`)
     def register_status(self) -> None:
         """List this node once under `status/nodes`, so `rally status` can find its record."""
-        self.store.raw.append(self.store.key("status/nodes"), self.me.node_id + "\n")
+        self.store.append("status/nodes", self.me.node_id + "\n")
 
     def publish_status(self, record: dict) -> None:
         self.store.set(f"status/node/{self.me.node_id}", json.dumps(record))
@@ -385,6 +385,22 @@ class Rendezvous:
 
     def alive_count(self, r: int, group_rank: int) -> int:
         return self.store.counter(f"{r}/alive/{group_rank}")
+
+    # Lease-backed liveness, for stores whose keys expire by themselves (`store.leased_liveness`,
+    # etcd): the alive key lives as long as its lease is refreshed; its watcher waits for the
+    # deletion instead of comparing counters.
+    def hold_alive(self, r: int, group_rank: int) -> int:
+        """Create this node's alive key on a lease of TTL keep_alive_timeout; return the lease."""
+        lease = self.store.grant_lease(self.settings.keep_alive_timeout)
+        self.store.set_leased(f"{r}/alive/{group_rank}", self.me.node_id, lease)
+        return lease
+
+    def member_appeared(self, r: int, group_rank: int, timeout: float) -> bool:
+        return self.store.try_wait([f"{r}/alive/{group_rank}"], timeout)
+
+    def member_gone(self, r: int, group_rank: int, timeout: float) -> bool:
+        """True once the member's alive key is gone (its lease expired); False after `timeout`."""
+        return self.store.wait_deleted(f"{r}/alive/{group_rank}", timeout)
 
     def declare_lost(self, r: int, group_rank: int, host: str, silent_for: float) -> RoundEnd:
         """Report a member whose keep-alives stopped; only the first declaration counts."""

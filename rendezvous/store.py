@@ -17,7 +17,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
     from torch.distributed import Store as TorchStore
@@ -61,6 +61,9 @@ class Store:
     prefix: str
     describe: str
     _reconnect: Callable[[], "TorchStore"]
+    # Keep-alives are counters watched in a ring here; stores whose keys can expire by
+    # themselves (etcd leases, rendezvous/etcd_store.py) set this and offer lease calls instead.
+    leased_liveness: ClassVar[bool] = False
 
     def key(self, name: str) -> str:
         return f"{self.prefix}{name}"
@@ -98,6 +101,9 @@ class Store:
 
     def check(self, name: str) -> bool:
         return bool(self._call(self.raw.check, [self.key(name)]))
+
+    def append(self, name: str, value: str) -> None:
+        self._call(self.raw.append, self.key(name), value)
 
     def compare_set(self, name: str, expected: str, desired: str) -> bytes:
         """Atomically set `name` to `desired` if it holds `expected` ("" = absent); return its value."""
@@ -173,8 +179,11 @@ class StoreEndpoint:
     port: int
     host_here: bool
     file_path: str | None = None
+    etcd: tuple = ()  # etcd client endpoints (etcd_client.Member) for the etcd backends
 
     def __str__(self) -> str:
+        if self.etcd:
+            return "etcd at " + ",".join(str(m) for m in self.etcd)
         return self.file_path or f"{self.host}:{self.port}"
 
 
@@ -188,8 +197,13 @@ def open_store(
 
     The server object must be kept alive for as long as the store should exist. When this
     host should serve but the port is taken (several agents on one host), it connects as a
-    client instead, as torchrun does.
+    client instead, as torchrun does. For the etcd backends the client is an `EtcdStore`
+    (same interface) and nothing is hosted here.
     """
+    if endpoint.etcd:
+        from rally.rendezvous.etcd_store import open_etcd_store
+
+        return open_etcd_store(endpoint.etcd, prefix, op_timeout), None  # type: ignore[return-value]
     if endpoint.file_path:
         from torch.distributed import FileStore
 

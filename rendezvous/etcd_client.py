@@ -1,0 +1,236 @@
+"""A small client for etcd's v3 JSON gateway (HTTP), with fail-over between cluster members.
+
+rally talks to etcd through the gateway that every etcd member serves next to gRPC on its
+client port (`POST /v3/kv/range`, `/v3/kv/txn`, `/v3/watch`, `/v3/lease/...`; keys and values in
+base64). That needs nothing beyond the standard library's `http.client`: no gRPC stack and no
+third-party client to keep maintained.
+
+Fail-over: the client holds the list of member endpoints and uses one at a time. When a member
+refuses, drops the connection, times out, or answers "no leader / leader changed / unavailable",
+the request goes to the next member at once; after a full pass it backs off briefly and tries
+again, until the operation's budget (rally's `read_timeout`) runs out. A SIGKILLed member on the
+same network is noticed immediately (its sockets are reset), so a leader's death costs one
+election (about a second with etcd's defaults), not a time-out.
+
+One caveat, shared with every etcd client: a request whose reply is lost because the member died
+after applying it is sent again. Puts are idempotent; rally's counters use compare-and-swap
+transactions, and such a doubled increment can only happen when a member dies mid-request.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+# One HTTP request (connect + reply) to one member; a slower member is skipped for the next one.
+REQUEST_TIMEOUT_SECONDS = 5.0
+# Back-off after every member failed once, doubling up to the maximum, until the budget runs out.
+RETRY_DELAY_SECONDS = 0.05
+RETRY_DELAY_MAX_SECONDS = 0.5
+# gRPC status codes (in the gateway's error body) that mean "try again, maybe elsewhere":
+# DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, UNAVAILABLE (no leader, leader changed, ...).
+RETRYABLE_GRPC_CODES = frozenset({4, 8, 10, 14})
+DEFAULT_ETCD_PORT = 2379
+
+
+class EtcdError(Exception):
+    """etcd answered with an error that retrying will not fix (bad request, unknown lease, ...)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class EtcdUnavailable(Exception):
+    """No member of the cluster answered within the budget."""
+
+
+class _TryElsewhere(Exception):
+    """This member cannot serve the request right now (internal: triggers fail-over)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One etcd client endpoint."""
+
+    host: str
+    port: int = DEFAULT_ETCD_PORT
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def describe_members(members: list[Member] | tuple[Member, ...]) -> str:
+    return ",".join(str(m) for m in members)
+
+
+class EtcdClient:
+    """Requests to one etcd cluster. Thread-safe: unary requests share one connection under a lock;
+    every watch opens its own connection, so a blocked watch never delays other calls."""
+
+    def __init__(self, members: list[Member] | tuple[Member, ...], start_at: int = 0):
+        if not members:
+            raise ValueError("an etcd client needs at least one endpoint")
+        self.members = tuple(members)
+        self._current = start_at % len(self.members)
+        self._connection: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def member(self) -> Member:
+        """The member requests go to now."""
+        return self.members[self._current]
+
+    def describe(self) -> str:
+        return describe_members(self.members)
+
+    def fork(self) -> "EtcdClient":
+        """A client of its own (own connection) that starts at the member this one uses now."""
+        return EtcdClient(self.members, self._current)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_connection()
+
+    # ------------------------------------------------------------------ unary requests
+    def call(self, path: str, body: dict[str, Any], budget: float) -> dict[str, Any]:
+        """POST `body` to `path` on some member; fail over until `budget` seconds are spent."""
+        deadline = time.monotonic() + budget
+        delay = RETRY_DELAY_SECONDS
+        failures: dict[Member, str] = {}  # the latest reason of each member
+        while True:
+            for _ in range(len(self.members)):
+                with self._lock:
+                    member = self.member
+                    try:
+                        return self._post(path, body, max(0.05, min(REQUEST_TIMEOUT_SECONDS, deadline - time.monotonic())))
+                    except _TryElsewhere as exc:
+                        failures[member] = str(exc)
+                        self._drop_connection()
+                        self._advance()
+                if time.monotonic() >= deadline:
+                    break
+            if time.monotonic() + delay >= deadline:
+                raise EtcdUnavailable(f"no member answered within {budget:g} s: {_summary(failures)}")
+            time.sleep(delay)  # every member failed just now: give the cluster a moment
+            delay = min(delay * 2, RETRY_DELAY_MAX_SECONDS)
+
+    def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if self._connection is None:
+            self._connection = http.client.HTTPConnection(self.member.host, self.member.port, timeout=timeout)
+        connection = self._connection
+        try:
+            if connection.sock is not None:
+                connection.sock.settimeout(timeout)
+            else:
+                connection.timeout = timeout
+            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            status, data = response.status, response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise _TryElsewhere(_reason(exc)) from exc
+        return _parse_reply(status, data)
+
+    def _drop_connection(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _advance(self) -> None:
+        self._current = (self._current + 1) % len(self.members)
+
+    # ------------------------------------------------------------------ watches
+    def watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict[str, Any]]:
+        """Open a watch on the current member and yield its events until `deadline`.
+
+        Returns (ends the iteration) at the deadline. Raises `EtcdUnavailable` when the member
+        cannot serve the watch or the stream breaks; the caller re-reads the key (which fails
+        over) and watches again from the revision it read, so no event is lost.
+        """
+        member = self.member
+        connection = http.client.HTTPConnection(member.host, member.port, timeout=_left(deadline, REQUEST_TIMEOUT_SECONDS))
+        try:
+            try:
+                connection.request("POST", "/v3/watch", json.dumps({"create_request": request}), {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                if response.status != 200:
+                    _parse_reply(response.status, response.read())  # raises with etcd's reason
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    if connection.sock is not None:
+                        connection.sock.settimeout(remaining)
+                    line = response.readline()
+                    if not line:
+                        raise _TryElsewhere("the watch stream ended")
+                    if not line.strip():
+                        continue
+                    result = json.loads(line).get("result") or {}
+                    if result.get("canceled"):
+                        raise _TryElsewhere(result.get("cancel_reason") or "the watch was cancelled")
+                    yield from result.get("events", [])
+            except socket.timeout:
+                if time.monotonic() >= deadline:
+                    return
+                self._switch_from(member)
+                raise EtcdUnavailable(f"{member}: the watch timed out") from None
+            except (_TryElsewhere, OSError, http.client.HTTPException, ValueError) as exc:
+                self._switch_from(member)
+                raise EtcdUnavailable(f"{member}: {_reason(exc)}") from exc
+        finally:
+            connection.close()
+
+    def _switch_from(self, member: Member) -> None:
+        with self._lock:
+            if self.member == member:
+                self._drop_connection()
+                self._advance()
+
+
+def _left(deadline: float, cap: float) -> float:
+    return max(0.05, min(cap, deadline - time.monotonic()))
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror  # "Connection refused", not "[Errno 111] Connection refused"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _summary(failures: dict[Member, str]) -> str:
+    reasons = set(failures.values())
+    if len(reasons) == 1 and len(failures) > 1:
+        return f"{reasons.pop()} (every member)"
+    return "; ".join(f"{member}: {reason}" for member, reason in failures.items())
+
+
+def _parse_reply(status: int, data: bytes) -> dict[str, Any]:
+    """The gateway's JSON reply; errors carry a gRPC code that says whether to try elsewhere."""
+    try:
+        reply = json.loads(data) if data else {}
+    except ValueError:
+        raise _TryElsewhere(f"HTTP {status} with a reply that is not JSON") from None
+    if status == 200 and "error" not in reply:
+        return reply
+    code = reply.get("code")
+    message = reply.get("message") or reply.get("error") or f"HTTP {status}"
+    if code in RETRYABLE_GRPC_CODES or status >= 500 and code is None:
+        raise _TryElsewhere(message)
+    raise EtcdError(message, code)
