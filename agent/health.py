@@ -40,6 +40,9 @@ MIB = 1024 * 1024
 # a hang is seen within 10% of its timeout, and never more often than that however much the
 # workers print.
 READS_PER_TIMEOUT = 10
+# And at least this often (seconds), so step times (stragglers), steps and sections stay current
+# without a timeout set. Reading a 128-byte file costs microseconds.
+HEARTBEAT_READ_INTERVAL = 1.0
 
 
 @dataclass(frozen=True)
@@ -178,11 +181,11 @@ class HealthMonitor:
         return {rank: w.record for rank, w in list(self.watched.items())}
 
     def _read_interval(self) -> float:
-        """A tenth of the shortest timeout in force (sections included), at most the resource interval."""
+        """A tenth of the shortest timeout in force (sections included), at most HEARTBEAT_READ_INTERVAL."""
         s = self.settings
         timeouts = [t for t in (s.heartbeat_timeout, s.startup_timeout) if t]
         timeouts += [t for w in self.watched.values() if (t := w.record.section_timeout)]
-        return min([s.resource_interval, *(t / READS_PER_TIMEOUT for t in timeouts)])
+        return min([s.resource_interval, HEARTBEAT_READ_INTERVAL, *(t / READS_PER_TIMEOUT for t in timeouts)])
 
     @staticmethod
     def _read(w: _Watched) -> HeartbeatRecord | None:

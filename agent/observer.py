@@ -111,8 +111,8 @@ class Observer:
         factor = self.stragglers.factor
         for s in named:
             console.warn(
-                f"straggler: rank {s.rank} on {self.host} takes {s.step_time:.3g} s per step, {s.ratio:.1f}x the "
-                f"median of the {'job' if s.scope == 'job' else 'node'}'s other ranks ({s.median:.3g} s; --straggler-factor {factor:g})"
+                f"straggler: rank {s.rank} on {self.host} takes {s.step_time:.3f} s per step, {s.ratio:.1f}x the "
+                f"median of the {s.scope}'s other ranks ({s.median:.3f} s; --straggler-factor {factor:g})"
             )
             self.events.emit(
                 "straggler", round=assignment.round, rank=s.rank, node=self.host, node_rank=assignment.group_rank,

@@ -2,13 +2,18 @@
 
 Every agent keeps a small record in the store (node, round, restart count, each worker's state,
 CPU, memory, heartbeat age, step and step time, stragglers, GPU problems), refreshed every couple
-of seconds by its keep-alive thread. Inside a SLURM job step, the endpoint and the run id are
-read from SLURM exactly as the agent reads them (launcher/slurm.py), so `rally status` needs no
-flag there.
+of seconds by its keep-alive thread.
+
+Inside a SLURM job (a batch shell, or `srun --overlap --jobid ID rally status`), the endpoint
+and the run id are computed from SLURM exactly as the agent computes them (launcher/slurm.py),
+for the step that runs rally: `--slurm-step`, 0 by default, the first `srun` of the job, which
+is what the templates in slurm/ run. The current step's own id is not used: `rally status` run
+through `srun` is a step of its own. The store host is the first host of the job's node list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -26,14 +31,15 @@ MIB = 1024 * 1024
 @click.command(name="rally status", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", default=None, metavar="HOST[:PORT]", help="The job's rendezvous store (inside a SLURM job: taken from SLURM).")
 @click.option("--rdzv-id", "--rdzv_id", "run_id", default=None, help="The job's run id (inside a SLURM job: taken from SLURM).")
+@click.option("--slurm-step", type=click.IntRange(min=0), default=0, show_default=True, help="Inside a SLURM job: the srun step that runs rally.")
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the store.")
-def status_command(endpoint: str | None, run_id: str | None, timeout: float) -> int:
+def status_command(endpoint: str | None, run_id: str | None, slurm_step: int, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.protocol import read_job_status
     from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
 
     quiet_torch_logs()
-    endpoint, run_id = fill_from_slurm(endpoint, run_id)
+    endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     try:
         host, port = parse_endpoint(endpoint, DEFAULT_C10D_PORT)
     except ConfigError as exc:
@@ -61,20 +67,22 @@ def status_command(endpoint: str | None, run_id: str | None, timeout: float) -> 
     return 0
 
 
-def fill_from_slurm(endpoint: str | None, run_id: str | None) -> tuple[str, str]:
-    """What is missing of endpoint and run id, taken from SLURM as the agent takes it."""
+def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tuple[str, str]:
+    """What is missing of endpoint and run id, taken from SLURM as the agent of `step` takes it."""
     if endpoint and run_id:
         return endpoint, run_id
     from rally.launcher.slurm import SlurmJob
 
+    job_env = {k: v for k, v in os.environ.items() if k not in ("SLURM_STEP_ID", "SLURM_STEPID")}
     try:
-        job = SlurmJob.from_env(os.environ)
+        job = SlurmJob.from_env(job_env)
     except ValueError as exc:
         raise click.UsageError(f"cannot read the SLURM environment: {exc}; give --rdzv-endpoint and --rdzv-id") from None
     if job is None:
         raise click.UsageError(
             "give --rdzv-endpoint HOST:PORT and --rdzv-id ID (only inside a SLURM job step are they taken from SLURM)"
         )
+    job = dataclasses.replace(job, step_id=step)
     return endpoint or f"{job.store_host}:{job.store_port}", run_id or job.run_id
 
 

@@ -204,8 +204,12 @@ def test_rally_status_inside_a_slurm_step_needs_no_endpoint_or_id(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         last: list[subprocess.CompletedProcess[str]] = []
 
+        # As `srun --overlap --jobid ID rally status` runs it: a step of its own, on some node of
+        # the job; the job's rally runs in step 0 (the default of --slurm-step).
+        own_step = {**slurm, "SLURM_STEP_ID": "7", "SLURM_STEP_NODELIST": "somewhere-else"}
+
         def both_running() -> bool:
-            last[:] = [status_of(env={**env, **slurm})]
+            last[:] = [status_of(env={**env, **own_step})]
             return last[0].returncode == 0 and last[0].stdout.count("running") == 2
 
         assert wait_for(both_running, 30), last[0].stdout + last[0].stderr
