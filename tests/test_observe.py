@@ -263,16 +263,16 @@ def test_gpu_memory_and_utilisation_of_a_worker_count_its_children_from_nvml_rea
         child.wait()
 
 
-def test_without_nvidia_ml_py_or_without_a_driver_gpu_health_is_skipped_with_a_reason():
+def test_without_nvidia_ml_py_gpu_health_is_skipped_with_a_reason():
     def missing(name: str):
         raise ImportError(f"No module named {name!r}")
 
     monitor, reason = gpu.open_monitor(import_module=missing)
     assert monitor is None and reason == "nvidia-ml-py is not installed (pip install 'torch-rally[gpu]' to check GPUs)"
-    try:
-        import pynvml  # noqa: F401
-    except ImportError:
-        pytest.skip("nvidia-ml-py is not installed here: the driver path cannot be tried")
+
+
+def test_without_a_driver_gpu_health_is_skipped_with_nvmls_reason():
+    pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed here (the gpu extra): the driver path cannot be tried")
     monitor, reason = gpu.open_monitor()
     if monitor is not None:
         monitor.close()
