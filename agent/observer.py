@@ -135,7 +135,7 @@ class Observer:
         }
 
     def node_fields(self) -> dict:
-        return {"gpu_problems": self.gpu_problems(), "straggler_factor": self.stragglers.factor}
+        return {"gpu_problems": self.gpu_problems()}
 
     def exchange(self, store: Any, assignment: Any) -> None:
         """From the keep-alive thread: make the straggler median the job's, not only this node's.
@@ -149,9 +149,12 @@ class Observer:
         if assignment.group_rank == 0:
             from rally.rendezvous.protocol import read_job_status
 
-            status = read_job_status(store)
+            try:
+                status = read_job_status(store)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                return  # a record that is not JSON (store contents are not trusted): skip this time
             times = job_step_times(status["nodes"] if status else [], assignment.round)
-            summary = CentralValues.of(times)
+            summary: CentralValues | None = CentralValues.of(times)
             store.set(key, summary.to_json())
         elif store.check(key):
             summary = CentralValues.from_json(store.get(key))

@@ -84,6 +84,7 @@ Examples:
 Other commands:
   rally store --port PORT     a standalone rendezvous store that survives any compute node
   rally status --rdzv-endpoint HOST:PORT --rdzv-id ID    a running job, as its store sees it
+                                 (inside a SLURM job the endpoint and id come from SLURM)
 
 Precedence: flags > PET_*/RALLY_* environment > --config file > defaults.
 """
