@@ -32,6 +32,7 @@ from rally.agent.events import EventLog
 from rally.agent.job import newest_checkpoint_step
 from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.agent.live import LiveView
+from rally.agent.observer import Observer
 from rally.agent.health import Hang, HealthMonitor, HealthSettings
 from rally.agent.report import JobReport, explain, failure_end, failure_info
 from rally.agent.spec import STACK_SIGNAL, JobSpec
@@ -153,8 +154,10 @@ class Agent:
             heartbeat_timeout=spec.heartbeat_timeout,
             silence_timeout=spec.silence_timeout,
             resource_interval=spec.resource_interval,
+            startup_timeout=spec.startup_timeout,
         )
-        self.health = HealthMonitor(self.health_settings)
+        self.observer = Observer(spec, self.events, self.host, base_env)  # stragglers, /metrics, GPUs
+        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         self.kill_causes: dict[int, str] = {}
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
@@ -167,6 +170,7 @@ class Agent:
         self._start_orphan_guard()
         self._start_template()
         try:
+            self._start_observer()
             code = self._run()
         except AgentExit as exc:
             if str(exc):
@@ -178,6 +182,7 @@ class Agent:
                 self.live.stop()
             self._stop_template()
             self._stop_orphan_guard()
+            self.observer.stop()
         self.report.exit_code = code
         if self.report.outcome == "running":
             self.report.outcome = "succeeded" if code == 0 else "failed"
@@ -195,6 +200,7 @@ class Agent:
         watcher = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
         keeper = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
         while True:
+            self.observer.before_round()
             try:
                 assignment = self._blocking(rdzv.next_round)
             except RendezvousError as exc:
@@ -206,6 +212,13 @@ class Agent:
             code = self._after_round(rdzv, assignment, end)
             if code is not None:
                 return code
+
+    def _start_observer(self) -> None:
+        """Stragglers, GPU health and /metrics (agent/observer.py); a port in use is bad input."""
+        try:
+            self.observer.start(lambda: self._status_record(self.assignment) if self.assignment else None, self.report)
+        except OSError as exc:
+            raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
 
     def _checkpoint_step(self) -> int | None:
         return newest_checkpoint_step(self.spec.checkpoint_dir) if self.spec.checkpoint_dir else None
@@ -288,7 +301,7 @@ class Agent:
         self.group = WorkerGroup.start(
             self.spec, self.base_env, a, master, self.logs, multi_node, console_out=sink, console_err=sink, launch=launch
         )
-        self.health = HealthMonitor(self.health_settings)
+        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         for stream in self.group.streams:
             self.selector.register(stream.fd, selectors.EVENT_READ, ("stream", stream))
         for worker in self.group.workers:
@@ -319,6 +332,7 @@ class Agent:
             hangs = self.health.check({w.local_rank: w.output.last_output_at() for w in self.group.running()})
             if hangs:
                 return self._end_round(rdzv, a.round, self._hung_end(a, hangs[0]))
+            self.observer.after_check(a, self.group.workers, self.health)
             if not reported_success and self.group.all_succeeded():
                 reported_success = True
                 if a.group_world_size > 1:
@@ -446,6 +460,7 @@ class Agent:
                 keeper.keep_alive(a.round, a.group_rank)
                 if time.monotonic() >= next_status:
                     keeper.publish_status(self._status_record(a))
+                    self.observer.exchange(keeper.store, a)
                     next_status = time.monotonic() + STATUS_INTERVAL_SECONDS
                 if a.watch_rank is not None:
                     seen = keeper.alive_count(a.round, a.watch_rank)
@@ -476,6 +491,7 @@ class Agent:
                     "rss": sample.rss,
                     "gpu_memory": sample.gpu_memory,
                     "heartbeat_age": self.health.heartbeat_age(w.local_rank),
+                    **self.observer.worker_fields(w, self.health),
                 }
             )
         return {
@@ -485,8 +501,10 @@ class Agent:
             "round": a.round,
             "restart_count": a.restart_count,
             "world_size": a.world_size,
+            "group_world_size": a.group_world_size,
             "updated": time.time(),
             "workers": workers,
+            **self.observer.node_fields(),
         }
 
     def _blocking(self, fn: Callable[[], Any]) -> Any:

@@ -3,14 +3,19 @@
 A hung collective is a live process that makes no progress; torchrun waits for the backend's
 timeout (30 min for gloo) and never says which rank hung. The agent checks three signals:
 
-* heartbeats: workers that call `rally.job.heartbeat()` write a counter and a CLOCK_MONOTONIC
-  time to a per-worker shared file; `--heartbeat-timeout` seconds without a new beat (counted
-  from the first beat, so start-up time is never counted) means hung;
+* heartbeats: workers that call `rally.job.heartbeat()` write a counter, a CLOCK_MONOTONIC
+  time and optionally a step number to a per-worker shared file; `--heartbeat-timeout` seconds
+  without a new beat (counted from the first beat) means hung, and `--startup-timeout` seconds
+  from the worker's start without its first beat means hung in start-up;
+* sections: inside `rally.job.section(name, timeout=T)` the worker's own deadline replaces
+  the timeouts above (a long checkpoint save is not a hang; one past T is "hung in section
+  'checkpoint' for 612 s"); entering or leaving a section counts as a sign of life;
 * silence: with `--silence-timeout`, a worker that printed nothing for that long is hung;
 * resources: CPU, RSS and threads of each worker and the host's free memory, sampled every
   `--resource-interval` seconds, so a worker SIGKILLed while memory was short is reported as
   "likely killed by the out-of-memory killer" with the numbers. The worker's memory cgroup
-  (v1 or v2) is read too: its `oom_kill` counter makes the attribution certain.
+  (v1 or v2) is read too: its `oom_kill` counter makes the attribution certain. Where NVML
+  is available (agent/gpu.py), each worker's GPU memory and utilisation are sampled too.
 
 `HealthMonitor` never sleeps or polls on its own: the agent asks it when the next check is due
 and folds that into its one `select` timeout.
@@ -18,19 +23,26 @@ and folds that into its one `select` timeout.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from rally.agent import heartbeat_file
+from rally.agent.gpu import DeviceReading, worker_usage
+from rally.agent.heartbeat_file import HeartbeatRecord
 
 MEMORY_SHORT_FRACTION = 0.10  # the host counts as short of memory below 10% available
 MIB = 1024 * 1024
-GPU_QUERY_TIMEOUT = 5.0
+# Heartbeat files are read at most this often per timeout (a tenth of the shortest timeout), so
+# a hang is seen within 10% of its timeout, and never more often than that however much the
+# workers print.
+READS_PER_TIMEOUT = 10
+# And at least this often (seconds), so step times (stragglers), steps and sections stay current
+# without a timeout set. Reading a 128-byte file costs microseconds.
+HEARTBEAT_READ_INTERVAL = 1.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,7 @@ class HealthSettings:
     silence_timeout: float | None = None
     resource_interval: float = 5.0
     stack_dump_wait: float = 2.0
+    startup_timeout: float | None = None  # --startup-timeout: first beat due within this
 
 
 @dataclass
@@ -48,7 +61,8 @@ class ResourceSample:
     threads: int = 0
     status: str = ""
     at: float = 0.0
-    gpu_memory: int | None = None  # bytes on GPUs, where nvidia-smi is present
+    gpu_memory: int | None = None  # bytes on GPUs, where NVML is available (agent/gpu.py)
+    gpu_utilization: int | None = None  # percent, where NVML samples it
 
 
 @dataclass
@@ -68,6 +82,7 @@ class _Watched:
     started_at: float
     last_beat_count: int = 0
     last_beat_at: float | None = None  # monotonic seconds of the last new beat seen
+    record: HeartbeatRecord = field(default_factory=HeartbeatRecord)  # the latest read of its file
     process: psutil.Process | None = None
     sample: ResourceSample = field(default_factory=ResourceSample)
     oom_counter: Path | None = None
@@ -109,15 +124,19 @@ def _oom_kill_count(counter: Path | None) -> int:
 class HealthMonitor:
     """Hang checks and resource samples for one round's workers on this node."""
 
-    def __init__(self, settings: HealthSettings):
+    def __init__(self, settings: HealthSettings, gpu: Callable[[], list[DeviceReading] | None] | None = None):
+        """`gpu` returns the node's GPUs as NVML reads them (agent/gpu.py), or None without NVML."""
         self.settings = settings
+        self.gpu = gpu
         self.watched: dict[int, _Watched] = {}
         self.host_available = 0
         self.host_total = psutil.virtual_memory().total
         self.next_sample_at = 0.0
+        self.next_read_at = 0.0
 
     def watch(self, local_rank: int, pid: int, heartbeat_path: str | None, started_at: float) -> None:
         self.watched[local_rank] = _Watched(local_rank, pid, heartbeat_path, started_at)
+        self.next_read_at = 0.0
 
     def forget(self, local_rank: int) -> None:
         self.watched.pop(local_rank, None)
@@ -126,56 +145,105 @@ class HealthMonitor:
         """Seconds until the next check, or None when there is nothing to check."""
         if not self.watched:
             return None
-        due = [self.next_sample_at]
-        if self.settings.heartbeat_timeout or self.settings.silence_timeout:
-            due.append(now + min(t for t in (self.settings.heartbeat_timeout, self.settings.silence_timeout) if t) / 10)
+        due = [self.next_sample_at, self.next_read_at]
+        if self.settings.silence_timeout:
+            due.append(now + self.settings.silence_timeout / READS_PER_TIMEOUT)
         return max(0.0, min(due) - now)
 
     def check(self, last_output: dict[int, float]) -> list[Hang]:
-        """Sample if due, then return the workers that are hung (heartbeat or silence)."""
+        """Sample and read heartbeat files if due, then return the workers that are hung."""
         now = time.monotonic()
         if now >= self.next_sample_at:
             self.sample()
             self.next_sample_at = now + self.settings.resource_interval
+        if now >= self.next_read_at:
+            self.read_heartbeats(now)
+            self.next_read_at = now + self._read_interval()
         hangs = []
         for w in self.watched.values():
-            hang = self._heartbeat_hang(w, now) or self._silence_hang(w, now, last_output.get(w.local_rank))
+            hang = self._hang(w, now, last_output.get(w.local_rank))
             if hang:
                 hangs.append(hang)
         return hangs
 
-    def _heartbeat_hang(self, w: _Watched, now: float) -> Hang | None:
-        timeout = self.settings.heartbeat_timeout
-        if not timeout or not w.heartbeat_path:
+    def read_heartbeats(self, now: float) -> None:
+        """Read every worker's heartbeat file once; note when each one's count last changed."""
+        for w in self.watched.values():
+            record = self._read(w)
+            if record is None:
+                continue
+            if record.count != w.last_beat_count:
+                w.last_beat_count, w.last_beat_at = record.count, now
+            w.record = record
+
+    def records(self) -> dict[int, HeartbeatRecord]:
+        """The latest read of each watched worker's heartbeat file, by local rank."""
+        return {rank: w.record for rank, w in list(self.watched.items())}
+
+    def _read_interval(self) -> float:
+        """A tenth of the shortest timeout in force (sections included), at most HEARTBEAT_READ_INTERVAL."""
+        s = self.settings
+        timeouts = [t for t in (s.heartbeat_timeout, s.startup_timeout) if t]
+        timeouts += [t for w in self.watched.values() if (t := w.record.section_timeout)]
+        return min([s.resource_interval, HEARTBEAT_READ_INTERVAL, *(t / READS_PER_TIMEOUT for t in timeouts)])
+
+    @staticmethod
+    def _read(w: _Watched) -> HeartbeatRecord | None:
+        if not w.heartbeat_path:
             return None
         try:
-            count, _ = heartbeat_file.read(w.heartbeat_path)
+            return heartbeat_file.read_record(w.heartbeat_path)
         except (heartbeat_file.HeartbeatFileError, OSError):
             return None
-        if count != w.last_beat_count:
-            w.last_beat_count, w.last_beat_at = count, now
-            return None
-        if w.last_beat_at is None:  # never beat: start-up is not counted
-            return None
-        silent = now - w.last_beat_at
-        if silent > timeout:
-            return Hang(w.local_rank, f"sent no heartbeat for {silent:.1f} s (--heartbeat-timeout {timeout:g})", silent)
-        return None
 
-    def _silence_hang(self, w: _Watched, now: float, last_output_at: float | None) -> Hang | None:
+    def _hang(self, w: _Watched, now: float, last_output_at: float | None) -> Hang | None:
+        """The first reason this worker counts as hung, or None.
+
+        Inside a section with a timeout of its own, only that deadline counts. Otherwise: no
+        first beat within --startup-timeout, no new beat within --heartbeat-timeout, or no
+        output within --silence-timeout. A section entry or exit is a sign of life too.
+        """
+        record = w.record
+        limit = record.section_timeout
+        if limit is not None:
+            inside = now - record.section_entered_ns / 1e9
+            if inside <= limit or not self._still_in(w, record):
+                return None
+            return Hang(w.local_rank, f"hung in section '{record.section}' for {inside:.1f} s (its timeout is {limit:g} s)", inside)
+        where = f", in section '{record.section}'" if record.section else ""
+        alive_at = max(w.started_at, record.section_changed_ns / 1e9)
+        startup = self.settings.startup_timeout
+        if startup and w.heartbeat_path and record.count == 0 and now - alive_at > startup:
+            silent = now - alive_at
+            since = "starting" if alive_at == w.started_at else "its last section change"
+            return Hang(w.local_rank, f"sent no first heartbeat in {silent:.1f} s since {since} (--startup-timeout {startup:g}){where}", silent)
+        timeout = self.settings.heartbeat_timeout
+        if timeout and w.last_beat_at is not None and record.count:
+            silent = now - max(w.last_beat_at, alive_at)
+            if silent > timeout:
+                return Hang(w.local_rank, f"sent no heartbeat for {silent:.1f} s (--heartbeat-timeout {timeout:g}){where}", silent)
+        return self._silence_hang(w, now, max(last_output_at or 0.0, alive_at), where)
+
+    def _still_in(self, w: _Watched, record: HeartbeatRecord) -> bool:
+        """Confirm a section hang with a second read: a read that raced a section change
+        could mix two sections' fields, and nobody is killed on a torn read."""
+        again = self._read(w)
+        return again is not None and (again.section, again.section_entered_ns) == (record.section, record.section_entered_ns)
+
+    def _silence_hang(self, w: _Watched, now: float, last_output_at: float | None, where: str = "") -> Hang | None:
         timeout = self.settings.silence_timeout
         if not timeout:
             return None
         silent = now - max(last_output_at or 0.0, w.started_at)
         if silent > timeout:
-            return Hang(w.local_rank, f"printed nothing for {silent:.1f} s (--silence-timeout {timeout:g})", silent)
+            return Hang(w.local_rank, f"printed nothing for {silent:.1f} s (--silence-timeout {timeout:g}){where}", silent)
         return None
 
     def sample(self) -> None:
         """CPU, RSS, threads and status of every worker, and the host's available memory."""
         self.host_available = psutil.virtual_memory().available
         now = time.monotonic()
-        gpu = gpu_memory_by_pid()
+        gpus = self.gpu() if self.gpu is not None else None
         for w in self.watched.values():
             try:
                 if w.process is None:
@@ -188,8 +256,11 @@ class HealthMonitor:
                         threads=w.process.num_threads(),
                         status=w.process.status(),
                         at=now,
-                        gpu_memory=_gpu_memory_of_tree(w.process, gpu),
                     )
+                if gpus is not None:
+                    tree = {w.pid} | {child.pid for child in w.process.children(recursive=True)}
+                    usage = worker_usage(gpus, tree)
+                    w.sample.gpu_memory, w.sample.gpu_utilization = usage.memory, usage.utilization
                 counter = _memory_cgroup_counter(w.pid)
                 if counter != w.oom_counter:
                     w.oom_counter, w.oom_kills_seen = counter, _oom_kill_count(counter)
@@ -244,41 +315,6 @@ class HealthMonitor:
     def resources(self, local_rank: int) -> ResourceSample:
         w = self.watched.get(local_rank)
         return w.sample if w else ResourceSample()
-
-
-def gpu_memory_by_pid() -> dict[int, int] | None:
-    """GPU memory used per process (bytes), from nvidia-smi; None where there is no NVIDIA GPU.
-
-    nvidia-smi costs tens of milliseconds; it runs only at the resource interval and only on
-    machines that have it, so CPU-only nodes pay nothing.
-    """
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
-        return None
-    usage: dict[int, int] = {}
-    for line in done.stdout.splitlines():
-        try:
-            pid, mib = (int(part.strip()) for part in line.split(","))
-        except ValueError:
-            continue
-        usage[pid] = usage.get(pid, 0) + mib * MIB
-    return usage
-
-
-def _gpu_memory_of_tree(process: psutil.Process, usage: dict[int, int] | None) -> int | None:
-    """GPU memory of a worker and its children (a DataLoader worker may hold CUDA memory too)."""
-    if usage is None:
-        return None
-    pids = {process.pid} | {child.pid for child in process.children(recursive=True)}
-    return sum(usage.get(pid, 0) for pid in pids)
 
 
 def heartbeat_path(rank_dir: Path) -> str:

@@ -6,16 +6,26 @@ is a single ``struct.pack_into`` into shared memory; no system call, no lock, no
 reads the record whenever it likes and compares the timestamp with its own ``time.monotonic_ns()``
 (CLOCK_MONOTONIC is one clock for the whole machine, so both processes see the same time).
 
-This module is the one definition of the layout; both sides import it.
+This module is the one definition of the layout; both sides import it (standard library only).
 
-Layout (little-endian, 24 bytes, every field 8-byte aligned)::
+Layout (little-endian, 128 bytes, fixed size, every field 8-byte aligned)::
 
-    offset 0   8 bytes  MAGIC  b"RALLYHB1"   written once by the agent, checked by the worker
+    offset 0   8 bytes  MAGIC  b"RALLYHB2"   written once by the agent, checked by the worker
+    -- the beat: one pack_into per heartbeat(step=N) --
     offset 8   uint64   count  number of beats so far (0 = the worker has not beaten yet)
     offset 16  uint64   ns     time.monotonic_ns() of the last beat (0 = never)
+    offset 24  int64    step   the step number given with that beat (-1 = none given)
+    -- the section: one pack_into per entry to or exit from job.section(...) --
+    offset 32  uint64   changed_ns   monotonic ns of the last section entry or exit (0 = never)
+    offset 40  uint64   entered_ns   monotonic ns at which the current section was entered
+    offset 48  uint64   timeout_ns   the current section's own timeout (0 = none)
+    offset 56  uint64   reserved
+    offset 64  64 bytes name         the current section's name, UTF-8, NUL-padded ("" = none)
 
-A reader may see the count of one beat and the time of the next (the two words are not written
-as one atomic unit). That is harmless for hang detection, which only asks "how long ago".
+A reader may see the count of one beat and the time of the next, or half of a section change
+(each group is one ``pack_into``, but a reader's ``read`` is not atomic against it). That is
+harmless for the beat, which only answers "how long ago"; a hang judged from a section is
+confirmed by a second read before anyone is killed (see agent/health.py).
 """
 
 from __future__ import annotations
@@ -24,17 +34,40 @@ import mmap
 import os
 import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-MAGIC = b"RALLYHB1"
+MAGIC = b"RALLYHB2"
 HEADER = struct.Struct("<8s")
-BEAT = struct.Struct("<QQ")
+BEAT = struct.Struct("<QQq")
+SECTION = struct.Struct("<QQQQ64s")
 BEAT_OFFSET = HEADER.size
-SIZE = HEADER.size + BEAT.size
+SECTION_OFFSET = BEAT_OFFSET + BEAT.size
+SIZE = SECTION_OFFSET + SECTION.size
+NO_STEP = -1
+SECTION_NAME_BYTES = 64
 
 
 class HeartbeatFileError(RuntimeError):
     """The file is missing, too short or not a rally heartbeat file."""
+
+
+@dataclass(frozen=True)
+class HeartbeatRecord:
+    """One read of a worker's heartbeat file (all times are CLOCK_MONOTONIC nanoseconds)."""
+
+    count: int = 0
+    ns: int = 0
+    step: int | None = None
+    section: str = ""
+    section_entered_ns: int = 0
+    section_timeout_ns: int = 0
+    section_changed_ns: int = 0
+
+    @property
+    def section_timeout(self) -> float | None:
+        """The current section's timeout in seconds, or None (no section, or no timeout of its own)."""
+        return self.section_timeout_ns / 1e9 if self.section and self.section_timeout_ns else None
 
 
 def create(path: str | os.PathLike[str]) -> Path:
@@ -47,16 +80,15 @@ def create(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        f.write(HEADER.pack(MAGIC) + BEAT.pack(0, 0))
+        f.write(HEADER.pack(MAGIC) + BEAT.pack(0, 0, NO_STEP) + SECTION.pack(0, 0, 0, 0, b""))
     os.replace(tmp, path)
     return path
 
 
-def read(path: str | os.PathLike[str]) -> tuple[int, int]:
-    """Return ``(count, monotonic_ns)`` of the last beat; ``(0, 0)`` if the worker never beat.
+def read_record(path: str | os.PathLike[str]) -> HeartbeatRecord:
+    """The whole record: last beat, its step, and the section the worker is in. Called by the agent.
 
-    Called by the agent. An ordinary read sees the worker's mapped writes because both go through
-    the same page cache.
+    An ordinary read sees the worker's mapped writes because both go through the same page cache.
     """
     try:
         with open(path, "rb") as f:
@@ -64,8 +96,24 @@ def read(path: str | os.PathLike[str]) -> tuple[int, int]:
     except FileNotFoundError:
         raise HeartbeatFileError(f"heartbeat file {path} does not exist") from None
     _check(path, data)
-    count, ns = BEAT.unpack_from(data, BEAT_OFFSET)
-    return count, ns
+    count, ns, step = BEAT.unpack_from(data, BEAT_OFFSET)
+    changed, entered, timeout, _, raw_name = SECTION.unpack_from(data, SECTION_OFFSET)
+    name = raw_name.rstrip(b"\0").decode("utf-8", errors="replace")
+    return HeartbeatRecord(count, ns, None if step < 0 else step, name, entered, timeout, changed)
+
+
+def read(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Return ``(count, monotonic_ns)`` of the last beat; ``(0, 0)`` if the worker never beat."""
+    record = read_record(path)
+    return record.count, record.ns
+
+
+def encode_section_name(name: str) -> bytes:
+    """The name as stored: UTF-8, cut to 64 bytes on a character boundary."""
+    data = name.encode("utf-8")
+    if len(data) <= SECTION_NAME_BYTES:
+        return data
+    return data[:SECTION_NAME_BYTES].decode("utf-8", errors="ignore").encode("utf-8")
 
 
 class HeartbeatWriter:
@@ -86,7 +134,7 @@ class HeartbeatWriter:
             ) from None
         try:
             if os.fstat(fd).st_size < SIZE:
-                raise HeartbeatFileError(f"heartbeat file {self.path} is shorter than {SIZE} bytes")
+                raise HeartbeatFileError(f"{self.path} is not a rally heartbeat file (shorter than {SIZE} bytes)")
             self._map = mmap.mmap(fd, SIZE, access=mmap.ACCESS_WRITE)
         finally:
             os.close(fd)  # the mapping keeps the file alive
@@ -94,10 +142,14 @@ class HeartbeatWriter:
         # Continue the existing count so the agent's view stays monotonic if a writer is reopened.
         self._count: int = BEAT.unpack_from(self._map, BEAT_OFFSET)[0]
 
-    def beat(self) -> None:
-        """Record one beat: increment the count and store the current monotonic time."""
+    def beat(self, step: int | None = None) -> None:
+        """Record one beat: increment the count, store the current monotonic time and the step."""
         self._count += 1
-        BEAT.pack_into(self._map, BEAT_OFFSET, self._count, time.monotonic_ns())
+        BEAT.pack_into(self._map, BEAT_OFFSET, self._count, time.monotonic_ns(), NO_STEP if step is None else step)
+
+    def set_section(self, name: str, entered_ns: int, timeout_ns: int) -> None:
+        """Record that the worker is now in section ``name`` ("" = none), entered at ``entered_ns``."""
+        SECTION.pack_into(self._map, SECTION_OFFSET, time.monotonic_ns(), entered_ns, timeout_ns, 0, encode_section_name(name))
 
     def close(self) -> None:
         """Unmap the file; further beats raise ``ValueError``."""

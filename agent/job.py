@@ -20,8 +20,9 @@ Typical loop::
     ckpt = job.load_latest()
     start = ckpt.step if ckpt else 0
     for step in range(start + 1, steps + 1):
-        train_one_step(step)
-        job.heartbeat()
+        with job.section("step", timeout=600):
+            train_one_step(step)
+        job.heartbeat(step)
         if step % 100 == 0 or job.preempted():
             job.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
 """
@@ -33,8 +34,9 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,36 +282,89 @@ def _prune(directory: Path, keep: int, protect: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Heartbeat
+# Heartbeat and sections
 
 
-def heartbeat() -> None:
+def heartbeat(step: int | None = None) -> None:
     """Tell the agent this worker is making progress; call it once per step. Costs about a microsecond.
 
+    ``step`` (optional, an int >= 0) is the training step just finished: the agent turns the steps
+    and their times into per-rank step times and names a rank that is persistently slower than the
+    others (a straggler, see --straggler-factor). ``heartbeat()`` without a step works as before.
+
     The first call maps RALLY_HEARTBEAT_FILE (see :mod:`rally.agent.heartbeat_file`); later calls write a
-    counter and ``time.monotonic_ns()`` into it. Without that variable (torchrun, a plain
+    counter, ``time.monotonic_ns()`` and the step into it. Without that variable (torchrun, a plain
     ``python script.py``) every call is a no-op. Never imports torch, never blocks.
     """
-    _beat()
+    _beat(step)
 
 
-def _first_beat() -> None:
-    """Decide once, at the first heartbeat, whether beats go to a file or nowhere.
+@contextlib.contextmanager
+def section(name: str, timeout: float | None = None) -> Iterator[None]:
+    """Mark a named part of the work (``"setup"``, ``"step"``, ``"checkpoint"``) with its own timeout.
+
+    Inside a section with a ``timeout`` (seconds), the agent's --startup-timeout,
+    --heartbeat-timeout and --silence-timeout are suspended and the section's own deadline holds
+    instead: a checkpoint save that takes 5 minutes is not a hang, and one that is still running
+    after ``timeout`` seconds is reported as "hung in section 'checkpoint' for 612 s", with the
+    worker's stacks, and the job restarts as for any hang. Without a ``timeout`` the section only
+    names where the worker is, and a hang report says which section it was in.
+
+    Sections nest: an inner section without a timeout is named ``outer/inner`` and keeps the outer
+    deadline; an inner one with a timeout has its own. Entering or leaving a section counts as a
+    sign of life for --startup-timeout and --heartbeat-timeout. Use it from the training loop's
+    thread only. Outside rally (no RALLY_HEARTBEAT_FILE) it does nothing.
+    """
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(f"rally: section {name!r}: timeout must be a positive number of seconds or None, got {timeout!r}")
+    writer = _heartbeat_writer()
+    if writer is None:
+        yield
+        return
+    outer = _sections[-1] if _sections else None
+    if timeout is None and outer is not None:
+        current = (f"{outer[0]}/{name}", outer[1], outer[2])  # keeps the outer deadline
+    else:
+        current = (name, time.monotonic_ns(), int(timeout * 1e9) if timeout else 0)
+    _sections.append(current)
+    writer.set_section(*current)
+    try:
+        yield
+    finally:
+        _sections.pop()
+        writer.set_section(*(outer or ("", 0, 0)))
+
+
+def _heartbeat_writer() -> heartbeat_file.HeartbeatWriter | None:
+    """The writer for RALLY_HEARTBEAT_FILE, opened once; None when the variable is unset.
 
     Lazy so that a process forked from the agent's template (which imported this module before the
     worker's environment existed) reads the worker's own RALLY_HEARTBEAT_FILE.
     """
+    global _writer, _writer_resolved
+    if not _writer_resolved:
+        path = os.environ.get(HEARTBEAT_FILE_ENV, "")
+        _writer = heartbeat_file.HeartbeatWriter(path) if path else None
+        _writer_resolved = True
+    return _writer
+
+
+def _first_beat(step: int | None = None) -> None:
+    """Decide once, at the first heartbeat, whether beats go to a file or nowhere."""
     global _beat
-    path = os.environ.get(HEARTBEAT_FILE_ENV, "")
-    _beat = heartbeat_file.HeartbeatWriter(path).beat if path else _no_beat
-    _beat()
+    writer = _heartbeat_writer()
+    _beat = writer.beat if writer is not None else _no_beat
+    _beat(step)
 
 
-def _no_beat() -> None:
+def _no_beat(step: int | None = None) -> None:
     pass
 
 
-_beat: Callable[[], None] = _first_beat
+_writer: heartbeat_file.HeartbeatWriter | None = None
+_writer_resolved = False
+_sections: list[tuple[str, int, int]] = []  # (name, entered_ns, timeout_ns), innermost last
+_beat: Callable[[int | None], None] = _first_beat
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,10 @@ class JobSpec:
     heartbeat_timeout: float | None = None
     silence_timeout: float | None = None
     resource_interval: float = 5.0
+    startup_timeout: float | None = None  # --startup-timeout: the first heartbeat is due within this
+    straggler_factor: float = 1.5  # --straggler-factor: slower than this x the others' median step time
+    straggler_window: int = 10  # --straggler-window: steps a step time is averaged over (and must persist)
+    metrics_port: int | None = None  # --metrics-port: serve Prometheus /metrics (0: a free port)
     checkpoint_dir: str | None = None
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
     python_exec: str = sys.executable

@@ -147,7 +147,7 @@ def train(args: argparse.Namespace, distributed: bool) -> None:
         loss = F.mse_loss(net(x[idx]), y[idx])
         loss.backward()  # DDP averages the gradients across ranks here
         optimizer.step()
-        job.heartbeat()
+        job.heartbeat(step)  # feeds --heartbeat-timeout and the step times (stragglers)
         if ctx.is_rank0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
         if step % args.checkpoint_every == 0:

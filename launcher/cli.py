@@ -58,6 +58,10 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("heartbeat-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat)."), "Health"),
     ("silence-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without output."), "Health"),
     ("resource-interval", dict(type=float, default=5.0, help="Seconds between samples of workers' CPU, memory and threads."), "Health"),
+    ("startup-timeout", dict(type=float, default=None, help="Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it started (default: off)."), "Health"),
+    ("straggler-factor", dict(type=float, default=1.5, help="Name a rank a straggler when its step time exceeds this many times the median of the other ranks' (default 1.5)."), "Health"),
+    ("straggler-window", dict(type=int, default=10, help="Steps a rank's step time is averaged over, and must stay slow for, before it is named (default 10)."), "Health"),
+    ("metrics-port", dict(type=int, default=None, help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed)."), "Health"),
     ("preemption-signals", dict(default="SIGUSR1,SIGUSR2", help="Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint."), "rally extras"),
     ("preemption-grace", dict(type=float, default=60.0, help="Seconds workers get to checkpoint after a preemption signal."), "rally extras"),
     ("requeue", dict(is_flag=True, help="On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."), "rally extras"),
@@ -80,6 +84,7 @@ Examples:
 Other commands:
   rally store --port PORT     a standalone rendezvous store that survives any compute node
   rally status --rdzv-endpoint HOST:PORT --rdzv-id ID    a running job, as its store sees it
+                                 (inside a SLURM job the endpoint and id come from SLURM)
 
 Precedence: flags > PET_*/RALLY_* environment > --config file > defaults.
 """

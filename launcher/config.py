@@ -9,6 +9,7 @@ module checks them and builds the agent's `JobSpec` and `RendezvousPlan`. Every 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import shutil
@@ -225,6 +226,29 @@ def _positive_or_none(value: Any, flag: str) -> float | None:
     if number <= 0:
         raise ConfigError(f"{flag} {value}: must be a positive number of seconds")
     return number
+
+
+def parse_straggler_factor(value: Any) -> float:
+    factor = float(value)
+    if not math.isfinite(factor) or factor <= 1:
+        raise ConfigError(f"--straggler-factor {value}: must be a number above 1 (1.5: 50% slower than the others' median)")
+    return factor
+
+
+def parse_straggler_window(value: Any) -> int:
+    window = int(value)
+    if window < 2:
+        raise ConfigError(f"--straggler-window {value}: must be at least 2 steps")
+    return window
+
+
+def parse_metrics_port(value: Any) -> int | None:
+    if value is None:
+        return None
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port {value}: must be a port number 0-65535 (0: any free port)")
+    return port
 
 
 def parse_signals(text: str, flag: str) -> tuple[int, ...]:
@@ -459,6 +483,10 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         heartbeat_timeout=_positive_or_none(o["heartbeat_timeout"], "--heartbeat-timeout"),
         silence_timeout=_positive_or_none(o["silence_timeout"], "--silence-timeout"),
         resource_interval=_positive_or_none(o["resource_interval"], "--resource-interval") or 5.0,
+        startup_timeout=_positive_or_none(o.get("startup_timeout"), "--startup-timeout"),
+        straggler_factor=parse_straggler_factor(o.get("straggler_factor", 1.5)),
+        straggler_window=parse_straggler_window(o.get("straggler_window", 10)),
+        metrics_port=parse_metrics_port(o.get("metrics_port")),
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
         crash_loop_limit=int(_non_negative(o["crash_loop_limit"], "--crash-loop-limit")),
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),

@@ -158,7 +158,7 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1"
 """
     code, out, _ = _run(tmp_path, fails_once, "--nproc-per-node", "2", "--max-restarts", "1")
     assert code == 0, out
-    events = _events(tmp_path)
+    events = [e for e in _events(tmp_path) if e["event"] != "gpu_health_skipped"]  # no GPU here: see test_observe.py
     kinds = [e["event"] for e in events]
     assert kinds[0] == "round_formed" and kinds[-1] == "job_end"
     assert kinds.count("worker_started") == 4 and kinds.count("round_formed") == 2
@@ -230,29 +230,6 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
         assert "no job with run id 'nosuchjob'" in missing.stderr and "Traceback" not in missing.stderr
     finally:
         stop_all(agents)
-
-
-@pytest.mark.timeout(60)
-def test_gpu_memory_is_sampled_where_nvidia_smi_exists_and_absent_otherwise(tmp_path, monkeypatch):
-    """No GPU here: a stand-in nvidia-smi prints what the real one prints for --query-compute-apps."""
-    from rally.agent.health import HealthMonitor, HealthSettings
-
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        monitor = HealthMonitor(HealthSettings())
-        monitor.watch(0, os.getpid(), None, time.monotonic())
-        monitor.sample()
-        assert monitor.resources(0).gpu_memory is None  # no nvidia-smi: not shown at all
-        fake = tmp_path / "bin" / "nvidia-smi"
-        fake.parent.mkdir()
-        fake.write_text(f"#!/bin/sh\necho '{os.getpid()}, 1200'\necho '{child.pid}, 300'\necho '999999, 5'\n")
-        fake.chmod(0o755)
-        monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-        monitor.sample()
-        assert monitor.resources(0).gpu_memory == 1500 * 1024 * 1024  # the worker and its child
-    finally:
-        child.kill()
-        child.wait()
 
 
 @pytest.mark.timeout(120)

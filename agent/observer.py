@@ -1,0 +1,164 @@
+"""What the agent tells about a running job beyond "alive or hung": stragglers, metrics, GPU health.
+
+The agent (agent/agent.py) owns one :class:`Observer` and calls it at a few points: when it
+starts and stops, before it joins each round, after each health check, when it builds its
+status record, and from its keep-alive thread. Everything else lives in the modules this one
+ties together: agent/stragglers.py (step times, who is slow), agent/metrics.py (/metrics for
+Prometheus) and agent/gpu.py (NVML).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rally.agent import gpu as gpus
+from rally.agent.events import EventLog
+from rally.agent.spec import JobSpec
+from rally.agent.stragglers import STEP_TIMES_KEY, CentralValues, StragglerWatch, job_step_times
+from rally.launcher import console
+
+
+class Observer:
+    """Stragglers, /metrics and GPU health for one agent."""
+
+    def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str]):
+        self.spec = spec
+        self.events = events
+        self.host = host
+        self.base_env = base_env
+        self.stragglers = StragglerWatch(spec.straggler_factor, spec.straggler_window)
+        self.metrics: Any = None
+        self.gpu: gpus.NvmlMonitor | None = None
+        self.gpu_skipped: str | None = None
+        self.gpu_devices: list[gpus.DeviceReading] | None = None
+        self.gpu_xid_problems: list[str] = []  # XIDs are events: remembered once seen
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, snapshot: Callable[[], dict | None], report: Any) -> None:
+        """Open NVML and start /metrics (OSError with one line if the port cannot be bound).
+
+        `snapshot` returns the agent's status record; `report` is its JobReport (round ends)."""
+        self.gpu, reason = gpus.open_monitor()
+        if self.gpu is None:
+            self.gpu_skipped = reason
+            self.events.emit("gpu_health_skipped", reason=reason)
+            if self._gpus_expected():
+                console.warn(f"GPU health checks skipped: {reason}")
+        if self.spec.metrics_port is not None:
+            from rally.agent import metrics
+
+            self.metrics = metrics.serve(self.spec.metrics_port, snapshot, lambda: metrics.round_end_kinds(report.attempts))
+            console.say(f"Prometheus metrics at {self.metrics.url}")
+
+    def stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
+
+    def _gpus_expected(self) -> bool:
+        """Say so on the console only where GPUs seem to exist; CPU-only nodes get the event only."""
+        visible = self.base_env.get("CUDA_VISIBLE_DEVICES", "").strip()
+        return Path("/dev/nvidiactl").exists() or visible not in ("", "-1", "NoDevFiles")
+
+    # ------------------------------------------------------------------ GPUs
+    def read_gpus(self) -> list[gpus.DeviceReading] | None:
+        """The node's GPUs now (for the health monitor's samples); None without NVML."""
+        if self.gpu is None:
+            return None
+        self.gpu_devices = self.gpu.read()
+        for device in self.gpu_devices:
+            problem = gpus.xid_problem(device)
+            if problem and problem not in self.gpu_xid_problems:
+                self.gpu_xid_problems.append(problem)
+                console.warn(f"GPU problem on {self.host}: {problem}")
+                self.events.emit("gpu_problem", node=self.host, problem=problem)
+        return self.gpu_devices
+
+    def gpu_problems(self) -> list[str] | None:
+        """Every current GPU problem of this node (None: not checked here)."""
+        if self.gpu_devices is None:
+            return None
+        return [p for d in self.gpu_devices for p in gpus.state_problems(d)] + self.gpu_xid_problems
+
+    def before_round(self) -> None:
+        """Before this node joins a round: forget the last round's ranks, check the GPUs."""
+        self.stragglers.reset()
+        if self.gpu is None:
+            return
+        self.read_gpus()
+        problems = self.gpu_problems() or []
+        if problems:
+            console.error(f"node {self.host} has unhealthy GPUs before joining the next round: {'; '.join(problems)}")
+            self.events.emit("gpu_unhealthy", node=self.host, problems=problems)
+
+    # ------------------------------------------------------------------ stragglers
+    def after_check(self, assignment: Any, workers: list[Any], health: Any) -> None:
+        """Feed the heartbeat files' steps to the straggler watch; name and clear stragglers."""
+        records = health.records()
+        new = False
+        for worker in workers:
+            record = records.get(worker.local_rank)
+            if record is not None:
+                new |= self.stragglers.observe(worker.global_rank, record.step, record.ns)
+        if not new:
+            return
+        named, cleared = self.stragglers.judge()
+        factor = self.stragglers.factor
+        for s in named:
+            console.warn(
+                f"straggler: rank {s.rank} on {self.host} takes {s.step_time:.3f} s per step, {s.ratio:.1f}x the "
+                f"median of the {s.scope}'s other ranks ({s.median:.3f} s; --straggler-factor {factor:g})"
+            )
+            self.events.emit(
+                "straggler", round=assignment.round, rank=s.rank, node=self.host, node_rank=assignment.group_rank,
+                step_time=round(s.step_time, 6), median=round(s.median, 6), ratio=round(s.ratio, 3), scope=s.scope, factor=factor,
+            )  # fmt: skip
+        for rank in cleared:
+            console.say(f"rank {rank} on {self.host} is no longer a straggler")
+            self.events.emit("straggler_cleared", round=assignment.round, rank=rank, node=self.host)
+
+    def worker_fields(self, worker: Any, health: Any) -> dict:
+        """Extra fields of one worker in the status record: step, step time, straggler, section."""
+        record = health.records().get(worker.local_rank)
+        straggler = self.stragglers.stragglers.get(worker.global_rank)
+        return {
+            "step": self.stragglers.step(worker.global_rank),
+            "step_time": self.stragglers.step_times.get(worker.global_rank),
+            "straggler": None if straggler is None else {"step_time": straggler.step_time, "median": straggler.median, "scope": straggler.scope},
+            "section": record.section if record is not None else "",
+            "gpu_utilization": health.resources(worker.local_rank).gpu_utilization,
+        }
+
+    def node_fields(self) -> dict:
+        return {"gpu_problems": self.gpu_problems()}
+
+    def exchange(self, store: Any, assignment: Any) -> None:
+        """From the keep-alive thread: make the straggler median the job's, not only this node's.
+
+        Node 0 reads every node's status record of this round (one multi-get) and publishes the
+        middle of the sorted step times; every other node reads that one key.
+        """
+        if assignment.group_world_size <= 1:
+            return
+        key = STEP_TIMES_KEY.format(round=assignment.round)
+        if assignment.group_rank == 0:
+            from rally.rendezvous.protocol import read_job_status
+
+            try:
+                status = read_job_status(store)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                return  # a record that is not JSON (store contents are not trusted): skip this time
+            times = job_step_times(status["nodes"] if status else [], assignment.round)
+            summary: CentralValues | None = CentralValues.of(times)
+            store.set(key, summary.to_json())
+        elif store.check(key):
+            summary = CentralValues.from_json(store.get(key))
+        else:
+            return
+        self.stragglers.job = summary if summary is not None and summary.count >= 2 else None
+

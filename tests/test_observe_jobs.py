@@ -1,0 +1,267 @@
+"""Seeing a running job from outside: a straggler named across nodes (events, `rally status`),
+/metrics scraped over HTTP while a job fails and restarts, `rally status` inside a SLURM step
+with no flags, and the live view naming a straggler under a real pseudo-terminal.
+
+Workers are stdlib probes (--no-preload); each agent is a real rally process on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agents import c10d_args, free_port, start_agent, stop_all, wait_for, write_script
+
+# Each rank steps at its own pace (STEP_SECONDS_<rank>, default 0.05 s) until the file `stop`
+# appears; with FAIL_ON_FILE set, rank 1 of the first attempt exits 3 once the file `fail` appears.
+PACED = """
+import os, sys, time
+from pathlib import Path
+from rally import job
+rank = os.environ["RANK"]
+pause = float(os.environ.get("STEP_SECONDS_" + rank, "0.05"))
+first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+step = 0
+while not Path("stop").exists():
+    time.sleep(pause)
+    job.heartbeat(step=step)
+    step += 1
+    if os.environ.get("FAIL_ON_FILE") and rank == "1" and first_attempt and Path("fail").exists():
+        sys.exit(3)
+print("rank", rank, "stopped at step", step, flush=True)
+"""
+
+
+def status_of(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rally", "status", *args], capture_output=True, text=True, timeout=60,
+        env={**(env or os.environ), "COLUMNS": "200"},
+    )  # fmt: skip
+
+
+def events_of(log_dir: Path) -> list[dict]:
+    (path,) = log_dir.glob("*/events.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_node(tmp_path):
+    """Two nodes, one rank each: only the job-wide median (node 0's summary) can name rank 1."""
+    port = free_port()
+    script = write_script(tmp_path, "paced.py", PACED)
+    common = [*c10d_args(port, "2", run_id="stragglerjob"), "--nproc-per-node", "1", "--no-preload", "--resource-interval", "0.2"]
+    env = {"STEP_SECONDS_0": "0.04", "STEP_SECONDS_1": "0.16"}
+    agents = [start_agent(f"n{i}", tmp_path, [*common, "--log-dir", str(tmp_path / f"logs{i}"), str(script)], env) for i in range(2)]
+    try:
+        assert wait_for(lambda: "straggler: rank 1" in agents[1].output(), 90), agents[1].output()
+        line = next(l for l in agents[1].output().splitlines() if "straggler: rank 1" in l)
+        assert "median of the job's other ranks" in line, line
+        (event,) = [e for e in events_of(tmp_path / "logs1") if e["event"] == "straggler"]
+        assert event["rank"] == 1 and event["node"] == socket.gethostname() and event["node_rank"] in (0, 1)
+        assert event["scope"] == "job" and event["factor"] == 1.5
+        assert 0.14 < event["step_time"] < 0.4 and 0.03 < event["median"] < 0.1, event  # loaded machines are slow
+        status = status_of("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stragglerjob")
+        assert status.returncode == 0, status.stderr
+        assert "s/step" in status.stdout and re.search(r"straggler: rank 1 on \S+ takes 0\.\d+ s per step", status.stdout), status.stdout
+        assert re.search(r"0\.\d{3} slow", status.stdout), status.stdout
+        (tmp_path / "stop").touch()
+        assert [a.wait(60) for a in agents] == [0, 0]
+        assert not [e for e in events_of(tmp_path / "logs0") if e["event"] == "straggler"]  # rank 0 is the fast one
+    finally:
+        stop_all(agents)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """GET /metrics with a real HTTP client; {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(metrics: dict, name: str, **labels: str) -> float | None:
+    return metrics.get((name, tuple(sorted(labels.items()))))
+
+
+def worker(metrics: dict, name: str, rank: int, **labels: str) -> float | None:
+    return value(metrics, name, rank=str(rank), local_rank=str(rank), host=socket.gethostname(), **labels)
+
+
+@pytest.mark.timeout(180)
+def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_restart(tmp_path):
+    script = write_script(tmp_path, "paced.py", PACED)
+    args = ["--standalone", "--nproc-per-node", "2", "--no-preload", "--max-restarts", "1", "--resource-interval", "0.2", "--metrics-port", "0", str(script)]
+    agent = start_agent("metrics", tmp_path, args, {"FAIL_ON_FILE": "1"})
+    try:
+        found = wait_for(lambda: re.search(r"Prometheus metrics at http://\S+:(\d+)/metrics", agent.output()), 60)
+        assert found, agent.output()
+        port = int(re.search(r"Prometheus metrics at http://\S+:(\d+)/metrics", agent.output()).group(1))
+        assert port > 0
+
+        def steps_known() -> dict | None:
+            m = scrape(port)
+            return m if worker(m, "rally_worker_step", 1) is not None and worker(m, "rally_worker_cpu_percent", 1) is not None else None
+
+        assert wait_for(steps_known, 60), agent.output()
+        before = scrape(port)
+        assert value(before, "rally_round") == 0 and value(before, "rally_restarts_total") == 0
+        assert value(before, "rally_world_size") == 2 and value(before, "rally_nodes") == 1
+        assert value(before, "rally_failures_total", kind="worker_failed") == 0
+        for rank in (0, 1):
+            assert worker(before, "rally_worker_state", rank, state="running") == 1
+            assert worker(before, "rally_worker_state", rank, state="failed") == 0
+            assert worker(before, "rally_worker_rss_bytes", rank) > 1024 * 1024
+            assert 0 <= worker(before, "rally_worker_heartbeat_age_seconds", rank) < 5
+            assert worker(before, "rally_worker_straggler", rank) == 0
+        assert wait_for(lambda: worker(scrape(port), "rally_worker_step", 0) > worker(before, "rally_worker_step", 0), 30)
+        assert wait_for(lambda: worker(scrape(port), "rally_worker_step_seconds", 0) is not None, 30)
+
+        (tmp_path / "fail").touch()  # rank 1 of the first attempt exits 3: one restart
+        assert wait_for(lambda: value(scrape(port), "rally_restarts_total") == 1, 60), agent.output()
+        after = scrape(port)
+        assert value(after, "rally_round") == 1
+        assert value(after, "rally_failures_total", kind="worker_failed") == 1
+        assert value(after, "rally_failures_total", kind="worker_hung") == 0
+        assert wait_for(lambda: worker(scrape(port), "rally_worker_state", 1, state="running") == 1, 30)
+
+        (tmp_path / "stop").touch()
+        assert agent.wait(60) == 0, agent.output()
+        with pytest.raises(urllib.error.URLError):  # the server went away with the agent
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    finally:
+        stop_all([agent])
+
+
+@pytest.mark.timeout(120)
+def test_a_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
+    script = write_script(tmp_path, "w.py", "print('never runs')\n")
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "rally", "--standalone", "--no-preload", "--metrics-port", str(port), str(script)],
+            capture_output=True, text=True, timeout=90, cwd=tmp_path,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"--metrics-port {port}: cannot listen" in done.stderr and "Traceback" not in done.stderr
+    assert "never runs" not in done.stdout
+
+
+def slurm_step_env(job_id: str) -> dict[str, str]:
+    return {
+        "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_JOB_NODELIST": "127.0.0.1",
+    }  # fmt: skip
+
+
+def job_id_with_a_free_store_port() -> tuple[str, int]:
+    """A SLURM job id whose derived store port (launcher/slurm.py) is free here right now."""
+    from rally.launcher.slurm import SlurmJob, expand_hostlist
+
+    rng = random.Random()
+    for _ in range(50):
+        job_id = str(rng.randrange(100_000, 10_000_000))
+        port = SlurmJob.from_env(slurm_step_env(job_id), expand=expand_hostlist).store_port
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return job_id, port
+    pytest.fail("no SLURM job id with a free store port")
+
+
+@pytest.mark.timeout(150)
+def test_rally_status_inside_a_slurm_step_needs_no_endpoint_or_id(tmp_path):
+    """No SLURM cluster: a real rally job started with SLURM's variables hosts the store that
+    SLURM's variables point at, and `rally status` finds it from the same variables."""
+    job_id, port = job_id_with_a_free_store_port()
+    script = write_script(tmp_path, "paced.py", PACED)
+    slurm = slurm_step_env(job_id)
+    agent = start_agent("slurm", tmp_path, ["--nproc-per-node", "2", "--no-preload", str(script)], slurm)
+    try:
+        assert wait_for(lambda: "round 0:" in agent.output(), 60), agent.output()
+        assert f"store 127.0.0.1:{port}" in agent.output()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        last: list[subprocess.CompletedProcess[str]] = []
+
+        # As `srun --overlap --jobid ID rally status` runs it: a step of its own, on some node of
+        # the job; the job's rally runs in step 0 (the default of --slurm-step).
+        own_step = {**slurm, "SLURM_STEP_ID": "7", "SLURM_STEP_NODELIST": "somewhere-else"}
+
+        def both_running() -> bool:
+            last[:] = [status_of(env={**env, **own_step})]
+            return last[0].returncode == 0 and last[0].stdout.count("running") == 2
+
+        assert wait_for(both_running, 30), last[0].stdout + last[0].stderr
+        assert f"job {job_id}.0 at 127.0.0.1:{port}: round 0" in last[0].stdout, last[0].stdout
+        outside = status_of(env=env)
+        assert outside.returncode == 2 and "give --rdzv-endpoint HOST:PORT and --rdzv-id ID" in outside.stderr
+        assert "Traceback" not in outside.stderr
+        (tmp_path / "stop").touch()
+        assert agent.wait(60) == 0, agent.output()
+    finally:
+        stop_all([agent])
+
+
+@pytest.mark.timeout(150)
+def test_the_live_view_names_a_straggler_under_a_real_terminal(tmp_path):
+    import pty
+
+    script = write_script(tmp_path, "paced.py", PACED)
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "LINES": "40", "STEP_SECONDS_1": "0.2", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "3", "--no-preload", "--resource-interval", "0.2", str(script)],
+        stdin=terminal, stdout=terminal, stderr=terminal, cwd=tmp_path, env=env, start_new_session=True,
+    )  # fmt: skip
+    os.close(terminal)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and b"slow" not in seen:  # until the table marks a straggler
+            ready, _, _ = select.select([controller], [], [], 0.5)
+            if ready:
+                try:
+                    seen += os.read(controller, 65536)
+                except OSError:
+                    break
+            elif proc.poll() is not None:
+                break
+        (tmp_path / "stop").touch()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if select.select([controller], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(controller, 65536)
+                except OSError:
+                    break
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        os.close(controller)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
+    assert re.search(r"┃ rank\s+┃ pid\s+┃ state.*┃\s+step ┃\s+s/step ┃", text), text[-3000:]
+    assert re.search(r"│ 1\s+│ \d+\s+│ running.*│\s+0\.\d{3} slow │", text), text[-3000:]
+    assert re.search(r"straggler: rank 1 on \S+ takes 0\.\d+ s per step, \d+\.\dx the median of this node's other ranks", text), text[-3000:]
