@@ -256,6 +256,16 @@ class HealthMonitor:
             )
         return None
 
+    def heartbeat_count(self, local_rank: int) -> int | None:
+        """How many heartbeats the worker has sent (its progress); None without a heartbeat file."""
+        w = self.watched.get(local_rank)
+        if w is None or not w.heartbeat_path:
+            return None
+        try:
+            return heartbeat_file.read(w.heartbeat_path)[0]
+        except (heartbeat_file.HeartbeatFileError, OSError):
+            return None
+
     def heartbeat_age(self, local_rank: int) -> float | None:
         """Seconds since the worker's last heartbeat (None if it never sent one)."""
         w = self.watched.get(local_rank)
