@@ -485,6 +485,8 @@ class Agent:
     def _exit_if_signalled(self, waiting_for: str) -> None:
         for signum in self._take_signals():
             name = processes.signal_name(signum)
+            if signum in self.spec.preemption_signals and waiting_for == "the exit barrier":
+                continue  # the job has ended: nothing left to preempt or requeue
             if signum in self.spec.preemption_signals:
                 self._requeue_once(None, None)
                 raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for {waiting_for}")

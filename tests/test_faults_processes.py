@@ -1,4 +1,4 @@
-"""Fault matrix: processes, hangs and signals, as the faults really arrive.
+"""Fault matrix: processes and hangs, as the faults really arrive (signals: test_faults_signals.py).
 
     a collective hang (2 nodes, gloo)        -> the rank outside the collective is named, with its
                                                 stack; the ranks waiting in all_reduce are summarised
@@ -7,9 +7,6 @@
                                                 `rally status` shows it as "stopped (SIGSTOP)"
     setsid'd and double-forked grandchildren -> gone after a round ends, after exit, and within 3 s
                                                 of SIGKILL of the agent; re-parented orphans reaped
-    SIGTERM in a restart grace / exit barrier -> exit 143 at once
-    a preemption signal during a stop         -> not lost: exit 75
-    crash-loop stop                           -> rally exits within 2 s of saying so
     OOM kill of an exiting worker            -> still attributed (the busy-machine failure)
 
 Run beside a CPU hog too (RALLY_TEST_CPU_HOG=1, see conftest.py). Measured times are printed
@@ -22,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,45 +27,9 @@ import pytest
 
 from agents import c10d_args, free_port, start_agent, stop_all
 from helpers import ProcessTracker, clean_env, describe_pids, procs, rally_argv, survivors, wait_for, write_probe  # noqa: F401
+from live_rally import LiveRally
 
 # ------------------------------------------------------------------ helpers
-
-
-class LiveRally:
-    """rally started in its own session, its merged output read line by line with arrival times."""
-
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], tracker: ProcessTracker):
-        self.proc = subprocess.Popen(
-            rally_argv(args), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
-        )  # fmt: skip
-        tracker.track_group(self.proc.pid)
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
-
-    def wait_line(self, needle: str, timeout: float) -> float:
-        """The time the first line containing `needle` arrived (fails the test after `timeout`)."""
-        def seen() -> float | None:
-            return next((t for t, line in self.lines if needle in line), None)
-        try:
-            return wait_for(seen, timeout, what=repr(needle))  # type: ignore[return-value]
-        except BaseException:
-            print(self.text()[-6000:])
-            raise
-
-    def wait_exit(self, timeout: float) -> tuple[int, float]:
-        code = self.proc.wait(timeout=timeout)
-        self.reader.join(timeout=5)
-        return code, time.monotonic()
 
 
 def read_pids(directory: Path, pattern: str) -> list[int]:
@@ -332,113 +292,7 @@ def test_an_orphan_reparented_to_the_agent_is_reaped_the_moment_it_exits(tmp_pat
     assert rally.wait_exit(60)[0] == 128 + signal.SIGTERM
 
 
-# ------------------------------------------------------------------ 4. signals
-
-FAIL_WHILE_OTHER_IGNORES_SIGTERM = """
-import os, signal, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-    time.sleep(0.5)
-    sys.exit(3)
-while True:
-    time.sleep(0.1)
-"""
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("signum, expected", [(signal.SIGTERM, 143), (signal.SIGUSR1, 75)], ids=["SIGTERM", "preemption-SIGUSR1"])
-def test_a_signal_during_the_restart_grace_ends_rally_at_once(
-    tmp_path: Path, procs: ProcessTracker, signum: signal.Signals, expected: int
-) -> None:
-    write_probe(tmp_path / "probe.py", FAIL_WHILE_OTHER_IGNORES_SIGTERM)
-    logs = tmp_path / "logs"
-    rally = LiveRally(
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout", "30", "--log-dir", str(logs), "probe.py"],
-        tmp_path, clean_env(), procs,
-    )  # fmt: skip
-
-    def failed() -> bool:
-        return any('"returncode": 3' in p.read_text() for p in logs.glob("*/events.jsonl"))
-
-    wait_for(failed, 60, what="rank 1 to fail")  # rank 0 now sits out the 30 s grace of the restart
-    workers = [p.pid for p in psutil.Process(rally.proc.pid).children(recursive=True)]
-    procs.track(*workers)
-    sent = time.monotonic()
-    os.kill(rally.proc.pid, signum)
-    code, ended = rally.wait_exit(60)
-    assert code == expected, rally.text()[-3000:]
-    assert ended - sent < 2, f"took {ended - sent:.1f} s"
-    assert "round 1" not in rally.text(), "no new round after the signal"
-    assert not survivors(workers, within=0.5)
-    print(f"MEASURED {signum.name} during a restart grace: exit {code} after {ended - sent:.2f} s")
-
-
-FAIL_ON_HOST = """
-import os, signal, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-if os.environ.get("PROBE_FAIL") == "1":
-    time.sleep(1)
-    sys.exit(3)
-while True:
-    time.sleep(0.1)
-"""
-
-
-@pytest.mark.timeout(120)
-def test_sigterm_during_the_exit_barrier_gives_143_at_once(tmp_path: Path, procs: ProcessTracker) -> None:
-    write_probe(tmp_path / "probe.py", FAIL_ON_HOST)
-    port = free_port()
-    base = [*c10d_args(port, "2", run_id="barrier"), "--nproc-per-node", "1", "--max-restarts", "0"]
-    host = LiveRally([*base, "--shutdown-timeout", "1", "probe.py"], tmp_path, clean_env(PROBE_FAIL="1"), procs)
-    host.wait_line("hosting the rendezvous store", 60)
-    # The other node's worker ignores SIGTERM: its agent acknowledges the end only after 60 s.
-    other = LiveRally([*base, "--shutdown-timeout", "60", "probe.py"], tmp_path, clean_env(), procs)
-    try:
-        host.wait_line("job failed: no restarts left", 90)  # now in the exit barrier
-        sent = time.monotonic()
-        os.kill(host.proc.pid, signal.SIGTERM)
-        code, ended = host.wait_exit(60)
-        assert code == 143, host.text()[-3000:]
-        assert ended - sent < 2, f"took {ended - sent:.1f} s"
-        print(f"MEASURED SIGTERM in the exit barrier: exit 143 after {ended - sent:.2f} s")
-    finally:
-        os.killpg(other.proc.pid, signal.SIGKILL)
-        other.wait_exit(30)
-
-
-@pytest.mark.timeout(60)
-def test_a_preemption_signal_at_start_up_is_not_lost(tmp_path: Path, procs: ProcessTracker) -> None:
-    write_probe(tmp_path / "probe.py", "import time\ntime.sleep(600)\n")
-    rally = LiveRally(["--standalone", "--nproc-per-node", "1", "probe.py"], tmp_path, clean_env(), procs)
-    os.kill(rally.proc.pid, signal.SIGUSR1)  # before rally has installed anything, most likely
-    code, _ = rally.wait_exit(50)
-    assert code in (75, -signal.SIGUSR1), rally.text()[-3000:]
-    # -SIGUSR1 only if it landed before the launcher blocked it (the interpreter's own start-up):
-    # then it was not lost either, it killed rally as it would any program.
-
-
-@pytest.mark.timeout(120)
-def test_crash_loop_stop_exits_within_2_s(tmp_path: Path, procs: ProcessTracker) -> None:
-    body = """
-        from rally import job
-        ckpt = job.load_latest()
-        if ckpt is None:
-            job.save({"step": 0}, 0)
-        raise SystemExit(4)
-    """
-    write_probe(tmp_path / "loop.py", body)
-    rally = LiveRally(
-        ["--standalone", "--max-restarts", "10", "--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-loop-limit", "1", "loop.py"],
-        tmp_path, clean_env(), procs,
-    )  # fmt: skip
-    said = rally.wait_line("crash loop:", 90)
-    code, ended = rally.wait_exit(30)
-    assert code == 4, rally.text()[-3000:]
-    assert ended - said < 2, f"exited {ended - said:.1f} s after saying it stops"
-    print(f"MEASURED crash-loop stop: exit {ended - said:.2f} s after the message")
-
-
-# ------------------------------------------------------------------ 5. OOM attribution while the worker exits
+# ------------------------------------------------------------------ 4. OOM attribution while the worker exits
 
 OOM_PROBE = """
 import ctypes, os, sys, threading
