@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from rally.agent import processes
@@ -33,9 +32,11 @@ from rally.agent.job import newest_checkpoint_step
 from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.agent.live import LiveView
 from rally.agent.observer import Observer
-from rally.agent.health import Hang, HealthMonitor, HealthSettings
-from rally.agent.report import JobReport, explain, failure_end, failure_info
-from rally.agent.spec import STACK_SIGNAL, JobSpec
+from rally.agent.hang_report import HangReporter
+from rally.agent.health import HealthMonitor, HealthSettings
+from rally.agent.orphan_guard import TOKEN_VARIABLE, GuardClient
+from rally.agent.report import JobReport, explain, failure_end
+from rally.agent.spec import JobSpec
 from rally.agent.template import TemplateClient
 from rally.agent.workers import LogLayout, WorkerGroup
 from rally.launcher import console
@@ -123,7 +124,8 @@ class Agent:
         self.spec = spec
         self.requeue = requeue
         self.plan = plan
-        self.base_env = base_env
+        self.token = os.urandom(8).hex()  # marks every process of this agent's workers (orphan_guard.py)
+        self.base_env = {**base_env, TOKEN_VARIABLE: self.token}
         self.host = socket.gethostname()
         self.node = NodeInfo(
             node_id=f"{self.host}:{os.getpid()}:{os.urandom(4).hex()}",
@@ -145,7 +147,7 @@ class Agent:
         self.store: Store | None = None
         self.store_server: Any = None
         self.worker_store: Any = None
-        self.guard: Any = None
+        self.guard: GuardClient | None = None
         self.template: TemplateClient | None = None  # workers are forked from it (agent/template.py)
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
@@ -162,12 +164,13 @@ class Agent:
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
+        self.hangs = HangReporter(self)  # who really hung, from every node (agent/hang_report.py)
 
     # ================================================================ entry point
     def run(self) -> int:
         processes.become_subreaper()
         self._install_signal_handlers()
-        self._start_orphan_guard()
+        self.guard = GuardClient(self.token)
         self._start_template()
         try:
             self._start_observer()
@@ -178,10 +181,12 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
+            processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
             if self.live is not None:
                 self.live.stop()
             self._stop_template()
-            self._stop_orphan_guard()
+            if self.guard is not None:
+                self.guard.stop()
             self.observer.stop()
         self.report.exit_code = code
         if self.report.outcome == "running":
@@ -202,7 +207,7 @@ class Agent:
         while True:
             self.observer.before_round()
             try:
-                assignment = self._blocking(rdzv.next_round)
+                assignment = self._blocking(rdzv.next_round)  # a signal pending since the last round ends it
             except RendezvousError as exc:
                 raise AgentExit(EXIT_BAD_INPUT if assignment_never_formed(rdzv) else EXIT_INFRASTRUCTURE, str(exc))
             limit = self.spec.crash_loop_limit
@@ -233,6 +238,7 @@ class Agent:
         info = dict(last.info) if last else {}
         end = self._store_call(lambda: rdzv.end_round(a.round, RoundEnd("aborted", detail, self.host, info)))
         self._store_call(lambda: rdzv.close_job(end))
+        self._store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))  # no barrier wait
         self.report.outcome = "crash loop"
         console.error(end.detail)
         if last is not None:
@@ -289,10 +295,12 @@ class Agent:
         round_over = threading.Event()
         threading.Thread(target=self._watch_round_end, args=(watcher, r), daemon=True).start()
         threading.Thread(target=self._keep_alive, args=(keeper, a, round_over), daemon=True).start()
+        self.hangs.start_watching(a)
         try:
             return self._watch_workers(rdzv, a, master)
         finally:
             round_over.set()
+            self.hangs.round_over(rdzv, a)
 
     def _watch_workers(self, rdzv: Rendezvous, a: Assignment, master: tuple[str, int]) -> RoundEnd:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
@@ -306,7 +314,8 @@ class Agent:
             self.selector.register(stream.fd, selectors.EVENT_READ, ("stream", stream))
         for worker in self.group.workers:
             self.selector.register(worker.process.pidfd, selectors.EVENT_READ, ("exit", worker))
-            self._guard_group(worker.pid)
+            if self.guard is not None:
+                self.guard.guard_group(worker.pid)
             self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
             self.events.emit("worker_started", round=a.round, rank=worker.global_rank, local_rank=worker.local_rank, pid=worker.pid)
         reported_success = False
@@ -321,6 +330,8 @@ class Agent:
                     return value[1]
                 if kind == "store_lost":
                     raise AgentExit(EXIT_INFRASTRUCTURE, self._store_lost_message(value))
+                if kind == "dump_stacks" and value == a.round:
+                    self.hangs.answer(rdzv, a)
             for worker in self.group.workers:
                 if worker.returncode is not None and worker.local_rank in self.health.watched:
                     self._note_exit(a, worker)
@@ -331,7 +342,7 @@ class Agent:
                 return self._end_round(rdzv, a.round, failure_end(first, a, self.kill_causes.get(first.local_rank)))
             hangs = self.health.check({w.local_rank: w.output.last_output_at() for w in self.group.running()})
             if hangs:
-                return self._end_round(rdzv, a.round, self._hung_end(a, hangs[0]))
+                return self._end_round(rdzv, a.round, self.hangs.report(rdzv, a, hangs[0]))
             self.observer.after_check(a, self.group.workers, self.health)
             if not reported_success and self.group.all_succeeded():
                 reported_success = True
@@ -356,39 +367,6 @@ class Agent:
             duration=round(worker.duration(), 3),
             cause=self.kill_causes.get(worker.local_rank),
         )
-
-    def _hung_end(self, a: Assignment, hang: Hang) -> RoundEnd:
-        """Collect the hung worker's Python stacks (before anyone kills it) and describe it."""
-        worker = next(w for w in self.group.workers if w.local_rank == hang.local_rank)
-        stacks = self._collect_stacks(worker)
-        self.events.emit("worker_hung", round=a.round, rank=worker.global_rank, pid=worker.pid, reason=hang.reason)
-        detail = f"rank {worker.global_rank} (local rank {worker.local_rank}, pid {worker.pid}) on {self.host} is hung: it {hang.reason}"
-        info = failure_info(worker, a)
-        info.update({"stacks": stacks, "hang": hang.reason, "exit_status": EXIT_INFRASTRUCTURE})
-        return RoundEnd("worker_hung", detail, self.host, info)
-
-    def _collect_stacks(self, worker) -> list[str]:  # noqa: ANN001 - agent.workers.Worker
-        """Ask the worker's faulthandler (installed by rally's bootstrap) for every thread's stack."""
-        if not self.spec.is_python:
-            return []
-        if self.health.is_stopped(worker.local_rank):
-            os.kill(worker.pid, signal.SIGCONT)  # a stopped process cannot run its dump handler
-        mark = worker.output.stderr_mark()
-        try:
-            os.kill(worker.pid, STACK_SIGNAL)
-        except ProcessLookupError:
-            return []
-        deadline = time.monotonic() + self.health_settings.stack_dump_wait
-        quiet_since = time.monotonic()
-        seen = 0
-        while time.monotonic() < deadline:
-            self._pump(0.05)
-            lines = worker.output.stderr_since(mark)
-            if len(lines) != seen:
-                seen, quiet_since = len(lines), time.monotonic()
-            elif seen and time.monotonic() - quiet_since > 0.2:
-                break
-        return worker.output.stderr_since(mark)
 
     def _end_round(self, rdzv: Rendezvous, r: int, end: RoundEnd) -> RoundEnd:
         return self._store_call(lambda: rdzv.end_round(r, end))
@@ -435,8 +413,8 @@ class Agent:
         return None
 
     def _exit_barrier(self, rdzv: Rendezvous, a: Assignment) -> None:
-        if self.store_server is not None:
-            self._store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS))
+        if self.store_server is not None:  # a signal ends the wait at once
+            self._blocking(lambda: self._store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS)), "the exit barrier")
 
     # ================================================================ threads
     def _watch_round_end(self, watcher: Rendezvous, r: int) -> None:
@@ -507,8 +485,11 @@ class Agent:
             **self.observer.node_fields(),
         }
 
-    def _blocking(self, fn: Callable[[], Any]) -> Any:
-        """Run a blocking store call in a thread while the main loop keeps handling signals."""
+    def _blocking(self, fn: Callable[[], Any], waiting_for: str = "the rendezvous") -> Any:
+        """Run a blocking store call in a thread while the main loop keeps handling signals
+        (also those that arrived before: a signal is never lost between rounds)."""
+        self._pump(0)
+        self._exit_if_signalled(waiting_for)
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -523,17 +504,22 @@ class Agent:
         threading.Thread(target=call, daemon=True).start()
         while not done.is_set():
             self._pump(None)
-            for signum in self._take_signals():
-                name = processes.signal_name(signum)
-                if signum in self.spec.preemption_signals:
-                    self._requeue_once(None, None)
-                    raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for the rendezvous")
-                raise AgentExit(128 + signum, f"stopped by {name} while waiting for the rendezvous")
+            self._exit_if_signalled(waiting_for)
             events = [e for e in self._take_events() if e[0] != "wake"]
             self.pending_events.extend(events)
         if "error" in box:
             raise box["error"]
         return box.get("value")
+
+    def _exit_if_signalled(self, waiting_for: str) -> None:
+        for signum in self._take_signals():
+            name = processes.signal_name(signum)
+            if signum in self.spec.preemption_signals and waiting_for == "the exit barrier":
+                continue  # the job has ended: nothing left to preempt or requeue
+            if signum in self.spec.preemption_signals:
+                self._requeue_once(None, None)
+                raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for {waiting_for}")
+            raise AgentExit(128 + signum, f"stopped by {name} while waiting for {waiting_for}")
 
     def _store_call(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -569,7 +555,9 @@ class Agent:
                     data = os.read(self.signal_r, 64)
                 except BlockingIOError:
                     data = b""
-                self.pending_signals.extend(data)
+                if signal.SIGCHLD in data:  # an orphan re-parented to us may have exited: reap it now
+                    processes.reap_zombies(self._helper_pids() | {w.pid for w in (self.group.workers if self.group else [])})
+                self.pending_signals.extend(s for s in data if s != signal.SIGCHLD)
             elif kind == "inbox":
                 self.pending_events.extend(self.inbox.drain())
 
@@ -584,8 +572,9 @@ class Agent:
     def _install_signal_handlers(self) -> None:
         signal.set_wakeup_fd(self.signal_w, warn_on_full_buffer=False)
         handled = {*self.spec.signals_to_handle, *self.spec.preemption_signals}
-        for signum in handled:
+        for signum in (*handled, signal.SIGCHLD):
             signal.signal(signum, lambda *_: None)  # the wake-up fd carries the number
+        signal.siginterrupt(signal.SIGCHLD, False)  # threads' blocking calls restart, not fail
         # The launcher blocks the preemption signals until now (see launcher.cli.main); a signal
         # that arrived meanwhile is delivered here, to the handler just installed.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled | {signal.SIGUSR1, signal.SIGUSR2})
@@ -659,21 +648,23 @@ class Agent:
         if group is None:
             return
         running = group.running()
-        if running:
-            tree = processes.snapshot_descendants([w.process for w in running])
-            for worker in running:
-                worker.stopped = True
-                processes.send_to_group(worker.pid, signum)
-            deadline = time.monotonic() + self.spec.shutdown_timeout
-            while group.running() and time.monotonic() < deadline:
-                self._pump(max(0.0, deadline - time.monotonic()))
-                if any(self.pending_signals):  # a second signal: no more grace
-                    self.pending_signals.clear()
-                    break
-            processes.kill_all([w.process for w in group.workers], tree, self._helper_pids())
+        tree = processes.snapshot_descendants([w.process for w in running])
+        for worker in running:
+            worker.stopped = True
+            processes.stop_group(worker.pid, signum)  # with SIGCONT: a stopped worker must not sit out the grace
+        deadline = time.monotonic() + self.spec.shutdown_timeout
+        pending = len(self.pending_signals)
+        while group.running() and time.monotonic() < deadline:
+            self._pump(max(0.0, deadline - time.monotonic()))
+            if len(self.pending_signals) > pending:  # a signal: no more grace (it stays pending, handled next)
+                break
+        stuck = processes.kill_all([w.process for w in group.workers], tree, self._helper_pids())  # the whole tree
+        if stuck:
+            console.warn(f"processes {stuck} did not die within {processes.KILL_WAIT_SECONDS:g} s of SIGKILL (stuck in the kernel?)")
         self._drain_output(group)
         for worker in group.workers:
-            self._unguard_group(worker.pid)
+            if self.guard is not None:
+                self.guard.unguard_group(worker.pid)
         group.close()
         self.group = None
 
@@ -707,41 +698,7 @@ class Agent:
             if key.data[0] in ("stream", "exit"):
                 self.selector.unregister(key.fd)
 
-    # ================================================================ orphan guard
-    def _start_orphan_guard(self) -> None:
-        import subprocess
-        import sys
-
-        self.guard = subprocess.Popen(
-            [sys.executable, "-m", "agent.orphan_guard"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            cwd=str(Path(__file__).resolve().parents[1]),
-        )
-
-    def _guard_group(self, pgid: int) -> None:
-        self._tell_guard(f"{pgid}\n")
-
-    def _unguard_group(self, pgid: int) -> None:
-        self._tell_guard(f"-{pgid}\n")
-
-    def _tell_guard(self, line: str) -> None:
-        if self.guard is not None and self.guard.stdin is not None:
-            try:
-                self.guard.stdin.write(line.encode())
-                self.guard.stdin.flush()
-            except OSError:
-                pass
-
-    def _stop_orphan_guard(self) -> None:
-        if self.guard is not None:
-            try:
-                self.guard.stdin.close()
-            except OSError:
-                pass
-            self.guard.wait()
-            self.guard = None
-
+    # ================================================================ helpers
     def _helper_pids(self) -> frozenset[int]:
         template = self.template.helper_pids() if self.template is not None else set()
         return frozenset(({self.guard.pid} if self.guard is not None else set()) | template)

@@ -89,27 +89,52 @@ class _Watched:
     oom_kills_seen: int = 0
 
 
-def _memory_cgroup_counter(pid: int) -> Path | None:
-    """The file that counts OOM kills in the memory cgroup of `pid` (cgroup v2 or v1)."""
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
+
+
+def _is_exiting(pid: int) -> bool:
+    """Whether `pid` has begun to exit (or is gone): its cgroup-v1 paths then read as "/"."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        flags = int(stat.rpartition(")")[2].split()[6])  # field 9: the kernel's task flags
+    except (OSError, ValueError, IndexError):
+        return True
+    return bool(flags & PF_EXITING)
+
+
+def _memory_cgroup_counter(pid: int) -> Path | None | bool:
+    """The file that counts OOM kills in the memory cgroup of `pid` (cgroup v2 or v1).
+
+    Returns False when the answer cannot be trusted: once a process has begun to exit (the
+    OOM killer's SIGKILL has landed, say), the kernel shows every cgroup-v1 path of it as "/",
+    the root. A sampler that took that for a move to the root cgroup would forget the worker's
+    real cgroup in the very window in which the OOM kill must be attributed, which is what
+    happened on busy machines, where that window is long. cgroup-v2 paths stay valid to the end.
+    """
     try:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
-        return None
+        return False
+    found: Path | None = None
+    unified = Path("/sys/fs/cgroup/cgroup.controllers").exists()
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        if controllers == "" and unified:
             candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
         elif "memory" in controllers.split(","):
+            if _is_exiting(pid):  # read after the paths: an exit that began meanwhile is caught
+                return False
             candidate = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
         else:
             continue
         if candidate.exists():
-            return candidate
-    return None
+            found = candidate
+            break
+    return found
 
 
-def _oom_kill_count(counter: Path | None) -> int:
-    if counter is None:
+def _oom_kill_count(counter: Path | None | bool) -> int:
+    if not isinstance(counter, Path):
         return 0
     try:
         for line in counter.read_text().splitlines():
@@ -262,18 +287,19 @@ class HealthMonitor:
                     usage = worker_usage(gpus, tree)
                     w.sample.gpu_memory, w.sample.gpu_utilization = usage.memory, usage.utilization
                 counter = _memory_cgroup_counter(w.pid)
-                if counter != w.oom_counter:
+                if counter is not False and counter != w.oom_counter:
                     w.oom_counter, w.oom_kills_seen = counter, _oom_kill_count(counter)
             except psutil.Error:
                 pass
 
     def note_exit(self, local_rank: int) -> None:
         """Called the moment a worker's pidfd turns readable, before it is reaped: its memory
-        cgroup can still be read then, even if it joined the cgroup after the last sample."""
+        cgroup can still be read then (cgroup v2; v1 shows an exiting task's paths as "/"), even
+        if it joined the cgroup after the last sample."""
         w = self.watched.get(local_rank)
         if w is not None and w.oom_counter is None:
-            counter = _memory_cgroup_counter(w.pid)
-            if counter is not None and _oom_kill_count(counter) > 0:
+            counter = _memory_cgroup_counter(w.pid)  # cgroup v2 only: v1 reads False by now
+            if isinstance(counter, Path) and _oom_kill_count(counter) > 0:
                 w.oom_counter, w.oom_kills_seen = counter, 0
 
     def is_stopped(self, local_rank: int) -> bool:
@@ -300,6 +326,16 @@ class HealthMonitor:
                 f"available of {self.host_total / MIB:.0f} MiB; {rss}"
             )
         return None
+
+    def heartbeat_count(self, local_rank: int) -> int | None:
+        """How many heartbeats the worker has sent (its progress); None without a heartbeat file."""
+        w = self.watched.get(local_rank)
+        if w is None or not w.heartbeat_path:
+            return None
+        try:
+            return heartbeat_file.read(w.heartbeat_path)[0]
+        except (heartbeat_file.HeartbeatFileError, OSError):
+            return None
 
     def heartbeat_age(self, local_rank: int) -> float | None:
         """Seconds since the worker's last heartbeat (None if it never sent one)."""

@@ -3,8 +3,14 @@
 Each worker leads its own session and process group, so a signal to the group reaches the
 worker and everything it started (DataLoader workers, shells, compilers). Each worker also
 asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), so SIGKILL of the agent
-takes the workers with it. The agent itself is a child subreaper: orphans of a dying worker
-are re-parented to the agent, where `stop_tree` still finds them.
+takes the workers with it (and the orphan guard, agent/orphan_guard.py, what they started).
+
+The agent itself is a child subreaper: every orphan of a worker's tree, a setsid'd and
+double-forked daemon included, is re-parented to the agent, so while the agent lives, every
+process the job started is in the agent's own process tree. A stop therefore ends with
+`kill_descendants`, which SIGKILLs that whole tree (but the agent's helpers) until it is empty,
+and `reap_zombies` collects re-parented orphans the moment they exit (on SIGCHLD). Every wait
+here is bounded: a process stuck in uninterruptible sleep (D) is reported, not waited for.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import psutil
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+# How long a stop waits for SIGKILLed processes to be gone (D-state ones may take longer).
+KILL_WAIT_SECONDS = 5.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -77,9 +85,13 @@ class ChildProcess:
             self.ended_at = time.monotonic()
         return self.popen.returncode
 
-    def wait(self) -> int:
-        """Block until the process has exited and been reaped; return its returncode."""
-        self.popen.wait()
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait (up to `timeout`) until the process has exited and been reaped; its returncode,
+        or None if it is still there."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
         if self.ended_at is None:  # poll() cannot tell any more: wait() has set the returncode
             self.ended_at = time.monotonic()
         return self.popen.returncode
@@ -127,6 +139,14 @@ def send_to_group(pid: int, signum: int) -> None:
         pass
 
 
+def stop_group(pid: int, signum: int) -> None:
+    """Send a stop signal to the group led by `pid`, then SIGCONT: a stopped (SIGSTOP) process
+    only acts on a signal once continued, and would otherwise sit out the whole grace period."""
+    send_to_group(pid, signum)
+    if signum not in (signal.SIGKILL, signal.SIGCONT):
+        send_to_group(pid, signal.SIGCONT)
+
+
 def snapshot_descendants(children: Sequence[ChildProcess]) -> dict[int, psutil.Process]:
     """Every descendant of `children`, listed before they are signalled.
 
@@ -140,11 +160,11 @@ def snapshot_descendants(children: Sequence[ChildProcess]) -> dict[int, psutil.P
     return tree
 
 
-def kill_all(children: Sequence[ChildProcess], tree: dict[int, psutil.Process], keep: frozenset[int]) -> None:
-    """SIGKILL each child's group, every listed descendant and every orphan re-parented to us.
+def kill_all(children: Sequence[ChildProcess], tree: dict[int, psutil.Process], keep: frozenset[int]) -> list[int]:
+    """SIGKILL each child's group, every listed descendant and everything else below this agent.
 
-    Returns when all of them are dead and reaped. `keep` names the agent's own helper
-    processes, which belong to no worker.
+    Returns when all of them are dead and reaped, or after KILL_WAIT_SECONDS with the pids
+    still there. `keep` names the agent's own helper processes, which belong to no worker.
     """
     for child in children:
         if child.poll() is None:
@@ -155,19 +175,54 @@ def kill_all(children: Sequence[ChildProcess], tree: dict[int, psutil.Process], 
             proc.kill()
         except psutil.Error:
             pass
+    deadline = time.monotonic() + KILL_WAIT_SECONDS
     for child in children:
-        child.wait()
-    reap_orphans(keep | {c.pid for c in children})
+        child.wait(max(0.0, deadline - time.monotonic()))
+    return kill_descendants(keep | {c.pid for c in children if c.returncode is None}, deadline)
 
 
-def reap_orphans(keep: frozenset[int] | set[int]) -> None:
-    """Kill and reap the worker descendants that were re-parented to this (subreaper) agent."""
-    for proc in psutil.Process().children():
+def kill_descendants(keep: frozenset[int] | set[int], deadline: float | None = None) -> list[int]:
+    """SIGKILL every process below this one (but `keep`) until none is left; reap our children.
+
+    Works because the agent is a subreaper: nothing a worker started can leave its tree. Returns
+    the pids still alive at the deadline (stuck in the kernel, D state).
+    """
+    deadline = time.monotonic() + KILL_WAIT_SECONDS if deadline is None else deadline
+    me = psutil.Process()
+    while True:
+        try:
+            below = [p for p in me.children(recursive=True) if p.pid not in keep]
+        except psutil.Error:
+            below = []
+        alive = []
+        for proc in below:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.kill()
+                    alive.append(proc.pid)
+            except psutil.Error:
+                pass
+        reap_zombies(keep)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.005)
+
+
+def reap_zombies(keep: frozenset[int] | set[int]) -> list[int]:
+    """Reap the exited orphans re-parented to this agent (never a pid in `keep`: workers are
+    reaped by their own handles, which need the exit status)."""
+    reaped = []
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return reaped
+    for proc in children:
         if proc.pid in keep:
             continue
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                proc.kill()
-            os.waitpid(proc.pid, 0)
+            if proc.status() == psutil.STATUS_ZOMBIE and os.waitpid(proc.pid, os.WNOHANG)[0]:
+                reaped.append(proc.pid)
         except (psutil.Error, ChildProcessError):
             pass
+    return reaped
+

@@ -80,6 +80,8 @@ def explain(end: RoundEnd) -> str:
     info = end.info or {}
     if info.get("stacks"):
         lines += ["its Python stacks when it was found hung:", *("  " + line for line in info["stacks"])]
+    if info.get("others"):  # a hang report (agent/hang_report.py): every other rank in one line
+        lines += ["the other ranks:", *("  " + line for line in info["others"])]
     elif info.get("traceback"):
         lines += ["traceback (from its error file):", info["traceback"].rstrip()]
     elif info.get("stderr_tail"):

@@ -331,10 +331,12 @@ class ForkedChild:
             os.close(self._watch)
             self._watch = -1
 
-    def wait(self) -> int:
-        while self.returncode is None:
-            self._has_exited(None)
-            self.poll()
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The returncode once the worker has exited; None if it is still there after `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None and (deadline is None or time.monotonic() < deadline):
+            if self._has_exited(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                self.poll()
         return self.returncode
 
     def close(self) -> None:

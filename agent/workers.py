@@ -52,7 +52,9 @@ class Worker:
     def state(self) -> str:
         code = self.returncode
         if code is None:
-            return "running"
+            from rally.agent.hang_report import process_state
+
+            return "stopped (SIGSTOP)" if process_state(self.pid) == "stopped (SIGSTOP)" else "running"
         if code == 0:
             return "succeeded"
         return "stopped" if self.stopped else "failed"

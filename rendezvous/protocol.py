@@ -46,6 +46,8 @@ FINAL_KINDS = frozenset({"succeeded", "aborted", "preempted"})
 DESCRIPTOR_GRACE_SECONDS = 10.0
 # Long waits are cut into slices this long so a closed job or a stop request is noticed.
 WAIT_SLICE_SECONDS = 30.0
+# The value of a round's `dump` key once the round is over (agent/hang_report.py).
+STACKS_ROUND_OVER = "over"
 
 
 class RendezvousError(Exception):
@@ -453,6 +455,42 @@ class Rendezvous:
     def wait_all_acknowledged(self, r: int, timeout: float) -> bool:
         """The store's host waits here before exiting, so no agent loses the store mid-read."""
         return self.store.try_wait([f"{r}/all_acked"], timeout)
+
+    # ----------------------------------------------------------------- hang reports (agent/hang_report.py)
+    # `<r>/dump` is set once per round: a request for every node's stacks (JSON, by the node that
+    # found a hang) or STACKS_ROUND_OVER (by any node whose round ended), which releases the
+    # watchers. Each node answers with its workers' snapshots under `<r>/stacks/<group_rank>`.
+    def request_stacks(self, r: int, reason: str) -> bool:
+        """Ask every node of round r for its workers' stacks; False when the round is over."""
+        _, standing = self.store.set_once(f"{r}/dump", json.dumps({"by": self.me.host, "reason": reason}))
+        return standing != STACKS_ROUND_OVER
+
+    def end_stacks_requests(self, r: int) -> None:
+        """Round r is over for this node: wake its stack-request watcher (and nobody asks any more)."""
+        self.store.set_once(f"{r}/dump", STACKS_ROUND_OVER)
+
+    def wait_stacks_request(self, r: int, slice_seconds: float = WAIT_SLICE_SECONDS) -> bool:
+        """Block until round r's dump key is set; True if it is a request (not the round's end)."""
+        while not self.store.try_wait([f"{r}/dump"], slice_seconds):
+            pass
+        return self.store.get_str(f"{r}/dump") != STACKS_ROUND_OVER
+
+    def publish_stacks(self, r: int, group_rank: int, snapshots: list[dict]) -> None:
+        self.store.set(f"{r}/stacks/{group_rank}", json.dumps(snapshots))
+
+    def gather_stacks(self, r: int, members: int, timeout: float) -> dict[int, list[dict]]:
+        """Every node's published snapshots, waiting up to `timeout` for all; missing nodes left out."""
+        names = [f"{r}/stacks/{g}" for g in range(members)]
+        self.store.try_wait(names, timeout)
+        found: dict[int, list[dict]] = {}
+        for g, name in enumerate(names):
+            if self.store.check(name):
+                try:
+                    found[g] = [s for s in json.loads(self.store.get(name)) if isinstance(s, dict)]
+                except (ValueError, TypeError):
+                    continue
+        return found
+    # ----------------------------------------------------------------- end of hang reports
 
 
 __all__ = [
