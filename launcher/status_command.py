@@ -6,6 +6,7 @@ CPU, memory and heartbeat age), refreshed every couple of seconds by its keep-al
 
 from __future__ import annotations
 
+import os
 import time
 
 import click
@@ -25,6 +26,7 @@ def status_command(endpoint: str, run_id: str, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.protocol import read_job_status
     from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
+    from rally.rendezvous.token import ENV_TOKEN, Signer
 
     quiet_torch_logs()
     try:
@@ -32,7 +34,9 @@ def status_command(endpoint: str, run_id: str, timeout: float) -> int:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        store, _ = open_store(StoreEndpoint(host, port, host_here=False), f"rally/{run_id}/", timeout, timeout)
+        token = os.environ.get(ENV_TOKEN, "")  # without it, records are shown unverified
+        signer = Signer(token, verify=bool(token))
+        store, _ = open_store(StoreEndpoint(host, port, host_here=False), f"rally/{run_id}/", timeout, timeout, signer)
     except StoreUnavailable as exc:
         raise click.ClickException(str(exc)) from None
     status = read_job_status(store)
