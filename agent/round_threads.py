@@ -9,9 +9,9 @@ call on its connection) and reports through `post(kind, value)`, the agent's inb
   -> declares that node lost, which ends the round for everyone;
 * **store watchdog**: a c10d client call on a frozen store, or across a cut network, never
   returns (torch applies no timeout to `add`). When the keep-alive has not completed a store
-  call for `min(keep_alive_timeout, read_timeout)`, this node is as good as lost to the
-  others, who re-form without it: -> ("store_lost", StoreSilent), and the agent stops its
-  workers and exits, so the job can never run twice (no split brain);
+  call for 3/4 of `min(keep_alive_timeout, read_timeout)`, this node is about to be declared
+  lost by the others, who re-form without it: -> ("store_lost", StoreSilent), and the agent
+  stops its workers and exits before they re-form, so the job never runs twice (no split brain);
 * **peer check** (`check_peers`, started by the agent on a local worker failure in a
   multi-node round): is a peer gone? -> ("peer_verdict", (round, (group rank, silent s) | None)).
 """
@@ -36,9 +36,14 @@ class StoreSilent(StoreError):
     """The store has not answered a keep-alive for too long: cut off, or the store is frozen."""
 
 
+# A node fences itself after this share of the keep-alive timeout without an answer, so its
+# workers are stopped before the others declare it lost and re-form (a lease, renewed by keep-alives).
+SELF_FENCE_SHARE = 0.75
+
+
 def store_silence_limit(settings: RendezvousSettings, read_timeout: float) -> float:
     """How long a node tolerates an unanswered store call while its workers run."""
-    return min(settings.keep_alive_timeout, read_timeout)
+    return SELF_FENCE_SHARE * min(settings.keep_alive_timeout, read_timeout)
 
 
 class RoundThreads:
@@ -104,7 +109,7 @@ class RoundThreads:
 
     def _watchdog(self) -> None:
         limit = store_silence_limit(self.keeper.settings, self.read_timeout)
-        while not self.over.wait(limit / 4):
+        while not self.over.wait(limit / 8):
             silent = time.monotonic() - self.last_answer
             if silent > limit:
                 self.post(
