@@ -128,7 +128,10 @@ def job_args(port: int, nnodes: str, host: str = "127.0.0.1", extra: str = "") -
 def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_once(cluster, tmp_path):
     store = cluster.store()
     script = write_script(tmp_path, "train.py", GLOO_WORKER)
-    agents = [cluster.agent(f"n{i}", [*job_args(store.port, "1:2"), "--max-restarts", "0", str(script)]) for i in range(2)]
+    agents = [
+        cluster.agent(f"n{i}", [*job_args(store.port, "1:2"), "--max-restarts", "0", "--log-dir", str(tmp_path / f"logs{i}"), str(script)])
+        for i in range(2)
+    ]
     assert wait_for(lambda: len({r["node"] for r in records(cluster.out) if r["step"] >= 3}) == 2, 150), (
         "\n".join(a.output() for a in agents)
     )
@@ -156,6 +159,11 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     assert not any(re.search(r"root cause: rank \d", line) for line in cause), output
     survivor.popen.send_signal(signal.SIGTERM)
     assert survivor.wait(30) == 128 + signal.SIGTERM
+    # The secondary failure really happened: the survivor's worker died of the lost peer in round 0.
+    logs = tmp_path / f"logs{survivor.name[1:]}"
+    events = [json.loads(line) for f in logs.glob("*/events.jsonl") for line in f.read_text().splitlines()]
+    exits = [e for e in events if e["event"] == "worker_exited" and e["round"] == 0]
+    assert exits and exits[0]["returncode"] not in (0, None) and not exits[0]["exit"].startswith("SIG"), events
 
 
 # ------------------------------------------------------------------ 2. the store freezes
