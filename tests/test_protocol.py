@@ -304,3 +304,25 @@ def test_a_taken_port_is_joined_only_when_this_job_hosts_it(server):
     with pytest.raises(StoreUnavailable, match="did not sign with this job's token"):
         open_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job1/", 1, 1, Signer("wrong"))
     assert time.monotonic() - began < 5
+
+
+def test_a_forged_job_end_or_round_end_is_one_line_naming_the_key(server):
+    s = replace(FAST, min_nodes=1, max_nodes=1)
+    hostile = connect(server)
+    hostile.set("job/closed", json.dumps({"kind": "succeeded", "detail": "x", "node": "", "info": {"exit_status": 999}}))
+    (result,) = form([node(server, "a", s)])
+    assert isinstance(result, UntrustedValue) and "'rally/job/job/closed'" in str(result) and "exit_status 999" in str(result), result
+
+
+def test_status_skips_records_that_are_not_this_jobs(server):
+    from rally.rendezvous.protocol import read_job_status
+
+    s = replace(FAST, min_nodes=1, max_nodes=1)
+    a = node(server, "a", s)
+    a.register_status()
+    a.publish_status({"host": "a", "workers": []})
+    hostile = connect(server)
+    hostile.raw.append(hostile.key("status/nodes"), "ghost\n")
+    hostile.raw.set(hostile.key("status/node/ghost"), b"{garbage")
+    status = read_job_status(connect(server))
+    assert status is not None and [n["host"] for n in status["nodes"]] == ["a"], status
