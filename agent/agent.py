@@ -30,7 +30,7 @@ from rally.agent import processes
 from rally.agent.events import EventLog
 from rally.agent.job import newest_checkpoint_step
 from rally.agent.live import LiveView
-from rally.agent.round_threads import RoundThreads, StoreSilent, check_peers
+from rally.agent.round_threads import RoundThreads, StoreProbe, StoreSilent, check_peers
 from rally.agent.health import Hang, HealthMonitor, HealthSettings
 from rally.agent.report import JobReport, explain, failure_end, failure_info
 from rally.agent.spec import STACK_SIGNAL, JobSpec
@@ -159,6 +159,7 @@ class Agent:
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
+        self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -193,7 +194,8 @@ class Agent:
         rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         self._store_call(rdzv.register_status)
         watcher = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
-        keeper = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
+        keeper, prober = (Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node) for _ in range(2))
+        self.probe = StoreProbe(prober, self.plan.read_timeout)
         while True:
             try:
                 assignment = self._blocking(rdzv.next_round)
@@ -271,8 +273,7 @@ class Agent:
                 self._store_call(lambda: rdzv.publish_master(r, a.master_host, self.worker_store.port))
                 master: tuple[str, int] | RoundEnd = (a.master_host, self.worker_store.port)
             else:
-                timeout = self.plan.settings.keep_alive_timeout * 4 + 30
-                master = self._blocking(lambda: self._store_call(lambda: rdzv.wait_master(r, timeout, a.master_host)))
+                master = self._blocking(lambda: self._store_call(lambda: rdzv.wait_master(r, self.plan.settings.keep_alive_timeout * 4 + 30, a.master_host)))
             if isinstance(master, RoundEnd):
                 return master
             return self._watch_workers(rdzv, a, master)
@@ -441,7 +442,7 @@ class Agent:
         return None
 
     def _exit_barrier(self, rdzv: Rendezvous, a: Assignment) -> None:
-        if self.store_server is not None:
+        if self.store_server is not None:  # the store's host waits until every agent has read the end
             self._store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS))
 
     # ================================================================ status
@@ -489,15 +490,16 @@ class Agent:
 
         threading.Thread(target=call, daemon=True).start()
         while not done.is_set():
-            self._pump(None)
+            self._pump(self.probe.interval if self.probe else None)
+            if self.probe and self.probe.stalled():  # a frozen store never answers the call
+                raise AgentExit(EXIT_INFRASTRUCTURE, self.probe.stalled() or "")
             for signum in self._take_signals():
                 name = processes.signal_name(signum)
                 if signum in self.spec.preemption_signals:
                     self._requeue_once(None, None)
                     raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for the rendezvous")
                 raise AgentExit(128 + signum, f"stopped by {name} while waiting for the rendezvous")
-            events = [e for e in self._take_events() if e[0] != "wake"]
-            self.pending_events.extend(events)
+            self.pending_events.extend(e for e in self._take_events() if e[0] != "wake")
         if "error" in box:
             raise box["error"]
         return box.get("value")

@@ -134,3 +134,35 @@ def check_peers(post: Post, connect: Callable[[], Rendezvous], a: Assignment) ->
         post("peer_verdict", (a.round, verdict))
 
     threading.Thread(target=run, daemon=True).start()
+
+
+class StoreProbe:
+    """Outside a running round (forming, waiting for the master) the agent's store calls may
+    legitimately block for long, so a frozen store is told apart by a cheap `check` on a
+    connection of its own: unanswered for 3/4 of `read_timeout` -> `stalled()`, which the agent
+    checks every `limit / 4` seconds, so a frozen store is noticed within `read_timeout`."""
+
+    def __init__(self, rdzv: Rendezvous, read_timeout: float):
+        self.rdzv = rdzv
+        self.limit = SELF_FENCE_SHARE * read_timeout
+        self.interval = self.limit / 4
+        self.last_answer = time.monotonic()
+        self.over = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while not self.over.wait(self.interval):
+                self.rdzv.store.check("probe")
+                self.last_answer = time.monotonic()
+        except StoreError:
+            pass  # the store is gone: the calls being probed fail on their own
+
+    def stalled(self) -> str | None:
+        silent = time.monotonic() - self.last_answer
+        if silent <= self.limit:
+            return None
+        return (
+            f"{self.rdzv.store.describe} has not answered for {silent:.1f} s: "
+            "this node is cut off from it (network) or the store is frozen; check the store's host"
+        )
