@@ -326,3 +326,28 @@ def test_status_skips_records_that_are_not_this_jobs(server):
     hostile.raw.set(hostile.key("status/node/ghost"), b"{garbage")
     status = read_job_status(connect(server))
     assert status is not None and [n["host"] for n in status["nodes"]] == ["a"], status
+
+
+# ------------------------------------------------------------------ where the token comes from
+def test_token_precedence_and_the_slurm_derivation(tmp_path, monkeypatch):
+    import stat
+
+    from rally.rendezvous.token import TokenError, resolve_token
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RALLY_JOB_TOKEN", raising=False)
+    secret_file = tmp_path / "t.txt"
+    secret_file.write_text("from-file\n")
+    assert resolve_token("conf", str(secret_file), True, "7") == "conf"
+    assert resolve_token(None, str(secret_file), True, "7") == "from-file"
+    monkeypatch.setenv("RALLY_JOB_TOKEN", "from-env")
+    assert resolve_token(None, None, True, "7") == "from-env"
+    monkeypatch.delenv("RALLY_JOB_TOKEN")
+    assert resolve_token(None, None, True, None) != resolve_token(None, None, True, None)  # standalone: random
+    assert resolve_token(None, None, False, None) == ""
+    job7 = resolve_token(None, None, False, "7")
+    assert job7 == resolve_token(None, None, False, "7") != resolve_token(None, None, False, "8")
+    mode = (tmp_path / ".rally" / "secret").stat().st_mode
+    assert stat.S_IMODE(mode) == 0o600 and stat.S_IMODE((tmp_path / ".rally").stat().st_mode) == 0o700
+    with pytest.raises(TokenError, match="cannot read the job token file"):
+        resolve_token(None, str(tmp_path / "missing"), False, None)
