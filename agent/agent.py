@@ -295,8 +295,7 @@ class Agent:
             self._guard_group(worker.pid)
             self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
             self.events.emit("worker_started", round=a.round, rank=worker.global_rank, local_rank=worker.local_rank, pid=worker.pid)
-        # A local failure in a multi-node round is held until the peers' keep-alives say whether
-        # a peer died first: (the first failure reported to the store, the verdict or PENDING).
+        # held: (the job's first failure, the peer verdict or PENDING) - see _end_failure
         reported_success, held = False, None
         while True:
             self._pump(self.health.next_due(time.monotonic()))
@@ -499,7 +498,8 @@ class Agent:
                     self._requeue_once(None, None)
                     raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for the rendezvous")
                 raise AgentExit(128 + signum, f"stopped by {name} while waiting for the rendezvous")
-            self.pending_events.extend(e for e in self._take_events() if e[0] != "wake")
+            events = [e for e in self._take_events() if e[0] != "wake"]
+            self.pending_events.extend(events)
         if "error" in box:
             raise box["error"]
         return box.get("value")
