@@ -29,12 +29,12 @@ from typing import Any, Callable
 from rally.agent import processes
 from rally.agent.events import EventLog
 from rally.agent.job import newest_checkpoint_step
-from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.agent.live import LiveView
 from rally.agent.observer import Observer
 from rally.agent.hang_report import HangReporter
 from rally.agent.health import HealthMonitor, HealthSettings
 from rally.agent.orphan_guard import TOKEN_VARIABLE, GuardClient
+from rally.agent.round_threads import RoundThreads, StoreProbe, StoreSilent, check_peers
 from rally.agent.report import JobReport, explain, failure_end
 from rally.agent.spec import JobSpec
 from rally.agent.template import TemplateClient
@@ -48,18 +48,18 @@ from rally.rendezvous.protocol import (
     RendezvousSettings,
     RoundEnd,
 )
-from rally.rendezvous.store import Store, StoreEndpoint, StoreError, StoreUnavailable, host_tcp_store, open_store
+from rally.rendezvous.store import Store, StoreEndpoint, StoreError, StoreUnavailable, UntrustedValue, host_tcp_store, open_store
+from rally.rendezvous.token import Signer
 
 EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1
 # The job was preempted (or hit its time limit) and stopped on purpose: retry later. EX_TEMPFAIL.
 EXIT_PREEMPTED = 75
+PENDING = object()  # a peer check has not answered yet
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
 # How long to keep reading stopped workers' pipes to their end (a grandchild may hold them open).
 OUTPUT_DRAIN_SECONDS = 2.0
-# How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
-STATUS_INTERVAL_SECONDS = 2.0
 
 
 class AgentExit(Exception):
@@ -80,6 +80,7 @@ class RendezvousPlan:
     preferred_rank: int | None = None
     connect_timeout: float = 600.0
     read_timeout: float = 60.0
+    token: str = ""  # the job's secret: every store value is signed with it (rendezvous/token.py)
 
 
 class _Inbox:
@@ -165,6 +166,7 @@ class Agent:
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
         self.hangs = HangReporter(self)  # who really hung, from every node (agent/hang_report.py)
+        self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -203,13 +205,16 @@ class Agent:
         rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         self._store_call(rdzv.register_status)
         watcher = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
-        keeper = Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node)
+        keeper, prober = (Rendezvous(self._blocking(self.store.connect_again), self.plan.settings, self.node) for _ in range(2))
+        self.probe = StoreProbe(prober, self.plan.read_timeout)
         while True:
             self.observer.before_round()
             try:
                 assignment = self._blocking(rdzv.next_round)  # a signal pending since the last round ends it
-            except RendezvousError as exc:
+            except (RendezvousError, UntrustedValue) as exc:
                 raise AgentExit(EXIT_BAD_INPUT if assignment_never_formed(rdzv) else EXIT_INFRASTRUCTURE, str(exc))
+            except StoreError as exc:
+                raise AgentExit(EXIT_INFRASTRUCTURE, self._store_lost_message(exc)) from None
             limit = self.spec.crash_loop_limit
             if limit and assignment.stalled_restarts >= limit:
                 return self._stop_crash_loop(rdzv, assignment)
@@ -253,6 +258,7 @@ class Agent:
                 f"rally/{self.spec.run_id}/",
                 self.plan.connect_timeout,
                 self.plan.read_timeout,
+                Signer(self.plan.token),
             )
         except StoreUnavailable as exc:
             raise AgentExit(EXIT_BAD_INPUT, str(exc)) from exc
@@ -283,23 +289,22 @@ class Agent:
             f"{a.rank_offset}-{a.rank_offset + self.spec.nproc_per_node - 1} of {a.world_size}, "
             f"restart {a.restart_count}/{self.spec.max_restarts}"
         )
-        if a.group_rank == 0:
-            self.worker_store = None  # the previous round's store closes here
-            self.worker_store = host_tcp_store(0, self.plan.read_timeout)
-            rdzv.publish_master(r, a.master_host, self.worker_store.port)
-            master: tuple[str, int] | RoundEnd = (a.master_host, self.worker_store.port)
-        else:
-            master = self._blocking(lambda: rdzv.wait_master(r, self.plan.settings.keep_alive_timeout * 4 + 30))
-        if isinstance(master, RoundEnd):
-            return master
-        round_over = threading.Event()
-        threading.Thread(target=self._watch_round_end, args=(watcher, r), daemon=True).start()
-        threading.Thread(target=self._keep_alive, args=(keeper, a, round_over), daemon=True).start()
+        threads = RoundThreads(self.inbox.post, watcher, keeper, a, self.plan.read_timeout, self._status_record, self.observer.exchange)
+        threads.start()  # keep-alives from the start: a spare judges a round dead by their absence
         self.hangs.start_watching(a)
         try:
+            if a.group_rank == 0:
+                self.worker_store = None  # the previous round's store closes here
+                self.worker_store = host_tcp_store(0, self.plan.read_timeout)
+                self._store_call(lambda: rdzv.publish_master(r, a.master_host, self.worker_store.port))
+                master: tuple[str, int] | RoundEnd = (a.master_host, self.worker_store.port)
+            else:
+                master = self._blocking(lambda: self._store_call(lambda: rdzv.wait_master(r, self.plan.settings.keep_alive_timeout * 4 + 30, a.master_host)))
+            if isinstance(master, RoundEnd):
+                return master
             return self._watch_workers(rdzv, a, master)
         finally:
-            round_over.set()
+            threads.stop()
             self.hangs.round_over(rdzv, a)
 
     def _watch_workers(self, rdzv: Rendezvous, a: Assignment, master: tuple[str, int]) -> RoundEnd:
@@ -318,7 +323,8 @@ class Agent:
                 self.guard.guard_group(worker.pid)
             self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
             self.events.emit("worker_started", round=a.round, rank=worker.global_rank, local_rank=worker.local_rank, pid=worker.pid)
-        reported_success = False
+        # held: (the job's first failure, the peer verdict or PENDING) - see _end_failure
+        reported_success, held = False, None
         while True:
             self._pump(self.health.next_due(time.monotonic()))
             for signum in self._take_signals():
@@ -328,6 +334,8 @@ class Agent:
             for kind, value in self._take_events():
                 if kind == "round_end" and value[0] == a.round:
                     return value[1]
+                if kind == "peer_verdict" and value[0] == a.round and held is not None:
+                    held = (held[0], value[1])
                 if kind == "store_lost":
                     raise AgentExit(EXIT_INFRASTRUCTURE, self._store_lost_message(value))
                 if kind == "dump_stacks" and value == a.round:
@@ -339,7 +347,14 @@ class Agent:
             if failed:
                 first = min(failed, key=lambda w: w.process.ended_at or 0)
                 self._read_what_is_left(first.output.streams)  # its last words, without waiting
-                return self._end_round(rdzv, a.round, failure_end(first, a, self.kill_causes.get(first.local_rank)))
+                end = failure_end(first, a, self.kill_causes.get(first.local_rank))
+                if a.group_world_size == 1:
+                    return self._end_round(rdzv, a.round, end)
+                if held is None:
+                    held = (self._store_call(lambda: rdzv.first_failure(a.round, end)), PENDING)
+                    check_peers(self.inbox.post, lambda: Rendezvous(self.store.connect_again(), rdzv.settings, self.node), a)
+                elif held[1] is not PENDING:
+                    return self._end_failure(rdzv, a, held[0], held[1], end)
             hangs = self.health.check({w.local_rank: w.output.last_output_at() for w in self.group.running()})
             if hangs:
                 return self._end_round(rdzv, a.round, self.hangs.report(rdzv, a, hangs[0]))
@@ -370,6 +385,15 @@ class Agent:
 
     def _end_round(self, rdzv: Rendezvous, r: int, end: RoundEnd) -> RoundEnd:
         return self._store_call(lambda: rdzv.end_round(r, end))
+
+    def _end_failure(self, rdzv: Rendezvous, a: Assignment, first: RoundEnd, silent: tuple[int, float] | None, local: RoundEnd) -> RoundEnd:
+        """The job-wide first failure ends the round, unless a peer went silent: then that node's loss is the cause."""
+        if silent is None:
+            return self._end_round(rdzv, a.round, first)
+        group_rank, silent_for = silent
+        host = a.watch_host if group_rank == a.watch_rank else ""
+        note = f"; {local.detail} after it (a consequence)"
+        return self._store_call(lambda: rdzv.declare_lost(a.round, group_rank, host, silent_for, note))
 
     def _after_round(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd) -> int | None:
         """Stop this round's workers and decide: exit with a code, or None to go round again."""
@@ -408,6 +432,8 @@ class Agent:
         if end.kind == "aborted":
             console.error(f"job ended: {end.detail}")
             return int(end.info.get("exit_status", 1)) or 1
+        if end.kind == "node_lost":
+            console.error("root cause: " + end.detail)
         console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
         self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
         return None
@@ -416,43 +442,7 @@ class Agent:
         if self.store_server is not None:  # a signal ends the wait at once
             self._blocking(lambda: self._store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS)), "the exit barrier")
 
-    # ================================================================ threads
-    def _watch_round_end(self, watcher: Rendezvous, r: int) -> None:
-        try:
-            self.inbox.post("round_end", (r, watcher.wait_round_end(r)))
-        except StoreError as exc:
-            self.inbox.post("store_lost", exc)
-
-    def _keep_alive(self, keeper: Rendezvous, a: Assignment, round_over: threading.Event) -> None:
-        """Send this node's keep-alives and watch the next node's (a ring)."""
-        if keeper.store.leased_liveness:  # etcd: leases expire by themselves (agent/leased_liveness.py)
-            return keep_alive_with_lease(
-                keeper, a, round_over, lambda: self._status_record(a), STATUS_INTERVAL_SECONDS, self.inbox.post
-            )
-        s = self.plan.settings
-        interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
-        last_seen, last_change = -1, time.monotonic()
-        next_status = 0.0
-        try:
-            while not round_over.is_set():
-                keeper.keep_alive(a.round, a.group_rank)
-                if time.monotonic() >= next_status:
-                    keeper.publish_status(self._status_record(a))
-                    self.observer.exchange(keeper.store, a)
-                    next_status = time.monotonic() + STATUS_INTERVAL_SECONDS
-                if a.watch_rank is not None:
-                    seen = keeper.alive_count(a.round, a.watch_rank)
-                    now = time.monotonic()
-                    if seen != last_seen:
-                        last_seen, last_change = seen, now
-                    elif now - last_change > s.keep_alive_timeout:
-                        keeper.declare_lost(a.round, a.watch_rank, a.watch_host, now - last_change)
-                        return
-                round_over.wait(interval)
-        except StoreError as exc:
-            if not round_over.is_set():
-                self.inbox.post("store_lost", exc)
-
+    # ================================================================ status
     def _status_record(self, a: Assignment) -> dict:
         """This node as `rally status` shows it (built from a snapshot; races are harmless)."""
         workers = []
@@ -503,7 +493,9 @@ class Agent:
 
         threading.Thread(target=call, daemon=True).start()
         while not done.is_set():
-            self._pump(None)
+            self._pump(self.probe.interval if self.probe else None)
+            if self.probe and self.probe.stalled():  # a frozen store never answers the call
+                raise AgentExit(EXIT_INFRASTRUCTURE, self.probe.stalled() or "")
             self._exit_if_signalled(waiting_for)
             events = [e for e in self._take_events() if e[0] != "wake"]
             self.pending_events.extend(events)
@@ -524,10 +516,12 @@ class Agent:
     def _store_call(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, UntrustedValue) as exc:
             raise AgentExit(EXIT_INFRASTRUCTURE, self._store_lost_message(exc)) from exc
 
     def _store_lost_message(self, exc: BaseException) -> str:
+        if isinstance(exc, (StoreSilent, UntrustedValue)):
+            return str(exc)
         where = self.plan.endpoint
         if where.etcd:
             return f"{exc}; the job cannot go on without its rendezvous, so this node stops. Check the cluster: etcdctl --endpoints {','.join(map(str, where.etcd))} endpoint health"

@@ -96,7 +96,7 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
                 name = getattr(fn, "__name__", "")
                 if name == "add" and a[1] == 1 and a[0].endswith("/joined"):
                     counter.event("last_join")
-                elif name == "set" and a[0].endswith("/closed"):
+                elif name in ("set", "compare_set") and a[0].endswith("/closed"):
                     counter.event("closed")
                 return value
 

@@ -188,6 +188,7 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
 
     taken = []
     options["_preferred_rank"] = job.node_rank
+    options["_slurm_job_id"] = job.job_id  # the job token derives from it (rendezvous/token.py)
     if unset("nnodes"):
         options["nnodes"] = str(job.nnodes)
         taken += ["nnodes", "node_rank"]

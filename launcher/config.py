@@ -30,6 +30,7 @@ from rally.rendezvous.protocol import RendezvousSettings
 from rally.launcher import validate
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.store import StoreEndpoint, is_local_host
+from rally.rendezvous.token import TokenError, resolve_token
 
 DEFAULT_C10D_PORT = 29400
 # torchrun's etcd backends; rally runs both over the etcd v3 API (rendezvous/etcd_store.py).
@@ -50,6 +51,8 @@ RDZV_CONF_DEFAULTS: dict[str, Any] = {
     "keep_alive_timeout": None,  # default: interval x max_attempt
     "heartbeat_timeout": None,  # torch's name for the same idea; accepted as an alias
     "store_type": "tcp",
+    "token": None,  # the job's secret (rendezvous/token.py); prefer token_file or RALLY_JOB_TOKEN
+    "token_file": None,
 }
 
 
@@ -163,6 +166,10 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
             if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                 raise ConfigError(f"--rdzv-conf is_host={value}: use true or false")
             conf[key] = value.lower() in ("1", "true", "yes")
+        elif key in ("token", "token_file"):
+            if not value:
+                raise ConfigError(f"--rdzv-conf {key}= is empty; give the job's secret (or a file holding it)")
+            conf[key] = value
         elif key == "store_type":
             if value not in ("tcp", "file"):
                 raise ConfigError(f"--rdzv-conf store_type={value}: use 'tcp' or 'file'")
@@ -447,7 +454,12 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         last_call_timeout=conf["last_call_timeout"],
         keep_alive_interval=conf["keep_alive_interval"],
         keep_alive_timeout=keep_alive_timeout,
+        close_timeout=conf["close_timeout"],
     )
+    try:
+        token = resolve_token(conf["token"], conf["token_file"], bool(o["standalone"]), o.get("_slurm_job_id"))
+    except TokenError as exc:
+        raise ConfigError(str(exc)) from None
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         notes.append(
             f"setting OMP_NUM_THREADS=1 for each of the {nproc} workers (it was unset); "
@@ -499,5 +511,6 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         preferred_rank=preferred_rank,
         connect_timeout=conf["join_timeout"],
         read_timeout=conf["read_timeout"],
+        token=token,
     )
     return Launch(spec, plan, notes)

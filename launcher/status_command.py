@@ -43,6 +43,7 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.protocol import read_job_status
     from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
+    from rally.rendezvous.token import ENV_TOKEN, Signer
 
     quiet_torch_logs()
     endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
@@ -56,7 +57,9 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        store, _ = open_store(where, f"rally/{run_id}/", timeout, timeout)
+        token = os.environ.get(ENV_TOKEN, "")  # without it, records are shown unverified
+        signer = Signer(token, verify=bool(token))
+        store, _ = open_store(where, f"rally/{run_id}/", timeout, timeout, signer)
         status = read_job_status(store)
     except StoreUnavailable as exc:
         raise click.ClickException(str(exc)) from None

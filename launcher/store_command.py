@@ -26,13 +26,14 @@ def _timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> floa
 @click.option("--timeout", type=float, default=60.0, show_default=True, callback=_timeout, help="Per-operation timeout of the store, seconds.")
 def store_command(port: int, timeout: float) -> int:
     """Serve a c10d TCPStore until SIGINT or SIGTERM."""
-    from rally.rendezvous.store import host_tcp_store, quiet_torch_logs
+    from rally.rendezvous.store import SERVICE_MARKER_KEY, host_tcp_store, quiet_torch_logs
 
     quiet_torch_logs()
     try:
         server = host_tcp_store(port, timeout)
     except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError / RuntimeError
         raise click.ClickException(f"cannot serve a store on port {port}: {str(exc).splitlines()[0]}") from None
+    server.set(SERVICE_MARKER_KEY, "rally store")  # agents on this host may share it (store.open_store)
     console.say(f"rendezvous store listening on port {server.port}; point agents at --rdzv-endpoint HOST:{server.port}")
     received: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -34,7 +34,7 @@ from rally.rendezvous.etcd_client import (
     b64,
     unb64,
 )
-from rally.rendezvous.store import StoreTimeout, StoreUnavailable
+from rally.rendezvous.store import StoreTimeout, StoreUnavailable, UntrustedValue
 
 # How long rally tries the endpoints at start before giving up with one clear line: etcd is
 # infrastructure that must already be running, so an unreachable cluster is reported fast.
@@ -143,9 +143,17 @@ class EtcdStore:
             return self.counter(name)
         return int(self._update(name, lambda old: str(int(old or b"0") + amount).encode()))
 
-    def counter(self, name: str) -> int:
+    def counter(self, name: str, limit: int | None = None) -> int:
+        """A counter's value, checked to be a number in 0..limit (as `Store.counter` checks)."""
         kv, _ = self._range(name)
-        return int(unb64(kv.get("value")) or b"0") if kv else 0
+        raw = unb64(kv.get("value")) or b"0" if kv else b"0"
+        try:
+            value = int(raw)
+        except ValueError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds {raw[:40]!r}, not a counter") from None
+        if value < 0 or (limit is not None and value > limit):
+            raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range") from None
+        return value
 
     def append(self, name: str, value: str) -> None:
         self._update(name, lambda old: (old or b"") + value.encode())

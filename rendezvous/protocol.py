@@ -13,9 +13,11 @@ Forming (O(1) store calls per node, however the arrivals are spread out):
   node expected back from the previous round (at least MIN). The MIN-th arrival keeps the
   last call: it waits `last_call_timeout` for more, then closes. (Any waiter whose wait runs
   out with MIN present closes too, should that node have died.) The first node to win
-  `compare_set(<r>/closer)` reads the descriptors once, assigns group ranks (a node keeps its
-  rank across rounds when it can) and writes one small assignment key per node; each node
-  reads only its own.
+  `compare_set(<r>/closer/<attempt>)` reads the descriptors once, assigns group ranks (a node
+  keeps its rank across rounds when it can), writes one small assignment key per node under
+  `assign/<attempt>/`, then `compare_set(<r>/closed)` (first wins). Should the closer die, the
+  others take over with the next attempt after `close_timeout`; a round whose valid
+  descriptors are fewer than MIN never closes, and none waits past `join_timeout`.
 
 Running: every member bumps its keep-alive counter `<r>/alive/<group_rank>` and watches the
   next member's counter (a ring), so a dead node is noticed by exactly one watcher within the
@@ -31,19 +33,23 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, TypeVar
-from dataclasses import asdict, dataclass, field
-from rally.rendezvous.store import Store, StoreTimeout
+from dataclasses import asdict, dataclass
+from typing import Callable
 
-T = TypeVar("T")
+from rally.rendezvous.records import (
+    FAILURE_KINDS,
+    FINAL_KINDS,
+    MAX_COUNT,
+    MEMBERSHIP_KINDS,
+    Assignment,
+    NodeInfo,
+    RoundEnd,
+    RoundRecord,
+    parse_master,
+)
+from rally.rendezvous.store import Store, StoreTimeout, UntrustedValue
 
-# Round-end kinds. Failures spend the restart budget; membership changes do not.
-FAILURE_KINDS = frozenset({"worker_failed", "worker_hung"})
-MEMBERSHIP_KINDS = frozenset({"node_lost", "node_left", "node_joined"})
-FINAL_KINDS = frozenset({"succeeded", "aborted", "preempted"})
 
-# How long a closer waits for a node that counted itself in but has not written its descriptor.
-DESCRIPTOR_GRACE_SECONDS = 10.0
 # Long waits are cut into slices this long so a closed job or a stop request is noticed.
 WAIT_SLICE_SECONDS = 30.0
 # The value of a round's `dump` key once the round is over (agent/hang_report.py).
@@ -68,84 +74,33 @@ class RendezvousSettings:
     last_call_timeout: float = 30.0
     keep_alive_interval: float = 1.0
     keep_alive_timeout: float = 5.0
-
-
-class _StoredRecord:
-    """A dataclass that travels through the store as JSON."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
-
-    @classmethod
-    def from_json(cls: type[T], text: bytes | str) -> T:
-        return cls(**json.loads(text))
-
-
-@dataclass(frozen=True)
-class NodeInfo(_StoredRecord):
-    """What a node tells the round about itself."""
-
-    node_id: str
-    host: str
-    addr: str
-    nproc: int
-    prev_rank: int | None = None
-    preferred_rank: int | None = None
-    checkpoint_step: int | None = None  # the newest checkpoint this node can see (crash loops)
-
-
-
-@dataclass(frozen=True)
-class Assignment(_StoredRecord):
-    """One node's place in a formed round: all it needs to start its workers."""
-
-    round: int
-    group_rank: int
-    group_world_size: int
-    rank_offset: int
-    world_size: int
-    restart_count: int
-    membership_changes: int
-    watch_rank: int | None
-    watch_host: str
-    master_host: str
-    stalled_restarts: int = 0  # failures in a row after which no newer checkpoint appeared
-    checkpoint_step: int | None = None
-
-
-
-@dataclass(frozen=True)
-class RoundEnd(_StoredRecord):
-    """Why a round ended. `kind` decides what happens next; `detail` is for people."""
-
-    kind: str
-    detail: str
-    node: str = ""
-    info: dict = field(default_factory=dict)
-
-    @property
-    def is_failure(self) -> bool:
-        return self.kind in FAILURE_KINDS
-
-    @property
-    def is_membership_change(self) -> bool:
-        return self.kind in MEMBERSHIP_KINDS
-
+    # How long the others wait for a closer before the next attempt takes over; the closer
+    # waits a third of it for descriptors of nodes that counted themselves in.
+    close_timeout: float = 30.0
 
 
 def read_job_status(store: Store) -> dict | None:
     """What `rally status` shows: the job's round, end state and every node's last record.
 
-    Returns None when no agent of this run id has registered at this store.
+    Returns None when no agent of this run id has registered at this store. Records that are
+    not valid JSON objects are left out (they were not written by this job's agents).
     """
     if not store.check("status/nodes"):
         return None
-    node_ids = [n for n in store.get_str("status/nodes").splitlines() if n]
+    raw_list = store.raw.get(store.key("status/nodes")).decode(errors="replace")
+    node_ids = [n for n in raw_list.splitlines() if n and len(n) < 512][:MAX_COUNT]
     names = [f"status/node/{n}" for n in node_ids]
-    present = [n for n in names if store.check(n)]
-    records = [json.loads(raw) for raw in store.multi_get(present)] if present else []
+    records = []
+    for name in names:
+        try:
+            record = json.loads(store.get(name)) if store.check(name) else None
+        except (UntrustedValue, ValueError):
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("workers"), list):
+            records.append(record)
     current = store.counter("current")
-    closed = RoundEnd.from_json(store.get("job/closed")) if store.check("job/closed") else None
+    key = "job/closed"
+    closed = RoundEnd.load(store.get(key), store.key(key)) if store.check(key) else None
     return {"round": current, "closed": closed, "nodes": records}
 
 
@@ -191,29 +146,49 @@ class Rendezvous:
         self.last_round: int | None = None
         self.last_rank: int | None = None
 
+    # ----------------------------------------------------------------- checked reads
+    def _end_record(self, name: str) -> RoundEnd | None:
+        if not self.store.check(name):
+            return None
+        return RoundEnd.load(self.store.get(name), self.store.key(name))
+
+    def round_record(self, r: int) -> RoundRecord | None:
+        name = f"{r}/closed"
+        if not self.store.check(name):
+            return None
+        return RoundRecord.load(self.store.get(name), self.store.key(name)).check_members(self.store.key(name), self.settings.max_nodes)
+
+    def _count(self, name: str, limit: int = MAX_COUNT) -> int:
+        return self.store.counter(name, limit)
+
     # ----------------------------------------------------------------- job state
     def job_closed(self) -> RoundEnd | None:
-        if not self.store.check("job/closed"):
-            return None
-        return RoundEnd.from_json(self.store.get("job/closed"))
+        return self._end_record("job/closed")
 
     def close_job(self, end: RoundEnd) -> RoundEnd:
         """Mark the whole job finished so late joiners and spares stop waiting; first reason wins."""
         _, standing = self.store.set_once("job/closed", end.to_json())
-        return RoundEnd.from_json(standing)
+        return RoundEnd.load(standing, self.store.key("job/closed"))
 
-    def _raise_if_closed(self) -> None:
+    def raise_if_closed(self) -> None:
         closed = self.job_closed()
         if closed is not None:
             raise JobClosed(f"job already ended ({closed.kind}): {closed.detail}")
+
+    def _raise_if_final(self, r: int) -> None:
+        """A round that ended the job (success, abort, preemption) is never followed by another."""
+        end = self.round_end(r) if r >= 0 else None
+        if end is not None and end.kind in FINAL_KINDS:
+            raise JobClosed(f"job already ended ({end.kind}): {end.detail}")
 
     # ----------------------------------------------------------------- forming
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
-        r = self.store.counter("current") if self.last_round is None else self.last_round + 1
+        r = self._count("current") if self.last_round is None else self.last_round + 1
         while True:
-            self._raise_if_closed()
+            self.raise_if_closed()
+            self._raise_if_final(r - 1)
             assignment = self._join(r, deadline)
             if assignment is not None:
                 self.last_round = r
@@ -226,58 +201,87 @@ class Rendezvous:
     def _join(self, r: int, deadline: float) -> Assignment | None:
         s = self.settings
         idx = self.store.add(f"{r}/joined", 1) - 1
+        if idx < 0:
+            raise UntrustedValue(f"store key '{self.store.key(f'{r}/joined')}' went negative: a stranger wrote to the store")
         if idx >= s.max_nodes:
             return None
         me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress()})
         self.store.set(f"{r}/node/{idx}", me.to_json())
         quorum_seen_at: float | None = None
-        while not self.store.check(f"{r}/closed"):
-            count = self.store.counter(f"{r}/joined")
+        attempt = 0
+        while (record := self.round_record(r)) is None:
+            count = self._count(f"{r}/joined")
             now = time.monotonic()
+            if now > deadline:
+                raise RendezvousError(
+                    f"rendezvous timed out after {s.join_timeout:g} s at {self.store.describe}: "
+                    f"{count} of at least {s.min_nodes} nodes joined round {r}, and it did not form; start "
+                    "the missing nodes or raise join_timeout (--rdzv-conf join_timeout=SECONDS)"
+                )
             if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(r)):
-                self._try_close(r)
+                attempt = self._try_close(r, attempt, deadline)
                 continue
+            remaining = deadline - now
             if count >= s.min_nodes:
                 quorum_seen_at = quorum_seen_at or now
-                remaining = quorum_seen_at + s.last_call_timeout - now
+                remaining = min(remaining, quorum_seen_at + s.last_call_timeout - now)
                 if remaining <= 0:
-                    self._try_close(r)
+                    attempt = self._try_close(r, attempt, deadline)
                     continue
-            else:
-                remaining = deadline - now
-                if remaining <= 0:
-                    raise RendezvousError(
-                        f"rendezvous timed out after {s.join_timeout:g} s at {self.store.describe}: "
-                        f"{count} of at least {s.min_nodes} nodes joined; start the missing nodes "
-                        "or raise join_timeout (--rdzv-conf join_timeout=SECONDS)"
-                    )
-            self.store.try_wait([f"{r}/closed"], min(remaining, WAIT_SLICE_SECONDS))
-        mine = f"{r}/assign/{idx}"
+            self.store.try_wait([f"{r}/closed"], min(max(remaining, 0.001), WAIT_SLICE_SECONDS))
+        mine = f"{r}/assign/{record.attempt}/{idx}"
         if not self.store.check(mine):
             return None
-        return Assignment.from_json(self.store.get(mine))
+        return Assignment.load(self.store.get(mine), self.store.key(mine)).check_for(
+            self.store.key(mine), r, self.me, s.max_nodes, record.members
+        )
 
     def _expected(self, r: int) -> int:
         """How many nodes round r can expect: the last round's members, less the lost, plus joiners."""
-        if r == 0 or not self.store.check(f"{r - 1}/closed"):
+        previous = self.round_record(r - 1) if r > 0 else None
+        if previous is None:
             return self.settings.max_nodes
-        previous = json.loads(self.store.get(f"{r - 1}/closed"))
-        lost = self.store.counter(f"{r - 1}/lost")
-        waiting = self.store.counter(f"{r - 1}/waiting")
-        return max(1, min(self.settings.max_nodes, previous["members"] - lost + waiting))
+        lost = self._count(f"{r - 1}/lost", MAX_COUNT)
+        waiting = self._count(f"{r - 1}/waiting", MAX_COUNT)
+        return max(1, min(self.settings.max_nodes, previous.members - lost + waiting))
 
-    def _try_close(self, r: int) -> None:
-        won, _ = self.store.set_once(f"{r}/closer", self.me.node_id)
-        if not won:
-            # Someone else is closing; their `closed` key ends our loop. Wait for it briefly.
-            self.store.try_wait([f"{r}/closed"], DESCRIPTOR_GRACE_SECONDS + 5)
-            return
-        count = min(self.store.counter(f"{r}/joined"), self.settings.max_nodes)
+    def _valid_descriptors(self, r: int, count: int) -> tuple[list[int], list[NodeInfo]]:
+        """The descriptors of arrivals 0..count-1 that exist and pass every check (others are skipped)."""
         names = [f"{r}/node/{i}" for i in range(count)]
-        if not self.store.try_wait(names, DESCRIPTOR_GRACE_SECONDS):
+        if not self.store.try_wait(names, self.settings.close_timeout / 3):
             names = [n for n in names if self.store.check(n)]  # a node died between add and set
-        indices = [int(n.rsplit("/", 1)[1]) for n in names]
-        nodes = [NodeInfo.from_json(raw) for raw in self.store.multi_get(names)] if names else []
+        indices, nodes = [], []
+        for name in names:
+            try:
+                nodes.append(NodeInfo.load(self.store.get(name), self.store.key(name)))
+            except UntrustedValue as exc:
+                self.on_status(f"ignoring a node descriptor: {exc}")
+                continue
+            indices.append(int(name.rsplit("/", 1)[1]))
+        return indices, nodes
+
+    def _try_close(self, r: int, attempt: int, deadline: float) -> int:
+        """Close round r as `attempt`'s closer if nobody has; return the attempt to try next."""
+        won, _ = self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)
+        if not won:
+            # Someone else is closing; their `closed` key ends our loop. Should they die, the
+            # next attempt takes over (bounded by join_timeout in the caller).
+            wait = min(self.settings.close_timeout, max(deadline - time.monotonic(), 0.001))
+            return attempt if self.store.try_wait([f"{r}/closed"], wait) else attempt + 1
+        count = min(self._count(f"{r}/joined"), self.settings.max_nodes)
+        indices, nodes = self._valid_descriptors(r, count)
+        if len(nodes) < self.settings.min_nodes:
+            self.on_status(
+                f"round {r}: {len(nodes)} valid node descriptors of {count} arrivals, below the minimum "
+                f"of {self.settings.min_nodes} nodes; waiting for more"
+            )
+            wait = min(self.settings.close_timeout, max(deadline - time.monotonic(), 0.001))
+            self.store.try_wait([f"{r}/node/{count}"], wait)
+            return attempt + 1
+        self._write_round(r, attempt, indices, nodes)
+        return attempt
+
+    def _write_round(self, r: int, attempt: int, indices: list[int], nodes: list[NodeInfo]) -> None:
         ranks = assign_group_ranks(nodes)
         steps = [n.checkpoint_step for n in nodes if n.checkpoint_step is not None]
         checkpoint_step = max(steps) if steps else None
@@ -287,13 +291,13 @@ class Rendezvous:
         for i in by_rank:
             offsets[i] = total
             total += nodes[i].nproc
-        master_host = nodes[by_rank[0]].addr if nodes else ""
+        master_host = nodes[by_rank[0]].addr
         n = len(nodes)
         assignments = {}
         for i, idx in enumerate(indices):
             watch = (ranks[i] + 1) % n if n > 1 else None
             watch_host = nodes[by_rank[watch]].host if watch is not None else ""
-            assignments[f"{r}/assign/{idx}"] = Assignment(
+            assignments[f"{r}/assign/{attempt}/{idx}"] = Assignment(
                 round=r,
                 group_rank=ranks[i],
                 group_world_size=n,
@@ -307,16 +311,9 @@ class Rendezvous:
                 stalled_restarts=stalled,
                 checkpoint_step=checkpoint_step,
             ).to_json()
-        if assignments:
-            self.store.multi_set(assignments)
-        record = {
-            "members": n,
-            "restart_count": restart_count,
-            "membership_changes": membership_changes,
-            "stalled_restarts": stalled,
-            "checkpoint_step": checkpoint_step,
-        }
-        self.store.set(f"{r}/closed", json.dumps(record))
+        self.store.multi_set(assignments)
+        record = RoundRecord(n, restart_count, membership_changes, stalled, checkpoint_step, attempt)
+        self.store.set_once(f"{r}/closed", record.to_json())
 
     def _counts_entering(self, r: int, checkpoint_step: int | None) -> tuple[int, int, int]:
         """(restart count, membership changes, stalled restarts) for round r.
@@ -325,35 +322,39 @@ class Rendezvous:
         A failure after which no newer checkpoint appeared extends the stall; any progress
         resets it. Without checkpoints there is nothing to judge, and the stall stays 0.
         """
-        if r == 0 or not self.store.check(f"{r - 1}/closed"):
+        previous = self.round_record(r - 1) if r > 0 else None
+        if previous is None:
             return 0, 0, 0
-        previous = json.loads(self.store.get(f"{r - 1}/closed"))
-        restarts, changes = previous["restart_count"], previous["membership_changes"]
-        stalled = previous.get("stalled_restarts", 0)
-        if self.store.check(f"{r - 1}/end"):
-            end = RoundEnd.from_json(self.store.get(f"{r - 1}/end"))
+        restarts, changes, stalled = previous.restart_count, previous.membership_changes, previous.stalled_restarts
+        end = self.round_end(r - 1)
+        if end is not None:
             restarts += end.is_failure
             changes += end.is_membership_change
             if end.is_failure and checkpoint_step is not None:
-                before = previous.get("checkpoint_step")
+                before = previous.checkpoint_step
                 stalled = stalled + 1 if before is not None and checkpoint_step <= before else 0
         return restarts, changes, stalled
 
     def _wait_as_spare(self, r: int) -> None:
         """Late for round r: register as waiting, ask a running job below MAX to re-form, wait."""
         self.store.add(f"{r}/waiting", 1)
-        while not self.store.try_wait([f"{r}/closed"], WAIT_SLICE_SECONDS):
-            self._raise_if_closed()
-        members = json.loads(self.store.get(f"{r}/closed"))["members"]
-        if members < self.settings.max_nodes:
+        while (record := self.round_record(r)) is None:
+            self.store.try_wait([f"{r}/closed"], WAIT_SLICE_SECONDS)
+            self.raise_if_closed()
+        members = record.members
+        if self.round_end(r) is None and members < self.settings.max_nodes:
             self.on_status(f"round {r} is running with {members} nodes; asking it to re-form with this node")
             self.end_round(r, RoundEnd("node_joined", f"{self.me.host} joined the job", self.me.host))
-        else:
+        elif self.round_end(r) is None:
             self.on_status(
                 f"the job is full ({members} of at most {self.settings.max_nodes} nodes); "
                 "waiting as a spare until a node leaves"
             )
-        self.wait_round_end(r)
+        from rally.rendezvous.liveness import wait_round_end_or_dead  # imports this module
+
+        end = wait_round_end_or_dead(self, r, members)
+        if end.kind in FINAL_KINDS:
+            raise JobClosed(f"job already ended ({end.kind}): {end.detail}")
 
     # ----------------------------------------------------------------- status (for `rally status`)
     def register_status(self) -> None:
@@ -367,13 +368,13 @@ class Rendezvous:
     def publish_master(self, r: int, host: str, port: int) -> None:
         self.store.set(f"{r}/master", f"{host}:{port}")
 
-    def wait_master(self, r: int, timeout: float) -> tuple[str, int] | RoundEnd:
-        """The workers' store address for round r, or the round's end if it ended first."""
+    def wait_master(self, r: int, timeout: float, master_host: str) -> tuple[str, int] | RoundEnd:
+        """The workers' store address for round r (on `master_host`), or the round's end if it ended first."""
         deadline = time.monotonic() + timeout
         while True:
             if self.store.try_wait([f"{r}/master"], min(1.0, max(deadline - time.monotonic(), 0.01))):
-                host, port = self.store.get_str(f"{r}/master").rsplit(":", 1)
-                return host, int(port)
+                name = f"{r}/master"
+                return parse_master(self.store.get_str(name), self.store.key(name), master_host)
             end = self.round_end(r)
             if end is not None:
                 return end
@@ -386,7 +387,7 @@ class Rendezvous:
         self.store.add(f"{r}/alive/{group_rank}", 1)
 
     def alive_count(self, r: int, group_rank: int) -> int:
-        return self.store.counter(f"{r}/alive/{group_rank}")
+        return self._count(f"{r}/alive/{group_rank}")
 
     # Lease-backed liveness, for stores whose keys expire by themselves (`store.leased_liveness`,
     # etcd): the alive key lives as long as its lease is refreshed; its watcher waits for the
@@ -394,7 +395,7 @@ class Rendezvous:
     def hold_alive(self, r: int, group_rank: int) -> int:
         """Create this node's alive key on a lease of TTL keep_alive_timeout; return the lease."""
         lease = self.store.grant_lease(self.settings.keep_alive_timeout)
-        self.store.set_leased(f"{r}/alive/{group_rank}", self.me.node_id, lease)
+        self.store.set_leased(f"{r}/alive/{group_rank}", "0", lease)
         return lease
 
     def member_appeared(self, r: int, group_rank: int, timeout: float) -> bool:
@@ -404,16 +405,17 @@ class Rendezvous:
         """True once the member's alive key is gone (its lease expired); False after `timeout`."""
         return self.store.wait_deleted(f"{r}/alive/{group_rank}", timeout)
 
-    def declare_lost(self, r: int, group_rank: int, host: str, silent_for: float) -> RoundEnd:
+    def declare_lost(self, r: int, group_rank: int, host: str, silent_for: float, note: str = "") -> RoundEnd:
         """Report a member whose keep-alives stopped; only the first declaration counts."""
         won, _ = self.store.set_once(f"{r}/lost/{group_rank}", self.me.node_id)
         if won:
             self.store.add(f"{r}/lost", 1)
+        where = f" ({host})" if host else ""
         return self.end_round(
             r,
             RoundEnd(
                 "node_lost",
-                f"node {group_rank} ({host}) sent no keep-alive for {silent_for:.1f} s",
+                f"node {group_rank}{where} was lost: it sent no keep-alive for {silent_for:.1f} s{note}",
                 host,
                 {"group_rank": group_rank},
             ),
@@ -430,23 +432,29 @@ class Rendezvous:
             return self.end_round(r, RoundEnd("succeeded", "all workers finished successfully"))
         return None
 
+    def first_failure(self, r: int, end: RoundEnd) -> RoundEnd:
+        """Record a worker failure the moment it is seen; the first one job-wide stands. (A node
+        that dies takes its peers' workers down with "connection closed" a moment later.)"""
+        won, standing = self.store.set_once(f"{r}/first_failure", end.to_json())
+        return end if won else RoundEnd.load(standing, self.store.key(f"{r}/first_failure"))
+
     def end_round(self, r: int, end: RoundEnd) -> RoundEnd:
         """End round r with `end` unless it already ended; return the reason that stands."""
         won, standing = self.store.set_once(f"{r}/end", end.to_json())
         if won:
             self.store.add("current", 1)
-        return RoundEnd.from_json(standing)
+        return RoundEnd.load(standing, self.store.key(f"{r}/end"))
 
     def round_end(self, r: int) -> RoundEnd | None:
-        if not self.store.check(f"{r}/end"):
-            return None
-        return RoundEnd.from_json(self.store.get(f"{r}/end"))
+        return self._end_record(f"{r}/end")
 
     def wait_round_end(self, r: int, slice_seconds: float = WAIT_SLICE_SECONDS) -> RoundEnd:
         """Block until round r ends (event-driven: a store wait on its end key)."""
         while not self.store.try_wait([f"{r}/end"], slice_seconds):
             pass
-        return RoundEnd.from_json(self.store.get(f"{r}/end"))
+        end = self.round_end(r)
+        assert end is not None  # the wait above saw the key
+        return end
 
     def acknowledge_end(self, r: int, members: int) -> None:
         if self.store.add(f"{r}/acked", 1) >= members:
@@ -495,12 +503,16 @@ class Rendezvous:
 
 __all__ = [
     "Assignment",
+    "FAILURE_KINDS",
+    "FINAL_KINDS",
     "JobClosed",
+    "MEMBERSHIP_KINDS",
     "NodeInfo",
     "Rendezvous",
     "RendezvousError",
     "RendezvousSettings",
     "RoundEnd",
+    "RoundRecord",
     "StoreTimeout",
     "assign_group_ranks",
 ]

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+
+from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
     from torch.distributed import Store as TorchStore
@@ -33,6 +35,18 @@ class StoreTimeout(StoreError):
 
 class StoreUnavailable(StoreError):
     """The store cannot be reached (never was, or its host died)."""
+
+
+class UntrustedValue(StoreError):
+    """A key holds a value this job did not write, or one out of range; the message names the key."""
+
+
+# The key a `rally store` process writes, so an agent on the same host can tell it from a stranger.
+SERVICE_MARKER_KEY = "rally/store-service"
+# The key (under the job's prefix) the agent that hosts the job's store writes, signed.
+HOST_MARKER_NAME = "host"
+# How long an agent that found the endpoint's port taken waits for the hosting agent's marker.
+HOST_MARKER_WAIT_SECONDS = 10.0
 
 
 def quiet_torch_logs() -> None:
@@ -64,6 +78,7 @@ class Store:
     # Keep-alives are counters watched in a ring here; stores whose keys can expire by
     # themselves (etcd leases, rendezvous/etcd_store.py) set this and offer lease calls instead.
     leased_liveness: ClassVar[bool] = False
+    signer: Signer = field(default_factory=Signer)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}{name}"
@@ -84,41 +99,79 @@ class Store:
                 raise StoreTimeout(_first_line(exc)) from exc
             raise StoreUnavailable(f"{self.describe} failed: {_first_line(exc)}") from exc
 
+    def _seal(self, name: str, value: str | bytes) -> bytes:
+        return self.signer.seal(self.key(name), value)
+
+    def _open(self, name: str, sealed: bytes) -> bytes:
+        try:
+            return self.signer.open(self.key(name), sealed)
+        except BadRecord as exc:
+            raise UntrustedValue(str(exc)) from None
+
     def set(self, name: str, value: str | bytes) -> None:
-        self._call(self.raw.set, self.key(name), value)
+        """Write a signed value (see rendezvous/token.py); `get` checks the signature."""
+        self._call(self.raw.set, self.key(name), self._seal(name, value))
 
     def get(self, name: str) -> bytes:
-        return self._call(self.raw.get, self.key(name))
+        return self._open(name, self._call(self.raw.get, self.key(name)))
 
     def get_str(self, name: str) -> str:
-        return self.get(name).decode()
+        try:
+            return self.get(name).decode()
+        except UnicodeDecodeError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     def add(self, name: str, amount: int) -> int:
-        return int(self._call(self.raw.add, self.key(name), amount))
+        """Add to a counter. Counters cannot be signed; a stranger who `set` one to text makes
+        the server drop the connection, which is told apart here from a lost store."""
+        try:
+            return int(self._call(self.raw.add, self.key(name), amount))
+        except StoreUnavailable:
+            value = self._read_after_reconnect(name)
+            if value is None:
+                raise
+            raise UntrustedValue(f"store key '{self.key(name)}' holds {value[:40]!r}, not a counter (garbage written by a stranger)") from None
 
-    def counter(self, name: str) -> int:
-        return self.add(name, 0)
+    def _read_after_reconnect(self, name: str) -> bytes | None:
+        """The raw value of `name` over a fresh connection, or None when the store is gone."""
+        try:
+            self.raw = self._reconnect()
+            return self.raw.get(self.key(name)) if self.raw.check([self.key(name)]) else None
+        except Exception:  # noqa: BLE001 - the store is really gone: the caller re-raises
+            return None
+
+    def counter(self, name: str, limit: int | None = None) -> int:
+        """A counter's value, checked to lie in 0..limit (strangers can `add` any amount)."""
+        value = self.add(name, 0)
+        if value < 0 or (limit is not None and value > limit):
+            bound = "" if limit is None else f" (at most {limit})"
+            raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range{bound}: a stranger wrote to the store")
+        return value
 
     def check(self, name: str) -> bool:
         return bool(self._call(self.raw.check, [self.key(name)]))
 
     def append(self, name: str, value: str) -> None:
+        """Append to a list key (unsigned: only `rally status` reads it, and checks each record)."""
         self._call(self.raw.append, self.key(name), value)
 
-    def compare_set(self, name: str, expected: str, desired: str) -> bytes:
-        """Atomically set `name` to `desired` if it holds `expected` ("" = absent); return its value."""
-        return self._call(self.raw.compare_set, self.key(name), expected, desired)
-
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
-        """Set `name` only if nobody has; return (won, the value that stands)."""
-        current = self.compare_set(name, "", value).decode()
-        return current == value, current
+        """Set `name` only if nobody has; return (won, the value that stands, checked)."""
+        sealed = self._seal(name, value)
+        current = self._call(self.raw.compare_set, self.key(name), "", sealed)
+        if current == sealed:
+            return True, value
+        try:
+            return False, self._open(name, current).decode()
+        except UnicodeDecodeError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
-        return self._call(self.raw.multi_get, [self.key(n) for n in names])
+        raw = self._call(self.raw.multi_get, [self.key(n) for n in names])
+        return [self._open(n, value) for n, value in zip(names, raw)]
 
     def multi_set(self, items: dict[str, str]) -> None:
-        self._call(self.raw.multi_set, [self.key(k) for k in items], list(items.values()))
+        self._call(self.raw.multi_set, [self.key(k) for k in items], [self._seal(k, v) for k, v in items.items()])
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
@@ -137,10 +190,10 @@ class Store:
             raw = self._reconnect()
         except Exception as exc:  # noqa: BLE001 - torch raises several unrelated types here
             raise StoreUnavailable(f"{self.describe} is gone ({_first_line(exc)})") from exc
-        return Store(raw, self.prefix, self.describe, self._reconnect)
+        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer)
 
     def with_prefix(self, prefix: str) -> "Store":
-        return Store(self.raw, self.prefix + prefix, self.describe, self._reconnect)
+        return Store(self.raw, self.prefix + prefix, self.describe, self._reconnect, self.signer)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -148,18 +201,39 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def host_tcp_store(port: int, timeout: float) -> "TorchStore":
-    """Start a TCPStore server in this process on `port` (0 = a free port from the OS)."""
+def host_tcp_store(port: int, timeout: float, loopback_only: bool = False) -> "TorchStore":
+    """Start a TCPStore server in this process on `port` (0 = a free port from the OS).
+
+    torch's server listens on every interface; with `loopback_only` rally binds the socket
+    itself to 127.0.0.1 and hands it over, so nothing off this machine can reach the store.
+    """
     from torch.distributed import TCPStore
 
-    return TCPStore(
-        "0.0.0.0",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=True,
-        timeout=_seconds(timeout),
-    )
+    listen_fd = None
+    if loopback_only:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(512)
+        except OSError:
+            sock.close()
+            raise
+        port = sock.getsockname()[1]
+        listen_fd = sock.detach()
+    try:
+        return TCPStore(
+            "127.0.0.1" if loopback_only else "0.0.0.0",
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            timeout=_seconds(timeout),
+            master_listen_fd=listen_fd,
+        )
+    except Exception:
+        if listen_fd is not None:
+            os.close(listen_fd)
+        raise
 
 
 def connect_tcp_store(host: str, port: int, connect_timeout: float, op_timeout: float) -> "TorchStore":
@@ -192,18 +266,22 @@ def open_store(
     prefix: str,
     connect_timeout: float,
     op_timeout: float,
+    signer: Signer | None = None,
 ) -> tuple[Store, "TorchStore | None"]:
     """Open the rendezvous store; return the client and, when hosted here, the server object.
 
     The server object must be kept alive for as long as the store should exist. When this
-    host should serve but the port is taken (several agents on one host), it connects as a
-    client instead, as torchrun does. For the etcd backends the client is an `EtcdStore`
-    (same interface) and nothing is hosted here.
+    host should serve but the port is taken, it connects as a client only if the store there
+    belongs to this job (another agent of the job hosts it and signed its marker) or is a
+    `rally store` service; anything else (another job's store, another program) is an error,
+    never a silent join of a stranger's store. For the etcd backends the client is an
+    `EtcdStore` (same interface; etcd's own authentication guards it) and nothing is hosted here.
     """
     if endpoint.etcd:
         from rally.rendezvous.etcd_store import open_etcd_store
 
         return open_etcd_store(endpoint.etcd, prefix, op_timeout), None  # type: ignore[return-value]
+    signer = signer or Signer()
     if endpoint.file_path:
         from torch.distributed import FileStore
 
@@ -216,35 +294,68 @@ def open_store(
 
         describe = f"the rendezvous file store at {path}"
         try:
-            return Store(reconnect_file(), prefix, describe, reconnect_file), None
+            return Store(reconnect_file(), prefix, describe, reconnect_file, signer), None
         except Exception as exc:  # noqa: BLE001
             raise StoreUnavailable(f"cannot open {describe}: {_first_line(exc)}") from exc
 
     server = None
     port = endpoint.port
+    port_taken = False
     if endpoint.host_here:
         try:
-            server = host_tcp_store(port, op_timeout)
+            server = host_tcp_store(port, op_timeout, loopback_only=is_loopback_name(endpoint.host))
             port = server.port
             endpoint.port = port
         except Exception:  # noqa: BLE001 - port in use: someone on this host already serves
             if port == 0:
                 raise
-            server = None
+            port_taken = True
     host = "127.0.0.1" if server is not None else endpoint.host
     describe = f"the rendezvous store at {endpoint.host}:{port}"
 
     def reconnect() -> "TorchStore":
         return connect_tcp_store(host, port, op_timeout, op_timeout)
 
+    wait = min(connect_timeout, HOST_MARKER_WAIT_SECONDS) if port_taken else connect_timeout
     try:
-        raw = connect_tcp_store(host, port, connect_timeout, op_timeout)
+        raw = connect_tcp_store(host, port, wait, op_timeout)
     except Exception as exc:  # noqa: BLE001
+        if port_taken:
+            raise StoreUnavailable(_stranger_port_message(endpoint, port, "it does not answer as a c10d store")) from exc
         raise StoreUnavailable(
             f"could not reach {describe} within {connect_timeout:g} s ({_first_line(exc)}); "
             "check --rdzv-endpoint and that the store's host is up"
         ) from exc
-    return Store(raw, prefix, describe, reconnect), server
+    store = Store(raw, prefix, describe, reconnect, signer)
+    if server is not None:
+        store.set(HOST_MARKER_NAME, "hosted by an agent of this job")
+    elif port_taken:
+        _check_same_job(store, endpoint, port, wait)
+    return store, server
+
+
+def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: float) -> None:
+    """The port was taken: accept a `rally store` service or this job's own host, nothing else."""
+    if store.raw.check([SERVICE_MARKER_KEY]):
+        return
+    if not store.try_wait([HOST_MARKER_NAME], wait):
+        raise StoreUnavailable(_stranger_port_message(endpoint, port, "it is not this job's store (another job, or another program)"))
+    try:
+        store.get(HOST_MARKER_NAME)
+    except UntrustedValue as exc:
+        raise StoreUnavailable(_stranger_port_message(endpoint, port, f"its host did not sign with this job's token ({exc})")) from None
+
+
+def _stranger_port_message(endpoint: StoreEndpoint, port: int, why: str) -> str:
+    return (
+        f"port {port} on this host ({endpoint.host}) is already taken and {why}; this agent will "
+        "not join it. Pick a free port for --rdzv-endpoint (or stop what holds it)"
+    )
+
+
+def is_loopback_name(host: str) -> bool:
+    """A store meant for this machine only (--standalone, 127.0.0.1, localhost) binds loopback."""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def is_local_host(host: str) -> bool:

@@ -1,0 +1,183 @@
+"""The threads that watch the store while a round runs, and what they tell the agent's main loop.
+
+Each thread has its own store connection (a c10d client blocked in `wait` blocks every other
+call on its connection) and reports through `post(kind, value)`, the agent's inbox:
+
+* **end watcher**: waits on the round's end key -> ("round_end", (round, RoundEnd));
+* **keep-alive**: bumps this node's counter every interval, refreshes its `rally status`
+  record, and watches the next member's counter (a ring): silent for `keep_alive_timeout`
+  -> declares that node lost, which ends the round for everyone;
+* **store watchdog**: a c10d client call on a frozen store, or across a cut network, never
+  returns (torch applies no timeout to `add`). When the keep-alive has not completed a store
+  call for 3/4 of `min(keep_alive_timeout, read_timeout)`, this node is about to be declared
+  lost by the others, who re-form without it: -> ("store_lost", StoreSilent), and the agent
+  stops its workers and exits before they re-form, so the job never runs twice (no split brain);
+* **peer check** (`check_peers`, started by the agent on a local worker failure in a
+  multi-node round): is a peer gone? -> ("peer_verdict", (round, (group rank, silent s) | None)).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from rally.agent.leased_liveness import keep_alive_with_lease
+from rally.rendezvous.liveness import silent_peer
+from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings
+from rally.rendezvous.store import StoreError
+
+# How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
+STATUS_INTERVAL_SECONDS = 2.0
+
+Post = Callable[[str, Any], None]
+
+
+class StoreSilent(StoreError):
+    """The store has not answered a keep-alive for too long: cut off, or the store is frozen."""
+
+
+# A node fences itself after this share of the keep-alive timeout without an answer, so its
+# workers are stopped before the others declare it lost and re-form (a lease, renewed by keep-alives).
+SELF_FENCE_SHARE = 0.75
+
+
+def store_silence_limit(settings: RendezvousSettings, read_timeout: float) -> float:
+    """How long a node tolerates an unanswered store call while its workers run."""
+    return SELF_FENCE_SHARE * min(settings.keep_alive_timeout, read_timeout)
+
+
+class RoundThreads:
+    """Start with `start()`; `stop()` ends them (a thread stuck in a store call is a daemon)."""
+
+    def __init__(
+        self,
+        post: Post,
+        watcher: Rendezvous,
+        keeper: Rendezvous,
+        a: Assignment,
+        read_timeout: float,
+        status_record: Callable[[Assignment], dict],
+        exchange: Callable[[Any, Assignment], None] = lambda _store, _a: None,
+    ):
+        """`exchange(store, a)` runs after each status record is published (agent/observer.py)."""
+        self.post = post
+        self.watcher = watcher
+        self.keeper = keeper
+        self.a = a
+        self.read_timeout = read_timeout
+        self.status_record = status_record
+        self.exchange = exchange
+        self.over = threading.Event()
+        self.last_answer = time.monotonic()
+
+    def start(self) -> None:
+        for target in (self._watch_round_end, self._keep_alive, self._watchdog):
+            threading.Thread(target=target, daemon=True).start()
+
+    def stop(self) -> None:
+        self.over.set()
+
+    def _watch_round_end(self) -> None:
+        try:
+            self.post("round_end", (self.a.round, self.watcher.wait_round_end(self.a.round)))
+        except StoreError as exc:
+            if not self.over.is_set():
+                self.post("store_lost", exc)
+
+    def _keep_alive(self) -> None:
+        """Send this node's keep-alives and watch the next node's (a ring)."""
+        a, s = self.a, self.keeper.settings
+        if self.keeper.store.leased_liveness:  # etcd: leases expire by themselves
+            return keep_alive_with_lease(
+                self.keeper, a, self.over, self._publish_status, STATUS_INTERVAL_SECONDS, self.post, self._answered
+            )
+        interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
+        last_seen, last_change = -1, time.monotonic()
+        next_status = 0.0
+        try:
+            while not self.over.is_set():
+                self.keeper.keep_alive(a.round, a.group_rank)
+                self.last_answer = time.monotonic()
+                if time.monotonic() >= next_status:
+                    self._publish_status()
+                    next_status = time.monotonic() + STATUS_INTERVAL_SECONDS
+                if a.watch_rank is not None:
+                    seen = self.keeper.alive_count(a.round, a.watch_rank)
+                    now = self.last_answer = time.monotonic()
+                    if seen != last_seen:
+                        last_seen, last_change = seen, now
+                    elif now - last_change > s.keep_alive_timeout:
+                        self.keeper.declare_lost(a.round, a.watch_rank, a.watch_host, now - last_change)
+                        return
+                self.over.wait(interval)
+        except StoreError as exc:
+            if not self.over.is_set():
+                self.post("store_lost", exc)
+
+    def _publish_status(self) -> None:
+        self.keeper.publish_status(self.status_record(self.a))
+        self.exchange(self.keeper.store, self.a)
+
+    def _answered(self) -> None:
+        self.last_answer = time.monotonic()
+
+    def _watchdog(self) -> None:
+        limit = store_silence_limit(self.keeper.settings, self.read_timeout)
+        while not self.over.wait(limit / 8):
+            silent = time.monotonic() - self.last_answer
+            if silent > limit:
+                self.post(
+                    "store_lost",
+                    StoreSilent(
+                        f"{self.keeper.store.describe} has not answered for {silent:.1f} s: this node is cut off "
+                        "from it (network) or the store is frozen. The other nodes re-form without this one, "
+                        "so its workers were stopped (the job never runs twice)"
+                    ),
+                )
+                return
+
+
+def check_peers(post: Post, connect: Callable[[], Rendezvous], a: Assignment) -> None:
+    """In a thread: after a local failure, find out whether a peer node is gone (liveness.silent_peer)."""
+
+    def run() -> None:
+        try:
+            verdict = silent_peer(connect(), a.round, a.group_rank, a.group_world_size)
+        except StoreError:
+            verdict = None  # the store itself is in trouble; the local failure stands
+        post("peer_verdict", (a.round, verdict))
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+class StoreProbe:
+    """Outside a running round (forming, waiting for the master) the agent's store calls may
+    legitimately block for long, so a frozen store is told apart by a cheap `check` on a
+    connection of its own: unanswered for 3/4 of `read_timeout` -> `stalled()`, which the agent
+    checks every `limit / 4` seconds, so a frozen store is noticed within `read_timeout`."""
+
+    def __init__(self, rdzv: Rendezvous, read_timeout: float):
+        self.rdzv = rdzv
+        self.limit = SELF_FENCE_SHARE * read_timeout
+        self.interval = self.limit / 4
+        self.last_answer = time.monotonic()
+        self.over = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while not self.over.wait(self.interval):
+                self.rdzv.store.check("probe")
+                self.last_answer = time.monotonic()
+        except StoreError:
+            pass  # the store is gone: the calls being probed fail on their own
+
+    def stalled(self) -> str | None:
+        silent = time.monotonic() - self.last_answer
+        if silent <= self.limit:
+            return None
+        return (
+            f"{self.rdzv.store.describe} has not answered for {silent:.1f} s: "
+            "this node is cut off from it (network) or the store is frozen; check the store's host"
+        )

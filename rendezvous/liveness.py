@@ -1,0 +1,66 @@
+"""Is anyone still there? Keep-alive judgements beyond the ring, used when a quick answer matters.
+
+The ring (each member watches the next one's keep-alive counter) notices a dead node within
+`keep_alive_timeout`. Two moments need more than the ring:
+
+* a local worker failed in a multi-node round: was it the first failure, or a consequence of a
+  peer that just died (gloo: "connection closed")? `silent_peer` answers within
+  `keep_alive_timeout`, usually within one keep-alive interval;
+* a spare, or a node relaunched with the same run id, waits for a round whose members may all
+  be dead: `wait_round_end_or_dead` ends such a round, so a relaunch forms a new job.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from rally.rendezvous.records import RoundEnd
+
+if TYPE_CHECKING:
+    from rally.rendezvous.protocol import Rendezvous
+
+# Long waits are cut into slices at most this long.
+WAIT_SLICE_SECONDS = 30.0
+
+
+def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tuple[int, float] | None:
+    """After a local failure: wait until every other member's keep-alive counter moves
+    (they are alive: the failure is this node's own) or one stays still for
+    `keep_alive_timeout` (that node is gone: the failure here is a consequence).
+
+    Returns (the silent node's group rank, seconds it was silent), or None when every
+    peer is alive or the round ended meanwhile. Bounded by keep_alive_timeout.
+    """
+    s = rdzv.settings
+    peers = [g for g in range(members) if g != group_rank]
+    start = {g: rdzv.alive_count(r, g) for g in peers}
+    began = time.monotonic()
+    interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3) / 2
+    while peers:
+        if rdzv.store.try_wait([f"{r}/end"], interval):
+            return None
+        peers = [g for g in peers if rdzv.alive_count(r, g) == start[g]]
+        silent_for = time.monotonic() - began
+        if peers and silent_for > s.keep_alive_timeout:
+            return peers[0], silent_for
+    return None
+
+
+def wait_round_end_or_dead(rdzv: "Rendezvous", r: int, members: int) -> RoundEnd:
+    """Wait for round r to end; end it ourselves when none of its members sends keep-alives
+    any more (every node of the job died: a relaunch must form a new job, not wait forever)."""
+    timeout = rdzv.settings.keep_alive_timeout
+    last = [rdzv.alive_count(r, g) for g in range(members)]
+    last_change = time.monotonic()
+    while not rdzv.store.try_wait([f"{r}/end"], min(timeout / 2, WAIT_SLICE_SECONDS)):
+        rdzv.raise_if_closed()
+        now_counts = [rdzv.alive_count(r, g) for g in range(members)]
+        if now_counts != last:
+            last, last_change = now_counts, time.monotonic()
+        elif time.monotonic() - last_change > timeout:
+            rdzv.store.add(f"{r}/lost", members)
+            silent = time.monotonic() - last_change
+            detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a new round"
+            return rdzv.end_round(r, RoundEnd("node_lost", detail, "", {"group_rank": 0}))
+    return rdzv.wait_round_end(r)

@@ -1,0 +1,208 @@
+"""The records the rendezvous keeps in the store, and the checks every one passes when read.
+
+Store contents are untrusted: anyone who can reach the store can write any key (the job token,
+rendezvous/token.py, rejects values this job did not sign, but a job without a token has only
+these checks). Every record is parsed by `load`, which accepts exactly the fields of its class,
+with the right types and in range; anything else is `UntrustedValue`, one line that names the
+key. Nothing read from the store reaches a worker's environment unchecked: a wrong world size
+or a worker pointed at another store is impossible by construction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, TypeVar
+
+from rally.rendezvous.store import UntrustedValue
+
+T = TypeVar("T", bound="StoredRecord")
+
+# Round-end kinds. Failures spend the restart budget; membership changes do not.
+FAILURE_KINDS = frozenset({"worker_failed", "worker_hung"})
+MEMBERSHIP_KINDS = frozenset({"node_lost", "node_left", "node_joined"})
+FINAL_KINDS = frozenset({"succeeded", "aborted", "preempted"})
+ALL_KINDS = FAILURE_KINDS | MEMBERSHIP_KINDS | FINAL_KINDS
+
+# Sanity bounds for numbers read from the store (far above any real job).
+MAX_NPROC = 4096
+MAX_COUNT = 1 << 40
+MAX_TEXT = 4096
+
+
+def _bad(key: str, what: str, why: str) -> UntrustedValue:
+    return UntrustedValue(
+        f"store key '{key}' holds an invalid {what}: {why}; something other than this job's agents "
+        "wrote to the rendezvous store (use a job token: RALLY_JOB_TOKEN)"
+    )
+
+
+def _check_value(key: str, what: str, name: str, value: Any, kind: str) -> None:
+    """`kind`: "int", "int?", "str", "dict" — int means a non-negative int (never a bool)."""
+    optional = kind.endswith("?")
+    base = kind.rstrip("?")
+    if value is None and optional:
+        return
+    if base == "int":
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+            raise _bad(key, what, f"{name} is {value!r}, not a count in 0..{MAX_COUNT}")
+    elif base == "str":
+        if not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise _bad(key, what, f"{name} is {value!r:.60}, not a string")
+    elif base == "dict":
+        if not isinstance(value, dict):
+            raise _bad(key, what, f"{name} is {value!r:.60}, not an object")
+
+
+class StoredRecord:
+    """A dataclass that travels through the store as JSON, checked field by field on the way in."""
+
+    WHAT = "record"
+    KINDS: dict[str, str] = {}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
+
+    @classmethod
+    def load(cls: type[T], raw: bytes | str, key: str) -> T:
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise _bad(key, cls.WHAT, f"{str(raw)[:40]!r} is not JSON") from None
+        if not isinstance(data, dict):
+            raise _bad(key, cls.WHAT, "not a JSON object")
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}  # type: ignore[arg-type]
+        if set(data) - names or required - set(data):
+            raise _bad(key, cls.WHAT, f"fields {sorted(data)} are not {sorted(names)}")
+        for name, value in data.items():
+            _check_value(key, cls.WHAT, name, value, cls.KINDS[name])
+        record = cls(**data)
+        record.check(key)
+        return record
+
+    def check(self, key: str) -> None:
+        """Cross-field checks (ranges that depend on other fields)."""
+
+
+@dataclass(frozen=True)
+class NodeInfo(StoredRecord):
+    """What a node tells the round about itself."""
+
+    WHAT = "node descriptor"
+    KINDS = {"node_id": "str", "host": "str", "addr": "str", "nproc": "int", "prev_rank": "int?", "preferred_rank": "int?", "checkpoint_step": "int?"}
+
+    node_id: str
+    host: str
+    addr: str
+    nproc: int
+    prev_rank: int | None = None
+    preferred_rank: int | None = None
+    checkpoint_step: int | None = None  # the newest checkpoint this node can see (crash loops)
+
+    def check(self, key: str) -> None:
+        if not 1 <= self.nproc <= MAX_NPROC:
+            raise _bad(key, self.WHAT, f"nproc {self.nproc} is not in 1..{MAX_NPROC}")
+        if not self.node_id or not self.addr:
+            raise _bad(key, self.WHAT, "node_id and addr must not be empty")
+
+
+@dataclass(frozen=True)
+class Assignment(StoredRecord):
+    """One node's place in a formed round: all it needs to start its workers."""
+
+    WHAT = "assignment"
+    KINDS = {
+        "round": "int", "group_rank": "int", "group_world_size": "int", "rank_offset": "int", "world_size": "int",
+        "restart_count": "int", "membership_changes": "int", "watch_rank": "int?", "watch_host": "str",
+        "master_host": "str", "stalled_restarts": "int", "checkpoint_step": "int?",
+    }  # fmt: skip
+
+    round: int
+    group_rank: int
+    group_world_size: int
+    rank_offset: int
+    world_size: int
+    restart_count: int
+    membership_changes: int
+    watch_rank: int | None
+    watch_host: str
+    master_host: str
+    stalled_restarts: int = 0  # failures in a row after which no newer checkpoint appeared
+    checkpoint_step: int | None = None
+
+    def check(self, key: str) -> None:
+        if not self.group_rank < self.group_world_size:
+            raise _bad(key, self.WHAT, f"group_rank {self.group_rank} is not below group_world_size {self.group_world_size}")
+        if self.watch_rank is not None and not self.watch_rank < self.group_world_size:
+            raise _bad(key, self.WHAT, f"watch_rank {self.watch_rank} is not below group_world_size {self.group_world_size}")
+        if not self.master_host:
+            raise _bad(key, self.WHAT, "master_host is empty")
+
+    def check_for(self, key: str, r: int, me: NodeInfo, max_nodes: int, members: int) -> "Assignment":
+        """Checks against what this node knows: the round, its own size, the round's record."""
+        if self.round != r:
+            raise _bad(key, self.WHAT, f"round {self.round} is not {r}")
+        if not 1 <= self.group_world_size <= max_nodes or self.group_world_size != members:
+            raise _bad(key, self.WHAT, f"group_world_size {self.group_world_size} is not the round's {members} nodes (at most {max_nodes})")
+        if self.rank_offset + me.nproc > self.world_size or self.world_size > self.group_world_size * MAX_NPROC:
+            raise _bad(key, self.WHAT, f"ranks {self.rank_offset}..{self.rank_offset + me.nproc - 1} do not fit world_size {self.world_size}")
+        return self
+
+
+@dataclass(frozen=True)
+class RoundEnd(StoredRecord):
+    """Why a round ended. `kind` decides what happens next; `detail` is for people."""
+
+    WHAT = "round end"
+    KINDS = {"kind": "str", "detail": "str", "node": "str", "info": "dict"}
+
+    kind: str
+    detail: str
+    node: str = ""
+    info: dict = field(default_factory=dict)
+
+    def check(self, key: str) -> None:
+        if self.kind not in ALL_KINDS:
+            raise _bad(key, self.WHAT, f"kind {self.kind!r} is not one of {sorted(ALL_KINDS)}")
+        status = self.info.get("exit_status")
+        if status is not None and (not isinstance(status, int) or isinstance(status, bool) or not 0 <= status <= 255):
+            raise _bad(key, self.WHAT, f"exit_status {status!r} is not an exit code 0..255")
+
+    @property
+    def is_failure(self) -> bool:
+        return self.kind in FAILURE_KINDS
+
+    @property
+    def is_membership_change(self) -> bool:
+        return self.kind in MEMBERSHIP_KINDS
+
+
+@dataclass(frozen=True)
+class RoundRecord(StoredRecord):
+    """The `<r>/closed` record: who is in round r and the job-wide counts entering it."""
+
+    WHAT = "round record"
+    KINDS = {"members": "int", "restart_count": "int", "membership_changes": "int", "stalled_restarts": "int", "checkpoint_step": "int?", "attempt": "int"}
+
+    members: int
+    restart_count: int
+    membership_changes: int
+    stalled_restarts: int
+    checkpoint_step: int | None
+    attempt: int = 0  # which closer attempt wrote it: assignments live under assign/<attempt>/
+
+    def check_members(self, key: str, max_nodes: int) -> "RoundRecord":
+        if not 1 <= self.members <= max_nodes:
+            raise _bad(key, self.WHAT, f"members {self.members} is not in 1..{max_nodes}")
+        return self
+
+
+def parse_master(text: str, key: str, master_host: str) -> tuple[str, int]:
+    """The workers' store address, which must be on the host the assignment named."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise _bad(key, "master address", f"{text[:60]!r} is not HOST:PORT")
+    if host != master_host:
+        raise _bad(key, "master address", f"host {host!r} is not node rank 0's address {master_host!r}")
+    return host, int(port_text)

@@ -1,0 +1,128 @@
+"""The job token: a secret shared by a job's nodes, so that strangers cannot steer the job.
+
+A c10d store has no access control: anyone who can reach its port can read and write any key.
+rally therefore signs every value it writes to the rendezvous store with an HMAC over the key
+and the value (`Signer`), and checks it on every read. A node or client without the job's
+token can still read keys and bump counters, but it cannot write an assignment, a round end, a
+node descriptor or a master address that any agent of the job would accept: such a value is
+rejected with one line naming the key. (Integrity, not confidentiality: values stay readable.)
+
+Where the token comes from, first match wins (`resolve_token`):
+  1. `--rdzv-conf token=SECRET` or `--rdzv-conf token_file=PATH` (the file's first line);
+  2. the RALLY_JOB_TOKEN environment variable;
+  3. `--standalone`: a fresh random token (the store is private to this one agent);
+  4. inside a SLURM job: HMAC(per-user secret, SLURM_JOB_ID). The per-user secret is
+     `~/.rally/secret`, created on first use with mode 0600 in a 0700 directory, so only the
+     user's own processes can read it; a job's nodes share it through the (usually shared)
+     home directory. Where home is not shared, set RALLY_JOB_TOKEN on every node.
+  5. otherwise no token: values are still signed with the empty key, which catches garbage and
+     foreign writes by programs that are not rally, but not a deliberate forger.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+ENV_TOKEN = "RALLY_JOB_TOKEN"
+# Every value rally writes starts with this tag, then the hex HMAC, then the payload.
+ENVELOPE_TAG = b"rally1."
+_MAC_HEX_LENGTH = 64
+
+
+class TokenError(Exception):
+    """The token cannot be read (missing or unreadable file); the message says how to fix it."""
+
+
+class BadRecord(Exception):
+    """A store value is not one this job wrote, or it is malformed. The message names the key."""
+
+
+class Signer:
+    """Signs values for the store and checks them on the way back (HMAC-SHA256 over key + value)."""
+
+    def __init__(self, token: str = "", verify: bool = True):
+        """`verify=False` only strips the envelope (for `rally status` without the token)."""
+        self._key = token.encode()
+        self.has_token = bool(token)
+        self.verify = verify
+
+    def _mac(self, key: str, payload: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
+
+    def seal(self, key: str, payload: str | bytes) -> bytes:
+        data = payload.encode() if isinstance(payload, str) else payload
+        return ENVELOPE_TAG + self._mac(key, data) + b"." + data
+
+    def open(self, key: str, sealed: bytes) -> bytes:
+        """The payload of a sealed value, or BadRecord naming the key."""
+        head = len(ENVELOPE_TAG)
+        if not sealed.startswith(ENVELOPE_TAG) or sealed[head + _MAC_HEX_LENGTH : head + _MAC_HEX_LENGTH + 1] != b".":
+            raise BadRecord(
+                f"store key '{key}' holds {_preview(sealed)}, which no rally agent wrote (garbage, or a "
+                "stranger writing to the rendezvous store); use a store only this job can reach"
+            )
+        mac, payload = sealed[head : head + _MAC_HEX_LENGTH], sealed[head + _MAC_HEX_LENGTH + 1 :]
+        if self.verify and not hmac.compare_digest(mac, self._mac(key, payload)):
+            raise BadRecord(
+                f"store key '{key}' holds a value signed with a different job token (a node or client "
+                f"without this job's secret wrote it); give every node the same token ({ENV_TOKEN} or "
+                "--rdzv-conf token_file=PATH)"
+            )
+        return payload
+
+
+def _preview(value: bytes) -> str:
+    text = repr(value[:40])
+    return text + ("..." if len(value) > 40 else "")
+
+
+def read_token_file(path: str) -> str:
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8", errors="strict")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenError(f"cannot read the job token file {path}: {exc}; give a readable file with the secret on its first line") from None
+    first = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not first:
+        raise TokenError(f"the job token file {path} is empty; put the secret on its first line")
+    return first
+
+
+def user_secret(home: Path | None = None) -> str:
+    """This user's secret in ~/.rally/secret (0600), created atomically on first use."""
+    directory = (home or Path.home()) / ".rally"
+    path = directory / "secret"
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        if not path.exists():
+            tmp = directory / f".secret.{os.getpid()}.{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_hex(32) + "\n")
+            try:
+                os.link(tmp, path)  # atomic; another node of the job may have won the race
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return read_token_file(str(path))
+    except OSError as exc:
+        raise TokenError(f"cannot create the per-user rally secret in {directory}: {exc}; set {ENV_TOKEN} instead") from None
+
+
+def resolve_token(conf_token: str | None, conf_token_file: str | None, standalone: bool, slurm_job_id: str | None) -> str:
+    """The job's token by the precedence in this module's docstring ("" = none)."""
+    if conf_token:
+        return conf_token
+    if conf_token_file:
+        return read_token_file(conf_token_file)
+    if os.environ.get(ENV_TOKEN):
+        return os.environ[ENV_TOKEN]
+    if standalone:
+        return secrets.token_hex(32)
+    if slurm_job_id:
+        return hmac.new(user_secret().encode(), f"slurm:{slurm_job_id}".encode(), hashlib.sha256).hexdigest()
+    return ""
