@@ -30,14 +30,14 @@ def keep_alive_with_lease(
     publish_status: Callable[[], None],
     status_interval: float,
     post: Callable[[str, Any], None],
-    answered: Callable[[], None] = lambda: None,
+    answered: Callable[[float], None] = lambda _sent_at: None,
 ) -> None:
     """Hold this node's alive key (refresh its lease) and watch the next node's, until the round is over.
 
     Store failures are posted as ("store_lost", exc), as the counter-based keep-alive does.
     The alive key's value counts the refreshes, so `Rendezvous.alive_count` moves as with a
     counter (liveness.silent_peer judges peers the same way on both stores); `answered` is
-    called after each refresh the store answered (the round's store watchdog).
+    called with the time each answered refresh was sent (the round's store watchdog).
     """
     s = keeper.settings
     interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
@@ -48,11 +48,12 @@ def keep_alive_with_lease(
             threading.Thread(target=_watch_next, args=(ring, a, round_over, post), daemon=True).start()
         next_status, beats = 0.0, 0
         while not round_over.is_set():
+            sent_at = time.monotonic()
             if not keeper.store.refresh_lease(lease):
                 return  # our lease ran out (we stalled): our watcher ends the round, we re-form
             beats += 1
             keeper.store.set_leased(f"{a.round}/alive/{a.group_rank}", str(beats), lease)
-            answered()
+            answered(sent_at)
             if time.monotonic() >= next_status:
                 publish_status()
                 next_status = time.monotonic() + status_interval

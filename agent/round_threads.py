@@ -42,8 +42,16 @@ class StoreSilent(StoreError):
 SELF_FENCE_SHARE = 0.75
 
 
-def store_silence_limit(settings: RendezvousSettings, read_timeout: float) -> float:
-    """How long a node tolerates an unanswered store call while its workers run."""
+def store_silence_limit(settings: RendezvousSettings, read_timeout: float, leased: bool = False) -> float:
+    """How long a node tolerates an unanswered store call while its workers run.
+
+    With leases (etcd) the others go by this node's lease, which cannot expire sooner than TTL
+    after the last refresh etcd answered was *sent* (a leader election extends every lease), so
+    the node may wait until one keep-alive interval before that: an election, which stalls every
+    node's calls for about a second, is then not mistaken for being cut off."""
+    if leased:
+        interval = min(settings.keep_alive_interval, settings.keep_alive_timeout / 3)
+        return min(settings.keep_alive_timeout - interval, read_timeout)
     return SELF_FENCE_SHARE * min(settings.keep_alive_timeout, read_timeout)
 
 
@@ -119,11 +127,11 @@ class RoundThreads:
         self.keeper.publish_status(self.status_record(self.a))
         self.exchange(self.keeper.store, self.a)
 
-    def _answered(self) -> None:
-        self.last_answer = time.monotonic()
+    def _answered(self, sent_at: float) -> None:
+        self.last_answer = sent_at
 
     def _watchdog(self) -> None:
-        limit = store_silence_limit(self.keeper.settings, self.read_timeout)
+        limit = store_silence_limit(self.keeper.settings, self.read_timeout, self.keeper.store.leased_liveness)
         while not self.over.wait(limit / 8):
             silent = time.monotonic() - self.last_answer
             if silent > limit:

@@ -91,6 +91,10 @@ class EtcdStore:
                 return unb64(kv.get("value"))
             self.wait([name], self.op_timeout)
 
+    def get_unsigned(self, name: str) -> bytes:
+        """As `get` (nothing is signed on etcd; see `Store.get_unsigned`)."""
+        return self.get(name)
+
     def get_str(self, name: str) -> str:
         return self.get(name).decode()
 

@@ -87,7 +87,7 @@ def read_job_status(store: Store) -> dict | None:
     """
     if not store.check("status/nodes"):
         return None
-    raw_list = store.raw.get(store.key("status/nodes")).decode(errors="replace")
+    raw_list = store.get_unsigned("status/nodes").decode(errors="replace")
     node_ids = [n for n in raw_list.splitlines() if n and len(n) < 512][:MAX_COUNT]
     names = [f"status/node/{n}" for n in node_ids]
     records = []

@@ -151,6 +151,10 @@ class Store:
     def check(self, name: str) -> bool:
         return bool(self._call(self.raw.check, [self.key(name)]))
 
+    def get_unsigned(self, name: str) -> bytes:
+        """The raw bytes of a key written by `append` (which cannot be signed)."""
+        return self._call(self.raw.get, self.key(name))
+
     def append(self, name: str, value: str) -> None:
         """Append to a list key (unsigned: only `rally status` reads it, and checks each record)."""
         self._call(self.raw.append, self.key(name), value)
