@@ -266,7 +266,7 @@ def parse_signals(text: str, flag: str) -> tuple[int, ...]:
 
 
 def imports_only_stdlib(script: str) -> bool:
-    """True when a script imports nothing but the standard library (and rally's own `agent`).
+    """True when a script imports nothing but the standard library (and rally's own `rally.job`).
 
     Such a script has nothing heavy to preload, so a template would only cost an import of
     torch that no worker uses. Read with `ast`, never executed; unreadable means "no".
@@ -283,7 +283,7 @@ def imports_only_stdlib(script: str) -> bool:
             names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
-    return names <= set(sys.stdlib_module_names) | {"agent", "__future__"}
+    return names <= set(sys.stdlib_module_names) | {"rally", "__future__"}
 
 
 def parse_preload(
