@@ -80,6 +80,10 @@ class RendezvousPlan:
     preferred_rank: int | None = None
     connect_timeout: float = 600.0
     read_timeout: float = 60.0
+    # The static backend, as torchrun: workers get MASTER_ADDR/MASTER_PORT = the rendezvous
+    # store itself (--master-addr/--master-port; clusters open one port), and node 0 deletes
+    # the previous attempt's worker keys before each round. Otherwise: a fresh store per round.
+    workers_use_rendezvous_store: bool = False
 
 
 class _Inbox:
@@ -283,11 +287,17 @@ class Agent:
             f"{a.rank_offset}-{a.rank_offset + self.spec.nproc_per_node - 1} of {a.world_size}, "
             f"restart {a.restart_count}/{self.spec.max_restarts}"
         )
-        if a.group_rank == 0:
+        if a.group_rank == 0 and self.plan.workers_use_rendezvous_store:
+            # Every node stopped its old workers before it joined this round, so no worker of
+            # an earlier attempt can write here any more: its keys go, rally's own stay.
+            self._store_call(lambda: self.store.delete_keys_outside("rally/"))
+            master: tuple[str, int] | RoundEnd = (self.plan.endpoint.host, self.plan.endpoint.port)
+            rdzv.publish_master(r, *master)
+        elif a.group_rank == 0:
             self.worker_store = None  # the previous round's store closes here
             self.worker_store = host_tcp_store(0, self.plan.read_timeout)
             rdzv.publish_master(r, a.master_host, self.worker_store.port)
-            master: tuple[str, int] | RoundEnd = (a.master_host, self.worker_store.port)
+            master = (a.master_host, self.worker_store.port)
         else:
             master = self._blocking(lambda: rdzv.wait_master(r, self.plan.settings.keep_alive_timeout * 4 + 30))
         if isinstance(master, RoundEnd):

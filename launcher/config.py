@@ -499,5 +499,6 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         preferred_rank=preferred_rank,
         connect_timeout=conf["join_timeout"],
         read_timeout=conf["read_timeout"],
+        workers_use_rendezvous_store=backend == "static" and endpoint.file_path is None,
     )
     return Launch(spec, plan, notes)
