@@ -80,18 +80,56 @@ Examples:
   srun rally train.py                 (under SLURM nothing else is needed)
   rally --config job.yaml
 
-\b
-Other commands:
-  rally store --port PORT     a standalone rendezvous store that survives any compute node
-  rally status --rdzv-endpoint HOST:PORT --rdzv-id ID    a running job, as its store sees it
-                                 (inside a SLURM job the endpoint and id come from SLURM)
+A script named like a command (store, status) runs as `rally ./store` or `rally -- store`.
 
 Precedence: flags > PET_*/RALLY_* environment > --config file > defaults.
 """
 
 
+SUBCOMMANDS = {
+    "store": ("rally.launcher.store_command", "store_command"),
+    "status": ("rally.launcher.status_command", "status_command"),
+}
+
+
+class Subcommands(click.Group):
+    """`rally store` and `rally status`, loaded on first use (they import torch and rich)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in SUBCOMMANDS:
+            return None
+        import importlib
+
+        module, attribute = SUBCOMMANDS[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+subcommands = Subcommands(name="rally", context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _complete_script(ctx: click.Context, param: click.Parameter, incomplete: str) -> list:
+    """Shell completion of SCRIPT: the subcommands, then files."""
+    from click.shell_completion import CompletionItem
+
+    names = [CompletionItem(n) for n in SUBCOMMANDS if n.startswith(incomplete)]
+    return [*names, CompletionItem(incomplete, type="file")]
+
+
 class GroupedCommand(click.Command):
     """Help text with options grouped by purpose, as torchrun users look for them."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The commands besides running a job, from their own help, then the examples."""
+        with formatter.section("Commands"):
+            rows = []
+            for name in subcommands.list_commands(ctx):
+                command = subcommands.get_command(ctx, name)
+                rows.append((f"rally {name}", command.get_short_help_str(80) if command else ""))
+            formatter.write_dl(rows)
+        super().format_epilog(ctx, formatter)
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         by_group: dict[str, list[tuple[str, str]]] = {g: [] for g in ("General", *GROUPS)}
@@ -137,7 +175,7 @@ def _declare(fn: Callable) -> Callable:
 @click.option("--config", "config", is_eager=True, expose_value=True, callback=_load_config, metavar="FILE", help="YAML file with any of these options (plus script and args).")
 @click.version_option(__version__, "--version", prog_name="rally")
 @_declare
-@click.argument("script", required=False)
+@click.argument("script", required=False, shell_complete=_complete_script)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def run_command(ctx: click.Context, config: str | None, script: str | None, script_args: tuple[str, ...], **options: Any) -> int:
@@ -232,18 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     # installs its handlers and unblocks it (threads started meanwhile inherit the block).
     signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "store":
-        from rally.launcher.store_command import store_command
-
-        command: click.Command = store_command
-        args = args[1:]
-    elif args and args[0] == "status":
-        from rally.launcher.status_command import status_command
-
-        command = status_command
-        args = args[1:]
-    else:
-        command = run_command
+    # `rally store ...` and `rally status ...` are subcommands; anything else (options first,
+    # a script, `./store`, `-- store`) is the run command, exactly as before.
+    command: click.Command = subcommands if args and args[0] in SUBCOMMANDS else run_command
     try:
         code = command.main(args, prog_name="rally", standalone_mode=False)
     except ConfigError as exc:
