@@ -263,13 +263,29 @@ def _run_agent(launch, requeue: Callable[[], str] | None = None) -> int:  # noqa
     os._exit(code)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of `rally` and `python -m rally`: one clear line and exit 2 on bad input."""
-    # A preemption warning can arrive while torch is still importing; its default action would
-    # kill rally before the agent can forward it. Blocked here, it stays pending until the agent
-    # installs its handlers and unblocks it (threads started meanwhile inherit the block).
-    signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
-    args = list(sys.argv[1:] if argv is None else argv)
+def run(argv: list[str]) -> int:
+    """The `rally` command as a function: returns the exit code instead of exiting.
+
+    Bad input prints its one `rally: error:` line and returns 2. The agent runs in this
+    process (it must be the main thread: it installs signal handlers); the handlers, the wake-up
+    fd and the signal mask are put back when it returns.
+    """
+    saved_mask = signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
+    handled = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2]
+    saved_handlers = {s: signal.getsignal(s) for s in handled}
+    saved_wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(saved_wakeup)
+    try:
+        return _run_command(list(argv))
+    finally:
+        signal.set_wakeup_fd(saved_wakeup)
+        for signum, handler in saved_handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, saved_mask)
+
+
+def _run_command(args: list[str]) -> int:
     # `rally store ...` and `rally status ...` are subcommands; anything else (options first,
     # a script, `./store`, `-- store`) is the run command, exactly as before.
     command: click.Command = subcommands if args and args[0] in SUBCOMMANDS else run_command
@@ -277,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         code = command.main(args, prog_name="rally", standalone_mode=False)
     except ConfigError as exc:
         console.plain_error(str(exc))
-        sys.exit(2)
+        return 2
     except click.UsageError as exc:
         message = exc.format_message()
         if isinstance(exc, click.NoSuchOption):
@@ -285,10 +301,19 @@ def main(argv: list[str] | None = None) -> None:
             if exc.possibilities:
                 message = f"no such option {exc.option_name}; did you mean {sorted(exc.possibilities)[0]}?"
         console.plain_error(message)
-        sys.exit(2)
+        return 2
     except click.ClickException as exc:
         console.plain_error(exc.format_message())
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except click.exceptions.Abort:
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `rally` and `python -m rally`: one clear line and exit 2 on bad input."""
+    # A preemption warning can arrive while torch is still importing; its default action would
+    # kill rally before the agent can forward it. Blocked here, it stays pending until the agent
+    # installs its handlers and unblocks it (threads started meanwhile inherit the block).
+    signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
+    sys.exit(_run_command(list(sys.argv[1:] if argv is None else argv)))
