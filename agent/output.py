@@ -59,6 +59,10 @@ class OutputStream:
     whole_lines: bool = True  # False (--no-prefix): pass bytes through as they arrive
     file: BinaryIO | None = None  # --tee: an exact copy of everything
     tail: LineTail | None = None
+    # --duplicate-*-filters: (file, substrings); matching whole lines are copied there with
+    # `duplicate_prefix` (torchrun's "[role<local_rank>]:").
+    duplicate: tuple[BinaryIO, tuple[bytes, ...]] | None = None
+    duplicate_prefix: bytes = b""
     _partial: bytes = b""
     _after_cr: bool = False  # the last piece ended in '\r': `_partial` is a progress redraw
     _shown: bytes | None = None  # the redraw already written to the console
@@ -137,6 +141,12 @@ class OutputStream:
     def _remember_lines(self, lines: list[bytes]) -> None:
         if self.tail is not None:
             self.tail.extend(lines)
+        if self.duplicate is not None:
+            file, needles = self.duplicate
+            matching = [self.duplicate_prefix + line for line in lines if any(n in line for n in needles)]
+            if matching:
+                file.write(b"".join(matching))
+                file.flush()
 
     def _remember(self, data: bytes) -> None:
         if self.tail is not None:

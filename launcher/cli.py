@@ -27,7 +27,7 @@ GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entr
 
 OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("nnodes", dict(default="1:1", metavar="N|MIN:MAX", help="Number of nodes, or MIN:MAX for an elastic job."), "Job"),
-    ("nproc-per-node", dict(default="1", metavar="N|auto|cpu|gpu", help="Workers per node."), "Job"),
+    ("nproc-per-node", dict(default="1", metavar="N|auto|cpu|gpu|xpu", help="Workers per node."), "Job"),
     ("role", dict(default="default", help="Worker role name (ROLE_NAME, log prefixes)."), "Job"),
     ("standalone", dict(is_flag=True, help="Single node: a private store on a free port, a random run id."), "Rendezvous"),
     ("rdzv-backend", dict(default="static", metavar="c10d|etcd|static", help="c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: fixed node ranks."), "Rendezvous"),
@@ -49,6 +49,12 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("redirects", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files only: 1 stdout, 2 stderr, 3 both."), "Logs and output"),
     ("tee", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files and the console."), "Logs and output"),
     ("local-ranks-filter", dict(default="", metavar="R,...", help="Show only these local ranks on the console."), "Logs and output"),
+    ("duplicate-stdout-filters", dict(default="", metavar="S,...", help="Copy worker stdout lines containing any of these to attempt_<n>/filtered_stdout.log (,, is a comma)."), "Logs and output"),
+    ("duplicate-stderr-filters", dict(default="", metavar="S,...", help="The same for stderr, to filtered_stderr.log."), "Logs and output"),
+    ("logs-specs", dict(default=None, metavar="NAME", help="torchrun.logs_specs entry point; checked, rally keeps torchrun's default layout."), "Logs and output"),
+    ("event-log-handler", dict(default="null", metavar="NAME", help="Accepted for torchrun compatibility; rally writes events.jsonl."), "Logs and output"),
+    ("virtual-local-rank", dict(is_flag=True, help="LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU."), "Job"),
+    ("numa-binding", dict(default=None, type=click.Choice(["node", "socket", "exclusive", "core-complex"]), help="torchrun's NUMA binding modes (applied only where GPUs exist)."), "Job"),
     ("module", dict(is_flag=True, help="Run SCRIPT as a module, like python -m."), "Entry point"),
     ("no-python", dict(is_flag=True, help="Run SCRIPT as an executable, not with python."), "Entry point"),
     ("run-path", dict(is_flag=True, help="Run SCRIPT with runpy.run_path."), "Entry point"),

@@ -103,12 +103,19 @@ def parse_nproc(text: str) -> int:
         if count == 0:
             raise ConfigError("--nproc-per-node gpu: no GPU is visible on this node; use a number, 'cpu' or 'auto'")
         return count
+    if value == "xpu":
+        from rally.launcher.torchrun_extras import xpu_count
+
+        count = xpu_count()
+        if count == 0:
+            raise ConfigError("--nproc-per-node xpu: no XPU is available on this node (torch.xpu); use a number, 'cpu' or 'auto'")
+        return count
     if value == "auto":
         return visible_gpu_count() or os.cpu_count() or 1
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(f"--nproc-per-node '{text}' is not valid; use a number, 'auto', 'cpu' or 'gpu'") from None
+        raise ConfigError(f"--nproc-per-node '{text}' is not valid; use a number, 'auto', 'cpu', 'gpu' or 'xpu'") from None
     if number < 1:
         raise ConfigError(f"--nproc-per-node {number}: must be at least 1")
     return number
@@ -453,6 +460,13 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
             f"setting OMP_NUM_THREADS=1 for each of the {nproc} workers (it was unset); "
             "set it yourself to tune CPU threads"
         )
+    from rally.launcher.torchrun_extras import ExtrasError, extras
+
+    try:
+        extra_fields, extra_notes = extras(o, nproc, visible_gpu_count())
+    except ExtrasError as exc:
+        raise ConfigError(str(exc)) from None
+    notes += extra_notes
     shutdown_timeout = o["shutdown_timeout"]
     if shutdown_timeout is None:
         shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
@@ -490,6 +504,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
         crash_loop_limit=int(_non_negative(o["crash_loop_limit"], "--crash-loop-limit")),
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
+        **extra_fields,
         preload=parse_preload(o.get("preload"), bool(o.get("no_preload")), bool(o["no_python"]), script, bool(o["module"])),
     )
     plan = RendezvousPlan(
