@@ -54,6 +54,7 @@ class LiveView:
     def __init__(self, console: Console, snapshot: Callable[[], dict | None]):
         self.console = console
         self.snapshot = snapshot
+        self.sink = ConsoleSink(console)  # before Live, which renders once when it is built
         self.live = Live(
             get_renderable=self.render,
             console=console,
@@ -62,7 +63,6 @@ class LiveView:
             redirect_stdout=False,
             redirect_stderr=False,
         )
-        self.sink = ConsoleSink(console)
 
     @staticmethod
     def wanted(console: Console) -> bool:

@@ -112,3 +112,57 @@ def test_ten_megabytes_without_a_newline_keep_the_agent_memory_bounded(tmp_path:
     assert grown < 8 * 1024 * 1024, f"the agent grew by {grown / 2**20:.1f} MiB for 10 MiB of output without a newline"
     pieces = [line for line in bytes(seen).split(b"\n") if line.startswith(b"[0] x")]
     assert len(pieces) >= 150 and all(len(p) <= 65536 + 4 for p in pieces)  # written in bounded, prefixed pieces
+
+
+@pytest.mark.timeout(120)
+def test_under_the_live_view_the_latest_redraw_shows_below_the_table(tmp_path: Path) -> None:
+    """On a real pseudo-terminal the redraw cannot overwrite a line above the live table, so
+    it is shown under the table until the worker ends the line."""
+    import pty
+    import re
+
+    probe = write_probe(
+        tmp_path / "bar.py",
+        """
+        import sys, time
+        for step in range(1, 16):
+            sys.stdout.write(f"\\rbar {step}/15")
+            sys.stdout.flush()
+            time.sleep(0.2)  # a slow loop, as in training; the live view refreshes twice a second
+        print()
+        print("finished")
+        """,
+    )
+    controller, terminal = pty.openpty()
+    env = {**clean_env(RALLY_NO_PRELOAD=None, RALLY_PRELOAD=None), "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
+    proc = subprocess.Popen(
+        rally_argv(["--standalone", "--no-preload", str(probe)]),
+        stdin=terminal, stdout=terminal, stderr=terminal, cwd=tmp_path, env=env, start_new_session=True,
+    )  # fmt: skip
+    os.close(terminal)
+    seen = b""
+    try:
+        selector = selectors.DefaultSelector()
+        selector.register(controller, selectors.EVENT_READ)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if selector.select(0.5):
+                try:
+                    chunk = os.read(controller, 65536)
+                except OSError:  # the terminal closed: rally is gone
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(timeout=30) == 0
+    finally:
+        kill_group(proc.pid)
+        proc.wait()
+        os.close(controller)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
+    assert "rally · node 0" in text, text[-2000:]
+    shown = set(re.findall(r"\[0\] bar (\d+)/15", text))
+    assert len(shown) >= 3, f"progress redraws seen under the live table: {sorted(shown)}\n{text[-2000:]}"
+    assert "[0] finished" in text
