@@ -261,12 +261,12 @@ def _run_agent(launch, requeue: Callable[[], str] | None = None) -> int:  # noqa
     quiet_torch_logs()
     from rally.agent.agent import Agent
 
-    code = Agent(launch.spec, launch.plan, base_env, requeue).run()
-    # Every process is stopped and every file written: skip the interpreter's teardown (torch's
-    # takes 0.35 s on an idle node, seconds on a busy one), so a stop ends when rally says so.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    global _AGENT_RAN
+    _AGENT_RAN = True
+    return Agent(launch.spec, launch.plan, base_env, requeue).run()
+
+
+_AGENT_RAN = False  # main() ends a process that ran the agent with os._exit (see there)
 
 
 def run(argv: list[str]) -> int:
@@ -322,4 +322,12 @@ def main(argv: list[str] | None = None) -> None:
     # kill rally before the agent can forward it. Blocked here, it stays pending until the agent
     # installs its handlers and unblocks it (threads started meanwhile inherit the block).
     signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
-    sys.exit(_run_command(list(sys.argv[1:] if argv is None else argv)))
+    code = _run_command(list(sys.argv[1:] if argv is None else argv))
+    if _AGENT_RAN:
+        # Every process is stopped and every file written: skip the interpreter's teardown
+        # (torch's takes 0.35 s on an idle node, seconds on a busy one), so a stop ends when
+        # rally says so. `run()` (the Python API) returns instead.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
