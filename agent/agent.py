@@ -81,6 +81,10 @@ class RendezvousPlan:
     connect_timeout: float = 600.0
     read_timeout: float = 60.0
     token: str = ""  # the job's secret: every store value is signed with it (rendezvous/token.py)
+    # The static backend, as torchrun: workers get MASTER_ADDR/MASTER_PORT = the rendezvous
+    # store itself (--master-addr/--master-port; clusters open one port), and node 0 deletes
+    # the previous attempt's worker keys before each round. Otherwise: a fresh store per round.
+    workers_use_rendezvous_store: bool = False
 
 
 class _Inbox:
@@ -293,11 +297,17 @@ class Agent:
         threads.start()  # keep-alives from the start: a spare judges a round dead by their absence
         self.hangs.start_watching(a)
         try:
-            if a.group_rank == 0:
+            if a.group_rank == 0 and self.plan.workers_use_rendezvous_store:
+                # Every node stopped its old workers before it joined this round, so no worker of
+                # an earlier attempt can write here any more: its keys go, rally's own stay.
+                self._store_call(lambda: self.store.delete_keys_outside("rally/"))
+                master: tuple[str, int] | RoundEnd = (self.plan.endpoint.host, self.plan.endpoint.port)
+                self._store_call(lambda: rdzv.publish_master(r, *master))
+            elif a.group_rank == 0:
                 self.worker_store = None  # the previous round's store closes here
                 self.worker_store = host_tcp_store(0, self.plan.read_timeout)
                 self._store_call(lambda: rdzv.publish_master(r, a.master_host, self.worker_store.port))
-                master: tuple[str, int] | RoundEnd = (a.master_host, self.worker_store.port)
+                master = (a.master_host, self.worker_store.port)
             else:
                 master = self._blocking(lambda: self._store_call(lambda: rdzv.wait_master(r, self.plan.settings.keep_alive_timeout * 4 + 30, a.master_host)))
             if isinstance(master, RoundEnd):

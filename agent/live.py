@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -21,14 +21,26 @@ REFRESH_PER_SECOND = 2
 
 
 class ConsoleSink:
-    """A binary stream look-alike that prints whole lines through a rich console."""
+    """A binary stream look-alike that prints whole lines through a rich console.
+
+    A progress redraw (a piece ending in '\r', see agent/output.py) cannot overwrite a line
+    above the live table, so the latest redraw of each worker is shown below the table
+    instead (`progress`, keyed by the worker's prefix) until that worker ends the line.
+    """
 
     def __init__(self, console: Console):
         self.console = console
+        self.progress: dict[str, str] = {}
 
     def write(self, data: bytes) -> int:
         text = data.decode(errors="replace")
-        for line in text.splitlines():
+        for piece in text.splitlines(keepends=True):
+            line = piece.rstrip("\r\n")
+            key = line.split(" ", 1)[0]
+            if piece.endswith("\r"):
+                self.progress[key] = line
+                continue
+            self.progress.pop(key, None)
             self.console.print(Text.from_ansi(line), soft_wrap=True, highlight=False)
         return len(data)
 
@@ -42,6 +54,7 @@ class LiveView:
     def __init__(self, console: Console, snapshot: Callable[[], dict | None]):
         self.console = console
         self.snapshot = snapshot
+        self.sink = ConsoleSink(console)  # before Live, which renders once when it is built
         self.live = Live(
             get_renderable=self.render,
             console=console,
@@ -50,7 +63,6 @@ class LiveView:
             redirect_stdout=False,
             redirect_stderr=False,
         )
-        self.sink = ConsoleSink(console)
 
     @staticmethod
     def wanted(console: Console) -> bool:
@@ -62,8 +74,10 @@ class LiveView:
     def stop(self) -> None:
         self.live.stop()
 
-    def render(self) -> Table:
-        return render_workers(self.snapshot() or {})
+    def render(self) -> Group:
+        """The table, then each worker's latest progress redraw (see ConsoleSink)."""
+        progress = [Text.from_ansi(line, no_wrap=True, overflow="ellipsis") for line in list(self.sink.progress.values())]
+        return Group(render_workers(self.snapshot() or {}), *progress)
 
 
 def render_workers(record: dict) -> Table:

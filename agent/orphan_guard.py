@@ -16,7 +16,8 @@ every group it was told about and every process whose /proc/PID/environ carries 
 scanning again until none is left (a process may fork while being killed), then exits. Process
 groups alone are not enough: a setsid'd grandchild has left its worker's group and session.
 It imports nothing heavy and ignores the terminal's and SLURM's signals, so it outlives the
-agent long enough to do its one job. Run as `python -m agent.orphan_guard`.
+agent long enough to do its one job. Run by file path (`python <rally>/agent/orphan_guard.py`),
+so it works from any installation and nothing on the user's path can stand in for it.
 """
 
 from __future__ import annotations
@@ -104,10 +105,11 @@ class GuardClient:
 
         self.token = token
         self.process: Any = subprocess.Popen(
-            [sys.executable, "-m", "agent.orphan_guard"],
+            # By file path, as the workers' bootstrap: works from any installation, and no
+            # module on the user's path (an `agent` package, say) can take its place.
+            [sys.executable, str(Path(__file__).resolve())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
-            cwd=str(Path(__file__).resolve().parents[1]),
         )
         self._tell(f"token {token}\n")
 

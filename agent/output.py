@@ -4,11 +4,18 @@ The agent reads every worker pipe in its one event loop and writes each complete
 single write call, so two workers' bytes never mix within a line. A line still open when its
 worker exits is finished with a newline. The last lines of each worker's stderr are kept in
 memory for the root-cause report, so a failure can be explained even without log files.
+
+Progress bars (tqdm, rich) redraw one line with carriage returns and no newline. Each piece
+that ends in '\r' is written at once, with the prefix, and so is the redraw still open after
+a '\r' (tqdm writes "\r 10%|#..." and then waits): it is written as prefix + text + '\r', so
+every console write still ends the line it started and the next redraw replaces it. Output
+that never ends a line is cut every MAX_PARTIAL_LINE bytes, so memory stays bounded.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +23,11 @@ from typing import BinaryIO
 
 TAIL_LINES = 400  # enough for the stack dumps of a hung worker with a few threads
 READ_CHUNK = 65536
+# The longest unfinished line kept in memory; longer output without '\n' or '\r' is written
+# to the console in pieces of this size, each ended with a newline.
+MAX_PARTIAL_LINE = 65536
+# Where a piece of a line ends: '\r\n', '\n' or '\r'.
+_PIECE_END = re.compile(rb"\r\n|\n|\r")
 
 
 class LineTail:
@@ -47,7 +59,13 @@ class OutputStream:
     whole_lines: bool = True  # False (--no-prefix): pass bytes through as they arrive
     file: BinaryIO | None = None  # --tee: an exact copy of everything
     tail: LineTail | None = None
+    # --duplicate-*-filters: (file, substrings); matching whole lines are copied there with
+    # `duplicate_prefix` (torchrun's "[role<local_rank>]:").
+    duplicate: tuple[BinaryIO, tuple[bytes, ...]] | None = None
+    duplicate_prefix: bytes = b""
     _partial: bytes = b""
+    _after_cr: bool = False  # the last piece ended in '\r': `_partial` is a progress redraw
+    _shown: bytes | None = None  # the redraw already written to the console
     open: bool = True
     last_read_at: float = 0.0  # monotonic time of the last bytes seen (silence detection)
 
@@ -70,16 +88,39 @@ class OutputStream:
                 self.console.write(data)
                 self.console.flush()
             return True
-        data = self._partial + data
-        end = data.rfind(b"\n") + 1
-        self._partial = data[end:]
-        if end:
-            lines = data[:end].splitlines(keepends=True)
-            self._remember_lines(lines)
-            if self.console is not None:
-                self.console.write(b"".join(self.prefix + line for line in lines))
-                self.console.flush()
+        self._take(self._partial + data)
         return True
+
+    def _take(self, data: bytes) -> None:
+        """Write every finished piece of `data`, then the open redraw; keep the rest."""
+        out: list[bytes] = []
+        lines: list[bytes] = []
+        end = 0
+        for match in _PIECE_END.finditer(data):
+            piece = data[end : match.end()]
+            end = match.end()
+            if piece.endswith(b"\n"):
+                lines.append(piece)
+                out.append(self.prefix + piece)
+                self._after_cr = False
+            else:  # a progress redraw is done: show it, unless it is already on the console
+                if piece[:-1] and piece[:-1] != self._shown:
+                    out.append(self.prefix + piece)
+                self._after_cr = True
+            self._shown = None
+        rest = data[end:]
+        while len(rest) > MAX_PARTIAL_LINE:  # no line end in sight: bounded memory
+            lines.append(rest[:MAX_PARTIAL_LINE] + b"\n")
+            out.append(self.prefix + lines[-1])
+            rest = rest[MAX_PARTIAL_LINE:]
+        self._partial = rest
+        if rest and self._after_cr and rest != self._shown:
+            out.append(self.prefix + rest + b"\r")
+            self._shown = rest
+        self._remember_lines(lines)
+        if out and self.console is not None:
+            self.console.write(b"".join(out))
+            self.console.flush()
 
     def finish(self) -> None:
         """End of stream: write the unfinished last line, if any, and close the pipe."""
@@ -100,6 +141,12 @@ class OutputStream:
     def _remember_lines(self, lines: list[bytes]) -> None:
         if self.tail is not None:
             self.tail.extend(lines)
+        if self.duplicate is not None:
+            file, needles = self.duplicate
+            matching = [self.duplicate_prefix + line for line in lines if any(n in line for n in needles)]
+            if matching:
+                file.write(b"".join(matching))
+                file.flush()
 
     def _remember(self, data: bytes) -> None:
         if self.tail is not None:

@@ -57,6 +57,10 @@ class JobSpec:
     # Modules the worker template imports once (agent/template.py); workers are then forked
     # from it. None: every worker is started plainly (--no-preload, --no-python).
     preload: tuple[str, ...] | None = None
+    virtual_local_rank: bool = False  # LOCAL_RANK=0, one GPU per worker (torchrun's flag)
+    # Lines containing any of these go to attempt_<n>/filtered_{stdout,stderr}.log as well.
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
 
     @property
     def is_python(self) -> bool:

@@ -117,6 +117,11 @@ def worker_env(
             env["RALLY_PREEMPT_SIGNALS"] = ",".join(signal.Signals(s).name for s in spec.preemption_signals)
     if spec.checkpoint_dir:
         env["RALLY_CHECKPOINT_DIR"] = spec.checkpoint_dir
+    if spec.virtual_local_rank:  # as torchrun's LocalElasticAgent._set_local_rank_env
+        from rally.launcher.torchrun_extras import virtual_device
+
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = virtual_device(local_rank, base_env)
     return env
 
 
@@ -150,6 +155,7 @@ class WorkerGroup:
 
     workers: list[Worker] = field(default_factory=list)
     streams: list[OutputStream] = field(default_factory=list)
+    filtered_files: list[BinaryIO] = field(default_factory=list)  # --duplicate-*-filters
 
     @classmethod
     def start(
@@ -170,6 +176,13 @@ class WorkerGroup:
         console_err = console_err or sys.stderr.buffer
         group = cls()
         host = socket.gethostname()
+        duplicates: dict[int, tuple[BinaryIO, tuple[bytes, ...]]] = {}
+        for bit, name, filters in ((STDOUT, "stdout", spec.duplicate_stdout_filters), (STDERR, "stderr", spec.duplicate_stderr_filters)):
+            if filters:
+                logs.attempt_dir(assignment.round).mkdir(parents=True, exist_ok=True)
+                filtered = open(logs.attempt_dir(assignment.round) / f"filtered_{name}.log", "wb")  # noqa: SIM115 - closed in close()
+                group.filtered_files.append(filtered)
+                duplicates[bit] = (filtered, tuple(f.encode() for f in filters))
         for local_rank in range(spec.nproc_per_node):
             rank = assignment.rank_offset + local_rank
             rank_dir = logs.rank_dir(assignment.round, local_rank)
@@ -207,6 +220,8 @@ class WorkerGroup:
                         whole_lines=bool(tee & bit) or (spec.prefix_output and not torchrun_style),
                         file=open(path, "wb") if tee & bit else None,  # noqa: SIM115
                         tail=output.stderr_tail if bit == STDERR else None,
+                        duplicate=duplicates.get(bit) if tee & bit else None,  # as torchrun: tee'd streams only
+                        duplicate_prefix=tee_prefix,
                     )
                 )
             try:
@@ -236,3 +251,5 @@ class WorkerGroup:
         for stream in self.streams:
             if stream.open:
                 stream.finish()
+        for filtered in self.filtered_files:
+            filtered.close()

@@ -212,7 +212,7 @@ class Job:
 
 
 def short_command(cmdline: list[str]) -> str:
-    """'agent.orphan_guard' for `python -m agent.orphan_guard`, 'bootstrap.py template' for
+    """'orphan_guard.py' for `python .../orphan_guard.py`, 'bootstrap.py template' for
     `python -u .../bootstrap.py template`: enough to say what a helper process is."""
     args = [a for a in cmdline[1:] if a not in ("-u", "-B", "-E", "-s")]
     if args[:1] == ["-m"]:

@@ -27,7 +27,7 @@ GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entr
 
 OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("nnodes", dict(default="1:1", metavar="N|MIN:MAX", help="Number of nodes, or MIN:MAX for an elastic job."), "Job"),
-    ("nproc-per-node", dict(default="1", metavar="N|auto|cpu|gpu", help="Workers per node."), "Job"),
+    ("nproc-per-node", dict(default="1", metavar="N|auto|cpu|gpu|xpu", help="Workers per node."), "Job"),
     ("role", dict(default="default", help="Worker role name (ROLE_NAME, log prefixes)."), "Job"),
     ("standalone", dict(is_flag=True, help="Single node: a private store on a free port, a random run id."), "Rendezvous"),
     ("rdzv-backend", dict(default="static", metavar="c10d|etcd|static", help="c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: fixed node ranks."), "Rendezvous"),
@@ -49,6 +49,12 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("redirects", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files only: 1 stdout, 2 stderr, 3 both."), "Logs and output"),
     ("tee", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files and the console."), "Logs and output"),
     ("local-ranks-filter", dict(default="", metavar="R,...", help="Show only these local ranks on the console."), "Logs and output"),
+    ("duplicate-stdout-filters", dict(default="", metavar="S,...", help="Copy worker stdout lines containing any of these to attempt_<n>/filtered_stdout.log (,, is a comma)."), "Logs and output"),
+    ("duplicate-stderr-filters", dict(default="", metavar="S,...", help="The same for stderr, to filtered_stderr.log."), "Logs and output"),
+    ("logs-specs", dict(default=None, metavar="NAME", help="torchrun.logs_specs entry point; checked, rally keeps torchrun's default layout."), "Logs and output"),
+    ("event-log-handler", dict(default="null", metavar="NAME", help="Accepted for torchrun compatibility; rally writes events.jsonl."), "Logs and output"),
+    ("virtual-local-rank", dict(is_flag=True, help="LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU."), "Job"),
+    ("numa-binding", dict(default=None, type=click.Choice(["node", "socket", "exclusive", "core-complex"]), help="torchrun's NUMA binding modes (applied only where GPUs exist)."), "Job"),
     ("module", dict(is_flag=True, help="Run SCRIPT as a module, like python -m."), "Entry point"),
     ("no-python", dict(is_flag=True, help="Run SCRIPT as an executable, not with python."), "Entry point"),
     ("run-path", dict(is_flag=True, help="Run SCRIPT with runpy.run_path."), "Entry point"),
@@ -80,18 +86,56 @@ Examples:
   srun rally train.py                 (under SLURM nothing else is needed)
   rally --config job.yaml
 
-\b
-Other commands:
-  rally store --port PORT     a standalone rendezvous store that survives any compute node
-  rally status --rdzv-endpoint HOST:PORT --rdzv-id ID    a running job, as its store sees it
-                                 (inside a SLURM job the endpoint and id come from SLURM)
+A script named like a command (store, status) runs as `rally ./store` or `rally -- store`.
 
 Precedence: flags > PET_*/RALLY_* environment > --config file > defaults.
 """
 
 
+SUBCOMMANDS = {
+    "store": ("rally.launcher.store_command", "store_command"),
+    "status": ("rally.launcher.status_command", "status_command"),
+}
+
+
+class Subcommands(click.Group):
+    """`rally store` and `rally status`, loaded on first use (they import torch and rich)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in SUBCOMMANDS:
+            return None
+        import importlib
+
+        module, attribute = SUBCOMMANDS[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+subcommands = Subcommands(name="rally", context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _complete_script(ctx: click.Context, param: click.Parameter, incomplete: str) -> list:
+    """Shell completion of SCRIPT: the subcommands, then files."""
+    from click.shell_completion import CompletionItem
+
+    names = [CompletionItem(n) for n in SUBCOMMANDS if n.startswith(incomplete)]
+    return [*names, CompletionItem(incomplete, type="file")]
+
+
 class GroupedCommand(click.Command):
     """Help text with options grouped by purpose, as torchrun users look for them."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The commands besides running a job, from their own help, then the examples."""
+        with formatter.section("Commands"):
+            rows = []
+            for name in subcommands.list_commands(ctx):
+                command = subcommands.get_command(ctx, name)
+                rows.append((f"rally {name}", command.get_short_help_str(80) if command else ""))
+            formatter.write_dl(rows)
+        super().format_epilog(ctx, formatter)
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         by_group: dict[str, list[tuple[str, str]]] = {g: [] for g in ("General", *GROUPS)}
@@ -137,7 +181,7 @@ def _declare(fn: Callable) -> Callable:
 @click.option("--config", "config", is_eager=True, expose_value=True, callback=_load_config, metavar="FILE", help="YAML file with any of these options (plus script and args).")
 @click.version_option(__version__, "--version", prog_name="rally")
 @_declare
-@click.argument("script", required=False)
+@click.argument("script", required=False, shell_complete=_complete_script)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def run_command(ctx: click.Context, config: str | None, script: str | None, script_args: tuple[str, ...], **options: Any) -> int:
@@ -218,12 +262,59 @@ def _run_agent(launch, requeue: Callable[[], str] | None = None) -> int:  # noqa
     quiet_torch_logs()
     from rally.agent.agent import Agent
 
-    code = Agent(launch.spec, launch.plan, base_env, requeue).run()
-    # Every process is stopped and every file written: skip the interpreter's teardown (torch's
-    # takes 0.35 s on an idle node, seconds on a busy one), so a stop ends when rally says so.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    global _AGENT_RAN
+    _AGENT_RAN = True
+    return Agent(launch.spec, launch.plan, base_env, requeue).run()
+
+
+_AGENT_RAN = False  # main() ends a process that ran the agent with os._exit (see there)
+
+
+def run(argv: list[str]) -> int:
+    """The `rally` command as a function: returns the exit code instead of exiting.
+
+    Bad input prints its one `rally: error:` line and returns 2. The agent runs in this
+    process (it must be the main thread: it installs signal handlers); the handlers, the wake-up
+    fd and the signal mask are put back when it returns.
+    """
+    saved_mask = signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
+    handled = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2]
+    saved_handlers = {s: signal.getsignal(s) for s in handled}
+    saved_wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(saved_wakeup)
+    try:
+        return _run_command(list(argv))
+    finally:
+        signal.set_wakeup_fd(saved_wakeup)
+        for signum, handler in saved_handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, saved_mask)
+
+
+def _run_command(args: list[str]) -> int:
+    # `rally store ...` and `rally status ...` are subcommands; anything else (options first,
+    # a script, `./store`, `-- store`) is the run command, exactly as before.
+    command: click.Command = subcommands if args and args[0] in SUBCOMMANDS else run_command
+    try:
+        code = command.main(args, prog_name="rally", standalone_mode=False)
+    except ConfigError as exc:
+        console.plain_error(str(exc))
+        return 2
+    except click.UsageError as exc:
+        message = exc.format_message()
+        if isinstance(exc, click.NoSuchOption):
+            message = f"no such option {exc.option_name}; see rally --help"
+            if exc.possibilities:
+                message = f"no such option {exc.option_name}; did you mean {sorted(exc.possibilities)[0]}?"
+        console.plain_error(message)
+        return 2
+    except click.ClickException as exc:
+        console.plain_error(exc.format_message())
+        return exc.exit_code
+    except click.exceptions.Abort:
+        return 130
+    return code if isinstance(code, int) else 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,35 +323,12 @@ def main(argv: list[str] | None = None) -> None:
     # kill rally before the agent can forward it. Blocked here, it stays pending until the agent
     # installs its handlers and unblocks it (threads started meanwhile inherit the block).
     signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "store":
-        from rally.launcher.store_command import store_command
-
-        command: click.Command = store_command
-        args = args[1:]
-    elif args and args[0] == "status":
-        from rally.launcher.status_command import status_command
-
-        command = status_command
-        args = args[1:]
-    else:
-        command = run_command
-    try:
-        code = command.main(args, prog_name="rally", standalone_mode=False)
-    except ConfigError as exc:
-        console.plain_error(str(exc))
-        sys.exit(2)
-    except click.UsageError as exc:
-        message = exc.format_message()
-        if isinstance(exc, click.NoSuchOption):
-            message = f"no such option {exc.option_name}; see rally --help"
-            if exc.possibilities:
-                message = f"no such option {exc.option_name}; did you mean {sorted(exc.possibilities)[0]}?"
-        console.plain_error(message)
-        sys.exit(2)
-    except click.ClickException as exc:
-        console.plain_error(exc.format_message())
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+    code = _run_command(list(sys.argv[1:] if argv is None else argv))
+    if _AGENT_RAN:
+        # Every process is stopped and every file written: skip the interpreter's teardown
+        # (torch's takes 0.35 s on an idle node, seconds on a busy one), so a stop ends when
+        # rally says so. `run()` (the Python API) returns instead.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -106,12 +106,19 @@ def parse_nproc(text: str) -> int:
         if count == 0:
             raise ConfigError("--nproc-per-node gpu: no GPU is visible on this node; use a number, 'cpu' or 'auto'")
         return count
+    if value == "xpu":
+        from rally.launcher.torchrun_extras import xpu_count
+
+        count = xpu_count()
+        if count == 0:
+            raise ConfigError("--nproc-per-node xpu: no XPU is available on this node (torch.xpu); use a number, 'cpu' or 'auto'")
+        return count
     if value == "auto":
         return visible_gpu_count() or os.cpu_count() or 1
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(f"--nproc-per-node '{text}' is not valid; use a number, 'auto', 'cpu' or 'gpu'") from None
+        raise ConfigError(f"--nproc-per-node '{text}' is not valid; use a number, 'auto', 'cpu', 'gpu' or 'xpu'") from None
     if number < 1:
         raise ConfigError(f"--nproc-per-node {number}: must be at least 1")
     return number
@@ -273,7 +280,7 @@ def parse_signals(text: str, flag: str) -> tuple[int, ...]:
 
 
 def imports_only_stdlib(script: str) -> bool:
-    """True when a script imports nothing but the standard library (and rally's own `agent`).
+    """True when a script imports nothing but the standard library (and rally's own `rally.job`).
 
     Such a script has nothing heavy to preload, so a template would only cost an import of
     torch that no worker uses. Read with `ast`, never executed; unreadable means "no".
@@ -290,7 +297,7 @@ def imports_only_stdlib(script: str) -> bool:
             names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
-    return names <= set(sys.stdlib_module_names) | {"agent", "__future__"}
+    return names <= set(sys.stdlib_module_names) | {"rally", "__future__"}
 
 
 def parse_preload(
@@ -465,6 +472,13 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
             f"setting OMP_NUM_THREADS=1 for each of the {nproc} workers (it was unset); "
             "set it yourself to tune CPU threads"
         )
+    from rally.launcher.torchrun_extras import ExtrasError, extras
+
+    try:
+        extra_fields, extra_notes = extras(o, nproc, visible_gpu_count())
+    except ExtrasError as exc:
+        raise ConfigError(str(exc)) from None
+    notes += extra_notes
     shutdown_timeout = o["shutdown_timeout"]
     if shutdown_timeout is None:
         shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
@@ -502,6 +516,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
         crash_loop_limit=int(_non_negative(o["crash_loop_limit"], "--crash-loop-limit")),
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
+        **extra_fields,
         preload=parse_preload(o.get("preload"), bool(o.get("no_preload")), bool(o["no_python"]), script, bool(o["module"])),
     )
     plan = RendezvousPlan(
@@ -512,5 +527,6 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         connect_timeout=conf["join_timeout"],
         read_timeout=conf["read_timeout"],
         token=token,
+        workers_use_rendezvous_store=backend == "static" and endpoint.file_path is None,
     )
     return Launch(spec, plan, notes)

@@ -29,7 +29,7 @@ from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint
 MIB = 1024 * 1024
 
 
-@click.command(name="rally status", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", default=None, metavar="HOST[:PORT]", help="The job's rendezvous store (inside a SLURM job: taken from SLURM).")
 @click.option("--rdzv-id", "--rdzv_id", "run_id", default=None, help="The job's run id (inside a SLURM job: taken from SLURM).")
 @click.option(

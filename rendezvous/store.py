@@ -196,6 +196,16 @@ class Store:
             raise StoreUnavailable(f"{self.describe} is gone ({_first_line(exc)})") from exc
         return Store(raw, self.prefix, self.describe, self._reconnect, self.signer)
 
+    def delete_keys_outside(self, keep_prefix: str) -> int:
+        """Delete every key of the whole store that does not start with `keep_prefix`; return
+        how many. Used where workers share the rendezvous store (the static backend, whose
+        workers connect to --master-port as torchrun's do): between rounds this removes the
+        previous attempt's worker keys, so a restarted job never reads a stale address."""
+        stale = [k for k in self._call(self.raw.list_keys) if not k.startswith(keep_prefix)]
+        for key in stale:
+            self._call(self.raw.delete_key, key)
+        return len(stale)
+
     def with_prefix(self, prefix: str) -> "Store":
         return Store(self.raw, self.prefix + prefix, self.describe, self._reconnect, self.signer)
 

@@ -1,0 +1,98 @@
+"""torchrun 2.13's newer flags: parsed and checked here, so config.py stays about rally's core.
+
+* `--virtual-local-rank`: every worker sees LOCAL_RANK=0 and one GPU (CUDA_VISIBLE_DEVICES
+  narrowed to its own), as torchrun's `_set_local_rank_env`.
+* `--duplicate-stdout-filters` / `--duplicate-stderr-filters`: lines containing any of the
+  substrings are copied to `attempt_<n>/filtered_stdout.log` / `filtered_stderr.log`; `,,`
+  is a literal comma (torchrun's `comma_separated_list`).
+* `--logs-specs NAME`: torchrun loads a `LogsSpecs` class from the `torchrun.logs_specs`
+  entry-point group. rally checks that the entry point exists (a typo is an error) but keeps
+  its own log layout, which is torchrun's default one; it says so in one line.
+* `--event-log-handler`: accepted; rally writes its events to `events.jsonl` in the run
+  directory whatever the handler, and says so when one other than `null` is named.
+* `--numa-binding MODE`: torch's modes are accepted; the binding places each worker near its
+  GPU, so on a node without GPUs there is nothing to bind to and one line says so.
+* `--nproc-per-node xpu`: one worker per Intel XPU (torch.xpu), an error when there is none.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+
+
+class ExtrasError(ValueError):
+    """A bad value for one of these flags (the launcher shows it as one line, exit 2)."""
+
+
+def comma_separated_list(value: str | None) -> tuple[str, ...]:
+    """torchrun's parsing: split on ',', where ',,' stands for a literal comma."""
+    if not value:
+        return ()
+    placeholder = "\0"
+    return tuple(item.replace(placeholder, ",") for item in str(value).replace(",,", placeholder).split(","))
+
+
+def xpu_count() -> int:
+    try:
+        import torch
+
+        return torch.xpu.device_count() if torch.xpu.is_available() else 0
+    except Exception:  # noqa: BLE001 - a torch without XPU support means no XPU
+        return 0
+
+
+def check_virtual_local_rank(enabled: bool, nproc: int) -> None:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if enabled and visible is not None and nproc > len(visible.split(",")):
+        raise ExtrasError(
+            f"--virtual-local-rank: {nproc} workers but CUDA_VISIBLE_DEVICES={visible} lists fewer GPUs; "
+            "lower --nproc-per-node or widen CUDA_VISIBLE_DEVICES"
+        )
+
+
+def virtual_device(local_rank: int, base_env: Mapping[str, str]) -> str:
+    """The one GPU a worker sees under --virtual-local-rank (torchrun's mapping)."""
+    visible = base_env.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
+
+
+def logs_specs_note(name: str | None) -> str | None:
+    if not name:
+        return None
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="torchrun.logs_specs").select(name=name)
+    if not found:
+        raise ExtrasError(f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install the package that provides it, or drop the flag")
+    return f"--logs-specs {name}: rally cannot apply a custom LogsSpecs class; it keeps torchrun's default log layout"
+
+
+def event_log_note(handler: str | None) -> str | None:
+    if handler and handler != "null":
+        return f"--event-log-handler {handler}: rally records its events in events.jsonl in the run directory instead"
+    return None
+
+
+def numa_note(mode: str | None, gpus: int) -> str | None:
+    if mode is None:
+        return None
+    if mode not in NUMA_MODES:
+        raise ExtrasError(f"--numa-binding '{mode}' is not one of {', '.join(NUMA_MODES)}")
+    if gpus == 0:
+        return f"--numa-binding {mode}: no GPU on this node to bind workers near; workers keep every CPU"
+    return f"--numa-binding {mode}: not applied by rally yet; workers keep every CPU"
+
+
+def extras(o: Mapping[str, Any], nproc: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
+    """JobSpec fields and notes for the newer torchrun flags."""
+    check_virtual_local_rank(bool(o.get("virtual_local_rank")), nproc)
+    notes = [n for n in (logs_specs_note(o.get("logs_specs")), event_log_note(o.get("event_log_handler")), numa_note(o.get("numa_binding"), gpus)) if n]
+    fields = {
+        "virtual_local_rank": bool(o.get("virtual_local_rank")),
+        "duplicate_stdout_filters": comma_separated_list(o.get("duplicate_stdout_filters")),
+        "duplicate_stderr_filters": comma_separated_list(o.get("duplicate_stderr_filters")),
+    }
+    return fields, notes

@@ -1,0 +1,80 @@
+"""torchrun 2.13's newer flags under rally, compared with torchrun where the behaviour shows:
+--duplicate-stdout-filters / --duplicate-stderr-filters (with the `,,` escape) and
+--virtual-local-rank; the others are accepted, and their bad values are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import clean_env, run_rally, write_probe
+
+PROBE = """
+    import json, os, sys
+    print("apple pie", os.environ["RANK"])
+    print("banana", os.environ["RANK"])
+    print("a,b here", os.environ["RANK"])
+    print("err orange", os.environ["RANK"], file=sys.stderr)
+    keys = ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
+    with open(os.path.join(sys.argv[1], "env_" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+"""
+
+
+def launch(tmp_path: Path, name: str, torchrun: bool) -> tuple[dict[str, list[str]], dict[str, dict]]:
+    probe = write_probe(tmp_path / "probe.py", PROBE)
+    out, logs = tmp_path / f"{name}_out", tmp_path / f"{name}_logs"
+    out.mkdir()
+    args = [
+        "--standalone", "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(logs), "--virtual-local-rank",
+        "--duplicate-stdout-filters", "apple,a,,b", "--duplicate-stderr-filters", "orange", str(probe), str(out),
+    ]  # fmt: skip
+    argv = [sys.executable, "-m", "torch.distributed.run", *args] if torchrun else None
+    env = clean_env(CUDA_VISIBLE_DEVICES="5,7", RALLY_NO_PRELOAD="1", RALLY_PRELOAD=None)
+    result = run_rally(args, cwd=tmp_path, env=env, argv=argv, timeout=120)
+    assert result.returncode == 0, result.describe()
+    filtered = {p.name: sorted(p.read_text().splitlines()) for p in logs.glob("*/attempt_0/filtered_*.log")}
+    envs = {p.stem: json.loads(p.read_text()) for p in out.glob("env_*.json")}
+    return filtered, envs
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(240)
+def test_duplicate_filters_and_virtual_local_rank_match_torchrun(tmp_path: Path) -> None:
+    t_filtered, t_envs = launch(tmp_path, "torchrun", torchrun=True)
+    r_filtered, r_envs = launch(tmp_path, "rally", torchrun=False)
+    assert r_filtered == t_filtered
+    assert r_filtered["filtered_stdout.log"] == ["[default0]:a,b here 0", "[default0]:apple pie 0", "[default1]:a,b here 1", "[default1]:apple pie 1"]
+    assert r_filtered["filtered_stderr.log"] == ["[default0]:err orange 0", "[default1]:err orange 1"]
+    assert r_envs == t_envs == {"env_0": {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "5"}, "env_1": {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "7"}}
+
+
+@pytest.mark.timeout(60)
+def test_accepted_flags_say_what_rally_does_with_them(tmp_path: Path) -> None:
+    probe = write_probe(tmp_path / "ok.py", "print('ok')\n")
+    args = ["--standalone", "--no-preload", "--event-log-handler", "console", "--numa-binding", "node", str(probe)]
+    result = run_rally(args, cwd=tmp_path)
+    assert result.returncode == 0, result.describe()
+    assert "--event-log-handler console: rally records its events in events.jsonl" in result.stderr
+    assert "--numa-binding node: " in result.stderr and "workers keep every CPU" in result.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--logs-specs", "nosuchspec"], "--logs-specs 'nosuchspec': no entry point of that name in the 'torchrun.logs_specs' group"),
+        (["--nproc-per-node", "xpu"], "--nproc-per-node xpu: no XPU is available on this node"),
+        (["--numa-binding", "everywhere"], "'everywhere' is not one of"),
+    ],
+)
+def test_bad_values_of_the_new_flags_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    probe = write_probe(tmp_path / "ok.py", "print('ok')\n")
+    result = run_rally([*args, str(probe)], cwd=tmp_path)
+    assert result.returncode == 2, result.describe()
+    errors = [line for line in result.stderr_lines if line.startswith("rally: error:")]
+    assert len(errors) == 1 and message in errors[0], result.describe()
+    assert "Traceback" not in result.stderr
