@@ -117,6 +117,10 @@ def worker_env(
             env["RALLY_PREEMPT_SIGNALS"] = ",".join(signal.Signals(s).name for s in spec.preemption_signals)
     if spec.checkpoint_dir:
         env["RALLY_CHECKPOINT_DIR"] = spec.checkpoint_dir
+    if spec.numa_binding is not None:  # the CPUs near this worker's GPU (agent/numa.py)
+        from rally.agent.numa import AFFINITY_VARIABLE, cpus_near_gpu, format_cpus
+
+        env[AFFINITY_VARIABLE] = format_cpus(cpus_near_gpu(spec.numa_binding, local_rank))
     if spec.virtual_local_rank:  # as torchrun's LocalElasticAgent._set_local_rank_env
         from rally.launcher.torchrun_extras import virtual_device
 
