@@ -6,8 +6,8 @@
   substrings are copied to `attempt_<n>/filtered_stdout.log` / `filtered_stderr.log`; `,,`
   is a literal comma (torchrun's `comma_separated_list`).
 * `--logs-specs NAME`: torchrun loads a `LogsSpecs` class from the `torchrun.logs_specs`
-  entry-point group. rally checks that the entry point exists (a typo is an error) but keeps
-  its own log layout, which is torchrun's default one; it says so in one line.
+  entry-point group; rally checks here that it exists (a typo is an error) and the agent
+  writes where the class says, every attempt (agent/logs_specs.py).
 * `--event-log-handler`: accepted; rally writes its events to `events.jsonl` in the run
   directory whatever the handler, and says so when one other than `null` is named.
 * `--numa-binding MODE`: torch's modes; each worker is bound to the CPUs torch picks near its
@@ -67,7 +67,7 @@ def logs_specs_note(name: str | None) -> str | None:
     found = entry_points(group="torchrun.logs_specs").select(name=name)
     if not found:
         raise ExtrasError(f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install the package that provides it, or drop the flag")
-    return f"--logs-specs {name}: rally cannot apply a custom LogsSpecs class; it keeps torchrun's default log layout"
+    return None  # applied every attempt: agent/logs_specs.py
 
 
 def event_log_note(handler: str | None) -> str | None:
@@ -93,6 +93,7 @@ def extras(o: Mapping[str, Any], nproc: int, gpus: int) -> tuple[dict[str, Any],
     fields = {
         "virtual_local_rank": bool(o.get("virtual_local_rank")),
         "numa_binding": o.get("numa_binding") if gpus else None,
+        "logs_specs": o.get("logs_specs") or None,
         "duplicate_stdout_filters": comma_separated_list(o.get("duplicate_stdout_filters")),
         "duplicate_stderr_filters": comma_separated_list(o.get("duplicate_stderr_filters")),
     }
