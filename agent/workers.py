@@ -271,9 +271,6 @@ class WorkerGroup:
     def all_succeeded(self) -> bool:
         return all(w.returncode == 0 for w in self.workers)
 
-    def by_pidfd(self) -> dict[int, Worker]:
-        return {w.process.pidfd: w for w in self.workers if w.process.pidfd >= 0}
-
     def close(self) -> None:
         for worker in self.workers:
             worker.process.close()

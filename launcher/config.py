@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from rally.agent.agent import RendezvousPlan
+from rally.rendezvous.plan import RendezvousPlan
 from rally.agent.spec import JobSpec
 from rally.rendezvous.etcd_client import DEFAULT_ETCD_PORT, Member
 from rally.rendezvous.protocol import RendezvousSettings
@@ -44,7 +44,7 @@ RDZV_CONF_DEFAULTS: dict[str, Any] = {
     "last_call_timeout": 30.0,
     "close_timeout": 30.0,
     "read_timeout": 60.0,
-    "timeout": 900.0,
+    "timeout": None,  # torch's static and etcd backends: how long the job may take to form (= join_timeout)
     "is_host": None,
     "keep_alive_interval": 1.0,
     "keep_alive_max_attempt": 5,
@@ -189,6 +189,13 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
             if number <= 0:
                 raise ConfigError(f"--rdzv-conf {key}={value}: must be positive")
             conf[key] = number
+    if conf["timeout"] is not None:  # torch's name for the same wait; two different values are a mistake
+        if "join_timeout" in {i.split("=", 1)[0].strip() for i in str(text).split(",")} and conf["join_timeout"] != conf["timeout"]:
+            raise ConfigError(
+                f"--rdzv-conf: timeout={conf['timeout']:g} and join_timeout={conf['join_timeout']:g} name the same "
+                "wait (how long the job may take to form); give one of them"
+            )
+        conf["join_timeout"] = conf["timeout"]
     return conf
 
 
