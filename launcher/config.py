@@ -273,6 +273,8 @@ def parse_metrics_port(value: Any) -> int | None:
 
 
 def parse_signals(text: str, flag: str) -> tuple[int, ...]:
+    from rally.agent.job import to_signal
+
     out = []
     for name in str(text).split(","):
         name = name.strip().upper()
@@ -280,7 +282,7 @@ def parse_signals(text: str, flag: str) -> tuple[int, ...]:
             continue
         full = name if name.startswith("SIG") else "SIG" + name
         try:
-            out.append(int(signal.Signals(int(name)) if name.isdigit() else signal.Signals[full]))
+            out.append(int(to_signal(name)))
         except (KeyError, ValueError):
             raise ConfigError(f"{flag}: unknown signal '{name}'{suggest(full, signal.Signals.__members__)}") from None
     return validate.handled_signals(tuple(out), flag)
