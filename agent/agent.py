@@ -23,7 +23,6 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from rally.agent import processes
@@ -45,10 +44,10 @@ from rally.rendezvous.protocol import (
     NodeInfo,
     Rendezvous,
     RendezvousError,
-    RendezvousSettings,
     RoundEnd,
 )
-from rally.rendezvous.store import Store, StoreEndpoint, StoreError, StoreUnavailable, UntrustedValue, host_tcp_store, open_store
+from rally.rendezvous.plan import RendezvousPlan
+from rally.rendezvous.store import Store, StoreError, StoreUnavailable, UntrustedValue, host_tcp_store, open_store
 from rally.rendezvous.token import Signer
 
 EXIT_BAD_INPUT = 2
@@ -68,23 +67,6 @@ class AgentExit(Exception):
     def __init__(self, code: int, message: str = ""):
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class RendezvousPlan:
-    """How this node finds the others: the store, the membership rules, and who it is."""
-
-    endpoint: StoreEndpoint
-    settings: RendezvousSettings
-    local_addr: str
-    preferred_rank: int | None = None
-    connect_timeout: float = 600.0
-    read_timeout: float = 60.0
-    token: str = ""  # the job's secret: every store value is signed with it (rendezvous/token.py)
-    # The static backend, as torchrun: workers get MASTER_ADDR/MASTER_PORT = the rendezvous
-    # store itself (--master-addr/--master-port; clusters open one port), and node 0 deletes
-    # the previous attempt's worker keys before each round. Otherwise: a fresh store per round.
-    workers_use_rendezvous_store: bool = False
 
 
 class _Inbox:

@@ -32,6 +32,15 @@ import sys
 import zipfile
 
 
+def _bind_cpus() -> None:
+    """--numa-binding: a template-forked worker binds itself here (a plain start already is)."""
+    text = os.environ.get("RALLY_CPU_AFFINITY")
+    if text:
+        from rally.agent.numa import apply_from_environment
+
+        apply_from_environment()
+
+
 def install_stack_dump() -> None:
     signum = os.environ.get("RALLY_STACK_SIGNAL")
     if signum:
@@ -91,6 +100,7 @@ def _report(exc: BaseException) -> None:
 
 
 def run(mode: str, target: str, args: list[str]) -> None:
+    _bind_cpus()
     install_stack_dump()
     install_preemption_handler()
     if mode == "module":

@@ -199,12 +199,20 @@ class HangReporter:
             pass  # the store is gone: the keep-alive and round-end threads report that
 
     def round_over(self, rdzv: Rendezvous, a: Assignment) -> None:
-        """Release this round's watchers (ours and, if nobody asked yet, everyone's)."""
+        """Release this round's watchers (ours and, if nobody asked yet, everyone's).
+
+        In a thread of its own, on a connection of its own: the round may be over because the
+        store froze or this node was cut off, and a store call would then never return."""
         if self.cross_node(a):
-            try:
-                rdzv.end_stacks_requests(a.round)
-            except StoreError:
-                pass
+            agent = self.agent
+
+            def release() -> None:
+                try:
+                    Rendezvous(agent.store.connect_again(), rdzv.settings, rdzv.me).end_stacks_requests(a.round)
+                except StoreError:
+                    pass
+
+            threading.Thread(target=release, daemon=True).start()
 
     def answer(self, rdzv: Rendezvous, a: Assignment) -> None:
         """Another node found a hang: publish this node's snapshots (once per round)."""

@@ -103,18 +103,21 @@ def context() -> JobContext:
     )
 
 
+def to_signal(item: str) -> signal.Signals:
+    """``"SIGUSR1"``, ``"usr1"`` or ``"10"`` as a signal: rally's one reading of a signal's name
+    (flags, config, RALLY_PREEMPT_SIGNALS). KeyError or ValueError when there is no such signal."""
+    name = item.strip().upper()
+    return signal.Signals(int(name)) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+
+
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
     """Parse ``"SIGUSR1,TERM,12"`` into signals; the format of RALLY_PREEMPT_SIGNALS."""
     signals: list[signal.Signals] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        name = item.upper()
         try:
-            if name.isdigit():
-                signals.append(signal.Signals(int(name)))
-            else:
-                signals.append(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
+            signals.append(to_signal(item))
         except (KeyError, ValueError):
             raise ValueError(
                 f"rally: unknown signal {item!r} in {PREEMPT_SIGNALS_ENV}; use names like SIGUSR1,SIGTERM"

@@ -147,7 +147,7 @@ class Observer:
             return
         key = STEP_TIMES_KEY.format(round=assignment.round)
         if assignment.group_rank == 0:
-            from rally.rendezvous.protocol import read_job_status
+            from rally.rendezvous.status import read_job_status
 
             try:
                 status = read_job_status(store)

@@ -25,6 +25,8 @@ from typing import IO, Sequence
 
 import psutil
 
+from rally.agent.numa import AFFINITY_VARIABLE, parse_cpus
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # How long a stop waits for SIGKILLed processes to be gone (D-state ones may take longer).
@@ -38,11 +40,14 @@ def become_subreaper() -> None:
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: SIGKILL when the agent (its parent) dies."""
+def _die_with_parent(parent_pid: int, cpus: set[int] | None = None) -> None:
+    """Runs in the child between fork and exec: SIGKILL when the agent (its parent) dies; bound
+    to `cpus` (--numa-binding) before exec, so every thread of the program inherits them."""
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the agent died before the prctl took effect
         os._exit(1)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def signal_name(signum: int) -> str:
@@ -111,6 +116,8 @@ def spawn(
 ) -> ChildProcess:
     """Start `argv` as the leader of a new session that dies with this process."""
     parent = os.getpid()
+    affinity = env.get(AFFINITY_VARIABLE)
+    cpus = parse_cpus(affinity) if affinity else None
     popen = subprocess.Popen(
         list(argv),
         env=env,
@@ -118,7 +125,7 @@ def spawn(
         stdout=stdout,
         stderr=stderr,
         start_new_session=True,
-        preexec_fn=lambda: _die_with_parent(parent),
+        preexec_fn=lambda: _die_with_parent(parent, cpus),
         close_fds=True,
     )
     return ChildProcess(popen, os.pidfd_open(popen.pid))

@@ -58,6 +58,8 @@ class JobSpec:
     # from it. None: every worker is started plainly (--no-preload, --no-python).
     preload: tuple[str, ...] | None = None
     virtual_local_rank: bool = False  # LOCAL_RANK=0, one GPU per worker (torchrun's flag)
+    logs_specs: str | None = None  # torchrun.logs_specs entry point (agent/logs_specs.py)
+    numa_binding: str | None = None  # torch's affinity mode; applied only where GPUs exist (agent/numa.py)
     # Lines containing any of these go to attempt_<n>/filtered_{stdout,stderr}.log as well.
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()

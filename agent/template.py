@@ -37,21 +37,21 @@ use, with the same size a fresh process would pick).
 The template reaps its children and reports ``(pid, wait status)`` to the agent; the agent's
 `ForkedChild` behaves like `processes.ChildProcess` (pidfd, poll, wait, returncode, times).
 
-The code is in three modules: `template_wire` (the messages both sides exchange),
+The code is in four modules: `template_wire` (the messages both sides exchange),
 `template_server` (the template process; only the standard library, since it runs in every
-worker) and this one, the agent's side (`TemplateClient`, `ForkedChild`).
+worker), `template_connection` (the agent's end of the socket) and this one, the agent's
+side (`TemplateClient`, `ForkedChild`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
-import threading
 import time
 from typing import Any, Callable, Sequence
 
 from rally.agent import linux, template_wire
+from rally.agent.template_connection import Connection, TemplateGone, TemplateRefused, TemplateStuck, status_to_returncode
 from rally.agent.template_server import why_fork_is_unsafe  # noqa: F401 - re-exported for callers
 
 # Variables that differ from worker to worker or round to round (see workers.worker_env);
@@ -67,25 +67,11 @@ PER_WORKER_PREFIXES = ("TORCHELASTIC_", "RALLY_")
 # Room in the template's environment memory for each worker's larger one (see _rewrite_proc_area).
 ENV_SPACE_VARIABLE = "RALLY_TEMPLATE_SPACE"
 ENV_SPACE = 16384
-READY_TIMEOUT = 300.0  # importing torch on a loaded node
-REPLY_TIMEOUT = 30.0
 REPORT_TIMEOUT = 5.0  # between a worker's exit and the template's report of it
 
 
 # How long the template may take to exit by itself when the agent stops it.
 STOP_GRACE_SECONDS = 0.2
-
-
-class TemplateGone(Exception):
-    """The template process died or stopped answering."""
-
-
-class TemplateStuck(TemplateGone):
-    """The template is alive but did not answer in time (a preload that hangs, say)."""
-
-
-class TemplateRefused(Exception):
-    """The template is not safe to fork from (threads, CUDA)."""
 
 
 def bootstrap_request(argv: Sequence[str], bootstrap: str) -> tuple[str, str, list[str]] | None:
@@ -111,161 +97,6 @@ def preload_path0(mode: str, target: str, cwd: str) -> str:
     return os.path.dirname(os.path.abspath(os.path.join(cwd, target)))
 
 
-def _status_to_returncode(status: int) -> int:
-    return os.waitstatus_to_exitcode(status)
-
-
-class _Connection:
-    """One template process and the agent's end of its socket."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, init: dict[str, Any]) -> None:
-        import subprocess
-
-        from rally.agent import processes
-
-        parent = os.getpid()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.popen = subprocess.Popen(
-                argv,
-                env=env,
-                cwd=cwd,
-                stdin=theirs.fileno(),
-                stdout=subprocess.DEVNULL,
-                close_fds=True,
-                preexec_fn=lambda: processes._die_with_parent(parent),
-            )
-        finally:
-            theirs.close()
-        self.sock = ours
-        self.exits: dict[int, tuple[int, float]] = {}
-        self.ready: dict[str, Any] | None = None
-        self.closed = False
-        self.lock = threading.RLock()
-        self.started_at = time.monotonic()
-        try:
-            template_wire.send_message(self.sock, init)
-        except OSError:
-            self.closed = True
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return not self.closed and self.popen.poll() is None
-
-    # ------------------------------------------------------------ reading
-    def _read(self, timeout: float | None) -> dict[str, Any] | None:
-        """Read one message within `timeout`; exit reports are filed, others returned."""
-        if self.closed:
-            raise TemplateGone(self.describe_death())
-        if not linux.readable(self.sock.fileno(), timeout):
-            return None
-        try:
-            received = template_wire.recv_message(self.sock)
-        except (OSError, ValueError) as exc:
-            self.closed = True
-            raise TemplateGone(f"the connection to the template broke: {exc}") from exc
-        if received is None:
-            self.closed = True
-            raise TemplateGone(self.describe_death())
-        message, fds = received
-        if message.get("op") == "exit":
-            self.exits[int(message["pid"])] = (int(message["status"]), float(message["time"]))
-            return {"op": "filed"}
-        message["fds"] = fds
-        return message
-
-    def _await(self, ops: tuple[str, ...], timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TemplateStuck(f"the worker template did not answer within {timeout:g} s")
-            message = self._read(left)
-            if message is None or message["op"] == "filed":
-                continue
-            if message["op"] == "ready":
-                self.ready = message
-            if message["op"] in ops:
-                return message
-            for fd in message.get("fds", []):
-                os.close(fd)
-
-    def drain(self) -> None:
-        """File every exit report already waiting (never blocks)."""
-        with self.lock:
-            while not self.closed:
-                try:
-                    if self._read(0) is None:
-                        return
-                except TemplateGone:
-                    return
-
-    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
-        with self.lock:
-            if self.ready is None:
-                self._await(("ready",), READY_TIMEOUT if timeout is None else timeout)
-            assert self.ready is not None
-            return self.ready
-
-    def fork(self, request: dict[str, Any], fds: list[int]) -> tuple[int, int]:
-        """Ask for a worker; returns (pid, pidfd)."""
-        with self.lock:
-            try:
-                template_wire.send_message(self.sock, request, fds)
-            except OSError as exc:
-                self.closed = True
-                raise TemplateGone(self.describe_death()) from exc
-            reply = self._await(("spawned", "refused"), REPLY_TIMEOUT)
-            if reply["op"] == "refused":
-                raise TemplateRefused(reply["reason"])
-            pidfds = reply["fds"]
-            for extra in pidfds[1:]:
-                os.close(extra)
-            if not pidfds:
-                raise TemplateGone("the template sent no pidfd for its worker")
-            return int(reply["pid"]), pidfds[0]
-
-    def exit_status(self, pid: int, timeout: float) -> tuple[int, float] | None:
-        """The (wait status, time) the template reported for `pid`, waiting up to `timeout`."""
-        with self.lock:
-            deadline = time.monotonic() + timeout
-            while pid not in self.exits:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.closed:
-                    break
-                try:
-                    self._read(left)
-                except TemplateGone:
-                    break
-            return self.exits.pop(pid, None)
-
-    def describe_death(self) -> str:
-        try:
-            code = self.popen.wait(timeout=1.0)
-        except Exception:  # noqa: BLE001 - still running, or not ours to wait for
-            return "the template stopped answering"
-        from rally.agent.processes import describe_exit
-
-        return f"the template process exited ({describe_exit(code)})"
-
-    # ------------------------------------------------------------ stopping
-    def close(self, timeout: float = 5.0) -> None:
-        """Close the socket (the template exits at end of file), then make sure it is gone."""
-        self.closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        try:
-            self.popen.wait(timeout=timeout)
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
-            self.popen.kill()
-            self.popen.wait()
-
-
 class ForkedChild:
     """A worker forked by the template, with `processes.ChildProcess`'s interface.
 
@@ -274,7 +105,7 @@ class ForkedChild:
     a child subreaper, and is reaped through its pidfd instead.
     """
 
-    def __init__(self, connection: _Connection, pid: int, pidfd: int, started_at: float) -> None:
+    def __init__(self, connection: Connection, pid: int, pidfd: int, started_at: float) -> None:
         self.connection = connection
         self.pid = pid
         self.pidfd = pidfd
@@ -296,7 +127,7 @@ class ForkedChild:
         found = self.connection.exit_status(self.pid, REPORT_TIMEOUT)
         if found is not None:
             status, ended = found
-            self._finish(_status_to_returncode(status), ended)
+            self._finish(status_to_returncode(status), ended)
             return self.returncode
         if self.connection.alive():  # exited, but the template does not say so: it is broken
             self.connection.popen.kill()
@@ -380,7 +211,7 @@ class TemplateClient:
         self.warn = warn
         request = bootstrap_request(worker_argv, bootstrap)
         self.path0 = preload_path0(request[0], request[1], cwd) if request else cwd
-        self.connection: _Connection | None = None
+        self.connection: Connection | None = None
         self.disabled: str | None = None  # why workers start plainly from now on
         self._warned: set[str] = set()
         self.forks = 0
@@ -406,7 +237,7 @@ class TemplateClient:
     def start(self) -> None:
         """Start the template; it preloads while the agent goes on (the first spawn waits)."""
         env = {**self.env, ENV_SPACE_VARIABLE: " " * ENV_SPACE}
-        self.connection = _Connection(self.argv, env, self.cwd, {"op": "init", "preload": self.preload, "path0": self.path0})
+        self.connection = Connection(self.argv, env, self.cwd, {"op": "init", "preload": self.preload, "path0": self.path0})
 
     @property
     def pid(self) -> int | None:
@@ -427,7 +258,7 @@ class TemplateClient:
             self._warned.add(key)
             self.warn(message)
 
-    def _live_connection(self) -> _Connection:
+    def _live_connection(self) -> Connection:
         connection = self.connection
         if connection is None:
             self.start()
@@ -481,7 +312,7 @@ class TemplateClient:
 
     def _fork(
         self,
-        connection: _Connection,
+        connection: Connection,
         argv: Sequence[str],
         request: tuple[str, str, list[str]],
         env: dict[str, str],

@@ -16,9 +16,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import Any, BinaryIO, Callable
 
+from rally.agent import logs_specs
 from rally.agent.health import heartbeat_path
+from rally.agent.logs_specs import StreamPlan
 from rally.agent.output import OutputStream, WorkerOutput
 from rally.agent.processes import ChildProcess, describe_exit, spawn
 from rally.agent.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec
@@ -117,6 +119,10 @@ def worker_env(
             env["RALLY_PREEMPT_SIGNALS"] = ",".join(signal.Signals(s).name for s in spec.preemption_signals)
     if spec.checkpoint_dir:
         env["RALLY_CHECKPOINT_DIR"] = spec.checkpoint_dir
+    if spec.numa_binding is not None:  # the CPUs near this worker's GPU (agent/numa.py)
+        from rally.agent.numa import AFFINITY_VARIABLE, cpus_near_gpu, format_cpus
+
+        env[AFFINITY_VARIABLE] = format_cpus(cpus_near_gpu(spec.numa_binding, local_rank))
     if spec.virtual_local_rank:  # as torchrun's LocalElasticAgent._set_local_rank_env
         from rally.launcher.torchrun_extras import virtual_device
 
@@ -125,11 +131,29 @@ def worker_env(
     return env
 
 
+def _stream_plans(
+    spec: JobSpec, logs: "LogLayout", attempt: int, envs: dict[int, dict[str, str]]
+) -> tuple[dict[int, StreamPlan], dict[int, Path]]:
+    """Where each worker's streams go: rally's layout (torchrun's default), or --logs-specs'."""
+    if spec.logs_specs:
+        if logs.custom is None:
+            logs.custom = logs_specs.load(spec.logs_specs, spec, logs.run_dir.parent)
+        return logs_specs.plans(logs.custom, envs)
+    plans = {}
+    for local_rank, env in envs.items():
+        rank_dir = logs.rank_dir(attempt, local_rank)
+        tee = spec.tee.get(local_rank, 0)
+        paths = {STDOUT: rank_dir / "stdout.log", STDERR: rank_dir / "stderr.log"}
+        plans[local_rank] = StreamPlan(spec.redirects.get(local_rank, 0) | tee, tee, paths, env["TORCHELASTIC_ERROR_FILE"])
+    return plans, {}
+
+
 @dataclass
 class LogLayout:
     """Where this node's log files go; one run directory per agent, as torchrun does."""
 
     run_dir: Path
+    custom: Any = None  # --logs-specs: the user's LogsSpecs object, built once (agent/logs_specs.py)
 
     @classmethod
     def create(cls, log_dir: str | None, run_id: str) -> "LogLayout":
@@ -177,30 +201,35 @@ class WorkerGroup:
         group = cls()
         host = socket.gethostname()
         duplicates: dict[int, tuple[BinaryIO, tuple[bytes, ...]]] = {}
+        envs = {
+            local_rank: worker_env(spec, base_env, assignment, master, local_rank, str(logs.rank_dir(assignment.round, local_rank) / "error.json"))
+            for local_rank in range(spec.nproc_per_node)
+        }
+        stream_plans, filtered_paths = _stream_plans(spec, logs, assignment.round, envs)
         for bit, name, filters in ((STDOUT, "stdout", spec.duplicate_stdout_filters), (STDERR, "stderr", spec.duplicate_stderr_filters)):
             if filters:
-                logs.attempt_dir(assignment.round).mkdir(parents=True, exist_ok=True)
-                filtered = open(logs.attempt_dir(assignment.round) / f"filtered_{name}.log", "wb")  # noqa: SIM115 - closed in close()
+                path = filtered_paths.get(bit) or logs.attempt_dir(assignment.round) / f"filtered_{name}.log"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                filtered = open(path, "wb")  # noqa: SIM115 - closed in close()
                 group.filtered_files.append(filtered)
                 duplicates[bit] = (filtered, tuple(f.encode() for f in filters))
-        for local_rank in range(spec.nproc_per_node):
+        for local_rank, env in envs.items():
             rank = assignment.rank_offset + local_rank
             rank_dir = logs.rank_dir(assignment.round, local_rank)
-            error_file = str(rank_dir / "error.json")
-            env = worker_env(spec, base_env, assignment, master, local_rank, error_file)
+            plan = stream_plans[local_rank]
+            error_file = plan.error_file
             heartbeat = heartbeat_path(rank_dir) if spec.is_python else None
             if heartbeat:
                 env["RALLY_HEARTBEAT_FILE"] = heartbeat
             output = WorkerOutput()
-            redirect = spec.redirects.get(local_rank, 0) | spec.tee.get(local_rank, 0)
-            tee = spec.tee.get(local_rank, 0)
+            redirect, tee = plan.redirect, plan.tee
             shown = spec.shows_on_console(local_rank)
             torchrun_style = spec.uses_torchrun_logs()
             tee_prefix = f"[{spec.role}{local_rank}]:".encode()
             rally_prefix = f"[{host}:{rank}] ".encode() if multi_node else f"[{rank}] ".encode()
             fds: dict[int, object] = {}
             for bit, name, console in ((STDOUT, "stdout", console_out), (STDERR, "stderr", console_err)):
-                path = rank_dir / f"{name}.log"
+                path = plan.paths.get(bit, rank_dir / f"{name}.log")
                 if redirect & bit and not tee & bit:
                     fds[bit] = open(path, "wb")  # noqa: SIM115 - handed to the child, closed below
                     output.file_paths.append(str(path))
@@ -241,9 +270,6 @@ class WorkerGroup:
 
     def all_succeeded(self) -> bool:
         return all(w.returncode == 0 for w in self.workers)
-
-    def by_pidfd(self) -> dict[int, Worker]:
-        return {w.process.pidfd: w for w in self.workers if w.process.pidfd >= 0}
 
     def close(self) -> None:
         for worker in self.workers:

@@ -51,7 +51,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("local-ranks-filter", dict(default="", metavar="R,...", help="Show only these local ranks on the console."), "Logs and output"),
     ("duplicate-stdout-filters", dict(default="", metavar="S,...", help="Copy worker stdout lines containing any of these to attempt_<n>/filtered_stdout.log (,, is a comma)."), "Logs and output"),
     ("duplicate-stderr-filters", dict(default="", metavar="S,...", help="The same for stderr, to filtered_stderr.log."), "Logs and output"),
-    ("logs-specs", dict(default=None, metavar="NAME", help="torchrun.logs_specs entry point; checked, rally keeps torchrun's default layout."), "Logs and output"),
+    ("logs-specs", dict(default=None, metavar="NAME", help="A LogsSpecs class from the torchrun.logs_specs entry points: where each worker's logs go."), "Logs and output"),
     ("event-log-handler", dict(default="null", metavar="NAME", help="Accepted for torchrun compatibility; rally writes events.jsonl."), "Logs and output"),
     ("virtual-local-rank", dict(is_flag=True, help="LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU."), "Job"),
     ("numa-binding", dict(default=None, type=click.Choice(["node", "socket", "exclusive", "core-complex"]), help="torchrun's NUMA binding modes (applied only where GPUs exist)."), "Job"),

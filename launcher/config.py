@@ -23,11 +23,12 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from rally.agent.agent import RendezvousPlan
+from rally.rendezvous.plan import RendezvousPlan
 from rally.agent.spec import JobSpec
 from rally.rendezvous.etcd_client import DEFAULT_ETCD_PORT, Member
 from rally.rendezvous.protocol import RendezvousSettings
 from rally.launcher import validate
+from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.store import StoreEndpoint, is_local_host
 from rally.rendezvous.token import TokenError, resolve_token
@@ -44,7 +45,7 @@ RDZV_CONF_DEFAULTS: dict[str, Any] = {
     "last_call_timeout": 30.0,
     "close_timeout": 30.0,
     "read_timeout": 60.0,
-    "timeout": 900.0,
+    "timeout": None,  # torch's static and etcd backends: how long the job may take to form (= join_timeout)
     "is_host": None,
     "keep_alive_interval": 1.0,
     "keep_alive_max_attempt": 5,
@@ -189,6 +190,13 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
             if number <= 0:
                 raise ConfigError(f"--rdzv-conf {key}={value}: must be positive")
             conf[key] = number
+    if conf["timeout"] is not None:  # torch's name for the same wait; two different values are a mistake
+        if "join_timeout" in {i.split("=", 1)[0].strip() for i in str(text).split(",")} and conf["join_timeout"] != conf["timeout"]:
+            raise ConfigError(
+                f"--rdzv-conf: timeout={conf['timeout']:g} and join_timeout={conf['join_timeout']:g} name the same "
+                "wait (how long the job may take to form); give one of them"
+            )
+        conf["join_timeout"] = conf["timeout"]
     return conf
 
 
@@ -266,6 +274,8 @@ def parse_metrics_port(value: Any) -> int | None:
 
 
 def parse_signals(text: str, flag: str) -> tuple[int, ...]:
+    from rally.agent.job import to_signal
+
     out = []
     for name in str(text).split(","):
         name = name.strip().upper()
@@ -273,56 +283,10 @@ def parse_signals(text: str, flag: str) -> tuple[int, ...]:
             continue
         full = name if name.startswith("SIG") else "SIG" + name
         try:
-            out.append(int(signal.Signals(int(name)) if name.isdigit() else signal.Signals[full]))
+            out.append(int(to_signal(name)))
         except (KeyError, ValueError):
             raise ConfigError(f"{flag}: unknown signal '{name}'{suggest(full, signal.Signals.__members__)}") from None
     return validate.handled_signals(tuple(out), flag)
-
-
-def imports_only_stdlib(script: str) -> bool:
-    """True when a script imports nothing but the standard library (and rally's own `rally.job`).
-
-    Such a script has nothing heavy to preload, so a template would only cost an import of
-    torch that no worker uses. Read with `ast`, never executed; unreadable means "no".
-    """
-    import ast
-
-    try:
-        tree = ast.parse(Path(script).read_text(errors="replace"))
-    except (OSError, SyntaxError, ValueError):
-        return False
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names <= set(sys.stdlib_module_names) | {"rally", "__future__"}
-
-
-def parse_preload(
-    text: str | None, no_preload: bool, no_python: bool, script: str | None = None, module: bool = False
-) -> tuple[str, ...] | None:
-    """What the worker template imports (agent/template.py); None: no template, plain starts.
-
-    Default: torch, when the entry point is Python, torch is importable, and the script imports
-    something beyond the standard library (a script that does not has nothing to preload).
-    --no-preload wins over --preload; --no-python always starts plainly.
-    """
-    if no_preload or no_python:
-        return None
-    if text is None:
-        import importlib.util
-
-        if script and not module and imports_only_stdlib(script):
-            return None
-        return ("torch",) if importlib.util.find_spec("torch") is not None else None
-    items = text if isinstance(text, (list, tuple)) else str(text).split(",")  # a YAML list or A,B
-    names = tuple(str(n).strip() for n in items if str(n).strip())
-    for name in names:
-        if not all(part.isidentifier() for part in name.split(".")):
-            raise ConfigError(f"--preload '{name}' is not a module name; write e.g. --preload torch,numpy")
-    return names
 
 
 # ------------------------------------------------------------------ YAML

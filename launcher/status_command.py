@@ -41,7 +41,7 @@ MIB = 1024 * 1024
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the store.")
 def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm_step: int, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
-    from rally.rendezvous.protocol import read_job_status
+    from rally.rendezvous.status import read_job_status
     from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
     from rally.rendezvous.token import ENV_TOKEN, Signer
 

@@ -6,12 +6,12 @@
   substrings are copied to `attempt_<n>/filtered_stdout.log` / `filtered_stderr.log`; `,,`
   is a literal comma (torchrun's `comma_separated_list`).
 * `--logs-specs NAME`: torchrun loads a `LogsSpecs` class from the `torchrun.logs_specs`
-  entry-point group. rally checks that the entry point exists (a typo is an error) but keeps
-  its own log layout, which is torchrun's default one; it says so in one line.
+  entry-point group; rally checks here that it exists (a typo is an error) and the agent
+  writes where the class says, every attempt (agent/logs_specs.py).
 * `--event-log-handler`: accepted; rally writes its events to `events.jsonl` in the run
   directory whatever the handler, and says so when one other than `null` is named.
-* `--numa-binding MODE`: torch's modes are accepted; the binding places each worker near its
-  GPU, so on a node without GPUs there is nothing to bind to and one line says so.
+* `--numa-binding MODE`: torch's modes; each worker is bound to the CPUs torch picks near its
+  GPU (agent/numa.py). On a node without GPUs there is nothing to bind near; one line says so.
 * `--nproc-per-node xpu`: one worker per Intel XPU (torch.xpu), an error when there is none.
 """
 
@@ -67,7 +67,7 @@ def logs_specs_note(name: str | None) -> str | None:
     found = entry_points(group="torchrun.logs_specs").select(name=name)
     if not found:
         raise ExtrasError(f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install the package that provides it, or drop the flag")
-    return f"--logs-specs {name}: rally cannot apply a custom LogsSpecs class; it keeps torchrun's default log layout"
+    return None  # applied every attempt: agent/logs_specs.py
 
 
 def event_log_note(handler: str | None) -> str | None:
@@ -83,7 +83,7 @@ def numa_note(mode: str | None, gpus: int) -> str | None:
         raise ExtrasError(f"--numa-binding '{mode}' is not one of {', '.join(NUMA_MODES)}")
     if gpus == 0:
         return f"--numa-binding {mode}: no GPU on this node to bind workers near; workers keep every CPU"
-    return f"--numa-binding {mode}: not applied by rally yet; workers keep every CPU"
+    return None  # applied per worker: agent/numa.py
 
 
 def extras(o: Mapping[str, Any], nproc: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
@@ -92,7 +92,22 @@ def extras(o: Mapping[str, Any], nproc: int, gpus: int) -> tuple[dict[str, Any],
     notes = [n for n in (logs_specs_note(o.get("logs_specs")), event_log_note(o.get("event_log_handler")), numa_note(o.get("numa_binding"), gpus)) if n]
     fields = {
         "virtual_local_rank": bool(o.get("virtual_local_rank")),
+        "numa_binding": o.get("numa_binding") if gpus else None,
+        "logs_specs": o.get("logs_specs") or None,
         "duplicate_stdout_filters": comma_separated_list(o.get("duplicate_stdout_filters")),
         "duplicate_stderr_filters": comma_separated_list(o.get("duplicate_stderr_filters")),
     }
+    if fields["numa_binding"]:
+        check_numa_binding(fields["numa_binding"], nproc)
     return fields, notes
+
+
+def check_numa_binding(mode: str, nproc: int) -> None:
+    """Work out every worker's CPUs now, so a node where torch cannot is one line at launch."""
+    from rally.agent.numa import NumaBindingError, cpus_near_gpu
+
+    for local_rank in range(nproc):
+        try:
+            cpus_near_gpu(mode, local_rank)
+        except NumaBindingError as exc:
+            raise ExtrasError(f"{exc}; run without --numa-binding") from None

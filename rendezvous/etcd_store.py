@@ -254,10 +254,6 @@ class EtcdStore:
         """A second client with its own connection, for a thread that blocks in `wait`."""
         return EtcdStore(self.client.fork(), self.prefix, self.op_timeout)
 
-    def with_prefix(self, prefix: str) -> "EtcdStore":
-        return EtcdStore(self.client, self.prefix + prefix, self.op_timeout)
-
-
 def open_etcd_store(members: Sequence[Member], prefix: str, op_timeout: float, connect_timeout: float = CONNECT_SECONDS) -> EtcdStore:
     """Connect to the cluster (any member will do) and check that it serves reads.
 

@@ -79,31 +79,6 @@ class RendezvousSettings:
     close_timeout: float = 30.0
 
 
-def read_job_status(store: Store) -> dict | None:
-    """What `rally status` shows: the job's round, end state and every node's last record.
-
-    Returns None when no agent of this run id has registered at this store. Records that are
-    not valid JSON objects are left out (they were not written by this job's agents).
-    """
-    if not store.check("status/nodes"):
-        return None
-    raw_list = store.get_unsigned("status/nodes").decode(errors="replace")
-    node_ids = [n for n in raw_list.splitlines() if n and len(n) < 512][:MAX_COUNT]
-    names = [f"status/node/{n}" for n in node_ids]
-    records = []
-    for name in names:
-        try:
-            record = json.loads(store.get(name)) if store.check(name) else None
-        except (UntrustedValue, ValueError):
-            record = None
-        if isinstance(record, dict) and isinstance(record.get("workers"), list):
-            records.append(record)
-    current = store.counter("current")
-    key = "job/closed"
-    closed = RoundEnd.load(store.get(key), store.key(key)) if store.check(key) else None
-    return {"round": current, "closed": closed, "nodes": records}
-
-
 def assign_group_ranks(nodes: list[NodeInfo]) -> list[int]:
     """Contiguous, deterministic group ranks 0..n-1 for `nodes` (in arrival order).
 

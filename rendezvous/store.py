@@ -206,10 +206,6 @@ class Store:
             self._call(self.raw.delete_key, key)
         return len(stale)
 
-    def with_prefix(self, prefix: str) -> "Store":
-        return Store(self.raw, self.prefix + prefix, self.describe, self._reconnect, self.signer)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__

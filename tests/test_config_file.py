@@ -87,3 +87,12 @@ def test_nproc_per_node_precedence_is_flag_then_env_then_file_then_default(
         flags += ["--nproc-per-node", flag]
     records = run_job(tmp_path, config, *flags, "probe.py", pet_nproc=pet)
     assert len(records) == workers
+
+
+def test_rdzv_conf_timeout_is_torchs_name_for_join_timeout():
+    """torch's static and etcd backends call the forming wait `timeout`; rally honours it."""
+    from rally.launcher.config import parse_rdzv_conf
+
+    assert parse_rdzv_conf("timeout=42")["join_timeout"] == 42
+    assert parse_rdzv_conf("timeout=42,join_timeout=42")["join_timeout"] == 42
+    assert parse_rdzv_conf("")["join_timeout"] == 600

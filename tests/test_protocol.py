@@ -315,7 +315,7 @@ def test_a_forged_job_end_or_round_end_is_one_line_naming_the_key(server):
 
 
 def test_status_skips_records_that_are_not_this_jobs(server):
-    from rally.rendezvous.protocol import read_job_status
+    from rally.rendezvous.status import read_job_status
 
     s = replace(FAST, min_nodes=1, max_nodes=1)
     a = node(server, "a", s)

@@ -286,7 +286,7 @@ def test_elastic_job_on_three_nodes_goes_on_with_two_when_a_node_dies(jobs: Jobs
         assert {r["TORCHELASTIC_RESTART_COUNT"] for r in second} == {"0"}  # a lost node is no restart
         assert text.count("PROBE-DONE") == 2
         for task in (0, 1):
-            assert "node 2 (node3) sent no keep-alive" in "\n".join(task_lines(text, task)), text
+            assert "node 2 (node3) was lost: it sent no keep-alive" in "\n".join(task_lines(text, task)), text
         assert not [pid for pid in pids if alive(pid)]
         # SLURM has not noticed yet (SlurmdTimeout): srun still waits for node3's task. Left alone
         # it would report "Node failure on node3" after ~40 s and exit 0 (--no-kill); a slurmd

@@ -369,11 +369,11 @@ def test_signals_the_agent_ignores_or_blocks_at_spawn_time_are_inherited_as_by_a
 
 @pytest.mark.timeout(120)
 def test_a_preload_that_hangs_means_plain_starts_not_a_hung_agent(workdir: Path, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import rally.agent.template
+    import rally.agent.template_connection
 
     write_probe(workdir / "sleepy.py", "import time\ntime.sleep(600)\n")
     write_probe(workdir / "hello.py", "print('hello')\n")
-    monkeypatch.setattr(rally.agent.template, "READY_TIMEOUT", 2.0)
+    monkeypatch.setattr(rally.agent.template_connection, "READY_TIMEOUT", 2.0)
     warnings: list[str] = []
     argv = worker_argv("script", "hello.py")
     client = TemplateClient(sys.executable, BOOTSTRAP, argv, ("sleepy",), base_env, str(workdir), warnings.append)

@@ -78,3 +78,71 @@ def test_bad_values_of_the_new_flags_are_one_line_and_exit_2(tmp_path: Path, arg
     errors = [line for line in result.stderr_lines if line.startswith("rally: error:")]
     assert len(errors) == 1 and message in errors[0], result.describe()
     assert "Traceback" not in result.stderr
+
+
+FLAT_LOGS = '''
+import os
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+
+class FlatLogs(LogsSpecs):
+    """Every worker's logs flat in one folder per attempt; only rank 0's stdout also on the console."""
+
+    def root_log_dir(self):
+        return self._root_log_dir
+
+    def reify(self, envs):
+        folder = os.path.join(self._root_log_dir, "flat", "attempt" + envs[0]["TORCHELASTIC_RESTART_COUNT"])
+        os.makedirs(folder, exist_ok=True)
+        ranks = range(len(envs))
+        for r in ranks:  # as torch's DefaultLogsSpecs does
+            envs[r]["TORCHELASTIC_ERROR_FILE"] = os.path.join(folder, f"rank{r}.error.json")
+        return LogsDest(
+            stdouts={r: os.path.join(folder, f"rank{r}.out") for r in ranks},
+            stderrs={r: os.path.join(folder, f"rank{r}.err") for r in ranks},
+            tee_stdouts={0: os.path.join(folder, "rank0.out")},
+            tee_stderrs={},
+            error_files={r: os.path.join(folder, f"rank{r}.error.json") for r in ranks},
+        )
+'''
+
+LOGS_PROBE = """
+    import os, sys
+    print("out of", os.environ["RANK"], os.path.basename(os.environ["TORCHELASTIC_ERROR_FILE"]))
+    print("err of", os.environ["RANK"], file=sys.stderr)
+"""
+
+
+def _install_flat_logs(site: Path) -> None:
+    """A real distribution on PYTHONPATH whose entry point names FlatLogs (as a pip install would)."""
+    site.mkdir()
+    (site / "flatlogs.py").write_text(FLAT_LOGS)
+    info = site / "flatlogs-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flatlogs\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[torchrun.logs_specs]\nflat = flatlogs:FlatLogs\n")
+
+
+@pytest.mark.timeout(180)
+def test_a_custom_logs_specs_class_decides_where_logs_go_as_under_torchrun(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    _install_flat_logs(site)
+    probe = write_probe(tmp_path / "probe.py", LOGS_PROBE)
+    files, consoles = {}, {}
+    for name, torchrun in (("rally", False), ("torchrun", True)):
+        logs = tmp_path / f"{name}_logs"
+        args = ["--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--logs-specs", "flat", str(probe)]
+        argv = [sys.executable, "-m", "torch.distributed.run", *args] if torchrun else None
+        env = clean_env(PYTHONPATH=str(site), RALLY_NO_PRELOAD="1", RALLY_PRELOAD=None)
+        result = run_rally(args, cwd=tmp_path, env=env, argv=argv, timeout=120)
+        assert result.returncode == 0, result.describe()
+        files[name] = {str(p.relative_to(logs / "flat")): p.read_text().split() for p in (logs / "flat").rglob("*.*") if p.suffix != ".json"}
+        consoles[name] = [line for line in result.stdout.splitlines() if "out of" in line]
+    assert files["rally"] == files["torchrun"] == {
+        "attempt0/rank0.out": ["out", "of", "0", "rank0.error.json"],
+        "attempt0/rank1.out": ["out", "of", "1", "rank1.error.json"],
+        "attempt0/rank0.err": ["err", "of", "0"],
+        "attempt0/rank1.err": ["err", "of", "1"],
+    }
+    assert len(consoles["rally"]) == len(consoles["torchrun"]) == 1  # only rank 0's stdout is tee'd
+    assert "out of 0" in consoles["rally"][0] and "out of 0" in consoles["torchrun"][0]

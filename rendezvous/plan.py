@@ -1,0 +1,29 @@
+"""How one node finds the others: the store, the membership rules, and who it is.
+
+Built by the launcher from flags, environment, config file and SLURM (launcher/config.py) and
+handed to the agent, which opens the store and runs the round protocol with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rally.rendezvous.protocol import RendezvousSettings
+from rally.rendezvous.store import StoreEndpoint
+
+
+@dataclass
+class RendezvousPlan:
+    """How this node finds the others: the store, the membership rules, and who it is."""
+
+    endpoint: StoreEndpoint
+    settings: RendezvousSettings
+    local_addr: str
+    preferred_rank: int | None = None
+    connect_timeout: float = 600.0
+    read_timeout: float = 60.0
+    token: str = ""  # the job's secret: every store value is signed with it (rendezvous/token.py)
+    # The static backend, as torchrun: workers get MASTER_ADDR/MASTER_PORT = the rendezvous
+    # store itself (--master-addr/--master-port; clusters open one port), and node 0 deletes
+    # the previous attempt's worker keys before each round. Otherwise: a fresh store per round.
+    workers_use_rendezvous_store: bool = False
