@@ -164,6 +164,7 @@ def test_stopped_worker_is_the_root_cause_of_a_hang_as_stopped_sigstop(tmp_path:
     )  # fmt: skip
     code, _ = rally.wait_exit(90)
     text = rally.text()
+    assert "root cause" in text, text[-3000:]
     cause = text[text.index("root cause") :].splitlines()[0]
     assert "rank 1 " in cause and "its process is stopped (SIGSTOP)" in cause, text[-3000:]
     assert code == 1, text[-3000:]
