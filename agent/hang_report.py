@@ -33,8 +33,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rally.agent.event_loop import Event
 from rally.agent.spec import STACK_SIGNAL
-from rally.rendezvous.protocol import Assignment, Rendezvous, RoundEnd
+from rally.rendezvous.protocol import Assignment, EndKind, Rendezvous, RoundEnd
 from rally.rendezvous.store import StoreError
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ class HangReporter:
         try:
             rdzv = Rendezvous(agent.store.connect_again(), agent.plan.settings, agent.node)
             if rdzv.wait_stacks_request(r):
-                agent.inbox.post("dump_stacks", r)
+                agent.loop.inbox.post(Event.DUMP_STACKS, r)
         except StoreError:
             pass  # the store is gone: the keep-alive and round-end threads report that
 
@@ -220,7 +221,7 @@ class HangReporter:
             return
         self.answered.add(a.round)
         snapshots = [s.__dict__ for s in self.snapshot_workers(a)]
-        self.agent._store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, snapshots))
+        self.agent.store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, snapshots))
 
     def snapshot_workers(self, a: Assignment) -> list[Snapshot]:
         """State first (before SIGCONT or the dump signal touch it), then stacks and heartbeats."""
@@ -256,7 +257,7 @@ class HangReporter:
         seen: dict[int, int] = {}
         quiet_since = time.monotonic()
         while asked and time.monotonic() < deadline:
-            agent._pump(0.05)
+            agent.loop.pump(0.05)
             counts = {w.local_rank: len(w.output.stderr_since(marks[w.local_rank])) for w in asked}
             if counts != seen:
                 seen, quiet_since = counts, time.monotonic()
@@ -271,14 +272,14 @@ class HangReporter:
         found = next(w for w in agent.group.workers if w.local_rank == hang.local_rank)
         reason = f"rank {found.global_rank} on {agent.host} {hang.reason}"
         agent.events.emit("worker_hung", round=a.round, rank=found.global_rank, pid=found.pid, reason=hang.reason)
-        asking = self.cross_node(a) and agent._store_call(lambda: rdzv.request_stacks(a.round, reason))
+        asking = self.cross_node(a) and agent.store_call(lambda: rdzv.request_stacks(a.round, reason))
         mine = self.snapshot_workers(a)
         snapshots = list(mine)
         missing: list[int] = []
         if asking:
             self.answered.add(a.round)
-            agent._store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, [s.__dict__ for s in mine]))
-            gathered = agent._blocking(lambda: rdzv.gather_stacks(a.round, a.group_world_size, self.wait))
+            agent.store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, [s.__dict__ for s in mine]))
+            gathered = agent.store_call(lambda: rdzv.gather_stacks(a.round, a.group_world_size, self.wait), waiting=True)
             for g in range(a.group_world_size):
                 if g == a.group_rank:
                     continue
@@ -328,4 +329,4 @@ class HangReporter:
             "exit_status": EXIT_INFRASTRUCTURE,
             "time": time.time(),
         }
-        return RoundEnd("worker_hung", detail, culprit.host, info)
+        return RoundEnd(EndKind.WORKER_HUNG, detail, culprit.host, info)

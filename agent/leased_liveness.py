@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from rally.agent.event_loop import Event
 from rally.rendezvous.protocol import Assignment, Rendezvous
 from rally.rendezvous.store import StoreError
 
@@ -29,12 +30,12 @@ def keep_alive_with_lease(
     round_over: threading.Event,
     publish_status: Callable[[], None],
     status_interval: float,
-    post: Callable[[str, Any], None],
+    post: Callable[[Event, Any], None],
     answered: Callable[[float], None] = lambda _sent_at: None,
 ) -> None:
     """Hold this node's alive key (refresh its lease) and watch the next node's, until the round is over.
 
-    Store failures are posted as ("store_lost", exc), as the counter-based keep-alive does.
+    Store failures are posted as (Event.STORE_LOST, exc), as the counter-based keep-alive does.
     The alive key's value counts the refreshes, so `Rendezvous.alive_count` moves as with a
     counter (liveness.silent_peer judges peers the same way on both stores); `answered` is
     called with the time each answered refresh was sent (the round's store watchdog).
@@ -49,10 +50,9 @@ def keep_alive_with_lease(
         next_status, beats = 0.0, 0
         while not round_over.is_set():
             sent_at = time.monotonic()
-            if not keeper.store.refresh_lease(lease):
-                return  # our lease ran out (we stalled): our watcher ends the round, we re-form
             beats += 1
-            keeper.store.set_leased(f"{a.round}/alive/{a.group_rank}", str(beats), lease)
+            if not keeper.refresh_alive(a.round, a.group_rank, beats, lease):
+                return  # our lease ran out (we stalled): our watcher ends the round, we re-form
             answered(sent_at)
             if time.monotonic() >= next_status:
                 publish_status()
@@ -60,10 +60,10 @@ def keep_alive_with_lease(
             round_over.wait(interval)
     except StoreError as exc:
         if not round_over.is_set():
-            post("store_lost", exc)
+            post(Event.STORE_LOST, exc)
 
 
-def _watch_next(ring: Rendezvous, a: Assignment, round_over: threading.Event, post: Callable[[str, Any], None]) -> None:
+def _watch_next(ring: Rendezvous, a: Assignment, round_over: threading.Event, post: Callable[[Event, Any], None]) -> None:
     """Wait for the next node's alive key to appear, then for it to vanish; then declare it lost."""
     s = ring.settings
     r, watched = a.round, a.watch_rank
@@ -82,4 +82,4 @@ def _watch_next(ring: Rendezvous, a: Assignment, round_over: threading.Event, po
         ring.declare_lost(r, watched, a.watch_host, silent_for)
     except StoreError as exc:
         if not round_over.is_set():
-            post("store_lost", exc)
+            post(Event.STORE_LOST, exc)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from rally.launcher.worker_table import straggler_line, worker_table
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-MIB = 1024 * 1024
 REFRESH_PER_SECOND = 2
 
 
@@ -81,54 +81,11 @@ class LiveView:
 
 
 def render_workers(record: dict) -> Table:
-    """This node's workers as a table; the columns of GPUs, steps and sections only when there
-    is something in them, and a caption naming the stragglers."""
+    """This node's workers (launcher/worker_table.py), with a caption naming the stragglers."""
     title = (
         f"rally · node {record.get('group_rank', '?')} · round {record.get('round', '?')} · "
         f"restarts {record.get('restart_count', 0)} · world {record.get('world_size', '?')}"
     )
-    workers = record.get("workers", [])
-    with_gpu = any(w.get("gpu_memory") is not None for w in workers)  # absent GPUs: no column
-    with_steps = any(w.get("step") is not None for w in workers)
-    with_sections = any(w.get("section") for w in workers)
-    stragglers = [w for w in workers if w.get("straggler")]
+    stragglers = [w for w in record.get("workers", []) if w.get("straggler")]
     caption = "\n".join(straggler_line(w, record.get("host")) for w in stragglers) or None
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", expand=False)
-    columns = ["rank", "pid", "state", "cpu %", "rss MiB"]
-    columns += ["gpu MiB", "gpu %"] if with_gpu else []
-    columns += ["step", "s/step"] if with_steps else []
-    columns += ["heartbeat"] + (["section"] if with_sections else [])
-    for column in columns:
-        table.add_column(column, justify="right" if column.endswith(("%", "MiB", "step")) else "left")
-    for w in workers:
-        heartbeat = w.get("heartbeat_age")
-        row = [str(w["rank"]), str(w["pid"]), w["state"], f"{w['cpu']:.0f}", f"{w['rss'] / MIB:.0f}"]
-        if with_gpu:
-            utilization = w.get("gpu_utilization")
-            row += [f"{(w.get('gpu_memory') or 0) / MIB:.0f}", "-" if utilization is None else f"{utilization}"]
-        if with_steps:
-            row += ["-" if w.get("step") is None else str(w["step"]), step_time_cell(w)]
-        row.append("-" if heartbeat is None else f"{heartbeat:.1f} s ago")
-        if with_sections:
-            row.append(w.get("section") or "")
-        table.add_row(*row)
-    return table
-
-
-def step_time_cell(worker: dict) -> str:
-    value = worker.get("step_time")
-    if value is None:
-        return "-"
-    return f"{value:.3f} slow" if worker.get("straggler") else f"{value:.3f}"
-
-
-def straggler_line(worker: dict, host: str | None) -> str:
-    """One line about a straggling worker, for the live view and `rally status`."""
-    s = worker["straggler"]
-    ratio = s["step_time"] / s["median"] if s.get("median") else float("inf")
-    others = "the job's" if s.get("scope") == "job" else "this node's"
-    where = f" on {host}" if host else ""
-    return (
-        f"straggler: rank {worker['rank']}{where} takes {s['step_time']:.3f} s per step, "
-        f"{ratio:.1f}x the median of {others} other ranks ({s['median']:.3f} s)"
-    )
+    return worker_table([record], title, caption=caption)

@@ -16,7 +16,7 @@ from typing import Any
 from rally.agent import gpu as gpus
 from rally.agent.events import EventLog
 from rally.agent.spec import JobSpec
-from rally.agent.stragglers import STEP_TIMES_KEY, CentralValues, StragglerWatch, job_step_times
+from rally.agent.stragglers import CentralValues, StragglerWatch, job_step_times
 from rally.launcher import console
 
 
@@ -137,7 +137,7 @@ class Observer:
     def node_fields(self) -> dict:
         return {"gpu_problems": self.gpu_problems()}
 
-    def exchange(self, store: Any, assignment: Any) -> None:
+    def exchange(self, rdzv: Any, assignment: Any) -> None:
         """From the keep-alive thread: make the straggler median the job's, not only this node's.
 
         Node 0 reads every node's status record of this round (one multi-get) and publishes the
@@ -145,19 +145,18 @@ class Observer:
         """
         if assignment.group_world_size <= 1:
             return
-        key = STEP_TIMES_KEY.format(round=assignment.round)
         if assignment.group_rank == 0:
             from rally.rendezvous.status import read_job_status
 
             try:
-                status = read_job_status(store)
+                status = read_job_status(rdzv.store)
             except (ValueError, TypeError, KeyError, AttributeError):
                 return  # a record that is not JSON (store contents are not trusted): skip this time
             times = job_step_times(status["nodes"] if status else [], assignment.round)
             summary: CentralValues | None = CentralValues.of(times)
-            store.set(key, summary.to_json())
-        elif store.check(key):
-            summary = CentralValues.from_json(store.get(key))
+            rdzv.publish_step_times(assignment.round, summary.to_json())
+        elif (published := rdzv.step_times(assignment.round)) is not None:
+            summary = CentralValues.from_json(published)
         else:
             return
         self.stragglers.job = summary if summary is not None and summary.count >= 2 else None

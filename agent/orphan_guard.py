@@ -5,7 +5,7 @@ loader, a shell pipeline, a daemon that called setsid and forked twice): those a
 to init and would live on. While the agent lives it is a child subreaper, so every such process
 stays in its tree and a stop finds it; once it is gone, only this guard is left to do the job.
 
-The agent starts the guard once, with a pipe on its stdin, and tells it:
+The agent starts the guard once (agent/guard_client.py), with a pipe on its stdin, and tells it:
 
     token T        the value of RALLY_AGENT_TOKEN, which the agent puts in every worker's
                    environment (and so in everything the workers start, setsid'd or not)
@@ -27,7 +27,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 TOKEN_VARIABLE = "RALLY_AGENT_TOKEN"
 # How long the guard keeps scanning for marked processes after the agent died.
@@ -95,55 +94,6 @@ def main() -> None:
         elif word:
             groups.add(int(word))
     sweep(groups, token)
-
-
-class GuardClient:
-    """The agent's side: start the guard, tell it about worker groups, stop it at exit."""
-
-    def __init__(self, token: str):
-        import subprocess
-
-        self.token = token
-        self.process: Any = subprocess.Popen(
-            # By file path, as the workers' bootstrap: works from any installation, and no
-            # module on the user's path (an `agent` package, say) can take its place.
-            [sys.executable, str(Path(__file__).resolve())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-        )
-        self._tell(f"token {token}\n")
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def guard_group(self, pgid: int) -> None:
-        self._tell(f"{pgid}\n")
-
-    def unguard_group(self, pgid: int) -> None:
-        self._tell(f"-{pgid}\n")
-
-    def _tell(self, line: str) -> None:
-        if self.process.stdin is not None:
-            try:
-                self.process.stdin.write(line.encode())
-                self.process.stdin.flush()
-            except OSError:
-                pass
-
-    def stop(self, timeout: float = SWEEP_SECONDS + 3.0) -> None:
-        """Close the pipe (the guard sweeps what is left, normally nothing) and wait, bounded."""
-        import subprocess
-
-        try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 if __name__ == "__main__":

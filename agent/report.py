@@ -16,11 +16,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rich.table import Table
-
 from rally.agent.processes import describe_exit, exit_status_for_shell
+from rally.agent.round_threads import StoreSilent
 from rally.agent.workers import Worker, WorkerGroup
-from rally.rendezvous.protocol import Assignment, RoundEnd
+from rally.launcher.worker_table import worker_table
+from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
+from rally.rendezvous.store import StoreEndpoint, UntrustedValue
+from rich.table import Table
 
 STDERR_LINES_IN_REPORT = 20
 MAX_TRACEBACK_CHARS = 16_000
@@ -71,7 +73,7 @@ def failure_end(worker: Worker, assignment: Assignment, cause: str | None = None
     if cause:
         info["cause"] = cause
         detail += f": {cause}"
-    return RoundEnd("worker_failed", detail, info["host"], info)
+    return RoundEnd(EndKind.WORKER_FAILED, detail, info["host"], info)
 
 
 def explain(end: RoundEnd) -> str:
@@ -86,7 +88,7 @@ def explain(end: RoundEnd) -> str:
         lines += ["traceback (from its error file):", info["traceback"].rstrip()]
     elif info.get("stderr_tail"):
         lines += ["last lines of its stderr:", *("  " + line for line in info["stderr_tail"])]
-    elif end.kind == "worker_failed":
+    elif end.kind == EndKind.WORKER_FAILED:
         lines.append("it wrote nothing to stderr (no traceback: decorate main with torch's @record to get one)")
     return "\n".join(lines)
 
@@ -162,13 +164,23 @@ class JobReport:
         os.replace(tmp, self.path)
 
     def workers_table(self) -> Table:
-        """The last attempt's workers on this node, for the console."""
-        table = Table(title=f"workers on {self.host}", title_justify="left")
-        for column in ("node", "rank", "local", "pid", "state", "exit", "duration"):
-            table.add_column(column)
-        if self.attempts:
-            for w in self.attempts[-1].workers:
-                table.add_row(
-                    w["host"], str(w["rank"]), str(w["local_rank"]), str(w["pid"]), w["state"], w["exit"], f"{w['duration']:.1f} s"
-                )
-        return table
+        """The last attempt's workers on this node, for the console (launcher/worker_table.py)."""
+        rows = self.attempts[-1].workers if self.attempts else []
+        return worker_table([{"host": self.host, "workers": rows}], f"workers on {self.host}")
+
+
+def store_lost_line(exc: BaseException, endpoint: StoreEndpoint) -> str:
+    """Why this node stops when its store is lost, silent or untrusted, and what to do next time."""
+    if isinstance(exc, (StoreSilent, UntrustedValue)):
+        return str(exc)
+    if endpoint.etcd:
+        return (
+            f"{exc}; the job cannot go on without its rendezvous, so this node stops. Check the cluster: "
+            f"etcdctl --endpoints {','.join(map(str, endpoint.etcd))} endpoint health"
+        )
+    return (
+        f"{exc}; the rendezvous store at {endpoint} is gone, so this node stops. Its host "
+        "was probably lost. To survive the loss of any compute node next time, run "
+        "`rally store --port PORT` on a machine that does not train and point "
+        "--rdzv-endpoint at it"
+    )

@@ -1,19 +1,20 @@
 """The threads that watch the store while a round runs, and what they tell the agent's main loop.
 
 Each thread has its own store connection (a c10d client blocked in `wait` blocks every other
-call on its connection) and reports through `post(kind, value)`, the agent's inbox:
+call on its connection) and reports through `post(kind, value)`, the agent's inbox (the kinds
+are agent/event_loop.py's `Event`):
 
-* **end watcher**: waits on the round's end key -> ("round_end", (round, RoundEnd));
+* **end watcher**: waits on the round's end key -> (ROUND_END, (round, RoundEnd));
 * **keep-alive**: bumps this node's counter every interval, refreshes its `rally status`
   record, and watches the next member's counter (a ring): silent for `keep_alive_timeout`
   -> declares that node lost, which ends the round for everyone;
 * **store watchdog**: a c10d client call on a frozen store, or across a cut network, never
   returns (torch applies no timeout to `add`). When the keep-alive has not completed a store
   call for 3/4 of `min(keep_alive_timeout, read_timeout)`, this node is about to be declared
-  lost by the others, who re-form without it: -> ("store_lost", StoreSilent), and the agent
+  lost by the others, who re-form without it: -> (STORE_LOST, StoreSilent), and the agent
   stops its workers and exits before they re-form, so the job never runs twice (no split brain);
 * **peer check** (`check_peers`, started by the agent on a local worker failure in a
-  multi-node round): is a peer gone? -> ("peer_verdict", (round, (group rank, silent s) | None)).
+  multi-node round): is a peer gone? -> (PEER_VERDICT, (round, (group rank, silent s) | None)).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from rally.agent.event_loop import Event
 from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
 from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings
@@ -30,7 +32,7 @@ from rally.rendezvous.store import StoreError
 # How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
 STATUS_INTERVAL_SECONDS = 2.0
 
-Post = Callable[[str, Any], None]
+Post = Callable[[Event, Any], None]
 
 
 class StoreSilent(StoreError):
@@ -66,9 +68,9 @@ class RoundThreads:
         a: Assignment,
         read_timeout: float,
         status_record: Callable[[Assignment], dict],
-        exchange: Callable[[Any, Assignment], None] = lambda _store, _a: None,
+        exchange: Callable[[Rendezvous, Assignment], None] = lambda _rdzv, _a: None,
     ):
-        """`exchange(store, a)` runs after each status record is published (agent/observer.py)."""
+        """`exchange(rdzv, a)` runs after each status record is published (agent/observer.py)."""
         self.post = post
         self.watcher = watcher
         self.keeper = keeper
@@ -88,10 +90,10 @@ class RoundThreads:
 
     def _watch_round_end(self) -> None:
         try:
-            self.post("round_end", (self.a.round, self.watcher.wait_round_end(self.a.round)))
+            self.post(Event.ROUND_END, (self.a.round, self.watcher.wait_round_end(self.a.round)))
         except StoreError as exc:
             if not self.over.is_set():
-                self.post("store_lost", exc)
+                self.post(Event.STORE_LOST, exc)
 
     def _keep_alive(self) -> None:
         """Send this node's keep-alives and watch the next node's (a ring)."""
@@ -121,11 +123,11 @@ class RoundThreads:
                 self.over.wait(interval)
         except StoreError as exc:
             if not self.over.is_set():
-                self.post("store_lost", exc)
+                self.post(Event.STORE_LOST, exc)
 
     def _publish_status(self) -> None:
         self.keeper.publish_status(self.status_record(self.a))
-        self.exchange(self.keeper.store, self.a)
+        self.exchange(self.keeper, self.a)
 
     def _answered(self, sent_at: float) -> None:
         self.last_answer = sent_at
@@ -136,7 +138,7 @@ class RoundThreads:
             silent = time.monotonic() - self.last_answer
             if silent > limit:
                 self.post(
-                    "store_lost",
+                    Event.STORE_LOST,
                     StoreSilent(
                         f"{self.keeper.store.describe} has not answered for {silent:.1f} s: this node is cut off "
                         "from it (network) or the store is frozen. The other nodes re-form without this one, "
@@ -154,7 +156,7 @@ def check_peers(post: Post, connect: Callable[[], Rendezvous], a: Assignment) ->
             verdict = silent_peer(connect(), a.round, a.group_rank, a.group_world_size)
         except StoreError:
             verdict = None  # the store itself is in trouble; the local failure stands
-        post("peer_verdict", (a.round, verdict))
+        post(Event.PEER_VERDICT, (a.round, verdict))
 
     threading.Thread(target=run, daemon=True).start()
 
@@ -176,7 +178,7 @@ class StoreProbe:
     def _run(self) -> None:
         try:
             while not self.over.wait(self.interval):
-                self.rdzv.store.check("probe")
+                self.rdzv.ping()
                 self.last_answer = time.monotonic()
         except StoreError:
             pass  # the store is gone: the calls being probed fail on their own

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 DEFAULT_FACTOR = 1.5
 DEFAULT_WINDOW = 10
-STEP_TIMES_KEY = "{round}/step_times"
 
 
 class StepClock:

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Mapping
 
 from rally.agent import logs_specs
 from rally.agent.health import heartbeat_path
@@ -124,11 +124,15 @@ def worker_env(
 
         env[AFFINITY_VARIABLE] = format_cpus(cpus_near_gpu(spec.numa_binding, local_rank))
     if spec.virtual_local_rank:  # as torchrun's LocalElasticAgent._set_local_rank_env
-        from rally.launcher.torchrun_extras import virtual_device
-
         env["LOCAL_RANK"] = "0"
         env["CUDA_VISIBLE_DEVICES"] = virtual_device(local_rank, base_env)
     return env
+
+
+def virtual_device(local_rank: int, base_env: Mapping[str, str]) -> str:
+    """The one GPU a worker sees under --virtual-local-rank (torchrun's mapping)."""
+    visible = base_env.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
 
 
 def _stream_plans(

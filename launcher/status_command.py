@@ -18,15 +18,16 @@ import os
 import time
 
 import click
+from rally.launcher import console, validate
+from rally.launcher.config import (
+    DEFAULT_C10D_PORT,
+    ConfigError,
+    parse_endpoint,
+    parse_etcd_endpoints,
+)
+from rally.launcher.worker_table import straggler_line, worker_table
 from rich.console import Console
 from rich.table import Table
-
-from rally.agent.live import step_time_cell, straggler_line
-from rally.launcher import console
-from rally.launcher import validate
-from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint, parse_etcd_endpoints
-
-MIB = 1024 * 1024
 
 
 @click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,7 +43,12 @@ MIB = 1024 * 1024
 def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm_step: int, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.status import read_job_status
-    from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
+    from rally.rendezvous.store import (
+        StoreEndpoint,
+        StoreUnavailable,
+        open_store,
+        quiet_torch_logs,
+    )
     from rally.rendezvous.token import ENV_TOKEN, Signer
 
     quiet_torch_logs()
@@ -101,33 +107,5 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
 
 
 def status_table(run_id: str, where: str, status: dict, now: float) -> Table:
-    """Every node's workers, one row each; GPU and step columns only when some node has them."""
-    table = Table(title=f"job {run_id} at {where}: round {status['round']}", title_justify="left")
-    workers = [w for n in status["nodes"] for w in n.get("workers") or []]
-    with_gpu = any(w.get("gpu_memory") is not None for w in workers)
-    with_steps = any(w.get("step") is not None for w in workers)
-    columns = ["node", "host", "round", "restarts", "keep-alive", "rank", "pid", "state", "cpu %", "rss MiB"]
-    columns += ["gpu MiB"] if with_gpu else []
-    columns += ["step", "s/step"] if with_steps else []
-    for column in [*columns, "heartbeat"]:
-        table.add_column(column)
-    for node in sorted(status["nodes"], key=lambda n: (n.get("group_rank", 0), n["host"])):
-        age = f"{now - node['updated']:.1f} s ago"
-        for i, w in enumerate(node["workers"] or [{}]):
-            heartbeat = w.get("heartbeat_age")
-            table.add_row(
-                str(node["group_rank"]) if i == 0 else "",
-                node["host"] if i == 0 else "",
-                str(node["round"]) if i == 0 else "",
-                str(node["restart_count"]) if i == 0 else "",
-                age if i == 0 else "",
-                str(w.get("rank", "")),
-                str(w.get("pid", "")),
-                w.get("state", "-"),
-                f"{w.get('cpu', 0):.0f}" if w else "",
-                f"{w.get('rss', 0) / MIB:.0f}" if w else "",
-                *([f"{(w.get('gpu_memory') or 0) / MIB:.0f}" if w else ""] if with_gpu else []),
-                *(["-" if w.get("step") is None else str(w["step"]), step_time_cell(w)] if with_steps else []),
-                "-" if heartbeat is None else f"{heartbeat:.1f} s ago",
-            )
-    return table
+    """Every node's workers, one row each (launcher/worker_table.py), the node's columns first."""
+    return worker_table(status["nodes"], f"job {run_id} at {where}: round {status['round']}", per_node=True, now=now)

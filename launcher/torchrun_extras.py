@@ -53,12 +53,6 @@ def check_virtual_local_rank(enabled: bool, nproc: int) -> None:
         )
 
 
-def virtual_device(local_rank: int, base_env: Mapping[str, str]) -> str:
-    """The one GPU a worker sees under --virtual-local-rank (torchrun's mapping)."""
-    visible = base_env.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
-
-
 def logs_specs_note(name: str | None) -> str | None:
     if not name:
         return None

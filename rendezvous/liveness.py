@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from rally.rendezvous.records import RoundEnd
+from rally.rendezvous.records import EndKind, RoundEnd
 
 if TYPE_CHECKING:
     from rally.rendezvous.protocol import Rendezvous
@@ -38,7 +38,7 @@ def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tu
     began = time.monotonic()
     interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3) / 2
     while peers:
-        if rdzv.store.try_wait([f"{r}/end"], interval):
+        if rdzv.round_ended_within(r, interval):
             return None
         peers = [g for g in peers if rdzv.alive_count(r, g) == start[g]]
         silent_for = time.monotonic() - began
@@ -53,14 +53,14 @@ def wait_round_end_or_dead(rdzv: "Rendezvous", r: int, members: int) -> RoundEnd
     timeout = rdzv.settings.keep_alive_timeout
     last = [rdzv.alive_count(r, g) for g in range(members)]
     last_change = time.monotonic()
-    while not rdzv.store.try_wait([f"{r}/end"], min(timeout / 2, WAIT_SLICE_SECONDS)):
+    while not rdzv.round_ended_within(r, min(timeout / 2, WAIT_SLICE_SECONDS)):
         rdzv.raise_if_closed()
         now_counts = [rdzv.alive_count(r, g) for g in range(members)]
         if now_counts != last:
             last, last_change = now_counts, time.monotonic()
         elif time.monotonic() - last_change > timeout:
-            rdzv.store.add(f"{r}/lost", members)
+            rdzv.count_lost(r, members)
             silent = time.monotonic() - last_change
             detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a new round"
-            return rdzv.end_round(r, RoundEnd("node_lost", detail, "", {"group_rank": 0}))
+            return rdzv.end_round(r, RoundEnd(EndKind.NODE_LOST, detail, "", {"group_rank": 0}))
     return rdzv.wait_round_end(r)

@@ -6,10 +6,14 @@ handed to the agent, which opens the store and runs the round protocol with it.
 
 from __future__ import annotations
 
+import importlib
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 from rally.rendezvous.protocol import RendezvousSettings
-from rally.rendezvous.store import StoreEndpoint
+from rally.rendezvous.store import Store, StoreEndpoint, open_store
+from rally.rendezvous.token import Signer
 
 
 @dataclass
@@ -27,3 +31,13 @@ class RendezvousPlan:
     # store itself (--master-addr/--master-port; clusters open one port), and node 0 deletes
     # the previous attempt's worker keys before each round. Otherwise: a fresh store per round.
     workers_use_rendezvous_store: bool = False
+
+    def open_store(self, run_id: str) -> tuple[Store, Any]:
+        """Connect to the job's store (hosting it when this is the endpoint's host): the store
+        and the server this node hosts, or None. StoreUnavailable when it cannot be reached."""
+        opened = open_store(self.endpoint, f"rally/{run_id}/", self.connect_timeout, self.read_timeout, Signer(self.token))
+        if self.endpoint.etcd:
+            # Reaching etcd needs no torch, but any node may host the workers' TCPStore in a
+            # later round: import it now, beside the rendezvous, not in the middle of a re-form.
+            threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
+        return opened

@@ -33,12 +33,22 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable
 
+from rally.rendezvous.membership import (
+    JobClosed,
+    RendezvousError,
+    RendezvousSettings,
+    assign_group_ranks,
+    assignments_for,
+    counts_entering,
+    newest_step,
+)
 from rally.rendezvous.records import (
     FAILURE_KINDS,
     FINAL_KINDS,
+    EndKind,
     MAX_COUNT,
     MEMBERSHIP_KINDS,
     Assignment,
@@ -50,55 +60,21 @@ from rally.rendezvous.records import (
 from rally.rendezvous.store import Store, StoreTimeout, UntrustedValue
 
 
+# Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
+CURRENT_ROUND = "current"  # counter: the round a late joiner starts from
+JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
+STATUS_NODES = "status/nodes"  # every node id that ever registered, one per line
+
+
+def status_key(node_id: str) -> str:
+    """Where a node publishes its record for `rally status` (agent/status_record.py)."""
+    return f"status/node/{node_id}"
+
+
 # Long waits are cut into slices this long so a closed job or a stop request is noticed.
 WAIT_SLICE_SECONDS = 30.0
 # The value of a round's `dump` key once the round is over (agent/hang_report.py).
 STACKS_ROUND_OVER = "over"
-
-
-class RendezvousError(Exception):
-    """The job cannot be formed; the message says why and what to do."""
-
-
-class JobClosed(RendezvousError):
-    """The job has already ended (succeeded or failed) when this node arrived or waited."""
-
-
-@dataclass(frozen=True)
-class RendezvousSettings:
-    """Membership and timing of the rendezvous (torchrun's `--nnodes` and `--rdzv-conf`)."""
-
-    min_nodes: int
-    max_nodes: int
-    join_timeout: float = 600.0
-    last_call_timeout: float = 30.0
-    keep_alive_interval: float = 1.0
-    keep_alive_timeout: float = 5.0
-    # How long the others wait for a closer before the next attempt takes over; the closer
-    # waits a third of it for descriptors of nodes that counted themselves in.
-    close_timeout: float = 30.0
-
-
-def assign_group_ranks(nodes: list[NodeInfo]) -> list[int]:
-    """Contiguous, deterministic group ranks 0..n-1 for `nodes` (in arrival order).
-
-    A node keeps its previous rank when it is still in range and unclaimed; then a preferred
-    rank (static `--node-rank`, SLURM_NODEID) is honoured; the rest fill the free ranks in
-    order of (host, node id), so the same set of nodes always gets the same ranks.
-    """
-    n = len(nodes)
-    ranks: list[int | None] = [None] * n
-    free = set(range(n))
-    for attribute in ("prev_rank", "preferred_rank"):
-        for i, node in enumerate(nodes):
-            wanted = getattr(node, attribute)
-            if ranks[i] is None and wanted is not None and wanted in free:
-                ranks[i] = wanted
-                free.discard(wanted)
-    unplaced = sorted((i for i in range(n) if ranks[i] is None), key=lambda i: (nodes[i].host, nodes[i].node_id))
-    for i, rank in zip(unplaced, sorted(free)):
-        ranks[i] = rank
-    return [int(rank) for rank in ranks]  # type: ignore[arg-type] - every slot is filled above
 
 
 class Rendezvous:
@@ -138,12 +114,12 @@ class Rendezvous:
 
     # ----------------------------------------------------------------- job state
     def job_closed(self) -> RoundEnd | None:
-        return self._end_record("job/closed")
+        return self._end_record(JOB_CLOSED)
 
     def close_job(self, end: RoundEnd) -> RoundEnd:
         """Mark the whole job finished so late joiners and spares stop waiting; first reason wins."""
-        _, standing = self.store.set_once("job/closed", end.to_json())
-        return RoundEnd.load(standing, self.store.key("job/closed"))
+        _, standing = self.store.set_once(JOB_CLOSED, end.to_json())
+        return RoundEnd.load(standing, self.store.key(JOB_CLOSED))
 
     def raise_if_closed(self) -> None:
         closed = self.job_closed()
@@ -160,7 +136,7 @@ class Rendezvous:
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
-        r = self._count("current") if self.last_round is None else self.last_round + 1
+        r = self._count(CURRENT_ROUND) if self.last_round is None else self.last_round + 1
         while True:
             self.raise_if_closed()
             self._raise_if_final(r - 1)
@@ -257,58 +233,13 @@ class Rendezvous:
         return attempt
 
     def _write_round(self, r: int, attempt: int, indices: list[int], nodes: list[NodeInfo]) -> None:
-        ranks = assign_group_ranks(nodes)
-        steps = [n.checkpoint_step for n in nodes if n.checkpoint_step is not None]
-        checkpoint_step = max(steps) if steps else None
-        restart_count, membership_changes, stalled = self._counts_entering(r, checkpoint_step)
-        by_rank = sorted(range(len(nodes)), key=lambda i: ranks[i])
-        offsets, total = {}, 0
-        for i in by_rank:
-            offsets[i] = total
-            total += nodes[i].nproc
-        master_host = nodes[by_rank[0]].addr
-        n = len(nodes)
-        assignments = {}
-        for i, idx in enumerate(indices):
-            watch = (ranks[i] + 1) % n if n > 1 else None
-            watch_host = nodes[by_rank[watch]].host if watch is not None else ""
-            assignments[f"{r}/assign/{attempt}/{idx}"] = Assignment(
-                round=r,
-                group_rank=ranks[i],
-                group_world_size=n,
-                rank_offset=offsets[i],
-                world_size=total,
-                restart_count=restart_count,
-                membership_changes=membership_changes,
-                watch_rank=watch,
-                watch_host=watch_host,
-                master_host=master_host,
-                stalled_restarts=stalled,
-                checkpoint_step=checkpoint_step,
-            ).to_json()
-        self.store.multi_set(assignments)
-        record = RoundRecord(n, restart_count, membership_changes, stalled, checkpoint_step, attempt)
-        self.store.set_once(f"{r}/closed", record.to_json())
-
-    def _counts_entering(self, r: int, checkpoint_step: int | None) -> tuple[int, int, int]:
-        """(restart count, membership changes, stalled restarts) for round r.
-
-        Derived from round r-1's record and end reason, so every node gets the same numbers.
-        A failure after which no newer checkpoint appeared extends the stall; any progress
-        resets it. Without checkpoints there is nothing to judge, and the stall stays 0.
-        """
+        step = newest_step(nodes)
         previous = self.round_record(r - 1) if r > 0 else None
-        if previous is None:
-            return 0, 0, 0
-        restarts, changes, stalled = previous.restart_count, previous.membership_changes, previous.stalled_restarts
-        end = self.round_end(r - 1)
-        if end is not None:
-            restarts += end.is_failure
-            changes += end.is_membership_change
-            if end.is_failure and checkpoint_step is not None:
-                before = previous.checkpoint_step
-                stalled = stalled + 1 if before is not None and checkpoint_step <= before else 0
-        return restarts, changes, stalled
+        counts = counts_entering(previous, self.round_end(r - 1) if previous else None, step)
+        record = RoundRecord(len(nodes), *counts, step, attempt)
+        mine = assignments_for(r, nodes, record)
+        self.store.multi_set({f"{r}/assign/{attempt}/{idx}": a.to_json() for idx, a in zip(indices, mine)})
+        self.store.set_once(f"{r}/closed", record.to_json())
 
     def _wait_as_spare(self, r: int) -> None:
         """Late for round r: register as waiting, ask a running job below MAX to re-form, wait."""
@@ -319,7 +250,7 @@ class Rendezvous:
         members = record.members
         if self.round_end(r) is None and members < self.settings.max_nodes:
             self.on_status(f"round {r} is running with {members} nodes; asking it to re-form with this node")
-            self.end_round(r, RoundEnd("node_joined", f"{self.me.host} joined the job", self.me.host))
+            self.end_round(r, RoundEnd(EndKind.NODE_JOINED, f"{self.me.host} joined the job", self.me.host))
         elif self.round_end(r) is None:
             self.on_status(
                 f"the job is full ({members} of at most {self.settings.max_nodes} nodes); "
@@ -334,10 +265,10 @@ class Rendezvous:
     # ----------------------------------------------------------------- status (for `rally status`)
     def register_status(self) -> None:
         """List this node once under `status/nodes`, so `rally status` can find its record."""
-        self.store.append("status/nodes", self.me.node_id + "\n")
+        self.store.append(STATUS_NODES, self.me.node_id + "\n")
 
     def publish_status(self, record: dict) -> None:
-        self.store.set(f"status/node/{self.me.node_id}", json.dumps(record))
+        self.store.set(status_key(self.me.node_id), json.dumps(record))
 
     # ----------------------------------------------------------------- running
     def publish_master(self, r: int, host: str, port: int) -> None:
@@ -389,7 +320,7 @@ class Rendezvous:
         return self.end_round(
             r,
             RoundEnd(
-                "node_lost",
+                EndKind.NODE_LOST,
                 f"node {group_rank}{where} was lost: it sent no keep-alive for {silent_for:.1f} s{note}",
                 host,
                 {"group_rank": group_rank},
@@ -398,13 +329,17 @@ class Rendezvous:
 
     def leave(self, r: int, end: RoundEnd) -> RoundEnd:
         """This node is going away for good (a signal): let the others re-form without it."""
-        self.store.add(f"{r}/lost", 1)
+        self.count_lost(r, 1)
         return self.end_round(r, end)
+
+    def count_lost(self, r: int, nodes: int) -> None:
+        """Nodes of round r that will not come back: the next round need not wait for them."""
+        self.store.add(f"{r}/lost", nodes)
 
     def report_success(self, r: int, members: int) -> RoundEnd | None:
         """This node's workers all succeeded; the last node to report ends the round."""
         if self.store.add(f"{r}/succeeded", 1) >= members:
-            return self.end_round(r, RoundEnd("succeeded", "all workers finished successfully"))
+            return self.end_round(r, RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
         return None
 
     def first_failure(self, r: int, end: RoundEnd) -> RoundEnd:
@@ -417,11 +352,14 @@ class Rendezvous:
         """End round r with `end` unless it already ended; return the reason that stands."""
         won, standing = self.store.set_once(f"{r}/end", end.to_json())
         if won:
-            self.store.add("current", 1)
+            self.store.add(CURRENT_ROUND, 1)
         return RoundEnd.load(standing, self.store.key(f"{r}/end"))
 
     def round_end(self, r: int) -> RoundEnd | None:
         return self._end_record(f"{r}/end")
+
+    def round_ended_within(self, r: int, timeout: float) -> bool:
+        return self.store.try_wait([f"{r}/end"], timeout)
 
     def wait_round_end(self, r: int, slice_seconds: float = WAIT_SLICE_SECONDS) -> RoundEnd:
         """Block until round r ends (event-driven: a store wait on its end key)."""
@@ -438,6 +376,43 @@ class Rendezvous:
     def wait_all_acknowledged(self, r: int, timeout: float) -> bool:
         """The store's host waits here before exiting, so no agent loses the store mid-read."""
         return self.store.try_wait([f"{r}/all_acked"], timeout)
+
+    def refresh_alive(self, r: int, group_rank: int, beats: int, lease: int) -> bool:
+        """Renew this node's lease-backed alive key; False once the lease has run out."""
+        if not self.store.refresh_lease(lease):
+            return False
+        self.store.set_leased(f"{r}/alive/{group_rank}", str(beats), lease)
+        return True
+
+    def ping(self) -> None:
+        """One cheap call that only a store that answers completes (agent/round_threads.py)."""
+        self.store.check("probe")
+
+    def clear_worker_keys(self) -> int:
+        """Static backend (workers share this store): drop an earlier attempt's worker keys."""
+        return self.store.delete_keys_outside("rally/")
+
+    # ----------------------------------------------------------------- straggler medians (agent/observer.py)
+    def publish_step_times(self, r: int, summary: str) -> None:
+        self.store.set(f"{r}/step_times", summary)
+
+    def step_times(self, r: int) -> str | None:
+        name = f"{r}/step_times"
+        return self.store.get_str(name) if self.store.check(name) else None
+
+    # ----------------------------------------------------------------- preemption (agent/preemption.py)
+    def note_checkpointed(self, r: int, members: int) -> None:
+        """This node's workers are done checkpointing after a preemption signal."""
+        if self.store.add(f"{r}/preempt_done", 1) >= members:
+            self.store.set(f"{r}/preempt_all_done", "1")
+
+    def wait_all_checkpointed(self, r: int, timeout: float) -> bool:
+        return self.store.try_wait([f"{r}/preempt_all_done"], timeout)
+
+    def claim_requeue(self) -> bool:
+        """True for the one node that may ask the scheduler to requeue the job (once per job)."""
+        won, _ = self.store.set_once("job/requeued", self.me.node_id)
+        return won
 
     # ----------------------------------------------------------------- hang reports (agent/hang_report.py)
     # `<r>/dump` is set once per round: a request for every node's stacks (JSON, by the node that
@@ -480,6 +455,7 @@ __all__ = [
     "Assignment",
     "FAILURE_KINDS",
     "FINAL_KINDS",
+    "EndKind",
     "JobClosed",
     "MEMBERSHIP_KINDS",
     "NodeInfo",

@@ -12,17 +12,37 @@ from __future__ import annotations
 
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any, TypeVar
 
 from rally.rendezvous.store import UntrustedValue
 
 T = TypeVar("T", bound="StoredRecord")
 
-# Round-end kinds. Failures spend the restart budget; membership changes do not.
-FAILURE_KINDS = frozenset({"worker_failed", "worker_hung"})
-MEMBERSHIP_KINDS = frozenset({"node_lost", "node_left", "node_joined"})
-FINAL_KINDS = frozenset({"succeeded", "aborted", "preempted"})
-ALL_KINDS = FAILURE_KINDS | MEMBERSHIP_KINDS | FINAL_KINDS
+
+
+class EndKind(str, Enum):
+    """Why a round ended. Its value is what the store holds (`<r>/end`, `job/closed`)."""
+
+    WORKER_FAILED = "worker_failed"  # a worker exited non-zero (or was killed)
+    WORKER_HUNG = "worker_hung"  # a worker stopped beating, printing or progressing
+    NODE_LOST = "node_lost"  # a node's keep-alives stopped (died, cut off)
+    NODE_LEFT = "node_left"  # a node was stopped by a signal and went away on purpose
+    NODE_JOINED = "node_joined"  # a late node asked a round below MAX to re-form with it
+    SUCCEEDED = "succeeded"  # every worker of every node exited 0
+    ABORTED = "aborted"  # no restarts left, or a crash loop: the job is over
+    PREEMPTED = "preempted"  # the scheduler's warning signal: checkpoint, stop, maybe requeue
+
+    def __str__(self) -> str:  # messages and JSON show the stored value, never `EndKind.X`
+        return self.value
+
+    __format__ = str.__format__
+
+
+# Failures spend the restart budget; membership changes do not; final kinds end the job.
+FAILURE_KINDS = frozenset({EndKind.WORKER_FAILED, EndKind.WORKER_HUNG})
+MEMBERSHIP_KINDS = frozenset({EndKind.NODE_LOST, EndKind.NODE_LEFT, EndKind.NODE_JOINED})
+FINAL_KINDS = frozenset({EndKind.SUCCEEDED, EndKind.ABORTED, EndKind.PREEMPTED})
 
 # Sanity bounds for numbers read from the store (far above any real job).
 MAX_NPROC = 4096
@@ -157,14 +177,18 @@ class RoundEnd(StoredRecord):
     WHAT = "round end"
     KINDS = {"kind": "str", "detail": "str", "node": "str", "info": "dict"}
 
-    kind: str
+    kind: EndKind
     detail: str
     node: str = ""
     info: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, EndKind) and self.kind in EndKind._value2member_map_:
+            object.__setattr__(self, "kind", EndKind(self.kind))  # as read from the store
+
     def check(self, key: str) -> None:
-        if self.kind not in ALL_KINDS:
-            raise _bad(key, self.WHAT, f"kind {self.kind!r} is not one of {sorted(ALL_KINDS)}")
+        if not isinstance(self.kind, EndKind):
+            raise _bad(key, self.WHAT, f"kind {self.kind!r} is not one of {sorted(k.value for k in EndKind)}")
         status = self.info.get("exit_status")
         if status is not None and (not isinstance(status, int) or isinstance(status, bool) or not 0 <= status <= 255):
             raise _bad(key, self.WHAT, f"exit_status {status!r} is not an exit code 0..255")

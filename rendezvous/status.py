@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED, STATUS_NODES, status_key
 from rally.rendezvous.records import MAX_COUNT, RoundEnd
 from rally.rendezvous.store import Store, UntrustedValue
 
@@ -18,11 +19,11 @@ def read_job_status(store: Store) -> dict | None:
     Returns None when no agent of this run id has registered at this store. Records that are
     not valid JSON objects are left out (they were not written by this job's agents).
     """
-    if not store.check("status/nodes"):
+    if not store.check(STATUS_NODES):
         return None
-    raw_list = store.get_unsigned("status/nodes").decode(errors="replace")
+    raw_list = store.get_unsigned(STATUS_NODES).decode(errors="replace")
     node_ids = [n for n in raw_list.splitlines() if n and len(n) < 512][:MAX_COUNT]
-    names = [f"status/node/{n}" for n in node_ids]
+    names = [status_key(n) for n in node_ids]
     records = []
     for name in names:
         try:
@@ -31,7 +32,6 @@ def read_job_status(store: Store) -> dict | None:
             record = None
         if isinstance(record, dict) and isinstance(record.get("workers"), list):
             records.append(record)
-    current = store.counter("current")
-    key = "job/closed"
-    closed = RoundEnd.load(store.get(key), store.key(key)) if store.check(key) else None
+    current = store.counter(CURRENT_ROUND)
+    closed = RoundEnd.load(store.get(JOB_CLOSED), store.key(JOB_CLOSED)) if store.check(JOB_CLOSED) else None
     return {"round": current, "closed": closed, "nodes": records}

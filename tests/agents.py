@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -14,14 +12,9 @@ from pathlib import Path
 
 import psutil
 
+from helpers import clean_env, start_rally
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A port the OS says is free right now (bind to 0, read it, release it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_script(directory: Path, name: str, body: str) -> Path:
@@ -69,21 +62,10 @@ def start_agent(
     args: list[str],
     env: dict[str, str] | None = None,
 ) -> AgentProcess:
+    """Start one rally agent (`helpers.start_rally`), its merged output going to `<name>.log`."""
     log = tmp / f"{name}.log"
-    handle = open(log, "wb")  # noqa: SIM115 - owned by the child
-    # Hook: RALLY_TEST_START_MODE=plain|template picks how workers start (see start_mode_env in
-    # tests/helpers.py and agent/template.py); unset keeps rally's default.
-    start_mode = {"plain": {"RALLY_NO_PRELOAD": "1"}, "template": {"RALLY_PRELOAD": "torch"}}
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **start_mode.get(os.environ.get("RALLY_TEST_START_MODE", ""), {}), **(env or {})}
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "rally", *args],
-        stdout=handle,
-        stderr=subprocess.STDOUT,
-        cwd=tmp,
-        env=full_env,
-        start_new_session=True,
-    )
-    handle.close()
+    with open(log, "w") as handle:  # the child keeps its own descriptor
+        popen = start_rally(args, cwd=tmp, env=clean_env(**(env or {})), stdout=handle, stderr=subprocess.STDOUT)
     return AgentProcess(name, popen, log)
 
 
@@ -117,19 +99,3 @@ def stop_all(agents: list[AgentProcess]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

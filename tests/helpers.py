@@ -21,7 +21,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import psutil
 import pytest
@@ -100,16 +100,24 @@ class Result:
 
 
 def start_rally(
-    args: Sequence[str], *, cwd: Path | str, env: dict[str, str] | None = None, argv: list[str] | None = None
+    args: Sequence[str],
+    *,
+    cwd: Path | str,
+    env: dict[str, str] | None = None,
+    argv: list[str] | None = None,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
 ) -> subprocess.Popen:
-    """Start rally (or `argv`) in a new session, stdout and stderr piped, text mode."""
+    """Start rally (or `argv`) in a new session (so a test can always kill its process group),
+    text mode; stdout and stderr piped unless given (a file, or STDOUT to merge them).
+    The one way the tests start rally: run_rally, LiveRally and agents.start_agent use it."""
     return subprocess.Popen(
         argv or rally_argv(args),
         cwd=str(cwd),
         env=env if env is not None else clean_env(),
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=stdout,
+        stderr=stderr,
         text=True,
         errors="replace",
         start_new_session=True,
@@ -186,6 +194,17 @@ def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def eventually(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
+    """Whether `predicate` holds within `timeout` s, for `assert eventually(...), context`
+    (wait_for fails the test by itself instead)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
 
 
 def is_alive(pid: int) -> bool:

@@ -7,17 +7,14 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import ProcessTracker, rally_argv, wait_for
+from helpers import ProcessTracker, start_rally, wait_for
 
 
 class LiveRally:
     """rally started in its own session, its merged output read line by line with arrival times."""
 
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str], tracker: ProcessTracker):
-        self.proc = subprocess.Popen(
-            rally_argv(args), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
-        )  # fmt: skip
+        self.proc = start_rally(args, cwd=cwd, env=env, stderr=subprocess.STDOUT)
         tracker.track_group(self.proc.pid)
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)

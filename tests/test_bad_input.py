@@ -208,7 +208,7 @@ def test_config_file_with_unknown_key_suggests_the_nearest_valid_key(tmp_path: P
 def assert_only_rally_lines(result: Result) -> None:
     """Runtime failures: every stderr line is one of rally's own (no C++ log dump, no traceback)."""
     other = [line for line in result.stderr_lines if not RALLY_LINE.match(line) and line.strip()]
-    assert not other, f"stderr has lines that are not rally's:\n" + "\n".join(other[:15]) + f"\n{result.describe()}"
+    assert not other, "stderr has lines that are not rally's:\n" + "\n".join(other[:15]) + f"\n{result.describe()}"
 
 
 @pytest.mark.timeout(60)

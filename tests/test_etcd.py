@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import AgentProcess, start_agent, stop_all, wait_for
+from agents import AgentProcess, start_agent, stop_all
 from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
-from helpers import free_port, run_rally, write_probe
+from helpers import eventually, free_port, run_rally, write_probe
 from rally.rendezvous.etcd_client import Member
 from rally.rendezvous.etcd_store import EtcdStore, open_etcd_store
 from rally.rendezvous.store import StoreTimeout, StoreUnavailable
@@ -277,10 +277,10 @@ def test_the_etcd_leader_sigkilled_mid_training_costs_no_restart_and_no_pause(et
     leader = etcd.wait_healthy()
     job = etcd_job(etcd.endpoints(first=leader), "2")  # both agents start out talking to the leader
     agents = [job.start(f"n{i}", finish_world=2, seconds=8) for i in range(2)]
-    assert wait_for(lambda: job.stepping(ranks=2, at_least=20), 90), job.outputs()
+    assert eventually(lambda: job.stepping(ranks=2, at_least=20), 90), job.outputs()
     killed_at = time.time()
     etcd.kill(leader)
-    new_leader = wait_for(lambda: etcd.leader() not in (None, leader), 20)
+    new_leader = eventually(lambda: etcd.leader() not in (None, leader), 20)
     assert new_leader, "the two remaining members elect a new leader"
     codes = [agent.wait(90) for agent in agents]
     steps = job.steps()
@@ -298,7 +298,7 @@ def test_the_etcd_leader_sigkilled_mid_training_costs_no_restart_and_no_pause(et
 def test_a_node_sigkilled_is_lost_by_lease_expiry_and_the_survivor_trains_again_within_ttl_plus_2s(etcd, etcd_job):
     job = etcd_job(etcd.endpoints(), "1:2")
     agents = [job.start(f"n{i}", finish_world=1, seconds=1) for i in range(2)]
-    assert wait_for(lambda: job.stepping(ranks=2, at_least=10), 90), job.outputs()
+    assert eventually(lambda: job.stepping(ranks=2, at_least=10), 90), job.outputs()
     status_argv = ["status", "--rdzv-backend", "etcd", "--rdzv-endpoint", job.endpoints, "--rdzv-id", job.run_id]
 
     def status_shows_both_workers() -> bool:  # records are refreshed every 2 s by each agent
@@ -306,7 +306,7 @@ def test_a_node_sigkilled_is_lost_by_lease_expiry_and_the_survivor_trains_again_
         assert status.returncode == 0 and f"job {job.run_id} at etcd at" in status.stdout, status.describe()
         return status.stdout.count("running") == 2
 
-    assert wait_for(status_shows_both_workers, 20), "`rally status` reads the job from etcd"
+    assert eventually(status_shows_both_workers, 20), "`rally status` reads the job from etcd"
     rank0_pid = next(s["pid"] for s in job.steps() if s["GROUP_RANK"] == "0")
     victim = next(a for a in agents if rank0_pid in {p.pid for p in a.descendants()})  # the workers' store host
     survivor = next(a for a in agents if a is not victim)
@@ -328,7 +328,7 @@ def test_a_node_sigkilled_is_lost_by_lease_expiry_and_the_survivor_trains_again_
 def test_losing_the_whole_etcd_cluster_stops_every_node_with_a_clear_message(etcd, etcd_job):
     job = etcd_job(etcd.endpoints(), "2")
     agents = [job.start(f"n{i}", finish_world=3, seconds=0, extra_conf="read_timeout=3") for i in range(2)]
-    assert wait_for(lambda: job.stepping(ranks=2, at_least=10), 90), job.outputs()
+    assert eventually(lambda: job.stepping(ranks=2, at_least=10), 90), job.outputs()
     workers = {s["pid"] for s in job.steps()}
     for member in etcd.members:
         etcd.kill(member)

@@ -25,8 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import c10d_args, free_port, start_agent, stop_all
-from helpers import ProcessTracker, clean_env, describe_pids, procs, rally_argv, survivors, wait_for, write_probe  # noqa: F401
+from agents import c10d_args, start_agent, stop_all
+from helpers import ProcessTracker, clean_env, describe_pids, free_port, procs, rally_argv, survivors, wait_for, write_probe  # noqa: F401
 from live_rally import LiveRally
 
 # ------------------------------------------------------------------ helpers

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import c10d_args, free_port
-from helpers import ProcessTracker, clean_env, procs, survivors, wait_for, write_probe  # noqa: F401
+from agents import c10d_args
+from helpers import ProcessTracker, clean_env, free_port, procs, survivors, wait_for, write_probe  # noqa: F401
 from live_rally import LiveRally
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import REPO, c10d_args, free_port, start_agent, stop_all, wait_for, write_script
+from helpers import eventually, free_port
+from agents import c10d_args, start_agent, stop_all, write_script
 
 HEARTBEATS_THEN_HANG = """
 import os, sys, time
@@ -206,7 +207,7 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
     probe = write_script(tmp_path, "probe.py", "import time\nwhile True:\n    time.sleep(0.1)\n")
     agents = [start_agent(f"n{i}", tmp_path, [*c10d_args(port, "3", run_id="statusjob"), "--nproc-per-node", "2", str(probe)]) for i in range(3)]
     try:
-        assert wait_for(lambda: all("round 0:" in a.output() for a in agents), 60)
+        assert eventually(lambda: all("round 0:" in a.output() for a in agents), 60)
         env = {**os.environ, "COLUMNS": "200"}
 
         def status() -> str:
@@ -217,7 +218,7 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
             assert done.returncode == 0, done.stderr
             return done.stdout
 
-        assert wait_for(lambda: status().count("running") == 6, 20), status()
+        assert eventually(lambda: status().count("running") == 6, 20), status()
         text = status()
         assert "round 0" in text
         for rank in range(6):

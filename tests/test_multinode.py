@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, alive, c10d_args, free_port, start_agent, stop_all, wait_for, write_script
+from helpers import eventually, free_port, is_alive
+from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
 
 PROBE = """
 import json, os, sys, time
@@ -133,7 +134,7 @@ def test_max_restarts_exhausted_fails_every_node_with_the_root_cause(job):
 
 
 def _store_host(agents: list[AgentProcess]) -> AgentProcess:
-    assert wait_for(lambda: any("hosting the rendezvous store" in a.output() for a in agents), 30)
+    assert eventually(lambda: any("hosting the rendezvous store" in a.output() for a in agents), 30)
     return next(a for a in agents if "hosting the rendezvous store" in a.output())
 
 
@@ -141,13 +142,13 @@ def _store_host(agents: list[AgentProcess]) -> AgentProcess:
 def test_dead_node_is_dropped_and_survivors_continue_without_spending_a_restart(job):
     args = [*c10d_args(job.port, "2:3"), "--nproc-per-node", "1"]
     agents = [job.start(f"n{i}", args, ["until-world", "2"]) for i in range(3)]
-    assert wait_for(lambda: len(job.records()) == 3, 60), [a.output() for a in agents]
+    assert eventually(lambda: len(job.records()) == 3, 60), [a.output() for a in agents]
     victim = next(a for a in agents if a is not _store_host(agents))
     victim_pids = victim.kill_node()
     survivors = [a for a in agents if a is not victim]
     codes = _finish(survivors, timeout=30)
     assert codes == [0, 0], "\n".join(a.output() for a in survivors)
-    assert not any(alive(pid) for pid in victim_pids)
+    assert not any(is_alive(pid) for pid in victim_pids)
     second = [r for r in job.records() if r["WORLD_SIZE"] == "2"]
     assert len(second) == 2 and {r["TORCHELASTIC_RESTART_COUNT"] for r in second} == {"0"}
     assert all("sent no keep-alive" in a.output() for a in survivors)
@@ -157,7 +158,7 @@ def test_dead_node_is_dropped_and_survivors_continue_without_spending_a_restart(
 def test_new_node_joins_a_running_job_below_max(job):
     args = [*c10d_args(job.port, "2:3"), "--nproc-per-node", "1"]
     first = [job.start(f"n{i}", args, ["until-world", "3"]) for i in range(2)]
-    assert wait_for(lambda: len(job.records()) == 2, 60)
+    assert eventually(lambda: len(job.records()) == 2, 60)
     joiner = job.start("joiner", args, ["until-world", "3"])
     codes = _finish([*first, joiner])
     assert codes == [0, 0, 0], "\n".join(a.output() for a in [*first, joiner])
@@ -168,14 +169,14 @@ def test_new_node_joins_a_running_job_below_max(job):
 def test_node_beyond_max_waits_as_a_spare_and_replaces_a_lost_node(job):
     args = [*c10d_args(job.port, "1:2"), "--nproc-per-node", "1"]
     agents = [job.start(f"n{i}", args, ["forever"]) for i in range(2)]
-    assert wait_for(lambda: len(job.records()) == 2, 60)
+    assert eventually(lambda: len(job.records()) == 2, 60)
     spare = job.start("spare", args, ["forever"])
-    assert wait_for(lambda: "waiting as a spare" in spare.output(), 30), spare.output()
+    assert eventually(lambda: "waiting as a spare" in spare.output(), 30), spare.output()
     assert len(job.records()) == 2  # the spare started no workers
     victim = next(a for a in agents if a is not _store_host(agents))
     victim.kill_node()
-    assert wait_for(lambda: "round 1:" in spare.output(), 30), "\n".join(a.output() for a in [*agents, spare])
-    assert wait_for(lambda: len(job.records()) == 4, 30)
+    assert eventually(lambda: "round 1:" in spare.output(), 30), "\n".join(a.output() for a in [*agents, spare])
+    assert eventually(lambda: len(job.records()) == 4, 30)
     assert {r["WORLD_SIZE"] for r in job.records()[2:]} == {"2"}
 
 
@@ -184,10 +185,10 @@ def test_standalone_store_survives_the_loss_of_any_compute_node(job, tmp_path):
     store_port = free_port()
     store = start_agent("store", tmp_path, ["store", "--port", str(store_port)])
     try:
-        assert wait_for(lambda: "listening" in store.output(), 30), store.output()
+        assert eventually(lambda: "listening" in store.output(), 30), store.output()
         args = [*c10d_args(store_port, "1:2"), "--nproc-per-node", "1"]
         agents = [job.start(f"n{i}", args, ["until-world", "1"]) for i in range(2)]
-        assert wait_for(lambda: len(job.records()) == 2, 60)
+        assert eventually(lambda: len(job.records()) == 2, 60)
         agents[0].kill_node()  # with `rally store`, no compute node is special
         assert _finish([agents[1]], timeout=30) == [0]
         agents[1].kill_node()
@@ -200,7 +201,7 @@ def test_standalone_store_survives_the_loss_of_any_compute_node(job, tmp_path):
 def test_losing_the_store_host_stops_the_others_with_a_clear_message(job):
     args = [*c10d_args(job.port, "1:2"), "--nproc-per-node", "1"]
     agents = [job.start(f"n{i}", args, ["forever"]) for i in range(2)]
-    assert wait_for(lambda: len(job.records()) == 2, 60)
+    assert eventually(lambda: len(job.records()) == 2, 60)
     host = _store_host(agents)
     host.kill_node()
     other = next(a for a in agents if a is not host)

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents import c10d_args, free_port, start_agent, stop_all, wait_for, write_script
+from helpers import eventually, free_port
+from agents import c10d_args, start_agent, stop_all, write_script
 
 # Each rank steps at its own pace (STEP_SECONDS_<rank>, default 0.05 s) until the file `stop`
 # appears; with FAIL_ON_FILE set, rank 1 of the first attempt exits 3 once the file `fail` appears.
@@ -66,7 +67,7 @@ def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_nod
     env = {"STEP_SECONDS_0": "0.04", "STEP_SECONDS_1": "0.16"}
     agents = [start_agent(f"n{i}", tmp_path, [*common, "--log-dir", str(tmp_path / f"logs{i}"), str(script)], env) for i in range(2)]
     try:
-        assert wait_for(lambda: "straggler: rank 1" in agents[1].output(), 90), agents[1].output()
+        assert eventually(lambda: "straggler: rank 1" in agents[1].output(), 90), agents[1].output()
         line = next(l for l in agents[1].output().splitlines() if "straggler: rank 1" in l)
         assert "median of the job's other ranks" in line, line
         (event,) = [e for e in events_of(tmp_path / "logs1") if e["event"] == "straggler"]
@@ -111,7 +112,7 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
     args = ["--standalone", "--nproc-per-node", "2", "--no-preload", "--max-restarts", "1", "--resource-interval", "0.2", "--metrics-port", "0", str(script)]
     agent = start_agent("metrics", tmp_path, args, {"FAIL_ON_FILE": "1"})
     try:
-        found = wait_for(lambda: re.search(r"Prometheus metrics at http://\S+:(\d+)/metrics", agent.output()), 60)
+        found = eventually(lambda: re.search(r"Prometheus metrics at http://\S+:(\d+)/metrics", agent.output()), 60)
         assert found, agent.output()
         port = int(re.search(r"Prometheus metrics at http://\S+:(\d+)/metrics", agent.output()).group(1))
         assert port > 0
@@ -120,7 +121,7 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
             m = scrape(port)
             return m if worker(m, "rally_worker_step", 1) is not None and worker(m, "rally_worker_cpu_percent", 1) is not None else None
 
-        assert wait_for(steps_known, 60), agent.output()
+        assert eventually(steps_known, 60), agent.output()
         before = scrape(port)
         assert value(before, "rally_round") == 0 and value(before, "rally_restarts_total") == 0
         assert value(before, "rally_world_size") == 2 and value(before, "rally_nodes") == 1
@@ -131,16 +132,16 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
             assert worker(before, "rally_worker_rss_bytes", rank) > 1024 * 1024
             assert 0 <= worker(before, "rally_worker_heartbeat_age_seconds", rank) < 5
             assert worker(before, "rally_worker_straggler", rank) == 0
-        assert wait_for(lambda: worker(scrape(port), "rally_worker_step", 0) > worker(before, "rally_worker_step", 0), 30)
-        assert wait_for(lambda: worker(scrape(port), "rally_worker_step_seconds", 0) is not None, 30)
+        assert eventually(lambda: worker(scrape(port), "rally_worker_step", 0) > worker(before, "rally_worker_step", 0), 30)
+        assert eventually(lambda: worker(scrape(port), "rally_worker_step_seconds", 0) is not None, 30)
 
         (tmp_path / "fail").touch()  # rank 1 of the first attempt exits 3: one restart
-        assert wait_for(lambda: value(scrape(port), "rally_restarts_total") == 1, 60), agent.output()
+        assert eventually(lambda: value(scrape(port), "rally_restarts_total") == 1, 60), agent.output()
         after = scrape(port)
         assert value(after, "rally_round") == 1
         assert value(after, "rally_failures_total", kind="worker_failed") == 1
         assert value(after, "rally_failures_total", kind="worker_hung") == 0
-        assert wait_for(lambda: worker(scrape(port), "rally_worker_state", 1, state="running") == 1, 30)
+        assert eventually(lambda: worker(scrape(port), "rally_worker_state", 1, state="running") == 1, 30)
 
         (tmp_path / "stop").touch()
         assert agent.wait(60) == 0, agent.output()
@@ -199,7 +200,7 @@ def test_rally_status_inside_a_slurm_step_needs_no_endpoint_or_id(tmp_path):
     slurm = slurm_step_env(job_id)
     agent = start_agent("slurm", tmp_path, ["--nproc-per-node", "2", "--no-preload", str(script)], slurm)
     try:
-        assert wait_for(lambda: "round 0:" in agent.output(), 60), agent.output()
+        assert eventually(lambda: "round 0:" in agent.output(), 60), agent.output()
         assert f"store 127.0.0.1:{port}" in agent.output()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         last: list[subprocess.CompletedProcess[str]] = []
@@ -212,7 +213,7 @@ def test_rally_status_inside_a_slurm_step_needs_no_endpoint_or_id(tmp_path):
             last[:] = [status_of(env={**env, **own_step})]
             return last[0].returncode == 0 and last[0].stdout.count("running") == 2
 
-        assert wait_for(both_running, 30), last[0].stdout + last[0].stderr
+        assert eventually(both_running, 30), last[0].stdout + last[0].stderr
         assert f"job {job_id}.0 at 127.0.0.1:{port}: round 0" in last[0].stdout, last[0].stdout
         outside = status_of(env=env)
         assert outside.returncode == 2 and "give --rdzv-endpoint HOST:PORT and --rdzv-id ID" in outside.stderr

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import free_port, start_agent, stop_all, write_script
+from helpers import free_port
+from agents import start_agent, stop_all, write_script
 
 WORKER = """
 import json, os, sys

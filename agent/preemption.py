@@ -1,0 +1,85 @@
+"""Preemption: the scheduler warned that the job will be killed; checkpoint, stop, requeue.
+
+The warning signal (SLURM's `--signal=USR1@90`, say) is forwarded to every worker; rally's
+bootstrap turns it into `rally.job.preempted()` instead of a kill. The workers get up to
+`--preemption-grace` seconds to save and exit. Node 0 asks the scheduler to requeue the job
+(`--requeue`) only once every node's workers are done or the grace is over, because a requeue
+makes SLURM kill every task and a shard still being saved would be lost. The round then ends as
+"preempted", so every node stops with EXIT_PREEMPTED (75, EX_TEMPFAIL: retry later).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from rally.agent import processes
+from rally.agent.event_loop import EventLoop
+from rally.agent.spec import JobSpec
+from rally.agent.states import AgentState, SignalAction, signal_action
+from rally.launcher import console
+from rally.rendezvous.protocol import Assignment, EndKind, Rendezvous, RoundEnd
+
+# The job was preempted (or hit its time limit) and stopped on purpose: retry later. EX_TEMPFAIL.
+EXIT_PREEMPTED = 75
+
+
+class Preemption:
+    """This node's part in a preemption; `requeue()`, when given, asks the scheduler to requeue."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        host: str,
+        preferred_rank: int | None,
+        loop: EventLoop,
+        store_call: Callable[[Callable[[], Any]], Any],
+        requeue: Callable[[], str] | None,
+    ):
+        self.spec = spec
+        self.host = host
+        self.preferred_rank = preferred_rank
+        self.loop = loop
+        self.store_call = store_call
+        self.requeue = requeue
+
+    def run(self, rdzv: Rendezvous, a: Assignment, group: Any, signum: int) -> RoundEnd:
+        """Warn the workers, wait for their checkpoints (bounded), requeue, end the round."""
+        name = processes.signal_name(signum)
+        grace = self.spec.preemption_grace
+        console.say(f"received {name} (preemption or time limit): forwarding it to the workers; up to {grace:g} s to checkpoint")
+        for worker in group.running() if group else []:
+            processes.send_to_group(worker.pid, signum)
+        deadline = time.monotonic() + grace
+        while group and group.running() and time.monotonic() < deadline:
+            self.loop.pump(max(0.0, deadline - time.monotonic()))
+            actions = [signal_action(AgentState.PREEMPTING, s, self.spec.preemption_signals) for s in self.loop.take_signals()]
+            if SignalAction.END_GRACE in actions:
+                break
+        self._wait_for_all_nodes(rdzv, a, deadline)
+        self.requeue_once(rdzv, a)
+        end = RoundEnd(EndKind.PREEMPTED, f"{self.host} received {name}", self.host, {"exit_status": EXIT_PREEMPTED})
+        return self.store_call(lambda: rdzv.end_round(a.round, end))
+
+    def _wait_for_all_nodes(self, rdzv: Rendezvous, a: Assignment, deadline: float) -> None:
+        self.store_call(lambda: rdzv.note_checkpointed(a.round, a.group_world_size))
+        if a.group_rank == 0 and self.spec.requeue:
+            remaining = max(0.01, deadline - time.monotonic())
+            if not self.store_call(lambda: rdzv.wait_all_checkpointed(a.round, remaining)):
+                console.warn("not every node finished checkpointing within --preemption-grace; requeueing anyway")
+
+    def requeue_once(self, rdzv: Rendezvous | None, a: Assignment | None) -> None:
+        """Node 0 asks the scheduler to requeue the job, once per job, when --requeue is on.
+        Without a round (a warning while waiting for one) node 0 is the preferred rank 0."""
+        if not self.spec.requeue or self.requeue is None:
+            return
+        if a is not None and a.group_rank != 0:
+            return
+        if a is None and self.preferred_rank not in (0, None):
+            return
+        if rdzv is not None and a is not None and not self.store_call(rdzv.claim_requeue):
+            return
+        try:
+            console.say(self.requeue())
+        except Exception as exc:  # noqa: BLE001 - a failed requeue is reported, not fatal
+            console.error(f"could not requeue the job: {exc}")

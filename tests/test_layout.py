@@ -1,0 +1,91 @@
+"""The code's shape, kept by tests: small modules, one owner of the store's keys, leaf modules
+that stay leaves, and an agent main loop that fits on one screen (issue 13)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("launcher", "agent", "rendezvous")
+MAX_MODULE_LINES = 500
+# Methods of rendezvous.store.Store (and EtcdStore) that take a key name first.
+KEYED_STORE_CALLS = {
+    "set", "get", "get_str", "get_unsigned", "add", "check", "counter", "append", "set_once",
+    "compare_set", "try_wait", "wait_deleted", "set_leased", "delete_key", "multi_set", "key",
+}  # fmt: skip
+# The protocol names the keys; the store implementations below it name their own few.
+KEY_OWNERS = {"rendezvous/protocol.py", "rendezvous/store.py", "rendezvous/etcd_store.py", "rendezvous/etcd_client.py"}
+
+
+def modules() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (REPO / package).glob("*.py"))
+
+
+@pytest.mark.timeout(30)
+def test_no_module_is_over_500_lines() -> None:
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in modules()}
+    assert {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+def _names_a_key(call: ast.Call) -> bool:
+    """`<...>store.<keyed method>("literal" or f"...", ...)`: a key spelled out at the call."""
+    func = call.func
+    if not (isinstance(func, ast.Attribute) and func.attr in KEYED_STORE_CALLS and call.args):
+        return False
+    receiver = func.value
+    name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+    first = call.args[0]
+    spelled = isinstance(first, ast.JoinedStr) or (isinstance(first, ast.Constant) and isinstance(first.value, str))
+    if isinstance(first, (ast.List, ast.Tuple)):  # try_wait([keys], ...)
+        spelled = any(isinstance(e, ast.JoinedStr) or (isinstance(e, ast.Constant) and isinstance(e.value, str)) for e in first.elts)
+    return name.endswith("store") and spelled
+
+
+@pytest.mark.timeout(30)
+def test_only_the_protocol_names_store_keys() -> None:
+    offenders = []
+    for path in modules():
+        name = str(path.relative_to(REPO))
+        if name in KEY_OWNERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and _names_a_key(node):
+                offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert offenders == [], "store keys belong in rendezvous/protocol.py:\n" + "\n".join(offenders)
+
+
+def test_the_key_check_catches_a_key_spelled_out_elsewhere() -> None:
+    """The check above would see the agent writing a key itself (so it can fail)."""
+    calls = [n for n in ast.walk(ast.parse('rdzv.store.set(f"{r}/preempt_done", "1")\nself.store.try_wait(["x"], 1)')) if isinstance(n, ast.Call)]
+    assert [_names_a_key(c) for c in calls] == [True, True]
+    harmless = [n for n in ast.walk(ast.parse('rdzv.publish_master(r, "h", 1)\nd.get("x")')) if isinstance(n, ast.Call)]
+    assert not any(_names_a_key(c) for c in harmless)
+
+
+def _rally_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rally"):
+            found |= {f"{node.module}.{a.name}" if node.module == "rally.launcher" else node.module for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("rally")}
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_console_and_the_worker_table_are_leaves_and_all_the_agent_takes_from_the_launcher() -> None:
+    for leaf in ("launcher/console.py", "launcher/worker_table.py"):
+        assert _rally_imports(REPO / leaf) == set(), f"{leaf} must import nothing of rally"
+    from_launcher = {m for p in (REPO / "agent").glob("*.py") for m in _rally_imports(p) if m.startswith("rally.launcher")}
+    assert from_launcher <= {"rally.launcher.console", "rally.launcher.worker_table"}, from_launcher
+
+
+@pytest.mark.timeout(30)
+def test_the_agents_main_loop_fits_on_one_screen() -> None:
+    from rally.agent.agent import Agent
+
+    assert len(inspect.getsource(Agent._run).splitlines()) <= 25
