@@ -12,14 +12,13 @@ import select
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
-_libc: ctypes.CDLL | None = None
+# Loaded at import, not on first use: prctl is also called between fork and exec
+# (processes._die_with_parent), where loading a library is not safe.
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def prctl(option: int, value: int) -> int:
     """prctl(2) with one argument; returns its result (-1 with errno set on failure)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
     return _libc.prctl(option, value, 0, 0, 0)
 
 

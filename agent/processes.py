@@ -15,7 +15,6 @@ here is bounded: a process stuck in uninterruptible sleep (D) is reported, not w
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -25,25 +24,21 @@ from typing import IO, Sequence
 
 import psutil
 
+from rally.agent.linux import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 from rally.agent.numa import AFFINITY_VARIABLE, parse_cpus
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 # How long a stop waits for SIGKILLed processes to be gone (D-state ones may take longer).
 KILL_WAIT_SECONDS = 5.0
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
 def become_subreaper() -> None:
     """Orphaned descendants of our workers get re-parented to us instead of to init."""
-    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _die_with_parent(parent_pid: int, cpus: set[int] | None = None) -> None:
     """Runs in the child between fork and exec: SIGKILL when the agent (its parent) dies; bound
     to `cpus` (--numa-binding) before exec, so every thread of the program inherits them."""
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the agent died before the prctl took effect
         os._exit(1)
     if cpus:
