@@ -363,7 +363,7 @@ class Agent:
         self.store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))
         if end.kind is EndKind.SUCCEEDED:
             self.store_call(lambda: rdzv.close_job(end))
-            console.say(f"job succeeded: {a.world_size} workers on {a.group_world_size} nodes finished")
+            console.say(f"job succeeded: {a.world_size} workers on {a.group_world_size} node{'s' if a.group_world_size != 1 else ''} finished")
             self._exit_barrier(rdzv, a)
             return 0
         if end.is_failure:

@@ -24,7 +24,13 @@ with open(os.environ["PROBE_OUT"], "a") as f:
 mode, arg = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0
 rank, restart = int(record["RANK"]), int(record["TORCHELASTIC_RESTART_COUNT"])
 if mode == "fail-rank-once" and rank == arg and restart == 0:
-    time.sleep(1.5)  # every other worker writes its record before the job is stopped
+    deadline = time.time() + 30  # fail only once every worker of this round wrote its record
+    while time.time() < deadline:
+        with open(os.environ["PROBE_OUT"]) as f:
+            mine = [json.loads(line) for line in f if line.strip()]
+        if sum(r["RALLY_ROUND"] == record["RALLY_ROUND"] for r in mine) >= int(record["WORLD_SIZE"]):
+            break
+        time.sleep(0.02)
     sys.exit(3)
 if mode == "until-world":          # run until the job has re-formed to `arg` workers
     while int(record["WORLD_SIZE"]) != arg:
