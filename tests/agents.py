@@ -61,11 +61,13 @@ def start_agent(
     tmp: Path,
     args: list[str],
     env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
 ) -> AgentProcess:
-    """Start one rally agent (`helpers.start_rally`), its merged output going to `<name>.log`."""
+    """Start one rally agent (`helpers.start_rally`), its merged output going to `<name>.log`;
+    `prefix` runs it under another command (`ip netns exec NS`, a node of its own)."""
     log = tmp / f"{name}.log"
     with open(log, "w") as handle:  # the child keeps its own descriptor
-        popen = start_rally(args, cwd=tmp, env=clean_env(**(env or {})), stdout=handle, stderr=subprocess.STDOUT)
+        popen = start_rally(args, cwd=tmp, env=clean_env(**(env or {})), stdout=handle, stderr=subprocess.STDOUT, prefix=prefix or ())
     return AgentProcess(name, popen, log)
 
 

@@ -73,8 +73,9 @@ def start_mode_env() -> dict[str, str]:
 # ---- end of the hook ---------------------------------------------------------------------------
 
 
-def rally_argv(args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "rally", *map(str, args)]
+def rally_argv(args: Sequence[str], prefix: Sequence[str] = ()) -> list[str]:
+    """`python -m rally ARGS` (after `prefix`, such as `ip netns exec NS`)."""
+    return [*prefix, sys.executable, "-m", "rally", *map(str, args)]
 
 
 @dataclass
@@ -105,21 +106,25 @@ def start_rally(
     cwd: Path | str,
     env: dict[str, str] | None = None,
     argv: list[str] | None = None,
+    stdin: Any = subprocess.DEVNULL,
     stdout: Any = subprocess.PIPE,
     stderr: Any = subprocess.PIPE,
+    prefix: Sequence[str] = (),
+    text: bool = True,
 ) -> subprocess.Popen:
     """Start rally (or `argv`) in a new session (so a test can always kill its process group),
-    text mode; stdout and stderr piped unless given (a file, or STDOUT to merge them).
-    The one way the tests start rally: run_rally, LiveRally and agents.start_agent use it."""
+    text mode unless `text=False`; stdout and stderr piped unless given (a file, a terminal, or STDOUT to merge).
+    The one way the tests start rally: run_rally, LiveRally, on_terminal and agents.start_agent
+    use it."""
     return subprocess.Popen(
-        argv or rally_argv(args),
+        argv or rally_argv(args, prefix),
         cwd=str(cwd),
         env=env if env is not None else clean_env(),
-        stdin=subprocess.DEVNULL,
+        stdin=stdin,
         stdout=stdout,
         stderr=stderr,
-        text=True,
-        errors="replace",
+        text=text,
+        errors="replace" if text else None,
         start_new_session=True,
     )
 
@@ -154,6 +159,51 @@ def run_rally(
         if proc.poll() is None:
             kill_group(proc.pid)
             proc.wait()
+
+
+class OnTerminal:
+    """rally on a pseudo-terminal (stdin, stdout and stderr), as in an interactive shell: its
+    live view turns on. `read(until, timeout)` collects what it drew; `close()` kills it."""
+
+    def __init__(self, args: Sequence[str], *, cwd: Path | str, env: dict[str, str]):
+        import pty
+
+        self.controller, terminal = pty.openpty()
+        try:
+            self.proc = start_rally(args, cwd=cwd, env=env, stdin=terminal, stdout=terminal, stderr=terminal)
+        finally:
+            os.close(terminal)
+        self.seen = b""
+
+    def read(self, timeout: float, until: Callable[[bytes], object] | None = None) -> bytes:
+        """Read until `until(all output so far)` holds, rally exits, or `timeout` s pass."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not (until and until(self.seen)):
+            if select.select([self.controller], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(self.controller, 65536)
+                except OSError:  # the terminal closed: rally is gone
+                    break
+                if not chunk:
+                    break
+                self.seen += chunk
+            elif self.proc.poll() is not None:
+                break
+        return self.seen
+
+    def text(self) -> str:
+        """What was drawn, without the terminal control codes."""
+        import re
+
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", self.seen.decode(errors="replace"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            kill_group(self.proc.pid)
+        self.proc.wait()
+        os.close(self.controller)
 
 
 def kill_group(pgid: int) -> None:

@@ -100,7 +100,6 @@ def rendezvous():
         return Rendezvous(Store(reconnect(), "rally/job/", "the test store", reconnect, Signer("")), settings, me)
 
     yield member
-    del server
 
 
 def test_preemption_waits_for_every_node_and_only_one_node_requeues(rendezvous) -> None:

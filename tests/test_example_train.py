@@ -12,37 +12,27 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from helpers import clean_env, start_rally
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
 STEPS, EVERY = 40, 5
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "TORCHELASTIC_"))}
-    # Hook: RALLY_TEST_START_MODE=plain|template picks how workers start (tests/helpers.py
-    # start_mode_env, agent/template.py); unset keeps rally's default.
-    start_mode = {"plain": {"RALLY_NO_PRELOAD": "1"}, "template": {"RALLY_PRELOAD": "torch"}}
-    env.update(start_mode.get(os.environ.get("RALLY_TEST_START_MODE", ""), {}))
-    return env
-
-
 def _rally(tmp: Path, name: str, max_restarts: int, step_time: float) -> subprocess.Popen:
     argv = [
-        sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2",
+        "--standalone", "--nproc-per-node", "2",
         "--max-restarts", str(max_restarts), "--log-dir", str(tmp / f"{name}-logs"),
         str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--step-time", str(step_time),
         "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--out", str(tmp / f"{name}.pt"),
     ]  # fmt: skip
-    return subprocess.Popen(
-        argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    return start_rally(argv, cwd=REPO, env=clean_env(), stderr=subprocess.STDOUT)
 
 
 def _finish(proc: subprocess.Popen, lines: list[str], timeout: float) -> int:

@@ -14,13 +14,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
+from helpers import start_rally
 
 KEEP_ALIVE_TIMEOUT = 2.0
 
@@ -78,11 +78,8 @@ class StoreProcess:
     def __init__(self, tmp: Path, netns: str | None = None):
         self.log = tmp / "store.log"
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        with open(self.log, "wb") as handle:
-            self.popen = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "rally", "store", "--port", "0"],
-                stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+        with open(self.log, "w") as handle:
+            self.popen = start_rally(["store", "--port", "0"], cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, prefix=prefix)
         found = wait_for(lambda: re.search(r"listening on port (\d+)", self.log.read_text()), 60)
         assert found, self.log.read_text()
         self.port = int(re.search(r"listening on port (\d+)", self.log.read_text()).group(1))
@@ -320,14 +317,8 @@ def netns():
 
 
 def _netns_agent(cluster, tmp_path: Path, ns: str, name: str, args: list[str]) -> AgentProcess:
-    log = tmp_path / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PROBE_OUT": str(cluster.out), "PROBE_NODE": name}
-    with open(log, "wb") as handle:
-        popen = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "rally", *args],
-            stdout=handle, stderr=subprocess.STDOUT, cwd=tmp_path, env=env, start_new_session=True,
-        )  # fmt: skip
-    return AgentProcess(name, popen, log)
+    env = {"PROBE_OUT": str(cluster.out), "PROBE_NODE": name}
+    return start_agent(name, tmp_path, args, env, prefix=["ip", "netns", "exec", ns])
 
 
 @pytest.mark.timeout(240)

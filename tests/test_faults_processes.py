@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from agents import c10d_args, start_agent, stop_all
-from helpers import ProcessTracker, clean_env, describe_pids, free_port, procs, rally_argv, survivors, wait_for, write_probe  # noqa: F401
+from helpers import ProcessTracker, clean_env, describe_pids, free_port, procs, rally_argv, run_rally, survivors, wait_for, write_probe  # noqa: F401
 from live_rally import LiveRally
 
 # ------------------------------------------------------------------ helpers
@@ -193,10 +193,7 @@ def test_sigstopped_worker_is_shown_as_stopped_and_does_not_hold_up_the_stop(tmp
     status_env = {**clean_env(), "COLUMNS": "200"}
 
     def status_shows_it() -> bool:
-        done = subprocess.run(
-            rally_argv(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stopjob"]),
-            capture_output=True, text=True, env=status_env, timeout=30,
-        )  # fmt: skip
+        done = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stopjob"], cwd=tmp_path, env=status_env, timeout=30)
         return "stopped (SIGSTOP)" in done.stdout
 
     wait_for(status_shows_it, 20, interval=0.5, what="`rally status` to show the stopped worker")

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import eventually, free_port
+from helpers import OnTerminal, clean_env, eventually, free_port, run_rally
 from agents import c10d_args, start_agent, stop_all, write_script
 
 HEARTBEATS_THEN_HANG = """
@@ -54,13 +52,8 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
 
 def _run(tmp: Path, script: str, *args: str, timeout: float = 90) -> tuple[int, str, float]:
     path = write_script(tmp, "w.py", script)
-    env = dict(os.environ)
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "rally", "--standalone", "--log-dir", str(tmp / "logs"), *args, str(path)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp,
-    )  # fmt: skip
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+    done = run_rally(["--standalone", "--log-dir", str(tmp / "logs"), *args, str(path)], cwd=tmp, timeout=timeout)
+    return done.returncode, done.stdout + done.stderr, done.elapsed
 
 
 def _report(tmp: Path) -> dict:
@@ -208,13 +201,11 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
     agents = [start_agent(f"n{i}", tmp_path, [*c10d_args(port, "3", run_id="statusjob"), "--nproc-per-node", "2", str(probe)]) for i in range(3)]
     try:
         assert eventually(lambda: all("round 0:" in a.output() for a in agents), 60)
-        env = {**os.environ, "COLUMNS": "200"}
+        env = clean_env(COLUMNS="200")
 
         def status() -> str:
-            done = subprocess.run(
-                [sys.executable, "-m", "rally", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "statusjob"],
-                capture_output=True, text=True, timeout=30, env=env,
-            )  # fmt: skip
+            args = ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "statusjob"]
+            done = run_rally(args, cwd=tmp_path, env=env, timeout=30)
             assert done.returncode == 0, done.stderr
             return done.stdout
 
@@ -223,10 +214,7 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
         assert "round 0" in text
         for rank in range(6):
             assert re.search(rf"│ {rank}\s+│", text), text
-        missing = subprocess.run(
-            [sys.executable, "-m", "rally", "status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nosuchjob"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        missing = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nosuchjob"], cwd=tmp_path, timeout=30)
         assert missing.returncode != 0
         assert "no job with run id 'nosuchjob'" in missing.stderr and "Traceback" not in missing.stderr
     finally:
@@ -236,41 +224,15 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
 @pytest.mark.timeout(120)
 def test_on_a_terminal_a_live_table_of_the_workers_is_shown(tmp_path):
     """rally under a real pseudo-terminal (both stdout and stderr), as a person would run it."""
-    import pty
-    import select
-
     script = write_script(tmp_path, "w.py", "import time\nfor i in range(25):\n    print('step', i, flush=True)\n    time.sleep(0.2)\n")
-    controller, terminal = pty.openpty()
-    env = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2", str(script)],
-        stdin=terminal, stdout=terminal, stderr=terminal, cwd=tmp_path, env=env, start_new_session=True,
-    )  # fmt: skip
-    os.close(terminal)
-    seen = b""
+    env = {**clean_env(), "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
+    terminal = OnTerminal(["--standalone", "--nproc-per-node", "2", str(script)], cwd=tmp_path, env=env)
     try:
-        deadline = time.monotonic() + 100
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([controller], [], [], 0.5)
-            if ready:
-                try:
-                    chunk = os.read(controller, 65536)
-                except OSError:  # the terminal closed: rally is gone
-                    break
-                if not chunk:
-                    break
-                seen += chunk
-            elif proc.poll() is not None:
-                break
-        assert proc.wait(timeout=30) == 0
+        raw = terminal.read(100).decode(errors="replace")
+        assert terminal.proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        os.close(controller)
-    raw = seen.decode(errors="replace")
+        terminal.close()
     assert "\x1b[" in raw  # a live display redraws with control codes, unlike plain output
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)
+    text = terminal.text()
     assert "rally · node 0 · round 0" in text, text[-2000:]
     assert re.search(r"┃ rank\s+┃ pid\s+┃ state", text) and "heartbeat" in text, text[-2000:]
-    assert "step 24" in text  # worker lines still scroll past above the table

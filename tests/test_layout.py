@@ -89,3 +89,15 @@ def test_the_agents_main_loop_fits_on_one_screen() -> None:
     from rally.agent.agent import Agent
 
     assert len(inspect.getsource(Agent._run).splitlines()) <= 25
+
+
+@pytest.mark.timeout(30)
+def test_every_test_starts_rally_through_the_one_launch_helper() -> None:
+    """`helpers.start_rally` (behind run_rally, LiveRally, OnTerminal and agents.start_agent)
+    is the only place a test spells out how rally is started."""
+    spelled = [
+        str(p.relative_to(REPO))
+        for p in sorted((REPO / "tests").glob("*.py"))
+        if p.name not in ("helpers.py", "test_layout.py") and ('"-m", "rally"' in p.read_text() or "rally_argv(" in p.read_text())
+    ]
+    assert spelled == []

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_rally
 from rally.agent import gpu, heartbeat_file, job
 from rally.agent.gpu import DeviceReading
 from rally.agent.stragglers import CentralValues, StepClock, StragglerWatch, job_step_times
@@ -45,11 +46,8 @@ def rally(tmp: Path, script: str, *args: str, timeout: float = 90) -> tuple[int,
     """Run rally on a stdlib probe (no template: nothing to preload) and return (code, output)."""
     path = tmp / "w.py"
     path.write_text(textwrap.dedent(script))
-    proc = subprocess.run(
-        [sys.executable, "-m", "rally", "--standalone", "--no-preload", "--log-dir", str(tmp / "logs"), *args, str(path)],
-        capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=tmp,
-    )  # fmt: skip
-    return proc.returncode, proc.stdout + proc.stderr
+    done = run_rally(["--standalone", "--no-preload", "--log-dir", str(tmp / "logs"), *args, str(path)], cwd=tmp, env=child_env(), timeout=timeout)
+    return done.returncode, done.stdout + done.stderr
 
 
 def events(tmp: Path) -> list[dict]:
@@ -323,10 +321,7 @@ def test_on_a_node_without_gpus_the_skip_reason_is_logged_and_the_job_runs(tmp_p
 def test_where_gpus_are_expected_the_skip_reason_is_shown_on_the_console(tmp_path):
     skip_where_nvml_works()
     (tmp_path / "w.py").write_text("print('ok')\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "rally", "--standalone", "--no-preload", str(tmp_path / "w.py")],
-        capture_output=True, text=True, timeout=90, cwd=tmp_path, env=child_env(CUDA_VISIBLE_DEVICES="0"),
-    )  # fmt: skip
+    done = run_rally(["--standalone", "--no-preload", str(tmp_path / "w.py")], cwd=tmp_path, env=child_env(CUDA_VISIBLE_DEVICES="0"))
     assert done.returncode == 0, done.stderr
     assert "rally: warning: GPU health checks skipped: " in done.stderr and "Traceback" not in done.stderr
 
@@ -399,8 +394,5 @@ def test_startup_and_straggler_settings_are_checked(tmp_path):
         (["--straggler-window", "1"], "--straggler-window 1: must be at least 2 steps"),
         (["--metrics-port", "70000"], "--metrics-port 70000: must be a port number 0-65535"),
     ]:
-        done = subprocess.run(
-            [sys.executable, "-m", "rally", "--standalone", *args, str(tmp_path / "w.py")],
-            capture_output=True, text=True, timeout=30, cwd=tmp_path, env=child_env(),
-        )  # fmt: skip
+        done = run_rally(["--standalone", *args, str(tmp_path / "w.py")], cwd=tmp_path, env=child_env(), timeout=30)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)

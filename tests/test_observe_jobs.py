@@ -11,11 +11,8 @@ import json
 import os
 import random
 import re
-import select
 import socket
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import eventually, free_port
+from helpers import OnTerminal, Result, clean_env, eventually, free_port, run_rally
 from agents import c10d_args, start_agent, stop_all, write_script
 
 # Each rank steps at its own pace (STEP_SECONDS_<rank>, default 0.05 s) until the file `stop`
@@ -46,11 +43,8 @@ print("rank", rank, "stopped at step", step, flush=True)
 """
 
 
-def status_of(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rally", "status", *args], capture_output=True, text=True, timeout=60,
-        env={**(env or os.environ), "COLUMNS": "200"},
-    )  # fmt: skip
+def status_of(*args: str, env: dict[str, str] | None = None) -> Result:
+    return run_rally(["status", *args], cwd=os.getcwd(), env={**(env or clean_env()), "COLUMNS": "200"}, timeout=60)
 
 
 def events_of(log_dir: Path) -> list[dict]:
@@ -158,10 +152,7 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run(
-            [sys.executable, "-m", "rally", "--standalone", "--no-preload", "--metrics-port", str(port), str(script)],
-            capture_output=True, text=True, timeout=90, cwd=tmp_path,
-        )  # fmt: skip
+        done = run_rally(["--standalone", "--no-preload", "--metrics-port", str(port), str(script)], cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert f"--metrics-port {port}: cannot listen" in done.stderr and "Traceback" not in done.stderr
     assert "never runs" not in done.stdout
@@ -226,43 +217,18 @@ def test_rally_status_inside_a_slurm_step_needs_no_endpoint_or_id(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_the_live_view_names_a_straggler_under_a_real_terminal(tmp_path):
-    import pty
-
     script = write_script(tmp_path, "paced.py", PACED)
-    controller, terminal = pty.openpty()
-    env = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "LINES": "40", "STEP_SECONDS_1": "0.2", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "3", "--no-preload", "--resource-interval", "0.2", str(script)],
-        stdin=terminal, stdout=terminal, stderr=terminal, cwd=tmp_path, env=env, start_new_session=True,
-    )  # fmt: skip
-    os.close(terminal)
-    seen = b""
+    env = {**clean_env(), "TERM": "xterm", "COLUMNS": "120", "LINES": "40", "STEP_SECONDS_1": "0.2"}
+    args = ["--standalone", "--nproc-per-node", "3", "--no-preload", "--resource-interval", "0.2", str(script)]
+    terminal = OnTerminal(args, cwd=tmp_path, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and b"slow" not in seen:  # until the table marks a straggler
-            ready, _, _ = select.select([controller], [], [], 0.5)
-            if ready:
-                try:
-                    seen += os.read(controller, 65536)
-                except OSError:
-                    break
-            elif proc.poll() is not None:
-                break
+        terminal.read(120, until=lambda seen: b"slow" in seen)  # until the table marks a straggler
         (tmp_path / "stop").touch()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            if select.select([controller], [], [], 0.5)[0]:
-                try:
-                    seen += os.read(controller, 65536)
-                except OSError:
-                    break
-        assert proc.wait(timeout=30) == 0
+        terminal.read(60)
+        assert terminal.proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        os.close(controller)
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
+        terminal.close()
+    text = terminal.text()
     assert re.search(r"┃ rank\s+┃ pid\s+┃ state.*┃\s+step ┃\s+s/step ┃", text), text[-3000:]
     assert re.search(r"│ 1\s+│ \d+\s+│ running.*│\s+0\.\d{3} slow │", text), text[-3000:]
     assert re.search(r"straggler: rank 1 on \S+ takes 0\.\d+ s per step, \d+\.\dx the median of this node's other ranks", text), text[-3000:]

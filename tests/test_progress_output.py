@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import clean_env, kill_group, rally_argv, write_probe
+from helpers import OnTerminal, clean_env, kill_group, start_rally, write_probe
 
 PROGRESS = """
     import os, sys, time
@@ -42,15 +42,9 @@ FLOOD = """
 
 
 def start(tmp_path: Path, args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        rally_argv(["--standalone", "--no-preload", *args]),
-        cwd=tmp_path,
-        env=clean_env(RALLY_NO_PRELOAD=None, RALLY_PRELOAD=None),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    """rally with plain worker starts, its output read as bytes (the pieces are what is tested)."""
+    env = clean_env(RALLY_NO_PRELOAD=None, RALLY_PRELOAD=None)
+    return start_rally(["--standalone", "--no-preload", *args], cwd=tmp_path, env=env, text=False)
 
 
 def read_until(proc: subprocess.Popen, seen: bytearray, done, timeout: float) -> None:
@@ -118,7 +112,6 @@ def test_ten_megabytes_without_a_newline_keep_the_agent_memory_bounded(tmp_path:
 def test_under_the_live_view_the_latest_redraw_shows_below_the_table(tmp_path: Path) -> None:
     """On a real pseudo-terminal the redraw cannot overwrite a line above the live table, so
     it is shown under the table until the worker ends the line."""
-    import pty
     import re
 
     probe = write_probe(
@@ -133,35 +126,14 @@ def test_under_the_live_view_the_latest_redraw_shows_below_the_table(tmp_path: P
         print("finished")
         """,
     )
-    controller, terminal = pty.openpty()
     env = {**clean_env(RALLY_NO_PRELOAD=None, RALLY_PRELOAD=None), "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
-    proc = subprocess.Popen(
-        rally_argv(["--standalone", "--no-preload", str(probe)]),
-        stdin=terminal, stdout=terminal, stderr=terminal, cwd=tmp_path, env=env, start_new_session=True,
-    )  # fmt: skip
-    os.close(terminal)
-    seen = b""
+    terminal = OnTerminal(["--standalone", "--no-preload", str(probe)], cwd=tmp_path, env=env)
     try:
-        selector = selectors.DefaultSelector()
-        selector.register(controller, selectors.EVENT_READ)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if selector.select(0.5):
-                try:
-                    chunk = os.read(controller, 65536)
-                except OSError:  # the terminal closed: rally is gone
-                    break
-                if not chunk:
-                    break
-                seen += chunk
-            elif proc.poll() is not None:
-                break
-        assert proc.wait(timeout=30) == 0
+        terminal.read(90)
+        assert terminal.proc.wait(timeout=30) == 0
     finally:
-        kill_group(proc.pid)
-        proc.wait()
-        os.close(controller)
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
+        terminal.close()
+    text = terminal.text()
     assert "rally · node 0" in text, text[-2000:]
     shown = set(re.findall(r"\[0\] bar (\d+)/15", text))
     assert len(shown) >= 3, f"progress redraws seen under the live table: {sorted(shown)}\n{text[-2000:]}"

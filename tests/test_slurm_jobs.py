@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from helpers import start_rally
+
 if TYPE_CHECKING:  # the fixture comes from the slurm_cluster plugin (tests/conftest.py)
     from slurm_cluster import SlurmCluster
 
@@ -318,11 +320,9 @@ def test_elastic_requeue_template_checkpoints_requeues_and_resumes_bit_identical
     train_args = ["--steps", "40", "--checkpoint-every", "5", "--step-time", "0.2"]
     # The uninterrupted reference, at the same world size (2), on this host with --standalone;
     # it runs while the cluster job does (determinism does not depend on timing).
-    reference = subprocess.Popen(
-        [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2", str(TRAIN), *train_args,
-         "--checkpoint-dir", str(tmp_path / "reference")],
-        cwd=REPO, env=job_env(jobs.cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+    reference = start_rally(
+        ["--standalone", "--nproc-per-node", "2", str(TRAIN), *train_args, "--checkpoint-dir", str(tmp_path / "reference")],
+        cwd=REPO, env=job_env(jobs.cluster), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         ckpt = tmp_path / "ckpt"
