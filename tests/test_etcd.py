@@ -27,9 +27,11 @@ from rally.rendezvous.etcd_store import EtcdStore, open_etcd_store
 from rally.rendezvous.store import StoreTimeout, StoreUnavailable
 from test_bad_input import assert_one_line_only, rally_fails, the_error_line
 
-# The lease TTL in the job tests: above an etcd leader election (about 1 s with etcd's default
-# timing), which stalls every node's calls, so a node never fences itself during one.
-KEEP_ALIVE_TIMEOUT = 3.0
+# The lease TTL in the job tests (rally's default keep_alive_timeout): well above an etcd leader
+# election, which stalls every node's calls, so a node never fences itself during one. An
+# election takes about 1 s with etcd's default timing on an idle machine, but on the loaded
+# 2-core CI machine one took 3 s and a TTL of 3 s (a fence after 2.8 s of silence) failed.
+KEEP_ALIVE_TIMEOUT = 5.0
 
 
 def store_for(cluster: EtcdCluster, op_timeout: float = 10.0) -> EtcdStore:
