@@ -43,20 +43,8 @@ from rally.agent.template import TemplateClient
 from rally.agent.workers import LogLayout, WorkerGroup
 from rally.launcher import console
 from rally.rendezvous.plan import RendezvousPlan
-from rally.rendezvous.protocol import (
-    Assignment,
-    EndKind,
-    NodeInfo,
-    Rendezvous,
-    RendezvousError,
-    RoundEnd,
-)
-from rally.rendezvous.store import (
-    Store,
-    StoreError,
-    UntrustedValue,
-    host_tcp_store,
-)
+from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
+from rally.rendezvous.store import Store, StoreError, UntrustedValue, host_tcp_store
 
 EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1

@@ -37,8 +37,8 @@ class Inbox:
         os.set_blocking(self.write_fd, False)
         self.items: queue.SimpleQueue[tuple[Event, Any]] = queue.SimpleQueue()
 
-    def post(self, kind: Event | str, value: Any = None) -> None:
-        self.items.put((Event(kind), value))
+    def post(self, kind: Event, value: Any = None) -> None:
+        self.items.put((kind, value))
         try:
             os.write(self.write_fd, b"x")
         except BlockingIOError:

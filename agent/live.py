@@ -11,11 +11,12 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from rally.launcher.worker_table import straggler_line, worker_table
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from rally.launcher.worker_table import straggler_line, worker_table
 
 REFRESH_PER_SECOND = 2
 

@@ -30,6 +30,7 @@ from rally.agent.numa import AFFINITY_VARIABLE, parse_cpus
 # How long a stop waits for SIGKILLed processes to be gone (D-state ones may take longer).
 KILL_WAIT_SECONDS = 5.0
 
+
 def become_subreaper() -> None:
     """Orphaned descendants of our workers get re-parented to us instead of to init."""
     prctl(PR_SET_CHILD_SUBREAPER, 1)

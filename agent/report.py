@@ -16,13 +16,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.table import Table
+
 from rally.agent.processes import describe_exit, exit_status_for_shell
 from rally.agent.round_threads import StoreSilent
 from rally.agent.workers import Worker, WorkerGroup
 from rally.launcher.worker_table import worker_table
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
 from rally.rendezvous.store import StoreEndpoint, UntrustedValue
-from rich.table import Table
 
 STDERR_LINES_IN_REPORT = 20
 MAX_TRACEBACK_CHARS = 16_000

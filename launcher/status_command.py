@@ -18,16 +18,12 @@ import os
 import time
 
 import click
-from rally.launcher import console, validate
-from rally.launcher.config import (
-    DEFAULT_C10D_PORT,
-    ConfigError,
-    parse_endpoint,
-    parse_etcd_endpoints,
-)
-from rally.launcher.worker_table import straggler_line, worker_table
 from rich.console import Console
 from rich.table import Table
+
+from rally.launcher import console, validate
+from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint, parse_etcd_endpoints
+from rally.launcher.worker_table import straggler_line, worker_table
 
 
 @click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,12 +39,7 @@ from rich.table import Table
 def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm_step: int, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.status import read_job_status
-    from rally.rendezvous.store import (
-        StoreEndpoint,
-        StoreUnavailable,
-        open_store,
-        quiet_torch_logs,
-    )
+    from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
     from rally.rendezvous.token import ENV_TOKEN, Signer
 
     quiet_torch_logs()

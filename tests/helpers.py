@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -163,11 +166,9 @@ def run_rally(
 
 class OnTerminal:
     """rally on a pseudo-terminal (stdin, stdout and stderr), as in an interactive shell: its
-    live view turns on. `read(until, timeout)` collects what it drew; `close()` kills it."""
+    live view turns on. `read(timeout, until)` collects what it drew; `close()` kills it."""
 
     def __init__(self, args: Sequence[str], *, cwd: Path | str, env: dict[str, str]):
-        import pty
-
         self.controller, terminal = pty.openpty()
         try:
             self.proc = start_rally(args, cwd=cwd, env=env, stdin=terminal, stdout=terminal, stderr=terminal)
@@ -177,8 +178,6 @@ class OnTerminal:
 
     def read(self, timeout: float, until: Callable[[bytes], object] | None = None) -> bytes:
         """Read until `until(all output so far)` holds, rally exits, or `timeout` s pass."""
-        import select
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not (until and until(self.seen)):
             if select.select([self.controller], [], [], 0.5)[0]:
@@ -195,8 +194,6 @@ class OnTerminal:
 
     def text(self) -> str:
         """What was drawn, without the terminal control codes."""
-        import re
-
         return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", self.seen.decode(errors="replace"))
 
     def close(self) -> None:
