@@ -42,9 +42,11 @@ from rally.agent.stopping import read_what_is_left, stop_workers
 from rally.agent.template import TemplateClient
 from rally.agent.workers import LogLayout, WorkerGroup
 from rally.launcher import console
+from rally.rendezvous.backends import OpenedStore
+from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
-from rally.rendezvous.store import Store, StoreError, UntrustedValue, host_tcp_store
+from rally.rendezvous.store import StoreError, UntrustedValue, host_tcp_store
 
 EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1
@@ -84,7 +86,8 @@ class Agent:
         self.loop = EventLoop(on_worker_exit=lambda w: self.health.note_exit(w.local_rank), on_child_signal=self._reap_orphans)
         self.preemption = Preemption(spec, self.host, plan.preferred_rank, self.loop, self.store_call, requeue)
         self.group: WorkerGroup | None = None
-        self.store: Store | None = None
+        self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
+        self.store: KeyValueStore | None = None
         self.store_server: Any = None
         self.worker_store: Any = None
         self.rdzv: Rendezvous | None = None
@@ -151,9 +154,10 @@ class Agent:
 
     def _join_job(self) -> tuple[Rendezvous, Rendezvous, Rendezvous]:
         """Open (or host) the store and make this node known; one connection per watching thread."""
-        self.store, self.store_server = self.store_call(lambda: self.plan.open_store(self.spec.run_id), waiting=True)
+        self.opened = self.store_call(lambda: self.plan.open_store(self.spec.run_id), waiting=True)
+        self.store, self.store_server = self.opened.store, self.opened.server
         if self.store_server is not None:
-            console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
+            console.say(f"hosting the rendezvous store on port {self.opened.port}")
         self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         self.store_call(rdzv.register_status)
         watcher, keeper, prober = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
@@ -228,8 +232,9 @@ class Agent:
             # Every node stopped its old workers before it joined this round, so no worker of
             # an earlier attempt can write here any more: its keys go, rally's own stay.
             self.store_call(rdzv.clear_worker_keys)
-            self.store_call(lambda: rdzv.publish_master(a.round, self.plan.endpoint.host, self.plan.endpoint.port))
-            return (self.plan.endpoint.host, self.plan.endpoint.port)
+            where = self.opened.endpoint  # as bound
+            self.store_call(lambda: rdzv.publish_master(a.round, where.host, where.port))
+            return (where.host, where.port)
         if a.group_rank == 0:
             self.worker_store = None  # the previous round's store closes here
             self.worker_store = host_tcp_store(0, self.plan.read_timeout)
@@ -284,7 +289,7 @@ class Agent:
             if kind is Event.PEER_VERDICT and value[0] == a.round and held:
                 held[1] = value[1]
             if kind is Event.STORE_LOST:
-                raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.plan.endpoint))
+                raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.opened.endpoint))
             if kind is Event.DUMP_STACKS and value == a.round:
                 self.hangs.answer(rdzv, a)
         return None
@@ -447,7 +452,7 @@ class Agent:
                 return None
             if self.rdzv is None:  # never reached: a wrong or dead endpoint is a setup problem
                 raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
-            raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(exc, self.plan.endpoint)) from None
+            raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(exc, self.opened.endpoint)) from None
 
     def _while_waiting(self) -> None:
         if self.probe and (stalled := self.probe.stalled()):  # a frozen store never answers the call

@@ -22,6 +22,7 @@ from rally.agent.processes import describe_exit, exit_status_for_shell
 from rally.agent.round_threads import StoreSilent
 from rally.agent.workers import Worker, WorkerGroup
 from rally.launcher.worker_table import worker_table
+from rally.rendezvous.backends import backend_of
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
 from rally.rendezvous.store import StoreEndpoint, UntrustedValue
 
@@ -174,14 +175,4 @@ def store_lost_line(exc: BaseException, endpoint: StoreEndpoint) -> str:
     """Why this node stops when its store is lost, silent or untrusted, and what to do next time."""
     if isinstance(exc, (StoreSilent, UntrustedValue)):
         return str(exc)
-    if endpoint.etcd:
-        return (
-            f"{exc}; the job cannot go on without its rendezvous, so this node stops. Check the cluster: "
-            f"etcdctl --endpoints {','.join(map(str, endpoint.etcd))} endpoint health"
-        )
-    return (
-        f"{exc}; the rendezvous store at {endpoint} is gone, so this node stops. Its host "
-        "was probably lost. To survive the loss of any compute node next time, run "
-        "`rally store --port PORT` on a machine that does not train and point "
-        "--rdzv-endpoint at it"
-    )
+    return backend_of(endpoint).lost_line(exc, endpoint)

@@ -219,6 +219,7 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
     if options["no_slurm"]:
         return
     from rally.launcher.slurm import SlurmJob
+    from rally.rendezvous.backends import BACKENDS, HostPort
 
     try:
         job = SlurmJob.from_env(os.environ)
@@ -236,13 +237,14 @@ def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
     if unset("nnodes"):
         options["nnodes"] = str(job.nnodes)
         taken += ["nnodes", "node_rank"]
+    chosen = BACKENDS.get(str(options["rdzv_backend"]).lower())
     rendezvous_set = (
         not all(unset(n) for n in ("rdzv_endpoint", "master_addr", "master_port"))
-        or str(options["rdzv_backend"]).lower() in ("static", "etcd", "etcd-v2") and not unset("rdzv_backend")
+        or chosen is not None and not chosen.takes_slurm_store and not unset("rdzv_backend")
     )
     if not options["standalone"] and not rendezvous_set:
         options["rdzv_backend"] = "c10d"
-        options["rdzv_endpoint"] = f"{job.store_host}:{job.store_port}"
+        options["rdzv_endpoint"] = HostPort(job.store_host, job.store_port)
         taken.append("rdzv_endpoint")
     if unset("rdzv_id"):
         options["rdzv_id"] = job.run_id

@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -25,19 +24,12 @@ import yaml
 
 from rally.rendezvous.plan import RendezvousPlan
 from rally.agent.spec import JobSpec
-from rally.rendezvous.etcd_client import DEFAULT_ETCD_PORT, Member
+from rally.rendezvous.backends import Backend, EndpointError, HostPort, StoreRequest, backend_named
 from rally.rendezvous.protocol import RendezvousSettings
 from rally.launcher import validate
 from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
-from rally.rendezvous.store import StoreEndpoint, is_local_host
 from rally.rendezvous.token import TokenError, resolve_token
-
-DEFAULT_C10D_PORT = 29400
-# torchrun's etcd backends; rally runs both over the etcd v3 API (rendezvous/etcd_store.py).
-ETCD_BACKENDS = ("etcd", "etcd-v2")
-BACKENDS = ("c10d", "static", *ETCD_BACKENDS)
-DEFAULT_MASTER_PORT = 29500
 
 # torchrun's --rdzv-conf keys (c10d), plus rally's keep_alive_timeout.
 RDZV_CONF_DEFAULTS: dict[str, Any] = {
@@ -55,6 +47,13 @@ RDZV_CONF_DEFAULTS: dict[str, Any] = {
     "token": None,  # the job's secret (rendezvous/token.py); prefer token_file or RALLY_JOB_TOKEN
     "token_file": None,
 }
+
+
+def _backend(name: str, store_type: str) -> Backend:
+    try:
+        return backend_named(name, store_type)
+    except EndpointError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def suggest(word: str, choices: Iterable[str]) -> str:
@@ -123,39 +122,6 @@ def parse_nproc(text: str) -> int:
     if number < 1:
         raise ConfigError(f"--nproc-per-node {number}: must be at least 1")
     return number
-
-
-def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
-    """`host`, `host:port`, `[v6]:port`."""
-    text = str(text).strip()
-    match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d+))?", text) or re.fullmatch(r"([^:\[\]\s]+)(?::(\d+))?", text)
-    if not match or not match.group(1):
-        raise ConfigError(f"--rdzv-endpoint '{text}' is malformed; write HOST or HOST:PORT, e.g. node1:29400")
-    port = int(match.group(2)) if match.group(2) else default_port
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"--rdzv-endpoint '{text}': port {port} is out of range (0-65535)")
-    return match.group(1), port
-
-
-def parse_etcd_endpoints(text: str) -> tuple[Member, ...]:
-    """`HOST[:PORT][,HOST[:PORT]...]` (an `http://` scheme is allowed); default port 2379."""
-    members = []
-    for item in str(text).split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if item.lower().startswith("https://"):
-            raise ConfigError(f"--rdzv-endpoint '{item}': rally talks to etcd over plain HTTP only; give an http:// client endpoint")
-        item = item[len("http://") :] if item.lower().startswith("http://") else item
-        host, port = parse_endpoint(item.rstrip("/"), DEFAULT_ETCD_PORT)
-        if port == 0:
-            raise ConfigError(f"--rdzv-endpoint '{item}': port 0 is not an etcd endpoint; etcd listens on 2379 by default")
-        members.append(Member(host, port))
-    if not members:
-        raise ConfigError(
-            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client endpoints (default port 2379)"
-        )
-    return tuple(dict.fromkeys(members))
 
 
 def parse_rdzv_conf(text: str) -> dict[str, Any]:
@@ -362,58 +328,36 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
             raise ConfigError(f"--{name.replace('_', '-')} {o[name]}: cannot be negative")
     conf = parse_rdzv_conf(o["rdzv_conf"])
     validate.check_rdzv_conf(conf)
-    backend = str(o["rdzv_backend"]).lower()
-    if backend not in BACKENDS:
-        raise ConfigError(f"--rdzv-backend '{backend}' is not supported; use c10d, etcd (elastic) or static{suggest(backend, BACKENDS)}")
+    backend = _backend(o["rdzv_backend"], conf["store_type"])
     endpoint_text, run_id = o["rdzv_endpoint"], str(o["rdzv_id"])
     node_rank = o["node_rank"]
     if node_rank is not None and int(node_rank) < 0:
         raise ConfigError(f"--node-rank {node_rank}: cannot be negative")
 
     if o["standalone"]:
-        backend, endpoint_text, min_nodes, max_nodes = "c10d", "localhost:0", 1, 1
+        backend, endpoint_text, min_nodes, max_nodes = _backend("c10d", conf["store_type"]), HostPort("localhost", 0), 1, 1
         run_id = str(uuid.uuid4())
-    elif backend == "static" and not endpoint_text and o["master_port"] is None and max_nodes == 1:
+    elif backend.static_ranks and not endpoint_text and o["master_port"] is None and max_nodes == 1:
         # torchrun 2.13 does the same: a single-node static job needs no fixed port.
-        backend, endpoint_text, run_id = "c10d", "localhost:0", str(uuid.uuid4()) if run_id == "none" else run_id
+        backend, endpoint_text = _backend("c10d", conf["store_type"]), HostPort("localhost", 0)
+        run_id = str(uuid.uuid4()) if run_id == "none" else run_id
 
-    preferred_rank = int(node_rank) if node_rank is not None else (0 if backend == "static" else o.get("_preferred_rank"))
-    if backend == "static":
-        if min_nodes != max_nodes:
-            raise ConfigError("--rdzv-backend static needs a fixed --nnodes N (MIN:MAX needs c10d)")
-        node_rank = 0 if node_rank is None else int(node_rank)  # torchrun's default too
-        if node_rank >= max_nodes:
-            raise ConfigError(f"--node-rank {node_rank} is not below --nnodes {max_nodes}")
-        # As torchrun: --rdzv-endpoint, when given, is the master address and port.
-        host, port = parse_endpoint(endpoint_text, -1) if endpoint_text else (o["master_addr"] or "127.0.0.1", -1)
-        if port < 0:
-            port = int(o["master_port"] if o["master_port"] is not None else DEFAULT_MASTER_PORT)
-        validate.port(port, "--master-port")
-        validate.resolvable(host, "--rdzv-endpoint" if endpoint_text else "--master-addr")
-        endpoint = StoreEndpoint(host, port, host_here=node_rank == 0)
-    elif backend in ETCD_BACKENDS:
-        if conf["store_type"] != "tcp":
-            raise ConfigError(f"--rdzv-conf store_type={conf['store_type']} does not apply to --rdzv-backend {backend}; remove it")
-        endpoint = StoreEndpoint("", 0, host_here=False, etcd=parse_etcd_endpoints(endpoint_text))
-        if run_id == "none":
-            raise ConfigError(
-                f"--rdzv-backend {backend} needs --rdzv-id ID, one per job: etcd keeps a job's keys after it ends"
-            )
-    else:
-        if not endpoint_text:
-            if max_nodes > 1:
-                raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use --rdzv-backend static)")
-            endpoint_text = "localhost:0"
-        if conf["store_type"] == "file":
-            validate.file_store_path(str(endpoint_text))
-            endpoint = StoreEndpoint("", 0, host_here=False, file_path=str(endpoint_text))
-        else:
-            host, port = parse_endpoint(endpoint_text, DEFAULT_C10D_PORT)
-            validate.resolvable(host, "--rdzv-endpoint")
-            host_here = conf["is_host"] if conf["is_host"] is not None else is_local_host(host)
-            if port == 0 and not host_here:
-                raise ConfigError(f"--rdzv-endpoint {endpoint_text}: port 0 only works on the store's own host")
-            endpoint = StoreEndpoint(host, port, host_here=host_here)
+    preferred_rank = int(node_rank) if node_rank is not None else (0 if backend.static_ranks else o.get("_preferred_rank"))
+    request = StoreRequest(
+        endpoint=endpoint_text,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        run_id=run_id,
+        node_rank=None if node_rank is None else int(node_rank),
+        master_addr=o["master_addr"],
+        master_port=o["master_port"],
+        is_host=conf["is_host"],
+        store_type=conf["store_type"],
+    )
+    try:
+        endpoint = backend.plan(request)
+    except EndpointError as exc:
+        raise ConfigError(str(exc)) from None
 
     keep_alive_timeout = conf["keep_alive_timeout"] or conf["heartbeat_timeout"] or (
         conf["keep_alive_interval"] * conf["keep_alive_max_attempt"]
@@ -447,7 +391,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
     if shutdown_timeout is None:
         shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
     # Node rank 0 of a static job is, by definition, reachable at the master address.
-    static_master = endpoint.host if backend == "static" and endpoint.host_here else None
+    static_master = endpoint.host if backend.static_ranks and endpoint.host_here else None
     local_addr = o["local_addr"] or static_master or socket.getfqdn()
     spec = JobSpec(
         entrypoint=script,
@@ -491,6 +435,5 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         connect_timeout=conf["join_timeout"],
         read_timeout=conf["read_timeout"],
         token=token,
-        workers_use_rendezvous_store=backend == "static" and endpoint.file_path is None,
     )
     return Launch(spec, plan, notes)

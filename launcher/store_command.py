@@ -33,7 +33,7 @@ def store_command(port: int, timeout: float) -> int:
         server = host_tcp_store(port, timeout)
     except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError / RuntimeError
         raise click.ClickException(f"cannot serve a store on port {port}: {str(exc).splitlines()[0]}") from None
-    server.set(SERVICE_MARKER_KEY, "rally store")  # agents on this host may share it (store.open_store)
+    server.set(SERVICE_MARKER_KEY, "rally store")  # agents on this host may share it (store.open_tcp_store)
     console.say(f"rendezvous store listening on port {server.port}; point agents at --rdzv-endpoint HOST:{server.port}")
     received: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

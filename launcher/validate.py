@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -156,21 +155,6 @@ def python_script(script: str, module: bool) -> None:
             raise ConfigError(f"-m/--module '{script}' is not a module name; write e.g. -m mypackage.train")
     elif Path(script).is_dir():
         raise ConfigError(f"training script '{script}' is a directory; give the script file, e.g. {Path(script) / 'train.py'}")
-
-
-def resolvable(host: str, option: str) -> None:
-    """The store's host must resolve here; otherwise rally would wait out join_timeout for nothing."""
-    try:
-        socket.getaddrinfo(host, None)
-    except (OSError, UnicodeError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise ConfigError(f"{option}: host '{host}' does not resolve ({reason}); check the name, or use an IP address") from None
-
-
-def file_store_path(text: str) -> None:
-    parent = Path(text).parent
-    if not parent.is_dir():
-        raise ConfigError(f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a shared file system")
 
 
 # ------------------------------------------------------------------ all options together

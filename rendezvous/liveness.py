@@ -15,13 +15,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from rally.rendezvous.membership import WAIT_SLICE_SECONDS
 from rally.rendezvous.records import EndKind, RoundEnd
 
 if TYPE_CHECKING:
     from rally.rendezvous.protocol import Rendezvous
-
-# Long waits are cut into slices at most this long.
-WAIT_SLICE_SECONDS = 30.0
 
 
 def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tuple[int, float] | None:

@@ -40,6 +40,7 @@ from rally.rendezvous.membership import (
     JobClosed,
     RendezvousError,
     RendezvousSettings,
+    WAIT_SLICE_SECONDS,
     assign_group_ranks,
     assignments_for,
     counts_entering,
@@ -57,9 +58,15 @@ from rally.rendezvous.records import (
     RoundRecord,
     parse_master,
 )
-from rally.rendezvous.store import Store, StoreTimeout, UntrustedValue
+from rally.rendezvous.kv import KeyValueStore as Store, StoreTimeout, UntrustedValue
 
 
+def job_prefix(run_id: str) -> str:
+    """Every key of the job `run_id` lives under this prefix (the store is shared by jobs)."""
+    return f"{RALLY_PREFIX}{run_id}/"
+
+
+RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
 # Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
 CURRENT_ROUND = "current"  # counter: the round a late joiner starts from
 JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
@@ -71,8 +78,6 @@ def status_key(node_id: str) -> str:
     return f"status/node/{node_id}"
 
 
-# Long waits are cut into slices this long so a closed job or a stop request is noticed.
-WAIT_SLICE_SECONDS = 30.0
 # The value of a round's `dump` key once the round is over (agent/hang_report.py).
 STACKS_ROUND_OVER = "over"
 
@@ -390,7 +395,7 @@ class Rendezvous:
 
     def clear_worker_keys(self) -> int:
         """Static backend (workers share this store): drop an earlier attempt's worker keys."""
-        return self.store.delete_keys_outside("rally/")
+        return self.store.delete_keys_outside(RALLY_PREFIX)
 
     # ----------------------------------------------------------------- straggler medians (agent/observer.py)
     def publish_step_times(self, r: int, summary: str) -> None:
