@@ -165,6 +165,16 @@ class JobReport:
         tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, self.path)
 
+    def root_cause(self) -> str | None:
+        """The last round's end in one line: what failed and, when the worker raised, the
+        exception's last line, with where the full report is (None when no round ended)."""
+        for attempt in reversed(self.attempts):
+            if attempt.end:
+                info = attempt.end.get("info") or {}
+                last = [line.strip() for line in info.get("stderr_tail") or [] if line.strip()]
+                return attempt.end["detail"] + (f"; {last[-1]}" if last else "") + f" (full report: {self.path})"
+        return None
+
     def workers_table(self) -> Table:
         """The last attempt's workers on this node, for the console (launcher/worker_table.py)."""
         rows = self.attempts[-1].workers if self.attempts else []

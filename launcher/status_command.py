@@ -89,7 +89,7 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
             "give --rdzv-endpoint HOST:PORT and --rdzv-id ID (only inside a SLURM job step are they taken from SLURM)"
         )
     job = dataclasses.replace(job, step_id=step)
-    return endpoint or HostPort(job.store_host, job.store_port), run_id or job.run_id
+    return endpoint or job.store_address, run_id or job.run_id
 
 
 def status_table(run_id: str, where: str, status: dict, now: float) -> Table:

@@ -16,6 +16,10 @@ from rally.rendezvous.store import StoreEndpoint
 from rally.rendezvous.token import Signer
 
 
+# How long any one store call may take (--rdzv-conf read_timeout).
+READ_TIMEOUT_SECONDS = 60.0
+
+
 @dataclass
 class RendezvousPlan:
     """How this node finds the others: the store, the membership rules, and who it is."""
@@ -25,7 +29,7 @@ class RendezvousPlan:
     local_addr: str
     preferred_rank: int | None = None
     connect_timeout: float = RendezvousSettings.join_timeout
-    read_timeout: float = 60.0
+    read_timeout: float = READ_TIMEOUT_SECONDS
     token: str = ""  # the job's secret: every store value is signed with it (rendezvous/token.py)
 
     @property

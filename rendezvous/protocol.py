@@ -36,6 +36,7 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
+from rally.rendezvous.liveness import wait_round_end_or_dead
 from rally.rendezvous.membership import (
     JobClosed,
     RendezvousError,
@@ -261,7 +262,6 @@ class Rendezvous:
                 f"the job is full ({members} of at most {self.settings.max_nodes} nodes); "
                 "waiting as a spare until a node leaves"
             )
-        from rally.rendezvous.liveness import wait_round_end_or_dead  # imports this module
 
         end = wait_round_end_or_dead(self, r, members)
         if end.kind in FINAL_KINDS:
