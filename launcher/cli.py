@@ -113,23 +113,27 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
     return value
 
 
+def click_option(name: str, default: Any, about: options.OptionInfo) -> click.Option:
+    """The click option of one field of the options model (launcher/options.py)."""
+    kwargs: dict[str, Any] = {"default": default, "help": about.help}
+    if about.kind is bool:
+        kwargs["is_flag"] = True
+    elif about.choices:
+        kwargs["type"] = click.Choice(list(about.choices))
+    elif about.kind in (int, float):
+        kwargs["type"] = about.kind
+    if about.metavar:
+        kwargs["metavar"] = about.metavar
+    option = click.Option([*options.spellings(name, about), name], envvar=options.env_names(name), show_envvar=False, **kwargs)
+    option.help_group = about.group  # type: ignore[attr-defined]
+    return option
+
+
 def _declare(fn: Callable) -> Callable:
-    """One click option per field of the options model (launcher/options.py), in its order."""
+    """One click option per field of the options model, in its order."""
     for f in reversed(options.option_fields()):
-        about = options.info(f)
-        kwargs: dict[str, Any] = {"default": f.default, "help": about.help}
-        if about.kind is bool:
-            kwargs["is_flag"] = True
-        elif about.choices:
-            kwargs["type"] = click.Choice(list(about.choices))
-        elif about.kind in (int, float):
-            kwargs["type"] = about.kind
-        if about.metavar:
-            kwargs["metavar"] = about.metavar
-        option = click.Option([*options.spellings(f.name), f.name], envvar=options.env_names(f.name), show_envvar=False, **kwargs)
-        option.help_group = about.group  # type: ignore[attr-defined]
         fn.__click_params__ = getattr(fn, "__click_params__", [])  # type: ignore[attr-defined]
-        fn.__click_params__.append(option)  # type: ignore[attr-defined]
+        fn.__click_params__.append(click_option(f.name, f.default, options.info(f)))  # type: ignore[attr-defined]
     return fn
 
 

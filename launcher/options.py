@@ -11,6 +11,7 @@ names, default, help, help group and check. From these fields alone come:
 Adding a flag is a one-place edit: one field below, for example
 
     preflight_factor: float = option(2.0, "Health", "Fail a node whose ... (default 2.0).", check=above_one)
+    preflight: bool = option(True, "Health", "Check each node before it joins.", negative=True)  # --preflight/--no-preflight
 
 then read `parsed.preflight_factor` where launcher/config.py builds the job. Defaults that the
 agent also needs live in the agent's own types (`JobSpec`, `RendezvousSettings`) and are read
@@ -49,6 +50,7 @@ class OptionInfo:
     choices: tuple[str, ...] | None = None
     check: Callable[[Any, str], Any] | None = None  # (value, flag) -> parsed value, or ConfigError
     late: bool = False  # checked after every other option (the check has an effect: a directory)
+    negative: bool = False  # a flag that also has its --no-<name> form (default True, say)
 
 
 def option(
@@ -62,12 +64,13 @@ def option(
     choices: tuple[str, ...] | None = None,
     check: Callable[[Any, str], Any] | None = None,
     late: bool = False,
+    negative: bool = False,
 ) -> Any:
     """A field of `Options`: its default and what the option is (see OptionInfo)."""
     if group not in GROUPS:
         raise ValueError(f"unknown help group {group!r}; one of {GROUPS}")
     resolved = kind or (bool if isinstance(default, bool) else type(default) if default is not None else str)
-    info = OptionInfo(group, help, resolved, metavar, short, choices, check, late)
+    info = OptionInfo(group, help, resolved, metavar, short, choices, check, late, negative)
     return field(default=default, metadata={METADATA_KEY: info})
 
 
@@ -222,12 +225,14 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def spellings(name: str) -> list[str]:
-    """Every flag of an option: its short name, the dashed name, and torchrun's underscored one."""
-    dashed = flag(name)
-    out = [dashed] + ([f"--{name}"] if "_" in name else [])
-    short = info(Options.__dataclass_fields__[name]).short
-    return ([short] if short else []) + out
+def spellings(name: str, about: OptionInfo | None = None) -> list[str]:
+    """Every flag of an option: its short name, the dashed name, and torchrun's underscored one
+    (with a `negative` flag, each as click's `--x/--no-x` pair)."""
+    about = about or info(Options.__dataclass_fields__[name])
+    out = [flag(name)] + ([f"--{name}"] if "_" in name else [])
+    if about.negative:
+        out = [f"{f}/--no{'-' if f == flag(name) else '_'}{f[2:]}" for f in out]
+    return ([about.short] if about.short else []) + out
 
 
 def env_names(name: str) -> list[str]:

@@ -172,3 +172,27 @@ def test_slurm_fills_only_what_the_user_left_unset() -> None:
     assert "rdzv_endpoint" not in changes, "an explicitly chosen etcd keeps its own endpoint"
     changes, _ = slurm.overrides(Options(standalone=True), given={"standalone"})
     assert "rdzv_endpoint" not in changes
+
+
+@pytest.mark.timeout(30)
+def test_a_flag_with_a_negative_form_takes_both_in_both_spellings() -> None:
+    """--preflight/--no-preflight (and --gpu_check/--no_gpu_check): one `negative=True` field."""
+    import click
+    from click.testing import CliRunner
+
+    from rally.launcher.cli import click_option
+    from rally.launcher.options import OptionInfo
+
+    option = click_option("gpu_check", True, OptionInfo("Health", "Check GPUs.", bool, negative=True))
+
+    @click.command()
+    def show(gpu_check: bool) -> None:
+        click.echo(f"gpu_check={gpu_check}")
+
+    show.params.append(option)
+    runner = CliRunner()
+    for args, expected in (([], True), (["--no-gpu-check"], False), (["--no_gpu_check"], False), (["--gpu_check"], True)):
+        result = runner.invoke(show, args)
+        assert result.output.strip() == f"gpu_check={expected}", (args, result.output)
+    result = runner.invoke(show, [], env={"RALLY_GPU_CHECK": "0"})
+    assert result.output.strip() == "gpu_check=False", result.output
