@@ -87,6 +87,15 @@ def seconds(zero_ok: bool, minimum: float = 0.0) -> Callable[[Any, str], float |
     return check
 
 
+def positive_seconds(value: Any, flag: str) -> float | None:
+    """A timeout that is off unless given; given, above 0 (and finite, as every timeout)."""
+    if value is None:
+        return None
+    if float(value) <= 0:
+        raise ConfigError(f"{flag} {value}: must be a positive number of seconds")
+    return validate.seconds(value, flag, zero_ok=False)
+
+
 def not_negative(value: Any, flag: str) -> int:
     number = int(value)
     if number < 0:
@@ -165,7 +174,7 @@ class Options:
     heartbeat_timeout: float | None = option(None, "Health", "Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat).", float, check=seconds(False))
     silence_timeout: float | None = option(None, "Health", "Declare a worker hung after this many seconds without output.", float, check=seconds(False))
     resource_interval: float = option(spec_default("resource_interval"), "Health", "Seconds between samples of workers' CPU, memory and threads.", check=seconds(False, validate.MIN_INTERVAL))
-    startup_timeout: float | None = option(None, "Health", "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it started (default: off).", float, check=seconds(False))
+    startup_timeout: float | None = option(None, "Health", "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it started (default: off).", float, check=positive_seconds)
     straggler_factor: float = option(spec_default("straggler_factor"), "Health", f"Name a rank a straggler when its step time exceeds this many times the median of the other ranks' (default {spec_default('straggler_factor'):g}).", check=lambda v, f: values.parse_straggler_factor(v))
     straggler_window: int = option(spec_default("straggler_window"), "Health", f"Steps a rank's step time is averaged over, and must stay slow for, before it is named (default {spec_default('straggler_window')}).", check=lambda v, f: values.parse_straggler_window(v))
     metrics_port: int | None = option(None, "Health", "Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed).", int, check=lambda v, f: values.parse_metrics_port(v))
