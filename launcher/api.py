@@ -8,8 +8,8 @@ notebooks, test harnesses):
     results[0]   # what train(cfg) returned on global rank 0
 
 Its options are the fields of `launcher.options.Options` by name, the same as the command's
-flags (an unknown name is one error line with the nearest valid one); SLURM fills in what they
-leave open, as for the command. The callable and its arguments are pickled into a file in a
+flags (an unknown name is one error line with the nearest valid one); PET_*/RALLY_* variables
+and then SLURM fill in what they leave open, as for the command. The callable and its arguments are pickled into a file in a
 fresh run directory; every worker runs `python -m rally.launcher.callable_worker`, which loads
 them, calls the function and pickles its return value to `<run dir>/results/rank_<RANK>.pkl`.
 The job runs in this process with every behaviour of the command: restarts, hang detection,
@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 from rally.launcher import console
 from rally.launcher.cli import in_this_process, launch_and_run, run
 from rally.launcher.config import ConfigError
-from rally.launcher.options import Options
+from rally.launcher.options import Options, by_name, from_environment
 
 __all__ = ["LaunchError", "launch", "run"]
 
@@ -57,15 +57,16 @@ def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: 
     `rdzv_endpoint="node1:29400"`, ...). Without a rendezvous endpoint or master address the
     job is `--standalone`. A failed job raises `LaunchError` naming the root cause.
     """
-    given = {**(config or {}), **options}
-    if not any(given.get(k) for k in ("rdzv_endpoint", "master_addr", "standalone")):
-        given["standalone"] = True
     try:
-        chosen = Options.of(given)
+        # As for the command: what the caller names wins over PET_*/RALLY_* variables.
+        given = {**from_environment(os.environ), **by_name({**(config or {}), **options})}
     except ConfigError as exc:
         raise LaunchError(str(exc), EXIT_BAD_INPUT) from None
+    if not any(given.get(k) for k in ("rdzv_endpoint", "master_addr", "standalone")):
+        given["standalone"] = True
+    chosen = Options(**given)
     name = getattr(fn, "__qualname__", fn)
-    named = {str(key).replace("-", "_") for key in given}  # set by the caller: SLURM leaves them alone
+    named = set(given)  # set by the caller or the environment: SLURM leaves them alone
 
     def call(*args: Any, **kwargs: Any) -> dict[int, Any]:
         run_dir = Path(tempfile.mkdtemp(prefix="rally_launch_", dir=chosen.log_dir))

@@ -206,15 +206,21 @@ class Options:
     @classmethod
     def of(cls, given: Mapping[str, Any], where: str = "rally.launch") -> "Options":
         """Options from keyword arguments by name (dashes allowed); an unknown name is one line."""
-        known = names()
-        by_name: dict[str, Any] = {}
-        for raw, value in given.items():
-            name = str(raw).replace("-", "_")
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-                raise ConfigError(f"{where}: unknown option '{raw}'" + (f"; did you mean '{close[0]}'?" if close else ""))
-            by_name[name] = value
-        return cls(**by_name)
+        return cls(**by_name(given, where))
+
+
+def by_name(given: Mapping[str, Any], where: str = "rally.launch") -> dict[str, Any]:
+    """`given` keyed by option name (`nproc-per-node` -> `nproc_per_node`); an unknown name is
+    one ConfigError line with the nearest valid one."""
+    known = names()
+    out: dict[str, Any] = {}
+    for raw, value in given.items():
+        name = str(raw).replace("-", "_")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+            raise ConfigError(f"{where}: unknown option '{raw}'" + (f"; did you mean '{close[0]}'?" if close else ""))
+        out[name] = value
+    return out
 
 
 def option_fields() -> list[dataclasses.Field]:
@@ -247,3 +253,24 @@ def spellings(name: str, about: OptionInfo | None = None) -> list[str]:
 def env_names(name: str) -> list[str]:
     """The environment variables of an option: torchrun's PET_<NAME>, then RALLY_<NAME>."""
     return [f"PET_{name.upper()}", f"RALLY_{name.upper()}"]
+
+
+def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The options PET_<NAME> / RALLY_<NAME> set, converted as click converts them for the
+    command (the first variable set wins; an empty one is unset). For `rally.launch`, which
+    builds `Options` without click."""
+    import click
+
+    types_by_kind: dict[type, Any] = {bool: click.BOOL, int: click.INT, float: click.FLOAT, str: click.STRING}
+    found: dict[str, Any] = {}
+    for f in option_fields():
+        for variable in env_names(f.name):
+            text = environ.get(variable)
+            if not text:
+                continue
+            try:
+                found[f.name] = types_by_kind[info(f).kind].convert(text, None, None)
+            except click.BadParameter as exc:
+                raise ConfigError(f"{variable}={text!r}: {exc.format_message()}") from None
+            break
+    return found

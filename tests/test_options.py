@@ -196,3 +196,14 @@ def test_a_flag_with_a_negative_form_takes_both_in_both_spellings() -> None:
         assert result.output.strip() == f"gpu_check={expected}", (args, result.output)
     result = runner.invoke(show, [], env={"RALLY_GPU_CHECK": "0"})
     assert result.output.strip() == "gpu_check=False", result.output
+
+
+@pytest.mark.timeout(30)
+def test_launch_reads_the_same_variables_as_the_command_converted_as_click_converts_them() -> None:
+    from rally.launcher.config import ConfigError
+    from rally.launcher.options import from_environment
+
+    environ = {"PET_NPROC_PER_NODE": "4", "RALLY_NO_PRELOAD": "1", "RALLY_MAX_RESTARTS": "2", "PET_STANDALONE": "", "RALLY_STANDALONE": "yes"}
+    assert from_environment(environ) == {"nproc_per_node": "4", "no_preload": True, "max_restarts": 2, "standalone": True}
+    with pytest.raises(ConfigError, match="RALLY_MAX_RESTARTS='x'"):
+        from_environment({"RALLY_MAX_RESTARTS": "x"})
