@@ -62,12 +62,14 @@ from rally.rendezvous.records import (
 from rally.rendezvous.kv import KeyValueStore as Store, StoreTimeout, UntrustedValue
 
 
+RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
+
+
 def job_prefix(run_id: str) -> str:
     """Every key of the job `run_id` lives under this prefix (the store is shared by jobs)."""
     return f"{RALLY_PREFIX}{run_id}/"
 
 
-RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
 # Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
 CURRENT_ROUND = "current"  # counter: the round a late joiner starts from
 JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
