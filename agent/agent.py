@@ -34,7 +34,7 @@ from rally.agent.live import LiveView
 from rally.agent.observer import Observer
 from rally.agent.preemption import EXIT_PREEMPTED, Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
-from rally.agent.round_threads import RoundThreads, StoreProbe, check_peers
+from rally.agent.round_threads import RoundThreads, StoreProbe, check_peers, left_behind_line
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
 from rally.agent.status_record import node_status
@@ -44,7 +44,7 @@ from rally.agent.workers import LogLayout, WorkerGroup
 from rally.launcher import console
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
-from rally.rendezvous.store import Store, StoreError, UntrustedValue, host_tcp_store
+from rally.rendezvous.store import Store, StoreError, StoreTampered, UntrustedValue, host_tcp_store
 
 EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1
@@ -274,7 +274,7 @@ class Agent:
                 reported_success = True
                 if a.group_world_size > 1:
                     console.say(f"all {len(group.workers)} workers on this node finished; waiting for the other nodes")
-                self.store_call(lambda: rdzv.report_success(a.round, a.group_world_size))
+                self.store_call(lambda: rdzv.report_success(a.round, a.group_world_size, a.group_rank))
 
     def _on_events(self, rdzv: Rendezvous, a: Assignment, held: list[Any]) -> RoundEnd | None:
         """What the round's threads posted (agent/round_threads.py, agent/hang_report.py)."""
@@ -371,6 +371,8 @@ class Agent:
         if end.kind is EndKind.ABORTED:
             console.error(f"job ended: {end.detail}")
             return int(end.info.get("exit_status", 1)) or 1
+        if end.kind is EndKind.NODE_LOST and end.info.get("group_rank") == a.group_rank and a.group_world_size > 1:
+            raise AgentExit(EXIT_INFRASTRUCTURE, left_behind_line(a, end))
         if end.kind is EndKind.NODE_LOST:
             console.error("root cause: " + end.detail)
         console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
@@ -441,7 +443,8 @@ class Agent:
             if best_effort:
                 return None
             never_formed = self.rdzv is None or self.rdzv.last_round is None  # a setup problem
-            raise AgentExit(EXIT_BAD_INPUT if never_formed else EXIT_INFRASTRUCTURE, str(exc)) from None
+            tampered = isinstance(exc, StoreTampered)  # a record deleted: never a setup problem
+            raise AgentExit(EXIT_BAD_INPUT if never_formed and not tampered else EXIT_INFRASTRUCTURE, str(exc)) from None
         except StoreError as exc:
             if best_effort:
                 return None

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from rally.agent.event_loop import Event
 from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
-from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings
+from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, RoundEnd
 from rally.rendezvous.store import StoreError
 
 # How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
@@ -133,9 +133,18 @@ class RoundThreads:
         self.last_answer = sent_at
 
     def _watchdog(self) -> None:
+        """Also tells a frozen agent (SIGSTOP, a paused VM) from a frozen store: its own wake-ups
+        stop, so after SIGCONT it sees how long it was gone and says that, not the store, froze."""
         limit = store_silence_limit(self.keeper.settings, self.read_timeout, self.keeper.store.leased_liveness)
-        while not self.over.wait(limit / 8):
-            silent = time.monotonic() - self.last_answer
+        tick = limit / 8
+        woke = time.monotonic()
+        while not self.over.wait(tick):
+            now = time.monotonic()
+            frozen, woke = now - woke - tick, now
+            if frozen > limit:
+                self.post(Event.STORE_LOST, StoreSilent(frozen_line(frozen, self.a, self.keeper.settings)))
+                return
+            silent = now - self.last_answer
             if silent > limit:
                 self.post(
                     Event.STORE_LOST,
@@ -146,6 +155,24 @@ class RoundThreads:
                     ),
                 )
                 return
+
+
+def frozen_line(frozen: float, a: Assignment, settings: RendezvousSettings) -> str:
+    return (
+        f"this node (node {a.group_rank} of round {a.round}) was frozen for {frozen:.1f} s (SIGSTOP, a paused VM or "
+        f"a stalled machine), longer than the keep-alive timeout allows ({settings.keep_alive_timeout:g} s): it was "
+        "left behind, and the other nodes re-form without it; its workers were stopped (the job never runs twice). "
+        "Start it again to rejoin the job"
+    )
+
+
+def left_behind_line(a: Assignment, end: RoundEnd) -> str:
+    """The round ended because the others lost this very node: it was frozen or cut off."""
+    return (
+        f"this node (node {a.group_rank} of round {a.round}) was left behind: the other nodes declared it lost "
+        f"({end.detail}), so it was frozen (SIGSTOP, a paused VM, a stalled machine) or cut off, and they re-formed "
+        "without it; its workers were stopped (the job never runs twice). Start it again to rejoin the job"
+    )
 
 
 def check_peers(post: Post, connect: Callable[[], Rendezvous], a: Assignment) -> None:

@@ -41,6 +41,10 @@ class UntrustedValue(StoreError):
     """A key holds a value this job did not write, or one out of range; the message names the key."""
 
 
+class StoreTampered(UntrustedValue):
+    """A record that must exist is gone: something deleted it (never read as a zero). Exit 1."""
+
+
 # The key a `rally store` process writes, so an agent on the same host can tell it from a stranger.
 SERVICE_MARKER_KEY = "rally/store-service"
 # The key (under the job's prefix) the agent that hosts the job's store writes, signed.
