@@ -26,16 +26,13 @@ Running: every member bumps its keep-alive counter `<r>/alive/<group_rank>` and 
   keep-alive timeout, without any node reading all the others.
 
 Ending: the first `compare_set(<r>/end)` wins, so the first failure is the one every node
-  reports. Whoever wins also advances the `current` round counter for late joiners (a hint:
-  they find the first round without an end record). The restart count of round r+1 is derived
-  from round r's signed record and end reason, so it is the same on every node and can never
-  drift apart (torchrun counts per agent); should either be missing, the store was tampered
-  with (`StoreTampered`), never a fresh start. Success is a signed record per member, never a
-  counter.
+  reports. Whoever wins also advances the `current` round counter for late joiners. The
+  restart count of round r+1 is derived from round r's record and end reason, so it is the
+  same on every node and can never drift apart (torchrun counts per agent); either one missing
+  is tampering (`StoreTampered`), never a fresh start. Success: a signed record per member.
 
-Every value is signed (rendezvous/token.py); counters are hints and wake-ups only. Every wait is
-bounded by `join_timeout`, spares' included, and says every few seconds what it waits for
-(rendezvous/waiting.py).
+Values are signed (rendezvous/token.py); counters are only hints and wake-ups. Every wait is
+bounded by `join_timeout` and says every few seconds what it waits for (rendezvous/waiting.py).
 """
 
 from __future__ import annotations
@@ -66,9 +63,10 @@ from rally.rendezvous.records import (
     RoundRecord,
     SuccessRecord,
     parse_master,
+    tampered,
 )
-from rally.rendezvous.store import Store, StoreTampered, StoreTimeout, UntrustedValue
-from rally.rendezvous.waiting import WaitProgress, clash_line, ended_line, waiting_record
+from rally.rendezvous.store import Store, StoreTimeout, UntrustedValue
+from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, spare_notice
 
 
 # Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
@@ -118,22 +116,11 @@ class Rendezvous:
         self.me = me
         self.last_round: int | None = None
         self.last_rank: int | None = None
-        self.waiting = WaitProgress(self._announce_wait)
+        self.waiting = WaitProgress(lambda line: announce_wait(self, line))
 
     @property
     def run_id(self) -> str:
         return self.store.prefix.removeprefix("rally/").rstrip("/")
-
-    def _announce_wait(self, line: str) -> None:
-        """A progress line of a long wait: to the console and to `rally status`."""
-        self.on_status(line)
-        self.publish_status(waiting_record(self.me.host, self.me.node_id, line))
-
-    def _tampered(self, name: str, why: str) -> StoreTampered:
-        return StoreTampered(
-            f"store key '{self.store.key(name)}' is missing, but {why}: something deleted it from the "
-            "rendezvous store (tampering); use a job token and a store only this job can reach"
-        )
 
     # ----------------------------------------------------------------- checked reads
     def _end_record(self, name: str) -> RoundEnd | None:
@@ -182,9 +169,7 @@ class Rendezvous:
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
-        from rally.rendezvous.arrival import current_round  # imports this module
-
-        r = current_round(self) if self.last_round is None else self.last_round + 1
+        r = arrival.current_round(self) if self.last_round is None else self.last_round + 1
         while True:
             self.raise_if_closed()
             self._raise_if_final(r - 1)
@@ -198,11 +183,9 @@ class Rendezvous:
             deadline = time.monotonic() + self.settings.join_timeout
 
     def _join(self, r: int, deadline: float) -> Assignment | None:
-        from rally.rendezvous.arrival import claim_arrival_slot, forming_line  # imports this module
-
         s = self.settings
         me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress()})
-        idx = claim_arrival_slot(self, r, me)
+        idx = arrival.claim_arrival_slot(self, r, me)
         if idx is None:
             return None
         quorum_seen_at: float | None = None
@@ -227,7 +210,7 @@ class Rendezvous:
                 if remaining <= 0:
                     attempt = self._try_close(r, attempt, deadline, last_call_over=True)
                     continue
-            self.waiting.tick(lambda: forming_line(self, r, count, deadline, quorum_seen_at))
+            self.waiting.tick(lambda: arrival.forming_line(self, r, count, deadline, quorum_seen_at))
             self.store.try_wait([f"{r}/closed"], min(max(remaining, 0.001), self.waiting.interval))
         mine = f"{r}/assign/{record.attempt}/{idx}"
         if not self.store.check(mine):
@@ -246,11 +229,8 @@ class Rendezvous:
         return max(1, min(self.settings.max_nodes, previous.members - lost + waiting))
 
     def _try_close(self, r: int, attempt: int, deadline: float, last_call_over: bool = False) -> int:
-        """Close round r as `attempt`'s closer if nobody has and the valid descriptors meet the
-        rule (MAX, or MIN and all expected, or MIN once the last call is over); return the
-        attempt to try next. The counter only woke us: a stranger who moves it closes nothing."""
-        from rally.rendezvous.arrival import valid_arrivals  # imports this module
-
+        """Close round r as `attempt`'s closer if nobody has and the valid descriptors (not the
+        counter that woke us) meet the rule; return the attempt to try next."""
         s = self.settings
         won, _ = self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)
         if not won:
@@ -259,14 +239,12 @@ class Rendezvous:
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             return attempt if self.store.try_wait([f"{r}/closed"], wait) else attempt + 1
         count = min(self._count(joined_counter(r)), s.max_nodes)
-        indices, nodes = valid_arrivals(self, r, count)
+        indices, nodes = arrival.valid_arrivals(self, r, count)
         required = s.min_nodes if last_call_over else max(s.min_nodes, min(self._expected(r), s.max_nodes))
         if len(nodes) < required:
             if len(nodes) < s.min_nodes:
-                self.on_status(
-                    f"round {r}: {len(nodes)} valid node descriptors of {count} arrivals, below the minimum "
-                    f"of {s.min_nodes} nodes; waiting for more"
-                )
+                self.on_status(f"round {r}: {len(nodes)} valid node descriptors of {count} arrivals, below the minimum "
+                               f"of {s.min_nodes} nodes; waiting for more")  # fmt: skip
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             self.store.try_wait([node_slot(r, max(indices, default=-1) + 1)], wait)
             return attempt + 1
@@ -275,12 +253,10 @@ class Rendezvous:
 
     def _write_round(self, r: int, attempt: int, indices: list[int], nodes: list[NodeInfo]) -> None:
         step = newest_step(nodes)
-        previous = self.round_record(r - 1) if r > 0 else None
-        if r > 0 and previous is None:  # deleting it must not reset the restart budget
-            raise self._tampered(f"{r - 1}/closed", f"round {r} cannot form before round {r - 1} closed")
-        end = self.round_end(r - 1) if r > 0 else None
-        if r > 0 and end is None:
-            raise self._tampered(f"{r - 1}/end", f"round {r} cannot form before round {r - 1} ended")
+        previous, end = (self.round_record(r - 1), self.round_end(r - 1)) if r > 0 else (None, None)
+        for name, found in ((f"{r - 1}/closed", previous), (f"{r - 1}/end", end)):
+            if r > 0 and found is None:  # deleted: that must not reset the restart budget
+                raise tampered(self.store.key(name), f"round {r} cannot form before round {r - 1} closed and ended")
         counts = counts_entering(previous, end, step)
         record = RoundRecord(len(nodes), *counts, step, attempt)
         mine = assignments_for(r, nodes, record)
@@ -288,8 +264,7 @@ class Rendezvous:
         self.store.set_once(f"{r}/closed", record.to_json())
 
     def _wait_as_spare(self, r: int, deadline: float) -> None:
-        """Late for round r: register as waiting, ask a running job below MAX to re-form, wait
-        (at most until `deadline`, saying every few seconds what for)."""
+        """Late for round r: register as waiting, ask a running job below MAX to re-form, wait (until `deadline`)."""
         s = self.settings
         self.store.add(f"{r}/waiting", 1)
         self.waiting.begin()
@@ -304,20 +279,15 @@ class Rendezvous:
         if self.round_end(r) is None and members < s.max_nodes:
             self.on_status(f"round {r} is running with {members} nodes; asking it to re-form with this node")
             self.end_round(r, RoundEnd(EndKind.NODE_JOINED, f"{self.me.host} joined the job", self.me.host))
-        elif self.round_end(r) is None and self.last_round is None:  # maybe another job's run id
-            self.on_status(clash_line(self, f"is in use by a running job ({members} of at most {s.max_nodes} nodes)", "this node waits as its spare"))
         elif self.round_end(r) is None:
-            self.on_status(f"the job is full ({members} of at most {s.max_nodes} nodes); waiting as a spare until a node leaves")
-        from rally.rendezvous.liveness import wait_round_end_or_dead  # imports this module
-
-        end = wait_round_end_or_dead(self, r, members, deadline)
+            self.on_status(spare_notice(self, members))
+        end = liveness.wait_round_end_or_dead(self, r, members, deadline)
         if end.kind in FINAL_KINDS:
             raise JobClosed(ended_line(self, end))
 
     # ----------------------------------------------------------------- status (for `rally status`)
     def register_status(self) -> None:
-        """List this node once under `status/nodes`, so `rally status` can find its record; the
-        job's first node also signs who started it and when (a clash line names it)."""
+        """List this node under `status/nodes` for `rally status`; the first node signs who started the job, when."""
         self.store.append(STATUS_NODES, self.me.node_id + "\n")
         self.store.set_once(JOB_STARTED, json.dumps({"host": self.me.host, "node_id": self.me.node_id, "time": time.time()}))
 
@@ -391,9 +361,8 @@ class Rendezvous:
         self.store.add(f"{r}/lost", nodes)
 
     def report_success(self, r: int, members: int, group_rank: int) -> RoundEnd | None:
-        """This node's workers all succeeded: a signed record per member (never a counter anyone
-        could bump). Each node writes before it reads, so the last to write sees every record
-        and ends the round."""
+        """This node's workers all succeeded: a signed record per member, not a counter anyone could
+        bump. Each node writes before it reads, so the last to write sees all and ends the round."""
         self.store.set(f"{r}/succeeded/{group_rank}", SuccessRecord(self.me.node_id, group_rank).to_json())
         names = [f"{r}/succeeded/{g}" for g in range(members)]
         if not self.store.try_wait(names, 0.01):
@@ -527,3 +496,5 @@ __all__ = [
     "StoreTimeout",
     "assign_group_ranks",
 ]
+
+from rally.rendezvous import arrival, liveness  # noqa: E402 - they use this module

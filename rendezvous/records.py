@@ -15,7 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, TypeVar
 
-from rally.rendezvous.store import UntrustedValue
+from rally.rendezvous.store import StoreTampered, UntrustedValue
 
 T = TypeVar("T", bound="StoredRecord")
 
@@ -54,6 +54,14 @@ def _bad(key: str, what: str, why: str) -> UntrustedValue:
     return UntrustedValue(
         f"store key '{key}' holds an invalid {what}: {why}; something other than this job's agents "
         "wrote to the rendezvous store (use a job token: RALLY_JOB_TOKEN)"
+    )
+
+
+def tampered(key: str, why: str) -> StoreTampered:
+    """A record that must exist is gone: one line naming the key (never read as a zero)."""
+    return StoreTampered(
+        f"store key '{key}' is missing, but {why}: something deleted it from the rendezvous store "
+        "(tampering); use a job token and a store only this job can reach"
     )
 
 

@@ -99,6 +99,14 @@ def ended_line(rdzv: "Rendezvous", end: RoundEnd) -> str:
     return clash_line(rdzv, f"belongs to a job that already ended ({end.kind}: {end.detail[:200]})", "this node ran nothing")
 
 
+def spare_notice(rdzv: "Rendezvous", members: int) -> str:
+    """A node that found the job full: a spare; one that never took part names the clash."""
+    s = rdzv.settings
+    if rdzv.last_round is None:
+        return clash_line(rdzv, f"is in use by a running job ({members} of at most {s.max_nodes} nodes)", "this node waits as its spare")
+    return f"the job is full ({members} of at most {s.max_nodes} nodes); waiting as a spare until a node leaves"
+
+
 def spare_progress(rdzv: "Rendezvous", r: int, members: int, deadline: float) -> None:
     """A spare's progress line while round r runs; past `deadline`, RendezvousError (one line)."""
     s, left = rdzv.settings, deadline - time.monotonic()
@@ -113,6 +121,12 @@ def spare_progress(rdzv: "Rendezvous", r: int, members: int, deadline: float) ->
             "left it; raise join_timeout to wait longer"
         )
     rdzv.waiting.tick(lambda: spare_line(r, members, s.max_nodes, left))
+
+
+def announce_wait(rdzv: "Rendezvous", line: str) -> None:
+    """A progress line of a long wait: to the console, and to `rally status` (the node's record)."""
+    rdzv.on_status(line)
+    rdzv.publish_status(waiting_record(rdzv.me.host, rdzv.me.node_id, line))
 
 
 def waiting_record(host: str, node_id: str, line: str) -> dict[str, Any]:
