@@ -199,20 +199,26 @@ class StoreProbe:
         self.limit = SELF_FENCE_SHARE * read_timeout
         self.interval = self.limit / 4
         self.last_answer = time.monotonic()
+        self.pinging = False
         self.over = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         try:
             while not self.over.wait(self.interval):
+                self.pinging = True
                 self.rdzv.ping()
-                self.last_answer = time.monotonic()
+                self.pinging, self.last_answer = False, time.monotonic()
         except StoreError:
             pass  # the store is gone: the calls being probed fail on their own
 
     def stalled(self) -> str | None:
-        silent = time.monotonic() - self.last_answer
+        now = time.monotonic()
+        silent = now - self.last_answer
         if silent <= self.limit:
+            return None
+        if not self.pinging:  # the probe is not waiting for the store: this process was frozen
+            self.last_answer = now  # (SIGSTOP, a paused VM); the store may be fine: probe again
             return None
         return (
             f"{self.rdzv.store.describe} has not answered for {silent:.1f} s: "

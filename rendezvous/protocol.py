@@ -118,10 +118,6 @@ class Rendezvous:
         self.last_rank: int | None = None
         self.waiting = WaitProgress(lambda line: announce_wait(self, line))
 
-    @property
-    def run_id(self) -> str:
-        return self.store.prefix.removeprefix("rally/").rstrip("/")
-
     # ----------------------------------------------------------------- checked reads
     def _end_record(self, name: str) -> RoundEnd | None:
         if not self.store.check(name):
@@ -301,7 +297,9 @@ class Rendezvous:
     def wait_master(self, r: int, timeout: float, master_host: str) -> tuple[str, int] | RoundEnd:
         """The workers' store address for round r (on `master_host`), or the round's end if it ended first."""
         deadline = time.monotonic() + timeout
+        self.waiting.begin()
         while True:
+            self.waiting.tick(lambda: f"round {r}: waiting for node 0 ({master_host}) to start the workers' store; giving up in {deadline - time.monotonic():.0f} s")
             if self.store.try_wait([f"{r}/master"], min(1.0, max(deadline - time.monotonic(), 0.01))):
                 name = f"{r}/master"
                 return parse_master(self.store.get_str(name), self.store.key(name), master_host)

@@ -84,7 +84,7 @@ def started_text(started: dict | None) -> str:
 def clash_line(rdzv: "Rendezvous", state: str, this_node: str) -> str:
     """One line for a node that found its run id taken by a job it never took part in: whose job,
     since when, and how to keep two jobs apart."""
-    run_id = rdzv.run_id
+    run_id = rdzv.store.prefix.removeprefix("rally/").rstrip("/")
     return (
         f"run id '{run_id}' at {rdzv.store.describe} {state}, {started_text(rdzv.job_started())}; {this_node}. "
         f"If this is a different job, give it a distinct --rdzv-id (e.g. --rdzv-id {run_id}-{int(time.time())}) "
