@@ -371,7 +371,8 @@ class Agent:
         if end.kind is EndKind.ABORTED:
             console.error(f"job ended: {end.detail}")
             return int(end.info.get("exit_status", 1)) or 1
-        if end.kind is EndKind.NODE_LOST and end.info.get("group_rank") == a.group_rank and a.group_world_size > 1:
+        lost_me = end.kind is EndKind.NODE_LOST and end.info.get("group_rank") == a.group_rank and a.group_world_size > 1
+        if lost_me and not rdzv.store.leased_liveness:  # c10d fences a node the others lost (etcd re-forms it)
             raise AgentExit(EXIT_INFRASTRUCTURE, left_behind_line(a, end))
         if end.kind is EndKind.NODE_LOST:
             console.error("root cause: " + end.detail)

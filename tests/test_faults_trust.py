@@ -39,6 +39,10 @@ if os.environ["RANK"] == "1":
     open(os.environ["PROBE_OUT"] + ".rank1-done", "w").close()
 else:
     time.sleep(float(os.environ.get("OTHER_RANK_SECONDS", "0")))
+release = os.environ.get("RELEASE_FILE")  # wait (at most 90 s) until the test says so
+deadline = time.time() + 90
+while release and not os.path.exists(release) and time.time() < deadline:
+    time.sleep(0.05)
 """
 
 FAILING_WORKER = """
@@ -89,7 +93,7 @@ def test_a_strangers_success_counter_ends_nothing(cluster, tmp_path):
 def test_a_decremented_arrival_counter_never_gives_two_nodes_one_rank(cluster, tmp_path):
     store = cluster.store()
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
-    args = [*job_args(store.port, "1:2", extra="last_call_timeout=10"), str(script)]
+    args = [*job_args(store.port, "1:2", extra="last_call_timeout=60,join_timeout=120"), str(script)]  # both in round 0
     env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "3", "OTHER_RANK_SECONDS": "3"}
     client = stranger(store.port)
     first = cluster.agent("n0", args, env=env)
@@ -215,10 +219,12 @@ def test_two_jobs_on_one_store_with_the_default_run_id_get_one_line_naming_the_c
     store = cluster.store()
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     defaults = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--nproc-per-node", "1"]
-    first = cluster.agent("job1", [*defaults, str(script)], env={"OTHER_RANK_SECONDS": "8"})
+    release = tmp_path / "release"
+    first = cluster.agent("job1", [*defaults, str(script)], env={"RELEASE_FILE": str(release)})
     assert wait_for(lambda: records(cluster.out), 60), first.output()
-    second = cluster.agent("job2", [*defaults, str(script)], env={"OTHER_RANK_SECONDS": "8"})
-    clash = wait_for(lambda: re.search(r"run id 'none' at .* is in use by a running job.*", second.output()), 30)
+    second = cluster.agent("job2", [*defaults, str(script)])
+    clash = wait_for(lambda: re.search(r"run id 'none' at .* is in use by a running job.*", second.output()), 60)
+    release.touch()  # job 1 may end now
     assert clash, second.output()
     assert f"(pid {first.popen.pid})" in clash.group(0) and "--rdzv-id" in clash.group(0), clash.group(0)
     assert first.wait(60) == 0, first.output()
