@@ -76,7 +76,9 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]), highlight=False)
     for node in status["nodes"]:
         if node.get("waiting"):  # in the rendezvous: what it waits for (rendezvous/waiting.py)
-            out.print(f"{node.get('host')}: {node['waiting']}", highlight=False)
+            updated = node.get("updated")
+            age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
+            out.print(f"{node.get('host')}: {node['waiting']}{age}", highlight=False)
     closed = status["closed"]
     if closed is not None:
         console.say(f"the job has ended ({closed.kind}): {closed.detail}")

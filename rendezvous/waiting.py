@@ -1,5 +1,5 @@
 """What a node says while it waits in the rendezvous: one progress line every few seconds, and
-the line that names a run-id clash. Pure text and timing; the protocol decides when it waits.
+the line that names a run-id clash. Text and timing only: the protocol decides when it waits.
 
 A wait that prints nothing looks like a hang; a wait that prints what it waits for and until when
 (`waiting for 1 more node: 1 of 2 joined (node0); join_timeout in 583 s`) tells the user which
