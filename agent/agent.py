@@ -37,7 +37,7 @@ from rally.agent.live import LiveView
 from rally.agent.observer import Observer
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
-from rally.agent.round_threads import HeldFailure, RoundThreads, StoreProbe, check_peers
+from rally.agent.round_threads import HeldFailure, RoundThreads, StoreProbe, check_peers, left_behind_line
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
 from rally.agent.status_record import node_status
@@ -49,7 +49,7 @@ from rally.rendezvous.backends import OpenedStore
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
-from rally.rendezvous.store import StoreError, UntrustedValue, host_tcp_store
+from rally.rendezvous.store import StoreError, StoreTampered, UntrustedValue, host_tcp_store
 
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
@@ -284,7 +284,7 @@ class Agent:
                 reported_success = True
                 if a.group_world_size > 1:
                     console.say(f"all {len(group.workers)} workers on this node finished; waiting for the other nodes")
-                self.store_call(lambda: rdzv.report_success(a.round, a.group_world_size))
+                self.store_call(lambda: rdzv.report_success(a.round, a.group_world_size, a.group_rank))
 
     def _on_events(self, rdzv: Rendezvous, a: Assignment) -> RoundEnd | None:
         """What the round's threads posted (agent/round_threads.py, agent/hang_report.py)."""
@@ -369,6 +369,9 @@ class Agent:
             self.events.emit("restart", round=a.round, restart_count=decision.restart_count, cause=end.detail)
             return None
         if isinstance(decision, Reform):
+            lost_me = end.kind is EndKind.NODE_LOST and end.info.get("group_rank") == a.group_rank and a.group_world_size > 1
+            if lost_me and not rdzv.store.leased_liveness:  # c10d fences a node the others lost (etcd re-forms it)
+                raise AgentExit(EXIT_INFRASTRUCTURE, left_behind_line(a, end))
             if end.kind is EndKind.NODE_LOST:
                 console.error("root cause: " + end.detail)
             console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
@@ -452,7 +455,8 @@ class Agent:
             if best_effort:
                 return None
             never_formed = self.rdzv is None or self.rdzv.last_round is None  # a setup problem
-            raise AgentExit(EXIT_BAD_INPUT if never_formed else EXIT_INFRASTRUCTURE, str(exc)) from None
+            tampered = isinstance(exc, StoreTampered)  # a record deleted: never a setup problem
+            raise AgentExit(EXIT_BAD_INPUT if never_formed and not tampered else EXIT_INFRASTRUCTURE, str(exc)) from None
         except StoreError as exc:
             if best_effort:
                 return None

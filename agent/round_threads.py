@@ -134,9 +134,18 @@ class RoundThreads:
         self.last_answer = sent_at
 
     def _watchdog(self) -> None:
+        """Also tells a frozen agent (SIGSTOP, a paused VM) from a frozen store: its own wake-ups
+        stop, so after SIGCONT it sees how long it was gone and says that, not the store, froze."""
         limit = store_silence_limit(self.keeper.settings, self.read_timeout, self.keeper.store.leased_liveness)
-        while not self.over.wait(limit / 8):
-            silent = time.monotonic() - self.last_answer
+        tick = limit / 8
+        woke = time.monotonic()
+        while not self.over.wait(tick):
+            now = time.monotonic()
+            frozen, woke = now - woke - tick, now
+            if frozen > limit:
+                self.post(Event.STORE_LOST, StoreSilent(frozen_line(frozen, self.a, self.keeper.settings)))
+                return
+            silent = now - self.last_answer
             if silent > limit:
                 self.post(
                     Event.STORE_LOST,
@@ -163,6 +172,24 @@ class HeldFailure:
         self.answered, self.silent = True, verdict
 
 
+def frozen_line(frozen: float, a: Assignment, settings: RendezvousSettings) -> str:
+    return (
+        f"this node (node {a.group_rank} of round {a.round}) was frozen for {frozen:.1f} s (SIGSTOP, a paused VM or "
+        f"a stalled machine), longer than the keep-alive timeout allows ({settings.keep_alive_timeout:g} s): it was "
+        "left behind, and the other nodes re-form without it; its workers were stopped (the job never runs twice). "
+        "Start it again to rejoin the job"
+    )
+
+
+def left_behind_line(a: Assignment, end: RoundEnd) -> str:
+    """The round ended because the others lost this very node: it was frozen or cut off."""
+    return (
+        f"this node (node {a.group_rank} of round {a.round}) was left behind: the other nodes declared it lost "
+        f"({end.detail}), so it was frozen (SIGSTOP, a paused VM, a stalled machine) or cut off, and they re-formed "
+        "without it; its workers were stopped (the job never runs twice). Start it again to rejoin the job"
+    )
+
+
 def check_peers(post: Post, connect: Callable[[], Rendezvous], a: Assignment) -> None:
     """In a thread: after a local failure, find out whether a peer node is gone (liveness.silent_peer)."""
 
@@ -187,20 +214,26 @@ class StoreProbe:
         self.limit = SELF_FENCE_SHARE * read_timeout
         self.interval = self.limit / 4
         self.last_answer = time.monotonic()
+        self.pinging = False
         self.over = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         try:
             while not self.over.wait(self.interval):
+                self.pinging = True
                 self.rdzv.ping()
-                self.last_answer = time.monotonic()
+                self.pinging, self.last_answer = False, time.monotonic()
         except StoreError:
             pass  # the store is gone: the calls being probed fail on their own
 
     def stalled(self) -> str | None:
-        silent = time.monotonic() - self.last_answer
+        now = time.monotonic()
+        silent = now - self.last_answer
         if silent <= self.limit:
+            return None
+        if not self.pinging:  # the probe is not waiting for the store: this process was frozen
+            self.last_answer = now  # (SIGSTOP, a paused VM); the store may be fine: probe again
             return None
         return (
             f"{self.rdzv.store.describe} has not answered for {silent:.1f} s: "

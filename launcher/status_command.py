@@ -41,7 +41,7 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.status import read_job_status
     from rally.rendezvous.store import StoreUnavailable, quiet_torch_logs
-    from rally.rendezvous.token import ENV_TOKEN, Signer
+    from rally.rendezvous.token import Signer, TokenError, env_token
 
     quiet_torch_logs()
     endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
@@ -50,11 +50,13 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
     except EndpointError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        token = os.environ.get(ENV_TOKEN, "")  # without it, records are shown unverified
+        token = env_token()  # without it, records are shown unverified
         signer = Signer(token, verify=bool(token))
         status = read_job_status(open_endpoint(where, job_prefix(run_id), timeout, timeout, signer).store)
     except StoreUnavailable as exc:
         raise click.ClickException(str(exc)) from None
+    except TokenError as exc:
+        raise click.UsageError(str(exc)) from None
     if status is None:
         raise click.ClickException(f"no job with run id '{run_id}' at {where} (no agent has registered there)")
     out = Console()
@@ -67,6 +69,11 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
                 out.print(straggler_line(w, node.get("host")), highlight=False)
         if node.get("gpu_problems"):
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]), highlight=False)
+    for node in status["nodes"]:
+        if node.get("waiting"):  # in the rendezvous: what it waits for (rendezvous/waiting.py)
+            updated = node.get("updated")
+            age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
+            out.print(f"{node.get('host')}: {node['waiting']}{age}", highlight=False)
     closed = status["closed"]
     if closed is not None:
         console.say(f"the job has ended ({closed.kind}): {closed.detail}")

@@ -30,6 +30,10 @@ class UntrustedValue(StoreError):
     """A key holds a value this job did not write, or one out of range; the message names the key."""
 
 
+class StoreTampered(UntrustedValue):
+    """A record that must exist is gone: something deleted it (never read as a zero). Exit 1."""
+
+
 class KeyValueStore(ABC):
     """One connection to a rendezvous store, every key under `prefix`.
 

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousSettings
 from rally.rendezvous.records import EndKind, RoundEnd
+from rally.rendezvous.waiting import spare_progress
 
 
 class Rendezvous(Protocol):
@@ -61,14 +62,17 @@ def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tu
     return None
 
 
-def wait_round_end_or_dead(rdzv: "Rendezvous", r: int, members: int) -> RoundEnd:
+def wait_round_end_or_dead(rdzv: "Rendezvous", r: int, members: int, deadline: float) -> RoundEnd:
     """Wait for round r to end; end it ourselves when none of its members sends keep-alives
-    any more (every node of the job died: a relaunch must form a new job, not wait forever)."""
+    any more (every node of the job died: a relaunch must form a new job, not wait forever).
+    A progress line every few seconds; RendezvousError (one line) once `deadline` has passed."""
     timeout = rdzv.settings.keep_alive_timeout
     last = [rdzv.alive_count(r, g) for g in range(members)]
     last_change = time.monotonic()
-    while not rdzv.round_ended_within(r, min(timeout / 2, WAIT_SLICE_SECONDS)):
+    rdzv.waiting.begin()
+    while not rdzv.round_ended_within(r, min(timeout / 2, WAIT_SLICE_SECONDS, rdzv.waiting.interval)):
         rdzv.raise_if_closed()
+        spare_progress(rdzv, r, members, deadline)
         now_counts = [rdzv.alive_count(r, g) for g in range(members)]
         if now_counts != last:
             last, last_change = now_counts, time.monotonic()

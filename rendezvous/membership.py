@@ -113,6 +113,7 @@ def assignments_for(r: int, nodes: list[NodeInfo], record: RoundRecord) -> list[
                 master_host=nodes[by_rank[0]].addr,
                 stalled_restarts=record.stalled_restarts,
                 checkpoint_step=record.checkpoint_step,
+                node_id=nodes[i].node_id,
             )
         )
     return out

@@ -6,16 +6,18 @@ into a later one. A round goes through three states:
     forming  --close-->  running  --end-->  ended      (the next round is `round + 1`)
 
 Forming (O(1) store calls per node, however the arrivals are spread out):
-    idx = add(<r>/joined, 1) - 1            arrival order; idx >= MAX is late
-    set(<r>/node/<idx>)                     this node's descriptor
+    hint = add(<r>/joined, 1) - 1           where to look first (a counter anyone can move)
+    compare_set(<r>/node/<idx>)             claim a slot with this node's descriptor, from the
+                                            hint on (rendezvous/arrival.py); no free slot: late
     wait on <r>/closed                      nobody wakes for other nodes' arrivals
   The arrival that completes the round closes it: the MAX-th, or one that brings in every
   node expected back from the previous round (at least MIN). The MIN-th arrival keeps the
   last call: it waits `last_call_timeout` for more, then closes. (Any waiter whose wait runs
   out with MIN present closes too, should that node have died.) The first node to win
-  `compare_set(<r>/closer/<attempt>)` reads the descriptors once, assigns group ranks (a node
-  keeps its rank across rounds when it can), writes one small assignment key per node under
-  `assign/<attempt>/`, then `compare_set(<r>/closed)` (first wins). Should the closer die, the
+  `compare_set(<r>/closer/<attempt>)` reads the descriptors once and closes only if the valid
+  ones meet the same rule (counters only wake it), assigns group ranks (a node keeps its rank
+  across rounds when it can), writes one small assignment key per node under `assign/<attempt>/`
+  (naming the node it is for), then `compare_set(<r>/closed)` (first wins). Should the closer die, the
   others take over with the next attempt after `close_timeout`; a round whose valid
   descriptors are fewer than MIN never closes, and none waits past `join_timeout`.
 
@@ -26,7 +28,11 @@ Running: every member bumps its keep-alive counter `<r>/alive/<group_rank>` and 
 Ending: the first `compare_set(<r>/end)` wins, so the first failure is the one every node
   reports. Whoever wins also advances the `current` round counter for late joiners. The
   restart count of round r+1 is derived from round r's record and end reason, so it is the
-  same on every node and can never drift apart (torchrun counts per agent).
+  same on every node and can never drift apart (torchrun counts per agent); either one missing
+  is tampering (`StoreTampered`), never a fresh start. Success: a signed record per member.
+
+Values are signed (rendezvous/token.py); counters are only hints and wake-ups. Every wait is
+bounded by `join_timeout` and says every few seconds what it waits for (rendezvous/waiting.py).
 """
 
 from __future__ import annotations
@@ -57,10 +63,14 @@ from rally.rendezvous.records import (
     NodeInfo,
     RoundEnd,
     RoundRecord,
+    SuccessRecord,
     parse_master,
+    tampered,
 )
+from rally.rendezvous import arrival
+from rally.rendezvous.arrival import CURRENT_ROUND, joined_counter, node_slot
 from rally.rendezvous.kv import KeyValueStore as Store, StoreTimeout, UntrustedValue
-
+from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, spare_notice
 
 RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
 
@@ -71,9 +81,9 @@ def job_prefix(run_id: str) -> str:
 
 
 # Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
-CURRENT_ROUND = "current"  # counter: the round a late joiner starts from
 JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
 STATUS_NODES = "status/nodes"  # every node id that ever registered, one per line
+JOB_STARTED = "job/started"  # who started the job, and when (first wins): names a run-id clash
 
 
 def status_key(node_id: str) -> str:
@@ -104,6 +114,7 @@ class Rendezvous:
         self.me = me
         self.last_round: int | None = None
         self.last_rank: int | None = None
+        self.waiting = WaitProgress(lambda line: announce_wait(self, line))
 
     # ----------------------------------------------------------------- checked reads
     def _end_record(self, name: str) -> RoundEnd | None:
@@ -132,19 +143,27 @@ class Rendezvous:
     def raise_if_closed(self) -> None:
         closed = self.job_closed()
         if closed is not None:
-            raise JobClosed(f"job already ended ({closed.kind}): {closed.detail}")
+            raise JobClosed(ended_line(self, closed))
 
     def _raise_if_final(self, r: int) -> None:
         """A round that ended the job (success, abort, preemption) is never followed by another."""
         end = self.round_end(r) if r >= 0 else None
         if end is not None and end.kind in FINAL_KINDS:
-            raise JobClosed(f"job already ended ({end.kind}): {end.detail}")
+            raise JobClosed(ended_line(self, end))
+
+    def job_started(self) -> dict | None:
+        """Who started the job and when (the first node's signed record), for a clash line."""
+        try:
+            started = json.loads(self.store.get(JOB_STARTED)) if self.store.check(JOB_STARTED) else None
+        except (UntrustedValue, ValueError):
+            return None
+        return started if isinstance(started, dict) else None
 
     # ----------------------------------------------------------------- forming
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
-        r = self._count(CURRENT_ROUND) if self.last_round is None else self.last_round + 1
+        r = arrival.current_round(self) if self.last_round is None else self.last_round + 1
         while True:
             self.raise_if_closed()
             self._raise_if_final(r - 1)
@@ -153,23 +172,21 @@ class Rendezvous:
                 self.last_round = r
                 self.last_rank = assignment.group_rank
                 return assignment
-            self._wait_as_spare(r)
+            self._wait_as_spare(r, time.monotonic() + self.settings.join_timeout)
             r += 1
             deadline = time.monotonic() + self.settings.join_timeout
 
     def _join(self, r: int, deadline: float) -> Assignment | None:
         s = self.settings
-        idx = self.store.add(f"{r}/joined", 1) - 1
-        if idx < 0:
-            raise UntrustedValue(f"store key '{self.store.key(f'{r}/joined')}' went negative: a stranger wrote to the store")
-        if idx >= s.max_nodes:
-            return None
         me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress()})
-        self.store.set(f"{r}/node/{idx}", me.to_json())
+        idx = arrival.claim_arrival_slot(self, r, me)
+        if idx is None:
+            return None
         quorum_seen_at: float | None = None
         attempt = 0
+        self.waiting.begin()
         while (record := self.round_record(r)) is None:
-            count = self._count(f"{r}/joined")
+            count = min(max(self._count(joined_counter(r)), idx + 1), s.max_nodes)  # a hint: the closer counts
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousError(
@@ -185,9 +202,10 @@ class Rendezvous:
                 quorum_seen_at = quorum_seen_at or now
                 remaining = min(remaining, quorum_seen_at + s.last_call_timeout - now)
                 if remaining <= 0:
-                    attempt = self._try_close(r, attempt, deadline)
+                    attempt = self._try_close(r, attempt, deadline, last_call_over=True)
                     continue
-            self.store.try_wait([f"{r}/closed"], min(max(remaining, 0.001), WAIT_SLICE_SECONDS))
+            self.waiting.tick(lambda: arrival.forming_line(self, r, count, deadline, quorum_seen_at))
+            self.store.try_wait([f"{r}/closed"], min(max(remaining, 0.001), self.waiting.interval))
         mine = f"{r}/assign/{record.attempt}/{idx}"
         if not self.store.check(mine):
             return None
@@ -204,75 +222,68 @@ class Rendezvous:
         waiting = self._count(f"{r - 1}/waiting", MAX_COUNT)
         return max(1, min(self.settings.max_nodes, previous.members - lost + waiting))
 
-    def _valid_descriptors(self, r: int, count: int) -> tuple[list[int], list[NodeInfo]]:
-        """The descriptors of arrivals 0..count-1 that exist and pass every check (others are skipped)."""
-        names = [f"{r}/node/{i}" for i in range(count)]
-        if not self.store.try_wait(names, self.settings.close_timeout / 3):
-            names = [n for n in names if self.store.check(n)]  # a node died between add and set
-        indices, nodes = [], []
-        for name in names:
-            try:
-                nodes.append(NodeInfo.load(self.store.get(name), self.store.key(name)))
-            except UntrustedValue as exc:
-                self.on_status(f"ignoring a node descriptor: {exc}")
-                continue
-            indices.append(int(name.rsplit("/", 1)[1]))
-        return indices, nodes
-
-    def _try_close(self, r: int, attempt: int, deadline: float) -> int:
-        """Close round r as `attempt`'s closer if nobody has; return the attempt to try next."""
+    def _try_close(self, r: int, attempt: int, deadline: float, last_call_over: bool = False) -> int:
+        """Close round r as `attempt`'s closer if nobody has and the valid descriptors (not the
+        counter that woke us) meet the rule; return the attempt to try next."""
+        s = self.settings
         won, _ = self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)
         if not won:
             # Someone else is closing; their `closed` key ends our loop. Should they die, the
             # next attempt takes over (bounded by join_timeout in the caller).
-            wait = min(self.settings.close_timeout, max(deadline - time.monotonic(), 0.001))
+            wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             return attempt if self.store.try_wait([f"{r}/closed"], wait) else attempt + 1
-        count = min(self._count(f"{r}/joined"), self.settings.max_nodes)
-        indices, nodes = self._valid_descriptors(r, count)
-        if len(nodes) < self.settings.min_nodes:
-            self.on_status(
-                f"round {r}: {len(nodes)} valid node descriptors of {count} arrivals, below the minimum "
-                f"of {self.settings.min_nodes} nodes; waiting for more"
-            )
-            wait = min(self.settings.close_timeout, max(deadline - time.monotonic(), 0.001))
-            self.store.try_wait([f"{r}/node/{count}"], wait)
+        count = min(self._count(joined_counter(r)), s.max_nodes)
+        indices, nodes = arrival.valid_arrivals(self, r, count)
+        required = s.min_nodes if last_call_over else max(s.min_nodes, min(self._expected(r), s.max_nodes))
+        if len(nodes) < required:
+            if len(nodes) < s.min_nodes:
+                self.on_status(f"round {r}: {len(nodes)} valid node descriptors of {count} arrivals, below the minimum "
+                               f"of {s.min_nodes} nodes; waiting for more")  # fmt: skip
+            wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
+            self.store.try_wait([node_slot(r, max(indices, default=-1) + 1)], wait)
             return attempt + 1
         self._write_round(r, attempt, indices, nodes)
         return attempt
 
     def _write_round(self, r: int, attempt: int, indices: list[int], nodes: list[NodeInfo]) -> None:
         step = newest_step(nodes)
-        previous = self.round_record(r - 1) if r > 0 else None
-        counts = counts_entering(previous, self.round_end(r - 1) if previous else None, step)
+        previous, end = (self.round_record(r - 1), self.round_end(r - 1)) if r > 0 else (None, None)
+        for name, found in ((f"{r - 1}/closed", previous), (f"{r - 1}/end", end)):
+            if r > 0 and found is None:  # deleted: that must not reset the restart budget
+                raise tampered(self.store.key(name), f"round {r} cannot form before round {r - 1} closed and ended")
+        counts = counts_entering(previous, end, step)
         record = RoundRecord(len(nodes), *counts, step, attempt)
         mine = assignments_for(r, nodes, record)
         self.store.multi_set({f"{r}/assign/{attempt}/{idx}": a.to_json() for idx, a in zip(indices, mine)})
         self.store.set_once(f"{r}/closed", record.to_json())
 
-    def _wait_as_spare(self, r: int) -> None:
-        """Late for round r: register as waiting, ask a running job below MAX to re-form, wait."""
+    def _wait_as_spare(self, r: int, deadline: float) -> None:
+        """Late for round r: register as waiting, ask a running job below MAX to re-form, wait (until `deadline`)."""
+        s = self.settings
         self.store.add(f"{r}/waiting", 1)
+        self.waiting.begin()
         while (record := self.round_record(r)) is None:
-            self.store.try_wait([f"{r}/closed"], WAIT_SLICE_SECONDS)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousError(f"round {r} was full and did not form within join_timeout ({s.join_timeout:g} s)")
+            self.waiting.tick(lambda: f"waiting for round {r} to form (it is full without this node); join_timeout in {left:.0f} s")
+            self.store.try_wait([f"{r}/closed"], min(left, self.waiting.interval))
             self.raise_if_closed()
         members = record.members
-        if self.round_end(r) is None and members < self.settings.max_nodes:
+        if self.round_end(r) is None and members < s.max_nodes:
             self.on_status(f"round {r} is running with {members} nodes; asking it to re-form with this node")
             self.end_round(r, RoundEnd(EndKind.NODE_JOINED, f"{self.me.host} joined the job", self.me.host))
         elif self.round_end(r) is None:
-            self.on_status(
-                f"the job is full ({members} of at most {self.settings.max_nodes} nodes); "
-                "waiting as a spare until a node leaves"
-            )
-
-        end = wait_round_end_or_dead(self, r, members)
+            self.on_status(spare_notice(self, members))
+        end = wait_round_end_or_dead(self, r, members, deadline)
         if end.kind in FINAL_KINDS:
-            raise JobClosed(f"job already ended ({end.kind}): {end.detail}")
+            raise JobClosed(ended_line(self, end))
 
     # ----------------------------------------------------------------- status (for `rally status`)
     def register_status(self) -> None:
-        """List this node once under `status/nodes`, so `rally status` can find its record."""
+        """List this node under `status/nodes` for `rally status`; the first node signs who started the job, when."""
         self.store.append(STATUS_NODES, self.me.node_id + "\n")
+        self.store.set_once(JOB_STARTED, json.dumps({"host": self.me.host, "node_id": self.me.node_id, "time": time.time()}))
 
     def publish_status(self, record: dict) -> None:
         self.store.set(status_key(self.me.node_id), json.dumps(record))
@@ -284,7 +295,9 @@ class Rendezvous:
     def wait_master(self, r: int, timeout: float, master_host: str) -> tuple[str, int] | RoundEnd:
         """The workers' store address for round r (on `master_host`), or the round's end if it ended first."""
         deadline = time.monotonic() + timeout
+        self.waiting.begin()
         while True:
+            self.waiting.tick(lambda: f"round {r}: waiting for node 0 ({master_host}) to start the workers' store; giving up in {deadline - time.monotonic():.0f} s")
             if self.store.try_wait([f"{r}/master"], min(1.0, max(deadline - time.monotonic(), 0.01))):
                 name = f"{r}/master"
                 return parse_master(self.store.get_str(name), self.store.key(name), master_host)
@@ -343,11 +356,16 @@ class Rendezvous:
         """Nodes of round r that will not come back: the next round need not wait for them."""
         self.store.add(f"{r}/lost", nodes)
 
-    def report_success(self, r: int, members: int) -> RoundEnd | None:
-        """This node's workers all succeeded; the last node to report ends the round."""
-        if self.store.add(f"{r}/succeeded", 1) >= members:
-            return self.end_round(r, RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
-        return None
+    def report_success(self, r: int, members: int, group_rank: int) -> RoundEnd | None:
+        """This node's workers all succeeded: a signed record per member, not a counter anyone could
+        bump. Each node writes before it reads, so the last to write sees all and ends the round."""
+        self.store.set(f"{r}/succeeded/{group_rank}", SuccessRecord(self.me.node_id, group_rank).to_json())
+        names = [f"{r}/succeeded/{g}" for g in range(members)]
+        if not self.store.try_wait(names, 0.01):
+            return None
+        for g, name in enumerate(names):
+            SuccessRecord.load(self.store.get(name), self.store.key(name)).check_for(self.store.key(name), g)
+        return self.end_round(r, RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
 
     def first_failure(self, r: int, end: RoundEnd) -> RoundEnd:
         """Record a worker failure the moment it is seen; the first one job-wide stands. (A node
@@ -459,18 +477,6 @@ class Rendezvous:
 
 
 __all__ = [
-    "Assignment",
-    "FAILURE_KINDS",
-    "FINAL_KINDS",
-    "EndKind",
-    "JobClosed",
-    "MEMBERSHIP_KINDS",
-    "NodeInfo",
-    "Rendezvous",
-    "RendezvousError",
-    "RendezvousSettings",
-    "RoundEnd",
-    "RoundRecord",
-    "StoreTimeout",
-    "assign_group_ranks",
+    "Assignment", "FAILURE_KINDS", "FINAL_KINDS", "EndKind", "JobClosed", "MEMBERSHIP_KINDS", "NodeInfo",
+    "Rendezvous", "RendezvousError", "RendezvousSettings", "RoundEnd", "RoundRecord", "StoreTimeout", "assign_group_ranks",
 ]

@@ -15,7 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, TypeVar
 
-from rally.rendezvous.store import UntrustedValue
+from rally.rendezvous.kv import StoreTampered, UntrustedValue
 
 T = TypeVar("T", bound="StoredRecord")
 
@@ -54,6 +54,14 @@ def _bad(key: str, what: str, why: str) -> UntrustedValue:
     return UntrustedValue(
         f"store key '{key}' holds an invalid {what}: {why}; something other than this job's agents "
         "wrote to the rendezvous store (use a job token: RALLY_JOB_TOKEN)"
+    )
+
+
+def tampered(key: str, why: str) -> StoreTampered:
+    """A record that must exist is gone: one line naming the key (never read as a zero)."""
+    return StoreTampered(
+        f"store key '{key}' is missing, but {why}: something deleted it from the rendezvous store "
+        "(tampering); use a job token and a store only this job can reach"
     )
 
 
@@ -135,7 +143,7 @@ class Assignment(StoredRecord):
     KINDS = {
         "round": "int", "group_rank": "int", "group_world_size": "int", "rank_offset": "int", "world_size": "int",
         "restart_count": "int", "membership_changes": "int", "watch_rank": "int?", "watch_host": "str",
-        "master_host": "str", "stalled_restarts": "int", "checkpoint_step": "int?",
+        "master_host": "str", "stalled_restarts": "int", "checkpoint_step": "int?", "node_id": "str",
     }  # fmt: skip
 
     round: int
@@ -150,6 +158,7 @@ class Assignment(StoredRecord):
     master_host: str
     stalled_restarts: int = 0  # failures in a row after which no newer checkpoint appeared
     checkpoint_step: int | None = None
+    node_id: str = ""  # the node it was made for: checked on read, so no node runs another's ranks
 
     def check(self, key: str) -> None:
         if not self.group_rank < self.group_world_size:
@@ -160,7 +169,9 @@ class Assignment(StoredRecord):
             raise _bad(key, self.WHAT, "master_host is empty")
 
     def check_for(self, key: str, r: int, me: NodeInfo, max_nodes: int, members: int) -> "Assignment":
-        """Checks against what this node knows: the round, its own size, the round's record."""
+        """Checks against what this node knows: its id, the round, its own size, the round's record."""
+        if self.node_id != me.node_id:
+            raise _bad(key, self.WHAT, f"it was made for node {self.node_id[:80]!r}, not this node ({me.node_id})")
         if self.round != r:
             raise _bad(key, self.WHAT, f"round {self.round} is not {r}")
         if not 1 <= self.group_world_size <= max_nodes or self.group_world_size != members:
@@ -219,6 +230,23 @@ class RoundRecord(StoredRecord):
     def check_members(self, key: str, max_nodes: int) -> "RoundRecord":
         if not 1 <= self.members <= max_nodes:
             raise _bad(key, self.WHAT, f"members {self.members} is not in 1..{max_nodes}")
+        return self
+
+
+@dataclass(frozen=True)
+class SuccessRecord(StoredRecord):
+    """`<r>/succeeded/<group_rank>`: that member's workers all exited 0. The round succeeds when
+    every member has one (a counter would let anyone who reaches the store fake the job's end)."""
+
+    WHAT = "success record"
+    KINDS = {"node_id": "str", "group_rank": "int"}
+
+    node_id: str
+    group_rank: int
+
+    def check_for(self, key: str, group_rank: int) -> "SuccessRecord":
+        if self.group_rank != group_rank:
+            raise _bad(key, self.WHAT, f"group_rank {self.group_rank} is not {group_rank}")
         return self
 
 

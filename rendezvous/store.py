@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTampered, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
@@ -49,7 +49,7 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=max(value, 0.001))
 
 
-__all__ = ["Store", "StoreEndpoint", "StoreError", "StoreTimeout", "StoreUnavailable", "UntrustedValue"]
+__all__ = ["Store", "StoreEndpoint", "StoreError", "StoreTampered", "StoreTimeout", "StoreUnavailable", "UntrustedValue"]
 
 
 @dataclass

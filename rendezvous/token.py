@@ -6,6 +6,8 @@ and the value (`Signer`), and checks it on every read. A node or client without 
 token can still read keys and bump counters, but it cannot write an assignment, a round end, a
 node descriptor or a master address that any agent of the job would accept: such a value is
 rejected with one line naming the key. (Integrity, not confidentiality: values stay readable.)
+The envelope also names the key a value was signed for, so a genuine value copied to another key
+(a record replayed from an earlier round) is told apart from a foreign one and named as such.
 
 Where the token comes from, first match wins (`resolve_token`):
   1. `--rdzv-conf token=SECRET` or `--rdzv-conf token_file=PATH` (the file's first line);
@@ -28,8 +30,9 @@ import secrets
 from pathlib import Path
 
 ENV_TOKEN = "RALLY_JOB_TOKEN"
-# Every value rally writes starts with this tag, then the hex HMAC, then the payload.
-ENVELOPE_TAG = b"rally1."
+# Every value rally writes is: this tag, the hex HMAC, ".", the key it was signed for, NUL, the
+# payload. The HMAC covers key + NUL + payload (keys never hold a NUL).
+ENVELOPE_TAG = b"rally2."
 _MAC_HEX_LENGTH = 64
 
 
@@ -55,22 +58,31 @@ class Signer:
 
     def seal(self, key: str, payload: str | bytes) -> bytes:
         data = payload.encode() if isinstance(payload, str) else payload
-        return ENVELOPE_TAG + self._mac(key, data) + b"." + data
+        return ENVELOPE_TAG + self._mac(key, data) + b"." + key.encode() + b"\0" + data
 
     def open(self, key: str, sealed: bytes) -> bytes:
         """The payload of a sealed value, or BadRecord naming the key."""
         head = len(ENVELOPE_TAG)
-        if not sealed.startswith(ENVELOPE_TAG) or sealed[head + _MAC_HEX_LENGTH : head + _MAC_HEX_LENGTH + 1] != b".":
+        body = sealed[head + _MAC_HEX_LENGTH + 1 :]
+        signed_for, nul, payload = body.partition(b"\0")
+        if not sealed.startswith(ENVELOPE_TAG) or sealed[head + _MAC_HEX_LENGTH : head + _MAC_HEX_LENGTH + 1] != b"." or not nul:
             raise BadRecord(
                 f"store key '{key}' holds {_preview(sealed)}, which no rally agent wrote (garbage, or a "
                 "stranger writing to the rendezvous store); use a store only this job can reach"
             )
-        mac, payload = sealed[head : head + _MAC_HEX_LENGTH], sealed[head + _MAC_HEX_LENGTH + 1 :]
-        if self.verify and not hmac.compare_digest(mac, self._mac(key, payload)):
+        mac = sealed[head : head + _MAC_HEX_LENGTH]
+        genuine = hmac.compare_digest(mac, self._mac(signed_for.decode(errors="replace"), payload))
+        if self.verify and not genuine:
             raise BadRecord(
                 f"store key '{key}' holds a value signed with a different job token (a node or client "
                 f"without this job's secret wrote it); give every node the same token ({ENV_TOKEN} or "
                 "--rdzv-conf token_file=PATH)"
+            )
+        if signed_for != key.encode():
+            raise BadRecord(
+                f"store key '{key}' holds a stale or replayed record: a value this job signed for "
+                f"'{signed_for.decode(errors='replace')[:200]}' was copied here (a stranger replaying an "
+                "earlier round's record); use a store only this job can reach"
             )
         return payload
 
@@ -113,14 +125,25 @@ def user_secret(home: Path | None = None) -> str:
         raise TokenError(f"cannot create the per-user rally secret in {directory}: {exc}; set {ENV_TOKEN} instead") from None
 
 
+def env_token() -> str:
+    """RALLY_JOB_TOKEN; set but empty is a mistake (an unset shell variable), never "no token"."""
+    value = os.environ.get(ENV_TOKEN, "")
+    if ENV_TOKEN in os.environ and not value.strip():
+        raise TokenError(
+            f"{ENV_TOKEN} is set but empty, which would mean no job token; put the job's secret in it, "
+            f"or unset it (unset {ENV_TOKEN}) to run without one"
+        )
+    return value
+
+
 def resolve_token(conf_token: str | None, conf_token_file: str | None, standalone: bool, slurm_job_id: str | None) -> str:
     """The job's token by the precedence in this module's docstring ("" = none)."""
     if conf_token:
         return conf_token
     if conf_token_file:
         return read_token_file(conf_token_file)
-    if os.environ.get(ENV_TOKEN):
-        return os.environ[ENV_TOKEN]
+    if ENV_TOKEN in os.environ:
+        return env_token()
     if standalone:
         return secrets.token_hex(32)
     if slurm_job_id:

@@ -179,7 +179,7 @@ def test_a_spare_never_reruns_a_finished_job(server):
     form([a])
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(spare.next_round)
-        assert a.report_success(0, 1).kind == "succeeded"  # the job ends before anyone closed it
+        assert a.report_success(0, 1, 0).kind == "succeeded"  # the job ends before anyone closed it
         with pytest.raises(JobClosed):
             waiting.result(10)
 
@@ -231,7 +231,7 @@ def test_a_forged_assignment_never_reaches_workers(server):
     forged = {
         "round": 0, "group_rank": 0, "group_world_size": 1, "rank_offset": 0, "world_size": 1000, "restart_count": 0,
         "membership_changes": 0, "watch_rank": None, "watch_host": "", "master_host": "evil", "stalled_restarts": 0,
-        "checkpoint_step": None,
+        "checkpoint_step": None, "node_id": "a:id",
     }  # fmt: skip
     hostile.set("0/assign/0/0", json.dumps({**forged, "world_size": 1}))
     a = node(server, "a", s, nproc=2)
