@@ -8,10 +8,19 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
   `get` and `multi_get` block until their keys exist, as a c10d store's do;
 * first-wins keys (`set_once`, `compare_set` with ""): a transaction comparing the key's
   `create_revision` with 0;
-* counters (`add`) and `append`: a compare-and-swap transaction on the key's `mod_revision`,
-  retried until it wins; the losing branch returns the fresh value, so a retry costs one call;
-* `wait`: read the key; when it is missing, watch it from the revision just read (no polling,
-  and nothing that happens in between can be missed);
+* counters: an increment by one (`add(name, 1)`, and `arrive`, a node's place in a round's
+  arrival order) is a key of its own under `<name>/+1/`, created in a transaction that also
+  reads the base value and counts the increments: one request per node, never a retry on a
+  shared key, however many nodes arrive at once (a compare-and-swap on one counter costs
+  O(N) retries per node under contention, O(N^2) requests in all). Other amounts are a
+  compare-and-swap on the base value; a read is one transaction (base + count);
+* `append`: one key per piece under `<name>/+a/`, read back in create-revision order;
+* every value rally writes is signed with the job token as on c10d (`rendezvous/token.py`):
+  a stranger's value is rejected with one line naming the key. Counters and appended lists
+  are unsigned, as on c10d; etcd's own authentication keeps strangers out altogether;
+* `wait`: read which keys are missing (one transaction for up to 128 keys); watch the first
+  missing one from the revision just read (no polling, and nothing that happens in between
+  can be missed);
 * liveness (`leased_liveness`): a node's keep-alive key is attached to a lease with TTL =
   keep_alive_timeout. The node refreshes the lease; if the node dies, etcd deletes the key by
   itself and the node that watches it (`wait_deleted`) sees the deletion.
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from typing import Any, ClassVar, Sequence
 
 from rally.rendezvous.etcd_client import (
@@ -35,12 +45,17 @@ from rally.rendezvous.etcd_client import (
     unb64,
 )
 from rally.rendezvous.store import StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.token import BadRecord, Signer
 
 # How long rally tries the endpoints at start before giving up with one clear line: etcd is
 # infrastructure that must already be running, so an unreachable cluster is reported fast.
 CONNECT_SECONDS = 5.0
 # etcd refuses transactions with more operations than its --max-txn-ops (default 128).
 MAX_TXN_OPS = 128
+# Where a counter's increments by one and a list's appended pieces live: `<name>/+1/<id>`,
+# `<name>/+a/<id>`, one key per call (see `EtcdStore.add` and `append`).
+INCREMENTS = "+1"
+APPENDED = "+a"
 
 
 class EtcdStore:
@@ -48,11 +63,13 @@ class EtcdStore:
 
     leased_liveness: ClassVar[bool] = True  # keep-alives are leases that expire by themselves
 
-    def __init__(self, client: EtcdClient, prefix: str, op_timeout: float):
-        """`op_timeout` bounds one operation, fail-over between members included."""
+    def __init__(self, client: EtcdClient, prefix: str, op_timeout: float, signer: Signer | None = None):
+        """`op_timeout` bounds one operation, fail-over between members included; `signer`
+        signs every value with the job token, as on c10d (rendezvous/token.py)."""
         self.client = client
         self.prefix = prefix
         self.op_timeout = op_timeout
+        self.signer = signer or Signer()
         self.describe = f"etcd at {client.describe()}"
 
     def key(self, name: str) -> str:
@@ -79,24 +96,36 @@ class EtcdStore:
         reply = self._call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
         return bool(reply.get("succeeded")), reply.get("responses") or []
 
+    # ------------------------------------------------------------------ signed values
+    def _seal(self, name: str, value: str | bytes) -> str:
+        """The value as stored: signed with the job token (rendezvous/token.py), base64 for the gateway."""
+        return b64(self.signer.seal(self.key(name), value))
+
+    def _open(self, name: str, kv: dict) -> bytes:
+        """A stored value's payload, or UntrustedValue naming the key (a stranger wrote it)."""
+        try:
+            return self.signer.open(self.key(name), unb64(kv.get("value")))
+        except BadRecord as exc:
+            raise UntrustedValue(str(exc)) from None
+
     # ------------------------------------------------------------------ plain keys
     def set(self, name: str, value: str | bytes) -> None:
-        self._call("/v3/kv/put", {"key": self._k(name), "value": b64(value)})
+        """Write a signed value; `get` checks the signature."""
+        self._call("/v3/kv/put", {"key": self._k(name), "value": self._seal(name, value)})
 
     def get(self, name: str) -> bytes:
         """The key's value; blocks up to the operation timeout until it exists (as c10d's get)."""
         while True:
             kv, _ = self._range(name)
             if kv is not None:
-                return unb64(kv.get("value"))
+                return self._open(name, kv)
             self.wait([name], self.op_timeout)
 
-    def get_unsigned(self, name: str) -> bytes:
-        """As `get` (nothing is signed on etcd; see `Store.get_unsigned`)."""
-        return self.get(name)
-
     def get_str(self, name: str) -> str:
-        return self.get(name).decode()
+        try:
+            return self.get(name).decode()
+        except UnicodeDecodeError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     def check(self, name: str) -> bool:
         reply = self._call("/v3/kv/range", {"key": self._k(name), "count_only": True})
@@ -112,55 +141,113 @@ class EtcdStore:
                 kvs = [(r.get("response_range") or {}).get("kvs") or [] for r in responses]
                 missing = [n for n, found in zip(chunk, kvs) if not found]
                 if not missing:
-                    values += [unb64(found[0].get("value")) for found in kvs]
+                    values += [self._open(n, found[0]) for n, found in zip(chunk, kvs)]
                     break
                 self.wait(missing, self.op_timeout)
         return values
 
     def multi_set(self, items: dict[str, str]) -> None:
-        puts = [{"request_put": {"key": self._k(k), "value": b64(v)}} for k, v in items.items()]
+        puts = [{"request_put": {"key": self._k(k), "value": self._seal(k, v)}} for k, v in items.items()]
         for start in range(0, len(puts), MAX_TXN_OPS):
             self._txn([], puts[start : start + MAX_TXN_OPS], [])
 
-    # ------------------------------------------------------------------ atomic updates
-    def _update(self, name: str, change: Any) -> bytes:
-        """Apply `change(old value or None) -> new value` atomically (compare-and-swap on
-        mod_revision, or on create_revision == 0 when the key is absent); return the new value."""
+    # ------------------------------------------------------------------ counters: a base value plus keys of their own
+    def _own_key(self, name: str, kind: str) -> str:
+        """A fresh key under `<name>/<kind>/` for one increment or one appended piece."""
+        return f"{self.key(name)}/{kind}/{uuid.uuid4().hex}"
+
+    def _under(self, name: str, kind: str, **options: Any) -> dict:
+        """A range request over every key under `<name>/<kind>/`."""
+        prefix = f"{self.key(name)}/{kind}/".encode()
+        return {"request_range": {"key": b64(prefix), "range_end": b64(prefix[:-1] + b"0"), **options}}
+
+    def _count_ops(self, name: str, max_create_revision: int | None = None) -> list[dict]:
+        """Read a counter in one transaction: its base value and how many increments were created."""
+        limit = {"max_create_revision": str(max_create_revision)} if max_create_revision else {}
+        return [{"request_range": {"key": self._k(name)}}, self._under(name, INCREMENTS, count_only=True, **limit)]
+
+    def _base(self, name: str, kv: dict | None) -> int:
+        """A counter's base value (absent = 0); text that is not a number is a stranger's."""
+        raw = (unb64(kv.get("value")) or b"0") if kv else b"0"
+        try:
+            return int(raw)
+        except ValueError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds {raw[:40]!r}, not a counter") from None
+
+    def _counted(self, name: str, responses: list[dict]) -> int:
+        """The value of a counter read by `_count_ops`: base value plus increments."""
+        base_kvs = (responses[0].get("response_range") or {}).get("kvs") or []
+        increments = int((responses[1].get("response_range") or {}).get("count", 0))
+        return self._base(name, base_kvs[0] if base_kvs else None) + increments
+
+    def arrive(self, name: str) -> int:
+        """This caller's 0-based place in the arrival order of `name`: one request, however many
+        arrive at once (the increment is a key of its own; see `add`)."""
+        return self.add(name, 1) - 1
+
+    def add(self, name: str, amount: int) -> int:
+        """Atomically add `amount` to a counter (absent = 0) and return the new value.
+
+        An increment by one, what every node does at once (arrivals, successes, acknowledgements),
+        creates a key of its own under `<name>/+1/` and reads the count in the same transaction:
+        one request, never a retry, however many nodes add at the same moment. Other amounts
+        (rare) are a compare-and-swap on the base value.
+        """
+        if amount == 0:
+            return self.counter(name)
+        if amount != 1:
+            return self._add_to_base(name, amount)
+        own = self._own_key(name, INCREMENTS)
+        absent = {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        won, responses = self._txn([absent], [{"request_put": {"key": b64(own), "value": b64("1")}}, *self._count_ops(name)], [{"request_range": {"key": b64(own)}}])
+        if won:
+            return self._counted(name, responses[1:])
+        # This request was applied once already (its reply was lost, and the client sent it
+        # again): count what existed when our key was created.
+        created = int(responses[0]["response_range"]["kvs"][0]["create_revision"])
+        _, responses = self._txn([], self._count_ops(name, created), [])
+        return self._counted(name, responses)
+
+    def _add_to_base(self, name: str, amount: int) -> int:
+        """Add to the counter's base value (compare-and-swap on mod_revision); return the total."""
         kv, _ = self._range(name)
         while True:
             if kv is None:
                 compare = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-                new = change(None)
+                old = 0
             else:
                 compare = {"key": self._k(name), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
-                new = change(unb64(kv.get("value")))
-            put = {"request_put": {"key": self._k(name), "value": b64(new)}}
-            won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
+                old = self._base(name, kv)
+            put = {"request_put": {"key": self._k(name), "value": b64(str(old + amount))}}
+            won, responses = self._txn([compare], [put, self._under(name, INCREMENTS, count_only=True)], [{"request_range": {"key": self._k(name)}}])
             if won:
-                return new
+                return old + amount + int((responses[1].get("response_range") or {}).get("count", 0))
             kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
             kv = kvs[0] if kvs else None
 
-    def add(self, name: str, amount: int) -> int:
-        """Atomically add `amount` to a counter (absent = 0) and return the new value."""
-        if amount == 0:
-            return self.counter(name)
-        return int(self._update(name, lambda old: str(int(old or b"0") + amount).encode()))
-
     def counter(self, name: str, limit: int | None = None) -> int:
         """A counter's value, checked to be a number in 0..limit (as `Store.counter` checks)."""
-        kv, _ = self._range(name)
-        raw = unb64(kv.get("value")) or b"0" if kv else b"0"
-        try:
-            value = int(raw)
-        except ValueError:
-            raise UntrustedValue(f"store key '{self.key(name)}' holds {raw[:40]!r}, not a counter") from None
+        _, responses = self._txn([], self._count_ops(name), [])
+        value = self._counted(name, responses)
         if value < 0 or (limit is not None and value > limit):
-            raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range") from None
+            bound = "" if limit is None else f" (at most {limit})"
+            raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range{bound}: a stranger wrote to the store")
         return value
 
     def append(self, name: str, value: str) -> None:
-        self._update(name, lambda old: (old or b"") + value.encode())
+        """Append to a list key in one request, never a retry: the piece is a key of its own under
+        `<name>/+a/` (the list key itself is created empty by the first appender, so `check` sees it)."""
+        own = self._own_key(name, APPENDED)
+        piece = {"request_put": {"key": b64(own), "value": b64(value)}}
+        absent = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        self._txn([absent], [{"request_put": {"key": self._k(name), "value": ""}}, piece], [piece])
+
+    def get_unsigned(self, name: str) -> bytes:
+        """A list key written by `append` (unsigned, as on c10d): the pieces in the order written."""
+        ordered = self._under(name, APPENDED, sort_order="ASCEND", sort_target="CREATE")
+        _, responses = self._txn([], [{"request_range": {"key": self._k(name)}}, ordered], [])
+        parts = [(r.get("response_range") or {}).get("kvs") or [] for r in responses]
+        return b"".join(unb64(kv.get("value")) for kvs in parts for kv in kvs)
 
     def compare_set(self, name: str, expected: str, desired: str) -> bytes:
         """Set `name` to `desired` if it holds `expected` ("" = absent); return the value that stands.
@@ -170,37 +257,66 @@ class EtcdStore:
         if expected == "":
             compare = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         else:
-            compare = {"key": self._k(name), "target": "VALUE", "result": "EQUAL", "value": b64(expected)}
-        put = {"request_put": {"key": self._k(name), "value": b64(desired)}}
+            compare = {"key": self._k(name), "target": "VALUE", "result": "EQUAL", "value": self._seal(name, expected)}
+        put = {"request_put": {"key": self._k(name), "value": self._seal(name, desired)}}
         won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
         if won:
             return desired.encode()
         kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
-        return unb64(kvs[0].get("value")) if kvs else expected.encode()
+        return self._open(name, kvs[0]) if kvs else expected.encode()
 
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
-        """Set `name` only if nobody has (create_revision == 0); return (won, the value that stands)."""
+        """Set `name` only if nobody has (create_revision == 0); return (won, the value that stands, checked)."""
         compare = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        put = {"request_put": {"key": self._k(name), "value": b64(value)}}
+        put = {"request_put": {"key": self._k(name), "value": self._seal(name, value)}}
         won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
         if won:
             return True, value
         kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
-        return False, unb64(kvs[0].get("value")).decode() if kvs else ""
+        if not kvs:
+            return False, ""
+        try:
+            return False, self._open(name, kvs[0]).decode()
+        except UnicodeDecodeError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     # ------------------------------------------------------------------ waiting (watches)
+    def _missing(self, names: Sequence[str]) -> tuple[list[str], int]:
+        """The names that do not exist yet, and the oldest revision their absence was read at
+        (one transaction per MAX_TXN_OPS names)."""
+        missing: list[str] = []
+        revision: int | None = None
+        for start in range(0, len(names), MAX_TXN_OPS):
+            chunk = list(names[start : start + MAX_TXN_OPS])
+            reply = self._call("/v3/kv/txn", {"compare": [], "success": [{"request_range": {"key": self._k(n), "count_only": True}} for n in chunk], "failure": []})
+            counts = [int((r.get("response_range") or {}).get("count", 0)) for r in reply.get("responses") or []]
+            absent = [n for n, count in zip(chunk, counts) if not count]
+            if absent and revision is None:
+                revision = int(reply["header"]["revision"])
+            missing += absent
+        return missing, revision or 0
+
     def wait(self, names: Sequence[str], timeout: float) -> None:
-        """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
+        """Block until every key exists (raises StoreTimeout after `timeout` seconds).
+
+        Reads which keys are missing (a transaction for up to MAX_TXN_OPS keys, so the closer's
+        wait for N node descriptors is N/128 requests, not N), then watches the first missing
+        key from the revision just read, and reads again when it appears.
+        """
         deadline = time.monotonic() + timeout
-        for name in names:
-            while True:
-                kv, revision = self._range(name)
-                if kv is not None:
-                    break
-                if self._watch_until(name, revision + 1, deadline, lambda event: event.get("type", "PUT") == "PUT"):
-                    break
-                if time.monotonic() >= deadline:
-                    raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(name)} in {self.describe}")
+        pending = list(names)
+        while True:
+            if len(pending) == 1:
+                kv, revision = self._range(pending[0])
+                pending = [] if kv is not None else pending
+            else:
+                pending, revision = self._missing(pending)
+            if not pending:
+                return
+            if self._watch_until(pending[0], revision + 1, deadline, lambda event: event.get("type", "PUT") == "PUT"):
+                continue
+            if time.monotonic() >= deadline:
+                raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(pending[0])} in {self.describe}")
 
     def try_wait(self, names: Sequence[str], timeout: float) -> bool:
         try:
@@ -247,21 +363,28 @@ class EtcdStore:
 
     def set_leased(self, name: str, value: str, lease: int) -> None:
         """Set `name` so that it is deleted when `lease` expires."""
-        self._call("/v3/kv/put", {"key": self._k(name), "value": b64(value), "lease": str(lease)})
+        self._call("/v3/kv/put", {"key": self._k(name), "value": self._seal(name, value), "lease": str(lease)})
 
     # ------------------------------------------------------------------ connections
     def connect_again(self) -> "EtcdStore":
         """A second client with its own connection, for a thread that blocks in `wait`."""
-        return EtcdStore(self.client.fork(), self.prefix, self.op_timeout)
+        return EtcdStore(self.client.fork(), self.prefix, self.op_timeout, self.signer)
 
-def open_etcd_store(members: Sequence[Member], prefix: str, op_timeout: float, connect_timeout: float = CONNECT_SECONDS) -> EtcdStore:
+
+def open_etcd_store(
+    members: Sequence[Member],
+    prefix: str,
+    op_timeout: float,
+    connect_timeout: float = CONNECT_SECONDS,
+    signer: Signer | None = None,
+) -> EtcdStore:
     """Connect to the cluster (any member will do) and check that it serves reads.
 
     Raises StoreUnavailable with one line naming every endpoint when none answers within
     `connect_timeout` seconds.
     """
     client = EtcdClient(list(members))
-    store = EtcdStore(client, prefix, op_timeout)
+    store = EtcdStore(client, prefix, op_timeout, signer)
     try:
         client.call("/v3/kv/range", {"key": b64(prefix), "count_only": True}, connect_timeout)
     except (EtcdUnavailable, EtcdError) as exc:

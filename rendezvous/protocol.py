@@ -151,7 +151,7 @@ class Rendezvous:
 
     def _join(self, r: int, deadline: float) -> Assignment | None:
         s = self.settings
-        idx = self.store.add(f"{r}/joined", 1) - 1
+        idx = self.store.arrive(f"{r}/joined")
         if idx < 0:
             raise UntrustedValue(f"store key '{self.store.key(f'{r}/joined')}' went negative: a stranger wrote to the store")
         if idx >= s.max_nodes:

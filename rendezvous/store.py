@@ -140,6 +140,11 @@ class Store:
         except Exception:  # noqa: BLE001 - the store is really gone: the caller re-raises
             return None
 
+    def arrive(self, name: str) -> int:
+        """This caller's 0-based place in the arrival order of `name` (a counter: `add` one).
+        The etcd store gives each arrival a key of its own instead (etcd_store.EtcdStore.add)."""
+        return self.add(name, 1) - 1
+
     def counter(self, name: str, limit: int | None = None) -> int:
         """A counter's value, checked to lie in 0..limit (strangers can `add` any amount)."""
         value = self.add(name, 0)
@@ -285,12 +290,12 @@ def open_store(
     belongs to this job (another agent of the job hosts it and signed its marker) or is a
     `rally store` service; anything else (another job's store, another program) is an error,
     never a silent join of a stranger's store. For the etcd backends the client is an
-    `EtcdStore` (same interface; etcd's own authentication guards it) and nothing is hosted here.
+    `EtcdStore` (same interface, values signed the same way) and nothing is hosted here.
     """
     if endpoint.etcd:
         from rally.rendezvous.etcd_store import open_etcd_store
 
-        return open_etcd_store(endpoint.etcd, prefix, op_timeout), None  # type: ignore[return-value]
+        return open_etcd_store(endpoint.etcd, prefix, op_timeout, signer=signer), None  # type: ignore[return-value]
     signer = signer or Signer()
     if endpoint.file_path:
         from torch.distributed import FileStore
