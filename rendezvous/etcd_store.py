@@ -9,12 +9,12 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
 * first-wins keys (`set_once`, `compare_set` with ""): a transaction comparing the key's
   `create_revision` with 0;
 * counters: an increment by one (`add(name, 1)`, and `arrive`, a node's place in a round's
-  arrival order) is a key of its own under `<name>/+1/`, created in a transaction that also
+  arrival order) is a key of its own, `<name>\\x00<id>`, created in a transaction that also
   reads the base value and counts the increments: one request per node, never a retry on a
   shared key, however many nodes arrive at once (a compare-and-swap on one counter costs
   O(N) retries per node under contention, O(N^2) requests in all). Other amounts are a
   compare-and-swap on the base value; a read is one transaction (base + count);
-* `append`: one key per piece under `<name>/+a/`, read back in create-revision order;
+* `append`: one key per piece, `<name>\\x01<id>`, read back in create-revision order;
 * every value rally writes is signed with the job token as on c10d (`rendezvous/token.py`):
   a stranger's value is rejected with one line naming the key. Counters and appended lists
   are unsigned, as on c10d; etcd's own authentication keeps strangers out altogether;
@@ -32,6 +32,7 @@ them after the job: give each job its own `--rdzv-id` (or delete the prefix with
 from __future__ import annotations
 
 import math
+import threading
 import time
 import uuid
 from typing import Any, ClassVar, Sequence
@@ -52,10 +53,12 @@ from rally.rendezvous.token import BadRecord, Signer
 CONNECT_SECONDS = 5.0
 # etcd refuses transactions with more operations than its --max-txn-ops (default 128).
 MAX_TXN_OPS = 128
-# Where a counter's increments by one and a list's appended pieces live: `<name>/+1/<id>`,
-# `<name>/+a/<id>`, one key per call (see `EtcdStore.add` and `append`).
-INCREMENTS = "+1"
-APPENDED = "+a"
+# Where a counter's increments by one and a list's appended pieces live, one key per call (see
+# `EtcdStore.add` and `append`): `<name>\x00<id>` and `<name>\x01<id>`. Keys sort bytewise, so the
+# keys from `<name>` up to `<name>\x01` are exactly the base key and its increments.
+INCREMENTS = "\x00"
+APPENDED = "\x01"
+APPENDED_END = "\x02"
 
 
 class EtcdStore:
@@ -71,6 +74,7 @@ class EtcdStore:
         self.op_timeout = op_timeout
         self.signer = signer or Signer()
         self.describe = f"etcd at {client.describe()}"
+        self._just_read = threading.local()  # see `_recall`
 
     def key(self, name: str) -> str:
         return f"{self.prefix}{name}"
@@ -79,6 +83,7 @@ class EtcdStore:
         return b64(self.key(name))
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._just_read.kvs = None  # any new request ends what `_recall` may hand out
         try:
             return self.client.call(path, body, self.op_timeout)
         except EtcdUnavailable as exc:
@@ -95,6 +100,22 @@ class EtcdStore:
     def _txn(self, compare: list[dict], success: list[dict], failure: list[dict]) -> tuple[bool, list[dict]]:
         reply = self._call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
         return bool(reply.get("succeeded")), reply.get("responses") or []
+
+    def _remember(self, kvs: dict[str, dict]) -> None:
+        self._just_read.kvs = kvs
+
+    def _recall(self, name: str) -> dict | None:
+        """The key as the previous call of this thread read it, if that call was a `check` or a
+        `wait` that saw it and no request has been made since; then `get` needs no request.
+
+        The protocol reads a key as check-then-get and the closer as wait-then-get of every
+        node's descriptor (one request per node more, and N requests in a row for the closer,
+        otherwise). The value handed out is the one read a moment earlier; the keys read this way
+        are written once (round records, assignments, descriptors, the round's master) or are
+        status records where a moment does not matter.
+        """
+        kvs = getattr(self._just_read, "kvs", None)
+        return kvs.pop(name, None) if kvs else None
 
     # ------------------------------------------------------------------ signed values
     def _seal(self, name: str, value: str | bytes) -> str:
@@ -116,7 +137,7 @@ class EtcdStore:
     def get(self, name: str) -> bytes:
         """The key's value; blocks up to the operation timeout until it exists (as c10d's get)."""
         while True:
-            kv, _ = self._range(name)
+            kv = self._recall(name) or self._range(name)[0]
             if kv is not None:
                 return self._open(name, kv)
             self.wait([name], self.op_timeout)
@@ -128,8 +149,11 @@ class EtcdStore:
             raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     def check(self, name: str) -> bool:
-        reply = self._call("/v3/kv/range", {"key": self._k(name), "count_only": True})
-        return int(reply.get("count", 0)) > 0
+        """Whether the key exists (the value read with it serves a `get` right after; see `_recall`)."""
+        kv, _ = self._range(name)
+        if kv is not None:
+            self._remember({name: kv})
+        return kv is not None
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
         """Every key's value, read in one transaction per MAX_TXN_OPS keys (waits for missing keys)."""
@@ -152,19 +176,26 @@ class EtcdStore:
             self._txn([], puts[start : start + MAX_TXN_OPS], [])
 
     # ------------------------------------------------------------------ counters: a base value plus keys of their own
-    def _own_key(self, name: str, kind: str) -> str:
-        """A fresh key under `<name>/<kind>/` for one increment or one appended piece."""
-        return f"{self.key(name)}/{kind}/{uuid.uuid4().hex}"
+    def _own_key(self, name: str, mark: str) -> str:
+        """A fresh key `<name><mark><id>` for one increment or one appended piece."""
+        return f"{self.key(name)}{mark}{uuid.uuid4().hex}"
 
-    def _under(self, name: str, kind: str, **options: Any) -> dict:
-        """A range request over every key under `<name>/<kind>/`."""
-        prefix = f"{self.key(name)}/{kind}/".encode()
-        return {"request_range": {"key": b64(prefix), "range_end": b64(prefix[:-1] + b"0"), **options}}
+    def _marked(self, name: str, first: str, end: str, **options: Any) -> dict:
+        """A range request over the keys from `<name><first>` up to `<name><end>` (exclusive)."""
+        return {"request_range": {"key": b64(self.key(name) + first), "range_end": b64(self.key(name) + end), **options}}
 
-    def _count_ops(self, name: str, max_create_revision: int | None = None) -> list[dict]:
-        """Read a counter in one transaction: its base value and how many increments were created."""
+    def _counter_range(self, name: str, max_create_revision: int | None = None) -> dict:
+        """One range that reads a counter: the keys from `<name>` to `<name>\\x01` are the base
+        key (sorted first) and the increments `<name>\\x00<id>`, nothing else; `limit 1` returns
+        the base's value (when it exists) and `count` all of them."""
         limit = {"max_create_revision": str(max_create_revision)} if max_create_revision else {}
-        return [{"request_range": {"key": self._k(name)}}, self._under(name, INCREMENTS, count_only=True, **limit)]
+        return self._marked(name, "", APPENDED, limit="1", **limit)
+
+    def _counted(self, name: str, reply: dict) -> int:
+        """The value of a counter read by `_counter_range`: base value plus increments."""
+        kvs = reply.get("kvs") or []
+        base = kvs[0] if kvs and unb64(kvs[0].get("key")) == self.key(name).encode() else None
+        return self._base(name, base) + int(reply.get("count", 0)) - (1 if base else 0)
 
     def _base(self, name: str, kv: dict | None) -> int:
         """A counter's base value (absent = 0); text that is not a number is a stranger's."""
@@ -173,12 +204,6 @@ class EtcdStore:
             return int(raw)
         except ValueError:
             raise UntrustedValue(f"store key '{self.key(name)}' holds {raw[:40]!r}, not a counter") from None
-
-    def _counted(self, name: str, responses: list[dict]) -> int:
-        """The value of a counter read by `_count_ops`: base value plus increments."""
-        base_kvs = (responses[0].get("response_range") or {}).get("kvs") or []
-        increments = int((responses[1].get("response_range") or {}).get("count", 0))
-        return self._base(name, base_kvs[0] if base_kvs else None) + increments
 
     def arrive(self, name: str) -> int:
         """This caller's 0-based place in the arrival order of `name`: one request, however many
@@ -189,7 +214,7 @@ class EtcdStore:
         """Atomically add `amount` to a counter (absent = 0) and return the new value.
 
         An increment by one, what every node does at once (arrivals, successes, acknowledgements),
-        creates a key of its own under `<name>/+1/` and reads the count in the same transaction:
+        creates a key of its own (`<name>\\x00<id>`) and reads the count in the same transaction:
         one request, never a retry, however many nodes add at the same moment. Other amounts
         (rare) are a compare-and-swap on the base value.
         """
@@ -199,14 +224,13 @@ class EtcdStore:
             return self._add_to_base(name, amount)
         own = self._own_key(name, INCREMENTS)
         absent = {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        won, responses = self._txn([absent], [{"request_put": {"key": b64(own), "value": b64("1")}}, *self._count_ops(name)], [{"request_range": {"key": b64(own)}}])
+        won, responses = self._txn([absent], [{"request_put": {"key": b64(own), "value": b64("1")}}, self._counter_range(name)], [{"request_range": {"key": b64(own)}}])
         if won:
-            return self._counted(name, responses[1:])
+            return self._counted(name, responses[1].get("response_range") or {})
         # This request was applied once already (its reply was lost, and the client sent it
         # again): count what existed when our key was created.
         created = int(responses[0]["response_range"]["kvs"][0]["create_revision"])
-        _, responses = self._txn([], self._count_ops(name, created), [])
-        return self._counted(name, responses)
+        return self._counted(name, self._call("/v3/kv/range", self._counter_range(name, created)["request_range"]))
 
     def _add_to_base(self, name: str, amount: int) -> int:
         """Add to the counter's base value (compare-and-swap on mod_revision); return the total."""
@@ -219,16 +243,15 @@ class EtcdStore:
                 compare = {"key": self._k(name), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
                 old = self._base(name, kv)
             put = {"request_put": {"key": self._k(name), "value": b64(str(old + amount))}}
-            won, responses = self._txn([compare], [put, self._under(name, INCREMENTS, count_only=True)], [{"request_range": {"key": self._k(name)}}])
+            won, responses = self._txn([compare], [put, self._counter_range(name)], [{"request_range": {"key": self._k(name)}}])
             if won:
-                return old + amount + int((responses[1].get("response_range") or {}).get("count", 0))
+                return self._counted(name, responses[1].get("response_range") or {})
             kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
             kv = kvs[0] if kvs else None
 
     def counter(self, name: str, limit: int | None = None) -> int:
         """A counter's value, checked to be a number in 0..limit (as `Store.counter` checks)."""
-        _, responses = self._txn([], self._count_ops(name), [])
-        value = self._counted(name, responses)
+        value = self._counted(name, self._call("/v3/kv/range", self._counter_range(name)["request_range"]))
         if value < 0 or (limit is not None and value > limit):
             bound = "" if limit is None else f" (at most {limit})"
             raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range{bound}: a stranger wrote to the store")
@@ -236,7 +259,7 @@ class EtcdStore:
 
     def append(self, name: str, value: str) -> None:
         """Append to a list key in one request, never a retry: the piece is a key of its own under
-        `<name>/+a/` (the list key itself is created empty by the first appender, so `check` sees it)."""
+        `<name>\\x01<id>` (the list key itself is created empty by the first appender, so `check` sees it)."""
         own = self._own_key(name, APPENDED)
         piece = {"request_put": {"key": b64(own), "value": b64(value)}}
         absent = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
@@ -244,7 +267,7 @@ class EtcdStore:
 
     def get_unsigned(self, name: str) -> bytes:
         """A list key written by `append` (unsigned, as on c10d): the pieces in the order written."""
-        ordered = self._under(name, APPENDED, sort_order="ASCEND", sort_target="CREATE")
+        ordered = self._marked(name, APPENDED, APPENDED_END, sort_order="ASCEND", sort_target="CREATE")
         _, responses = self._txn([], [{"request_range": {"key": self._k(name)}}, ordered], [])
         parts = [(r.get("response_range") or {}).get("kvs") or [] for r in responses]
         return b"".join(unb64(kv.get("value")) for kvs in parts for kv in kvs)
@@ -281,16 +304,17 @@ class EtcdStore:
             raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     # ------------------------------------------------------------------ waiting (watches)
-    def _missing(self, names: Sequence[str]) -> tuple[list[str], int]:
+    def _missing(self, names: Sequence[str], found: dict[str, dict]) -> tuple[list[str], int]:
         """The names that do not exist yet, and the oldest revision their absence was read at
-        (one transaction per MAX_TXN_OPS names)."""
+        (one transaction per MAX_TXN_OPS names); the keys found are added to `found`."""
         missing: list[str] = []
         revision: int | None = None
         for start in range(0, len(names), MAX_TXN_OPS):
             chunk = list(names[start : start + MAX_TXN_OPS])
-            reply = self._call("/v3/kv/txn", {"compare": [], "success": [{"request_range": {"key": self._k(n), "count_only": True}} for n in chunk], "failure": []})
-            counts = [int((r.get("response_range") or {}).get("count", 0)) for r in reply.get("responses") or []]
-            absent = [n for n, count in zip(chunk, counts) if not count]
+            reply = self._call("/v3/kv/txn", {"compare": [], "success": [{"request_range": {"key": self._k(n)}} for n in chunk], "failure": []})
+            kvs = [(r.get("response_range") or {}).get("kvs") for r in reply.get("responses") or []]
+            found.update((n, kv[0]) for n, kv in zip(chunk, kvs) if kv)
+            absent = [n for n in chunk if n not in found]
             if absent and revision is None:
                 revision = int(reply["header"]["revision"])
             missing += absent
@@ -305,13 +329,17 @@ class EtcdStore:
         """
         deadline = time.monotonic() + timeout
         pending = list(names)
+        found: dict[str, dict] = {}  # what the reads saw: it serves the `get`s that follow
         while True:
             if len(pending) == 1:
                 kv, revision = self._range(pending[0])
-                pending = [] if kv is not None else pending
+                if kv is not None:
+                    found[pending[0]] = kv
+                    pending = []
             else:
-                pending, revision = self._missing(pending)
+                pending, revision = self._missing(pending, found)
             if not pending:
+                self._remember(found)
                 return
             if self._watch_until(pending[0], revision + 1, deadline, lambda event: event.get("type", "PUT") == "PUT"):
                 continue
