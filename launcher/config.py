@@ -25,9 +25,9 @@ import yaml
 
 from rally.rendezvous.plan import RendezvousPlan
 from rally.agent.spec import JobSpec
-from rally.rendezvous.etcd_client import DEFAULT_ETCD_PORT, Member
 from rally.rendezvous.protocol import RendezvousSettings
 from rally.launcher import validate
+from rally.launcher.etcd_conf import ETCD_CONF_KEYS, etcd_access, parse_etcd_endpoints
 from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.store import StoreEndpoint, is_local_host
@@ -54,6 +54,7 @@ RDZV_CONF_DEFAULTS: dict[str, Any] = {
     "store_type": "tcp",
     "token": None,  # the job's secret (rendezvous/token.py); prefer token_file or RALLY_JOB_TOKEN
     "token_file": None,
+    **{key: None for key in ETCD_CONF_KEYS},  # TLS and etcd users (launcher/etcd_conf.py)
 }
 
 
@@ -137,27 +138,6 @@ def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
     return match.group(1), port
 
 
-def parse_etcd_endpoints(text: str) -> tuple[Member, ...]:
-    """`HOST[:PORT][,HOST[:PORT]...]` (an `http://` scheme is allowed); default port 2379."""
-    members = []
-    for item in str(text).split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if item.lower().startswith("https://"):
-            raise ConfigError(f"--rdzv-endpoint '{item}': rally talks to etcd over plain HTTP only; give an http:// client endpoint")
-        item = item[len("http://") :] if item.lower().startswith("http://") else item
-        host, port = parse_endpoint(item.rstrip("/"), DEFAULT_ETCD_PORT)
-        if port == 0:
-            raise ConfigError(f"--rdzv-endpoint '{item}': port 0 is not an etcd endpoint; etcd listens on 2379 by default")
-        members.append(Member(host, port))
-    if not members:
-        raise ConfigError(
-            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client endpoints (default port 2379)"
-        )
-    return tuple(dict.fromkeys(members))
-
-
 def parse_rdzv_conf(text: str) -> dict[str, Any]:
     conf = dict(RDZV_CONF_DEFAULTS)
     if not text:
@@ -174,7 +154,7 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
             if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                 raise ConfigError(f"--rdzv-conf is_host={value}: use true or false")
             conf[key] = value.lower() in ("1", "true", "yes")
-        elif key in ("token", "token_file"):
+        elif key in ("token", "token_file", *ETCD_CONF_KEYS):
             if not value:
                 raise ConfigError(f"--rdzv-conf {key}= is empty; give the job's secret (or a file holding it)")
             conf[key] = value
@@ -377,6 +357,8 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         # torchrun 2.13 does the same: a single-node static job needs no fixed port.
         backend, endpoint_text, run_id = "c10d", "localhost:0", str(uuid.uuid4()) if run_id == "none" else run_id
 
+    if backend not in ETCD_BACKENDS and (given := [k for k in ETCD_CONF_KEYS if conf[k] is not None]):
+        raise ConfigError(f"--rdzv-conf {given[0]}=... applies to --rdzv-backend etcd only; remove it")
     preferred_rank = int(node_rank) if node_rank is not None else (0 if backend == "static" else o.get("_preferred_rank"))
     if backend == "static":
         if min_nodes != max_nodes:
@@ -394,7 +376,8 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
     elif backend in ETCD_BACKENDS:
         if conf["store_type"] != "tcp":
             raise ConfigError(f"--rdzv-conf store_type={conf['store_type']} does not apply to --rdzv-backend {backend}; remove it")
-        endpoint = StoreEndpoint("", 0, host_here=False, etcd=parse_etcd_endpoints(endpoint_text))
+        members, scheme = parse_etcd_endpoints(endpoint_text)
+        endpoint = StoreEndpoint("", 0, host_here=False, etcd=members, etcd_access=etcd_access(conf, scheme))
         if run_id == "none":
             raise ConfigError(
                 f"--rdzv-backend {backend} needs --rdzv-id ID, one per job: etcd keeps a job's keys after it ends"

@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rally.launcher import console, validate
-from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint, parse_etcd_endpoints
+from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint, parse_rdzv_conf
+from rally.launcher.etcd_conf import etcd_access, parse_etcd_endpoints
 from rally.launcher.worker_table import straggler_line, worker_table
 
 
@@ -34,9 +35,10 @@ from rally.launcher.worker_table import straggler_line, worker_table
     type=click.Choice(["c10d", "etcd", "etcd-v2"], case_sensitive=False),
     help="etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
 )
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", metavar="K=V,...", help="etcd: TLS and user keys as the job got them (protocol, cacert, cert, key, username, password_file).")
 @click.option("--slurm-step", type=click.IntRange(min=0), default=0, show_default=True, help="Inside a SLURM job: the srun step that runs rally.")
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the store.")
-def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm_step: int, timeout: float) -> int:
+def status_command(endpoint: str | None, run_id: str | None, backend: str, rdzv_conf: str, slurm_step: int, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.status import read_job_status
     from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
@@ -46,7 +48,9 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
     endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     try:
         if backend.lower().startswith("etcd"):
-            where = StoreEndpoint("", 0, host_here=False, etcd=parse_etcd_endpoints(endpoint))
+            members, scheme = parse_etcd_endpoints(endpoint)
+            access = etcd_access(parse_rdzv_conf(rdzv_conf), scheme)
+            where = StoreEndpoint("", 0, host_here=False, etcd=members, etcd_access=access)
         else:
             host, port = parse_endpoint(endpoint, DEFAULT_C10D_PORT)
             validate.resolvable(host, "--rdzv-endpoint")

@@ -303,7 +303,11 @@ def _parse_reply(status: int, data: bytes) -> dict[str, Any]:
     try:
         reply = json.loads(data) if data else {}
     except ValueError:
-        raise _TryElsewhere(f"HTTP {status} with a reply that is not JSON") from None
+        text = data.decode(errors="replace").strip().splitlines()
+        reason = f"HTTP {status}: {text[0][:200]}" if text else f"HTTP {status} with an empty reply"
+        if status >= 500 or status == 200:
+            raise _TryElsewhere(reason) from None
+        raise EtcdError(reason) from None  # e.g. the gateway refusing a client certificate
     if status == 200 and "error" not in reply:
         return reply
     code = reply.get("code")

@@ -45,6 +45,7 @@ from rally.rendezvous.etcd_client import (
     b64,
     unb64,
 )
+from rally.rendezvous.etcd_http import EtcdAccess
 from rally.rendezvous.store import StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.token import BadRecord, Signer
 
@@ -405,19 +406,31 @@ def open_etcd_store(
     op_timeout: float,
     connect_timeout: float = CONNECT_SECONDS,
     signer: Signer | None = None,
+    access: EtcdAccess | None = None,
 ) -> EtcdStore:
     """Connect to the cluster (any member will do) and check that it serves reads.
 
     Raises StoreUnavailable with one line naming every endpoint when none answers within
     `connect_timeout` seconds.
     """
-    client = EtcdClient(list(members))
+    client = EtcdClient(list(members), access=access)
     store = EtcdStore(client, prefix, op_timeout, signer)
     try:
         client.call("/v3/kv/range", {"key": b64(prefix), "count_only": True}, connect_timeout)
-    except (EtcdUnavailable, EtcdError) as exc:
-        raise StoreUnavailable(
-            f"cannot reach etcd at {client.describe()}: {exc}; check "
-            "--rdzv-endpoint (etcd client endpoints HOST[:PORT],..., default port 2379) and that etcd is running"
-        ) from exc
+    except EtcdError as exc:
+        check = (
+            "etcd's HTTP gateway, which rally uses, refuses a client certificate with a Common Name while "
+            "authentication is on: give --rdzv-conf cert a certificate without a CN (the etcd user is "
+            "username/password)"
+            if "CommonName" in str(exc)
+            else f"check --rdzv-conf username and password (or password_file) and that the user may read and write {prefix}"
+        )
+        raise StoreUnavailable(f"etcd at {client.describe()} refused rally: {exc}; {check}") from exc
+    except EtcdUnavailable as exc:
+        check = (
+            "--rdzv-conf cacert (the CA that signed etcd's certificate), cert and key (a client certificate etcd trusts)"
+            if "TLS" in str(exc)
+            else "--rdzv-endpoint (etcd client endpoints HOST[:PORT],..., default port 2379) and that etcd is running"
+        )
+        raise StoreUnavailable(f"cannot reach etcd at {client.describe()}: {exc}; check {check}") from exc
     return store

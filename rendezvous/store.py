@@ -17,7 +17,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 from rally.rendezvous.token import BadRecord, Signer
 
@@ -269,10 +269,12 @@ class StoreEndpoint:
     host_here: bool
     file_path: str | None = None
     etcd: tuple = ()  # etcd client endpoints (etcd_client.Member) for the etcd backends
+    etcd_access: Any = None  # etcd_http.EtcdAccess: TLS and an etcd user (None: plain HTTP)
 
     def __str__(self) -> str:
         if self.etcd:
-            return "etcd at " + ",".join(str(m) for m in self.etcd)
+            scheme = "https://" if self.etcd_access is not None and self.etcd_access.tls else ""
+            return "etcd at " + ",".join(f"{scheme}{m}" for m in self.etcd)
         return self.file_path or f"{self.host}:{self.port}"
 
 
@@ -295,7 +297,7 @@ def open_store(
     if endpoint.etcd:
         from rally.rendezvous.etcd_store import open_etcd_store
 
-        return open_etcd_store(endpoint.etcd, prefix, op_timeout, signer=signer), None  # type: ignore[return-value]
+        return open_etcd_store(endpoint.etcd, prefix, op_timeout, signer=signer, access=endpoint.etcd_access), None  # type: ignore[return-value]
     signer = signer or Signer()
     if endpoint.file_path:
         from torch.distributed import FileStore

@@ -364,7 +364,7 @@ def test_etcd_unreachable_at_start_is_one_clear_line_and_a_fast_exit(tmp_path):
     [
         pytest.param(["--rdzv-backend", "etcd", "--rdzv-id", "x"], "needs --rdzv-endpoint", id="no-endpoint"),
         pytest.param(["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:2379"], "needs --rdzv-id", id="no-run-id"),
-        pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "https://h:2379", "--rdzv-id", "x"], "plain HTTP", id="https"),
+        pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "ftp://h:2379", "--rdzv-id", "x"], "http:// or https://", id="scheme"),
         pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:99999", "--rdzv-id", "x"], "out of range", id="bad-port"),
     ],
 )
