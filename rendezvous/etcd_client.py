@@ -207,6 +207,7 @@ class EtcdClient:
         """
         member = self.member
         connection: HttpConnection | None = None
+        token: str | None = None
         try:
             try:
                 token = self._auth.token(self._authenticate_elsewhere, _left(deadline, REQUEST_TIMEOUT_SECONDS))
@@ -240,6 +241,11 @@ class EtcdClient:
             except (_TryElsewhere, OSError, HttpError, ValueError) as exc:
                 self._switch_from(member)
                 raise EtcdUnavailable(f"{member}: {_reason(exc)}") from exc
+            except EtcdError as exc:
+                if not (token and _token_refused(exc)):
+                    raise
+                self._auth.forget(token)  # the caller reads again (authenticating anew), then watches
+                raise EtcdUnavailable(f"{member}: {exc}") from exc
         finally:
             if connection is not None:
                 connection.close()

@@ -105,9 +105,10 @@ class EtcdStore:
     def _remember(self, kvs: dict[str, dict]) -> None:
         self._just_read.kvs = kvs
 
-    def _recall(self, name: str) -> dict | None:
+    def _recall(self, name: str, keep: bool = False) -> dict | None:
         """The key as the previous call of this thread read it, if that call was a `check` or a
-        `wait` that saw it and no request has been made since; then `get` needs no request.
+        `wait` that saw it and no request has been made since; then `get` (or a `check`, which
+        `keep`s it for the `get`) needs no request.
 
         The protocol reads a key as check-then-get and the closer as wait-then-get of every
         node's descriptor (one request per node more, and N requests in a row for the closer,
@@ -116,7 +117,9 @@ class EtcdStore:
         status records where a moment does not matter.
         """
         kvs = getattr(self._just_read, "kvs", None)
-        return kvs.pop(name, None) if kvs else None
+        if not kvs:
+            return None
+        return kvs.get(name) if keep else kvs.pop(name, None)
 
     # ------------------------------------------------------------------ signed values
     def _seal(self, name: str, value: str | bytes) -> str:
@@ -151,6 +154,8 @@ class EtcdStore:
 
     def check(self, name: str) -> bool:
         """Whether the key exists (the value read with it serves a `get` right after; see `_recall`)."""
+        if self._recall(name, keep=True) is not None:
+            return True
         kv, _ = self._range(name)
         if kv is not None:
             self._remember({name: kv})

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 import uuid
@@ -24,6 +25,10 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from rally.rendezvous.etcd_client import Member
+from rally.rendezvous.etcd_http import EtcdAccess
+from rally.rendezvous.etcd_store import open_etcd_store
 
 from agents import AgentProcess, start_agent, stop_all
 from etcd_cluster import ETCD, EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
@@ -87,6 +92,10 @@ class SecureEtcd:
 @pytest.fixture
 def secure_etcd(tmp_path: Path) -> Iterator[SecureEtcd]:
     """One etcd member with TLS, client certificates and authentication enabled."""
+    yield from start_secure_etcd(tmp_path)
+
+
+def start_secure_etcd(tmp_path: Path, *extra: str) -> Iterator[SecureEtcd]:
     if ETCD is None or ETCDCTL is None:
         pytest.skip("etcd and etcdctl are not installed")
     files = make_certificates(tmp_path)
@@ -102,7 +111,7 @@ def secure_etcd(tmp_path: Path) -> Iterator[SecureEtcd]:
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"secure={peer}",
             "--cert-file", str(files["server.pem"]), "--key-file", str(files["server.key"]),
             "--trusted-ca-file", str(files["ca.pem"]), "--client-cert-auth",
-            "--logger", "zap", "--log-level", "warn",
+            "--logger", "zap", "--log-level", "warn", *extra,
         ],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
@@ -188,6 +197,26 @@ def test_wrong_etcd_credentials_are_one_line_and_exit_2(secure_etcd, tmp_path, o
     line = the_error_line(result)
     assert expected in line and secure_etcd.endpoint in line, line
     assert time.monotonic() - started < 60, result.describe()
+
+
+@needs_etcdctl
+@pytest.mark.timeout(120)
+def test_an_expired_auth_token_is_replaced_for_calls_and_watches(tmp_path):
+    for member in start_secure_etcd(tmp_path, "--auth-token-ttl", "1"):
+        host, port = member.endpoint.split(":")
+        f = member.files
+        access = EtcdAccess("https", str(f["ca.pem"]), str(f["client.pem"]), str(f["client.key"]), "rally", "rally-secret")
+        store = open_etcd_store([Member(host, int(port))], f"rally/{uuid.uuid4().hex}/", 10, access=access)
+        store.set("k", "v")
+        first = store.client._auth._token
+        time.sleep(3)  # unused for longer than its TTL: etcd forgets the token
+        assert store.get_str("k") == "v"
+        assert store.client._auth._token not in (None, first), "a fresh token"
+        time.sleep(3)
+        watcher = store.connect_again()
+        threading.Timer(0.5, lambda: store.connect_again().set("later", "1")).start()
+        watcher.wait(["later"], 10)  # its read refreshes the token, or the watch does
+        assert not store.try_wait(["never"], 0.3)
 
 
 @pytest.mark.timeout(60)
