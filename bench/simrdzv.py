@@ -1,6 +1,6 @@
 """Simulated rendezvous: N nodes as threads spread over a few processes, one TCPStore.
 
-    python -m bench.simrdzv --nodes N [--trials floor,rally,rally,torch] [--procs P] [--timeout S]
+    python -m bench.simrdzv --nodes N [--trials floor,rally,etcd,torch] [--procs P] [--timeout S]
 
 Prints one JSON line per trial: {"impl", "nodes", "converged", "done", "elapsed", "store_ops", ...}.
 
@@ -21,6 +21,12 @@ How it runs:
 
 `--stagger S` spreads the arrivals evenly over S seconds (node i starts at i/N * S), as
 start-up skew between real nodes would; `elapsed` then includes S.
+
+`etcd` runs rally's protocol on etcd instead: the parent starts one local etcd member
+(bench/simetcd.py) beside the TCPStore, every node gets its own `EtcdStore` (its own HTTP
+connection, opened before the clock starts), and besides the requests per node each trial
+reports the mean wall time of a request, the Python client's own CPU time per request (the
+calling thread's `time.thread_time`) and the etcd member's CPU time per request.
 
 `floor` is the harness's own floor: every node does 16 store `add`s (about as many store
 calls as one rally node makes per round) and nothing else, i.e. how fast this machine can

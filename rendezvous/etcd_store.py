@@ -13,14 +13,15 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
   reads the base value and counts the increments: one request per node, never a retry on a
   shared key, however many nodes arrive at once (a compare-and-swap on one counter costs
   O(N) retries per node under contention, O(N^2) requests in all). Other amounts are a
-  compare-and-swap on the base value; a read is one transaction (base + count);
+  compare-and-swap on the base value; a read is one range over the base key and its increments;
 * `append`: one key per piece, `<name>\\x01<id>`, read back in create-revision order;
 * every value rally writes is signed with the job token as on c10d (`rendezvous/token.py`):
   a stranger's value is rejected with one line naming the key. Counters and appended lists
   are unsigned, as on c10d; etcd's own authentication keeps strangers out altogether;
 * `wait`: read which keys are missing (one transaction for up to 128 keys); watch the first
   missing one from the revision just read (no polling, and nothing that happens in between
-  can be missed);
+  can be missed). The protocol reads a key as check-then-get or wait-then-get: the `get` is
+  served from the read just made (`_recall`), so it costs no request;
 * liveness (`leased_liveness`): a node's keep-alive key is attached to a lease with TTL =
   keep_alive_timeout. The node refreshes the lease; if the node dies, etcd deletes the key by
   itself and the node that watches it (`wait_deleted`) sees the deletion.
@@ -84,7 +85,7 @@ class EtcdStore:
         return b64(self.key(name))
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._just_read.kvs = None  # any new request ends what `_recall` may hand out
+        self._just_read.kvs = self._just_read.checked = None  # a new request ends what `_recall` hands out
         try:
             return self.client.call(path, body, self.op_timeout)
         except EtcdUnavailable as exc:
@@ -102,13 +103,15 @@ class EtcdStore:
         reply = self._call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
         return bool(reply.get("succeeded")), reply.get("responses") or []
 
-    def _remember(self, kvs: dict[str, dict]) -> None:
+    def _remember(self, kvs: dict[str, dict], checked: tuple[str, dict] | None = None) -> None:
         self._just_read.kvs = kvs
+        self._just_read.checked = checked
 
-    def _recall(self, name: str, keep: bool = False) -> dict | None:
-        """The key as the previous call of this thread read it, if that call was a `check` or a
-        `wait` that saw it and no request has been made since; then `get` (or a `check`, which
-        `keep`s it for the `get`) needs no request.
+    def _recall(self, name: str, for_check: bool = False) -> dict | None:
+        """The key as this thread's previous call read it, if that call was a `check` or a `wait`
+        that saw it and no request has been made since; then `get` needs no request, nor does a
+        first `check` after a `wait` (it leaves the value for the `get`; a second `check` asks
+        etcd again, so a loop of checks never spins on a stale answer).
 
         The protocol reads a key as check-then-get and the closer as wait-then-get of every
         node's descriptor (one request per node more, and N requests in a row for the closer,
@@ -116,10 +119,17 @@ class EtcdStore:
         are written once (round records, assignments, descriptors, the round's master) or are
         status records where a moment does not matter.
         """
-        kvs = getattr(self._just_read, "kvs", None)
-        if not kvs:
-            return None
-        return kvs.get(name) if keep else kvs.pop(name, None)
+        kvs = getattr(self._just_read, "kvs", None) or {}
+        if for_check:
+            kv = kvs.pop(name, None)
+            if kv is not None:
+                self._just_read.checked = (name, kv)
+            return kv
+        checked = getattr(self._just_read, "checked", None)
+        if checked and checked[0] == name:
+            self._just_read.checked = None
+            return checked[1]
+        return kvs.pop(name, None)
 
     # ------------------------------------------------------------------ signed values
     def _seal(self, name: str, value: str | bytes) -> str:
@@ -154,11 +164,11 @@ class EtcdStore:
 
     def check(self, name: str) -> bool:
         """Whether the key exists (the value read with it serves a `get` right after; see `_recall`)."""
-        if self._recall(name, keep=True) is not None:
+        if self._recall(name, for_check=True) is not None:
             return True
         kv, _ = self._range(name)
         if kv is not None:
-            self._remember({name: kv})
+            self._remember({}, (name, kv))
         return kv is not None
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:

@@ -85,3 +85,26 @@ def test_requests_per_node_do_not_grow_with_the_number_of_nodes(etcd):
     print(f"etcd requests per node: {at_32:.1f} at 32 nodes, {at_256:.1f} at 256 nodes")
     assert at_256 <= 1.5 * at_32, f"{at_256:.1f} requests per node at 256 nodes against {at_32:.1f} at 32"
     assert at_32 <= 20, f"{at_32:.1f} requests per node at 32 nodes (c10d: about 13)"
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_a_get_right_after_a_check_or_a_wait_is_served_from_that_read(etcd):
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    counts, lock = [0], threading.Lock()
+    prefix = f"test/{uuid.uuid4().hex}/"
+    store, other = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    other.multi_set({"a": "1", "b": "2"})
+
+    def requests(fn) -> int:  # noqa: ANN001
+        before = counts[0]
+        fn()
+        return counts[0] - before
+
+    assert requests(lambda: (store.check("a"), store.get_str("a"))) == 1
+    assert requests(lambda: store.wait(["a", "b"], 5)) == 1  # one transaction for both keys
+    assert requests(lambda: (store.check("b"), store.get_str("b"), store.get_str("a"))) == 0
+    other.set("a", "changed")
+    assert store.get_str("a") == "changed", "a value handed out once is not handed out again"
+    assert requests(lambda: (store.check("a"), store.check("a"))) == 2, "a second check asks etcd again"
+    assert requests(lambda: (store.check("a"), store.set("x", "1"), store.get_str("a"))) == 3, "a request in between ends it"
