@@ -357,7 +357,12 @@ class EtcdStore:
             if not pending:
                 self._remember(found)
                 return
-            if self._watch_until(pending[0], revision + 1, deadline, lambda event: event.get("type", "PUT") == "PUT"):
+            event = self._watch_until(pending[0], revision + 1, deadline, lambda event: event.get("type", "PUT") == "PUT")
+            if event is not None and len(pending) == 1 and event.get("kv"):
+                found[pending[0]] = event["kv"]  # the event carries the key as written: no read
+                self._remember(found)
+                return
+            if event is not None:
                 continue
             if time.monotonic() >= deadline:
                 raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(pending[0])} in {self.describe}")
@@ -376,20 +381,20 @@ class EtcdStore:
             kv, revision = self._range(name)
             if kv is None:
                 return True
-            if self._watch_until(name, revision + 1, deadline, lambda event: event.get("type") == "DELETE", noput=True):
+            if self._watch_until(name, revision + 1, deadline, lambda event: event.get("type") == "DELETE", noput=True) is not None:
                 return True
         return False
 
-    def _watch_until(self, name: str, start_revision: int, deadline: float, wanted: Any, noput: bool = False) -> bool:
-        """Watch `name` from `start_revision` until an event satisfies `wanted` (True) or the
-        deadline passes (False). A broken stream returns False early: the caller reads again."""
+    def _watch_until(self, name: str, start_revision: int, deadline: float, wanted: Any, noput: bool = False) -> dict | None:
+        """Watch `name` from `start_revision` until an event satisfies `wanted` (returned) or the
+        deadline passes (None). A broken stream returns None early: the caller reads again."""
         request: dict[str, Any] = {"key": self._k(name), "start_revision": str(start_revision)}
         if noput:
             request["filters"] = ["NOPUT"]
         try:
-            return any(wanted(event) for event in self.client.watch(request, deadline))
+            return next((event for event in self.client.watch(request, deadline) if wanted(event)), None)
         except EtcdUnavailable:
-            return False  # the next read fails over to another member (or reports the cluster gone)
+            return None  # the next read fails over to another member (or reports the cluster gone)
         except EtcdError as exc:
             raise StoreUnavailable(f"{self.describe} refused a watch: {exc}") from exc
 
