@@ -145,14 +145,7 @@ class EtcdClient:
         data = json.dumps(body).encode()
         for attempt in range(2):  # a second time only with a fresh auth token
             token = self._auth.token(self._authenticate, timeout)
-            try:
-                if self._connection is None:
-                    self._connection = HttpConnection(self.member.host, self.member.port, self.access, timeout)
-                status, reply, keep = self._connection.post(path, data, {"Authorization": token} if token else {}, timeout)
-            except (OSError, HttpError) as exc:
-                raise _TryElsewhere(_reason(exc)) from exc
-            if not keep:
-                self._drop_connection()
+            status, reply = self._exchange(path, data, {"Authorization": token} if token else {}, timeout)
             try:
                 return _parse_reply(status, reply)
             except EtcdError as exc:
@@ -161,18 +154,29 @@ class EtcdClient:
                 self._auth.forget(token)
         raise AssertionError("unreachable")
 
+    def _exchange(self, path: str, data: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+        """One request on this client's connection to the current member. A connection kept
+        from earlier that turns out closed (the member restarted, a proxy dropped it while idle)
+        is replaced once at once; any other failure means: try elsewhere."""
+        for reused in (self._connection is not None, False):
+            try:
+                if self._connection is None:
+                    self._connection = HttpConnection(self.member.host, self.member.port, self.access, timeout)
+                status, reply, keep = self._connection.post(path, data, headers, timeout)
+            except (OSError, HttpError) as exc:
+                self._drop_connection()
+                if reused and not isinstance(exc, TimeoutError):
+                    continue
+                raise _TryElsewhere(_reason(exc)) from exc
+            if not keep:
+                self._drop_connection()
+            return status, reply
+        raise AssertionError("unreachable")
+
     def _authenticate(self, timeout: float) -> str:
         """A fresh token for the configured etcd user (on this client's connection)."""
-        if self._connection is None:
-            try:
-                self._connection = HttpConnection(self.member.host, self.member.port, self.access, timeout)
-            except HttpError as exc:
-                raise _TryElsewhere(str(exc)) from exc
         body = json.dumps({"name": self.access.username, "password": self.access.password or ""}).encode()
-        try:
-            status, reply, _ = self._connection.post("/v3/auth/authenticate", body, {}, timeout)
-        except (OSError, HttpError) as exc:
-            raise _TryElsewhere(_reason(exc)) from exc
+        status, reply = self._exchange("/v3/auth/authenticate", body, {}, timeout)
         try:
             token = _parse_reply(status, reply).get("token")
         except EtcdError as exc:
