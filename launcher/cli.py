@@ -33,7 +33,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("rdzv-backend", dict(default="static", metavar="c10d|etcd|static", help="c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: fixed node ranks."), "Rendezvous"),
     ("rdzv-endpoint", dict(default="", metavar="HOST[:PORT]", help="The rendezvous store (c10d default port 29400), or etcd client endpoints HOST[:PORT],... (default port 2379)."), "Rendezvous"),
     ("rdzv-id", dict(default="none", metavar="ID", help="Job id shared by all nodes."), "Rendezvous"),
-    ("rdzv-conf", dict(default="", metavar="K=V,...", help="join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, store_type, ..."), "Rendezvous"),
+    ("rdzv-conf", dict(default="", metavar="K=V,...", help="join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, store_type, ...; etcd: protocol, cacert, cert, key, username, password_file"), "Rendezvous"),
     ("node-rank", dict(type=int, default=None, help="This node's rank (static backend)."), "Rendezvous"),
     ("master-addr", dict(default=None, help="Address of node rank 0 (static backend)."), "Rendezvous"),
     ("master-port", dict(type=int, default=None, help="Port of the store on node rank 0 (static backend)."), "Rendezvous"),
