@@ -200,18 +200,19 @@ class EtcdStore:
         """A range request over the keys from `<name><first>` up to `<name><end>` (exclusive)."""
         return {"request_range": {"key": b64(self.key(name) + first), "range_end": b64(self.key(name) + end), **options}}
 
-    def _counter_range(self, name: str, max_create_revision: int | None = None) -> dict:
+    def _counter_range(self, name: str) -> dict:
         """One range that reads a counter: the keys from `<name>` to `<name>\\x01` are the base
         key (sorted first) and the increments `<name>\\x00<id>`, nothing else; `limit 1` returns
         the base's value (when it exists) and `count` all of them."""
-        limit = {"max_create_revision": str(max_create_revision)} if max_create_revision else {}
-        return self._marked(name, "", APPENDED, limit="1", **limit)
+        return self._marked(name, "", APPENDED, limit="1")
 
-    def _counted(self, name: str, reply: dict) -> int:
-        """The value of a counter read by `_counter_range`: base value plus increments."""
+    def _counted(self, name: str, reply: dict, counted: int | None = None) -> int:
+        """The value of a counter read by `_counter_range`: base value plus increments (or plus
+        `counted` keys, base included, when the caller counted them itself)."""
         kvs = reply.get("kvs") or []
         base = kvs[0] if kvs and unb64(kvs[0].get("key")) == self.key(name).encode() else None
-        return self._base(name, base) + int(reply.get("count", 0)) - (1 if base else 0)
+        total = int(reply.get("count", 0)) if counted is None else counted
+        return self._base(name, base) + total - (1 if base else 0)
 
     def _base(self, name: str, kv: dict | None) -> int:
         """A counter's base value (absent = 0); text that is not a number is a stranger's."""
@@ -245,8 +246,11 @@ class EtcdStore:
             return self._counted(name, responses[1].get("response_range") or {})
         # This request was applied once already (its reply was lost, and the client sent it
         # again): count what existed when our key was created.
+        # etcd's `count` ignores a create-revision filter, so the kept keys are counted here.
         created = int(responses[0]["response_range"]["kvs"][0]["create_revision"])
-        return self._counted(name, self._call("/v3/kv/range", self._counter_range(name, created)["request_range"]))
+        earlier = self._marked(name, "", APPENDED, max_create_revision=str(created))["request_range"]
+        reply = self._call("/v3/kv/range", earlier)
+        return self._counted(name, reply, counted=len(reply.get("kvs") or []))
 
     def _add_to_base(self, name: str, amount: int) -> int:
         """Add to the counter's base value (compare-and-swap on mod_revision); return the total."""

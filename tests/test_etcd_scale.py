@@ -108,3 +108,22 @@ def test_a_get_right_after_a_check_or_a_wait_is_served_from_that_read(etcd):
     assert store.get_str("a") == "changed", "a value handed out once is not handed out again"
     assert requests(lambda: (store.check("a"), store.check("a"))) == 2, "a second check asks etcd again"
     assert requests(lambda: (store.check("a"), store.set("x", "1"), store.get_str("a"))) == 3, "a request in between ends it"
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_an_arrival_sent_twice_keeps_its_first_place(etcd, monkeypatch):
+    """A request whose reply was lost is sent again (etcd_client.py): the arrival's own key
+    already exists then, and the index is the one it got the first time, not a new one."""
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    prefix = f"test/{uuid.uuid4().hex}/"
+    first, second = EtcdStore(EtcdClient(members), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    fixed = uuid.uuid4()
+    monkeypatch.setattr("rally.rendezvous.etcd_store.uuid.uuid4", lambda: fixed)
+    assert first.arrive("0/joined") == 0
+    monkeypatch.undo()
+    assert second.arrive("0/joined") == 1
+    monkeypatch.setattr("rally.rendezvous.etcd_store.uuid.uuid4", lambda: fixed)
+    assert first.arrive("0/joined") == 0, "the same arrival again: its first place"
+    monkeypatch.undo()
+    assert second.counter("0/joined") == 2
