@@ -36,7 +36,7 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 from rally.rendezvous.etcd_client import (
     EtcdClient,
@@ -344,12 +344,14 @@ class EtcdStore:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds).
 
         Reads which keys are missing (a transaction for up to MAX_TXN_OPS keys, so the closer's
-        wait for N node descriptors is N/128 requests, not N), then watches the first missing
-        key from the revision just read, and reads again when it appears.
+        wait for N node descriptors is N/128 requests, not N), then opens one watch, from the
+        revision just read, over the key range that spans the missing keys: each put of a
+        missing key arrives as an event carrying the key as written, so the keys that come
+        later cost no further read. A broken watch means: read again, watch again.
         """
         deadline = time.monotonic() + timeout
         pending = list(names)
-        found: dict[str, dict] = {}  # what the reads saw: it serves the `get`s that follow
+        found: dict[str, dict] = {}  # what the reads and events saw: it serves the `get`s that follow
         while True:
             if len(pending) == 1:
                 kv, revision = self._range(pending[0])
@@ -361,13 +363,20 @@ class EtcdStore:
             if not pending:
                 self._remember(found)
                 return
-            event = self._watch_until(pending[0], revision + 1, deadline, lambda event: event.get("type", "PUT") == "PUT")
-            if event is not None and len(pending) == 1 and event.get("kv"):
-                found[pending[0]] = event["kv"]  # the event carries the key as written: no read
-                self._remember(found)
-                return
-            if event is not None:
-                continue
+            by_key = {self.key(n).encode(): n for n in pending}
+            first, last = min(by_key), max(by_key)
+            request: dict[str, Any] = {"key": b64(first), "start_revision": str(revision + 1)}
+            if len(by_key) > 1:
+                request["range_end"] = b64(last + b"\0")
+            for event in self._watch(request, deadline):
+                kv = event.get("kv") or {}
+                name = by_key.pop(unb64(kv.get("key")), None) if event.get("type", "PUT") == "PUT" else None
+                if name is not None:
+                    found[name] = kv
+                if not by_key:
+                    self._remember(found)
+                    return
+            pending = list(by_key.values())
             if time.monotonic() >= deadline:
                 raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(pending[0])} in {self.describe}")
 
@@ -385,22 +394,23 @@ class EtcdStore:
             kv, revision = self._range(name)
             if kv is None:
                 return True
-            if self._watch_until(name, revision + 1, deadline, lambda event: event.get("type") == "DELETE", noput=True) is not None:
+            request = {"key": self._k(name), "start_revision": str(revision + 1), "filters": ["NOPUT"]}
+            if any(event.get("type") == "DELETE" for event in self._watch(request, deadline)):
                 return True
         return False
 
-    def _watch_until(self, name: str, start_revision: int, deadline: float, wanted: Any, noput: bool = False) -> dict | None:
-        """Watch `name` from `start_revision` until an event satisfies `wanted` (returned) or the
-        deadline passes (None). A broken stream returns None early: the caller reads again."""
-        request: dict[str, Any] = {"key": self._k(name), "start_revision": str(start_revision)}
-        if noput:
-            request["filters"] = ["NOPUT"]
+    def _watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict]:
+        """The events of one watch until the deadline passes or the caller stops; a broken stream
+        just ends: the caller reads again (which fails over, or reports the cluster gone)."""
+        events = self.client.watch(request, deadline)
         try:
-            return next((event for event in self.client.watch(request, deadline) if wanted(event)), None)
+            yield from events
         except EtcdUnavailable:
-            return None  # the next read fails over to another member (or reports the cluster gone)
+            return
         except EtcdError as exc:
             raise StoreUnavailable(f"{self.describe} refused a watch: {exc}") from exc
+        finally:
+            events.close()  # closes the watch's connection at once
 
     # ------------------------------------------------------------------ leases (liveness)
     def grant_lease(self, ttl: float) -> int:
