@@ -9,6 +9,7 @@ retried once per other node's success, 25 requests per node at 32 nodes and 89 a
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -127,3 +128,24 @@ def test_an_arrival_sent_twice_keeps_its_first_place(etcd, monkeypatch):
     assert first.arrive("0/joined") == 0, "the same arrival again: its first place"
     monkeypatch.undo()
     assert second.counter("0/joined") == 2
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_waiting_for_many_keys_is_one_read_and_one_watch_however_late_they_come(etcd):
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    counts, lock = [0], threading.Lock()
+    prefix = f"test/{uuid.uuid4().hex}/"
+    store, writer = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    names = [f"0/node/{i}" for i in range(40)]
+    writer.multi_set({n: f"descriptor {n}" for n in names[:10]})
+
+    def write_the_rest_one_by_one() -> None:
+        for n in names[10:]:
+            writer.set(n, f"descriptor {n}")
+            time.sleep(0.01)
+
+    threading.Timer(0.3, write_the_rest_one_by_one).start()
+    store.wait(names, 30)
+    assert counts[0] == 2, f"{counts[0]} requests: one read of all 40 keys, one watch over their range"
+    assert [store.get_str(n) for n in names] == [f"descriptor {n}" for n in names] and counts[0] == 2
