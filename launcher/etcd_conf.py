@@ -67,7 +67,7 @@ def etcd_access(conf: dict[str, Any], endpoint_scheme: str | None) -> EtcdAccess
         raise ConfigError(f"--rdzv-conf protocol={given['protocol']}: use http or https")
     if endpoint_scheme and protocol != endpoint_scheme:
         raise ConfigError(f"--rdzv-conf protocol={protocol} contradicts the {endpoint_scheme}:// endpoints in --rdzv-endpoint; give one")
-    tls_files = {k: given.get(k) for k in ("cacert", "cert", "key")}
+    tls_files = {k: str(Path(given[k]).expanduser()) if given.get(k) else None for k in ("cacert", "cert", "key")}
     if protocol == "http" and any(tls_files.values()):
         first = next(k for k, v in tls_files.items() if v)
         raise ConfigError(f"--rdzv-conf {first}=... needs TLS: add protocol=https (or give https:// endpoints)")

@@ -36,7 +36,7 @@ class EtcdAccess:
     cert: str | None = None  # client certificate (etcd --client-cert-auth)
     key: str | None = None  # its private key
     username: str | None = None  # an etcd user (etcd auth enabled)
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a log line or traceback
     _context: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
