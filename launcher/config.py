@@ -156,7 +156,8 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
             conf[key] = value.lower() in ("1", "true", "yes")
         elif key in ("token", "token_file", *ETCD_CONF_KEYS):
             if not value:
-                raise ConfigError(f"--rdzv-conf {key}= is empty; give the job's secret (or a file holding it)")
+                what = "the job's secret (or a file holding it)" if key.startswith("token") else "a value, or leave the key out"
+                raise ConfigError(f"--rdzv-conf {key}= is empty; give {what}")
             conf[key] = value
         elif key == "store_type":
             if value not in ("tcp", "file"):
