@@ -58,6 +58,7 @@ QUICK = {
     "simulated_timeout": 20.0,
     "simulated_procs": 4,
     "simulated_stagger": [(64, 2.0)],
+    "simulated_etcd_nodes": [64, 256, 1024],
     "overhead_reps": 1,
     "overhead_seconds": 10,
 }
@@ -75,6 +76,7 @@ FULL = {
     "simulated_timeout": 60.0,
     "simulated_procs": 4,
     "simulated_stagger": [(64, 2.0), (256, 5.0), (1024, 10.0)],
+    "simulated_etcd_nodes": [64, 256, 1024],
     "overhead_reps": 3,
     "overhead_seconds": 20,
 }

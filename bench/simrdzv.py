@@ -1,6 +1,6 @@
 """Simulated rendezvous: N nodes as threads spread over a few processes, one TCPStore.
 
-    python -m bench.simrdzv --nodes N [--trials floor,rally,rally,torch] [--procs P] [--timeout S]
+    python -m bench.simrdzv --nodes N [--trials floor,rally,etcd,torch] [--procs P] [--timeout S]
 
 Prints one JSON line per trial: {"impl", "nodes", "converged", "done", "elapsed", "store_ops", ...}.
 
@@ -21,6 +21,12 @@ How it runs:
 
 `--stagger S` spreads the arrivals evenly over S seconds (node i starts at i/N * S), as
 start-up skew between real nodes would; `elapsed` then includes S.
+
+`etcd` runs rally's protocol on etcd instead: the parent starts one local etcd member
+(bench/simetcd.py) beside the TCPStore, every node gets its own `EtcdStore` (its own HTTP
+connection, opened before the clock starts), and besides the requests per node each trial
+reports the mean wall time of a request, the Python client's own CPU time per request (the
+calling thread's `time.thread_time`) and the etcd member's CPU time per request.
 
 `floor` is the harness's own floor: every node does 16 store `add`s (about as many store
 calls as one rally node makes per round) and nothing else, i.e. how fast this machine can
@@ -54,7 +60,7 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
 FLOOR_OPS = 16
-IMPLS = ("floor", "rally", "torch")
+IMPLS = ("floor", "rally", "etcd", "torch")
 
 
 def raise_fd_limit(needed: int) -> int:
@@ -70,6 +76,8 @@ class Counter:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.calls = 0
+        self.wall = 0.0  # seconds spent inside store calls, summed over every node's calls
+        self.cpu = 0.0  # of which the calling thread's own CPU time (the Python client's cost)
         self.events: dict[str, float] = {}  # rally: when the last join / the close happened here
 
     def event(self, name: str) -> None:
@@ -77,9 +85,11 @@ class Counter:
         with self.lock:
             self.events[name] = max(self.events.get(name, 0.0), now)
 
-    def bump(self) -> None:
+    def bump(self, wall: float = 0.0, cpu: float = 0.0) -> None:
         with self.lock:
             self.calls += 1
+            self.wall += wall
+            self.cpu += cpu
 
 
 def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counter: Counter, timeout: float) -> list:
@@ -91,8 +101,9 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
 
         class CountingStore(Store):
             def _call(self, fn, *a):  # noqa: ANN001, ANN202
-                counter.bump()
+                wall, cpu = time.perf_counter(), time.thread_time()
                 value = super()._call(fn, *a)
+                counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
                 name = getattr(fn, "__name__", "")
                 if name == "add" and a[1] == 1 and a[0].endswith("/joined"):
                     counter.event("last_join")
@@ -104,6 +115,30 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
         for j, raw in enumerate(clients):
             i = first + j
             store = CountingStore(raw, f"rally/sim{trial}/", "the simulated store", lambda raw=raw: raw)
+            me = NodeInfo(node_id=f"node{i:05d}:{i}:sim", host=f"node{i:05d}", addr="127.0.0.1", nproc=8)
+            nodes.append(lambda r=Rendezvous(store, settings, me): r.next_round().group_rank)
+    elif impl == "etcd":
+        from rally.rendezvous.etcd_store import EtcdStore
+        from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
+
+        class CountingEtcdStore(EtcdStore):
+            """Marks when the last node arrived and when the round was closed."""
+
+            def arrive(self, name: str) -> int:
+                index = super().arrive(name)
+                counter.event("last_join")
+                return index
+
+            def set_once(self, name: str, value: str) -> tuple[bool, str]:
+                outcome = super().set_once(name, value)
+                if name.endswith("/closed"):
+                    counter.event("closed")
+                return outcome
+
+        settings = RendezvousSettings(min_nodes=n, max_nodes=n, join_timeout=timeout + 30, last_call_timeout=30)
+        for j, client in enumerate(clients):
+            i = first + j
+            store = CountingEtcdStore(client, f"rally/sim{trial}/", timeout + 30)
             me = NodeInfo(node_id=f"node{i:05d}:{i}:sim", host=f"node{i:05d}", addr="127.0.0.1", nproc=8)
             nodes.append(lambda r=Rendezvous(store, settings, me): r.next_round().group_rank)
     elif impl == "torch":
@@ -161,8 +196,8 @@ def run_trial(nodes: list, first: int, counter: Counter, n: int = 0, stagger: fl
     ranks: list[int | None] = [None] * count
     errors: list[str] = []
     remaining = [count]
-    ops_done: list[int | None] = [None]
-    calls_before = counter.calls
+    ops_done: list[tuple[int, float, float] | None] = [None]  # (calls, wall, cpu) when the last node here finished
+    before = (counter.calls, counter.wall, counter.cpu)
     counter.events.clear()
 
     def node(j: int) -> None:
@@ -179,7 +214,7 @@ def run_trial(nodes: list, first: int, counter: Counter, n: int = 0, stagger: fl
         with lock:
             remaining[0] -= 1
             if remaining[0] == 0:
-                ops_done[0] = counter.calls
+                ops_done[0] = (counter.calls, counter.wall, counter.cpu)
                 report.set()
 
     for j in range(count):
@@ -197,11 +232,14 @@ def run_trial(nodes: list, first: int, counter: Counter, n: int = 0, stagger: fl
     listener.start()
     report.wait()
     with lock:
+        calls, wall, cpu = ops_done[0] or (counter.calls, counter.wall, counter.cpu)
         result = {
             "done_at": list(done_at),
             "ranks": list(ranks),
             "errors": list(errors),
-            "store_ops": (ops_done[0] if ops_done[0] is not None else counter.calls) - calls_before,
+            "store_ops": calls - before[0],
+            "client_wall": wall - before[1],
+            "client_cpu": cpu - before[2],
             "events": dict(counter.events),
         }
     print(json.dumps(result), flush=True)
@@ -214,15 +252,23 @@ def run_trial(nodes: list, first: int, counter: Counter, n: int = 0, stagger: fl
 
 def child(args: argparse.Namespace) -> None:
     n, first, count = args.nodes, args.first, args.count
-    raise_fd_limit(count + 256)
+    trials = args.trials.split(",")
+    raise_fd_limit(3 * count + 256)  # an etcd node holds a connection and, while it waits, a watch
     threading.stack_size(512 * 1024)
     from torch.distributed import TCPStore
 
     op_timeout = timedelta(seconds=args.timeout + 30)
-    clients = [TCPStore("127.0.0.1", args.port, is_master=False, timeout=op_timeout) for _ in range(count)]
     counter = Counter()
-    for trial, impl in enumerate(args.trials.split(",")):
-        nodes = build_nodes(impl, trial, n, first, clients, counter, args.timeout)
+    clients = []
+    if set(trials) - {"etcd"}:
+        clients = [TCPStore("127.0.0.1", args.port, is_master=False, timeout=op_timeout) for _ in range(count)]
+    etcd_clients = []
+    if "etcd" in trials:
+        from bench.simetcd import etcd_clients as connect_etcd
+
+        etcd_clients = connect_etcd(args.etcd_port, count, counter)
+    for trial, impl in enumerate(trials):
+        nodes = build_nodes(impl, trial, n, first, etcd_clients if impl == "etcd" else clients, counter, args.timeout)
         if run_trial(nodes, first, counter, n, args.stagger)["stop"]:
             break
     time.sleep(args.timeout + 60)  # the parent kills us
@@ -233,8 +279,9 @@ def child(args: argparse.Namespace) -> None:
 def parent(args: argparse.Namespace) -> None:
     n, procs = args.nodes, max(1, min(args.procs, args.nodes))
     trials = args.trials.split(",")
-    fd_limit = raise_fd_limit(n + 512)
-    if fd_limit < n + 64:
+    needed = 3 * n + 512 if "etcd" in trials else n + 512  # etcd: a connection and a watch per node
+    fd_limit = raise_fd_limit(needed)
+    if fd_limit < needed - 448:
         for impl in trials:
             emit({"impl": impl, "nodes": n, "converged": False, "error": f"fd limit {fd_limit} too low"})
         return
@@ -246,14 +293,21 @@ def parent(args: argparse.Namespace) -> None:
     children: list[subprocess.Popen] = []
     first = 0
     t_setup = time.monotonic()
+    etcd = None
     try:
+        if "etcd" in trials:
+            from bench.simetcd import LocalEtcd, two_free_ports
+
+            etcd = LocalEtcd(*two_free_ports())
+            etcd.wait_ready()
         for p in range(procs):
             count = base + (1 if p < extra else 0)
             children.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "bench.simrdzv", "--child", "--trials", args.trials, "--nodes", str(n),
                      "--first", str(first), "--count", str(count), "--port", str(server.port),
-                     "--timeout", str(args.timeout), "--stagger", str(args.stagger)],
+                     "--timeout", str(args.timeout), "--stagger", str(args.stagger),
+                     "--etcd-port", str(etcd.client_port if etcd else 0)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                 )
@@ -273,12 +327,13 @@ def parent(args: argparse.Namespace) -> None:
                 stopped = True
                 continue
             setup = time.monotonic() - t_setup
+            etcd_cpu = etcd.cpu_seconds() if etcd and impl == "etcd" else None
             t0 = time.monotonic()
             for c in children:
                 c.stdin.write("go\n")
                 c.stdin.flush()
             deadline = t0 + args.timeout
-            done_at, ranks, errors, ops = [], [], [], 0
+            done_at, ranks, errors, ops, client_wall, client_cpu = [], [], [], 0, 0.0, 0.0
             events: dict[str, float] = {}
             complete = True
             for c in children:
@@ -293,8 +348,11 @@ def parent(args: argparse.Namespace) -> None:
                     ranks += part["ranks"]
                     errors += part["errors"]
                     ops += part["store_ops"]
+                    client_wall += part["client_wall"]
+                    client_cpu += part["client_cpu"]
                     for k, v in part.get("events", {}).items():
                         events[k] = max(events.get(k, 0.0), v)
+            store_cpu = etcd.cpu_seconds() - etcd_cpu if etcd_cpu is not None else None
             finished = [d for d in done_at if d is not None]
             unique = len({r for r in ranks if r is not None})
             converged = complete and len(finished) == n and not errors and unique == (1 if impl == "floor" else n)
@@ -307,6 +365,11 @@ def parent(args: argparse.Namespace) -> None:
                 "setup": setup,
                 "store_ops": ops,
                 "store_ops_per_node": ops / n,
+                # per store request: its wall time, the Python client's own CPU time (the calling
+                # thread's), and (etcd) the etcd member's CPU time over the trial
+                "request_wall_ms": 1000 * client_wall / ops if ops else None,
+                "client_cpu_ms_per_request": 1000 * client_cpu / ops if ops else None,
+                "store_cpu_ms_per_request": 1000 * store_cpu / ops if ops and store_cpu is not None else None,
                 # rally only: when the last node joined and when the round was closed
                 **{f"{k}_at": v - t0 for k, v in events.items()},
                 "errors": errors[:5],
@@ -323,6 +386,8 @@ def parent(args: argparse.Namespace) -> None:
             if c.poll() is None:
                 c.kill()
             c.wait()
+        if etcd is not None:
+            etcd.stop()
 
 
 def emit(result: dict) -> None:
@@ -360,6 +425,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--etcd-port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if any(t not in IMPLS for t in args.trials.split(",")):
         parser.error(f"--trials: choose from {', '.join(IMPLS)}")

@@ -11,6 +11,13 @@ set-up; one process per N, whose connections serve every trial with fresh keys).
 is capped at T seconds (20 quick, 60 full) and reported as "did not converge" past it; torch
 is not run at sizes above one where it did not converge (except the largest in a full run).
 
+rally on etcd (rows "N simulated nodes on etcd", for the sizes in `simulated_etcd_nodes`, when
+`etcd` is installed): the same protocol and nodes, each node with its own `EtcdStore` (its own
+HTTP connection) on one local etcd member that the harness starts (bench/simetcd.py; data on
+disk, so writes pay etcd's fsync). Besides the time: requests per node, and per request the
+Python client's own CPU time (the calling thread's) and etcd's (its process's CPU time over the
+trial / requests). torch's etcd rendezvous is not run: it needs python-etcd and etcd's v2 API.
+
 Also recorded: store calls per node (rally's protocol is meant to be O(1) per node; torch's
 compare-and-set loop retries), and the harness floor: N nodes each doing 16 plain store
 `add`s, i.e. how fast this 2-core machine can serve that many clients at all.
@@ -24,6 +31,7 @@ with the store calls per node.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 from bench.common import REPO, Context, Figure, Job, bench_env, error_run, run_dir
@@ -56,17 +64,28 @@ def one(ctx: Context, nodes: int, trials: list[str], timeout: float, stagger: fl
         job.kill()
 
 
-def measure(ctx: Context, f: Figure, n: int, trials: list[str], timeout: float, stagger: float = 0.0) -> dict:
-    """Run the trials for one N into figure `f`; return which impls converged."""
+# The etcd rows' targets (issue 22): all assigned within this many seconds on this machine.
+ETCD_TARGETS = {256: 2.0, 1024: 5.0}
+
+
+def measure(ctx: Context, f: Figure, n: int, trials: list[str], timeout: float, stagger: float = 0.0,
+            on_etcd: Figure | None = None) -> dict:
+    """Run the trials for one N into figure `f` (and rally-on-etcd trials into `on_etcd`);
+    return which impls converged."""
     ops: dict[str, list[float]] = {"rally": [], "torchrun": []}
     floor = None
     last_arrival = stagger * (n - 1) / n  # node i is scheduled at i/N * S
-    converged = {"rally": False, "torch": False}
+    converged = {"rally": False, "torch": False, "etcd": False}
+    etcd_runs: list[dict] = []
     for result in one(ctx, n, trials, timeout, stagger):
         ctx.record(NAME, result)
         impl = result["impl"]
         if impl == "floor":
             floor = result
+            continue
+        if impl == "etcd":
+            etcd_runs.append(result)
+            converged["etcd"] = converged["etcd"] or bool(result.get("converged"))
             continue
         launcher = "rally" if impl == "rally" else "torchrun"
         if result.get("converged"):
@@ -92,13 +111,46 @@ def measure(ctx: Context, f: Figure, n: int, trials: list[str], timeout: float, 
         if ops[launcher]:
             parts.append(f"{label} {sum(ops[launcher]) / len(ops[launcher]):.0f} calls/node")
     f.comment = "; ".join(parts)
+    if on_etcd is not None:
+        etcd_figure(ctx, on_etcd, n, etcd_runs, timeout, c10d_ops=ops["rally"], c10d_times=f.samples["rally"])
     return converged
+
+
+def etcd_figure(ctx: Context, f: Figure, n: int, runs: list[dict], timeout: float, c10d_ops: list[float],
+                c10d_times: list[float]) -> None:
+    """rally's protocol on one local etcd member: time, requests per node, and what one request
+    costs the Python client (the calling thread's CPU) and etcd (its process's CPU / requests)."""
+    done = [r for r in runs if r.get("converged")]
+    for r in runs:
+        if r.get("converged"):
+            f.samples["rally"].append(r["elapsed"])
+        else:
+            f.notes["rally"] = f"did not converge in {timeout:g} s ({r.get('done')}/{n} done) {r.get('error', '')}".strip()
+            f.censored_at["rally"] = timeout
+    f.notes["torchrun"] = "not run: torch's etcd rendezvous needs the python-etcd package and etcd's v2 API"
+    if n in ETCD_TARGETS:
+        f.target = f"≤ {ETCD_TARGETS[n]:g} s"
+        value = f.value("rally")
+        f.met = value is not None and value <= ETCD_TARGETS[n]
+    if not done:
+        return
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in done) / len(done)
+
+    c10d = f"; c10d {sum(c10d_ops) / len(c10d_ops):.0f}" if c10d_ops else ""
+    on_c10d = f"; rally on c10d {sorted(c10d_times)[len(c10d_times) // 2]:.2f} s" if c10d_times else ""
+    f.comment = (f"{mean('store_ops_per_node'):.1f} requests/node{c10d}; per request: Python client "
+                 f"{mean('client_cpu_ms_per_request'):.2f} ms CPU, etcd {mean('store_cpu_ms_per_request'):.2f} ms CPU, "
+                 f"wall {mean('request_wall_ms'):.1f} ms{on_c10d}")
+    ctx.say(f"simulated rally on etcd N={n}: {f.value('rally'):.3f} s; {f.comment}")
 
 
 def run(ctx: Context) -> list[Figure]:
     sizes = ctx.params["simulated_nodes"]
     reps, torch_reps = ctx.params["simulated_reps"], ctx.params["simulated_torch_reps"]
     timeout = ctx.params["simulated_timeout"]
+    etcd_sizes = ctx.params.get("simulated_etcd_nodes", []) if shutil.which("etcd") else []
     figures = []
     torch_failed_at: int | None = None
     for n in sizes:
@@ -106,11 +158,12 @@ def run(ctx: Context) -> list[Figure]:
         # Once torch did not converge, larger sizes will not either: skip them, except the
         # largest size in a full run (the target compares 1024 nodes).
         skip_torch = torch_failed_at is not None and (ctx.quick or n != max(sizes))
-        trials = ["floor"] + ["rally"] * reps + ([] if skip_torch else ["torch"] * torch_reps)
+        on_etcd = Figure(NAME, f"{n} simulated nodes on etcd: all assigned", "s") if n in etcd_sizes else None
+        trials = ["floor"] + ["rally"] * reps + (["etcd"] * reps if on_etcd else []) + ([] if skip_torch else ["torch"] * torch_reps)
         if skip_torch:
             f.notes["torchrun"] = f"not run (did not converge at {torch_failed_at})"
             f.censored_at["torchrun"] = timeout
-        converged = measure(ctx, f, n, trials, timeout)
+        converged = measure(ctx, f, n, trials, timeout, on_etcd=on_etcd)
         if "torch" in trials and not converged["torch"]:
             torch_failed_at = torch_failed_at or n
         if n == 1024:
@@ -118,6 +171,8 @@ def run(ctx: Context) -> list[Figure]:
             r, t = f.value("rally"), f.value("torchrun")
             f.met = False if r is None else (r <= 1.0 and (t is None or r < t))
         figures.append(f)
+        if on_etcd is not None:
+            figures.append(on_etcd)
     # Arrivals spread out, as start-up skew between real nodes spreads them: every arrival
     # wakes the nodes already waiting, so store calls per node grow with N.
     for n, stagger in ctx.params["simulated_stagger"]:

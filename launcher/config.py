@@ -27,6 +27,7 @@ from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf, parse_std_map, visible_gpu_count
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
+from rally.rendezvous.etcd_conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import RendezvousSettings
 from rally.rendezvous.store import StoreEndpoint
@@ -115,7 +116,11 @@ def plan_rendezvous(
         run_id = str(uuid.uuid4()) if run_id == "none" else run_id
     slurm_rank = slurm_job.node_rank if slurm_job is not None else None
     preferred_rank = p.node_rank if p.node_rank is not None else (0 if backend.static_ranks else slurm_rank)
-    request = StoreRequest(endpoint, min_nodes, max_nodes, run_id, p.node_rank, o.master_addr, p.master_port, conf["is_host"], conf["store_type"])
+    if not backend.name.startswith("etcd") and (given := [k for k in ETCD_CONF_KEYS if conf[k] is not None]):
+        raise ConfigError(f"--rdzv-conf {given[0]}=... applies to --rdzv-backend etcd only; remove it")
+    request = StoreRequest(
+        endpoint, min_nodes, max_nodes, run_id, p.node_rank, o.master_addr, p.master_port, conf["is_host"], conf["store_type"], conf
+    )
     try:
         planned = backend.plan(request)
     except EndpointError as exc:

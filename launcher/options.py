@@ -143,7 +143,7 @@ class Options:
     rdzv_backend: str = option("static", "Rendezvous", "c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: fixed node ranks.", metavar="c10d|etcd|static", check=backend)
     rdzv_endpoint: str | HostPort = option("", "Rendezvous", "The rendezvous store (c10d default port 29400), or etcd client endpoints HOST[:PORT],... (default port 2379).", str, metavar="HOST[:PORT]")
     rdzv_id: str = option(spec_default("run_id"), "Rendezvous", "Job id shared by all nodes.", metavar="ID", check=non_empty_id)
-    rdzv_conf: str = option("", "Rendezvous", "join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, store_type, ...", metavar="K=V,...", check=rdzv_conf)
+    rdzv_conf: str = option("", "Rendezvous", "join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, store_type, ...; etcd: protocol, cacert, cert, key, username, password_file", metavar="K=V,...", check=rdzv_conf)
     node_rank: int | None = option(None, "Rendezvous", "This node's rank (static backend).", int, check=optional(not_negative))
     master_addr: str | None = option(None, "Rendezvous", "Address of node rank 0 (static backend).")
     master_port: int | None = option(None, "Rendezvous", "Port of the store on node rank 0 (static backend).", int, check=optional(validate.port))

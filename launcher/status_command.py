@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rally.launcher import console
+from rally.launcher.validate import ConfigError
+from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.protocol import job_prefix
 from rally.launcher.worker_table import straggler_line, worker_table
@@ -35,9 +37,10 @@ from rally.launcher.worker_table import straggler_line, worker_table
     type=click.Choice(list(SELECTABLE), case_sensitive=False),
     help="etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
 )
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", metavar="K=V,...", help="etcd: TLS and user keys as the job got them (protocol, cacert, cert, key, username, password_file).")
 @click.option("--slurm-step", type=click.IntRange(min=0), default=0, show_default=True, help="Inside a SLURM job: the srun step that runs rally.")
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the store.")
-def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm_step: int, timeout: float) -> int:
+def status_command(endpoint: str | None, run_id: str | None, backend: str, rdzv_conf: str, slurm_step: int, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.status import read_job_status
     from rally.rendezvous.store import StoreUnavailable, quiet_torch_logs
@@ -46,8 +49,8 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
     quiet_torch_logs()
     endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     try:
-        where = backend_named(backend).locate(endpoint)
-    except EndpointError as exc:
+        where = backend_named(backend).locate(endpoint, parse_rdzv_conf(rdzv_conf))
+    except (EndpointError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
     try:
         token = env_token()  # without it, records are shown unverified

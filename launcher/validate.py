@@ -155,7 +155,7 @@ def check_counts(nproc: int, max_nodes: int, node_rank: Any) -> None:
 def check_rdzv_conf(conf: dict[str, Any]) -> None:
     """--rdzv-conf numbers are finite seconds within range; keep_alive_max_attempt a whole count."""
     for key, value in conf.items():
-        if key in ("is_host", "store_type", "token", "token_file") or value is None:  # not numbers
+        if key in ("is_host", "store_type") or value is None or isinstance(value, str):  # not numbers
             continue
         if key == "keep_alive_max_attempt":
             if not math.isfinite(value) or value != int(value) or not 1 <= value <= 1_000_000:

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from rally.launcher import validate
 from rally.launcher.validate import ConfigError
+from rally.rendezvous.etcd_conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import READ_TIMEOUT_SECONDS
 from rally.rendezvous.protocol import RendezvousSettings
 
@@ -38,6 +39,7 @@ RDZV_CONF_DEFAULTS: dict[str, Any] = {
     "store_type": "tcp",
     "token": None,  # the job's secret (rendezvous/token.py); prefer token_file or RALLY_JOB_TOKEN
     "token_file": None,
+    **{key: None for key in ETCD_CONF_KEYS},  # TLS and etcd users (rendezvous/etcd_conf.py)
 }
 
 
@@ -125,9 +127,10 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
             if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                 raise ConfigError(f"--rdzv-conf is_host={value}: use true or false")
             conf[key] = value.lower() in ("1", "true", "yes")
-        elif key in ("token", "token_file"):
+        elif key in ("token", "token_file", *ETCD_CONF_KEYS):
             if not value:
-                raise ConfigError(f"--rdzv-conf {key}= is empty; give the job's secret (or a file holding it)")
+                what = "the job's secret (or a file holding it)" if key.startswith("token") else "a value, or leave the key out"
+                raise ConfigError(f"--rdzv-conf {key}= is empty; give {what}")
             conf[key] = value
         elif key == "store_type":
             if value not in ("tcp", "file"):

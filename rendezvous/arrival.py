@@ -42,7 +42,7 @@ def claim_arrival_slot(rdzv: "Rendezvous", r: int, me: NodeInfo) -> int | None:
     slot, and free slots are claimed from 0.
     """
     s = rdzv.settings
-    hint = rdzv.store.add(joined_counter(r), 1) - 1
+    hint = rdzv.store.arrive(joined_counter(r))
     if hint >= s.max_nodes and rdzv.store.try_wait([node_slot(r, i) for i in range(s.max_nodes)], 0.01):
         return None  # really full
     start = hint if 0 <= hint < s.max_nodes else 0

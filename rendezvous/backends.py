@@ -24,16 +24,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from rally.rendezvous.etcd_client import DEFAULT_ETCD_PORT, Member
-from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.etcd_conf import etcd_access
+from rally.rendezvous.kv import EndpointError, KeyValueStore
 from rally.rendezvous.store import StoreEndpoint, is_local_host, open_file_store, open_tcp_store
 from rally.rendezvous.token import Signer
 
 DEFAULT_C10D_PORT = 29400
 DEFAULT_MASTER_PORT = 29500
-
-
-class EndpointError(ValueError):
-    """A store endpoint that cannot work; the message is one line for the user."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +57,7 @@ class StoreRequest:
     master_port: int | None = None
     is_host: bool | None = None  # --rdzv-conf is_host
     store_type: str = "tcp"  # --rdzv-conf store_type
+    conf: Any = None  # the whole --rdzv-conf (dict): the etcd backends read TLS and users from it
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,7 @@ class Backend(Protocol):
     def plan(self, request: StoreRequest) -> StoreEndpoint:
         """Where this node finds the store, or EndpointError."""
 
-    def locate(self, endpoint: str | HostPort) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
         """Where a client elsewhere (`rally status`) finds a running job's store."""
 
     def open(self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer) -> OpenedStore:
@@ -121,16 +119,20 @@ def _host_port(endpoint: str | HostPort, default_port: int) -> tuple[str, int]:
     return host, default_port if port is None else port
 
 
-def parse_etcd_endpoints(text: str) -> tuple[Member, ...]:
-    """`HOST[:PORT][,HOST[:PORT]...]` (an `http://` scheme is allowed); default port 2379."""
-    members = []
+def parse_etcd_endpoints(text: str) -> tuple[tuple[Member, ...], str | None]:
+    """`[SCHEME://]HOST[:PORT][,...]`, default port 2379; also the scheme the endpoints name
+    (None when none does). Mixing http:// and https:// is an error."""
+    members, schemes = [], set()
     for item in str(text).split(","):
         item = item.strip()
         if not item:
             continue
-        if item.lower().startswith("https://"):
-            raise EndpointError(f"--rdzv-endpoint '{item}': rally talks to etcd over plain HTTP only; give an http:// client endpoint")
-        item = item[len("http://") :] if item.lower().startswith("http://") else item
+        scheme, sep, rest = item.partition("://")
+        if sep:
+            if scheme.lower() not in ("http", "https"):
+                raise EndpointError(f"--rdzv-endpoint '{item}': etcd endpoints are http:// or https://, not {scheme}://")
+            schemes.add(scheme.lower())
+            item = rest
         host, port = _host_port(item.rstrip("/"), DEFAULT_ETCD_PORT)
         if port == 0:
             raise EndpointError(f"--rdzv-endpoint '{item}': port 0 is not an etcd endpoint; etcd listens on 2379 by default")
@@ -139,7 +141,9 @@ def parse_etcd_endpoints(text: str) -> tuple[Member, ...]:
         raise EndpointError(
             "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client endpoints (default port 2379)"
         )
-    return tuple(dict.fromkeys(members))
+    if len(schemes) > 1:
+        raise EndpointError(f"--rdzv-endpoint {text}: mixes http:// and https:// endpoints; a cluster's members all speak one")
+    return tuple(dict.fromkeys(members)), schemes.pop() if schemes else None
 
 
 def resolvable(host: str, option: str) -> None:
@@ -189,7 +193,7 @@ class C10dBackend:
             raise EndpointError(f"--rdzv-endpoint {endpoint}: port 0 only works on the store's own host")
         return StoreEndpoint(host, port, host_here=host_here, backend=self.name)
 
-    def locate(self, endpoint: str | HostPort) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
         host, port = _host_port(endpoint, DEFAULT_C10D_PORT)
         resolvable(host, "--rdzv-endpoint")
         return StoreEndpoint(host, port, host_here=False, backend=self.name)
@@ -217,7 +221,7 @@ class StaticBackend(C10dBackend):
         resolvable(host, "--rdzv-endpoint" if request.endpoint else "--master-addr")
         return StoreEndpoint(host, port, host_here=node_rank == 0, backend=self.name)
 
-    def locate(self, endpoint: str | HostPort) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
         host, port = _host_port(endpoint, DEFAULT_MASTER_PORT)
         resolvable(host, "--rdzv-endpoint")
         return StoreEndpoint(host, port, host_here=False, backend=self.name)
@@ -237,7 +241,7 @@ class FileBackend:
             raise EndpointError("--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use --rdzv-backend static)")
         return self.locate(request.endpoint or "localhost:0")
 
-    def locate(self, endpoint: str | HostPort) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
         from pathlib import Path
 
         text = str(endpoint)
@@ -265,18 +269,20 @@ class EtcdBackend:
     def plan(self, request: StoreRequest) -> StoreEndpoint:
         if request.store_type != "tcp":
             raise EndpointError(f"--rdzv-conf store_type={request.store_type} does not apply to --rdzv-backend {self.name}; remove it")
-        endpoint = self.locate(request.endpoint)
+        endpoint = self.locate(request.endpoint, request.conf)
         if request.run_id == "none":
             raise EndpointError(f"--rdzv-backend {self.name} needs --rdzv-id ID, one per job: etcd keeps a job's keys after it ends")
         return endpoint
 
-    def locate(self, endpoint: str | HostPort) -> StoreEndpoint:
-        return StoreEndpoint("", 0, host_here=False, etcd=parse_etcd_endpoints(str(endpoint)), backend=self.name)
+    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
+        members, scheme = parse_etcd_endpoints(str(endpoint))
+        access = etcd_access(conf or {}, scheme)
+        return StoreEndpoint("", 0, host_here=False, etcd=members, backend=self.name, etcd_access=access)
 
     def open(self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer) -> OpenedStore:
-        from rally.rendezvous.etcd_store import open_etcd_store  # etcd has no job token: its own auth guards it
+        from rally.rendezvous.etcd_store import open_etcd_store  # values signed with the job token, as on c10d
 
-        return OpenedStore(open_etcd_store(endpoint.etcd, prefix, op_timeout), None, endpoint)
+        return OpenedStore(open_etcd_store(endpoint.etcd, prefix, op_timeout, signer=signer, access=endpoint.etcd_access), None, endpoint)
 
     def lost_line(self, exc: BaseException, endpoint: StoreEndpoint) -> str:
         return (

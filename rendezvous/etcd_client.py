@@ -2,8 +2,9 @@
 
 rally talks to etcd through the gateway that every etcd member serves next to gRPC on its
 client port (`POST /v3/kv/range`, `/v3/kv/txn`, `/v3/watch`, `/v3/lease/...`; keys and values in
-base64). That needs nothing beyond the standard library's `http.client`: no gRPC stack and no
-third-party client to keep maintained.
+base64). That needs nothing beyond the standard library (the connection: rendezvous/etcd_http.py,
+plain or TLS): no gRPC stack and no third-party client to keep maintained. With an etcd user,
+the client authenticates once and sends the token with every request.
 
 Fail-over: the client holds the list of member endpoints and uses one at a time. When a member
 refuses, drops the connection, times out, or answers "no leader / leader changed / unavailable",
@@ -20,13 +21,15 @@ transactions, and such a doubled increment can only happen when a member dies mi
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from rally.rendezvous.etcd_http import EtcdAccess, HttpConnection, HttpError
 
 # One HTTP request (connect + reply) to one member; a slower member is skipped for the next one.
 REQUEST_TIMEOUT_SECONDS = 5.0
@@ -75,20 +78,28 @@ def unb64(text: str | None) -> bytes:
     return base64.b64decode(text) if text else b""
 
 
-def describe_members(members: list[Member] | tuple[Member, ...]) -> str:
-    return ",".join(str(m) for m in members)
+def describe_members(members: list[Member] | tuple[Member, ...], protocol: str = "http") -> str:
+    scheme = "https://" if protocol == "https" else ""
+    return ",".join(f"{scheme}{m}" for m in members)
 
 
 class EtcdClient:
     """Requests to one etcd cluster. Thread-safe: unary requests share one connection under a lock;
-    every watch opens its own connection, so a blocked watch never delays other calls."""
+    every watch opens its own connection, so a blocked watch never delays other calls.
 
-    def __init__(self, members: list[Member] | tuple[Member, ...], start_at: int = 0):
+    With an etcd user in `access`, the client authenticates once (`/v3/auth/authenticate`) and
+    sends the token with every request; a token the cluster no longer knows (it expired, or the
+    member restarted) is replaced by authenticating again. Forks share the token.
+    """
+
+    def __init__(self, members: list[Member] | tuple[Member, ...], start_at: int = 0, access: EtcdAccess | None = None, auth: "_Auth | None" = None):
         if not members:
             raise ValueError("an etcd client needs at least one endpoint")
         self.members = tuple(members)
+        self.access = access or EtcdAccess()
+        self._auth = auth or _Auth(self.access)
         self._current = start_at % len(self.members)
-        self._connection: http.client.HTTPConnection | None = None
+        self._connection: HttpConnection | None = None
         self._lock = threading.Lock()
 
     @property
@@ -97,11 +108,11 @@ class EtcdClient:
         return self.members[self._current]
 
     def describe(self) -> str:
-        return describe_members(self.members)
+        return describe_members(self.members, self.access.protocol)
 
     def fork(self) -> "EtcdClient":
         """A client of its own (own connection) that starts at the member this one uses now."""
-        return EtcdClient(self.members, self._current)
+        return EtcdClient(self.members, self._current, self.access, self._auth)
 
     def close(self) -> None:
         with self._lock:
@@ -131,20 +142,56 @@ class EtcdClient:
             delay = min(delay * 2, RETRY_DELAY_MAX_SECONDS)
 
     def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        if self._connection is None:
-            self._connection = http.client.HTTPConnection(self.member.host, self.member.port, timeout=timeout)
-        connection = self._connection
+        data = json.dumps(body).encode()
+        for attempt in range(2):  # a second time only with a fresh auth token
+            token = self._auth.token(self._authenticate, timeout)
+            status, reply = self._exchange(path, data, {"Authorization": token} if token else {}, timeout)
+            try:
+                return _parse_reply(status, reply)
+            except EtcdError as exc:
+                if attempt or not (token and _token_refused(exc)):
+                    raise
+                self._auth.forget(token)
+        raise AssertionError("unreachable")
+
+    def _exchange(self, path: str, data: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+        """One request on this client's connection to the current member. A connection kept
+        from earlier that turns out closed (the member restarted, a proxy dropped it while idle)
+        is replaced once at once; any other failure means: try elsewhere."""
+        for reused in (self._connection is not None, False):
+            try:
+                if self._connection is None:
+                    self._connection = HttpConnection(self.member.host, self.member.port, self.access, timeout)
+                status, reply, keep = self._connection.post(path, data, headers, timeout)
+            except (OSError, HttpError) as exc:
+                self._drop_connection()
+                if reused and not isinstance(exc, TimeoutError):
+                    continue
+                raise _TryElsewhere(_reason(exc)) from exc
+            if not keep:
+                self._drop_connection()
+            return status, reply
+        raise AssertionError("unreachable")
+
+    def _authenticate(self, timeout: float) -> str:
+        """A fresh token for the configured etcd user (on this client's connection)."""
+        body = json.dumps({"name": self.access.username, "password": self.access.password or ""}).encode()
+        status, reply = self._exchange("/v3/auth/authenticate", body, {}, timeout)
         try:
-            if connection.sock is not None:
-                connection.sock.settimeout(timeout)
-            else:
-                connection.timeout = timeout
-            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = connection.getresponse()
-            status, data = response.status, response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            raise _TryElsewhere(_reason(exc)) from exc
-        return _parse_reply(status, data)
+            token = _parse_reply(status, reply).get("token")
+        except EtcdError as exc:
+            raise EtcdError(f"etcd refused user '{self.access.username}': {exc}", exc.code) from None
+        if not token:
+            raise EtcdError(f"etcd gave user '{self.access.username}' no token: is authentication enabled (etcdctl auth enable)?")
+        return token
+
+    def _authenticate_elsewhere(self, timeout: float) -> str:
+        """As `_authenticate`, on a connection of its own (a watch must not take the call lock)."""
+        other = self.fork()
+        try:
+            return other._authenticate(timeout)
+        finally:
+            other.close()
 
     def _drop_connection(self) -> None:
         if self._connection is not None:
@@ -163,25 +210,30 @@ class EtcdClient:
         over) and watches again from the revision it read, so no event is lost.
         """
         member = self.member
-        connection = http.client.HTTPConnection(member.host, member.port, timeout=_left(deadline, REQUEST_TIMEOUT_SECONDS))
+        connection: HttpConnection | None = None
+        token: str | None = None
         try:
             try:
-                connection.request("POST", "/v3/watch", json.dumps({"create_request": request}), {"Content-Type": "application/json"})
-                response = connection.getresponse()
-                if response.status != 200:
-                    _parse_reply(response.status, response.read())  # raises with etcd's reason
+                token = self._auth.token(self._authenticate_elsewhere, _left(deadline, REQUEST_TIMEOUT_SECONDS))
+                connection = HttpConnection(member.host, member.port, self.access, _left(deadline, REQUEST_TIMEOUT_SECONDS))
+                body = json.dumps({"create_request": request}).encode()
+                status, lines = connection.stream("/v3/watch", body, {"Authorization": token} if token else {}, _left(deadline, REQUEST_TIMEOUT_SECONDS))
+                if status != 200:
+                    _parse_reply(status, b"".join(lines))  # raises with etcd's reason
                 while True:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return
-                    if connection.sock is not None:
-                        connection.sock.settimeout(remaining)
-                    line = response.readline()
-                    if not line:
+                    connection.sock.settimeout(remaining)
+                    line = next(lines, None)
+                    if line is None:
                         raise _TryElsewhere("the watch stream ended")
                     if not line.strip():
                         continue
-                    result = json.loads(line).get("result") or {}
+                    reply = json.loads(line)
+                    if reply.get("error"):
+                        _parse_reply(200, line)  # raises: a refused watch (auth) or try elsewhere
+                    result = reply.get("result") or {}
                     if result.get("canceled"):
                         raise _TryElsewhere(result.get("cancel_reason") or "the watch was cancelled")
                     yield from result.get("events", [])
@@ -190,11 +242,17 @@ class EtcdClient:
                     return
                 self._switch_from(member)
                 raise EtcdUnavailable(f"{member}: the watch timed out") from None
-            except (_TryElsewhere, OSError, http.client.HTTPException, ValueError) as exc:
+            except (_TryElsewhere, OSError, HttpError, ValueError) as exc:
                 self._switch_from(member)
                 raise EtcdUnavailable(f"{member}: {_reason(exc)}") from exc
+            except EtcdError as exc:
+                if not (token and _token_refused(exc)):
+                    raise
+                self._auth.forget(token)  # the caller reads again (authenticating anew), then watches
+                raise EtcdUnavailable(f"{member}: {exc}") from exc
         finally:
-            connection.close()
+            if connection is not None:
+                connection.close()
 
     def _switch_from(self, member: Member) -> None:
         with self._lock:
@@ -203,11 +261,40 @@ class EtcdClient:
                 self._advance()
 
 
+class _Auth:
+    """The etcd user's token, shared by a client and its forks (authenticate once, not per thread)."""
+
+    def __init__(self, access: EtcdAccess):
+        self.access = access
+        self._token: str | None = None
+        self._lock = threading.Lock()
+
+    def token(self, authenticate: Callable[[float], str], timeout: float) -> str | None:
+        if not self.access.username:
+            return None
+        with self._lock:
+            if self._token is None:
+                self._token = authenticate(timeout)
+            return self._token
+
+    def forget(self, token: str) -> None:
+        with self._lock:
+            if self._token == token:
+                self._token = None
+
+
+def _token_refused(exc: EtcdError) -> bool:
+    """etcd's answer to an expired or unknown auth token (gRPC UNAUTHENTICATED)."""
+    return exc.code == 16 or "auth token" in str(exc)
+
+
 def _left(deadline: float, cap: float) -> float:
     return max(0.05, min(cap, deadline - time.monotonic()))
 
 
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc}"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror  # "Connection refused", not "[Errno 111] Connection refused"
     text = str(exc).strip()
@@ -226,7 +313,11 @@ def _parse_reply(status: int, data: bytes) -> dict[str, Any]:
     try:
         reply = json.loads(data) if data else {}
     except ValueError:
-        raise _TryElsewhere(f"HTTP {status} with a reply that is not JSON") from None
+        text = data.decode(errors="replace").strip().splitlines()
+        reason = f"HTTP {status}: {text[0][:200]}" if text else f"HTTP {status} with an empty reply"
+        if status >= 500 or status == 200:
+            raise _TryElsewhere(reason) from None
+        raise EtcdError(reason) from None  # e.g. the gateway refusing a client certificate
     if status == 200 and "error" not in reply:
         return reply
     code = reply.get("code")

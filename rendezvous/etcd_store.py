@@ -8,10 +8,20 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
   `get` and `multi_get` block until their keys exist, as a c10d store's do;
 * first-wins keys (`set_once`, `compare_set` with ""): a transaction comparing the key's
   `create_revision` with 0;
-* counters (`add`) and `append`: a compare-and-swap transaction on the key's `mod_revision`,
-  retried until it wins; the losing branch returns the fresh value, so a retry costs one call;
-* `wait`: read the key; when it is missing, watch it from the revision just read (no polling,
-  and nothing that happens in between can be missed);
+* counters: an increment by one (`add(name, 1)`, and `arrive`, a node's place in a round's
+  arrival order) is a key of its own, `<name>\\x00<id>`, created in a transaction that also
+  reads the base value and counts the increments: one request per node, never a retry on a
+  shared key, however many nodes arrive at once (a compare-and-swap on one counter costs
+  O(N) retries per node under contention, O(N^2) requests in all). Other amounts are a
+  compare-and-swap on the base value; a read is one range over the base key and its increments;
+* `append`: one key per piece, `<name>\\x01<id>`, read back in create-revision order;
+* every value rally writes is signed with the job token as on c10d (`rendezvous/token.py`):
+  a stranger's value is rejected with one line naming the key. Counters and appended lists
+  are unsigned, as on c10d; etcd's own authentication keeps strangers out altogether;
+* `wait`: read which keys are missing (one transaction for up to 128 keys); watch the first
+  missing one from the revision just read (no polling, and nothing that happens in between
+  can be missed). The protocol reads a key as check-then-get or wait-then-get: the `get` is
+  served from the read just made (`_recall`), so it costs no request;
 * liveness (`leased_liveness`): a node's keep-alive key is attached to a lease with TTL =
   keep_alive_timeout. The node refreshes the lease; if the node dies, etcd deletes the key by
   itself and the node that watches it (`wait_deleted`) sees the deletion.
@@ -23,8 +33,10 @@ them after the job: give each job its own `--rdzv-id` (or delete the prefix with
 from __future__ import annotations
 
 import math
+import threading
 import time
-from typing import Any, ClassVar, Sequence
+import uuid
+from typing import Any, ClassVar, Iterator, Sequence
 
 from rally.rendezvous.etcd_client import (
     EtcdClient,
@@ -34,13 +46,21 @@ from rally.rendezvous.etcd_client import (
     b64,
     unb64,
 )
+from rally.rendezvous.etcd_http import EtcdAccess
 from rally.rendezvous.kv import KeyValueStore, StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.token import BadRecord, Signer
 
 # How long rally tries the endpoints at start before giving up with one clear line: etcd is
 # infrastructure that must already be running, so an unreachable cluster is reported fast.
 CONNECT_SECONDS = 5.0
 # etcd refuses transactions with more operations than its --max-txn-ops (default 128).
 MAX_TXN_OPS = 128
+# Where a counter's increments by one and a list's appended pieces live, one key per call (see
+# `EtcdStore.add` and `append`): `<name>\x00<id>` and `<name>\x01<id>`. Keys sort bytewise, so the
+# keys from `<name>` up to `<name>\x01` are exactly the base key and its increments.
+INCREMENTS = "\x00"
+APPENDED = "\x01"
+APPENDED_END = "\x02"
 
 
 class EtcdStore(KeyValueStore):
@@ -48,17 +68,21 @@ class EtcdStore(KeyValueStore):
 
     leased_liveness: ClassVar[bool] = True  # keep-alives are leases that expire by themselves
 
-    def __init__(self, client: EtcdClient, prefix: str, op_timeout: float):
-        """`op_timeout` bounds one operation, fail-over between members included."""
+    def __init__(self, client: EtcdClient, prefix: str, op_timeout: float, signer: Signer | None = None):
+        """`op_timeout` bounds one operation, fail-over between members included; `signer`
+        signs every value with the job token, as on c10d (rendezvous/token.py)."""
         self.client = client
         self.prefix = prefix
         self.op_timeout = op_timeout
+        self.signer = signer or Signer()
         self.describe = f"etcd at {client.describe()}"
+        self._just_read = threading.local()  # see `_recall`
 
     def _k(self, name: str) -> str:
         return b64(self.key(name))
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._just_read.kvs = self._just_read.checked = None  # a new request ends what `_recall` hands out
         try:
             return self.client.call(path, body, self.op_timeout)
         except EtcdUnavailable as exc:
@@ -76,28 +100,73 @@ class EtcdStore(KeyValueStore):
         reply = self._call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
         return bool(reply.get("succeeded")), reply.get("responses") or []
 
+    def _remember(self, kvs: dict[str, dict], checked: tuple[str, dict] | None = None) -> None:
+        self._just_read.kvs = kvs
+        self._just_read.checked = checked
+
+    def _recall(self, name: str, for_check: bool = False) -> dict | None:
+        """The key as this thread's previous call read it, if that call was a `check` or a `wait`
+        that saw it and no request has been made since; then `get` needs no request, nor does a
+        first `check` after a `wait` (it leaves the value for the `get`; a second `check` asks
+        etcd again, so a loop of checks never spins on a stale answer).
+
+        The protocol reads a key as check-then-get and the closer as wait-then-get of every
+        node's descriptor (one request per node more, and N requests in a row for the closer,
+        otherwise). The value handed out is the one read a moment earlier; the keys read this way
+        are written once (round records, assignments, descriptors, the round's master) or are
+        status records where a moment does not matter.
+        """
+        kvs = getattr(self._just_read, "kvs", None) or {}
+        if for_check:
+            kv = kvs.pop(name, None)
+            if kv is not None:
+                self._just_read.checked = (name, kv)
+            return kv
+        checked = getattr(self._just_read, "checked", None)
+        if checked and checked[0] == name:
+            self._just_read.checked = None
+            return checked[1]
+        return kvs.pop(name, None)
+
+    # ------------------------------------------------------------------ signed values
+    def _seal(self, name: str, value: str | bytes) -> str:
+        """The value as stored: signed with the job token (rendezvous/token.py), base64 for the gateway."""
+        return b64(self.signer.seal(self.key(name), value))
+
+    def _open(self, name: str, kv: dict) -> bytes:
+        """A stored value's payload, or UntrustedValue naming the key (a stranger wrote it)."""
+        try:
+            return self.signer.open(self.key(name), unb64(kv.get("value")))
+        except BadRecord as exc:
+            raise UntrustedValue(str(exc)) from None
+
     # ------------------------------------------------------------------ plain keys
     def set(self, name: str, value: str | bytes) -> None:
-        self._call("/v3/kv/put", {"key": self._k(name), "value": b64(value)})
+        """Write a signed value; `get` checks the signature."""
+        self._call("/v3/kv/put", {"key": self._k(name), "value": self._seal(name, value)})
 
     def get(self, name: str) -> bytes:
         """The key's value; blocks up to the operation timeout until it exists (as c10d's get)."""
         while True:
-            kv, _ = self._range(name)
+            kv = self._recall(name) or self._range(name)[0]
             if kv is not None:
-                return unb64(kv.get("value"))
+                return self._open(name, kv)
             self.wait([name], self.op_timeout)
 
-    def get_unsigned(self, name: str) -> bytes:
-        """As `get` (nothing is signed on etcd; see `Store.get_unsigned`)."""
-        return self.get(name)
-
     def get_str(self, name: str) -> str:
-        return self.get(name).decode()
+        try:
+            return self.get(name).decode()
+        except UnicodeDecodeError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     def check(self, name: str) -> bool:
-        reply = self._call("/v3/kv/range", {"key": self._k(name), "count_only": True})
-        return int(reply.get("count", 0)) > 0
+        """Whether the key exists (the value read with it serves a `get` right after; see `_recall`)."""
+        if self._recall(name, for_check=True) is not None:
+            return True
+        kv, _ = self._range(name)
+        if kv is not None:
+            self._remember({}, (name, kv))
+        return kv is not None
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
         """Every key's value, read in one transaction per MAX_TXN_OPS keys (waits for missing keys)."""
@@ -109,55 +178,111 @@ class EtcdStore(KeyValueStore):
                 kvs = [(r.get("response_range") or {}).get("kvs") or [] for r in responses]
                 missing = [n for n, found in zip(chunk, kvs) if not found]
                 if not missing:
-                    values += [unb64(found[0].get("value")) for found in kvs]
+                    values += [self._open(n, found[0]) for n, found in zip(chunk, kvs)]
                     break
                 self.wait(missing, self.op_timeout)
         return values
 
     def multi_set(self, items: dict[str, str]) -> None:
-        puts = [{"request_put": {"key": self._k(k), "value": b64(v)}} for k, v in items.items()]
+        puts = [{"request_put": {"key": self._k(k), "value": self._seal(k, v)}} for k, v in items.items()]
         for start in range(0, len(puts), MAX_TXN_OPS):
             self._txn([], puts[start : start + MAX_TXN_OPS], [])
 
-    # ------------------------------------------------------------------ atomic updates
-    def _update(self, name: str, change: Any) -> bytes:
-        """Apply `change(old value or None) -> new value` atomically (compare-and-swap on
-        mod_revision, or on create_revision == 0 when the key is absent); return the new value."""
+    # ------------------------------------------------------------------ counters: a base value plus keys of their own
+    def _own_key(self, name: str, mark: str) -> str:
+        """A fresh key `<name><mark><id>` for one increment or one appended piece."""
+        return f"{self.key(name)}{mark}{uuid.uuid4().hex}"
+
+    def _marked(self, name: str, first: str, end: str, **options: Any) -> dict:
+        """A range request over the keys from `<name><first>` up to `<name><end>` (exclusive)."""
+        return {"request_range": {"key": b64(self.key(name) + first), "range_end": b64(self.key(name) + end), **options}}
+
+    def _counter_range(self, name: str) -> dict:
+        """One range that reads a counter: the keys from `<name>` to `<name>\\x01` are the base
+        key (sorted first) and the increments `<name>\\x00<id>`, nothing else; `limit 1` returns
+        the base's value (when it exists) and `count` all of them."""
+        return self._marked(name, "", APPENDED, limit="1")
+
+    def _counted(self, name: str, reply: dict, counted: int | None = None) -> int:
+        """The value of a counter read by `_counter_range`: base value plus increments (or plus
+        `counted` keys, base included, when the caller counted them itself)."""
+        kvs = reply.get("kvs") or []
+        base = kvs[0] if kvs and unb64(kvs[0].get("key")) == self.key(name).encode() else None
+        total = int(reply.get("count", 0)) if counted is None else counted
+        return self._base(name, base) + total - (1 if base else 0)
+
+    def _base(self, name: str, kv: dict | None) -> int:
+        """A counter's base value (absent = 0); text that is not a number is a stranger's."""
+        raw = (unb64(kv.get("value")) or b"0") if kv else b"0"
+        try:
+            return int(raw)
+        except ValueError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds {raw[:40]!r}, not a counter") from None
+
+    def add(self, name: str, amount: int) -> int:
+        """Atomically add `amount` to a counter (absent = 0) and return the new value.
+
+        An increment by one, what every node does at once (arrivals, successes, acknowledgements),
+        creates a key of its own (`<name>\\x00<id>`) and reads the count in the same transaction:
+        one request, never a retry, however many nodes add at the same moment. Other amounts
+        (rare) are a compare-and-swap on the base value.
+        """
+        if amount == 0:
+            return self.counter(name)
+        if amount != 1:
+            return self._add_to_base(name, amount)
+        own = self._own_key(name, INCREMENTS)
+        absent = {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        won, responses = self._txn([absent], [{"request_put": {"key": b64(own), "value": b64("1")}}, self._counter_range(name)], [{"request_range": {"key": b64(own)}}])
+        if won:
+            return self._counted(name, responses[1].get("response_range") or {})
+        # This request was applied once already (its reply was lost, and the client sent it
+        # again): count what existed when our key was created.
+        # etcd's `count` ignores a create-revision filter, so the kept keys are counted here.
+        created = int(responses[0]["response_range"]["kvs"][0]["create_revision"])
+        earlier = self._marked(name, "", APPENDED, max_create_revision=str(created))["request_range"]
+        reply = self._call("/v3/kv/range", earlier)
+        return self._counted(name, reply, counted=len(reply.get("kvs") or []))
+
+    def _add_to_base(self, name: str, amount: int) -> int:
+        """Add to the counter's base value (compare-and-swap on mod_revision); return the total."""
         kv, _ = self._range(name)
         while True:
             if kv is None:
                 compare = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-                new = change(None)
+                old = 0
             else:
                 compare = {"key": self._k(name), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
-                new = change(unb64(kv.get("value")))
-            put = {"request_put": {"key": self._k(name), "value": b64(new)}}
-            won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
+                old = self._base(name, kv)
+            put = {"request_put": {"key": self._k(name), "value": b64(str(old + amount))}}
+            won, responses = self._txn([compare], [put, self._counter_range(name)], [{"request_range": {"key": self._k(name)}}])
             if won:
-                return new
+                return self._counted(name, responses[1].get("response_range") or {})
             kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
             kv = kvs[0] if kvs else None
 
-    def add(self, name: str, amount: int) -> int:
-        """Atomically add `amount` to a counter (absent = 0) and return the new value."""
-        if amount == 0:
-            return self.counter(name)
-        return int(self._update(name, lambda old: str(int(old or b"0") + amount).encode()))
-
     def counter(self, name: str, limit: int | None = None) -> int:
         """A counter's value, checked to be a number in 0..limit (as `Store.counter` checks)."""
-        kv, _ = self._range(name)
-        raw = unb64(kv.get("value")) or b"0" if kv else b"0"
-        try:
-            value = int(raw)
-        except ValueError:
-            raise UntrustedValue(f"store key '{self.key(name)}' holds {raw[:40]!r}, not a counter") from None
+        value = self._counted(name, self._call("/v3/kv/range", self._counter_range(name)["request_range"]))
         if value < 0 or (limit is not None and value > limit):
-            raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range") from None
+            bound = "" if limit is None else f" (at most {limit})"
+            raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range{bound}: a stranger wrote to the store")
         return value
 
     def append(self, name: str, value: str) -> None:
-        self._update(name, lambda old: (old or b"") + value.encode())
+        """Append to a list key in one request, never a retry: the piece is a key of its own under
+        `<name>\\x01<id>` (the list key itself is created empty by the first appender, so `check` sees it)."""
+        own = self._own_key(name, APPENDED)
+        piece = {"request_put": {"key": b64(own), "value": b64(value)}}
+        absent = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        self._txn([absent], [{"request_put": {"key": self._k(name), "value": ""}}, piece], [piece])
+
+    def get_unsigned(self, name: str) -> bytes:
+        """A list key written by `append` (unsigned, as on c10d): the pieces in the order written."""
+        ordered = self._marked(name, APPENDED, APPENDED_END, sort_order="ASCEND", sort_target="CREATE")
+        _, responses = self._txn([], [{"request_range": {"key": self._k(name)}}, ordered], [])
+        parts = [(r.get("response_range") or {}).get("kvs") or [] for r in responses]
+        return b"".join(unb64(kv.get("value")) for kvs in parts for kv in kvs)
 
     def compare_set(self, name: str, expected: str, desired: str) -> bytes:
         """Set `name` to `desired` if it holds `expected` ("" = absent); return the value that stands.
@@ -167,37 +292,85 @@ class EtcdStore(KeyValueStore):
         if expected == "":
             compare = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         else:
-            compare = {"key": self._k(name), "target": "VALUE", "result": "EQUAL", "value": b64(expected)}
-        put = {"request_put": {"key": self._k(name), "value": b64(desired)}}
+            compare = {"key": self._k(name), "target": "VALUE", "result": "EQUAL", "value": self._seal(name, expected)}
+        put = {"request_put": {"key": self._k(name), "value": self._seal(name, desired)}}
         won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
         if won:
             return desired.encode()
         kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
-        return unb64(kvs[0].get("value")) if kvs else expected.encode()
+        return self._open(name, kvs[0]) if kvs else expected.encode()
 
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
-        """Set `name` only if nobody has (create_revision == 0); return (won, the value that stands)."""
+        """Set `name` only if nobody has (create_revision == 0); return (won, the value that stands, checked)."""
         compare = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        put = {"request_put": {"key": self._k(name), "value": b64(value)}}
+        put = {"request_put": {"key": self._k(name), "value": self._seal(name, value)}}
         won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
         if won:
             return True, value
         kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
-        return False, unb64(kvs[0].get("value")).decode() if kvs else ""
+        if not kvs:
+            return False, ""
+        try:
+            return False, self._open(name, kvs[0]).decode()
+        except UnicodeDecodeError:
+            raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     # ------------------------------------------------------------------ waiting (watches)
+    def _missing(self, names: Sequence[str], found: dict[str, dict]) -> tuple[list[str], int]:
+        """The names that do not exist yet, and the oldest revision their absence was read at
+        (one transaction per MAX_TXN_OPS names); the keys found are added to `found`."""
+        missing: list[str] = []
+        revision: int | None = None
+        for start in range(0, len(names), MAX_TXN_OPS):
+            chunk = list(names[start : start + MAX_TXN_OPS])
+            reply = self._call("/v3/kv/txn", {"compare": [], "success": [{"request_range": {"key": self._k(n)}} for n in chunk], "failure": []})
+            kvs = [(r.get("response_range") or {}).get("kvs") for r in reply.get("responses") or []]
+            found.update((n, kv[0]) for n, kv in zip(chunk, kvs) if kv)
+            absent = [n for n in chunk if n not in found]
+            if absent and revision is None:
+                revision = int(reply["header"]["revision"])
+            missing += absent
+        return missing, revision or 0
+
     def wait(self, names: Sequence[str], timeout: float) -> None:
-        """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
+        """Block until every key exists (raises StoreTimeout after `timeout` seconds).
+
+        Reads which keys are missing (a transaction for up to MAX_TXN_OPS keys, so the closer's
+        wait for N node descriptors is N/128 requests, not N), then opens one watch, from the
+        revision just read, over the key range that spans the missing keys: each put of a
+        missing key arrives as an event carrying the key as written, so the keys that come
+        later cost no further read. A broken watch means: read again, watch again.
+        """
         deadline = time.monotonic() + timeout
-        for name in names:
-            while True:
-                kv, revision = self._range(name)
+        pending = list(names)
+        found: dict[str, dict] = {}  # what the reads and events saw: it serves the `get`s that follow
+        while True:
+            if len(pending) == 1:
+                kv, revision = self._range(pending[0])
                 if kv is not None:
-                    break
-                if self._watch_until(name, revision + 1, deadline, lambda event: event.get("type", "PUT") == "PUT"):
-                    break
-                if time.monotonic() >= deadline:
-                    raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(name)} in {self.describe}")
+                    found[pending[0]] = kv
+                    pending = []
+            else:
+                pending, revision = self._missing(pending, found)
+            if not pending:
+                self._remember(found)
+                return
+            by_key = {self.key(n).encode(): n for n in pending}
+            first, last = min(by_key), max(by_key)
+            request: dict[str, Any] = {"key": b64(first), "start_revision": str(revision + 1)}
+            if len(by_key) > 1:
+                request["range_end"] = b64(last + b"\0")
+            for event in self._watch(request, deadline):
+                kv = event.get("kv") or {}
+                name = by_key.pop(unb64(kv.get("key")), None) if event.get("type", "PUT") == "PUT" else None
+                if name is not None:
+                    found[name] = kv
+                if not by_key:
+                    self._remember(found)
+                    return
+            pending = list(by_key.values())
+            if time.monotonic() >= deadline:
+                raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(pending[0])} in {self.describe}")
 
     def wait_deleted(self, name: str, timeout: float) -> bool:
         """True once `name` is absent (deleted, or its lease expired); False after `timeout` s."""
@@ -206,22 +379,23 @@ class EtcdStore(KeyValueStore):
             kv, revision = self._range(name)
             if kv is None:
                 return True
-            if self._watch_until(name, revision + 1, deadline, lambda event: event.get("type") == "DELETE", noput=True):
+            request = {"key": self._k(name), "start_revision": str(revision + 1), "filters": ["NOPUT"]}
+            if any(event.get("type") == "DELETE" for event in self._watch(request, deadline)):
                 return True
         return False
 
-    def _watch_until(self, name: str, start_revision: int, deadline: float, wanted: Any, noput: bool = False) -> bool:
-        """Watch `name` from `start_revision` until an event satisfies `wanted` (True) or the
-        deadline passes (False). A broken stream returns False early: the caller reads again."""
-        request: dict[str, Any] = {"key": self._k(name), "start_revision": str(start_revision)}
-        if noput:
-            request["filters"] = ["NOPUT"]
+    def _watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict]:
+        """The events of one watch until the deadline passes or the caller stops; a broken stream
+        just ends: the caller reads again (which fails over, or reports the cluster gone)."""
+        events = self.client.watch(request, deadline)
         try:
-            return any(wanted(event) for event in self.client.watch(request, deadline))
+            yield from events
         except EtcdUnavailable:
-            return False  # the next read fails over to another member (or reports the cluster gone)
+            return
         except EtcdError as exc:
             raise StoreUnavailable(f"{self.describe} refused a watch: {exc}") from exc
+        finally:
+            events.close()  # closes the watch's connection at once
 
     # ------------------------------------------------------------------ leases (liveness)
     def grant_lease(self, ttl: float) -> int:
@@ -237,26 +411,45 @@ class EtcdStore(KeyValueStore):
 
     def set_leased(self, name: str, value: str, lease: int) -> None:
         """Set `name` so that it is deleted when `lease` expires."""
-        self._call("/v3/kv/put", {"key": self._k(name), "value": b64(value), "lease": str(lease)})
+        self._call("/v3/kv/put", {"key": self._k(name), "value": self._seal(name, value), "lease": str(lease)})
 
     # ------------------------------------------------------------------ connections
     def connect_again(self) -> "EtcdStore":
         """A second client with its own connection, for a thread that blocks in `wait`."""
-        return EtcdStore(self.client.fork(), self.prefix, self.op_timeout)
+        return EtcdStore(self.client.fork(), self.prefix, self.op_timeout, self.signer)
 
-def open_etcd_store(members: Sequence[Member], prefix: str, op_timeout: float, connect_timeout: float = CONNECT_SECONDS) -> EtcdStore:
+
+def open_etcd_store(
+    members: Sequence[Member],
+    prefix: str,
+    op_timeout: float,
+    connect_timeout: float = CONNECT_SECONDS,
+    signer: Signer | None = None,
+    access: EtcdAccess | None = None,
+) -> EtcdStore:
     """Connect to the cluster (any member will do) and check that it serves reads.
 
     Raises StoreUnavailable with one line naming every endpoint when none answers within
     `connect_timeout` seconds.
     """
-    client = EtcdClient(list(members))
-    store = EtcdStore(client, prefix, op_timeout)
+    client = EtcdClient(list(members), access=access)
+    store = EtcdStore(client, prefix, op_timeout, signer)
     try:
         client.call("/v3/kv/range", {"key": b64(prefix), "count_only": True}, connect_timeout)
-    except (EtcdUnavailable, EtcdError) as exc:
-        raise StoreUnavailable(
-            f"cannot reach etcd at {client.describe()}: {exc}; check "
-            "--rdzv-endpoint (etcd client endpoints HOST[:PORT],..., default port 2379) and that etcd is running"
-        ) from exc
+    except EtcdError as exc:
+        check = (
+            "etcd's HTTP gateway, which rally uses, refuses a client certificate with a Common Name while "
+            "authentication is on: give --rdzv-conf cert a certificate without a CN (the etcd user is "
+            "username/password)"
+            if "CommonName" in str(exc)
+            else f"check --rdzv-conf username and password (or password_file) and that the user may read and write {prefix}"
+        )
+        raise StoreUnavailable(f"etcd at {client.describe()} refused rally: {exc}; {check}") from exc
+    except EtcdUnavailable as exc:
+        check = (
+            "--rdzv-conf cacert (the CA that signed etcd's certificate), cert and key (a client certificate etcd trusts)"
+            if "TLS" in str(exc)
+            else "--rdzv-endpoint (etcd client endpoints HOST[:PORT],..., default port 2379) and that etcd is running"
+        )
+        raise StoreUnavailable(f"cannot reach etcd at {client.describe()}: {exc}; check {check}") from exc
     return store

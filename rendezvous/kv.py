@@ -34,6 +34,10 @@ class StoreTampered(UntrustedValue):
     """A record that must exist is gone: something deleted it (never read as a zero). Exit 1."""
 
 
+class EndpointError(ValueError):
+    """A store endpoint that cannot work; the message is one line for the user."""
+
+
 class KeyValueStore(ABC):
     """One connection to a rendezvous store, every key under `prefix`.
 
@@ -92,6 +96,12 @@ class KeyValueStore(ABC):
     @abstractmethod
     def connect_again(self) -> "KeyValueStore":
         """A second connection to the same store, for a thread that blocks in `wait`."""
+
+    def arrive(self, name: str) -> int:
+        """This caller's 0-based place in the arrival order of `name`: `add` one to a counter. On
+        etcd an increment by one is a key of its own, one request whoever else arrives at once
+        (etcd_store.EtcdStore.add)."""
+        return self.add(name, 1) - 1
 
     def try_wait(self, names: Sequence[str], timeout: float) -> bool:
         """`wait`, answering False instead of raising when the time is up."""

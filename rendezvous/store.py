@@ -17,7 +17,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTampered, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.token import BadRecord, Signer
@@ -242,10 +242,12 @@ class StoreEndpoint:
     file_path: str | None = None
     etcd: tuple = ()  # etcd client endpoints (etcd_client.Member) for the etcd backends
     backend: str = "c10d"  # the registry entry that opens it (rendezvous/backends.py)
+    etcd_access: Any = None  # etcd_http.EtcdAccess: TLS and an etcd user (None: plain HTTP)
 
     def __str__(self) -> str:
         if self.etcd:
-            return "etcd at " + ",".join(str(m) for m in self.etcd)
+            scheme = "https://" if self.etcd_access is not None and self.etcd_access.tls else ""
+            return "etcd at " + ",".join(f"{scheme}{m}" for m in self.etcd)
         return self.file_path or f"{self.host}:{self.port}"
 
 

@@ -85,10 +85,11 @@ def test_counters_under_concurrent_threads_never_lose_or_repeat_an_increment(etc
         t.join(60)
     assert sorted(seen) == list(range(1, 91))  # every add returned a distinct new value
     assert store.counter("joined") == 90 and store.counter("never-set") == 0
-    assert store.add("joined", 10) == 100 and store.get_str("joined") == "100"
+    assert store.add("joined", 10) == 100 and store.counter("joined") == 100 and store.arrive("joined") == 100
+    assert not store.check("list")
     store.append("list", "a\n")
     store.append("list", "b\n")
-    assert store.get_str("list") == "a\nb\n"
+    assert store.check("list") and store.get_unsigned("list") == b"a\nb\n"
 
 
 @needs_etcd
@@ -363,7 +364,7 @@ def test_etcd_unreachable_at_start_is_one_clear_line_and_a_fast_exit(tmp_path):
     [
         pytest.param(["--rdzv-backend", "etcd", "--rdzv-id", "x"], "needs --rdzv-endpoint", id="no-endpoint"),
         pytest.param(["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:2379"], "needs --rdzv-id", id="no-run-id"),
-        pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "https://h:2379", "--rdzv-id", "x"], "plain HTTP", id="https"),
+        pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "ftp://h:2379", "--rdzv-id", "x"], "http:// or https://", id="scheme"),
         pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:99999", "--rdzv-id", "x"], "out of range", id="bad-port"),
     ],
 )

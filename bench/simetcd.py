@@ -1,0 +1,123 @@
+"""The etcd half of the simulated rendezvous (bench/simrdzv.py): a local etcd member, and
+simulated nodes that run rally's round protocol on it, each with its own EtcdStore.
+
+* `LocalEtcd` starts one etcd member (the OS's `etcd` binary) on 127.0.0.1 with ports from the
+  OS and a data directory of its own, in its own session; `stop()` kills it by pid. Its data
+  directory is on the same disk as /tmp, so every write pays etcd's real fsync.
+* `CountingClient` is rally's `EtcdClient` with every request counted: the unary calls
+  (range, put, txn, lease) and the watches. For each request it adds the wall time and the
+  calling thread's CPU time (`time.thread_time`) spent inside the Python client: JSON and
+  base64 encoding, `http.client`, parsing the reply. That CPU time is the client's own cost per
+  request; the parent reads the etcd process's CPU time around each trial for the store's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from typing import Any, Iterator
+
+from rally.rendezvous.etcd_client import EtcdClient, Member
+
+START_SECONDS = 30.0
+
+
+def two_free_ports() -> tuple[int, int]:
+    """Two distinct ports the OS assigns on 127.0.0.1 (bound together, then released)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return sockets[0].getsockname()[1], sockets[1].getsockname()[1]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class LocalEtcd:
+    """One etcd member on loopback, started for a benchmark and killed by pid afterwards."""
+
+    def __init__(self, client_port: int, peer_port: int):
+        self.client_port = client_port
+        self.data_dir = tempfile.mkdtemp(prefix="rally_bench_etcd_")
+        self.log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115 - kept for the member's life
+        client = f"http://127.0.0.1:{client_port}"
+        peer = f"http://127.0.0.1:{peer_port}"
+        etcd = shutil.which("etcd")
+        if etcd is None:
+            raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+        self.process = subprocess.Popen(
+            [etcd, "--name", "sim", "--data-dir", os.path.join(self.data_dir, "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"sim={peer}", "--initial-cluster-state", "new",
+             "--logger", "zap", "--log-level", "warn"],
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout: float = START_SECONDS) -> None:
+        deadline = time.monotonic() + timeout
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.client_port}/v3/kv/range", data=b'{"key": "AA=="}', headers={"Content-Type": "application/json"}
+        )
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=2) as reply:
+                    reply.read()
+                    return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd did not start within {timeout:g} s (log: {self.log.name})") from None
+                time.sleep(0.1)
+
+    def cpu_seconds(self) -> float:
+        """The member's user + system CPU time so far (from /proc, in clock ticks)."""
+        with open(f"/proc/{self.process.pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+        self.log.close()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+class CountingClient(EtcdClient):
+    """rally's etcd client, with each request's count, wall time and client CPU time added to `counter`."""
+
+    def __init__(self, members: list[Member] | tuple[Member, ...], counter: Any, start_at: int = 0):
+        super().__init__(members, start_at)
+        self.counter = counter
+
+    def fork(self) -> "CountingClient":
+        return CountingClient(self.members, self.counter, self._current)
+
+    def call(self, path: str, body: dict[str, Any], budget: float) -> dict[str, Any]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return super().call(path, body, budget)
+        finally:
+            self.counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
+
+    def watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict[str, Any]]:
+        """One request: the watch's set-up and the parsing of its events count as client CPU."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield from super().watch(request, deadline)
+        finally:
+            self.counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
+
+
+def etcd_clients(port: int, count: int, counter: Any) -> list[CountingClient]:
+    """One client (one HTTP connection) per simulated node, connected before any trial starts."""
+    clients = [CountingClient([Member("127.0.0.1", port)], counter) for _ in range(count)]
+    for client in clients:
+        EtcdClient.call(client, "/v3/kv/range", {"key": "AA==", "count_only": True}, 30)  # not counted
+    return clients

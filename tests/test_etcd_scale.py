@@ -1,0 +1,151 @@
+"""rally's round protocol on etcd costs each node a constant number of requests, whatever N is
+(issue 22): N simulated nodes (threads, each with its own EtcdStore and HTTP connection) form
+one round on the real 3-member cluster of tests/etcd_cluster.py, every request counted.
+
+On main the arrival index was a compare-and-swap on one counter: under contention every node
+retried once per other node's success, 25 requests per node at 32 nodes and 89 at 256.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+
+from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from rally.rendezvous.etcd_client import EtcdClient, Member
+from rally.rendezvous.etcd_store import EtcdStore
+from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
+
+
+class CountingClient(EtcdClient):
+    """An etcd client that counts its requests: unary calls and watches."""
+
+    def __init__(self, members: list[Member], counts: list[int], lock: threading.Lock):
+        super().__init__(members)
+        self.counts, self.lock = counts, lock
+
+    def _count(self) -> None:
+        with self.lock:
+            self.counts[0] += 1
+
+    def call(self, path: str, body: dict[str, Any], budget: float) -> dict[str, Any]:
+        self._count()
+        return super().call(path, body, budget)
+
+    def watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict[str, Any]]:
+        self._count()
+        return super().watch(request, deadline)
+
+
+def requests_per_node(cluster: EtcdCluster, n: int) -> float:
+    """Form one round of `n` nodes; check the assignment; return the requests per node."""
+    members = [Member("127.0.0.1", m.client_port) for m in cluster.members]
+    counts, lock = [0], threading.Lock()
+    settings = RendezvousSettings(min_nodes=n, max_nodes=n, join_timeout=120, last_call_timeout=30)
+    prefix = f"test/{uuid.uuid4().hex}/"
+    nodes = []
+    for i in range(n):
+        # Each node starts at a different member, as nodes listing the members in any order would.
+        client = CountingClient(members[i % 3 :] + members[: i % 3], counts, lock)
+        me = NodeInfo(node_id=f"node{i}", host=f"node{i}", addr="127.0.0.1", nproc=1)
+        nodes.append(Rendezvous(EtcdStore(client, prefix, 60), settings, me))
+    ranks: list[int] = []
+    errors: list[BaseException] = []
+    start = threading.Event()
+
+    def run(node: Rendezvous) -> None:
+        start.wait()
+        try:
+            assignment = node.next_round()
+            with lock:
+                ranks.append(assignment.group_rank)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threading.stack_size(512 * 1024)
+    threads = [threading.Thread(target=run, args=(node,), daemon=True) for node in nodes]
+    for t in threads:
+        t.start()
+    start.set()
+    for t in threads:
+        t.join(150)
+    assert not errors, errors[:3]
+    assert sorted(ranks) == list(range(n)), "every node got its own group rank"
+    return counts[0] / n
+
+
+@needs_etcd
+@pytest.mark.timeout(300)
+def test_requests_per_node_do_not_grow_with_the_number_of_nodes(etcd):
+    at_32 = requests_per_node(etcd, 32)
+    at_256 = requests_per_node(etcd, 256)
+    print(f"etcd requests per node: {at_32:.1f} at 32 nodes, {at_256:.1f} at 256 nodes")
+    assert at_256 <= 1.5 * at_32, f"{at_256:.1f} requests per node at 256 nodes against {at_32:.1f} at 32"
+    assert at_32 <= 20, f"{at_32:.1f} requests per node at 32 nodes (c10d: about 13)"
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_a_get_right_after_a_check_or_a_wait_is_served_from_that_read(etcd):
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    counts, lock = [0], threading.Lock()
+    prefix = f"test/{uuid.uuid4().hex}/"
+    store, other = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    other.multi_set({"a": "1", "b": "2"})
+
+    def requests(fn) -> int:  # noqa: ANN001
+        before = counts[0]
+        fn()
+        return counts[0] - before
+
+    assert requests(lambda: (store.check("a"), store.get_str("a"))) == 1
+    assert requests(lambda: store.wait(["a", "b"], 5)) == 1  # one transaction for both keys
+    assert requests(lambda: (store.check("b"), store.get_str("b"), store.get_str("a"))) == 0
+    other.set("a", "changed")
+    assert store.get_str("a") == "changed", "a value handed out once is not handed out again"
+    assert requests(lambda: (store.check("a"), store.check("a"))) == 2, "a second check asks etcd again"
+    assert requests(lambda: (store.check("a"), store.set("x", "1"), store.get_str("a"))) == 3, "a request in between ends it"
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_an_arrival_sent_twice_keeps_its_first_place(etcd, monkeypatch):
+    """A request whose reply was lost is sent again (etcd_client.py): the arrival's own key
+    already exists then, and the index is the one it got the first time, not a new one."""
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    prefix = f"test/{uuid.uuid4().hex}/"
+    first, second = EtcdStore(EtcdClient(members), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    fixed = uuid.uuid4()
+    monkeypatch.setattr("rally.rendezvous.etcd_store.uuid.uuid4", lambda: fixed)
+    assert first.arrive("0/joined") == 0
+    monkeypatch.undo()
+    assert second.arrive("0/joined") == 1
+    monkeypatch.setattr("rally.rendezvous.etcd_store.uuid.uuid4", lambda: fixed)
+    assert first.arrive("0/joined") == 0, "the same arrival again: its first place"
+    monkeypatch.undo()
+    assert second.counter("0/joined") == 2
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_waiting_for_many_keys_is_one_read_and_one_watch_however_late_they_come(etcd):
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    counts, lock = [0], threading.Lock()
+    prefix = f"test/{uuid.uuid4().hex}/"
+    store, writer = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    names = [f"0/node/{i}" for i in range(40)]
+    writer.multi_set({n: f"descriptor {n}" for n in names[:10]})
+
+    def write_the_rest_one_by_one() -> None:
+        for n in names[10:]:
+            writer.set(n, f"descriptor {n}")
+            time.sleep(0.01)
+
+    threading.Timer(0.3, write_the_rest_one_by_one).start()
+    store.wait(names, 30)
+    assert counts[0] == 2, f"{counts[0]} requests: one read of all 40 keys, one watch over their range"
+    assert [store.get_str(n) for n in names] == [f"descriptor {n}" for n in names] and counts[0] == 2
