@@ -34,6 +34,7 @@ from rally.agent.live import LiveView
 from rally.agent.observer import Observer
 from rally.agent.preemption import EXIT_PREEMPTED, Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
+from rally.agent.run_info import announce
 from rally.agent.round_threads import RoundThreads, StoreProbe, check_peers
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
@@ -154,6 +155,7 @@ class Agent:
         self.store, self.store_server = self.store_call(lambda: self.plan.open_store(self.spec.run_id), waiting=True)
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
+        console.say(announce(self.plan.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
         self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         self.store_call(rdzv.register_status)
         watcher, keeper, prober = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
@@ -360,7 +362,8 @@ class Agent:
             if a.restart_count + 1 > self.spec.max_restarts:
                 return self._give_up(rdzv, a, end)
             console.say(f"restarting all workers (restart {a.restart_count + 1} of {self.spec.max_restarts})")
-            self.events.emit("restart", round=a.round, restart_count=a.restart_count + 1, cause=end.detail)
+            self.events.emit("restart", round=a.round, restart_count=a.restart_count + 1, kind=end.kind, cause=end.detail)
+            self.observer.note_restart(a.round, end)
             return None
         if end.kind is EndKind.PREEMPTED:
             self.report.outcome = "preempted"
@@ -375,6 +378,7 @@ class Agent:
             console.error("root cause: " + end.detail)
         console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
         self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
+        self.observer.note_restart(a.round, end)
         return None
 
     def _give_up(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd) -> int:

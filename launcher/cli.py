@@ -68,6 +68,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("straggler-factor", dict(type=float, default=1.5, help="Name a rank a straggler when its step time exceeds this many times the median of the other ranks' (default 1.5)."), "Health"),
     ("straggler-window", dict(type=int, default=10, help="Steps a rank's step time is averaged over, and must stay slow for, before it is named (default 10)."), "Health"),
     ("metrics-port", dict(type=int, default=None, help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed)."), "Health"),
+    ("metrics-addr", dict(default="0.0.0.0", metavar="ADDR", help="Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps it on this host)."), "Health"),
     ("preemption-signals", dict(default="SIGUSR1,SIGUSR2", help="Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint."), "rally extras"),
     ("preemption-grace", dict(type=float, default=60.0, help="Seconds workers get to checkpoint after a preemption signal."), "rally extras"),
     ("requeue", dict(is_flag=True, help="On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."), "rally extras"),

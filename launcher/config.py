@@ -477,6 +477,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         straggler_factor=parse_straggler_factor(o.get("straggler_factor", 1.5)),
         straggler_window=parse_straggler_window(o.get("straggler_window", 10)),
         metrics_port=parse_metrics_port(o.get("metrics_port")),
+        metrics_addr=str(o.get("metrics_addr") or "0.0.0.0").strip("[]"),
         checkpoint_dir=str(Path(o["checkpoint_dir"]).resolve()) if o.get("checkpoint_dir") else None,
         crash_loop_limit=int(_non_negative(o["crash_loop_limit"], "--crash-loop-limit")),
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
