@@ -38,6 +38,7 @@ from rally.agent.observer import Observer
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
 from rally.agent.round_threads import HeldFailure, RoundThreads, StoreProbe, check_peers, left_behind_line
+from rally.agent.run_info import announce
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
 from rally.agent.status_record import node_status
@@ -163,6 +164,7 @@ class Agent:
         self.store, self.store_server = self.opened.store, self.opened.server
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
+        console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
         self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         self.store_call(rdzv.register_status)
         watcher, keeper, prober = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
@@ -366,7 +368,8 @@ class Agent:
             console.error("root cause: " + explain(end))
         if isinstance(decision, Restart):
             console.say(f"restarting all workers (restart {decision.restart_count} of {self.spec.max_restarts})")
-            self.events.emit("restart", round=a.round, restart_count=decision.restart_count, cause=end.detail)
+            self.events.emit("restart", round=a.round, restart_count=decision.restart_count, kind=end.kind, cause=end.detail)
+            self.observer.note_restart(a.round, end)
             return None
         if isinstance(decision, Reform):
             lost_me = end.kind is EndKind.NODE_LOST and end.info.get("group_rank") == a.group_rank and a.group_world_size > 1
@@ -376,6 +379,7 @@ class Agent:
                 console.error("root cause: " + end.detail)
             console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
             self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
+            self.observer.note_restart(a.round, end)
             return None
         return self._exit(rdzv, a, end, decision)
 

@@ -58,6 +58,7 @@ class HealthSettings:
 @dataclass
 class ResourceSample:
     cpu_percent: float = 0.0
+    cpu_seconds: float | None = None  # user + system time of the process so far (/metrics counts it)
     rss: int = 0
     threads: int = 0
     status: str = ""
@@ -276,8 +277,10 @@ class HealthMonitor:
                     w.process = psutil.Process(w.pid)
                     w.process.cpu_percent(None)  # the first call only starts the measurement
                 with w.process.oneshot():
+                    times = w.process.cpu_times()
                     w.sample = ResourceSample(
                         cpu_percent=w.process.cpu_percent(None),
+                        cpu_seconds=times.user + times.system,
                         rss=w.process.memory_info().rss,
                         threads=w.process.num_threads(),
                         status=w.process.status(),

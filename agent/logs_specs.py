@@ -59,5 +59,7 @@ def plans(logs_specs: Any, envs: dict[int, dict[str, str]]) -> tuple[dict[int, S
             path.parent.mkdir(parents=True, exist_ok=True)
         error_file = env.get("TORCHELASTIC_ERROR_FILE") or dest.error_files.get(local_rank, "")
         out[local_rank] = StreamPlan(sum(paths), tee, paths, error_file)
-    filtered = {bit: Path(p) for bit, p in ((STDOUT, dest.filtered_stdout), (STDERR, dest.filtered_stderr)) if p}
+    # torch before the --duplicate-*-filters flags (2.8) has no filtered files in its LogsDest.
+    wanted = ((STDOUT, getattr(dest, "filtered_stdout", "")), (STDERR, getattr(dest, "filtered_stderr", "")))
+    filtered = {bit: Path(p) for bit, p in wanted if p}
     return out, filtered

@@ -27,7 +27,15 @@ class NumaBindingError(RuntimeError):
 @lru_cache(maxsize=None)
 def cpus_near_gpu(mode: str, gpu_index: int) -> frozenset[int]:
     """The logical CPUs torch binds the worker of `gpu_index` to in affinity mode `mode`."""
-    from torch.numa.binding import AffinityMode, NumaOptions, _get_logical_cpus_to_bind_to
+    try:  # feature detection: torch.numa.binding is newer than the oldest torch rally supports
+        from torch.numa.binding import AffinityMode, NumaOptions, _get_logical_cpus_to_bind_to
+    except ImportError:
+        from importlib.metadata import version
+
+        raise NumaBindingError(
+            f"--numa-binding {mode}: this torch ({version('torch')}) has no torch.numa.binding, which picks "
+            "the CPUs; upgrade torch (2.13 has it)"
+        ) from None
 
     try:
         cpus = _get_logical_cpus_to_bind_to(gpu_index=gpu_index, numa_options=NumaOptions(affinity_mode=AffinityMode(mode)))

@@ -34,6 +34,8 @@ class Observer:
         self.gpu_skipped: str | None = None
         self.gpu_devices: list[gpus.DeviceReading] | None = None
         self.gpu_xid_problems: list[str] = []  # XIDs are events: remembered once seen
+        self.gpu_problems_seen: set[str] = set()  # every distinct problem so far (rally_gpu_problems_total)
+        self.last_restart: dict | None = None  # why the job last went round again (`rally status`)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, snapshot: Callable[[], dict | None], report: Any) -> None:
@@ -49,7 +51,8 @@ class Observer:
         if self.spec.metrics_port is not None:
             from rally.agent import metrics
 
-            self.metrics = metrics.serve(self.spec.metrics_port, snapshot, lambda: metrics.round_end_kinds(report.attempts))
+            ends = lambda: metrics.round_end_kinds(report.attempts)  # noqa: E731
+            self.metrics = metrics.serve(self.spec.metrics_port, snapshot, ends, self.spec.run_id, self.spec.metrics_addr)
             console.say(f"Prometheus metrics at {self.metrics.url}")
 
     def stop(self) -> None:
@@ -83,7 +86,9 @@ class Observer:
         """Every current GPU problem of this node (None: not checked here)."""
         if self.gpu_devices is None:
             return None
-        return [p for d in self.gpu_devices for p in gpus.state_problems(d)] + self.gpu_xid_problems
+        problems = [p for d in self.gpu_devices for p in gpus.state_problems(d)] + self.gpu_xid_problems
+        self.gpu_problems_seen.update(problems)
+        return problems
 
     def before_round(self) -> None:
         """Before this node joins a round: forget the last round's ranks, check the GPUs."""
@@ -135,7 +140,14 @@ class Observer:
         }
 
     def node_fields(self) -> dict:
-        return {"gpu_problems": self.gpu_problems()}
+        problems = self.gpu_problems()
+        total = None if problems is None else len(self.gpu_problems_seen)
+        return {"gpu_problems": problems, "gpu_problems_total": total, "last_restart": self.last_restart}
+
+    def note_restart(self, round_: int, end: Any) -> None:
+        """Round `round_` ended with `end` (a failure or a membership change) and another follows:
+        kept for the status record, so `rally status` can say why the last restart happened."""
+        self.last_restart = {"round": round_, "kind": str(end.kind), "detail": end.detail}
 
     def exchange(self, rdzv: Any, assignment: Any) -> None:
         """From the keep-alive thread: make the straggler median the job's, not only this node's.

@@ -54,6 +54,7 @@ class JobSpec:
     straggler_factor: float = DEFAULT_FACTOR  # --straggler-factor: slower than this x the others' median step time
     straggler_window: int = DEFAULT_WINDOW  # --straggler-window: steps a step time is averaged over (and must persist)
     metrics_port: int | None = None  # --metrics-port: serve Prometheus /metrics (0: a free port)
+    metrics_addr: str = "0.0.0.0"  # --metrics-addr: the address /metrics listens on (every interface)
     checkpoint_dir: str | None = None
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
     python_exec: str = sys.executable

@@ -16,14 +16,22 @@ The job runs in this process with every behaviour of the command: restarts, hang
 the root cause, which a failed job's `LaunchError` names (from the agent, as a value). `fn` is
 pickled by reference, so it must be importable by the workers (a module-level function of an
 importable module); this process's sys.path is handed to them for that.
+
+A function defined in the script being run (`__main__`) works as with torch's `elastic_launch`
+and multiprocessing's spawn, by the same mechanism: each worker imports that script under the
+name `__mp_main__` (its `if __name__ == "__main__":` block does not run) before it unpickles the
+function. What no worker can import, a function of an interactive session or a lambda, is
+refused before anything starts, with one line saying what to do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing.spawn
 import os
 import pickle
+import pickletools
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +47,9 @@ __all__ = ["LaunchError", "launch", "run"]
 PAYLOAD = "payload.pkl"
 RESULTS = "results"
 EXIT_BAD_INPUT = 2
+# Set in a worker while it imports the caller's script to find a `__main__` function: a
+# `rally.launch` reached then is an unguarded call at the script's top level.
+IMPORTING_CALLERS_MAIN = False
 
 
 class LaunchError(RuntimeError):
@@ -69,10 +80,10 @@ def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: 
     named = set(given)  # set by the caller or the environment: SLURM leaves them alone
 
     def call(*args: Any, **kwargs: Any) -> dict[int, Any]:
+        payload = payload_bytes(fn, {"fn": fn, "args": args, "kwargs": kwargs})
         run_dir = Path(tempfile.mkdtemp(prefix="rally_launch_", dir=chosen.log_dir))
         (run_dir / RESULTS).mkdir()
-        with open(run_dir / PAYLOAD, "wb") as f:
-            pickle.dump({"fn": fn, "args": args, "kwargs": kwargs}, f)
+        (run_dir / PAYLOAD).write_bytes(payload)
         (run_dir / "sys_path.json").write_text(json.dumps([os.path.abspath(p or ".") for p in sys.path]))
         job = dataclasses.replace(chosen, log_dir=str(run_dir / "logs"), module=True)
         script = "rally.launcher.callable_worker"
@@ -91,3 +102,59 @@ def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: 
         return results
 
     return call
+
+
+def payload_bytes(fn: Callable[..., Any], payload: dict[str, Any]) -> bytes:
+    """The pickled call, plus how a worker re-creates the caller's `__main__` when the call
+    refers to it (multiprocessing's own preparation data); LaunchError (exit 2) with one line
+    for what no worker could load, before anything starts."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    if IMPORTING_CALLERS_MAIN:
+        raise LaunchError(
+            f"rally.launch({name}) ran in a worker while it imported your script to find the function: "
+            'put the launch under `if __name__ == "__main__":`', EXIT_BAD_INPUT
+        )
+    try:
+        data = pickle.dumps(payload)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise LaunchError(
+            f"rally.launch: cannot hand {name} and its arguments to the workers ({exc}); "
+            "define the function at the top level of a .py file", EXIT_BAD_INPUT
+        ) from None
+    main = _main_preparation(data)
+    if main is False:
+        raise LaunchError(
+            f"rally.launch: {name} is defined in __main__ of an interactive session or `python -c`, which "
+            "the workers cannot import; define it in a .py file (a module, or the script you run)", EXIT_BAD_INPUT
+        )
+    return pickle.dumps({"main": main, "call": data})
+
+
+def _main_preparation(data: bytes) -> dict[str, Any] | None | bool:
+    """None when the pickle needs nothing of `__main__`; else multiprocessing's data for
+    re-creating it in a worker; False when there is no file or module to re-create it from."""
+    refers = any(
+        isinstance(arg, str) and (arg == "__main__" or op.name == "GLOBAL" and arg.startswith("__main__ "))
+        for op, arg, _ in pickletools.genops(data)
+    )  # protocol 4 pushes the module's name for STACK_GLOBAL; older ones spell "module name" in GLOBAL
+    if not refers:
+        return None
+    prepared = multiprocessing.spawn.get_preparation_data("rally-launch")
+    wanted = {k: prepared[k] for k in ("sys_argv", "init_main_from_name", "init_main_from_path") if k in prepared}
+    from_name = str(wanted.get("init_main_from_name", ""))
+    if "init_main_from_path" not in wanted and (not from_name or from_name.split(".")[-1] == "__main__"):
+        return False
+    return wanted
+
+
+def _root_cause(run_dir: Path) -> str:
+    """The root cause from the job's report.json (see agent/report.py)."""
+    for report in sorted((run_dir / "logs").glob("*/report.json")):
+        for attempt in reversed(json.loads(report.read_text()).get("attempts", [])):
+            end = attempt.get("end")
+            if end:
+                info = end.get("info") or {}
+                last = [line.strip() for line in info.get("stderr_tail") or [] if line.strip()]
+                # One line: what failed and, when the worker raised, the exception's last line.
+                return end["detail"] + (f"; {last[-1]}" if last else "") + f" (full report: {report})"
+    return f"the job did not run (see the error above; logs in {run_dir})"

@@ -189,6 +189,7 @@ def job_spec(o: Options, p: types.SimpleNamespace, script: str, script_args: lis
         straggler_factor=p.straggler_factor,
         straggler_window=p.straggler_window,
         metrics_port=p.metrics_port,
+        metrics_addr=p.metrics_addr,
         checkpoint_dir=str(Path(p.checkpoint_dir).resolve()) if p.checkpoint_dir else None,
         crash_loop_limit=p.crash_loop_limit,
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),

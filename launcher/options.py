@@ -178,6 +178,7 @@ class Options:
     straggler_factor: float = option(spec_default("straggler_factor"), "Health", f"Name a rank a straggler when its step time exceeds this many times the median of the other ranks' (default {spec_default('straggler_factor'):g}).", check=lambda v, f: values.parse_straggler_factor(v))
     straggler_window: int = option(spec_default("straggler_window"), "Health", f"Steps a rank's step time is averaged over, and must stay slow for, before it is named (default {spec_default('straggler_window')}).", check=lambda v, f: values.parse_straggler_window(v))
     metrics_port: int | None = option(None, "Health", "Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed).", int, check=lambda v, f: values.parse_metrics_port(v))
+    metrics_addr: str = option(spec_default("metrics_addr"), "Health", "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps it on this host).", metavar="ADDR", check=lambda v, f: str(v or "0.0.0.0").strip("[]"))
     preemption_signals: str = option(PREEMPTION_SIGNALS, "rally extras", "Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint.", check=values.parse_signals)
     preemption_grace: float = option(spec_default("preemption_grace"), "rally extras", "Seconds workers get to checkpoint after a preemption signal.", check=seconds(True))
     requeue: bool = option(False, "rally extras", "On a preemption signal, node 0 requeues the SLURM job (scontrol requeue).")

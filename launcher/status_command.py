@@ -9,27 +9,36 @@ and the run id are computed from SLURM exactly as the agent computes them (launc
 for the step that runs rally: `--slurm-step`, 0 by default, the first `srun` of the job, which
 is what the templates in slurm/ run. The current step's own id is not used: `rally status` run
 through `srun` is a step of its own. The store host is the first host of the job's node list.
+
+`rally status RUN_DIR` finds the job from what its agent wrote in its run directory
+(agent/run_info.py), and shows that directory's report and last restart once the store is gone.
+`--json` prints one JSON object instead of the table. Either way the last restart's cause is
+shown (each node's status record keeps the newest round end it went round again after).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
+from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from rally.agent import run_info
 from rally.launcher import console
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf
-from rally.rendezvous.backends import SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
+from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, backend_named, open_endpoint
 from rally.rendezvous.protocol import job_prefix
 from rally.launcher.worker_table import straggler_line, worker_table
 
 
 @click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", required=False, metavar="[RUN_DIR]", type=click.Path(path_type=Path))
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", default=None, metavar="HOST[:PORT]", help="The job's rendezvous store (inside a SLURM job: taken from SLURM).")
 @click.option("--rdzv-id", "--rdzv_id", "run_id", default=None, help="The job's run id (inside a SLURM job: taken from SLURM).")
 @click.option(
@@ -40,32 +49,105 @@ from rally.launcher.worker_table import straggler_line, worker_table
 @click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", metavar="K=V,...", help="etcd: TLS and user keys as the job got them (protocol, cacert, cert, key, username, password_file).")
 @click.option("--slurm-step", type=click.IntRange(min=0), default=0, show_default=True, help="Inside a SLURM job: the srun step that runs rally.")
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the store.")
-def status_command(endpoint: str | None, run_id: str | None, backend: str, rdzv_conf: str, slurm_step: int, timeout: float) -> int:
-    """Show the nodes, round, restart count and workers of a running job."""
-    from rally.rendezvous.status import read_job_status
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout instead of the table (for scripts).")
+def status_command(
+    run_dir: Path | None, endpoint: str | None, run_id: str | None, backend: str, rdzv_conf: str, slurm_step: int, timeout: float, as_json: bool
+) -> int:
+    """Show the nodes, round, restart count and workers of a running job.
+
+    RUN_DIR is the run directory a job printed at start (in --log-dir): the job is found from
+    what its agent wrote there, and once it is over, its report and last restart are shown."""
     from rally.rendezvous.store import StoreUnavailable, quiet_torch_logs
-    from rally.rendezvous.token import Signer, TokenError, env_token
 
     quiet_torch_logs()
-    endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
+    file_store = None
+    if run_dir is not None:
+        try:
+            run_dir = run_info.find_run_dir(run_dir)
+            written = run_info.read_endpoint(run_dir)
+        except run_info.RunDirError as exc:
+            raise click.UsageError(str(exc)) from None
+        endpoint, run_id = endpoint or written.get("endpoint"), run_id or written["run_id"]
+        backend, file_store = written.get("backend") or backend, written.get("file_store")
+        if (run_info.read_report(run_dir) or {}).get("outcome", "running") != "running":  # over: no store to ask
+            return _show_finished(run_dir, str(run_id), as_json, f"job {run_id} has ended", str(endpoint or file_store))
+    else:
+        endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
+    where = _where(endpoint, backend, file_store, rdzv_conf)
     try:
-        where = backend_named(backend).locate(endpoint, parse_rdzv_conf(rdzv_conf))
+        status = read_status(where, str(run_id), timeout)
+    except StoreUnavailable as exc:
+        if run_dir is None:
+            raise click.ClickException(str(exc)) from None
+        return _show_finished(run_dir, str(run_id), as_json, f"job {run_id}: its store is not answering ({exc})", str(where))
+    if status is None:
+        if run_dir is not None:
+            return _show_finished(run_dir, str(run_id), as_json, f"job {run_id}: no agent has registered at {where}", str(where))
+        raise click.ClickException(f"no job with run id '{run_id}' at {where} (no agent has registered there)")
+    status["last_restart"] = last_restart(status["nodes"])
+    if as_json:
+        click.echo(json.dumps(as_record(run_id, str(where), status, "store"), default=str))
+        return 0
+    show_running(str(run_id), str(where), status)
+    return 0
+
+
+def _where(endpoint: str | None, backend: str, file_store: str | None, rdzv_conf: str):  # noqa: ANN202 - rendezvous.store.StoreEndpoint
+    """Where the job's store is, from the registry's backend (a file store: its path)."""
+    try:
+        if file_store:
+            return BACKENDS["file"].locate(file_store)
+        return backend_named(backend).locate(endpoint or "", parse_rdzv_conf(rdzv_conf))
     except (EndpointError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def read_status(where, run_id: str, timeout: float) -> dict | None:  # noqa: ANN001 - rendezvous.store.StoreEndpoint
+    """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
+    from rally.rendezvous.status import read_job_status
+    from rally.rendezvous.token import Signer, TokenError, env_token
+
     try:
         token = env_token()  # without it, records are shown unverified
-        signer = Signer(token, verify=bool(token))
-        status = read_job_status(open_endpoint(where, job_prefix(run_id), timeout, timeout, signer).store)
-    except StoreUnavailable as exc:
-        raise click.ClickException(str(exc)) from None
     except TokenError as exc:
         raise click.UsageError(str(exc)) from None
-    if status is None:
-        raise click.ClickException(f"no job with run id '{run_id}' at {where} (no agent has registered there)")
+    return read_job_status(open_endpoint(where, job_prefix(run_id), timeout, timeout, Signer(token, verify=bool(token))).store)
+
+
+def last_restart(nodes: list[dict]) -> dict | None:
+    """Why the job last went round again: the newest round end any node recorded."""
+    seen = [n["last_restart"] for n in nodes if isinstance(n.get("last_restart"), dict)]
+    return max(seen, key=lambda r: r.get("round") if isinstance(r.get("round"), int) else -1, default=None)
+
+
+def restart_line(restart: dict | None) -> str:
+    if not restart:
+        return "no restart so far"
+    return f"last restart: round {restart.get('round')} ended ({restart.get('kind')}): {restart.get('detail')}"
+
+
+def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
+    """`rally status --json`: the same facts as the table, as one JSON object."""
+    closed = status.get("closed")
+    if closed is not None and not isinstance(closed, dict):
+        closed = {"kind": str(closed.kind), "detail": closed.detail}
+    return {
+        "run_id": run_id,
+        "endpoint": where,
+        "source": source,  # "store": the running job; "run_dir": what its agent left behind
+        "round": status.get("round"),
+        "closed": closed,
+        "last_restart": status.get("last_restart"),
+        "nodes": status.get("nodes", []),
+        **{k: status[k] for k in ("outcome", "exit_code", "report") if k in status},
+    }
+
+
+def show_running(run_id: str, where: str, status: dict) -> None:
     out = Console()
     if not out.is_terminal:
         out = Console(width=160)
-    out.print(status_table(run_id, str(where), status, time.time()))
+    out.print(status_table(run_id, where, status, time.time()))
     for node in status["nodes"]:
         for w in node.get("workers") or []:
             if w.get("straggler"):
@@ -77,9 +159,33 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, rdzv_
             updated = node.get("updated")
             age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
             out.print(f"{node.get('host')}: {node['waiting']}{age}", highlight=False)
+    out.print(restart_line(status["last_restart"]), highlight=False)
     closed = status["closed"]
     if closed is not None:
         console.say(f"the job has ended ({closed.kind}): {closed.detail}")
+
+
+def _show_finished(run_dir: Path, run_id: str, as_json: bool, heading: str, where: str) -> int:
+    """The store is gone (the job ended, or its host did): what the agent left in RUN_DIR."""
+    report = run_info.read_report(run_dir) or {}
+    status = {
+        "round": None,
+        "closed": None,
+        "nodes": [],
+        "last_restart": run_info.last_restart_from_events(run_dir),
+        "outcome": report.get("outcome", "unknown (no report.json: the agent may have been killed)"),
+        "exit_code": report.get("exit_code"),
+        "report": str(run_dir / run_info.REPORT_FILE) if report else None,
+    }
+    if as_json:
+        click.echo(json.dumps({**as_record(run_id, where, status, "run_dir"), "run_dir": str(run_dir)}, default=str))
+        return 0
+    click.echo(f"{heading}; from {run_dir}:")
+    exit_code = "" if status["exit_code"] is None else f", exit code {status['exit_code']}"
+    click.echo(f"outcome: {status['outcome']}{exit_code}")
+    click.echo(restart_line(status["last_restart"]))
+    if status["report"]:
+        click.echo(f"report: {status['report']}")
     return 0
 
 

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import re
 import socket
 import subprocess
 import urllib.error
 import urllib.request
+from importlib import metadata
 from pathlib import Path
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import rally
 from helpers import OnTerminal, Result, clean_env, eventually, free_port, run_rally
 from agents import c10d_args, start_agent, stop_all, write_script
 
@@ -85,11 +89,15 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
         assert response.status == 200
         assert response.headers["Content-Type"].startswith("text/plain")
         text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    run_ids = {sample.labels.get("run_id") for sample in samples}
+    assert len(run_ids) == 1 and None not in run_ids and "" not in run_ids, run_ids  # every metric names its job
+    found = {
+        (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "run_id"))): sample.value
+        for sample in samples
     }
+    found[("run_id", ())] = run_ids.pop()
+    return found
 
 
 def value(metrics: dict, name: str, **labels: str) -> float | None:
@@ -113,11 +121,17 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
 
         def steps_known() -> dict | None:
             m = scrape(port)
-            return m if worker(m, "rally_worker_step", 1) is not None and worker(m, "rally_worker_cpu_percent", 1) is not None else None
+            return m if worker(m, "rally_worker_step", 1) is not None and worker(m, "rally_worker_cpu_seconds_total", 1) is not None else None
 
         assert eventually(steps_known, 60), agent.output()
         before = scrape(port)
         assert value(before, "rally_round") == 0 and value(before, "rally_restarts_total") == 0
+        # Prometheus' conventions: CPU as a seconds counter, a build_info gauge, the job's run id.
+        run_id = value(before, "run_id")
+        assert re.fullmatch(r"[0-9a-f-]{36}", run_id) and f"rally status --rdzv-endpoint localhost:" in agent.output()
+        assert run_id in agent.output()  # the run id `rally status` needs is the label's
+        assert value(before, "rally_build_info", version=rally.__version__, torch=metadata.version("torch"), python=platform.python_version()) == 1
+        assert not [name for name, _ in before if name in ("rally_worker_cpu_percent", "rally_gpu_problems")]
         assert value(before, "rally_world_size") == 2 and value(before, "rally_nodes") == 1
         assert value(before, "rally_failures_total", kind="worker_failed") == 0
         for rank in (0, 1):
@@ -128,6 +142,7 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
             assert worker(before, "rally_worker_straggler", rank) == 0
         assert eventually(lambda: worker(scrape(port), "rally_worker_step", 0) > worker(before, "rally_worker_step", 0), 30)
         assert eventually(lambda: worker(scrape(port), "rally_worker_step_seconds", 0) is not None, 30)
+        assert eventually(lambda: worker(scrape(port), "rally_worker_cpu_seconds_total", 0) > worker(before, "rally_worker_cpu_seconds_total", 0), 30)
 
         (tmp_path / "fail").touch()  # rank 1 of the first attempt exits 3: one restart
         assert eventually(lambda: value(scrape(port), "rally_restarts_total") == 1, 60), agent.output()
@@ -156,6 +171,29 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"--metrics-port {port}: cannot listen" in done.stderr and "Traceback" not in done.stderr
     assert "never runs" not in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_metrics_addr_keeps_the_endpoint_on_loopback(tmp_path):
+    """--metrics-addr 127.0.0.1: the socket listens on loopback only (read back from the
+    kernel's own table of listening sockets), and the printed address is the one to scrape."""
+    script = write_script(tmp_path, "paced.py", PACED)
+    args = ["--standalone", "--nproc-per-node", "1", "--no-preload", "--metrics-port", "0", "--metrics-addr", "127.0.0.1", str(script)]
+    agent = start_agent("loopback", tmp_path, args)
+    try:
+        printed = r"Prometheus metrics at http://127\.0\.0\.1:(\d+)/metrics"
+        assert eventually(lambda: re.search(printed, agent.output()), 60), agent.output()
+        port = int(re.search(printed, agent.output()).group(1))
+        listening = [c.laddr.ip for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening == ["127.0.0.1"], listening
+        assert value(scrape(port), "rally_failures_total", kind="worker_failed") == 0
+        (tmp_path / "stop").touch()
+        assert agent.wait(60) == 0, agent.output()
+    finally:
+        stop_all([agent])
+    done = run_rally(["--standalone", "--no-preload", "--metrics-port", "0", "--metrics-addr", "192.0.2.1", str(script)], cwd=tmp_path)
+    assert done.returncode == 2 and "--metrics-addr 192.0.2.1 --metrics-port 0: cannot listen" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def slurm_step_env(job_id: str) -> dict[str, str]:

@@ -1,0 +1,290 @@
+"""Every wait in rally's code has a bound and, when it can last more than a few seconds, a
+progress line (issue 19, "Must show").
+
+The code is read, not run: every call that can block (a store wait, `Event.wait`, a process or
+thread wait, a `select`/`poll`, `sleep`, a blocking `flock`, `subprocess.run`, socket reads) is
+found by its name in the syntax tree of every module of rally, and each one must be listed in
+WAITS below with what bounds it:
+
+    short       its bound is a number or constant of at most SHORT_SECONDS
+    bounded     a bound that can be long (a user's timeout): the progress line is named in `says`
+    slice       one bounded slice of a longer wait that loops and re-checks; `says` names the
+                function that announces the whole wait (or "job": the wait *is* the running job)
+    background  a thread or server of the agent waiting for work while the job runs; nobody
+                waits on it, so no line; its slices are bounded unless it is a server's loop
+    after_kill  a process wait with no bound right after SIGKILL (the kernel ends it)
+    not_a_wait  a call with a waiting name that returns at once (WNOHANG, Popen.poll, ...)
+
+`says` = (module, function): that function must print something (console say/warn/error,
+`on_status`, `announce`) - the line that tells the user what is awaited. A wait that is long and
+silent today is in KNOWN_SILENT instead (issue 19 item 2 gives them their lines on other
+branches); the last test keeps that list honest in both directions.
+
+A new wait fails the first test with its place and what to add here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {"launcher": "rally.launcher", "agent": "rally.agent", "rendezvous": "rally.rendezvous", "rally": "rally"}
+SHORT_SECONDS = 10.0
+# Names of calls that can block. `join` and `get` only count with a timeout or block keyword or
+# on a thread (str.join and dict.get are everywhere); see `_blocking`.
+WAIT_NAMES = {"sleep", "communicate", "select", "poll", "recv", "recv_into", "accept", "flock", "run_blocking"}
+ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error"}
+
+S, B, SL, BG, AK, NW = "short", "bounded", "slice", "background", "after_kill", "not_a_wait"
+# (module, function, the call's text up to its first "("): (kind, says or None, why)
+WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]] = {
+    # launcher
+    ("launcher/cli.py", "_slurm_requeue", "subprocess.run"): (S, None, "timeout=30 on scontrol; SLURM answers in ms"),
+    ("launcher/slurm.py", "hostnames", "subprocess.run"): (S, None, "timeout=SCONTROL_TIMEOUT"),
+    ("launcher/api.py", "launch.call", "run"): (NW, None, "the job itself (rally.run)"),
+    ("launcher/cli.py", "_run_agent", "Agent(launch.spec, launch.plan, base_env, requeue).run"): (NW, None, "the job itself"),
+    ("agent/logs_specs.py", "load", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
+    ("agent/preemption.py", "Preemption.run", "self._wait_for_all_nodes"): (SL, ("agent/preemption.py", "Preemption.run"), "--preemption-grace"),
+    ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare"),
+    ("launcher/torchrun_extras.py", "logs_specs_note", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
+    # agent: the main loop and its store calls
+    ("agent/agent.py", "Agent._workers_store", "rdzv.wait_master"): (SL, ("rendezvous/protocol.py", "Rendezvous.wait_master"), "1 s slices up to keep_alive_timeout*4+30"),
+    ("agent/agent.py", "Agent._exit_barrier", "rdzv.wait_all_acknowledged"): (B, None, "EXIT_BARRIER_SECONDS (30), a signal ends it"),
+    ("agent/agent.py", "Agent.store_call", "self.loop.run_blocking"): (SL, "job", "the call runs in a thread; the main loop keeps handling signals and the store probe"),
+    ("agent/event_loop.py", "EventLoop.pump", "self.selector.select"): (SL, "job", "the agent's one select: the running job's exits, output and signals"),
+    ("agent/event_loop.py", "EventLoop.pump", "obj.process.poll"): (NW, None, "reaps an exited worker"),
+    ("agent/bootstrap.py", "", "run"): (NW, None, "the worker's own program"),
+    ("agent/checkpoint_file.py", "_lock", "fcntl.flock"): (S, None, "blocking only on a temp file whose writer holds it for one write"),
+    ("agent/guard_client.py", "GuardClient.stop", "self.process.wait"): (S, None, "timeout=SWEEP_SECONDS + 3, then SIGKILL"),
+    ("agent/hang_report.py", "HangReporter._watch_requests", "rdzv.wait_stacks_request"): (BG, None, "a thread answering stack requests in slices"),
+    ("agent/leased_liveness.py", "keep_alive_with_lease", "round_over.wait"): (BG, None, "keep-alive interval"),
+    ("agent/linux.py", "readable", "select.poll"): (NW, None, "creates a poll object"),
+    ("agent/linux.py", "readable", "poller.poll"): (SL, "job", "the caller's timeout; None only for a worker's own exit"),
+    ("agent/metrics.py", "MetricsServer.close", "self.thread.join"): (S, None, "timeout=5"),
+    ("agent/orphan_guard.py", "sweep", "time.sleep"): (S, None, "10 ms between sweeps, bounded by SWEEP_SECONDS"),
+    ("agent/preemption.py", "Preemption._wait_for_all_nodes", "rdzv.wait_all_checkpointed"): (B, ("agent/preemption.py", "Preemption.run"), "--preemption-grace"),
+    ("agent/processes.py", "ChildProcess.poll", "self.popen.poll"): (NW, None, "Popen.poll"),
+    ("agent/processes.py", "ChildProcess.wait", "self.popen.wait"): (SL, "job", "the caller's timeout"),
+    ("agent/processes.py", "kill_all", "child.poll"): (NW, None, "Popen.poll"),
+    ("agent/processes.py", "kill_all", "child.wait"): (S, None, "up to the kill deadline"),
+    ("agent/processes.py", "kill_descendants", "time.sleep"): (S, None, "5 ms between sweeps"),
+    ("agent/processes.py", "reap_zombies", "os.waitpid"): (NW, None, "WNOHANG"),
+    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.watcher.wait_round_end"): (BG, None, "the watcher thread, in slices, while the job runs"),
+    ("agent/round_threads.py", "RoundThreads._keep_alive", "self.over.wait"): (BG, None, "keep-alive interval"),
+    ("agent/round_threads.py", "RoundThreads._watchdog", "self.over.wait"): (BG, None, "limit / 8"),
+    ("agent/round_threads.py", "StoreProbe._run", "self.over.wait"): (BG, None, "probe interval"),
+    ("agent/template.py", "ForkedChild.poll", "self.connection.popen.wait"): (AK, None, "after popen.kill()"),
+    ("agent/template.py", "ForkedChild._reap_after_template_death", "os.waitid"): (NW, None, "WNOHANG"),
+    ("agent/template.py", "ForkedChild._reap_after_template_death", "time.sleep"): (S, None, "10 ms, 2 s deadline"),
+    ("agent/template.py", "ForkedChild.wait", "self.poll"): (NW, None, "ForkedChild.poll"),
+    ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): (B, ("agent/template.py", "TemplateClient._fork"), "READY_TIMEOUT (300 s: importing torch on a loaded node)"),
+    ("agent/template_connection.py", "status_to_returncode", "os.waitstatus_to_exitcode"): (NW, None, "arithmetic"),
+    ("agent/template_connection.py", "Connection.alive", "self.popen.poll"): (NW, None, "Popen.poll"),
+    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): (B, ("agent/template.py", "TemplateClient._fork"), "READY_TIMEOUT"),
+    ("agent/template_connection.py", "Connection.fork", "self._await"): (B, None, "REPLY_TIMEOUT (30 s) for a fork"),
+    ("agent/template_connection.py", "Connection.describe_death", "self.popen.wait"): (S, None, "timeout=1"),
+    ("agent/template_connection.py", "Connection.close", "self.popen.wait"): (S, None, "timeout=5, then SIGKILL"),
+    ("agent/template_server.py", "_Template._quiesce_native_pools", "os.waitpid"): (S, None, "a child that exits at once"),
+    ("agent/template_server.py", "_Template.serve", "self.poller.poll"): (BG, None, "the template server's loop: it waits for requests"),
+    ("agent/template_server.py", "_Template._reap", "os.waitpid"): (NW, None, "WNOHANG"),
+    ("agent/template_wire.py", "recv_message", "sock.recv"): (SL, None, "the socket's timeout"),
+    # rendezvous
+    ("rendezvous/etcd_client.py", "EtcdClient.call", "time.sleep"): (S, None, "backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget"),
+    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.wait"): (B, None, "op_timeout (read_timeout)"),
+    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.wait"): (B, None, "op_timeout (read_timeout)"),
+    ("rendezvous/etcd_store.py", "EtcdStore.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
+    ("rendezvous/liveness.py", "wait_round_end_or_dead", "rdzv.wait_round_end"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare's wait"),
+    ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._join"), "slices of WAIT_SLICE_SECONDS up to join_timeout"),
+    ("rendezvous/protocol.py", "Rendezvous._valid_descriptors", "self.store.try_wait"): (SL, None, "close_timeout / 3"),
+    ("rendezvous/protocol.py", "Rendezvous._try_close", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._try_close"), "last call"),
+    ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "WAIT_SLICE_SECONDS"),
+    ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "wait_round_end_or_dead"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare waits out a running round"),
+    ("rendezvous/protocol.py", "Rendezvous.wait_master", "self.store.try_wait"): (SL, None, "1 s slices up to the caller's deadline"),
+    ("rendezvous/protocol.py", "Rendezvous.member_appeared", "self.store.try_wait"): (BG, None, "the peer watcher"),
+    ("rendezvous/protocol.py", "Rendezvous.member_gone", "self.store.wait_deleted"): (BG, None, "the peer watcher"),
+    ("rendezvous/protocol.py", "Rendezvous.round_ended_within", "self.store.try_wait"): (SL, None, "the caller's slice"),
+    ("rendezvous/protocol.py", "Rendezvous.wait_round_end", "self.store.try_wait"): (SL, "job", "slices while the round runs"),
+    ("rendezvous/protocol.py", "Rendezvous.wait_all_acknowledged", "self.store.try_wait"): (SL, None, "the caller's timeout"),
+    ("rendezvous/protocol.py", "Rendezvous.wait_all_checkpointed", "self.store.try_wait"): (SL, None, "the caller's timeout"),
+    ("rendezvous/protocol.py", "Rendezvous.wait_stacks_request", "self.store.try_wait"): (BG, None, "slices"),
+    ("rendezvous/protocol.py", "Rendezvous.gather_stacks", "self.store.try_wait"): (S, None, "HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named"),
+    ("rendezvous/store.py", "Store.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
+    ("rendezvous/store.py", "_check_same_job", "store.try_wait"): (S, None, "a marker the job's host writes at once"),
+}
+# Long waits with no progress line on this branch: issue 19 item 2 (other branches) gives each
+# its line. Move an entry to WAITS with its `says` once it has one; the last test says when.
+KNOWN_SILENT: dict[tuple[str, str, str], str] = {
+    ("agent/agent.py", "Agent._exit_barrier", "rdzv.wait_all_acknowledged"): "the store's host waits up to 30 s for the others to read the end",
+    ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): "a node waiting for others (issue 19 item 2)",
+    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.wait"): "a key not yet written, up to read_timeout",
+    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.wait"): "keys not yet written, up to read_timeout",
+    ("agent/template_connection.py", "Connection.fork", "self._await"): "a fork reply, up to 30 s",
+    ("agent/agent.py", "Agent._workers_store", "rdzv.wait_master"): "nodes other than 0 wait for its workers' store, up to keep_alive_timeout*4+30 s",
+    ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): "the template still importing torch, up to 300 s",
+    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): "the same wait, inside",
+}
+# Calls whose callee applies its own bound (a default timeout or slices of one).
+BOUND_INSIDE = {"self.loop.run_blocking", "rdzv.wait_stacks_request", "self.watcher.wait_round_end", "connection.wait_ready", "self._wait_for_all_nodes", "self._wait_as_spare"}
+
+
+def _qualname(stack: list[str]) -> str:
+    return ".".join(stack)
+
+
+def _is_thread_join(call: ast.Call) -> bool:
+    receiver = call.func.value  # type: ignore[attr-defined]
+    if isinstance(receiver, ast.Constant):
+        return False  # "sep".join(...)
+    text = ast.unparse(receiver)
+    return "thread" in text.lower() or any(k.arg == "timeout" for k in call.keywords) or not call.args
+
+
+def _blocking(call: ast.Call) -> str | None:
+    """The call's text up to "(" when its name says it can block, else None."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    text = ast.unparse(func)
+    if name in ("join",):
+        return text if isinstance(func, ast.Attribute) and _is_thread_join(call) and "path" not in text else None
+    if name == "get":
+        return text if any(k.arg in ("block", "timeout") for k in call.keywords) else None
+    if ("wait" in name and not name.endswith("_nowait")) or name in WAIT_NAMES:
+        return text
+    if name == "run" and text == "subprocess.run" or text.endswith(".run") and "Agent(" in text:
+        return text
+    if name == "run" and isinstance(func, ast.Name):
+        return text  # bootstrap's run(): the worker's own program
+    return None
+
+
+def find_waits() -> dict[tuple[str, str, str], list[int]]:
+    found: dict[tuple[str, str, str], list[int]] = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).glob("*.py")):
+            module = str(path.relative_to(REPO))
+            stack: list[str] = []
+
+            class Visitor(ast.NodeVisitor):
+                def visit_FunctionDef(self, node: ast.AST) -> None:
+                    stack.append(node.name)  # type: ignore[attr-defined]
+                    self.generic_visit(node)
+                    stack.pop()
+
+                visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+                def visit_Call(self, node: ast.Call) -> None:
+                    head = _blocking(node)
+                    if head is not None:
+                        found.setdefault((module, _qualname(stack), head), []).append(node.lineno)
+                    self.generic_visit(node)
+
+            Visitor().visit(ast.parse(path.read_text()))
+    return found
+
+
+def _function(module: str, qualname: str) -> ast.AST | None:
+    tree = ast.parse((REPO / module).read_text())
+    nodes: list[ast.AST] = [tree]
+    for part in qualname.split("."):
+        nodes = [n for parent in nodes for n in ast.iter_child_nodes(parent) if getattr(n, "name", None) == part]
+    return nodes[0] if nodes else None
+
+
+def announces(module: str, qualname: str) -> bool:
+    """The function prints a progress line itself (console say/warn/error, on_status, ...)."""
+    function = _function(module, qualname)
+    if function is None:
+        return False
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ANNOUNCERS:
+                return True
+    return False
+
+
+def _bound_seconds(module: str, call: ast.Call) -> float | None:
+    """The call's bound when it is a number or a module constant (else None: computed)."""
+    candidates = [k.value for k in call.keywords if k.arg == "timeout"] + list(call.args[-1:])
+    for expr in candidates:
+        try:
+            return float(ast.literal_eval(expr))
+        except (ValueError, TypeError, SyntaxError):
+            pass
+        if isinstance(expr, ast.Name) and expr.id.isupper():
+            package, _, name = module.partition("/")
+            value = getattr(importlib.import_module(f"{PACKAGES[package]}.{name[:-3]}"), expr.id, None)
+            if isinstance(value, (int, float)):
+                return float(value)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_every_blocking_call_in_the_code_is_listed_with_its_bound():
+    found = find_waits()
+    new = [f"{m}:{lines[0]} in {f or '<module>'}: {head}(...)" for (m, f, head), lines in found.items() if (m, f, head) not in WAITS]
+    gone = [key for key in WAITS if key not in found]
+    assert not new, (
+        "blocking calls not listed in tests/test_waits.py WAITS - give each a bound and, if it can last "
+        "more than a few seconds, a progress line, then list it:\n" + "\n".join(new)
+    )
+    assert not gone, f"listed in WAITS but no longer in the code (remove them): {gone}"
+
+
+@pytest.mark.timeout(60)
+def test_short_waits_are_short_and_unbounded_ones_only_follow_a_kill():
+    problems = []
+    for (module, function, head), (kind, _says, why) in WAITS.items():
+        node = _function(module, function) if function else ast.parse((REPO / module).read_text())
+        assert node is not None, (module, function)
+        calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and _blocking(n) == head]
+        for call in calls:
+            has_bound = bool(call.args) or any(k.arg == "timeout" for k in call.keywords)
+            if kind == S and head not in ("time.sleep", "fcntl.flock", "os.waitpid", "subprocess.run"):
+                seconds = _bound_seconds(module, call)
+                if seconds is not None and seconds > SHORT_SECONDS:
+                    problems.append(f"{module} {function}: {head} waits up to {seconds:g} s, not short ({why})")
+            if kind == S and head == "subprocess.run" and not any(k.arg == "timeout" for k in call.keywords):
+                problems.append(f"{module} {function}: subprocess.run without timeout=")
+            if kind in (B, SL, BG) and head not in BOUND_INSIDE and not has_bound and "serve" not in function:
+                problems.append(f"{module} {function}: {head}() has no bound")
+            if kind == AK and not _follows_kill(node, call):
+                problems.append(f"{module} {function}: {head}() has no bound and does not follow a kill")
+    assert problems == []
+
+
+def _follows_kill(function: ast.AST, call: ast.Call) -> bool:
+    """An unbounded process wait is fine right after `.kill()` on the same process."""
+    receiver = ast.unparse(call.func.value)  # type: ignore[attr-defined]
+    kills = [n for n in ast.walk(function) if isinstance(n, ast.Call) and ast.unparse(n.func) == f"{receiver}.kill"]
+    return any(k.lineno < call.lineno for k in kills)
+
+
+@pytest.mark.timeout(60)
+def test_every_long_wait_prints_what_it_waits_for():
+    """`says` names a function that prints; KNOWN_SILENT lists the long waits that do not yet,
+    and each of those must still be silent (so the list shrinks as lines are added)."""
+    unannounced, no_longer_silent = [], []
+    for key, (kind, says, why) in WAITS.items():
+        long = kind == B or (kind == SL and says not in (None, "job"))
+        if not long:
+            continue
+        if key in KNOWN_SILENT:
+            if announces(*(says if isinstance(says, tuple) else key[:2])):
+                no_longer_silent.append(key)
+            continue
+        if not (isinstance(says, tuple) and announces(*says)):
+            unannounced.append(f"{key}: {why}; says={says}")
+    assert unannounced == [], "long waits without a progress line:\n" + "\n".join(unannounced)
+    assert no_longer_silent == [], f"these now announce themselves: remove them from KNOWN_SILENT: {no_longer_silent}"
+    assert set(KNOWN_SILENT) <= set(WAITS), set(KNOWN_SILENT) - set(WAITS)
+
+
+def test_the_scan_finds_a_blocking_call_and_ignores_string_joins():
+    """The scanner itself (so the tests above can fail)."""
+    calls = [n for n in ast.walk(ast.parse("ev.wait(5)\n','.join(x)\nt.thread.join()\nd.get('k')\nq.get(timeout=1)\ntime.sleep(1)")) if isinstance(n, ast.Call)]
+    assert [_blocking(c) for c in calls] == ["ev.wait", None, "t.thread.join", None, "q.get", "time.sleep"]
