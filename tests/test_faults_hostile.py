@@ -5,20 +5,27 @@
     the error file a symlink to /dev/zero      -> not read (no memory blow-up), exit 1
     error.json holding [1,2,3], a string, or
     100 000 nested brackets                    -> no traceback: reported as a failure without one
+    SIGKILL of the agent's process group       -> the orphan guard (a session of its own) kills every
+                                                  descendant: cgroup v2, v1 freezer, v1 pids, or none
+    SIGKILL of the agent, `setsid -f env -i`   -> the job's cgroup finds what shed the token
 
 Run beside a CPU hog too (RALLY_TEST_CPU_HOG=1, see conftest.py).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from helpers import ProcessTracker, clean_env, procs, run_rally, write_probe  # noqa: F401
+from helpers import ProcessTracker, clean_env, describe_pids, procs, run_rally, survivors, wait_for, write_probe  # noqa: F401
 from live_rally import LiveRally
+from rally.agent.job_cgroup import JobCgroup
 
 STANDALONE = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0"]
 
@@ -78,3 +85,102 @@ def test_a_hostile_error_file_is_reported_as_a_plain_failure(tmp_path: Path, kin
     assert "left a hostile error file" in result.stderr, result.describe()  # the stderr tail stands in
     assert "Traceback" not in result.stderr, result.describe()
     assert result.elapsed < 60, result.describe()
+
+
+# ------------------------------------------------------------------ nothing the job started outlives it
+
+# A worker that leaves descendants behind in every way a process can, the token shed too: a child
+# in its group, a setsid'd `sleep`, a double-forked daemon, and `setsid -f env -i` (a new session
+# and an empty environment: no RALLY_AGENT_TOKEN). Every pid goes to PROBE_OUT/<kind>.
+LEAVES_DESCENDANTS = """
+import os, subprocess, time
+out = os.environ["PROBE_OUT"]
+
+def note(kind, pid):
+    with open(os.path.join(out, kind + ".tmp"), "w") as f:
+        f.write(str(pid))
+    os.rename(os.path.join(out, kind + ".tmp"), os.path.join(out, kind))
+
+def daemon():
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.write(w, str(os.getpid()).encode())
+            while True:
+                time.sleep(1)
+        os._exit(0)
+    os.close(w)
+    os.waitpid(middle, 0)
+    return int(os.read(r, 32))
+
+note("child", subprocess.Popen(["sleep", "600"]).pid)
+note("session", subprocess.Popen(["sleep", "600"], start_new_session=True).pid)
+note("daemon", daemon())
+script = "echo $$ > {0}/tokenless.tmp && mv {0}/tokenless.tmp {0}/tokenless && exec sleep 600".format(out)
+subprocess.run(["setsid", "-f", "env", "-i", "/bin/sh", "-c", script], check=True)
+note("worker", os.getpid())
+time.sleep(600)
+"""
+KINDS = ("child", "session", "daemon", "tokenless", "worker")
+
+
+def _start_leaver(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> tuple[LiveRally, list[int]]:
+    out = tmp_path / "pids"
+    out.mkdir()
+    write_probe(tmp_path / "probe.py", LEAVES_DESCENDANTS)
+    rally = LiveRally([*STANDALONE, "probe.py"], tmp_path, clean_env(PROBE_OUT=str(out), RALLY_JOB_CGROUP=cgroup), procs)
+    wait_for(lambda: all((out / k).exists() for k in KINDS), 60, what="the worker's descendants")
+    pids = [int((out / k).read_text()) for k in KINDS]
+    procs.track(*pids)
+    assert not survivors(pids, 0) == [], "the descendants did not start"
+    tokenless = psutil.Process(pids[KINDS.index("tokenless")])
+    assert "RALLY_AGENT_TOKEN" not in tokenless.environ(), "the probe should have shed the token"
+    time.sleep(1.0)  # without a cgroup the guard looks every 0.5 s
+    return rally, pids
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cgroup", ["auto", "freezer", "pids", "off"])
+def test_sigkill_of_the_agents_process_group_leaves_no_descendant(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> None:
+    """What `timeout -s KILL rally ...` or `kill -9 -PGID` does: the guard leads a session of
+    its own, survives, and kills everything, token or not (cgroup v2, v1 freezer, v1 pids, or
+    without a cgroup the descendants it saw)."""
+    rally, pids = _start_leaver(tmp_path, procs, cgroup)
+    os.killpg(rally.proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    left = survivors(pids, 5)
+    assert not left, f"alive 5 s after SIGKILL of the agent's group ({cgroup}): {describe_pids(left)}"
+    print(f"MEASURED SIGKILL of the agent's process group ({cgroup}): every descendant gone in {time.monotonic() - killed:.2f} s")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_sigkill_of_the_agent_alone_kills_descendants_without_the_token(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> None:
+    rally, pids = _start_leaver(tmp_path, procs, cgroup)
+    os.kill(rally.proc.pid, signal.SIGKILL)
+    left = survivors(pids, 5)
+    assert not left, f"alive 5 s after SIGKILL of the agent ({cgroup}): {describe_pids(left)}"
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/rally-*{rally.proc.pid}*")), "a cgroup was left behind"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["v2", "freezer", "pids"])
+def test_the_job_cgroup_kills_a_tree_that_left_its_session_and_environment(kind: str) -> None:
+    """agent/job_cgroup.py on its own, each kind: a member's `setsid -f env -i` daemon is killed too."""
+    group = JobCgroup.create(f"rally-test-{os.getpid()}-{kind}", (kind,))
+    if group is None:
+        pytest.skip(f"this machine lets no process create a {kind} cgroup")
+    try:
+        shell = subprocess.Popen(
+            ["/bin/sh", "-c", "setsid -f env -i sleep 600; sleep 600 & exec sleep 600"],
+            preexec_fn=lambda: Path(group.procs_file).write_text("0"),
+        )
+        members = wait_for(lambda: len(group.members()) >= 3 and group.members(), 10, what="three members")
+        assert group.kill() == []
+        assert shell.wait(timeout=10) == -signal.SIGKILL
+        assert not survivors(members, 2), describe_pids(members)
+    finally:
+        group.kill()
+        assert group.remove()
