@@ -151,13 +151,14 @@ class Agent:
 
     def _join_job(self) -> tuple[Rendezvous, Rendezvous, Rendezvous]:
         """Open (or host) the store and make this node known; one connection per watching thread."""
-        self.store, self.store_server = self.store_call(lambda: self.plan.open_store(self.spec.run_id), waiting=True)
+        self.store, self.store_server = self.store_call(lambda: self.plan.open_store(self.spec.run_id, console.say), waiting=True)
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
         self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
-        self.store_call(rdzv.register_status)
-        watcher, keeper, prober = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
+        # The probe first: a store that freezes from here on is noticed within read_timeout.
+        prober, watcher, keeper = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
         self.probe = StoreProbe(prober, self.plan.read_timeout)
+        self.store_call(rdzv.register_status, waiting=True)
         return rdzv, watcher, keeper
 
     def _start_observer(self) -> None:

@@ -40,6 +40,7 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.status import read_job_status
     from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
+    from rally.rendezvous.store_connect import NoStoreThere, bounded
     from rally.rendezvous.token import ENV_TOKEN, Signer
 
     quiet_torch_logs()
@@ -57,9 +58,10 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
         token = os.environ.get(ENV_TOKEN, "")  # without it, records are shown unverified
         signer = Signer(token, verify=bool(token))
         store, _ = open_store(where, f"rally/{run_id}/", timeout, timeout, signer)
-        status = read_job_status(store)
-    except StoreUnavailable as exc:
-        raise click.ClickException(str(exc)) from None
+        # Bounded as a whole: a store that freezes after the connect must not hang the command.
+        status = bounded(lambda: read_job_status(store), timeout, f"reading job {run_id} from {where}")
+    except (StoreUnavailable, NoStoreThere) as exc:
+        raise ConfigError(str(exc)) from None  # one line, exit 2 (launcher/cli.py)
     if status is None:
         raise click.ClickException(f"no job with run id '{run_id}' at {where} (no agent has registered there)")
     out = Console()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from rally.rendezvous.protocol import RendezvousSettings
 from rally.rendezvous.store import Store, StoreEndpoint, open_store
@@ -32,10 +32,11 @@ class RendezvousPlan:
     # the previous attempt's worker keys before each round. Otherwise: a fresh store per round.
     workers_use_rendezvous_store: bool = False
 
-    def open_store(self, run_id: str) -> tuple[Store, Any]:
+    def open_store(self, run_id: str, progress: Callable[[str], None] | None = None) -> tuple[Store, Any]:
         """Connect to the job's store (hosting it when this is the endpoint's host): the store
-        and the server this node hosts, or None. StoreUnavailable when it cannot be reached."""
-        opened = open_store(self.endpoint, f"rally/{run_id}/", self.connect_timeout, self.read_timeout, Signer(self.token))
+        and the server this node hosts, or None. StoreUnavailable when it cannot be reached.
+        `progress` hears every few seconds what a refused connect still waits for."""
+        opened = open_store(self.endpoint, f"rally/{run_id}/", self.connect_timeout, self.read_timeout, Signer(self.token), progress)
         if self.endpoint.etcd:
             # Reaching etcd needs no torch, but any node may host the workers' TCPStore in a
             # later round: import it now, beside the rendezvous, not in the middle of a re-form.

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
+from rally.rendezvous.store_connect import NoStoreThere, bounded, wait_for_store
 from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
@@ -246,13 +247,29 @@ def host_tcp_store(port: int, timeout: float, loopback_only: bool = False) -> "T
         raise
 
 
-def connect_tcp_store(host: str, port: int, connect_timeout: float, op_timeout: float) -> "TorchStore":
-    """Connect a TCPStore client, retrying until `connect_timeout` (torch retries internally)."""
+def connect_tcp_store(
+    host: str,
+    port: int,
+    connect_timeout: float,
+    op_timeout: float,
+    describe: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> "TorchStore":
+    """Connect a TCPStore client: wait up to `connect_timeout` for the port to accept (saying so
+    through `progress` every few seconds), then give the store `op_timeout` to answer; torch's
+    own constructor is not bounded once connected (rendezvous/store_connect.py)."""
     from torch.distributed import TCPStore
 
-    client = TCPStore(host, port, is_master=False, timeout=_seconds(connect_timeout))
-    client.set_timeout(_seconds(op_timeout))
-    return client
+    describe = describe or f"the store at {host}:{port}"
+    try:
+        wait_for_store(host, port, describe, connect_timeout, op_timeout, progress)
+        return bounded(
+            lambda: TCPStore(host, port, is_master=False, timeout=_seconds(op_timeout)),
+            op_timeout + 1.0,
+            f"connecting to {describe}",
+        )
+    except NoStoreThere as exc:
+        raise StoreUnavailable(str(exc)) from None
 
 
 @dataclass
@@ -277,6 +294,7 @@ def open_store(
     connect_timeout: float,
     op_timeout: float,
     signer: Signer | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Store, "TorchStore | None"]:
     """Open the rendezvous store; return the client and, when hosted here, the server object.
 
@@ -324,14 +342,16 @@ def open_store(
     describe = f"the rendezvous store at {endpoint.host}:{port}"
 
     def reconnect() -> "TorchStore":
-        return connect_tcp_store(host, port, op_timeout, op_timeout)
+        return connect_tcp_store(host, port, op_timeout, op_timeout, describe)
 
     wait = min(connect_timeout, HOST_MARKER_WAIT_SECONDS) if port_taken else connect_timeout
     try:
-        raw = connect_tcp_store(host, port, wait, op_timeout)
-    except Exception as exc:  # noqa: BLE001
+        raw = connect_tcp_store(host, port, wait, op_timeout, describe, None if port_taken else progress)
+    except StoreUnavailable as exc:
         if port_taken:
-            raise StoreUnavailable(_stranger_port_message(endpoint, port, "it does not answer as a c10d store")) from exc
+            raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it does not serve as a c10d store ({exc})")) from None
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch raises several unrelated types here
         raise StoreUnavailable(
             f"could not reach {describe} within {connect_timeout:g} s ({_first_line(exc)}); "
             "check --rdzv-endpoint and that the store's host is up"
