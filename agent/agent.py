@@ -44,7 +44,7 @@ from rally.agent.workers import LogLayout, WorkerGroup
 from rally.launcher import console
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
-from rally.rendezvous.store import Store, StoreError, UntrustedValue, host_tcp_store
+from rally.rendezvous.store import Store, StoreError, UntrustedValue, host_tcp_store, listen_address
 
 EXIT_BAD_INPUT = 2
 EXIT_INFRASTRUCTURE = 1
@@ -233,7 +233,7 @@ class Agent:
             return (self.plan.endpoint.host, self.plan.endpoint.port)
         if a.group_rank == 0:
             self.worker_store = None  # the previous round's store closes here
-            self.worker_store = host_tcp_store(0, self.plan.read_timeout)
+            self.worker_store = host_tcp_store(0, self.plan.read_timeout, listen_address(a.master_host))  # where MASTER_ADDR says
             self.store_call(lambda: rdzv.publish_master(a.round, a.master_host, self.worker_store.port))
             return (a.master_host, self.worker_store.port)
         timeout = self.plan.settings.keep_alive_timeout * 4 + 30

@@ -30,7 +30,7 @@ from rally.rendezvous.protocol import RendezvousSettings
 from rally.launcher import validate
 from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
-from rally.rendezvous.store import StoreEndpoint, is_local_host
+from rally.rendezvous.store import StoreEndpoint, is_local_host, loopback_address
 from rally.rendezvous.token import TokenError, resolve_token
 
 DEFAULT_C10D_PORT = 29400
@@ -448,7 +448,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
     # Node rank 0 of a static job is, by definition, reachable at the master address.
     static_master = endpoint.host if backend == "static" and endpoint.host_here else None
-    local_addr = o["local_addr"] or static_master or socket.getfqdn()
+    local_addr = o["local_addr"] or static_master or loopback_address(endpoint) or socket.getfqdn()
     spec = JobSpec(
         entrypoint=script,
         args=tuple(script_args),

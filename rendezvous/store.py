@@ -13,6 +13,7 @@ that torch does not already ship. This module hides three awkward corners of the
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass, field
@@ -212,19 +213,21 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def host_tcp_store(port: int, timeout: float, loopback_only: bool = False) -> "TorchStore":
+def host_tcp_store(port: int, timeout: float, bind: str | None = None) -> "TorchStore":
     """Start a TCPStore server in this process on `port` (0 = a free port from the OS).
 
-    torch's server listens on every interface; with `loopback_only` rally binds the socket
-    itself to 127.0.0.1 and hands it over, so nothing off this machine can reach the store.
+    torch's server listens on every interface and has no bind address; with `bind` (an IP
+    address, see `listen_address`) rally binds the socket itself and hands it over
+    (`master_listen_fd`, torch >= 2.1), so the store listens there and nowhere else.
     """
     from torch.distributed import TCPStore
 
     listen_fd = None
-    if loopback_only:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if bind is not None:
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((bind, port))
             sock.listen(512)
         except OSError:
             sock.close()
@@ -233,7 +236,7 @@ def host_tcp_store(port: int, timeout: float, loopback_only: bool = False) -> "T
         listen_fd = sock.detach()
     try:
         return TCPStore(
-            "127.0.0.1" if loopback_only else "0.0.0.0",
+            bind or "0.0.0.0",  # the server's own client connects here
             port,
             is_master=True,
             wait_for_workers=False,
@@ -245,6 +248,41 @@ def host_tcp_store(port: int, timeout: float, loopback_only: bool = False) -> "T
         if listen_fd is not None:
             os.close(listen_fd)
         raise
+
+
+def listen_address(host: str) -> str | None:
+    """Where a store meant to be reached at `host` listens: `localhost` on 127.0.0.1, an IP
+    address of this machine (127.0.0.2, ::1, an interface's) on exactly that address; a host
+    name or a wildcard on every interface (None), as torch does: a name may resolve to
+    127.0.1.1 here while other nodes reach this one by its interface address."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if address.is_unspecified:
+        return None
+    if address.is_loopback or str(address) in _interface_addresses():
+        return str(address)
+    return None
+
+
+def loopback_address(endpoint: StoreEndpoint) -> str | None:
+    """The loopback address of a store endpoint on loopback (--standalone, localhost, 127.x):
+    such a job runs on this machine only, so its nodes' address (and MASTER_ADDR) is that too."""
+    if endpoint.etcd or endpoint.file_path or not is_loopback_name(endpoint.host):
+        return None
+    return listen_address(endpoint.host)
+
+
+def _interface_addresses() -> set[str]:
+    try:
+        import psutil
+
+        return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except Exception:  # noqa: BLE001 - without the list, an address is bound only when loopback
+        return set()
 
 
 def connect_tcp_store(
@@ -329,16 +367,18 @@ def open_store(
     server = None
     port = endpoint.port
     port_taken = False
+    bind: str | None = None
     if endpoint.host_here:
         try:
-            server = host_tcp_store(port, op_timeout, loopback_only=is_loopback_name(endpoint.host))
+            bind = listen_address(endpoint.host)
+            server = host_tcp_store(port, op_timeout, bind)
             port = server.port
             endpoint.port = port
         except Exception:  # noqa: BLE001 - port in use: someone on this host already serves
             if port == 0:
                 raise
             port_taken = True
-    host = "127.0.0.1" if server is not None else endpoint.host
+    host = (bind or "127.0.0.1") if server is not None else endpoint.host
     describe = f"the rendezvous store at {endpoint.host}:{port}"
 
     def reconnect() -> "TorchStore":

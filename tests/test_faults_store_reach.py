@@ -4,6 +4,8 @@
     a store frozen while agents start            -> noticed within read_timeout, the agent stops
     `rally status` against a frozen store        -> one line within --timeout, exit 2
     --master-port held by an HTTP server         -> one line within 5 s of trying, exit 2
+    the stores of a loopback job                 -> listen on that loopback address only (127.0.0.2 too),
+                                                    the per-round workers' store (MASTER_PORT) included
     a refused store connection                   -> "waiting for the rendezvous store ..." every 5 s
                                                     with the time it gives up, then one line
 
@@ -19,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers import ProcessTracker, clean_env, free_port, procs, run_rally, start_rally, wait_for, write_probe  # noqa: F401
@@ -124,3 +127,38 @@ def _accepts(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------ stores listen where their endpoint says
+
+SLEEPER = """
+import os, time
+print("MASTER", os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], flush=True)
+time.sleep(120)
+"""
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["standalone", "127.0.0.1", "localhost", "127.0.0.2"])
+def test_the_stores_listen_where_their_endpoint_says(tmp_path: Path, procs: ProcessTracker, where: str) -> None:
+    """The rendezvous store and the per-round workers' store (MASTER_PORT): loopback stays
+    loopback, 127.0.0.2 is 127.0.0.2 (issue 18 item 8)."""
+    write_probe(tmp_path / "probe.py", SLEEPER)
+    if where == "standalone":
+        args, expected = ["--standalone"], "127.0.0.1"
+    else:
+        args = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{where}:{free_port()}"]
+        expected = "127.0.0.1" if where == "localhost" else where
+    rally = LiveRally([*args, "--nproc-per-node", "1", "--shutdown-timeout", "1", "probe.py"], tmp_path, clean_env(), procs)
+    rally.wait_line("MASTER", 60)
+    master = next(line for _, line in rally.lines if "MASTER" in line).split()
+    assert master[-2] == expected, rally.text()
+    listening = _listening(rally.proc.pid)
+    assert (expected, int(master[-1])) in listening, listening  # the workers' store
+    assert len(listening) >= 2 and {ip for ip, _ in listening} == {expected}, listening  # and the rendezvous store
+    rally.proc.send_signal(signal.SIGTERM)
+    rally.wait_exit(30)
