@@ -27,10 +27,11 @@ class UntrustedFile(OSError):
     """The path is not a regular file, is a symlink, or is larger than the reader accepts."""
 
 
-def open_regular(path: str | os.PathLike[str]) -> int:
-    """A read-only fd of `path`, which must be a regular file that is not a symlink."""
+def open_regular(path: str | os.PathLike[str], follow: bool = False) -> int:
+    """A read-only fd of `path`, which must be a regular file that is not a symlink (with
+    `follow`, a symlink to a regular file is fine: for files the user names, not a worker)."""
     try:
-        fd = os.open(path, OPEN_FLAGS)
+        fd = os.open(path, OPEN_FLAGS & ~os.O_NOFOLLOW if follow else OPEN_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # the last component is a symlink (O_NOFOLLOW)
             raise UntrustedFile(f"{path} is a symbolic link") from None
@@ -46,10 +47,10 @@ def open_regular(path: str | os.PathLike[str]) -> int:
     return fd
 
 
-def read_capped(path: str | os.PathLike[str], limit: int, *, tail: bool = False, whole: bool = False) -> bytes:
+def read_capped(path: str | os.PathLike[str], limit: int, *, tail: bool = False, whole: bool = False, follow: bool = False) -> bytes:
     """At most `limit` bytes of the regular file `path`: its start, or with `tail` its end.
     With `whole`, a file larger than `limit` is an UntrustedFile (a truncated JSON is no use)."""
-    fd = open_regular(path)
+    fd = open_regular(path, follow)
     try:
         size = os.fstat(fd).st_size
         if size > limit and whole:

@@ -294,9 +294,7 @@ def load_config_file(path: str, valid_keys: Iterable[str]) -> dict[str, Any]:
     """Read a YAML job file; keys are option names (dashes or underscores) plus script and args."""
     valid = set(valid_keys) | {"script", "args"}
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+        text = validate.config_text(path)  # a regular file only: a FIFO must not hang us
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save it as UTF-8") from None
     try:

@@ -255,8 +255,11 @@ def listen_address(host: str) -> str | None:
     address of this machine (127.0.0.2, ::1, an interface's) on exactly that address; a host
     name or a wildcard on every interface (None), as torch does: a name may resolve to
     127.0.1.1 here while other nodes reach this one by its interface address."""
-    if host == "localhost":
-        return "127.0.0.1"
+    if host == "localhost":  # the address a client tries first
+        try:
+            host = socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0]
+        except (OSError, IndexError):
+            return "127.0.0.1"
     try:
         address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
@@ -269,11 +272,11 @@ def listen_address(host: str) -> str | None:
 
 
 def loopback_address(endpoint: StoreEndpoint) -> str | None:
-    """The loopback address of a store endpoint on loopback (--standalone, localhost, 127.x):
-    such a job runs on this machine only, so its nodes' address (and MASTER_ADDR) is that too."""
+    """The endpoint's host when it is on loopback (--standalone's localhost, 127.x): such a job
+    runs on this machine only, so its nodes' address (and MASTER_ADDR) is that too."""
     if endpoint.etcd or endpoint.file_path or not is_loopback_name(endpoint.host):
         return None
-    return listen_address(endpoint.host)
+    return endpoint.host
 
 
 def _interface_addresses() -> set[str]:

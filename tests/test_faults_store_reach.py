@@ -15,6 +15,7 @@ Run beside a CPU hog too (RALLY_TEST_CPU_HOG=1, see conftest.py).
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,8 +121,6 @@ def test_a_refused_store_connection_says_what_it_waits_for_every_few_seconds(tmp
 
 
 def _accepts(port: int) -> bool:
-    import socket
-
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
         return True
@@ -149,14 +148,14 @@ def test_the_stores_listen_where_their_endpoint_says(tmp_path: Path, procs: Proc
     loopback, 127.0.0.2 is 127.0.0.2 (issue 18 item 8)."""
     write_probe(tmp_path / "probe.py", SLEEPER)
     if where == "standalone":
-        args, expected = ["--standalone"], "127.0.0.1"
+        args, name = ["--standalone"], "localhost"  # MASTER_ADDR as torchrun gives it
     else:
-        args = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{where}:{free_port()}"]
-        expected = "127.0.0.1" if where == "localhost" else where
+        args, name = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{where}:{free_port()}"], where
+    expected = socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0] if name == "localhost" else name
     rally = LiveRally([*args, "--nproc-per-node", "1", "--shutdown-timeout", "1", "probe.py"], tmp_path, clean_env(), procs)
     rally.wait_line("MASTER", 60)
     master = next(line for _, line in rally.lines if "MASTER" in line).split()
-    assert master[-2] == expected, rally.text()
+    assert master[-2] == name, rally.text()
     listening = _listening(rally.proc.pid)
     assert (expected, int(master[-1])) in listening, listening  # the workers' store
     assert len(listening) >= 2 and {ip for ip, _ in listening} == {expected}, listening  # and the rendezvous store
