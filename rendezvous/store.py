@@ -213,15 +213,16 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def host_tcp_store(port: int, timeout: float, bind: str | None = None) -> "TorchStore":
+def host_tcp_store(port: int, timeout: float, bind: str | None = None, *, loopback_only: bool = False) -> "TorchStore":
     """Start a TCPStore server in this process on `port` (0 = a free port from the OS).
 
     torch's server listens on every interface and has no bind address; with `bind` (an IP
-    address, see `listen_address`) rally binds the socket itself and hands it over
-    (`master_listen_fd`, torch >= 2.1), so the store listens there and nowhere else.
+    address, see `listen_address`; `loopback_only`: 127.0.0.1) rally binds the socket itself and
+    hands it over (`master_listen_fd`, torch >= 2.1), so the store listens there and nowhere else.
     """
     from torch.distributed import TCPStore
 
+    bind = bind or ("127.0.0.1" if loopback_only else None)
     listen_fd = None
     if bind is not None:
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
