@@ -20,7 +20,7 @@ from rich.table import Table
 
 from rally.agent.processes import describe_exit, exit_status_for_shell
 from rally.agent.round_threads import StoreSilent
-from rally.agent.untrusted_files import read_json_object
+from rally.agent.untrusted_files import open_for_writing, read_json_object
 from rally.agent.workers import Worker, WorkerGroup
 from rally.launcher.worker_table import worker_table
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
@@ -168,7 +168,8 @@ class JobReport:
             "attempts": [asdict(a) for a in self.attempts],
         }
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2))
+        with open_for_writing(tmp) as f:  # the run directory is the workers' to write in too
+            f.write(json.dumps(data, indent=2).encode())
         os.replace(tmp, self.path)
 
     def workers_table(self) -> Table:

@@ -17,7 +17,7 @@ import errno
 import json
 import os
 import stat
-from typing import Any
+from typing import Any, BinaryIO
 
 # The flags of every open here: no symlink at the last component, no blocking open (FIFO, tty).
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -67,6 +67,36 @@ def read_capped(path: str | os.PathLike[str], limit: int, *, tail: bool = False,
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def open_for_writing(path: str | os.PathLike[str]) -> BinaryIO:
+    """`open(path, "wb")` that a worker cannot wedge: whatever stands at `path` that is not a
+    regular file (a FIFO, whose open for writing blocks until a reader comes; a symlink to
+    somewhere else) is removed, and a fresh file is made in its place."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    for _ in range(3):
+        try:
+            fd = os.open(path, flags | os.O_TRUNC, 0o644)
+        except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO without a reader
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EEXIST):
+                raise
+            _unlink(path)
+            flags |= os.O_EXCL
+            continue
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            return open(fd, "wb")  # noqa: SIM115 - the caller owns it
+        os.close(fd)  # a FIFO that has a reader, a device
+        _unlink(path)
+        flags |= os.O_EXCL
+    raise UntrustedFile(f"{path} keeps being replaced by something that is not a regular file")
+
+
+def _unlink(path: str | os.PathLike[str]) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def read_json_object(path: str | os.PathLike[str], limit: int) -> dict[str, Any]:

@@ -5,6 +5,8 @@
     the error file a symlink to /dev/zero      -> not read (no memory blow-up), exit 1
     error.json holding [1,2,3], a string, or
     100 000 nested brackets                    -> no traceback: reported as a failure without one
+    FIFOs planted at the next attempt's logs   -> replaced by regular files; the restart runs
+    and at report.json's temporary name
     SIGKILL of the agent's process group       -> the orphan guard (a session of its own) kills every
                                                   descendant: cgroup v2, v1 freezer, v1 pids, or none
     SIGKILL of the agent, `setsid -f env -i`   -> the job's cgroup finds what shed the token
@@ -85,6 +87,34 @@ def test_a_hostile_error_file_is_reported_as_a_plain_failure(tmp_path: Path, kin
     assert "left a hostile error file" in result.stderr, result.describe()  # the stderr tail stands in
     assert "Traceback" not in result.stderr, result.describe()
     assert result.elapsed < 60, result.describe()
+
+
+PLANTS_FIFOS = """
+import os, sys
+from pathlib import Path
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    run_dir = Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parents[2]
+    rank_dir = run_dir / "attempt_1" / "0"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    for path in (rank_dir / "stdout.log", rank_dir / "stderr.log", run_dir / "report.json.tmp"):
+        os.mkfifo(path)              # an open() for writing blocks until a reader comes
+    (rank_dir / "heartbeat").symlink_to("/dev/zero")
+    sys.exit(1)
+print("second attempt ran", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("logs", [["--redirects", "3"], ["--tee", "3"]], ids=["redirects", "tee"])
+def test_fifos_planted_where_the_agent_writes_next_do_not_wedge_it(tmp_path: Path, logs: list[str]) -> None:
+    """A worker that knows the log layout plants FIFOs at the next attempt's log files and at
+    report.json's temporary name, then fails: the agent replaces them and goes on."""
+    write_probe(tmp_path / "probe.py", PLANTS_FIFOS)
+    args = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), *logs, "probe.py"]
+    result = run_rally(args, cwd=tmp_path, env=clean_env(), timeout=90)
+    assert result.returncode == 0, result.describe()
+    (stdout_log,) = (tmp_path / "logs").glob("*/attempt_1/0/stdout.log")
+    assert "second attempt ran" in stdout_log.read_text(), result.describe()
 
 
 # ------------------------------------------------------------------ nothing the job started outlives it
