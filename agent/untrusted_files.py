@@ -70,26 +70,27 @@ def read_capped(path: str | os.PathLike[str], limit: int, *, tail: bool = False,
 
 
 def open_for_writing(path: str | os.PathLike[str]) -> BinaryIO:
-    """`open(path, "wb")` that a worker cannot wedge: whatever stands at `path` that is not a
-    regular file (a FIFO, whose open for writing blocks until a reader comes; a symlink to
-    somewhere else) is removed, and a fresh file is made in its place."""
+    """`open(path, "wb")` that a worker cannot wedge or redirect: a FIFO at `path` (its open for
+    writing blocks until a reader comes) or a symlink (truncating whatever it points to) is
+    removed and a fresh file made in its place. A device (/dev/null, named by a LogsSpecs) is
+    written as it is."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     for _ in range(3):
         try:
             fd = os.open(path, flags | os.O_TRUNC, 0o644)
-        except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO without a reader
+        except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO without a reader; EEXIST: a race
             if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EEXIST):
                 raise
             _unlink(path)
             flags |= os.O_EXCL
             continue
-        if stat.S_ISREG(os.fstat(fd).st_mode):
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             os.set_blocking(fd, True)
             return open(fd, "wb")  # noqa: SIM115 - the caller owns it
-        os.close(fd)  # a FIFO that has a reader, a device
+        os.close(fd)  # a FIFO that has a reader
         _unlink(path)
         flags |= os.O_EXCL
-    raise UntrustedFile(f"{path} keeps being replaced by something that is not a regular file")
+    raise UntrustedFile(f"{path} keeps being replaced by a FIFO or a symlink")
 
 
 def _unlink(path: str | os.PathLike[str]) -> None:
