@@ -23,8 +23,15 @@ CGROUP_CHOICES = {"auto": (V2, FREEZER, PIDS), V2: (V2,), FREEZER: (FREEZER,), P
 
 
 def job_cgroup(token: str) -> JobCgroup | None:
-    """The job's own cgroup, of the kind RALLY_JOB_CGROUP asks for (an unknown value: auto)."""
-    kinds = CGROUP_CHOICES.get(os.environ.get(CGROUP_VARIABLE, "auto").strip().lower(), CGROUP_CHOICES["auto"])
+    """The job's own cgroup, of the kind RALLY_JOB_CGROUP asks for (an unknown value: auto).
+
+    Under SLURM, auto means v2 only: SLURM's v1 plugins track a step by the members of its own
+    freezer/cpuset cgroups, and a v1 child would take the workers out of that list; a v2 child
+    stays inside the step's cgroup, whose kill is recursive."""
+    choice = os.environ.get(CGROUP_VARIABLE, "auto").strip().lower()
+    kinds = CGROUP_CHOICES.get(choice, CGROUP_CHOICES["auto"])
+    if choice not in (FREEZER, PIDS) and os.environ.get("SLURM_JOB_ID"):
+        kinds = tuple(k for k in kinds if k == V2)
     return JobCgroup.create(f"rally-{token}", kinds) if kinds else None
 
 
