@@ -214,3 +214,24 @@ def test_the_job_cgroup_kills_a_tree_that_left_its_session_and_environment(kind:
     finally:
         group.kill()
         assert group.remove()
+
+
+@pytest.mark.timeout(60)
+def test_the_guard_removes_its_cleanup_paths_once_the_agent_is_gone(tmp_path: Path) -> None:
+    """The hook later parts of the job (shared memory, say) use: paths handed to the guard go when
+    its pipe closes, however the agent ended; a forgotten one stays."""
+    from rally.agent.guard_client import GuardClient
+
+    kept, dropped, directory = tmp_path / "kept", tmp_path / "dropped", tmp_path / "segment"
+    kept.write_text("x")
+    dropped.write_text("x")
+    (directory / "inner").mkdir(parents=True)
+    guard = GuardClient(os.urandom(8).hex())
+    try:
+        for path in (kept, dropped, directory):
+            guard.clean_up_at_exit(str(path))
+        guard.forget_cleanup(str(kept))
+    finally:
+        guard.stop()
+    assert guard.process.returncode == 0
+    assert kept.exists() and not dropped.exists() and not directory.exists()
