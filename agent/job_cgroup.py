@@ -112,15 +112,20 @@ class JobCgroup:
                 _kill(members)
             time.sleep(0.01)
 
-    def remove(self) -> bool:
-        """Remove the (empty) cgroup; False while something is still in it."""
-        try:
-            self.path.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
+    def remove(self, wait: float = 0.0) -> bool:
+        """Remove the cgroup once it is empty, trying for up to `wait` seconds (killed members
+        take a moment to leave it, longer on a loaded machine); False if it is still there."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self.path.rmdir()
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError:
+                if time.monotonic() >= deadline:
+                    return False
+            time.sleep(0.02)
 
 
 def _kill(pids: list[int]) -> None:

@@ -48,6 +48,8 @@ TOKEN_VARIABLE = "RALLY_AGENT_TOKEN"
 SWEEP_SECONDS = 2.0
 # Without a cgroup: how often the guard lists the agent's descendants while the agent lives.
 SEEN_INTERVAL = 0.5
+# How long the guard tries to remove the emptied cgroup (dying members leave it with a delay).
+REMOVE_WAIT_SECONDS = 10.0
 
 
 @dataclass
@@ -137,10 +139,7 @@ def sweep(orders: Orders, seconds: float = SWEEP_SECONDS) -> None:
     for path in orders.cleanup:
         _remove(path)
     if orders.cgroup is not None:
-        for _ in range(100):  # the last members may take a moment to leave it
-            if orders.cgroup.remove():
-                break
-            time.sleep(0.01)
+        orders.cgroup.remove(wait=REMOVE_WAIT_SECONDS)
 
 
 def _kill(pid: int, group: bool = False) -> None:

@@ -61,7 +61,7 @@ def test_an_agent_started_against_a_frozen_store_stops_within_read_timeout(tmp_p
     assert result.returncode == 2, result.describe()
     assert "did not answer within 3 s" in result.stderr, result.describe()
     assert "Traceback" not in result.stderr and "worker ran" not in result.stdout, result.describe()
-    assert result.elapsed < 3 + 15, result.describe()  # read_timeout, plus start-up on a loaded machine
+    assert result.elapsed < 3 + 30, result.describe()  # read_timeout, plus start-up on a loaded machine
     print(f"MEASURED agent against a store frozen before it connects (read_timeout 3 s): exit after {result.elapsed:.1f} s")
 
 
@@ -78,7 +78,7 @@ def test_a_store_frozen_while_an_agent_starts_is_noticed(tmp_path: Path, procs: 
     assert code in (1, 2), agent.text()
     assert "frozen" in agent.text() or "has not answered" in agent.text(), agent.text()
     assert "Traceback" not in agent.text(), agent.text()
-    assert ended - frozen < 3 + 15, f"stopped {ended - frozen:.1f} s after the freeze\n{agent.text()}"
+    assert ended - frozen < 3 + 20, f"stopped {ended - frozen:.1f} s after the freeze\n{agent.text()}"
 
 
 @pytest.mark.timeout(60)
@@ -103,7 +103,7 @@ def test_a_master_port_held_by_an_http_server_fails_fast_with_one_line(tmp_path:
     assert result.returncode == 2, result.describe()
     assert "is already taken" in result.stderr and "not a c10d store" in result.stderr, result.describe()
     assert len([line for line in result.stderr.splitlines() if "error" in line]) == 1, result.describe()
-    assert result.elapsed < 5 + 15, result.describe()
+    assert result.elapsed < 5 + 30, result.describe()  # plus start-up on a loaded machine
     print(f"MEASURED --master-port held by an HTTP server: one line, exit 2 after {result.elapsed:.1f} s")
 
 
