@@ -300,11 +300,11 @@ def connect_tcp_store(
     """Connect a TCPStore client: wait up to `connect_timeout` for the port to accept (saying so
     through `progress` every few seconds), then give the store `op_timeout` to answer; torch's
     own constructor is not bounded once connected (rendezvous/store_connect.py)."""
-    from torch.distributed import TCPStore
-
     describe = describe or f"the store at {host}:{port}"
     try:
         wait_for_store(host, port, describe, connect_timeout, op_timeout, progress)
+        from torch.distributed import TCPStore  # after the check: a dead endpoint fails without it
+
         return bounded(
             lambda: TCPStore(host, port, is_master=False, timeout=_seconds(op_timeout)),
             op_timeout + 1.0,

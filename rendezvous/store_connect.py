@@ -120,7 +120,7 @@ def bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
 
     threading.Thread(target=call, daemon=True, name="rally-store-connect").start()
     if not done.wait(seconds):
-        raise NoStoreThere(f"{what} did not finish within {seconds:g} s: the store stopped answering")
+        raise NoStoreThere(f"{what} did not finish within {seconds:g} s: the store stopped answering (frozen, or its host stalled)")
     if "error" in box:
         raise box["error"]
     return box.get("value")

@@ -88,7 +88,7 @@ def test_rally_status_against_a_frozen_store_fails_within_its_timeout(tmp_path: 
     result = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "reach", "--timeout", "2"], cwd=tmp_path, env=clean_env(), timeout=40)
     assert result.returncode == 2, result.describe()
     assert len(result.stderr.strip().splitlines()) == 1 and "did not answer within 2 s" in result.stderr, result.describe()
-    assert result.elapsed < 2 + 10, result.describe()
+    assert result.elapsed < 2 + 25, result.describe()  # --timeout, plus start-up on a loaded machine
 
 
 @pytest.mark.timeout(90)
