@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
-from rally.rendezvous.store_connect import NoStoreThere, bounded, wait_for_store
+from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
 from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
@@ -307,7 +307,7 @@ def connect_tcp_store(
 
         return bounded(
             lambda: TCPStore(host, port, is_master=False, timeout=_seconds(op_timeout)),
-            op_timeout + 1.0,
+            op_timeout + CONSTRUCTOR_SLACK_SECONDS,
             f"connecting to {describe}",
         )
     except NoStoreThere as exc:

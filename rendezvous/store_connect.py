@@ -36,6 +36,10 @@ PROGRESS_SECONDS = 5.0
 FIRST_ANSWER_SECONDS = 5.0
 # Between connect attempts while the port refuses.
 RETRY_SECONDS = 0.2
+# The longest single connect attempt (a host that drops SYNs), so progress lines keep coming.
+ATTEMPT_SECONDS = 5.0
+# What torch's constructor gets beyond its own timeout before it counts as stuck.
+CONSTRUCTOR_SLACK_SECONDS = 1.0
 
 
 class NoStoreThere(Exception):
@@ -83,7 +87,7 @@ def _connect(host: str, port: int, describe: str, connect_timeout: float, progre
     while True:
         left = deadline - time.monotonic()
         try:
-            return socket.create_connection((host, port), timeout=max(0.05, min(left, 5.0)))
+            return socket.create_connection((host, port), timeout=max(0.05, min(left, ATTEMPT_SECONDS)))
         except OSError as exc:
             why = _reason(exc)
         if time.monotonic() >= deadline:
