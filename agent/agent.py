@@ -12,7 +12,8 @@ The agent is a state machine (agent/states.py): its state says what a signal mea
 `_on_signals` is the only place a signal takes effect. Everything it waits for arrives on file
 descriptors watched by one selector in the main thread (agent/event_loop.py): pidfds, worker
 output pipes, the signal wake-up fd, and the inbox its store-watching threads write to. Every
-store call of the main thread goes through `store_call`. Nothing polls.
+store call of the main thread goes through `store_call`. What happens after a round is
+decided by a pure function (agent/decide.py) and applied here.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from typing import Any, Callable
 from rally.agent import processes
 from rally.agent.event_loop import Event, EventLoop
 from rally.agent.events import EventLog
+from rally.agent.decide import Exit, Reform, Restart, decide
+from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
 from rally.agent.guard_client import TOKEN_VARIABLE, GuardClient
 from rally.agent.hang_report import HangReporter
 from rally.agent.health import HealthMonitor, HealthSettings
 from rally.agent.job import newest_checkpoint_step
 from rally.agent.live import LiveView
 from rally.agent.observer import Observer
-from rally.agent.preemption import EXIT_PREEMPTED, Preemption
+from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
-from rally.agent.round_threads import RoundThreads, StoreProbe, check_peers
+from rally.agent.round_threads import HeldFailure, RoundThreads, StoreProbe, check_peers
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
 from rally.agent.status_record import node_status
@@ -42,13 +45,12 @@ from rally.agent.stopping import read_what_is_left, stop_workers
 from rally.agent.template import TemplateClient
 from rally.agent.workers import LogLayout, WorkerGroup
 from rally.launcher import console
+from rally.rendezvous.backends import OpenedStore
+from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
-from rally.rendezvous.store import Store, StoreError, UntrustedValue, host_tcp_store, listen_address
+from rally.rendezvous.store import StoreError, UntrustedValue, host_tcp_store, listen_address
 
-EXIT_BAD_INPUT = 2
-EXIT_INFRASTRUCTURE = 1
-PENDING = object()  # a peer check has not answered yet
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
 
@@ -84,7 +86,8 @@ class Agent:
         self.loop = EventLoop(on_worker_exit=lambda w: self.health.note_exit(w.local_rank), on_child_signal=self._reap_orphans)
         self.preemption = Preemption(spec, self.host, plan.preferred_rank, self.loop, self.store_call, requeue)
         self.group: WorkerGroup | None = None
-        self.store: Store | None = None
+        self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
+        self.store: KeyValueStore | None = None
         self.store_server: Any = None
         self.worker_store: Any = None
         self.rdzv: Rendezvous | None = None
@@ -105,8 +108,13 @@ class Agent:
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
-        self.hangs = HangReporter(self)  # who really hung, from every node (agent/hang_report.py)
+        self.hangs = HangReporter(  # who really hung, from every node (agent/hang_report.py)
+            self.host, spec.is_python, self.health_settings.stack_dump_wait, self.loop, self.store_call,
+            connect=lambda: Rendezvous(self.store.connect_again(), plan.settings, self.node),
+            group=lambda: self.group, heartbeat_count=lambda r: self.health.heartbeat_count(r), emit=self.events.emit,
+        )  # fmt: skip
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
+        self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -151,9 +159,10 @@ class Agent:
 
     def _join_job(self) -> tuple[Rendezvous, Rendezvous, Rendezvous]:
         """Open (or host) the store and make this node known; one connection per watching thread."""
-        self.store, self.store_server = self.store_call(lambda: self.plan.open_store(self.spec.run_id, console.say), waiting=True)
+        self.opened = self.store_call(lambda: self.plan.open_store(self.spec.run_id, console.say), waiting=True)
+        self.store, self.store_server = self.opened.store, self.opened.server
         if self.store_server is not None:
-            console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
+            console.say(f"hosting the rendezvous store on port {self.opened.port}")
         self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
@@ -229,8 +238,9 @@ class Agent:
             # Every node stopped its old workers before it joined this round, so no worker of
             # an earlier attempt can write here any more: its keys go, rally's own stay.
             self.store_call(rdzv.clear_worker_keys)
-            self.store_call(lambda: rdzv.publish_master(a.round, self.plan.endpoint.host, self.plan.endpoint.port))
-            return (self.plan.endpoint.host, self.plan.endpoint.port)
+            where = self.opened.endpoint  # as bound
+            self.store_call(lambda: rdzv.publish_master(a.round, where.host, where.port))
+            return (where.host, where.port)
         if a.group_rank == 0:
             self.worker_store = None  # the previous round's store closes here
             self.worker_store = host_tcp_store(0, self.plan.read_timeout, listen_address(a.master_host))  # where MASTER_ADDR says
@@ -260,11 +270,11 @@ class Agent:
         """Until the round ends: signals, the threads' news, exits, hangs, success, in that order."""
         group = self.group
         assert group is not None
-        held: list[Any] = []  # [the job's first failure, the peer verdict or PENDING] - see _check_exits
+        self.held = None  # a local failure waiting for the peer check (see _check_exits)
         reported_success = False
         while True:
             self.loop.pump(self.health.next_due(time.monotonic()))
-            end = self._on_signals(rdzv, a) or self._on_events(rdzv, a, held) or self._check_exits(rdzv, a, held)
+            end = self._on_signals(rdzv, a) or self._on_events(rdzv, a) or self._check_exits(rdzv, a)
             hangs = end is None and self.health.check({w.local_rank: w.output.last_output_at() for w in group.running()})
             if hangs:
                 end = self._end_round(rdzv, a.round, self.hangs.report(rdzv, a, hangs[0]))
@@ -277,20 +287,20 @@ class Agent:
                     console.say(f"all {len(group.workers)} workers on this node finished; waiting for the other nodes")
                 self.store_call(lambda: rdzv.report_success(a.round, a.group_world_size))
 
-    def _on_events(self, rdzv: Rendezvous, a: Assignment, held: list[Any]) -> RoundEnd | None:
+    def _on_events(self, rdzv: Rendezvous, a: Assignment) -> RoundEnd | None:
         """What the round's threads posted (agent/round_threads.py, agent/hang_report.py)."""
         for kind, value in self.loop.take_events():
             if kind is Event.ROUND_END and value[0] == a.round:
                 return value[1]
-            if kind is Event.PEER_VERDICT and value[0] == a.round and held:
-                held[1] = value[1]
+            if kind is Event.PEER_VERDICT and value[0] == a.round and self.held is not None:
+                self.held.answer(value[1])
             if kind is Event.STORE_LOST:
-                raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.plan.endpoint))
+                raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.opened.endpoint))
             if kind is Event.DUMP_STACKS and value == a.round:
                 self.hangs.answer(rdzv, a)
         return None
 
-    def _check_exits(self, rdzv: Rendezvous, a: Assignment, held: list[Any]) -> RoundEnd | None:
+    def _check_exits(self, rdzv: Rendezvous, a: Assignment) -> RoundEnd | None:
         """Note exits; a local failure ends the round at once on one node, or once the peer
         check says whether a node was lost (then that is the cause, and this a consequence)."""
         assert self.group is not None
@@ -305,13 +315,13 @@ class Agent:
         end = failure_end(first, a, self.kill_causes.get(first.local_rank))
         if a.group_world_size == 1:
             return self._end_round(rdzv, a.round, end)
-        if not held:
-            held[:] = [self.store_call(lambda: rdzv.first_failure(a.round, end)), PENDING]
+        if self.held is None:
+            self.held = HeldFailure(self.store_call(lambda: rdzv.first_failure(a.round, end)))
             check_peers(self.loop.inbox.post, lambda: Rendezvous(self.store.connect_again(), rdzv.settings, self.node), a)
             return None
-        if held[1] is PENDING:
+        if not self.held.answered:
             return None
-        return self._end_failure(rdzv, a, held[0], held[1], end)
+        return self._end_failure(rdzv, a, self.held.first, self.held.silent, end)
 
     def _note_exit(self, a: Assignment, worker) -> None:  # noqa: ANN001 - agent.workers.Worker
         """Record a worker's exit once; explain a SIGKILL that nobody here sent."""
@@ -344,48 +354,49 @@ class Agent:
         return self.store_call(lambda: rdzv.declare_lost(a.round, group_rank, host, silent_for, note))
 
     def _after_round(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd) -> int | None:
-        """Stop this round's workers and decide: exit with a code, or None to go round again."""
+        """Stop this round's workers, then apply `decide` (agent/decide.py): an exit code, or
+        None to go round again."""
         group = self.group
         self._stop_workers(signal.SIGTERM)
         self.report.finish_attempt(group, end)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail)
         self.store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))
-        if end.kind is EndKind.SUCCEEDED:
-            self.store_call(lambda: rdzv.close_job(end))
-            console.say(f"job succeeded: {a.world_size} workers on {a.group_world_size} node{'s' if a.group_world_size != 1 else ''} finished")
-            self._exit_barrier(rdzv, a)
-            return 0
+        decision = decide(end, a, self.spec.max_restarts)
         if end.is_failure:
             self.last_failure = end
             console.error("root cause: " + explain(end))
-            if a.restart_count + 1 > self.spec.max_restarts:
-                return self._give_up(rdzv, a, end)
-            console.say(f"restarting all workers (restart {a.restart_count + 1} of {self.spec.max_restarts})")
-            self.events.emit("restart", round=a.round, restart_count=a.restart_count + 1, cause=end.detail)
+        if isinstance(decision, Restart):
+            console.say(f"restarting all workers (restart {decision.restart_count} of {self.spec.max_restarts})")
+            self.events.emit("restart", round=a.round, restart_count=decision.restart_count, cause=end.detail)
             return None
-        if end.kind is EndKind.PREEMPTED:
-            self.report.outcome = "preempted"
-            self.store_call(lambda: rdzv.close_job(end))
-            console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")
-            self._exit_barrier(rdzv, a)
-            return EXIT_PREEMPTED
+        if isinstance(decision, Reform):
+            if end.kind is EndKind.NODE_LOST:
+                console.error("root cause: " + end.detail)
+            console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
+            self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
+            return None
+        return self._exit(rdzv, a, end, decision)
+
+    def _exit(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd, decision: Exit) -> int:
+        """The job is over: close it for every node (unless it was closed already), say why."""
         if end.kind is EndKind.ABORTED:
             console.error(f"job ended: {end.detail}")
-            return int(end.info.get("exit_status", 1)) or 1
-        if end.kind is EndKind.NODE_LOST:
-            console.error("root cause: " + end.detail)
-        console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
-        self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
-        return None
-
-    def _give_up(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd) -> int:
-        """A failure with no restarts left ends the job for every node."""
-        self.report.outcome = "failed"
-        self.store_call(lambda: rdzv.close_job(RoundEnd(EndKind.ABORTED, f"restarts exhausted; {end.detail}", end.node, end.info)))
-        console.console().print(self.report.workers_table())
-        console.error(f"job failed: no restarts left (--max-restarts {self.spec.max_restarts}); report: {self.report.path}")
+            return decision.code
+        if decision.gave_up:  # a failure with no restarts left ends the job for every node
+            self.report.outcome = "failed"
+            end = RoundEnd(EndKind.ABORTED, f"restarts exhausted; {end.detail}", end.node, end.info)
+        elif end.kind is EndKind.PREEMPTED:
+            self.report.outcome = "preempted"
+        self.store_call(lambda: rdzv.close_job(end))
+        if decision.gave_up:
+            console.console().print(self.report.workers_table())
+            console.error(f"job failed: no restarts left (--max-restarts {self.spec.max_restarts}); report: {self.report.path}")
+        elif decision.code == EXIT_PREEMPTED:
+            console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")
+        else:
+            console.say(f"job succeeded: {a.world_size} workers on {a.group_world_size} node{'s' if a.group_world_size != 1 else ''} finished")
         self._exit_barrier(rdzv, a)
-        return int(end.info.get("exit_status", 1)) or 1
+        return decision.code
 
     def _exit_barrier(self, rdzv: Rendezvous, a: Assignment) -> None:
         if self.store_server is not None:  # a signal ends the wait at once
@@ -448,7 +459,7 @@ class Agent:
                 return None
             if self.rdzv is None:  # never reached: a wrong or dead endpoint is a setup problem
                 raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
-            raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(exc, self.plan.endpoint)) from None
+            raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(exc, self.opened.endpoint)) from None
 
     def _while_waiting(self) -> None:
         if self.probe and (stalled := self.probe.stalled()):  # a frozen store never answers the call
@@ -459,7 +470,9 @@ class Agent:
     def _stop_workers(self, signum: int) -> None:
         if self.group is not None:
             self.state = AgentState.STOPPING  # a signal now cuts the grace short and waits its turn
-            stop_workers(self.group, signum, self.spec.shutdown_timeout, self.loop, self.guard, self._helper_pids())
+            stop_workers(
+                self.group, signum, self.spec.shutdown_timeout, self.loop, self.guard, self._helper_pids(), self.spec.preemption_signals
+            )
             self.group = None
 
     def _reap_orphans(self) -> None:

@@ -8,7 +8,7 @@ them is killed:
 
     this node:   set <r>/dump (a request)          every other agent watches that key
     every node:  snapshot its workers -> <r>/stacks/<group_rank>
-    this node:   wait for all of them (bounded by `hang_report_wait`), name the culprit
+    this node:   wait for all of them (bounded by `HANG_REPORT_WAIT_SECONDS`), name the culprit
 
 A snapshot is the process state from /proc (taken before anything is sent to the process), the
 Python stacks of all its threads (faulthandler, installed by rally's bootstrap), and its
@@ -31,23 +31,24 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from rally.agent.event_loop import Event
+from rally.agent.exit_codes import EXIT_INFRASTRUCTURE
+from rally.agent.processes import process_state
 from rally.agent.spec import STACK_SIGNAL
 from rally.rendezvous.protocol import Assignment, EndKind, Rendezvous, RoundEnd
 from rally.rendezvous.store import StoreError
 
 if TYPE_CHECKING:
-    from rally.agent.agent import Agent
+    from rally.agent.event_loop import EventLoop
     from rally.agent.health import Hang
-    from rally.agent.workers import Worker
+    from rally.agent.workers import Worker, WorkerGroup
 
 # How long the node that found a hang waits for the other nodes' snapshots.
 HANG_REPORT_WAIT_SECONDS = 10.0
 # A stack dump is complete when the worker's stderr has been quiet this long.
 STACK_QUIET_SECONDS = 0.2
-EXIT_INFRASTRUCTURE = 1
 
 # Frames that mean "this rank is inside a collective": anything in torch.distributed, or a
 # collective's name (a wrapper such as DDP's may call it from elsewhere).
@@ -57,29 +58,6 @@ COLLECTIVE_FUNCTIONS = (
     "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "send", "recv",
 )  # fmt: skip
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<function>\S+)')
-
-# /proc/PID/stat state letters, as a person would say them.
-_STATES = {
-    "R": "running",
-    "S": "sleeping",
-    "D": "uninterruptible sleep (D)",
-    "T": "stopped (SIGSTOP)",
-    "t": "stopped (traced)",
-    "Z": "exited (zombie)",
-    "X": "exited",
-    "I": "idle",
-}
-
-
-def process_state(pid: int) -> str:
-    """The process's scheduler state in words ("stopped (SIGSTOP)", "sleeping", ...)."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one short read
-    except OSError:
-        return "exited"
-    letter = stat.rpartition(")")[2].split()[0]
-    return _STATES.get(letter, letter)
-
 
 def is_suspect_state(state: str) -> bool:
     return state.startswith("stopped") or state.startswith("uninterruptible")
@@ -176,8 +154,31 @@ def name_culprit(snapshots: list[Snapshot], found_hung: Snapshot | None) -> tupl
 class HangReporter:
     """The agent's side: snapshot this node's workers, ask the others, write the root cause."""
 
-    def __init__(self, agent: "Agent", wait: float = HANG_REPORT_WAIT_SECONDS):
-        self.agent = agent
+    def __init__(
+        self,
+        host: str,
+        is_python: bool,
+        stack_dump_wait: float,
+        loop: "EventLoop",
+        store_call: Callable[..., Any],
+        connect: Callable[[], Rendezvous],
+        group: Callable[[], "WorkerGroup | None"],
+        heartbeat_count: Callable[[int], int | None],
+        emit: Callable[..., None],
+        wait: float = HANG_REPORT_WAIT_SECONDS,
+    ):
+        """Everything comes from the agent, passed in: `store_call` runs a main-thread store
+        call (Agent.store_call), `connect` gives a Rendezvous on a connection of its own, `group`
+        this round's workers, `heartbeat_count` a local rank's beats, `emit` an event log entry."""
+        self.host = host
+        self.is_python = is_python
+        self.stack_dump_wait = stack_dump_wait
+        self.loop = loop
+        self.store_call = store_call
+        self.connect = connect
+        self.group = group
+        self.heartbeat_count = heartbeat_count
+        self.emit = emit
         self.wait = wait
         self.answered: set[int] = set()
 
@@ -191,11 +192,9 @@ class HangReporter:
             threading.Thread(target=self._watch_requests, args=(a.round,), daemon=True).start()
 
     def _watch_requests(self, r: int) -> None:
-        agent = self.agent
         try:
-            rdzv = Rendezvous(agent.store.connect_again(), agent.plan.settings, agent.node)
-            if rdzv.wait_stacks_request(r):
-                agent.loop.inbox.post(Event.DUMP_STACKS, r)
+            if self.connect().wait_stacks_request(r):
+                self.loop.inbox.post(Event.DUMP_STACKS, r)
         except StoreError:
             pass  # the store is gone: the keep-alive and round-end threads report that
 
@@ -205,11 +204,10 @@ class HangReporter:
         In a thread of its own, on a connection of its own: the round may be over because the
         store froze or this node was cut off, and a store call would then never return."""
         if self.cross_node(a):
-            agent = self.agent
 
             def release() -> None:
                 try:
-                    Rendezvous(agent.store.connect_again(), rdzv.settings, rdzv.me).end_stacks_requests(a.round)
+                    self.connect().end_stacks_requests(a.round)
                 except StoreError:
                     pass
 
@@ -221,27 +219,25 @@ class HangReporter:
             return
         self.answered.add(a.round)
         snapshots = [s.__dict__ for s in self.snapshot_workers(a)]
-        self.agent.store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, snapshots))
+        self.store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, snapshots))
 
     def snapshot_workers(self, a: Assignment) -> list[Snapshot]:
         """State first (before SIGCONT or the dump signal touch it), then stacks and heartbeats."""
-        agent = self.agent
-        group = agent.group
+        group = self.group()
         workers = group.running() if group is not None else []
         states = {w.local_rank: process_state(w.pid) for w in workers}
         stacks = self.collect_stacks(workers)
         return [
             Snapshot(
-                w.global_rank, w.local_rank, agent.host, w.pid, states[w.local_rank],
-                stacks.get(w.local_rank, []), agent.health.heartbeat_count(w.local_rank), a.group_rank,
+                w.global_rank, w.local_rank, self.host, w.pid, states[w.local_rank],
+                stacks.get(w.local_rank, []), self.heartbeat_count(w.local_rank), a.group_rank,
             )  # fmt: skip
             for w in workers
         ]
 
     def collect_stacks(self, workers: list["Worker"]) -> dict[int, list[str]]:
         """Ask each worker's faulthandler for all its threads' stacks, all at once; bounded wait."""
-        agent = self.agent
-        if not agent.spec.is_python or not workers:
+        if not self.is_python or not workers:
             return {}
         marks = {}
         for w in workers:
@@ -253,11 +249,11 @@ class HangReporter:
             except ProcessLookupError:
                 continue
         asked = [w for w in workers if w.local_rank in marks]
-        deadline = time.monotonic() + agent.health_settings.stack_dump_wait
+        deadline = time.monotonic() + self.stack_dump_wait
         seen: dict[int, int] = {}
         quiet_since = time.monotonic()
         while asked and time.monotonic() < deadline:
-            agent.loop.pump(0.05)
+            self.loop.pump(0.05)
             counts = {w.local_rank: len(w.output.stderr_since(marks[w.local_rank])) for w in asked}
             if counts != seen:
                 seen, quiet_since = counts, time.monotonic()
@@ -268,18 +264,19 @@ class HangReporter:
     # ------------------------------------------------------------ the node that found the hang
     def report(self, rdzv: Rendezvous, a: Assignment, hang: "Hang") -> RoundEnd:
         """Snapshot every rank on every node, name the culprit, and describe it as the round's end."""
-        agent = self.agent
-        found = next(w for w in agent.group.workers if w.local_rank == hang.local_rank)
-        reason = f"rank {found.global_rank} on {agent.host} {hang.reason}"
-        agent.events.emit("worker_hung", round=a.round, rank=found.global_rank, pid=found.pid, reason=hang.reason)
-        asking = self.cross_node(a) and agent.store_call(lambda: rdzv.request_stacks(a.round, reason))
+        group = self.group()
+        assert group is not None
+        found = next(w for w in group.workers if w.local_rank == hang.local_rank)
+        reason = f"rank {found.global_rank} on {self.host} {hang.reason}"
+        self.emit("worker_hung", round=a.round, rank=found.global_rank, pid=found.pid, reason=hang.reason)
+        asking = self.cross_node(a) and self.store_call(lambda: rdzv.request_stacks(a.round, reason))
         mine = self.snapshot_workers(a)
         snapshots = list(mine)
         missing: list[int] = []
         if asking:
             self.answered.add(a.round)
-            agent.store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, [s.__dict__ for s in mine]))
-            gathered = agent.store_call(lambda: rdzv.gather_stacks(a.round, a.group_world_size, self.wait), waiting=True)
+            self.store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, [s.__dict__ for s in mine]))
+            gathered = self.store_call(lambda: rdzv.gather_stacks(a.round, a.group_world_size, self.wait), waiting=True)
             for g in range(a.group_world_size):
                 if g == a.group_rank:
                     continue
@@ -299,7 +296,7 @@ class HangReporter:
         named: tuple[Snapshot, str] | None,
         missing: list[int],
     ) -> RoundEnd:
-        host = self.agent.host
+        host = self.host
         if named is None:  # the hung worker exited while it was being looked at
             culprit = Snapshot(found.global_rank, found.local_rank, host, found.pid, "exited", [], None, a.group_rank)
             why = ""

@@ -33,6 +33,7 @@ import psutil
 from rally.agent import heartbeat_file
 from rally.agent.gpu import DeviceReading, worker_usage
 from rally.agent.heartbeat_file import HeartbeatRecord
+from rally.agent.spec import RESOURCE_INTERVAL_SECONDS
 
 MEMORY_SHORT_FRACTION = 0.10  # the host counts as short of memory below 10% available
 MIB = 1024 * 1024
@@ -49,7 +50,7 @@ HEARTBEAT_READ_INTERVAL = 1.0
 class HealthSettings:
     heartbeat_timeout: float | None = None
     silence_timeout: float | None = None
-    resource_interval: float = 5.0
+    resource_interval: float = RESOURCE_INTERVAL_SECONDS
     stack_dump_wait: float = 2.0
     startup_timeout: float | None = None  # --startup-timeout: first beat due within this
 

@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 from rally.agent import processes
 from rally.agent.event_loop import EventLoop
+from rally.agent.exit_codes import EXIT_PREEMPTED
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
 from rally.launcher import console
 from rally.rendezvous.protocol import Assignment, EndKind, Rendezvous, RoundEnd
 
-# The job was preempted (or hit its time limit) and stopped on purpose: retry later. EX_TEMPFAIL.
-EXIT_PREEMPTED = 75
 
 
 class Preemption:

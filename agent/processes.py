@@ -249,3 +249,25 @@ def reap_zombies(keep: frozenset[int] | set[int]) -> list[int]:
             pass
     return reaped
 
+
+# /proc/PID/stat state letters, as a person would say them.
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible sleep (D)",
+    "T": "stopped (SIGSTOP)",
+    "t": "stopped (traced)",
+    "Z": "exited (zombie)",
+    "X": "exited",
+    "I": "idle",
+}
+
+
+def process_state(pid: int) -> str:
+    """The process's scheduler state in words ("stopped (SIGSTOP)", "sleeping", ...)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one short read
+    except OSError:
+        return "exited"
+    letter = stat.rpartition(")")[2].split()[0]
+    return _STATES.get(letter, letter)

@@ -23,6 +23,7 @@ from rally.agent.round_threads import StoreSilent
 from rally.agent.untrusted_files import open_for_writing, read_json_object
 from rally.agent.workers import Worker, WorkerGroup
 from rally.launcher.worker_table import worker_table
+from rally.rendezvous.backends import backend_of
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
 from rally.rendezvous.store import StoreEndpoint, UntrustedValue
 
@@ -172,6 +173,16 @@ class JobReport:
             f.write(json.dumps(data, indent=2).encode())
         os.replace(tmp, self.path)
 
+    def root_cause(self) -> str | None:
+        """The last round's end in one line: what failed and, when the worker raised, the
+        exception's last line, with where the full report is (None when no round ended)."""
+        for attempt in reversed(self.attempts):
+            if attempt.end:
+                info = attempt.end.get("info") or {}
+                last = [line.strip() for line in info.get("stderr_tail") or [] if line.strip()]
+                return attempt.end["detail"] + (f"; {last[-1]}" if last else "") + f" (full report: {self.path})"
+        return None
+
     def workers_table(self) -> Table:
         """The last attempt's workers on this node, for the console (launcher/worker_table.py)."""
         rows = self.attempts[-1].workers if self.attempts else []
@@ -182,14 +193,4 @@ def store_lost_line(exc: BaseException, endpoint: StoreEndpoint) -> str:
     """Why this node stops when its store is lost, silent or untrusted, and what to do next time."""
     if isinstance(exc, (StoreSilent, UntrustedValue)):
         return str(exc)
-    if endpoint.etcd:
-        return (
-            f"{exc}; the job cannot go on without its rendezvous, so this node stops. Check the cluster: "
-            f"etcdctl --endpoints {','.join(map(str, endpoint.etcd))} endpoint health"
-        )
-    return (
-        f"{exc}; the rendezvous store at {endpoint} is gone, so this node stops. Its host "
-        "was probably lost. To survive the loss of any compute node next time, run "
-        "`rally store --port PORT` on a machine that does not train and point "
-        "--rdzv-endpoint at it"
-    )
+    return backend_of(endpoint).lost_line(exc, endpoint)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from rally.agent.event_loop import Event
 from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
-from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings
+from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, RoundEnd
 from rally.rendezvous.store import StoreError
 
 # How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
@@ -146,6 +147,20 @@ class RoundThreads:
                     ),
                 )
                 return
+
+
+@dataclass
+class HeldFailure:
+    """A worker failed in a multi-node round: the job's first failure (first-wins, maybe another
+    node's), held until the peer check (`check_peers`) answers whether a node went silent
+    meanwhile, in which case that node's loss is the cause and the failure a consequence."""
+
+    first: RoundEnd
+    answered: bool = False
+    silent: tuple[int, float] | None = None  # (group rank, seconds silent) of a lost peer
+
+    def answer(self, verdict: tuple[int, float] | None) -> None:
+        self.answered, self.silent = True, verdict
 
 
 def check_peers(post: Post, connect: Callable[[], Rendezvous], a: Assignment) -> None:

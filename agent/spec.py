@@ -7,12 +7,16 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rally.agent.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOW
+
 STDOUT = 1
 STDERR = 2
 # The signal on which every Python worker dumps all its threads' stacks (see agent/bootstrap.py).
 # A real-time signal, so it never collides with a signal the training script uses.
 STACK_SIGNAL = signal.SIGRTMIN + 2
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
+# Seconds between samples of the workers' CPU, memory and threads (--resource-interval).
+RESOURCE_INTERVAL_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -45,10 +49,10 @@ class JobSpec:
     requeue: bool = False
     heartbeat_timeout: float | None = None
     silence_timeout: float | None = None
-    resource_interval: float = 5.0
+    resource_interval: float = RESOURCE_INTERVAL_SECONDS
     startup_timeout: float | None = None  # --startup-timeout: the first heartbeat is due within this
-    straggler_factor: float = 1.5  # --straggler-factor: slower than this x the others' median step time
-    straggler_window: int = 10  # --straggler-window: steps a step time is averaged over (and must persist)
+    straggler_factor: float = DEFAULT_FACTOR  # --straggler-factor: slower than this x the others' median step time
+    straggler_window: int = DEFAULT_WINDOW  # --straggler-window: steps a step time is averaged over (and must persist)
     metrics_port: int | None = None  # --metrics-port: serve Prometheus /metrics (0: a free port)
     checkpoint_dir: str | None = None
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint

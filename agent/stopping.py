@@ -9,16 +9,20 @@ from typing import Any
 
 from rally.agent import processes
 from rally.agent.event_loop import EventLoop
+from rally.agent.states import AgentState, SignalAction, signal_action
 from rally.launcher import console
 
 # How long to keep reading stopped workers' pipes to their end (a grandchild may hold them open).
 OUTPUT_DRAIN_SECONDS = 2.0
 
 
-def stop_workers(group: Any, signum: int, grace: float, loop: EventLoop, guard: Any, helpers: frozenset[int]) -> None:
+def stop_workers(
+    group: Any, signum: int, grace: float, loop: EventLoop, guard: Any, helpers: frozenset[int], preemption_signals: tuple[int, ...] = ()
+) -> None:
     """Signal every worker's group, keep draining output for up to `grace` s, then SIGKILL the
     whole tree (never `helpers`: the template and the orphan guard). A signal that arrives
-    meanwhile ends the grace at once and stays pending for the agent's next state."""
+    meanwhile means what the signal table says in STOPPING (agent/states.py): it cuts the
+    grace short, and stays pending for the agent's next state."""
     running = group.running()
     tree = processes.snapshot_descendants([w.process for w in running])
     for worker in running:
@@ -28,7 +32,8 @@ def stop_workers(group: Any, signum: int, grace: float, loop: EventLoop, guard: 
     pending = len(loop.signals)
     while group.running() and time.monotonic() < deadline:
         loop.pump(max(0.0, deadline - time.monotonic()))
-        if len(loop.signals) > pending:  # AgentState.STOPPING: SignalAction.CUT_GRACE
+        arrived = [signal_action(AgentState.STOPPING, s, preemption_signals) for s in loop.signals[pending:]]
+        if SignalAction.CUT_GRACE in arrived:
             break
     stuck = processes.kill_all([w.process for w in group.workers], tree, helpers)
     if stuck:

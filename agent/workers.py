@@ -22,7 +22,7 @@ from rally.agent import logs_specs
 from rally.agent.health import heartbeat_path
 from rally.agent.logs_specs import StreamPlan
 from rally.agent.output import OutputStream, WorkerOutput
-from rally.agent.processes import ChildProcess, describe_exit, spawn
+from rally.agent.processes import ChildProcess, describe_exit, process_state, spawn
 from rally.agent.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec
 from rally.agent.untrusted_files import open_for_writing
 from rally.rendezvous.protocol import Assignment
@@ -55,8 +55,6 @@ class Worker:
     def state(self) -> str:
         code = self.returncode
         if code is None:
-            from rally.agent.hang_report import process_state
-
             return "stopped (SIGSTOP)" if process_state(self.pid) == "stopped (SIGSTOP)" else "running"
         if code == 0:
             return "succeeded"

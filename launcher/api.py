@@ -7,17 +7,20 @@ notebooks, test harnesses):
     results = rally.launch({"nproc_per_node": 4, "max_restarts": 1}, train)(cfg)
     results[0]   # what train(cfg) returned on global rank 0
 
-The callable and its arguments are pickled into a file in a fresh run directory; every
-worker runs `python -m rally.launcher.callable_worker`, which loads them, calls the function
-and pickles its return value to `<run dir>/results/rank_<RANK>.pkl`. The job itself is the
-`rally` command run in this process, with every behaviour of the command: restarts, hang
-detection, the root cause. `fn` is pickled by reference, so it must be importable by the
-workers (a module-level function of an importable module); this process's sys.path is
-handed to them for that.
+Its options are the fields of `launcher.options.Options` by name, the same as the command's
+flags (an unknown name is one error line with the nearest valid one); PET_*/RALLY_* variables
+and then SLURM fill in what they leave open, as for the command. The callable and its arguments are pickled into a file in a
+fresh run directory; every worker runs `python -m rally.launcher.callable_worker`, which loads
+them, calls the function and pickles its return value to `<run dir>/results/rank_<RANK>.pkl`.
+The job runs in this process with every behaviour of the command: restarts, hang detection,
+the root cause, which a failed job's `LaunchError` names (from the agent, as a value). `fn` is
+pickled by reference, so it must be importable by the workers (a module-level function of an
+importable module); this process's sys.path is handed to them for that.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -26,10 +29,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from rally.launcher.cli import run
+from rally.launcher import console
+from rally.launcher.cli import in_this_process, launch_and_run, run
+from rally.launcher.config import ConfigError
+from rally.launcher.options import Options, by_name, from_environment
+
+__all__ = ["LaunchError", "launch", "run"]
 
 PAYLOAD = "payload.pkl"
 RESULTS = "results"
+EXIT_BAD_INPUT = 2
 
 
 class LaunchError(RuntimeError):
@@ -40,18 +49,6 @@ class LaunchError(RuntimeError):
         self.exit_code = exit_code
 
 
-def options_to_argv(options: Mapping[str, Any]) -> list[str]:
-    """{"nproc_per_node": 2, "standalone": True} -> ["--nproc-per-node", "2", "--standalone"]."""
-    argv: list[str] = []
-    for name, value in options.items():
-        flag = "--" + str(name).replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is not False and value is not None:
-            argv += [flag, ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
-    return argv
-
-
 def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: Any) -> Callable[..., dict[int, Any]]:
     """Return a function that runs `fn(*args, **kwargs)` on every worker of a rally job and
     returns {global rank: return value} of this node's workers.
@@ -60,20 +57,33 @@ def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: 
     `rdzv_endpoint="node1:29400"`, ...). Without a rendezvous endpoint or master address the
     job is `--standalone`. A failed job raises `LaunchError` naming the root cause.
     """
-    merged = {**(config or {}), **options}
-    if not any(merged.get(k) for k in ("rdzv_endpoint", "master_addr", "standalone")):
-        merged["standalone"] = True
+    try:
+        # As for the command: what the caller names wins over PET_*/RALLY_* variables.
+        given = {**from_environment(os.environ), **by_name({**(config or {}), **options})}
+    except ConfigError as exc:
+        raise LaunchError(str(exc), EXIT_BAD_INPUT) from None
+    if not any(given.get(k) for k in ("rdzv_endpoint", "master_addr", "standalone")):
+        given["standalone"] = True
+    chosen = Options(**given)
+    name = getattr(fn, "__qualname__", fn)
+    named = set(given)  # set by the caller or the environment: SLURM leaves them alone
 
     def call(*args: Any, **kwargs: Any) -> dict[int, Any]:
-        run_dir = Path(tempfile.mkdtemp(prefix="rally_launch_", dir=merged.get("log_dir")))
+        run_dir = Path(tempfile.mkdtemp(prefix="rally_launch_", dir=chosen.log_dir))
         (run_dir / RESULTS).mkdir()
         with open(run_dir / PAYLOAD, "wb") as f:
             pickle.dump({"fn": fn, "args": args, "kwargs": kwargs}, f)
         (run_dir / "sys_path.json").write_text(json.dumps([os.path.abspath(p or ".") for p in sys.path]))
-        argv = [*options_to_argv({**merged, "log_dir": str(run_dir / "logs")}), "-m", "rally.launcher.callable_worker", str(run_dir)]
-        code = run(argv)
-        if code != 0:
-            raise LaunchError(f"rally.launch: {getattr(fn, '__qualname__', fn)} failed: {_root_cause(run_dir)}", code)
+        job = dataclasses.replace(chosen, log_dir=str(run_dir / "logs"), module=True)
+        script = "rally.launcher.callable_worker"
+        try:
+            result = in_this_process(lambda: launch_and_run(job, script, [str(run_dir)], named))
+        except ConfigError as exc:
+            console.plain_error(str(exc))
+            raise LaunchError(f"rally.launch: {name}: {exc}", EXIT_BAD_INPUT) from None
+        if result.code != 0:
+            cause = result.root_cause or f"the job did not run (see the error above; logs in {run_dir})"
+            raise LaunchError(f"rally.launch: {name} failed: {cause}", result.code)
         results = {}
         for path in sorted((run_dir / RESULTS).glob("rank_*.pkl")):
             with open(path, "rb") as f:
@@ -81,16 +91,3 @@ def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: 
         return results
 
     return call
-
-
-def _root_cause(run_dir: Path) -> str:
-    """The root cause from the job's report.json (see agent/report.py)."""
-    for report in sorted((run_dir / "logs").glob("*/report.json")):
-        for attempt in reversed(json.loads(report.read_text()).get("attempts", [])):
-            end = attempt.get("end")
-            if end:
-                info = end.get("info") or {}
-                last = [line.strip() for line in info.get("stderr_tail") or [] if line.strip()]
-                # One line: what failed and, when the worker raised, the exception's last line.
-                return end["detail"] + (f"; {last[-1]}" if last else "") + f" (full report: {report})"
-    return f"the job did not run (see the error above; logs in {run_dir})"

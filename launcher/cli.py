@@ -10,73 +10,24 @@ RALLY_<NAME>) > the --config YAML file > SLURM (when inside a SLURM job) > defau
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import click
 from click.core import ParameterSource
 
-from rally.launcher import __version__, console
-from rally.launcher.config import ConfigError, build_launch, load_config_file
+from rally.launcher import __version__, console, options
+from rally.launcher.config import ConfigError, build_launch
+from rally.launcher.config_file import load_config_file
+from rally.launcher.flag_prefixes import expand_prefixes
+from rally.launcher.options import GROUPS, Options
 
-# Option declarations: (name, click kwargs, help group). The name's dashed and underscored
-# spellings are both accepted, as torchrun accepts both.
-GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "Health", "rally extras")
-
-OPTIONS: list[tuple[str, dict[str, Any], str]] = [
-    ("nnodes", dict(default="1:1", metavar="N|MIN:MAX", help="Number of nodes, or MIN:MAX for an elastic job."), "Job"),
-    ("nproc-per-node", dict(default="1", metavar="N|auto|cpu|gpu|xpu", help="Workers per node."), "Job"),
-    ("role", dict(default="default", help="Worker role name (ROLE_NAME, log prefixes)."), "Job"),
-    ("standalone", dict(is_flag=True, help="Single node: a private store on a free port, a random run id."), "Rendezvous"),
-    ("rdzv-backend", dict(default="static", metavar="c10d|etcd|static", help="c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: fixed node ranks."), "Rendezvous"),
-    ("rdzv-endpoint", dict(default="", metavar="HOST[:PORT]", help="The rendezvous store (c10d default port 29400), or etcd client endpoints HOST[:PORT],... (default port 2379)."), "Rendezvous"),
-    ("rdzv-id", dict(default="none", metavar="ID", help="Job id shared by all nodes."), "Rendezvous"),
-    ("rdzv-conf", dict(default="", metavar="K=V,...", help="join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, store_type, ..."), "Rendezvous"),
-    ("node-rank", dict(type=int, default=None, help="This node's rank (static backend)."), "Rendezvous"),
-    ("master-addr", dict(default=None, help="Address of node rank 0 (static backend)."), "Rendezvous"),
-    ("master-port", dict(type=int, default=None, help="Port of the store on node rank 0 (static backend)."), "Rendezvous"),
-    ("local-addr", dict(default=None, help="Address other nodes use to reach this one (default: FQDN)."), "Rendezvous"),
-    ("max-restarts", dict(type=int, default=0, help="Job-wide restarts allowed after worker failures."), "Restarts and shutdown"),
-    ("monitor-interval", dict(type=float, default=0.1, help="Accepted for torchrun compatibility; rally needs no polling."), "Restarts and shutdown"),
-    ("shutdown-timeout", dict(type=float, default=None, help="Grace period between the stop signal and SIGKILL (default 30 s)."), "Restarts and shutdown"),
-    ("signals-to-handle", dict(default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="Signals forwarded to workers before shutdown."), "Restarts and shutdown"),
-    ("start-method", dict(default="spawn", type=click.Choice(["spawn", "fork", "forkserver"]), help="Accepted for torchrun compatibility."), "Restarts and shutdown"),
-    ("preload", dict(default=None, metavar="MODULE,...", help="Modules a per-node template process imports once; workers are forked from it and start in milliseconds (default: torch, for Python entry points)."), "Restarts and shutdown"),
-    ("no-preload", dict(is_flag=True, help="No template: start every worker as a fresh python process."), "Restarts and shutdown"),
-    ("log-dir", dict(default=None, help="Base directory for per-rank log files and report.json."), "Logs and output"),
-    ("redirects", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files only: 1 stdout, 2 stderr, 3 both."), "Logs and output"),
-    ("tee", dict(default="0", metavar="0-3|R:B,...", help="Send streams to log files and the console."), "Logs and output"),
-    ("local-ranks-filter", dict(default="", metavar="R,...", help="Show only these local ranks on the console."), "Logs and output"),
-    ("duplicate-stdout-filters", dict(default="", metavar="S,...", help="Copy worker stdout lines containing any of these to attempt_<n>/filtered_stdout.log (,, is a comma)."), "Logs and output"),
-    ("duplicate-stderr-filters", dict(default="", metavar="S,...", help="The same for stderr, to filtered_stderr.log."), "Logs and output"),
-    ("logs-specs", dict(default=None, metavar="NAME", help="A LogsSpecs class from the torchrun.logs_specs entry points: where each worker's logs go."), "Logs and output"),
-    ("event-log-handler", dict(default="null", metavar="NAME", help="Accepted for torchrun compatibility; rally writes events.jsonl."), "Logs and output"),
-    ("virtual-local-rank", dict(is_flag=True, help="LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU."), "Job"),
-    ("numa-binding", dict(default=None, type=click.Choice(["node", "socket", "exclusive", "core-complex"]), help="torchrun's NUMA binding modes (applied only where GPUs exist)."), "Job"),
-    ("module", dict(is_flag=True, help="Run SCRIPT as a module, like python -m."), "Entry point"),
-    ("no-python", dict(is_flag=True, help="Run SCRIPT as an executable, not with python."), "Entry point"),
-    ("run-path", dict(is_flag=True, help="Run SCRIPT with runpy.run_path."), "Entry point"),
-    ("no-prefix", dict(is_flag=True, help="Do not prefix worker output lines with their rank."), "rally extras"),
-    ("quiet", dict(is_flag=True, help="Show only rally's own lines on the console, not the workers' output."), "Logs and output"),
-    ("checkpoint-dir", dict(default=None, help="Where workers save checkpoints (RALLY_CHECKPOINT_DIR)."), "rally extras"),
-    ("heartbeat-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat)."), "Health"),
-    ("silence-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without output."), "Health"),
-    ("resource-interval", dict(type=float, default=5.0, help="Seconds between samples of workers' CPU, memory and threads."), "Health"),
-    ("startup-timeout", dict(type=float, default=None, help="Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it started (default: off)."), "Health"),
-    ("straggler-factor", dict(type=float, default=1.5, help="Name a rank a straggler when its step time exceeds this many times the median of the other ranks' (default 1.5)."), "Health"),
-    ("straggler-window", dict(type=int, default=10, help="Steps a rank's step time is averaged over, and must stay slow for, before it is named (default 10)."), "Health"),
-    ("metrics-port", dict(type=int, default=None, help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed)."), "Health"),
-    ("preemption-signals", dict(default="SIGUSR1,SIGUSR2", help="Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint."), "rally extras"),
-    ("preemption-grace", dict(type=float, default=60.0, help="Seconds workers get to checkpoint after a preemption signal."), "rally extras"),
-    ("requeue", dict(is_flag=True, help="On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."), "rally extras"),
-    ("crash-loop-limit", dict(type=int, default=3, help="Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never)."), "rally extras"),
-    ("no-slurm", dict(is_flag=True, help="Ignore the SLURM environment even inside a SLURM job."), "rally extras"),
-]
-SHORT_NAMES = {"module": "-m", "redirects": "-r", "tee": "-t"}
 EARLY_BLOCKED_SIGNALS = {signal.SIGUSR1, signal.SIGUSR2}
-CONFIG_KEYS = [name.replace("-", "_") for name, _, _ in OPTIONS]
 
 EPILOG = """\b
 Examples:
@@ -127,6 +78,10 @@ def _complete_script(ctx: click.Context, param: click.Parameter, incomplete: str
 class GroupedCommand(click.Command):
     """Help text with options grouped by purpose, as torchrun users look for them."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Unambiguous prefixes of long flags are accepted, as torchrun's argparse accepts them."""
+        return super().parse_args(ctx, expand_prefixes(args, self.get_params(ctx)))
+
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The commands besides running a job, from their own help, then the examples."""
         with formatter.section("Commands"):
@@ -152,23 +107,33 @@ class GroupedCommand(click.Command):
 def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     if value:
         try:
-            ctx.default_map = load_config_file(value, CONFIG_KEYS)
+            ctx.default_map, ctx.meta["rally.origins"] = load_config_file(value)
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from None
     return value
 
 
+def click_option(name: str, default: Any, about: options.OptionInfo) -> click.Option:
+    """The click option of one field of the options model (launcher/options.py)."""
+    kwargs: dict[str, Any] = {"default": default, "help": about.help}
+    if about.kind is bool:
+        kwargs["is_flag"] = True
+    elif about.choices:
+        kwargs["type"] = click.Choice(list(about.choices))
+    elif about.kind in (int, float):
+        kwargs["type"] = about.kind
+    if about.metavar:
+        kwargs["metavar"] = about.metavar
+    option = click.Option([*options.spellings(name, about), name], envvar=options.env_names(name), show_envvar=False, **kwargs)
+    option.help_group = about.group  # type: ignore[attr-defined]
+    return option
+
+
 def _declare(fn: Callable) -> Callable:
-    for name, kwargs, group in reversed(OPTIONS):
-        dest = name.replace("-", "_")
-        spellings = [f"--{name}"] + ([f"--{dest}"] if dest != name else [])
-        if name in SHORT_NAMES:
-            spellings.insert(0, SHORT_NAMES[name])
-        env = [f"PET_{dest.upper()}", f"RALLY_{dest.upper()}"]
-        option = click.Option([*spellings, dest], envvar=env, show_envvar=False, **kwargs)
-        option.help_group = group  # type: ignore[attr-defined]
+    """One click option per field of the options model, in its order."""
+    for f in reversed(options.option_fields()):
         fn.__click_params__ = getattr(fn, "__click_params__", [])  # type: ignore[attr-defined]
-        fn.__click_params__.append(option)  # type: ignore[attr-defined]
+        fn.__click_params__.append(click_option(f.name, f.default, options.info(f)))  # type: ignore[attr-defined]
     return fn
 
 
@@ -184,78 +149,57 @@ def _declare(fn: Callable) -> Callable:
 @click.argument("script", required=False, shell_complete=_complete_script)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run_command(ctx: click.Context, config: str | None, script: str | None, script_args: tuple[str, ...], **options: Any) -> int:
+def run_command(ctx: click.Context, config: str | None, script: str | None, script_args: tuple[str, ...], **values: Any) -> int:
     """Launch SCRIPT on this node's workers, torchrun-compatible: same flags, same worker environment."""
     file_values = ctx.default_map or {}
     if script is None or ctx.get_parameter_source("script") == ParameterSource.DEFAULT_MAP:
         script = file_values.get("script")
         script_args = tuple(file_values.get("args", ()))
-    _apply_slurm(ctx, options)
-    launch = build_launch(options, script, list(script_args))
+    from_file = {n for n in values if ctx.get_parameter_source(n) == ParameterSource.DEFAULT_MAP}
+    origins = {n: where for n, where in ctx.meta.get("rally.origins", {}).items() if n in from_file}
+    given = {n for n in values if ctx.get_parameter_source(n) != ParameterSource.DEFAULT}
+    return launch_and_run(Options(**values, origins=origins), script, list(script_args), given).code
+
+
+@dataclass
+class JobResult:
+    """How a job ended on this node: the exit code and, when it failed, the root cause in one line."""
+
+    code: int
+    root_cause: str | None = None
+
+
+def launch_and_run(o: Options, script: str | None, script_args: list[str], given: set[str]) -> JobResult:
+    """Fill in from SLURM what `given` (the options the user set) leaves open, check everything,
+    run the agent. Shared by the `rally` command and `rally.launch`."""
+    slurm_job = None if o.no_slurm else _slurm_job()
+    if slurm_job is not None:
+        changes, taken = slurm_job.overrides(o, given)
+        o = dataclasses.replace(o, **changes)
+        console.say(slurm_job.describe(taken))
+    launch = build_launch(o, script, script_args, slurm_job)
     for note in launch.notes:
         console.say(note)
-    return _run_agent(launch, _slurm_requeue if options["requeue"] else None)
+    requeue = None
+    if o.requeue:
+        requeue = slurm_job.requeue if slurm_job is not None else _requeue_outside_slurm
+    return _run_agent(launch, requeue)
 
 
-def _slurm_requeue() -> str:
-    """Requeue this SLURM job (called by node 0's agent on a preemption signal)."""
-    import subprocess
-
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if not job_id:
-        raise RuntimeError("--requeue: not inside a SLURM job (SLURM_JOB_ID is unset)")
-    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RuntimeError(f"scontrol requeue {job_id} failed: {done.stderr.strip() or done.returncode}")
-    return f"requeued SLURM job {job_id}; it will resume from the latest checkpoint"
-
-
-def _apply_slurm(ctx: click.Context, options: dict[str, Any]) -> None:
-    """Inside a SLURM job, fill in what the user did not set from SLURM's environment.
-
-    Only options still at their defaults are taken (a flag, a PET_/RALLY_ variable or the
-    config file always wins), and one line says what was taken.
-    """
-    if options["no_slurm"]:
-        return
+def _slurm_job():  # noqa: ANN202 - launcher.slurm.SlurmJob | None, imported only here
     from rally.launcher.slurm import SlurmJob
 
     try:
-        job = SlurmJob.from_env(os.environ)
+        return SlurmJob.from_env(os.environ)
     except ValueError as exc:
         raise ConfigError(f"cannot read the SLURM environment: {exc} (use --no-slurm to ignore it)") from None
-    if job is None:
-        return
-
-    def unset(name: str) -> bool:
-        return ctx.get_parameter_source(name) == ParameterSource.DEFAULT
-
-    taken = []
-    options["_preferred_rank"] = job.node_rank
-    options["_slurm_job_id"] = job.job_id  # the job token derives from it (rendezvous/token.py)
-    if unset("nnodes"):
-        options["nnodes"] = str(job.nnodes)
-        taken += ["nnodes", "node_rank"]
-    rendezvous_set = (
-        not all(unset(n) for n in ("rdzv_endpoint", "master_addr", "master_port"))
-        or str(options["rdzv_backend"]).lower() in ("static", "etcd", "etcd-v2") and not unset("rdzv_backend")
-    )
-    if not options["standalone"] and not rendezvous_set:
-        options["rdzv_backend"] = "c10d"
-        options["rdzv_endpoint"] = f"{job.store_host}:{job.store_port}"
-        taken.append("rdzv_endpoint")
-    if unset("rdzv_id"):
-        options["rdzv_id"] = job.run_id
-        taken.append("rdzv_id")
-    if unset("nproc_per_node"):
-        options["nproc_per_node"] = "auto"
-    if str(options["nproc_per_node"]).lower() == "auto":
-        options["nproc_per_node"] = str(job.nproc_auto())
-        taken.append("nproc_per_node")
-    console.say(job.describe(taken))
 
 
-def _run_agent(launch, requeue: Callable[[], str] | None = None) -> int:  # noqa: ANN001 - launcher.config.Launch
+def _requeue_outside_slurm() -> str:
+    raise RuntimeError("--requeue: not inside a SLURM job (SLURM_JOB_ID is unset)")
+
+
+def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  # noqa: ANN001 - launcher.config.Launch
     from rally.rendezvous.store import quiet_torch_logs
 
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own
@@ -264,7 +208,9 @@ def _run_agent(launch, requeue: Callable[[], str] | None = None) -> int:  # noqa
 
     global _AGENT_RAN
     _AGENT_RAN = True
-    return Agent(launch.spec, launch.plan, base_env, requeue).run()
+    agent = Agent(launch.spec, launch.plan, base_env, requeue)
+    code = agent.run()
+    return JobResult(code, agent.report.root_cause() if code else None)
 
 
 _AGENT_RAN = False  # main() ends a process that ran the agent with os._exit (see there)
@@ -277,13 +223,18 @@ def run(argv: list[str]) -> int:
     process (it must be the main thread: it installs signal handlers); the handlers, the wake-up
     fd and the signal mask are put back when it returns.
     """
+    return in_this_process(lambda: _run_command(list(argv)))
+
+
+def in_this_process(fn: Callable[[], Any]) -> Any:
+    """Run `fn` (the command, or `rally.launch`'s job) with the signal state put back afterwards."""
     saved_mask = signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED_SIGNALS)
     handled = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2]
     saved_handlers = {s: signal.getsignal(s) for s in handled}
     saved_wakeup = signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(saved_wakeup)
     try:
-        return _run_command(list(argv))
+        return fn()
     finally:
         signal.set_wakeup_fd(saved_wakeup)
         for signum, handler in saved_handlers.items():
@@ -305,8 +256,9 @@ def _run_command(args: list[str]) -> int:
         message = exc.format_message()
         if isinstance(exc, click.NoSuchOption):
             message = f"no such option {exc.option_name}; see rally --help"
-            if exc.possibilities:
-                message = f"no such option {exc.option_name}; did you mean {sorted(exc.possibilities)[0]}?"
+            closest = difflib.get_close_matches(exc.option_name, list(exc.possibilities or ()), n=1, cutoff=0)
+            if closest:
+                message = f"no such option {exc.option_name}; did you mean {closest[0]}?"
         console.plain_error(message)
         return 2
     except click.ClickException as exc:

@@ -5,7 +5,10 @@ then agree, without talking to the others, on the run id, the number of nodes,
 its own node rank and where the rendezvous store lives. SLURM already knows all
 of that, so :class:`SlurmJob` maps its environment variables onto one small,
 immutable object (the shape of submitit's ``JobEnvironment``), and the launcher
-asks it instead of reading ``SLURM_*`` variables in several places.
+asks it instead of reading ``SLURM_*`` variables in several places: what SLURM
+fills in of the options (:meth:`SlurmJob.overrides`), where the store is
+(:attr:`SlurmJob.store_address`, for the agent and ``rally status`` alike), and
+requeueing the job (:meth:`SlurmJob.requeue`).
 
 This module imports nothing heavy and never talks to the controller, except
 that :func:`hostnames` asks ``scontrol`` to expand a host list when it can.
@@ -19,11 +22,15 @@ import re
 import shutil
 import subprocess
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from rally.rendezvous.backends import BACKENDS, HostPort
 
 __all__ = [
     "DESCRIBE_KEYS",
+    "REQUEUE_TIMEOUT_S",
     "SCONTROL_TIMEOUT_S",
     "STORE_PORT_BASE",
     "STORE_PORT_SPAN",
@@ -37,6 +44,9 @@ __all__ = [
 #: It is a local string operation; anything slower means a broken SLURM client
 #: (for example one that is waiting on a configless DNS lookup).
 SCONTROL_TIMEOUT_S: float = 5.0
+
+#: How long ``scontrol requeue`` may take (it talks to the controller, which may be busy).
+REQUEUE_TIMEOUT_S: float = 30.0
 
 #: The store port is chosen from ``STORE_PORT_BASE .. STORE_PORT_BASE + STORE_PORT_SPAN - 1``
 #: (15000-28999). Why this range: it lies below Linux's default ephemeral range
@@ -339,6 +349,45 @@ class SlurmJob:
     def nproc_auto(self) -> int:
         """Workers per node for ``--nproc-per-node auto`` (see :meth:`nproc_auto_with_source`)."""
         return self.nproc_auto_with_source()[0]
+
+    @property
+    def store_address(self) -> HostPort:
+        """Where this step's rendezvous store lives: the first host, a port derived from the ids."""
+        return HostPort(self.store_host, self.store_port)
+
+    def overrides(self, options: Any, given: Collection[str]) -> tuple[dict[str, Any], list[str]]:
+        """What SLURM fills in of `options` (launcher.options.Options): only what the user left
+        unset (`given` names the options set by a flag, a PET_/RALLY_ variable, the config file
+        or a keyword argument). Returns the new values and the names taken, for `describe`."""
+        changes: dict[str, Any] = {}
+        taken: list[str] = []
+        if "nnodes" not in given:
+            changes["nnodes"] = str(self.nnodes)
+            taken += ["nnodes", "node_rank"]
+        chosen = BACKENDS.get(str(options.rdzv_backend).lower())
+        rendezvous_set = (
+            any(name in given for name in ("rdzv_endpoint", "master_addr", "master_port"))
+            or chosen is not None and not chosen.takes_slurm_store and "rdzv_backend" in given
+        )
+        if not options.standalone and not rendezvous_set:
+            changes["rdzv_backend"] = "c10d"
+            changes["rdzv_endpoint"] = self.store_address
+            taken.append("rdzv_endpoint")
+        if "rdzv_id" not in given:
+            changes["rdzv_id"] = self.run_id
+            taken.append("rdzv_id")
+        nproc = "auto" if "nproc_per_node" not in given else options.nproc_per_node
+        if str(nproc).lower() == "auto":
+            changes["nproc_per_node"] = str(self.nproc_auto())
+            taken.append("nproc_per_node")
+        return changes, taken
+
+    def requeue(self) -> str:
+        """Requeue this job (node 0's agent calls it on a preemption signal with --requeue)."""
+        done = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"scontrol requeue {self.job_id} failed: {done.stderr.strip() or done.returncode}")
+        return f"requeued SLURM job {self.job_id}; it will resume from the latest checkpoint"
 
     def describe(self, taken: Iterable[str]) -> str:
         """One line for the launcher to print: what SLURM supplied and what was used.

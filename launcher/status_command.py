@@ -21,8 +21,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rally.launcher import console, validate
-from rally.launcher.config import DEFAULT_C10D_PORT, ConfigError, parse_endpoint, parse_etcd_endpoints
+from rally.launcher import console
+from rally.launcher.validate import ConfigError
+from rally.rendezvous.backends import SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
+from rally.rendezvous.protocol import job_prefix
 from rally.launcher.worker_table import straggler_line, worker_table
 
 
@@ -31,7 +33,7 @@ from rally.launcher.worker_table import straggler_line, worker_table
 @click.option("--rdzv-id", "--rdzv_id", "run_id", default=None, help="The job's run id (inside a SLURM job: taken from SLURM).")
 @click.option(
     "--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
-    type=click.Choice(["c10d", "etcd", "etcd-v2"], case_sensitive=False),
+    type=click.Choice(list(SELECTABLE), case_sensitive=False),
     help="etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
 )
 @click.option("--slurm-step", type=click.IntRange(min=0), default=0, show_default=True, help="Inside a SLURM job: the srun step that runs rally.")
@@ -39,25 +41,20 @@ from rally.launcher.worker_table import straggler_line, worker_table
 def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm_step: int, timeout: float) -> int:
     """Show the nodes, round, restart count and workers of a running job."""
     from rally.rendezvous.status import read_job_status
-    from rally.rendezvous.store import StoreEndpoint, StoreUnavailable, open_store, quiet_torch_logs
+    from rally.rendezvous.store import StoreUnavailable, quiet_torch_logs
     from rally.rendezvous.store_connect import NoStoreThere, bounded
     from rally.rendezvous.token import ENV_TOKEN, Signer
 
     quiet_torch_logs()
     endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     try:
-        if backend.lower().startswith("etcd"):
-            where = StoreEndpoint("", 0, host_here=False, etcd=parse_etcd_endpoints(endpoint))
-        else:
-            host, port = parse_endpoint(endpoint, DEFAULT_C10D_PORT)
-            validate.resolvable(host, "--rdzv-endpoint")
-            where = StoreEndpoint(host, port, host_here=False)
-    except ConfigError as exc:
+        where = backend_named(backend).locate(endpoint)
+    except EndpointError as exc:
         raise click.UsageError(str(exc)) from None
     try:
         token = os.environ.get(ENV_TOKEN, "")  # without it, records are shown unverified
         signer = Signer(token, verify=bool(token))
-        store, _ = open_store(where, f"rally/{run_id}/", timeout, timeout, signer)
+        store = open_endpoint(where, job_prefix(run_id), timeout, timeout, signer).store
         # Bounded as a whole: a store that freezes after the connect must not hang the command.
         status = bounded(lambda: read_job_status(store), timeout, f"reading job {run_id} from {where}")
     except (StoreUnavailable, NoStoreThere) as exc:
@@ -80,7 +77,7 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
     return 0
 
 
-def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tuple[str, str]:
+def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tuple[str | HostPort, str]:
     """What is missing of endpoint and run id, taken from SLURM as the agent of `step` takes it."""
     if endpoint and run_id:
         return endpoint, run_id
@@ -96,7 +93,7 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
             "give --rdzv-endpoint HOST:PORT and --rdzv-id ID (only inside a SLURM job step are they taken from SLURM)"
         )
     job = dataclasses.replace(job, step_id=step)
-    return endpoint or f"{job.store_host}:{job.store_port}", run_id or job.run_id
+    return endpoint or job.store_address, run_id or job.run_id
 
 
 def status_table(run_id: str, where: str, status: dict, now: float) -> Table:

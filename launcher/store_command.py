@@ -35,7 +35,7 @@ def store_command(port: int, timeout: float) -> int:
         raise validate.ConfigError(  # one line, exit 2 (launcher/cli.py): a taken port is the user's to change
             f"cannot serve a store on port {port}: {str(exc).splitlines()[0]}; pick a free --port (0: any)"
         ) from None
-    server.set(SERVICE_MARKER_KEY, "rally store")  # agents on this host may share it (store.open_store)
+    server.set(SERVICE_MARKER_KEY, "rally store")  # agents on this host may share it (store.open_tcp_store)
     console.say(f"rendezvous store listening on port {server.port}; point agents at --rdzv-endpoint HOST:{server.port}")
     received: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any
 
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 
@@ -80,16 +80,16 @@ def numa_note(mode: str | None, gpus: int) -> str | None:
     return None  # applied per worker: agent/numa.py
 
 
-def extras(o: Mapping[str, Any], nproc: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
-    """JobSpec fields and notes for the newer torchrun flags."""
-    check_virtual_local_rank(bool(o.get("virtual_local_rank")), nproc)
-    notes = [n for n in (logs_specs_note(o.get("logs_specs")), event_log_note(o.get("event_log_handler")), numa_note(o.get("numa_binding"), gpus)) if n]
+def extras(o: Any, nproc: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
+    """JobSpec fields and notes for the newer torchrun flags (`o`: launcher.options.Options)."""
+    check_virtual_local_rank(bool(o.virtual_local_rank), nproc)
+    notes = [n for n in (logs_specs_note(o.logs_specs), event_log_note(o.event_log_handler), numa_note(o.numa_binding, gpus)) if n]
     fields = {
-        "virtual_local_rank": bool(o.get("virtual_local_rank")),
-        "numa_binding": o.get("numa_binding") if gpus else None,
-        "logs_specs": o.get("logs_specs") or None,
-        "duplicate_stdout_filters": comma_separated_list(o.get("duplicate_stdout_filters")),
-        "duplicate_stderr_filters": comma_separated_list(o.get("duplicate_stderr_filters")),
+        "virtual_local_rank": bool(o.virtual_local_rank),
+        "numa_binding": o.numa_binding if gpus else None,
+        "logs_specs": o.logs_specs or None,
+        "duplicate_stdout_filters": comma_separated_list(o.duplicate_stdout_filters),
+        "duplicate_stderr_filters": comma_separated_list(o.duplicate_stderr_filters),
     }
     if fields["numa_binding"]:
         check_numa_binding(fields["numa_binding"], nproc)

@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -49,21 +48,6 @@ UNHANDLED_SIGNALS = {
 
 # Options whose value, in a config file, is a list of strings rather than a scalar.
 LIST_OPTIONS = {"preload", "args"}
-
-# (option, may be zero) for every timeout or interval option given in seconds.
-SECONDS_OPTIONS = {
-    "shutdown_timeout": True,
-    "preemption_grace": True,
-    "monitor_interval": True,
-    "heartbeat_timeout": False,
-    "silence_timeout": False,
-    "resource_interval": False,
-}
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
 
 # ------------------------------------------------------------------ config file values
 def check_config_values(path: str, data: Mapping[str, Any]) -> None:
@@ -187,52 +171,7 @@ def python_script(script: str, module: bool) -> None:
         raise ConfigError(f"training script '{script}' is a directory; give the script file, e.g. {Path(script) / 'train.py'}")
 
 
-def resolvable(host: str, option: str) -> None:
-    """The store's host must resolve here; otherwise rally would wait out join_timeout for nothing."""
-    try:
-        socket.getaddrinfo(host, None)
-    except (OSError, UnicodeError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise ConfigError(f"{option}: host '{host}' does not resolve ({reason}); check the name, or use an IP address") from None
-
-
-def file_store_path(text: str) -> None:
-    parent = Path(text).parent
-    if not parent.is_dir():
-        raise ConfigError(f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a shared file system")
-
-
 # ------------------------------------------------------------------ all options together
-def check_entry_point(o: Mapping[str, Any], script: str) -> None:
-    """The program to run can be run: an executable for --no-python, a file or module name otherwise."""
-    if o.get("no_python"):
-        runnable_program(script)
-    else:
-        python_script(script, bool(o.get("module")))
-
-
-def check_options(o: Mapping[str, Any]) -> None:
-    """Everything that can be checked from the raw options alone, before parsing builds the job.
-
-    Directories come last: checking them creates them, which only a launch that is otherwise
-    sound should do.
-    """
-    for name, zero_ok in SECONDS_OPTIONS.items():
-        if o.get(name) is not None:
-            minimum = MIN_INTERVAL if name in ("resource_interval", "monitor_interval") else 0.0
-            seconds(o[name], flag(name), zero_ok=zero_ok, minimum=minimum)
-    shutdown_env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    if o.get("shutdown_timeout") is None and shutdown_env:
-        seconds(shutdown_env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", zero_ok=True)
-    if o.get("master_port") is not None:
-        port(o["master_port"], "--master-port")
-    if not str(o.get("rdzv_id", "none")).strip():
-        raise ConfigError("--rdzv-id is empty; give the id every node of the job shares, e.g. --rdzv-id job42")
-    for name in ("log_dir", "checkpoint_dir"):
-        if o.get(name) is not None:
-            writable_dir(o[name], flag(name))
-
-
 def check_counts(nproc: int, max_nodes: int, node_rank: Any) -> None:
     if nproc > MAX_NPROC_PER_NODE:
         raise ConfigError(f"--nproc-per-node {nproc}: at most {MAX_NPROC_PER_NODE} workers per node")

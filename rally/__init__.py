@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from rally.launcher import __version__  # noqa: E402,F401 - written once, in launcher/__init__.py
 
 _LAZY = {
     "job": ("rally.agent.job", None),

@@ -1,6 +1,6 @@
 """The rendezvous store on an etcd cluster: rally's round protocol without a single point of failure.
 
-`EtcdStore` has the interface of `rally.rendezvous.store.Store` (the one the round protocol in
+`EtcdStore` implements `rally.rendezvous.kv.KeyValueStore` (the interface the round protocol in
 `protocol.py` uses) and raises the same `StoreTimeout` / `StoreUnavailable`, so the protocol
 runs unchanged on it. Each operation maps onto etcd v3 as follows:
 
@@ -34,7 +34,7 @@ from rally.rendezvous.etcd_client import (
     b64,
     unb64,
 )
-from rally.rendezvous.store import StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.kv import KeyValueStore, StoreTimeout, StoreUnavailable, UntrustedValue
 
 # How long rally tries the endpoints at start before giving up with one clear line: etcd is
 # infrastructure that must already be running, so an unreachable cluster is reported fast.
@@ -43,7 +43,7 @@ CONNECT_SECONDS = 5.0
 MAX_TXN_OPS = 128
 
 
-class EtcdStore:
+class EtcdStore(KeyValueStore):
     """One client of an etcd cluster with every key under `prefix` (see the module docstring)."""
 
     leased_liveness: ClassVar[bool] = True  # keep-alives are leases that expire by themselves
@@ -54,9 +54,6 @@ class EtcdStore:
         self.prefix = prefix
         self.op_timeout = op_timeout
         self.describe = f"etcd at {client.describe()}"
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}{name}"
 
     def _k(self, name: str) -> str:
         return b64(self.key(name))
@@ -201,13 +198,6 @@ class EtcdStore:
                     break
                 if time.monotonic() >= deadline:
                     raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(name)} in {self.describe}")
-
-    def try_wait(self, names: Sequence[str], timeout: float) -> bool:
-        try:
-            self.wait(names, timeout)
-            return True
-        except StoreTimeout:
-            return False
 
     def wait_deleted(self, name: str, timeout: float) -> bool:
         """True once `name` is absent (deleted, or its lease expired); False after `timeout` s."""

@@ -13,15 +13,29 @@ The ring (each member watches the next one's keep-alive counter) notices a dead 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousSettings
 from rally.rendezvous.records import EndKind, RoundEnd
 
-if TYPE_CHECKING:
-    from rally.rendezvous.protocol import Rendezvous
 
-# Long waits are cut into slices at most this long.
-WAIT_SLICE_SECONDS = 30.0
+class Rendezvous(Protocol):
+    """What these judgements need of `protocol.Rendezvous` (declared here, so that the
+    protocol, which calls into this module, is not imported back)."""
+
+    settings: RendezvousSettings
+
+    def alive_count(self, r: int, group_rank: int) -> int: ...
+
+    def round_ended_within(self, r: int, timeout: float) -> bool: ...
+
+    def raise_if_closed(self) -> None: ...
+
+    def count_lost(self, r: int, nodes: int) -> None: ...
+
+    def end_round(self, r: int, end: RoundEnd) -> RoundEnd: ...
+
+    def wait_round_end(self, r: int) -> RoundEnd: ...
 
 
 def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tuple[int, float] | None:

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from rally.rendezvous.records import Assignment, NodeInfo, RoundEnd, RoundRecord
 
 
+# Long waits are cut into slices this long so a closed job or a stop request is noticed.
+WAIT_SLICE_SECONDS = 30.0
+
+
 class RendezvousError(Exception):
     """The job cannot be formed; the message says why and what to do."""
 

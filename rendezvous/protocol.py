@@ -36,10 +36,12 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
+from rally.rendezvous.liveness import wait_round_end_or_dead
 from rally.rendezvous.membership import (
     JobClosed,
     RendezvousError,
     RendezvousSettings,
+    WAIT_SLICE_SECONDS,
     assign_group_ranks,
     assignments_for,
     counts_entering,
@@ -57,7 +59,15 @@ from rally.rendezvous.records import (
     RoundRecord,
     parse_master,
 )
-from rally.rendezvous.store import Store, StoreTimeout, UntrustedValue
+from rally.rendezvous.kv import KeyValueStore as Store, StoreTimeout, UntrustedValue
+
+
+RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
+
+
+def job_prefix(run_id: str) -> str:
+    """Every key of the job `run_id` lives under this prefix (the store is shared by jobs)."""
+    return f"{RALLY_PREFIX}{run_id}/"
 
 
 # Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
@@ -71,8 +81,6 @@ def status_key(node_id: str) -> str:
     return f"status/node/{node_id}"
 
 
-# Long waits are cut into slices this long so a closed job or a stop request is noticed.
-WAIT_SLICE_SECONDS = 30.0
 # The value of a round's `dump` key once the round is over (agent/hang_report.py).
 STACKS_ROUND_OVER = "over"
 
@@ -256,7 +264,6 @@ class Rendezvous:
                 f"the job is full ({members} of at most {self.settings.max_nodes} nodes); "
                 "waiting as a spare until a node leaves"
             )
-        from rally.rendezvous.liveness import wait_round_end_or_dead  # imports this module
 
         end = wait_round_end_or_dead(self, r, members)
         if end.kind in FINAL_KINDS:
@@ -390,7 +397,7 @@ class Rendezvous:
 
     def clear_worker_keys(self) -> int:
         """Static backend (workers share this store): drop an earlier attempt's worker keys."""
-        return self.store.delete_keys_outside("rally/")
+        return self.store.delete_keys_outside(RALLY_PREFIX)
 
     # ----------------------------------------------------------------- straggler medians (agent/observer.py)
     def publish_step_times(self, r: int, summary: str) -> None:

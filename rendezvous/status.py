@@ -10,7 +10,7 @@ import json
 
 from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED, STATUS_NODES, status_key
 from rally.rendezvous.records import MAX_COUNT, RoundEnd
-from rally.rendezvous.store import Store, UntrustedValue
+from rally.rendezvous.kv import KeyValueStore as Store, UntrustedValue
 
 
 def read_job_status(store: Store) -> dict | None:

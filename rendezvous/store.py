@@ -18,29 +18,14 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
+from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
 from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
     from torch.distributed import Store as TorchStore
-
-
-class StoreError(Exception):
-    """Base of store failures that the agent turns into a readable reason."""
-
-
-class StoreTimeout(StoreError):
-    """A wait or get did not see its keys in time; the store itself is fine."""
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot be reached (never was, or its host died)."""
-
-
-class UntrustedValue(StoreError):
-    """A key holds a value this job did not write, or one out of range; the message names the key."""
 
 
 # The key a `rally store` process writes, so an agent on the same host can tell it from a stranger.
@@ -66,8 +51,11 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=max(value, 0.001))
 
 
+__all__ = ["Store", "StoreEndpoint", "StoreError", "StoreTimeout", "StoreUnavailable", "UntrustedValue"]
+
+
 @dataclass
-class Store:
+class Store(KeyValueStore):
     """One connection to a c10d store, with every key under `prefix`.
 
     `describe` is what error messages call the store, e.g. "the rendezvous store at node1:29400".
@@ -77,13 +65,7 @@ class Store:
     prefix: str
     describe: str
     _reconnect: Callable[[], "TorchStore"]
-    # Keep-alives are counters watched in a ring here; stores whose keys can expire by
-    # themselves (etcd leases, rendezvous/etcd_store.py) set this and offer lease calls instead.
-    leased_liveness: ClassVar[bool] = False
     signer: Signer = field(default_factory=Signer)
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}{name}"
 
     def _call(self, fn: Callable, *args):
         from torch.distributed import DistNetworkError, DistStoreError
@@ -182,13 +164,6 @@ class Store:
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
         self._call(self.raw.wait, [self.key(n) for n in names], _seconds(timeout))
-
-    def try_wait(self, names: Sequence[str], timeout: float) -> bool:
-        try:
-            self.wait(names, timeout)
-            return True
-        except StoreTimeout:
-            return False
 
     def connect_again(self) -> "Store":
         """A second connection to the same store, for a thread that blocks in `wait`."""
@@ -314,15 +289,18 @@ def connect_tcp_store(
         raise StoreUnavailable(str(exc)) from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class StoreEndpoint:
-    """Where the rendezvous store lives and whether this process should host it."""
+    """Where the rendezvous store lives, which backend speaks to it (rendezvous/backends.py),
+    and whether this process should host it. `port` is the one asked for (0: any free port);
+    the port a hosted store is bound to is reported by the opened store, never written here."""
 
     host: str
     port: int
     host_here: bool
     file_path: str | None = None
     etcd: tuple = ()  # etcd client endpoints (etcd_client.Member) for the etcd backends
+    backend: str = "c10d"  # the registry entry that opens it (rendezvous/backends.py)
 
     def __str__(self) -> str:
         if self.etcd:
@@ -330,7 +308,23 @@ class StoreEndpoint:
         return self.file_path or f"{self.host}:{self.port}"
 
 
-def open_store(
+def open_file_store(path: str, prefix: str, op_timeout: float, signer: Signer) -> Store:
+    """A FileStore on a shared file system (`--rdzv-conf store_type=file`)."""
+    from torch.distributed import FileStore
+
+    def reconnect_file() -> "TorchStore":
+        store = FileStore(path, -1)
+        store.set_timeout(_seconds(op_timeout))
+        return store
+
+    describe = f"the rendezvous file store at {path}"
+    try:
+        return Store(reconnect_file(), prefix, describe, reconnect_file, signer)
+    except Exception as exc:  # noqa: BLE001
+        raise StoreUnavailable(f"cannot open {describe}: {_first_line(exc)}") from exc
+
+
+def open_tcp_store(
     endpoint: StoreEndpoint,
     prefix: str,
     connect_timeout: float,
@@ -338,36 +332,16 @@ def open_store(
     signer: Signer | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Store, "TorchStore | None"]:
-    """Open the rendezvous store; return the client and, when hosted here, the server object.
+    """Open a TCPStore; return the client and, when hosted here, the server object (its
+    `port` is the bound one; `endpoint` is left as it was).
 
     The server object must be kept alive for as long as the store should exist. When this
     host should serve but the port is taken, it connects as a client only if the store there
     belongs to this job (another agent of the job hosts it and signed its marker) or is a
     `rally store` service; anything else (another job's store, another program) is an error,
-    never a silent join of a stranger's store. For the etcd backends the client is an
-    `EtcdStore` (same interface; etcd's own authentication guards it) and nothing is hosted here.
+    never a silent join of a stranger's store.
     """
-    if endpoint.etcd:
-        from rally.rendezvous.etcd_store import open_etcd_store
-
-        return open_etcd_store(endpoint.etcd, prefix, op_timeout), None  # type: ignore[return-value]
     signer = signer or Signer()
-    if endpoint.file_path:
-        from torch.distributed import FileStore
-
-        path = endpoint.file_path
-
-        def reconnect_file() -> "TorchStore":
-            store = FileStore(path, -1)
-            store.set_timeout(_seconds(op_timeout))
-            return store
-
-        describe = f"the rendezvous file store at {path}"
-        try:
-            return Store(reconnect_file(), prefix, describe, reconnect_file, signer), None
-        except Exception as exc:  # noqa: BLE001
-            raise StoreUnavailable(f"cannot open {describe}: {_first_line(exc)}") from exc
-
     server = None
     port = endpoint.port
     port_taken = False
@@ -377,7 +351,6 @@ def open_store(
             bind = listen_address(endpoint.host)
             server = host_tcp_store(port, op_timeout, bind)
             port = server.port
-            endpoint.port = port
         except Exception:  # noqa: BLE001 - port in use: someone on this host already serves
             if port == 0:
                 raise

@@ -24,7 +24,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 # c10d's wire protocol (TCPStoreBackend.hpp): a query is one byte, VALIDATE carries a uint32.
 QUERY_VALIDATE, QUERY_GETNUMKEYS = 0, 7
@@ -42,6 +43,22 @@ ATTEMPT_SECONDS = 5.0
 CONSTRUCTOR_SLACK_SECONDS = 1.0
 
 
+# Where the current thread's connects report progress (set by `reporting_progress`), so a
+# caller far above the store backends (the agent) can hear it without every layer passing it on.
+_reporter = threading.local()
+
+
+@contextmanager
+def reporting_progress(progress: Callable[[str], None] | None) -> Iterator[None]:
+    """Within this block, this thread's connects say every few seconds what they wait for."""
+    before = getattr(_reporter, "progress", None)
+    _reporter.progress = progress
+    try:
+        yield
+    finally:
+        _reporter.progress = before
+
+
 class NoStoreThere(Exception):
     """The endpoint cannot be used as a store; the message says why, in one line."""
 
@@ -56,7 +73,7 @@ def wait_for_store(
 ) -> None:
     """Return once `host:port` accepts a connection and answers as a c10d store; else NoStoreThere."""
     answer_timeout = min(answer_timeout, FIRST_ANSWER_SECONDS)
-    conn = _connect(host, port, describe, connect_timeout, progress)
+    conn = _connect(host, port, describe, connect_timeout, progress or getattr(_reporter, "progress", None))
     try:
         conn.settimeout(answer_timeout)
         conn.sendall(struct.pack("<BIB", QUERY_VALIDATE, VALIDATION_MAGIC, QUERY_GETNUMKEYS))

@@ -101,3 +101,61 @@ def test_every_test_starts_rally_through_the_one_launch_helper() -> None:
         if p.name not in ("helpers.py", "test_layout.py") and ('"-m", "rally"' in p.read_text() or "rally_argv(" in p.read_text())
     ]
     assert spelled == []
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """rally's modules and the rally modules each imports (at run time or for type checking)."""
+    graph: dict[str, set[str]] = {}
+    for path in modules():
+        package = f"rally.{path.parent.name}"
+        name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rally"):
+                packages = {f"rally.{p}" for p in PACKAGES}
+                found |= {f"{node.module}.{a.name}" for a in node.names} if node.module in packages else {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("rally")}
+        graph[name] = found
+    return {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle: the strongly connected components with more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_no_import_circles() -> None:
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -14,7 +14,7 @@ import pytest
 
 from rally.rendezvous.liveness import silent_peer
 from rally.rendezvous.protocol import JobClosed, NodeInfo, Rendezvous, RendezvousError, RendezvousSettings, RoundEnd
-from rally.rendezvous.store import Store, StoreEndpoint, StoreUnavailable, UntrustedValue, connect_tcp_store, host_tcp_store, open_store
+from rally.rendezvous.store import Store, StoreEndpoint, StoreUnavailable, UntrustedValue, connect_tcp_store, host_tcp_store, open_tcp_store
 from rally.rendezvous.token import Signer
 
 pytestmark = pytest.mark.timeout(60)
@@ -288,21 +288,21 @@ def test_a_negative_counter_is_out_of_range(server):
 def test_a_standalone_store_listens_on_loopback_only():
     import psutil
 
-    store, server = open_store(StoreEndpoint("localhost", 0, host_here=True), "rally/x/", 5, 5, Signer("t"))
+    store, server = open_tcp_store(StoreEndpoint("localhost", 0, host_here=True), "rally/x/", 5, 5, Signer("t"))
     listening = [c for c in psutil.net_connections("tcp") if c.laddr.port == server.port and c.status == "LISTEN"]
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), listening
 
 
 def test_a_taken_port_is_joined_only_when_this_job_hosts_it(server):
-    mine, host = open_store(StoreEndpoint("127.0.0.1", 0, host_here=True), "rally/job1/", 5, 5, Signer("t1"))
+    mine, host = open_tcp_store(StoreEndpoint("127.0.0.1", 0, host_here=True), "rally/job1/", 5, 5, Signer("t1"))
     port = host.port
-    same, second_host = open_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job1/", 5, 5, Signer("t1"))
+    same, second_host = open_tcp_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job1/", 5, 5, Signer("t1"))
     assert second_host is None and same.get("host")
     began = time.monotonic()
     with pytest.raises(StoreUnavailable, match="not this job's store"):
-        open_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job2/", 1, 1, Signer("t2"))
+        open_tcp_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job2/", 1, 1, Signer("t2"))
     with pytest.raises(StoreUnavailable, match="did not sign with this job's token"):
-        open_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job1/", 1, 1, Signer("wrong"))
+        open_tcp_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job1/", 1, 1, Signer("wrong"))
     assert time.monotonic() - began < 5
 
 

@@ -1,0 +1,98 @@
+"""A `--config` YAML job file: its keys are the options of launcher/options.py (either spelling)
+plus `script` and `args`, and every value must have its option's type.
+
+Every mistake is one line naming the file, the line and the key: an unknown key (with the
+nearest valid one), a key given twice (also as `nproc-per-node` and `nproc_per_node`), a flag
+that is not true/false (`standalone: 1`), a count that is not a whole number
+(`max-restarts: 2.9`, which would otherwise silently become 2). Values that have the right
+type but a bad value (`nproc-per-node: two`) are checked with the other options, and their
+message names the file and line too (`Options.origins`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import yaml
+
+from rally.launcher import options, validate
+from rally.launcher.validate import ConfigError
+
+EXTRA_KEYS = ("script", "args")
+
+
+def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The file's values by option name, and where each came from ("--config F, line N, 'key'")."""
+    try:
+        text = validate.config_text(path)  # a regular file only: a FIFO must not hang us
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save it as UTF-8") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"--config {path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    valid = [*options.names(), *EXTRA_KEYS]
+    result: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    lines: dict[str, tuple[int, str]] = {}
+    constructor = yaml.SafeLoader("")
+    for key_node, value_node in root.value:
+        raw_key = constructor.construct_object(key_node, deep=True)
+        value = constructor.construct_object(value_node, deep=True)
+        line = key_node.start_mark.line + 1
+        key = str(raw_key).replace("-", "_")
+        here = f"--config {path}, line {line}"
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            raise ConfigError(f"{here}: unknown key '{raw_key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
+        if key in lines:
+            first_line, first_key = lines[key]
+            raise ConfigError(f"{here}: '{raw_key}' is given again (line {first_line} has '{first_key}'); keep one of them")
+        lines[key] = (line, str(raw_key))
+        validate.check_config_values(f"{path}, line {line}", {key: value})
+        if key == "args":
+            if not isinstance(value, list):
+                raise ConfigError(f"{here}: 'args' must be a list, e.g. args: [--lr, '0.1']")
+            value = [str(v) for v in value]
+        elif key != "script":
+            value = typed(value, key, str(raw_key), here)
+            origins[key] = f"{here}, '{raw_key}'"
+        result[key] = value
+    return result, origins
+
+
+def typed(value: Any, name: str, key: str, here: str) -> Any:
+    """`value` as option `name`'s type takes it, or one line saying what the key (as written) needs."""
+    kind = options.info(options.Options.__dataclass_fields__[name]).kind
+    if value is None or isinstance(value, list):  # null: the default; a list: --preload's modules
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{here}: '{key}' is a flag: write {key}: true or {key}: false, not {value!r}")
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(f"{here}: '{key}' takes a value, not {value!r}; write e.g. {key}: {options.Options.__dataclass_fields__[name].default!r}")
+    if kind is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(value) if isinstance(value, (int, str)) else int("not a number")
+        except ValueError:
+            raise ConfigError(f"{here}: '{key}' must be a whole number, not {value!r}") from None
+    if kind is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{here}: '{key}' must be a number, not {value!r}") from None
+    if kind is str:
+        return value if isinstance(value, str) else str(value)
+    return value

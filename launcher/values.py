@@ -1,0 +1,224 @@
+"""Parsers of one option's value each: text as typed (or as YAML gave it) -> the agent's types.
+
+Every failure is `ConfigError` with one line that says what is wrong and how to fix it. The
+options model (launcher/options.py) names, for each option, the parser here or the check in
+launcher/validate.py that its value goes through; launcher/config.py combines them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Iterable
+
+from rally.launcher import validate
+from rally.launcher.validate import ConfigError
+from rally.rendezvous.plan import READ_TIMEOUT_SECONDS
+from rally.rendezvous.protocol import RendezvousSettings
+
+# torch's default for keep_alive_max_attempt; with keep_alive_interval it makes the default keep_alive_timeout.
+KEEP_ALIVE_MAX_ATTEMPT = 5
+
+# torchrun's --rdzv-conf keys (c10d), plus rally's keep_alive_timeout.
+RDZV_CONF_DEFAULTS: dict[str, Any] = {
+    "join_timeout": RendezvousSettings.join_timeout,
+    "last_call_timeout": RendezvousSettings.last_call_timeout,
+    "close_timeout": RendezvousSettings.close_timeout,
+    "read_timeout": READ_TIMEOUT_SECONDS,
+    "timeout": None,  # torch's static and etcd backends: how long the job may take to form (= join_timeout)
+    "is_host": None,
+    "keep_alive_interval": RendezvousSettings.keep_alive_interval,
+    "keep_alive_max_attempt": KEEP_ALIVE_MAX_ATTEMPT,
+    "keep_alive_timeout": None,  # default: interval x max_attempt
+    "heartbeat_timeout": None,  # torch's name for the same idea; accepted as an alias
+    "store_type": "tcp",
+    "token": None,  # the job's secret (rendezvous/token.py); prefer token_file or RALLY_JOB_TOKEN
+    "token_file": None,
+}
+
+
+def suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+# ------------------------------------------------------------------ individual values
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """`N` or `MIN:MAX` with 0 < MIN <= MAX."""
+    parts = str(text).split(":")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"--nnodes '{text}' is not a number; write N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4") from None
+    if len(numbers) == 1:
+        numbers *= 2
+    if len(numbers) != 2:
+        raise ConfigError(f"--nnodes '{text}' has too many parts; write N or MIN:MAX, e.g. --nnodes 1:4")
+    low, high = numbers
+    if low < 1:
+        raise ConfigError(f"--nnodes '{text}': the number of nodes must be at least 1")
+    if low > high:
+        raise ConfigError(f"--nnodes '{text}': MIN ({low}) is larger than MAX ({high}); write --nnodes {high}:{low}")
+    return low, high
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use, without importing torch when the answer is obvious."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if not shutil.which("nvidia-smi") and not Path("/dev/nvidiactl").exists():
+        return 0
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - a broken driver means no usable GPU
+        return 0
+
+
+def parse_nproc(text: str) -> int:
+    """int, `cpu`, `gpu` (error without GPUs), or `auto` (GPUs if any, else CPUs)."""
+    value = str(text).strip().lower()
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value == "gpu":
+        count = visible_gpu_count()
+        if count == 0:
+            raise ConfigError("--nproc-per-node gpu: no GPU is visible on this node; use a number, 'cpu' or 'auto'")
+        return count
+    if value == "xpu":
+        from rally.launcher.torchrun_extras import xpu_count
+
+        count = xpu_count()
+        if count == 0:
+            raise ConfigError("--nproc-per-node xpu: no XPU is available on this node (torch.xpu); use a number, 'cpu' or 'auto'")
+        return count
+    if value == "auto":
+        return visible_gpu_count() or os.cpu_count() or 1
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"--nproc-per-node '{text}' is not valid; use a number, 'auto', 'cpu', 'gpu' or 'xpu'") from None
+    if number < 1:
+        raise ConfigError(f"--nproc-per-node {number}: must be at least 1")
+    return number
+
+
+def parse_rdzv_conf(text: str) -> dict[str, Any]:
+    conf = dict(RDZV_CONF_DEFAULTS)
+    if not text:
+        return conf
+    for item in str(text).split(","):
+        if not item.strip():
+            continue
+        if "=" not in item:
+            raise ConfigError(f"--rdzv-conf '{item}' is not KEY=VALUE; e.g. --rdzv-conf join_timeout=60,last_call_timeout=5")
+        key, value = (s.strip() for s in item.split("=", 1))
+        if key not in RDZV_CONF_DEFAULTS:
+            raise ConfigError(f"--rdzv-conf: unknown key '{key}'{suggest(key, RDZV_CONF_DEFAULTS)}")
+        if key == "is_host":
+            if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                raise ConfigError(f"--rdzv-conf is_host={value}: use true or false")
+            conf[key] = value.lower() in ("1", "true", "yes")
+        elif key in ("token", "token_file"):
+            if not value:
+                raise ConfigError(f"--rdzv-conf {key}= is empty; give the job's secret (or a file holding it)")
+            conf[key] = value
+        elif key == "store_type":
+            if value not in ("tcp", "file"):
+                raise ConfigError(f"--rdzv-conf store_type={value}: use 'tcp' or 'file'")
+            conf[key] = value
+        else:
+            try:
+                number = float(value)
+            except ValueError:
+                raise ConfigError(f"--rdzv-conf {key}={value}: expected a number of seconds") from None
+            if number <= 0:
+                raise ConfigError(f"--rdzv-conf {key}={value}: must be positive")
+            conf[key] = number
+    if conf["timeout"] is not None:  # torch's name for the same wait; two different values are a mistake
+        if "join_timeout" in {i.split("=", 1)[0].strip() for i in str(text).split(",")} and conf["join_timeout"] != conf["timeout"]:
+            raise ConfigError(
+                f"--rdzv-conf: timeout={conf['timeout']:g} and join_timeout={conf['join_timeout']:g} name the same "
+                "wait (how long the job may take to form); give one of them"
+            )
+        conf["join_timeout"] = conf["timeout"]
+    return conf
+
+
+def parse_std_map(text: str, flag: str, nproc: int) -> dict[int, int]:
+    """torchrun's `-r/-t` value: `3` for every rank, or `0:1,1:2` per local rank."""
+    text = str(text).strip() or "0"
+    try:
+        if ":" not in text:
+            bits = int(text)
+            if not 0 <= bits <= 3:
+                raise ValueError
+            return {rank: bits for rank in range(nproc)}
+        result = {rank: 0 for rank in range(nproc)}
+        for item in text.split(","):
+            rank, bits = (int(x) for x in item.split(":"))
+            if not 0 <= bits <= 3 or rank < 0:
+                raise ValueError
+            result[rank] = bits
+        return result
+    except ValueError:
+        raise ConfigError(
+            f"{flag} '{text}' is not valid; use 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per rank like 0:3,1:1"
+        ) from None
+
+
+def parse_ranks_filter(text: str) -> frozenset[int] | None:
+    if not str(text).strip():
+        return None
+    try:
+        ranks = frozenset(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--local-ranks-filter '{text}' must be comma-separated local ranks, e.g. 0,1") from None
+    if any(r < 0 for r in ranks):
+        raise ConfigError(f"--local-ranks-filter '{text}': ranks cannot be negative")
+    return ranks
+
+
+def parse_straggler_factor(value: Any) -> float:
+    factor = float(value)
+    if not math.isfinite(factor) or factor <= 1:
+        raise ConfigError(f"--straggler-factor {value}: must be a number above 1 (1.5: 50% slower than the others' median)")
+    return factor
+
+
+def parse_straggler_window(value: Any) -> int:
+    window = int(value)
+    if window < 2:
+        raise ConfigError(f"--straggler-window {value}: must be at least 2 steps")
+    return window
+
+
+def parse_metrics_port(value: Any) -> int | None:
+    if value is None:
+        return None
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port {value}: must be a port number 0-65535 (0: any free port)")
+    return port
+
+
+def parse_signals(text: str, flag: str) -> tuple[int, ...]:
+    from rally.agent.job import to_signal
+
+    out = []
+    for name in str(text).split(","):
+        name = name.strip().upper()
+        if not name:
+            continue
+        full = name if name.startswith("SIG") else "SIG" + name
+        try:
+            out.append(int(to_signal(name)))
+        except (KeyError, ValueError):
+            raise ConfigError(f"{flag}: unknown signal '{name}'{suggest(full, signal.Signals.__members__)}") from None
+    return validate.handled_signals(tuple(out), flag)

@@ -1,0 +1,98 @@
+"""The key-value store interface the round protocol runs on, and the errors every store raises.
+
+`rendezvous/protocol.py` needs from a store only what `KeyValueStore` declares: plain and
+signed keys, first-wins keys, counters, waits, a second connection for a thread that blocks.
+A c10d store (`rendezvous/store.Store`: TCPStore, FileStore) and etcd
+(`rendezvous/etcd_store.EtcdStore`) implement it; a new backend implements it too and
+registers in `rendezvous/backends.py`. What is common to every store (`try_wait`) is written
+here once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Sequence
+
+
+class StoreError(Exception):
+    """Base of store failures that the agent turns into a readable reason."""
+
+
+class StoreTimeout(StoreError):
+    """A wait or get did not see its keys in time; the store itself is fine."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (never was, or its host died)."""
+
+
+class UntrustedValue(StoreError):
+    """A key holds a value this job did not write, or one out of range; the message names the key."""
+
+
+class KeyValueStore(ABC):
+    """One connection to a rendezvous store, every key under `prefix`.
+
+    Guarantees every implementation gives: a timed-out wait raises `StoreTimeout`, a lost or
+    refused store `StoreUnavailable` (with `describe`, what messages call the store, in the
+    text), a value this job did not write `UntrustedValue` naming the key. `get` and
+    `multi_get` block until their keys exist, as a c10d store's do.
+    """
+
+    prefix: str
+    describe: str
+    # Keep-alives are counters watched in a ring, unless the store's keys can expire by
+    # themselves (etcd leases): then it offers grant_lease / set_leased / wait_deleted instead.
+    leased_liveness: ClassVar[bool] = False
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    @abstractmethod
+    def set(self, name: str, value: str | bytes) -> None: ...
+
+    @abstractmethod
+    def get(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def get_str(self, name: str) -> str: ...
+
+    @abstractmethod
+    def get_unsigned(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def check(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def add(self, name: str, amount: int) -> int: ...
+
+    @abstractmethod
+    def counter(self, name: str, limit: int | None = None) -> int: ...
+
+    @abstractmethod
+    def append(self, name: str, value: str) -> None: ...
+
+    @abstractmethod
+    def set_once(self, name: str, value: str) -> tuple[bool, str]: ...
+
+    @abstractmethod
+    def multi_get(self, names: Sequence[str]) -> list[bytes]: ...
+
+    @abstractmethod
+    def multi_set(self, items: dict[str, str]) -> None: ...
+
+    @abstractmethod
+    def wait(self, names: Sequence[str], timeout: float) -> None:
+        """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
+
+    @abstractmethod
+    def connect_again(self) -> "KeyValueStore":
+        """A second connection to the same store, for a thread that blocks in `wait`."""
+
+    def try_wait(self, names: Sequence[str], timeout: float) -> bool:
+        """`wait`, answering False instead of raising when the time is up."""
+        try:
+            self.wait(names, timeout)
+            return True
+        except StoreTimeout:
+            return False

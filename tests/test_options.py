@@ -1,0 +1,209 @@
+"""The options model (launcher/options.py): one declaration per option, from which the flags,
+the environment variables, the YAML keys and `rally.launch`'s keyword arguments come; YAML
+values of the wrong type and mistyped flags are one line each, as a newcomer expects
+(issue 19, items 3 and 4)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import clean_env, run_rally, write_probe
+from test_bad_input import assert_one_line_only, rally_fails
+
+
+# ------------------------------------------------------------------ YAML types (issue 19, 3)
+def fails_with_file(tmp_path: Path, content: str) -> str:
+    config = tmp_path / "job.yaml"
+    config.write_text(content + "script: train.py\n")
+    return assert_one_line_only(rally_fails(tmp_path, "--config", str(config)))
+
+
+@pytest.mark.timeout(60)
+def test_a_flag_given_a_number_in_yaml_is_one_line_naming_file_line_and_key(tmp_path: Path) -> None:
+    line = fails_with_file(tmp_path, "nnodes: 1\nstandalone: 1\n")
+    assert f"{tmp_path / 'job.yaml'}, line 2" in line and "'standalone'" in line and "true" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_a_fractional_count_in_yaml_is_refused_not_rounded_down(tmp_path: Path) -> None:
+    line = fails_with_file(tmp_path, "max-restarts: 2.9\n")
+    assert "job.yaml, line 1" in line and "'max-restarts'" in line and "2.9" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_value_from_yaml_names_the_file_and_line(tmp_path: Path) -> None:
+    line = fails_with_file(tmp_path, "role: trainer\nnproc-per-node: two\n")
+    assert "job.yaml, line 2" in line and "nproc-per-node" in line and "'two'" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_a_key_given_in_both_spellings_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    line = fails_with_file(tmp_path, "nproc-per-node: 2\nmax_restarts: 1\nnproc_per_node: 3\n")
+    assert "job.yaml, line 3" in line and "line 1" in line and "nproc-per-node" in line and "nproc_per_node" in line, line
+
+
+@pytest.mark.timeout(90)
+def test_a_bad_yaml_value_overridden_by_a_flag_is_not_blamed_on_the_file(tmp_path: Path) -> None:
+    """The flag wins (click's precedence); the file's line is named only for values it gave."""
+    config = tmp_path / "job.yaml"
+    config.write_text("nproc-per-node: 0\nscript: train.py\n")
+    line = assert_one_line_only(rally_fails(tmp_path, "--config", str(config), "--nproc-per-node", "-3"))
+    assert "job.yaml" not in line and "-3" in line, line
+
+
+# ------------------------------------------------------------------ flags as typed (issue 19, 4)
+@pytest.mark.timeout(120)
+def test_an_unambiguous_prefix_of_a_flag_runs_as_torchrun_accepts_it(tmp_path: Path) -> None:
+    probe = write_probe(tmp_path / "hello.py", "import os\nprint('hello from', os.environ['LOCAL_RANK'])\n")
+    result = run_rally(["--standalone", "--no-prel", "--nproc-per-nod", "2", "--max-restart=1", str(probe)], cwd=tmp_path, env=clean_env(), timeout=90)
+    assert result.returncode == 0, result.describe()
+    assert sorted(re.findall(r"hello from (\d)", result.stdout)) == ["0", "1"], result.describe()
+
+
+@pytest.mark.timeout(60)
+def test_the_scripts_own_arguments_are_never_expanded(tmp_path: Path) -> None:
+    probe = write_probe(tmp_path / "args.py", "import sys\nprint('ARGS', sys.argv[1:])\n")
+    result = run_rally(["--standalone", "--no-preload", str(probe), "--nproc-per-nod", "7", "--std"], cwd=tmp_path, env=clean_env(), timeout=90)
+    assert result.returncode == 0, result.describe()
+    assert "ARGS ['--nproc-per-nod', '7', '--std']" in result.stdout, result.describe()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("typed", "suggested"),
+    [
+        pytest.param("--nprocs-per-node", "--nproc-per-node", id="extra-letter"),
+        pytest.param("--rdzv-endpont", "--rdzv-endpoint", id="missing-letter"),
+        pytest.param("--max-restrats", "--max-restarts", id="swapped-letters"),
+        pytest.param("--nproc_per_nodes", "--nproc_per_node", id="underscored"),
+    ],
+)
+def test_a_misspelled_flag_suggests_the_closest_one(tmp_path: Path, typed: str, suggested: str) -> None:
+    line = assert_one_line_only(rally_fails(tmp_path, typed, "2", "train.py"))
+    assert line == f"rally: error: no such option {typed}; did you mean {suggested}?", line
+
+
+@pytest.mark.timeout(60)
+def test_an_ambiguous_prefix_names_every_flag_it_could_be(tmp_path: Path) -> None:
+    line = assert_one_line_only(rally_fails(tmp_path, "--no-p", "train.py"))
+    assert "--no-p is ambiguous" in line, line
+    for flag in ("--no-prefix", "--no-preload", "--no-python"):
+        assert flag in line, line
+
+
+# ------------------------------------------------------------------ one model, every surface
+@pytest.mark.timeout(30)
+def test_every_option_of_the_model_is_a_flag_in_both_spellings_with_its_variables() -> None:
+    from rally.launcher import options
+    from rally.launcher.cli import run_command
+
+    params = {p.name: p for p in run_command.params}
+    for name in options.names():
+        param = params[name]
+        assert f"--{name.replace('_', '-')}" in param.opts and f"--{name}" in param.opts, param.opts
+        assert param.envvar == [f"PET_{name.upper()}", f"RALLY_{name.upper()}"]
+        assert param.default == options.Options.__dataclass_fields__[name].default
+
+
+@pytest.mark.timeout(30)
+def test_defaults_the_agent_also_needs_come_from_the_agents_own_types() -> None:
+    from rally.agent.health import HealthSettings
+    from rally.agent.spec import JobSpec
+    from rally.agent.stragglers import DEFAULT_FACTOR
+    from rally.launcher.options import Options
+    from rally.launcher.values import RDZV_CONF_DEFAULTS
+    from rally.rendezvous.protocol import RendezvousSettings
+
+    o = Options()
+    assert o.straggler_factor == JobSpec.straggler_factor == DEFAULT_FACTOR
+    assert o.resource_interval == JobSpec.resource_interval == HealthSettings.resource_interval
+    assert (o.max_restarts, o.crash_loop_limit, o.preemption_grace) == (JobSpec.max_restarts, JobSpec.crash_loop_limit, JobSpec.preemption_grace)
+    assert RDZV_CONF_DEFAULTS["join_timeout"] == RendezvousSettings.join_timeout
+
+
+@pytest.mark.timeout(30)
+def test_launch_takes_the_models_names_and_refuses_an_unknown_one_with_the_nearest() -> None:
+    import rally
+    from rally.launcher.options import Options
+
+    assert Options.of({"nproc-per-node": 2, "max_restarts": 1}) == Options(nproc_per_node=2, max_restarts=1)
+    with pytest.raises(rally.LaunchError, match=r"unknown option 'nproc_per_nod'; did you mean 'nproc_per_node'\?") as caught:
+        rally.launch({"nproc_per_nod": 2}, print)
+    assert caught.value.exit_code == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_launch_value_of_the_wrong_type_is_one_line_not_a_traceback() -> None:
+    from rally.launcher.config import ConfigError
+    from rally.launcher.options import Options
+
+    with pytest.raises(ConfigError, match="--max-restarts 'three'"):
+        Options(max_restarts="three").parse()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
+
+
+# ------------------------------------------------------------------ SLURM fills in, as one object
+@pytest.mark.timeout(30)
+def test_slurm_fills_only_what_the_user_left_unset() -> None:
+    from test_slurm_env import SRUN_TASK0, job
+
+    from rally.launcher.options import Options
+    from rally.rendezvous.backends import HostPort
+
+    slurm = job(SRUN_TASK0)
+    changes, taken = slurm.overrides(Options(), given=set())
+    assert changes["rdzv_backend"] == "c10d" and changes["rdzv_endpoint"] == HostPort(slurm.store_host, slurm.store_port)
+    assert changes["nnodes"] == str(slurm.nnodes) and changes["rdzv_id"] == slurm.run_id
+    assert changes["nproc_per_node"] == str(slurm.nproc_auto())
+    assert set(taken) == {"nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node"}
+
+    mine = Options(rdzv_backend="etcd", rdzv_endpoint="e1:2379", nnodes="3", rdzv_id="job7", nproc_per_node="2")
+    changes, taken = slurm.overrides(mine, given={"rdzv_backend", "rdzv_endpoint", "nnodes", "rdzv_id", "nproc_per_node"})
+    assert changes == {} and taken == []
+
+    changes, _ = slurm.overrides(Options(rdzv_backend="etcd"), given={"rdzv_backend"})
+    assert "rdzv_endpoint" not in changes, "an explicitly chosen etcd keeps its own endpoint"
+    changes, _ = slurm.overrides(Options(standalone=True), given={"standalone"})
+    assert "rdzv_endpoint" not in changes
+
+
+@pytest.mark.timeout(30)
+def test_a_flag_with_a_negative_form_takes_both_in_both_spellings() -> None:
+    """--preflight/--no-preflight (and --gpu_check/--no_gpu_check): one `negative=True` field."""
+    import click
+    from click.testing import CliRunner
+
+    from rally.launcher.cli import click_option
+    from rally.launcher.options import OptionInfo
+
+    option = click_option("gpu_check", True, OptionInfo("Health", "Check GPUs.", bool, negative=True))
+
+    @click.command()
+    def show(gpu_check: bool) -> None:
+        click.echo(f"gpu_check={gpu_check}")
+
+    show.params.append(option)
+    runner = CliRunner()
+    for args, expected in (([], True), (["--no-gpu-check"], False), (["--no_gpu_check"], False), (["--gpu_check"], True)):
+        result = runner.invoke(show, args)
+        assert result.output.strip() == f"gpu_check={expected}", (args, result.output)
+    result = runner.invoke(show, [], env={"RALLY_GPU_CHECK": "0"})
+    assert result.output.strip() == "gpu_check=False", result.output
+
+
+@pytest.mark.timeout(30)
+def test_launch_reads_the_same_variables_as_the_command_converted_as_click_converts_them() -> None:
+    from rally.launcher.config import ConfigError
+    from rally.launcher.options import from_environment
+
+    environ = {"PET_NPROC_PER_NODE": "4", "RALLY_NO_PRELOAD": "1", "RALLY_MAX_RESTARTS": "2", "PET_STANDALONE": "", "RALLY_STANDALONE": "yes"}
+    assert from_environment(environ) == {"nproc_per_node": "4", "no_preload": True, "max_restarts": 2, "standalone": True}
+    with pytest.raises(ConfigError, match="RALLY_MAX_RESTARTS='x'"):
+        from_environment({"RALLY_MAX_RESTARTS": "x"})
