@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rally.agent import orphan_guard, processes
-from rally.agent.job_cgroup import FREEZER, PIDS, V2, JobCgroup
+from rally.agent.job_cgroup import FREEZER, PIDS, V2, JobCgroup, remove_abandoned
 from rally.agent.orphan_guard import SWEEP_SECONDS, TOKEN_VARIABLE
 
 __all__ = ["GuardClient", "TOKEN_VARIABLE"]
@@ -22,7 +22,7 @@ CGROUP_VARIABLE = "RALLY_JOB_CGROUP"
 CGROUP_CHOICES = {"auto": (V2, FREEZER, PIDS), V2: (V2,), FREEZER: (FREEZER,), PIDS: (PIDS,), "off": ()}
 
 
-def job_cgroup(token: str) -> JobCgroup | None:
+def job_cgroup(token: str, guard_pid: int = 0) -> JobCgroup | None:
     """The job's own cgroup, of the kind RALLY_JOB_CGROUP asks for (an unknown value: auto).
 
     Under SLURM, auto means v2 only: SLURM's v1 plugins track a step by the members of its own
@@ -32,7 +32,10 @@ def job_cgroup(token: str) -> JobCgroup | None:
     kinds = CGROUP_CHOICES.get(choice, CGROUP_CHOICES["auto"])
     if choice not in (FREEZER, PIDS) and os.environ.get("SLURM_JOB_ID"):
         kinds = tuple(k for k in kinds if k == V2)
-    return JobCgroup.create(f"rally-{token}", kinds) if kinds else None
+    group = JobCgroup.create(f"rally-{guard_pid}-{token}", kinds) if kinds else None
+    if group is not None:
+        remove_abandoned(group)
+    return group
 
 
 class GuardClient:
@@ -52,7 +55,7 @@ class GuardClient:
         self._tell(f"token {token}\n")
         # Every process the agent starts from now on (workers, the template) joins the cgroup
         # between fork and exec; everything they start inherits it.
-        self.cgroup = job_cgroup(token)
+        self.cgroup = job_cgroup(token, self.process.pid)
         if self.cgroup is not None:
             self._tell(f"cgroup {self.cgroup.to_line()}\n")
         processes.set_job_cgroup(self.cgroup.procs_file if self.cgroup is not None else None)

@@ -128,6 +128,33 @@ class JobCgroup:
             time.sleep(0.02)
 
 
+def remove_abandoned(group: JobCgroup) -> list[Path]:
+    """Remove the empty cgroups beside `group` whose guard is gone (named rally-<guard pid>-...):
+    a guard SIGKILLed together with its agent (a test's node crash) cannot remove its own.
+    rmdir fails on a cgroup that still has members, so a live job's is never touched."""
+    removed = []
+    for path in group.path.parent.glob("rally-*-*"):
+        guard = path.name.split("-")[1]
+        if path == group.path or not guard.isdigit() or _alive(int(guard)):
+            continue
+        try:
+            path.rmdir()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _kill(pids: list[int]) -> None:
     for pid in pids:
         try:
