@@ -50,7 +50,7 @@ from rally.rendezvous.backends import OpenedStore
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
-from rally.rendezvous.store import StoreError, StoreTampered, UntrustedValue, host_tcp_store
+from rally.rendezvous.store import StoreError, StoreTampered, UntrustedValue, host_tcp_store, listen_address
 
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
@@ -160,15 +160,16 @@ class Agent:
 
     def _join_job(self) -> tuple[Rendezvous, Rendezvous, Rendezvous]:
         """Open (or host) the store and make this node known; one connection per watching thread."""
-        self.opened = self.store_call(lambda: self.plan.open_store(self.spec.run_id), waiting=True)
+        self.opened = self.store_call(lambda: self.plan.open_store(self.spec.run_id, console.say), waiting=True)
         self.store, self.store_server = self.opened.store, self.opened.server
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
         self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
-        self.store_call(rdzv.register_status)
-        watcher, keeper, prober = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
+        # The probe first: a store that freezes from here on is noticed within read_timeout.
+        prober, watcher, keeper = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
         self.probe = StoreProbe(prober, self.plan.read_timeout)
+        self.store_call(rdzv.register_status, waiting=True)
         return rdzv, watcher, keeper
 
     def _start_observer(self) -> None:
@@ -244,7 +245,7 @@ class Agent:
             return (where.host, where.port)
         if a.group_rank == 0:
             self.worker_store = None  # the previous round's store closes here
-            self.worker_store = host_tcp_store(0, self.plan.read_timeout)
+            self.worker_store = host_tcp_store(0, self.plan.read_timeout, listen_address(a.master_host))  # where MASTER_ADDR says
             self.store_call(lambda: rdzv.publish_master(a.round, a.master_host, self.worker_store.port))
             return (a.master_host, self.worker_store.port)
         timeout = self.plan.settings.keep_alive_timeout * 4 + 30

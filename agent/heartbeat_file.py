@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rally.agent.untrusted_files import UntrustedFile, read_capped
+
 MAGIC = b"RALLYHB2"
 HEADER = struct.Struct("<8s")
 BEAT = struct.Struct("<QQq")
@@ -79,7 +81,12 @@ def create(path: str | os.PathLike[str]) -> Path:
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    try:  # whatever stands at the temporary name (a FIFO, a symlink) goes; O_EXCL makes a new file
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb") as f:
         f.write(HEADER.pack(MAGIC) + BEAT.pack(0, 0, NO_STEP) + SECTION.pack(0, 0, 0, 0, b""))
     os.replace(tmp, path)
     return path
@@ -89,12 +96,15 @@ def read_record(path: str | os.PathLike[str]) -> HeartbeatRecord:
     """The whole record: last beat, its step, and the section the worker is in. Called by the agent.
 
     An ordinary read sees the worker's mapped writes because both go through the same page cache.
+    The worker can replace the file (a FIFO, a symlink to /dev/zero): only a regular file is
+    read, without blocking and never more than SIZE bytes (agent/untrusted_files.py).
     """
     try:
-        with open(path, "rb") as f:
-            data = f.read(SIZE)
+        data = read_capped(path, SIZE)
     except FileNotFoundError:
         raise HeartbeatFileError(f"heartbeat file {path} does not exist") from None
+    except UntrustedFile as exc:
+        raise HeartbeatFileError(str(exc)) from None
     _check(path, data)
     count, ns, step = BEAT.unpack_from(data, BEAT_OFFSET)
     changed, entered, timeout, _, raw_name = SECTION.unpack_from(data, SECTION_OFFSET)

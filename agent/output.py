@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from rally.agent.untrusted_files import open_regular, read_capped
+
 TAIL_LINES = 400  # enough for the stack dumps of a hung worker with a few threads
 READ_CHUNK = 65536
 # The longest unfinished line kept in memory; longer output without '\n' or '\r' is written
@@ -178,10 +180,12 @@ class WorkerOutput:
 
     def stderr_since(self, mark: int) -> list[str]:
         if self.stderr_file:
-            try:
-                with open(self.stderr_file, "rb") as f:
-                    f.seek(mark)
-                    data = f.read(256 * 1024)
+            try:  # the worker may have replaced its log (a FIFO): read it as hostile
+                fd = open_regular(self.stderr_file)
+                try:
+                    data = os.pread(fd, 256 * 1024, mark)
+                finally:
+                    os.close(fd)
             except OSError:
                 return []
             return [line.decode(errors="replace") for line in data.splitlines()]
@@ -200,12 +204,8 @@ class WorkerOutput:
 
 
 def _tail_of_file(path: str, count: int) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            data = f.read()
+    try:  # a regular file only, never a blocking open (agent/untrusted_files.py)
+        data = read_capped(path, 64 * 1024, tail=True)
     except OSError:
         return []
     return [line.decode(errors="replace") for line in data.splitlines()[-count:]]

@@ -36,12 +36,32 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+# The job's cgroup's `cgroup.procs` (agent/job_cgroup.py), set by the agent's GuardClient: every
+# process started here joins it before exec, so all it starts can be found when the agent dies.
+_job_cgroup_procs: str | None = None
+
+
+def set_job_cgroup(procs_file: str | None) -> None:
+    global _job_cgroup_procs
+    _job_cgroup_procs = procs_file
+
+
 def _die_with_parent(parent_pid: int, cpus: set[int] | None = None) -> None:
-    """Runs in the child between fork and exec: SIGKILL when the agent (its parent) dies; bound
-    to `cpus` (--numa-binding) before exec, so every thread of the program inherits them."""
+    """Runs in the child between fork and exec: SIGKILL when the agent (its parent) dies; into
+    the job's cgroup; bound to `cpus` (--numa-binding) before exec, so every thread of the
+    program inherits them."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the agent died before the prctl took effect
         os._exit(1)
+    if _job_cgroup_procs:
+        try:
+            fd = os.open(_job_cgroup_procs, os.O_WRONLY)
+            try:
+                os.write(fd, b"0")  # "0": this process
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # the guard still has the token and the process groups
     if cpus:
         os.sched_setaffinity(0, cpus)
 

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from rally.agent.processes import describe_exit, exit_status_for_shell
 from rally.agent.round_threads import StoreSilent
+from rally.agent.untrusted_files import open_for_writing, read_json_object
 from rally.agent.workers import Worker, WorkerGroup
 from rally.launcher.worker_table import worker_table
 from rally.rendezvous.backends import backend_of
@@ -28,22 +29,28 @@ from rally.rendezvous.store import StoreEndpoint, UntrustedValue
 
 STDERR_LINES_IN_REPORT = 20
 MAX_TRACEBACK_CHARS = 16_000
+# torch's error file holds one traceback; a larger file is not one (a symlink to a huge file).
+MAX_ERROR_FILE_BYTES = 4 * 1024 * 1024
 
 
 def read_error_file(path: str) -> str | None:
-    """The traceback that torch's `@record` wrote, or None when there is no usable file."""
+    """The traceback that torch's `@record` wrote, or None when there is no usable file.
+
+    The worker writes this file, so it is read as hostile (agent/untrusted_files.py): a regular
+    file only, never a blocking open, at most MAX_ERROR_FILE_BYTES, and only the fields of
+    torch's schema ({"message": {"message": str, "extraInfo": {"py_callstack": str}}} or
+    {"message": str}) are used; anything else counts as no file."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        data = read_json_object(path, MAX_ERROR_FILE_BYTES)
+    except OSError:  # missing, a FIFO, a symlink, too large, not a JSON object
         return None
     message = data.get("message")
+    text: object = message
     if isinstance(message, dict):
-        extra = message.get("extraInfo") or {}
-        text = extra.get("py_callstack") or message.get("message")
-    else:
-        text = message
-    return str(text)[-MAX_TRACEBACK_CHARS:] if text else None
+        extra = message.get("extraInfo")
+        callstack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        text = callstack or message.get("message")
+    return text[-MAX_TRACEBACK_CHARS:] if isinstance(text, str) and text else None
 
 
 def failure_info(worker: Worker, assignment: Assignment) -> dict:
@@ -162,7 +169,8 @@ class JobReport:
             "attempts": [asdict(a) for a in self.attempts],
         }
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2))
+        with open_for_writing(tmp) as f:  # the run directory is the workers' to write in too
+            f.write(json.dumps(data, indent=2).encode())
         os.replace(tmp, self.path)
 
     def root_cause(self) -> str | None:

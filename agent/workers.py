@@ -24,6 +24,7 @@ from rally.agent.logs_specs import StreamPlan
 from rally.agent.output import OutputStream, WorkerOutput
 from rally.agent.processes import ChildProcess, describe_exit, process_state, spawn
 from rally.agent.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec
+from rally.agent.untrusted_files import open_for_writing
 from rally.rendezvous.protocol import Assignment
 
 
@@ -212,7 +213,7 @@ class WorkerGroup:
             if filters:
                 path = filtered_paths.get(bit) or logs.attempt_dir(assignment.round) / f"filtered_{name}.log"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                filtered = open(path, "wb")  # noqa: SIM115 - closed in close()
+                filtered = open_for_writing(path)  # closed in close(); a worker may have put a FIFO there
                 group.filtered_files.append(filtered)
                 duplicates[bit] = (filtered, tuple(f.encode() for f in filters))
         for local_rank, env in envs.items():
@@ -233,7 +234,7 @@ class WorkerGroup:
             for bit, name, console in ((STDOUT, "stdout", console_out), (STDERR, "stderr", console_err)):
                 path = plan.paths.get(bit, rank_dir / f"{name}.log")
                 if redirect & bit and not tee & bit:
-                    fds[bit] = open(path, "wb")  # noqa: SIM115 - handed to the child, closed below
+                    fds[bit] = open_for_writing(path)  # handed to the child, closed below
                     output.file_paths.append(str(path))
                     if bit == STDERR:
                         output.stderr_file = str(path)
@@ -249,7 +250,7 @@ class WorkerGroup:
                         # "[role0]:", the others go to the console untouched.
                         prefix=tee_prefix if tee & bit else b"" if torchrun_style or not spec.prefix_output else rally_prefix,
                         whole_lines=bool(tee & bit) or (spec.prefix_output and not torchrun_style),
-                        file=open(path, "wb") if tee & bit else None,  # noqa: SIM115
+                        file=open_for_writing(path) if tee & bit else None,
                         tail=output.stderr_tail if bit == STDERR else None,
                         duplicate=duplicates.get(bit) if tee & bit else None,  # as torchrun: tee'd streams only
                         duplicate_prefix=tee_prefix,

@@ -30,7 +30,7 @@ from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, bac
 from rally.rendezvous.etcd_conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import RendezvousSettings
-from rally.rendezvous.store import StoreEndpoint
+from rally.rendezvous.store import StoreEndpoint, loopback_address
 from rally.rendezvous.token import TokenError, resolve_token
 
 __all__ = ["ConfigError", "Launch", "build_launch", "parse_rdzv_conf"]
@@ -74,7 +74,7 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     plan = RendezvousPlan(
         endpoint=endpoint,
         settings=settings,
-        local_addr=o.local_addr or static_master or socket.getfqdn(),
+        local_addr=o.local_addr or static_master or loopback_address(endpoint) or socket.getfqdn(),
         preferred_rank=preferred_rank,
         connect_timeout=conf["join_timeout"],
         read_timeout=conf["read_timeout"],

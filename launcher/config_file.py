@@ -12,7 +12,6 @@ message names the file and line too (`Options.origins`).
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -26,9 +25,7 @@ EXTRA_KEYS = ("script", "args")
 def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The file's values by option name, and where each came from ("--config F, line N, 'key'")."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+        text = validate.config_text(path)  # a regular file only: a FIFO must not hang us
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save it as UTF-8") from None
     try:

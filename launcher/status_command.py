@@ -58,6 +58,7 @@ def status_command(
     RUN_DIR is the run directory a job printed at start (in --log-dir): the job is found from
     what its agent wrote there, and once it is over, its report and last restart are shown."""
     from rally.rendezvous.store import StoreUnavailable, quiet_torch_logs
+    from rally.rendezvous.store_connect import NoStoreThere
 
     quiet_torch_logs()
     file_store = None
@@ -76,9 +77,9 @@ def status_command(
     where = _where(endpoint, backend, file_store, rdzv_conf)
     try:
         status = read_status(where, str(run_id), timeout)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, NoStoreThere) as exc:
         if run_dir is None:
-            raise click.ClickException(str(exc)) from None
+            raise ConfigError(str(exc)) from None  # one line, exit 2 (launcher/cli.py)
         return _show_finished(run_dir, str(run_id), as_json, f"job {run_id}: its store is not answering ({exc})", str(where))
     if status is None:
         if run_dir is not None:
@@ -111,7 +112,11 @@ def read_status(where, run_id: str, timeout: float) -> dict | None:  # noqa: ANN
         token = env_token()  # without it, records are shown unverified
     except TokenError as exc:
         raise click.UsageError(str(exc)) from None
-    return read_job_status(open_endpoint(where, job_prefix(run_id), timeout, timeout, Signer(token, verify=bool(token))).store)
+    from rally.rendezvous.store_connect import bounded
+
+    store = open_endpoint(where, job_prefix(run_id), timeout, timeout, Signer(token, verify=bool(token))).store
+    # Bounded as a whole: a store that freezes after the connect must not hang the command.
+    return bounded(lambda: read_job_status(store), timeout, f"reading job {run_id} from {where}")
 
 
 def last_restart(nodes: list[dict]) -> dict | None:

@@ -32,7 +32,9 @@ def store_command(port: int, timeout: float) -> int:
     try:
         server = host_tcp_store(port, timeout)
     except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError / RuntimeError
-        raise click.ClickException(f"cannot serve a store on port {port}: {str(exc).splitlines()[0]}") from None
+        raise validate.ConfigError(  # one line, exit 2 (launcher/cli.py): a taken port is the user's to change
+            f"cannot serve a store on port {port}: {str(exc).splitlines()[0]}; pick a free --port (0: any)"
+        ) from None
     server.set(SERVICE_MARKER_KEY, "rally store")  # agents on this host may share it (store.open_tcp_store)
     console.say(f"rendezvous store listening on port {server.port}; point agents at --rdzv-endpoint HOST:{server.port}")
     received: list[int] = []

@@ -34,6 +34,12 @@ MAX_NPROC_PER_NODE = 1024
 MAX_NODES = 100_000
 """Largest --nnodes: far beyond any cluster, small enough to catch a slipped key."""
 
+NAME_MAX = 255
+"""The longest file or directory name Linux file systems take, in bytes."""
+
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+"""A --config file larger than this is not a job file (a symlink to a device, say)."""
+
 UNHANDLED_SIGNALS = {
     signal.SIGKILL: "it cannot be caught",
     signal.SIGSTOP: "it cannot be caught",
@@ -109,6 +115,7 @@ def writable_dir(value: Any, option: str) -> str:
     if not text.strip():
         raise ConfigError(f"{option} is empty; give a directory, or leave the option out")
     path = Path(text)
+    names_fit(path, option)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{option} {text}: exists and is not a directory; give a directory")
     try:
@@ -118,6 +125,28 @@ def writable_dir(value: Any, option: str) -> str:
     except OSError as exc:
         raise ConfigError(f"{option} {text}: cannot write there ({exc.strerror}); give a writable directory") from None
     return text
+
+
+def config_text(path: str) -> str:
+    """The text of a --config file: a regular file only (a FIFO would hang the read, /dev/zero
+    fill memory), at most MAX_CONFIG_BYTES, read without blocking (agent/untrusted_files.py)."""
+    from rally.agent.untrusted_files import UntrustedFile, read_capped
+
+    try:
+        return read_capped(path, MAX_CONFIG_BYTES, whole=True, follow=True).decode("utf-8")
+    except UntrustedFile as exc:
+        raise ConfigError(f"--config {path}: {str(exc).removeprefix(str(path) + ' ')}; give a YAML file") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def names_fit(path: Path, option: str) -> None:
+    """Every component of `path` fits the file system's NAME_MAX (255 bytes on Linux), which
+    would otherwise surface as ENAMETOOLONG from deep inside a start."""
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > NAME_MAX:
+            raise ConfigError(f"{option}: the name '{part[:24]}...' in that path is {size} bytes long; a file or directory name can be at most {NAME_MAX}")
 
 
 def runnable_program(script: str) -> None:

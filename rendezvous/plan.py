@@ -9,10 +9,12 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from rally.rendezvous.backends import OpenedStore, backend_of
 from rally.rendezvous.protocol import RendezvousSettings, job_prefix
 from rally.rendezvous.store import StoreEndpoint
+from rally.rendezvous.store_connect import reporting_progress
 from rally.rendezvous.token import Signer
 
 
@@ -39,12 +41,14 @@ class RendezvousPlan:
         the previous attempt's worker keys before each round. Otherwise: a fresh store per round."""
         return backend_of(self.endpoint).static_ranks
 
-    def open_store(self, run_id: str) -> OpenedStore:
+    def open_store(self, run_id: str, progress: Callable[[str], None] | None = None) -> OpenedStore:
         """Connect to the job's store (hosting it when this is the endpoint's host): the store,
         the server this node hosts or None, and the port it is bound to. StoreUnavailable when
-        it cannot be reached."""
+        it cannot be reached. `progress` hears every few seconds what a refused connect still
+        waits for (rendezvous/store_connect.py)."""
         backend = backend_of(self.endpoint)
-        opened = backend.open(self.endpoint, job_prefix(run_id), self.connect_timeout, self.read_timeout, Signer(self.token))
+        with reporting_progress(progress):
+            opened = backend.open(self.endpoint, job_prefix(run_id), self.connect_timeout, self.read_timeout, Signer(self.token))
         if not backend.imports_torch:
             # Reaching the store needs no torch, but any node may host the workers' TCPStore in
             # a later round: import it now, beside the rendezvous, not in the middle of a re-form.

@@ -13,6 +13,7 @@ that torch does not already ship. This module hides three awkward corners of the
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTampered, StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
 from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
@@ -186,19 +188,22 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def host_tcp_store(port: int, timeout: float, loopback_only: bool = False) -> "TorchStore":
+def host_tcp_store(port: int, timeout: float, bind: str | None = None, *, loopback_only: bool = False) -> "TorchStore":
     """Start a TCPStore server in this process on `port` (0 = a free port from the OS).
 
-    torch's server listens on every interface; with `loopback_only` rally binds the socket
-    itself to 127.0.0.1 and hands it over, so nothing off this machine can reach the store.
+    torch's server listens on every interface and has no bind address; with `bind` (an IP
+    address, see `listen_address`; `loopback_only`: 127.0.0.1) rally binds the socket itself and
+    hands it over (`master_listen_fd`, torch >= 2.1), so the store listens there and nowhere else.
     """
     from torch.distributed import TCPStore
 
+    bind = bind or ("127.0.0.1" if loopback_only else None)
     listen_fd = None
-    if loopback_only:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if bind is not None:
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((bind, port))
             sock.listen(512)
         except OSError:
             sock.close()
@@ -207,7 +212,7 @@ def host_tcp_store(port: int, timeout: float, loopback_only: bool = False) -> "T
         listen_fd = sock.detach()
     try:
         return TCPStore(
-            "127.0.0.1" if loopback_only else "0.0.0.0",
+            bind or "0.0.0.0",  # the server's own client connects here
             port,
             is_master=True,
             wait_for_workers=False,
@@ -221,13 +226,67 @@ def host_tcp_store(port: int, timeout: float, loopback_only: bool = False) -> "T
         raise
 
 
-def connect_tcp_store(host: str, port: int, connect_timeout: float, op_timeout: float) -> "TorchStore":
-    """Connect a TCPStore client, retrying until `connect_timeout` (torch retries internally)."""
-    from torch.distributed import TCPStore
+def listen_address(host: str) -> str | None:
+    """Where a store meant to be reached at `host` listens: `localhost` on 127.0.0.1, an IP
+    address of this machine (127.0.0.2, ::1, an interface's) on exactly that address; a host
+    name or a wildcard on every interface (None), as torch does: a name may resolve to
+    127.0.1.1 here while other nodes reach this one by its interface address."""
+    if host == "localhost":  # the address a client tries first
+        try:
+            host = socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0]
+        except (OSError, IndexError):
+            return "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if address.is_unspecified:
+        return None
+    if address.is_loopback or str(address) in _interface_addresses():
+        return str(address)
+    return None
 
-    client = TCPStore(host, port, is_master=False, timeout=_seconds(connect_timeout))
-    client.set_timeout(_seconds(op_timeout))
-    return client
+
+def loopback_address(endpoint: StoreEndpoint) -> str | None:
+    """The endpoint's host when it is on loopback (--standalone's localhost, 127.x): such a job
+    runs on this machine only, so its nodes' address (and MASTER_ADDR) is that too."""
+    if endpoint.etcd or endpoint.file_path or not is_loopback_name(endpoint.host):
+        return None
+    return endpoint.host
+
+
+def _interface_addresses() -> set[str]:
+    try:
+        import psutil
+
+        return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    except Exception:  # noqa: BLE001 - without the list, an address is bound only when loopback
+        return set()
+
+
+def connect_tcp_store(
+    host: str,
+    port: int,
+    connect_timeout: float,
+    op_timeout: float,
+    describe: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> "TorchStore":
+    """Connect a TCPStore client: wait up to `connect_timeout` for the port to accept (saying so
+    through `progress` every few seconds), then give the store `op_timeout` to answer; torch's
+    own constructor is not bounded once connected (rendezvous/store_connect.py)."""
+    describe = describe or f"the store at {host}:{port}"
+    try:
+        wait_for_store(host, port, describe, connect_timeout, op_timeout, progress)
+        from torch.distributed import TCPStore  # after the check: a dead endpoint fails without it
+
+        return bounded(
+            lambda: TCPStore(host, port, is_master=False, timeout=_seconds(op_timeout)),
+            op_timeout + CONSTRUCTOR_SLACK_SECONDS,
+            f"connecting to {describe}",
+        )
+    except NoStoreThere as exc:
+        raise StoreUnavailable(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -273,6 +332,7 @@ def open_tcp_store(
     connect_timeout: float,
     op_timeout: float,
     signer: Signer | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Store, "TorchStore | None"]:
     """Open a TCPStore; return the client and, when hosted here, the server object (its
     `port` is the bound one; `endpoint` is left as it was).
@@ -287,26 +347,30 @@ def open_tcp_store(
     server = None
     port = endpoint.port
     port_taken = False
+    bind: str | None = None
     if endpoint.host_here:
         try:
-            server = host_tcp_store(port, op_timeout, loopback_only=is_loopback_name(endpoint.host))
+            bind = listen_address(endpoint.host)
+            server = host_tcp_store(port, op_timeout, bind)
             port = server.port
         except Exception:  # noqa: BLE001 - port in use: someone on this host already serves
             if port == 0:
                 raise
             port_taken = True
-    host = "127.0.0.1" if server is not None else endpoint.host
+    host = (bind or "127.0.0.1") if server is not None else endpoint.host
     describe = f"the rendezvous store at {endpoint.host}:{port}"
 
     def reconnect() -> "TorchStore":
-        return connect_tcp_store(host, port, op_timeout, op_timeout)
+        return connect_tcp_store(host, port, op_timeout, op_timeout, describe)
 
     wait = min(connect_timeout, HOST_MARKER_WAIT_SECONDS) if port_taken else connect_timeout
     try:
-        raw = connect_tcp_store(host, port, wait, op_timeout)
-    except Exception as exc:  # noqa: BLE001
+        raw = connect_tcp_store(host, port, wait, op_timeout, describe, None if port_taken else progress)
+    except StoreUnavailable as exc:
         if port_taken:
-            raise StoreUnavailable(_stranger_port_message(endpoint, port, "it does not answer as a c10d store")) from exc
+            raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it does not serve as a c10d store ({exc})")) from None
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch raises several unrelated types here
         raise StoreUnavailable(
             f"could not reach {describe} within {connect_timeout:g} s ({_first_line(exc)}); "
             "check --rdzv-endpoint and that the store's host is up"

@@ -14,7 +14,9 @@ no C++ log dump).
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -258,3 +260,52 @@ def test_version_prints_the_version_and_exits_0(tmp_path: Path) -> None:
     result = run_rally(["--version"], cwd=tmp_path)
     assert result.returncode == 0, result.describe()
     assert re.fullmatch(r"rally, version \d+\.\d+\.\d+\S*\n", result.stdout), result.stdout
+
+
+# ------------------------------------------------------------------ the residue of issue 18 (item 13)
+LONG_NAME = "x" * 300
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("option", ["--log-dir", "--checkpoint-dir"])
+def test_a_path_component_longer_than_255_bytes_exits_2_with_one_line(tmp_path: Path, option: str) -> None:
+    line = assert_one_line_only(rally_fails(tmp_path, "--standalone", option, str(tmp_path / LONG_NAME / "run"), "train.py"))
+    assert option in line and "at most 255" in line, line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_config_that_is_not_a_regular_file_exits_2_at_once(tmp_path: Path, kind: str) -> None:
+    config = tmp_path / "job.yaml"
+    if kind == "fifo":
+        os.mkfifo(config)  # reading it would block for ever
+    else:
+        config.symlink_to("/dev/zero")  # reading it would fill memory
+    result = rally_fails(tmp_path, "--config", str(config), "--standalone", "train.py", timeout=30)
+    line = assert_one_line_only(result)
+    assert "--config" in line and "not a regular file" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_module_with_no_python_exits_2_before_anything_starts(tmp_path: Path) -> None:
+    line = assert_one_line_only(rally_fails(tmp_path, "--standalone", "-m", "--no-python", "train"))
+    assert "-m/--module" in line and "--no-python" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_rally_store_on_a_taken_port_exits_2_with_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_rally(["store", "--port", str(port)], cwd=tmp_path, timeout=40)
+    line = assert_one_line_only(result)
+    assert f"port {port}" in line and "--port" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_rally_status_against_an_unreachable_endpoint_exits_2_with_one_line(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    result = run_rally(["status", "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--timeout", "1"], cwd=tmp_path, timeout=40)
+    line = assert_one_line_only(result)
+    assert endpoint in line, line

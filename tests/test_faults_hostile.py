@@ -1,0 +1,265 @@
+"""Fault matrix: a hostile or buggy worker, and what the job started, cannot steer or outlive the agent (issue 18).
+
+    heartbeat file replaced by a FIFO          -> the agent keeps watching; SIGTERM stops it at once
+    a FIFO at TORCHELASTIC_ERROR_FILE          -> the failure is reported (stderr tail), exit 1
+    the error file a symlink to /dev/zero      -> not read (no memory blow-up), exit 1
+    error.json holding [1,2,3], a string, or
+    100 000 nested brackets                    -> no traceback: reported as a failure without one
+    FIFOs planted at the next attempt's logs   -> replaced by regular files; the restart runs
+    and at report.json's temporary name
+    SIGKILL of the agent's process group       -> the orphan guard (a session of its own) kills every
+                                                  descendant: cgroup v2, v1 freezer, v1 pids, or none
+    SIGKILL of the agent, `setsid -f env -i`   -> the job's cgroup finds what shed the token
+
+Run beside a CPU hog too (RALLY_TEST_CPU_HOG=1, see conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import ProcessTracker, clean_env, describe_pids, eventually, procs, run_rally, survivors, wait_for, write_probe  # noqa: F401
+from live_rally import LiveRally
+from rally.agent.job_cgroup import JobCgroup
+
+STANDALONE = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0"]
+
+FIFO_HEARTBEAT = """
+import os, time
+from rally import job
+job.heartbeat()                          # the agent now reads the file every second
+path = os.environ["RALLY_HEARTBEAT_FILE"]
+os.unlink(path)
+os.mkfifo(path)                          # a plain open() of it blocks for ever
+print("replaced", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_heartbeat_file_replaced_by_a_fifo_does_not_wedge_the_agent(tmp_path: Path, procs: ProcessTracker) -> None:
+    write_probe(tmp_path / "probe.py", FIFO_HEARTBEAT)
+    rally = LiveRally([*STANDALONE, "--shutdown-timeout", "2", "probe.py"], tmp_path, clean_env(), procs)
+    rally.wait_line("replaced", 60)
+    time.sleep(3)  # three heartbeat reads of the FIFO
+    rally.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    code, ended = rally.wait_exit(30)
+    assert code == 128 + signal.SIGTERM, rally.text()[-3000:]
+    assert ended - sent < 10, f"the stop took {ended - sent:.1f} s\n{rally.text()[-3000:]}"
+    assert "Traceback" not in rally.text()
+
+
+def _failing_worker(kind: str) -> str:
+    """A worker that leaves something hostile at TORCHELASTIC_ERROR_FILE, says so on stderr, and exits 1."""
+    return f"""
+import os, sys
+path = os.environ["TORCHELASTIC_ERROR_FILE"]
+kind = {kind!r}
+if kind == "fifo":
+    os.mkfifo(path)
+elif kind == "dev-zero":
+    os.symlink("/dev/zero", path)
+else:
+    content = {{"list": "[1,2,3]", "string": '"a string"', "nested": "[" * 100_000 + "]" * 100_000,
+               "bad-fields": '{{"message": {{"extraInfo": [1], "message": 7}}}}'}}[kind]
+    with open(path, "w") as f:
+        f.write(content)
+print("left a hostile error file", file=sys.stderr, flush=True)
+sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "list", "string", "nested", "bad-fields"])
+def test_a_hostile_error_file_is_reported_as_a_plain_failure(tmp_path: Path, kind: str) -> None:
+    write_probe(tmp_path / "probe.py", _failing_worker(kind))
+    result = run_rally([*STANDALONE, "probe.py"], cwd=tmp_path, env=clean_env(), timeout=90)
+    assert result.returncode == 1, result.describe()
+    assert "failed with exit code 1" in result.stderr, result.describe()
+    assert "left a hostile error file" in result.stderr, result.describe()  # the stderr tail stands in
+    assert "Traceback" not in result.stderr, result.describe()
+    assert result.elapsed < 60, result.describe()
+
+
+PLANTS_FIFOS = """
+import os, sys
+from pathlib import Path
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    run_dir = Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parents[2]
+    rank_dir = run_dir / "attempt_1" / "0"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    for path in (rank_dir / "stdout.log", rank_dir / "stderr.log", run_dir / "report.json.tmp"):
+        os.mkfifo(path)              # an open() for writing blocks until a reader comes
+    (rank_dir / "heartbeat").symlink_to("/dev/zero")
+    sys.exit(1)
+print("second attempt ran", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("logs", [["--redirects", "3"], ["--tee", "3"]], ids=["redirects", "tee"])
+def test_fifos_planted_where_the_agent_writes_next_do_not_wedge_it(tmp_path: Path, logs: list[str]) -> None:
+    """A worker that knows the log layout plants FIFOs at the next attempt's log files and at
+    report.json's temporary name, then fails: the agent replaces them and goes on."""
+    write_probe(tmp_path / "probe.py", PLANTS_FIFOS)
+    args = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), *logs, "probe.py"]
+    result = run_rally(args, cwd=tmp_path, env=clean_env(), timeout=90)
+    assert result.returncode == 0, result.describe()
+    (stdout_log,) = (tmp_path / "logs").glob("*/attempt_1/0/stdout.log")
+    assert "second attempt ran" in stdout_log.read_text(), result.describe()
+
+
+# ------------------------------------------------------------------ nothing the job started outlives it
+
+# A worker that leaves descendants behind in every way a process can, the token shed too: a child
+# in its group, a setsid'd `sleep`, a double-forked daemon, and `setsid -f env -i` (a new session
+# and an empty environment: no RALLY_AGENT_TOKEN). Every pid goes to PROBE_OUT/<kind>.
+LEAVES_DESCENDANTS = """
+import os, subprocess, time
+out = os.environ["PROBE_OUT"]
+
+def note(kind, pid):
+    with open(os.path.join(out, kind + ".tmp"), "w") as f:
+        f.write(str(pid))
+    os.rename(os.path.join(out, kind + ".tmp"), os.path.join(out, kind))
+
+def daemon():
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.write(w, str(os.getpid()).encode())
+            while True:
+                time.sleep(1)
+        os._exit(0)
+    os.close(w)
+    os.waitpid(middle, 0)
+    return int(os.read(r, 32))
+
+note("child", subprocess.Popen(["sleep", "600"]).pid)
+note("session", subprocess.Popen(["sleep", "600"], start_new_session=True).pid)
+note("daemon", daemon())
+script = "echo $$ > {0}/tokenless.tmp && mv {0}/tokenless.tmp {0}/tokenless && exec sleep 600".format(out)
+subprocess.run(["setsid", "-f", "env", "-i", "/bin/sh", "-c", script], check=True)
+note("worker", os.getpid())
+time.sleep(600)
+"""
+KINDS = ("child", "session", "daemon", "tokenless", "worker")
+
+
+def _start_leaver(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> tuple[LiveRally, list[int]]:
+    out = tmp_path / "pids"
+    out.mkdir()
+    write_probe(tmp_path / "probe.py", LEAVES_DESCENDANTS)
+    rally = LiveRally([*STANDALONE, "probe.py"], tmp_path, clean_env(PROBE_OUT=str(out), RALLY_JOB_CGROUP=cgroup), procs)
+    wait_for(lambda: all((out / k).exists() for k in KINDS), 60, what="the worker's descendants")
+    pids = [int((out / k).read_text()) for k in KINDS]
+    procs.track(*pids)
+    assert not survivors(pids, 0) == [], "the descendants did not start"
+    tokenless = psutil.Process(pids[KINDS.index("tokenless")])
+    assert "RALLY_AGENT_TOKEN" not in tokenless.environ(), "the probe should have shed the token"
+    time.sleep(1.0)  # without a cgroup the guard looks every 0.5 s
+    return rally, pids
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cgroup", ["auto", "freezer", "pids", "off"])
+def test_sigkill_of_the_agents_process_group_leaves_no_descendant(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> None:
+    """What `timeout -s KILL rally ...` or `kill -9 -PGID` does: the guard leads a session of
+    its own, survives, and kills everything, token or not (cgroup v2, v1 freezer, v1 pids, or
+    without a cgroup the descendants it saw)."""
+    rally, pids = _start_leaver(tmp_path, procs, cgroup)
+    os.killpg(rally.proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    left = survivors(pids, 5)
+    assert not left, f"alive 5 s after SIGKILL of the agent's group ({cgroup}): {describe_pids(left)}"
+    print(f"MEASURED SIGKILL of the agent's process group ({cgroup}): every descendant gone in {time.monotonic() - killed:.2f} s")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_sigkill_of_the_agent_alone_kills_descendants_without_the_token(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> None:
+    rally, pids = _start_leaver(tmp_path, procs, cgroup)
+    token = psutil.Process(pids[KINDS.index("worker")]).environ()["RALLY_AGENT_TOKEN"]
+    made = list(Path("/sys/fs/cgroup").glob(f"*/rally-*-{token}"))
+    assert cgroup != "off" or made == [], made  # off: the descendants the guard saw, no cgroup
+    probe = JobCgroup.create(f"probe-{os.getpid()}")
+    if probe is not None:
+        probe.remove()
+    assert cgroup != "auto" or probe is None or made, "auto made no cgroup where the machine allows one"
+    os.kill(rally.proc.pid, signal.SIGKILL)
+    left = survivors(pids, 5)
+    assert not left, f"alive 5 s after SIGKILL of the agent ({cgroup}): {describe_pids(left)}"
+    assert eventually(lambda: not any(p.exists() for p in made), 15), f"the job's cgroup was left behind: {made}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["v2", "freezer", "pids"])
+def test_the_job_cgroup_kills_a_tree_that_left_its_session_and_environment(kind: str) -> None:
+    """agent/job_cgroup.py on its own, each kind: a member's `setsid -f env -i` daemon is killed too."""
+    group = JobCgroup.create(f"rally-test-{os.getpid()}-{kind}", (kind,))
+    if group is None:
+        pytest.skip(f"this machine lets no process create a {kind} cgroup")
+    try:
+        shell = subprocess.Popen(
+            ["/bin/sh", "-c", "setsid -f env -i sleep 600; sleep 600 & exec sleep 600"],
+            preexec_fn=lambda: Path(group.procs_file).write_text("0"),
+        )
+        members = wait_for(lambda: len(group.members()) >= 3 and group.members(), 10, what="three members")
+        assert group.kill() == []
+        assert shell.wait(timeout=10) == -signal.SIGKILL
+        assert not survivors(members, 2), describe_pids(members)
+    finally:
+        group.kill()
+        assert group.remove()
+
+
+@pytest.mark.timeout(60)
+def test_the_guard_removes_its_cleanup_paths_once_the_agent_is_gone(tmp_path: Path) -> None:
+    """The hook later parts of the job (shared memory, say) use: paths handed to the guard go when
+    its pipe closes, however the agent ended; a forgotten one stays."""
+    from rally.agent.guard_client import GuardClient
+
+    kept, dropped, directory = tmp_path / "kept", tmp_path / "dropped", tmp_path / "segment"
+    kept.write_text("x")
+    dropped.write_text("x")
+    (directory / "inner").mkdir(parents=True)
+    guard = GuardClient(os.urandom(8).hex())
+    try:
+        for path in (kept, dropped, directory):
+            guard.clean_up_at_exit(str(path))
+        guard.forget_cleanup(str(kept))
+    finally:
+        guard.stop()
+    assert guard.process.returncode == 0
+    assert kept.exists() and not dropped.exists() and not directory.exists()
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_cgroup_whose_guard_is_gone_is_removed_by_the_next_agent() -> None:
+    """A guard SIGKILLed with its agent (a node crash in a test) cannot remove its cgroup; the next
+    agent on the machine removes it, and never one whose guard lives or that has members."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    abandoned = JobCgroup.create(f"rally-{dead.pid}-{os.getpid():x}")
+    if abandoned is None:
+        pytest.skip("this machine lets no process create a cgroup")
+    live = JobCgroup.create(f"rally-{os.getpid()}-{os.getpid():x}")
+    assert live is not None
+    try:
+        from rally.agent.job_cgroup import remove_abandoned
+
+        assert remove_abandoned(live) == [abandoned.path]
+        assert not abandoned.path.exists() and live.path.exists()
+    finally:
+        abandoned.remove()
+        live.remove()
