@@ -30,6 +30,7 @@ from rally.agent.guard_client import TOKEN_VARIABLE, GuardClient
 from rally.agent.hang_report import HangReporter
 from rally.agent.health import HealthMonitor, HealthSettings
 from rally.agent.job import newest_checkpoint_step
+from rally.agent.learned_timeouts import LearnedTimeouts
 from rally.agent.live import LiveView
 from rally.agent.observer import Observer
 from rally.agent.preemption import EXIT_PREEMPTED, Preemption
@@ -98,8 +99,9 @@ class Agent:
             silence_timeout=spec.silence_timeout,
             resource_interval=spec.resource_interval,
             startup_timeout=spec.startup_timeout,
+            learned=LearnedTimeouts(spec.timeout_learning, console.say, self.events.emit) if spec.timeout_learning else None,
         )
-        self.observer = Observer(spec, self.events, self.host, base_env)  # stragglers, /metrics, GPUs
+        self.observer = Observer(spec, self.events, self.host, base_env, self.health_settings.learned)  # stragglers, /metrics, GPUs
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         self.kill_causes: dict[int, str] = {}
         self.last_failure: RoundEnd | None = None
@@ -241,6 +243,7 @@ class Agent:
     def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
+        self.observer.load_timeouts(self.store_call, self.store)  # --heartbeat-timeout auto: learned before, by any node
         sink = self.live.sink if self.live is not None else None
         self.group = WorkerGroup.start(
             self.spec, self.base_env, a, master, self.logs, multi_node, console_out=sink, console_err=sink, launch=launch

@@ -18,13 +18,16 @@ from rally.agent.events import EventLog
 from rally.agent.spec import JobSpec
 from rally.agent.stragglers import CentralValues, StragglerWatch, job_step_times
 from rally.launcher import console
+from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 
 
 class Observer:
     """Stragglers, /metrics and GPU health for one agent."""
 
-    def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str]):
+    def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str], timeouts: Any = None):
+        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/learned_timeouts.py), kept in the store."""
         self.spec = spec
+        self.timeouts = timeouts
         self.events = events
         self.host = host
         self.base_env = base_env
@@ -96,6 +99,11 @@ class Observer:
             console.error(f"node {self.host} has unhealthy GPUs before joining the next round: {'; '.join(problems)}")
             self.events.emit("gpu_unhealthy", node=self.host, problems=problems)
 
+    def load_timeouts(self, store_call: Callable[[Callable[[], Any]], Any], store: Any) -> None:
+        """Before workers start: take the timeouts this job learned before (a restart, a newcomer)."""
+        if self.timeouts is not None and store is not None:
+            self.timeouts.merge(store_call(lambda: load_timeouts(store)), "the store")
+
     # ------------------------------------------------------------------ stragglers
     def after_check(self, assignment: Any, workers: list[Any], health: Any) -> None:
         """Feed the heartbeat files' steps to the straggler watch; name and clear stragglers."""
@@ -143,6 +151,8 @@ class Observer:
         Node 0 reads every node's status record of this round (one multi-get) and publishes the
         middle of the sorted step times; every other node reads that one key.
         """
+        if self.timeouts is not None and self.timeouts.changed:
+            save_timeouts(rdzv.store, self.timeouts.to_json())
         if assignment.group_world_size <= 1:
             return
         if assignment.group_rank == 0:

@@ -61,7 +61,7 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("no-prefix", dict(is_flag=True, help="Do not prefix worker output lines with their rank."), "rally extras"),
     ("quiet", dict(is_flag=True, help="Show only rally's own lines on the console, not the workers' output."), "Logs and output"),
     ("checkpoint-dir", dict(default=None, help="Where workers save checkpoints (RALLY_CHECKPOINT_DIR)."), "rally extras"),
-    ("heartbeat-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat)."), "Health"),
+    ("heartbeat-timeout", dict(default=None, metavar="SECONDS|auto", help="Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat); auto: learn it, and each job.section's, from the job."), "Health"),
     ("silence-timeout", dict(type=float, default=None, help="Declare a worker hung after this many seconds without output."), "Health"),
     ("resource-interval", dict(type=float, default=5.0, help="Seconds between samples of workers' CPU, memory and threads."), "Health"),
     ("startup-timeout", dict(type=float, default=None, help="Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it started (default: off)."), "Health"),
@@ -73,6 +73,17 @@ OPTIONS: list[tuple[str, dict[str, Any], str]] = [
     ("requeue", dict(is_flag=True, help="On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."), "rally extras"),
     ("crash-loop-limit", dict(type=int, default=3, help="Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never)."), "rally extras"),
     ("no-slurm", dict(is_flag=True, help="Ignore the SLURM environment even inside a SLURM job."), "rally extras"),
+    # Issue 21: learned timeouts, GPU memory before a restart, quarantine, pre-flight (launcher/node_checks_options.py)
+    ("timeout-safety-factor", dict(type=float, default=5.0, help="--heartbeat-timeout auto: this many times the longest interval seen (default 5)."), "Health"),
+    ("timeout-samples", dict(type=int, default=20, help="--heartbeat-timeout auto: heartbeat intervals seen before the timeout is set (default 20)."), "Health"),
+    ("timeout-floor", dict(type=float, default=30.0, help="--heartbeat-timeout auto: never below this many seconds (default 30)."), "Health"),
+    ("gpu-reclaim-timeout", dict(type=float, default=30.0, help="Before a restart, wait up to this long for the old workers to leave every GPU and free its memory (NVML; default 30 s)."), "Restarts and shutdown"),
+    ("quarantine-after", dict(type=int, default=2, help="Keep out of later rounds a node that was the root cause of this many failures within --quarantine-window, while the job can run without it (0: never; default 2)."), "Restarts and shutdown"),
+    ("quarantine-window", dict(type=float, default=3600.0, help="Seconds within which --quarantine-after failures count (default 3600)."), "Restarts and shutdown"),
+    ("preflight", dict(is_flag=True, help="Probe every node (compute, and a collective over the job's backend) when a round forms; keep out failing or slow nodes (default for multi-node jobs)."), "Health"),
+    ("no-preflight", dict(is_flag=True, help="No pre-flight probe."), "Health"),
+    ("preflight-factor", dict(type=float, default=2.0, help="A node slower than this many times the median in the pre-flight probe is left out (default 2)."), "Health"),
+    ("preflight-every-round", dict(is_flag=True, help="Probe again when a round re-forms on the same nodes (default: only when the nodes change)."), "Health"),
 ]
 SHORT_NAMES = {"module": "-m", "redirects": "-r", "tee": "-t"}
 EARLY_BLOCKED_SIGNALS = {signal.SIGUSR1, signal.SIGUSR2}

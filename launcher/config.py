@@ -28,6 +28,7 @@ from rally.agent.spec import JobSpec
 from rally.rendezvous.etcd_client import DEFAULT_ETCD_PORT, Member
 from rally.rendezvous.protocol import RendezvousSettings
 from rally.launcher import validate
+from rally.launcher.node_checks_options import node_check_fields
 from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.store import StoreEndpoint, is_local_host
@@ -470,7 +471,7 @@ def build_launch(o: Mapping[str, Any], script: str | None, script_args: list[str
         preemption_signals=parse_signals(o["preemption_signals"], "--preemption-signals"),
         preemption_grace=_non_negative(o["preemption_grace"], "--preemption-grace"),
         requeue=bool(o["requeue"]),
-        heartbeat_timeout=_positive_or_none(o["heartbeat_timeout"], "--heartbeat-timeout"),
+        **node_check_fields(o, max_nodes),  # --heartbeat-timeout, quarantine, pre-flight (launcher/node_checks_options.py)
         silence_timeout=_positive_or_none(o["silence_timeout"], "--silence-timeout"),
         resource_interval=_positive_or_none(o["resource_interval"], "--resource-interval") or 5.0,
         startup_timeout=_positive_or_none(o.get("startup_timeout"), "--startup-timeout"),

@@ -49,7 +49,6 @@ SECONDS_OPTIONS = {
     "shutdown_timeout": True,
     "preemption_grace": True,
     "monitor_interval": True,
-    "heartbeat_timeout": False,
     "silence_timeout": False,
     "resource_interval": False,
 }

@@ -64,6 +64,14 @@ from rally.rendezvous.store import Store, StoreTimeout, UntrustedValue
 CURRENT_ROUND = "current"  # counter: the round a late joiner starts from
 JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
 STATUS_NODES = "status/nodes"  # every node id that ever registered, one per line
+# Kept for the job's whole life, read and written through rendezvous/node_memory.py:
+LEARNED_TIMEOUTS = "job/timeouts"  # --heartbeat-timeout auto: JSON, merged by maximum
+NODE_FAILURES = "job/node_failures"  # root-cause failures by host, and who is quarantined (JSON)
+
+
+def preflight_key(r: int, part: str) -> str:
+    """Round r's pre-flight check (agent/preflight.py): `result/<host>`, `verdict`, `go`."""
+    return f"{r}/preflight/{part}"
 
 
 def status_key(node_id: str) -> str:
