@@ -15,6 +15,7 @@ from typing import Any
 
 from rally.agent import gpu as gpus
 from rally.agent.events import EventLog
+from rally.agent.gpu_reclaim import gpu_processes_of, wait_reclaimed
 from rally.agent.spec import JobSpec
 from rally.agent.stragglers import CentralValues, StragglerWatch, job_step_times
 from rally.launcher import console
@@ -37,6 +38,8 @@ class Observer:
         self.gpu_skipped: str | None = None
         self.gpu_devices: list[gpus.DeviceReading] | None = None
         self.gpu_xid_problems: list[str] = []  # XIDs are events: remembered once seen
+        self.worker_pids: set[int] = set()  # this round's workers and their processes seen on GPUs (agent/gpu_reclaim.py)
+        self.gpu_baseline: dict[int, int] = {}  # bytes in use per GPU before the round's workers started
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, snapshot: Callable[[], dict | None], report: Any) -> None:
@@ -89,11 +92,18 @@ class Observer:
         return [p for d in self.gpu_devices for p in gpus.state_problems(d)] + self.gpu_xid_problems
 
     def before_round(self) -> None:
-        """Before this node joins a round: forget the last round's ranks, check the GPUs."""
+        """Before this node joins a round: forget the last round's ranks, wait until the last
+        round's workers have left the GPUs (--gpu-reclaim-timeout), check the GPUs."""
         self.stragglers.reset()
         if self.gpu is None:
             return
-        self.read_gpus()
+        if self.worker_pids:
+            problems, waited = wait_reclaimed(self.read_gpus, self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout)
+            self.worker_pids = set()
+            if problems:
+                console.warn(f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}")
+            self.events.emit("gpu_reclaim", node=self.host, waited=round(waited, 3), occupied=problems)
+        self.gpu_baseline = {d.index: d.memory_used for d in self.read_gpus() or []}
         problems = self.gpu_problems() or []
         if problems:
             console.error(f"node {self.host} has unhealthy GPUs before joining the next round: {'; '.join(problems)}")
@@ -107,6 +117,8 @@ class Observer:
     # ------------------------------------------------------------------ stragglers
     def after_check(self, assignment: Any, workers: list[Any], health: Any) -> None:
         """Feed the heartbeat files' steps to the straggler watch; name and clear stragglers."""
+        if self.gpu is not None:  # whom to wait for before the next round (agent/gpu_reclaim.py)
+            self.worker_pids |= {w.pid for w in workers} | gpu_processes_of(self.gpu_devices or [], {w.pid for w in workers})
         records = health.records()
         new = False
         for worker in workers:
