@@ -32,6 +32,7 @@ from rally.agent.health import HealthMonitor, HealthSettings
 from rally.agent.job import newest_checkpoint_step
 from rally.agent.learned_timeouts import LearnedTimeouts
 from rally.agent.live import LiveView
+from rally.agent.node_checks import EXIT_QUARANTINED, NodeChecks
 from rally.agent.observer import Observer
 from rally.agent.preemption import EXIT_PREEMPTED, Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
@@ -109,6 +110,7 @@ class Agent:
         self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
         self.hangs = HangReporter(self)  # who really hung, from every node (agent/hang_report.py)
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
+        self.checks = NodeChecks(spec, self.host, self.events, self.report, self.store_call, lambda: self.template)  # quarantine, pre-flight
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -158,6 +160,8 @@ class Agent:
             console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
         self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         self.store_call(rdzv.register_status)
+        if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/quarantine.py)
+            raise AgentExit(EXIT_QUARANTINED, line)
         watcher, keeper, prober = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
         self.probe = StoreProbe(prober, self.plan.read_timeout)
         return rdzv, watcher, keeper
@@ -217,6 +221,8 @@ class Agent:
             master = self._workers_store(rdzv, a)
             if isinstance(master, RoundEnd):
                 return master
+            if (left_out := self.checks.round_formed(rdzv, a, master)) is not None:  # pre-flight (agent/preflight.py)
+                return left_out
             self._start_workers(a, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rdzv, a)
@@ -352,6 +358,8 @@ class Agent:
         self.report.finish_attempt(group, end)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail)
         self.store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))
+        if line := self.checks.after_round(rdzv, a, end, self.store_server is not None):  # quarantined, or left out
+            raise AgentExit(EXIT_QUARANTINED, line)
         if end.kind is EndKind.SUCCEEDED:
             self.store_call(lambda: rdzv.close_job(end))
             console.say(f"job succeeded: {a.world_size} workers on {a.group_world_size} node{'s' if a.group_world_size != 1 else ''} finished")

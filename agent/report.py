@@ -118,6 +118,7 @@ class JobReport:
     attempts: list[AttemptRecord] = field(default_factory=list)
     outcome: str = "running"
     exit_code: int | None = None
+    quarantined: dict[str, str] = field(default_factory=dict)  # host -> why (agent/quarantine.py)
 
     def begin(self, assignment: Assignment) -> None:
         self.attempts.append(
@@ -159,6 +160,7 @@ class JobReport:
             "outcome": self.outcome,
             "exit_code": self.exit_code,
             "attempts": [asdict(a) for a in self.attempts],
+            "quarantined": self.quarantined,
         }
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=2))

@@ -72,10 +72,25 @@ def status_command(endpoint: str | None, run_id: str | None, backend: str, slurm
                 out.print(straggler_line(w, node.get("host")), highlight=False)
         if node.get("gpu_problems"):
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]), highlight=False)
+    for host, reason in (status.get("quarantined") or {}).items():
+        out.print(f"quarantined: {host} ({reason})", highlight=False)
+    for line in preflight_lines(status.get("preflight")):
+        out.print(line, highlight=False)
     closed = status["closed"]
     if closed is not None:
         console.say(f"the job has ended ({closed.kind}): {closed.detail}")
     return 0
+
+
+def preflight_lines(verdict: dict | None) -> list[str]:
+    """The last pre-flight check (agent/preflight.py): each node's numbers, and who was left out."""
+    if not isinstance(verdict, dict):
+        return []
+    lines = [f"pre-flight of round {verdict.get('round')}: {verdict.get('summary', '')}"]
+    for node in verdict.get("nodes") or []:
+        if isinstance(node, dict):
+            lines.append(f"  {node.get('host')}: {node.get('line', '')}")
+    return lines
 
 
 def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tuple[str, str]:

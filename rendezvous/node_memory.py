@@ -48,14 +48,20 @@ def save_timeouts(store: Store, values: dict[str, Any]) -> None:
 
 
 def load_node_failures(store: Store) -> dict[str, Any]:
-    """{"failures": {host: [unix times]}, "quarantined": {host: reason}} (empty when none)."""
+    """{"failures": {host: [[round, unix time], ...]}, "quarantined": {host: reason}, "preflight": the
+    last pre-flight verdict (agent/preflight.py) or None}; empty when none."""
     value = _read(store, NODE_FAILURES) or {}
     failures = value.get("failures") if isinstance(value.get("failures"), dict) else {}
     quarantined = value.get("quarantined") if isinstance(value.get("quarantined"), dict) else {}
     return {
-        "failures": {str(h): [float(t) for t in ts if isinstance(t, (int, float))] for h, ts in failures.items() if isinstance(ts, list)},
+        "failures": {str(h): [e for e in ts if _entry(e)] for h, ts in failures.items() if isinstance(ts, list)},
         "quarantined": {str(h): str(r) for h, r in quarantined.items()},
+        "preflight": value.get("preflight") if isinstance(value.get("preflight"), dict) else None,
     }
+
+
+def _entry(e: Any) -> bool:
+    return isinstance(e, list) and len(e) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)
 
 
 def save_node_failures(store: Store, value: dict[str, Any]) -> None:
