@@ -110,7 +110,7 @@ class Agent:
         self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
         self.hangs = HangReporter(self)  # who really hung, from every node (agent/hang_report.py)
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
-        self.checks = NodeChecks(spec, self.host, self.events, self.report, self.store_call, lambda: self.template)  # quarantine, pre-flight
+        self.observer.node_checks = self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/node_checks.py)
 
     # ================================================================ entry point
     def run(self) -> int:

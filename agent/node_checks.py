@@ -25,16 +25,19 @@ __all__ = ["EXIT_QUARANTINED", "NodeChecks"]
 class NodeChecks:
     """Quarantine and pre-flight for one agent (`store_call` is the agent's, so store trouble is one line)."""
 
-    def __init__(self, spec: Any, host: str, events: Any, report: Any, store_call: Callable[..., Any], template: Callable[[], Any]):
-        """`template` returns the agent's worker template (or None), which forks the probe."""
-        self.spec = spec
-        self.store_call = store_call
-        self.quarantine = Quarantine(spec, host, events, report, console.say, console.warn)
+    def __init__(self, agent: Any):
+        """Takes from `agent` (agent/agent.py) its spec, host, events, report, store_call, base
+        environment, run directory, and, for the probe, its worker template and GPUs."""
+        spec, self.store_call = agent.spec, agent.store_call
+        self.quarantine = Quarantine(spec, agent.host, agent.events, agent.report, console.say, console.warn)
         self.preflight: Any = None
-        if spec.preflight:
+        if spec.preflight:  # the default path without it imports nothing more
             from rally.agent.preflight import Preflight
 
-            self.preflight = Preflight(spec, host, events, report, store_call, template)
+            self.preflight = Preflight(
+                spec, agent.host, agent.events, agent.report, agent.store_call, lambda: agent.template, agent.base_env, agent.logs.run_dir,
+                lambda: "nccl" if agent.observer.gpu is not None else "gloo",  # the backend the job's workers would use
+            )  # fmt: skip
 
     def at_join(self, store: Any) -> str | None:
         return self.store_call(lambda: self.quarantine.at_join(store))

@@ -29,6 +29,7 @@ class Observer:
         """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/learned_timeouts.py), kept in the store."""
         self.spec = spec
         self.timeouts = timeouts
+        self.node_checks: Any = None  # quarantine and pre-flight (agent/node_checks.py): the status record's "preflight"
         self.events = events
         self.host = host
         self.base_env = base_env
@@ -155,7 +156,8 @@ class Observer:
         }
 
     def node_fields(self) -> dict:
-        return {"gpu_problems": self.gpu_problems()}
+        checks = self.node_checks.status_fields() if self.node_checks is not None else {}
+        return {"gpu_problems": self.gpu_problems(), **checks}
 
     def exchange(self, rdzv: Any, assignment: Any) -> None:
         """From the keep-alive thread: make the straggler median the job's, not only this node's.

@@ -62,7 +62,7 @@ def node_check_fields(o: Mapping[str, Any], max_nodes: int) -> dict[str, Any]:
         )
     if o.get("preflight") and o.get("no_preflight"):
         raise ConfigError("--preflight and --no-preflight contradict each other; give one of them")
-    preflight = False  # the probe lands in the next commit (agent/preflight.py)
+    preflight = bool(o.get("preflight")) or (max_nodes > 1 and not o.get("no_preflight"))
     return {
         "heartbeat_timeout": timeout,
         "timeout_learning": learning,
