@@ -23,6 +23,8 @@ Metrics (every worker metric carries `rank`, `local_rank` and `host` labels):
     rally_worker_gpu_memory_bytes        GPU memory of the worker and its children (with NVML)
     rally_worker_gpu_utilization_percent its GPU utilisation (with NVML)
     rally_gpu_problems                   GPU problems found on this node (ECC, XID, ...; with NVML)
+    rally_preflight_seconds{probe}       this node's last pre-flight numbers: compute, link, allreduce (agent/preflight.py)
+    rally_preflight_left_out{node}       1 for each node the last pre-flight left out
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class AgentCollector(Collector):
         if record.get("gpu_problems") is not None:
             yield GaugeMetricFamily("rally_gpu_problems", "GPU problems on this node (ECC, XID, ...).", value=len(record["gpu_problems"]))
         yield from self._workers(record)
+        yield from _preflight(record.get("preflight"))
 
     def _workers(self, record: dict) -> Iterator[Metric]:
         host = str(record.get("host", ""))
@@ -96,6 +99,21 @@ class AgentCollector(Collector):
         yield state
         yield straggler
         yield from (family for family in gauges.values() if family.samples)
+
+
+def _preflight(last: Any) -> Iterator[Metric]:
+    """The status record's "preflight" (agent/preflight.py): this node's numbers, and who was left out."""
+    if not isinstance(last, dict):
+        return
+    probes = GaugeMetricFamily("rally_preflight_seconds", "This node's last pre-flight probe, by probe.", labels=["probe"])
+    for probe in ("compute", "link", "allreduce"):
+        if isinstance(last.get(probe), (int, float)):
+            probes.add_metric([probe], float(last[probe]))
+    yield probes
+    left_out = GaugeMetricFamily("rally_preflight_left_out", "Nodes the last pre-flight check left out of the round.", labels=["node"])
+    for node in last.get("left_out") or []:
+        left_out.add_metric([str(node)], 1.0)
+    yield left_out
 
 
 class MetricsServer:

@@ -38,6 +38,7 @@ class NodeChecks:
                 spec, agent.host, agent.events, agent.report, agent.store_call, lambda: agent.template, agent.base_env, agent.logs.run_dir,
                 lambda: "nccl" if agent.observer.gpu is not None else "gloo",  # the backend the job's workers would use
             )  # fmt: skip
+            self.preflight.start_template()
 
     def at_join(self, store: Any) -> str | None:
         return self.store_call(lambda: self.quarantine.at_join(store))

@@ -36,6 +36,9 @@ PROBE = str(Path(__file__).with_name("preflight_probe.py"))
 PROBE_TIMEOUT_SECONDS = 20.0
 # After the probe, how long node 0 waits for the slowest node's numbers, and the others for the verdict.
 VERDICT_WAIT_SECONDS = 30.0
+# A link is slow only when its exchange (1 MB each way) also takes this long: 20 ms is 100 MB/s,
+# a working link; below it the ratio measures CPU scheduling on a busy node, not the network.
+LINK_SLOW_FLOOR_SECONDS = 0.02
 
 
 def judge(results: dict[int, dict], factor: float, min_nodes: int) -> dict[str, Any]:
@@ -55,7 +58,7 @@ def judge(results: dict[int, dict], factor: float, min_nodes: int) -> dict[str, 
             slow = []
             if compute and r["compute"] > factor * compute:
                 slow.append(f"compute {r['compute'] / compute:.1f}x the median")
-            if link and r.get("link") and r["link"] > factor * link:
+            if link and r.get("link") and r["link"] > max(factor * link, LINK_SLOW_FLOOR_SECONDS):
                 slow.append(f"link {r['link'] / link:.1f}x the median")
             why = f"slower than {factor:g}x the median ({', '.join(slow)})" if slow else ""
         numbers = _numbers(r, compute, link)
@@ -93,6 +96,30 @@ class Preflight:
         self.store_call, self.template, self.base_env, self.run_dir, self.backend = store_call, template, base_env, run_dir, backend
         self.last: dict | None = None  # this node's numbers and the verdict's summary, for its status record
         self.left_out: dict[int, str] = {}  # round -> the line this node leaves with
+        self.own_template: Any = None  # preloads torch for the first probe when the job has no worker template
+
+    def start_template(self) -> None:
+        """A job whose workers start plainly (a script without torch, --no-preload) has no template
+        to fork the probe from: start one now, so torch loads while the rendezvous runs (a plain
+        probe would import it after the round formed: 2 s here, 7 s on a busy machine). It is
+        stopped after the first probe; a later one (after a membership change) starts plainly."""
+        if self.template() is not None or not self.spec.preflight:
+            return
+        from rally.agent.spec import BOOTSTRAP
+        from rally.agent.template import TemplateClient
+        from rally.agent.workers import shared_worker_env
+
+        argv = [self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE]
+        self.own_template = TemplateClient(self.spec.python_exec, BOOTSTRAP, argv, ("torch",), shared_worker_env(self.spec, self.base_env), os.getcwd(), console.warn)
+        try:
+            self.own_template.start()
+        except OSError:
+            self.own_template = None
+
+    def stop_template(self) -> None:
+        if self.own_template is not None:
+            self.own_template.stop()
+            self.own_template = None
 
     def due(self, rdzv: Any, a: Assignment) -> bool:
         """Every node decides the same from the store: not after a failure on the same nodes, nor
@@ -111,6 +138,7 @@ class Preflight:
 
     def run(self, rdzv: Any, a: Assignment, master: tuple[str, int]) -> RoundEnd | None:
         if not self.store_call(lambda: self.due(rdzv, a)):
+            self.stop_template()  # the next probe, if any, starts plainly
             return None
         started = time.monotonic()
         result = {"host": self.host, **self._probe(a, master)}
@@ -139,7 +167,7 @@ class Preflight:
             "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{a.round}/", "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
             "RALLY_PREFLIGHT_BACKEND": self.backend(),
         }  # fmt: skip
-        template = self.template()
+        template = self.template() or self.own_template
         launch = template.spawn if template is not None else processes.spawn
         with open(self.run_dir / f"preflight_{a.round}.log", "wb") as log:
             child = launch([self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE], env, None, log, log)
@@ -149,6 +177,7 @@ class Preflight:
             if child.returncode is None:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait(5)
+        self.stop_template()
         try:
             return json.loads(out.read_text())
         except (OSError, ValueError):

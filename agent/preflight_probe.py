@@ -29,7 +29,7 @@ COMPUTE_SIZE = 256  # 64 products of 256 x 256 float32: about 30 ms per block on
 COMPUTE_PRODUCTS = 64
 COLLECTIVE_MB = 4
 LINK_MB = 1
-LINK_REPEATS = 2
+LINK_REPEATS = 3
 
 
 def pairings(world: int) -> list[list[tuple[int, int]]]:
@@ -56,9 +56,11 @@ def measure_compute(torch) -> float:  # noqa: ANN001 - the torch module
 
 
 def measure_links(torch, dist, rank: int, world: int) -> dict[int, float]:  # noqa: ANN001
-    """Seconds for LINK_MB each way with each partner (the last of LINK_REPEATS: the first warms TCP)."""
+    """Seconds for LINK_MB each way with each partner (the fastest of LINK_REPEATS: a moment of CPU
+    contention on a shared machine is not a slow link; a slow link is slow every time)."""
     send = torch.ones(LINK_MB * 2**18)
     receive = torch.empty_like(send)
+    ack = torch.ones(1)
     times: dict[int, float] = {}
     for turn in pairings(world):
         partner = next((b if a == rank else a for a, b in turn if rank in (a, b)), None)
@@ -66,13 +68,17 @@ def measure_links(torch, dist, rank: int, world: int) -> dict[int, float]:  # no
             continue
         for _ in range(LINK_REPEATS):
             started = time.perf_counter()
+            # A send returns once the data is in the socket's buffer; the ack makes both sides
+            # time the whole exchange, delivery included, in both directions.
             if rank < partner:
                 dist.send(send, partner)
                 dist.recv(receive, partner)
+                dist.send(ack, partner)
             else:
                 dist.recv(receive, partner)
                 dist.send(send, partner)
-            times[partner] = time.perf_counter() - started
+                dist.recv(ack, partner)
+            times[partner] = min(times.get(partner, float("inf")), time.perf_counter() - started)
     return times
 
 
@@ -90,8 +96,10 @@ def main() -> None:
         timeout = timedelta(seconds=float(os.environ["RALLY_PREFLIGHT_TIMEOUT"]))
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(os.environ["RALLY_PREFLIGHT_PREFIX"], store)
+        result["startup"] = time.perf_counter() - started - result["compute"]  # imports and the store's connect
         backend = os.environ.get("RALLY_PREFLIGHT_BACKEND", "gloo")
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+        result["connect"] = time.perf_counter() - started - result["compute"]  # the store, then the backend's connections
         device = "cuda" if backend == "nccl" else "cpu"
         dist.all_reduce(torch.ones(1, device=device))  # warm-up: connections
         tensor = torch.ones(COLLECTIVE_MB * 2**18, device=device)

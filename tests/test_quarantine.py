@@ -35,7 +35,7 @@ def test_a_node_that_caused_two_failures_is_quarantined_and_the_others_train_wit
     out = tmp_path / "records.jsonl"
     agents = []
     try:
-        args = [*c10d_args(store.port, "2:3"), "--nproc-per-node", "1", "--max-restarts", "5", "--no-preflight", str(script)]
+        args = [*c10d_args(store.port, "2:3"), "--nproc-per-node", "1", "--max-restarts", "5", str(script)]  # (c10d_args: --no-preflight)
         agents = [agent(tmp_path, h, [*args[:-1], "--log-dir", str(tmp_path / f"logs-{h}"), args[-1]], {"PROBE_OUT": str(out)}) for h in ("good1", "bad", "good2")]
         bad = agents[1]
         assert bad.wait(150) == 3, bad.output()
