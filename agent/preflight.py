@@ -97,6 +97,7 @@ class Preflight:
         self.last: dict | None = None  # this node's numbers and the verdict's summary, for its status record
         self.left_out: dict[int, str] = {}  # round -> the line this node leaves with
         self.own_template: Any = None  # preloads torch for the first probe when the job has no worker template
+        self.template_wait = 0.0  # of the last probe: waiting for the template's preload, which the workers wait for too
 
     def start_template(self) -> None:
         """A job whose workers start plainly (a script without torch, --no-preload) has no template
@@ -110,7 +111,7 @@ class Preflight:
         from rally.agent.workers import shared_worker_env
 
         argv = [self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE]
-        self.own_template = TemplateClient(self.spec.python_exec, BOOTSTRAP, argv, ("torch",), shared_worker_env(self.spec, self.base_env), os.getcwd(), console.warn)
+        self.own_template = TemplateClient(self.spec.python_exec, BOOTSTRAP, argv, ("torch", "torch.distributed"), shared_worker_env(self.spec, self.base_env), os.getcwd(), console.warn)
         try:
             self.own_template.start()
         except OSError:
@@ -169,8 +170,10 @@ class Preflight:
         }  # fmt: skip
         template = self.template() or self.own_template
         launch = template.spawn if template is not None else processes.spawn
-        with open(self.run_dir / f"preflight_{a.round}.log", "wb") as log:
+        asked = time.monotonic()
+        with open(self.run_dir / f"preflight_{a.round}.log", "wb") as log:  # a template still loading torch is waited for here
             child = launch([self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE], env, None, log, log)
+        self.template_wait = time.monotonic() - asked
         try:
             code = self.store_call(lambda: child.wait(PROBE_TIMEOUT_SECONDS + 10), waiting=True)
         finally:
@@ -222,13 +225,14 @@ class Preflight:
 
     def _act(self, rdzv: Any, a: Assignment, verdict: dict, mine: dict, seconds: float) -> RoundEnd | None:
         left_out, kept = set(verdict.get("left_out") or []), set(verdict.get("kept_bad") or [])
-        console.say(f"pre-flight of round {a.round} took {seconds:.2f} s: {verdict.get('summary', '')}")
+        waited = f" ({self.template_wait:.2f} s of it waiting for the worker template to load torch)" if self.template_wait >= 0.1 else ""
+        console.say(f"pre-flight of round {a.round} took {seconds:.2f} s{waited}: {verdict.get('summary', '')}")
         for node in verdict["nodes"]:
             if node.get("group_rank") in left_out:
                 console.warn(f"pre-flight: node {node.get('host')} is left out of the round: {node.get('line')}")
             elif node.get("group_rank") in kept:
                 console.warn(f"pre-flight: node {node.get('host')}: {node.get('bad')}; kept: {verdict.get('summary')}; going on with it ({node.get('numbers')})")
-        self.events.emit("preflight", round=a.round, seconds=round(seconds, 3), nodes=verdict["nodes"], left_out=sorted(left_out), kept_bad=sorted(kept))
+        self.events.emit("preflight", round=a.round, seconds=round(seconds, 3), template_wait=round(self.template_wait, 3), nodes=verdict["nodes"], left_out=sorted(left_out), kept_bad=sorted(kept))
         me = next((n for n in verdict["nodes"] if n.get("group_rank") == a.group_rank), {})
         self.last = {"round": a.round, "seconds": seconds, "compute": mine.get("compute"), "link": mine.get("link"),
                      "allreduce": mine.get("allreduce"), "bad": me.get("bad", ""), "left_out": [n["host"] for n in verdict["nodes"] if n.get("group_rank") in left_out]}  # fmt: skip
