@@ -38,10 +38,12 @@ class NodeChecks:
                 spec, agent.host, agent.events, agent.report, agent.store_call, lambda: agent.template, agent.base_env, agent.logs.run_dir,
                 lambda: "nccl" if agent.observer.gpu is not None else "gloo",  # the backend the job's workers would use
             )  # fmt: skip
-            self.preflight.start_template()
 
     def at_join(self, store: Any) -> str | None:
-        return self.store_call(lambda: self.quarantine.at_join(store))
+        line = self.store_call(lambda: self.quarantine.at_join(store))
+        if line is None and self.preflight is not None:
+            self.preflight.start_template()  # loads torch for the probe while the rendezvous runs
+        return line
 
     def round_formed(self, rdzv: Any, a: Assignment, master: tuple[str, int]) -> RoundEnd | None:
         self.store_call(lambda: self.quarantine.announce(rdzv.store, a.round))

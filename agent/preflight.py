@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rally.launcher import console
-from rally.rendezvous.node_memory import load_node_failures, save_node_failures
+from rally.rendezvous.node_memory import save_preflight
 from rally.rendezvous.protocol import FAILURE_KINDS, Assignment, EndKind, RoundEnd, preflight_key
 
 PROBE = str(Path(__file__).with_name("preflight_probe.py"))
@@ -201,9 +201,7 @@ class Preflight:
     def _judge(self, rdzv: Any, a: Assignment) -> dict:
         verdict = judge(self._results(rdzv, a, VERDICT_WAIT_SECONDS), self.spec.preflight_factor, rdzv.settings.min_nodes)
         verdict["round"] = a.round
-        record = load_node_failures(rdzv.store)
-        record["preflight"] = verdict  # for `rally status`
-        save_node_failures(rdzv.store, record)
+        save_preflight(rdzv.store, verdict)  # for `rally status`
         if verdict["left_out"]:
             names = ", ".join(n["host"] for n in verdict["nodes"] if n["group_rank"] in verdict["left_out"])
             rdzv.count_lost(a.round, len(verdict["left_out"]))  # the re-formed round does not wait for them

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rally.rendezvous.node_memory import load_node_failures, save_node_failures
+from rally.rendezvous.node_memory import add_quarantined, load_node_failures, load_quarantined, save_failures
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
 
 # Exit code of an agent whose node is quarantined: neither success nor a job failure.
@@ -68,7 +68,7 @@ class Quarantine:
         """Started again on a quarantined node: the line to leave with, else None."""
         if not self.spec.quarantine_after:
             return None
-        reason = load_node_failures(store)["quarantined"].get(self.host)
+        reason = load_quarantined(store).get(self.host)
         if reason is None:
             return None
         self.report.outcome = "quarantined"
@@ -87,18 +87,16 @@ class Quarantine:
         record_failure(record, host, a.round, now)
         count = recent_failures(record, host, self.spec.quarantine_window, now)
         goes_on = not end.is_failure or a.restart_count + 1 <= self.spec.max_restarts
+        save_failures(rdzv.store, record["failures"])
         if host != self.host or count < self.spec.quarantine_after or not goes_on:
-            save_node_failures(rdzv.store, record)
             return None
         reason = f"the root cause of {count} failures within {self.spec.quarantine_window:g} s, --quarantine-after {self.spec.quarantine_after}"
         stays = "the job needs it (fewer than MIN={} nodes without it)".format(rdzv.settings.min_nodes) if a.group_world_size - 1 < rdzv.settings.min_nodes else ""
         stays = stays or ("it hosts the rendezvous store" if hosts_store else "")
         if stays:
-            save_node_failures(rdzv.store, record)
             self.warn(f"node {host} was {reason}, but {stays}: it stays in")
             return None
-        record["quarantined"][host] = reason
-        save_node_failures(rdzv.store, record)
+        add_quarantined(rdzv.store, host, reason)
         rdzv.count_lost(a.round, 1)  # the next round need not wait for this node
         self.report.quarantined[host] = reason
         self.report.outcome = "quarantined"
@@ -109,7 +107,7 @@ class Quarantine:
         """When a round forms: say which nodes were quarantined since the last one."""
         if not self.spec.quarantine_after:
             return
-        for host, reason in load_node_failures(store)["quarantined"].items():
+        for host, reason in load_quarantined(store).items():
             if host not in self.announced and host != self.host:
                 self.announced.add(host)
                 self.report.quarantined[host] = reason

@@ -1,11 +1,13 @@
 """What the job remembers across rounds and restarts about its nodes and its timing, in the store.
 
-Two JSON records under keys named in rendezvous/protocol.py (`LEARNED_TIMEOUTS`, `NODE_FAILURES`):
-the hang timeouts learned with `--heartbeat-timeout auto` (agent/learned_timeouts.py), and the
-root-cause failures per host that quarantine a node (agent/quarantine.py). Both are read-merge-
-written: two nodes writing at the same instant may lose one update, which the loser repeats at
-its next write (timeouts) or which costs one more failure before a quarantine; nothing depends on
-them for correctness. Every value is signed like every other (rendezvous/token.py) and checked
+JSON records under keys named in rendezvous/protocol.py: the hang timeouts learned with
+`--heartbeat-timeout auto` (`LEARNED_TIMEOUTS`, agent/learned_timeouts.py), the root-cause
+failures per host (`NODE_FAILURES`), the quarantined hosts (`QUARANTINED`, agent/quarantine.py)
+and the last pre-flight verdict (`PREFLIGHT_VERDICT`, agent/preflight.py). Each is read-merge-
+written, and each has writers that cannot undo each other: every node writes the same failure
+entry for a round (a lost update loses nothing), only a quarantined node's own agent adds itself,
+only node 0 writes a verdict; two timeouts written at the same instant may lose one, which its
+node repeats at its next change. Every value is signed like every other (rendezvous/token.py) and checked
 on read; a value that is not this job's JSON reads as nothing.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rally.rendezvous.protocol import LEARNED_TIMEOUTS, NODE_FAILURES
+from rally.rendezvous.protocol import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
 from rally.rendezvous.store import Store, UntrustedValue
 
 
@@ -50,13 +52,12 @@ def save_timeouts(store: Store, values: dict[str, Any]) -> None:
 def load_node_failures(store: Store) -> dict[str, Any]:
     """{"failures": {host: [[round, unix time], ...]}, "quarantined": {host: reason}, "preflight": the
     last pre-flight verdict (agent/preflight.py) or None}; empty when none."""
-    value = _read(store, NODE_FAILURES) or {}
-    failures = value.get("failures") if isinstance(value.get("failures"), dict) else {}
-    quarantined = value.get("quarantined") if isinstance(value.get("quarantined"), dict) else {}
+    failures = (_read(store, NODE_FAILURES) or {}).get("failures")
+    quarantined = _read(store, QUARANTINED) or {}
     return {
-        "failures": {str(h): [e for e in ts if _entry(e)] for h, ts in failures.items() if isinstance(ts, list)},
+        "failures": {str(h): [e for e in ts if _entry(e)] for h, ts in failures.items() if isinstance(ts, list)} if isinstance(failures, dict) else {},
         "quarantined": {str(h): str(r) for h, r in quarantined.items()},
-        "preflight": value.get("preflight") if isinstance(value.get("preflight"), dict) else None,
+        "preflight": _read(store, PREFLIGHT_VERDICT),
     }
 
 
@@ -64,5 +65,20 @@ def _entry(e: Any) -> bool:
     return isinstance(e, list) and len(e) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)
 
 
-def save_node_failures(store: Store, value: dict[str, Any]) -> None:
-    store.set(NODE_FAILURES, json.dumps(value))
+def save_failures(store: Store, failures: dict[str, list]) -> None:
+    store.set(NODE_FAILURES, json.dumps({"failures": failures}))
+
+
+def load_quarantined(store: Store) -> dict[str, str]:
+    """host -> why, for every host quarantined in this job (one store read)."""
+    return {str(h): str(r) for h, r in (_read(store, QUARANTINED) or {}).items()}
+
+
+def add_quarantined(store: Store, host: str, reason: str) -> None:
+    quarantined = _read(store, QUARANTINED) or {}
+    quarantined[host] = reason
+    store.set(QUARANTINED, json.dumps(quarantined))
+
+
+def save_preflight(store: Store, verdict: dict) -> None:
+    store.set(PREFLIGHT_VERDICT, json.dumps(verdict))

@@ -66,7 +66,9 @@ JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares
 STATUS_NODES = "status/nodes"  # every node id that ever registered, one per line
 # Kept for the job's whole life, read and written through rendezvous/node_memory.py:
 LEARNED_TIMEOUTS = "job/timeouts"  # --heartbeat-timeout auto: JSON, merged by maximum
-NODE_FAILURES = "job/node_failures"  # root-cause failures by host, and who is quarantined (JSON)
+NODE_FAILURES = "job/node_failures"  # root-cause failures by host (JSON; every node writes the same entries)
+QUARANTINED = "job/quarantined"  # host -> why (JSON; written by the quarantined node's own agent)
+PREFLIGHT_VERDICT = "job/preflight"  # the last pre-flight verdict, for `rally status` (JSON; node 0)
 
 
 def preflight_key(r: int, part: str) -> str:

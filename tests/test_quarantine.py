@@ -79,3 +79,12 @@ def test_failures_count_once_per_round_and_only_within_the_window():
     assert recent_failures(record, "n1", 3600, 2001.0) == 2
     assert recent_failures(record, "n1", 500, 2001.0) == 1
     assert recent_failures(record, "n2", 3600, 2001.0) == 0
+
+
+def test_under_slurm_the_line_names_the_node_to_exclude_on_requeue():
+    from rally.agent.quarantine import excluded_line
+
+    line = excluded_line("gpu17.cluster", "the root cause of 2 failures", {"SLURMD_NODENAME": "gpu17", "SLURM_JOB_ID": "4242"})
+    assert line.startswith("node gpu17.cluster is quarantined (the root cause of 2 failures); this agent leaves the job")
+    assert line.endswith("to keep SLURM node gpu17 out when the job is requeued: scontrol update JobId=4242 ExcNodeList=gpu17")
+    assert "SLURM" not in excluded_line("n1", "x", {})
