@@ -72,7 +72,7 @@ PREFLIGHT_VERDICT = "job/preflight"  # the last pre-flight verdict, for `rally s
 
 
 def preflight_key(r: int, part: str) -> str:
-    """Round r's pre-flight check (agent/preflight.py): `result/<host>`, `verdict`, `go`."""
+    """Round r's pre-flight check (agent/preflight.py): `result/<group rank>` (each node's numbers), `verdict` (node 0's)."""
     return f"{r}/preflight/{part}"
 
 
