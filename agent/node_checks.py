@@ -29,7 +29,8 @@ class NodeChecks:
         """Takes from `agent` (agent/agent.py) its spec, host, events, report, store_call, base
         environment, run directory, and, for the probe, its worker template and GPUs."""
         spec, self.store_call = agent.spec, agent.store_call
-        self.quarantine = Quarantine(spec, agent.host, agent.events, agent.report, console.say, console.warn)
+        # A single-node job has no node to keep out: quarantine makes no store call there.
+        self.quarantine = Quarantine(spec, agent.host, agent.events, agent.report, console.say, console.warn, agent.plan.settings.max_nodes > 1)
         self.preflight: Any = None
         if spec.preflight:  # the default path without it imports nothing more
             from rally.agent.preflight import Preflight

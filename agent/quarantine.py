@@ -55,8 +55,9 @@ def excluded_line(host: str, reason: str, env: dict[str, str]) -> str:
 class Quarantine:
     """One agent's part: record each round's root cause, leave when its own node is quarantined."""
 
-    def __init__(self, spec: Any, host: str, events: Any, report: Any, say: Callable[[str], None], warn: Callable[[str], None]):
+    def __init__(self, spec: Any, host: str, events: Any, report: Any, say: Callable[[str], None], warn: Callable[[str], None], multi_node: bool = True):
         self.spec = spec
+        self.enabled = bool(spec.quarantine_after) and multi_node
         self.host = host
         self.events = events
         self.report = report
@@ -66,7 +67,7 @@ class Quarantine:
 
     def at_join(self, store: Any) -> str | None:
         """Started again on a quarantined node: the line to leave with, else None."""
-        if not self.spec.quarantine_after:
+        if not self.enabled:
             return None
         reason = load_quarantined(store).get(self.host)
         if reason is None:
@@ -80,7 +81,7 @@ class Quarantine:
         Only the culprit's own agent decides (it alone knows whether it hosts the store, which
         must stay); the others learn of it from the record when the next round forms (`announce`)."""
         host = end.node or (end.info or {}).get("host") or ""
-        if not self.spec.quarantine_after or end.kind not in ROOT_CAUSE_KINDS or not host:
+        if not self.enabled or end.kind not in ROOT_CAUSE_KINDS or not host:
             return None
         now = time.time()
         record = load_node_failures(rdzv.store)
@@ -105,7 +106,7 @@ class Quarantine:
 
     def announce(self, store: Any, r: int) -> None:
         """When a round forms: say which nodes were quarantined since the last one."""
-        if not self.spec.quarantine_after:
+        if not self.enabled:
             return
         for host, reason in load_quarantined(store).items():
             if host not in self.announced and host != self.host:
