@@ -27,6 +27,7 @@ from typing import Any, Callable
 from rally.agent import processes
 from rally.agent.event_loop import Event, EventLoop
 from rally.agent.events import EventLog
+from rally.agent.agent_exit import AgentExit, store_failure_exit
 from rally.agent.decide import Exit, Reform, Restart, decide
 from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
 from rally.agent.guard_client import TOKEN_VARIABLE, GuardClient
@@ -34,6 +35,7 @@ from rally.agent.hang_report import HangReporter
 from rally.agent.health import HealthMonitor, HealthSettings
 from rally.agent.job import newest_checkpoint_step
 from rally.agent.live import LiveView
+from rally.agent.node_checks import EXIT_QUARANTINED, NodeChecks
 from rally.agent.observer import Observer
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
@@ -50,20 +52,12 @@ from rally.rendezvous.backends import OpenedStore
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
-from rally.rendezvous.store import StoreError, StoreTampered, UntrustedValue, host_tcp_store, listen_address
+from rally.rendezvous.store import StoreError, host_tcp_store, listen_address
 
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
 
 __all__ = ["Agent", "AgentExit", "EXIT_PREEMPTED"]
-
-
-class AgentExit(Exception):
-    """Leave the agent with this exit code (after workers are stopped)."""
-
-    def __init__(self, code: int, message: str = ""):
-        super().__init__(message)
-        self.code = code
 
 
 class Agent:
@@ -97,13 +91,8 @@ class Agent:
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
-        self.health_settings = HealthSettings(
-            heartbeat_timeout=spec.heartbeat_timeout,
-            silence_timeout=spec.silence_timeout,
-            resource_interval=spec.resource_interval,
-            startup_timeout=spec.startup_timeout,
-        )
-        self.observer = Observer(spec, self.events, self.host, base_env)  # stragglers, /metrics, GPUs
+        self.health_settings = HealthSettings.for_job(spec, console.say, self.events.emit)
+        self.observer = Observer(spec, self.events, self.host, base_env, self.health_settings.learned)  # stragglers, /metrics, GPUs
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         self.kill_causes: dict[int, str] = {}
         self.last_failure: RoundEnd | None = None
@@ -116,6 +105,7 @@ class Agent:
         )  # fmt: skip
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
         self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
+        self.observer.node_checks = self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/node_checks.py)
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -168,6 +158,8 @@ class Agent:
         self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
+        if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/quarantine.py)
+            raise AgentExit(EXIT_QUARANTINED, line)
         self.probe = StoreProbe(prober, self.plan.read_timeout)
         self.store_call(rdzv.register_status, waiting=True)
         return rdzv, watcher, keeper
@@ -227,6 +219,8 @@ class Agent:
             master = self._workers_store(rdzv, a)
             if isinstance(master, RoundEnd):
                 return master
+            if (left_out := self.checks.round_formed(rdzv, a, master)) is not None:  # pre-flight (agent/preflight.py)
+                return left_out
             self._start_workers(a, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rdzv, a)
@@ -254,6 +248,7 @@ class Agent:
     def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
+        self.observer.load_timeouts(self.store_call, self.store)  # --heartbeat-timeout auto: learned before, by any node
         sink = self.live.sink if self.live is not None else None
         self.group = WorkerGroup.start(
             self.spec, self.base_env, a, master, self.logs, multi_node, console_out=sink, console_err=sink, launch=launch
@@ -363,6 +358,8 @@ class Agent:
         self.report.finish_attempt(group, end)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail)
         self.store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))
+        if line := self.checks.after_round(rdzv, a, end, self.store_server is not None):  # quarantined, or left out
+            raise AgentExit(EXIT_QUARANTINED, line)
         decision = decide(end, a, self.spec.max_restarts)
         if end.is_failure:
             self.last_failure = end
@@ -456,18 +453,11 @@ class Agent:
             self.loop.pump(0)
             self._on_signals()  # also those that arrived before: never lost between rounds
             return self.loop.run_blocking(fn, self._while_waiting, self.probe.interval if self.probe else None)
-        except (RendezvousError, UntrustedValue) as exc:
+        except (RendezvousError, StoreError) as exc:
             if best_effort:
                 return None
-            never_formed = self.rdzv is None or self.rdzv.last_round is None  # a setup problem
-            tampered = isinstance(exc, StoreTampered)  # a record deleted: never a setup problem
-            raise AgentExit(EXIT_BAD_INPUT if never_formed and not tampered else EXIT_INFRASTRUCTURE, str(exc)) from None
-        except StoreError as exc:
-            if best_effort:
-                return None
-            if self.rdzv is None:  # never reached: a wrong or dead endpoint is a setup problem
-                raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
-            raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(exc, self.opened.endpoint)) from None
+            formed = self.rdzv is not None and self.rdzv.last_round is not None
+            raise store_failure_exit(exc, self.rdzv is not None, formed, self.opened and self.opened.endpoint) from None
 
     def _while_waiting(self) -> None:
         if self.probe and (stalled := self.probe.stalled()):  # a frozen store never answers the call

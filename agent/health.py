@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -53,6 +54,15 @@ class HealthSettings:
     resource_interval: float = RESOURCE_INTERVAL_SECONDS
     stack_dump_wait: float = 2.0
     startup_timeout: float | None = None  # --startup-timeout: first beat due within this
+    learned: Any = None  # --heartbeat-timeout auto: the agent's LearnedTimeouts (agent/learned_timeouts.py)
+
+    @classmethod
+    def for_job(cls, spec: Any, say: Callable[[str], None], emit: Callable[..., None]) -> "HealthSettings":
+        """The job's timeouts (`spec`: agent.spec.JobSpec); learned ones print with `say`, record with `emit`."""
+        from rally.agent.learned_timeouts import LearnedTimeouts
+
+        learned = LearnedTimeouts(spec.timeout_learning, say, emit) if spec.timeout_learning else None
+        return cls(spec.heartbeat_timeout, spec.silence_timeout, spec.resource_interval, startup_timeout=spec.startup_timeout, learned=learned)
 
 
 @dataclass
@@ -202,6 +212,8 @@ class HealthMonitor:
             if record.count != w.last_beat_count:
                 w.last_beat_count, w.last_beat_at = record.count, now
             w.record = record
+            if self.settings.learned is not None:
+                self.settings.learned.observe(record)
 
     def records(self) -> dict[int, HeartbeatRecord]:
         """The latest read of each watched worker's heartbeat file, by local rank."""
@@ -211,6 +223,8 @@ class HealthMonitor:
         """A tenth of the shortest timeout in force (sections included), at most HEARTBEAT_READ_INTERVAL."""
         s = self.settings
         timeouts = [t for t in (s.heartbeat_timeout, s.startup_timeout) if t]
+        if s.learned is not None:
+            timeouts += [t for t in (s.learned.heartbeat, *s.learned.sections.values()) if t]
         timeouts += [t for w in self.watched.values() if (t := w.record.section_timeout)]
         return min([s.resource_interval, HEARTBEAT_READ_INTERVAL, *(t / READS_PER_TIMEOUT for t in timeouts)])
 
@@ -230,13 +244,19 @@ class HealthMonitor:
         first beat within --startup-timeout, no new beat within --heartbeat-timeout, or no
         output within --silence-timeout. A section entry or exit is a sign of life too.
         """
-        record = w.record
-        limit = record.section_timeout
+        record, learned = w.record, self.settings.learned
+        limit, whose = record.section_timeout, "its"
+        if limit is None and learned is not None and record.section:
+            # --heartbeat-timeout auto: inside a section only its learned deadline counts (none
+            # until it is learned), so a long checkpoint never trips the step timeout.
+            limit, whose = learned.section_timeout(record.section), "its learned"
+            if limit is None:
+                return None
         if limit is not None:
             inside = now - record.section_entered_ns / 1e9
             if inside <= limit or not self._still_in(w, record):
                 return None
-            return Hang(w.local_rank, f"hung in section '{record.section}' for {inside:.1f} s (its timeout is {limit:g} s)", inside)
+            return Hang(w.local_rank, f"hung in section '{record.section}' for {inside:.1f} s ({whose} timeout is {limit:.3g} s)", inside)
         where = f", in section '{record.section}'" if record.section else ""
         alive_at = max(w.started_at, record.section_changed_ns / 1e9)
         startup = self.settings.startup_timeout
@@ -244,11 +264,13 @@ class HealthMonitor:
             silent = now - alive_at
             since = "starting" if alive_at == w.started_at else "its last section change"
             return Hang(w.local_rank, f"sent no first heartbeat in {silent:.1f} s since {since} (--startup-timeout {startup:g}){where}", silent)
-        timeout = self.settings.heartbeat_timeout
+        timeout, flag = self.settings.heartbeat_timeout, f"--heartbeat-timeout {self.settings.heartbeat_timeout:g}" if self.settings.heartbeat_timeout else ""
+        if timeout is None and learned is not None and learned.heartbeat is not None:
+            timeout, flag = learned.heartbeat, f"--heartbeat-timeout auto, learned {learned.heartbeat:.2f} s"
         if timeout and w.last_beat_at is not None and record.count:
             silent = now - max(w.last_beat_at, alive_at)
             if silent > timeout:
-                return Hang(w.local_rank, f"sent no heartbeat for {silent:.1f} s (--heartbeat-timeout {timeout:g}){where}", silent)
+                return Hang(w.local_rank, f"sent no heartbeat for {silent:.1f} s ({flag}){where}", silent)
         return self._silence_hang(w, now, max(last_output_at or 0.0, alive_at), where)
 
     def _still_in(self, w: _Watched, record: HeartbeatRecord) -> bool:

@@ -8,9 +8,9 @@ reads the record whenever it likes and compares the timestamp with its own ``tim
 
 This module is the one definition of the layout; both sides import it (standard library only).
 
-Layout (little-endian, 128 bytes, fixed size, every field 8-byte aligned)::
+Layout (little-endian, 224 bytes, fixed size, every field 8-byte aligned)::
 
-    offset 0   8 bytes  MAGIC  b"RALLYHB2"   written once by the agent, checked by the worker
+    offset 0   8 bytes  MAGIC  b"RALLYHB3"   written once by the agent, checked by the worker
     -- the beat: one pack_into per heartbeat(step=N) --
     offset 8   uint64   count  number of beats so far (0 = the worker has not beaten yet)
     offset 16  uint64   ns     time.monotonic_ns() of the last beat (0 = never)
@@ -21,6 +21,16 @@ Layout (little-endian, 128 bytes, fixed size, every field 8-byte aligned)::
     offset 48  uint64   timeout_ns   the current section's own timeout (0 = none)
     offset 56  uint64   reserved
     offset 64  64 bytes name         the current section's name, UTF-8, NUL-padded ("" = none)
+    -- what `--heartbeat-timeout auto` learns from (agent/learned_timeouts.py), kept by the worker
+       because the agent reads only now and then and would miss the longest gap --
+    offset 128 uint64   intervals    beat intervals measured so far
+    offset 136 uint64   longest_ns   the longest: from the later of the previous beat and the last
+                                     section change (the agent's own clock for a hang) to a beat
+    offset 144 uint64   seq          top-level sections without a timeout completed so far
+    offset 152 uint64   count        how often the section named below completed
+    offset 160 uint64   longest_ns   its longest duration
+    offset 168 uint64   reserved
+    offset 176 48 bytes name         the section that completed last, UTF-8, NUL-padded
 
 A reader may see the count of one beat and the time of the next, or half of a section change
 (each group is one ``pack_into``, but a reader's ``read`` is not atomic against it). That is
@@ -39,13 +49,17 @@ from pathlib import Path
 
 from rally.agent.untrusted_files import UntrustedFile, read_capped
 
-MAGIC = b"RALLYHB2"
+MAGIC = b"RALLYHB3"
 HEADER = struct.Struct("<8s")
 BEAT = struct.Struct("<QQq")
 SECTION = struct.Struct("<QQQQ64s")
+LEARN_BEAT = struct.Struct("<QQ")
+LEARN_SECTION = struct.Struct("<QQQQ48s")
 BEAT_OFFSET = HEADER.size
 SECTION_OFFSET = BEAT_OFFSET + BEAT.size
-SIZE = SECTION_OFFSET + SECTION.size
+LEARN_BEAT_OFFSET = SECTION_OFFSET + SECTION.size
+LEARN_SECTION_OFFSET = LEARN_BEAT_OFFSET + LEARN_BEAT.size
+SIZE = LEARN_SECTION_OFFSET + LEARN_SECTION.size
 NO_STEP = -1
 SECTION_NAME_BYTES = 64
 
@@ -65,6 +79,12 @@ class HeartbeatRecord:
     section_entered_ns: int = 0
     section_timeout_ns: int = 0
     section_changed_ns: int = 0
+    intervals: int = 0  # beat intervals the worker measured (what --heartbeat-timeout auto learns from)
+    longest_interval_ns: int = 0
+    sections_done: int = 0  # top-level sections without a timeout completed so far
+    done_section: str = ""  # the last of them, how often it completed, and its longest duration
+    done_count: int = 0
+    done_longest_ns: int = 0
 
     @property
     def section_timeout(self) -> float | None:
@@ -87,7 +107,7 @@ def create(path: str | os.PathLike[str]) -> Path:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with open(fd, "wb") as f:
-        f.write(HEADER.pack(MAGIC) + BEAT.pack(0, 0, NO_STEP) + SECTION.pack(0, 0, 0, 0, b""))
+        f.write(HEADER.pack(MAGIC) + BEAT.pack(0, 0, NO_STEP) + SECTION.pack(0, 0, 0, 0, b"") + bytes(LEARN_BEAT.size + LEARN_SECTION.size))
     os.replace(tmp, path)
     return path
 
@@ -109,7 +129,12 @@ def read_record(path: str | os.PathLike[str]) -> HeartbeatRecord:
     count, ns, step = BEAT.unpack_from(data, BEAT_OFFSET)
     changed, entered, timeout, _, raw_name = SECTION.unpack_from(data, SECTION_OFFSET)
     name = raw_name.rstrip(b"\0").decode("utf-8", errors="replace")
-    return HeartbeatRecord(count, ns, None if step < 0 else step, name, entered, timeout, changed)
+    intervals, longest = LEARN_BEAT.unpack_from(data, LEARN_BEAT_OFFSET)
+    seq, done_count, done_longest, _, done_name = LEARN_SECTION.unpack_from(data, LEARN_SECTION_OFFSET)
+    return HeartbeatRecord(
+        count, ns, None if step < 0 else step, name, entered, timeout, changed,
+        intervals, longest, seq, done_name.rstrip(b"\0").decode("utf-8", errors="replace"), done_count, done_longest,
+    )  # fmt: skip
 
 
 def read(path: str | os.PathLike[str]) -> tuple[int, int]:
@@ -118,12 +143,12 @@ def read(path: str | os.PathLike[str]) -> tuple[int, int]:
     return record.count, record.ns
 
 
-def encode_section_name(name: str) -> bytes:
-    """The name as stored: UTF-8, cut to 64 bytes on a character boundary."""
+def encode_section_name(name: str, limit: int = SECTION_NAME_BYTES) -> bytes:
+    """The name as stored: UTF-8, cut to `limit` bytes on a character boundary."""
     data = name.encode("utf-8")
-    if len(data) <= SECTION_NAME_BYTES:
+    if len(data) <= limit:
         return data
-    return data[:SECTION_NAME_BYTES].decode("utf-8", errors="ignore").encode("utf-8")
+    return data[:limit].decode("utf-8", errors="ignore").encode("utf-8")
 
 
 class HeartbeatWriter:
@@ -151,15 +176,39 @@ class HeartbeatWriter:
         _check(self.path, self._map[:SIZE])
         # Continue the existing count so the agent's view stays monotonic if a writer is reopened.
         self._count: int = BEAT.unpack_from(self._map, BEAT_OFFSET)[0]
+        self._intervals, self._longest = LEARN_BEAT.unpack_from(self._map, LEARN_BEAT_OFFSET)
+        self._alive_ns = 0  # the later of the last beat and the last section change (0: no beat yet)
+        self._sections_done = LEARN_SECTION.unpack_from(self._map, LEARN_SECTION_OFFSET)[0]
+        self._section_stats: dict[str, tuple[int, int]] = {}  # name -> (completions, longest ns)
 
     def beat(self, step: int | None = None) -> None:
         """Record one beat: increment the count, store the current monotonic time and the step."""
+        now = time.monotonic_ns()
         self._count += 1
-        BEAT.pack_into(self._map, BEAT_OFFSET, self._count, time.monotonic_ns(), NO_STEP if step is None else step)
+        BEAT.pack_into(self._map, BEAT_OFFSET, self._count, now, NO_STEP if step is None else step)
+        if self._alive_ns:
+            self._intervals += 1
+            self._longest = max(self._longest, now - self._alive_ns)
+            LEARN_BEAT.pack_into(self._map, LEARN_BEAT_OFFSET, self._intervals, self._longest)
+        self._alive_ns = now
 
     def set_section(self, name: str, entered_ns: int, timeout_ns: int) -> None:
         """Record that the worker is now in section ``name`` ("" = none), entered at ``entered_ns``."""
-        SECTION.pack_into(self._map, SECTION_OFFSET, time.monotonic_ns(), entered_ns, timeout_ns, 0, encode_section_name(name))
+        now = time.monotonic_ns()
+        SECTION.pack_into(self._map, SECTION_OFFSET, now, entered_ns, timeout_ns, 0, encode_section_name(name))
+        if self._alive_ns:
+            self._alive_ns = now
+
+    def section_done(self, name: str, entered_ns: int) -> None:
+        """A top-level section without a timeout of its own ended: record its running longest.
+
+        Each record carries that name's longest so far, so a read the agent misses (two sections
+        ended between its reads) loses nothing that the name's next completion does not repeat."""
+        count, longest = self._section_stats.get(name, (0, 0))
+        count, longest = count + 1, max(longest, time.monotonic_ns() - entered_ns)
+        self._section_stats[name] = (count, longest)
+        self._sections_done += 1
+        LEARN_SECTION.pack_into(self._map, LEARN_SECTION_OFFSET, self._sections_done, count, longest, 0, encode_section_name(name, 48))
 
     def close(self) -> None:
         """Unmap the file; further beats raise ``ValueError``."""

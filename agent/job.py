@@ -336,6 +336,8 @@ def section(name: str, timeout: float | None = None) -> Iterator[None]:
     finally:
         _sections.pop()
         writer.set_section(*(outer or ("", 0, 0)))
+        if outer is None and timeout is None:  # what --heartbeat-timeout auto learns a deadline from
+            writer.section_done(name, current[1])
 
 
 def _heartbeat_writer() -> heartbeat_file.HeartbeatWriter | None:

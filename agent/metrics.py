@@ -25,6 +25,8 @@ every metric carries a `run_id` label, every worker metric also `rank`, `local_r
     rally_worker_gpu_memory_bytes        GPU memory of the worker and its children (with NVML)
     rally_worker_gpu_utilization_percent its GPU utilisation (with NVML)
     rally_gpu_problems_total             GPU problems found on this node so far (ECC, XID, ...; with NVML)
+    rally_preflight_seconds{probe}       this node's last pre-flight numbers: compute, link, allreduce (agent/preflight.py)
+    rally_preflight_left_out{node}       1 for each node the last pre-flight left out
 
 The endpoint listens on every interface by default (`--metrics-addr 0.0.0.0`), as
 node_exporter does, because Prometheus scrapes from another machine; `--metrics-addr
@@ -107,6 +109,7 @@ class AgentCollector(Collector):
         if record.get("gpu_problems_total") is not None:
             yield self._one(CounterMetricFamily, "rally_gpu_problems", "GPU problems found on this node so far (ECC, XID, ...).", record["gpu_problems_total"])
         yield from self._workers(record)
+        yield from _preflight(record.get("preflight"))
 
     def _workers(self, record: dict) -> Iterator[Metric]:
         host = str(record.get("host", ""))
@@ -129,6 +132,21 @@ class AgentCollector(Collector):
         yield state
         yield straggler
         yield from (family for family in (cpu, *gauges.values()) if family.samples)
+
+
+def _preflight(last: Any) -> Iterator[Metric]:
+    """The status record's "preflight" (agent/preflight.py): this node's numbers, and who was left out."""
+    if not isinstance(last, dict):
+        return
+    probes = GaugeMetricFamily("rally_preflight_seconds", "This node's last pre-flight probe, by probe.", labels=["probe"])
+    for probe in ("compute", "link", "allreduce"):
+        if isinstance(last.get(probe), (int, float)):
+            probes.add_metric([probe], float(last[probe]))
+    yield probes
+    left_out = GaugeMetricFamily("rally_preflight_left_out", "Nodes the last pre-flight check left out of the round.", labels=["node"])
+    for node in last.get("left_out") or []:
+        left_out.add_metric([str(node)], 1.0)
+    yield left_out
 
 
 class MetricsServer:

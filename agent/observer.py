@@ -15,16 +15,21 @@ from typing import Any
 
 from rally.agent import gpu as gpus
 from rally.agent.events import EventLog
+from rally.agent.gpu_reclaim import gpu_processes_of, wait_reclaimed
 from rally.agent.spec import JobSpec
 from rally.agent.stragglers import CentralValues, StragglerWatch, job_step_times
 from rally.launcher import console
+from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 
 
 class Observer:
     """Stragglers, /metrics and GPU health for one agent."""
 
-    def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str]):
+    def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str], timeouts: Any = None):
+        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/learned_timeouts.py), kept in the store."""
         self.spec = spec
+        self.timeouts = timeouts
+        self.node_checks: Any = None  # quarantine and pre-flight (agent/node_checks.py): the status record's "preflight"
         self.events = events
         self.host = host
         self.base_env = base_env
@@ -36,6 +41,8 @@ class Observer:
         self.gpu_xid_problems: list[str] = []  # XIDs are events: remembered once seen
         self.gpu_problems_seen: set[str] = set()  # every distinct problem so far (rally_gpu_problems_total)
         self.last_restart: dict | None = None  # why the job last went round again (`rally status`)
+        self.worker_pids: set[int] = set()  # this round's workers and their processes seen on GPUs (agent/gpu_reclaim.py)
+        self.gpu_baseline: dict[int, int] = {}  # bytes in use per GPU before the round's workers started
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, snapshot: Callable[[], dict | None], report: Any) -> None:
@@ -91,19 +98,33 @@ class Observer:
         return problems
 
     def before_round(self) -> None:
-        """Before this node joins a round: forget the last round's ranks, check the GPUs."""
+        """Before this node joins a round: forget the last round's ranks, wait until the last
+        round's workers have left the GPUs (--gpu-reclaim-timeout), check the GPUs."""
         self.stragglers.reset()
         if self.gpu is None:
             return
-        self.read_gpus()
+        if self.worker_pids:
+            problems, waited = wait_reclaimed(self.read_gpus, self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout)
+            self.worker_pids = set()
+            if problems:
+                console.warn(f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}")
+            self.events.emit("gpu_reclaim", node=self.host, waited=round(waited, 3), occupied=problems)
+        self.gpu_baseline = {d.index: d.memory_used for d in self.read_gpus() or []}
         problems = self.gpu_problems() or []
         if problems:
             console.error(f"node {self.host} has unhealthy GPUs before joining the next round: {'; '.join(problems)}")
             self.events.emit("gpu_unhealthy", node=self.host, problems=problems)
 
+    def load_timeouts(self, store_call: Callable[[Callable[[], Any]], Any], store: Any) -> None:
+        """Before workers start: take the timeouts this job learned before (a restart, a newcomer)."""
+        if self.timeouts is not None and store is not None:
+            self.timeouts.merge(store_call(lambda: load_timeouts(store)), "the store")
+
     # ------------------------------------------------------------------ stragglers
     def after_check(self, assignment: Any, workers: list[Any], health: Any) -> None:
         """Feed the heartbeat files' steps to the straggler watch; name and clear stragglers."""
+        if self.gpu is not None:  # whom to wait for before the next round (agent/gpu_reclaim.py)
+            self.worker_pids |= {w.pid for w in workers} | gpu_processes_of(self.gpu_devices or [], {w.pid for w in workers})
         records = health.records()
         new = False
         for worker in workers:
@@ -142,7 +163,8 @@ class Observer:
     def node_fields(self) -> dict:
         problems = self.gpu_problems()
         total = None if problems is None else len(self.gpu_problems_seen)
-        return {"gpu_problems": problems, "gpu_problems_total": total, "last_restart": self.last_restart}
+        checks = self.node_checks.status_fields() if self.node_checks is not None else {}
+        return {"gpu_problems": problems, "gpu_problems_total": total, "last_restart": self.last_restart, **checks}
 
     def note_restart(self, round_: int, end: Any) -> None:
         """Round `round_` ended with `end` (a failure or a membership change) and another follows:
@@ -155,6 +177,8 @@ class Observer:
         Node 0 reads every node's status record of this round (one multi-get) and publishes the
         middle of the sorted step times; every other node reads that one key.
         """
+        if self.timeouts is not None and self.timeouts.changed:
+            save_timeouts(rdzv.store, self.timeouts.to_json())
         if assignment.group_world_size <= 1:
             return
         if assignment.group_rank == 0:

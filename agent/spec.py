@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rally.agent.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOW
+from rally.agent.learned_timeouts import LearningSettings
 
 STDOUT = 1
 STDERR = 2
@@ -48,6 +49,13 @@ class JobSpec:
     preemption_grace: float = 60.0
     requeue: bool = False
     heartbeat_timeout: float | None = None
+    timeout_learning: LearningSettings | None = None  # --heartbeat-timeout auto (agent/learned_timeouts.py)
+    gpu_reclaim_timeout: float = 30.0  # --gpu-reclaim-timeout (agent/gpu_reclaim.py)
+    quarantine_after: int = 2  # --quarantine-after, 0: never (agent/quarantine.py)
+    quarantine_window: float = 3600.0  # --quarantine-window
+    preflight: bool = False  # --preflight (on by default for multi-node jobs; agent/preflight.py)
+    preflight_factor: float = 2.0  # --preflight-factor
+    preflight_every_round: bool = False  # --preflight-every-round
     silence_timeout: float | None = None
     resource_interval: float = RESOURCE_INTERVAL_SECONDS
     startup_timeout: float | None = None  # --startup-timeout: the first heartbeat is due within this

@@ -91,7 +91,7 @@ def one(ctx: Context, launcher: str, nodes: int, rep: int) -> dict:
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{launcher}-{nodes}-{rep}",
     ]
     if launcher == "rally":
-        args += ["--local-addr", "127.0.0.1"]
+        args += ["--local-addr", "127.0.0.1", "--no-preflight"]  # its cost is bench/preflight.py's
     argv_tail = args + ["--log-dir", str(d / "logs"), str(WORKERS / "plain_ready.py"), str(out)]
     run["argv"] = [launcher] + argv_tail
     extra = {"BENCH_IMPORT_MARK": str(marks)}

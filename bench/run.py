@@ -13,6 +13,7 @@ Benchmarks (each module's docstring says exactly what is measured and how):
     multiagent  N agents on 127.0.0.1 (c10d) -> every worker running; agent peak RSS
     simulated   N simulated nodes (threads) in the rendezvous protocol, rally vs torch's handler
     overhead    agent CPU and RSS while 2 workers sleep
+    preflight   N agents with --preflight -> the pre-flight check's cost (slowest node)
 
 Prints a table (median, min-max, rally/torchrun ratio, target, met?) and writes every raw
 number to bench/results/latest.json and the table to bench/results/latest.md (or the paths
@@ -42,7 +43,7 @@ from rich.table import Table  # noqa: E402
 from bench import common  # noqa: E402
 from bench.common import LAUNCHERS, REPO, RESULTS, Context, Figure, summary  # noqa: E402
 
-BENCHMARKS = ("launch", "restart", "detection", "multiagent", "simulated", "overhead")
+BENCHMARKS = ("launch", "restart", "detection", "multiagent", "simulated", "overhead", "preflight")
 
 QUICK = {
     "launch_nproc": [2, 8],
@@ -61,6 +62,8 @@ QUICK = {
     "simulated_etcd_nodes": [64, 256, 1024],
     "overhead_reps": 1,
     "overhead_seconds": 10,
+    "preflight_nodes": [2, 4, 8],
+    "preflight_reps": 2,
 }
 FULL = {
     "launch_nproc": [1, 2, 4, 8],
@@ -79,6 +82,8 @@ FULL = {
     "simulated_etcd_nodes": [64, 256, 1024],
     "overhead_reps": 3,
     "overhead_seconds": 20,
+    "preflight_nodes": [2, 4, 8],
+    "preflight_reps": 3,
 }
 
 console = Console(stderr=True, highlight=False)

@@ -22,6 +22,7 @@ from typing import Any
 
 from rally.agent.spec import JobSpec
 from rally.launcher import validate
+from rally.launcher.node_checks_options import node_check_fields
 from rally.launcher.options import Options, spec_default
 from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
@@ -182,7 +183,7 @@ def job_spec(o: Options, p: types.SimpleNamespace, script: str, script_args: lis
         preemption_signals=p.preemption_signals,
         preemption_grace=p.preemption_grace,
         requeue=bool(o.requeue),
-        heartbeat_timeout=p.heartbeat_timeout,
+        **node_check_fields(o, p.nnodes[1]),  # --heartbeat-timeout, quarantine, pre-flight (launcher/node_checks_options.py)
         silence_timeout=p.silence_timeout,
         resource_interval=p.resource_interval if p.resource_interval is not None else spec_default("resource_interval"),
         startup_timeout=p.startup_timeout,

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from rally.agent.spec import JobSpec
-from rally.launcher import validate, values
+from rally.agent.learned_timeouts import LearningSettings
+from rally.launcher import node_checks_options, validate, values
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import EndpointError, HostPort, backend_named
 
@@ -171,7 +172,7 @@ class Options:
     no_prefix: bool = option(False, "rally extras", "Do not prefix worker output lines with their rank.")
     quiet: bool = option(False, "Logs and output", "Show only rally's own lines on the console, not the workers' output.")
     checkpoint_dir: str | None = option(None, "rally extras", "Where workers save checkpoints (RALLY_CHECKPOINT_DIR).", check=optional(validate.writable_dir), late=True)
-    heartbeat_timeout: float | None = option(None, "Health", "Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat).", float, check=seconds(False))
+    heartbeat_timeout: str | None = option(None, "Health", "Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat); auto: learn it, and each job.section's, from the job.", str, metavar="SECONDS|auto", check=lambda v, f: node_checks_options.heartbeat_timeout(v))
     silence_timeout: float | None = option(None, "Health", "Declare a worker hung after this many seconds without output.", float, check=seconds(False))
     resource_interval: float = option(spec_default("resource_interval"), "Health", "Seconds between samples of workers' CPU, memory and threads.", check=seconds(False, validate.MIN_INTERVAL))
     startup_timeout: float | None = option(None, "Health", "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it started (default: off).", float, check=positive_seconds)
@@ -179,6 +180,18 @@ class Options:
     straggler_window: int = option(spec_default("straggler_window"), "Health", f"Steps a rank's step time is averaged over, and must stay slow for, before it is named (default {spec_default('straggler_window')}).", check=lambda v, f: values.parse_straggler_window(v))
     metrics_port: int | None = option(None, "Health", "Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed).", int, check=lambda v, f: values.parse_metrics_port(v))
     metrics_addr: str = option(spec_default("metrics_addr"), "Health", "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps it on this host).", metavar="ADDR", check=lambda v, f: str(v or "0.0.0.0").strip("[]"))
+    # Issue 21: learned timeouts, GPU memory before a restart, quarantine, pre-flight; parsed
+    # together in launcher/node_checks_options.py (whether pre-flight is on depends on --nnodes).
+    timeout_safety_factor: float = option(LearningSettings.factor, "Health", f"--heartbeat-timeout auto: this many times the longest interval seen (default {LearningSettings.factor:g}).")
+    timeout_samples: int = option(LearningSettings.samples, "Health", f"--heartbeat-timeout auto: heartbeat intervals seen before the timeout is set (default {LearningSettings.samples}).")
+    timeout_floor: float = option(LearningSettings.floor, "Health", f"--heartbeat-timeout auto: never below this many seconds (default {LearningSettings.floor:g}).")
+    gpu_reclaim_timeout: float = option(spec_default("gpu_reclaim_timeout"), "Restarts and shutdown", f"Before a restart, wait up to this long for the old workers to leave every GPU and free its memory (NVML; default {spec_default('gpu_reclaim_timeout'):g} s).")
+    quarantine_after: int = option(spec_default("quarantine_after"), "Restarts and shutdown", f"Keep out of later rounds a node that was the root cause of this many failures within --quarantine-window, while the job can run without it (0: never; default {spec_default('quarantine_after')}).")
+    quarantine_window: float = option(spec_default("quarantine_window"), "Restarts and shutdown", f"Seconds within which --quarantine-after failures count (default {spec_default('quarantine_window'):g}).")
+    preflight: bool = option(False, "Health", "Probe every node (compute, and a collective over the job's backend) when a round forms; keep out failing or slow nodes (default for multi-node jobs).")
+    no_preflight: bool = option(False, "Health", "No pre-flight probe.")
+    preflight_factor: float = option(spec_default("preflight_factor"), "Health", f"A node slower than this many times the median in the pre-flight probe is left out (default {spec_default('preflight_factor'):g}).")
+    preflight_every_round: bool = option(False, "Health", "Probe again when a round re-forms on the same nodes (default: only when the nodes change).")
     preemption_signals: str = option(PREEMPTION_SIGNALS, "rally extras", "Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint.", check=values.parse_signals)
     preemption_grace: float = option(spec_default("preemption_grace"), "rally extras", "Seconds workers get to checkpoint after a preemption signal.", check=seconds(True))
     requeue: bool = option(False, "rally extras", "On a preemption signal, node 0 requeues the SLURM job (scontrol requeue).")

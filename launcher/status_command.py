@@ -165,6 +165,10 @@ def show_running(run_id: str, where: str, status: dict) -> None:
             age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
             out.print(f"{node.get('host')}: {node['waiting']}{age}", highlight=False)
     out.print(restart_line(status["last_restart"]), highlight=False)
+    for host, reason in (status.get("quarantined") or {}).items():
+        out.print(f"quarantined: {host} ({reason})", highlight=False)
+    for line in preflight_lines(status.get("preflight")):
+        out.print(line, highlight=False)
     closed = status["closed"]
     if closed is not None:
         console.say(f"the job has ended ({closed.kind}): {closed.detail}")
@@ -194,7 +198,19 @@ def _show_finished(run_dir: Path, run_id: str, as_json: bool, heading: str, wher
     return 0
 
 
+def preflight_lines(verdict: dict | None) -> list[str]:
+    """The last pre-flight check (agent/preflight.py): each node's numbers, and who was left out."""
+    if not isinstance(verdict, dict):
+        return []
+    lines = [f"pre-flight of round {verdict.get('round')}: {verdict.get('summary', '')}"]
+    for node in verdict.get("nodes") or []:
+        if isinstance(node, dict):
+            lines.append(f"  {node.get('host')}: {node.get('line', '')}")
+    return lines
+
+
 def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tuple[str | HostPort, str]:
+
     """What is missing of endpoint and run id, taken from SLURM as the agent of `step` takes it."""
     if endpoint and run_id:
         return endpoint, run_id

@@ -84,6 +84,16 @@ def job_prefix(run_id: str) -> str:
 JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
 STATUS_NODES = "status/nodes"  # every node id that ever registered, one per line
 JOB_STARTED = "job/started"  # who started the job, and when (first wins): names a run-id clash
+# Kept for the job's whole life, read and written through rendezvous/node_memory.py:
+LEARNED_TIMEOUTS = "job/timeouts"  # --heartbeat-timeout auto: JSON, merged by maximum
+NODE_FAILURES = "job/node_failures"  # root-cause failures by host (JSON; every node writes the same entries)
+QUARANTINED = "job/quarantined"  # host -> why (JSON; written by the quarantined node's own agent)
+PREFLIGHT_VERDICT = "job/preflight"  # the last pre-flight verdict, for `rally status` (JSON; node 0)
+
+
+def preflight_key(r: int, part: str) -> str:
+    """Round r's pre-flight check (agent/preflight.py): `result/<group rank>` (each node's numbers), `verdict` (node 0's)."""
+    return f"{r}/preflight/{part}"
 
 
 def status_key(node_id: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from rally.rendezvous.node_memory import load_node_failures
 from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED, STATUS_NODES, status_key
 from rally.rendezvous.records import MAX_COUNT, RoundEnd
 from rally.rendezvous.kv import KeyValueStore as Store, UntrustedValue
@@ -34,4 +35,5 @@ def read_job_status(store: Store) -> dict | None:
             records.append(record)
     current = store.counter(CURRENT_ROUND)
     closed = RoundEnd.load(store.get(JOB_CLOSED), store.key(JOB_CLOSED)) if store.check(JOB_CLOSED) else None
-    return {"round": current, "closed": closed, "nodes": records}
+    health = load_node_failures(store)  # quarantine and pre-flight (rendezvous/node_memory.py)
+    return {"round": current, "closed": closed, "nodes": records, "quarantined": health["quarantined"], "preflight": health["preflight"]}

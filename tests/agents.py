@@ -71,7 +71,10 @@ def start_agent(
     return AgentProcess(name, popen, log)
 
 
-def c10d_args(port: int, nnodes: str, run_id: str = "testjob", extra_conf: str = "") -> list[str]:
+def c10d_args(port: int, nnodes: str, run_id: str = "testjob", extra_conf: str = "", preflight: bool = False) -> list[str]:
+    """A c10d job on 127.0.0.1 with short timeouts. Without the pre-flight check (on by default
+    for multi-node jobs) unless `preflight`: the tests that use this measure rendezvous, faults
+    and restarts, which the probe at each round's formation would only slow down."""
     conf = "join_timeout=60,last_call_timeout=1,keep_alive_interval=0.2,keep_alive_timeout=2"
     if extra_conf:
         conf += "," + extra_conf
@@ -83,6 +86,7 @@ def c10d_args(port: int, nnodes: str, run_id: str = "testjob", extra_conf: str =
         "--local-addr", "127.0.0.1",
         "--rdzv-conf", conf,
         "--shutdown-timeout", "3",
+        *([] if preflight else ["--no-preflight"]),
     ]
 
 

@@ -128,6 +128,16 @@ MORE_BAD_FLAGS = [
     pytest.param(["store", "--port", "70000"], "--port", id="store-port-70000"),
     *[pytest.param(["store", "--port", "0", "--timeout", value], "--timeout", id=f"store-timeout-{value}") for value in ("inf", "nan", "-1", "1e300")],
     pytest.param(["status", "--rdzv-endpoint", "no-such-host.invalid:29400", "--rdzv-id", "x"], "no-such-host.invalid", id="status-endpoint-unresolvable"),
+    # issue 21: learned timeouts, GPU reclaim, quarantine, pre-flight
+    pytest.param(["--heartbeat-timeout", "sometimes", "train.py"], "or 'auto'", id="heartbeat-timeout-word"),
+    pytest.param(["--heartbeat-timeout", "0", "train.py"], "--heartbeat-timeout", id="heartbeat-timeout-zero"),
+    pytest.param(["--heartbeat-timeout", "auto", "--timeout-safety-factor", "0.5", "train.py"], "--timeout-safety-factor", id="safety-factor-below-1"),
+    pytest.param(["--heartbeat-timeout", "auto", "--timeout-samples", "1", "train.py"], "--timeout-samples", id="timeout-samples-1"),
+    pytest.param(["--gpu-reclaim-timeout", "-1", "train.py"], "--gpu-reclaim-timeout", id="gpu-reclaim-negative"),
+    pytest.param(["--quarantine-after", "-1", "train.py"], "--quarantine-after", id="quarantine-after-negative"),
+    pytest.param(["--quarantine-window", "0", "train.py"], "--quarantine-window", id="quarantine-window-zero"),
+    pytest.param(["--preflight-factor", "1", "train.py"], "--preflight-factor", id="preflight-factor-1"),
+    pytest.param(["--preflight", "--no-preflight", "train.py"], "--no-preflight", id="preflight-both"),
 ]
 
 

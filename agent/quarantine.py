@@ -1,0 +1,116 @@
+"""Quarantine (`--quarantine-after K`, `--quarantine-window`): a node that keeps failing the job is kept out.
+
+A node with a bad link, bad memory or a flaky GPU is the root cause of one failure after another;
+without quarantine it joins every round and fails the job again each time. Every agent sees the
+same round end (the first failure job-wide stands, rendezvous/protocol.py), so each one adds it to
+the job's record of root causes by host (`rendezvous/node_memory.py`, keyed by round, so writing
+it twice counts once). A host named as the root cause of K failures within the window is
+quarantined, while the job can run without it (the round's other members are at least MIN):
+
+* its own agent leaves the job at once (counted as lost, so the next round does not wait for it)
+  with one line, exit code `EXIT_QUARANTINED`; under SLURM the line names the node as SLURM does,
+  so the user can exclude it when the job is requeued. Started again, it leaves at join;
+* the other agents say so in a line and in their report.json (`quarantined`); `rally status`
+  lists it (rendezvous/status.py).
+
+Worker failures and hangs count, and node losses where the lost node's host is known.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rally.rendezvous.node_memory import add_quarantined, load_node_failures, load_quarantined, save_failures
+from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
+
+# Exit code of an agent whose node is quarantined: neither success nor a job failure.
+EXIT_QUARANTINED = 3
+ROOT_CAUSE_KINDS = (EndKind.WORKER_FAILED, EndKind.WORKER_HUNG, EndKind.NODE_LOST)
+
+
+def record_failure(record: dict[str, Any], host: str, r: int, now: float) -> None:
+    """Add round r's failure to `host`'s entries (each round counts once)."""
+    entries = record["failures"].setdefault(host, [])
+    if not any(int(e[0]) == r for e in entries if isinstance(e, list) and e):
+        entries.append([r, now])
+
+
+def recent_failures(record: dict[str, Any], host: str, window: float, now: float) -> int:
+    return sum(1 for e in record["failures"].get(host, []) if isinstance(e, list) and len(e) == 2 and e[1] >= now - window)
+
+
+def excluded_line(host: str, reason: str, env: dict[str, str]) -> str:
+    """The one line a quarantined node's agent leaves with; under SLURM, how to keep the node out."""
+    line = f"node {host} is quarantined ({reason}); this agent leaves the job, which goes on without it"
+    node = env.get("SLURMD_NODENAME")
+    if node:
+        job = env.get("SLURM_JOB_ID", "$SLURM_JOB_ID")
+        line += f"; to keep SLURM node {node} out when the job is requeued: scontrol update JobId={job} ExcNodeList={node}"
+    return line
+
+
+class Quarantine:
+    """One agent's part: record each round's root cause, leave when its own node is quarantined."""
+
+    def __init__(self, spec: Any, host: str, events: Any, report: Any, say: Callable[[str], None], warn: Callable[[str], None], multi_node: bool = True):
+        self.spec = spec
+        self.enabled = bool(spec.quarantine_after) and multi_node
+        self.host = host
+        self.events = events
+        self.report = report
+        self.say = say
+        self.warn = warn
+        self.announced: set[str] = set()
+
+    def at_join(self, store: Any) -> str | None:
+        """Started again on a quarantined node: the line to leave with, else None."""
+        if not self.enabled:
+            return None
+        reason = load_quarantined(store).get(self.host)
+        if reason is None:
+            return None
+        self.report.outcome = "quarantined"
+        return excluded_line(self.host, reason, dict(os.environ))
+
+    def after_round(self, rdzv: Any, a: Assignment, end: RoundEnd, hosts_store: bool) -> str | None:
+        """Count the round's root cause; the line to leave with if this node is now quarantined.
+
+        Only the culprit's own agent decides (it alone knows whether it hosts the store, which
+        must stay); the others learn of it from the record when the next round forms (`announce`)."""
+        host = end.node or (end.info or {}).get("host") or ""
+        if not self.enabled or end.kind not in ROOT_CAUSE_KINDS or not host:
+            return None
+        now = time.time()
+        record = load_node_failures(rdzv.store)
+        record_failure(record, host, a.round, now)
+        count = recent_failures(record, host, self.spec.quarantine_window, now)
+        goes_on = not end.is_failure or a.restart_count + 1 <= self.spec.max_restarts
+        save_failures(rdzv.store, record["failures"])
+        if host != self.host or count < self.spec.quarantine_after or not goes_on:
+            return None
+        reason = f"the root cause of {count} failures within {self.spec.quarantine_window:g} s, --quarantine-after {self.spec.quarantine_after}"
+        stays = "the job needs it (fewer than MIN={} nodes without it)".format(rdzv.settings.min_nodes) if a.group_world_size - 1 < rdzv.settings.min_nodes else ""
+        stays = stays or ("it hosts the rendezvous store" if hosts_store else "")
+        if stays:
+            self.warn(f"node {host} was {reason}, but {stays}: it stays in")
+            return None
+        add_quarantined(rdzv.store, host, reason)
+        rdzv.count_lost(a.round, 1)  # the next round need not wait for this node
+        self.report.quarantined[host] = reason
+        self.report.outcome = "quarantined"
+        self.events.emit("node_quarantined", round=a.round, node=host, failures=count, reason=reason)
+        return excluded_line(host, reason, dict(os.environ))
+
+    def announce(self, store: Any, r: int) -> None:
+        """When a round forms: say which nodes were quarantined since the last one."""
+        if not self.enabled:
+            return
+        for host, reason in load_quarantined(store).items():
+            if host not in self.announced and host != self.host:
+                self.announced.add(host)
+                self.report.quarantined[host] = reason
+                self.say(f"node {host} is quarantined ({reason}); the job goes on without it")
+                self.events.emit("node_quarantined", round=r, node=host, reason=reason)

@@ -1,0 +1,84 @@
+"""What the job remembers across rounds and restarts about its nodes and its timing, in the store.
+
+JSON records under keys named in rendezvous/protocol.py: the hang timeouts learned with
+`--heartbeat-timeout auto` (`LEARNED_TIMEOUTS`, agent/learned_timeouts.py), the root-cause
+failures per host (`NODE_FAILURES`), the quarantined hosts (`QUARANTINED`, agent/quarantine.py)
+and the last pre-flight verdict (`PREFLIGHT_VERDICT`, agent/preflight.py). Each is read-merge-
+written, and each has writers that cannot undo each other: every node writes the same failure
+entry for a round (a lost update loses nothing), only a quarantined node's own agent adds itself,
+only node 0 writes a verdict; two timeouts written at the same instant may lose one, which its
+node repeats at its next change. Every value is signed like every other (rendezvous/token.py) and checked
+on read; a value that is not this job's JSON reads as nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rally.rendezvous.protocol import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
+from rally.rendezvous.store import Store, UntrustedValue
+
+
+def _read(store: Store, name: str) -> dict[str, Any] | None:
+    if not store.check(name):
+        return None
+    try:
+        value = json.loads(store.get(name))
+    except (ValueError, UntrustedValue):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def load_timeouts(store: Store) -> dict[str, Any] | None:
+    """The learned timeouts as stored: {"heartbeat": s | None, "sections": {name: s}}."""
+    return _read(store, LEARNED_TIMEOUTS)
+
+
+def save_timeouts(store: Store, values: dict[str, Any]) -> None:
+    """Merge `values` into the stored timeouts, each by maximum."""
+    stored = load_timeouts(store) or {}
+    merged: dict[str, Any] = {"heartbeat": values.get("heartbeat"), "sections": dict(values.get("sections") or {})}
+    old = stored.get("heartbeat")
+    if isinstance(old, (int, float)) and (merged["heartbeat"] is None or old > merged["heartbeat"]):
+        merged["heartbeat"] = old
+    old_sections = stored.get("sections")
+    for name, value in (old_sections.items() if isinstance(old_sections, dict) else []):
+        if isinstance(value, (int, float)) and value > merged["sections"].get(name, 0):
+            merged["sections"][name] = value
+    store.set(LEARNED_TIMEOUTS, json.dumps(merged))
+
+
+def load_node_failures(store: Store) -> dict[str, Any]:
+    """{"failures": {host: [[round, unix time], ...]}, "quarantined": {host: reason}, "preflight": the
+    last pre-flight verdict (agent/preflight.py) or None}; empty when none."""
+    failures = (_read(store, NODE_FAILURES) or {}).get("failures")
+    quarantined = _read(store, QUARANTINED) or {}
+    return {
+        "failures": {str(h): [e for e in ts if _entry(e)] for h, ts in failures.items() if isinstance(ts, list)} if isinstance(failures, dict) else {},
+        "quarantined": {str(h): str(r) for h, r in quarantined.items()},
+        "preflight": _read(store, PREFLIGHT_VERDICT),
+    }
+
+
+def _entry(e: Any) -> bool:
+    return isinstance(e, list) and len(e) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)
+
+
+def save_failures(store: Store, failures: dict[str, list]) -> None:
+    store.set(NODE_FAILURES, json.dumps({"failures": failures}))
+
+
+def load_quarantined(store: Store) -> dict[str, str]:
+    """host -> why, for every host quarantined in this job (one store read)."""
+    return {str(h): str(r) for h, r in (_read(store, QUARANTINED) or {}).items()}
+
+
+def add_quarantined(store: Store, host: str, reason: str) -> None:
+    quarantined = _read(store, QUARANTINED) or {}
+    quarantined[host] = reason
+    store.set(QUARANTINED, json.dumps(quarantined))
+
+
+def save_preflight(store: Store, verdict: dict) -> None:
+    store.set(PREFLIGHT_VERDICT, json.dumps(verdict))
