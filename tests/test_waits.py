@@ -16,9 +16,9 @@ WAITS below with what bounds it:
     not_a_wait  a call with a waiting name that returns at once (WNOHANG, Popen.poll, ...)
 
 `says` = (module, function): that function must print something (console say/warn/error,
-`on_status`, `announce`) - the line that tells the user what is awaited. A wait that is long and
-silent today is in KNOWN_SILENT instead (issue 19 item 2 gives them their lines on other
-branches); the last test keeps that list honest in both directions.
+`on_status`, `announce`, a `progress` callback) - the line that tells the user what is awaited.
+A wait that is long and silent today is in KNOWN_SILENT too, with why it may stay so; the last
+test keeps that list honest in both directions.
 
 A new wait fails the first test with its place and what to add here.
 """
@@ -37,16 +37,13 @@ SHORT_SECONDS = 10.0
 # Names of calls that can block. `join` and `get` only count with a timeout or block keyword or
 # on a thread (str.join and dict.get are everywhere); see `_blocking`.
 WAIT_NAMES = {"sleep", "communicate", "select", "poll", "recv", "recv_into", "accept", "flock", "run_blocking"}
-ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error"}
+ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error", "progress"}
 
 S, B, SL, BG, AK, NW = "short", "bounded", "slice", "background", "after_kill", "not_a_wait"
 # (module, function, the call's text up to its first "("): (kind, says or None, why)
 WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]] = {
     # launcher
-    ("launcher/cli.py", "_slurm_requeue", "subprocess.run"): (S, None, "timeout=30 on scontrol; SLURM answers in ms"),
     ("launcher/slurm.py", "hostnames", "subprocess.run"): (S, None, "timeout=SCONTROL_TIMEOUT"),
-    ("launcher/api.py", "launch.call", "run"): (NW, None, "the job itself (rally.run)"),
-    ("launcher/cli.py", "_run_agent", "Agent(launch.spec, launch.plan, base_env, requeue).run"): (NW, None, "the job itself"),
     ("agent/logs_specs.py", "load", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
     ("agent/preemption.py", "Preemption.run", "self._wait_for_all_nodes"): (SL, ("agent/preemption.py", "Preemption.run"), "--preemption-grace"),
     ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare"),
@@ -60,7 +57,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/bootstrap.py", "", "run"): (NW, None, "the worker's own program"),
     ("agent/checkpoint_file.py", "_lock", "fcntl.flock"): (S, None, "blocking only on a temp file whose writer holds it for one write"),
     ("agent/guard_client.py", "GuardClient.stop", "self.process.wait"): (S, None, "timeout=SWEEP_SECONDS + 3, then SIGKILL"),
-    ("agent/hang_report.py", "HangReporter._watch_requests", "rdzv.wait_stacks_request"): (BG, None, "a thread answering stack requests in slices"),
+    ("agent/hang_report.py", "HangReporter._watch_requests", "self.connect().wait_stacks_request"): (BG, None, "a thread answering stack requests in slices"),
     ("agent/leased_liveness.py", "keep_alive_with_lease", "round_over.wait"): (BG, None, "keep-alive interval"),
     ("agent/linux.py", "readable", "select.poll"): (NW, None, "creates a poll object"),
     ("agent/linux.py", "readable", "poller.poll"): (SL, "job", "the caller's timeout; None only for a worker's own exit"),
@@ -96,10 +93,8 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("rendezvous/etcd_client.py", "EtcdClient.call", "time.sleep"): (S, None, "backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget"),
     ("rendezvous/etcd_store.py", "EtcdStore.get", "self.wait"): (B, None, "op_timeout (read_timeout)"),
     ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.wait"): (B, None, "op_timeout (read_timeout)"),
-    ("rendezvous/etcd_store.py", "EtcdStore.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
     ("rendezvous/liveness.py", "wait_round_end_or_dead", "rdzv.wait_round_end"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare's wait"),
     ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._join"), "slices of WAIT_SLICE_SECONDS up to join_timeout"),
-    ("rendezvous/protocol.py", "Rendezvous._valid_descriptors", "self.store.try_wait"): (SL, None, "close_timeout / 3"),
     ("rendezvous/protocol.py", "Rendezvous._try_close", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._try_close"), "last call"),
     ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "WAIT_SLICE_SECONDS"),
     ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "wait_round_end_or_dead"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare waits out a running round"),
@@ -112,14 +107,35 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("rendezvous/protocol.py", "Rendezvous.wait_all_checkpointed", "self.store.try_wait"): (SL, None, "the caller's timeout"),
     ("rendezvous/protocol.py", "Rendezvous.wait_stacks_request", "self.store.try_wait"): (BG, None, "slices"),
     ("rendezvous/protocol.py", "Rendezvous.gather_stacks", "self.store.try_wait"): (S, None, "HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named"),
-    ("rendezvous/store.py", "Store.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
     ("rendezvous/store.py", "_check_same_job", "store.try_wait"): (S, None, "a marker the job's host writes at once"),
+    # merged from the trust, preflight and etcd branches
+    ("agent/preflight.py", "Preflight._probe", "child.wait"): (B, None, "PROBE_TIMEOUT_SECONDS + 10 (30 s), through store_call: signals and the store probe stay live"),
+    ("launcher/slurm.py", "SlurmJob.requeue", "subprocess.run"): (S, None, "timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms"),
+    ("agent/gpu_reclaim.py", "wait_reclaimed", "sleep"): (S, None, "RECLAIM_POLL_SECONDS (0.1 s) between GPU reads, up to --gpu-reclaim-timeout"),
+    ("agent/observer.py", "Observer.before_round", "wait_reclaimed"): (B, ("agent/observer.py", "Observer.before_round"), "--gpu-reclaim-timeout (30 s); a GPU that stays occupied is named"),
+    ("agent/job_cgroup.py", "JobCgroup.kill", "time.sleep"): (S, None, "10 ms between kills of the cgroup's members, up to its deadline"),
+    ("agent/job_cgroup.py", "JobCgroup.remove", "time.sleep"): (S, None, "20 ms between rmdir attempts, up to its deadline"),
+    ("agent/orphan_guard.py", "watch", "select.select"): (BG, None, "the guard waits for its agent's pipe to close; SEEN_INTERVAL slices without a cgroup"),
+    ("agent/preflight.py", "Preflight._results", "rdzv.store.try_wait"): (SL, None, "the caller's wait, at most PROBE_TIMEOUT_SECONDS"),
+    ("agent/preflight.py", "Preflight._read_verdict", "rdzv.store.try_wait"): (B, ("agent/preflight.py", "Preflight._act"), "PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS (50 s)"),
+    ("agent/preflight.py", "Preflight._act", "rdzv.wait_round_end"): (SL, None, "5 s slices for the round's end after a node was left out"),
+    ("agent/preflight_probe.py", "measure_links", "dist.recv"): (S, None, "a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS"),
+    ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
+    ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
+    ("rendezvous/kv.py", "KeyValueStore.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
+    ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (NW, None, "prints a wait's progress line; not a wait"),
+    ("rendezvous/waiting.py", "announce_wait", "waiting_record"): (NW, None, "builds a status record"),
+    ("rendezvous/protocol.py", "Rendezvous.report_success", "self.store.try_wait"): (S, None, "0.01 s: have all members reported"),
+    ("rendezvous/store.py", "connect_tcp_store", "wait_for_store"): (B, ("rendezvous/store_connect.py", "_connect"), "connect_timeout, with a line every PROGRESS_SECONDS"),
+    ("rendezvous/store_connect.py", "wait_for_store", "conn.recv"): (S, None, "the socket's timeout: min(read_timeout, 5 s)"),
+    ("rendezvous/store_connect.py", "_connect", "time.sleep"): (S, None, "RETRY_SECONDS between connect attempts, up to the deadline"),
+    ("rendezvous/store_connect.py", "bounded", "done.wait"): (SL, None, "the caller's bound (read_timeout)"),
 }
-# Long waits with no progress line on this branch: issue 19 item 2 (other branches) gives each
-# its line. Move an entry to WAITS with its `says` once it has one; the last test says when.
+# Long waits with no progress line yet (each also in WAITS, with its bound). Give one its line,
+# then name it in WAITS' `says` and drop it here; the last test says when.
 KNOWN_SILENT: dict[tuple[str, str, str], str] = {
+    ("agent/preflight.py", "Preflight._probe", "child.wait"): "the pre-flight probe child, up to PROBE_TIMEOUT_SECONDS + 10 (30 s; about 1.5 s when healthy); its line comes after",
     ("agent/agent.py", "Agent._exit_barrier", "rdzv.wait_all_acknowledged"): "the store's host waits up to 30 s for the others to read the end",
-    ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): "a node waiting for others (issue 19 item 2)",
     ("rendezvous/etcd_store.py", "EtcdStore.get", "self.wait"): "a key not yet written, up to read_timeout",
     ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.wait"): "keys not yet written, up to read_timeout",
     ("agent/template_connection.py", "Connection.fork", "self._await"): "a fork reply, up to 30 s",
@@ -128,7 +144,7 @@ KNOWN_SILENT: dict[tuple[str, str, str], str] = {
     ("agent/template_connection.py", "Connection.wait_ready", "self._await"): "the same wait, inside",
 }
 # Calls whose callee applies its own bound (a default timeout or slices of one).
-BOUND_INSIDE = {"self.loop.run_blocking", "rdzv.wait_stacks_request", "self.watcher.wait_round_end", "connection.wait_ready", "self._wait_for_all_nodes", "self._wait_as_spare"}
+BOUND_INSIDE = {"self.loop.run_blocking", "self.connect().wait_stacks_request", "self.watcher.wait_round_end", "connection.wait_ready", "self._wait_for_all_nodes", "self._wait_as_spare"}
 
 
 def _qualname(stack: list[str]) -> str:
