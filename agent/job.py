@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rally.agent import checkpoint_file, heartbeat_file
+from rally.agent import checkpoint_file, dcp_files, heartbeat_file
 
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
@@ -152,8 +152,13 @@ class Checkpoint:
     path: Path
 
 
-def save(state: Any, step: int, *, keep: int | None = None) -> Path | None:
+def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None = None) -> Path | None:
     """Write ``state`` as the checkpoint of ``step`` on rank 0; return its path (``None`` on other ranks).
+
+    A sharded state (one holding DTensors or ShardedTensors: FSDP2's ``model.state_dict()``,
+    ``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)``), or any dict with
+    ``sharded=True``, is instead saved by every rank through torch.distributed.checkpoint, each
+    rank writing its own shards: see :func:`_save_sharded`. Everything below is the whole-state path.
 
     Only global rank 0 writes; every other rank returns ``None`` at once. The caller is expected to
     hold the same state on every rank (as DDP guarantees for model and optimizer), so rank 0's copy
@@ -174,6 +179,10 @@ def save(state: Any, step: int, *, keep: int | None = None) -> Path | None:
     (a concurrent saver's, or damaged ones this job resumed past) are left alone.
     """
     ctx = context()
+    if sharded is None:
+        sharded = dcp_files.holds_shards(state)
+    if sharded:
+        return _save_sharded(ctx, state, step, keep)
     if not ctx.is_rank0:
         return None
     if step < 0:
@@ -188,8 +197,36 @@ def save(state: Any, step: int, *, keep: int | None = None) -> Path | None:
     return final
 
 
-def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Checkpoint | None:
+def _save_sharded(ctx: JobContext, state: Any, step: int, keep: int | None) -> Path:
+    """Every rank writes its shards of ``state`` (a collective: call it on every rank at the same step).
+
+    torch.distributed.checkpoint's own planner and file format, one ``__<rank>_0.distcp`` file per
+    rank in a temporary directory that global rank 0 renames to ``step_<step:012d>.dcp`` only once
+    every rank's file, DCP's ``.metadata`` and rally's manifest (sizes, CRC-32s) are durable (see
+    :mod:`rally.agent.dcp_storage`). Keeps the newest ``keep`` sharded checkpoints, as :func:`save`.
+    """
+    if step < 0:
+        raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
+    if not isinstance(state, dict):
+        raise TypeError(f"rally: a sharded checkpoint's state must be a dict (torch.distributed.checkpoint's rule), got {type(state).__name__}")
+    return _dcp().save(state, _require_dir(ctx), step, _resolve_keep(keep))
+
+
+def _dcp() -> Any:
+    """rally.agent.dcp_storage, imported on first use (it imports torch.distributed.checkpoint)."""
+    from rally.agent import dcp_storage
+
+    return dcp_storage
+
+
+def load_latest(map_location: Any = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None) -> Checkpoint | None:
     """Load the newest intact checkpoint, or return ``None`` when there is none; call it on every rank.
+
+    With ``into`` (the state to fill, shaped as it was saved: for FSDP2, ``get_state_dict(model,
+    opt)`` of the freshly sharded model), the newest intact sharded checkpoint (``step_*.dcp``) is
+    loaded into it in place by torch.distributed.checkpoint, resharded when the world size changed,
+    and the Checkpoint's ``state`` is ``into``. Call it on every rank (a collective). Whole-state
+    files (``step_*.pt``) are read only without ``into``; the rest of this text is about them.
 
     A file is intact when its footer's length and CRC-32 match (see
     :mod:`rally.agent.checkpoint_file`); a damaged newest file (truncated, garbage, empty,
@@ -204,6 +241,8 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Chec
     """
     ctx = context()
     directory = _require_dir(ctx)
+    if into is not None:
+        return _load_sharded(ctx, directory, into)
 
     import torch
 
@@ -226,22 +265,33 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Chec
     return None
 
 
+def _load_sharded(ctx: JobContext, directory: Path, into: dict[str, Any]) -> Checkpoint | None:
+    found = _dcp().load_newest(into, directory)
+    if found is None:
+        if ctx.is_rank0:
+            _log("no sharded checkpoint, starting from scratch")
+        return None
+    step, path = found
+    if ctx.is_rank0:
+        _log(f"resuming from step {step} ({path}, sharded, world size {ctx.world_size})")
+    return Checkpoint(step=step, state=into, path=path)
+
+
 def newest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
     """The step of the newest intact checkpoint in `directory` (None if there is none).
 
     The agent uses this to tell a crash loop (restarts that make no progress) from a job
-    that fails now and then but keeps moving forward. Damaged files are skipped exactly as
-    :func:`load_latest` skips them, so the step counted is the step the workers resume from;
+    that fails now and then but keeps moving forward. Sharded checkpoints (``step_*.dcp``) count
+    alike. Damaged files are skipped exactly as :func:`load_latest` skips them, so the step counted is the step the workers resume from;
     an unreadable directory counts as no checkpoint rather than stopping the agent.
     """
     try:
         found = _list_checkpoints(Path(directory))
+        sharded = dcp_files.newest_intact_step(Path(directory))
     except OSError:
         return None
-    for step, path in reversed(found):
-        if checkpoint_file.is_intact(path):
-            return step
-    return None
+    whole = next((step for step, path in reversed(found) if checkpoint_file.is_intact(path)), None)
+    return max((s for s in (whole, sharded) if s is not None), default=None)
 
 
 def _require_dir(ctx: JobContext) -> Path:
