@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -148,11 +149,25 @@ class PublishingWriter(FileSystemWriter):
         dcp_files.prune(self.directory, self.keep, self.step)
 
 
+class ShardedSaveFailed(RuntimeError):
+    """A sharded save failed on some rank; the message names the step, the directory, the rank and
+    its error in one line (DCP's own CheckpointException, chained, is a BaseException with every
+    rank's traceback). The previous checkpoints are untouched."""
+
+
 def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
     """Save ``state`` as step ``step`` on every rank (a collective when torch.distributed is up)."""
     writer = PublishingWriter(directory, step, keep)
     try:
         dcp.save(state, storage_writer=writer)
+    except CheckpointException as failure:
+        if writer.temp is not None:
+            writer.temp.discard()
+        rank, (error, _) = min(failure.failures.items())
+        others = f" (and on {len(failure.failures) - 1} more ranks)" if len(failure.failures) > 1 else ""
+        raise ShardedSaveFailed(
+            f"rally: sharded checkpoint of step {step} in {directory} failed on rank {rank}{others}: {type(error).__name__}: {error}"
+        ) from failure
     except BaseException:
         if writer.temp is not None:
             writer.temp.discard()
