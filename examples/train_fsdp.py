@@ -7,7 +7,8 @@ changed) and ``job.save(state, step)`` writes each rank's shards. Nothing else t
 
 Why it is bit-reproducible at a fixed world size: the model is initialised from a fixed seed, the
 global batch of step ``s`` is a pure function of ``s`` (each rank takes its equal slice), the
-optimizer state is restored exactly, and deterministic algorithms are on. At every checkpoint and
+optimizer state is restored exactly, deterministic algorithms are on and each rank uses one
+intra-op thread (however many workers share its node). At every checkpoint and
 after a resume every rank prints the sha256 of the full (unsharded) model and optimizer state, so a
 test can compare a resumed job, on any world size, with an uninterrupted one.
 
@@ -95,6 +96,7 @@ def digest(state: Any) -> str:
 def main() -> None:
     args = parse_args()
     torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)  # a CPU matmul's sums depend on its thread count: one, on any launcher and node layout
     dist.init_process_group("gloo")
     ctx = job.context()
     rank, world = dist.get_rank(), dist.get_world_size()
