@@ -164,6 +164,7 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
         if writer.temp is not None:
             writer.temp.discard()
         rank, (error, _) = min(failure.failures.items())
+        error = _os_error_within(error)
         others = f" (and on {len(failure.failures) - 1} more ranks)" if len(failure.failures) > 1 else ""
         raise ShardedSaveFailed(
             f"rally: sharded checkpoint of step {step} in {directory} failed on rank {rank}{others}: {type(error).__name__}: {error}"
@@ -176,6 +177,17 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
         if writer.temp is not None:
             writer.temp.close()
     return directory / dcp_files.step_name(step)
+
+
+def _os_error_within(error: BaseException) -> BaseException:
+    """The OSError behind ``error``, if any: torch.save turns a failed write (ENOSPC) into
+    "unexpected pos 704 vs 598", with the OSError only in its context."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return error
 
 
 def load_newest(state: dict[str, Any], directory: Path) -> tuple[int, Path] | None:

@@ -190,3 +190,40 @@ def test_plain_tensors_are_not_sharded_and_need_no_torch_distributed_import() ->
 
     assert not dcp_files.holds_shards({"model": {"w": torch.zeros(3)}, "step": 1})
     assert not dcp_files.holds_shards([1, "x", None])
+
+
+DISK_FULL = """
+    import json, os, sys, warnings
+    warnings.simplefilter("ignore")
+    import torch
+    from rally import job
+
+    job.save({"w": torch.full((4096,), 1.0)}, 1, sharded=True)
+    try:
+        job.save({"w": torch.full((1 << 20,), 2.0)}, 2, sharded=True)  # 4 MB into a 512 KB file system
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    into = {"w": torch.zeros(4096)}
+    ckpt = job.load_latest(into=into)
+    print(json.dumps({"error": error, "step": ckpt.step, "ok": bool((into["w"] == 1.0).all()), "left": sorted(os.listdir(sys.argv[1]))}))
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs in a private mount namespace (root)")
+def test_a_full_disk_fails_the_sharded_save_in_one_line_and_keeps_the_last_good_step(tmp_path: Path) -> None:
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV} | {job.CHECKPOINT_DIR_ENV: str(ckpt)}
+    script = f"mount -t tmpfs -o size=512k rally-test-full {ckpt} && exec {sys.executable} -c '{textwrap.dedent(DISK_FULL)}' {ckpt}"
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=80
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"].startswith(f"rally: sharded checkpoint of step 2 in {ckpt} failed on rank 0: OSError")
+    assert "No space left on device" in result["error"] and "\n" not in result["error"]
+    assert result["step"] == 1 and result["ok"] and result["left"] == ["step_000000000001.dcp"]
