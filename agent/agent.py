@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable
 
 from rally.agent import processes
+from rally.agent.ckpt_tier import CheckpointTier
 from rally.agent.event_loop import Event, EventLoop
 from rally.agent.events import EventLog
 from rally.agent.guard_client import TOKEN_VARIABLE, GuardClient
@@ -107,6 +108,8 @@ class Agent:
         self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
         self.hangs = HangReporter(self)  # who really hung, from every node (agent/hang_report.py)
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
+        self.tier = CheckpointTier.start(self.token, spec.checkpoint_dir, self.events, console.warn)  # agent/ckpt_tier.py
+        self.base_env.update(self.tier.env())
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -123,6 +126,8 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
+            self.tier.flush(self.spec.shutdown_timeout)  # the newest in-memory step made durable
+            self.tier.stop()
             processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
             for part in (self.live, self.template, self.guard, self.observer):
                 if part is not None:
@@ -154,7 +159,7 @@ class Agent:
         self.store, self.store_server = self.store_call(lambda: self.plan.open_store(self.spec.run_id), waiting=True)
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.plan.endpoint.port}")
-        self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
+        self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step, holdings=self._holdings)
         self.store_call(rdzv.register_status)
         watcher, keeper, prober = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
         self.probe = StoreProbe(prober, self.plan.read_timeout)
@@ -168,7 +173,16 @@ class Agent:
             raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
 
     def _checkpoint_step(self) -> int | None:
+        """The newest step saved, in memory or on disk: progress, for the crash-loop guard."""
+        steps = [s for s in (*self.tier.memory_steps(), self._durable_step()) if s is not None]
+        return max(steps) if steps else None
+
+    def _durable_step(self) -> int | None:
         return newest_checkpoint_step(self.spec.checkpoint_dir) if self.spec.checkpoint_dir else None
+
+    def _holdings(self) -> tuple[list[int], int | None]:
+        """(steps in this node's memory, the newest intact on disk): the round agrees on a resume step."""
+        return self.tier.memory_steps(), self._durable_step()
 
     def _stop_crash_loop(self, rdzv: Rendezvous, a: Assignment) -> int:
         """K failures in a row without a newer checkpoint: stop instead of burning the budget."""
@@ -215,6 +229,7 @@ class Agent:
             master = self._workers_store(rdzv, a)
             if isinstance(master, RoundEnd):
                 return master
+            self.tier.open_round(a.round, a.resume_step, max(10.0, 2 * self.plan.settings.keep_alive_timeout))
             self._start_workers(a, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rdzv, a)
@@ -270,6 +285,7 @@ class Agent:
             if end is not None:
                 return end
             self.observer.after_check(a, group.workers, self.health)
+            self.tier.renew()  # the fence's lease: a frozen agent's workers cannot checkpoint
             if not reported_success and group.all_succeeded():
                 reported_success = True
                 if a.group_world_size > 1:
@@ -345,6 +361,7 @@ class Agent:
     def _after_round(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd) -> int | None:
         """Stop this round's workers and decide: exit with a code, or None to go round again."""
         group = self.group
+        self.tier.close_round(a.round)  # from now on a save of this round's workers is refused
         self._stop_workers(signal.SIGTERM)
         self.report.finish_attempt(group, end)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail)
@@ -392,7 +409,7 @@ class Agent:
             self.store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_record(self, a: Assignment) -> dict:
-        return node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
+        return {**node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer), **self.tier.status_fields()}
 
     # ================================================================ signals
     def _on_signals(self, rdzv: Rendezvous | None = None, a: Assignment | None = None) -> RoundEnd | None:
@@ -467,7 +484,8 @@ class Agent:
 
     def _helper_pids(self) -> frozenset[int]:
         template = self.template.helper_pids() if self.template is not None else set()
-        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template)
+        tier = {self.tier.pid} if self.tier.pid is not None else set()
+        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | tier)
 
     def _start_template(self) -> None:
         """Start the worker template now, so it preloads torch while the rendezvous runs."""

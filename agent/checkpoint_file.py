@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import re
 import stat
@@ -69,7 +70,7 @@ def write(state: Any, final: Path) -> None:
     import torch
 
     directory = final.parent
-    fd, tmp = _locked_temp(final)
+    fd, tmp = locked_temp(final)
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
             writer = _ChecksumWriter(f)
@@ -84,10 +85,10 @@ def write(state: Any, final: Path) -> None:
         raise
     finally:
         os.close(fd)  # releases the lock, after the rename: a cleaner never sees it unlocked
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
-def _locked_temp(final: Path) -> tuple[int, str]:
+def locked_temp(final: Path) -> tuple[int, str]:
     """A new temporary file next to ``final``, created and locked by this process.
 
     Between creation and the lock a cleaner may take the lock and delete the file; that is
@@ -186,6 +187,72 @@ def _verify(file: BinaryIO) -> None:
         raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
 
 
+def open_mapped_verified(path: Path) -> int:
+    """Open ``path``, check it end to end through a read-only mapping; return the open fd.
+
+    One pass over the bytes (the CRC), and they stay in the page cache for the reader that maps
+    the same fd (``torch.load("/proc/self/fd/<fd>", mmap=True)``): a load reads the file once,
+    not once for the check and again for torch. The caller closes the fd.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not block us
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise DamagedCheckpoint(f"cannot open it: {exc.strerror}") from None
+    try:
+        _verify_mapped(fd)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _verify_mapped(fd: int) -> None:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise DamagedCheckpoint("not a regular file")
+    size = info.st_size
+    if size == 0:
+        raise DamagedCheckpoint("empty file")
+    if size < FOOTER.size:
+        raise DamagedCheckpoint(f"only {size} bytes, no rally footer")
+    try:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data:
+            magic, length, crc, end = FOOTER.unpack_from(data, size - FOOTER.size)
+            if magic != FOOTER_MAGIC or end != FOOTER_END:
+                raise DamagedCheckpoint("no rally footer: truncated, or not written by rally.job.save")
+            if length != size - FOOTER.size:
+                raise DamagedCheckpoint(f"length {size - FOOTER.size} bytes, the footer says {length}")
+            with memoryview(data) as view:
+                actual = 0
+                for start in range(0, length, READ_CHUNK):
+                    actual = zlib.crc32(view[start : min(start + READ_CHUNK, length)], actual)
+    except (OSError, ValueError) as exc:
+        raise DamagedCheckpoint(f"read error: {getattr(exc, 'strerror', None) or exc}") from None
+    if actual != crc:
+        raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a regular file ending in a footer whose length matches: written to the
+    end and renamed into place. Cheap (no CRC); the CRC is checked when it is loaded."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < FOOTER.size:
+            return False
+        magic, length, _, end = FOOTER.unpack(os.pread(fd, FOOTER.size, info.st_size - FOOTER.size))
+        return magic == FOOTER_MAGIC and end == FOOTER_END and length == info.st_size - FOOTER.size
+    except (OSError, struct.error):
+        return False
+    finally:
+        os.close(fd)
+
+
 _verdicts: dict[tuple[str, int, int, int, int, int], bool] = {}
 
 
@@ -212,7 +279,7 @@ def is_intact(path: Path) -> bool:
     return _verdicts[key]
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the rename durable: without this a power loss may forget the new directory entry."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:

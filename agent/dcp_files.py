@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rally.agent.checkpoint_file import READ_CHUNK, DamagedCheckpoint, _fsync_dir, _lock
+from rally.agent.checkpoint_file import READ_CHUNK, DamagedCheckpoint, _lock, fsync_dir
 
 MANIFEST = "rally.json"
 MANIFEST_FORMAT = "rally-dcp-1"
@@ -129,7 +129,7 @@ class TempDir:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         final = self.parent / step_name(self.step)
         try:
             os.rename(self.path, final)
@@ -137,7 +137,7 @@ class TempDir:
             trash = _aside(final)
             os.rename(self.path, final)
             shutil.rmtree(trash, ignore_errors=True)
-        _fsync_dir(self.parent)
+        fsync_dir(self.parent)
         self.path = final
         return final
 

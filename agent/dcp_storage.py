@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from rally.agent import dcp_files
 from rally.agent.checkpoint_file import DamagedCheckpoint
+from rally.agent.job import Checkpoint
 
 
 @dataclasses.dataclass
@@ -156,7 +157,17 @@ class ShardedSaveFailed(RuntimeError):
 
 
 def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
-    """Save ``state`` as step ``step`` on every rank (a collective when torch.distributed is up)."""
+    """Save ``state`` as step ``step`` on every rank (a collective when torch.distributed is up).
+
+    torch.distributed.checkpoint's own planner and file format, one ``__<rank>_0.distcp`` file per
+    rank in a temporary directory that global rank 0 renames to ``step_<step:012d>.dcp`` only once
+    every rank's file, DCP's ``.metadata`` and rally's manifest (sizes, CRC-32s) are durable. Keeps
+    the newest ``keep`` sharded checkpoints, as job.save keeps whole-state files.
+    """
+    if step < 0:
+        raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
+    if not isinstance(state, dict):
+        raise TypeError(f"rally: a sharded checkpoint's state must be a dict (torch.distributed.checkpoint's rule), got {type(state).__name__}")
     writer = PublishingWriter(directory, step, keep)
     try:
         dcp.save(state, storage_writer=writer)
@@ -190,12 +201,13 @@ def _os_error_within(error: BaseException) -> BaseException:
     return error
 
 
-def load_newest(state: dict[str, Any], directory: Path) -> tuple[int, Path] | None:
-    """Load the newest intact sharded checkpoint into ``state`` in place; its (step, path), or None.
+def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
+    """Load the newest intact sharded checkpoint into ``state`` in place (job.load_latest(into=state)).
 
     Every rank walks the same list (rank 0's) and skips the same damaged directories: each rank
     checks every file's size and the CRC-32 of its share of the files, and a directory is used
-    only when every rank found its share intact. Rank 0 says which directory was skipped and why.
+    only when every rank found its share intact. Rank 0 says which directory was skipped and why,
+    and where it resumes from.
     """
     rank, world = _rank_and_world()
     steps = _same_on_every_rank([step for step, _ in dcp_files.list_steps(directory)], world)
@@ -212,7 +224,11 @@ def load_newest(state: dict[str, Any], directory: Path) -> tuple[int, Path] | No
                 _log(f"warning: checkpoint {path} is damaged ({next(r for r in reasons if r)}); trying an older one")
             continue
         dcp.load(state, storage_reader=FileSystemReader(path))
-        return step, path
+        if rank == 0:
+            _log(f"resuming from step {step} ({path}, sharded, world size {world})")
+        return Checkpoint(step=step, state=state, path=path)
+    if rank == 0:
+        _log("no sharded checkpoint, starting from scratch")
     return None
 
 

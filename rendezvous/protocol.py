@@ -44,6 +44,7 @@ from rally.rendezvous.membership import (
     assignments_for,
     counts_entering,
     newest_step,
+    resume_step,
 )
 from rally.rendezvous.records import (
     FAILURE_KINDS,
@@ -87,10 +88,13 @@ class Rendezvous:
         me: NodeInfo,
         on_status: Callable[[str], None] = lambda _message: None,
         progress: Callable[[], int | None] = lambda: None,
+        holdings: Callable[[], tuple[list[int], int | None]] = lambda: ([], None),
     ):
-        """`progress` returns the newest checkpoint step this node sees, for crash-loop detection."""
+        """`progress` returns the newest checkpoint step this node saved, for crash-loop detection;
+        `holdings` the steps in its memory tier and the newest on disk, for the resume step."""
         self.store = store
         self.progress = progress
+        self.holdings = holdings
         self.on_status = on_status
         self.settings = settings
         self.me = me
@@ -156,7 +160,11 @@ class Rendezvous:
             raise UntrustedValue(f"store key '{self.store.key(f'{r}/joined')}' went negative: a stranger wrote to the store")
         if idx >= s.max_nodes:
             return None
-        me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress()})
+        memory, durable = self.holdings()
+        me = NodeInfo(**{
+            **asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress(),
+            "memory_steps": ",".join(map(str, memory)), "durable_step": durable,
+        })  # fmt: skip
         self.store.set(f"{r}/node/{idx}", me.to_json())
         quorum_seen_at: float | None = None
         attempt = 0
@@ -236,7 +244,7 @@ class Rendezvous:
         step = newest_step(nodes)
         previous = self.round_record(r - 1) if r > 0 else None
         counts = counts_entering(previous, self.round_end(r - 1) if previous else None, step)
-        record = RoundRecord(len(nodes), *counts, step, attempt)
+        record = RoundRecord(len(nodes), *counts, step, attempt, resume_step(nodes))
         mine = assignments_for(r, nodes, record)
         self.store.multi_set({f"{r}/assign/{attempt}/{idx}": a.to_json() for idx, a in zip(indices, mine)})
         self.store.set_once(f"{r}/closed", record.to_json())

@@ -1,0 +1,216 @@
+"""The memory tier's holder: a helper process of the agent that owns a node's checkpoint copies.
+
+Why a process of its own: the copies must outlive the worker that made them (a restarted worker
+reloads them in milliseconds), must never be owned by a worker (a dying worker cannot take them
+along, and a stale one cannot keep writing), and persisting them must not cost the agent's main
+loop anything. The holder imports no torch: slots hold torch.save's bytes (agent/ckpt_shm.py),
+persisting is a byte copy with a CRC (agent/ckpt_persist.py), and its rules are agent/ckpt_slots.py.
+
+It talks JSON lines on two channels:
+
+- **stdin/stdout, with the agent** (agent/ckpt_tier.py): ``round`` (open a round: its agreed
+  resume step and the fence's lease), ``renew``, ``over``, ``holdings``, ``flush``; and it tells
+  the agent ``saved``, ``durable`` and one-line ``warn``\\ ings. End of stdin means the agent is
+  gone, however it died: the holder gives up any persist under way, deletes its shared memory
+  and exits. It starts in a session of its own and ignores the terminal's signals, so a signal to
+  the agent's process group (Ctrl-C, ``kill -- -PGID``) cannot take the copies away before the
+  agent has made the newest one durable.
+- **a Unix socket in its private directory, with the workers** (agent/ckpt_client.py):
+  ``reserve`` a slot, ``commit`` or ``abort`` it, ``resume`` (which step, and from where).
+
+Run by file path, like the orphan guard: ``python <rally>/agent/ckpt_holder.py TOKEN CKPT_DIR [LIMIT]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from rally.agent.ckpt_persist import DiskFull, PersistCancelled, persist
+from rally.agent.ckpt_shm import SOCKET_NAME, remove_tier, tier_dir
+from rally.agent.ckpt_slots import Refused, ShmTooSmall, SlotTable
+
+MAX_LINE = 64 * 1024
+"""A request longer than this is not one of ours: the connection is closed."""
+
+
+class Holder:
+    def __init__(self, token: str, checkpoint_dir: Path, shm_limit: int | None, out: BinaryIO) -> None:
+        self.token = token
+        self.directory = tier_dir(token)
+        self.directory.mkdir(mode=0o700, parents=False, exist_ok=False)
+        self.table = SlotTable(self.directory, shm_limit)
+        self.checkpoint_dir = checkpoint_dir
+        self.out = out
+        self.out_lock = threading.Lock()
+        self.stopping = False
+        self.told_disk_only = False
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(self.directory / SOCKET_NAME))
+        self.listener.listen(64)
+
+    # ------------------------------------------------------------------ to the agent
+    def emit(self, **message: Any) -> None:
+        with self.out_lock:
+            try:
+                self.out.write((json.dumps(message) + "\n").encode())
+                self.out.flush()
+            except (OSError, ValueError):
+                pass  # the agent is gone; stdin's end of file stops us
+
+    def control(self, msg: dict[str, Any]) -> None:
+        op, table = msg.get("op"), self.table
+        reply: dict[str, Any] = {}
+        if op == "round":
+            table.open_round(int(msg["round"]), msg.get("resume"), float(msg["lease"]))
+        elif op == "renew":
+            table.renew(int(msg["round"]), float(msg["lease"]))
+        elif op == "over":
+            table.close_round(int(msg["round"]))
+        elif op == "holdings":
+            reply = {"memory": table.memory_steps(), "disk_only": table.disk_only is not None}
+        elif op == "flush":
+            reply = self.flush(float(msg["timeout"]))
+        if "id" in msg:
+            self.emit(reply=msg["id"], **reply)
+
+    def flush(self, timeout: float) -> dict[str, Any]:
+        """Wait (bounded) until the newest copy of every key is durable or failed to be."""
+        deadline = time.monotonic() + timeout
+        with self.table.cond:
+            while self.table.pending() and (left := deadline - time.monotonic()) > 0:
+                self.table.cond.wait(left)
+            return {"pending": self.table.pending(), "durable": dict(self.table.durable)}
+
+    # ------------------------------------------------------------------ the workers
+    def serve(self) -> None:
+        conn_id = 0
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            conn_id += 1
+            threading.Thread(target=self.worker, args=(conn, conn_id), daemon=True).start()
+
+    def worker(self, conn: socket.socket, conn_id: int) -> None:
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != os.getuid():
+                return
+            stream = conn.makefile("rb")
+            while line := stream.readline(MAX_LINE):
+                if not line.endswith(b"\n"):
+                    return
+                conn.sendall((json.dumps(self.answer(line, conn_id)) + "\n").encode())
+        except OSError:
+            pass
+        finally:
+            self.table.writer_gone(conn_id)
+            conn.close()
+
+    def answer(self, line: bytes, conn_id: int) -> dict[str, Any]:
+        table = self.table
+        try:
+            msg = json.loads(line)
+            op = msg["op"]
+            if op == "reserve":
+                name = f"step_{int(msg['step']):012d}.pt" if msg.get("persist") else None
+                path = table.reserve(conn_id, str(msg["key"]), int(msg["step"]), int(msg["size"]), int(msg["round"]), name, int(msg.get("keep", 3)))
+                return {"ok": True, "path": str(path)}
+            if op == "commit":
+                slot = table.commit(conn_id, str(msg["key"]), int(msg["step"]), int(msg["length"]), int(msg["round"]))
+                self.emit(ev="saved", key=msg["key"], step=slot.step, memory=table.memory_steps())
+                return {"ok": True}
+            if op == "abort":
+                table.abort(conn_id, str(msg["key"]), int(msg["step"]))
+                return {"ok": True}
+            if op == "resume":
+                step, path = table.resume(str(msg["key"]))
+                return {"ok": True, "step": step, "path": str(path) if path else None}
+            return {"ok": False, "error": f"rally: unknown memory-tier request {op!r}"}
+        except ShmTooSmall as exc:
+            if not self.told_disk_only:  # one line, at the first save that did not fit
+                self.told_disk_only = True
+                self.emit(ev="warn", line=str(exc))
+            return {"ok": False, "disk_only": True, "error": str(exc)}
+        except Refused as exc:
+            return {"ok": False, "error": str(exc)}
+        except (ValueError, KeyError, TypeError) as exc:
+            return {"ok": False, "error": f"rally: malformed memory-tier request ({exc})"}
+        except OSError as exc:
+            return {"ok": False, "error": f"rally: memory tier: {exc.strerror or exc}"}
+
+    # ------------------------------------------------------------------ to the disk
+    def persister(self) -> None:
+        table = self.table
+        while True:
+            with table.cond:
+                while not self.stopping and (job := table.next_to_persist()) is None:
+                    table.cond.wait()
+                if self.stopping:
+                    return
+            key, index, slot = job
+            ok = False
+            try:
+                path = persist(
+                    self.directory / f"{key}.{index}", slot.length, self.checkpoint_dir, slot.step, slot.keep, lambda: self.stopping
+                )
+                ok = True
+                self.emit(ev="durable", key=key, step=slot.step, path=str(path))
+            except DiskFull as exc:
+                self.emit(ev="warn", line=str(exc))
+            except PersistCancelled:
+                pass
+            except OSError as exc:
+                self.emit(ev="warn", line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc.strerror or exc}")
+            except Exception as exc:  # a bug must not stop the persister: say it, keep the copies
+                self.emit(ev="warn", line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc!r}")
+            with table.cond:
+                table.persisted(key, index, ok)
+
+    def stop(self) -> None:
+        with self.table.cond:
+            self.stopping = True
+            self.table.cond.notify_all()
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        remove_tier(self.token)
+
+
+def main(argv: list[str]) -> int:
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)
+    token, checkpoint_dir = argv[0], Path(argv[1])
+    limit = int(argv[2]) if len(argv) > 2 and argv[2] else None
+    holder = Holder(token, checkpoint_dir, limit, sys.stdout.buffer)
+    persister = threading.Thread(target=holder.persister, daemon=True)
+    try:
+        threading.Thread(target=holder.serve, daemon=True).start()
+        persister.start()
+        for line in sys.stdin.buffer:  # returns at end of file: the agent stopped us or died
+            try:
+                msg = json.loads(line)
+                if msg.get("op") == "stop":
+                    break
+                holder.control(msg)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not from our agent; ignore
+    finally:
+        holder.stop()
+        persister.join(timeout=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

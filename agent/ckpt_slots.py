@@ -1,0 +1,262 @@
+"""The holder's bookkeeping: which slot holds which step, who may write, what is durable.
+
+Pure state under one condition variable, no I/O but creating and sizing slot files, so the rules
+read in one place (agent/ckpt_holder.py does the sockets and the persister thread):
+
+- **Two slots per key.** A save goes into a slot that is not being persisted, preferring the one
+  that does not hold the newest committed step. So a save never waits for the disk, the newest
+  committed step stays readable while the next copy is written (unless the other slot is busy
+  persisting: then the older of the two in-memory steps is the one being made durable and the
+  save overwrites the newest), and no more than two copies per key ever exist.
+- **Commit.** A slot counts only once its writer said ``commit`` on the same connection; a writer
+  that dies mid-copy leaves a slot that is never read, and the previous step stays usable.
+- **Fencing by round.** The agent opens each round (``round``), renews a lease while its workers
+  run, and closes it (``over``) before it stops them. A reserve or commit from another round, a
+  closed round or after the lease ran out (a frozen agent) is refused: a worker of a round that
+  is over cannot checkpoint.
+- **Reloaded slots are never written again.** ``resume`` hands a worker the slot's path for
+  ``torch.load(mmap=True)``; the next save that lands on that slot gets a fresh file (the old one is
+  unlinked, and its pages live as long as the worker keeps tensors from it).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rally.agent.ckpt_shm import SLOTS_PER_KEY, slot_path, valid_key
+
+FREE, WRITING, COMMITTED = "free", "writing", "committed"
+
+
+class Refused(Exception):
+    """A request the holder turns down; the message is one line for the worker to raise."""
+
+
+class ShmTooSmall(Exception):
+    """Not enough shared memory for a copy: the tier falls back to disk-only saving."""
+
+
+@dataclass
+class Slot:
+    state: str = FREE
+    step: int = -1
+    length: int = 0
+    size: int = 0  # bytes allocated for the file
+    writer: int | None = None  # the connection writing it
+    persist_name: str | None = None  # file name in the checkpoint directory, None: memory only
+    keep: int = 3
+    persisted: bool = False
+    loaded: bool = False  # a worker mapped it: never write into this file again
+
+
+@dataclass
+class KeySlots:
+    slots: list[Slot] = field(default_factory=lambda: [Slot() for _ in range(SLOTS_PER_KEY)])
+    persisting: int | None = None  # index of the slot the persister is copying
+
+    def committed(self) -> list[tuple[int, int]]:
+        """(step, index) of committed slots, newest first."""
+        return sorted(((s.step, i) for i, s in enumerate(self.slots) if s.state == COMMITTED), reverse=True)
+
+
+class SlotTable:
+    """Every key's slots on this node, the round's fence and the durable steps; thread-safe."""
+
+    def __init__(self, directory: Path, shm_limit: int | None = None) -> None:
+        self.directory = directory
+        self.shm_limit = shm_limit
+        self.cond = threading.Condition()
+        self.keys: dict[str, KeySlots] = {}
+        self.round: int | None = None
+        self.round_open = False
+        self.lease_until = 0.0
+        self.resume_step: int | None = None
+        self.disk_only: str | None = None
+        self.durable: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ the agent's side
+    def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
+        with self.cond:
+            self.round, self.round_open, self.resume_step = r, True, resume_step
+            self.lease_until = time.monotonic() + lease
+
+    def renew(self, r: int, lease: float) -> None:
+        with self.cond:
+            if r == self.round and self.round_open:
+                self.lease_until = time.monotonic() + lease
+
+    def close_round(self, r: int) -> None:
+        with self.cond:
+            if r == self.round:
+                self.round_open = False
+            for keyslots in self.keys.values():  # copies under way now never commit
+                for slot in keyslots.slots:
+                    if slot.state == WRITING:
+                        slot.state, slot.writer = FREE, None
+
+    def memory_steps(self) -> list[int]:
+        """Steps every key on this node holds committed (what this node can resume from memory)."""
+        with self.cond:
+            sets = [{s for s, _ in k.committed()} for k in self.keys.values()]
+        return sorted(set.intersection(*sets)) if sets else []
+
+    def newest_saved(self) -> int | None:
+        steps = self.memory_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ the workers' side
+    def _fence(self, r: int) -> None:
+        if self.round is None or r != self.round or not self.round_open:
+            raise Refused(
+                f"rally: checkpoint refused: this worker belongs to round {r}, which is over "
+                f"(the node is in round {self.round}); a worker of an ended round may not save"
+            )
+        if time.monotonic() > self.lease_until:
+            raise Refused(f"rally: checkpoint refused: round {r} is no longer confirmed by its agent (frozen or cut off)")
+
+    def reserve(self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int) -> Path:
+        """A slot for ``step`` of ``key``, allocated for ``size`` bytes; mark it being written."""
+        if not valid_key(key) or step < 0 or size <= 0:
+            raise Refused(f"rally: checkpoint refused: bad request for key {key!r}, step {step}, {size} bytes")
+        with self.cond:
+            self._fence(r)
+            if self.disk_only is not None:
+                raise ShmTooSmall(self.disk_only)
+            keyslots = self.keys.setdefault(key, KeySlots())
+            index = self._choose(keyslots)
+            slot = keyslots.slots[index]
+            path = slot_path(self.directory, key, index)
+            if slot.loaded or slot.size < size or slot.size > 2 * size:
+                self._allocate(path, size, slot)
+            keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, conn, persist_name, keep)
+            return path
+
+    def _choose(self, keyslots: KeySlots) -> int:
+        candidates = [i for i, s in enumerate(keyslots.slots) if i != keyslots.persisting and s.state != WRITING]
+        if not candidates:
+            raise Refused("rally: checkpoint refused: another copy of this state is still being written")
+        newest = keyslots.committed()[:1]
+        preferred = [i for i in candidates if not newest or i != newest[0][1]]
+        return (preferred or candidates)[0]
+
+    def _allocate(self, path: Path, size: int, slot: Slot) -> None:
+        """A fresh file of ``size`` bytes at ``path`` (the old one unlinked), pages reserved now."""
+        used = sum(s.size for k in self.keys.values() for s in k.slots) - slot.size
+        if self.shm_limit is not None and used + size > self.shm_limit:
+            self.disk_only = self._too_small_line(size, self.shm_limit - used)
+            raise ShmTooSmall(self.disk_only)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        slot.size = 0
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise
+            info = os.statvfs(self.directory)
+            self.disk_only = self._too_small_line(size, info.f_bavail * info.f_frsize)
+            raise ShmTooSmall(self.disk_only) from None
+        os.close(fd)
+        slot.size, slot.loaded = size, False
+
+    def _too_small_line(self, size: int, free: int) -> str:
+        return (
+            f"not enough shared memory for in-memory checkpoints at {self.directory.parent} "
+            f"({size / 1e6:.1f} MB needed per copy, {max(free, 0) / 1e6:.1f} MB available); "
+            "saving to disk only from now on (enlarge /dev/shm, e.g. docker --shm-size)"
+        )
+
+    def commit(self, conn: int, key: str, step: int, length: int, r: int) -> Slot:
+        with self.cond:
+            slot = self._writing(conn, key, step)
+            try:
+                self._fence(r)
+            except Refused:
+                slot.state, slot.writer = FREE, None
+                raise
+            if not 0 < length <= slot.size:
+                slot.state, slot.writer = FREE, None
+                raise Refused(f"rally: checkpoint refused: length {length} outside the slot's {slot.size} bytes")
+            slot.state, slot.length, slot.writer = COMMITTED, length, None
+            self.cond.notify_all()
+            return slot
+
+    def abort(self, conn: int, key: str, step: int) -> None:
+        with self.cond:
+            try:
+                slot = self._writing(conn, key, step)
+            except Refused:
+                return
+            slot.state, slot.writer = FREE, None
+
+    def _writing(self, conn: int, key: str, step: int) -> Slot:
+        for slot in self.keys.get(key, KeySlots()).slots:
+            if slot.state == WRITING and slot.writer == conn and slot.step == step:
+                return slot
+        raise Refused(f"rally: checkpoint refused: no copy of step {step} under way for {key!r}")
+
+    def writer_gone(self, conn: int) -> None:
+        """A worker's connection closed: whatever it was still writing is void (killed mid-copy)."""
+        with self.cond:
+            for keyslots in self.keys.values():
+                for slot in keyslots.slots:
+                    if slot.state == WRITING and slot.writer == conn:
+                        slot.state, slot.writer = FREE, None
+
+    def resume(self, key: str) -> tuple[int | None, Path | None]:
+        """The round's agreed step, and the slot holding it for ``key`` (None: read the disk)."""
+        with self.cond:
+            step = self.resume_step
+            keyslots = self.keys.get(key)
+            if step is None or keyslots is None:
+                return step, None
+            for s, index in keyslots.committed():
+                if s == step:
+                    keyslots.slots[index].loaded = True
+                    return step, slot_path(self.directory, key, index)
+            return step, None
+
+    # ------------------------------------------------------------------ the persister's side
+    def next_to_persist(self) -> tuple[str, int, Slot] | None:
+        """The newest committed, not yet durable slot of some key; marks it being persisted."""
+        for key, keyslots in self.keys.items():
+            if keyslots.persisting is not None:
+                continue
+            for step, index in keyslots.committed():
+                slot = keyslots.slots[index]
+                if slot.persist_name and not slot.persisted and step > self.durable.get(key, -1):
+                    keyslots.persisting = index
+                    return key, index, slot
+                break  # only the newest is worth persisting
+        return None
+
+    def persisted(self, key: str, index: int, ok: bool) -> None:
+        keyslots = self.keys[key]
+        keyslots.persisting = None
+        slot = keyslots.slots[index]
+        slot.persisted = True  # a failed step is not retried: the next save brings a newer one
+        if ok:
+            self.durable[key] = max(self.durable.get(key, -1), slot.step)
+        self.cond.notify_all()
+
+    def pending(self) -> bool:
+        """True while some key's newest committed copy still waits to be (or is being) persisted."""
+        for key, keyslots in self.keys.items():
+            if keyslots.persisting is not None:
+                return True
+            newest = keyslots.committed()[:1]
+            if newest:
+                slot = keyslots.slots[newest[0][1]]
+                if slot.persist_name and not slot.persisted and slot.step > self.durable.get(key, -1):
+                    return True
+        return False
