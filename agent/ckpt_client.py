@@ -135,6 +135,20 @@ class MemoryTier:
         self.commit(key, step, length)
         return True
 
+    def held(self, prefix: str) -> dict[str, list[int]]:
+        """Committed steps in this node's memory of every key starting with ``prefix``."""
+        answer = self.request(op="held", prefix=prefix)
+        if not answer.get("ok"):
+            raise CheckpointRefused(answer.get("error", "rally: checkpoint holder refused"))
+        return {str(k): [int(s) for s in v] for k, v in answer["held"].items()}
+
+    def slot(self, key: str, step: int) -> tuple[Path, int] | None:
+        """The slot holding committed ``step`` of ``key`` on this node and its length, or None."""
+        answer = self.request(op="slot", key=key, step=step)
+        if not answer.get("ok"):
+            raise CheckpointRefused(answer.get("error", "rally: checkpoint holder refused"))
+        return (Path(answer["path"]), int(answer["length"])) if answer.get("path") else None
+
     def resume(self, key: str) -> tuple[int | None, Path | None]:
         """The step every rank of the round resumes from (None: no agreement, use the disk), and
         the slot holding it on this node (None: not in memory here)."""

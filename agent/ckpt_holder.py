@@ -133,6 +133,11 @@ class Holder:
             if op == "abort":
                 table.abort(conn_id, str(msg["key"]), int(msg["step"]))
                 return {"ok": True}
+            if op == "held":
+                return {"ok": True, "held": table.held(str(msg["prefix"]))}
+            if op == "slot":
+                found = table.committed_slot(str(msg["key"]), int(msg["step"]))
+                return {"ok": True, "path": str(found[0]) if found else None, "length": found[1] if found else 0}
             if op == "resume":
                 step, path = table.resume(str(msg["key"]))
                 return {"ok": True, "step": step, "path": str(path) if path else None}

@@ -226,6 +226,23 @@ class SlotTable:
                     return step, slot_path(self.directory, key, index)
             return step, None
 
+    def held(self, prefix: str) -> dict[str, list[int]]:
+        """Committed steps of every key starting with ``prefix`` (sharded states: a rank's own
+        copy and the ring peer's replica, see agent/dcp_memory.py)."""
+        with self.cond:
+            return {k: sorted(s for s, _ in ks.committed()) for k, ks in self.keys.items() if k.startswith(prefix)}
+
+    def committed_slot(self, key: str, step: int) -> tuple[Path, int] | None:
+        """The slot holding committed ``step`` of ``key`` and its length (None: not in memory); the
+        slot is marked loaded, so the next save into it gets a fresh file."""
+        with self.cond:
+            keyslots = self.keys.get(key)
+            for s, index in keyslots.committed() if keyslots else []:
+                if s == step:
+                    keyslots.slots[index].loaded = True
+                    return slot_path(self.directory, key, index), keyslots.slots[index].length
+            return None
+
     # ------------------------------------------------------------------ the persister's side
     def next_to_persist(self) -> tuple[str, int, Slot] | None:
         """The newest committed, not yet durable slot of some key; marks it being persisted."""

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from rally.agent import dcp_files
+from rally.agent import ckpt_client, dcp_files, dcp_memory
 from rally.agent.checkpoint_file import DamagedCheckpoint
 from rally.agent.job import Checkpoint
 
@@ -168,6 +168,8 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
     if not isinstance(state, dict):
         raise TypeError(f"rally: a sharded checkpoint's state must be a dict (torch.distributed.checkpoint's rule), got {type(state).__name__}")
+    if dist.is_available() and dist.is_initialized():
+        dcp_memory.save(state, step, keep)  # memory first: a restarted worker reloads from there
     writer = PublishingWriter(directory, step, keep)
     try:
         dcp.save(state, storage_writer=writer)
@@ -211,6 +213,9 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
     """
     rank, world = _rank_and_world()
     steps = _same_on_every_rank([step for step, _ in dcp_files.list_steps(directory)], world)
+    from_memory, why = _load_from_memory(state, max(steps, default=None), directory)
+    if from_memory is not None:
+        return from_memory
     for step in reversed(steps):
         path = directory / dcp_files.step_name(step)
         reason = ""
@@ -225,11 +230,45 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
             continue
         dcp.load(state, storage_reader=FileSystemReader(path))
         if rank == 0:
-            _log(f"resuming from step {step} ({path}, sharded, world size {world})")
+            _log(f"resuming from step {step} ({path}, sharded, world size {world}){f'; not from memory: {why}' if why else ''}")
         return Checkpoint(step=step, state=state, path=path)
     if rank == 0:
         _log("no sharded checkpoint, starting from scratch")
     return None
+
+
+def _load_from_memory(state: dict[str, Any], newest_on_disk: int | None, directory: Path) -> tuple[Checkpoint | None, str]:
+    """Resume from the nodes' memory when every rank's shards of a step not older than the disk's
+    newest are held by a live node (own copy or ring replica); else (None, why not)."""
+    tier = ckpt_client.tier()
+    if tier is None or not (dist.is_available() and dist.is_initialized()):
+        return None, ""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    holdings: list[Any] = [None] * world
+    dist.all_gather_object(holdings, tier.held("dcp"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    step, providers, why = dcp_memory.plan(holdings, world, local)
+    if step is None:
+        return None, why
+    if newest_on_disk is not None and newest_on_disk > step:
+        return None, f"the disk holds a newer step ({newest_on_disk}) than memory ({step})"
+    failure = ""
+    try:
+        remote = dcp_memory.load(state, step, providers)
+    except Exception as exc:  # the same on every rank after the vote below: all take the disk
+        failure, remote = f"{type(exc).__name__}: {exc}", []
+    reasons = _reasons_of_every_rank(failure, world)
+    if any(reasons):
+        return None, f"loading step {step} from memory failed ({next(r for r in reasons if r)})"
+    if rank == 0:
+        origin = "every rank's shards from its own node" if not remote else (
+            f"rank{'s' if len(remote) > 1 else ''} {', '.join(map(str, remote))} from the ring replica on "
+            f"node{'s' if len({providers[r] // local for r in remote}) > 1 else ''} "
+            f"{', '.join(str(n) for n in sorted({providers[r] // local for r in remote}))}: "
+            f"{'its own node' if len(remote) == 1 else 'their own nodes'} lost {'its' if len(remote) == 1 else 'their'} copy"
+        )
+        _log(f"resuming from step {step} from memory (sharded, world size {world}; {origin})")
+    return Checkpoint(step=step, state=state, path=directory / dcp_files.step_name(step), source="memory"), ""
 
 
 def _rank_and_world() -> tuple[int, int]:

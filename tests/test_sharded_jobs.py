@@ -1,6 +1,8 @@
 """FSDP2 jobs that checkpoint only through job.save / job.load_latest resume bit-identical: after a
-SIGKILL of one rank, after the loss of a whole node (a spare takes its place), and on fewer nodes
-(the survivor reshards the two-rank checkpoint onto one rank).
+SIGKILL of one rank (from memory), after the loss of a whole node with a spare taking its place
+(from memory, the lost node's shards coming from their replica on the surviving node; from disk
+when replicas are off), and on fewer nodes (the survivor reshards the two-rank checkpoint from
+disk onto one rank). No shared memory of these jobs is left behind.
 
 The workload is examples/train_fsdp.py (fully_shard, gloo, CPU, Adam): at every save and after a
 resume each rank prints the sha256 of the full model and optimizer state, compared here with an
@@ -11,14 +13,18 @@ the file starts few torch processes.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all
 from helpers import clean_env, eventually, finish, free_port, is_alive, start_rally
 from rally.agent import dcp_files
+from rally.agent.ckpt_shm import leftovers, tier_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_fsdp.py"
@@ -46,6 +52,33 @@ def assert_no_temps(ckpt: Path) -> None:
     assert [n for n in ckpt.iterdir() if dcp_files.TEMP_RE.match(n.name)] == []
 
 
+@pytest.fixture
+def shm_of_this_test() -> Iterator[set[Path]]:
+    """Tier directories in /dev/shm made while the test ran that are not gone at its end: the test
+    adds what a SIGKILLed node (holder included) left, which a real node's loss takes along; the
+    rest must have been removed by rally itself. Other jobs on this machine keep theirs."""
+    before = set(leftovers())
+    crashed: set[Path] = set()
+    yield crashed
+    left = set(leftovers()) - before
+    for path in left & crashed:
+        shutil.rmtree(path, ignore_errors=True)
+    assert left - crashed == set(), f"rally left shared memory behind: {sorted(left - crashed)}"
+
+
+def _tier_dirs(agent: AgentProcess) -> set[Path]:
+    """The shared-memory directory of an agent's holder (its token is the holder's first argument)."""
+    found = set()
+    for proc in agent.descendants():
+        try:
+            argv = proc.cmdline()
+        except psutil.Error:
+            continue
+        if any(arg.endswith("ckpt_holder.py") for arg in argv):
+            found.add(tier_dir(argv[argv.index(next(a for a in argv if a.endswith("ckpt_holder.py"))) + 1]))
+    return found
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     """Digest of the full state at every saved step, and at the end (key STEPS + 1), of an
@@ -61,27 +94,31 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_job_resumes_bit_identical_after_one_rank_is_sigkilled(tmp_path: Path, reference: dict[int, str]) -> None:
+def test_fsdp2_job_resumes_bit_identical_from_memory_after_one_rank_is_sigkilled(
+    tmp_path: Path, reference: dict[int, str], shm_of_this_test: set[Path]
+) -> None:
     args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *train_args(tmp_path / "ckpt", "--fail-at-step", "9", "--fail-rank", "1")]
     result = finish(start_rally(args, cwd=tmp_path, env=clean_env()), 240)
     assert result.returncode == 0, result.describe()
-    assert "SIGKILL" in result.stderr and "resuming from step 8" in result.stdout + result.stderr, result.describe()
+    assert "SIGKILL" in result.stderr, result.describe()
+    assert "resuming from step 8 from memory (sharded, world size 2; every rank's shards from its own node)" in result.stderr
     resumed = [(step, digest) for step, world, digest in digests(result.stdout, "start") if step > 0]
     assert resumed == [(8, reference[8])] * 2, result.describe()  # both ranks, the state saved at step 8
     assert {digest for _, _, digest in digests(result.stdout, "final")} == {reference[STEPS + 1]}
     assert_no_temps(tmp_path / "ckpt")
 
 
-def _start_nodes(tmp: Path, port: int, names: list[str], ckpt: Path) -> list[AgentProcess]:
-    args = [*c10d_args(port, "1:2"), "--nproc-per-node", "1", "--max-restarts", "1", *train_args(ckpt, "--step-time", "0.25")]
-    return [start_agent(name, tmp, args) for name in names]
+def _start_nodes(tmp: Path, port: int, names: list[str], ckpt: Path, nnodes: str, env: dict[str, str] | None = None) -> list[AgentProcess]:
+    args = [*c10d_args(port, nnodes), "--nproc-per-node", "1", "--max-restarts", "1", *train_args(ckpt, "--step-time", "0.25")]
+    return [start_agent(name, tmp, args, env=env) for name in names]
 
 
-def _kill_a_node_after_a_save(agents: list[AgentProcess], saved_step: int) -> AgentProcess:
+def _kill_a_node_after_a_save(agents: list[AgentProcess], saved_step: int, crashed: set[Path]) -> AgentProcess:
     """SIGKILL the node that does not host the store once `saved_step` is on disk; return it."""
     assert eventually(lambda: any("hosting the rendezvous store" in a.output() for a in agents), 60)
     victim = next(a for a in agents if "hosting the rendezvous store" not in a.output())
     assert eventually(lambda: any(s == saved_step for s, _, _ in digests(victim.output(), "saved")), 120), victim.output()
+    crashed |= _tier_dirs(victim)
     pids = victim.kill_node()
     assert eventually(lambda: not any(is_alive(pid) for pid in pids), 10)
     return victim
@@ -97,35 +134,47 @@ def _finish_all(agents: list[AgentProcess], timeout: float) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(tmp_path: Path, reference: dict[int, str]) -> None:
+@pytest.mark.parametrize("replicas", ["on", "off"])
+def test_fsdp2_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(
+    tmp_path: Path, reference: dict[int, str], shm_of_this_test: set[Path], replicas: str
+) -> None:
     port, ckpt = free_port(), tmp_path / "ckpt"
+    env = {"RALLY_CKPT_REPLICAS": "1" if replicas == "on" else "0"}
     agents: list[AgentProcess] = []
     try:
-        agents += _start_nodes(tmp_path, port, ["n0", "n1"], ckpt)
-        assert eventually(lambda: sum(bool(digests(a.output(), "start")) for a in agents) == 2, 120), "\n".join(a.output() for a in agents)
-        agents += _start_nodes(tmp_path, port, ["spare"], ckpt)
-        assert eventually(lambda: "waiting as a spare" in agents[2].output(), 60), agents[2].output()
-        victim = _kill_a_node_after_a_save(agents[:2], 6)
+        # All three at once, two nodes wanted: the last to arrive waits as a spare (no race with a
+        # job that could finish before a late spare started on a busy machine).
+        agents += _start_nodes(tmp_path, port, ["a", "b", "c"], ckpt, "2", env)
+        assert eventually(lambda: any("waiting as a spare" in a.output() for a in agents), 120), "\n".join(a.output() for a in agents)
+        active = [a for a in agents if "waiting as a spare" not in a.output()]
+        victim = _kill_a_node_after_a_save(active, 6, shm_of_this_test)
         survivors = [a for a in agents if a is not victim]
         text = _finish_all(survivors, 180)
         assert [a.popen.returncode for a in survivors] == [0, 0], text
         assert "sent no keep-alive" in text
         resumed = [(step, world, digest) for step, world, digest in digests(text, "start") if step > 0]
         assert len(resumed) == 2 and {world for _, world, _ in resumed} == {2}, text
-        assert {digest for step, _, digest in resumed} == {reference[resumed[0][0]]}, text
+        step = resumed[0][0]
+        assert {digest for _, _, digest in resumed} == {reference[step]}, text
         assert {digest for _, _, digest in digests(text, "final")} == {reference[STEPS + 1]}
+        if replicas == "on":  # the lost node's shards from their replica on the survivor: memory
+            assert re.search(rf"resuming from step {step} from memory \(sharded, world size 2; rank \d from the ring replica on node \d: its own node lost its copy\)", text), text
+        else:
+            assert f"resuming from step {step} (" in text and "not from memory: step" in text and "have no live copy in memory, neither own nor replica" in text, text
         assert_no_temps(ckpt)
     finally:
         stop_all(agents)
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_job_reshards_onto_the_surviving_node_after_a_node_loss(tmp_path: Path, reference: dict[int, str]) -> None:
+def test_fsdp2_job_reshards_onto_the_surviving_node_after_a_node_loss(
+    tmp_path: Path, reference: dict[int, str], shm_of_this_test: set[Path]
+) -> None:
     port, ckpt = free_port(), tmp_path / "ckpt"
     agents: list[AgentProcess] = []
     try:
-        agents += _start_nodes(tmp_path, port, ["n0", "n1"], ckpt)
-        victim = _kill_a_node_after_a_save(agents, 6)
+        agents += _start_nodes(tmp_path, port, ["n0", "n1"], ckpt, "1:2")
+        victim = _kill_a_node_after_a_save(agents, 6, shm_of_this_test)
         (survivor,) = [a for a in agents if a is not victim]
         text = _finish_all([survivor], 180)
         assert survivor.popen.returncode == 0, text
@@ -133,7 +182,7 @@ def test_fsdp2_job_reshards_onto_the_surviving_node_after_a_node_loss(tmp_path: 
         assert len(resumed) == 1, text
         step, world, digest = resumed[0]
         assert world == 1 and step >= 6 and digest == reference[step], text  # two ranks' shards, one rank, same bytes
-        assert f"resuming from step {step}" in text and "sharded, world size 1" in text
+        assert f"resuming from step {step} (" in text and "sharded, world size 1); not from memory: the world size changed (2 -> 1)" in text
         assert [s for s, w, _ in digests(text, "final")] == [STEPS]
         assert dcp_files.newest_intact_step(ckpt) == STEPS
         assert_no_temps(ckpt)
