@@ -112,7 +112,7 @@ def save(state: dict[str, Any], step: int, keep: int) -> bool:
     """Copy this rank's shards of ``step`` into its node's memory, and a replica into the next
     node's; False when there is no memory tier or /dev/shm is too small (the disk only, then)."""
     tier = ckpt_client.tier()
-    if tier is None:
+    if not agreed()[0] or tier is None:
         return False
     rank, world = dist.get_rank(), dist.get_world_size()
     meta, data = _rank_local_files(state)
@@ -134,19 +134,46 @@ def save(state: dict[str, Any], step: int, keep: int) -> bool:
     return held
 
 
-def _ring(rank: int, world: int) -> tuple[int, int] | None:
+_agreed: tuple[bool, int, int] | None = None
+
+
+def agreed() -> tuple[bool, int, int]:
+    """(every rank has a memory tier, nodes in the replica ring (0: none), workers per node),
+    agreed by every rank once per process: the first sharded save or load (one all-reduce).
+
+    Every rank must take the same path, or one would wait in a send that never comes: a node
+    without a tier (RALLY_MEMORY_TIER=0), replicas off anywhere, or nodes with different numbers
+    of workers turn the memory path or the ring off for all. A job without a CPU process group
+    (NCCL only) keeps to the disk.
+    """
+    global _agreed
+    if _agreed is None:
+        if "gloo" not in str(dist.get_backend()):
+            _agreed = (False, 0, 1)
+            return _agreed
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        replicas = os.environ.get(REPLICAS_ENV, "1") != "0"
+        flags = torch.tensor([ckpt_client.tier() is not None, replicas, local, -local], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        has_tier, replicas_everywhere, fewest, most = int(flags[0]), int(flags[1]), int(flags[2]), -int(flags[3])
+        world = dist.get_world_size()
+        nodes = world // local if fewest == most and world % local == 0 else 0
+        _agreed = (bool(has_tier), nodes if replicas_everywhere and nodes >= 2 else 0, local)
+    return _agreed
+
+
+def _ring(rank: int) -> tuple[int, int] | None:
     """(the rank this rank sends its copy to, the rank it receives one from): the same local rank
     on the next and on the previous node. None with one node, or replicas turned off."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    nodes = world // local if local and world % local == 0 else 1
-    if nodes < 2 or os.environ.get(REPLICAS_ENV, "1") == "0":
+    _, nodes, local = agreed()
+    if not nodes:
         return None
     node, local_rank = divmod(rank, local)
     return ((node + 1) % nodes) * local + local_rank, ((node - 1) % nodes) * local + local_rank
 
 
 def _replicate(tier: ckpt_client.MemoryTier, parts: list[Any], step: int, keep: int, rank: int, world: int) -> None:
-    ring = _ring(rank, world)
+    ring = _ring(rank)
     if ring is None:
         return
     to, source = ring

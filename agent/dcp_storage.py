@@ -241,12 +241,12 @@ def _load_from_memory(state: dict[str, Any], newest_on_disk: int | None, directo
     """Resume from the nodes' memory when every rank's shards of a step not older than the disk's
     newest are held by a live node (own copy or ring replica); else (None, why not)."""
     tier = ckpt_client.tier()
-    if tier is None or not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or not dcp_memory.agreed()[0] or tier is None:
         return None, ""
     rank, world = dist.get_rank(), dist.get_world_size()
     holdings: list[Any] = [None] * world
     dist.all_gather_object(holdings, tier.held("dcp"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local = dcp_memory.agreed()[2]
     step, providers, why = dcp_memory.plan(holdings, world, local)
     if step is None:
         return None, why

@@ -227,3 +227,21 @@ def test_a_full_disk_fails_the_sharded_save_in_one_line_and_keeps_the_last_good_
     assert result["error"].startswith(f"rally: sharded checkpoint of step 2 in {ckpt} failed on rank 0: OSError")
     assert "No space left on device" in result["error"] and "\n" not in result["error"]
     assert result["step"] == 1 and result["ok"] and result["left"] == ["step_000000000001.dcp"]
+
+
+def test_the_resume_plan_takes_the_newest_step_every_rank_has_in_some_nodes_memory() -> None:
+    from rally.agent.dcp_memory import plan
+
+    # 2 nodes x 1 rank: node 0 (rank 0) holds its own steps 4, 6 and node 1's replica of 6.
+    held = [{"dcp0of2": [4, 6], "dcpr1of2": [4, 6]}, {"dcp1of2": [4, 6], "dcpr0of2": [4, 6]}]
+    assert plan(held, 2, 1) == (6, {0: 0, 1: 1}, "")
+    # node 1 was lost and a spare (nothing in memory) took rank 1: rank 1 gets its copy from rank 0
+    assert plan([held[0], {}], 2, 1) == (6, {0: 0, 1: 0}, "")
+    # without the replica: no step is complete, the disk it is, and why
+    step, providers, why = plan([{"dcp0of2": [4, 6]}, {}], 2, 1)
+    assert step is None and why == "step 6: the shards of rank 1 (node 1) have no live copy in memory, neither own nor replica"
+    # a newer step only partly in memory gives way to the newest complete one
+    assert plan([{"dcp0of2": [6, 8]}, {"dcp1of2": [6]}], 2, 1)[:2] == (6, {0: 0, 1: 1})
+    # the world size changed: memory cannot serve another layout
+    assert plan([{"dcp0of2": [6], "dcpr1of2": [6]}], 1, 1) == (None, {}, "the world size changed (2 -> 1): shards are resharded from disk")
+    assert plan([{}, {}], 2, 1) == (None, {}, "no shards of this job in any node's memory")
