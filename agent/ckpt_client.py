@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rally.agent.ckpt_shm import SlotMaps, archive_size, socket_address, write_archive
+from rally.agent.ckpt_shm import ArchiveTooLarge, SlotMaps, archive_size, socket_address, storage_bytes, write_archive
 
 HOLDER_ENV = "RALLY_CKPT_HOLDER"
 """The holder's id (its socket's name); set by the agent in every worker's environment when the tier runs."""
@@ -51,6 +51,7 @@ class MemoryTier:
         self.address = socket_address(holder_id)
         self.round = round_
         self.maps = SlotMaps()
+        self._sizes: dict[str, tuple[int, int]] = {}  # key -> (bytes of tensors, archive length) at the last save
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -133,18 +134,35 @@ class MemoryTier:
             pass
 
     def save(self, state: Any, key: str, step: int, *, persist: bool, keep: int) -> bool:
-        """Copy ``state`` into a slot as ``step``; True once committed, False if disk-only."""
-        size = archive_size(state)
-        target = self.reserve(key, step, size, persist, keep)
-        if target is None:
-            return False
-        try:
-            length = write_archive(state, target)
-        except BaseException:
-            self.abort(key, step)
-            raise
-        self.commit(key, step, length)
-        return True
+        """Copy ``state`` into a slot as ``step``; True once committed, False if disk-only.
+
+        The slot must be as large as torch.save's archive. Finding its exact length takes a
+        pass of torch.save that copies nothing (pickling only, ~2 ms for 100 tensors); when the
+        state's tensors are the same sizes as at the last save (a training loop's case) the last
+        length plus its pickle's length again as slack is reserved instead, and only a state
+        that outgrew it pays for the exact pass and a second try.
+        """
+        tensors = storage_bytes(state)
+        known = self._sizes.get(key)
+        guess = known[1] + known[1] - known[0] + (64 << 10) if known and known[0] == tensors else None
+        for size in (guess, None):
+            if size is None:
+                size = archive_size(state)
+            target = self.reserve(key, step, size, persist, keep)
+            if target is None:
+                return False
+            try:
+                length = write_archive(state, target)
+            except ArchiveTooLarge:
+                self.abort(key, step)
+                continue
+            except BaseException:
+                self.abort(key, step)
+                raise
+            self.commit(key, step, length)
+            self._sizes[key] = (tensors, length)
+            return True
+        raise AssertionError("unreachable: the exact size always fits")
 
     def resume(self, key: str) -> tuple[int | None, int | None]:
         """(the step every rank of the round resumes from, None: no agreement, read the disk;

@@ -44,6 +44,8 @@ from rally.agent.ckpt_slots import Refused, ShmTooSmall, SlotTable
 
 PERSIST_NICENESS = 10
 """The persister thread's nice value (the holder's answers to workers keep the normal priority)."""
+MAX_PAUSE_SECONDS = 5.0
+"""The longest the persister waits for a worker's copy to finish before it goes on anyway."""
 MAX_LINE = 64 * 1024
 """A request longer than this is not one of ours: the connection is closed."""
 
@@ -170,7 +172,7 @@ class Holder:
             key, index, slot = job
             ok = False
             try:
-                path = persist(slot.fd, slot.length, self.checkpoint_dir, slot.step, slot.keep, lambda: self.stopping)  # type: ignore[arg-type]
+                path = persist(slot.fd, slot.length, self.checkpoint_dir, slot.step, slot.keep, self.between_chunks)  # type: ignore[arg-type]
                 ok = True
                 self.emit(ev="durable", key=key, step=slot.step, path=str(path))
             except DiskFull as exc:
@@ -183,6 +185,16 @@ class Holder:
                 self.emit(ev="warn", line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc!r}")
             with table.cond:
                 table.persisted(key, index, ok)
+
+    def between_chunks(self) -> bool:
+        """Pause the disk copy while a worker copies into a slot (bounded): the training step's
+        stall is that copy, and on a small node both would share the same cores and memory
+        bandwidth. True when the holder is stopping (the persist is given up)."""
+        deadline = time.monotonic() + MAX_PAUSE_SECONDS
+        with self.table.cond:
+            while self.table.copying() and not self.stopping and (left := deadline - time.monotonic()) > 0:
+                self.table.cond.wait(left)
+            return self.stopping
 
     def stop(self) -> None:
         with self.table.cond:

@@ -38,9 +38,13 @@ def checkpoint_path(directory: Path, step: int) -> Path:
 
 
 def persist(
-    source: int, length: int, directory: Path, step: int, keep: int, cancelled: Callable[[], bool] = lambda: False
+    source: int, length: int, directory: Path, step: int, keep: int, between_chunks: Callable[[], bool] = lambda: False
 ) -> Path:
-    """Copy the first ``length`` bytes of the memfd ``source`` (a slot) to ``directory`` as step ``step``."""
+    """Copy the first ``length`` bytes of the memfd ``source`` (a slot) to ``directory`` as step ``step``.
+
+    ``between_chunks`` is called before each chunk (8 MiB); it may wait (the holder pauses the
+    copy to disk while a worker copies into a slot) and returns True to give the persist up.
+    """
     from rally.agent.job import prune  # no torch: job imports it only inside save/load
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -56,7 +60,7 @@ def persist(
         if length:
             with mmap.mmap(source, length, prot=mmap.PROT_READ) as data, memoryview(data) as view:
                 for start in range(0, length, READ_CHUNK):
-                    if cancelled():
+                    if between_chunks():
                         raise PersistCancelled()
                     with view[start : start + READ_CHUNK] as chunk:
                         crc = zlib.crc32(chunk, crc)

@@ -84,6 +84,27 @@ def holders_of(prefix: str = SOCKET_PREFIX, pids: list[int] | None = None) -> di
 # Worker side: the archive's size, and the copy into a slot
 
 
+class ArchiveTooLarge(ValueError):
+    """The archive did not fit the slot reserved for it (the state grew since it was sized)."""
+
+
+def storage_bytes(state: Any) -> int:
+    """The bytes of the tensors in ``state`` (dicts, lists, tuples; each storage once): cheap,
+    to tell whether a state has the same sizes as the last one saved."""
+    seen: dict[int, int] = {}
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "untyped_storage"):
+            storage = item.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 class _Sink:
     """The file-like object torch.save writes its archive to: a mapping, or nothing (sizing)."""
 
@@ -91,13 +112,15 @@ class _Sink:
         self.target = target
         self.pos = 0
         self.end = 0
+        self.overflowed = False
 
     def write(self, data: Any) -> int:
         with memoryview(data) as raw, raw.cast("B") as view:
             n = view.nbytes
             if self.target is not None:
                 if self.pos + n > len(self.target):
-                    raise ValueError("rally: the state grew while it was being checkpointed")
+                    self.overflowed = True
+                    raise ArchiveTooLarge(f"rally: the archive outgrew its slot of {len(self.target)} bytes")
                 self.target[self.pos : self.pos + n] = view
         self.pos += n
         self.end = max(self.end, self.pos)
@@ -142,8 +165,13 @@ def write_archive(state: Any, target: mmap.mmap) -> int:
     import torch
 
     sink = _Sink(target)
-    with _no_record_crc():
-        torch.save(state, sink)
+    try:
+        with _no_record_crc():
+            torch.save(state, sink)
+    except Exception:
+        if sink.overflowed:  # torch's zip writer may raise its own error on the way out: ours is the cause
+            raise ArchiveTooLarge(f"rally: the archive outgrew its slot of {len(target)} bytes") from None
+        raise
     return sink.end
 
 

@@ -135,6 +135,8 @@ class SlotTable:
             slot = keyslots.slots[index]
             if slot.fd is None or slot.loaded or slot.size < size or slot.size > 2 * size:
                 self._allocate(key, index, size, slot)
+            else:  # back to its full size: only the tail cut off at the last commit is new
+                os.posix_fallocate(slot.fd, 0, slot.size)  # type: ignore[arg-type]
             keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, slot.fd, conn, persist_name, keep)
             return index, slot.fd  # type: ignore[return-value]
 
@@ -194,9 +196,17 @@ class SlotTable:
             if not 0 < length <= slot.size:
                 slot.state, slot.writer = FREE, None
                 raise Refused(f"rally: checkpoint refused: length {length} outside the slot's {slot.size} bytes")
+            # The memfd ends where the archive ends, as a file must for torch.load (its zip
+            # directory is found from the end); the cut tail is a few pages at most.
+            os.ftruncate(slot.fd, length)  # type: ignore[arg-type]
             slot.state, slot.length, slot.writer = COMMITTED, length, None
             self.cond.notify_all()
             return slot
+
+    def copying(self) -> bool:
+        """True while some worker is copying into a slot."""
+        with self.cond:
+            return any(s.state == WRITING for k in self.keys.values() for s in k.slots)
 
     def abort(self, conn: int, key: str, step: int) -> None:
         with self.cond:
@@ -205,6 +215,7 @@ class SlotTable:
             except Refused:
                 return
             slot.state, slot.writer = FREE, None
+            self.cond.notify_all()
 
     def _writing(self, conn: int, key: str, step: int) -> Slot:
         for slot in self.keys.get(key, KeySlots()).slots:
@@ -219,6 +230,7 @@ class SlotTable:
                 for slot in keyslots.slots:
                     if slot.state == WRITING and slot.writer == conn:
                         slot.state, slot.writer = FREE, None
+                        self.cond.notify_all()
 
     def resume(self, key: str) -> tuple[int | None, int | None, int | None]:
         """(the round's agreed step, the slot index and memfd holding it for ``key``); the last two
