@@ -108,7 +108,7 @@ class Agent:
         self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
         self.hangs = HangReporter(self)  # who really hung, from every node (agent/hang_report.py)
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
-        self.tier = CheckpointTier.start(self.token, spec.checkpoint_dir, self.events, console.warn)  # agent/ckpt_tier.py
+        self.tier = CheckpointTier.start(spec.checkpoint_dir, self.events, console.warn)  # agent/ckpt_tier.py
         self.base_env.update(self.tier.env())
 
     # ================================================================ entry point

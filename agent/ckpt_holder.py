@@ -15,8 +15,12 @@ It talks JSON lines on two channels:
   and exits. It starts in a session of its own and ignores the terminal's signals, so a signal to
   the agent's process group (Ctrl-C, ``kill -- -PGID``) cannot take the copies away before the
   agent has made the newest one durable.
-- **a Unix socket in its private directory, with the workers** (agent/ckpt_client.py):
-  ``reserve`` a slot, ``commit`` or ``abort`` it, ``resume`` (which step, and from where).
+- **an abstract Unix socket, with the workers** (agent/ckpt_client.py; SOCK_SEQPACKET, one
+  request or answer per packet, only the job's user): ``reserve`` a slot, ``commit`` or
+  ``abort`` it, ``resume`` (which step, and from where). A slot's memfd travels with the answer.
+
+The copies are memfds (agent/ckpt_shm.py): when the holder ends, however, the kernel frees them
+as soon as no worker maps them any more. Nothing of the tier is a file.
 
 Run by file path, like the orphan guard: ``python <rally>/agent/ckpt_holder.py TOKEN CKPT_DIR [LIMIT]``.
 """
@@ -35,26 +39,28 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rally.agent.ckpt_persist import DiskFull, PersistCancelled, persist
-from rally.agent.ckpt_shm import SOCKET_NAME, remove_tier, tier_dir
+from rally.agent.ckpt_shm import socket_address
 from rally.agent.ckpt_slots import Refused, ShmTooSmall, SlotTable
 
+PERSIST_NICENESS = 10
+"""The persister thread's nice value (the holder's answers to workers keep the normal priority)."""
+MAX_PAUSE_SECONDS = 5.0
+"""The longest the persister waits for a worker's copy to finish before it goes on anyway."""
 MAX_LINE = 64 * 1024
 """A request longer than this is not one of ours: the connection is closed."""
 
 
 class Holder:
-    def __init__(self, token: str, checkpoint_dir: Path, shm_limit: int | None, out: BinaryIO) -> None:
+    def __init__(self, token: str, checkpoint_dir: Path, memory_limit: int | None, out: BinaryIO) -> None:
         self.token = token
-        self.directory = tier_dir(token)
-        self.directory.mkdir(mode=0o700, parents=False, exist_ok=False)
-        self.table = SlotTable(self.directory, shm_limit)
+        self.table = SlotTable(token, memory_limit)
         self.checkpoint_dir = checkpoint_dir
         self.out = out
         self.out_lock = threading.Lock()
         self.stopping = False
         self.told_disk_only = False
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(self.directory / SOCKET_NAME))
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(socket_address(token))
         self.listener.listen(64)
 
     # ------------------------------------------------------------------ to the agent
@@ -106,57 +112,62 @@ class Holder:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             if struct.unpack("3i", creds)[1] != os.getuid():
                 return
-            stream = conn.makefile("rb")
-            while line := stream.readline(MAX_LINE):
-                if not line.endswith(b"\n"):
-                    return
-                conn.sendall((json.dumps(self.answer(line, conn_id)) + "\n").encode())
+            while packet := conn.recv(MAX_LINE):
+                answer, fds = self.answer(packet, conn_id)
+                socket.send_fds(conn, [json.dumps(answer).encode()], fds)
         except OSError:
             pass
         finally:
             self.table.writer_gone(conn_id)
             conn.close()
 
-    def answer(self, line: bytes, conn_id: int) -> dict[str, Any]:
+    def answer(self, packet: bytes, conn_id: int) -> tuple[dict[str, Any], list[int]]:
+        """The answer to one request, and the memfds that go with it."""
         table = self.table
         try:
-            msg = json.loads(line)
+            msg = json.loads(packet)
             op = msg["op"]
             if op == "reserve":
                 name = f"step_{int(msg['step']):012d}.pt" if msg.get("persist") else None
-                path = table.reserve(conn_id, str(msg["key"]), int(msg["step"]), int(msg["size"]), int(msg["round"]), name, int(msg.get("keep", 3)))
-                return {"ok": True, "path": str(path)}
+                index, fd = table.reserve(conn_id, str(msg["key"]), int(msg["step"]), int(msg["size"]), int(msg["round"]), name, int(msg.get("keep", 3)))
+                return {"ok": True, "slot": index}, [fd]
             if op == "commit":
                 slot = table.commit(conn_id, str(msg["key"]), int(msg["step"]), int(msg["length"]), int(msg["round"]))
                 self.emit(ev="saved", key=msg["key"], step=slot.step, memory=table.memory_steps())
-                return {"ok": True}
+                return {"ok": True}, []
             if op == "abort":
                 table.abort(conn_id, str(msg["key"]), int(msg["step"]))
-                return {"ok": True}
+                return {"ok": True}, []
             if op == "held":
-                return {"ok": True, "held": table.held(str(msg["prefix"]))}
+                return {"ok": True, "held": table.held(str(msg["prefix"]))}, []
             if op == "slot":
                 found = table.committed_slot(str(msg["key"]), int(msg["step"]))
-                return {"ok": True, "path": str(found[0]) if found else None, "length": found[1] if found else 0}
+                return {"ok": True, "length": found[1] if found else 0}, [found[0]] if found else []
             if op == "resume":
-                step, path = table.resume(str(msg["key"]))
-                return {"ok": True, "step": step, "path": str(path) if path else None}
-            return {"ok": False, "error": f"rally: unknown memory-tier request {op!r}"}
+                step, index, fd = table.resume(str(msg["key"]))
+                return {"ok": True, "step": step, "slot": index}, [] if fd is None else [fd]
+            return {"ok": False, "error": f"rally: unknown memory-tier request {op!r}"}, []
         except ShmTooSmall as exc:
             if not self.told_disk_only:  # one line, at the first save that did not fit
                 self.told_disk_only = True
                 self.emit(ev="warn", line=str(exc))
-            return {"ok": False, "disk_only": True, "error": str(exc)}
+            return {"ok": False, "disk_only": True, "error": str(exc)}, []
         except Refused as exc:
-            return {"ok": False, "error": str(exc)}
+            return {"ok": False, "error": str(exc)}, []
         except (ValueError, KeyError, TypeError) as exc:
-            return {"ok": False, "error": f"rally: malformed memory-tier request ({exc})"}
+            return {"ok": False, "error": f"rally: malformed memory-tier request ({exc})"}, []
         except OSError as exc:
-            return {"ok": False, "error": f"rally: memory tier: {exc.strerror or exc}"}
+            return {"ok": False, "error": f"rally: memory tier: {exc.strerror or exc}"}, []
 
     # ------------------------------------------------------------------ to the disk
     def persister(self) -> None:
+        """Copy the newest committed slot to disk, one at a time, at a low CPU priority: on a busy
+        node the training step (whose stall is a copy) comes first, the disk write second."""
         table = self.table
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PERSIST_NICENESS)  # this thread only
+        except OSError:
+            pass
         while True:
             with table.cond:
                 while not self.stopping and (job := table.next_to_persist()) is None:
@@ -166,9 +177,7 @@ class Holder:
             key, index, slot = job
             ok = False
             try:
-                path = persist(
-                    self.directory / f"{key}.{index}", slot.length, self.checkpoint_dir, slot.step, slot.keep, lambda: self.stopping
-                )
+                path = persist(slot.fd, slot.length, self.checkpoint_dir, slot.step, slot.keep, self.between_chunks)  # type: ignore[arg-type]
                 ok = True
                 self.emit(ev="durable", key=key, step=slot.step, path=str(path))
             except DiskFull as exc:
@@ -182,6 +191,16 @@ class Holder:
             with table.cond:
                 table.persisted(key, index, ok)
 
+    def between_chunks(self) -> bool:
+        """Pause the disk copy while a worker copies into a slot (bounded): the training step's
+        stall is that copy, and on a small node both would share the same cores and memory
+        bandwidth. True when the holder is stopping (the persist is given up)."""
+        deadline = time.monotonic() + MAX_PAUSE_SECONDS
+        with self.table.cond:
+            while self.table.copying() and not self.stopping and (left := deadline - time.monotonic()) > 0:
+                self.table.cond.wait(left)
+            return self.stopping
+
     def stop(self) -> None:
         with self.table.cond:
             self.stopping = True
@@ -190,7 +209,6 @@ class Holder:
             self.listener.close()
         except OSError:
             pass
-        remove_tier(self.token)
 
 
 def main(argv: list[str]) -> int:
@@ -214,6 +232,7 @@ def main(argv: list[str]) -> int:
     finally:
         holder.stop()
         persister.join(timeout=5)
+        holder.table.release()
     return 0
 
 

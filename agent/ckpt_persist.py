@@ -38,9 +38,13 @@ def checkpoint_path(directory: Path, step: int) -> Path:
 
 
 def persist(
-    source: Path, length: int, directory: Path, step: int, keep: int, cancelled: Callable[[], bool] = lambda: False
+    source: int, length: int, directory: Path, step: int, keep: int, between_chunks: Callable[[], bool] = lambda: False
 ) -> Path:
-    """Copy the first ``length`` bytes of ``source`` (a slot) to ``directory`` as step ``step``."""
+    """Copy the first ``length`` bytes of the memfd ``source`` (a slot) to ``directory`` as step ``step``.
+
+    ``between_chunks`` is called before each chunk (8 MiB); it may wait (the holder pauses the
+    copy to disk while a worker copies into a slot) and returns True to give the persist up.
+    """
     from rally.agent.job import prune  # no torch: job imports it only inside save/load
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -50,14 +54,13 @@ def persist(
     free = _free_bytes(directory)
     if free is not None and free < needed:
         raise DiskFull(_full_line(directory, step, needed, free))
-    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
     fd, tmp = checkpoint_file.locked_temp(final)
     try:
         crc = 0
         if length:
-            with mmap.mmap(src, length, prot=mmap.PROT_READ) as data, memoryview(data) as view:
+            with mmap.mmap(source, length, prot=mmap.PROT_READ) as data, memoryview(data) as view:
                 for start in range(0, length, READ_CHUNK):
-                    if cancelled():
+                    if between_chunks():
                         raise PersistCancelled()
                     with view[start : start + READ_CHUNK] as chunk:
                         crc = zlib.crc32(chunk, crc)
@@ -76,7 +79,6 @@ def persist(
             os.unlink(tmp)
         raise
     finally:
-        os.close(src)
         os.close(fd)  # releases the temp file's lock after the rename, as job.save does
     checkpoint_file.fsync_dir(directory)
     prune(directory, keep, protect=final)

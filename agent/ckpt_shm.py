@@ -1,27 +1,31 @@
-"""The memory tier's shared-memory layout: where a node's checkpoint copies live and how a worker fills one.
+"""The memory tier's shared-memory layout: what a node's checkpoint copies are and how a worker fills one.
 
-One directory per agent, private to the job's user, holds everything of the tier::
+A copy lives in a **memfd** (``memfd_create``), not in a file under /dev/shm: shared memory that
+has no name, so nothing can be left behind. The kernel frees it when the last process holding it
+(the holder, a worker's mapping) is gone, however they died: SIGKILL of the agent, of its whole
+process group, of the holder itself. And it is not bound by /dev/shm's size (a container's
+64 MB default), only by the node's memory, which the holder checks before it allocates.
 
-    /dev/shm/rally-ckpt-<agent token>/          mode 0700, created and removed by the holder
-        holder.sock                             the holder's socket (agent/ckpt_holder.py)
-        <key>.0  <key>.1                        two slots per key: at most two copies per rank
-
+Each agent's holder (agent/ckpt_holder.py) keeps two slots per key: at most two copies per rank.
 A key names whose copy it is (``whole`` for a DDP state saved by local rank 0, ``rank<N>`` for a
-rank's own shard). A slot file holds exactly the bytes ``torch.save`` writes for the state: the
-zip archive that ``torch.load`` reads (per-record CRC-32 left out, see below). So a reload is
-``torch.load(slot, mmap=True)`` (no parsing of a format of our own, no copy until the script
-copies the tensors into its model), and persisting is a byte copy with rally's footer appended
+rank's own shard). The workers reach the holder at the abstract Unix socket ``\\0rally-ckpt-<agent
+token>`` (no file either) and receive a slot's memfd with each answer (SCM_RIGHTS).
+
+A slot holds exactly the bytes ``torch.save`` writes for the state: the zip archive that
+``torch.load`` reads (per-record CRC-32 left out, see below). So a reload is
+``torch.load("/proc/self/fd/<memfd>", mmap=True)``: no format of our own, no copy until the script
+copies the tensors into its model; and persisting is a byte copy with rally's footer appended
 (agent/checkpoint_file.py): the file on disk is what ``job.save`` always wrote.
 
-Why ``torch.save`` into a preallocated mapping: the pages of a slot are allocated once (the holder
-``posix_fallocate``s them, so a /dev/shm too small is found at reservation, not as a SIGBUS in
-the middle of a copy) and mapped once per worker (MAP_POPULATE); writing the archive into them is
-one memcpy per tensor. Measured here for 400 MB: 0.024 s against 0.042 s for ``copy_`` into
-preallocated tensors. The zip records' own CRC-32 is not computed (``compute_crc32=False``):
-it would be a second pass over the bytes inside the training step's stall; rally's footer CRC,
-computed by the persister while it copies, protects the durable file instead.
+Why ``torch.save`` into a preallocated mapping: the holder allocates a slot's pages once
+(``posix_fallocate``) and a worker maps it once (MAP_POPULATE) and reuses the mapping for every
+save into that slot; writing the archive into it is one memcpy per tensor. Measured here for
+400 MB: 0.023 s against 0.021 s for ``copy_`` into preallocated tensors. The zip records' own
+CRC-32 is not computed (``compute_crc32=False``): it would be a second pass over the bytes inside
+the training step's stall; rally's footer CRC, computed by the persister while it copies,
+protects the durable file instead.
 
-Imports no torch at module level: the holder and the agent use the names and the cleanup only.
+Imports no torch at module level: the holder and the agent use the names only.
 """
 
 from __future__ import annotations
@@ -30,53 +34,75 @@ import contextlib
 import mmap
 import os
 import re
-import shutil
-from pathlib import Path
 from typing import Any
 
-SHM_ROOT_ENV = "RALLY_SHM_ROOT"
-"""Where tier directories are made (default /dev/shm); tests and unusual hosts may point it elsewhere."""
-DIR_PREFIX = "rally-ckpt-"
-SOCKET_NAME = "holder.sock"
+SOCKET_PREFIX = "rally-ckpt-"
 SLOTS_PER_KEY = 2
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def shm_root() -> Path:
-    return Path(os.environ.get(SHM_ROOT_ENV) or "/dev/shm")
+def socket_address(token: str) -> str:
+    """The holder's socket: in the abstract namespace (a leading NUL), so there is no file."""
+    return f"\0{SOCKET_PREFIX}{token}"
 
 
-def tier_dir(token: str, root: Path | None = None) -> Path:
-    """The directory of the agent whose token is ``token``."""
-    return (root or shm_root()) / f"{DIR_PREFIX}{token}"
-
-
-def slot_path(directory: Path, key: str, slot: int) -> Path:
-    if not _KEY_RE.match(key) or slot not in range(SLOTS_PER_KEY):
-        raise ValueError(f"rally: bad memory-tier slot {key!r}/{slot}")
-    return directory / f"{key}.{slot}"
+def memfd_name(token: str, key: str, slot: int) -> str:
+    """What /proc/<pid>/fd shows for a slot (``memfd:rally-ckpt-<token>-<key>.<slot>``)."""
+    return f"{SOCKET_PREFIX}{token}-{key}.{slot}"
 
 
 def valid_key(key: str) -> bool:
     return bool(_KEY_RE.match(key))
 
 
-def remove_tier(token: str, root: Path | None = None) -> None:
-    """Delete an agent's whole tier directory (slots and socket); nothing if it is gone already."""
-    with contextlib.suppress(FileNotFoundError):
-        shutil.rmtree(tier_dir(token, root))
+def fd_path(fd: int) -> str:
+    """A path that opens (and maps) the memfd this process holds as ``fd``."""
+    return f"/proc/self/fd/{fd}"
 
 
-def leftovers(root: Path | None = None) -> list[Path]:
-    """Tier directories present under the root: what a finished job must not leave behind."""
-    try:
-        return sorted(p for p in (root or shm_root()).iterdir() if p.name.startswith(DIR_PREFIX))
-    except FileNotFoundError:
-        return []
+def holders_of(prefix: str = SOCKET_PREFIX, pids: list[int] | None = None) -> dict[int, list[str]]:
+    """{pid: [memfd names]} of processes holding a memory-tier slot: what a finished job must not leave."""
+    found: dict[int, list[str]] = {}
+    for name in os.listdir("/proc") if pids is None else map(str, pids):
+        if not name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{name}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(f"/memfd:{prefix}"):
+                found.setdefault(int(name), []).append(target)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
 # Worker side: the archive's size, and the copy into a slot
+
+
+class ArchiveTooLarge(ValueError):
+    """The archive did not fit the slot reserved for it (the state grew since it was sized)."""
+
+
+def storage_bytes(state: Any) -> int:
+    """The bytes of the tensors in ``state`` (dicts, lists, tuples; each storage once): cheap,
+    to tell whether a state has the same sizes as the last one saved."""
+    seen: dict[int, int] = {}
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "untyped_storage"):
+            storage = item.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 class _Sink:
@@ -86,14 +112,16 @@ class _Sink:
         self.target = target
         self.pos = 0
         self.end = 0
+        self.overflowed = False
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        if self.target is not None:
-            if self.pos + n > len(self.target):
-                raise ValueError("rally: the state grew while it was being checkpointed")
-            self.target[self.pos : self.pos + n] = view
+        with memoryview(data) as raw, raw.cast("B") as view:
+            n = view.nbytes
+            if self.target is not None:
+                if self.pos + n > len(self.target):
+                    self.overflowed = True
+                    raise ArchiveTooLarge(f"rally: the archive outgrew its slot of {len(self.target)} bytes")
+                self.target[self.pos : self.pos + n] = view
         self.pos += n
         self.end = max(self.end, self.pos)
         return n
@@ -132,36 +160,45 @@ def archive_size(state: Any) -> int:
     return sink.end
 
 
+def write_archive(state: Any, target: mmap.mmap) -> int:
+    """torch.save ``state`` into ``target`` (a slot's mapping); return the archive's length."""
+    import torch
+
+    sink = _Sink(target)
+    try:
+        with _no_record_crc():
+            torch.save(state, sink)
+    except Exception:
+        if sink.overflowed:  # torch's zip writer may raise its own error on the way out: ours is the cause
+            raise ArchiveTooLarge(f"rally: the archive outgrew its slot of {len(target)} bytes") from None
+        raise
+    return sink.end
+
+
 class SlotMaps:
-    """A worker's mappings of its slots, made once per slot file and reused for every save."""
+    """A worker's mappings of its slots, one per slot, made once per memfd and reused for every save."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, tuple[int, mmap.mmap]] = {}
+        self._maps: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}
 
-    def mapping(self, path: str, size: int) -> mmap.mmap:
-        """The slot at ``path`` mapped read-write; a new mapping when the holder replaced the file."""
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    def mapping(self, slot: str, fd: int) -> mmap.mmap:
+        """Slot ``slot``'s memfd ``fd`` mapped read-write (``fd`` is closed: the mapping keeps the memory).
+
+        When the holder replaced the slot (a new memfd), the old mapping is closed, which frees
+        the old memory once the holder has let go of it too.
+        """
         try:
             info = os.fstat(fd)
-            cached = self._maps.get(path)
-            if cached is not None and cached[0] == info.st_ino and len(cached[1]) >= size:
+            ident = (info.st_dev, info.st_ino)
+            cached = self._maps.get(slot)
+            if cached is not None and cached[0] == ident:
                 return cached[1]
             if cached is not None:
                 with contextlib.suppress(BufferError):
                     cached[1].close()
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault every page in now, once
             mapped = mmap.mmap(fd, info.st_size, flags=flags)
-            self._maps[path] = (info.st_ino, mapped)
+            self._maps[slot] = (ident, mapped)
             return mapped
         finally:
             os.close(fd)
-
-
-def write_archive(state: Any, target: mmap.mmap) -> int:
-    """torch.save ``state`` into ``target`` (a slot mapping); return the archive's length."""
-    import torch
-
-    sink = _Sink(target)
-    with _no_record_crc():
-        torch.save(state, sink)
-    return sink.end

@@ -14,9 +14,12 @@ read in one place (agent/ckpt_holder.py does the sockets and the persister threa
   run, and closes it (``over``) before it stops them. A reserve or commit from another round, a
   closed round or after the lease ran out (a frozen agent) is refused: a worker of a round that
   is over cannot checkpoint.
-- **Reloaded slots are never written again.** ``resume`` hands a worker the slot's path for
-  ``torch.load(mmap=True)``; the next save that lands on that slot gets a fresh file (the old one is
-  unlinked, and its pages live as long as the worker keeps tensors from it).
+- **Reloaded slots are never written again.** ``resume`` hands a worker the slot's memfd for
+  ``torch.load(mmap=True)``; the next save that lands on that slot gets a fresh memfd (the old
+  one's pages live as long as the worker keeps tensors from it, then the kernel frees them).
+- **Memory is checked before it is taken.** A copy may take at most half of the memory still
+  available to this node and its cgroup (and stay under RALLY_CKPT_MEMORY_LIMIT if set);
+  otherwise the tier says so once and the job saves to disk only.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from rally.agent.ckpt_shm import SLOTS_PER_KEY, slot_path, valid_key
+from rally.agent.ckpt_shm import SLOTS_PER_KEY, memfd_name, valid_key
 
 FREE, WRITING, COMMITTED = "free", "writing", "committed"
 
@@ -46,12 +48,13 @@ class Slot:
     state: str = FREE
     step: int = -1
     length: int = 0
-    size: int = 0  # bytes allocated for the file
+    size: int = 0  # bytes allocated for the memfd
+    fd: int | None = None  # the holder's memfd of this slot
     writer: int | None = None  # the connection writing it
     persist_name: str | None = None  # file name in the checkpoint directory, None: memory only
     keep: int = 3
     persisted: bool = False
-    loaded: bool = False  # a worker mapped it: never write into this file again
+    loaded: bool = False  # a worker mapped it: never write into this memfd again
 
 
 @dataclass
@@ -67,9 +70,9 @@ class KeySlots:
 class SlotTable:
     """Every key's slots on this node, the round's fence and the durable steps; thread-safe."""
 
-    def __init__(self, directory: Path, shm_limit: int | None = None) -> None:
-        self.directory = directory
-        self.shm_limit = shm_limit
+    def __init__(self, token: str, memory_limit: int | None = None) -> None:
+        self.token = token
+        self.memory_limit = memory_limit
         self.cond = threading.Condition()
         self.keys: dict[str, KeySlots] = {}
         self.round: int | None = None
@@ -119,8 +122,8 @@ class SlotTable:
         if time.monotonic() > self.lease_until:
             raise Refused(f"rally: checkpoint refused: round {r} is no longer confirmed by its agent (frozen or cut off)")
 
-    def reserve(self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int) -> Path:
-        """A slot for ``step`` of ``key``, allocated for ``size`` bytes; mark it being written."""
+    def reserve(self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int) -> tuple[int, int]:
+        """(index, memfd) of a slot for ``step`` of ``key`` with room for ``size`` bytes, marked being written."""
         if not valid_key(key) or step < 0 or size <= 0:
             raise Refused(f"rally: checkpoint refused: bad request for key {key!r}, step {step}, {size} bytes")
         with self.cond:
@@ -130,11 +133,12 @@ class SlotTable:
             keyslots = self.keys.setdefault(key, KeySlots())
             index = self._choose(keyslots)
             slot = keyslots.slots[index]
-            path = slot_path(self.directory, key, index)
-            if slot.loaded or slot.size < size or slot.size > 2 * size:
-                self._allocate(path, size, slot)
-            keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, conn, persist_name, keep)
-            return path
+            if slot.fd is None or slot.loaded or slot.size < size or slot.size > 2 * size:
+                self._allocate(key, index, size, slot)
+            else:  # back to its full size: only the tail cut off at the last commit is new
+                os.posix_fallocate(slot.fd, 0, slot.size)  # type: ignore[arg-type]
+            keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, slot.fd, conn, persist_name, keep)
+            return index, slot.fd  # type: ignore[return-value]
 
     def _choose(self, keyslots: KeySlots) -> int:
         candidates = [i for i, s in enumerate(keyslots.slots) if i != keyslots.persisting and s.state != WRITING]
@@ -144,37 +148,42 @@ class SlotTable:
         preferred = [i for i in candidates if not newest or i != newest[0][1]]
         return (preferred or candidates)[0]
 
-    def _allocate(self, path: Path, size: int, slot: Slot) -> None:
-        """A fresh file of ``size`` bytes at ``path`` (the old one unlinked), pages reserved now."""
-        used = sum(s.size for k in self.keys.values() for s in k.slots) - slot.size
-        if self.shm_limit is not None and used + size > self.shm_limit:
-            self.disk_only = self._too_small_line(size, self.shm_limit - used)
+    def _allocate(self, key: str, index: int, size: int, slot: Slot) -> None:
+        """A fresh memfd of ``size`` bytes for the slot (the old one let go), its pages taken now."""
+        held = sum(s.size for k in self.keys.values() for s in k.slots) - slot.size
+        free = available_memory()
+        allowed = [limit for limit in ((free + slot.size) // 2 if free is not None else None, self.memory_limit and self.memory_limit - held) if limit is not None]
+        if allowed and size > min(allowed):
+            self.disk_only = self._too_small_line(size, min(allowed))
             raise ShmTooSmall(self.disk_only)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        slot.size = 0
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        if slot.fd is not None:
+            os.close(slot.fd)
+            slot.fd, slot.size = None, 0
+        fd = os.memfd_create(memfd_name(self.token, key, index), os.MFD_CLOEXEC)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             os.close(fd)
-            os.unlink(path)
-            if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
-            info = os.statvfs(self.directory)
-            self.disk_only = self._too_small_line(size, info.f_bavail * info.f_frsize)
+            self.disk_only = self._too_small_line(size, available_memory() or 0)
             raise ShmTooSmall(self.disk_only) from None
-        os.close(fd)
-        slot.size, slot.loaded = size, False
+        slot.fd, slot.size, slot.loaded = fd, size, False
 
-    def _too_small_line(self, size: int, free: int) -> str:
+    def _too_small_line(self, size: int, room: int) -> str:
         return (
-            f"not enough shared memory for in-memory checkpoints at {self.directory.parent} "
-            f"({size / 1e6:.1f} MB needed per copy, {max(free, 0) / 1e6:.1f} MB available); "
-            "saving to disk only from now on (enlarge /dev/shm, e.g. docker --shm-size)"
+            f"not enough memory for in-memory checkpoints on this node ({size / 1e6:.1f} MB needed per "
+            f"copy, {max(room, 0) / 1e6:.1f} MB it may take); saving to disk only from now on"
         )
+
+    def release(self) -> None:
+        """Let go of every slot's memory (the holder is stopping)."""
+        with self.cond:
+            for keyslots in self.keys.values():
+                for slot in keyslots.slots:
+                    if slot.fd is not None:
+                        os.close(slot.fd)
+                        slot.fd = None
 
     def commit(self, conn: int, key: str, step: int, length: int, r: int) -> Slot:
         with self.cond:
@@ -187,9 +196,17 @@ class SlotTable:
             if not 0 < length <= slot.size:
                 slot.state, slot.writer = FREE, None
                 raise Refused(f"rally: checkpoint refused: length {length} outside the slot's {slot.size} bytes")
+            # The memfd ends where the archive ends, as a file must for torch.load (its zip
+            # directory is found from the end); the cut tail is a few pages at most.
+            os.ftruncate(slot.fd, length)  # type: ignore[arg-type]
             slot.state, slot.length, slot.writer = COMMITTED, length, None
             self.cond.notify_all()
             return slot
+
+    def copying(self) -> bool:
+        """True while some worker is copying into a slot."""
+        with self.cond:
+            return any(s.state == WRITING for k in self.keys.values() for s in k.slots)
 
     def abort(self, conn: int, key: str, step: int) -> None:
         with self.cond:
@@ -198,6 +215,7 @@ class SlotTable:
             except Refused:
                 return
             slot.state, slot.writer = FREE, None
+            self.cond.notify_all()
 
     def _writing(self, conn: int, key: str, step: int) -> Slot:
         for slot in self.keys.get(key, KeySlots()).slots:
@@ -212,19 +230,21 @@ class SlotTable:
                 for slot in keyslots.slots:
                     if slot.state == WRITING and slot.writer == conn:
                         slot.state, slot.writer = FREE, None
+                        self.cond.notify_all()
 
-    def resume(self, key: str) -> tuple[int | None, Path | None]:
-        """The round's agreed step, and the slot holding it for ``key`` (None: read the disk)."""
+    def resume(self, key: str) -> tuple[int | None, int | None, int | None]:
+        """(the round's agreed step, the slot index and memfd holding it for ``key``); the last two
+        None when this node does not hold it (read the disk)."""
         with self.cond:
             step = self.resume_step
             keyslots = self.keys.get(key)
             if step is None or keyslots is None:
-                return step, None
+                return step, None, None
             for s, index in keyslots.committed():
                 if s == step:
                     keyslots.slots[index].loaded = True
-                    return step, slot_path(self.directory, key, index)
-            return step, None
+                    return step, index, keyslots.slots[index].fd
+            return step, None, None
 
     def held(self, prefix: str) -> dict[str, list[int]]:
         """Committed steps of every key starting with ``prefix`` (sharded states: a rank's own
@@ -232,48 +252,81 @@ class SlotTable:
         with self.cond:
             return {k: sorted(s for s, _ in ks.committed()) for k, ks in self.keys.items() if k.startswith(prefix)}
 
-    def committed_slot(self, key: str, step: int) -> tuple[Path, int] | None:
-        """The slot holding committed ``step`` of ``key`` and its length (None: not in memory); the
-        slot is marked loaded, so the next save into it gets a fresh file."""
+    def committed_slot(self, key: str, step: int) -> tuple[int, int] | None:
+        """(the memfd holding committed ``step`` of ``key``, its length); None: not in memory here.
+        The slot is marked loaded, so the next save into it gets a fresh memfd."""
         with self.cond:
             keyslots = self.keys.get(key)
             for s, index in keyslots.committed() if keyslots else []:
                 if s == step:
                     keyslots.slots[index].loaded = True
-                    return slot_path(self.directory, key, index), keyslots.slots[index].length
+                    return keyslots.slots[index].fd, keyslots.slots[index].length
             return None
 
     # ------------------------------------------------------------------ the persister's side
     def next_to_persist(self) -> tuple[str, int, Slot] | None:
         """The newest committed, not yet durable slot of some key; marks it being persisted."""
-        for key, keyslots in self.keys.items():
-            if keyslots.persisting is not None:
-                continue
-            for step, index in keyslots.committed():
-                slot = keyslots.slots[index]
-                if slot.persist_name and not slot.persisted and step > self.durable.get(key, -1):
-                    keyslots.persisting = index
-                    return key, index, slot
-                break  # only the newest is worth persisting
-        return None
+        with self.cond:  # re-entrant: the holder may hold it already
+            for key, keyslots in self.keys.items():
+                if keyslots.persisting is not None:
+                    continue
+                for step, index in keyslots.committed():
+                    slot = keyslots.slots[index]
+                    if slot.persist_name and not slot.persisted and step > self.durable.get(key, -1):
+                        keyslots.persisting = index
+                        return key, index, slot
+                    break  # only the newest is worth persisting
+            return None
 
     def persisted(self, key: str, index: int, ok: bool) -> None:
-        keyslots = self.keys[key]
-        keyslots.persisting = None
-        slot = keyslots.slots[index]
-        slot.persisted = True  # a failed step is not retried: the next save brings a newer one
-        if ok:
-            self.durable[key] = max(self.durable.get(key, -1), slot.step)
-        self.cond.notify_all()
+        with self.cond:  # re-entrant: the holder may hold it already
+            keyslots = self.keys[key]
+            keyslots.persisting = None
+            slot = keyslots.slots[index]
+            slot.persisted = True  # a failed step is not retried: the next save brings a newer one
+            if ok:
+                self.durable[key] = max(self.durable.get(key, -1), slot.step)
+            self.cond.notify_all()
 
     def pending(self) -> bool:
         """True while some key's newest committed copy still waits to be (or is being) persisted."""
-        for key, keyslots in self.keys.items():
-            if keyslots.persisting is not None:
-                return True
-            newest = keyslots.committed()[:1]
-            if newest:
-                slot = keyslots.slots[newest[0][1]]
-                if slot.persist_name and not slot.persisted and slot.step > self.durable.get(key, -1):
+        with self.cond:  # re-entrant: the holder may hold it already
+            for key, keyslots in self.keys.items():
+                if keyslots.persisting is not None:
                     return True
-        return False
+                newest = keyslots.committed()[:1]
+                if newest:
+                    slot = keyslots.slots[newest[0][1]]
+                    if slot.persist_name and not slot.persisted and slot.step > self.durable.get(key, -1):
+                        return True
+            return False
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: /proc/meminfo's MemAvailable, or less where its cgroup's
+    limit (v2 memory.max, v1 memory.limit_in_bytes) is nearer. None when nothing says."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        lines = []
+    for _, controllers, path in (line for line in lines if len(line) == 3):
+        if controllers == "":
+            files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):
+            files = (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes", f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit, used = (Path(name).read_text().strip() for name in files)
+            if limit.isdigit() and int(limit) < 1 << 60:
+                found.append(int(limit) - int(used))
+        except (OSError, ValueError):
+            continue
+    return max(0, min(found)) if found else None

@@ -2,7 +2,7 @@
 
 The agent (agent/agent.py) calls, in its own order of things::
 
-    tier = CheckpointTier.start(token, checkpoint_dir, events)   # at agent start; None: no tier
+    tier = CheckpointTier.start(checkpoint_dir, events, warn)    # at agent start (NoTier: none)
     tier.env()                     # RALLY_CKPT_HOLDER for every worker
     tier.memory_steps()            # this node's in-memory steps, for the round's descriptor
     tier.open_round(r, resume, lease)    # before the round's workers start
@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 from rally.agent import ckpt_holder
 from rally.agent.ckpt_client import HOLDER_ENV
-from rally.agent.ckpt_shm import SOCKET_NAME, remove_tier, tier_dir
 from rally.agent.events import EventLog
+from rally.agent.job import newest_checkpoint_step
 
-SHM_LIMIT_ENV = "RALLY_CKPT_SHM_LIMIT"
-"""Bytes of shared memory the tier may use on this node (default: whatever /dev/shm has free)."""
+MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
+"""Bytes the tier's copies may take on this node in all (default: half of what is available)."""
 MEMORY_TIER_ENV = "RALLY_MEMORY_TIER"
 """Set to 0 to turn the memory tier off: every save then goes straight to disk."""
 REPLY_TIMEOUT = 10.0
@@ -44,10 +44,10 @@ RENEW_INTERVAL = 1.0
 
 
 class CheckpointTier:
-    def __init__(self, process: subprocess.Popen[bytes], token: str, directory: Path, events: EventLog, warn: Callable[[str], None]) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], holder_id: str, checkpoint_dir: Path, events: EventLog, warn: Callable[[str], None]) -> None:
         self.process = process
-        self.token = token
-        self.directory = directory
+        self.checkpoint_dir = checkpoint_dir
+        self.holder_id = holder_id
         self.events = events
         self.warn = warn
         self.last_saved: int | None = None
@@ -62,25 +62,26 @@ class CheckpointTier:
         threading.Thread(target=self._read, daemon=True, name="rally-ckpt-tier").start()
 
     @classmethod
-    def start(cls, token: str, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]) -> CheckpointTier | NoTier:
+    def start(cls, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]) -> CheckpointTier | NoTier:
         """Start the holder; a :class:`NoTier` (saves go to disk) without a checkpoint directory."""
         if not checkpoint_dir or os.environ.get(MEMORY_TIER_ENV, "1") == "0":
             return NoTier()
-        limit = os.environ.get(SHM_LIMIT_ENV, "")
+        holder_id = os.urandom(8).hex()  # names its socket and memfds; not a secret (the socket checks the user)
+        limit = os.environ.get(MEMORY_LIMIT_ENV, "")
         process = subprocess.Popen(
-            [sys.executable, str(Path(ckpt_holder.__file__).resolve()), token, checkpoint_dir, limit],
+            [sys.executable, str(Path(ckpt_holder.__file__).resolve()), holder_id, checkpoint_dir, limit],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
-        # Not waited for: the holder's socket is where tier_dir says, and a worker that comes
-        # before it is bound retries (agent/ckpt_client.py); the agent's first question waits.
-        return cls(process, token, tier_dir(token), events, warn)
+        # Not waited for: a worker that comes before the holder's socket is bound retries
+        # (agent/ckpt_client.py), and the agent's first question waits for its answer.
+        return cls(process, holder_id, Path(checkpoint_dir), events, warn)
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def env(self) -> dict[str, str]:
-        return {HOLDER_ENV: str(self.directory / SOCKET_NAME)}
+        return {HOLDER_ENV: self.holder_id}
 
     # ------------------------------------------------------------------ talking to the holder
     def _send(self, message: dict[str, Any]) -> bool:
@@ -135,6 +136,8 @@ class CheckpointTier:
         return self.memory
 
     def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
+        if self.last_durable is None:  # what earlier runs left on disk (the verdict is cached)
+            self.last_durable = newest_checkpoint_step(self.checkpoint_dir)
         self._round, self._lease, self._renewed = r, lease, time.monotonic()
         self._ask(REPLY_TIMEOUT, op="round", round=r, resume=resume_step, lease=lease)
 
@@ -157,7 +160,7 @@ class CheckpointTier:
         return {"checkpoint_saved_step": self.last_saved, "checkpoint_durable_step": self.last_durable}
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the holder: it deletes its shared memory; killed (and cleaned up here) if it hangs."""
+        """Stop the holder (its memory goes with it); killed if it does not stop in time."""
         self._send({"op": "stop"})
         try:
             assert self.process.stdin is not None
@@ -169,7 +172,6 @@ class CheckpointTier:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        remove_tier(self.token)
 
 
 class NoTier:

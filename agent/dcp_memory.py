@@ -118,11 +118,10 @@ def save(state: dict[str, Any], step: int, keep: int) -> bool:
     meta, data = _rank_local_files(state)
     size = HEADER.size + meta.nbytes + data.nbytes
     key = own_key(rank, world)
-    path = tier.reserve(key, step, size, persist=False, keep=keep)
-    held = path is not None
-    if held:
+    target = tier.reserve(key, step, size, persist=False, keep=keep)
+    held = target is not None
+    if target is not None:
         try:
-            target = tier.maps.mapping(str(path), size)
             HEADER.pack_into(target, 0, MAGIC, meta.nbytes, world, rank)
             target[HEADER.size : HEADER.size + meta.nbytes] = meta
             target[HEADER.size + meta.nbytes : size] = data
@@ -188,19 +187,19 @@ def _replicate(tier: ckpt_client.MemoryTier, parts: list[Any], step: int, keep: 
     _exchange(sizes[0], to, sizes[1], source)
     incoming_size = int(sizes[1].item())
     key = replica_key(source, world)
-    path = tier.reserve(key, step, incoming_size, persist=False, keep=keep)
+    target = tier.reserve(key, step, incoming_size, persist=False, keep=keep)
     incoming = (
-        torch.frombuffer(tier.maps.mapping(str(path), incoming_size), dtype=torch.uint8, count=incoming_size)
-        if path is not None
-        else torch.empty(incoming_size, dtype=torch.uint8)
+        torch.frombuffer(target, dtype=torch.uint8, count=incoming_size)
+        if target is not None
+        else torch.empty(incoming_size, dtype=torch.uint8)  # no room here: received, not kept
     )
     try:
         _exchange(outgoing, to, incoming, source)
     except BaseException:
-        if path is not None:
+        if target is not None:
             tier.abort(key, step)
         raise
-    if path is not None:
+    if target is not None:
         tier.commit(key, step, incoming_size)
 
 
@@ -303,11 +302,12 @@ def _read_slot(tier: ckpt_client.MemoryTier, old_rank: int, world: int, step: in
     for key in (own_key(old_rank, world), replica_key(old_rank, world)):
         found = tier.slot(key, step)
         if found is not None:
-            path, length = found
-            buffer = bytearray(length)  # a copy: the slot may be reused by the next save
-            with open(path, "rb") as handle:
-                if handle.readinto(buffer) != length:
-                    raise RuntimeError(f"rally: the in-memory copy {path} is shorter than its {length} bytes")
+            fd, length = found
+            try:
+                buffer = bytearray(length)  # a copy: the slot may be reused by the next save
+                if os.preadv(fd, [buffer], 0) != length:
+                    raise RuntimeError(f"rally: the in-memory copy {key} is shorter than its {length} bytes")
+            finally:
+                os.close(fd)
             return memoryview(buffer)
     raise RuntimeError(f"rally: the in-memory copy of rank {old_rank}, step {step}, is gone from this node")
-

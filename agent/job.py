@@ -249,16 +249,15 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True, into: d
     agreed = None
     memory = ckpt_client.tier()
     if memory is not None:
-        agreed, slot = memory.resume(WHOLE_STATE_KEY)
-        if slot is not None and agreed is not None:
+        agreed, memfd = memory.resume(WHOLE_STATE_KEY)
+        if memfd is not None and agreed is not None:
             try:
-                state = torch.load(slot, map_location=map_location, weights_only=weights_only, mmap=True)
-            except FileNotFoundError:
-                pass  # the holder is going away; the disk has it or an older step
-            else:
-                if ctx.is_rank0:
-                    _log(f"resuming from step {agreed} (from memory)")
-                return Checkpoint(step=agreed, state=state, path=directory / f"step_{agreed:012d}.pt", source="memory")
+                state = torch.load(f"/proc/self/fd/{memfd}", map_location=map_location, weights_only=weights_only, mmap=True)
+            finally:
+                os.close(memfd)  # the mapping keeps the copy
+            if ctx.is_rank0:
+                _log(f"resuming from step {agreed} (from memory)")
+            return Checkpoint(step=agreed, state=state, path=directory / f"step_{agreed:012d}.pt", source="memory")
 
     for step, path in reversed(_list_checkpoints(directory)):
         if agreed is not None and step > agreed:

@@ -23,6 +23,8 @@ Metrics (every worker metric carries `rank`, `local_rank` and `host` labels):
     rally_worker_gpu_memory_bytes        GPU memory of the worker and its children (with NVML)
     rally_worker_gpu_utilization_percent its GPU utilisation (with NVML)
     rally_gpu_problems                   GPU problems found on this node (ECC, XID, ...; with NVML)
+    rally_checkpoint_saved_step          the newest step saved on this node, in memory or on disk
+    rally_checkpoint_durable_step        the newest step this node made durable on disk
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ WORKER_GAUGES = (
 )
 
 
+CHECKPOINT_GAUGES = [
+    ("checkpoint_saved_step", "rally_checkpoint_saved_step", "The newest step saved on this node (in memory or on disk)."),
+    ("checkpoint_durable_step", "rally_checkpoint_durable_step", "The newest step this node made durable on disk."),
+]
+
+
 class AgentCollector(Collector):
     """Builds every metric at scrape time from the agent's status record and its round ends."""
 
@@ -74,6 +82,9 @@ class AgentCollector(Collector):
         yield GaugeMetricFamily("rally_world_size", "Workers in the job.", value=record.get("world_size", 0))
         if record.get("group_world_size") is not None:
             yield GaugeMetricFamily("rally_nodes", "Nodes in the current round.", value=record["group_world_size"])
+        for field, name, text in CHECKPOINT_GAUGES:
+            if record.get(field) is not None:
+                yield GaugeMetricFamily(name, text, value=record[field])
         if record.get("gpu_problems") is not None:
             yield GaugeMetricFamily("rally_gpu_problems", "GPU problems on this node (ECC, XID, ...).", value=len(record["gpu_problems"]))
         yield from self._workers(record)

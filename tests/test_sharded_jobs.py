@@ -2,7 +2,7 @@
 SIGKILL of one rank (from memory), after the loss of a whole node with a spare taking its place
 (from memory, the lost node's shards coming from their replica on the surviving node; from disk
 when replicas are off), and on fewer nodes (the survivor reshards the two-rank checkpoint from
-disk onto one rank). No shared memory of these jobs is left behind.
+disk onto one rank). No memory-tier copy outlives its job (conftest's no_shared_memory_left).
 
 The workload is examples/train_fsdp.py (fully_shard, gloo, CPU, Adam): at every save and after a
 resume each rank prints the sha256 of the full model and optimizer state, compared here with an
@@ -13,18 +13,14 @@ the file starts few torch processes.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all
 from helpers import clean_env, eventually, finish, free_port, is_alive, start_rally
 from rally.agent import dcp_files
-from rally.agent.ckpt_shm import leftovers, tier_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_fsdp.py"
@@ -52,33 +48,6 @@ def assert_no_temps(ckpt: Path) -> None:
     assert [n for n in ckpt.iterdir() if dcp_files.TEMP_RE.match(n.name)] == []
 
 
-@pytest.fixture
-def shm_of_this_test() -> Iterator[set[Path]]:
-    """Tier directories in /dev/shm made while the test ran that are not gone at its end: the test
-    adds what a SIGKILLed node (holder included) left, which a real node's loss takes along; the
-    rest must have been removed by rally itself. Other jobs on this machine keep theirs."""
-    before = set(leftovers())
-    crashed: set[Path] = set()
-    yield crashed
-    left = set(leftovers()) - before
-    for path in left & crashed:
-        shutil.rmtree(path, ignore_errors=True)
-    assert left - crashed == set(), f"rally left shared memory behind: {sorted(left - crashed)}"
-
-
-def _tier_dirs(agent: AgentProcess) -> set[Path]:
-    """The shared-memory directory of an agent's holder (its token is the holder's first argument)."""
-    found = set()
-    for proc in agent.descendants():
-        try:
-            argv = proc.cmdline()
-        except psutil.Error:
-            continue
-        if any(arg.endswith("ckpt_holder.py") for arg in argv):
-            found.add(tier_dir(argv[argv.index(next(a for a in argv if a.endswith("ckpt_holder.py"))) + 1]))
-    return found
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     """Digest of the full state at every saved step, and at the end (key STEPS + 1), of an
@@ -95,7 +64,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
 
 @pytest.mark.timeout(300)
 def test_fsdp2_job_resumes_bit_identical_from_memory_after_one_rank_is_sigkilled(
-    tmp_path: Path, reference: dict[int, str], shm_of_this_test: set[Path]
+    tmp_path: Path, reference: dict[int, str]
 ) -> None:
     args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *train_args(tmp_path / "ckpt", "--fail-at-step", "9", "--fail-rank", "1")]
     result = finish(start_rally(args, cwd=tmp_path, env=clean_env()), 240)
@@ -113,12 +82,11 @@ def _start_nodes(tmp: Path, port: int, names: list[str], ckpt: Path, nnodes: str
     return [start_agent(name, tmp, args, env=env) for name in names]
 
 
-def _kill_a_node_after_a_save(agents: list[AgentProcess], saved_step: int, crashed: set[Path]) -> AgentProcess:
+def _kill_a_node_after_a_save(agents: list[AgentProcess], saved_step: int) -> AgentProcess:
     """SIGKILL the node that does not host the store once `saved_step` is on disk; return it."""
     assert eventually(lambda: any("hosting the rendezvous store" in a.output() for a in agents), 60)
     victim = next(a for a in agents if "hosting the rendezvous store" not in a.output())
     assert eventually(lambda: any(s == saved_step for s, _, _ in digests(victim.output(), "saved")), 120), victim.output()
-    crashed |= _tier_dirs(victim)
     pids = victim.kill_node()
     assert eventually(lambda: not any(is_alive(pid) for pid in pids), 10)
     return victim
@@ -136,7 +104,7 @@ def _finish_all(agents: list[AgentProcess], timeout: float) -> str:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("replicas", ["on", "off"])
 def test_fsdp2_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(
-    tmp_path: Path, reference: dict[int, str], shm_of_this_test: set[Path], replicas: str
+    tmp_path: Path, reference: dict[int, str], replicas: str
 ) -> None:
     port, ckpt = free_port(), tmp_path / "ckpt"
     env = {"RALLY_CKPT_REPLICAS": "1" if replicas == "on" else "0"}
@@ -147,7 +115,7 @@ def test_fsdp2_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(
         agents += _start_nodes(tmp_path, port, ["a", "b", "c"], ckpt, "2", env)
         assert eventually(lambda: any("waiting as a spare" in a.output() for a in agents), 120), "\n".join(a.output() for a in agents)
         active = [a for a in agents if "waiting as a spare" not in a.output()]
-        victim = _kill_a_node_after_a_save(active, 6, shm_of_this_test)
+        victim = _kill_a_node_after_a_save(active, 6)
         survivors = [a for a in agents if a is not victim]
         text = _finish_all(survivors, 180)
         assert [a.popen.returncode for a in survivors] == [0, 0], text
@@ -168,13 +136,13 @@ def test_fsdp2_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(
 
 @pytest.mark.timeout(300)
 def test_fsdp2_job_reshards_onto_the_surviving_node_after_a_node_loss(
-    tmp_path: Path, reference: dict[int, str], shm_of_this_test: set[Path]
+    tmp_path: Path, reference: dict[int, str]
 ) -> None:
     port, ckpt = free_port(), tmp_path / "ckpt"
     agents: list[AgentProcess] = []
     try:
         agents += _start_nodes(tmp_path, port, ["n0", "n1"], ckpt, "1:2")
-        victim = _kill_a_node_after_a_save(agents, 6, shm_of_this_test)
+        victim = _kill_a_node_after_a_save(agents, 6)
         (survivor,) = [a for a in agents if a is not victim]
         text = _finish_all([survivor], 180)
         assert survivor.popen.returncode == 0, text

@@ -1,0 +1,102 @@
+"""Fault matrix, memory tier (issue 17): a DDP job under rally loses nothing to a SIGKILL, from
+memory or from disk, and the agent's death frees the node's copies.
+
+Each rally run starts two workers that import torch (examples/train.py, forked from the agent's
+template), so this file keeps to four runs: a clean one for the reference hash, a SIGKILLed rank
+resumed from memory, the same from disk (memory tier off), and a SIGKILLed agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import clean_env, eventually, kill_group, procs, run_rally, start_rally  # noqa: F401 - procs is a fixture
+from rally.agent import job
+from rally.agent.ckpt_shm import holders_of
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "train.py"
+STEPS, EVERY, KILL_AT = 30, 5, 17
+
+
+def train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 240):  # noqa: ANN201
+    args = [
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp / f"{name}-logs"),
+        "--checkpoint-dir", str(tmp / f"{name}-ckpt"), str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY), *extra,
+    ]  # fmt: skip
+    return run_rally(args, cwd=tmp, env=env or clean_env(), timeout=timeout)
+
+
+def params_hash(text: str) -> str:
+    match = re.search(r"params sha256 ([0-9a-f]{64})", text)
+    assert match, text[-3000:]
+    return match.group(1)
+
+
+def events(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for path in log_dir.glob("*/events.jsonl") for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def clean_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("clean")
+    result = train(tmp, "clean")
+    assert result.returncode == 0, result.describe()
+    return params_hash(result.stdout)
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_a_ddp_job_resumes_bit_identical_from_memory_after_a_sigkill(tmp_path: Path, clean_hash: str) -> None:
+    result = train(tmp_path, "memory", "--fail-at-step", str(KILL_AT), "--fail-rank", "1")
+    assert result.returncode == 0, result.describe()
+    assert "[0] rally: resuming from step 15 (from memory)" in result.stderr, result.describe()
+    assert params_hash(result.stdout) == clean_hash
+    # The newest step became durable in the background (and at the job's end at the latest) ...
+    assert job.durable_steps(tmp_path / "memory-ckpt")[-1] == STEPS
+    # ... and the agent said so: events.jsonl, as `rally status` and /metrics show it.
+    seen = events(tmp_path / "memory-logs")
+    assert max(e["step"] for e in seen if e["event"] == "checkpoint_saved") == STEPS
+    assert max(e["step"] for e in seen if e["event"] == "checkpoint_durable") == STEPS
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_the_same_job_resumes_bit_identical_from_disk_without_the_memory_tier(tmp_path: Path, clean_hash: str) -> None:
+    result = train(tmp_path, "disk", "--fail-at-step", str(KILL_AT), "--fail-rank", "1", env=clean_env(RALLY_MEMORY_TIER="0"))
+    assert result.returncode == 0, result.describe()
+    assert f"[0] rally: resuming from step 15 ({tmp_path / 'disk-ckpt' / 'step_000000000015.pt'})" in result.stderr, result.describe()
+    assert params_hash(result.stdout) == clean_hash
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) -> None:  # noqa: ANN001
+    args = [
+        "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        str(TRAIN), "--steps", "100000", "--checkpoint-every", "5", "--step-time", "0.02",
+    ]  # fmt: skip
+    proc = start_rally(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs.track_group(proc.pid)
+    try:
+        assert eventually(lambda: any(e["event"] == "checkpoint_saved" for e in events(tmp_path / "logs")), 120)
+        agent = psutil.Process(proc.pid)
+        everything = agent.children(recursive=True)
+        holders = [p.pid for p in everything if any("ckpt_holder.py" in part for part in p.cmdline())]
+        assert len(holders) == 1 and holders_of(pids=holders), "no holder holding a copy"
+        procs.track(*(p.pid for p in everything))
+        os.kill(proc.pid, signal.SIGKILL)  # the agent alone: its guard stops the workers, the holder sees it go
+        proc.wait(timeout=10)
+        assert eventually(lambda: not holders_of(pids=[p.pid for p in everything]), 15), holders_of(pids=[p.pid for p in everything])
+    finally:
+        if proc.poll() is None:
+            kill_group(proc.pid)
+            proc.wait()
