@@ -116,30 +116,9 @@ class TempDir:
             os.close(self._fd)
 
     def publish(self, files: dict[str, tuple[int, int]]) -> Path:
-        """Write the manifest, make everything durable, rename to the step's name; return it.
-
-        ``files`` maps each file of the checkpoint (shards and ``.metadata``) to (size, CRC-32).
-        An existing directory of the same step (a damaged one this job resumed past) is moved
-        aside first and deleted after, so the name never points at a half-written directory.
-        """
-        manifest = {"format": MANIFEST_FORMAT, "step": self.step, "files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(files.items())}}
-        fd = os.open(self.path / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, json.dumps(manifest, indent=1).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.path)
-        final = self.parent / step_name(self.step)
-        try:
-            os.rename(self.path, final)
-        except OSError:  # ENOTEMPTY / EEXIST: the step exists already
-            trash = _aside(final)
-            os.rename(self.path, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        fsync_dir(self.parent)
-        self.path = final
-        return final
+        """Publish this directory as its step (see :func:`publish_dir`); return the new path."""
+        self.path = publish_dir(self.parent, self.path, self.step, files)
+        return self.path
 
     def close(self) -> None:
         """Release the lock; an unpublished directory then counts as dead and is deleted by the next save."""
@@ -154,6 +133,32 @@ class TempDir:
         self.close()
 
 
+def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, tuple[int, int]]) -> Path:
+    """Write the manifest into ``temp``, make everything durable, rename it to the step's name.
+
+    ``files`` maps each file of the checkpoint (shards and ``.metadata``) to (size, CRC-32).
+    An existing directory of the same step (a damaged one this job resumed past) is moved
+    aside first and deleted after, so the name never points at a half-written directory.
+    """
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(files.items())}}
+    fd = os.open(temp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, json.dumps(manifest, indent=1).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(temp)
+    final = directory / step_name(step)
+    try:
+        os.rename(temp, final)
+    except OSError:  # ENOTEMPTY / EEXIST: the step exists already
+        trash = _aside(final)
+        os.rename(temp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    fsync_dir(directory)
+    return final
+
+
 def _aside(path: Path) -> Path:
     """Rename ``path`` to an unlocked temporary name (so it vanishes from listings at once)."""
     trash = Path(tempfile.mktemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
@@ -161,10 +166,11 @@ def _aside(path: Path) -> Path:
     return trash
 
 
-def remove_dead_saves(directory: Path) -> None:
-    """Delete temporary directories whose save died (nobody holds their lock); never a live save's."""
+def remove_dead_saves(directory: Path, only: str | None = None) -> None:
+    """Delete temporary directories whose save died (nobody holds their lock); never a live save's.
+    ``only``: look at that one name (agent/dcp_persist.py picks older steps' directories)."""
     try:
-        names = os.listdir(directory)
+        names = [only] if only is not None else os.listdir(directory)
     except FileNotFoundError:
         return
     for name in names:

@@ -22,6 +22,7 @@ another node gets it from there (send/recv). Rank 0 logs where the step came fro
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -35,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StoragePrefix
 
-from rally.agent import ckpt_client
+from rally.agent import ckpt_client, dcp_persist
 
 HEADER = struct.Struct("<8sQQQ")
 MAGIC = b"RALLYDCP"
@@ -91,13 +92,30 @@ class _MemoryFileSystem(FileSystem):
         self.files.pop(Path(path).name, None)
 
 
-def _rank_local_files(state: dict[str, Any]) -> tuple[memoryview, memoryview]:
+class _RankLocalWriter(FileSystemWriter):
+    """DCP's writer for one rank saving alone (``no_dist``), naming its file as DCP's own
+    rank-local layout does (``__<rank>_0.distcp``), into memory."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__("/rally-memory", sync_files=False)
+        self.fs = _MemoryFileSystem()
+        self.own_rank = rank
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.own_rank}_")) for plan in plans]
+
+
+def data_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def _rank_local_files(state: dict[str, Any], rank: int) -> tuple[memoryview, memoryview]:
     """This rank's view of ``state`` as DCP's (metadata, data) files, made in memory by DCP itself."""
-    writer = FileSystemWriter("/rally-memory", sync_files=False)
-    writer.fs = fs = _MemoryFileSystem()
+    writer = _RankLocalWriter(rank)
     with _rank_local():
         dcp.save(state, storage_writer=writer, no_dist=True)
-    return fs.files[".metadata"].getbuffer(), fs.files["__0_0.distcp"].getbuffer()
+    files = writer.fs.files
+    return files[".metadata"].getbuffer(), files[data_name(rank)].getbuffer()
 
 
 @contextmanager
@@ -108,18 +126,18 @@ def _rank_local() -> Iterator[None]:
         yield
 
 
-def save(state: dict[str, Any], step: int, keep: int) -> bool:
-    """Copy this rank's shards of ``step`` into its node's memory, and a replica into the next
-    node's; False when there is no memory tier or /dev/shm is too small (the disk only, then)."""
+def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> bool:
+    """Copy this rank's shards of ``step`` into its node's memory and a replica into the next
+    node's, then hand the same files to the background persister (agent/dcp_persist.py).
+    False, doing nothing, when the ranks did not agree on the memory path (see :func:`agreed`)."""
     tier = ckpt_client.tier()
     if not agreed()[0] or tier is None:
         return False
     rank, world = dist.get_rank(), dist.get_world_size()
-    meta, data = _rank_local_files(state)
+    meta, data = _rank_local_files(state, rank)
     size = HEADER.size + meta.nbytes + data.nbytes
     key = own_key(rank, world)
     target = tier.reserve(key, step, size, persist=False, keep=keep)
-    held = target is not None
     if target is not None:
         try:
             HEADER.pack_into(target, 0, MAGIC, meta.nbytes, world, rank)
@@ -130,7 +148,8 @@ def save(state: dict[str, Any], step: int, keep: int) -> bool:
             raise
         tier.commit(key, step, size)
     _replicate(tier, [HEADER.pack(MAGIC, meta.nbytes, world, rank), meta, data], step, keep, rank, world)
-    return held
+    dcp_persist.persister().submit(directory, step, keep, rank, world, meta, data)
+    return True
 
 
 _agreed: tuple[bool, int, int] | None = None
@@ -292,7 +311,7 @@ def load(state: dict[str, Any], step: int, providers: dict[int, int]) -> list[in
     meta = mine[HEADER.size : HEADER.size + meta_len]
     data = mine[HEADER.size + meta_len :]
     reader = FileSystemReader("/rally-memory")
-    reader.fs = _MemoryFileSystem({".metadata": meta, "__0_0.distcp": data})
+    reader.fs = _MemoryFileSystem({".metadata": meta, data_name(rank): data})
     with _rank_local():
         dcp.load(state, storage_reader=reader, no_dist=True)
     return remote

@@ -168,8 +168,8 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
     if not isinstance(state, dict):
         raise TypeError(f"rally: a sharded checkpoint's state must be a dict (torch.distributed.checkpoint's rule), got {type(state).__name__}")
-    if dist.is_available() and dist.is_initialized():
-        dcp_memory.save(state, step, keep)  # memory first: a restarted worker reloads from there
+    if dist.is_available() and dist.is_initialized() and dcp_memory.save(state, directory, step, keep):
+        return directory / dcp_files.step_name(step)  # in memory now, on disk in the background
     writer = PublishingWriter(directory, step, keep)
     try:
         dcp.save(state, storage_writer=writer)
