@@ -4,15 +4,16 @@ shared memory, with a replica in the next node's (a ring over the round's nodes)
 Why rank-local: torch.distributed.checkpoint can save one rank's view alone (``no_dist``: its
 shards plus the replicated values, with a ``.metadata`` that lists only its chunks) and load it
 back into the same layout without any collective. That is exactly a restarted worker's case, so
-the copy in memory is DCP's own two files (``__0_0.distcp`` and ``.metadata``, made by DCP's
+the copy in memory is DCP's own two files (``__<rank>_0.distcp`` and ``.metadata``, made by DCP's
 planner and writer into memory) in one slot of the agent's holder (agent/ckpt_client.py)::
 
-    [ b"RALLYDCP" | metadata length u64 | world size u64 | rank u64 ][ .metadata ][ __0_0.distcp ]
+    [ b"RALLYDCP" | metadata length u64 | world size u64 | rank u64 ][ .metadata ][ __<rank>_0.distcp ]
 
 Keys: ``dcp<rank>of<world>`` for a rank's own copy, ``dcpr<rank>of<world>`` for the replica of
 rank ``rank`` that the same local rank of the previous node sent over (one point-to-point
-exchange per save, over the job's own process group). The durable tier stays the published DCP
-directory on disk (agent/dcp_storage.py), which is what a change of world size reshards from.
+exchange per save, over the job's own process group). The same two files are then written to
+disk in the background (agent/dcp_persist.py) and published as one DCP directory, which is what
+a change of world size reshards from.
 
 Resuming (:func:`load`): every rank tells the others which copies its node holds (one
 all_gather_object); the newest step for which every rank of an unchanged world size has a copy

@@ -245,3 +245,54 @@ def test_the_resume_plan_takes_the_newest_step_every_rank_has_in_some_nodes_memo
     # the world size changed: memory cannot serve another layout
     assert plan([{"dcp0of2": [6], "dcpr1of2": [6]}], 1, 1) == (None, {}, "the world size changed (2 -> 1): shards are resharded from disk")
     assert plan([{}, {}], 2, 1) == (None, {}, "no shards of this job in any node's memory")
+
+
+def _rank_part(rank: int, value: float) -> tuple:
+    import torch
+
+    from rally.agent.dcp_memory import _rank_local_files
+
+    state = {f"own{rank}": torch.full((5,), value + rank), "common": torch.arange(3.0) * value}
+    return _rank_local_files(state, rank)
+
+
+@pytest.mark.timeout(60)
+def test_background_parts_of_every_rank_are_published_as_one_dcp_checkpoint(tmp_path: Path) -> None:
+    import threading
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rally.agent import dcp_persist
+
+    parts = [_rank_part(rank, 2.0) for rank in (0, 1)]
+    writers = [threading.Thread(target=dcp_persist.persist_part, args=(tmp_path, 4, 3, rank, 2, *parts[rank])) for rank in (1, 0)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(30)
+    assert entries(tmp_path) == ["step_000000000004.dcp"]  # published whole; no temporary left
+    assert dcp_files.newest_intact_step(tmp_path) == 4
+    into = {"own0": torch.zeros(5), "own1": torch.zeros(5), "common": torch.zeros(3)}
+    dcp.load(into, checkpoint_id=str(tmp_path / "step_000000000004.dcp"))  # torch alone, global metadata
+    assert torch.equal(into["own0"], torch.full((5,), 2.0)) and torch.equal(into["own1"], torch.full((5,), 3.0))
+    assert torch.equal(into["common"], torch.arange(3.0) * 2.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_step_whose_other_rank_never_writes_is_not_published_and_a_later_step_cleans_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rally.agent import dcp_persist
+
+    monkeypatch.setattr(dcp_persist, "PUBLISH_TIMEOUT", 0.5)
+    persister = dcp_persist.Persister()
+    persister.submit(tmp_path, 2, 3, 0, 2, *_rank_part(0, 1.0))  # rank 1 died before writing step 2
+    assert persister.wait(30)
+    assert "step 2 could not be written" in capsys.readouterr().err and "ranks [1] did not write their part" in (persister.last_error or "")
+    assert [n for n in entries(tmp_path) if dcp_files.STEP_RE.match(n)] == [] and dcp_files.newest_intact_step(tmp_path) is None
+    rank1 = dcp_persist.Persister()
+    rank1.submit(tmp_path, 4, 3, 1, 2, *_rank_part(1, 5.0))
+    persister.submit(tmp_path, 4, 3, 0, 2, *_rank_part(0, 5.0))
+    assert persister.wait(30) and rank1.wait(30)
+    assert entries(tmp_path) == ["step_000000000004.dcp"]  # step 4 published, step 2's leftovers gone
