@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import small_disk as mount_small_disk
 from rally.agent import checkpoint_file, ckpt_client, job
 from rally.agent.ckpt_client import CheckpointRefused, MemoryTier
 from rally.agent.ckpt_shm import fd_path, holders_of
@@ -251,16 +252,9 @@ def test_too_little_shared_memory_is_one_line_and_saves_go_to_disk(tmp_path: Pat
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MB tmpfs of this test's own, unmounted afterwards; skipped where mounting is not allowed."""
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
-    try:
+    """A 2 MB tmpfs of this test's own (tests/helpers.py)."""
+    with mount_small_disk(tmp_path / "small-disk", "2m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 @pytest.mark.torch
