@@ -17,7 +17,8 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
 - **durable after**: from the call until the step is on disk (rally: ``job.durable_steps()``;
   DCP: its future; DLRover: the file), when that happens within the 1.5 s between saves;
 - **reload**: after the restart, from the call until the state is back in the model's tensors
-  (load + ``copy_``; DCP loads in place), and where it came from.
+  (load + ``copy_``; DCP loads in place), and where it came from; also divided by the plain copy
+  of the same run, since on a shared machine the load moves between runs.
 
 rally (with its memory tier, and without: ``RALLY_MEMORY_TIER=0``, the disk path whose
 ``load_latest`` is item 8's) and the two torch methods run under rally (``--checkpoint-dir`` only
@@ -115,6 +116,7 @@ def summarize(runs: list[dict]) -> dict:
         "dropped": f"{dropped} of {sum(len(r['stalls']) for r in ok)}",
         "durable": statistics.median(durable) if durable else None,
         "reload": statistics.median(r["reload"] for r in ok),
+        "reload_ratio": statistics.median(r["reload"] / r["copy"] for r in ok),
         "reload_range": (min(r["reload"] for r in ok), max(r["reload"] for r in ok)),
         "source": "/".join(sorted({r["reload_source"] for r in ok})),
         "runs": len(ok),
@@ -123,18 +125,18 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves | saves dropped | durable after | reload (median, min–max) | reloaded from |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves | saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
         if "error" in s:
-            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | |")
+            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | | |")
             continue
         lines.append(
             f"| {LABELS[method]} | {s['stall']:.3f} s ({s['stall_range'][0]:.3f}–{s['stall_range'][1]:.3f}) | "
             f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | {s['dropped']} | "
             f"{'—' if s['durable'] is None else format(s['durable'], '.2f') + ' s'} | "
-            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | {s['source']} |"
+            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | {s['reload_ratio']:.2f}× | {s['source']} |"
         )
     return "\n".join(lines)
 
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     root = common.make_root(args.keep)
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_start = os.getloadavg()
     for rep in range(args.reps):
         for method in methods if rep % 2 == 0 else list(reversed(methods)):
             if method == "dlrover" and dlrover_python() is None:
@@ -161,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {m: summarize(r) for m, r in runs.items()}
     text = table(summary, args.mb)
     commit = common_commit()
-    header = f"Checkpoint benchmark, {started}, {os.cpu_count()} CPUs, rally at `{commit[:10]}`, `python -m bench.checkpoint {' '.join(argv or sys.argv[1:])}`"
+    header = (
+        f"Checkpoint benchmark, {started}, {os.cpu_count()} CPUs, rally at `{commit[:10]}`, "
+        f"`python -m bench.checkpoint {' '.join(argv or sys.argv[1:])}`; load average at the start "
+        f"{', '.join(f'{x:.1f}' for x in load_start)}, at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
     print(header + "\n\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "checkpoint.md").write_text(header + "\n\n" + text + "\n")
