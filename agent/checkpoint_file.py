@@ -34,6 +34,8 @@ import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from rally.agent.ckpt_shm import storage_bytes
+
 FOOTER = struct.Struct("<8sQI4s")
 FOOTER_MAGIC, FOOTER_END = b"RALLYCKP", b"END1"
 READ_CHUNK = 8 << 20
@@ -79,13 +81,37 @@ def write(state: Any, final: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if _disk_full(exc):  # torch reports it as "unexpected pos ..." with ENOSPC deep in the chain
+            raise OSError(errno.ENOSPC, _disk_full_line(final, storage_bytes(state))) from None
         raise
     finally:
         os.close(fd)  # releases the lock, after the rename: a cleaner never sees it unlocked
     fsync_dir(directory)
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _disk_full_line(final: Path, needed: int) -> str:
+    """One line: the file, its directory, the bytes it needs (its tensors, at least) and the free ones."""
+    try:
+        info = os.statvfs(final.parent)
+        free = f"{info.f_bavail * info.f_frsize / 1e6:.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"checkpoint {final.name} could not be written to {final.parent}: the disk is full (No space left "
+        f"on device; at least {needed / 1e6:.1f} MB needed, {free}); the previous checkpoints are kept"
+    )
 
 
 def locked_temp(final: Path) -> tuple[int, str]:

@@ -115,9 +115,11 @@ class MemoryTier:
                 os.close(fd)
             raise CheckpointRefused(answer.get("error", "rally: checkpoint refused"))
 
-    def reserve(self, key: str, step: int, size: int, persist: bool, keep: int) -> mmap.mmap | None:
+    def reserve(self, key: str, step: int, size: int, persist: bool | str, keep: int) -> mmap.mmap | None:
         """A writable mapping of a slot with room for ``size`` bytes; None when memory is too
-        short for a copy (the caller saves to disk instead)."""
+        short for a copy (the caller saves to disk instead). ``persist``: False keeps the copy in
+        memory only; True has the holder write it as ``step_<step>.pt`` (keep-K pruning); a
+        relative file name has it written there (no pruning), e.g. one rank's shard."""
         answer, fds = self.request(op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep)
         if answer.get("disk_only"):
             return None
@@ -133,7 +135,7 @@ class MemoryTier:
         except CheckpointRefused:
             pass
 
-    def save(self, state: Any, key: str, step: int, *, persist: bool, keep: int) -> bool:
+    def save(self, state: Any, key: str, step: int, *, persist: bool | str, keep: int) -> bool:
         """Copy ``state`` into a slot as ``step``; True once committed, False if disk-only.
 
         The slot must be as large as torch.save's archive. Finding its exact length takes a

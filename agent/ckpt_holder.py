@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from rally.agent.ckpt_persist import DiskFull, PersistCancelled, persist
+from rally.agent.ckpt_persist import DiskFull, PersistCancelled, default_name, persist, valid_name
 from rally.agent.ckpt_shm import socket_address
 from rally.agent.ckpt_slots import Refused, ShmTooSmall, SlotTable
 
@@ -128,7 +128,7 @@ class Holder:
             msg = json.loads(packet)
             op = msg["op"]
             if op == "reserve":
-                name = f"step_{int(msg['step']):012d}.pt" if msg.get("persist") else None
+                name = self.persist_name(msg.get("persist"), int(msg["step"]))
                 index, fd = table.reserve(conn_id, str(msg["key"]), int(msg["step"]), int(msg["size"]), int(msg["round"]), name, int(msg.get("keep", 3)))
                 return {"ok": True, "slot": index}, [fd]
             if op == "commit":
@@ -159,6 +159,18 @@ class Holder:
         except OSError as exc:
             return {"ok": False, "error": f"rally: memory tier: {exc.strerror or exc}"}, []
 
+    @staticmethod
+    def persist_name(persist: Any, step: int) -> str | None:
+        """``persist`` of a reserve: false (memory only), true (``step_<step>.pt``, keep-K) or a
+        relative file name in the checkpoint directory (e.g. a rank's shard)."""
+        if persist is True:
+            return default_name(step)
+        if not persist:
+            return None
+        if not isinstance(persist, str) or not valid_name(persist):
+            raise ValueError(f"persist={persist!r} is not a relative file name")
+        return persist
+
     # ------------------------------------------------------------------ to the disk
     def persister(self) -> None:
         """Copy the newest committed slot to disk, one at a time, at a low CPU priority: on a busy
@@ -177,7 +189,7 @@ class Holder:
             key, index, slot = job
             ok = False
             try:
-                path = persist(slot.fd, slot.length, self.checkpoint_dir, slot.step, slot.keep, self.between_chunks)  # type: ignore[arg-type]
+                path = persist(slot.fd, slot.length, self.checkpoint_dir, slot.step, slot.keep, self.between_chunks, slot.persist_name)  # type: ignore[arg-type]
                 ok = True
                 self.emit(ev="durable", key=key, step=slot.step, path=str(path))
             except DiskFull as exc:

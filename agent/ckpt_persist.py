@@ -17,6 +17,7 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -33,23 +34,35 @@ class PersistCancelled(Exception):
     """The persist was given up (the holder is shutting down); its temporary file is gone."""
 
 
-def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / f"step_{step:012d}.pt"
+_NAME_RE = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def default_name(step: int) -> str:
+    """The file ``job.save`` writes for ``step``; the only name keep-K pruning applies to."""
+    return f"step_{step:012d}.pt"
+
+
+def valid_name(name: str) -> bool:
+    """A relative path inside the checkpoint directory (no ``..``, no leading ``/``)."""
+    return bool(_NAME_RE.match(name)) and len(name) <= 255
 
 
 def persist(
-    source: int, length: int, directory: Path, step: int, keep: int, between_chunks: Callable[[], bool] = lambda: False
-) -> Path:
-    """Copy the first ``length`` bytes of the memfd ``source`` (a slot) to ``directory`` as step ``step``.
+    source: int, length: int, directory: Path, step: int, keep: int,
+    between_chunks: Callable[[], bool] = lambda: False, name: str | None = None,
+) -> Path:  # fmt: skip
+    """Copy the first ``length`` bytes of the memfd ``source`` (a slot) to ``directory/name`` (by
+    default ``step_<step>.pt``, pruned to the newest ``keep``; other names are not pruned).
 
     ``between_chunks`` is called before each chunk (8 MiB); it may wait (the holder pauses the
     copy to disk while a worker copies into a slot) and returns True to give the persist up.
     """
     from rally.agent.job import prune  # no torch: job imports it only inside save/load
 
-    directory.mkdir(parents=True, exist_ok=True)
-    checkpoint_file.remove_dead_writers_temps(directory)
-    final = checkpoint_path(directory, step)
+    final = directory / (name or default_name(step))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint_file.remove_dead_writers_temps(final.parent)
+    directory = final.parent
     needed = length + FOOTER.size
     free = _free_bytes(directory)
     if free is not None and free < needed:
@@ -81,7 +94,8 @@ def persist(
     finally:
         os.close(fd)  # releases the temp file's lock after the rename, as job.save does
     checkpoint_file.fsync_dir(directory)
-    prune(directory, keep, protect=final)
+    if final.name == default_name(step):
+        prune(directory, keep, protect=final)
     return final
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from rally.agent.ckpt_shm import SLOTS_PER_KEY, memfd_name, valid_key
 
 FREE, WRITING, COMMITTED = "free", "writing", "committed"
+PAGE = 4096
 
 
 class Refused(Exception):
@@ -136,7 +137,8 @@ class SlotTable:
             if slot.fd is None or slot.loaded or slot.size < size or slot.size > 2 * size:
                 self._allocate(key, index, size, slot)
             else:  # back to its full size: only the tail cut off at the last commit is new
-                os.posix_fallocate(slot.fd, 0, slot.size)  # type: ignore[arg-type]
+                start = slot.length & ~(PAGE - 1)
+                os.posix_fallocate(slot.fd, start, slot.size - start)  # type: ignore[arg-type]
             keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, slot.fd, conn, persist_name, keep)
             return index, slot.fd  # type: ignore[return-value]
 

@@ -11,12 +11,18 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
   steady-state saves (the 3rd to the 5th; the first two of the memory tiers allocate and map their
   shared memory, reported as "first saves"); the **ratio** is to a plain ``copy_`` of the same
   tensors into preallocated ones, measured in the same worker just before;
+- **saves dropped**: saves the method skipped (DLRover skips a save to memory while its agent
+  still persists the previous one; those are left out of the stall and durability figures, and
+  the reload checks the newest step it did save);
 - **durable after**: from the call until the step is on disk (rally: ``job.durable_steps()``;
   DCP: its future; DLRover: the file), when that happens within the 1.5 s between saves;
 - **reload**: after the restart, from the call until the state is back in the model's tensors
-  (load + ``copy_``; DCP loads in place), and where it came from.
+  (load + ``copy_``; DCP loads in place), and where it came from; also divided by the plain copy
+  of the same run, since on a shared machine the load moves between runs.
 
-rally and the two torch methods run under rally (``--checkpoint-dir`` only for rally's own);
+rally (with its memory tier, and without: ``RALLY_MEMORY_TIER=0``, the disk path whose
+``load_latest`` is item 8's) and the two torch methods run under rally (``--checkpoint-dir`` only
+for rally's own);
 DLRover 0.6.1 runs under its ``dlrover-run`` (bench/shim/dlrover_run.py adds the argument torch
 2.13 needs) from the interpreter in ``RALLY_BENCH_DLROVER_PYTHON`` (default
 /work/venvs/dlrover/bin/python, a venv with ``dlrover[k8s,torch]==0.6.1`` and protobuf beside the
@@ -42,10 +48,11 @@ if __package__ in (None, ""):  # `python bench/checkpoint.py`
 from bench import common  # noqa: E402
 from bench.common import REPO, RESULTS, Job  # noqa: E402
 
-METHODS = ("torch_save", "dcp_async", "rally", "dlrover")
+METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover")
 LABELS = {
     "torch_save": "plain `torch.save` (rank 0)",
     "dcp_async": "`torch.distributed.checkpoint.async_save`",
+    "rally_disk": "`rally.job.save`, memory tier off (torch.save + fsync, rank 0)",
     "rally": "rally memory tier (`rally.job.save`)",
     "dlrover": "DLRover 0.6.1 flash checkpoint (StorageType.DISK)",
 }
@@ -63,7 +70,7 @@ def command(method: str, run: Path, mb: int) -> list[str]:
     work = [str(WORKER), "--method", method, "--dir", str(run / "ckpt"), "--mb", str(mb), "--out", str(run / "result.json")]
     if method == "dlrover":
         return [dlrover_python() or "python", str(DLROVER_SHIM), "--standalone", "--nproc_per_node", "2", "--max_restarts", "1", *work]
-    extra = ["--checkpoint-dir", str(run / "ckpt")] if method == "rally" else []
+    extra = ["--checkpoint-dir", str(run / "ckpt")] if method.startswith("rally") else []
     return [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
             "--log-dir", str(run / "logs"), *extra, *work]  # fmt: skip
 
@@ -71,7 +78,8 @@ def command(method: str, run: Path, mb: int) -> list[str]:
 def run_once(method: str, root: Path, rep: int, mb: int) -> dict:
     run = root / f"{method}-{rep}"
     (run / "ckpt").mkdir(parents=True)
-    job = Job.start(method, command(method, run, mb), common.bench_env(), REPO, run)
+    env = common.bench_env({"RALLY_MEMORY_TIER": "0"} if method == "rally_disk" else None)
+    job = Job.start(method, command(method, run, mb), env, REPO, run)
     try:
         code = job.wait(RUN_TIMEOUT)
     finally:
@@ -89,18 +97,26 @@ def summarize(runs: list[dict]) -> dict:
     ok = [r for r in runs if "reload" in r]
     if not ok:
         return {"error": runs[-1].get("error", "no run") if runs else "not run"}
-    steady = [s for r in ok for s in r["stalls"][2:]]
+    def kept(r: dict) -> list[tuple[float, float | None]]:  # (stall, durable after) of the saves made, from the 3rd
+        return [(s, d) for i, (s, d) in enumerate(zip(r["stalls"], r["durable_after"]), 1) if i > 2 and i not in r.get("dropped", [])]
+
+    steady = [s for r in ok for s, _ in kept(r)]
     first = [s for r in ok for s in r["stalls"][:2]]
     copy = statistics.median(r["copy"] for r in ok)
-    durable = [d for r in ok for d in r["durable_after"][2:] if d is not None]
+    durable = [d for r in ok for _, d in kept(r) if d is not None]
+    dropped = sum(len(r.get("dropped", [])) for r in ok)
+    if not steady:
+        return {"error": f"every steady-state save was dropped ({dropped} of {sum(len(r['stalls']) for r in ok)})"}
     return {
         "stall": statistics.median(steady),
         "stall_range": (min(steady), max(steady)),
         "first": max(first),
         "copy": copy,
-        "ratio": statistics.median(s / r["copy"] for r in ok for s in r["stalls"][2:]),
+        "ratio": statistics.median(s / r["copy"] for r in ok for s, _ in kept(r)),
+        "dropped": f"{dropped} of {sum(len(r['stalls']) for r in ok)}",
         "durable": statistics.median(durable) if durable else None,
         "reload": statistics.median(r["reload"] for r in ok),
+        "reload_ratio": statistics.median(r["reload"] / r["copy"] for r in ok),
         "reload_range": (min(r["reload"] for r in ok), max(r["reload"] for r in ok)),
         "source": "/".join(sorted({r["reload_source"] for r in ok})),
         "runs": len(ok),
@@ -109,18 +125,18 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves | durable after | reload (median, min–max) | reloaded from |",
-        "|---|---|---|---|---|---|---|",
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves | saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
         if "error" in s:
-            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | |")
+            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | | |")
             continue
         lines.append(
             f"| {LABELS[method]} | {s['stall']:.3f} s ({s['stall_range'][0]:.3f}–{s['stall_range'][1]:.3f}) | "
-            f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | "
+            f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | {s['dropped']} | "
             f"{'—' if s['durable'] is None else format(s['durable'], '.2f') + ' s'} | "
-            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | {s['source']} |"
+            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | {s['reload_ratio']:.2f}× | {s['source']} |"
         )
     return "\n".join(lines)
 
@@ -137,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     root = common.make_root(args.keep)
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_start = os.getloadavg()
     for rep in range(args.reps):
         for method in methods if rep % 2 == 0 else list(reversed(methods)):
             if method == "dlrover" and dlrover_python() is None:
@@ -147,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {m: summarize(r) for m, r in runs.items()}
     text = table(summary, args.mb)
     commit = common_commit()
-    header = f"Checkpoint benchmark, {started}, {os.cpu_count()} CPUs, rally at `{commit[:10]}`, `python -m bench.checkpoint {' '.join(argv or sys.argv[1:])}`"
+    header = (
+        f"Checkpoint benchmark, {started}, {os.cpu_count()} CPUs, rally at `{commit[:10]}`, "
+        f"`python -m bench.checkpoint {' '.join(argv or sys.argv[1:])}`; load average at the start "
+        f"{', '.join(f'{x:.1f}' for x in load_start)}, at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
     print(header + "\n\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "checkpoint.md").write_text(header + "\n\n" + text + "\n")

@@ -2,8 +2,9 @@
 memory or from disk, and the agent's death frees the node's copies.
 
 Each rally run starts two workers that import torch (examples/train.py, forked from the agent's
-template), so this file keeps to four runs: a clean one for the reference hash, a SIGKILLed rank
-resumed from memory, the same from disk (memory tier off), and a SIGKILLed agent.
+template), so this file keeps to five runs: a clean one for the reference hash, a SIGKILLed rank
+resumed from memory, the same from disk (memory tier off), a SIGKILLed agent, and a job whose
+disk is full (one worker, forked from the template).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import clean_env, eventually, kill_group, procs, run_rally, start_rally  # noqa: F401 - procs is a fixture
+from helpers import clean_env, eventually, kill_group, procs, run_rally, small_disk, start_rally, write_probe  # noqa: F401 - procs is a fixture
 from rally.agent import job
 from rally.agent.ckpt_shm import holders_of
 
@@ -100,3 +101,32 @@ def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) ->
         if proc.poll() is None:
             kill_group(proc.pid)
             proc.wait()
+
+
+FAILS_AFTER_SAVING = """
+    import torch
+    from rally import job
+
+    ckpt = job.load_latest()
+    step = ckpt.step + 1 if ckpt else 1
+    size = 100_000 if step == 1 else 400_000  # step 1 fits the 1 MB disk, the others do not
+    job.save({"w": torch.full((size,), float(step))}, step)
+    raise SystemExit(f"fails after saving step {step}")
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_the_crash_loop_guard_counts_steps_saved_in_memory_as_progress(tmp_path: Path) -> None:
+    write_probe(tmp_path / "train.py", FAILS_AFTER_SAVING)
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        result = run_rally(
+            ["--standalone", "--max-restarts", "4", "--crash-loop-limit", "2", "--checkpoint-dir", str(disk / "ckpt"),
+             "--log-dir", str(tmp_path / "logs"), "train.py"],
+            cwd=tmp_path, timeout=240,
+        )  # fmt: skip
+    out = result.stdout + result.stderr
+    # The disk never got past step 1, but every attempt saved a newer step in memory: no crash loop.
+    assert "crash loop" not in out and "no restarts left" in out, result.describe()
+    assert "rally: resuming from step 4 (from memory)" in result.stderr, result.describe()
+    assert f"checkpoint step 5 could not be written to {disk / 'ckpt'}: the disk is full" in out, result.describe()

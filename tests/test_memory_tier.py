@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import small_disk as mount_small_disk
 from rally.agent import checkpoint_file, ckpt_client, job
 from rally.agent.ckpt_client import CheckpointRefused, MemoryTier
 from rally.agent.ckpt_shm import fd_path, holders_of
@@ -110,6 +111,22 @@ def test_a_save_returns_with_the_state_in_memory_and_the_holder_makes_it_durable
     assert wait_for(lambda: tier.agent.last_saved == 1 and tier.agent.last_durable == 1)
     events = tier.events.read_text()
     assert '"event": "checkpoint_saved"' in events and '"event": "checkpoint_durable"' in events
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_a_copy_can_be_persisted_under_a_name_of_its_own(tier: Tier) -> None:
+    for rank in (0, 1):  # e.g. each rank's shard: its own key, its own file
+        tier.worker().save(state(rank), f"rank{rank}", 4, persist=f"step_4/rank{rank}.pt", keep=1)
+    assert tier.agent.flush(30)
+    for rank in (0, 1):
+        with checkpoint_file.open_verified(tier.checkpoint_dir / "step_4" / f"rank{rank}.pt") as f:
+            import torch
+
+            assert same(torch.load(f, weights_only=True), state(rank))
+    with pytest.raises(CheckpointRefused, match="not a relative file name"):
+        tier.worker().save(state(1), "rank1", 5, persist="../outside.pt", keep=1)
+    assert tier.agent.memory_steps() == [4]  # steps every key of this node holds
 
 
 @pytest.mark.torch
@@ -251,16 +268,9 @@ def test_too_little_shared_memory_is_one_line_and_saves_go_to_disk(tmp_path: Pat
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MB tmpfs of this test's own, unmounted afterwards; skipped where mounting is not allowed."""
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
-    try:
+    """A 2 MB tmpfs of this test's own (tests/helpers.py)."""
+    with mount_small_disk(tmp_path / "small-disk", "2m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 @pytest.mark.torch
@@ -363,3 +373,19 @@ def test_the_holders_memory_is_freed_when_its_agent_is_sigkilled(tmp_path: Path)
             os.killpg(agent.pid, signal.SIGKILL)
         agent.wait(timeout=10)
     assert wait_for(lambda: not holders_of(pids=[holder])), "the holder kept its memory after the agent died"
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    with mount_small_disk(tmp_path / "disk", "1m") as disk:  # the disk path: no memory tier (issue 19, item 9)
+        monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(disk / "ckpt"))
+        job.save({"w": torch.ones(1000)}, 1)
+        with pytest.raises(OSError) as info:
+            job.save({"w": torch.ones(500_000)}, 2)  # 2 MB
+        line = str(info.value)
+        assert f"checkpoint step_000000000002.pt could not be written to {disk / 'ckpt'}: the disk is full" in line
+        assert "at least 2.0 MB needed" in line and "MB free" in line and "\n" not in line and "unexpected pos" not in line
+        assert job.durable_steps() == [1] and sorted(p.name for p in (disk / "ckpt").iterdir()) == ["step_000000000001.pt"]

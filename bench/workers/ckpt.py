@@ -12,7 +12,8 @@ checks its values are those of the last step saved. Rank 0 writes its figures to
 
 Methods: ``torch_save`` (rank 0, torch.save to a file), ``dcp_async`` (every rank,
 torch.distributed.checkpoint.async_save; durable when its future resolves), ``rally``
-(rally.job.save/load_latest, the memory tier), ``dlrover`` (DLRover's DdpCheckpointer,
+(rally.job.save/load_latest, the memory tier), ``rally_disk`` (the same, run with the tier
+off), ``dlrover`` (DLRover's DdpCheckpointer,
 StorageType.DISK: shared memory, persisted by its agent; run under dlrover-run).
 """
 
@@ -59,7 +60,8 @@ class Method:
 
             self.dl = DdpCheckpointer(str(directory))
 
-    def save(self, state: dict, step: int) -> None:
+    def save(self, state: dict, step: int) -> bool:
+        """Save ``step``; False when the method dropped it (DLRover skips a save while it persists)."""
         if self.name == "torch_save":
             if dist.get_rank() == 0:
                 torch.save(state, self.dir / f"{step}.pt")
@@ -69,7 +71,7 @@ class Method:
             if self.pending is not None:
                 self.pending.result()  # DCP allows one save in flight
             self.pending = dcp.async_save(state, checkpoint_id=str(self.dir / f"dcp_{step}"), process_group=self.group)
-        elif self.name == "rally":
+        elif self.name.startswith("rally"):
             from rally import job
 
             job.save(state, step)
@@ -77,13 +79,15 @@ class Method:
             from dlrover.trainer.torch.flash_checkpoint.ddp import StorageType
 
             self.dl.save_checkpoint(step, state, str(self.dir / f"{step}.pt"), storage_type=StorageType.DISK)
+            return self.dl._engine._cached_step == step  # what it sets once the copy is made
+        return True
 
     def durable(self, step: int) -> bool:
         if self.name == "torch_save":
             return True
         if self.name == "dcp_async":
             return self.pending is not None and self.pending.done()
-        if self.name == "rally":
+        if self.name.startswith("rally"):
             from rally import job
 
             return step in job.durable_steps()
@@ -99,7 +103,7 @@ class Method:
 
             dcp.load(model, checkpoint_id=str(self.dir / f"dcp_{step}"))
             return "disk"
-        elif self.name == "rally":
+        elif self.name.startswith("rally"):
             from rally import job
 
             ckpt = job.load_latest()
@@ -131,14 +135,15 @@ def main() -> None:
     if attempt == 0:
         state = make_state(args.mb, 0)
         copy = plain_copy_seconds(state)
-        stalls, durable_after = [], []
+        stalls, durable_after, dropped = [], [], []
         for step in range(1, args.saves + 1):
             for v in state.values():
                 v.fill_(float(step))  # the "training step"
             state["p0"][0] = step
             dist.barrier()
             start = time.perf_counter()
-            method.save(state, step)
+            if not method.save(state, step):
+                dropped.append(step)
             stalls.append(time.perf_counter() - start)
             deadline = start + args.gap
             while not method.durable(step) and time.perf_counter() < deadline:
@@ -148,20 +153,23 @@ def main() -> None:
         if method.pending is not None:
             method.pending.result()
         if rank == 0:
-            args.out.write_text(json.dumps({"copy": copy, "stalls": stalls, "durable_after": durable_after}))
+            args.out.write_text(json.dumps({"copy": copy, "stalls": stalls, "durable_after": durable_after, "dropped": dropped}))
         dist.barrier()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # the launcher stops us once rank 1 is gone
         return
     model = make_state(args.mb, -1)
+    result = json.loads(args.out.read_text()) if rank == 0 else {}
+    last = max(set(range(1, args.saves + 1)) - set(result.get("dropped", [])), default=last)
+    dist.broadcast_object_list(box := [last], src=0)
+    last = box[0]
     dist.barrier()
     start = time.perf_counter()
     source = method.load_into(model, last)
     reload = time.perf_counter() - start
     assert model["p0"][0].item() == last and model["p5"][7].item() == float(last), "wrong state reloaded"
     if rank == 0:
-        result = json.loads(args.out.read_text())
         args.out.write_text(json.dumps({**result, "reload": reload, "reload_source": source}))
     dist.barrier()
     dist.destroy_process_group()
