@@ -240,8 +240,10 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
 def _load_from_memory(state: dict[str, Any], newest_on_disk: int | None, directory: Path) -> tuple[Checkpoint | None, str]:
     """Resume from the nodes' memory when every rank's shards of a step not older than the disk's
     newest are held by a live node (own copy or ring replica); else (None, why not)."""
+    if not (dist.is_available() and dist.is_initialized()) or not dcp_memory.agreed()[0]:
+        return None, ""  # without a process group there is no memory path (and no tier asked)
     tier = ckpt_client.tier()
-    if not (dist.is_available() and dist.is_initialized()) or not dcp_memory.agreed()[0] or tier is None:
+    if tier is None:
         return None, ""
     rank, world = dist.get_rank(), dist.get_world_size()
     holdings: list[Any] = [None] * world
