@@ -2,9 +2,9 @@
 memory or from disk, and the agent's death frees the node's copies.
 
 Each rally run starts two workers that import torch (examples/train.py, forked from the agent's
-template), so this file keeps to five runs: a clean one for the reference hash, a SIGKILLed rank
-resumed from memory, the same from disk (memory tier off), a SIGKILLed agent, and a job whose
-disk is full (one worker, forked from the template).
+template), so this file keeps to six runs: a clean one for the reference hash, a SIGKILLed rank
+resumed from memory, the same from disk (memory tier off), the same on two nodes (two agents on
+127.0.0.1, one worker each), a SIGKILLed agent, and a job whose disk is full (one worker).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import clean_env, eventually, kill_group, procs, run_rally, small_disk, start_rally, write_probe  # noqa: F401 - procs is a fixture
+from agents import c10d_args, start_agent, stop_all
+from helpers import clean_env, eventually, free_port, kill_group, procs, run_rally, small_disk, start_rally, write_probe  # noqa: F401 - procs is a fixture
 from rally.agent import job
 from rally.agent.ckpt_shm import holders_of
 
@@ -130,3 +131,26 @@ def test_the_crash_loop_guard_counts_steps_saved_in_memory_as_progress(tmp_path:
     assert "crash loop" not in out and "no restarts left" in out, result.describe()
     assert "rally: resuming from step 4 (from memory)" in result.stderr, result.describe()
     assert f"checkpoint step 5 could not be written to {disk / 'ckpt'}: the disk is full" in out, result.describe()
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_two_nodes_resume_from_the_same_step_in_memory_bit_identical(tmp_path: Path, clean_hash: str) -> None:
+    port = free_port()
+    work = [
+        "--nproc-per-node", "1", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), str(TRAIN),
+        "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--fail-at-step", str(KILL_AT), "--fail-rank", "1",
+    ]  # fmt: skip
+    agents = [start_agent(f"n{i}", tmp_path, [*c10d_args(port, "2"), "--log-dir", str(tmp_path / f"logs{i}"), *work]) for i in range(2)]
+    try:
+        codes = [agent.wait(timeout=240) for agent in agents]
+        text = "\n".join(agent.output() for agent in agents)
+        assert codes == [0, 0], text[-5000:]
+        # Each node held its own copy (local rank 0 of each node saves); the round agreed on step 15 ...
+        for i in range(2):
+            assert max(e["step"] for e in events(tmp_path / f"logs{i}") if e["event"] == "checkpoint_saved") == STEPS
+        assert "rally: resuming from step 15 (from memory)" in text, text[-5000:]
+        # ... and both ranks resumed from it: the parameters are those of the uninterrupted 2-rank run.
+        assert params_hash(text) == clean_hash
+    finally:
+        stop_all(agents)

@@ -389,3 +389,18 @@ def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free
         assert f"checkpoint step_000000000002.pt could not be written to {disk / 'ckpt'}: the disk is full" in line
         assert "at least 2.0 MB needed" in line and "MB free" in line and "\n" not in line and "unexpected pos" not in line
         assert job.durable_steps() == [1] and sorted(p.name for p in (disk / "ckpt").iterdir()) == ["step_000000000001.pt"]
+
+
+def test_rally_status_and_metrics_show_the_last_saved_and_the_last_durable_step() -> None:
+    from rich.console import Console
+
+    from rally.agent.metrics import AgentCollector
+    from rally.launcher.worker_table import worker_table
+
+    record = {"host": "h", "group_rank": 0, "round": 1, "restart_count": 0, "workers": [],
+              "checkpoint_saved_step": 30, "checkpoint_durable_step": 25}  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(worker_table([record], "job", per_node=True))
+    assert "30 (25 on disk)" in console.export_text()
+    metrics = {m.name: m.samples[0].value for m in AgentCollector(lambda: record, lambda: []).collect() if m.samples}
+    assert metrics["rally_checkpoint_saved_step"] == 30 and metrics["rally_checkpoint_durable_step"] == 25
