@@ -49,10 +49,12 @@ _KEY_RE = re.compile(r"^dcpr?(\d+)of(\d+)$")
 
 
 def own_key(rank: int, world: int) -> str:
+    """The holder's key for rank ``rank``'s own copy (the world size in it: a copy serves only its layout)."""
     return f"dcp{rank}of{world}"
 
 
 def replica_key(rank: int, world: int) -> str:
+    """The holder's key for the replica of rank ``rank``'s copy, kept on the next node."""
     return f"dcpr{rank}of{world}"
 
 
@@ -107,6 +109,7 @@ class _RankLocalWriter(FileSystemWriter):
 
 
 def data_name(rank: int) -> str:
+    """DCP's name for a rank's data file in its rank-local layout."""
     return f"__{rank}_0.distcp"
 
 
@@ -232,10 +235,6 @@ def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> N
 
 # ---------------------------------------------------------------------------------------------
 # Resuming
-
-
-def held_here(tier: ckpt_client.MemoryTier) -> dict[str, list[int]]:
-    return tier.held("dcp")
 
 
 def plan(holdings: list[dict[str, list[int]]], world: int, local: int) -> tuple[int | None, dict[int, int], str]:

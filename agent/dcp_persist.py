@@ -32,7 +32,6 @@ import io
 import json
 import os
 import pickle
-import shutil
 import sys
 import threading
 import time
@@ -130,6 +129,7 @@ def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, m
 
 
 def _lock_dir(path: Path) -> int | None:
+    """Rank 0's flock on the step's temporary directory: while held, no cleaner deletes it."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     if not _lock(fd, blocking=True):
         os.close(fd)
@@ -221,14 +221,11 @@ def merge_metadata(ranks: list[Any]) -> Any:
     return Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, storage_meta=ranks[0].storage_meta, version=ranks[0].version)
 
 
-def discard(temp: Path) -> None:
-    shutil.rmtree(temp, ignore_errors=True)
-
-
 _persister: Persister | None = None
 
 
 def persister() -> Persister:
+    """This worker process's persister, made at its first sharded save."""
     global _persister
     if _persister is None:
         _persister = Persister()
