@@ -146,10 +146,10 @@ class MemoryTier:
         """
         tensors = storage_bytes(state)
         known = self._sizes.get(key)
-        guess = known[1] + known[1] - known[0] + (64 << 10) if known and known[0] == tensors else None
+        guess = _room(known[1], known[0]) if known and known[0] == tensors else None
         for size in (guess, None):
             if size is None:
-                size = archive_size(state)
+                size = _room(archive_size(state), tensors)  # the same room as a guess: the slot fits both
             target = self.reserve(key, step, size, persist, keep)
             if target is None:
                 return False
@@ -186,6 +186,13 @@ class MemoryTier:
         answer, fds = self.request(op="slot", key=key, step=step)
         self._checked(answer, fds)
         return (fds[0], int(answer["length"])) if fds else None
+
+
+def _room(length: int, tensors: int) -> int:
+    """The slot size asked for an archive of ``length`` bytes, ``tensors`` of them tensor data:
+    room for the pickled rest to double, plus 64 KiB. Asked alike for exact and cached sizes, so
+    a slot sized at the first save is reused by every later save of a same-size state."""
+    return length + max(length - tensors, 0) + (64 << 10)
 
 
 _tier: MemoryTier | None = None

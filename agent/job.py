@@ -12,6 +12,8 @@ Environment (all optional; outside a launcher the job is rank 0 of 1)::
     RALLY_CHECKPOINT_DIR     where save/load_latest keep checkpoints; must be one directory
                              that every rank sees (a shared file system on several nodes)
     RALLY_CHECKPOINT_KEEP    how many checkpoints save() keeps (default 3)
+    RALLY_CKPT_HOLDER, RALLY_ROUND   the agent's checkpoint holder and this worker's round: save()
+                             copies into the node's memory, the holder writes the disk
     RALLY_HEARTBEAT_FILE     per-worker heartbeat file created by the agent (see heartbeat_file)
     RALLY_PREEMPT_SIGNALS    comma-separated signal names rally forwards before a kill, e.g. SIGUSR1,SIGTERM
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -75,8 +76,9 @@ def command(method: str, run: Path, mb: int) -> list[str]:
             "--log-dir", str(run / "logs"), *extra, *work]  # fmt: skip
 
 
-def run_once(method: str, root: Path, rep: int, mb: int) -> dict:
+def run_once(method: str, root: Path, rep: int, mb: int, keep: bool) -> dict:
     run = root / f"{method}-{rep}"
+    started = time.time()
     (run / "ckpt").mkdir(parents=True)
     env = common.bench_env({"RALLY_MEMORY_TIER": "0"} if method == "rally_disk" else None)
     job = Job.start(method, command(method, run, mb), env, REPO, run)
@@ -88,9 +90,28 @@ def run_once(method: str, root: Path, rep: int, mb: int) -> dict:
         result = json.loads((run / "result.json").read_text())
     except (OSError, ValueError):
         result = {}
+    if not keep:
+        shutil.rmtree(run / "ckpt", ignore_errors=True)  # 400 MB a step: the disk would fill up
+    left = shm_left_since(started)
+    if left:  # DLRover leaves its shared memory behind: say so, then free it
+        result["shm_left_mb"] = sum(p.stat().st_size for p in left) / 1e6
+        for path in left:
+            path.unlink(missing_ok=True)
     if code != 0 or "reload" not in result:
         return {"error": f"exit {code}: {job.tail(8)}", **result}
     return result
+
+
+def shm_left_since(started: float) -> list[Path]:
+    """Files a run left in /dev/shm (DLRover names its segments ``<job>_ckpt_shm_<rank>``)."""
+    found = []
+    for path in Path("/dev/shm").glob("*_ckpt_shm_*"):
+        try:
+            if path.stat().st_mtime >= started - 1:
+                found.append(path)
+        except OSError:
+            continue
+    return found
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -120,23 +141,24 @@ def summarize(runs: list[dict]) -> dict:
         "reload_range": (min(r["reload"] for r in ok), max(r["reload"] for r in ok)),
         "source": "/".join(sorted({r["reload_source"] for r in ok})),
         "runs": len(ok),
+        "shm_left": max((r.get("shm_left_mb", 0) for r in runs), default=0),
     }
 
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves | saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves | saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | left in /dev/shm after the job |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
         if "error" in s:
-            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | | |")
+            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | | | |")
             continue
         lines.append(
             f"| {LABELS[method]} | {s['stall']:.3f} s ({s['stall_range'][0]:.3f}–{s['stall_range'][1]:.3f}) | "
             f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | {s['dropped']} | "
             f"{'—' if s['durable'] is None else format(s['durable'], '.2f') + ' s'} | "
-            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | {s['reload_ratio']:.2f}× | {s['source']} |"
+            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | {s['reload_ratio']:.2f}× | {s['source']} | {format(s['shm_left'], '.0f') + ' MB' if s['shm_left'] else 'nothing'} |"
         )
     return "\n".join(lines)
 
@@ -160,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs[method].append({"error": "not installed (RALLY_BENCH_DLROVER_PYTHON)"})
                 continue
             print(f"{time.strftime('%H:%M:%S')} {method} run {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
-            runs[method].append(run_once(method, root, rep, args.mb))
+            runs[method].append(run_once(method, root, rep, args.mb, args.keep))
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
     summary = {m: summarize(r) for m, r in runs.items()}
     text = table(summary, args.mb)
     commit = common_commit()

@@ -186,6 +186,25 @@ def test_a_state_that_outgrew_its_slot_is_sized_again_and_saved(tier: Tier) -> N
         assert got == step and load_slot(fd)["note"] == ("x" * 300_000 if step == 2 else "y")
 
 
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_saves_of_a_same_size_state_reuse_their_slots(tier: Tier) -> None:
+    """The steady state of a training loop: no slot is allocated (and mapped) again after the first two."""
+
+    def slot_inodes() -> set[int]:
+        fds = Path(f"/proc/{tier.agent.pid}/fd")
+        return {os.stat(fd).st_ino for fd in fds.iterdir() if "rally-ckpt" in os.readlink(fd)}
+
+    worker = tier.worker()
+    for step in (1, 2):
+        worker.save(state(step), "whole", step, persist=True, keep=3)
+    first = slot_inodes()
+    for step in range(3, 7):
+        worker.save(state(step), "whole", step, persist=True, keep=3)
+        assert slot_inodes() == first
+    assert len(first) == 2
+
+
 def test_a_save_while_the_previous_persists_takes_the_other_slot_and_keeps_the_newest() -> None:
     table = SlotTable(os.urandom(8).hex())
     table.open_round(0, None, LEASE)
