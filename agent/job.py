@@ -162,8 +162,7 @@ class Checkpoint:
 
 def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None = None) -> Path | None:
     """Checkpoint ``state`` as ``step``; return the path it is (or will be) durable at on rank 0, else ``None``.
-    A state holding DTensors (FSDP2), or a dict with ``sharded=True``: every rank saves its shards
-    through torch.distributed.checkpoint (:func:`rally.agent.dcp_storage.save`). Else, a whole state:
+    A DTensor (FSDP2) state, or ``sharded=True``: every rank saves its shards (:func:`rally.agent.dcp_storage.save`).
 
     Under rally (the agent runs a memory tier, see docs/architecture.md) the call returns as soon
     as the state is copied into node-local shared memory, which the agent's holder process owns:
@@ -218,8 +217,7 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
 def load_latest(map_location: Any = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None) -> Checkpoint | None:
     """Load the newest checkpoint every rank can load, or return ``None`` when there is none; call it on every rank.
-    ``into`` (FSDP2: ``get_state_dict(model, opt)``): the newest intact sharded checkpoint, loaded
-    into it in place and resharded (:func:`rally.agent.dcp_storage.load_newest`). Else whole states:
+    ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded (:func:`rally.agent.dcp_storage.load_newest`).
 
     Under rally's memory tier every rank resumes from the step the round agreed on: the newest
     step that every node holds in memory or that is intact on disk. A worker restarted on a
