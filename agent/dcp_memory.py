@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import mmap
 import os
 import re
 import struct
@@ -65,6 +66,33 @@ class _OpenBytes(io.BytesIO):
         pass
 
 
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview (a mapped slot): no copy of the whole file."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = memoryview(view).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        n = max(0, min(target.nbytes, self.view.nbytes - self.pos))
+        target[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.view.nbytes}[whence] + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
 class _MemoryFileSystem(FileSystem):
     """DCP's file system interface over a dict of names to bytes (no directory, no fsync)."""
 
@@ -80,7 +108,7 @@ class _MemoryFileSystem(FileSystem):
             self.files[name] = stream
         else:
             data = self.files[name]
-            yield io.BytesIO(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+            yield _ViewReader(data.getbuffer() if isinstance(data, io.BytesIO) else data)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         self.files[Path(new_path).name] = self.files.pop(Path(path).name)
@@ -322,11 +350,9 @@ def _read_slot(tier: ckpt_client.MemoryTier, old_rank: int, world: int, step: in
         found = tier.slot(key, step)
         if found is not None:
             fd, length = found
-            try:
-                buffer = bytearray(length)  # a copy: the slot may be reused by the next save
-                if os.preadv(fd, [buffer], 0) != length:
-                    raise RuntimeError(f"rally: the in-memory copy {key} is shorter than its {length} bytes")
+            try:  # mapped, not copied: the holder never writes a slot it handed out again
+                mapped = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
-            return memoryview(buffer)
+            return memoryview(mapped)
     raise RuntimeError(f"rally: the in-memory copy of rank {old_rank}, step {step}, is gone from this node")
