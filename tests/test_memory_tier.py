@@ -48,8 +48,21 @@ class Tier:
         return MemoryTier(self.holder, r)
 
     def copies(self, key: str = "whole") -> int:
-        """How many slots of ``key`` the holder process holds."""
-        return sum(f"-{key}." in name for names in holders_of(pids=[self.agent.pid]).values() for name in names)
+        """How many distinct memfds (copies) of ``key`` the holder process holds (the persister's
+        mapping holds a second descriptor of the one it reads)."""
+        return len(memfd_inodes(self.agent.pid, f"-{key}."))
+
+
+def memfd_inodes(pid: int, needle: str) -> set[int]:
+    """The inodes of the memfds ``pid`` holds whose name contains ``needle`` (each copy once)."""
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if needle in os.readlink(fd):
+                found.add(os.stat(fd).st_ino)
+        except OSError:
+            continue  # closed meanwhile
+    return found
 
 
 @pytest.fixture
@@ -192,8 +205,7 @@ def test_saves_of_a_same_size_state_reuse_their_slots(tier: Tier) -> None:
     """The steady state of a training loop: no slot is allocated (and mapped) again after the first two."""
 
     def slot_inodes() -> set[int]:
-        fds = Path(f"/proc/{tier.agent.pid}/fd")
-        return {os.stat(fd).st_ino for fd in fds.iterdir() if "rally-ckpt" in os.readlink(fd)}
+        return memfd_inodes(tier.agent.pid, "rally-ckpt")
 
     worker = tier.worker()
     for step in (1, 2):
