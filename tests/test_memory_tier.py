@@ -179,7 +179,8 @@ def test_shared_memory_holds_at_most_two_copies_per_key(tier: Tier) -> None:
     for step in range(1, 7):
         worker.save(state(step), "whole", step, persist=True, keep=2)
         assert tier.copies() <= 2
-    assert tier.agent.memory_steps() == [5, 6]
+    held = tier.agent.memory_steps()  # the newest, and the newest or the one being persisted
+    assert len(held) == 2 and held[-1] == 6
     assert tier.agent.flush(30) and job.durable_steps(tier.checkpoint_dir)[-1] == 6
     assert len(job.durable_steps(tier.checkpoint_dir)) <= 2  # keep-K, as job.save keeps
 
