@@ -204,13 +204,14 @@ class Holder:
                 table.persisted(key, index, ok)
 
     def between_chunks(self) -> bool:
-        """Pause the disk copy while a worker copies into a slot (bounded): the training step's
-        stall is that copy, and on a small node both would share the same cores and memory
-        bandwidth. True when the holder is stopping (the persist is given up)."""
+        """Pause the disk copy while a worker copies into a slot or reloads from one (bounded):
+        the training step's stall, or the restart, is that copy, and on a small node both would
+        share the same cores and memory bandwidth. True when the holder is stopping (the persist
+        is given up)."""
         deadline = time.monotonic() + MAX_PAUSE_SECONDS
         with self.table.cond:
             while self.table.copying() and not self.stopping and (left := deadline - time.monotonic()) > 0:
-                self.table.cond.wait(left)
+                self.table.cond.wait(min(left, 0.05))  # a reload's pause ends by time, not by a notify
             return self.stopping
 
     def stop(self) -> None:

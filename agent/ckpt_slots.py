@@ -34,6 +34,8 @@ from rally.agent.ckpt_shm import SLOTS_PER_KEY, memfd_name, valid_key
 
 FREE, WRITING, COMMITTED = "free", "writing", "committed"
 PAGE = 4096
+RELOAD_PAUSE_SECONDS = 1.0
+"""How long after a worker's resume the persister leaves memory bandwidth to the reload."""
 
 
 class Refused(Exception):
@@ -82,6 +84,7 @@ class SlotTable:
         self.resume_step: int | None = None
         self.disk_only: str | None = None
         self.durable: dict[str, int] = {}
+        self.resumed_at = -RELOAD_PAUSE_SECONDS
 
     # ------------------------------------------------------------------ the agent's side
     def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
@@ -206,9 +209,11 @@ class SlotTable:
             return slot
 
     def copying(self) -> bool:
-        """True while some worker is copying into a slot."""
+        """True while some worker is copying into a slot, or may be copying out of one: for
+        RELOAD_PAUSE_SECONDS after a resume (the restart the job is waiting for)."""
         with self.cond:
-            return any(s.state == WRITING for k in self.keys.values() for s in k.slots)
+            reloading = time.monotonic() < self.resumed_at + RELOAD_PAUSE_SECONDS
+            return reloading or any(s.state == WRITING for k in self.keys.values() for s in k.slots)
 
     def abort(self, conn: int, key: str, step: int) -> None:
         with self.cond:
@@ -238,6 +243,7 @@ class SlotTable:
         """(the round's agreed step, the slot index and memfd holding it for ``key``); the last two
         None when this node does not hold it (read the disk)."""
         with self.cond:
+            self.resumed_at = time.monotonic()
             step = self.resume_step
             keyslots = self.keys.get(key)
             if step is None or keyslots is None:
