@@ -48,6 +48,8 @@ MAX_PAUSE_SECONDS = 5.0
 """The longest the persister waits for a worker's copy to finish before it goes on anyway."""
 MAX_LINE = 64 * 1024
 """A request longer than this is not one of ours: the connection is closed."""
+IDLE_SLICE_SECONDS = 1.0
+"""The idle persister's wait for work, one slice at a time (a commit or a stop wakes it at once)."""
 
 
 class Holder:
@@ -183,7 +185,7 @@ class Holder:
         while True:
             with table.cond:
                 while not self.stopping and (job := table.next_to_persist()) is None:
-                    table.cond.wait()
+                    table.cond.wait(IDLE_SLICE_SECONDS)  # woken by a commit or stop; the slice only re-checks
                 if self.stopping:
                     return
             key, index, slot = job

@@ -49,6 +49,8 @@ POLL_INTERVAL = 0.02
 """How often rank 0 looks for the other ranks' markers (seconds)."""
 MAX_PENDING = 2
 """Steps that may wait for the disk per worker; a save beyond that waits for the oldest."""
+POLL_SLICE = 1.0
+"""One slice of that wait (seconds): a written step wakes it at once, the slice only re-checks."""
 
 
 def temp_name(step: int) -> str:
@@ -71,7 +73,7 @@ class Persister:
     def submit(self, directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any) -> None:
         with self.cond:
             while len(self.pending) >= MAX_PENDING:
-                self.cond.wait()
+                self.cond.wait(POLL_SLICE)  # woken when a step is written; the slice only re-checks
             self.pending.append((directory, step, keep, rank, world, meta, data))
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="rally-dcp-persist", daemon=False)
