@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from rally.agent import processes
+from rally.agent.ckpt_agent import NodeCheckpoints
 from rally.agent.event_loop import Event, EventLoop
 from rally.agent.events import EventLog
 from rally.agent.agent_exit import AgentExit, store_failure_exit
@@ -33,7 +34,6 @@ from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PRE
 from rally.agent.guard_client import TOKEN_VARIABLE, GuardClient
 from rally.agent.hang_report import HangReporter
 from rally.agent.health import HealthMonitor, HealthSettings
-from rally.agent.job import newest_checkpoint_step
 from rally.agent.live import LiveView
 from rally.agent.node_checks import EXIT_QUARANTINED, NodeChecks
 from rally.agent.observer import Observer
@@ -106,13 +106,15 @@ class Agent:
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
         self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
         self.observer.node_checks = self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/node_checks.py)
+        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)  # the memory tier (agent/ckpt_agent.py)
+        self.base_env.update(self.ckpt.env())
 
     # ================================================================ entry point
     def run(self) -> int:
         processes.become_subreaper()
         self.loop.install_signal_handlers({*self.spec.signals_to_handle, *self.spec.preemption_signals})
         self.guard = GuardClient(self.token)
-        self._start_template()
+        self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn)  # preloads torch meanwhile
         try:
             self._start_observer()
             code = self._run()
@@ -122,6 +124,7 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
+            self.ckpt.finish(self.spec.shutdown_timeout)  # the newest in-memory step made durable
             processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
             for part in (self.live, self.template, self.guard, self.observer):
                 if part is not None:
@@ -155,7 +158,9 @@ class Agent:
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
-        self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, on_status=console.say, progress=self._checkpoint_step)
+        self.rdzv = rdzv = Rendezvous(
+            self.store, self.plan.settings, self.node, on_status=console.say, progress=self.ckpt.progress, holdings=self.ckpt.holdings
+        )
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
         if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/quarantine.py)
@@ -170,9 +175,6 @@ class Agent:
             self.observer.start(lambda: self._status_record(self.assignment) if self.assignment else None, self.report)
         except OSError as exc:
             raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
-
-    def _checkpoint_step(self) -> int | None:
-        return newest_checkpoint_step(self.spec.checkpoint_dir) if self.spec.checkpoint_dir else None
 
     def _stop_crash_loop(self, rdzv: Rendezvous, a: Assignment) -> int:
         """K failures in a row without a newer checkpoint: stop instead of burning the budget."""
@@ -221,6 +223,7 @@ class Agent:
                 return master
             if (left_out := self.checks.round_formed(rdzv, a, master)) is not None:  # pre-flight (agent/preflight.py)
                 return left_out
+            self.ckpt.open_round(a, self.plan.settings.keep_alive_timeout)
             self._start_workers(a, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rdzv, a)
@@ -278,6 +281,7 @@ class Agent:
             if end is not None:
                 return end
             self.observer.after_check(a, group.workers, self.health)
+            self.ckpt.renew()  # the fence's lease: a frozen agent's workers cannot checkpoint
             if not reported_success and group.all_succeeded():
                 reported_success = True
                 if a.group_world_size > 1:
@@ -354,6 +358,7 @@ class Agent:
         """Stop this round's workers, then apply `decide` (agent/decide.py): an exit code, or
         None to go round again."""
         group = self.group
+        self.ckpt.close_round(a)  # from now on a save of this round's workers is refused
         self._stop_workers(signal.SIGTERM)
         self.report.finish_attempt(group, end)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail)
@@ -408,7 +413,7 @@ class Agent:
             self.store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_record(self, a: Assignment) -> dict:
-        return node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
+        return {**node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer), **self.ckpt.status_fields()}
 
     # ================================================================ signals
     def _on_signals(self, rdzv: Rendezvous | None = None, a: Assignment | None = None) -> RoundEnd | None:
@@ -479,15 +484,5 @@ class Agent:
 
     def _helper_pids(self) -> frozenset[int]:
         template = self.template.helper_pids() if self.template is not None else set()
-        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template)
-
-    def _start_template(self) -> None:
-        """Start the worker template now, so it preloads torch while the rendezvous runs."""
-        self.template = TemplateClient.for_job(self.spec, self.base_env)
-        if self.template is None:
-            return
-        try:
-            self.template.start()
-        except OSError as exc:
-            console.warn(f"could not start the worker template ({exc}); starting workers plainly")
-            self.template = None
+        holder = {self.ckpt.pid} if self.ckpt.pid is not None else set()
+        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | holder)

@@ -24,14 +24,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import re
 import stat
 import struct
 import tempfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from rally.agent.ckpt_shm import storage_bytes
 
 FOOTER = struct.Struct("<8sQI4s")
 FOOTER_MAGIC, FOOTER_END = b"RALLYCKP", b"END1"
@@ -44,6 +48,18 @@ _VERDICT_CACHE_LIMIT = 256
 
 class DamagedCheckpoint(Exception):
     """A checkpoint file that fails verification; the message says why, in a few words."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint found by ``rally.job.load_latest``: the step it was saved at, its state, its
+    file on disk (where it is or will be durable) and where it was read from. Defined here, not in
+    job.py, so that dcp_storage (which job.py imports when asked) need not import job.py."""
+
+    step: int
+    state: Any
+    path: Path
+    source: str = "disk"  # "memory": mapped from the node's shared memory; "disk": from ``path``
 
 
 class _ChecksumWriter:
@@ -69,7 +85,7 @@ def write(state: Any, final: Path) -> None:
     import torch
 
     directory = final.parent
-    fd, tmp = _locked_temp(final)
+    fd, tmp = locked_temp(final)
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
             writer = _ChecksumWriter(f)
@@ -78,16 +94,40 @@ def write(state: Any, final: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if _disk_full(exc):  # torch reports it as "unexpected pos ..." with ENOSPC deep in the chain
+            raise OSError(errno.ENOSPC, _disk_full_line(final, storage_bytes(state))) from None
         raise
     finally:
         os.close(fd)  # releases the lock, after the rename: a cleaner never sees it unlocked
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
-def _locked_temp(final: Path) -> tuple[int, str]:
+def _disk_full(exc: BaseException | None) -> bool:
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _disk_full_line(final: Path, needed: int) -> str:
+    """One line: the file, its directory, the bytes it needs (its tensors, at least) and the free ones."""
+    try:
+        info = os.statvfs(final.parent)
+        free = f"{info.f_bavail * info.f_frsize / 1e6:.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"checkpoint {final.name} could not be written to {final.parent}: the disk is full (No space left "
+        f"on device; at least {needed / 1e6:.1f} MB needed, {free}); the previous checkpoints are kept"
+    )
+
+
+def locked_temp(final: Path) -> tuple[int, str]:
     """A new temporary file next to ``final``, created and locked by this process.
 
     Between creation and the lock a cleaner may take the lock and delete the file; that is
@@ -186,6 +226,72 @@ def _verify(file: BinaryIO) -> None:
         raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
 
 
+def open_mapped_verified(path: Path) -> int:
+    """Open ``path``, check it end to end through a read-only mapping; return the open fd.
+
+    One pass over the bytes (the CRC), and they stay in the page cache for the reader that maps
+    the same fd (``torch.load("/proc/self/fd/<fd>", mmap=True)``): a load reads the file once,
+    not once for the check and again for torch. The caller closes the fd.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not block us
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise DamagedCheckpoint(f"cannot open it: {exc.strerror}") from None
+    try:
+        _verify_mapped(fd)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _verify_mapped(fd: int) -> None:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise DamagedCheckpoint("not a regular file")
+    size = info.st_size
+    if size == 0:
+        raise DamagedCheckpoint("empty file")
+    if size < FOOTER.size:
+        raise DamagedCheckpoint(f"only {size} bytes, no rally footer")
+    try:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data:
+            magic, length, crc, end = FOOTER.unpack_from(data, size - FOOTER.size)
+            if magic != FOOTER_MAGIC or end != FOOTER_END:
+                raise DamagedCheckpoint("no rally footer: truncated, or not written by rally.job.save")
+            if length != size - FOOTER.size:
+                raise DamagedCheckpoint(f"length {size - FOOTER.size} bytes, the footer says {length}")
+            with memoryview(data) as view:
+                actual = 0
+                for start in range(0, length, READ_CHUNK):
+                    actual = zlib.crc32(view[start : min(start + READ_CHUNK, length)], actual)
+    except (OSError, ValueError) as exc:
+        raise DamagedCheckpoint(f"read error: {getattr(exc, 'strerror', None) or exc}") from None
+    if actual != crc:
+        raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a regular file ending in a footer whose length matches: written to the
+    end and renamed into place. Cheap (no CRC); the CRC is checked when it is loaded."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < FOOTER.size:
+            return False
+        magic, length, _, end = FOOTER.unpack(os.pread(fd, FOOTER.size, info.st_size - FOOTER.size))
+        return magic == FOOTER_MAGIC and end == FOOTER_END and length == info.st_size - FOOTER.size
+    except (OSError, struct.error):
+        return False
+    finally:
+        os.close(fd)
+
+
 _verdicts: dict[tuple[str, int, int, int, int, int], bool] = {}
 
 
@@ -212,7 +318,7 @@ def is_intact(path: Path) -> bool:
     return _verdicts[key]
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the rename durable: without this a power loss may forget the new directory entry."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -12,6 +12,8 @@ Environment (all optional; outside a launcher the job is rank 0 of 1)::
     RALLY_CHECKPOINT_DIR     where save/load_latest keep checkpoints; must be one directory
                              that every rank sees (a shared file system on several nodes)
     RALLY_CHECKPOINT_KEEP    how many checkpoints save() keeps (default 3)
+    RALLY_CKPT_HOLDER, RALLY_ROUND   the agent's checkpoint holder and this worker's round: save()
+                             copies into the node's memory, the holder writes the disk
     RALLY_HEARTBEAT_FILE     per-worker heartbeat file created by the agent (see heartbeat_file)
     RALLY_PREEMPT_SIGNALS    comma-separated signal names rally forwards before a kill, e.g. SIGUSR1,SIGTERM
 
@@ -41,7 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rally.agent import checkpoint_file, heartbeat_file
+from rally.agent import checkpoint_file, ckpt_client, dcp_files, heartbeat_file
+from rally.agent.checkpoint_file import Checkpoint  # noqa: F401 - part of this module's API (load_latest returns it)
+from rally.agent.ckpt_client import CheckpointRefused  # noqa: F401 - part of this module's API
 
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
@@ -51,6 +55,9 @@ PREEMPT_SIGNALS_ENV = "RALLY_PREEMPT_SIGNALS"
 DEFAULT_CHECKPOINT_KEEP = 3
 """Checkpoints kept by :func:`save` when neither ``keep`` nor RALLY_CHECKPOINT_KEEP says otherwise.
 More than one, so that a newest file damaged after it was written still leaves a fallback."""
+
+WHOLE_STATE_KEY = "whole"
+"""The memory tier's key for a state every rank holds alike (DDP), saved once per node."""
 
 _CHECKPOINT_RE = re.compile(r"^step_(\d+)\.pt$")
 
@@ -143,28 +150,30 @@ class CheckpointDirNotSet(RuntimeError):
     """save/load_latest were called without a checkpoint directory."""
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A checkpoint found by :func:`load_latest`: the step it was saved at, its state and its file."""
+def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None = None) -> Path | None:
+    """Checkpoint ``state`` as ``step``; return the path it is (or will be) durable at on rank 0, else ``None``.
+    A DTensor (FSDP2) state, or ``sharded=True``: every rank saves its shards (:func:`rally.agent.dcp_storage.save`).
 
-    step: int
-    state: Any
-    path: Path
+    Under rally (the agent runs a memory tier, see docs/architecture.md) the call returns as soon
+    as the state is copied into node-local shared memory, which the agent's holder process owns:
+    a memory copy's time, not a disk write's. The holder then writes it to the checkpoint
+    directory in the background, in the same format, atomically, and keeps the newest ``keep``
+    files, so training steps on while the disk works. A save while the previous one is still
+    being written never waits for it. :func:`durable_steps` says which steps are on disk.
+    Local rank 0 of each node makes the node's copy (so a restarted worker on any surviving node
+    reloads from memory); only global rank 0's copy is written to disk. A save from a worker of a
+    round that is over is refused (:class:`CheckpointRefused`). Should /dev/shm be too small, the
+    agent says so once and every save is written straight to disk, as below.
 
+    Without rally's memory tier (torchrun, plain python) only global rank 0 writes, directly:
+    ``torch.save`` into a temporary file in the same directory, a footer with the payload's
+    length and CRC-32 (see :mod:`rally.agent.checkpoint_file`), flush and fsync, rename over
+    ``step_<step:012d>.pt``, fsync the directory. A crash at any moment, even SIGKILL or power
+    loss, leaves either the old set of checkpoints or the old set plus the new complete one.
 
-def save(state: Any, step: int, *, keep: int | None = None) -> Path | None:
-    """Write ``state`` as the checkpoint of ``step`` on rank 0; return its path (``None`` on other ranks).
-
-    Only global rank 0 writes; every other rank returns ``None`` at once. The caller is expected to
-    hold the same state on every rank (as DDP guarantees for model and optimizer), so rank 0's copy
-    speaks for all. Call it from every rank at the same step anyway: that is harmless and keeps the
-    script free of rank checks.
-
-    The write is atomic and durable: ``torch.save`` into a temporary file in the same directory,
-    a footer with the payload's length and CRC-32 (see :mod:`rally.agent.checkpoint_file`), flush
-    and fsync, rename over ``step_<step:012d>.pt``, fsync the directory. A crash at any moment,
-    even SIGKILL or power loss, leaves either the old set of checkpoints or the old set plus the
-    new complete one; never a damaged or missing previous checkpoint.
+    The caller is expected to hold the same state on every rank (as DDP guarantees for model and
+    optimizer), so one copy speaks for all. Call it from every rank at the same step anyway: that
+    is harmless and keeps the script free of rank checks.
 
     Several savers may share a directory (a straggler from an earlier round, two jobs, threads):
     each locks its temporary file while writing, and a temporary file is deleted by the next
@@ -174,29 +183,46 @@ def save(state: Any, step: int, *, keep: int | None = None) -> Path | None:
     (a concurrent saver's, or damaged ones this job resumed past) are left alone.
     """
     ctx = context()
-    if not ctx.is_rank0:
-        return None
+    if sharded if sharded is not None else dcp_files.holds_shards(state):
+        from rally.agent import dcp_storage  # imports torch.distributed.checkpoint
+        return dcp_storage.save(state, _require_dir(ctx), step, _resolve_keep(keep))
     if step < 0:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
     keep = _resolve_keep(keep)
     directory = _require_dir(ctx)
+    final = directory / f"step_{step:012d}.pt"
+    memory = ckpt_client.tier()
+    if memory is not None and ctx.local_rank != 0:
+        return None  # local rank 0 holds this node's copy
+    if memory is not None and memory.save(state, WHOLE_STATE_KEY, step, persist=ctx.is_rank0, keep=keep):
+        return final if ctx.is_rank0 else None
+    if not ctx.is_rank0:
+        return None
     directory.mkdir(parents=True, exist_ok=True)
     checkpoint_file.remove_dead_writers_temps(directory)
-    final = directory / f"step_{step:012d}.pt"
     checkpoint_file.write(state, final)
-    _prune(directory, keep, protect=final)
+    prune(directory, keep, protect=final)
     return final
 
 
-def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Checkpoint | None:
-    """Load the newest intact checkpoint, or return ``None`` when there is none; call it on every rank.
+def load_latest(map_location: Any = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None) -> Checkpoint | None:
+    """Load the newest checkpoint every rank can load, or return ``None`` when there is none; call it on every rank.
+    ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded (:func:`rally.agent.dcp_storage.load_newest`).
 
-    A file is intact when its footer's length and CRC-32 match (see
+    Under rally's memory tier every rank resumes from the step the round agreed on: the newest
+    step that every node holds in memory or that is intact on disk. A worker restarted on a
+    surviving node maps it straight from the node's shared memory (``torch.load(mmap=True)``, no
+    copy until the script copies the tensors into its model); the others read it from disk.
+    ``Checkpoint.source`` says which.
+
+    On disk a file is intact when its footer's length and CRC-32 match (see
     :mod:`rally.agent.checkpoint_file`); a damaged newest file (truncated, garbage, empty,
     unreadable) is skipped with a warning and the next older one is tried. The verdict depends on
     the bytes alone, so every rank skips the same files and resumes from the same step, and the
     agent's crash-loop check (:func:`newest_checkpoint_step`) counts the same step. All ranks must
-    see the same directory and should call this before the first collective.
+    see the same directory and should call this before the first collective. The file is mapped
+    (``torch.load(mmap=True)``) and read once, for its CRC; the tensors are read from the page cache
+    when the script copies them.
     ``weights_only=True`` (torch's safe loader) accepts tensors, numbers, strings and containers,
     which covers model and optimizer state dicts; pass ``False`` for trusted arbitrary pickles.
     An intact file that torch cannot load is not skipped: the error is raised, the same on every
@@ -204,20 +230,40 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Chec
     """
     ctx = context()
     directory = _require_dir(ctx)
+    if into is not None:
+        from rally.agent import dcp_storage  # imports torch.distributed.checkpoint
+        return dcp_storage.load_newest(into, directory)
 
     import torch
 
+    agreed = None
+    memory = ckpt_client.tier()
+    if memory is not None:
+        agreed, memfd = memory.resume(WHOLE_STATE_KEY)
+        if memfd is not None and agreed is not None:
+            try:
+                state = torch.load(f"/proc/self/fd/{memfd}", map_location=map_location, weights_only=weights_only, mmap=True)
+            finally:
+                os.close(memfd)  # the mapping keeps the copy
+            if ctx.is_rank0:
+                _log(f"resuming from step {agreed} (from memory)")
+            return Checkpoint(step=agreed, state=state, path=directory / f"step_{agreed:012d}.pt", source="memory")
+
     for step, path in reversed(_list_checkpoints(directory)):
+        if agreed is not None and step > agreed:
+            continue  # newer than what every rank can load: not this round's step
         try:
-            file = checkpoint_file.open_verified(path)
+            fd = checkpoint_file.open_mapped_verified(path)
         except FileNotFoundError:
             continue  # pruned by a saver between listing and opening; an older one is still there
         except checkpoint_file.DamagedCheckpoint as damage:
             if ctx.local_rank == 0:
                 _log(f"warning: checkpoint {path} is damaged ({damage}); trying an older one")
             continue
-        with file:
-            state = torch.load(file, map_location=map_location, weights_only=weights_only)
+        try:
+            state = torch.load(f"/proc/self/fd/{fd}", map_location=map_location, weights_only=weights_only, mmap=True)
+        finally:
+            os.close(fd)
         if ctx.is_rank0:
             _log(f"resuming from step {step} ({path})")
         return Checkpoint(step=step, state=state, path=path)
@@ -226,22 +272,32 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True) -> Chec
     return None
 
 
+def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
+    """The steps whose checkpoint files are complete on disk, oldest first.
+
+    ``save`` returns before the disk write under rally's memory tier; this says which steps a
+    lost node, a lost job or a new job would find. Cheap: it checks each file's footer and
+    length, not its CRC (``load_latest`` does that). ``directory`` defaults to the job's.
+    """
+    found = _list_checkpoints(Path(directory) if directory is not None else _require_dir(context()))
+    return [step for step, path in found if checkpoint_file.is_complete(path)]
+
+
 def newest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
     """The step of the newest intact checkpoint in `directory` (None if there is none).
 
-    The agent uses this to tell a crash loop (restarts that make no progress) from a job
-    that fails now and then but keeps moving forward. Damaged files are skipped exactly as
-    :func:`load_latest` skips them, so the step counted is the step the workers resume from;
-    an unreadable directory counts as no checkpoint rather than stopping the agent.
+    The agent uses this to tell a crash loop (restarts that make no progress) from a job that
+    fails now and then but keeps moving forward; sharded checkpoints (``step_*.dcp``) count alike.
+    Damaged files are skipped exactly as :func:`load_latest` skips them, so the step counted is
+    the step the workers resume from; an unreadable directory counts as no checkpoint.
     """
     try:
         found = _list_checkpoints(Path(directory))
+        sharded = dcp_files.newest_intact_step(Path(directory))
     except OSError:
         return None
-    for step, path in reversed(found):
-        if checkpoint_file.is_intact(path):
-            return step
-    return None
+    whole = next((step for step, path in reversed(found) if checkpoint_file.is_intact(path)), None)
+    return max((s for s in (whole, sharded) if s is not None), default=None)
 
 
 def _require_dir(ctx: JobContext) -> Path:
@@ -270,7 +326,7 @@ def _list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _prune(directory: Path, keep: int, protect: Path) -> None:
+def prune(directory: Path, keep: int, protect: Path) -> None:
     """Keep ``protect`` (just written) and the ``keep - 1`` newest checkpoints older than it.
 
     Files newer than the one just written are not this save's to judge: they belong to a

@@ -27,6 +27,8 @@ every metric carries a `run_id` label, every worker metric also `rank`, `local_r
     rally_gpu_problems_total             GPU problems found on this node so far (ECC, XID, ...; with NVML)
     rally_preflight_seconds{probe}       this node's last pre-flight numbers: compute, link, allreduce (agent/preflight.py)
     rally_preflight_left_out{node}       1 for each node the last pre-flight left out
+    rally_checkpoint_saved_step          the newest step saved on this node, in memory or on disk
+    rally_checkpoint_durable_step        the newest step this node made durable on disk
 
 The endpoint listens on every interface by default (`--metrics-addr 0.0.0.0`), as
 node_exporter does, because Prometheus scrapes from another machine; `--metrics-addr
@@ -72,6 +74,12 @@ def build_versions() -> dict[str, str]:
     return {"version": __version__, "torch": torch_version, "python": platform.python_version()}
 
 
+CHECKPOINT_GAUGES = [
+    ("checkpoint_saved_step", "rally_checkpoint_saved_step", "The newest step saved on this node (in memory or on disk)."),
+    ("checkpoint_durable_step", "rally_checkpoint_durable_step", "The newest step this node made durable on disk."),
+]
+
+
 class AgentCollector(Collector):
     """Builds every metric at scrape time from the agent's status record and its round ends."""
 
@@ -106,6 +114,9 @@ class AgentCollector(Collector):
         yield self._one(GaugeMetricFamily, "rally_world_size", "Workers in the job.", record.get("world_size", 0))
         if record.get("group_world_size") is not None:
             yield self._one(GaugeMetricFamily, "rally_nodes", "Nodes in the current round.", record["group_world_size"])
+        for field, name, text in CHECKPOINT_GAUGES:
+            if record.get(field) is not None:
+                yield self._one(GaugeMetricFamily, name, text, record[field])
         if record.get("gpu_problems_total") is not None:
             yield self._one(CounterMetricFamily, "rally_gpu_problems", "GPU problems found on this node so far (ECC, XID, ...).", record["gpu_problems_total"])
         yield from self._workers(record)

@@ -233,6 +233,20 @@ class TemplateClient:
         cwd = os.path.abspath(spec.cwd or os.getcwd())
         return cls(spec.python_exec, BOOTSTRAP, spec.command(), preload, shared_worker_env(spec, base_env), cwd, warn)
 
+    @classmethod
+    def started_for_job(cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None]) -> "TemplateClient | None":
+        """`for_job`, started at once so it preloads torch while the rendezvous runs; None (workers
+        start plainly) when the job has none, or when it cannot start (said once, with `warn`)."""
+        template = cls.for_job(spec, base_env, warn)
+        if template is None:
+            return None
+        try:
+            template.start()
+        except OSError as exc:
+            warn(f"could not start the worker template ({exc}); starting workers plainly")
+            return None
+        return template
+
     # ------------------------------------------------------------ lifetime
     def start(self) -> None:
         """Start the template; it preloads while the agent goes on (the first spawn waits)."""

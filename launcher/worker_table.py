@@ -62,8 +62,19 @@ NODE_COLUMNS: list[tuple[str, Callable[[dict, float], str]]] = [
     ("host", lambda n, _: str(n.get("host", ""))),
     ("round", lambda n, _: str(n.get("round", ""))),
     ("restarts", lambda n, _: str(n.get("restart_count", ""))),
+    ("checkpoint", lambda n, _: _checkpoint(n)),
     ("keep-alive", lambda n, now: f"{now - n['updated']:.1f} s ago" if n.get("updated") else "-"),
 ]
+
+def _checkpoint(node: dict) -> str:
+    """The newest step this node saved (memory tier) and the newest durable one: "30 (25 on disk)"."""
+    saved, durable = node.get("checkpoint_saved_step"), node.get("checkpoint_durable_step")
+    if saved is None and durable is None:
+        return "-"
+    if saved is None or saved == durable:
+        return f"{durable} on disk"
+    return f"{saved} ({durable if durable is not None else 'none'} on disk)"
+
 
 RIGHT_ALIGNED = ("cpu %", "rss MiB", "gpu MiB", "gpu %", "step", "s/step")
 

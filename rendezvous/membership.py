@@ -86,6 +86,20 @@ def newest_step(nodes: list[NodeInfo]) -> int | None:
     return max(steps) if steps else None
 
 
+def resume_step(nodes: list[NodeInfo]) -> int | None:
+    """The newest step every member can load: held in every member's memory, or intact on disk.
+
+    The disk is shared, so its newest intact step counts for all when every member sees it (the
+    smallest of their views); a step in memory counts only if every member holds it. None when
+    no node knows any step: the workers then read the disk as they find it.
+    """
+    in_all = set.intersection(*(n.held_in_memory() for n in nodes)) if nodes else set()
+    durable = [n.durable_step for n in nodes]
+    on_disk = min(durable) if durable and None not in durable else None  # type: ignore[type-var]
+    candidates = [s for s in (max(in_all, default=None), on_disk) if s is not None]
+    return max(candidates) if candidates else None
+
+
 def assignments_for(r: int, nodes: list[NodeInfo], record: RoundRecord) -> list[Assignment]:
     """Each node's assignment for round r (in the order of `nodes`): group rank, rank offset,
     world size, the member it watches (a ring) and the host of the workers' store (rank 0)."""
@@ -114,6 +128,7 @@ def assignments_for(r: int, nodes: list[NodeInfo], record: RoundRecord) -> list[
                 stalled_restarts=record.stalled_restarts,
                 checkpoint_step=record.checkpoint_step,
                 node_id=nodes[i].node_id,
+                resume_step=record.resume_step,
             )
         )
     return out

@@ -52,6 +52,7 @@ from rally.rendezvous.membership import (
     assignments_for,
     counts_entering,
     newest_step,
+    resume_step,
 )
 from rally.rendezvous.records import (
     FAILURE_KINDS,
@@ -115,10 +116,13 @@ class Rendezvous:
         me: NodeInfo,
         on_status: Callable[[str], None] = lambda _message: None,
         progress: Callable[[], int | None] = lambda: None,
+        holdings: Callable[[], tuple[list[int], int | None]] = lambda: ([], None),
     ):
-        """`progress` returns the newest checkpoint step this node sees, for crash-loop detection."""
+        """`progress` returns the newest checkpoint step this node saved, for crash-loop detection;
+        `holdings` the steps in its memory tier and the newest on disk, for the resume step."""
         self.store = store
         self.progress = progress
+        self.holdings = holdings
         self.on_status = on_status
         self.settings = settings
         self.me = me
@@ -188,7 +192,11 @@ class Rendezvous:
 
     def _join(self, r: int, deadline: float) -> Assignment | None:
         s = self.settings
-        me = NodeInfo(**{**asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress()})
+        memory, durable = self.holdings()
+        me = NodeInfo(**{
+            **asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress(),
+            "memory_steps": ",".join(map(str, memory)), "durable_step": durable,
+        })  # fmt: skip
         idx = arrival.claim_arrival_slot(self, r, me)
         if idx is None:
             return None
@@ -262,7 +270,7 @@ class Rendezvous:
             if r > 0 and found is None:  # deleted: that must not reset the restart budget
                 raise tampered(self.store.key(name), f"round {r} cannot form before round {r - 1} closed and ended")
         counts = counts_entering(previous, end, step)
-        record = RoundRecord(len(nodes), *counts, step, attempt)
+        record = RoundRecord(len(nodes), *counts, step, attempt, resume_step(nodes))
         mine = assignments_for(r, nodes, record)
         self.store.multi_set({f"{r}/assign/{attempt}/{idx}": a.to_json() for idx, a in zip(indices, mine)})
         self.store.set_once(f"{r}/closed", record.to_json())

@@ -118,7 +118,8 @@ class NodeInfo(StoredRecord):
     """What a node tells the round about itself."""
 
     WHAT = "node descriptor"
-    KINDS = {"node_id": "str", "host": "str", "addr": "str", "nproc": "int", "prev_rank": "int?", "preferred_rank": "int?", "checkpoint_step": "int?"}
+    KINDS = {"node_id": "str", "host": "str", "addr": "str", "nproc": "int", "prev_rank": "int?", "preferred_rank": "int?", "checkpoint_step": "int?",
+             "memory_steps": "str", "durable_step": "int?"}  # fmt: skip
 
     node_id: str
     host: str
@@ -126,9 +127,16 @@ class NodeInfo(StoredRecord):
     nproc: int
     prev_rank: int | None = None
     preferred_rank: int | None = None
-    checkpoint_step: int | None = None  # the newest checkpoint this node can see (crash loops)
+    checkpoint_step: int | None = None  # the newest step this node saved, memory or disk (crash loops)
+    memory_steps: str = ""  # the steps its memory tier holds, "20,30" (agent/ckpt_tier.py)
+    durable_step: int | None = None  # the newest intact checkpoint it sees on disk
+
+    def held_in_memory(self) -> set[int]:
+        return {int(s) for s in self.memory_steps.split(",") if s}
 
     def check(self, key: str) -> None:
+        if self.memory_steps and not all(s.isascii() and s.isdigit() for s in self.memory_steps.split(",")):
+            raise _bad(key, self.WHAT, f"memory_steps {self.memory_steps[:40]!r} is not a list of steps")
         if not 1 <= self.nproc <= MAX_NPROC:
             raise _bad(key, self.WHAT, f"nproc {self.nproc} is not in 1..{MAX_NPROC}")
         if not self.node_id or not self.addr:
@@ -143,7 +151,7 @@ class Assignment(StoredRecord):
     KINDS = {
         "round": "int", "group_rank": "int", "group_world_size": "int", "rank_offset": "int", "world_size": "int",
         "restart_count": "int", "membership_changes": "int", "watch_rank": "int?", "watch_host": "str",
-        "master_host": "str", "stalled_restarts": "int", "checkpoint_step": "int?", "node_id": "str",
+        "master_host": "str", "stalled_restarts": "int", "checkpoint_step": "int?", "node_id": "str", "resume_step": "int?",
     }  # fmt: skip
 
     round: int
@@ -159,6 +167,7 @@ class Assignment(StoredRecord):
     stalled_restarts: int = 0  # failures in a row after which no newer checkpoint appeared
     checkpoint_step: int | None = None
     node_id: str = ""  # the node it was made for: checked on read, so no node runs another's ranks
+    resume_step: int | None = None  # the newest step every member can load, memory or disk
 
     def check(self, key: str) -> None:
         if not self.group_rank < self.group_world_size:
@@ -218,7 +227,7 @@ class RoundRecord(StoredRecord):
     """The `<r>/closed` record: who is in round r and the job-wide counts entering it."""
 
     WHAT = "round record"
-    KINDS = {"members": "int", "restart_count": "int", "membership_changes": "int", "stalled_restarts": "int", "checkpoint_step": "int?", "attempt": "int"}
+    KINDS = {"members": "int", "restart_count": "int", "membership_changes": "int", "stalled_restarts": "int", "checkpoint_step": "int?", "attempt": "int", "resume_step": "int?"}
 
     members: int
     restart_count: int
@@ -226,6 +235,7 @@ class RoundRecord(StoredRecord):
     stalled_restarts: int
     checkpoint_step: int | None
     attempt: int = 0  # which closer attempt wrote it: assignments live under assign/<attempt>/
+    resume_step: int | None = None  # the newest step every member can load (membership.resume_step)
 
     def check_members(self, key: str, max_nodes: int) -> "RoundRecord":
         if not 1 <= self.members <= max_nodes:

@@ -12,13 +12,52 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from rally.agent.ckpt_shm import holders_of
 
 pytest_plugins = ["slurm_cluster"]
 
 _HOG = "while True:\n    pass\n"
+
+
+# Every process a test starts inherits this marker, so the fixture below can tell this session's
+# processes from other jobs on a shared machine (clean_env keeps it: it is no launcher setting).
+SESSION_MARKER = "PYTEST_RALLY_SESSION"
+os.environ[SESSION_MARKER] = str(os.getpid())
+
+
+def _rally_shared_memory() -> list[str]:
+    """Memory-tier copies (memfds, agent/ckpt_shm.py) held by processes of this test session."""
+    mine = f"{SESSION_MARKER}={os.getpid()}".encode()
+    found = []
+    for pid, names in holders_of().items():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if mine in environ.split(b"\0"):
+            found += [f"pid {pid}: {name}" for name in names]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_shared_memory_left() -> Iterator[None]:
+    """After every test nothing of rally's holds shared memory: no memory-tier copy is held by a
+    process this session started (a holder gets 10 s to let go after its agent ended). The copies
+    are memfds, never files: /dev/shm holds nothing of rally's by construction, and a memfd
+    nobody holds is already freed, so "held by a process" is the whole question."""
+    before = set(_rally_shared_memory())
+    yield
+    deadline = time.monotonic() + 10
+    while left := [x for x in _rally_shared_memory() if x not in before]:
+        if time.monotonic() > deadline:
+            pytest.fail(f"shared memory left behind by the test: {left}")
+        time.sleep(0.05)
 
 
 def _hog_wanted(request: pytest.FixtureRequest) -> bool:

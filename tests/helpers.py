@@ -11,6 +11,7 @@ fixture must be imported into the test module for pytest to see it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -334,3 +335,17 @@ def procs() -> Iterator[ProcessTracker]:
 def console_lines(text: str, prefix: str) -> list[str]:
     """The lines of `text` that start with `prefix`, with the prefix removed."""
     return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "2m") mounted at `path` for the block, unmounted after: a disk
+    that fills up for real. Skips the test where this machine does not allow mounting."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)

@@ -89,6 +89,25 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/template_server.py", "_Template.serve", "self.poller.poll"): (BG, None, "the template server's loop: it waits for requests"),
     ("agent/template_server.py", "_Template._reap", "os.waitpid"): (NW, None, "WNOHANG"),
     ("agent/template_wire.py", "recv_message", "sock.recv"): (SL, None, "the socket's timeout"),
+    # agent: the checkpoint memory tier (the holder process, the agent's side, the worker's side)
+    ("agent/ckpt_client.py", "MemoryTier._connect", "time.sleep"): (S, None, "20 ms between tries for a holder still binding its socket, CONNECT_TIMEOUT (10 s) in all"),
+    ("agent/ckpt_holder.py", "Holder.flush", "self.table.cond.wait"): (B, None, "the agent's flush at the job's end: up to --shutdown-timeout for the newest copy to be durable"),
+    ("agent/ckpt_holder.py", "Holder.serve", "self.listener.accept"): (BG, None, "the holder's accept loop: it waits for workers while the job runs"),
+    ("agent/ckpt_holder.py", "Holder.worker", "conn.recv"): (BG, None, "one thread per worker connection, waiting for its next request; ends when the worker closes it or dies"),
+    ("agent/ckpt_holder.py", "Holder.persister", "table.cond.wait"): (BG, None, "the idle persister, in IDLE_SLICE_SECONDS (1 s) slices"),
+    ("agent/ckpt_holder.py", "Holder.between_chunks", "self.table.cond.wait"): (S, None, "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all"),
+    ("agent/ckpt_holder.py", "main", "persister.join"): (S, None, "timeout=5 as the holder stops"),
+    ("agent/ckpt_tier.py", "CheckpointTier._ask", "self._replies.get"): (B, None, "one answer of the holder: REPLY_TIMEOUT (10 s), the job-end flush --shutdown-timeout + 1 s"),
+    ("agent/ckpt_tier.py", "CheckpointTier.stop", "self.process.wait"): (S, None, "timeout=5, then SIGKILL and a wait the kernel ends"),
+    # a worker's sharded checkpoints (torch.distributed.checkpoint, in the worker's process)
+    ("agent/dcp_memory.py", "_exchange", "dist.recv"): (SL, "job", "the ring peer's replica, inside the job: the process group's timeout, the agent's hang checks"),
+    ("agent/dcp_memory.py", "_exchange", "work.wait"): (SL, "job", "the matching send, inside the job: the process group's timeout"),
+    ("agent/dcp_memory.py", "load", "dist.recv"): (SL, "job", "a copy served from another rank's memory at resume: the process group's timeout"),
+    ("agent/dcp_persist.py", "Persister.submit", "self.cond.wait"): (SL, "job", "a save while MAX_PENDING (2) steps wait for this worker's own disk write, in POLL_SLICE (1 s) slices"),
+    ("agent/dcp_persist.py", "Persister.wait", "self.cond.wait"): (SL, None, "the caller's timeout (tests)"),
+    ("agent/dcp_persist.py", "persist_part", "_wait_for_parts"): (BG, None, "the worker's background writer: rank 0 waits for every rank's part, PUBLISH_TIMEOUT (300 s)"),
+    ("agent/dcp_persist.py", "_wait_for_parts", "time.sleep"): (S, None, "POLL_INTERVAL (20 ms) between looks, PUBLISH_TIMEOUT in all"),
+    ("agent/dcp_storage.py", "PublishingWriter.write_data", "super().write_data(plan, planner).wait"): (NW, None, "torch's FileSystemWriter writes before it returns: the future is already done"),
     # rendezvous
     ("rendezvous/etcd_client.py", "EtcdClient.call", "time.sleep"): (S, None, "backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget"),
     ("rendezvous/etcd_store.py", "EtcdStore.get", "self.wait"): (B, None, "op_timeout (read_timeout)"),
@@ -142,9 +161,11 @@ KNOWN_SILENT: dict[tuple[str, str, str], str] = {
     ("agent/agent.py", "Agent._workers_store", "rdzv.wait_master"): "nodes other than 0 wait for its workers' store, up to keep_alive_timeout*4+30 s",
     ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): "the template still importing torch, up to 300 s",
     ("agent/template_connection.py", "Connection.wait_ready", "self._await"): "the same wait, inside",
+    ("agent/ckpt_holder.py", "Holder.flush", "self.table.cond.wait"): "the job's end waits up to --shutdown-timeout for the newest checkpoint copy to be durable",
+    ("agent/ckpt_tier.py", "CheckpointTier._ask", "self._replies.get"): "the same flush, on the agent's side",
 }
 # Calls whose callee applies its own bound (a default timeout or slices of one).
-BOUND_INSIDE = {"self.loop.run_blocking", "self.connect().wait_stacks_request", "self.watcher.wait_round_end", "connection.wait_ready", "self._wait_for_all_nodes", "self._wait_as_spare"}
+BOUND_INSIDE = {"work.wait", "self.loop.run_blocking", "self.connect().wait_stacks_request", "self.watcher.wait_round_end", "connection.wait_ready", "self._wait_for_all_nodes", "self._wait_as_spare"}
 
 
 def _qualname(stack: list[str]) -> str:

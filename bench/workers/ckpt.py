@@ -1,0 +1,179 @@
+"""The checkpoint benchmark's worker (bench/checkpoint.py): save a state while stepping, die, reload it.
+
+    <launcher> --nproc-per-node 2 bench/workers/ckpt.py --method rally --dir D --mb 400 --out R.json
+
+Every rank holds the same state (DDP's case): ``--mb`` MB of float32 in 100 tensors. Attempt 0
+measures, on rank 0, a plain copy of the state into preallocated tensors (``copy_``, warm), then
+``--saves`` saves, one per "step" (a barrier, then the save, then ``--gap`` seconds of sleep, as
+if training), and the stall of each: the time from the call to its return. Then rank 1 SIGKILLs
+itself, the launcher restarts both workers, and attempt 1 measures the reload: the time to get
+the newest state back into the model's tensors (load + ``copy_``, or DCP's in-place load), and
+checks its values are those of the last step saved. Rank 0 writes its figures to ``--out``.
+
+Methods: ``torch_save`` (rank 0, torch.save to a file), ``dcp_async`` (every rank,
+torch.distributed.checkpoint.async_save; durable when its future resolves), ``rally``
+(rally.job.save/load_latest, the memory tier), ``rally_disk`` (the same, run with the tier
+off), ``dlrover`` (DLRover's DdpCheckpointer,
+StorageType.DISK: shared memory, persisted by its agent; run under dlrover-run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TENSORS = 100
+
+
+def make_state(mb: int, step: int) -> dict[str, torch.Tensor]:
+    n = mb * 1_000_000 // 4 // TENSORS
+    return {f"p{i}": torch.full((n,), float(step * 1000 + i)) for i in range(TENSORS)}
+
+
+def plain_copy_seconds(state: dict[str, torch.Tensor]) -> float:
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        for k, v in state.items():
+            buffers[k].copy_(v)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])  # warm: the first touch of the buffers is not a copy
+
+
+class Method:
+    def __init__(self, name: str, directory: Path) -> None:
+        self.name, self.dir = name, directory
+        self.pending = None  # DCP's future of the last save
+        if name == "dcp_async":  # its background collectives need a group of their own (DCP's docs)
+            self.group = dist.new_group(backend="gloo")
+        if name == "dlrover":
+            from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+
+            self.dl = DdpCheckpointer(str(directory))
+
+    def save(self, state: dict, step: int) -> bool:
+        """Save ``step``; False when the method dropped it (DLRover skips a save while it persists)."""
+        if self.name == "torch_save":
+            if dist.get_rank() == 0:
+                torch.save(state, self.dir / f"{step}.pt")
+        elif self.name == "dcp_async":
+            import torch.distributed.checkpoint as dcp
+
+            if self.pending is not None:
+                self.pending.result()  # DCP allows one save in flight
+            self.pending = dcp.async_save(state, checkpoint_id=str(self.dir / f"dcp_{step}"), process_group=self.group)
+        elif self.name.startswith("rally"):
+            from rally import job
+
+            job.save(state, step)
+        elif self.name == "dlrover":
+            from dlrover.trainer.torch.flash_checkpoint.ddp import StorageType
+
+            self.dl.save_checkpoint(step, state, str(self.dir / f"{step}.pt"), storage_type=StorageType.DISK)
+            return self.dl._engine._cached_step == step  # what it sets once the copy is made
+        return True
+
+    def durable(self, step: int) -> bool:
+        if self.name == "torch_save":
+            return True
+        if self.name == "dcp_async":
+            return self.pending is not None and self.pending.done()
+        if self.name.startswith("rally"):
+            from rally import job
+
+            return step in job.durable_steps()
+        return (self.dir / f"{step}.pt").exists()
+
+    def load_into(self, model: dict[str, torch.Tensor], step: int) -> str:
+        """Load the newest checkpoint into ``model``; return where it came from."""
+        if self.name == "torch_save":
+            state = torch.load(self.dir / f"{step}.pt", weights_only=True)
+            source = "disk"
+        elif self.name == "dcp_async":
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load(model, checkpoint_id=str(self.dir / f"dcp_{step}"))
+            return "disk"
+        elif self.name.startswith("rally"):
+            from rally import job
+
+            ckpt = job.load_latest()
+            assert ckpt is not None and ckpt.step == step, ckpt
+            state, source = ckpt.state, ckpt.source
+        else:
+            state = self.dl.load_checkpoint()
+            source = "memory" if state else "none"
+        for k, v in model.items():
+            v.copy_(state[k])
+        return source
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--mb", type=int, default=400)
+    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--gap", type=float, default=1.5)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    method = Method(args.method, args.dir)
+    last = args.saves
+    if attempt == 0:
+        state = make_state(args.mb, 0)
+        copy = plain_copy_seconds(state)
+        stalls, durable_after, dropped = [], [], []
+        for step in range(1, args.saves + 1):
+            for v in state.values():
+                v.fill_(float(step))  # the "training step"
+            state["p0"][0] = step
+            dist.barrier()
+            start = time.perf_counter()
+            if not method.save(state, step):
+                dropped.append(step)
+            stalls.append(time.perf_counter() - start)
+            deadline = start + args.gap
+            while not method.durable(step) and time.perf_counter() < deadline:
+                time.sleep(0.005)
+            durable_after.append(time.perf_counter() - start if method.durable(step) else None)
+            time.sleep(max(0.0, deadline - time.perf_counter()))
+        if method.pending is not None:
+            method.pending.result()
+        if rank == 0:
+            args.out.write_text(json.dumps({"copy": copy, "stalls": stalls, "durable_after": durable_after, "dropped": dropped}))
+        dist.barrier()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # the launcher stops us once rank 1 is gone
+        return
+    model = make_state(args.mb, -1)
+    result = json.loads(args.out.read_text()) if rank == 0 else {}
+    last = max(set(range(1, args.saves + 1)) - set(result.get("dropped", [])), default=last)
+    dist.broadcast_object_list(box := [last], src=0)
+    last = box[0]
+    dist.barrier()
+    start = time.perf_counter()
+    source = method.load_into(model, last)
+    reload = time.perf_counter() - start
+    assert model["p0"][0].item() == last and model["p5"][7].item() == float(last), "wrong state reloaded"
+    if rank == 0:
+        args.out.write_text(json.dumps({**result, "reload": reload, "reload_source": source}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
