@@ -25,29 +25,29 @@ import time
 from typing import Any, Callable
 
 from rally.agent import processes
-from rally.agent.ckpt_agent import NodeCheckpoints
+from rally.agent.checkpoint.agent_side import NodeCheckpoints
 from rally.agent.event_loop import Event, EventLoop
-from rally.agent.events import EventLog
+from rally.agent.observe.event_log import EventLog
 from rally.agent.agent_exit import AgentExit, store_failure_exit
 from rally.agent.decide import Exit, Reform, Restart, decide
 from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
-from rally.agent.guard_client import TOKEN_VARIABLE, GuardClient
+from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
 from rally.agent.hang_report import HangReporter
-from rally.agent.health import HealthMonitor, HealthSettings
-from rally.agent.live import LiveView
-from rally.agent.node_checks import EXIT_QUARANTINED, NodeChecks
-from rally.agent.observer import Observer
+from rally.agent.observe.health import HealthMonitor, HealthSettings
+from rally.agent.observe.live import LiveView
+from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
+from rally.agent.observe.observer import Observer
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
 from rally.agent.round_threads import HeldFailure, RoundThreads, StoreProbe, check_peers, left_behind_line
-from rally.agent.run_info import announce
+from rally.agent.observe.run_info import announce
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.agent.status_record import node_status
+from rally.agent.observe.status_record import node_status
 from rally.agent.stopping import read_what_is_left, stop_workers
 from rally.agent.template import TemplateClient
 from rally.agent.workers import LogLayout, WorkerGroup
-from rally.launcher import console
+from rally.agent.display import console
 from rally.rendezvous.backends import OpenedStore
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
@@ -97,7 +97,7 @@ class Agent:
         self.kill_causes: dict[int, str] = {}
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
-        self.live: LiveView | None = None  # the table on a terminal (agent/live.py)
+        self.live: LiveView | None = None  # the table on a terminal (agent/observe/live.py)
         self.hangs = HangReporter(  # who really hung, from every node (agent/hang_report.py)
             self.host, spec.is_python, self.health_settings.stack_dump_wait, self.loop, self.store_call,
             connect=lambda: Rendezvous(self.store.connect_again(), plan.settings, self.node),
@@ -105,8 +105,8 @@ class Agent:
         )  # fmt: skip
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
         self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
-        self.observer.node_checks = self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/node_checks.py)
-        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)  # the memory tier (agent/ckpt_agent.py)
+        self.observer.node_checks = self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/checks/node_checks.py)
+        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)  # the memory tier (agent/checkpoint/agent_side.py)
         self.base_env.update(self.ckpt.env())
 
     # ================================================================ entry point
@@ -163,14 +163,14 @@ class Agent:
         )
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
-        if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/quarantine.py)
+        if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/checks/quarantine.py)
             raise AgentExit(EXIT_QUARANTINED, line)
         self.probe = StoreProbe(prober, self.plan.read_timeout)
         self.store_call(rdzv.register_status, waiting=True)
         return rdzv, watcher, keeper
 
     def _start_observer(self) -> None:
-        """Stragglers, GPU health and /metrics (agent/observer.py); a port in use is bad input."""
+        """Stragglers, GPU health and /metrics (agent/observe/observer.py); a port in use is bad input."""
         try:
             self.observer.start(lambda: self._status_record(self.assignment) if self.assignment else None, self.report)
         except OSError as exc:
@@ -221,7 +221,7 @@ class Agent:
             master = self._workers_store(rdzv, a)
             if isinstance(master, RoundEnd):
                 return master
-            if (left_out := self.checks.round_formed(rdzv, a, master)) is not None:  # pre-flight (agent/preflight.py)
+            if (left_out := self.checks.round_formed(rdzv, a, master)) is not None:  # pre-flight (agent/checks/preflight.py)
                 return left_out
             self.ckpt.open_round(a, self.plan.settings.keep_alive_timeout)
             self._start_workers(a, master)

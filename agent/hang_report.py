@@ -42,7 +42,7 @@ from rally.rendezvous.store import StoreError
 
 if TYPE_CHECKING:
     from rally.agent.event_loop import EventLoop
-    from rally.agent.health import Hang
+    from rally.agent.observe.health import Hang
     from rally.agent.workers import Worker, WorkerGroup
 
 # How long the node that found a hang waits for the other nodes' snapshots.

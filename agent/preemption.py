@@ -18,7 +18,7 @@ from rally.agent.event_loop import EventLoop
 from rally.agent.exit_codes import EXIT_PREEMPTED
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.launcher import console
+from rally.agent.display import console
 from rally.rendezvous.protocol import Assignment, EndKind, Rendezvous, RoundEnd
 
 

@@ -3,7 +3,7 @@
 Each worker leads its own session and process group, so a signal to the group reaches the
 worker and everything it started (DataLoader workers, shells, compilers). Each worker also
 asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), so SIGKILL of the agent
-takes the workers with it (and the orphan guard, agent/orphan_guard.py, what they started).
+takes the workers with it (and the orphan guard, agent/guard/orphan_guard.py, what they started).
 
 The agent itself is a child subreaper: every orphan of a worker's tree, a setsid'd and
 double-forked daemon included, is re-parented to the agent, so while the agent lives, every
@@ -36,7 +36,7 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-# The job's cgroup's `cgroup.procs` (agent/job_cgroup.py), set by the agent's GuardClient: every
+# The job's cgroup's `cgroup.procs` (agent/guard/job_cgroup.py), set by the agent's GuardClient: every
 # process started here joins it before exec, so all it starts can be found when the agent dies.
 _job_cgroup_procs: str | None = None
 

@@ -22,7 +22,7 @@ from rally.agent.processes import describe_exit, exit_status_for_shell
 from rally.agent.round_threads import StoreSilent
 from rally.agent.untrusted_files import open_for_writing, read_json_object
 from rally.agent.workers import Worker, WorkerGroup
-from rally.launcher.worker_table import worker_table
+from rally.agent.display.worker_table import worker_table
 from rally.rendezvous.backends import backend_of
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
 from rally.rendezvous.store import StoreEndpoint, UntrustedValue
@@ -126,7 +126,7 @@ class JobReport:
     attempts: list[AttemptRecord] = field(default_factory=list)
     outcome: str = "running"
     exit_code: int | None = None
-    quarantined: dict[str, str] = field(default_factory=dict)  # host -> why (agent/quarantine.py)
+    quarantined: dict[str, str] = field(default_factory=dict)  # host -> why (agent/checks/quarantine.py)
 
     def begin(self, assignment: Assignment) -> None:
         self.attempts.append(
@@ -186,7 +186,7 @@ class JobReport:
         return None
 
     def workers_table(self) -> Table:
-        """The last attempt's workers on this node, for the console (launcher/worker_table.py)."""
+        """The last attempt's workers on this node, for the console (agent/display/worker_table.py)."""
         rows = self.attempts[-1].workers if self.attempts else []
         return worker_table([{"host": self.host, "workers": rows}], f"workers on {self.host}")
 

@@ -71,7 +71,7 @@ class RoundThreads:
         status_record: Callable[[Assignment], dict],
         exchange: Callable[[Rendezvous, Assignment], None] = lambda _rdzv, _a: None,
     ):
-        """`exchange(rdzv, a)` runs after each status record is published (agent/observer.py)."""
+        """`exchange(rdzv, a)` runs after each status record is published (agent/observe/observer.py)."""
         self.post = post
         self.watcher = watcher
         self.keeper = keeper

@@ -7,15 +7,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rally.agent.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOW
-from rally.agent.learned_timeouts import LearningSettings
+from rally.agent.observe.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOW
+from rally.agent.observe.learned_timeouts import LearningSettings
 
 STDOUT = 1
 STDERR = 2
-# The signal on which every Python worker dumps all its threads' stacks (see agent/bootstrap.py).
+# The signal on which every Python worker dumps all its threads' stacks (see agent/worker/bootstrap.py).
 # A real-time signal, so it never collides with a signal the training script uses.
 STACK_SIGNAL = signal.SIGRTMIN + 2
-BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
+BOOTSTRAP = str(Path(__file__).parent / "worker" / "bootstrap.py")
 # Seconds between samples of the workers' CPU, memory and threads (--resource-interval).
 RESOURCE_INTERVAL_SECONDS = 5.0
 
@@ -49,11 +49,11 @@ class JobSpec:
     preemption_grace: float = 60.0
     requeue: bool = False
     heartbeat_timeout: float | None = None
-    timeout_learning: LearningSettings | None = None  # --heartbeat-timeout auto (agent/learned_timeouts.py)
-    gpu_reclaim_timeout: float = 30.0  # --gpu-reclaim-timeout (agent/gpu_reclaim.py)
-    quarantine_after: int = 2  # --quarantine-after, 0: never (agent/quarantine.py)
+    timeout_learning: LearningSettings | None = None  # --heartbeat-timeout auto (agent/observe/learned_timeouts.py)
+    gpu_reclaim_timeout: float = 30.0  # --gpu-reclaim-timeout (agent/observe/gpu_reclaim.py)
+    quarantine_after: int = 2  # --quarantine-after, 0: never (agent/checks/quarantine.py)
     quarantine_window: float = 3600.0  # --quarantine-window
-    preflight: bool = False  # --preflight (on by default for multi-node jobs; agent/preflight.py)
+    preflight: bool = False  # --preflight (on by default for multi-node jobs; agent/checks/preflight.py)
     preflight_factor: float = 2.0  # --preflight-factor
     preflight_every_round: bool = False  # --preflight-every-round
     silence_timeout: float | None = None

@@ -10,7 +10,7 @@ from typing import Any
 from rally.agent import processes
 from rally.agent.event_loop import EventLoop
 from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.launcher import console
+from rally.agent.display import console
 
 # How long to keep reading stopped workers' pipes to their end (a grandchild may hold them open).
 OUTPUT_DRAIN_SECONDS = 2.0

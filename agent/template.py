@@ -50,9 +50,10 @@ import signal
 import time
 from typing import Any, Callable, Sequence
 
-from rally.agent import linux, template_wire
+from rally.agent import linux
+from rally.agent.worker import template_wire
 from rally.agent.template_connection import Connection, TemplateGone, TemplateRefused, TemplateStuck, status_to_returncode
-from rally.agent.template_server import why_fork_is_unsafe  # noqa: F401 - re-exported for callers
+from rally.agent.worker.template_server import why_fork_is_unsafe  # noqa: F401 - re-exported for callers
 
 # Variables that differ from worker to worker or round to round (see workers.worker_env);
 # a difference in any other variable means the template's environment is not the worker's.
@@ -227,7 +228,7 @@ class TemplateClient:
         from rally.agent.workers import shared_worker_env
 
         if warn is None:
-            from rally.launcher import console
+            from rally.agent.display import console
 
             warn = console.warn
         cwd = os.path.abspath(spec.cwd or os.getcwd())

@@ -12,7 +12,8 @@ import threading
 import time
 from typing import Any
 
-from rally.agent import linux, template_wire
+from rally.agent import linux
+from rally.agent.worker import template_wire
 
 READY_TIMEOUT = 300.0  # importing torch on a loaded node
 REPLY_TIMEOUT = 30.0

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Mapping
 
 from rally.agent import logs_specs
-from rally.agent.health import heartbeat_path
+from rally.agent.observe.health import heartbeat_path
 from rally.agent.logs_specs import StreamPlan
 from rally.agent.output import OutputStream, WorkerOutput
 from rally.agent.processes import ChildProcess, describe_exit, process_state, spawn

@@ -3,7 +3,7 @@
     rally --nnodes N --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
           --rdzv-id ID --local-addr 127.0.0.1 --preflight --log-dir D bench/workers/plain_ready.py OUT
 
-Every agent prints `pre-flight of round 0 took X s: ...` once its verdict is in (agent/preflight.py):
+Every agent prints `pre-flight of round 0 took X s: ...` once its verdict is in (agent/checks/preflight.py):
 from the round's formation to the verdict, i.e. forking the probe from the worker template, its
 compute blocks, gloo's connections, the 4 MB all-reduce, the round-robin 1 MB exchanges with every
 other node, publishing the numbers and node 0's verdict. The figure is the largest X over the N

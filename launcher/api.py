@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from rally.launcher import console
+from rally.agent.display import console
 from rally.launcher.cli import in_this_process, launch_and_run, run
 from rally.launcher.config import ConfigError
 from rally.launcher.options import Options, by_name, from_environment

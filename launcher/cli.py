@@ -21,7 +21,8 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
-from rally.launcher import __version__, console, options
+from rally.launcher import __version__, options
+from rally.agent.display import console
 from rally.launcher.config import ConfigError, build_launch
 from rally.launcher.config_file import load_config_file
 from rally.launcher.flag_prefixes import expand_prefixes

@@ -1,11 +1,11 @@
 """The flags of issue 21, parsed and checked here so config.py stays about rally's core.
 
-* `--heartbeat-timeout SECONDS|auto`: `auto` learns it (agent/learned_timeouts.py), tuned by
+* `--heartbeat-timeout SECONDS|auto`: `auto` learns it (agent/observe/learned_timeouts.py), tuned by
   `--timeout-safety-factor`, `--timeout-samples` and `--timeout-floor`;
-* `--gpu-reclaim-timeout`: how long a restart waits for the old workers' GPU memory (agent/gpu_reclaim.py);
-* `--quarantine-after K` / `--quarantine-window`: keep out a node that caused K failures (agent/quarantine.py);
+* `--gpu-reclaim-timeout`: how long a restart waits for the old workers' GPU memory (agent/observe/gpu_reclaim.py);
+* `--quarantine-after K` / `--quarantine-window`: keep out a node that caused K failures (agent/checks/quarantine.py);
 * `--preflight` / `--no-preflight`, `--preflight-factor`, `--preflight-every-round`: the probe
-  every node runs when a round forms (agent/preflight.py); on by default for multi-node jobs.
+  every node runs when a round forms (agent/checks/preflight.py); on by default for multi-node jobs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rally.agent.learned_timeouts import LearningSettings
+from rally.agent.observe.learned_timeouts import LearningSettings
 from rally.launcher.validate import ConfigError, seconds
 
 AUTO = "auto"

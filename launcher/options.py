@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from rally.agent.spec import JobSpec
-from rally.agent.learned_timeouts import LearningSettings
+from rally.agent.observe.learned_timeouts import LearningSettings
 from rally.launcher import node_checks_options, validate, values
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import EndpointError, HostPort, backend_named

@@ -11,7 +11,7 @@ is what the templates in slurm/ run. The current step's own id is not used: `ral
 through `srun` is a step of its own. The store host is the first host of the job's node list.
 
 `rally status RUN_DIR` finds the job from what its agent wrote in its run directory
-(agent/run_info.py), and shows that directory's report and last restart once the store is gone.
+(agent/observe/run_info.py), and shows that directory's report and last restart once the store is gone.
 `--json` prints one JSON object instead of the table. Either way the last restart's cause is
 shown (each node's status record keeps the newest round end it went round again after).
 """
@@ -28,13 +28,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rally.agent import run_info
-from rally.launcher import console
+from rally.agent.observe import run_info
+from rally.agent.display import console
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, backend_named, open_endpoint
 from rally.rendezvous.protocol import job_prefix
-from rally.launcher.worker_table import straggler_line, worker_table
+from rally.agent.display.worker_table import straggler_line, worker_table
 
 
 @click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
@@ -199,7 +199,7 @@ def _show_finished(run_dir: Path, run_id: str, as_json: bool, heading: str, wher
 
 
 def preflight_lines(verdict: dict | None) -> list[str]:
-    """The last pre-flight check (agent/preflight.py): each node's numbers, and who was left out."""
+    """The last pre-flight check (agent/checks/preflight.py): each node's numbers, and who was left out."""
     if not isinstance(verdict, dict):
         return []
     lines = [f"pre-flight of round {verdict.get('round')}: {verdict.get('summary', '')}"]
@@ -230,5 +230,5 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
 
 
 def status_table(run_id: str, where: str, status: dict, now: float) -> Table:
-    """Every node's workers, one row each (launcher/worker_table.py), the node's columns first."""
+    """Every node's workers, one row each (agent/display/worker_table.py), the node's columns first."""
     return worker_table(status["nodes"], f"job {run_id} at {where}: round {status['round']}", per_node=True, now=now)

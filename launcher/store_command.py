@@ -11,7 +11,8 @@ import signal
 
 import click
 
-from rally.launcher import console, validate
+from rally.agent.display import console
+from rally.launcher import validate
 
 
 def _timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> float:

@@ -212,7 +212,7 @@ def parse_metrics_port(value: Any) -> int | None:
 
 
 def parse_signals(text: str, flag: str) -> tuple[int, ...]:
-    from rally.agent.job import to_signal
+    from rally.agent.worker.job import to_signal
 
     out = []
     for name in str(text).split(","):

@@ -1,9 +1,9 @@
 """What the job remembers across rounds and restarts about its nodes and its timing, in the store.
 
 JSON records under keys named in rendezvous/protocol.py: the hang timeouts learned with
-`--heartbeat-timeout auto` (`LEARNED_TIMEOUTS`, agent/learned_timeouts.py), the root-cause
-failures per host (`NODE_FAILURES`), the quarantined hosts (`QUARANTINED`, agent/quarantine.py)
-and the last pre-flight verdict (`PREFLIGHT_VERDICT`, agent/preflight.py). Each is read-merge-
+`--heartbeat-timeout auto` (`LEARNED_TIMEOUTS`, agent/observe/learned_timeouts.py), the root-cause
+failures per host (`NODE_FAILURES`), the quarantined hosts (`QUARANTINED`, agent/checks/quarantine.py)
+and the last pre-flight verdict (`PREFLIGHT_VERDICT`, agent/checks/preflight.py). Each is read-merge-
 written, and each has writers that cannot undo each other: every node writes the same failure
 entry for a round (a lost update loses nothing), only a quarantined node's own agent adds itself,
 only node 0 writes a verdict; two timeouts written at the same instant may lose one, which its
@@ -51,7 +51,7 @@ def save_timeouts(store: Store, values: dict[str, Any]) -> None:
 
 def load_node_failures(store: Store) -> dict[str, Any]:
     """{"failures": {host: [[round, unix time], ...]}, "quarantined": {host: reason}, "preflight": the
-    last pre-flight verdict (agent/preflight.py) or None}; empty when none."""
+    last pre-flight verdict (agent/checks/preflight.py) or None}; empty when none."""
     failures = (_read(store, NODE_FAILURES) or {}).get("failures")
     quarantined = _read(store, QUARANTINED) or {}
     return {

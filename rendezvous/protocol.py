@@ -93,12 +93,12 @@ PREFLIGHT_VERDICT = "job/preflight"  # the last pre-flight verdict, for `rally s
 
 
 def preflight_key(r: int, part: str) -> str:
-    """Round r's pre-flight check (agent/preflight.py): `result/<group rank>` (each node's numbers), `verdict` (node 0's)."""
+    """Round r's pre-flight check (agent/checks/preflight.py): `result/<group rank>` (each node's numbers), `verdict` (node 0's)."""
     return f"{r}/preflight/{part}"
 
 
 def status_key(node_id: str) -> str:
-    """Where a node publishes its record for `rally status` (agent/status_record.py)."""
+    """Where a node publishes its record for `rally status` (agent/observe/status_record.py)."""
     return f"status/node/{node_id}"
 
 
@@ -435,7 +435,7 @@ class Rendezvous:
         """Static backend (workers share this store): drop an earlier attempt's worker keys."""
         return self.store.delete_keys_outside(RALLY_PREFIX)
 
-    # ----------------------------------------------------------------- straggler medians (agent/observer.py)
+    # ----------------------------------------------------------------- straggler medians (agent/observe/observer.py)
     def publish_step_times(self, r: int, summary: str) -> None:
         self.store.set(f"{r}/step_times", summary)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.ckpt_shm import holders_of
+from rally.agent.checkpoint.shm import holders_of
 
 pytest_plugins = ["slurm_cluster"]
 
@@ -32,7 +32,7 @@ os.environ[SESSION_MARKER] = str(os.getpid())
 
 
 def _rally_shared_memory() -> list[str]:
-    """Memory-tier copies (memfds, agent/ckpt_shm.py) held by processes of this test session."""
+    """Memory-tier copies (memfds, agent/checkpoint/shm.py) held by processes of this test session."""
     mine = f"{SESSION_MARKER}={os.getpid()}".encode()
     found = []
     for pid, names in holders_of().items():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_rally, write_probe
-from rally.agent import job
+from rally.agent.worker import job
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_ENV = [

@@ -27,7 +27,7 @@ import pytest
 
 from helpers import ProcessTracker, clean_env, describe_pids, eventually, procs, run_rally, survivors, wait_for, write_probe  # noqa: F401
 from live_rally import LiveRally
-from rally.agent.job_cgroup import JobCgroup
+from rally.agent.guard.job_cgroup import JobCgroup
 
 STANDALONE = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0"]
 
@@ -205,7 +205,7 @@ def test_sigkill_of_the_agent_alone_kills_descendants_without_the_token(tmp_path
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["v2", "freezer", "pids"])
 def test_the_job_cgroup_kills_a_tree_that_left_its_session_and_environment(kind: str) -> None:
-    """agent/job_cgroup.py on its own, each kind: a member's `setsid -f env -i` daemon is killed too."""
+    """agent/guard/job_cgroup.py on its own, each kind: a member's `setsid -f env -i` daemon is killed too."""
     group = JobCgroup.create(f"rally-test-{os.getpid()}-{kind}", (kind,))
     if group is None:
         pytest.skip(f"this machine lets no process create a {kind} cgroup")
@@ -227,7 +227,7 @@ def test_the_job_cgroup_kills_a_tree_that_left_its_session_and_environment(kind:
 def test_the_guard_removes_its_cleanup_paths_once_the_agent_is_gone(tmp_path: Path) -> None:
     """The hook later parts of the job (shared memory, say) use: paths handed to the guard go when
     its pipe closes, however the agent ended; a forgotten one stays."""
-    from rally.agent.guard_client import GuardClient
+    from rally.agent.guard.client import GuardClient
 
     kept, dropped, directory = tmp_path / "kept", tmp_path / "dropped", tmp_path / "segment"
     kept.write_text("x")
@@ -256,7 +256,7 @@ def test_an_empty_cgroup_whose_guard_is_gone_is_removed_by_the_next_agent() -> N
     live = JobCgroup.create(f"rally-{os.getpid()}-{os.getpid():x}")
     assert live is not None
     try:
-        from rally.agent.job_cgroup import remove_abandoned
+        from rally.agent.guard.job_cgroup import remove_abandoned
 
         assert remove_abandoned(live) == [abandoned.path]
         assert not abandoned.path.exists() and live.path.exists()

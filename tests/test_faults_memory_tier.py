@@ -21,8 +21,8 @@ import pytest
 
 from agents import c10d_args, start_agent, stop_all
 from helpers import clean_env, eventually, free_port, kill_group, procs, run_rally, small_disk, start_rally, write_probe  # noqa: F401 - procs is a fixture
-from rally.agent import job
-from rally.agent.ckpt_shm import holders_of
+from rally.agent.worker import job
+from rally.agent.checkpoint.shm import holders_of
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
@@ -92,7 +92,7 @@ def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) ->
         assert eventually(lambda: any(e["event"] == "checkpoint_saved" for e in events(tmp_path / "logs")), 120)
         agent = psutil.Process(proc.pid)
         everything = agent.children(recursive=True)
-        holders = [p.pid for p in everything if any("ckpt_holder.py" in part for part in p.cmdline())]
+        holders = [p.pid for p in everything if any("checkpoint/holder.py" in part for part in p.cmdline())]
         assert len(holders) == 1 and holders_of(pids=holders), "no holder holding a copy"
         procs.track(*(p.pid for p in everything))
         os.kill(proc.pid, signal.SIGKILL)  # the agent alone: its guard stops the workers, the holder sees it go

@@ -321,7 +321,7 @@ def test_oom_kill_is_attributed_even_when_the_sample_lands_while_the_worker_exit
     """A process that has begun to exit shows its cgroup-v1 paths as "/": on a busy machine the
     agent's sampler often ran in that window and lost the worker's cgroup. The leader thread of
     this probe exits first, which holds the process in exactly that state, deterministically."""
-    from rally.agent.health import HealthMonitor, HealthSettings
+    from rally.agent.observe.health import HealthMonitor, HealthSettings
 
     base = _writable_memory_cgroup_v1()
     if base is None:

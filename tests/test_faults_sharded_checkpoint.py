@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent import dcp_files, job
+from rally.agent.checkpoint import dcp_files
+from rally.agent.worker import job
 
 JOB_ENV = [
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -122,7 +123,7 @@ SAVER_KILLED_BEFORE_PUBLISHING = """
     import sys
     import torch
     from rally import job
-    from rally.agent import dcp_files
+    from rally.agent.checkpoint import dcp_files
 
     job.save({"w": torch.full((1000,), 1.0)}, 1, sharded=True)
 
@@ -230,7 +231,7 @@ def test_a_full_disk_fails_the_sharded_save_in_one_line_and_keeps_the_last_good_
 
 
 def test_the_resume_plan_takes_the_newest_step_every_rank_has_in_some_nodes_memory() -> None:
-    from rally.agent.dcp_memory import plan
+    from rally.agent.checkpoint.dcp_memory import plan
 
     # 2 nodes x 1 rank: node 0 (rank 0) holds its own steps 4, 6 and node 1's replica of 6.
     held = [{"dcp0of2": [4, 6], "dcpr1of2": [4, 6]}, {"dcp1of2": [4, 6], "dcpr0of2": [4, 6]}]
@@ -250,7 +251,7 @@ def test_the_resume_plan_takes_the_newest_step_every_rank_has_in_some_nodes_memo
 def _rank_part(rank: int, value: float) -> tuple:
     import torch
 
-    from rally.agent.dcp_memory import _rank_local_files
+    from rally.agent.checkpoint.dcp_memory import _rank_local_files
 
     state = {f"own{rank}": torch.full((5,), value + rank), "common": torch.arange(3.0) * value}
     return _rank_local_files(state, rank)
@@ -263,7 +264,7 @@ def test_background_parts_of_every_rank_are_published_as_one_dcp_checkpoint(tmp_
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from rally.agent import dcp_persist
+    from rally.agent.checkpoint import dcp_persist
 
     parts = [_rank_part(rank, 2.0) for rank in (0, 1)]
     writers = [threading.Thread(target=dcp_persist.persist_part, args=(tmp_path, 4, 3, rank, 2, *parts[rank])) for rank in (1, 0)]
@@ -283,7 +284,7 @@ def test_background_parts_of_every_rank_are_published_as_one_dcp_checkpoint(tmp_
 def test_a_step_whose_other_rank_never_writes_is_not_published_and_a_later_step_cleans_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rally.agent import dcp_persist
+    from rally.agent.checkpoint import dcp_persist
 
     monkeypatch.setattr(dcp_persist, "PUBLISH_TIMEOUT", 0.5)
     persister = dcp_persist.Persister()

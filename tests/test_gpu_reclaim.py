@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 
-from rally.agent.gpu import MIB, DeviceReading, open_monitor
-from rally.agent.gpu_reclaim import RECLAIM_SLACK_BYTES, gpu_processes_of, still_occupied, wait_reclaimed
+from rally.agent.observe.gpu import MIB, DeviceReading, open_monitor
+from rally.agent.observe.gpu_reclaim import RECLAIM_SLACK_BYTES, gpu_processes_of, still_occupied, wait_reclaimed
 
 GIB = 1024 * MIB
 BASE = 500 * MIB

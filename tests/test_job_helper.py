@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent import heartbeat_file, job
+from rally.agent.worker import heartbeat_file, job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -383,7 +383,7 @@ def test_without_the_handler_the_preemption_signal_kills_as_usual() -> None:
 def test_importing_the_helper_does_not_import_torch() -> None:
     result = run_python("""
         import sys
-        import rally.agent.job
+        import rally.agent.worker.job
         from rally import job
         job.context(); job.heartbeat(); job.preempted()
         print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 
 from helpers import small_disk as mount_small_disk
-from rally.agent import checkpoint_file, ckpt_client, job
-from rally.agent.ckpt_client import CheckpointRefused, MemoryTier
-from rally.agent.ckpt_shm import fd_path, holders_of
-from rally.agent.ckpt_slots import COMMITTED, SlotTable
-from rally.agent.ckpt_tier import MEMORY_LIMIT_ENV, CheckpointTier
-from rally.agent.events import EventLog
+from rally.agent.worker import checkpoint_file, job
+from rally.agent.checkpoint import client as ckpt_client
+from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
+from rally.agent.checkpoint.shm import fd_path, holders_of
+from rally.agent.checkpoint.slots import COMMITTED, SlotTable
+from rally.agent.checkpoint.tier import MEMORY_LIMIT_ENV, CheckpointTier
+from rally.agent.observe.event_log import EventLog
 from rally.rendezvous.membership import resume_step
 from rally.rendezvous.records import NodeInfo
 
@@ -378,9 +379,9 @@ def test_a_worker_killed_mid_copy_leaves_the_previous_step_usable(tier: Tier) ->
 FAKE_AGENT = """
     import sys, time
     from pathlib import Path
-    from rally.agent.ckpt_tier import CheckpointTier
-    from rally.agent.ckpt_client import MemoryTier
-    from rally.agent.events import EventLog
+    from rally.agent.checkpoint.tier import CheckpointTier
+    from rally.agent.checkpoint.client import MemoryTier
+    from rally.agent.observe.event_log import EventLog
     tier = CheckpointTier.start(sys.argv[1], EventLog(Path(sys.argv[2])), print)
     tier.open_round(0, None, 60)
     MemoryTier(tier.holder_id, 0).reserve("whole", 1, 1 << 20, False, 3)  # a slot: 1 MB of memfd
@@ -426,8 +427,8 @@ def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free
 def test_rally_status_and_metrics_show_the_last_saved_and_the_last_durable_step() -> None:
     from rich.console import Console
 
-    from rally.agent.metrics import AgentCollector
-    from rally.launcher.worker_table import worker_table
+    from rally.agent.observe.metrics import AgentCollector
+    from rally.agent.display.worker_table import worker_table
 
     record = {"host": "h", "group_rank": 0, "round": 1, "restart_count": 0, "workers": [],
               "checkpoint_saved_step": 30, "checkpoint_durable_step": 25}  # fmt: skip

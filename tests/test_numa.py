@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent import bootstrap, processes
+from rally.agent.worker import bootstrap
+from rally.agent import processes
 from rally.agent.numa import AFFINITY_VARIABLE, NumaBindingError, cpus_near_gpu, format_cpus, parse_cpus
 
 REPORT_AFFINITY = """

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from helpers import run_rally
-from rally.agent import gpu, heartbeat_file, job
-from rally.agent.gpu import DeviceReading
-from rally.agent.stragglers import CentralValues, StepClock, StragglerWatch, job_step_times
+from rally.agent.observe import gpu
+from rally.agent.worker import heartbeat_file, job
+from rally.agent.observe.gpu import DeviceReading
+from rally.agent.observe.stragglers import CentralValues, StepClock, StragglerWatch, job_step_times
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
@@ -67,7 +68,7 @@ def test_heartbeat_with_a_step_and_sections_reach_the_file_from_another_process(
         """
         import json, os, sys
         from rally import job
-        from rally.agent import heartbeat_file
+        from rally.agent.worker import heartbeat_file
         path = os.environ["RALLY_HEARTBEAT_FILE"]
         seen = {}
         job.heartbeat()                                   # the no-argument form still works
@@ -236,7 +237,7 @@ def test_gpu_problems_are_named_from_nvml_readings():
 @pytest.mark.timeout(60)
 def test_gpu_memory_and_utilisation_of_a_worker_count_its_children_from_nvml_readings():
     """Replaces the nvidia-smi stand-in: the per-process numbers NVML reports for the worker tree."""
-    from rally.agent.health import HealthMonitor, HealthSettings
+    from rally.agent.observe.health import HealthMonitor, HealthSettings
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -281,8 +282,8 @@ def test_without_a_driver_gpu_health_is_skipped_with_nvmls_reason():
 @pytest.mark.timeout(30)
 def test_a_node_with_unhealthy_gpus_is_named_before_it_joins_a_round(tmp_path, capsys):
     """The observer's check before each rendezvous, fed by readings in NVML's shape (no GPU here)."""
-    from rally.agent.events import EventLog
-    from rally.agent.observer import Observer
+    from rally.agent.observe.event_log import EventLog
+    from rally.agent.observe.observer import Observer
     from rally.agent.spec import JobSpec
 
     class Readings:  # what NvmlMonitor.read returns on a node whose GPU 1 has failed

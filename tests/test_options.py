@@ -111,9 +111,9 @@ def test_every_option_of_the_model_is_a_flag_in_both_spellings_with_its_variable
 
 @pytest.mark.timeout(30)
 def test_defaults_the_agent_also_needs_come_from_the_agents_own_types() -> None:
-    from rally.agent.health import HealthSettings
+    from rally.agent.observe.health import HealthSettings
     from rally.agent.spec import JobSpec
-    from rally.agent.stragglers import DEFAULT_FACTOR
+    from rally.agent.observe.stragglers import DEFAULT_FACTOR
     from rally.launcher.options import Options
     from rally.launcher.values import RDZV_CONF_DEFAULTS
     from rally.rendezvous.protocol import RendezvousSettings

@@ -120,7 +120,7 @@ def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_t
 
 
 def test_the_verdict_names_failing_and_slow_nodes_and_leaves_out_only_what_min_allows():
-    from rally.agent.preflight import judge
+    from rally.agent.checks.preflight import judge
 
     def result(host: str, compute: float, link: float | None = 0.001, error: str | None = None) -> dict:
         return {"host": host, "compute": None if error else compute, "link": link, "allreduce": 0.01, "error": error}
@@ -142,7 +142,7 @@ def test_the_verdict_names_failing_and_slow_nodes_and_leaves_out_only_what_min_a
 def test_every_pair_of_ranks_meets_once_in_the_round_robin_probe():
     import importlib.util
 
-    from rally.agent.preflight import PROBE
+    from rally.agent.checks.preflight import PROBE
 
     spec = importlib.util.spec_from_file_location("probe", PROBE)
     probe = importlib.util.module_from_spec(spec)

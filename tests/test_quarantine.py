@@ -69,7 +69,7 @@ def test_a_node_that_caused_two_failures_is_quarantined_and_the_others_train_wit
 
 
 def test_failures_count_once_per_round_and_only_within_the_window():
-    from rally.agent.quarantine import record_failure, recent_failures
+    from rally.agent.checks.quarantine import record_failure, recent_failures
 
     record: dict = {"failures": {}, "quarantined": {}}
     record_failure(record, "n1", 4, 1000.0)
@@ -82,7 +82,7 @@ def test_failures_count_once_per_round_and_only_within_the_window():
 
 
 def test_under_slurm_the_line_names_the_node_to_exclude_on_requeue():
-    from rally.agent.quarantine import excluded_line
+    from rally.agent.checks.quarantine import excluded_line
 
     line = excluded_line("gpu17.cluster", "the root cause of 2 failures", {"SLURMD_NODENAME": "gpu17", "SLURM_JOB_ID": "4242"})
     assert line.startswith("node gpu17.cluster is quarantined (the root cause of 2 failures); this agent leaves the job")

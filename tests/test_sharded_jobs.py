@@ -20,7 +20,7 @@ import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all
 from helpers import clean_env, eventually, finish, free_port, is_alive, start_rally
-from rally.agent import dcp_files
+from rally.agent.checkpoint import dcp_files
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_fsdp.py"

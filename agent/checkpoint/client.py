@@ -1,0 +1,211 @@
+"""The worker's end of the memory tier: what ``rally.job.save`` and ``load_latest`` use under rally.
+
+The agent's holder (agent/checkpoint/holder.py) owns the shared memory; a worker only asks it for a
+slot, copies its state into the slot and says it is complete::
+
+    tier = MemoryTier.from_env()                     # None outside rally, or without a holder
+    saved = tier.save(state, "whole", step, persist=True, keep=3)   # False: shm too small
+    step, fd = tier.resume("whole")                  # the round's agreed step; a memfd if in memory
+
+``save`` returns once the copy is in shared memory; the holder persists it in the background.
+Requests and answers are packets on the holder's abstract SOCK_SEQPACKET socket, a slot's memfd
+travelling with the answer (see agent/checkpoint/shm.py for the layout).
+A save the holder refuses (this worker's round is over, a bad request) raises
+:class:`CheckpointRefused` with the holder's one line. Requests go over one Unix-socket
+connection per worker process, kept open between saves (so the holder knows the writer is alive:
+a worker killed mid-copy closes it, and the half-written slot is dropped).
+
+For other state layouts (per-rank shards, DCP storage) ``reserve``/``commit``/``abort`` are the
+same steps one by one: reserve a slot of ``size`` bytes for a key (a writable mapping of it),
+fill it, commit its length; or abort.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rally.agent.checkpoint.shm import ArchiveTooLarge, SlotMaps, archive_size, socket_address, storage_bytes, write_archive
+
+HOLDER_ENV = "RALLY_CKPT_HOLDER"
+"""The holder's id (its socket's name); set by the agent in every worker's environment when the tier runs."""
+MAX_PACKET = 64 * 1024
+CONNECT_TIMEOUT = 10.0
+"""Seconds a worker waits for the holder's socket to appear (the agent starts both at once)."""
+REPLY_TIMEOUT = 60.0
+"""Seconds a worker waits for one answer of the holder (it answers in microseconds unless wedged)."""
+
+
+class CheckpointRefused(RuntimeError):
+    """The holder refused a save, e.g. from a worker of a round that is over."""
+
+
+class MemoryTier:
+    def __init__(self, holder_id: str, round_: int) -> None:
+        self.address = socket_address(holder_id)
+        self.round = round_
+        self.maps = SlotMaps()
+        self._sizes: dict[str, tuple[int, int]] = {}  # key -> (bytes of tensors, archive length) at the last save
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> MemoryTier | None:
+        holder = os.environ.get(HOLDER_ENV, "")
+        if not holder:
+            return None
+        return cls(holder, int(os.environ.get("RALLY_ROUND", "0") or 0))
+
+    def request(self, **message: Any) -> tuple[dict[str, Any], list[int]]:
+        """One request, its answer and the memfds that came with it; reconnects once if the
+        connection broke (not for commit/abort: a new connection owns no slot)."""
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    if self._sock is None:
+                        self._connect()
+                    assert self._sock is not None
+                    self._sock.sendall(json.dumps(message).encode())
+                    data, fds, _, _ = socket.recv_fds(self._sock, MAX_PACKET, 4)
+                    if not data:
+                        for fd in fds:
+                            os.close(fd)
+                        raise ConnectionResetError("the holder closed the connection")
+                    return json.loads(data), fds
+                except OSError as exc:
+                    self.close()
+                    if attempt or message.get("op") in ("commit", "abort"):
+                        raise CheckpointRefused(f"rally: the checkpoint holder of this node is unreachable ({exc})") from None
+        raise AssertionError("unreachable")
+
+    def _connect(self) -> None:
+        """Connect, waiting (bounded) for a holder that is still starting next to a fast worker."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(REPLY_TIMEOUT)
+            try:
+                sock.connect(self.address)
+            except ConnectionRefusedError:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+                continue
+            self._sock = sock
+            return
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+
+    def _checked(self, answer: dict[str, Any], fds: list[int]) -> None:
+        if not answer.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise CheckpointRefused(answer.get("error", "rally: checkpoint refused"))
+
+    def reserve(self, key: str, step: int, size: int, persist: bool | str, keep: int) -> mmap.mmap | None:
+        """A writable mapping of a slot with room for ``size`` bytes; None when memory is too
+        short for a copy (the caller saves to disk instead). ``persist``: False keeps the copy in
+        memory only; True has the holder write it as ``step_<step>.pt`` (keep-K pruning); a
+        relative file name has it written there (no pruning), e.g. one rank's shard."""
+        answer, fds = self.request(op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep)
+        if answer.get("disk_only"):
+            return None
+        self._checked(answer, fds)
+        return self.maps.mapping(f"{key}.{answer['slot']}", fds[0])
+
+    def commit(self, key: str, step: int, length: int) -> None:
+        self._checked(*self.request(op="commit", key=key, step=step, length=length, round=self.round))
+
+    def abort(self, key: str, step: int) -> None:
+        try:
+            self.request(op="abort", key=key, step=step)
+        except CheckpointRefused:
+            pass
+
+    def save(self, state: Any, key: str, step: int, *, persist: bool | str, keep: int) -> bool:
+        """Copy ``state`` into a slot as ``step``; True once committed, False if disk-only.
+
+        The slot must be as large as torch.save's archive. Finding its exact length takes a
+        pass of torch.save that copies nothing (pickling only, ~2 ms for 100 tensors); when the
+        state's tensors are the same sizes as at the last save (a training loop's case) the last
+        length plus its pickle's length again as slack is reserved instead, and only a state
+        that outgrew it pays for the exact pass and a second try.
+        """
+        tensors = storage_bytes(state)
+        known = self._sizes.get(key)
+        guess = _room(known[1], known[0]) if known and known[0] == tensors else None
+        for size in (guess, None):
+            if size is None:
+                size = _room(archive_size(state), tensors)  # the same room as a guess: the slot fits both
+            target = self.reserve(key, step, size, persist, keep)
+            if target is None:
+                return False
+            try:
+                length = write_archive(state, target)
+            except ArchiveTooLarge:
+                self.abort(key, step)
+                continue
+            except BaseException:
+                self.abort(key, step)
+                raise
+            self.commit(key, step, length)
+            self._sizes[key] = (tensors, length)
+            return True
+        raise AssertionError("unreachable: the exact size always fits")
+
+    def resume(self, key: str) -> tuple[int | None, int | None]:
+        """(the step every rank of the round resumes from, None: no agreement, read the disk;
+        a memfd holding it on this node, None: not in memory here). The caller closes the memfd,
+        e.g. after ``torch.load(fd_path(fd), mmap=True)``: its mapping keeps the memory."""
+        answer, fds = self.request(op="resume", key=key)
+        self._checked(answer, fds)
+        return answer.get("step"), fds[0] if fds else None
+
+    def held(self, prefix: str) -> dict[str, list[int]]:
+        """Committed steps in this node's memory of every key starting with ``prefix``."""
+        answer, fds = self.request(op="held", prefix=prefix)
+        self._checked(answer, fds)
+        return {str(k): [int(s) for s in v] for k, v in answer["held"].items()}
+
+    def slot(self, key: str, step: int) -> tuple[int, int] | None:
+        """(a memfd holding committed ``step`` of ``key`` on this node, its length), or None.
+        The caller closes the memfd."""
+        answer, fds = self.request(op="slot", key=key, step=step)
+        self._checked(answer, fds)
+        return (fds[0], int(answer["length"])) if fds else None
+
+
+def _room(length: int, tensors: int) -> int:
+    """The slot size asked for an archive of ``length`` bytes, ``tensors`` of them tensor data:
+    room for the pickled rest to double, plus 64 KiB. Asked alike for exact and cached sizes, so
+    a slot sized at the first save is reused by every later save of a same-size state."""
+    return length + max(length - tensors, 0) + (64 << 10)
+
+
+_tier: MemoryTier | None = None
+_tier_resolved = False
+
+
+def tier() -> MemoryTier | None:
+    """This process's connection to the holder, made once; None outside rally's memory tier.
+
+    Resolved lazily, so a worker forked from the agent's template reads its own environment.
+    """
+    global _tier, _tier_resolved
+    if not _tier_resolved:
+        _tier = MemoryTier.from_env()
+        _tier_resolved = True
+    return _tier

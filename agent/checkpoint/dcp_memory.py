@@ -1,0 +1,358 @@
+"""Sharded states in the memory tier: each rank's shards as a rank-local DCP checkpoint in its node's
+shared memory, with a replica in the next node's (a ring over the round's nodes), as in Gemini.
+
+Why rank-local: torch.distributed.checkpoint can save one rank's view alone (``no_dist``: its
+shards plus the replicated values, with a ``.metadata`` that lists only its chunks) and load it
+back into the same layout without any collective. That is exactly a restarted worker's case, so
+the copy in memory is DCP's own two files (``__<rank>_0.distcp`` and ``.metadata``, made by DCP's
+planner and writer into memory) in one slot of the agent's holder (agent/checkpoint/client.py)::
+
+    [ b"RALLYDCP" | metadata length u64 | world size u64 | rank u64 ][ .metadata ][ __<rank>_0.distcp ]
+
+Keys: ``dcp<rank>of<world>`` for a rank's own copy, ``dcpr<rank>of<world>`` for the replica of
+rank ``rank`` that the same local rank of the previous node sent over (one point-to-point
+exchange per save, over the job's own process group). The same two files are then written to
+disk in the background (agent/checkpoint/dcp_persist.py) and published as one DCP directory, which is what
+a change of world size reshards from.
+
+Resuming (:func:`load`): every rank tells the others which copies its node holds (one
+all_gather_object); the newest step for which every rank of an unchanged world size has a copy
+on some live node, own or replica, wins over the disk if it is not older. A rank whose copy is on
+another node gets it from there (send/recv). Rank 0 logs where the step came from and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import mmap
+import os
+import re
+import struct
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StoragePrefix
+
+from rally.agent.checkpoint import client as ckpt_client, dcp_persist
+
+HEADER = struct.Struct("<8sQQQ")
+MAGIC = b"RALLYDCP"
+REPLICAS_ENV = "RALLY_CKPT_REPLICAS"
+"""Set to 0 to keep no replica of a node's shards on its ring peer (memory and disk only)."""
+_KEY_RE = re.compile(r"^dcpr?(\d+)of(\d+)$")
+
+
+def own_key(rank: int, world: int) -> str:
+    """The holder's key for rank ``rank``'s own copy (the world size in it: a copy serves only its layout)."""
+    return f"dcp{rank}of{world}"
+
+
+def replica_key(rank: int, world: int) -> str:
+    """The holder's key for the replica of rank ``rank``'s copy, kept on the next node."""
+    return f"dcpr{rank}of{world}"
+
+
+class _OpenBytes(io.BytesIO):
+    """A BytesIO that DCP's writer may close: the bytes stay for us to take."""
+
+    def close(self) -> None:
+        pass
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview (a mapped slot): no copy of the whole file."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = memoryview(view).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        n = max(0, min(target.nbytes, self.view.nbytes - self.pos))
+        target[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.view.nbytes}[whence] + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+class _MemoryFileSystem(FileSystem):
+    """DCP's file system interface over a dict of names to bytes (no directory, no fsync)."""
+
+    def __init__(self, files: dict[str, Any] | None = None) -> None:
+        self.files: dict[str, Any] = files or {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        name = Path(path).name
+        if "w" in mode:
+            stream = _OpenBytes()
+            yield stream
+            self.files[name] = stream
+        else:
+            data = self.files[name]
+            yield _ViewReader(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        self.files[Path(new_path).name] = self.files.pop(Path(path).name)
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        pass
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return Path(path).name in self.files
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.files.pop(Path(path).name, None)
+
+
+class _RankLocalWriter(FileSystemWriter):
+    """DCP's writer for one rank saving alone (``no_dist``), naming its file as DCP's own
+    rank-local layout does (``__<rank>_0.distcp``), into memory."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__("/rally-memory", sync_files=False)
+        self.fs = _MemoryFileSystem()
+        self.own_rank = rank
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.own_rank}_")) for plan in plans]
+
+
+def data_name(rank: int) -> str:
+    """DCP's name for a rank's data file in its rank-local layout."""
+    return f"__{rank}_0.distcp"
+
+
+def _rank_local_files(state: dict[str, Any], rank: int) -> tuple[memoryview, memoryview]:
+    """This rank's view of ``state`` as DCP's (metadata, data) files, made in memory by DCP itself."""
+    writer = _RankLocalWriter(rank)
+    with _rank_local():
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    files = writer.fs.files
+    return files[".metadata"].getbuffer(), files[data_name(rank)].getbuffer()
+
+
+@contextmanager
+def _rank_local() -> Iterator[None]:
+    """DCP warns at every no_dist call that it "assumes the intent" is a single process: it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> bool:
+    """Copy this rank's shards of ``step`` into its node's memory and a replica into the next
+    node's, then hand the same files to the background persister (agent/checkpoint/dcp_persist.py).
+    False, doing nothing, when the ranks did not agree on the memory path (see :func:`agreed`)."""
+    tier = ckpt_client.tier()
+    if not agreed()[0] or tier is None:
+        return False
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meta, data = _rank_local_files(state, rank)
+    size = HEADER.size + meta.nbytes + data.nbytes
+    key = own_key(rank, world)
+    target = tier.reserve(key, step, size, persist=False, keep=keep)
+    if target is not None:
+        try:
+            HEADER.pack_into(target, 0, MAGIC, meta.nbytes, world, rank)
+            target[HEADER.size : HEADER.size + meta.nbytes] = meta
+            target[HEADER.size + meta.nbytes : size] = data
+        except BaseException:
+            tier.abort(key, step)
+            raise
+        tier.commit(key, step, size)
+    _replicate(tier, [HEADER.pack(MAGIC, meta.nbytes, world, rank), meta, data], step, keep, rank, world)
+    dcp_persist.persister().submit(directory, step, keep, rank, world, meta, data)
+    return True
+
+
+_agreed: tuple[bool, int, int] | None = None
+
+
+def agreed() -> tuple[bool, int, int]:
+    """(every rank has a memory tier, nodes in the replica ring (0: none), workers per node),
+    agreed by every rank once per process: the first sharded save or load (one all-reduce).
+
+    Every rank must take the same path, or one would wait in a send that never comes: a node
+    without a tier (RALLY_MEMORY_TIER=0), replicas off anywhere, or nodes with different numbers
+    of workers turn the memory path or the ring off for all. A job without a CPU process group
+    (NCCL only) keeps to the disk.
+    """
+    global _agreed
+    if _agreed is None:
+        if "gloo" not in str(dist.get_backend()):
+            _agreed = (False, 0, 1)
+            return _agreed
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        replicas = os.environ.get(REPLICAS_ENV, "1") != "0"
+        flags = torch.tensor([ckpt_client.tier() is not None, replicas, local, -local], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        has_tier, replicas_everywhere, fewest, most = int(flags[0]), int(flags[1]), int(flags[2]), -int(flags[3])
+        world = dist.get_world_size()
+        nodes = world // local if fewest == most and world % local == 0 else 0
+        _agreed = (bool(has_tier), nodes if replicas_everywhere and nodes >= 2 else 0, local)
+    return _agreed
+
+
+def _ring(rank: int) -> tuple[int, int] | None:
+    """(the rank this rank sends its copy to, the rank it receives one from): the same local rank
+    on the next and on the previous node. None with one node, or replicas turned off."""
+    _, nodes, local = agreed()
+    if not nodes:
+        return None
+    node, local_rank = divmod(rank, local)
+    return ((node + 1) % nodes) * local + local_rank, ((node - 1) % nodes) * local + local_rank
+
+
+def _replicate(tier: ckpt_client.MemoryTier, parts: list[Any], step: int, keep: int, rank: int, world: int) -> None:
+    ring = _ring(rank)
+    if ring is None:
+        return
+    to, source = ring
+    size = sum(memoryview(p).nbytes for p in parts)
+    outgoing = torch.empty(size, dtype=torch.uint8)
+    view, at = memoryview(outgoing.numpy()), 0
+    for part in parts:
+        n = memoryview(part).nbytes
+        view[at : at + n] = part
+        at += n
+    sizes = (torch.tensor([size], dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    _exchange(sizes[0], to, sizes[1], source)
+    incoming_size = int(sizes[1].item())
+    key = replica_key(source, world)
+    target = tier.reserve(key, step, incoming_size, persist=False, keep=keep)
+    incoming = (
+        torch.frombuffer(target, dtype=torch.uint8, count=incoming_size)
+        if target is not None
+        else torch.empty(incoming_size, dtype=torch.uint8)  # no room here: received, not kept
+    )
+    try:
+        _exchange(outgoing, to, incoming, source)
+    except BaseException:
+        if target is not None:
+            tier.abort(key, step)
+        raise
+    if target is not None:
+        tier.commit(key, step, incoming_size)
+
+
+def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
+    """Send ``send`` to ``to`` while receiving ``recv`` from ``source`` (no deadlock in a ring)."""
+    work = dist.isend(send, to)
+    dist.recv(recv, source)
+    work.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming
+
+
+def plan(holdings: list[dict[str, list[int]]], world: int, local: int) -> tuple[int | None, dict[int, int], str]:
+    """Pick the step to resume from memory, given every rank's node's holdings (index: rank).
+
+    Returns (step or None, for each rank the rank that provides its copy, why). A step counts
+    when every rank of this world size has a copy (own or replica) on some live node.
+    """
+    copies: dict[int, dict[int, list[int]]] = {}  # step -> old rank -> ranks whose node holds it
+    sizes: set[int] = set()
+    for holder, held in enumerate(holdings):
+        for key, steps in held.items():
+            match = _KEY_RE.match(key)
+            if not match:
+                continue
+            old_rank, old_world = int(match.group(1)), int(match.group(2))
+            sizes.add(old_world)
+            if old_world != world:
+                continue
+            for step in steps:
+                copies.setdefault(step, {}).setdefault(old_rank, []).append(holder)
+    if not copies:
+        if sizes:
+            return None, {}, f"the world size changed ({'/'.join(map(str, sorted(sizes)))} -> {world}): shards are resharded from disk"
+        return None, {}, "no shards of this job in any node's memory"
+    why = ""
+    for step in sorted(copies, reverse=True):
+        missing = [r for r in range(world) if r not in copies[step]]
+        if not missing:
+            providers = {r: (r if r in copies[step][r] else min(copies[step][r])) for r in range(world)}
+            return step, providers, why
+        if not why:
+            nodes = sorted({r // local for r in missing})
+            why = f"step {step}: the shards of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}) have no live copy in memory, neither own nor replica"
+    return None, {}, why
+
+
+def load(state: dict[str, Any], step: int, providers: dict[int, int]) -> list[int]:
+    """Load this rank's copy of ``step`` into ``state`` in place (a collective: every rank calls it,
+    with the same plan); return the ranks whose copy came from another node."""
+    tier = ckpt_client.tier()
+    assert tier is not None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Read every copy this rank needs or provides first, and vote: a missing slot on any rank
+    # fails the memory path on every rank alike, before anyone waits in a send or receive.
+    remote = sorted(r for r, p in providers.items() if p != r)
+    blobs: dict[int, memoryview] = {}
+    missing = ""
+    for old_rank in [rank] * (providers.get(rank) == rank) + [r for r in remote if providers[r] == rank]:
+        try:
+            blobs[old_rank] = _read_slot(tier, old_rank, world, step)
+        except (RuntimeError, OSError) as exc:
+            missing = str(exc)
+    vote = torch.tensor([0 if missing else 1], dtype=torch.int32)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+    if not vote.item():
+        raise RuntimeError(missing or "rally: another rank's in-memory copy is gone")
+    for needed_by in remote:  # one deterministic order on every rank
+        provider = providers[needed_by]
+        if rank == provider:
+            blob = blobs[needed_by]
+            dist.send(torch.tensor([blob.nbytes], dtype=torch.int64), needed_by)
+            dist.send(torch.frombuffer(blob, dtype=torch.uint8), needed_by)
+        elif rank == needed_by:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, provider)
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(buffer, provider)
+            blobs[rank] = memoryview(buffer.numpy())
+    mine = blobs[rank]
+    magic, meta_len, old_world, old_rank = HEADER.unpack_from(mine, 0)
+    if magic != MAGIC or (old_world, old_rank) != (world, rank):
+        raise RuntimeError(f"rally: the in-memory copy of rank {rank} is not one (it says rank {old_rank} of {old_world})")
+    meta = mine[HEADER.size : HEADER.size + meta_len]
+    data = mine[HEADER.size + meta_len :]
+    reader = FileSystemReader("/rally-memory")
+    reader.fs = _MemoryFileSystem({".metadata": meta, data_name(rank): data})
+    with _rank_local():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return remote
+
+
+def _read_slot(tier: ckpt_client.MemoryTier, old_rank: int, world: int, step: int) -> memoryview:
+    for key in (own_key(old_rank, world), replica_key(old_rank, world)):
+        found = tier.slot(key, step)
+        if found is not None:
+            fd, length = found
+            try:  # mapped, not copied: the holder never writes a slot it handed out again
+                mapped = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            return memoryview(mapped)
+    raise RuntimeError(f"rally: the in-memory copy of rank {old_rank}, step {step}, is gone from this node")

@@ -1,0 +1,255 @@
+"""The memory tier's holder: a helper process of the agent that owns a node's checkpoint copies.
+
+Why a process of its own: the copies must outlive the worker that made them (a restarted worker
+reloads them in milliseconds), must never be owned by a worker (a dying worker cannot take them
+along, and a stale one cannot keep writing), and persisting them must not cost the agent's main
+loop anything. The holder imports no torch: slots hold torch.save's bytes (agent/checkpoint/shm.py),
+persisting is a byte copy with a CRC (agent/checkpoint/persist.py), and its rules are agent/checkpoint/slots.py.
+
+It talks JSON lines on two channels:
+
+- **stdin/stdout, with the agent** (agent/checkpoint/tier.py): ``round`` (open a round: its agreed
+  resume step and the fence's lease), ``renew``, ``over``, ``holdings``, ``flush``; and it tells
+  the agent ``saved``, ``durable`` and one-line ``warn``\\ ings. End of stdin means the agent is
+  gone, however it died: the holder gives up any persist under way, deletes its shared memory
+  and exits. It starts in a session of its own and ignores the terminal's signals, so a signal to
+  the agent's process group (Ctrl-C, ``kill -- -PGID``) cannot take the copies away before the
+  agent has made the newest one durable.
+- **an abstract Unix socket, with the workers** (agent/checkpoint/client.py; SOCK_SEQPACKET, one
+  request or answer per packet, only the job's user): ``reserve`` a slot, ``commit`` or
+  ``abort`` it, ``resume`` (which step, and from where). A slot's memfd travels with the answer.
+
+The copies are memfds (agent/checkpoint/shm.py): when the holder ends, however, the kernel frees them
+as soon as no worker maps them any more. Nothing of the tier is a file.
+
+Run by file path, like the orphan guard: ``python <rally>/agent/checkpoint/holder.py TOKEN CKPT_DIR [LIMIT]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from rally.agent.checkpoint.persist import DiskFull, PersistCancelled, default_name, persist, valid_name
+from rally.agent.checkpoint.shm import socket_address
+from rally.agent.checkpoint.slots import Refused, ShmTooSmall, SlotTable
+
+PERSIST_NICENESS = 10
+"""The persister thread's nice value (the holder's answers to workers keep the normal priority)."""
+MAX_PAUSE_SECONDS = 5.0
+"""The longest the persister waits for a worker's copy to finish before it goes on anyway."""
+MAX_LINE = 64 * 1024
+"""A request longer than this is not one of ours: the connection is closed."""
+IDLE_SLICE_SECONDS = 1.0
+"""The idle persister's wait for work, one slice at a time (a commit or a stop wakes it at once)."""
+
+
+class Holder:
+    def __init__(self, token: str, checkpoint_dir: Path, memory_limit: int | None, out: BinaryIO) -> None:
+        self.token = token
+        self.table = SlotTable(token, memory_limit)
+        self.checkpoint_dir = checkpoint_dir
+        self.out = out
+        self.out_lock = threading.Lock()
+        self.stopping = False
+        self.told_disk_only = False
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(socket_address(token))
+        self.listener.listen(64)
+
+    # ------------------------------------------------------------------ to the agent
+    def emit(self, **message: Any) -> None:
+        with self.out_lock:
+            try:
+                self.out.write((json.dumps(message) + "\n").encode())
+                self.out.flush()
+            except (OSError, ValueError):
+                pass  # the agent is gone; stdin's end of file stops us
+
+    def control(self, msg: dict[str, Any]) -> None:
+        op, table = msg.get("op"), self.table
+        reply: dict[str, Any] = {}
+        if op == "round":
+            table.open_round(int(msg["round"]), msg.get("resume"), float(msg["lease"]))
+        elif op == "renew":
+            table.renew(int(msg["round"]), float(msg["lease"]))
+        elif op == "over":
+            table.close_round(int(msg["round"]))
+        elif op == "holdings":
+            reply = {"memory": table.memory_steps(), "disk_only": table.disk_only is not None}
+        elif op == "flush":
+            reply = self.flush(float(msg["timeout"]))
+        if "id" in msg:
+            self.emit(reply=msg["id"], **reply)
+
+    def flush(self, timeout: float) -> dict[str, Any]:
+        """Wait (bounded) until the newest copy of every key is durable or failed to be."""
+        deadline = time.monotonic() + timeout
+        with self.table.cond:
+            while self.table.pending() and (left := deadline - time.monotonic()) > 0:
+                self.table.cond.wait(left)
+            return {"pending": self.table.pending(), "durable": dict(self.table.durable)}
+
+    # ------------------------------------------------------------------ the workers
+    def serve(self) -> None:
+        conn_id = 0
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            conn_id += 1
+            threading.Thread(target=self.worker, args=(conn, conn_id), daemon=True).start()
+
+    def worker(self, conn: socket.socket, conn_id: int) -> None:
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != os.getuid():
+                return
+            while packet := conn.recv(MAX_LINE):
+                answer, fds = self.answer(packet, conn_id)
+                socket.send_fds(conn, [json.dumps(answer).encode()], fds)
+        except OSError:
+            pass
+        finally:
+            self.table.writer_gone(conn_id)
+            conn.close()
+
+    def answer(self, packet: bytes, conn_id: int) -> tuple[dict[str, Any], list[int]]:
+        """The answer to one request, and the memfds that go with it."""
+        table = self.table
+        try:
+            msg = json.loads(packet)
+            op = msg["op"]
+            if op == "reserve":
+                name = self.persist_name(msg.get("persist"), int(msg["step"]))
+                index, fd = table.reserve(conn_id, str(msg["key"]), int(msg["step"]), int(msg["size"]), int(msg["round"]), name, int(msg.get("keep", 3)))
+                return {"ok": True, "slot": index}, [fd]
+            if op == "commit":
+                slot = table.commit(conn_id, str(msg["key"]), int(msg["step"]), int(msg["length"]), int(msg["round"]))
+                self.emit(ev="saved", key=msg["key"], step=slot.step, memory=table.memory_steps())
+                return {"ok": True}, []
+            if op == "abort":
+                table.abort(conn_id, str(msg["key"]), int(msg["step"]))
+                return {"ok": True}, []
+            if op == "held":
+                return {"ok": True, "held": table.held(str(msg["prefix"]))}, []
+            if op == "slot":
+                found = table.committed_slot(str(msg["key"]), int(msg["step"]))
+                return {"ok": True, "length": found[1] if found else 0}, [found[0]] if found else []
+            if op == "resume":
+                step, index, fd = table.resume(str(msg["key"]))
+                return {"ok": True, "step": step, "slot": index}, [] if fd is None else [fd]
+            return {"ok": False, "error": f"rally: unknown memory-tier request {op!r}"}, []
+        except ShmTooSmall as exc:
+            if not self.told_disk_only:  # one line, at the first save that did not fit
+                self.told_disk_only = True
+                self.emit(ev="warn", line=str(exc))
+            return {"ok": False, "disk_only": True, "error": str(exc)}, []
+        except Refused as exc:
+            return {"ok": False, "error": str(exc)}, []
+        except (ValueError, KeyError, TypeError) as exc:
+            return {"ok": False, "error": f"rally: malformed memory-tier request ({exc})"}, []
+        except OSError as exc:
+            return {"ok": False, "error": f"rally: memory tier: {exc.strerror or exc}"}, []
+
+    @staticmethod
+    def persist_name(persist: Any, step: int) -> str | None:
+        """``persist`` of a reserve: false (memory only), true (``step_<step>.pt``, keep-K) or a
+        relative file name in the checkpoint directory (e.g. a rank's shard)."""
+        if persist is True:
+            return default_name(step)
+        if not persist:
+            return None
+        if not isinstance(persist, str) or not valid_name(persist):
+            raise ValueError(f"persist={persist!r} is not a relative file name")
+        return persist
+
+    # ------------------------------------------------------------------ to the disk
+    def persister(self) -> None:
+        """Copy the newest committed slot to disk, one at a time, at a low CPU priority: on a busy
+        node the training step (whose stall is a copy) comes first, the disk write second."""
+        table = self.table
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PERSIST_NICENESS)  # this thread only
+        except OSError:
+            pass
+        while True:
+            with table.cond:
+                while not self.stopping and (job := table.next_to_persist()) is None:
+                    table.cond.wait(IDLE_SLICE_SECONDS)  # woken by a commit or stop; the slice only re-checks
+                if self.stopping:
+                    return
+            key, index, slot = job
+            ok = False
+            try:
+                path = persist(slot.fd, slot.length, self.checkpoint_dir, slot.step, slot.keep, self.between_chunks, slot.persist_name)  # type: ignore[arg-type]
+                ok = True
+                self.emit(ev="durable", key=key, step=slot.step, path=str(path))
+            except DiskFull as exc:
+                self.emit(ev="warn", line=str(exc))
+            except PersistCancelled:
+                pass
+            except OSError as exc:
+                self.emit(ev="warn", line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc.strerror or exc}")
+            except Exception as exc:  # a bug must not stop the persister: say it, keep the copies
+                self.emit(ev="warn", line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc!r}")
+            with table.cond:
+                table.persisted(key, index, ok)
+
+    def between_chunks(self) -> bool:
+        """Pause the disk copy while a worker copies into a slot or reloads from one (bounded):
+        the training step's stall, or the restart, is that copy, and on a small node both would
+        share the same cores and memory bandwidth. True when the holder is stopping (the persist
+        is given up)."""
+        deadline = time.monotonic() + MAX_PAUSE_SECONDS
+        with self.table.cond:
+            while self.table.copying() and not self.stopping and (left := deadline - time.monotonic()) > 0:
+                self.table.cond.wait(min(left, 0.05))  # a reload's pause ends by time, not by a notify
+            return self.stopping
+
+    def stop(self) -> None:
+        with self.table.cond:
+            self.stopping = True
+            self.table.cond.notify_all()
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)
+    token, checkpoint_dir = argv[0], Path(argv[1])
+    limit = int(argv[2]) if len(argv) > 2 and argv[2] else None
+    holder = Holder(token, checkpoint_dir, limit, sys.stdout.buffer)
+    persister = threading.Thread(target=holder.persister, daemon=True)
+    try:
+        threading.Thread(target=holder.serve, daemon=True).start()
+        persister.start()
+        for line in sys.stdin.buffer:  # returns at end of file: the agent stopped us or died
+            try:
+                msg = json.loads(line)
+                if msg.get("op") == "stop":
+                    break
+                holder.control(msg)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not from our agent; ignore
+    finally:
+        holder.stop()
+        persister.join(timeout=5)
+        holder.table.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

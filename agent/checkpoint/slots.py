@@ -1,0 +1,340 @@
+"""The holder's bookkeeping: which slot holds which step, who may write, what is durable.
+
+Pure state under one condition variable, no I/O but creating and sizing slot files, so the rules
+read in one place (agent/checkpoint/holder.py does the sockets and the persister thread):
+
+- **Two slots per key.** A save goes into a slot that is not being persisted, preferring the one
+  that does not hold the newest committed step. So a save never waits for the disk, the newest
+  committed step stays readable while the next copy is written (unless the other slot is busy
+  persisting: then the older of the two in-memory steps is the one being made durable and the
+  save overwrites the newest), and no more than two copies per key ever exist.
+- **Commit.** A slot counts only once its writer said ``commit`` on the same connection; a writer
+  that dies mid-copy leaves a slot that is never read, and the previous step stays usable.
+- **Fencing by round.** The agent opens each round (``round``), renews a lease while its workers
+  run, and closes it (``over``) before it stops them. A reserve or commit from another round, a
+  closed round or after the lease ran out (a frozen agent) is refused: a worker of a round that
+  is over cannot checkpoint.
+- **Reloaded slots are never written again.** ``resume`` hands a worker the slot's memfd for
+  ``torch.load(mmap=True)``; the next save that lands on that slot gets a fresh memfd (the old
+  one's pages live as long as the worker keeps tensors from it, then the kernel frees them).
+- **Memory is checked before it is taken.** A copy may take at most half of the memory still
+  available to this node and its cgroup (and stay under RALLY_CKPT_MEMORY_LIMIT if set);
+  otherwise the tier says so once and the job saves to disk only.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from rally.agent.checkpoint.shm import SLOTS_PER_KEY, memfd_name, valid_key
+
+FREE, WRITING, COMMITTED = "free", "writing", "committed"
+PAGE = 4096
+RELOAD_PAUSE_SECONDS = 1.0
+"""How long after a worker's resume the persister leaves memory bandwidth to the reload."""
+
+
+class Refused(Exception):
+    """A request the holder turns down; the message is one line for the worker to raise."""
+
+
+class ShmTooSmall(Exception):
+    """Not enough shared memory for a copy: the tier falls back to disk-only saving."""
+
+
+@dataclass
+class Slot:
+    state: str = FREE
+    step: int = -1
+    length: int = 0
+    size: int = 0  # bytes allocated for the memfd
+    fd: int | None = None  # the holder's memfd of this slot
+    writer: int | None = None  # the connection writing it
+    persist_name: str | None = None  # file name in the checkpoint directory, None: memory only
+    keep: int = 3
+    persisted: bool = False
+    loaded: bool = False  # a worker mapped it: never write into this memfd again
+
+
+@dataclass
+class KeySlots:
+    slots: list[Slot] = field(default_factory=lambda: [Slot() for _ in range(SLOTS_PER_KEY)])
+    persisting: int | None = None  # index of the slot the persister is copying
+
+    def committed(self) -> list[tuple[int, int]]:
+        """(step, index) of committed slots, newest first."""
+        return sorted(((s.step, i) for i, s in enumerate(self.slots) if s.state == COMMITTED), reverse=True)
+
+
+class SlotTable:
+    """Every key's slots on this node, the round's fence and the durable steps; thread-safe."""
+
+    def __init__(self, token: str, memory_limit: int | None = None) -> None:
+        self.token = token
+        self.memory_limit = memory_limit
+        self.cond = threading.Condition()
+        self.keys: dict[str, KeySlots] = {}
+        self.round: int | None = None
+        self.round_open = False
+        self.lease_until = 0.0
+        self.resume_step: int | None = None
+        self.disk_only: str | None = None
+        self.durable: dict[str, int] = {}
+        self.resumed_at = -RELOAD_PAUSE_SECONDS
+
+    # ------------------------------------------------------------------ the agent's side
+    def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
+        with self.cond:
+            self.round, self.round_open, self.resume_step = r, True, resume_step
+            self.lease_until = time.monotonic() + lease
+
+    def renew(self, r: int, lease: float) -> None:
+        with self.cond:
+            if r == self.round and self.round_open:
+                self.lease_until = time.monotonic() + lease
+
+    def close_round(self, r: int) -> None:
+        with self.cond:
+            if r == self.round:
+                self.round_open = False
+            for keyslots in self.keys.values():  # copies under way now never commit
+                for slot in keyslots.slots:
+                    if slot.state == WRITING:
+                        slot.state, slot.writer = FREE, None
+
+    def memory_steps(self) -> list[int]:
+        """Steps every key on this node holds committed (what this node can resume from memory)."""
+        with self.cond:
+            sets = [{s for s, _ in k.committed()} for k in self.keys.values()]
+        return sorted(set.intersection(*sets)) if sets else []
+
+    def newest_saved(self) -> int | None:
+        steps = self.memory_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ the workers' side
+    def _fence(self, r: int) -> None:
+        if self.round is None or r != self.round or not self.round_open:
+            raise Refused(
+                f"rally: checkpoint refused: this worker belongs to round {r}, which is over "
+                f"(the node is in round {self.round}); a worker of an ended round may not save"
+            )
+        if time.monotonic() > self.lease_until:
+            raise Refused(f"rally: checkpoint refused: round {r} is no longer confirmed by its agent (frozen or cut off)")
+
+    def reserve(self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int) -> tuple[int, int]:
+        """(index, memfd) of a slot for ``step`` of ``key`` with room for ``size`` bytes, marked being written."""
+        if not valid_key(key) or step < 0 or size <= 0:
+            raise Refused(f"rally: checkpoint refused: bad request for key {key!r}, step {step}, {size} bytes")
+        with self.cond:
+            self._fence(r)
+            if self.disk_only is not None:
+                raise ShmTooSmall(self.disk_only)
+            keyslots = self.keys.setdefault(key, KeySlots())
+            index = self._choose(keyslots)
+            slot = keyslots.slots[index]
+            if slot.fd is None or slot.loaded or slot.size < size or slot.size > 2 * size:
+                self._allocate(key, index, size, slot)
+            else:  # back to its full size: only the tail cut off at the last commit is new
+                start = slot.length & ~(PAGE - 1)
+                os.posix_fallocate(slot.fd, start, slot.size - start)  # type: ignore[arg-type]
+            keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, slot.fd, conn, persist_name, keep)
+            return index, slot.fd  # type: ignore[return-value]
+
+    def _choose(self, keyslots: KeySlots) -> int:
+        candidates = [i for i, s in enumerate(keyslots.slots) if i != keyslots.persisting and s.state != WRITING]
+        if not candidates:
+            raise Refused("rally: checkpoint refused: another copy of this state is still being written")
+        newest = keyslots.committed()[:1]
+        preferred = [i for i in candidates if not newest or i != newest[0][1]]
+        return (preferred or candidates)[0]
+
+    def _allocate(self, key: str, index: int, size: int, slot: Slot) -> None:
+        """A fresh memfd of ``size`` bytes for the slot (the old one let go), its pages taken now."""
+        held = sum(s.size for k in self.keys.values() for s in k.slots) - slot.size
+        free = available_memory()
+        allowed = [limit for limit in ((free + slot.size) // 2 if free is not None else None, self.memory_limit and self.memory_limit - held) if limit is not None]
+        if allowed and size > min(allowed):
+            self.disk_only = self._too_small_line(size, min(allowed))
+            raise ShmTooSmall(self.disk_only)
+        if slot.fd is not None:
+            os.close(slot.fd)
+            slot.fd, slot.size = None, 0
+        fd = os.memfd_create(memfd_name(self.token, key, index), os.MFD_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            self.disk_only = self._too_small_line(size, available_memory() or 0)
+            raise ShmTooSmall(self.disk_only) from None
+        slot.fd, slot.size, slot.loaded = fd, size, False
+
+    def _too_small_line(self, size: int, room: int) -> str:
+        return (
+            f"not enough memory for in-memory checkpoints on this node ({size / 1e6:.1f} MB needed per "
+            f"copy, {max(room, 0) / 1e6:.1f} MB it may take); saving to disk only from now on"
+        )
+
+    def release(self) -> None:
+        """Let go of every slot's memory (the holder is stopping)."""
+        with self.cond:
+            for keyslots in self.keys.values():
+                for slot in keyslots.slots:
+                    if slot.fd is not None:
+                        os.close(slot.fd)
+                        slot.fd = None
+
+    def commit(self, conn: int, key: str, step: int, length: int, r: int) -> Slot:
+        with self.cond:
+            slot = self._writing(conn, key, step)
+            try:
+                self._fence(r)
+            except Refused:
+                slot.state, slot.writer = FREE, None
+                raise
+            if not 0 < length <= slot.size:
+                slot.state, slot.writer = FREE, None
+                raise Refused(f"rally: checkpoint refused: length {length} outside the slot's {slot.size} bytes")
+            # The memfd ends where the archive ends, as a file must for torch.load (its zip
+            # directory is found from the end); the cut tail is a few pages at most.
+            os.ftruncate(slot.fd, length)  # type: ignore[arg-type]
+            slot.state, slot.length, slot.writer = COMMITTED, length, None
+            self.cond.notify_all()
+            return slot
+
+    def copying(self) -> bool:
+        """True while some worker is copying into a slot, or may be copying out of one: for
+        RELOAD_PAUSE_SECONDS after a resume (the restart the job is waiting for)."""
+        with self.cond:
+            reloading = time.monotonic() < self.resumed_at + RELOAD_PAUSE_SECONDS
+            return reloading or any(s.state == WRITING for k in self.keys.values() for s in k.slots)
+
+    def abort(self, conn: int, key: str, step: int) -> None:
+        with self.cond:
+            try:
+                slot = self._writing(conn, key, step)
+            except Refused:
+                return
+            slot.state, slot.writer = FREE, None
+            self.cond.notify_all()
+
+    def _writing(self, conn: int, key: str, step: int) -> Slot:
+        for slot in self.keys.get(key, KeySlots()).slots:
+            if slot.state == WRITING and slot.writer == conn and slot.step == step:
+                return slot
+        raise Refused(f"rally: checkpoint refused: no copy of step {step} under way for {key!r}")
+
+    def writer_gone(self, conn: int) -> None:
+        """A worker's connection closed: whatever it was still writing is void (killed mid-copy)."""
+        with self.cond:
+            for keyslots in self.keys.values():
+                for slot in keyslots.slots:
+                    if slot.state == WRITING and slot.writer == conn:
+                        slot.state, slot.writer = FREE, None
+                        self.cond.notify_all()
+
+    def resume(self, key: str) -> tuple[int | None, int | None, int | None]:
+        """(the round's agreed step, the slot index and memfd holding it for ``key``); the last two
+        None when this node does not hold it (read the disk)."""
+        with self.cond:
+            self.resumed_at = time.monotonic()
+            step = self.resume_step
+            keyslots = self.keys.get(key)
+            if step is None or keyslots is None:
+                return step, None, None
+            for s, index in keyslots.committed():
+                if s == step:
+                    keyslots.slots[index].loaded = True
+                    return step, index, keyslots.slots[index].fd
+            return step, None, None
+
+    def held(self, prefix: str) -> dict[str, list[int]]:
+        """Committed steps of every key starting with ``prefix`` (sharded states: a rank's own
+        copy and the ring peer's replica, see agent/checkpoint/dcp_memory.py)."""
+        with self.cond:
+            return {k: sorted(s for s, _ in ks.committed()) for k, ks in self.keys.items() if k.startswith(prefix)}
+
+    def committed_slot(self, key: str, step: int) -> tuple[int, int] | None:
+        """(the memfd holding committed ``step`` of ``key``, its length); None: not in memory here.
+        The slot is marked loaded, so the next save into it gets a fresh memfd."""
+        with self.cond:
+            keyslots = self.keys.get(key)
+            for s, index in keyslots.committed() if keyslots else []:
+                if s == step:
+                    keyslots.slots[index].loaded = True
+                    return keyslots.slots[index].fd, keyslots.slots[index].length
+            return None
+
+    # ------------------------------------------------------------------ the persister's side
+    def next_to_persist(self) -> tuple[str, int, Slot] | None:
+        """The newest committed, not yet durable slot of some key; marks it being persisted."""
+        with self.cond:  # re-entrant: the holder may hold it already
+            for key, keyslots in self.keys.items():
+                if keyslots.persisting is not None:
+                    continue
+                for step, index in keyslots.committed():
+                    slot = keyslots.slots[index]
+                    if slot.persist_name and not slot.persisted and step > self.durable.get(key, -1):
+                        keyslots.persisting = index
+                        return key, index, slot
+                    break  # only the newest is worth persisting
+            return None
+
+    def persisted(self, key: str, index: int, ok: bool) -> None:
+        with self.cond:  # re-entrant: the holder may hold it already
+            keyslots = self.keys[key]
+            keyslots.persisting = None
+            slot = keyslots.slots[index]
+            slot.persisted = True  # a failed step is not retried: the next save brings a newer one
+            if ok:
+                self.durable[key] = max(self.durable.get(key, -1), slot.step)
+            self.cond.notify_all()
+
+    def pending(self) -> bool:
+        """True while some key's newest committed copy still waits to be (or is being) persisted."""
+        with self.cond:  # re-entrant: the holder may hold it already
+            for key, keyslots in self.keys.items():
+                if keyslots.persisting is not None:
+                    return True
+                newest = keyslots.committed()[:1]
+                if newest:
+                    slot = keyslots.slots[newest[0][1]]
+                    if slot.persist_name and not slot.persisted and slot.step > self.durable.get(key, -1):
+                        return True
+            return False
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: /proc/meminfo's MemAvailable, or less where its cgroup's
+    limit (v2 memory.max, v1 memory.limit_in_bytes) is nearer. None when nothing says."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        lines = []
+    for _, controllers, path in (line for line in lines if len(line) == 3):
+        if controllers == "":
+            files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):
+            files = (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes", f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit, used = (Path(name).read_text().strip() for name in files)
+            if limit.isdigit() and int(limit) < 1 << 60:
+                found.append(int(limit) - int(used))
+        except (OSError, ValueError):
+            continue
+    return max(0, min(found)) if found else None

@@ -1,0 +1,103 @@
+"""The agent's side of the orphan guard (agent/guard/orphan_guard.py): start it, give it the job's
+cgroup (agent/guard/job_cgroup.py), tell it about each worker group, stop it at exit. The guard itself
+runs by file path, so it imports none of this."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rally.agent.guard import orphan_guard
+from rally.agent import processes
+from rally.agent.guard.job_cgroup import FREEZER, PIDS, V2, JobCgroup, remove_abandoned
+from rally.agent.guard.orphan_guard import SWEEP_SECONDS, TOKEN_VARIABLE
+
+__all__ = ["GuardClient", "TOKEN_VARIABLE"]
+
+# RALLY_JOB_CGROUP: "auto" (the default: the first of v2, freezer, pids this machine allows),
+# one of them, or "off" (where something else manages cgroups; the guard then kills what it saw).
+CGROUP_VARIABLE = "RALLY_JOB_CGROUP"
+CGROUP_CHOICES = {"auto": (V2, FREEZER, PIDS), V2: (V2,), FREEZER: (FREEZER,), PIDS: (PIDS,), "off": ()}
+
+
+def job_cgroup(token: str, guard_pid: int = 0) -> JobCgroup | None:
+    """The job's own cgroup, of the kind RALLY_JOB_CGROUP asks for (an unknown value: auto).
+
+    Under SLURM, auto means v2 only: SLURM's v1 plugins track a step by the members of its own
+    freezer/cpuset cgroups, and a v1 child would take the workers out of that list; a v2 child
+    stays inside the step's cgroup, whose kill is recursive."""
+    choice = os.environ.get(CGROUP_VARIABLE, "auto").strip().lower()
+    kinds = CGROUP_CHOICES.get(choice, CGROUP_CHOICES["auto"])
+    if choice not in (FREEZER, PIDS) and os.environ.get("SLURM_JOB_ID"):
+        kinds = tuple(k for k in kinds if k == V2)
+    group = JobCgroup.create(f"rally-{guard_pid}-{token}", kinds) if kinds else None
+    if group is not None:
+        remove_abandoned(group)
+    return group
+
+
+class GuardClient:
+    """The agent's side: start the guard, tell it about worker groups, stop it at exit."""
+
+    def __init__(self, token: str):
+        self.token = token
+        self.process: Any = subprocess.Popen(
+            # By file path, as the workers' bootstrap: works from any installation, and no
+            # module on the user's path (an `agent` package, say) can take its place. In a
+            # session of its own: a SIGKILL of the agent's process group must not reach it.
+            [sys.executable, str(Path(orphan_guard.__file__).resolve())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self._tell(f"token {token}\n")
+        # Every process the agent starts from now on (workers, the template) joins the cgroup
+        # between fork and exec; everything they start inherits it.
+        self.cgroup = job_cgroup(token, self.process.pid)
+        if self.cgroup is not None:
+            self._tell(f"cgroup {self.cgroup.to_line()}\n")
+        processes.set_job_cgroup(self.cgroup.procs_file if self.cgroup is not None else None)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def guard_group(self, pgid: int) -> None:
+        self._tell(f"{pgid}\n")
+
+    def unguard_group(self, pgid: int) -> None:
+        self._tell(f"-{pgid}\n")
+
+    def clean_up_at_exit(self, path: str) -> None:
+        """Have the guard remove `path` (a file or directory, such as shared memory the job
+        keeps) once the job's processes are dead, however the agent ends."""
+        self._tell(f"cleanup {path}\n")
+
+    def forget_cleanup(self, path: str) -> None:
+        self._tell(f"-cleanup {path}\n")
+
+    def _tell(self, line: str) -> None:
+        if self.process.stdin is not None:
+            try:
+                self.process.stdin.write(line.encode())
+                self.process.stdin.flush()
+            except OSError:
+                pass
+
+    def stop(self, timeout: float = SWEEP_SECONDS + 3.0) -> None:
+        """Close the pipe (the guard sweeps what is left, normally nothing) and wait, bounded."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        processes.set_job_cgroup(None)
+        if self.cgroup is not None:
+            self.cgroup.remove()  # normally gone already: the guard removes it

@@ -1,0 +1,199 @@
+"""What the agent tells about a running job beyond "alive or hung": stragglers, metrics, GPU health.
+
+The agent (agent/agent.py) owns one :class:`Observer` and calls it at a few points: when it
+starts and stops, before it joins each round, after each health check, when it builds its
+status record, and from its keep-alive thread. Everything else lives in the modules this one
+ties together: agent/observe/stragglers.py (step times, who is slow), agent/observe/metrics.py (/metrics for
+Prometheus) and agent/observe/gpu.py (NVML).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rally.agent.observe import gpu as gpus
+from rally.agent.observe.event_log import EventLog
+from rally.agent.observe.gpu_reclaim import gpu_processes_of, wait_reclaimed
+from rally.agent.spec import JobSpec
+from rally.agent.observe.stragglers import CentralValues, StragglerWatch, job_step_times
+from rally.agent.display import console
+from rally.rendezvous.node_memory import load_timeouts, save_timeouts
+
+
+class Observer:
+    """Stragglers, /metrics and GPU health for one agent."""
+
+    def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str], timeouts: Any = None):
+        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py), kept in the store."""
+        self.spec = spec
+        self.timeouts = timeouts
+        self.node_checks: Any = None  # quarantine and pre-flight (agent/checks/node_checks.py): the status record's "preflight"
+        self.events = events
+        self.host = host
+        self.base_env = base_env
+        self.stragglers = StragglerWatch(spec.straggler_factor, spec.straggler_window)
+        self.metrics: Any = None
+        self.gpu: gpus.NvmlMonitor | None = None
+        self.gpu_skipped: str | None = None
+        self.gpu_devices: list[gpus.DeviceReading] | None = None
+        self.gpu_xid_problems: list[str] = []  # XIDs are events: remembered once seen
+        self.gpu_problems_seen: set[str] = set()  # every distinct problem so far (rally_gpu_problems_total)
+        self.last_restart: dict | None = None  # why the job last went round again (`rally status`)
+        self.worker_pids: set[int] = set()  # this round's workers and their processes seen on GPUs (agent/observe/gpu_reclaim.py)
+        self.gpu_baseline: dict[int, int] = {}  # bytes in use per GPU before the round's workers started
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, snapshot: Callable[[], dict | None], report: Any) -> None:
+        """Open NVML and start /metrics (OSError with one line if the port cannot be bound).
+
+        `snapshot` returns the agent's status record; `report` is its JobReport (round ends)."""
+        self.gpu, reason = gpus.open_monitor()
+        if self.gpu is None:
+            self.gpu_skipped = reason
+            self.events.emit("gpu_health_skipped", reason=reason)
+            if self._gpus_expected():
+                console.warn(f"GPU health checks skipped: {reason}")
+        if self.spec.metrics_port is not None:
+            from rally.agent.observe import metrics
+
+            ends = lambda: metrics.round_end_kinds(report.attempts)  # noqa: E731
+            self.metrics = metrics.serve(self.spec.metrics_port, snapshot, ends, self.spec.run_id, self.spec.metrics_addr)
+            console.say(f"Prometheus metrics at {self.metrics.url}")
+
+    def stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
+
+    def _gpus_expected(self) -> bool:
+        """Say so on the console only where GPUs seem to exist; CPU-only nodes get the event only."""
+        visible = self.base_env.get("CUDA_VISIBLE_DEVICES", "").strip()
+        return Path("/dev/nvidiactl").exists() or visible not in ("", "-1", "NoDevFiles")
+
+    # ------------------------------------------------------------------ GPUs
+    def read_gpus(self) -> list[gpus.DeviceReading] | None:
+        """The node's GPUs now (for the health monitor's samples); None without NVML."""
+        if self.gpu is None:
+            return None
+        self.gpu_devices = self.gpu.read()
+        for device in self.gpu_devices:
+            problem = gpus.xid_problem(device)
+            if problem and problem not in self.gpu_xid_problems:
+                self.gpu_xid_problems.append(problem)
+                console.warn(f"GPU problem on {self.host}: {problem}")
+                self.events.emit("gpu_problem", node=self.host, problem=problem)
+        return self.gpu_devices
+
+    def gpu_problems(self) -> list[str] | None:
+        """Every current GPU problem of this node (None: not checked here)."""
+        if self.gpu_devices is None:
+            return None
+        problems = [p for d in self.gpu_devices for p in gpus.state_problems(d)] + self.gpu_xid_problems
+        self.gpu_problems_seen.update(problems)
+        return problems
+
+    def before_round(self) -> None:
+        """Before this node joins a round: forget the last round's ranks, wait until the last
+        round's workers have left the GPUs (--gpu-reclaim-timeout), check the GPUs."""
+        self.stragglers.reset()
+        if self.gpu is None:
+            return
+        if self.worker_pids:
+            problems, waited = wait_reclaimed(self.read_gpus, self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout)
+            self.worker_pids = set()
+            if problems:
+                console.warn(f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}")
+            self.events.emit("gpu_reclaim", node=self.host, waited=round(waited, 3), occupied=problems)
+        self.gpu_baseline = {d.index: d.memory_used for d in self.read_gpus() or []}
+        problems = self.gpu_problems() or []
+        if problems:
+            console.error(f"node {self.host} has unhealthy GPUs before joining the next round: {'; '.join(problems)}")
+            self.events.emit("gpu_unhealthy", node=self.host, problems=problems)
+
+    def load_timeouts(self, store_call: Callable[[Callable[[], Any]], Any], store: Any) -> None:
+        """Before workers start: take the timeouts this job learned before (a restart, a newcomer)."""
+        if self.timeouts is not None and store is not None:
+            self.timeouts.merge(store_call(lambda: load_timeouts(store)), "the store")
+
+    # ------------------------------------------------------------------ stragglers
+    def after_check(self, assignment: Any, workers: list[Any], health: Any) -> None:
+        """Feed the heartbeat files' steps to the straggler watch; name and clear stragglers."""
+        if self.gpu is not None:  # whom to wait for before the next round (agent/observe/gpu_reclaim.py)
+            self.worker_pids |= {w.pid for w in workers} | gpu_processes_of(self.gpu_devices or [], {w.pid for w in workers})
+        records = health.records()
+        new = False
+        for worker in workers:
+            record = records.get(worker.local_rank)
+            if record is not None:
+                new |= self.stragglers.observe(worker.global_rank, record.step, record.ns)
+        if not new:
+            return
+        named, cleared = self.stragglers.judge()
+        factor = self.stragglers.factor
+        for s in named:
+            console.warn(
+                f"straggler: rank {s.rank} on {self.host} takes {s.step_time:.3f} s per step, {s.ratio:.1f}x the "
+                f"median of the {s.scope}'s other ranks ({s.median:.3f} s; --straggler-factor {factor:g})"
+            )
+            self.events.emit(
+                "straggler", round=assignment.round, rank=s.rank, node=self.host, node_rank=assignment.group_rank,
+                step_time=round(s.step_time, 6), median=round(s.median, 6), ratio=round(s.ratio, 3), scope=s.scope, factor=factor,
+            )  # fmt: skip
+        for rank in cleared:
+            console.say(f"rank {rank} on {self.host} is no longer a straggler")
+            self.events.emit("straggler_cleared", round=assignment.round, rank=rank, node=self.host)
+
+    def worker_fields(self, worker: Any, health: Any) -> dict:
+        """Extra fields of one worker in the status record: step, step time, straggler, section."""
+        record = health.records().get(worker.local_rank)
+        straggler = self.stragglers.stragglers.get(worker.global_rank)
+        return {
+            "step": self.stragglers.step(worker.global_rank),
+            "step_time": self.stragglers.step_times.get(worker.global_rank),
+            "straggler": None if straggler is None else {"step_time": straggler.step_time, "median": straggler.median, "scope": straggler.scope},
+            "section": record.section if record is not None else "",
+            "gpu_utilization": health.resources(worker.local_rank).gpu_utilization,
+        }
+
+    def node_fields(self) -> dict:
+        problems = self.gpu_problems()
+        total = None if problems is None else len(self.gpu_problems_seen)
+        checks = self.node_checks.status_fields() if self.node_checks is not None else {}
+        return {"gpu_problems": problems, "gpu_problems_total": total, "last_restart": self.last_restart, **checks}
+
+    def note_restart(self, round_: int, end: Any) -> None:
+        """Round `round_` ended with `end` (a failure or a membership change) and another follows:
+        kept for the status record, so `rally status` can say why the last restart happened."""
+        self.last_restart = {"round": round_, "kind": str(end.kind), "detail": end.detail}
+
+    def exchange(self, rdzv: Any, assignment: Any) -> None:
+        """From the keep-alive thread: make the straggler median the job's, not only this node's.
+
+        Node 0 reads every node's status record of this round (one multi-get) and publishes the
+        middle of the sorted step times; every other node reads that one key.
+        """
+        if self.timeouts is not None and self.timeouts.changed:
+            save_timeouts(rdzv.store, self.timeouts.to_json())
+        if assignment.group_world_size <= 1:
+            return
+        if assignment.group_rank == 0:
+            from rally.rendezvous.status import read_job_status
+
+            try:
+                status = read_job_status(rdzv.store)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                return  # a record that is not JSON (store contents are not trusted): skip this time
+            times = job_step_times(status["nodes"] if status else [], assignment.round)
+            summary: CentralValues | None = CentralValues.of(times)
+            rdzv.publish_step_times(assignment.round, summary.to_json())
+        elif (published := rdzv.step_times(assignment.round)) is not None:
+            summary = CentralValues.from_json(published)
+        else:
+            return
+        self.stragglers.job = summary if summary is not None and summary.count >= 2 else None
+

@@ -1,0 +1,48 @@
+"""This node as `rally status`, the live view and /metrics see it: one JSON-able record.
+
+The keep-alive thread publishes it to the store every few seconds (agent/round_threads.py), the
+live view renders it (agent/observe/live.py), the observer turns it into metrics (agent/observe/metrics.py). It
+is built from a snapshot of the worker group without locks: a worker that exits meanwhile shows
+its old state until the next record, which is harmless for a display.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rally.rendezvous.protocol import Assignment
+
+
+def node_status(host: str, node_id: str, a: Assignment, group: Any, health: Any, observer: Any) -> dict:
+    """`group` is the round's WorkerGroup (or None between rounds), `health` its HealthMonitor,
+    `observer` adds step times, stragglers and GPUs (agent/observe/observer.py)."""
+    workers = []
+    for w in list(group.workers) if group else []:
+        sample = health.resources(w.local_rank)
+        workers.append(
+            {
+                "rank": w.global_rank,
+                "local_rank": w.local_rank,
+                "pid": w.pid,
+                "state": w.state(),
+                "cpu": sample.cpu_percent,
+                "cpu_seconds": sample.cpu_seconds,
+                "rss": sample.rss,
+                "gpu_memory": sample.gpu_memory,
+                "heartbeat_age": health.heartbeat_age(w.local_rank),
+                **observer.worker_fields(w, health),
+            }
+        )
+    return {
+        "host": host,
+        "node_id": node_id,
+        "group_rank": a.group_rank,
+        "round": a.round,
+        "restart_count": a.restart_count,
+        "world_size": a.world_size,
+        "group_world_size": a.group_world_size,
+        "updated": time.time(),
+        "workers": workers,
+        **observer.node_fields(),
+    }
