@@ -1,5 +1,5 @@
 """The house's arrows, read from the code (issue 20): launcher -> agent -> rendezvous, never back;
-the display package is a leaf; and no import circle between rally's modules. Every import counts,
+the display package is a leaf (tests/test_layout.py checks that no import circle exists). Every import counts,
 also those inside functions (a lazy import is still a dependency) and under TYPE_CHECKING (a module
 that needs another's type to be read depends on it)."""
 
@@ -63,43 +63,3 @@ def test_the_display_package_is_a_leaf() -> None:
         if not b.startswith(LEAVES)
     )
     assert leaking == []
-
-
-def cycles() -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(GRAPH[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(GRAPH):
-        if v not in index:
-            visit(v)
-    return found
-
-
-@pytest.mark.timeout(30)
-def test_no_import_circle() -> None:
-    assert cycles() == []
