@@ -413,7 +413,9 @@ def test_the_holders_memory_is_freed_when_its_agent_is_sigkilled(tmp_path: Path)
 def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    with mount_small_disk(tmp_path / "disk", "1m") as disk:  # the disk path: no memory tier (issue 19, item 9)
+    monkeypatch.delenv(ckpt_client.HOLDER_ENV, raising=False)  # the disk path: no memory tier (issue 19, item 9),
+    monkeypatch.setattr(ckpt_client, "_tier_resolved", False)  # whatever an earlier test of this process resolved
+    with mount_small_disk(tmp_path / "disk", "1m") as disk:
         monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(disk / "ckpt"))
         job.save({"w": torch.ones(1000)}, 1)
         with pytest.raises(OSError) as info:

@@ -129,7 +129,7 @@ def test_a_non_editable_install_runs_the_users_project_with_its_orphan_guard(tmp
     assert subprocess.run(check, cwd=project, env=env, capture_output=True, text=True, timeout=60).stdout.startswith(str(site))
     result = run_rally(["--standalone", "--no-preload", "guard_probe.py"], cwd=project, env=env)
     assert result.returncode == 0, result.describe()
-    assert f"[0] guard {site}/rally/agent/orphan_guard.py" in result.stdout, result.describe()
+    assert f"[0] guard {site}/rally/agent/guard/orphan_guard.py" in result.stdout, result.describe()
     result = run_rally(["--standalone", "--no-preload", "--nproc-per-node", "2", "train.py"], cwd=project, env=env)
     assert result.returncode == 0, result.describe()
     for rank in (0, 1):
