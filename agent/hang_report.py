@@ -242,10 +242,11 @@ class HangReporter:
         marks = {}
         for w in workers:
             try:
-                if process_state(w.pid).startswith("stopped"):
-                    os.kill(w.pid, signal.SIGCONT)  # a stopped process cannot run its dump handler
+                stopped = process_state(w.pid).startswith("stopped")
                 marks[w.local_rank] = w.output.stderr_mark()
                 os.kill(w.pid, STACK_SIGNAL)
+                if stopped:  # a stopped process runs its dump handler only once continued; the signal
+                    os.kill(w.pid, signal.SIGCONT)  # sent first is pending, so it dumps where it stopped
             except ProcessLookupError:
                 continue
         asked = [w for w in workers if w.local_rank in marks]
