@@ -175,14 +175,20 @@ def remove_dead_writers_temps(directory: Path) -> None:
             os.close(fd)
 
 
-def open_verified(path: Path) -> BinaryIO:
-    """Open ``path`` and check it end to end; return it positioned at 0, or raise DamagedCheckpoint."""
+def _open_for_check(path: Path) -> int:
+    """A read-only fd of ``path`` that never blocks (a FIFO in its place); FileNotFoundError as
+    is, any other failure to open is damage."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not block us
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not block us
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise DamagedCheckpoint(f"cannot open it: {exc.strerror}") from None
+
+
+def open_verified(path: Path) -> BinaryIO:
+    """Open ``path`` and check it end to end; return it positioned at 0, or raise DamagedCheckpoint."""
+    fd = _open_for_check(path)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise DamagedCheckpoint("not a regular file")
@@ -233,12 +239,7 @@ def open_mapped_verified(path: Path) -> int:
     the same fd (``torch.load("/proc/self/fd/<fd>", mmap=True)``): a load reads the file once,
     not once for the check and again for torch. The caller closes the fd.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not block us
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise DamagedCheckpoint(f"cannot open it: {exc.strerror}") from None
+    fd = _open_for_check(path)
     try:
         _verify_mapped(fd)
         return fd
