@@ -29,7 +29,7 @@ class StreamPlan:
 
 
 def load(name: str, spec: JobSpec, log_dir: Path) -> Any:
-    """Build the named LogsSpecs as torchrun does (launcher/torchrun_extras.py checked it exists)."""
+    """Build the named LogsSpecs as torchrun does (launcher/worker_flags.py checked it exists)."""
     from torch.distributed.elastic.multiprocessing.api import Std
 
     (entry,) = entry_points(group="torchrun.logs_specs").select(name=name)

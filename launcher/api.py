@@ -145,16 +145,3 @@ def _main_preparation(data: bytes) -> dict[str, Any] | None | bool:
     if "init_main_from_path" not in wanted and (not from_name or from_name.split(".")[-1] == "__main__"):
         return False
     return wanted
-
-
-def _root_cause(run_dir: Path) -> str:
-    """The root cause from the job's report.json (see agent/report.py)."""
-    for report in sorted((run_dir / "logs").glob("*/report.json")):
-        for attempt in reversed(json.loads(report.read_text()).get("attempts", [])):
-            end = attempt.get("end")
-            if end:
-                info = end.get("info") or {}
-                last = [line.strip() for line in info.get("stderr_tail") or [] if line.strip()]
-                # One line: what failed and, when the worker raised, the exception's last line.
-                return end["detail"] + (f"; {last[-1]}" if last else "") + f" (full report: {report})"
-    return f"the job did not run (see the error above; logs in {run_dir})"

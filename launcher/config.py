@@ -153,7 +153,7 @@ def shutdown_timeout(given: float | None) -> float:
 
 def job_spec(o: Options, p: types.SimpleNamespace, script: str, script_args: list[str], run_id: str, notes: list[str]) -> JobSpec:
     """What the agent runs on this node, from the parsed options."""
-    from rally.launcher.torchrun_extras import ExtrasError, extras
+    from rally.launcher.worker_flags import ExtrasError, extras
 
     nproc = p.nproc_per_node
     grace = shutdown_timeout(p.shutdown_timeout)

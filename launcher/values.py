@@ -94,7 +94,7 @@ def parse_nproc(text: str) -> int:
             raise ConfigError("--nproc-per-node gpu: no GPU is visible on this node; use a number, 'cpu' or 'auto'")
         return count
     if value == "xpu":
-        from rally.launcher.torchrun_extras import xpu_count
+        from rally.launcher.worker_flags import xpu_count
 
         count = xpu_count()
         if count == 0:

@@ -47,7 +47,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/logs_specs.py", "load", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
     ("agent/preemption.py", "Preemption.run", "self._wait_for_all_nodes"): (SL, ("agent/preemption.py", "Preemption.run"), "--preemption-grace"),
     ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare"),
-    ("launcher/torchrun_extras.py", "logs_specs_note", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
+    ("launcher/worker_flags.py", "logs_specs_note", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
     # agent: the main loop and its store calls
     ("agent/agent.py", "Agent._workers_store", "rdzv.wait_master"): (SL, ("rendezvous/protocol.py", "Rendezvous.wait_master"), "1 s slices up to keep_alive_timeout*4+30"),
     ("agent/agent.py", "Agent._exit_barrier", "rdzv.wait_all_acknowledged"): (B, None, "EXIT_BARRIER_SECONDS (30), a signal ends it"),

@@ -1,4 +1,6 @@
-"""torchrun 2.13's newer flags: parsed and checked here, so config.py stays about rally's core.
+"""The flags that shape each worker (its local rank and devices, copies of its output, where its
+logs go, its CPUs), torchrun 2.13's newer ones: parsed and checked here, so config.py stays about
+rally's core.
 
 * `--virtual-local-rank`: every worker sees LOCAL_RANK=0 and one GPU (CUDA_VISIBLE_DEVICES
   narrowed to its own), as torchrun's `_set_local_rank_env`.
