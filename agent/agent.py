@@ -25,33 +25,33 @@ import time
 from typing import Any, Callable
 
 from rally.agent import processes
-from rally.agent.checkpoint.agent_side import NodeCheckpoints
-from rally.agent.event_loop import Event, EventLoop
-from rally.agent.observe.event_log import EventLog
 from rally.agent.agent_exit import AgentExit, store_failure_exit
+from rally.agent.checkpoint.agent_side import NodeCheckpoints
+from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
 from rally.agent.decide import Exit, Reform, Restart, decide
+from rally.agent.display import console
+from rally.agent.event_loop import Event, EventLoop
 from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
 from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
 from rally.agent.hang_report import HangReporter
+from rally.agent.observe.event_log import EventLog
 from rally.agent.observe.health import HealthMonitor, HealthSettings
 from rally.agent.observe.live import LiveView
-from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
 from rally.agent.observe.observer import Observer
+from rally.agent.observe.run_info import announce
+from rally.agent.observe.status_record import node_status
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, failure_end, store_lost_line
 from rally.agent.round_threads import HeldFailure, RoundThreads, StoreProbe, check_peers, left_behind_line
-from rally.agent.observe.run_info import announce
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.agent.observe.status_record import node_status
 from rally.agent.stopping import read_what_is_left, stop_workers
 from rally.agent.template import TemplateClient
 from rally.agent.workers import LogLayout, WorkerGroup
-from rally.agent.display import console
 from rally.rendezvous.backends import OpenedStore
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
-from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, RoundEnd
+from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, Round, RoundEnd
 from rally.rendezvous.store import StoreError, host_tcp_store, listen_address
 
 # How long the store's host waits for the other agents to read the final state before exiting.
@@ -100,12 +100,14 @@ class Agent:
         self.live: LiveView | None = None  # the table on a terminal (agent/observe/live.py)
         self.hangs = HangReporter(  # who really hung, from every node (agent/hang_report.py)
             self.host, spec.is_python, self.health_settings.stack_dump_wait, self.loop, self.store_call,
-            connect=lambda: Rendezvous(self.store.connect_again(), plan.settings, self.node),
             group=lambda: self.group, heartbeat_count=lambda r: self.health.heartbeat_count(r), emit=self.events.emit,
         )  # fmt: skip
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
         self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
-        self.observer.node_checks = self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/checks/node_checks.py)
+        self.observer.node_checks = self.checks = NodeChecks(  # quarantine, pre-flight (agent/checks/node_checks.py)
+            spec, self.host, self.events, self.report, self.store_call, plan.settings.max_nodes > 1, template=lambda: self.template,
+            base_env=self.base_env, run_dir=self.logs.run_dir, backend=lambda: "nccl" if self.observer.gpu is not None else "gloo",
+        )  # fmt: skip
         self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)  # the memory tier (agent/checkpoint/agent_side.py)
         self.base_env.update(self.ckpt.env())
 
@@ -143,15 +145,15 @@ class Agent:
         while True:
             self.state = AgentState.RENDEZVOUS
             self.observer.before_round()
-            a = self.store_call(rdzv.next_round, waiting=True)  # a signal pending since the last round ends it
-            if self.spec.crash_loop_limit and a.stalled_restarts >= self.spec.crash_loop_limit:
-                return self._stop_crash_loop(rdzv, a)
-            end = self._run_round(rdzv, watcher, keeper, a)
-            code = self._after_round(rdzv, a, end)
+            rnd: Round = self.store_call(rdzv.join_round, waiting=True)  # a signal pending since the last round ends it
+            if self.spec.crash_loop_limit and rnd.a.stalled_restarts >= self.spec.crash_loop_limit:
+                return self._stop_crash_loop(rnd)
+            end = self._run_round(rnd, rnd.on(watcher), rnd.on(keeper))
+            code = self._after_round(rnd, end)
             if code is not None:
                 return code
 
-    def _join_job(self) -> tuple[Rendezvous, Rendezvous, Rendezvous]:
+    def _join_job(self) -> tuple[Rendezvous, KeyValueStore, KeyValueStore]:
         """Open (or host) the store and make this node known; one connection per watching thread."""
         self.opened = self.store_call(lambda: self.plan.open_store(self.spec.run_id, console.say), waiting=True)
         self.store, self.store_server = self.opened.store, self.opened.server
@@ -162,12 +164,12 @@ class Agent:
             self.store, self.plan.settings, self.node, on_status=console.say, progress=self.ckpt.progress, holdings=self.ckpt.holdings
         )
         # The probe first: a store that freezes from here on is noticed within read_timeout.
-        prober, watcher, keeper = (Rendezvous(self.store_call(self.store.connect_again, waiting=True), self.plan.settings, self.node) for _ in range(3))
+        prober, watcher, keeper = (self.store_call(self.store.connect_again, waiting=True) for _ in range(3))
         if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/checks/quarantine.py)
             raise AgentExit(EXIT_QUARANTINED, line)
-        self.probe = StoreProbe(prober, self.plan.read_timeout)
-        self.store_call(rdzv.register_status, waiting=True)
-        return rdzv, watcher, keeper
+        self.probe = StoreProbe(Rendezvous(prober, self.plan.settings, self.node), self.plan.read_timeout)
+        self.store_call(rdzv.status.register, waiting=True)
+        return rdzv, watcher, keeper  # the round threads' connections
 
     def _start_observer(self) -> None:
         """Stragglers, GPU health and /metrics (agent/observe/observer.py); a port in use is bad input."""
@@ -176,26 +178,29 @@ class Agent:
         except OSError as exc:
             raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
 
-    def _stop_crash_loop(self, rdzv: Rendezvous, a: Assignment) -> int:
+    def _stop_crash_loop(self, rnd: Round) -> int:
         """K failures in a row without a newer checkpoint: stop instead of burning the budget."""
+        a, rdzv = rnd.a, rnd.rendezvous
         detail = (
             f"crash loop: {a.stalled_restarts} restarts in a row made no progress (the newest "
             f"checkpoint is still step {a.checkpoint_step}); fix the cause, or raise --crash-loop-limit"
         )
         last = self.last_failure
         info = dict(last.info) if last else {}
-        end = self.store_call(lambda: rdzv.end_round(a.round, RoundEnd(EndKind.ABORTED, detail, self.host, info)))
+        end = self.store_call(lambda: rnd.channel.end(RoundEnd(EndKind.ABORTED, detail, self.host, info)))
         self.store_call(lambda: rdzv.close_job(end))
-        self.store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))  # no barrier wait
+        self.store_call(rnd.channel.acknowledge_end)  # no barrier wait
         self.report.outcome = "crash loop"
         console.error(end.detail)
         if last is not None:
             console.error("the last failure: " + explain(last))
-        self._exit_barrier(rdzv, a)
+        self._exit_barrier(rnd)
         return int(info.get("exit_status", 1)) or 1
 
     # ================================================================ one round
-    def _run_round(self, rdzv: Rendezvous, watcher: Rendezvous, keeper: Rendezvous, a: Assignment) -> RoundEnd:
+    def _run_round(self, rnd: Round, watcher: Round, keeper: Round) -> RoundEnd:
+        """`watcher` and `keeper`: the same round on the round threads' connections."""
+        a = rnd.a
         self.state, self.assignment = AgentState.ROUND_SETUP, a
         if self.live is None and LiveView.wanted(console.console()) and not self.spec.quiet:
             self.live = LiveView(console.console(), lambda: self._status_record(self.assignment))
@@ -214,39 +219,40 @@ class Agent:
             f"{a.rank_offset}-{a.rank_offset + self.spec.nproc_per_node - 1} of {a.world_size}, "
             f"restart {a.restart_count}/{self.spec.max_restarts}"
         )
-        threads = RoundThreads(self.loop.inbox.post, watcher, keeper, a, self.plan.read_timeout, self._status_record, self.observer.exchange)
+        threads = RoundThreads(self.loop.inbox.post, watcher, keeper, self.plan.read_timeout, self._status_record, self.observer.exchange)
         threads.start()  # keep-alives from the start: a spare judges a round dead by their absence
-        self.hangs.start_watching(a)
+        self.hangs.start_watching(rnd)
         try:
-            master = self._workers_store(rdzv, a)
+            master = self._workers_store(rnd)
             if isinstance(master, RoundEnd):
                 return master
-            if (left_out := self.checks.round_formed(rdzv, a, master)) is not None:  # pre-flight (agent/checks/preflight.py)
+            if (left_out := self.checks.round_formed(rnd, master)) is not None:  # pre-flight (agent/checks/preflight.py)
                 return left_out
             self.ckpt.open_round(a, self.plan.settings.keep_alive_timeout)
             self._start_workers(a, master)
             self.state = AgentState.RUNNING
-            return self._watch_workers(rdzv, a)
+            return self._watch_workers(rnd)
         finally:
             threads.stop()
-            self.hangs.round_over(rdzv, a)
+            self.hangs.round_over(rnd)
 
-    def _workers_store(self, rdzv: Rendezvous, a: Assignment) -> tuple[str, int] | RoundEnd:
+    def _workers_store(self, rnd: Round) -> tuple[str, int] | RoundEnd:
         """Where this round's workers meet (MASTER_ADDR/PORT): node 0 provides it, the others wait."""
+        a = rnd.a
         if a.group_rank == 0 and self.plan.workers_use_rendezvous_store:
             # Every node stopped its old workers before it joined this round, so no worker of
             # an earlier attempt can write here any more: its keys go, rally's own stay.
-            self.store_call(rdzv.clear_worker_keys)
+            self.store_call(rnd.rendezvous.clear_worker_keys)
             where = self.opened.endpoint  # as bound
-            self.store_call(lambda: rdzv.publish_master(a.round, where.host, where.port))
+            self.store_call(lambda: rnd.channel.publish_master(where.host, where.port))
             return (where.host, where.port)
         if a.group_rank == 0:
             self.worker_store = None  # the previous round's store closes here
             self.worker_store = host_tcp_store(0, self.plan.read_timeout, listen_address(a.master_host))  # where MASTER_ADDR says
-            self.store_call(lambda: rdzv.publish_master(a.round, a.master_host, self.worker_store.port))
+            self.store_call(lambda: rnd.channel.publish_master(a.master_host, self.worker_store.port))
             return (a.master_host, self.worker_store.port)
         timeout = self.plan.settings.keep_alive_timeout * 4 + 30
-        return self.store_call(lambda: rdzv.wait_master(a.round, timeout, a.master_host), waiting=True)
+        return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
     def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
@@ -266,18 +272,18 @@ class Agent:
             self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
             self.events.emit("worker_started", round=a.round, rank=worker.global_rank, local_rank=worker.local_rank, pid=worker.pid)
 
-    def _watch_workers(self, rdzv: Rendezvous, a: Assignment) -> RoundEnd:
+    def _watch_workers(self, rnd: Round) -> RoundEnd:
         """Until the round ends: signals, the threads' news, exits, hangs, success, in that order."""
-        group = self.group
+        a, group = rnd.a, self.group
         assert group is not None
         self.held = None  # a local failure waiting for the peer check (see _check_exits)
         reported_success = False
         while True:
             self.loop.pump(self.health.next_due(time.monotonic()))
-            end = self._on_signals(rdzv, a) or self._on_events(rdzv, a) or self._check_exits(rdzv, a)
+            end = self._on_signals(rnd) or self._on_events(rnd) or self._check_exits(rnd)
             hangs = end is None and self.health.check({w.local_rank: w.output.last_output_at() for w in group.running()})
             if hangs:
-                end = self._end_round(rdzv, a.round, self.hangs.report(rdzv, a, hangs[0]))
+                end = self._end_round(rnd, self.hangs.report(rnd, hangs[0]))
             if end is not None:
                 return end
             self.observer.after_check(a, group.workers, self.health)
@@ -286,10 +292,11 @@ class Agent:
                 reported_success = True
                 if a.group_world_size > 1:
                     console.say(f"all {len(group.workers)} workers on this node finished; waiting for the other nodes")
-                self.store_call(lambda: rdzv.report_success(a.round, a.group_world_size, a.group_rank))
+                self.store_call(rnd.channel.report_success)
 
-    def _on_events(self, rdzv: Rendezvous, a: Assignment) -> RoundEnd | None:
+    def _on_events(self, rnd: Round) -> RoundEnd | None:
         """What the round's threads posted (agent/round_threads.py, agent/hang_report.py)."""
+        a = rnd.a
         for kind, value in self.loop.take_events():
             if kind is Event.ROUND_END and value[0] == a.round:
                 return value[1]
@@ -298,13 +305,14 @@ class Agent:
             if kind is Event.STORE_LOST:
                 raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.opened.endpoint))
             if kind is Event.DUMP_STACKS and value == a.round:
-                self.hangs.answer(rdzv, a)
+                self.hangs.answer(rnd)
         return None
 
-    def _check_exits(self, rdzv: Rendezvous, a: Assignment) -> RoundEnd | None:
+    def _check_exits(self, rnd: Round) -> RoundEnd | None:
         """Note exits; a local failure ends the round at once on one node, or once the peer
         check says whether a node was lost (then that is the cause, and this a consequence)."""
         assert self.group is not None
+        a = rnd.a
         for worker in self.group.workers:
             if worker.returncode is not None and worker.local_rank in self.health.watched:
                 self._note_exit(a, worker)
@@ -315,14 +323,14 @@ class Agent:
         read_what_is_left(first.output.streams, self.loop)  # its last words, without waiting
         end = failure_end(first, a, self.kill_causes.get(first.local_rank))
         if a.group_world_size == 1:
-            return self._end_round(rdzv, a.round, end)
+            return self._end_round(rnd, end)
         if self.held is None:
-            self.held = HeldFailure(self.store_call(lambda: rdzv.first_failure(a.round, end)))
-            check_peers(self.loop.inbox.post, lambda: Rendezvous(self.store.connect_again(), rdzv.settings, self.node), a)
+            self.held = HeldFailure(self.store_call(lambda: rnd.channel.first_failure(end)))
+            check_peers(self.loop.inbox.post, rnd)
             return None
         if not self.held.answered:
             return None
-        return self._end_failure(rdzv, a, self.held.first, self.held.silent, end)
+        return self._end_failure(rnd, self.held.first, self.held.silent, end)
 
     def _note_exit(self, a: Assignment, worker) -> None:  # noqa: ANN001 - agent.workers.Worker
         """Record a worker's exit once; explain a SIGKILL that nobody here sent."""
@@ -342,28 +350,28 @@ class Agent:
             cause=self.kill_causes.get(worker.local_rank),
         )
 
-    def _end_round(self, rdzv: Rendezvous, r: int, end: RoundEnd) -> RoundEnd:
-        return self.store_call(lambda: rdzv.end_round(r, end))
+    def _end_round(self, rnd: Round, end: RoundEnd) -> RoundEnd:
+        return self.store_call(lambda: rnd.channel.end(end))
 
-    def _end_failure(self, rdzv: Rendezvous, a: Assignment, first: RoundEnd, silent: tuple[int, float] | None, local: RoundEnd) -> RoundEnd:
+    def _end_failure(self, rnd: Round, first: RoundEnd, silent: tuple[int, float] | None, local: RoundEnd) -> RoundEnd:
         """The job-wide first failure ends the round, unless a peer went silent: then that node's loss is the cause."""
         if silent is None:
-            return self._end_round(rdzv, a.round, first)
+            return self._end_round(rnd, first)
         group_rank, silent_for = silent
-        host = a.watch_host if group_rank == a.watch_rank else ""
+        host = rnd.a.watch_host if group_rank == rnd.a.watch_rank else ""
         note = f"; {local.detail} after it (a consequence)"
-        return self.store_call(lambda: rdzv.declare_lost(a.round, group_rank, host, silent_for, note))
+        return self.store_call(lambda: rnd.channel.declare_lost(group_rank, host, silent_for, note))
 
-    def _after_round(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd) -> int | None:
+    def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:
         """Stop this round's workers, then apply `decide` (agent/decide.py): an exit code, or
         None to go round again."""
-        group = self.group
+        a, group = rnd.a, self.group
         self.ckpt.close_round(a)  # from now on a save of this round's workers is refused
         self._stop_workers(signal.SIGTERM)
         self.report.finish_attempt(group, end)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail)
-        self.store_call(lambda: rdzv.acknowledge_end(a.round, a.group_world_size))
-        if line := self.checks.after_round(rdzv, a, end, self.store_server is not None):  # quarantined, or left out
+        self.store_call(rnd.channel.acknowledge_end)
+        if line := self.checks.after_round(rnd, end, self.store_server is not None):  # quarantined, or left out
             raise AgentExit(EXIT_QUARANTINED, line)
         decision = decide(end, a, self.spec.max_restarts)
         if end.is_failure:
@@ -376,7 +384,7 @@ class Agent:
             return None
         if isinstance(decision, Reform):
             lost_me = end.kind is EndKind.NODE_LOST and end.info.get("group_rank") == a.group_rank and a.group_world_size > 1
-            if lost_me and not rdzv.store.leased_liveness:  # c10d fences a node the others lost (etcd re-forms it)
+            if lost_me and not rnd.store.leased_liveness:  # c10d fences a node the others lost (etcd re-forms it)
                 raise AgentExit(EXIT_INFRASTRUCTURE, left_behind_line(a, end))
             if end.kind is EndKind.NODE_LOST:
                 console.error("root cause: " + end.detail)
@@ -384,10 +392,11 @@ class Agent:
             self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
             self.observer.note_restart(a.round, end)
             return None
-        return self._exit(rdzv, a, end, decision)
+        return self._exit(rnd, end, decision)
 
-    def _exit(self, rdzv: Rendezvous, a: Assignment, end: RoundEnd, decision: Exit) -> int:
+    def _exit(self, rnd: Round, end: RoundEnd, decision: Exit) -> int:
         """The job is over: close it for every node (unless it was closed already), say why."""
+        a = rnd.a
         if end.kind is EndKind.ABORTED:
             console.error(f"job ended: {end.detail}")
             return decision.code
@@ -396,7 +405,7 @@ class Agent:
             end = RoundEnd(EndKind.ABORTED, f"restarts exhausted; {end.detail}", end.node, end.info)
         elif end.kind is EndKind.PREEMPTED:
             self.report.outcome = "preempted"
-        self.store_call(lambda: rdzv.close_job(end))
+        self.store_call(lambda: rnd.rendezvous.close_job(end))
         if decision.gave_up:
             console.console().print(self.report.workers_table())
             console.error(f"job failed: no restarts left (--max-restarts {self.spec.max_restarts}); report: {self.report.path}")
@@ -404,19 +413,19 @@ class Agent:
             console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")
         else:
             console.say(f"job succeeded: {a.world_size} workers on {a.group_world_size} node{'s' if a.group_world_size != 1 else ''} finished")
-        self._exit_barrier(rdzv, a)
+        self._exit_barrier(rnd)
         return decision.code
 
-    def _exit_barrier(self, rdzv: Rendezvous, a: Assignment) -> None:
+    def _exit_barrier(self, rnd: Round) -> None:
         if self.store_server is not None:  # a signal ends the wait at once
             self.state = AgentState.EXIT_BARRIER
-            self.store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS), waiting=True)
+            self.store_call(lambda: rnd.channel.wait_all_acknowledged(EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_record(self, a: Assignment) -> dict:
         return {**node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer), **self.ckpt.status_fields()}
 
     # ================================================================ signals
-    def _on_signals(self, rdzv: Rendezvous | None = None, a: Assignment | None = None) -> RoundEnd | None:
+    def _on_signals(self, rnd: Round | None = None) -> RoundEnd | None:
         """The one place a signal takes effect, as the agent's state says (agent/states.py).
         Exits raise AgentExit; a preemption returns the round's end; the rest stay pending."""
         signals, later = self.loop.take_signals(), []
@@ -424,27 +433,27 @@ class Agent:
             action = signal_action(self.state, signum, self.spec.preemption_signals)
             name = processes.signal_name(signum)
             if action is SignalAction.EXIT_PREEMPTED:
-                self.preemption.requeue_once(None, None)
+                self.preemption.requeue_once(None)
                 raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for {self.state.waiting_for}")
             if action is SignalAction.EXIT:
                 raise AgentExit(128 + signum, f"stopped by {name} while waiting for {self.state.waiting_for}")
-            if action is SignalAction.LEAVE and rdzv is not None and a is not None:
-                self._leave(rdzv, a, signum)
-            if action is SignalAction.PREEMPT and rdzv is not None and a is not None:
+            if action is SignalAction.LEAVE and rnd is not None:
+                self._leave(rnd, signum)
+            if action is SignalAction.PREEMPT and rnd is not None:
                 self.loop.keep_signals(later + signals[i + 1 :])
                 self.state = AgentState.PREEMPTING
-                return self.preemption.run(rdzv, a, self.group, signum)
+                return self.preemption.run(rnd, self.group, signum)
             if action is not SignalAction.IGNORE:
                 later.append(signum)  # for the main loop (in a blocking call) or the next state
         self.loop.keep_signals(later)
         return None
 
-    def _leave(self, rdzv: Rendezvous, a: Assignment, signum: int) -> None:
+    def _leave(self, rnd: Round, signum: int) -> None:
         """Stopped by a signal while running: the workers get it, the others re-form without us."""
         name = processes.signal_name(signum)
         console.say(f"received {name}: forwarding it to the workers, then stopping")
         self._stop_workers(signum)
-        self.store_call(lambda: rdzv.leave(a.round, RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)), best_effort=True)
+        self.store_call(lambda: rnd.channel.leave(RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)), best_effort=True)
         raise AgentExit(128 + signum)
 
     # ================================================================ the store

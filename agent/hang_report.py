@@ -37,7 +37,7 @@ from rally.agent.event_loop import Event
 from rally.agent.exit_codes import EXIT_INFRASTRUCTURE
 from rally.agent.processes import process_state
 from rally.agent.spec import STACK_SIGNAL
-from rally.rendezvous.protocol import Assignment, EndKind, Rendezvous, RoundEnd
+from rally.rendezvous.protocol import Assignment, EndKind, Round, RoundEnd
 from rally.rendezvous.store import StoreError
 
 if TYPE_CHECKING:
@@ -161,21 +161,18 @@ class HangReporter:
         stack_dump_wait: float,
         loop: "EventLoop",
         store_call: Callable[..., Any],
-        connect: Callable[[], Rendezvous],
         group: Callable[[], "WorkerGroup | None"],
         heartbeat_count: Callable[[int], int | None],
         emit: Callable[..., None],
         wait: float = HANG_REPORT_WAIT_SECONDS,
     ):
         """Everything comes from the agent, passed in: `store_call` runs a main-thread store
-        call (Agent.store_call), `connect` gives a Rendezvous on a connection of its own, `group`
-        this round's workers, `heartbeat_count` a local rank's beats, `emit` an event log entry."""
+        call (Agent.store_call), `group` this round's workers, `heartbeat_count` a local rank's beats, `emit` an event log entry."""
         self.host = host
         self.is_python = is_python
         self.stack_dump_wait = stack_dump_wait
         self.loop = loop
         self.store_call = store_call
-        self.connect = connect
         self.group = group
         self.heartbeat_count = heartbeat_count
         self.emit = emit
@@ -186,40 +183,40 @@ class HangReporter:
     def cross_node(self, a: Assignment) -> bool:
         return a.group_world_size > 1
 
-    def start_watching(self, a: Assignment) -> None:
-        """Watch round r's dump key in a thread (own store connection); the main loop answers."""
-        if self.cross_node(a):
-            threading.Thread(target=self._watch_requests, args=(a.round,), daemon=True).start()
+    def start_watching(self, rnd: Round) -> None:
+        """Watch the round's stack requests in a thread (own store connection); the main loop answers."""
+        if self.cross_node(rnd.a):
+            threading.Thread(target=self._watch_requests, args=(rnd,), daemon=True).start()
 
-    def _watch_requests(self, r: int) -> None:
+    def _watch_requests(self, rnd: Round) -> None:
         try:
-            if self.connect().wait_stacks_request(r):
-                self.loop.inbox.post(Event.DUMP_STACKS, r)
+            if rnd.connect_again().stacks.wait_request():
+                self.loop.inbox.post(Event.DUMP_STACKS, rnd.a.round)
         except StoreError:
             pass  # the store is gone: the keep-alive and round-end threads report that
 
-    def round_over(self, rdzv: Rendezvous, a: Assignment) -> None:
+    def round_over(self, rnd: Round) -> None:
         """Release this round's watchers (ours and, if nobody asked yet, everyone's).
 
         In a thread of its own, on a connection of its own: the round may be over because the
         store froze or this node was cut off, and a store call would then never return."""
-        if self.cross_node(a):
+        if self.cross_node(rnd.a):
 
             def release() -> None:
                 try:
-                    self.connect().end_stacks_requests(a.round)
+                    rnd.connect_again().stacks.end_requests()
                 except StoreError:
                     pass
 
             threading.Thread(target=release, daemon=True).start()
 
-    def answer(self, rdzv: Rendezvous, a: Assignment) -> None:
+    def answer(self, rnd: Round) -> None:
         """Another node found a hang: publish this node's snapshots (once per round)."""
-        if a.round in self.answered:
+        if rnd.a.round in self.answered:
             return
-        self.answered.add(a.round)
-        snapshots = [s.__dict__ for s in self.snapshot_workers(a)]
-        self.store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, snapshots))
+        self.answered.add(rnd.a.round)
+        snapshots = [s.__dict__ for s in self.snapshot_workers(rnd.a)]
+        self.store_call(lambda: rnd.stacks.publish(snapshots))
 
     def snapshot_workers(self, a: Assignment) -> list[Snapshot]:
         """State first (before SIGCONT or the dump signal touch it), then stacks and heartbeats."""
@@ -263,21 +260,21 @@ class HangReporter:
         return {w.local_rank: w.output.stderr_since(marks[w.local_rank]) for w in asked}
 
     # ------------------------------------------------------------ the node that found the hang
-    def report(self, rdzv: Rendezvous, a: Assignment, hang: "Hang") -> RoundEnd:
+    def report(self, rnd: Round, hang: "Hang") -> RoundEnd:
         """Snapshot every rank on every node, name the culprit, and describe it as the round's end."""
-        group = self.group()
+        a, group = rnd.a, self.group()
         assert group is not None
         found = next(w for w in group.workers if w.local_rank == hang.local_rank)
         reason = f"rank {found.global_rank} on {self.host} {hang.reason}"
         self.emit("worker_hung", round=a.round, rank=found.global_rank, pid=found.pid, reason=hang.reason)
-        asking = self.cross_node(a) and self.store_call(lambda: rdzv.request_stacks(a.round, reason))
+        asking = self.cross_node(a) and self.store_call(lambda: rnd.stacks.request(reason))
         mine = self.snapshot_workers(a)
         snapshots = list(mine)
         missing: list[int] = []
         if asking:
             self.answered.add(a.round)
-            self.store_call(lambda: rdzv.publish_stacks(a.round, a.group_rank, [s.__dict__ for s in mine]))
-            gathered = self.store_call(lambda: rdzv.gather_stacks(a.round, a.group_world_size, self.wait), waiting=True)
+            self.store_call(lambda: rnd.stacks.publish([s.__dict__ for s in mine]))
+            gathered = self.store_call(lambda: rnd.stacks.gather(self.wait), waiting=True)
             for g in range(a.group_world_size):
                 if g == a.group_rank:
                     continue

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from rally.agent.event_loop import Event
-from rally.rendezvous.protocol import Assignment, Rendezvous
+from rally.rendezvous.protocol import Round
 from rally.rendezvous.store import StoreError
 
 # The ring watcher re-checks whether its round is over at least this often (one watch per slice).
@@ -25,8 +25,7 @@ WATCH_SLICE_SECONDS = 5.0
 
 
 def keep_alive_with_lease(
-    keeper: Rendezvous,
-    a: Assignment,
+    keeper: Round,
     round_over: threading.Event,
     publish_status: Callable[[], None],
     status_interval: float,
@@ -36,22 +35,22 @@ def keep_alive_with_lease(
     """Hold this node's alive key (refresh its lease) and watch the next node's, until the round is over.
 
     Store failures are posted as (Event.STORE_LOST, exc), as the counter-based keep-alive does.
-    The alive key's value counts the refreshes, so `Rendezvous.alive_count` moves as with a
+    The alive key's value counts the refreshes, so `RoundChannel.alive_count` moves as with a
     counter (liveness.silent_peer judges peers the same way on both stores); `answered` is
     called with the time each answered refresh was sent (the round's store watchdog).
     """
-    s = keeper.settings
+    s, a, channel = keeper.settings, keeper.a, keeper.channel
     interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
     try:
-        lease = keeper.hold_alive(a.round, a.group_rank)
+        lease = channel.hold_alive()
         if a.watch_rank is not None:
-            ring = Rendezvous(keeper.store.connect_again(), s, keeper.me)
-            threading.Thread(target=_watch_next, args=(ring, a, round_over, post), daemon=True).start()
+            ring = keeper.connect_again()
+            threading.Thread(target=_watch_next, args=(ring, round_over, post), daemon=True).start()
         next_status, beats = 0.0, 0
         while not round_over.is_set():
             sent_at = time.monotonic()
             beats += 1
-            if not keeper.refresh_alive(a.round, a.group_rank, beats, lease):
+            if not channel.refresh_alive(beats, lease):
                 return  # our lease ran out (we stalled): our watcher ends the round, we re-form
             answered(sent_at)
             if time.monotonic() >= next_status:
@@ -63,23 +62,23 @@ def keep_alive_with_lease(
             post(Event.STORE_LOST, exc)
 
 
-def _watch_next(ring: Rendezvous, a: Assignment, round_over: threading.Event, post: Callable[[Event, Any], None]) -> None:
+def _watch_next(ring: Round, round_over: threading.Event, post: Callable[[Event, Any], None]) -> None:
     """Wait for the next node's alive key to appear, then for it to vanish; then declare it lost."""
-    s = ring.settings
-    r, watched = a.round, a.watch_rank
+    s, a, channel = ring.settings, ring.a, ring.channel
+    watched = a.watch_rank
     assert watched is not None
     ttl = float(max(1, math.ceil(s.keep_alive_timeout)))
     try:
-        if not ring.member_appeared(r, watched, s.keep_alive_timeout):
+        if not channel.member_appeared(watched, s.keep_alive_timeout):
             silent_for = s.keep_alive_timeout  # it never started its keep-alives
         else:
-            while not ring.member_gone(r, watched, WATCH_SLICE_SECONDS):
+            while not channel.member_gone(watched, WATCH_SLICE_SECONDS):
                 if round_over.is_set():
                     return
             silent_for = ttl
-        if round_over.is_set() or ring.round_end(r) is not None:
+        if round_over.is_set() or channel.ended() is not None:
             return  # the round is over anyway; an old round's lease expiring is no loss
-        ring.declare_lost(r, watched, a.watch_host, silent_for)
+        channel.declare_lost(watched, a.watch_host, silent_for)
     except StoreError as exc:
         if not round_over.is_set():
             post(Event.STORE_LOST, exc)

@@ -14,13 +14,12 @@ import time
 from typing import Any, Callable
 
 from rally.agent import processes
+from rally.agent.display import console
 from rally.agent.event_loop import EventLoop
 from rally.agent.exit_codes import EXIT_PREEMPTED
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.agent.display import console
-from rally.rendezvous.protocol import Assignment, EndKind, Rendezvous, RoundEnd
-
+from rally.rendezvous.protocol import EndKind, Round, RoundEnd
 
 
 class Preemption:
@@ -42,7 +41,7 @@ class Preemption:
         self.store_call = store_call
         self.requeue = requeue
 
-    def run(self, rdzv: Rendezvous, a: Assignment, group: Any, signum: int) -> RoundEnd:
+    def run(self, rnd: Round, group: Any, signum: int) -> RoundEnd:
         """Warn the workers, wait for their checkpoints (bounded), requeue, end the round."""
         name = processes.signal_name(signum)
         grace = self.spec.preemption_grace
@@ -55,28 +54,29 @@ class Preemption:
             actions = [signal_action(AgentState.PREEMPTING, s, self.spec.preemption_signals) for s in self.loop.take_signals()]
             if SignalAction.END_GRACE in actions:
                 break
-        self._wait_for_all_nodes(rdzv, a, deadline)
-        self.requeue_once(rdzv, a)
+        self._wait_for_all_nodes(rnd, deadline)
+        self.requeue_once(rnd)
         end = RoundEnd(EndKind.PREEMPTED, f"{self.host} received {name}", self.host, {"exit_status": EXIT_PREEMPTED})
-        return self.store_call(lambda: rdzv.end_round(a.round, end))
+        return self.store_call(lambda: rnd.channel.end(end))
 
-    def _wait_for_all_nodes(self, rdzv: Rendezvous, a: Assignment, deadline: float) -> None:
-        self.store_call(lambda: rdzv.note_checkpointed(a.round, a.group_world_size))
-        if a.group_rank == 0 and self.spec.requeue:
+    def _wait_for_all_nodes(self, rnd: Round, deadline: float) -> None:
+        self.store_call(rnd.preemption.note_checkpointed)
+        if rnd.a.group_rank == 0 and self.spec.requeue:
             remaining = max(0.01, deadline - time.monotonic())
-            if not self.store_call(lambda: rdzv.wait_all_checkpointed(a.round, remaining)):
+            if not self.store_call(lambda: rnd.preemption.wait_all_checkpointed(remaining)):
                 console.warn("not every node finished checkpointing within --preemption-grace; requeueing anyway")
 
-    def requeue_once(self, rdzv: Rendezvous | None, a: Assignment | None) -> None:
+    def requeue_once(self, rnd: Round | None) -> None:
         """Node 0 asks the scheduler to requeue the job, once per job, when --requeue is on.
         Without a round (a warning while waiting for one) node 0 is the preferred rank 0."""
         if not self.spec.requeue or self.requeue is None:
             return
+        a = rnd.a if rnd is not None else None
         if a is not None and a.group_rank != 0:
             return
         if a is None and self.preferred_rank not in (0, None):
             return
-        if rdzv is not None and a is not None and not self.store_call(rdzv.claim_requeue):
+        if rnd is not None and not self.store_call(rnd.preemption.claim_requeue):
             return
         try:
             console.say(self.requeue())

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from rally.agent.event_loop import Event
 from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
-from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, RoundEnd
+from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundEnd
 from rally.rendezvous.store import StoreError
 
 # How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
@@ -64,18 +64,18 @@ class RoundThreads:
     def __init__(
         self,
         post: Post,
-        watcher: Rendezvous,
-        keeper: Rendezvous,
-        a: Assignment,
+        watcher: Round,
+        keeper: Round,
         read_timeout: float,
         status_record: Callable[[Assignment], dict],
-        exchange: Callable[[Rendezvous, Assignment], None] = lambda _rdzv, _a: None,
+        exchange: Callable[[Round], None] = lambda _round: None,
     ):
-        """`exchange(rdzv, a)` runs after each status record is published (agent/observe/observer.py)."""
+        """`watcher` and `keeper`: the round on a connection each; `exchange(keeper)` runs after
+        each status record is published (agent/observe/observer.py)."""
         self.post = post
         self.watcher = watcher
         self.keeper = keeper
-        self.a = a
+        self.a = keeper.a
         self.read_timeout = read_timeout
         self.status_record = status_record
         self.exchange = exchange
@@ -91,7 +91,7 @@ class RoundThreads:
 
     def _watch_round_end(self) -> None:
         try:
-            self.post(Event.ROUND_END, (self.a.round, self.watcher.wait_round_end(self.a.round)))
+            self.post(Event.ROUND_END, (self.a.round, self.watcher.channel.wait_end()))
         except StoreError as exc:
             if not self.over.is_set():
                 self.post(Event.STORE_LOST, exc)
@@ -100,26 +100,25 @@ class RoundThreads:
         """Send this node's keep-alives and watch the next node's (a ring)."""
         a, s = self.a, self.keeper.settings
         if self.keeper.store.leased_liveness:  # etcd: leases expire by themselves
-            return keep_alive_with_lease(
-                self.keeper, a, self.over, self._publish_status, STATUS_INTERVAL_SECONDS, self.post, self._answered
-            )
+            return keep_alive_with_lease(self.keeper, self.over, self._publish_status, STATUS_INTERVAL_SECONDS, self.post, self._answered)
         interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
         last_seen, last_change = -1, time.monotonic()
         next_status = 0.0
+        channel = self.keeper.channel
         try:
             while not self.over.is_set():
-                self.keeper.keep_alive(a.round, a.group_rank)
+                channel.keep_alive()
                 self.last_answer = time.monotonic()
                 if time.monotonic() >= next_status:
                     self._publish_status()
                     next_status = time.monotonic() + STATUS_INTERVAL_SECONDS
                 if a.watch_rank is not None:
-                    seen = self.keeper.alive_count(a.round, a.watch_rank)
+                    seen = channel.alive_count(a.watch_rank)
                     now = self.last_answer = time.monotonic()
                     if seen != last_seen:
                         last_seen, last_change = seen, now
                     elif now - last_change > s.keep_alive_timeout:
-                        self.keeper.declare_lost(a.round, a.watch_rank, a.watch_host, now - last_change)
+                        channel.declare_lost(a.watch_rank, a.watch_host, now - last_change)
                         return
                 self.over.wait(interval)
         except StoreError as exc:
@@ -127,8 +126,8 @@ class RoundThreads:
                 self.post(Event.STORE_LOST, exc)
 
     def _publish_status(self) -> None:
-        self.keeper.publish_status(self.status_record(self.a))
-        self.exchange(self.keeper, self.a)
+        self.keeper.status.publish(self.status_record(self.a))
+        self.exchange(self.keeper)
 
     def _answered(self, sent_at: float) -> None:
         self.last_answer = sent_at
@@ -190,15 +189,16 @@ def left_behind_line(a: Assignment, end: RoundEnd) -> str:
     )
 
 
-def check_peers(post: Post, connect: Callable[[], Rendezvous], a: Assignment) -> None:
-    """In a thread: after a local failure, find out whether a peer node is gone (liveness.silent_peer)."""
+def check_peers(post: Post, rnd: Round) -> None:
+    """In a thread, on a connection of its own: after a local failure, find out whether a peer
+    node is gone (liveness.silent_peer)."""
 
     def run() -> None:
         try:
-            verdict = silent_peer(connect(), a.round, a.group_rank, a.group_world_size)
+            verdict = silent_peer(rnd.connect_again().channel)
         except StoreError:
             verdict = None  # the store itself is in trouble; the local failure stands
-        post(Event.PEER_VERDICT, (a.round, verdict))
+        post(Event.PEER_VERDICT, (rnd.a.round, verdict))
 
     threading.Thread(target=run, daemon=True).start()
 

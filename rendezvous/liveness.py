@@ -15,31 +15,20 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousSettings
+from rally.rendezvous.membership import WAIT_SLICE_SECONDS
 from rally.rendezvous.records import EndKind, RoundEnd
-from rally.rendezvous.waiting import spare_progress
+from rally.rendezvous.round_channel import RoundChannel
+from rally.rendezvous.waiting import RendezvousView, spare_progress
 
 
-class Rendezvous(Protocol):
-    """What these judgements need of `protocol.Rendezvous` (declared here, so that the
+class Rendezvous(RendezvousView, Protocol):
+    """What a spare's wait needs of `protocol.Rendezvous` (declared here, so that the
     protocol, which calls into this module, is not imported back)."""
-
-    settings: RendezvousSettings
-
-    def alive_count(self, r: int, group_rank: int) -> int: ...
-
-    def round_ended_within(self, r: int, timeout: float) -> bool: ...
 
     def raise_if_closed(self) -> None: ...
 
-    def count_lost(self, r: int, nodes: int) -> None: ...
 
-    def end_round(self, r: int, end: RoundEnd) -> RoundEnd: ...
-
-    def wait_round_end(self, r: int) -> RoundEnd: ...
-
-
-def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tuple[int, float] | None:
+def silent_peer(channel: RoundChannel) -> tuple[int, float] | None:
     """After a local failure: wait until every other member's keep-alive counter moves
     (they are alive: the failure is this node's own) or one stays still for
     `keep_alive_timeout` (that node is gone: the failure here is a consequence).
@@ -47,38 +36,39 @@ def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tu
     Returns (the silent node's group rank, seconds it was silent), or None when every
     peer is alive or the round ended meanwhile. Bounded by keep_alive_timeout.
     """
-    s = rdzv.settings
-    peers = [g for g in range(members) if g != group_rank]
-    start = {g: rdzv.alive_count(r, g) for g in peers}
+    s = channel.settings
+    peers = [g for g in range(channel.members) if g != channel.group_rank]
+    start = {g: channel.alive_count(g) for g in peers}
     began = time.monotonic()
     interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3) / 2
     while peers:
-        if rdzv.round_ended_within(r, interval):
+        if channel.ended_within(interval):
             return None
-        peers = [g for g in peers if rdzv.alive_count(r, g) == start[g]]
+        peers = [g for g in peers if channel.alive_count(g) == start[g]]
         silent_for = time.monotonic() - began
         if peers and silent_for > s.keep_alive_timeout:
             return peers[0], silent_for
     return None
 
 
-def wait_round_end_or_dead(rdzv: "Rendezvous", r: int, members: int, deadline: float) -> RoundEnd:
-    """Wait for round r to end; end it ourselves when none of its members sends keep-alives
-    any more (every node of the job died: a relaunch must form a new job, not wait forever).
-    A progress line every few seconds; RendezvousError (one line) once `deadline` has passed."""
+def wait_round_end_or_dead(rdzv: Rendezvous, running: RoundChannel, deadline: float) -> RoundEnd:
+    """Wait for the `running` round to end; end it ourselves when none of its members sends
+    keep-alives any more (every node of the job died: a relaunch must form a new job, not wait
+    forever). A progress line every few seconds; RendezvousError (one line) once `deadline` has passed."""
+    r, members = running.r, running.members
     timeout = rdzv.settings.keep_alive_timeout
-    last = [rdzv.alive_count(r, g) for g in range(members)]
+    last = [running.alive_count(g) for g in range(members)]
     last_change = time.monotonic()
     rdzv.waiting.begin()
-    while not rdzv.round_ended_within(r, min(timeout / 2, WAIT_SLICE_SECONDS, rdzv.waiting.interval)):
+    while not running.ended_within(min(timeout / 2, WAIT_SLICE_SECONDS, rdzv.waiting.interval)):
         rdzv.raise_if_closed()
         spare_progress(rdzv, r, members, deadline)
-        now_counts = [rdzv.alive_count(r, g) for g in range(members)]
+        now_counts = [running.alive_count(g) for g in range(members)]
         if now_counts != last:
             last, last_change = now_counts, time.monotonic()
         elif time.monotonic() - last_change > timeout:
-            rdzv.count_lost(r, members)
+            running.count_lost(members)
             silent = time.monotonic() - last_change
             detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a new round"
-            return rdzv.end_round(r, RoundEnd(EndKind.NODE_LOST, detail, "", {"group_rank": 0}))
-    return rdzv.wait_round_end(r)
+            return running.end(RoundEnd(EndKind.NODE_LOST, detail, "", {"group_rank": 0}))
+    return running.wait_end()

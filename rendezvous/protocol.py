@@ -21,15 +21,18 @@ Forming (O(1) store calls per node, however the arrivals are spread out):
   others take over with the next attempt after `close_timeout`; a round whose valid
   descriptors are fewer than MIN never closes, and none waits past `join_timeout`.
 
-Running: every member bumps its keep-alive counter `<r>/alive/<group_rank>` and watches the
-  next member's counter (a ring), so a dead node is noticed by exactly one watcher within the
-  keep-alive timeout, without any node reading all the others.
-
-Ending: the first `compare_set(<r>/end)` wins, so the first failure is the one every node
-  reports. Whoever wins also advances the `current` round counter for late joiners. The
+Running and ending (rendezvous/round_channel.py, one `RoundChannel` per round): every member
+  bumps its keep-alive counter `<r>/alive/<group_rank>` and watches the next member's counter
+  (a ring), so a dead node is noticed by exactly one watcher within the keep-alive timeout. The
+  first `compare_set(<r>/end)` wins, so the first failure is the one every node reports. The
   restart count of round r+1 is derived from round r's record and end reason, so it is the
   same on every node and can never drift apart (torchrun counts per agent); either one missing
   is tampering (`StoreTampered`), never a fresh start. Success: a signed record per member.
+
+What else the nodes agree on has a module of its own, each naming its own keys: the hang-stack
+exchange (rendezvous/stack_exchange.py), the preemption barrier (rendezvous/preemption_barrier.py)
+and the status board (rendezvous/status_board.py). A node that took part in a round holds it as
+one `Round`: its assignment and those parts, bound to the round, on one store connection.
 
 Values are signed (rendezvous/token.py); counters are only hints and wake-ups. Every wait is
 bounded by `join_timeout` and says every few seconds what it waits for (rendezvous/waiting.py).
@@ -37,40 +40,41 @@ bounded by `join_timeout` and says every few seconds what it waits for (rendezvo
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from typing import Callable
 
+from rally.rendezvous import arrival
+from rally.rendezvous.arrival import CURRENT_ROUND, joined_counter, node_slot
+from rally.rendezvous.kv import KeyValueStore as Store
+from rally.rendezvous.kv import StoreTimeout
 from rally.rendezvous.liveness import wait_round_end_or_dead
 from rally.rendezvous.membership import (
     JobClosed,
     RendezvousError,
     RendezvousSettings,
-    WAIT_SLICE_SECONDS,
     assign_group_ranks,
     assignments_for,
     counts_entering,
     newest_step,
     resume_step,
 )
+from rally.rendezvous.preemption_barrier import PreemptionBarrier
 from rally.rendezvous.records import (
     FAILURE_KINDS,
     FINAL_KINDS,
-    EndKind,
     MAX_COUNT,
     MEMBERSHIP_KINDS,
     Assignment,
+    EndKind,
     NodeInfo,
     RoundEnd,
     RoundRecord,
-    SuccessRecord,
-    parse_master,
     tampered,
 )
-from rally.rendezvous import arrival
-from rally.rendezvous.arrival import CURRENT_ROUND, joined_counter, node_slot
-from rally.rendezvous.kv import KeyValueStore as Store, StoreTimeout, UntrustedValue
+from rally.rendezvous.round_channel import RoundChannel, end_key, lost_counter
+from rally.rendezvous.stack_exchange import STACKS_ROUND_OVER, StackExchange
+from rally.rendezvous.status_board import JOB_STARTED, STATUS_NODES, StatusBoard, status_key
 from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, spare_notice
 
 RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
@@ -83,8 +87,7 @@ def job_prefix(run_id: str) -> str:
 
 # Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
 JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
-STATUS_NODES = "status/nodes"  # every node id that ever registered, one per line
-JOB_STARTED = "job/started"  # who started the job, and when (first wins): names a run-id clash
+# (The status board's keys, STATUS_NODES, JOB_STARTED and status_key, are rendezvous/status_board.py's.)
 # Kept for the job's whole life, read and written through rendezvous/node_memory.py:
 LEARNED_TIMEOUTS = "job/timeouts"  # --heartbeat-timeout auto: JSON, merged by maximum
 NODE_FAILURES = "job/node_failures"  # root-cause failures by host (JSON; every node writes the same entries)
@@ -95,15 +98,6 @@ PREFLIGHT_VERDICT = "job/preflight"  # the last pre-flight verdict, for `rally s
 def preflight_key(r: int, part: str) -> str:
     """Round r's pre-flight check (agent/checks/preflight.py): `result/<group rank>` (each node's numbers), `verdict` (node 0's)."""
     return f"{r}/preflight/{part}"
-
-
-def status_key(node_id: str) -> str:
-    """Where a node publishes its record for `rally status` (agent/observe/status_record.py)."""
-    return f"status/node/{node_id}"
-
-
-# The value of a round's `dump` key once the round is over (agent/hang_report.py).
-STACKS_ROUND_OVER = "over"
 
 
 class Rendezvous:
@@ -128,6 +122,7 @@ class Rendezvous:
         self.me = me
         self.last_round: int | None = None
         self.last_rank: int | None = None
+        self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
         self.waiting = WaitProgress(lambda line: announce_wait(self, line))
 
     # ----------------------------------------------------------------- checked reads
@@ -144,6 +139,10 @@ class Rendezvous:
 
     def _count(self, name: str, limit: int = MAX_COUNT) -> int:
         return self.store.counter(name, limit)
+
+    def round_end(self, r: int) -> RoundEnd | None:
+        """Round r's end record (any round: forming reads the previous ones)."""
+        return self._end_record(end_key(r))
 
     # ----------------------------------------------------------------- job state
     def job_closed(self) -> RoundEnd | None:
@@ -165,15 +164,19 @@ class Rendezvous:
         if end is not None and end.kind in FINAL_KINDS:
             raise JobClosed(ended_line(self, end))
 
-    def job_started(self) -> dict | None:
-        """Who started the job and when (the first node's signed record), for a clash line."""
-        try:
-            started = json.loads(self.store.get(JOB_STARTED)) if self.store.check(JOB_STARTED) else None
-        except (UntrustedValue, ValueError):
-            return None
-        return started if isinstance(started, dict) else None
+    def ping(self) -> None:
+        """One cheap call that only a store that answers completes (agent/round_threads.py)."""
+        self.store.check("probe")
+
+    def clear_worker_keys(self) -> int:
+        """Static backend (workers share this store): drop an earlier attempt's worker keys."""
+        return self.store.delete_keys_outside(RALLY_PREFIX)
 
     # ----------------------------------------------------------------- forming
+    def join_round(self) -> Round:
+        """Join the next round and block until it forms; this node's part in it."""
+        return Round(self, self.next_round())
+
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
@@ -236,7 +239,7 @@ class Rendezvous:
         previous = self.round_record(r - 1) if r > 0 else None
         if previous is None:
             return self.settings.max_nodes
-        lost = self._count(f"{r - 1}/lost", MAX_COUNT)
+        lost = self._count(lost_counter(r - 1), MAX_COUNT)
         waiting = self._count(f"{r - 1}/waiting", MAX_COUNT)
         return max(1, min(self.settings.max_nodes, previous.members - lost + waiting))
 
@@ -288,213 +291,50 @@ class Rendezvous:
             self.store.try_wait([f"{r}/closed"], min(left, self.waiting.interval))
             self.raise_if_closed()
         members = record.members
-        if self.round_end(r) is None and members < s.max_nodes:
+        running = RoundChannel(self.store, s, self.me, r, members)
+        if running.ended() is None and members < s.max_nodes:
             self.on_status(f"round {r} is running with {members} nodes; asking it to re-form with this node")
-            self.end_round(r, RoundEnd(EndKind.NODE_JOINED, f"{self.me.host} joined the job", self.me.host))
-        elif self.round_end(r) is None:
+            running.end(RoundEnd(EndKind.NODE_JOINED, f"{self.me.host} joined the job", self.me.host))
+        elif running.ended() is None:
             self.on_status(spare_notice(self, members))
-        end = wait_round_end_or_dead(self, r, members, deadline)
+        end = wait_round_end_or_dead(self, running, deadline)
         if end.kind in FINAL_KINDS:
             raise JobClosed(ended_line(self, end))
 
-    # ----------------------------------------------------------------- status (for `rally status`)
-    def register_status(self) -> None:
-        """List this node under `status/nodes` for `rally status`; the first node signs who started the job, when."""
-        self.store.append(STATUS_NODES, self.me.node_id + "\n")
-        self.store.set_once(JOB_STARTED, json.dumps({"host": self.me.host, "node_id": self.me.node_id, "time": time.time()}))
 
-    def publish_status(self, record: dict) -> None:
-        self.store.set(status_key(self.me.node_id), json.dumps(record))
 
-    # ----------------------------------------------------------------- running
-    def publish_master(self, r: int, host: str, port: int) -> None:
-        self.store.set(f"{r}/master", f"{host}:{port}")
+class Round:
+    """This node's part in one formed round, on one store connection: its assignment and what the
+    round's nodes share (end, liveness, master: `channel`; hang stacks: `stacks`; the preemption
+    barrier: `preemption`). The agent holds one per round instead of the rendezvous and the
+    assignment apart; a thread that watches the round takes one of its own (`connect_again`)."""
 
-    def wait_master(self, r: int, timeout: float, master_host: str) -> tuple[str, int] | RoundEnd:
-        """The workers' store address for round r (on `master_host`), or the round's end if it ended first."""
-        deadline = time.monotonic() + timeout
-        self.waiting.begin()
-        while True:
-            self.waiting.tick(lambda: f"round {r}: waiting for node 0 ({master_host}) to start the workers' store; giving up in {deadline - time.monotonic():.0f} s")
-            if self.store.try_wait([f"{r}/master"], min(1.0, max(deadline - time.monotonic(), 0.01))):
-                name = f"{r}/master"
-                return parse_master(self.store.get_str(name), self.store.key(name), master_host)
-            end = self.round_end(r)
-            if end is not None:
-                return end
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"node rank 0 did not publish the workers' store within {timeout:g} s"
-                )
+    def __init__(self, rendezvous: Rendezvous, a: Assignment):
+        self.rendezvous = rendezvous
+        self.a = a
+        self.store = rendezvous.store
+        self.settings = rendezvous.settings
+        self.status = rendezvous.status
+        self.channel = RoundChannel.of(rendezvous.store, rendezvous.settings, rendezvous.me, a)
+        self.stacks = StackExchange(rendezvous.store, rendezvous.me, a)
+        self.preemption = PreemptionBarrier(rendezvous.store, rendezvous.me, a)
 
-    def keep_alive(self, r: int, group_rank: int) -> None:
-        self.store.add(f"{r}/alive/{group_rank}", 1)
+    def on(self, store: Store) -> Round:
+        """The same round on another connection (quiet: its waits print nothing)."""
+        return Round(Rendezvous(store, self.settings, self.rendezvous.me), self.a)
 
-    def alive_count(self, r: int, group_rank: int) -> int:
-        return self._count(f"{r}/alive/{group_rank}")
+    def connect_again(self) -> Round:
+        return self.on(self.store.connect_again())
 
-    # Lease-backed liveness, for stores whose keys expire by themselves (`store.leased_liveness`,
-    # etcd): the alive key lives as long as its lease is refreshed; its watcher waits for the
-    # deletion instead of comparing counters.
-    def hold_alive(self, r: int, group_rank: int) -> int:
-        """Create this node's alive key on a lease of TTL keep_alive_timeout; return the lease."""
-        lease = self.store.grant_lease(self.settings.keep_alive_timeout)
-        self.store.set_leased(f"{r}/alive/{group_rank}", "0", lease)
-        return lease
+    def wait_master(self, timeout: float) -> tuple[str, int] | RoundEnd:
+        """The workers' store address (node 0's), or the round's end if it ended first; the wait
+        says what it waits for every few seconds, as the rendezvous' own waits do."""
+        return self.channel.wait_master(timeout, self.a.master_host, self.rendezvous.waiting)
 
-    def member_appeared(self, r: int, group_rank: int, timeout: float) -> bool:
-        return self.store.try_wait([f"{r}/alive/{group_rank}"], timeout)
-
-    def member_gone(self, r: int, group_rank: int, timeout: float) -> bool:
-        """True once the member's alive key is gone (its lease expired); False after `timeout`."""
-        return self.store.wait_deleted(f"{r}/alive/{group_rank}", timeout)
-
-    def declare_lost(self, r: int, group_rank: int, host: str, silent_for: float, note: str = "") -> RoundEnd:
-        """Report a member whose keep-alives stopped; only the first declaration counts."""
-        won, _ = self.store.set_once(f"{r}/lost/{group_rank}", self.me.node_id)
-        if won:
-            self.store.add(f"{r}/lost", 1)
-        where = f" ({host})" if host else ""
-        return self.end_round(
-            r,
-            RoundEnd(
-                EndKind.NODE_LOST,
-                f"node {group_rank}{where} was lost: it sent no keep-alive for {silent_for:.1f} s{note}",
-                host,
-                {"group_rank": group_rank},
-            ),
-        )
-
-    def leave(self, r: int, end: RoundEnd) -> RoundEnd:
-        """This node is going away for good (a signal): let the others re-form without it."""
-        self.count_lost(r, 1)
-        return self.end_round(r, end)
-
-    def count_lost(self, r: int, nodes: int) -> None:
-        """Nodes of round r that will not come back: the next round need not wait for them."""
-        self.store.add(f"{r}/lost", nodes)
-
-    def report_success(self, r: int, members: int, group_rank: int) -> RoundEnd | None:
-        """This node's workers all succeeded: a signed record per member, not a counter anyone could
-        bump. Each node writes before it reads, so the last to write sees all and ends the round."""
-        self.store.set(f"{r}/succeeded/{group_rank}", SuccessRecord(self.me.node_id, group_rank).to_json())
-        names = [f"{r}/succeeded/{g}" for g in range(members)]
-        if not self.store.try_wait(names, 0.01):
-            return None
-        for g, name in enumerate(names):
-            SuccessRecord.load(self.store.get(name), self.store.key(name)).check_for(self.store.key(name), g)
-        return self.end_round(r, RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
-
-    def first_failure(self, r: int, end: RoundEnd) -> RoundEnd:
-        """Record a worker failure the moment it is seen; the first one job-wide stands. (A node
-        that dies takes its peers' workers down with "connection closed" a moment later.)"""
-        won, standing = self.store.set_once(f"{r}/first_failure", end.to_json())
-        return end if won else RoundEnd.load(standing, self.store.key(f"{r}/first_failure"))
-
-    def end_round(self, r: int, end: RoundEnd) -> RoundEnd:
-        """End round r with `end` unless it already ended; return the reason that stands."""
-        won, standing = self.store.set_once(f"{r}/end", end.to_json())
-        if won:
-            self.store.add(CURRENT_ROUND, 1)
-        return RoundEnd.load(standing, self.store.key(f"{r}/end"))
-
-    def round_end(self, r: int) -> RoundEnd | None:
-        return self._end_record(f"{r}/end")
-
-    def round_ended_within(self, r: int, timeout: float) -> bool:
-        return self.store.try_wait([f"{r}/end"], timeout)
-
-    def wait_round_end(self, r: int, slice_seconds: float = WAIT_SLICE_SECONDS) -> RoundEnd:
-        """Block until round r ends (event-driven: a store wait on its end key)."""
-        while not self.store.try_wait([f"{r}/end"], slice_seconds):
-            pass
-        end = self.round_end(r)
-        assert end is not None  # the wait above saw the key
-        return end
-
-    def acknowledge_end(self, r: int, members: int) -> None:
-        if self.store.add(f"{r}/acked", 1) >= members:
-            self.store.set(f"{r}/all_acked", "1")
-
-    def wait_all_acknowledged(self, r: int, timeout: float) -> bool:
-        """The store's host waits here before exiting, so no agent loses the store mid-read."""
-        return self.store.try_wait([f"{r}/all_acked"], timeout)
-
-    def refresh_alive(self, r: int, group_rank: int, beats: int, lease: int) -> bool:
-        """Renew this node's lease-backed alive key; False once the lease has run out."""
-        if not self.store.refresh_lease(lease):
-            return False
-        self.store.set_leased(f"{r}/alive/{group_rank}", str(beats), lease)
-        return True
-
-    def ping(self) -> None:
-        """One cheap call that only a store that answers completes (agent/round_threads.py)."""
-        self.store.check("probe")
-
-    def clear_worker_keys(self) -> int:
-        """Static backend (workers share this store): drop an earlier attempt's worker keys."""
-        return self.store.delete_keys_outside(RALLY_PREFIX)
-
-    # ----------------------------------------------------------------- straggler medians (agent/observe/observer.py)
-    def publish_step_times(self, r: int, summary: str) -> None:
-        self.store.set(f"{r}/step_times", summary)
-
-    def step_times(self, r: int) -> str | None:
-        name = f"{r}/step_times"
-        return self.store.get_str(name) if self.store.check(name) else None
-
-    # ----------------------------------------------------------------- preemption (agent/preemption.py)
-    def note_checkpointed(self, r: int, members: int) -> None:
-        """This node's workers are done checkpointing after a preemption signal."""
-        if self.store.add(f"{r}/preempt_done", 1) >= members:
-            self.store.set(f"{r}/preempt_all_done", "1")
-
-    def wait_all_checkpointed(self, r: int, timeout: float) -> bool:
-        return self.store.try_wait([f"{r}/preempt_all_done"], timeout)
-
-    def claim_requeue(self) -> bool:
-        """True for the one node that may ask the scheduler to requeue the job (once per job)."""
-        won, _ = self.store.set_once("job/requeued", self.me.node_id)
-        return won
-
-    # ----------------------------------------------------------------- hang reports (agent/hang_report.py)
-    # `<r>/dump` is set once per round: a request for every node's stacks (JSON, by the node that
-    # found a hang) or STACKS_ROUND_OVER (by any node whose round ended), which releases the
-    # watchers. Each node answers with its workers' snapshots under `<r>/stacks/<group_rank>`.
-    def request_stacks(self, r: int, reason: str) -> bool:
-        """Ask every node of round r for its workers' stacks; False when the round is over."""
-        _, standing = self.store.set_once(f"{r}/dump", json.dumps({"by": self.me.host, "reason": reason}))
-        return standing != STACKS_ROUND_OVER
-
-    def end_stacks_requests(self, r: int) -> None:
-        """Round r is over for this node: wake its stack-request watcher (and nobody asks any more)."""
-        self.store.set_once(f"{r}/dump", STACKS_ROUND_OVER)
-
-    def wait_stacks_request(self, r: int, slice_seconds: float = WAIT_SLICE_SECONDS) -> bool:
-        """Block until round r's dump key is set; True if it is a request (not the round's end)."""
-        while not self.store.try_wait([f"{r}/dump"], slice_seconds):
-            pass
-        return self.store.get_str(f"{r}/dump") != STACKS_ROUND_OVER
-
-    def publish_stacks(self, r: int, group_rank: int, snapshots: list[dict]) -> None:
-        self.store.set(f"{r}/stacks/{group_rank}", json.dumps(snapshots))
-
-    def gather_stacks(self, r: int, members: int, timeout: float) -> dict[int, list[dict]]:
-        """Every node's published snapshots, waiting up to `timeout` for all; missing nodes left out."""
-        names = [f"{r}/stacks/{g}" for g in range(members)]
-        self.store.try_wait(names, timeout)
-        found: dict[int, list[dict]] = {}
-        for g, name in enumerate(names):
-            if self.store.check(name):
-                try:
-                    found[g] = [s for s in json.loads(self.store.get(name)) if isinstance(s, dict)]
-                except (ValueError, TypeError):
-                    continue
-        return found
-    # ----------------------------------------------------------------- end of hang reports
 
 
 __all__ = [
-    "Assignment", "FAILURE_KINDS", "FINAL_KINDS", "EndKind", "JobClosed", "MEMBERSHIP_KINDS", "NodeInfo",
-    "Rendezvous", "RendezvousError", "RendezvousSettings", "RoundEnd", "RoundRecord", "StoreTimeout", "assign_group_ranks",
+    "Assignment", "FAILURE_KINDS", "FINAL_KINDS", "EndKind", "JobClosed", "MEMBERSHIP_KINDS", "NodeInfo", "Rendezvous",
+    "RendezvousError", "RendezvousSettings", "Round", "RoundChannel", "RoundEnd", "RoundRecord", "StoreTimeout",
+    "assign_group_ranks", "CURRENT_ROUND", "JOB_STARTED", "STACKS_ROUND_OVER", "STATUS_NODES", "status_key",
 ]

@@ -1,6 +1,6 @@
 """What `rally status` and the straggler exchange read: the job's round, end and node records.
 
-Nodes publish their records through `Rendezvous.publish_status`; this reader trusts none of
+Nodes publish their records on the status board (rendezvous/status_board.py); this reader trusts none of
 them (a record that is not this job's is left out), so a stranger's writes never break it.
 """
 
@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 
+from rally.rendezvous.kv import KeyValueStore as Store
+from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.node_memory import load_node_failures
-from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED, STATUS_NODES, status_key
+from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED
 from rally.rendezvous.records import MAX_COUNT, RoundEnd
-from rally.rendezvous.kv import KeyValueStore as Store, UntrustedValue
+from rally.rendezvous.status_board import STATUS_NODES, status_key
 
 
 def read_job_status(store: Store) -> dict | None:

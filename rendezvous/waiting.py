@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.membership import RendezvousError, RendezvousSettings
 from rally.rendezvous.records import NodeInfo, RoundEnd
+from rally.rendezvous.status_board import StatusBoard
 
 # How often a waiting node prints (and publishes) what it waits for; the first line comes after
 # one interval, so a rendezvous that forms at once prints nothing.
@@ -32,12 +33,9 @@ class RendezvousView(Protocol):
     me: NodeInfo
     last_round: int | None
     waiting: "WaitProgress"
+    status: StatusBoard
 
     def on_status(self, line: str) -> None: ...
-
-    def publish_status(self, record: dict[str, Any]) -> None: ...
-
-    def job_started(self) -> Any: ...
 
     def round_end(self, r: int) -> RoundEnd | None: ...
 
@@ -103,7 +101,7 @@ def clash_line(rdzv: RendezvousView, state: str, this_node: str) -> str:
     since when, and how to keep two jobs apart."""
     run_id = rdzv.store.prefix.removeprefix("rally/").rstrip("/")
     return (
-        f"run id '{run_id}' at {rdzv.store.describe} {state}, {started_text(rdzv.job_started())}; {this_node}. "
+        f"run id '{run_id}' at {rdzv.store.describe} {state}, {started_text(rdzv.status.job_started())}; {this_node}. "
         f"If this is a different job, give it a distinct --rdzv-id (e.g. --rdzv-id {run_id}-{int(time.time())}) "
         "or a job token (RALLY_JOB_TOKEN), or use another --rdzv-endpoint port"
     )
@@ -143,7 +141,7 @@ def spare_progress(rdzv: RendezvousView, r: int, members: int, deadline: float) 
 def announce_wait(rdzv: RendezvousView, line: str) -> None:
     """A progress line of a long wait: to the console, and to `rally status` (the node's record)."""
     rdzv.on_status(line)
-    rdzv.publish_status(waiting_record(rdzv.me.host, rdzv.me.node_id, line))
+    rdzv.status.publish(waiting_record(rdzv.me.host, rdzv.me.node_id, line))
 
 
 def waiting_record(host: str, node_id: str, line: str) -> dict[str, Any]:

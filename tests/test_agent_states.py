@@ -13,7 +13,8 @@ import pytest
 
 from rally.agent.states import AgentState, SignalAction, signal_action
 from rally.rendezvous.membership import assignments_for, counts_entering, newest_step
-from rally.rendezvous.protocol import EndKind, NodeInfo, Rendezvous, RendezvousSettings, RoundEnd
+from rally.rendezvous.preemption_barrier import PreemptionBarrier
+from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousSettings, Round, RoundEnd
 from rally.rendezvous.records import RoundRecord
 from rally.rendezvous.store import Store, connect_tcp_store, host_tcp_store
 from rally.rendezvous.token import Signer
@@ -87,6 +88,14 @@ def test_crash_loop_arithmetic() -> None:
     assert counts_entering(before, lost, 100) == (3, 2, 2)  # a lost node spends no restart
 
 
+def member(r: int, group_rank: int, members: int) -> Assignment:
+    """An assignment to round r (what the closer would write; these tests need no forming)."""
+    return Assignment(
+        round=r, group_rank=group_rank, group_world_size=members, rank_offset=group_rank, world_size=members,
+        restart_count=0, membership_changes=0, watch_rank=None, watch_host="", master_host="a",
+    )  # fmt: skip
+
+
 @pytest.fixture
 def rendezvous():
     server = host_tcp_store(0, 10, loopback_only=True)
@@ -106,20 +115,22 @@ def test_preemption_waits_for_every_node_and_only_one_node_requeues(rendezvous) 
     a, b, c = rendezvous("a"), rendezvous("b"), rendezvous("c")
     waiter = rendezvous("a")  # a connection of its own: a blocked wait blocks its connection
     done = threading.Event()
-    threading.Thread(target=lambda: done.set() if waiter.wait_all_checkpointed(4, 10) else None, daemon=True).start()
-    a.note_checkpointed(4, 3)
-    b.note_checkpointed(4, 3)
+    barriers = [PreemptionBarrier(n.store, n.me, member(4, g, 3)) for g, n in enumerate((a, b, c, waiter))]
+    threading.Thread(target=lambda: done.set() if barriers[3].wait_all_checkpointed(10) else None, daemon=True).start()
+    barriers[0].note_checkpointed()
+    barriers[1].note_checkpointed()
     assert not done.wait(0.3), "two of three nodes done: node 0 keeps waiting"
-    c.note_checkpointed(4, 3)
+    barriers[2].note_checkpointed()
     assert done.wait(5)
-    assert [n.claim_requeue() for n in (b, a, c)] == [True, False, False]
+    assert [barriers[g].claim_requeue() for g in (1, 0, 2)] == [True, False, False]
 
 
 def test_straggler_medians_and_round_ends_go_through_the_protocol(rendezvous) -> None:
     a, b = rendezvous("a"), rendezvous("b")
-    assert b.step_times(2) is None
-    a.publish_step_times(2, '{"count": 3}')
-    assert b.step_times(2) == '{"count": 3}'
-    assert not b.round_ended_within(2, 0.05)
-    a.end_round(2, RoundEnd(EndKind.SUCCEEDED, "done"))
-    assert b.round_ended_within(2, 1) and b.round_end(2).kind is EndKind.SUCCEEDED
+    ra, rb = Round(a, member(2, 0, 2)), Round(b, member(2, 1, 2))
+    assert rb.channel.step_times() is None
+    ra.channel.publish_step_times('{"count": 3}')
+    assert rb.channel.step_times() == '{"count": 3}'
+    assert not rb.channel.ended_within(0.05)
+    ra.channel.end(RoundEnd(EndKind.SUCCEEDED, "done"))
+    assert rb.channel.ended_within(1) and b.round_end(2).kind is EndKind.SUCCEEDED

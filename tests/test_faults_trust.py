@@ -305,8 +305,7 @@ def test_a_record_replayed_from_an_earlier_round_is_named_as_such(server):
     from rally.rendezvous.store import UntrustedValue
 
     a = _node(server, "a", RendezvousSettings(**FAST))
-    a.next_round()
-    a.end_round(0, RoundEnd("worker_failed", "x", "a"))
+    a.join_round().channel.end(RoundEnd("worker_failed", "x", "a"))
     raw = a.store.raw
     raw.set("rally/job/1/closed", raw.get("rally/job/0/closed"))  # a genuine value, copied forward
     with pytest.raises(UntrustedValue) as caught:
@@ -342,12 +341,12 @@ def test_a_deleted_round_end_is_tampering_and_a_moved_round_counter_is_corrected
 
     s = RendezvousSettings(**FAST)
     a = _node(server, "a", s)
-    a.next_round()
-    a.end_round(0, RoundEnd("worker_failed", "x", "a"))
+    a.join_round().channel.end(RoundEnd("worker_failed", "x", "a"))
     a.store.raw.add("rally/job/current", 40)  # a late joiner must still find round 1
     late = _node(server, "late", replace(s))
-    assert late.next_round().round == 1
-    late.end_round(1, RoundEnd("worker_failed", "y", "late"))
+    joined = late.join_round()
+    assert joined.a.round == 1
+    joined.channel.end(RoundEnd("worker_failed", "y", "late"))
     late.store.raw.delete_key("rally/job/1/end")
     with pytest.raises(StoreTampered, match=r"'rally/job/1/end' is missing"):
         late.next_round()

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from rally.rendezvous.liveness import silent_peer
-from rally.rendezvous.protocol import JobClosed, NodeInfo, Rendezvous, RendezvousError, RendezvousSettings, RoundEnd
+from rally.rendezvous.protocol import JobClosed, NodeInfo, Rendezvous, RendezvousError, RendezvousSettings, Round, RoundEnd
 from rally.rendezvous.store import Store, StoreEndpoint, StoreUnavailable, UntrustedValue, connect_tcp_store, host_tcp_store, open_tcp_store
 from rally.rendezvous.token import Signer
 
@@ -68,7 +68,7 @@ def test_ranks_are_contiguous_node_major_and_kept_across_rounds(server):
         assert a.watch_rank == (a.group_rank + 1) % 3
     master = by_rank[0][1].me.addr
     assert {a.master_host for a in first} == {master}
-    nodes[0].end_round(0, RoundEnd("worker_failed", "x", "h0"))
+    Round(nodes[0], first[0]).channel.end(RoundEnd("worker_failed", "x", "h0"))
     second = form(nodes)
     assert [a.group_rank for a in second] == [a.group_rank for a in first]
     assert {a.restart_count for a in second} == {1} and {a.round for a in second} == {1}
@@ -88,12 +88,13 @@ def test_node_loss_is_seen_within_keep_alive_timeout_and_the_next_round_closes_a
     a, b = node(server, "a", s), node(server, "b", s)
     fa, fb = form([a, b])
     b_rank = fb.group_rank
-    a.keep_alive(0, fa.group_rank)
+    channel = Round(a, fa).channel
+    channel.keep_alive()
     began = time.monotonic()
-    verdict = silent_peer(a, 0, fa.group_rank, 2)  # b sends nothing: it died
+    verdict = silent_peer(channel)  # b sends nothing: it died
     assert verdict is not None and verdict[0] == b_rank
     assert s.keep_alive_timeout <= time.monotonic() - began < s.keep_alive_timeout + 1
-    end = a.declare_lost(0, b_rank, "b", verdict[1])
+    end = channel.declare_lost(b_rank, "b", verdict[1])
     assert end.kind == "node_lost" and "node" in end.detail
     began = time.monotonic()
     (again,) = form([a])
@@ -106,16 +107,17 @@ def test_a_live_peer_answers_the_peer_check_within_an_interval(server):
     a, b = node(server, "a", s), node(server, "b", s)
     fa, fb = form([a, b])
     stop = threading.Event()
+    b_channel = Round(b, fb).channel
 
     def beat():
         while not stop.wait(s.keep_alive_interval):
-            b.keep_alive(0, fb.group_rank)
+            b_channel.keep_alive()
 
     beater = threading.Thread(target=beat)
     beater.start()
     try:
         began = time.monotonic()
-        assert silent_peer(a, 0, fa.group_rank, 2) is None
+        assert silent_peer(Round(a, fa).channel) is None
         assert time.monotonic() - began < s.keep_alive_timeout
     finally:
         stop.set()
@@ -129,20 +131,22 @@ def test_first_failure_is_the_root_cause_and_crash_loop_counts(server):
     n.progress = lambda: next(steps)
     seen = []
     for r in range(5):
-        a = n.next_round()
+        rnd = n.join_round()
+        a = rnd.a
+        assert a.round == r
         seen.append((a.restart_count, a.stalled_restarts, a.checkpoint_step))
-        first = n.first_failure(r, RoundEnd("worker_failed", f"first {r}", "a"))
-        second = n.first_failure(r, RoundEnd("worker_failed", "second", "a"))
+        first = rnd.channel.first_failure(RoundEnd("worker_failed", f"first {r}", "a"))
+        second = rnd.channel.first_failure(RoundEnd("worker_failed", "second", "a"))
         assert first.detail == second.detail == f"first {r}"
-        n.end_round(r, first)
+        rnd.channel.end(first)
     assert seen == [(0, 0, None), (1, 0, 10), (2, 1, 10), (3, 2, 10), (4, 0, 20)]
 
 
 def test_membership_changes_do_not_spend_restarts(server):
     s = replace(FAST, min_nodes=1, max_nodes=2)
     a = node(server, "a", s)
-    form([a])
-    a.end_round(0, RoundEnd("node_joined", "b joined", "b"))
+    (fa,) = form([a])
+    Round(a, fa).channel.end(RoundEnd("node_joined", "b joined", "b"))
     (again,) = form([a])
     assert again.restart_count == 0 and again.membership_changes == 1
 
@@ -176,10 +180,10 @@ def test_a_round_never_forms_below_min_and_fails_within_join_timeout(server):
 def test_a_spare_never_reruns_a_finished_job(server):
     s = replace(FAST, min_nodes=1, max_nodes=1)
     a, spare = node(server, "a", s), node(server, "spare", s)
-    form([a])
+    (fa,) = form([a])
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(spare.next_round)
-        assert a.report_success(0, 1, 0).kind == "succeeded"  # the job ends before anyone closed it
+        assert Round(a, fa).channel.report_success().kind == "succeeded"  # the job ends before anyone closed it
         with pytest.raises(JobClosed):
             waiting.result(10)
 
@@ -189,7 +193,7 @@ def test_a_relaunch_after_every_member_died_forms_a_new_job(server):
     old = [node(server, f"old{i}", s) for i in range(2)]
     formed = form(old)
     for n, a in zip(old, formed):
-        n.keep_alive(0, a.group_rank)  # then every node dies
+        Round(n, a).channel.keep_alive()  # then every node dies
     began = time.monotonic()
     fresh = form([node(server, f"new{i}", s) for i in range(2)])
     assert {a.round for a in fresh} == {1} and {a.group_world_size for a in fresh} == {2}, fresh
@@ -249,7 +253,7 @@ def test_an_unsigned_or_foreign_value_is_rejected_with_the_key(server):
         a.round_end(0)
     stranger.raw.set(stranger.key("0/master"), "evil:1234")
     with pytest.raises(UntrustedValue, match="rally/job/0/master"):
-        a.wait_master(0, 2, fa.master_host)
+        Round(a, fa).wait_master(2)
 
 
 def test_a_master_on_another_host_is_rejected(server):
@@ -258,7 +262,7 @@ def test_a_master_on_another_host_is_rejected(server):
     (fa,) = form([a])
     a.store.set("0/master", "elsewhere:4000")
     with pytest.raises(UntrustedValue, match="not node rank 0's address"):
-        a.wait_master(0, 2, fa.master_host)
+        Round(a, fa).wait_master(2)
 
 
 def test_a_node_without_the_token_cannot_join(server):
@@ -319,8 +323,8 @@ def test_status_skips_records_that_are_not_this_jobs(server):
 
     s = replace(FAST, min_nodes=1, max_nodes=1)
     a = node(server, "a", s)
-    a.register_status()
-    a.publish_status({"host": "a", "workers": []})
+    a.status.register()
+    a.status.publish({"host": "a", "workers": []})
     hostile = connect(server)
     hostile.raw.append(hostile.key("status/nodes"), "ghost\n")
     hostile.raw.set(hostile.key("status/node/ghost"), b"{garbage")

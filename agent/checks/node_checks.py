@@ -13,11 +13,14 @@ The agent calls `NodeChecks` at three moments, each one line in agent/agent.py:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from rally.agent.checks.quarantine import EXIT_QUARANTINED, Quarantine
 from rally.agent.display import console
-from rally.rendezvous.protocol import Assignment, RoundEnd
+from rally.agent.observe.event_log import EventLog
+from rally.agent.spec import JobSpec
+from rally.rendezvous.protocol import Round, RoundEnd
 
 __all__ = ["EXIT_QUARANTINED", "NodeChecks"]
 
@@ -25,20 +28,30 @@ __all__ = ["EXIT_QUARANTINED", "NodeChecks"]
 class NodeChecks:
     """Quarantine and pre-flight for one agent (`store_call` is the agent's, so store trouble is one line)."""
 
-    def __init__(self, agent: Any):
-        """Takes from `agent` (agent/agent.py) its spec, host, events, report, store_call, base
-        environment, run directory, and, for the probe, its worker template and GPUs."""
-        spec, self.store_call = agent.spec, agent.store_call
-        # A single-node job has no node to keep out: quarantine makes no store call there.
-        self.quarantine = Quarantine(spec, agent.host, agent.events, agent.report, console.say, console.warn, agent.plan.settings.max_nodes > 1)
+    def __init__(
+        self,
+        spec: JobSpec,
+        host: str,
+        events: EventLog,
+        report: Any,
+        store_call: Callable[..., Any],
+        multi_node: bool,
+        template: Callable[[], Any],
+        base_env: dict[str, str],
+        run_dir: Path,
+        backend: Callable[[], str],
+    ):
+        """`report` is the agent's JobReport (outcome, quarantined hosts); `multi_node`: the job may
+        have more than one node (a single-node job has no node to keep out: quarantine makes no
+        store call there). For the probe: `template` gives the agent's worker template (or None),
+        `backend` the process-group backend the job's workers would use."""
+        self.store_call = store_call
+        self.quarantine = Quarantine(spec, host, events, report, console.say, console.warn, multi_node)
         self.preflight: Any = None
         if spec.preflight:  # the default path without it imports nothing more
             from rally.agent.checks.preflight import Preflight
 
-            self.preflight = Preflight(
-                spec, agent.host, agent.events, agent.report, agent.store_call, lambda: agent.template, agent.base_env, agent.logs.run_dir,
-                lambda: "nccl" if agent.observer.gpu is not None else "gloo",  # the backend the job's workers would use
-            )  # fmt: skip
+            self.preflight = Preflight(spec, host, events, report, store_call, template, base_env, run_dir, backend)
 
     def at_join(self, store: Any) -> str | None:
         line = self.store_call(lambda: self.quarantine.at_join(store))
@@ -46,16 +59,16 @@ class NodeChecks:
             self.preflight.start_template()  # loads torch for the probe while the rendezvous runs
         return line
 
-    def round_formed(self, rdzv: Any, a: Assignment, master: tuple[str, int]) -> RoundEnd | None:
-        self.store_call(lambda: self.quarantine.announce(rdzv.store, a.round))
+    def round_formed(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
+        self.store_call(lambda: self.quarantine.announce(rnd.store, rnd.a.round))
         if self.preflight is None:
             return None
-        return self.preflight.run(rdzv, a, master)
+        return self.preflight.run(rnd, master)
 
-    def after_round(self, rdzv: Any, a: Assignment, end: RoundEnd, hosts_store: bool) -> str | None:
-        if self.preflight is not None and (line := self.preflight.left_out_line(a, end)):
+    def after_round(self, rnd: Round, end: RoundEnd, hosts_store: bool) -> str | None:
+        if self.preflight is not None and (line := self.preflight.left_out_line(rnd.a, end)):
             return line
-        return self.store_call(lambda: self.quarantine.after_round(rdzv, a, end, hosts_store))
+        return self.store_call(lambda: self.quarantine.after_round(rnd, end, hosts_store))
 
     def status_fields(self) -> dict:
         """For this node's status record (`rally status`, /metrics): the last pre-flight's numbers."""

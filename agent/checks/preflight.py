@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from rally.agent.display import console
 from rally.rendezvous.node_memory import save_preflight
-from rally.rendezvous.protocol import FAILURE_KINDS, Assignment, EndKind, RoundEnd, preflight_key
+from rally.rendezvous.protocol import FAILURE_KINDS, Assignment, EndKind, Round, RoundEnd, preflight_key
 
 PROBE = str(Path(__file__).with_name("preflight_probe.py"))
 # The probe's collective timeout; the probe, and every wait for the others' numbers, ends by then.
@@ -122,9 +122,10 @@ class Preflight:
             self.own_template.stop()
             self.own_template = None
 
-    def due(self, rdzv: Any, a: Assignment) -> bool:
+    def due(self, rnd: Round) -> bool:
         """Every node decides the same from the store: not after a failure on the same nodes, nor
         when the round re-forms with the nodes a pre-flight just passed (those it left out gone)."""
+        a, rdzv = rnd.a, rnd.rendezvous
         if a.group_world_size < 2:
             return False
         if self.spec.preflight_every_round or a.round == 0:
@@ -137,22 +138,23 @@ class Preflight:
             return now.members != before.members - len(left_out)
         return not (end.kind in FAILURE_KINDS and before.members == now.members)
 
-    def run(self, rdzv: Any, a: Assignment, master: tuple[str, int]) -> RoundEnd | None:
-        if not self.store_call(lambda: self.due(rdzv, a)):
+    def run(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
+        a = rnd.a
+        if not self.store_call(lambda: self.due(rnd)):
             self.stop_template()  # the next probe, if any, starts plainly
             return None
         started = time.monotonic()
         result = {"host": self.host, **self._probe(a, master)}
-        self.store_call(lambda: rdzv.store.set(preflight_key(a.round, f"result/{a.group_rank}"), json.dumps(result)))
+        self.store_call(lambda: rnd.store.set(preflight_key(a.round, f"result/{a.group_rank}"), json.dumps(result)))
         if a.group_rank == 0:
-            verdict = self.store_call(lambda: self._judge(rdzv, a), waiting=True)
+            verdict = self.store_call(lambda: self._judge(rnd), waiting=True)
         else:
-            verdict = self.store_call(lambda: self._read_verdict(rdzv, a), waiting=True)
+            verdict = self.store_call(lambda: self._read_verdict(rnd), waiting=True)
         seconds = time.monotonic() - started
         if verdict is None:
             console.warn(f"pre-flight: no verdict from node 0 within {VERDICT_WAIT_SECONDS:g} s; going on without one")
             return None
-        return self._act(rdzv, a, verdict, result, seconds)
+        return self._act(rnd, verdict, result, seconds)
 
     # ------------------------------------------------------------------ steps
     def _probe(self, a: Assignment, master: tuple[str, int]) -> dict:
@@ -186,42 +188,45 @@ class Preflight:
         except (OSError, ValueError):
             return {"error": f"the probe exited with {code} and wrote no result (see {self.run_dir}/preflight_{a.round}.log)"}
 
-    def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict]:
+    def _results(self, rnd: Round, wait: float) -> dict[int, dict]:
+        a, store = rnd.a, rnd.store
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
-        rdzv.store.try_wait(names, wait)
+        store.try_wait(names, wait)
         found: dict[int, dict] = {}
         for g, name in enumerate(names):
             try:
-                value = json.loads(rdzv.store.get(name)) if rdzv.store.check(name) else None
+                value = json.loads(store.get(name)) if store.check(name) else None
             except ValueError:
                 value = None
             found[g] = value if isinstance(value, dict) else None
         return found
 
-    def _judge(self, rdzv: Any, a: Assignment) -> dict:
-        verdict = judge(self._results(rdzv, a, VERDICT_WAIT_SECONDS), self.spec.preflight_factor, rdzv.settings.min_nodes)
+    def _judge(self, rnd: Round) -> dict:
+        a, store = rnd.a, rnd.store
+        verdict = judge(self._results(rnd, VERDICT_WAIT_SECONDS), self.spec.preflight_factor, rnd.settings.min_nodes)
         verdict["round"] = a.round
-        save_preflight(rdzv.store, verdict)  # for `rally status`
+        save_preflight(store, verdict)  # for `rally status`
         if verdict["left_out"]:
             names = ", ".join(n["host"] for n in verdict["nodes"] if n["group_rank"] in verdict["left_out"])
-            rdzv.count_lost(a.round, len(verdict["left_out"]))  # the re-formed round does not wait for them
-            rdzv.store.set(preflight_key(a.round, "verdict"), json.dumps(verdict))
-            rdzv.end_round(a.round, RoundEnd(EndKind.NODE_LEFT, f"pre-flight left out {names}", self.host, {"preflight": verdict["left_out"]}))
+            rnd.channel.count_lost(len(verdict["left_out"]))  # the re-formed round does not wait for them
+            store.set(preflight_key(a.round, "verdict"), json.dumps(verdict))
+            rnd.channel.end(RoundEnd(EndKind.NODE_LEFT, f"pre-flight left out {names}", self.host, {"preflight": verdict["left_out"]}))
         else:
-            rdzv.store.set(preflight_key(a.round, "verdict"), json.dumps(verdict))
+            store.set(preflight_key(a.round, "verdict"), json.dumps(verdict))
         return verdict
 
-    def _read_verdict(self, rdzv: Any, a: Assignment) -> dict | None:
-        name = preflight_key(a.round, "verdict")
-        if not rdzv.store.try_wait([name], PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS):
+    def _read_verdict(self, rnd: Round) -> dict | None:
+        name = preflight_key(rnd.a.round, "verdict")
+        if not rnd.store.try_wait([name], PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS):
             return None
         try:
-            verdict = json.loads(rdzv.store.get(name))
+            verdict = json.loads(rnd.store.get(name))
         except ValueError:
             return None
         return verdict if isinstance(verdict, dict) and isinstance(verdict.get("nodes"), list) else None
 
-    def _act(self, rdzv: Any, a: Assignment, verdict: dict, mine: dict, seconds: float) -> RoundEnd | None:
+    def _act(self, rnd: Round, verdict: dict, mine: dict, seconds: float) -> RoundEnd | None:
+        a = rnd.a
         left_out, kept = set(verdict.get("left_out") or []), set(verdict.get("kept_bad") or [])
         waited = f" ({self.template_wait:.2f} s of it waiting for the worker template to load torch)" if self.template_wait >= 0.1 else ""
         console.say(f"pre-flight of round {a.round} took {seconds:.2f} s{waited}: {verdict.get('summary', '')}")
@@ -239,7 +244,7 @@ class Preflight:
         if a.group_rank in left_out:
             self.left_out[a.round] = f"node {self.host} is left out by the pre-flight check: {me.get('line')}; the job goes on without it"
             self.report.outcome = "left out by pre-flight"
-        return self.store_call(lambda: rdzv.wait_round_end(a.round, 5.0), waiting=True)
+        return self.store_call(lambda: rnd.channel.wait_end(5.0), waiting=True)
 
     def left_out_line(self, a: Assignment, end: RoundEnd) -> str | None:
         return self.left_out.pop(a.round, None)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rally.rendezvous.node_memory import add_quarantined, load_node_failures, load_quarantined, save_failures
-from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
+from rally.rendezvous.protocol import EndKind, Round, RoundEnd
 
 # Exit code of an agent whose node is quarantined: neither success nor a job failure.
 EXIT_QUARANTINED = 3
@@ -75,30 +75,31 @@ class Quarantine:
         self.report.outcome = "quarantined"
         return excluded_line(self.host, reason, dict(os.environ))
 
-    def after_round(self, rdzv: Any, a: Assignment, end: RoundEnd, hosts_store: bool) -> str | None:
+    def after_round(self, rnd: Round, end: RoundEnd, hosts_store: bool) -> str | None:
         """Count the round's root cause; the line to leave with if this node is now quarantined.
 
         Only the culprit's own agent decides (it alone knows whether it hosts the store, which
         must stay); the others learn of it from the record when the next round forms (`announce`)."""
+        a, store, min_nodes = rnd.a, rnd.store, rnd.settings.min_nodes
         host = end.node or (end.info or {}).get("host") or ""
         if not self.enabled or end.kind not in ROOT_CAUSE_KINDS or not host:
             return None
         now = time.time()
-        record = load_node_failures(rdzv.store)
+        record = load_node_failures(store)
         record_failure(record, host, a.round, now)
         count = recent_failures(record, host, self.spec.quarantine_window, now)
         goes_on = not end.is_failure or a.restart_count + 1 <= self.spec.max_restarts
-        save_failures(rdzv.store, record["failures"])
+        save_failures(store, record["failures"])
         if host != self.host or count < self.spec.quarantine_after or not goes_on:
             return None
         reason = f"the root cause of {count} failures within {self.spec.quarantine_window:g} s, --quarantine-after {self.spec.quarantine_after}"
-        stays = "the job needs it (fewer than MIN={} nodes without it)".format(rdzv.settings.min_nodes) if a.group_world_size - 1 < rdzv.settings.min_nodes else ""
+        stays = f"the job needs it (fewer than MIN={min_nodes} nodes without it)" if a.group_world_size - 1 < min_nodes else ""
         stays = stays or ("it hosts the rendezvous store" if hosts_store else "")
         if stays:
             self.warn(f"node {host} was {reason}, but {stays}: it stays in")
             return None
-        add_quarantined(rdzv.store, host, reason)
-        rdzv.count_lost(a.round, 1)  # the next round need not wait for this node
+        add_quarantined(store, host, reason)
+        rnd.channel.count_lost(1)  # the next round need not wait for this node
         self.report.quarantined[host] = reason
         self.report.outcome = "quarantined"
         self.events.emit("node_quarantined", round=a.round, node=host, failures=count, reason=reason)

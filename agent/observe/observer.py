@@ -171,27 +171,29 @@ class Observer:
         kept for the status record, so `rally status` can say why the last restart happened."""
         self.last_restart = {"round": round_, "kind": str(end.kind), "detail": end.detail}
 
-    def exchange(self, rdzv: Any, assignment: Any) -> None:
-        """From the keep-alive thread: make the straggler median the job's, not only this node's.
+    def exchange(self, rnd: Any) -> None:
+        """From the keep-alive thread, with the round (rendezvous.protocol.Round) on its connection:
+        make the straggler median the job's, not only this node's.
 
         Node 0 reads every node's status record of this round (one multi-get) and publishes the
         middle of the sorted step times; every other node reads that one key.
         """
         if self.timeouts is not None and self.timeouts.changed:
-            save_timeouts(rdzv.store, self.timeouts.to_json())
+            save_timeouts(rnd.store, self.timeouts.to_json())
+        assignment = rnd.a
         if assignment.group_world_size <= 1:
             return
         if assignment.group_rank == 0:
             from rally.rendezvous.status import read_job_status
 
             try:
-                status = read_job_status(rdzv.store)
+                status = read_job_status(rnd.store)
             except (ValueError, TypeError, KeyError, AttributeError):
                 return  # a record that is not JSON (store contents are not trusted): skip this time
             times = job_step_times(status["nodes"] if status else [], assignment.round)
             summary: CentralValues | None = CentralValues.of(times)
-            rdzv.publish_step_times(assignment.round, summary.to_json())
-        elif (published := rdzv.step_times(assignment.round)) is not None:
+            rnd.channel.publish_step_times(summary.to_json())
+        elif (published := rnd.channel.step_times()) is not None:
             summary = CentralValues.from_json(published)
         else:
             return

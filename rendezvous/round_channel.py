@@ -1,0 +1,206 @@
+"""One round as its nodes share it once it formed: its end, its first failure, who is alive, and
+where its workers meet. Bound to the round at creation, so no call names a round number.
+
+Keys, all under `<r>/` (rendezvous/protocol.py names the forming ones):
+
+    end                 the round's end (first wins: the root cause every node reports); the
+                        winner also bumps `current` for late joiners
+    first_failure       the first worker failure job-wide (first wins), before the peer check
+    alive/<g>           member g's keep-alive counter (c10d) or leased key (etcd)
+    lost/<g>, lost      who declared member g lost (first wins); how many will not come back
+    master              the workers' store address (node 0 writes it; it must be node 0's host)
+    succeeded/<g>       member g's signed success record; all of them end the round
+    acked, all_acked    how many read the end; the last one sets `all_acked` (the exit barrier)
+    step_times          node 0's median step times for the straggler check
+"""
+
+from __future__ import annotations
+
+import time
+
+from rally.rendezvous.arrival import CURRENT_ROUND
+from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
+from rally.rendezvous.records import MAX_COUNT, Assignment, EndKind, NodeInfo, RoundEnd, SuccessRecord, parse_master
+from rally.rendezvous.waiting import WaitProgress
+
+
+def end_key(r: int) -> str:
+    """Round r's end record (first wins): forming reads the previous rounds' ends too."""
+    return f"{r}/end"
+
+
+def lost_counter(r: int) -> str:
+    """Round r's count of nodes that will not come back (the next round's closer reads it)."""
+    return f"{r}/lost"
+
+
+class RoundChannel:
+    """Round `r` on one store connection, as `me` sees it: a member (`group_rank` given) or a node
+    waiting for it to end (a spare, a relaunch). `members` is the round's size. Not thread-safe:
+    a thread that watches the round gets a channel on a connection of its own (`on`)."""
+
+    def __init__(
+        self,
+        store: KeyValueStore,
+        settings: RendezvousSettings,
+        me: NodeInfo,
+        r: int,
+        members: int,
+        group_rank: int | None = None,
+    ):
+        self.store = store
+        self.settings = settings
+        self.me = me
+        self.r = r
+        self.members = members
+        self.group_rank = group_rank
+
+    @classmethod
+    def of(cls, store: KeyValueStore, settings: RendezvousSettings, me: NodeInfo, a: Assignment) -> RoundChannel:
+        """The channel of the round `a` assigned this node to."""
+        return cls(store, settings, me, a.round, a.group_world_size, a.group_rank)
+
+    def on(self, store: KeyValueStore) -> RoundChannel:
+        """The same round on another connection (for a thread of its own)."""
+        return RoundChannel(store, self.settings, self.me, self.r, self.members, self.group_rank)
+
+    def _key(self, name: str) -> str:
+        return f"{self.r}/{name}"
+
+    def _mine(self) -> int:
+        if self.group_rank is None:
+            raise ValueError(f"this node is not a member of round {self.r}")
+        return self.group_rank
+
+    # ----------------------------------------------------------------- the end
+    def end(self, end: RoundEnd) -> RoundEnd:
+        """End the round with `end` unless it already ended; return the reason that stands."""
+        name = end_key(self.r)
+        won, standing = self.store.set_once(name, end.to_json())
+        if won:
+            self.store.add(CURRENT_ROUND, 1)
+        return RoundEnd.load(standing, self.store.key(name))
+
+    def ended(self) -> RoundEnd | None:
+        """The round's end record, None while it runs."""
+        name = end_key(self.r)
+        if not self.store.check(name):
+            return None
+        return RoundEnd.load(self.store.get(name), self.store.key(name))
+
+    def ended_within(self, timeout: float) -> bool:
+        return self.store.try_wait([end_key(self.r)], timeout)
+
+    def wait_end(self, slice_seconds: float = WAIT_SLICE_SECONDS) -> RoundEnd:
+        """Block until the round ends (event-driven: a store wait on its end key)."""
+        while not self.store.try_wait([end_key(self.r)], slice_seconds):
+            pass
+        end = self.ended()
+        assert end is not None  # the wait above saw the key
+        return end
+
+    def first_failure(self, end: RoundEnd) -> RoundEnd:
+        """Record a worker failure the moment it is seen; the first one job-wide stands. (A node
+        that dies takes its peers' workers down with "connection closed" a moment later.)"""
+        name = self._key("first_failure")
+        won, standing = self.store.set_once(name, end.to_json())
+        return end if won else RoundEnd.load(standing, self.store.key(name))
+
+    def report_success(self) -> RoundEnd | None:
+        """This node's workers all succeeded: a signed record per member, not a counter anyone could
+        bump. Each node writes before it reads, so the last to write sees all and ends the round."""
+        mine = self._mine()
+        self.store.set(self._key(f"succeeded/{mine}"), SuccessRecord(self.me.node_id, mine).to_json())
+        names = [self._key(f"succeeded/{g}") for g in range(self.members)]
+        if not self.store.try_wait(names, 0.01):
+            return None
+        for g, name in enumerate(names):
+            SuccessRecord.load(self.store.get(name), self.store.key(name)).check_for(self.store.key(name), g)
+        return self.end(RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
+
+    def acknowledge_end(self) -> None:
+        if self.store.add(self._key("acked"), 1) >= self.members:
+            self.store.set(self._key("all_acked"), "1")
+
+    def wait_all_acknowledged(self, timeout: float) -> bool:
+        """The store's host waits here before exiting, so no agent loses the store mid-read."""
+        return self.store.try_wait([self._key("all_acked")], timeout)
+
+    # ----------------------------------------------------------------- who is alive
+    def keep_alive(self) -> None:
+        self.store.add(self._key(f"alive/{self._mine()}"), 1)
+
+    def alive_count(self, group_rank: int) -> int:
+        return self.store.counter(self._key(f"alive/{group_rank}"), MAX_COUNT)
+
+    # Lease-backed liveness, for stores whose keys expire by themselves (`store.leased_liveness`,
+    # etcd): the alive key lives as long as its lease is refreshed; its watcher waits for the
+    # deletion instead of comparing counters.
+    def hold_alive(self) -> int:
+        """Create this node's alive key on a lease of TTL keep_alive_timeout; return the lease."""
+        lease = self.store.grant_lease(self.settings.keep_alive_timeout)
+        self.store.set_leased(self._key(f"alive/{self._mine()}"), "0", lease)
+        return lease
+
+    def refresh_alive(self, beats: int, lease: int) -> bool:
+        """Renew this node's lease-backed alive key; False once the lease has run out."""
+        if not self.store.refresh_lease(lease):
+            return False
+        self.store.set_leased(self._key(f"alive/{self._mine()}"), str(beats), lease)
+        return True
+
+    def member_appeared(self, group_rank: int, timeout: float) -> bool:
+        return self.store.try_wait([self._key(f"alive/{group_rank}")], timeout)
+
+    def member_gone(self, group_rank: int, timeout: float) -> bool:
+        """True once the member's alive key is gone (its lease expired); False after `timeout`."""
+        return self.store.wait_deleted(self._key(f"alive/{group_rank}"), timeout)
+
+    def declare_lost(self, group_rank: int, host: str, silent_for: float, note: str = "") -> RoundEnd:
+        """Report a member whose keep-alives stopped; only the first declaration counts."""
+        won, _ = self.store.set_once(self._key(f"lost/{group_rank}"), self.me.node_id)
+        if won:
+            self.store.add(lost_counter(self.r), 1)
+        where = f" ({host})" if host else ""
+        detail = f"node {group_rank}{where} was lost: it sent no keep-alive for {silent_for:.1f} s{note}"
+        return self.end(RoundEnd(EndKind.NODE_LOST, detail, host, {"group_rank": group_rank}))
+
+    def count_lost(self, nodes: int) -> None:
+        """Nodes of the round that will not come back: the next round need not wait for them."""
+        self.store.add(lost_counter(self.r), nodes)
+
+    def leave(self, end: RoundEnd) -> RoundEnd:
+        """This node is going away for good (a signal): let the others re-form without it."""
+        self.count_lost(1)
+        return self.end(end)
+
+    # ----------------------------------------------------------------- where the workers meet
+    def publish_master(self, host: str, port: int) -> None:
+        self.store.set(self._key("master"), f"{host}:{port}")
+
+    def wait_master(self, timeout: float, master_host: str, waiting: WaitProgress) -> tuple[str, int] | RoundEnd:
+        """The workers' store address (on `master_host`), or the round's end if it ended first."""
+        deadline = time.monotonic() + timeout
+        name = self._key("master")
+        waiting.begin()
+        while True:
+            waiting.tick(
+                lambda: f"round {self.r}: waiting for node 0 ({master_host}) to start the workers' store; "
+                f"giving up in {deadline - time.monotonic():.0f} s"
+            )
+            if self.store.try_wait([name], min(1.0, max(deadline - time.monotonic(), 0.01))):
+                return parse_master(self.store.get_str(name), self.store.key(name), master_host)
+            end = self.ended()
+            if end is not None:
+                return end
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"node rank 0 did not publish the workers' store within {timeout:g} s")
+
+    # ----------------------------------------------------------------- straggler medians (agent/observe/observer.py)
+    def publish_step_times(self, summary: str) -> None:
+        self.store.set(self._key("step_times"), summary)
+
+    def step_times(self) -> str | None:
+        name = self._key("step_times")
+        return self.store.get_str(name) if self.store.check(name) else None
