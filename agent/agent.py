@@ -41,12 +41,13 @@ from rally.agent.observe.observer import Observer
 from rally.agent.observe.run_info import announce
 from rally.agent.observe.status_record import node_status
 from rally.agent.preemption import Preemption
-from rally.agent.report import JobReport, explain, failure_end, store_lost_line
-from rally.agent.round_threads import HeldFailure, RoundThreads, StoreProbe, check_peers, left_behind_line
+from rally.agent.report import JobReport, explain, store_lost_line
+from rally.agent.round_threads import RoundThreads, StoreProbe, left_behind_line
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.agent.stopping import read_what_is_left, stop_workers
+from rally.agent.stopping import stop_workers
 from rally.agent.template import TemplateClient
+from rally.agent.worker_exits import WorkerExits
 from rally.agent.workers import LogLayout, WorkerGroup
 from rally.rendezvous.backends import OpenedStore
 from rally.rendezvous.kv import KeyValueStore
@@ -92,9 +93,9 @@ class Agent:
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
         self.health_settings = HealthSettings.for_job(spec, console.say, self.events.emit)
-        self.observer = Observer(spec, self.events, self.host, base_env, self.health_settings.learned)  # stragglers, /metrics, GPUs
+        # stragglers, /metrics, GPUs (agent/observe/observer.py)
+        self.observer = Observer(spec, self.events, self.host, base_env, self.health_settings.learned)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
-        self.kill_causes: dict[int, str] = {}
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/observe/live.py)
@@ -103,12 +104,14 @@ class Agent:
             group=lambda: self.group, heartbeat_count=lambda r: self.health.heartbeat_count(r), emit=self.events.emit,
         )  # fmt: skip
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
-        self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
+        # what a worker's exit means for the round (agent/worker_exits.py)
+        self.exits = WorkerExits(self.loop, self.store_call, self.events.emit)
         self.observer.node_checks = self.checks = NodeChecks(  # quarantine, pre-flight (agent/checks/node_checks.py)
             spec, self.host, self.events, self.report, self.store_call, plan.settings.max_nodes > 1, template=lambda: self.template,
             base_env=self.base_env, run_dir=self.logs.run_dir, backend=lambda: "nccl" if self.observer.gpu is not None else "gloo",
         )  # fmt: skip
-        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)  # the memory tier (agent/checkpoint/agent_side.py)
+        # the memory tier (agent/checkpoint/agent_side.py)
+        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)
         self.base_env.update(self.ckpt.env())
 
     # ================================================================ entry point
@@ -116,7 +119,8 @@ class Agent:
         processes.become_subreaper()
         self.loop.install_signal_handlers({*self.spec.signals_to_handle, *self.spec.preemption_signals})
         self.guard = GuardClient(self.token)
-        self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn)  # preloads torch meanwhile
+        # workers are forked from it; it preloads torch meanwhile
+        self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn)
         try:
             self._start_observer()
             code = self._run()
@@ -160,9 +164,8 @@ class Agent:
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
-        self.rdzv = rdzv = Rendezvous(
-            self.store, self.plan.settings, self.node, on_status=console.say, progress=self.ckpt.progress, holdings=self.ckpt.holdings
-        )
+        ckpt = self.ckpt
+        self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, console.say, ckpt.progress, ckpt.holdings)
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (self.store_call(self.store.connect_again, waiting=True) for _ in range(3))
         if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/checks/quarantine.py)
@@ -219,14 +222,16 @@ class Agent:
             f"{a.rank_offset}-{a.rank_offset + self.spec.nproc_per_node - 1} of {a.world_size}, "
             f"restart {a.restart_count}/{self.spec.max_restarts}"
         )
-        threads = RoundThreads(self.loop.inbox.post, watcher, keeper, self.plan.read_timeout, self._status_record, self.observer.exchange)
+        post, read_timeout = self.loop.inbox.post, self.plan.read_timeout
+        threads = RoundThreads(post, watcher, keeper, read_timeout, self._status_record, self.observer.exchange)
         threads.start()  # keep-alives from the start: a spare judges a round dead by their absence
         self.hangs.start_watching(rnd)
         try:
             master = self._workers_store(rnd)
             if isinstance(master, RoundEnd):
                 return master
-            if (left_out := self.checks.round_formed(rnd, master)) is not None:  # pre-flight (agent/checks/preflight.py)
+            # quarantines since the last round, and the pre-flight (agent/checks/preflight.py)
+            if (left_out := self.checks.round_formed(rnd, master)) is not None:
                 return left_out
             self.ckpt.open_round(a, self.plan.settings.keep_alive_timeout)
             self._start_workers(a, master)
@@ -248,7 +253,8 @@ class Agent:
             return (where.host, where.port)
         if a.group_rank == 0:
             self.worker_store = None  # the previous round's store closes here
-            self.worker_store = host_tcp_store(0, self.plan.read_timeout, listen_address(a.master_host))  # where MASTER_ADDR says
+            # listening where MASTER_ADDR says
+            self.worker_store = host_tcp_store(0, self.plan.read_timeout, listen_address(a.master_host))
             self.store_call(lambda: rnd.channel.publish_master(a.master_host, self.worker_store.port))
             return (a.master_host, self.worker_store.port)
         timeout = self.plan.settings.keep_alive_timeout * 4 + 30
@@ -257,11 +263,10 @@ class Agent:
     def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
-        self.observer.load_timeouts(self.store_call, self.store)  # --heartbeat-timeout auto: learned before, by any node
+        # --heartbeat-timeout auto: learned before, by any node
+        self.observer.load_timeouts(self.store_call, self.store)
         sink = self.live.sink if self.live is not None else None
-        self.group = WorkerGroup.start(
-            self.spec, self.base_env, a, master, self.logs, multi_node, console_out=sink, console_err=sink, launch=launch
-        )
+        self.group = WorkerGroup.start(self.spec, self.base_env, a, master, self.logs, multi_node, sink, sink, launch)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         for stream in self.group.streams:
             self.loop.watch_stream(stream)
@@ -270,17 +275,18 @@ class Agent:
             if self.guard is not None:
                 self.guard.guard_group(worker.pid)
             self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
-            self.events.emit("worker_started", round=a.round, rank=worker.global_rank, local_rank=worker.local_rank, pid=worker.pid)
+            rank, local_rank = worker.global_rank, worker.local_rank
+            self.events.emit("worker_started", round=a.round, rank=rank, local_rank=local_rank, pid=worker.pid)
 
     def _watch_workers(self, rnd: Round) -> RoundEnd:
         """Until the round ends: signals, the threads' news, exits, hangs, success, in that order."""
         a, group = rnd.a, self.group
         assert group is not None
-        self.held = None  # a local failure waiting for the peer check (see _check_exits)
+        self.exits.begin_round()
         reported_success = False
         while True:
             self.loop.pump(self.health.next_due(time.monotonic()))
-            end = self._on_signals(rnd) or self._on_events(rnd) or self._check_exits(rnd)
+            end = self._on_signals(rnd) or self._on_events(rnd) or self.exits.check(rnd, group, self.health)
             hangs = end is None and self.health.check({w.local_rank: w.output.last_output_at() for w in group.running()})
             if hangs:
                 end = self._end_round(rnd, self.hangs.report(rnd, hangs[0]))
@@ -300,67 +306,16 @@ class Agent:
         for kind, value in self.loop.take_events():
             if kind is Event.ROUND_END and value[0] == a.round:
                 return value[1]
-            if kind is Event.PEER_VERDICT and value[0] == a.round and self.held is not None:
-                self.held.answer(value[1])
+            if kind is Event.PEER_VERDICT and value[0] == a.round:
+                self.exits.peer_verdict(value[1])
             if kind is Event.STORE_LOST:
                 raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.opened.endpoint))
             if kind is Event.DUMP_STACKS and value == a.round:
                 self.hangs.answer(rnd)
         return None
 
-    def _check_exits(self, rnd: Round) -> RoundEnd | None:
-        """Note exits; a local failure ends the round at once on one node, or once the peer
-        check says whether a node was lost (then that is the cause, and this a consequence)."""
-        assert self.group is not None
-        a = rnd.a
-        for worker in self.group.workers:
-            if worker.returncode is not None and worker.local_rank in self.health.watched:
-                self._note_exit(a, worker)
-        failed = [w for w in self.group.workers if w.returncode not in (None, 0)]
-        if not failed:
-            return None
-        first = min(failed, key=lambda w: w.process.ended_at or 0)
-        read_what_is_left(first.output.streams, self.loop)  # its last words, without waiting
-        end = failure_end(first, a, self.kill_causes.get(first.local_rank))
-        if a.group_world_size == 1:
-            return self._end_round(rnd, end)
-        if self.held is None:
-            self.held = HeldFailure(self.store_call(lambda: rnd.channel.first_failure(end)))
-            check_peers(self.loop.inbox.post, rnd)
-            return None
-        if not self.held.answered:
-            return None
-        return self._end_failure(rnd, self.held.first, self.held.silent, end)
-
-    def _note_exit(self, a: Assignment, worker) -> None:  # noqa: ANN001 - agent.workers.Worker
-        """Record a worker's exit once; explain a SIGKILL that nobody here sent."""
-        if worker.returncode == -signal.SIGKILL and not worker.stopped:
-            cause = self.health.explain_kill(worker.local_rank)
-            if cause:
-                self.kill_causes[worker.local_rank] = cause
-        self.health.forget(worker.local_rank)
-        self.events.emit(
-            "worker_exited",
-            round=a.round,
-            rank=worker.global_rank,
-            pid=worker.pid,
-            exit=worker.describe_exit(),
-            returncode=worker.returncode,
-            duration=round(worker.duration(), 3),
-            cause=self.kill_causes.get(worker.local_rank),
-        )
-
     def _end_round(self, rnd: Round, end: RoundEnd) -> RoundEnd:
         return self.store_call(lambda: rnd.channel.end(end))
-
-    def _end_failure(self, rnd: Round, first: RoundEnd, silent: tuple[int, float] | None, local: RoundEnd) -> RoundEnd:
-        """The job-wide first failure ends the round, unless a peer went silent: then that node's loss is the cause."""
-        if silent is None:
-            return self._end_round(rnd, first)
-        group_rank, silent_for = silent
-        host = rnd.a.watch_host if group_rank == rnd.a.watch_rank else ""
-        note = f"; {local.detail} after it (a consequence)"
-        return self.store_call(lambda: rnd.channel.declare_lost(group_rank, host, silent_for, note))
 
     def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:
         """Stop this round's workers, then apply `decide` (agent/decide.py): an exit code, or
@@ -422,7 +377,8 @@ class Agent:
             self.store_call(lambda: rnd.channel.wait_all_acknowledged(EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_record(self, a: Assignment) -> dict:
-        return {**node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer), **self.ckpt.status_fields()}
+        record = node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
+        return {**record, **self.ckpt.status_fields()}
 
     # ================================================================ signals
     def _on_signals(self, rnd: Round | None = None) -> RoundEnd | None:
@@ -453,7 +409,8 @@ class Agent:
         name = processes.signal_name(signum)
         console.say(f"received {name}: forwarding it to the workers, then stopping")
         self._stop_workers(signum)
-        self.store_call(lambda: rnd.channel.leave(RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)), best_effort=True)
+        end = RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)
+        self.store_call(lambda: rnd.channel.leave(end), best_effort=True)
         raise AgentExit(128 + signum)
 
     # ================================================================ the store
@@ -482,9 +439,8 @@ class Agent:
     def _stop_workers(self, signum: int) -> None:
         if self.group is not None:
             self.state = AgentState.STOPPING  # a signal now cuts the grace short and waits its turn
-            stop_workers(
-                self.group, signum, self.spec.shutdown_timeout, self.loop, self.guard, self._helper_pids(), self.spec.preemption_signals
-            )
+            spec, helpers = self.spec, self._helper_pids()
+            stop_workers(self.group, signum, spec.shutdown_timeout, self.loop, self.guard, helpers, spec.preemption_signals)
             self.group = None
 
     def _reap_orphans(self) -> None:

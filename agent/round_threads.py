@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from rally.agent.event_loop import Event
@@ -155,20 +154,6 @@ class RoundThreads:
                     ),
                 )
                 return
-
-
-@dataclass
-class HeldFailure:
-    """A worker failed in a multi-node round: the job's first failure (first-wins, maybe another
-    node's), held until the peer check (`check_peers`) answers whether a node went silent
-    meanwhile, in which case that node's loss is the cause and the failure a consequence."""
-
-    first: RoundEnd
-    answered: bool = False
-    silent: tuple[int, float] | None = None  # (group rank, seconds silent) of a lost peer
-
-    def answer(self, verdict: tuple[int, float] | None) -> None:
-        self.answered, self.silent = True, verdict
 
 
 def frozen_line(frozen: float, a: Assignment, settings: RendezvousSettings) -> str:

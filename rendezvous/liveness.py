@@ -71,4 +71,4 @@ def wait_round_end_or_dead(rdzv: Rendezvous, running: RoundChannel, deadline: fl
             silent = time.monotonic() - last_change
             detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a new round"
             return running.end(RoundEnd(EndKind.NODE_LOST, detail, "", {"group_rank": 0}))
-    return running.wait_end()
+    return running.wait_end(WAIT_SLICE_SECONDS)

@@ -1,0 +1,105 @@
+"""What a worker's exit means for its round (the agent's main loop asks after every wake-up).
+
+Each exit is noted once (an event; a SIGKILL that nobody here sent is explained by the health
+monitor: the OOM killer, a cgroup limit). A failure ends the round at once on a single node. In
+a multi-node round it is first recorded as the job's first failure (first wins, so every node
+names the same root cause) and held until the peer check (`round_threads.check_peers`) answers
+whether a peer went silent meanwhile: then that node's loss is the cause, and the failure here a
+consequence ("connection closed" a moment after a peer died).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rally.agent.event_loop import EventLoop
+from rally.agent.observe.health import HealthMonitor
+from rally.agent.report import failure_end
+from rally.agent.round_threads import check_peers
+from rally.agent.stopping import read_what_is_left
+from rally.agent.workers import Worker, WorkerGroup
+from rally.rendezvous.protocol import Round, RoundEnd
+
+
+@dataclass
+class HeldFailure:
+    """A worker failed in a multi-node round: the job's first failure (first-wins, maybe another
+    node's), held until the peer check answers whether a node went silent meanwhile."""
+
+    first: RoundEnd
+    answered: bool = False
+    silent: tuple[int, float] | None = None  # (group rank, seconds silent) of a lost peer
+
+    def answer(self, verdict: tuple[int, float] | None) -> None:
+        self.answered, self.silent = True, verdict
+
+
+class WorkerExits:
+    """The agent's judge of its workers' exits, for the whole job (`begin_round` each round)."""
+
+    def __init__(self, loop: EventLoop, store_call: Callable[..., Any], emit: Callable[..., None]):
+        """`store_call` runs a main-thread store call (Agent.store_call); `emit` writes an event."""
+        self.loop = loop
+        self.store_call = store_call
+        self.emit = emit
+        self.kill_causes: dict[int, str] = {}  # local rank -> why its worker was SIGKILLed
+        self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
+
+    def begin_round(self) -> None:
+        self.held = None
+
+    def peer_verdict(self, verdict: tuple[int, float] | None) -> None:
+        """The peer check's answer: (group rank, seconds silent) of a lost peer, or None."""
+        if self.held is not None:
+            self.held.answer(verdict)
+
+    def check(self, rnd: Round, group: WorkerGroup, health: HealthMonitor) -> RoundEnd | None:
+        """Note new exits; the round's end once a local failure decides it, else None."""
+        a = rnd.a
+        for worker in group.workers:
+            if worker.returncode is not None and worker.local_rank in health.watched:
+                self._note(rnd, worker, health)
+        failed = [w for w in group.workers if w.returncode not in (None, 0)]
+        if not failed:
+            return None
+        first = min(failed, key=lambda w: w.process.ended_at or 0)
+        read_what_is_left(first.output.streams, self.loop)  # its last words, without waiting
+        end = failure_end(first, a, self.kill_causes.get(first.local_rank))
+        if a.group_world_size == 1:
+            return self.store_call(lambda: rnd.channel.end(end))
+        if self.held is None:
+            self.held = HeldFailure(self.store_call(lambda: rnd.channel.first_failure(end)))
+            check_peers(self.loop.inbox.post, rnd)
+            return None
+        if not self.held.answered:
+            return None
+        return self._end(rnd, self.held.first, self.held.silent, end)
+
+    def _note(self, rnd: Round, worker: Worker, health: HealthMonitor) -> None:
+        """Record a worker's exit once; explain a SIGKILL that nobody here sent."""
+        if worker.returncode == -signal.SIGKILL and not worker.stopped:
+            cause = health.explain_kill(worker.local_rank)
+            if cause:
+                self.kill_causes[worker.local_rank] = cause
+        health.forget(worker.local_rank)
+        self.emit(
+            "worker_exited",
+            round=rnd.a.round,
+            rank=worker.global_rank,
+            pid=worker.pid,
+            exit=worker.describe_exit(),
+            returncode=worker.returncode,
+            duration=round(worker.duration(), 3),
+            cause=self.kill_causes.get(worker.local_rank),
+        )
+
+    def _end(self, rnd: Round, first: RoundEnd, silent: tuple[int, float] | None, local: RoundEnd) -> RoundEnd:
+        """The job-wide first failure ends the round, unless a peer went silent: then that node's loss is the cause."""
+        if silent is None:
+            return self.store_call(lambda: rnd.channel.end(first))
+        group_rank, silent_for = silent
+        host = rnd.a.watch_host if group_rank == rnd.a.watch_rank else ""
+        note = f"; {local.detail} after it (a consequence)"
+        return self.store_call(lambda: rnd.channel.declare_lost(group_rank, host, silent_for, note))
