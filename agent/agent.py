@@ -177,7 +177,7 @@ class Agent:
     def _start_observer(self) -> None:
         """Stragglers, GPU health and /metrics (agent/observe/observer.py); a port in use is bad input."""
         try:
-            self.observer.start(lambda: self._status_record(self.assignment) if self.assignment else None, self.report)
+            self.observer.start(self._status_now, self.report)
         except OSError as exc:
             raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
 
@@ -206,7 +206,7 @@ class Agent:
         a = rnd.a
         self.state, self.assignment = AgentState.ROUND_SETUP, a
         if self.live is None and LiveView.wanted(console.console()) and not self.spec.quiet:
-            self.live = LiveView(console.console(), lambda: self._status_record(self.assignment))
+            self.live = LiveView(console.console(), self._status_now)
             self.live.start()
         self.report.begin(a)
         self.events.emit(
@@ -248,6 +248,7 @@ class Agent:
             # Every node stopped its old workers before it joined this round, so no worker of
             # an earlier attempt can write here any more: its keys go, rally's own stay.
             self.store_call(rnd.rendezvous.clear_worker_keys)
+            assert self.opened is not None  # the store is open before any round
             where = self.opened.endpoint  # as bound
             self.store_call(lambda: rnd.channel.publish_master(where.host, where.port))
             return (where.host, where.port)
@@ -308,7 +309,7 @@ class Agent:
                 return value[1]
             if kind is Event.PEER_VERDICT and value[0] == a.round:
                 self.exits.peer_verdict(value[1])
-            if kind is Event.STORE_LOST:
+            if kind is Event.STORE_LOST and self.opened is not None:
                 raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.opened.endpoint))
             if kind is Event.DUMP_STACKS and value == a.round:
                 self.hangs.answer(rnd)
@@ -376,6 +377,10 @@ class Agent:
             self.state = AgentState.EXIT_BARRIER
             self.store_call(lambda: rnd.channel.wait_all_acknowledged(EXIT_BARRIER_SECONDS), waiting=True)
 
+    def _status_now(self) -> dict | None:
+        """This node's status record in the round it is in (None before the first)."""
+        return self._status_record(self.assignment) if self.assignment else None
+
     def _status_record(self, a: Assignment) -> dict:
         record = node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
         return {**record, **self.ckpt.status_fields()}
@@ -384,7 +389,8 @@ class Agent:
     def _on_signals(self, rnd: Round | None = None) -> RoundEnd | None:
         """The one place a signal takes effect, as the agent's state says (agent/states.py).
         Exits raise AgentExit; a preemption returns the round's end; the rest stay pending."""
-        signals, later = self.loop.take_signals(), []
+        signals = self.loop.take_signals()
+        later: list[int] = []
         for i, signum in enumerate(signals):
             action = signal_action(self.state, signum, self.spec.preemption_signals)
             name = processes.signal_name(signum)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rally.rendezvous.kv import KeyValueStore as Store
+from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.protocol import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
-from rally.rendezvous.store import Store, UntrustedValue
 
 
 def _read(store: Store, name: str) -> dict[str, Any] | None:

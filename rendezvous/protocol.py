@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
 from rally.rendezvous.arrival import CURRENT_ROUND, joined_counter, node_slot
@@ -100,8 +100,16 @@ def preflight_key(r: int, part: str) -> str:
     return f"{r}/preflight/{part}"
 
 
+@runtime_checkable
+class SharedWithWorkers(Protocol):
+    """A store the workers use too (the static backend's c10d store at the master address)."""
+
+    def delete_keys_outside(self, keep_prefix: str) -> int: ...
+
+
 class Rendezvous:
-    """One node's view of the job's rendezvous. Not thread-safe: give each thread its own."""
+    """Forming rounds, as one node takes part: join, arrival, close, its assignment; and the job's
+    end. What a formed round shares is its `Round`'s (below). Not thread-safe: one per thread."""
 
     def __init__(
         self,
@@ -170,6 +178,7 @@ class Rendezvous:
 
     def clear_worker_keys(self) -> int:
         """Static backend (workers share this store): drop an earlier attempt's worker keys."""
+        assert isinstance(self.store, SharedWithWorkers), f"{self.store.describe} is not shared with workers"
         return self.store.delete_keys_outside(RALLY_PREFIX)
 
     # ----------------------------------------------------------------- forming

@@ -17,12 +17,26 @@ Keys, all under `<r>/` (rendezvous/protocol.py names the forming ones):
 from __future__ import annotations
 
 import time
+from typing import Protocol, runtime_checkable
 
 from rally.rendezvous.arrival import CURRENT_ROUND
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
 from rally.rendezvous.records import MAX_COUNT, Assignment, EndKind, NodeInfo, RoundEnd, SuccessRecord, parse_master
 from rally.rendezvous.waiting import WaitProgress
+
+
+@runtime_checkable
+class LeasedStore(Protocol):
+    """What a store whose keys expire by themselves offers (`leased_liveness`: etcd's EtcdStore)."""
+
+    def grant_lease(self, ttl: float) -> int: ...
+
+    def refresh_lease(self, lease: int) -> bool: ...
+
+    def set_leased(self, name: str, value: str, lease: int) -> None: ...
+
+    def wait_deleted(self, name: str, timeout: float) -> bool: ...
 
 
 def end_key(r: int) -> str:
@@ -67,6 +81,12 @@ class RoundChannel:
 
     def _key(self, name: str) -> str:
         return f"{self.r}/{name}"
+
+    @property
+    def _leases(self) -> LeasedStore:
+        """The store's leases; only asked for when `store.leased_liveness` (agent/leased_liveness.py)."""
+        assert isinstance(self.store, LeasedStore), f"{self.store.describe} has no leases"
+        return self.store
 
     def _mine(self) -> int:
         if self.group_rank is None:
@@ -139,15 +159,15 @@ class RoundChannel:
     # deletion instead of comparing counters.
     def hold_alive(self) -> int:
         """Create this node's alive key on a lease of TTL keep_alive_timeout; return the lease."""
-        lease = self.store.grant_lease(self.settings.keep_alive_timeout)
-        self.store.set_leased(self._key(f"alive/{self._mine()}"), "0", lease)
+        lease = self._leases.grant_lease(self.settings.keep_alive_timeout)
+        self._leases.set_leased(self._key(f"alive/{self._mine()}"), "0", lease)
         return lease
 
     def refresh_alive(self, beats: int, lease: int) -> bool:
         """Renew this node's lease-backed alive key; False once the lease has run out."""
-        if not self.store.refresh_lease(lease):
+        if not self._leases.refresh_lease(lease):
             return False
-        self.store.set_leased(self._key(f"alive/{self._mine()}"), str(beats), lease)
+        self._leases.set_leased(self._key(f"alive/{self._mine()}"), str(beats), lease)
         return True
 
     def member_appeared(self, group_rank: int, timeout: float) -> bool:
@@ -155,7 +175,7 @@ class RoundChannel:
 
     def member_gone(self, group_rank: int, timeout: float) -> bool:
         """True once the member's alive key is gone (its lease expired); False after `timeout`."""
-        return self.store.wait_deleted(self._key(f"alive/{group_rank}"), timeout)
+        return self._leases.wait_deleted(self._key(f"alive/{group_rank}"), timeout)
 
     def declare_lost(self, group_rank: int, host: str, silent_for: float, note: str = "") -> RoundEnd:
         """Report a member whose keep-alives stopped; only the first declaration counts."""

@@ -1,6 +1,6 @@
 """The agent's decisions without processes: what a signal means in each state, the round-end
 kinds, the rendezvous arithmetic (rendezvous/membership.py), and the protocol calls the agent's
-modules make instead of naming store keys (preemption, requeue, straggler medians), over a real
+modules make instead of naming store keys (preemption, requeue, straggler medians, hang stacks), over a real
 in-process TCPStore. All in well under a second each."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from rally.rendezvous.membership import assignments_for, counts_entering, newest
 from rally.rendezvous.preemption_barrier import PreemptionBarrier
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousSettings, Round, RoundEnd
 from rally.rendezvous.records import RoundRecord
+from rally.rendezvous.stack_exchange import StackExchange
 from rally.rendezvous.store import Store, connect_tcp_store, host_tcp_store
 from rally.rendezvous.token import Signer
 
@@ -134,3 +135,20 @@ def test_straggler_medians_and_round_ends_go_through_the_protocol(rendezvous) ->
     assert not rb.channel.ended_within(0.05)
     ra.channel.end(RoundEnd(EndKind.SUCCEEDED, "done"))
     assert rb.channel.ended_within(1) and b.round_end(2).kind is EndKind.SUCCEEDED
+
+
+def test_hang_stacks_are_asked_for_answered_and_released_once_per_round(rendezvous) -> None:
+    a, b, watcher = rendezvous("a"), rendezvous("b"), rendezvous("b")
+    sa, sb = StackExchange(a.store, a.me, member(3, 0, 2)), StackExchange(b.store, b.me, member(3, 1, 2))
+    asked = threading.Event()
+    watching = StackExchange(watcher.store, watcher.me, member(3, 1, 2))  # its own connection, as the agent's thread
+    threading.Thread(target=lambda: watching.wait_request(5) and asked.set(), daemon=True).start()
+    assert sa.request("rank 0 on a hung")
+    assert asked.wait(5), "b's watcher saw the request"
+    sa.publish([{"rank": 0}])
+    sb.publish([{"rank": 1}, "not a snapshot"])
+    assert sa.gather(1) == {0: [{"rank": 0}], 1: [{"rank": 1}]}
+    over = StackExchange(a.store, a.me, member(4, 0, 2))
+    over.end_requests()  # round 4 ended before anyone asked: nobody asks any more
+    assert not StackExchange(b.store, b.me, member(4, 1, 2)).request("too late")
+    assert StackExchange(b.store, b.me, member(4, 1, 2)).wait_request(1) is False

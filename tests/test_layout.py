@@ -68,7 +68,7 @@ def test_the_key_check_catches_a_key_spelled_out_elsewhere() -> None:
     """The check above would see the agent writing a key itself (so it can fail)."""
     calls = [n for n in ast.walk(ast.parse('rdzv.store.set(f"{r}/preempt_done", "1")\nself.store.try_wait(["x"], 1)')) if isinstance(n, ast.Call)]
     assert [_names_a_key(c) for c in calls] == [True, True]
-    harmless = [n for n in ast.walk(ast.parse('rdzv.publish_master(r, "h", 1)\nd.get("x")')) if isinstance(n, ast.Call)]
+    harmless = [n for n in ast.walk(ast.parse('rnd.channel.publish_master("h", 1)\nd.get("x")')) if isinstance(n, ast.Call)]
     assert not any(_names_a_key(c) for c in harmless)
 
 

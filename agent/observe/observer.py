@@ -191,8 +191,9 @@ class Observer:
             except (ValueError, TypeError, KeyError, AttributeError):
                 return  # a record that is not JSON (store contents are not trusted): skip this time
             times = job_step_times(status["nodes"] if status else [], assignment.round)
-            summary: CentralValues | None = CentralValues.of(times)
-            rnd.channel.publish_step_times(summary.to_json())
+            of_all = CentralValues.of(times)
+            rnd.channel.publish_step_times(of_all.to_json())
+            summary: CentralValues | None = of_all
         elif (published := rnd.channel.step_times()) is not None:
             summary = CentralValues.from_json(published)
         else:
