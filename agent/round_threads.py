@@ -13,7 +13,7 @@ are agent/event_loop.py's `Event`):
   call for 3/4 of `min(keep_alive_timeout, read_timeout)`, this node is about to be declared
   lost by the others, who re-form without it: -> (STORE_LOST, StoreSilent), and the agent
   stops its workers and exits before they re-form, so the job never runs twice (no split brain);
-* **peer check** (`check_peers`, started by the agent on a local worker failure in a
+* **peer check** (`check_peers`, started by agent/worker_exits.py on a local worker failure in a
   multi-node round): is a peer gone? -> (PEER_VERDICT, (round, (group rank, silent s) | None)).
 """
 
