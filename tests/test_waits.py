@@ -120,7 +120,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("rendezvous/protocol.py", "Round.wait_master", "self.channel.wait_master"): (SL, None, "1 s slices up to the caller's deadline"),
     ("rendezvous/round_channel.py", "RoundChannel.wait_master", "self.store.try_wait"): (SL, None, "1 s slices up to the caller's deadline"),
     ("rendezvous/round_channel.py", "RoundChannel.member_appeared", "self.store.try_wait"): (BG, None, "the peer watcher"),
-    ("rendezvous/round_channel.py", "RoundChannel.member_gone", "self.store.wait_deleted"): (BG, None, "the peer watcher"),
+    ("rendezvous/round_channel.py", "RoundChannel.member_gone", "self._leases.wait_deleted"): (BG, None, "the peer watcher"),
     ("rendezvous/round_channel.py", "RoundChannel.ended_within", "self.store.try_wait"): (SL, None, "the caller's slice"),
     ("rendezvous/round_channel.py", "RoundChannel.wait_end", "self.store.try_wait"): (SL, "job", "slices while the round runs"),
     ("rendezvous/round_channel.py", "RoundChannel.wait_all_acknowledged", "self.store.try_wait"): (SL, None, "the caller's timeout"),
