@@ -82,11 +82,15 @@ def _start_nodes(tmp: Path, port: int, names: list[str], ckpt: Path, nnodes: str
     return [start_agent(name, tmp, args, env=env) for name in names]
 
 
-def _kill_a_node_after_a_save(agents: list[AgentProcess], saved_step: int) -> AgentProcess:
-    """SIGKILL the node that does not host the store once `saved_step` is on disk; return it."""
+def _kill_a_node_after_a_save(agents: list[AgentProcess], saved_step: int, durable_in: Path | None = None) -> AgentProcess:
+    """SIGKILL the node that does not host the store once it saved `saved_step` (and, given
+    `durable_in`, once that step is published there: the persist runs in the background, so on
+    a busy machine a save can still be in memory only); return it."""
     assert eventually(lambda: any("hosting the rendezvous store" in a.output() for a in agents), 60)
     victim = next(a for a in agents if "hosting the rendezvous store" not in a.output())
     assert eventually(lambda: any(s == saved_step for s, _, _ in digests(victim.output(), "saved")), 120), victim.output()
+    if durable_in is not None:
+        assert eventually(lambda: (durable_in / dcp_files.step_name(saved_step)).is_dir(), 120), victim.output()
     pids = victim.kill_node()
     assert eventually(lambda: not any(is_alive(pid) for pid in pids), 10)
     return victim
@@ -142,7 +146,7 @@ def test_fsdp2_job_reshards_onto_the_surviving_node_after_a_node_loss(
     agents: list[AgentProcess] = []
     try:
         agents += _start_nodes(tmp_path, port, ["n0", "n1"], ckpt, "1:2")
-        victim = _kill_a_node_after_a_save(agents, 6)
+        victim = _kill_a_node_after_a_save(agents, 6, durable_in=ckpt)
         (survivor,) = [a for a in agents if a is not victim]
         text = _finish_all([survivor], 180)
         assert survivor.popen.returncode == 0, text
