@@ -109,16 +109,15 @@ class Connection:
         wait = LongWait(what, timeout, self.announce)
         while True:
             message = self._read(wait.slice())
-            if message is None or message["op"] == "filed":
-                if not wait.tick():
-                    raise TemplateStuck(f"the worker template did not answer within {timeout:g} s")
-                continue
-            if message["op"] == "ready":
-                self.ready = message
-            if message["op"] in ops:
-                return message
-            for fd in message.get("fds", []):
-                os.close(fd)
+            if message is not None and message["op"] != "filed":
+                if message["op"] == "ready":
+                    self.ready = message
+                if message["op"] in ops:
+                    return message
+                for fd in message.get("fds", []):
+                    os.close(fd)
+            if not wait.tick():
+                raise TemplateStuck(f"the worker template did not answer within {timeout:g} s")
 
     def drain(self) -> None:
         """File every exit report already waiting (never blocks)."""

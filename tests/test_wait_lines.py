@@ -179,6 +179,23 @@ def test_the_store_host_waiting_for_the_others_to_read_the_end_says_so_and_goes_
     assert time.monotonic() - read_at < WAIT_PROGRESS_SECONDS + 3, "the host goes as soon as the others have read the end"
 
 
+@pytest.mark.timeout(180)
+def test_a_pre_flight_probe_waiting_for_a_node_that_never_probes_says_so_on_the_console_and_in_rally_status(tmp_path, started):
+    port = _rally_store(tmp_path, started)
+    script = write_script(tmp_path, "ok.py", "print('WORKER-RAN')\n")
+    args = [*c10d_args(port, "2", run_id=RUN_ID, preflight=True), "--nproc-per-node", "1", "--node-rank", "0", str(script)]
+    agent = start_agent("node0", tmp_path, args, env={"RALLY_JOB_TOKEN": TOKEN})
+    started.append(agent)
+    node1 = StandIn(port, 1)
+    started.append(node1)
+    assert node1.join().group_rank == 1  # and never runs its probe: node 0's probe waits for it
+    line = re.compile(r"pre-flight of round 0: waiting for the probe \(pid \d+: compute, all-reduce, links\) to finish: up to (\d+) s more")
+    found = wait_for(lambda: line.search(agent.output()), 90)
+    assert found and int(found.group(1)) < 30, agent.output()
+    status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path, timeout=60)
+    assert status.returncode == 0 and line.search(status.stdout), status.describe()
+
+
 @needs_etcd
 @pytest.mark.timeout(60)
 def test_an_etcd_get_of_a_key_never_written_says_what_it_waits_for_and_times_out(etcd):  # noqa: F811 - fixture

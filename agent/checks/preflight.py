@@ -192,7 +192,8 @@ class Preflight:
 
     def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict]:
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
-        rdzv.store.try_wait(names, wait)
+        what = f"pre-flight of round {a.round}: waiting for every node's probe results to judge them"
+        wait_in_slices(lambda t: rdzv.store.try_wait(names, t), wait, what, self.announce)
         found: dict[int, dict] = {}
         for g, name in enumerate(names):
             try:
@@ -217,7 +218,8 @@ class Preflight:
 
     def _read_verdict(self, rdzv: Any, a: Assignment) -> dict | None:
         name = preflight_key(a.round, "verdict")
-        if not rdzv.store.try_wait([name], PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS):
+        what = f"pre-flight of round {a.round}: waiting for node 0's verdict"
+        if not wait_in_slices(lambda t: rdzv.store.try_wait([name], t), PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS, what, self.announce):
             return None
         try:
             verdict = json.loads(rdzv.store.get(name))
