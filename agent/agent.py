@@ -415,7 +415,7 @@ class Agent:
             self.store_call(lambda: wait_for_readers(rdzv, a.round, EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_record(self, a: Assignment) -> dict:
-        waiting = self.waits.fields(self.rdzv.waiting if self.rdzv else None)  # a long wait under way (agent/node_waits.py)
+        waiting = self.waits.fields(a.round, self.rdzv.waiting if self.rdzv else None)  # a long wait under way (agent/node_waits.py)
         return {**node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer), **self.ckpt.status_fields(), **waiting}
 
     # ================================================================ signals

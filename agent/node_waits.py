@@ -6,7 +6,8 @@ rendezvous/waiting.py). The line goes to the console at once; while the round ru
 keep-alive thread republishes the node's status record every few seconds (agent/round_threads.py),
 so the line goes into that record too (`waiting`, which `rally status` prints per node) for as
 long as the wait lasts. A wait says its line once per interval: a line older than two intervals
-belongs to a wait that is over, and leaves the record by itself.
+belongs to a wait that is over, and leaves the record by itself; so does one said before the
+round's first record (the wait for the round to form, which is over once there is a round).
 """
 
 from __future__ import annotations
@@ -27,18 +28,21 @@ class NodeWaits:
     def __init__(self, say: Callable[[str], None]) -> None:
         self.say = say
         self.last: tuple[float, str] | None = None
+        self.round: tuple[int, float] | None = None  # (round, when its first record was asked for)
 
     def announce(self, line: str) -> None:
         """A long wait's progress line: on the console, and in this node's status record."""
         self.last = (time.monotonic(), line)
         self.say(line)
 
-    def fields(self, *others: WaitProgress | None) -> dict[str, Any]:
-        """{"waiting": line} for the status record while a wait is under way: this node's own,
-        or one the rendezvous says through `others` (its `WaitProgress`); else nothing."""
-        lines = [self.last, *(o.last for o in others if o is not None)]
+    def fields(self, r: int, *others: WaitProgress | None) -> dict[str, Any]:
+        """{"waiting": line} for round r's status record while a wait is under way: this node's
+        own, or one the rendezvous says through `others` (its `WaitProgress`); else nothing."""
         now = time.monotonic()
-        fresh = [seen for seen in lines if seen is not None and now - seen[0] < FRESH_SECONDS]
+        if self.round is None or self.round[0] != r:
+            self.round = (r, now)
+        lines = [self.last, *(o.last for o in others if o is not None)]
+        fresh = [seen for seen in lines if seen is not None and self.round[1] <= seen[0] and now - seen[0] < FRESH_SECONDS]
         return {"waiting": max(fresh)[1]} if fresh else {}
 
 

@@ -21,6 +21,7 @@ import pytest
 from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
 from etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
 from helpers import clean_env, free_port, run_rally, start_rally, wait_for, write_probe
+from rally.agent.node_waits import NodeWaits
 from rally.agent.spec import BOOTSTRAP
 from rally.agent.template import ForkedChild, TemplateClient
 from rally.rendezvous.etcd_client import Member
@@ -30,7 +31,7 @@ from rally.rendezvous.membership import RendezvousSettings
 from rally.rendezvous.protocol import Assignment, NodeInfo, Rendezvous
 from rally.rendezvous.store import Store, StoreError, StoreTimeout, connect_tcp_store
 from rally.rendezvous.token import Signer
-from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS
+from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
 
 TOKEN = "wait-lines-token"
 RUN_ID = "testjob"
@@ -53,6 +54,20 @@ def test_a_wait_in_slices_says_what_it_waits_for_every_interval_and_stops_at_its
     started = time.monotonic()
     assert wait_in_slices(soon.wait, 60, "waiting for an event set soon", lines.append) is True
     assert time.monotonic() - started < 3 and len(lines) == 1, "a wait that ends at once says nothing"
+
+
+def test_a_nodes_record_carries_the_line_of_a_wait_in_the_round_not_the_one_that_formed_it() -> None:
+    said: list[str] = []
+    waits = NodeWaits(said.append)
+    rendezvous = WaitProgress(said.append, interval=0.0)  # as the rendezvous' own waits say theirs
+    rendezvous.tick(lambda: "round 0: waiting for 1 more node: 1 of 2 joined (a); join_timeout in 583 s")
+    assert waits.fields(0, rendezvous) == {}, "the round has formed: that wait is over"
+    rendezvous.tick(lambda: "round 0: waiting for node 0 (a) to start the workers' store; giving up in 33 s")
+    assert waits.fields(0, rendezvous) == {"waiting": "round 0: waiting for node 0 (a) to start the workers' store; giving up in 33 s"}
+    waits.announce("waiting for the worker template (pid 7) to import torch before it starts workers: up to 290 s more")
+    assert waits.fields(0, rendezvous)["waiting"].startswith("waiting for the worker template"), "the newest line"
+    assert waits.fields(1, rendezvous) == {}, "a new round: the last round's waits are over"
+    assert len(said) == 3
 
 
 @pytest.mark.timeout(120)
