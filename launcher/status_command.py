@@ -160,7 +160,7 @@ def show_running(run_id: str, where: str, status: dict) -> None:
         if node.get("gpu_problems"):
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]), highlight=False)
     for node in status["nodes"]:
-        if node.get("waiting"):  # in the rendezvous: what it waits for (rendezvous/waiting.py)
+        if node.get("waiting"):  # what it waits for (rendezvous/waiting.py, agent/node_waits.py)
             updated = node.get("updated")
             age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
             out.print(f"{node.get('host')}: {node['waiting']}{age}", highlight=False)

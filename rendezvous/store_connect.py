@@ -59,6 +59,12 @@ def reporting_progress(progress: Callable[[str], None] | None) -> Iterator[None]
         _reporter.progress = before
 
 
+def current_progress() -> Callable[[str], None] | None:
+    """Where this thread's `reporting_progress` block reports (None outside one). A store opened
+    in the block keeps it for its own long waits (rendezvous/etcd_store.py)."""
+    return getattr(_reporter, "progress", None)
+
+
 class NoStoreThere(Exception):
     """The endpoint cannot be used as a store; the message says why, in one line."""
 

@@ -49,6 +49,7 @@ class WaitProgress:
         self.emit = emit
         self.interval = interval
         self.due = time.monotonic() + interval
+        self.last: tuple[float, str] | None = None  # (when, line): the node's status record shows it while fresh
 
     def begin(self) -> None:
         self.due = time.monotonic() + self.interval
@@ -58,7 +59,9 @@ class WaitProgress:
         now = time.monotonic()
         if now >= self.due:
             self.due = now + self.interval
-            self.emit(line())
+            text = line()
+            self.last = (now, text)
+            self.emit(text)
 
 
 def plural(n: int, word: str) -> str:

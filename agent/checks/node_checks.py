@@ -38,6 +38,7 @@ class NodeChecks:
             self.preflight = Preflight(
                 spec, agent.host, agent.events, agent.report, agent.store_call, lambda: agent.template, agent.base_env, agent.logs.run_dir,
                 lambda: "nccl" if agent.observer.gpu is not None else "gloo",  # the backend the job's workers would use
+                agent.waits.announce,  # its waits' lines: the console and this node's status record
             )  # fmt: skip
 
     def at_join(self, store: Any) -> str | None:

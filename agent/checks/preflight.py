@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rally.agent.display import console
+from rally.rendezvous.long_wait import wait_in_slices
 from rally.rendezvous.node_memory import save_preflight
 from rally.rendezvous.protocol import FAILURE_KINDS, Assignment, EndKind, RoundEnd, preflight_key
 
@@ -91,9 +92,11 @@ def _numbers(r: dict, compute: float | None, link: float | None) -> str:
 class Preflight:
     """One agent's pre-flight: probe, publish, (node 0) judge, act on the verdict."""
 
-    def __init__(self, spec: Any, host: str, events: Any, report: Any, store_call: Callable[..., Any], template: Callable[[], Any], base_env: dict[str, str], run_dir: Path, backend: Callable[[], str]):
+    def __init__(self, spec: Any, host: str, events: Any, report: Any, store_call: Callable[..., Any], template: Callable[[], Any], base_env: dict[str, str], run_dir: Path, backend: Callable[[], str], announce: Callable[[str], None] = console.say):
+        """`announce` hears every few seconds what a long wait waits for (agent/node_waits.py)."""
         self.spec, self.host, self.events, self.report = spec, host, events, report
         self.store_call, self.template, self.base_env, self.run_dir, self.backend = store_call, template, base_env, run_dir, backend
+        self.announce = announce
         self.last: dict | None = None  # this node's numbers and the verdict's summary, for its status record
         self.left_out: dict[int, str] = {}  # round -> the line this node leaves with
         self.own_template: Any = None  # preloads torch for the first probe when the job has no worker template
@@ -111,7 +114,7 @@ class Preflight:
         from rally.agent.workers import shared_worker_env
 
         argv = [self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE]
-        self.own_template = TemplateClient(self.spec.python_exec, BOOTSTRAP, argv, ("torch", "torch.distributed"), shared_worker_env(self.spec, self.base_env), os.getcwd(), console.warn)
+        self.own_template = TemplateClient(self.spec.python_exec, BOOTSTRAP, argv, ("torch", "torch.distributed"), shared_worker_env(self.spec, self.base_env), os.getcwd(), console.warn, self.announce)
         try:
             self.own_template.start()
         except OSError:
@@ -175,7 +178,8 @@ class Preflight:
             child = launch([self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE], env, None, log, log)
         self.template_wait = time.monotonic() - asked
         try:
-            code = self.store_call(lambda: child.wait(PROBE_TIMEOUT_SECONDS + 10), waiting=True)
+            what = f"pre-flight of round {a.round}: waiting for the probe (pid {child.pid}: compute, all-reduce, links) to finish"
+            code = self.store_call(lambda: wait_in_slices(child.wait, PROBE_TIMEOUT_SECONDS + 10, what, self.announce, done=lambda c: c is not None), waiting=True)
         finally:
             if child.returncode is None:
                 os.killpg(child.pid, signal.SIGKILL)
@@ -188,7 +192,8 @@ class Preflight:
 
     def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict]:
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
-        rdzv.store.try_wait(names, wait)
+        what = f"pre-flight of round {a.round}: waiting for every node's probe results to judge them"
+        wait_in_slices(lambda t: rdzv.store.try_wait(names, t), wait, what, self.announce)
         found: dict[int, dict] = {}
         for g, name in enumerate(names):
             try:
@@ -213,7 +218,8 @@ class Preflight:
 
     def _read_verdict(self, rdzv: Any, a: Assignment) -> dict | None:
         name = preflight_key(a.round, "verdict")
-        if not rdzv.store.try_wait([name], PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS):
+        what = f"pre-flight of round {a.round}: waiting for node 0's verdict"
+        if not wait_in_slices(lambda t: rdzv.store.try_wait([name], t), PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS, what, self.announce):
             return None
         try:
             verdict = json.loads(rdzv.store.get(name))

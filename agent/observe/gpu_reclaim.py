@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from rally.agent.observe.gpu import MIB, DeviceReading
+from rally.rendezvous.long_wait import left_line
+from rally.rendezvous.waiting import WaitProgress
 
 RECLAIM_POLL_SECONDS = 0.1
 # Memory above the baseline that still counts as free: other processes on a shared GPU move it a little.
@@ -49,14 +51,18 @@ def wait_reclaimed(
     timeout: float,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    announce: Callable[[str], None] = lambda _line: None,
 ) -> tuple[list[str], float]:
-    """Read the GPUs until `still_occupied` is empty or `timeout` passes; (what is left, seconds waited)."""
+    """Read the GPUs until `still_occupied` is empty or `timeout` passes; (what is left, seconds waited).
+    Every few seconds meanwhile, `announce` hears what is still occupied and for how long at most."""
     started = clock()
+    progress = WaitProgress(announce)
     while True:
         problems = still_occupied(read(), pids, baseline)
         waited = clock() - started
         if not problems or waited >= timeout:
             return problems, waited
+        progress.tick(lambda: left_line(f"waiting for the last round's workers to leave the GPUs ({'; '.join(problems)})", timeout - waited))
         sleep(min(RECLAIM_POLL_SECONDS, max(timeout - waited, 0.0)))
 
 

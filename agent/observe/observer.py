@@ -104,7 +104,7 @@ class Observer:
         if self.gpu is None:
             return
         if self.worker_pids:
-            problems, waited = wait_reclaimed(self.read_gpus, self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout)
+            problems, waited = wait_reclaimed(self.read_gpus, self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout, announce=console.say)
             self.worker_pids = set()
             if problems:
                 console.warn(f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}")
