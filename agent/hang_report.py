@@ -30,8 +30,9 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from rally.agent.event_loop import Event
 from rally.agent.exit_codes import EXIT_INFRASTRUCTURE
@@ -105,7 +106,7 @@ class Snapshot:
     node: int = -1  # the agent's group rank
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Snapshot | None":
+    def from_dict(cls, data: dict) -> Snapshot | None:
         try:
             return cls(
                 int(data["rank"]), int(data["local_rank"]), str(data["host"]), int(data["pid"]), str(data["state"]),
@@ -159,10 +160,10 @@ class HangReporter:
         host: str,
         is_python: bool,
         stack_dump_wait: float,
-        loop: "EventLoop",
+        loop: EventLoop,
         store_call: Callable[..., Any],
         connect: Callable[[], Rendezvous],
-        group: Callable[[], "WorkerGroup | None"],
+        group: Callable[[], WorkerGroup | None],
         heartbeat_count: Callable[[int], int | None],
         emit: Callable[..., None],
         wait: float = HANG_REPORT_WAIT_SECONDS,
@@ -235,7 +236,7 @@ class HangReporter:
             for w in workers
         ]
 
-    def collect_stacks(self, workers: list["Worker"]) -> dict[int, list[str]]:
+    def collect_stacks(self, workers: list[Worker]) -> dict[int, list[str]]:
         """Ask each worker's faulthandler for all its threads' stacks, all at once; bounded wait."""
         if not self.is_python or not workers:
             return {}
@@ -263,7 +264,7 @@ class HangReporter:
         return {w.local_rank: w.output.stderr_since(marks[w.local_rank]) for w in asked}
 
     # ------------------------------------------------------------ the node that found the hang
-    def report(self, rdzv: Rendezvous, a: Assignment, hang: "Hang") -> RoundEnd:
+    def report(self, rdzv: Rendezvous, a: Assignment, hang: Hang) -> RoundEnd:
         """Snapshot every rank on every node, name the culprit, and describe it as the round's end."""
         group = self.group()
         assert group is not None
@@ -291,8 +292,8 @@ class HangReporter:
     def _describe(
         self,
         a: Assignment,
-        hang: "Hang",
-        found: "Worker",
+        hang: Hang,
+        found: Worker,
         snapshots: list[Snapshot],
         named: tuple[Snapshot, str] | None,
         missing: list[int],

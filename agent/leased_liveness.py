@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rally.agent.event_loop import Event
 from rally.rendezvous.protocol import Assignment, Rendezvous

@@ -19,8 +19,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Sequence
+from typing import IO
 
 import psutil
 
@@ -266,7 +267,7 @@ _STATES = {
 def process_state(pid: int) -> str:
     """The process's scheduler state in words ("stopped (SIGSTOP)", "sleeping", ...)."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one short read
+        stat = open(f"/proc/{pid}/stat").read()  # one short read
     except OSError:
         return "exited"
     letter = stat.rpartition(")")[2].split()[0]

@@ -48,11 +48,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rally.agent import linux
+from rally.agent.template_connection import (
+    Connection,
+    TemplateGone,
+    TemplateRefused,
+    TemplateStuck,
+    status_to_returncode,
+)
 from rally.agent.worker import template_wire
-from rally.agent.template_connection import Connection, TemplateGone, TemplateRefused, TemplateStuck, status_to_returncode
 from rally.agent.worker.template_server import why_fork_is_unsafe  # noqa: F401 - re-exported for callers
 
 # Variables that differ from worker to worker or round to round (see workers.worker_env);
@@ -219,7 +226,7 @@ class TemplateClient:
         self.plain_starts = 0
 
     @classmethod
-    def for_job(cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None] | None = None) -> "TemplateClient | None":
+    def for_job(cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None] | None = None) -> TemplateClient | None:
         """The template for this job, or None when workers start plainly (--no-preload, --no-python)."""
         preload = getattr(spec, "preload", None)
         if preload is None or not spec.is_python:
@@ -235,7 +242,7 @@ class TemplateClient:
         return cls(spec.python_exec, BOOTSTRAP, spec.command(), preload, shared_worker_env(spec, base_env), cwd, warn)
 
     @classmethod
-    def started_for_job(cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None]) -> "TemplateClient | None":
+    def started_for_job(cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None]) -> TemplateClient | None:
         """`for_job`, started at once so it preloads torch while the rendezvous runs; None (workers
         start plainly) when the job has none, or when it cannot start (said once, with `warn`)."""
         template = cls.for_job(spec, base_env, warn)

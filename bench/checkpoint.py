@@ -44,10 +44,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/checkpoint.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    __package__ = "bench"  # noqa: A001
+    __package__ = "bench"
 
-from bench import common  # noqa: E402
-from bench.common import REPO, RESULTS, Job  # noqa: E402
+from bench import common
+from bench.common import REPO, RESULTS, Job
 
 METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover")
 LABELS = {
@@ -119,7 +119,7 @@ def summarize(runs: list[dict]) -> dict:
     if not ok:
         return {"error": runs[-1].get("error", "no run") if runs else "not run"}
     def kept(r: dict) -> list[tuple[float, float | None]]:  # (stall, durable after) of the saves made, from the 3rd
-        return [(s, d) for i, (s, d) in enumerate(zip(r["stalls"], r["durable_after"]), 1) if i > 2 and i not in r.get("dropped", [])]
+        return [(s, d) for i, (s, d) in enumerate(zip(r["stalls"], r["durable_after"], strict=False), 1) if i > 2 and i not in r.get("dropped", [])]
 
     steady = [s for r in ok for s, _ in kept(r)]
     first = [s for r in ok for s in r["stalls"][:2]]

@@ -37,9 +37,9 @@ from bench.common import (
     launcher_order,
     read_float,
     run_dir,
+    short_command,
     wait_until,
 )
-from bench.common import short_command
 from bench.multiagent import helpers_comment, helpers_of
 
 NAME = "overhead"

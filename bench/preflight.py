@@ -21,7 +21,19 @@ import re
 import sys
 import time
 
-from bench.common import SHIM, WORKERS, Context, Figure, Job, bench_env, error_run, free_port, launcher_exe, read_float, run_dir
+from bench.common import (
+    SHIM,
+    WORKERS,
+    Context,
+    Figure,
+    Job,
+    bench_env,
+    error_run,
+    free_port,
+    launcher_exe,
+    read_float,
+    run_dir,
+)
 
 NAME = "preflight"
 TOOK = re.compile(r"rally: pre-flight of round 0 took (\d+\.\d+) s(?: \((\d+\.\d+) s of it waiting)?")

@@ -34,8 +34,9 @@ import pickle
 import pickletools
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from rally.agent.display import console
 from rally.launcher.cli import in_this_process, launch_and_run, run

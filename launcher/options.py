@@ -26,11 +26,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from rally.agent.spec import JobSpec
 from rally.agent.observe.learned_timeouts import LearningSettings
+from rally.agent.spec import JobSpec
 from rally.launcher import node_checks_options, validate, values
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import EndpointError, HostPort, backend_named
@@ -218,7 +219,7 @@ class Options:
         return parsed
 
     @classmethod
-    def of(cls, given: Mapping[str, Any], where: str = "rally.launch") -> "Options":
+    def of(cls, given: Mapping[str, Any], where: str = "rally.launch") -> Options:
         """Options from keyword arguments by name (dashes allowed); an unknown name is one line."""
         return cls(**by_name(given, where))
 

@@ -28,13 +28,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rally.agent.observe import run_info
 from rally.agent.display import console
+from rally.agent.display.worker_table import straggler_line, worker_table
+from rally.agent.observe import run_info
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf
-from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, backend_named, open_endpoint
+from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.protocol import job_prefix
-from rally.agent.display.worker_table import straggler_line, worker_table
 
 
 @click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
@@ -93,7 +93,7 @@ def status_command(
     return 0
 
 
-def _where(endpoint: str | None, backend: str, file_store: str | None, rdzv_conf: str):  # noqa: ANN202 - rendezvous.store.StoreEndpoint
+def _where(endpoint: str | None, backend: str, file_store: str | None, rdzv_conf: str):  # rendezvous.store.StoreEndpoint
     """Where the job's store is, from the registry's backend (a file store: its path)."""
     try:
         if file_store:
@@ -103,7 +103,7 @@ def _where(endpoint: str | None, backend: str, file_store: str | None, rdzv_conf
         raise click.UsageError(str(exc)) from None
 
 
-def read_status(where, run_id: str, timeout: float) -> dict | None:  # noqa: ANN001 - rendezvous.store.StoreEndpoint
+def read_status(where, run_id: str, timeout: float) -> dict | None:  # rendezvous.store.StoreEndpoint
     """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
     from rally.rendezvous.status import read_job_status
     from rally.rendezvous.token import Signer, TokenError, env_token

@@ -13,8 +13,9 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 class ConfigError(Exception):

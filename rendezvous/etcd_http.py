@@ -19,8 +19,8 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 
 class HttpError(Exception):

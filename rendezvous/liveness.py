@@ -39,7 +39,7 @@ class Rendezvous(Protocol):
     def wait_round_end(self, r: int) -> RoundEnd: ...
 
 
-def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tuple[int, float] | None:
+def silent_peer(rdzv: Rendezvous, r: int, group_rank: int, members: int) -> tuple[int, float] | None:
     """After a local failure: wait until every other member's keep-alive counter moves
     (they are alive: the failure is this node's own) or one stays still for
     `keep_alive_timeout` (that node is gone: the failure here is a consequence).
@@ -62,7 +62,7 @@ def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tu
     return None
 
 
-def wait_round_end_or_dead(rdzv: "Rendezvous", r: int, members: int, deadline: float) -> RoundEnd:
+def wait_round_end_or_dead(rdzv: Rendezvous, r: int, members: int, deadline: float) -> RoundEnd:
     """Wait for round r to end; end it ourselves when none of its members sends keep-alives
     any more (every node of the job died: a relaunch must form a new job, not wait forever).
     A progress line every few seconds; RendezvousError (one line) once `deadline` has passed."""

@@ -177,7 +177,7 @@ class Assignment(StoredRecord):
         if not self.master_host:
             raise _bad(key, self.WHAT, "master_host is empty")
 
-    def check_for(self, key: str, r: int, me: NodeInfo, max_nodes: int, members: int) -> "Assignment":
+    def check_for(self, key: str, r: int, me: NodeInfo, max_nodes: int, members: int) -> Assignment:
         """Checks against what this node knows: its id, the round, its own size, the round's record."""
         if self.node_id != me.node_id:
             raise _bad(key, self.WHAT, f"it was made for node {self.node_id[:80]!r}, not this node ({me.node_id})")
@@ -237,7 +237,7 @@ class RoundRecord(StoredRecord):
     attempt: int = 0  # which closer attempt wrote it: assignments live under assign/<attempt>/
     resume_step: int | None = None  # the newest step every member can load (membership.resume_step)
 
-    def check_members(self, key: str, max_nodes: int) -> "RoundRecord":
+    def check_members(self, key: str, max_nodes: int) -> RoundRecord:
         if not 1 <= self.members <= max_nodes:
             raise _bad(key, self.WHAT, f"members {self.members} is not in 1..{max_nodes}")
         return self
@@ -254,7 +254,7 @@ class SuccessRecord(StoredRecord):
     node_id: str
     group_rank: int
 
-    def check_for(self, key: str, group_rank: int) -> "SuccessRecord":
+    def check_for(self, key: str, group_rank: int) -> SuccessRecord:
         if self.group_rank != group_rank:
             raise _bad(key, self.WHAT, f"group_rank {self.group_rank} is not {group_rank}")
         return self

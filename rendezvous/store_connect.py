@@ -24,8 +24,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 # c10d's wire protocol (TCPStoreBackend.hpp): a query is one byte, VALIDATE carries a uint32.
 QUERY_VALIDATE, QUERY_GETNUMKEYS = 0, 7
@@ -83,7 +84,7 @@ def wait_for_store(
             if not chunk:
                 break
             answer += chunk
-    except socket.timeout:
+    except TimeoutError:
         raise NoStoreThere(
             f"{describe} accepted a connection but did not answer within {answer_timeout:g} s: the store is frozen "
             "(SIGSTOP, a stalled host), or what listens there is not a c10d store"
@@ -135,7 +136,7 @@ def bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
     def call() -> None:
         try:
             box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
         done.set()
 

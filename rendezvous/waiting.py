@@ -10,7 +10,8 @@ node to start, or that the job they joined is not theirs. The same line goes to 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.membership import RendezvousError, RendezvousSettings
@@ -31,7 +32,7 @@ class RendezvousView(Protocol):
     store: KeyValueStore
     me: NodeInfo
     last_round: int | None
-    waiting: "WaitProgress"
+    waiting: WaitProgress
 
     def on_status(self, line: str) -> None: ...
 

@@ -237,7 +237,7 @@ def test_every_rank_skips_damaged_newest_checkpoints_alike_and_so_does_the_agent
 
     warnings = [line for line in results[0][2].splitlines() if "is damaged" in line]
     assert len(warnings) == len(damaged), results[0][2]
-    for step, line in zip(sorted(damaged, reverse=True), warnings):
+    for step, line in zip(sorted(damaged, reverse=True), warnings, strict=True):
         assert f"step_{step:012d}.pt is damaged (" in line and line.endswith("trying an older one")
     assert "rally: resuming from step 2" in results[0][2]
     assert all("is damaged" not in err for _, _, err in results[1:]), "only local rank 0 warns"

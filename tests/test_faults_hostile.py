@@ -25,7 +25,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ProcessTracker, clean_env, describe_pids, eventually, procs, run_rally, survivors, wait_for, write_probe  # noqa: F401
+from helpers import (
+    ProcessTracker,
+    clean_env,
+    describe_pids,
+    eventually,
+    procs,  # noqa: F401 - a fixture
+    run_rally,
+    survivors,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
 from rally.agent.guard.job_cgroup import JobCgroup
 

@@ -20,9 +20,16 @@ import psutil
 import pytest
 
 from agents import c10d_args
-from helpers import ProcessTracker, clean_env, free_port, procs, survivors, wait_for, write_probe  # noqa: F401
+from helpers import (
+    ProcessTracker,
+    clean_env,
+    free_port,
+    procs,  # noqa: F401 - a fixture
+    survivors,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
-
 
 FAIL_WHILE_OTHER_IGNORES_SIGTERM = """
 import os, signal, sys, time
@@ -99,7 +106,7 @@ def test_sigterm_during_the_exit_barrier_gives_143_at_once(tmp_path: Path, procs
 def _blocks(pid: int, signum: int) -> bool:
     """Whether the process's main thread has `signum` blocked (launcher start-up, torch importing)."""
     try:
-        line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("SigBlk:"))
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigBlk:"))
     except (OSError, StopIteration):
         return False
     return bool(int(line.split()[1], 16) & (1 << (signum - 1)))

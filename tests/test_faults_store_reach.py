@@ -25,7 +25,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ProcessTracker, clean_env, free_port, procs, run_rally, start_rally, wait_for, write_probe  # noqa: F401
+from helpers import (
+    ProcessTracker,
+    clean_env,
+    free_port,
+    procs,  # noqa: F401 - a fixture
+    run_rally,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
 
 ONE_LINE_WORKER = "print('worker ran', flush=True)\n"

@@ -22,9 +22,9 @@ import pytest
 
 from helpers import run_rally
 from rally.agent.observe import gpu
-from rally.agent.worker import heartbeat_file, job
 from rally.agent.observe.gpu import DeviceReading
 from rally.agent.observe.stragglers import CentralValues, StepClock, StragglerWatch, job_step_times
+from rally.agent.worker import heartbeat_file, job
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024

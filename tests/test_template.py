@@ -29,28 +29,29 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
 
-from rally.agent import processes
-from rally.agent.spec import BOOTSTRAP
-from rally.agent.template import ForkedChild, TemplateClient, template_command
 from helpers import (
     REPO,
     clean_env,
     describe_pids,
     finish,
     is_alive,
-    procs,  # noqa: F401 - fixture
+    procs,  # noqa: F401 - a fixture
     run_rally,
     start_rally,
     survivors,
     wait_for,
     write_probe,
 )
+from rally.agent import processes
+from rally.agent.spec import BOOTSTRAP
+from rally.agent.template import ForkedChild, TemplateClient, template_command
 
 TORCH_CPU_DEFAULT_SEED = 67280421310721  # what a new torch.Generator() starts from
 
@@ -481,7 +482,7 @@ def test_rally_forks_every_round_from_one_template(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_no_preload_and_no_python_start_workers_as_children_of_rally(tmp_path: Path, procs) -> None:  # noqa: F811
+def test_no_preload_and_no_python_start_workers_as_children_of_rally(tmp_path: Path, procs) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
@@ -510,7 +511,7 @@ def wait_for_workers(out: Path, rally: subprocess.Popen, count: int, round_: int
 
 @pytest.mark.torch
 @pytest.mark.timeout(240)
-def test_a_dead_template_takes_its_workers_and_is_replaced(tmp_path: Path, procs) -> None:  # noqa: F811
+def test_a_dead_template_takes_its_workers_and_is_replaced(tmp_path: Path, procs) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
@@ -539,7 +540,7 @@ def test_a_dead_template_takes_its_workers_and_is_replaced(tmp_path: Path, procs
 
 
 @pytest.mark.timeout(180)
-def test_a_thread_in_the_template_means_plain_starts_with_one_warning(tmp_path: Path, procs) -> None:  # noqa: F811
+def test_a_thread_in_the_template_means_plain_starts_with_one_warning(tmp_path: Path, procs) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
@@ -582,7 +583,7 @@ def test_a_module_that_cannot_be_preloaded_is_reported_and_workers_still_fork(tm
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_of_rally_takes_the_template_and_its_workers(tmp_path: Path, procs) -> None:  # noqa: F811
+def test_sigkill_of_rally_takes_the_template_and_its_workers(tmp_path: Path, procs) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)

@@ -13,7 +13,7 @@ The agent calls `NodeChecks` at three moments, each one line in agent/agent.py:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.checks.quarantine import EXIT_QUARANTINED, Quarantine
 from rally.agent.display import console

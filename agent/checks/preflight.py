@@ -24,8 +24,9 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.display import console
 from rally.rendezvous.node_memory import save_preflight

@@ -9,7 +9,7 @@ Imports only rich: the agent and the launcher may both use it.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rich.table import Table
 

@@ -31,10 +31,10 @@ from typing import Any
 
 import psutil
 
-from rally.agent.worker import heartbeat_file
 from rally.agent.observe.gpu import DeviceReading, worker_usage
-from rally.agent.worker.heartbeat_file import HeartbeatRecord
 from rally.agent.spec import RESOURCE_INTERVAL_SECONDS
+from rally.agent.worker import heartbeat_file
+from rally.agent.worker.heartbeat_file import HeartbeatRecord
 
 MEMORY_SHORT_FRACTION = 0.10  # the host counts as short of memory below 10% available
 MIB = 1024 * 1024
@@ -57,7 +57,7 @@ class HealthSettings:
     learned: Any = None  # --heartbeat-timeout auto: the agent's LearnedTimeouts (agent/observe/learned_timeouts.py)
 
     @classmethod
-    def for_job(cls, spec: Any, say: Callable[[str], None], emit: Callable[..., None]) -> "HealthSettings":
+    def for_job(cls, spec: Any, say: Callable[[str], None], emit: Callable[..., None]) -> HealthSettings:
         """The job's timeouts (`spec`: agent.spec.JobSpec); learned ones print with `say`, record with `emit`."""
         from rally.agent.observe.learned_timeouts import LearnedTimeouts
 

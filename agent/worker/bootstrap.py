@@ -57,7 +57,7 @@ def install_preemption_handler() -> None:
     job.install_preemption_handler(signums)
 
 
-def _strip_own_frames(tb):  # noqa: ANN001, ANN202 - traceback objects
+def _strip_own_frames(tb):  # traceback objects
     """Drop leading frames that belong to this bootstrap or to runpy."""
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
@@ -122,7 +122,7 @@ def run(mode: str, target: str, args: list[str]) -> None:
         _report(exc)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)  # exit "killed by SIGINT", as python itself does
-    except BaseException as exc:  # noqa: BLE001 - reported exactly as the interpreter would
+    except BaseException as exc:  # reported exactly as the interpreter would
         _report(exc)
         sys.exit(1)
 

@@ -43,10 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rally.agent.worker import checkpoint_file, heartbeat_file
-from rally.agent.checkpoint import client as ckpt_client, dcp_files
-from rally.agent.worker.checkpoint_file import Checkpoint  # noqa: F401 - part of this module's API (load_latest returns it)
+from rally.agent.checkpoint import client as ckpt_client
+from rally.agent.checkpoint import dcp_files
 from rally.agent.checkpoint.client import CheckpointRefused  # noqa: F401 - part of this module's API
+from rally.agent.worker import checkpoint_file, heartbeat_file
+from rally.agent.worker.checkpoint_file import Checkpoint  # part of this module's API (load_latest returns it)
 
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"

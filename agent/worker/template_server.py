@@ -14,10 +14,12 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rally.agent import linux
 from rally.agent.worker import template_wire
+
 
 def _thread_count() -> int:
     try:
@@ -135,7 +137,7 @@ class _Template:
                 try:
                     importlib.import_module(name)
                     preloaded.append(name)
-                except BaseException as exc:  # noqa: BLE001 - reported to the agent, not fatal
+                except BaseException as exc:  # reported to the agent, not fatal
                     failed[name] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         finally:
             sys.path[0] = saved
@@ -216,7 +218,7 @@ class _Template:
         if pid == 0:
             try:
                 self._become_worker(request, fds)
-            except BaseException as exc:  # noqa: BLE001 - the child must never return to the loop
+            except BaseException as exc:  # the child must never return to the loop
                 try:
                     os.write(2, f"rally: the worker template could not start this worker: {exc!r}\n".encode())
                 finally:
@@ -340,7 +342,7 @@ def _reopen_stdio(unbuffered: bool) -> None:
         except OSError:
             return None
         buffering = 0 if unbuffered and write else -1
-        buf = io.open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
+        buf = open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
         raw = buf if buffering == 0 else buf.raw
         raw.name = name
         stream = io.TextIOWrapper(
