@@ -143,10 +143,11 @@ def name_culprit(snapshots: list[Snapshot], found_hung: Snapshot | None) -> tupl
             f"it is outside the collective that rank{'s' if len(waiting) > 1 else ''} {ranks} "
             f"wait{'' if len(waiting) > 1 else 's'} in ({top_frame(waiting[0].stack)}); it is in {top_frame(culprit.stack)}"
         )
-    beating = [s for s in ordered if s.beats is not None]
-    if len(beating) > 1 and min(s.beats for s in beating) < max(s.beats for s in beating):  # type: ignore[type-var]
-        culprit = min(beating, key=lambda s: (s.beats, s.rank))
-        return culprit, f"it made the least progress ({culprit.beats} heartbeats; the others up to {max(s.beats for s in beating)})"  # type: ignore[type-var]
+    beating = [(s.beats, s) for s in ordered if s.beats is not None]
+    most = max((beats for beats, _ in beating), default=0)
+    if len(beating) > 1 and min(beats for beats, _ in beating) < most:
+        beats, culprit = min(beating, key=lambda pair: (pair[0], pair[1].rank))
+        return culprit, f"it made the least progress ({beats} heartbeats; the others up to {most})"
     if found_hung is not None:
         return found_hung, ""
     return ordered[0], ""

@@ -235,7 +235,7 @@ def kill_descendants(keep: frozenset[int] | set[int], deadline: float | None = N
 def reap_zombies(keep: frozenset[int] | set[int]) -> list[int]:
     """Reap the exited orphans re-parented to this agent (never a pid in `keep`: workers are
     reaped by their own handles, which need the exit status)."""
-    reaped = []
+    reaped: list[int] = []
     try:
         children = psutil.Process().children()
     except psutil.Error:

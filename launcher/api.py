@@ -141,7 +141,7 @@ def _main_preparation(data: bytes) -> dict[str, Any] | None | bool:
     if not refers:
         return None
     prepared = multiprocessing.spawn.get_preparation_data("rally-launch")
-    wanted = {k: prepared[k] for k in ("sys_argv", "init_main_from_name", "init_main_from_path") if k in prepared}
+    wanted: dict[str, Any] = {k: prepared[k] for k in ("sys_argv", "init_main_from_name", "init_main_from_path") if k in prepared}
     from_name = str(wanted.get("init_main_from_name", ""))
     if "init_main_from_path" not in wanted and (not from_name or from_name.split(".")[-1] == "__main__"):
         return False

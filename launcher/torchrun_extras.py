@@ -84,7 +84,7 @@ def extras(o: Any, nproc: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
     """JobSpec fields and notes for the newer torchrun flags (`o`: launcher.options.Options)."""
     check_virtual_local_rank(bool(o.virtual_local_rank), nproc)
     notes = [n for n in (logs_specs_note(o.logs_specs), event_log_note(o.event_log_handler), numa_note(o.numa_binding, gpus)) if n]
-    fields = {
+    fields: dict[str, Any] = {
         "virtual_local_rank": bool(o.virtual_local_rank),
         "numa_binding": o.numa_binding if gpus else None,
         "logs_specs": o.logs_specs or None,

@@ -171,7 +171,7 @@ def _open_tcp(endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_t
 
 
 # ------------------------------------------------------------------ the backends
-class C10dBackend:
+class C10dBackend(Backend):
     """torchrun's elastic default: a TCPStore that the endpoint's host serves (or `rally store`)."""
 
     name = "c10d"
@@ -227,7 +227,7 @@ class StaticBackend(C10dBackend):
         return StoreEndpoint(host, port, host_here=False, backend=self.name)
 
 
-class FileBackend:
+class FileBackend(Backend):
     """A FileStore on a shared file system: c10d's rounds without a store host."""
 
     name = "file"
@@ -257,7 +257,7 @@ class FileBackend:
     lost_line = staticmethod(_lost_tcp_store)
 
 
-class EtcdBackend:
+class EtcdBackend(Backend):
     """torchrun's etcd backends, both over the etcd v3 API (rendezvous/etcd_store.py)."""
 
     name = "etcd"

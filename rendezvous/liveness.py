@@ -17,12 +17,12 @@ from typing import Protocol
 
 from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousSettings
 from rally.rendezvous.records import EndKind, RoundEnd
-from rally.rendezvous.waiting import spare_progress
+from rally.rendezvous.waiting import RendezvousView, spare_progress
 
 
-class Rendezvous(Protocol):
-    """What these judgements need of `protocol.Rendezvous` (declared here, so that the
-    protocol, which calls into this module, is not imported back)."""
+class Rendezvous(RendezvousView, Protocol):
+    """What these judgements need of `protocol.Rendezvous`, besides what the waiting lines need
+    (declared here, so that the protocol, which calls into this module, is not imported back)."""
 
     settings: RendezvousSettings
 

@@ -36,7 +36,8 @@ class EndKind(str, Enum):
     def __str__(self) -> str:  # messages and JSON show the stored value, never `EndKind.X`
         return self.value
 
-    __format__ = str.__format__
+    def __format__(self, spec: str) -> str:  # f"{kind}" and format specs apply to the value, as str's own
+        return format(self.value, spec)
 
 
 # Failures spend the restart budget; membership changes do not; final kinds end the job.

@@ -27,6 +27,7 @@ from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
     from torch.distributed import Store as TorchStore
+    from torch.distributed import TCPStore
 
 
 # The key a `rally store` process writes, so an agent on the same host can tell it from a stranger.
@@ -142,7 +143,7 @@ class Store(KeyValueStore):
 
     def append(self, name: str, value: str) -> None:
         """Append to a list key (unsigned: only `rally status` reads it, and checks each record)."""
-        self._call(self.raw.append, self.key(name), value)
+        self._call(self.raw.append, self.key(name), value)  # type: ignore[attr-defined]  # torch's stub lacks it
 
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
         """Set `name` only if nobody has; return (won, the value that stands, checked)."""
@@ -160,7 +161,8 @@ class Store(KeyValueStore):
         return [self._open(n, value) for n, value in zip(names, raw, strict=True)]
 
     def multi_set(self, items: dict[str, str]) -> None:
-        self._call(self.raw.multi_set, [self.key(k) for k in items], [self._seal(k, v) for k, v in items.items()])
+        multi_set = self.raw.multi_set  # type: ignore[attr-defined]  # torch's stub lacks it
+        self._call(multi_set, [self.key(k) for k in items], [self._seal(k, v) for k, v in items.items()])
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
@@ -189,7 +191,7 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def host_tcp_store(port: int, timeout: float, bind: str | None = None, *, loopback_only: bool = False) -> TorchStore:
+def host_tcp_store(port: int, timeout: float, bind: str | None = None, *, loopback_only: bool = False) -> TCPStore:
     """Start a TCPStore server in this process on `port` (0 = a free port from the OS).
 
     torch's server listens on every interface and has no bind address; with `bind` (an IP
@@ -234,7 +236,7 @@ def listen_address(host: str) -> str | None:
     127.0.1.1 here while other nodes reach this one by its interface address."""
     if host == "localhost":  # the address a client tries first
         try:
-            host = socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0]
+            host = str(socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0])
         except (OSError, IndexError):
             return "127.0.0.1"
     try:
@@ -334,7 +336,7 @@ def open_tcp_store(
     op_timeout: float,
     signer: Signer | None = None,
     progress: Callable[[str], None] | None = None,
-) -> tuple[Store, TorchStore | None]:
+) -> tuple[Store, TCPStore | None]:
     """Open a TCPStore; return the client and, when hosted here, the server object (its
     `port` is the bound one; `endpoint` is left as it was).
 
@@ -416,13 +418,13 @@ def is_local_host(host: str) -> bool:
     if host in names:
         return True
     try:
-        target = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        target = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except OSError:
         return False
     mine: set[str] = set()
     for name in names:
         try:
-            mine |= {info[4][0] for info in socket.getaddrinfo(name, None)}
+            mine |= {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
         except OSError:
             pass
     try:

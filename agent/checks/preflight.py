@@ -42,7 +42,7 @@ VERDICT_WAIT_SECONDS = 30.0
 LINK_SLOW_FLOOR_SECONDS = 0.02
 
 
-def judge(results: dict[int, dict], factor: float, min_nodes: int) -> dict[str, Any]:
+def judge(results: dict[int, dict | None], factor: float, min_nodes: int) -> dict[str, Any]:
     """The verdict on a round's probe results (by group rank; None: no result): who is bad, who is left out."""
     ok = {g: r for g, r in results.items() if r and not r.get("error") and r.get("compute")}
     compute = statistics.median(r["compute"] for r in ok.values()) if ok else None
@@ -187,10 +187,10 @@ class Preflight:
         except (OSError, ValueError):
             return {"error": f"the probe exited with {code} and wrote no result (see {self.run_dir}/preflight_{a.round}.log)"}
 
-    def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict]:
+    def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict | None]:
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
         rdzv.store.try_wait(names, wait)
-        found: dict[int, dict] = {}
+        found: dict[int, dict | None] = {}
         for g, name in enumerate(names):
             try:
                 value = json.loads(rdzv.store.get(name)) if rdzv.store.check(name) else None
@@ -232,7 +232,7 @@ class Preflight:
             elif node.get("group_rank") in kept:
                 console.warn(f"pre-flight: node {node.get('host')}: {node.get('bad')}; kept: {verdict.get('summary')}; going on with it ({node.get('numbers')})")
         self.events.emit("preflight", round=a.round, seconds=round(seconds, 3), template_wait=round(self.template_wait, 3), nodes=verdict["nodes"], left_out=sorted(left_out), kept_bad=sorted(kept))
-        me = next((n for n in verdict["nodes"] if n.get("group_rank") == a.group_rank), {})
+        me: dict[str, Any] = next((n for n in verdict["nodes"] if n.get("group_rank") == a.group_rank), {})
         self.last = {"round": a.round, "seconds": seconds, "compute": mine.get("compute"), "link": mine.get("link"),
                      "allreduce": mine.get("allreduce"), "bad": me.get("bad", ""), "left_out": [n["host"] for n in verdict["nodes"] if n.get("group_rank") in left_out]}  # fmt: skip
         if not left_out:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
@@ -114,7 +114,7 @@ def _is_exiting(pid: int) -> bool:
     return bool(flags & PF_EXITING)
 
 
-def _memory_cgroup_counter(pid: int) -> Path | None | bool:
+def _memory_cgroup_counter(pid: int) -> Path | None | Literal[False]:
     """The file that counts OOM kills in the memory cgroup of `pid` (cgroup v2 or v1).
 
     Returns False when the answer cannot be trusted: once a process has begun to exit (the

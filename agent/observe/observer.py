@@ -104,7 +104,7 @@ class Observer:
         if self.gpu is None:
             return
         if self.worker_pids:
-            problems, waited = wait_reclaimed(self.read_gpus, self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout)
+            problems, waited = wait_reclaimed(lambda: self.read_gpus() or [], self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout)
             self.worker_pids = set()
             if problems:
                 console.warn(f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}")
@@ -181,6 +181,7 @@ class Observer:
             save_timeouts(rdzv.store, self.timeouts.to_json())
         if assignment.group_world_size <= 1:
             return
+        summary: CentralValues | None
         if assignment.group_rank == 0:
             from rally.rendezvous.status import read_job_status
 
@@ -189,7 +190,7 @@ class Observer:
             except (ValueError, TypeError, KeyError, AttributeError):
                 return  # a record that is not JSON (store contents are not trusted): skip this time
             times = job_step_times(status["nodes"] if status else [], assignment.round)
-            summary: CentralValues | None = CentralValues.of(times)
+            summary = CentralValues.of(times)
             rdzv.publish_step_times(assignment.round, summary.to_json())
         elif (published := rdzv.step_times(assignment.round)) is not None:
             summary = CentralValues.from_json(published)

@@ -30,6 +30,7 @@ import runpy
 import signal
 import sys
 import zipfile
+from collections.abc import Callable
 
 
 def _bind_cpus() -> None:
@@ -103,6 +104,7 @@ def run(mode: str, target: str, args: list[str]) -> None:
     _bind_cpus()
     install_stack_dump()
     install_preemption_handler()
+    runner: Callable[[], object]  # runs the program; what it returns is dropped
     if mode == "module":
         sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file
         sys.path[0] = os.getcwd()
