@@ -112,7 +112,7 @@ class Snapshot:
                 int(data["rank"]), int(data["local_rank"]), str(data["host"]), int(data["pid"]), str(data["state"]),
                 [str(line) for line in data.get("stack") or []], None if data.get("beats") is None else int(data["beats"]),
                 int(data.get("node", -1)),
-            )  # fmt: skip
+            )
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -141,7 +141,7 @@ def name_culprit(snapshots: list[Snapshot], found_hung: Snapshot | None) -> tupl
         ranks = ", ".join(str(s.rank) for s in waiting)
         return culprit, (
             f"it is outside the collective that rank{'s' if len(waiting) > 1 else ''} {ranks} "
-            f"wait{'' if len(waiting) > 1 else 's'} in ({top_frame(waiting[0].stack)}); it is in {top_frame(culprit.stack)}"
+            f"wait{'' if len(waiting) > 1 else 's'} in ({top_frame(waiting[0].stack)}); it is in " f"{top_frame(culprit.stack)}"
         )
     beating = [(s.beats, s) for s in ordered if s.beats is not None]
     most = max((beats for beats, _ in beating), default=0)
@@ -233,7 +233,7 @@ class HangReporter:
             Snapshot(
                 w.global_rank, w.local_rank, self.host, w.pid, states[w.local_rank],
                 stacks.get(w.local_rank, []), self.heartbeat_count(w.local_rank), a.group_rank,
-            )  # fmt: skip
+            )
             for w in workers
         ]
 

@@ -306,7 +306,7 @@ class TemplateClient:
         )
         if different:
             self._warn_once(
-                "env", f"starting workers plainly: their environment differs from the worker template's in {', '.join(different)}"
+                "env", "starting workers plainly: their environment differs from the worker template's in " f"{', '.join(different)}"
             )
             self.plain_starts += 1
             return processes.spawn(argv, env, cwd, stdout, stderr)

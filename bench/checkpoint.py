@@ -147,7 +147,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves | saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | left in /dev/shm after the job |",
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves " "| saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | " "left in /dev/shm after the job |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
@@ -158,7 +158,7 @@ def table(summary: dict[str, dict], mb: int) -> str:
             f"| {LABELS[method]} | {s['stall']:.3f} s ({s['stall_range'][0]:.3f}–{s['stall_range'][1]:.3f}) | "
             f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | {s['dropped']} | "
             f"{'—' if s['durable'] is None else format(s['durable'], '.2f') + ' s'} | "
-            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | {s['reload_ratio']:.2f}× | {s['source']} | {format(s['shm_left'], '.0f') + ' MB' if s['shm_left'] else 'nothing'} |"
+            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | " f"{s['reload_ratio']:.2f}× | {s['source']} | " f"{format(s['shm_left'], '.0f') + ' MB' if s['shm_left'] else 'nothing'} |"
         )
     return "\n".join(lines)
 

@@ -163,12 +163,13 @@ def markdown(figures: list[Figure], meta: dict) -> str:
         f"## rally vs torchrun — {meta['mode']} run, {meta['date']}",
         "",
         f"Machine: {meta['cpus']} CPUs, Python {meta['python']}, torch {meta['torch']}; rally at "
-        f"`{meta['rally_commit'][:10]}`{' (with uncommitted changes in ' + ', '.join(meta['rally_dirty']) + ')' if meta['rally_dirty'] else ''}. "
+        f"`{meta['rally_commit'][:10]}`"
+        f"{' (with uncommitted changes in ' + ', '.join(meta['rally_dirty']) + ')' if meta['rally_dirty'] else ''}. "
         + (f"**The rally tree changed during the run** (at the end: `{meta['rally_commit_end'][:10]}`"
            f"{', uncommitted changes in ' + ', '.join(meta['rally_dirty_end']) if meta['rally_dirty_end'] else ''}). "
            if meta.get("rally_changed_during_run") else "")
         + f"Command: `{meta['command']}` ({meta['duration_s'] / 60:.1f} min). Load average at start: "
-        f"{', '.join(f'{x:.1f}' for x in meta['loadavg_start'])}; at end: {', '.join(f'{x:.1f}' for x in meta['loadavg_end'])}"
+        f"{', '.join(f'{x:.1f}' for x in meta['loadavg_start'])}; at end: " f"{', '.join(f'{x:.1f}' for x in meta['loadavg_end'])}"
         + (f"; CPU busy just before a run (median over runs): {meta['cpu_busy_before_runs_median']:.0f} %."
            if meta.get("cpu_busy_before_runs_median") is not None else "."),
         "",

@@ -9,9 +9,10 @@ notebooks, test harnesses):
 
 Its options are the fields of `launcher.options.Options` by name, the same as the command's
 flags (an unknown name is one error line with the nearest valid one); PET_*/RALLY_* variables
-and then SLURM fill in what they leave open, as for the command. The callable and its arguments are pickled into a file in a
-fresh run directory; every worker runs `python -m rally.launcher.callable_worker`, which loads
-them, calls the function and pickles its return value to `<run dir>/results/rank_<RANK>.pkl`.
+and then SLURM fill in what they leave open, as for the command. The callable and its arguments
+are pickled into a file in a fresh run directory; every worker runs
+`python -m rally.launcher.callable_worker`, which loads them, calls the function and pickles its
+return value to `<run dir>/results/rank_<RANK>.pkl`.
 The job runs in this process with every behaviour of the command: restarts, hang detection,
 the root cause, which a failed job's `LaunchError` names (from the agent, as a value). `fn` is
 pickled by reference, so it must be importable by the workers (a module-level function of an

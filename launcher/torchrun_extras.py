@@ -60,7 +60,7 @@ def logs_specs_note(name: str | None) -> str | None:
 
     found = entry_points(group="torchrun.logs_specs").select(name=name)
     if not found:
-        raise ExtrasError(f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install the package that provides it, or drop the flag")
+        raise ExtrasError(f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install " "the package that provides it, or drop the flag")
     return None  # applied every attempt: agent/logs_specs.py
 
 

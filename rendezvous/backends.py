@@ -139,7 +139,7 @@ def parse_etcd_endpoints(text: str) -> tuple[tuple[Member, ...], str | None]:
         members.append(Member(host, port))
     if not members:
         raise EndpointError(
-            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client endpoints (default port 2379)"
+            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client " "endpoints (default port 2379)"
         )
     if len(schemes) > 1:
         raise EndpointError(f"--rdzv-endpoint {text}: mixes http:// and https:// endpoints; a cluster's members all speak one")
@@ -184,7 +184,10 @@ class C10dBackend(Backend):
         endpoint = request.endpoint
         if not endpoint:
             if request.max_nodes > 1:
-                raise EndpointError("--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use --rdzv-backend static)")
+                raise EndpointError(
+                    "--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use "
+                    "--rdzv-backend static)"
+                )
             endpoint = HostPort("localhost", 0)
         host, port = _host_port(endpoint, DEFAULT_C10D_PORT)
         resolvable(host, "--rdzv-endpoint")
@@ -247,7 +250,7 @@ class FileBackend(Backend):
         text = str(endpoint)
         parent = Path(text).parent
         if not parent.is_dir():
-            raise EndpointError(f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a shared file system")
+            raise EndpointError(f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a " "shared file system")
         return StoreEndpoint("", 0, host_here=False, file_path=text, backend=self.name)
 
     def open(self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer) -> OpenedStore:

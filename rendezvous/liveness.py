@@ -79,6 +79,6 @@ def wait_round_end_or_dead(rdzv: Rendezvous, r: int, members: int, deadline: flo
         elif time.monotonic() - last_change > timeout:
             rdzv.count_lost(r, members)
             silent = time.monotonic() - last_change
-            detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a new round"
+            detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a " "new round"
             return rdzv.end_round(r, RoundEnd(EndKind.NODE_LOST, detail, "", {"group_rank": 0}))
     return rdzv.wait_round_end(r)

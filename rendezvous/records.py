@@ -120,7 +120,7 @@ class NodeInfo(StoredRecord):
 
     WHAT = "node descriptor"
     KINDS = {"node_id": "str", "host": "str", "addr": "str", "nproc": "int", "prev_rank": "int?", "preferred_rank": "int?", "checkpoint_step": "int?",
-             "memory_steps": "str", "durable_step": "int?"}  # fmt: skip
+             "memory_steps": "str", "durable_step": "int?"}
 
     node_id: str
     host: str
@@ -153,7 +153,7 @@ class Assignment(StoredRecord):
         "round": "int", "group_rank": "int", "group_world_size": "int", "rank_offset": "int", "world_size": "int",
         "restart_count": "int", "membership_changes": "int", "watch_rank": "int?", "watch_host": "str",
         "master_host": "str", "stalled_restarts": "int", "checkpoint_step": "int?", "node_id": "str", "resume_step": "int?",
-    }  # fmt: skip
+    }
 
     round: int
     group_rank: int

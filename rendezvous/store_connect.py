@@ -109,7 +109,7 @@ def _connect(host: str, port: int, describe: str, connect_timeout: float, progre
         except OSError as exc:
             why = _reason(exc)
         if time.monotonic() >= deadline:
-            raise NoStoreThere(f"could not reach {describe} within {connect_timeout:g} s ({why}); check --rdzv-endpoint and that the store's host is up")
+            raise NoStoreThere(f"could not reach {describe} within {connect_timeout:g} s ({why}); check --rdzv-endpoint and " "that the store's host is up")
         if progress is not None and time.monotonic() >= next_line:
             until = time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - time.monotonic()))
             progress(f"waiting for {describe} ({why}); giving up at {until}, in {deadline - time.monotonic():.0f} s")

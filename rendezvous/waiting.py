@@ -76,9 +76,9 @@ def forming_text(count: int, min_nodes: int, max_nodes: int, hosts: list[str], j
     """`waiting for 1 more node: 1 of 2 joined (node0); join_timeout in 583 s`."""
     joined = hosts_text(hosts, count)
     if count < min_nodes:
-        return f"waiting for {plural(min_nodes - count, 'more node')}: {count} of {min_nodes} joined{joined}; join_timeout in {join_left:.0f} s"
+        return f"waiting for {plural(min_nodes - count, 'more node')}: {count} of {min_nodes} joined{joined}; " f"join_timeout in {join_left:.0f} s"
     closes = f"closes in {last_call_left:.0f} s (last call)" if last_call_left is not None else "closes when the expected nodes are in"
-    return f"waiting for more nodes: {count} of at most {max_nodes} joined{joined}; the round {closes}; join_timeout in {join_left:.0f} s"
+    return f"waiting for more nodes: {count} of at most {max_nodes} joined{joined}; the round {closes}; join_timeout " f"in {join_left:.0f} s"
 
 
 def spare_line(r: int, members: int, max_nodes: int, join_left: float) -> str:

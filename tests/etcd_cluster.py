@@ -85,7 +85,7 @@ class EtcdCluster:
                 "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn",
             ],
             stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        )
         handle.close()
 
     def kill(self, member: EtcdMember) -> None:

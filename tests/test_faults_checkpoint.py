@@ -263,7 +263,7 @@ def test_a_crash_loop_over_a_damaged_newest_checkpoint_is_detected_at_the_step_r
     result = run_rally(
         ["--standalone", "--max-restarts", "10", "--crash-loop-limit", "2", "--checkpoint-dir", str(ckpt_dir), "train.py"],
         cwd=tmp_path, timeout=150,
-    )  # fmt: skip
+    )
     assert result.returncode == 1, result.describe()
     out = result.stdout + result.stderr
     assert "crash loop: 2 restarts in a row made no progress (the newest checkpoint is still step 2)" in out, result.describe()

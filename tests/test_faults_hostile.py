@@ -192,7 +192,7 @@ def test_sigkill_of_the_agents_process_group_leaves_no_descendant(tmp_path: Path
     killed = time.monotonic()
     left = survivors(pids, 5)
     assert not left, f"alive 5 s after SIGKILL of the agent's group ({cgroup}): {describe_pids(left)}"
-    print(f"MEASURED SIGKILL of the agent's process group ({cgroup}): every descendant gone in {time.monotonic() - killed:.2f} s")
+    print(f"MEASURED SIGKILL of the agent's process group ({cgroup}): every descendant gone in " f"{time.monotonic() - killed:.2f} s")
 
 
 @pytest.mark.timeout(120)

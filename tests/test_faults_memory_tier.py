@@ -43,7 +43,7 @@ def train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None, 
     args = [
         "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp / f"{name}-logs"),
         "--checkpoint-dir", str(tmp / f"{name}-ckpt"), str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY), *extra,
-    ]  # fmt: skip
+    ]
     return run_rally(args, cwd=tmp, env=env or clean_env(), timeout=timeout)
 
 
@@ -95,7 +95,7 @@ def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) ->
     args = [
         "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"),
         str(TRAIN), "--steps", "100000", "--checkpoint-every", "5", "--step-time", "0.02",
-    ]  # fmt: skip
+    ]
     proc = start_rally(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.track_group(proc.pid)
     try:

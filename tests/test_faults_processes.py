@@ -227,7 +227,7 @@ def test_no_descendant_survives_a_round_end_or_the_exit(tmp_path: Path, procs: P
     rally = LiveRally(
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "2", "spawner.py", "fail-first"],
         tmp_path, clean_env(PROBE_OUT=str(out)), procs,
-    )  # fmt: skip
+    )
     wait_for(lambda: len(list(out.glob("worker_1_*"))) == 2, 60, what="the second round's workers")
     round0 = [pid for kind in ("child", "session", "daemon", "worker") for pid in read_pids(out, f"{kind}_0_*")]
     procs.track(*round0)

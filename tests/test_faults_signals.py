@@ -52,7 +52,7 @@ def test_a_signal_during_the_restart_grace_ends_rally_at_once(
     rally = LiveRally(
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout", "30", "--log-dir", str(logs), "probe.py"],
         tmp_path, clean_env(), procs,
-    )  # fmt: skip
+    )
 
     def failed() -> bool:
         return any('"returncode": 3' in p.read_text() for p in logs.glob("*/events.jsonl"))
@@ -143,7 +143,7 @@ def test_crash_loop_stop_exits_within_2_s(tmp_path: Path, procs: ProcessTracker)
     rally = LiveRally(
         ["--standalone", "--max-restarts", "10", "--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-loop-limit", "1", "loop.py"],
         tmp_path, clean_env(), procs,
-    )  # fmt: skip
+    )
     said = rally.wait_line("crash loop:", 90)
     code, ended = rally.wait_exit(30)
     assert code == 4, rally.text()[-3000:]

@@ -70,7 +70,7 @@ def test_an_agent_started_against_a_frozen_store_stops_within_read_timeout(tmp_p
     assert "did not answer within 3 s" in result.stderr, result.describe()
     assert "Traceback" not in result.stderr and "worker ran" not in result.stdout, result.describe()
     assert result.elapsed < 3 + 30, result.describe()  # read_timeout, plus start-up on a loaded machine
-    print(f"MEASURED agent against a store frozen before it connects (read_timeout 3 s): exit after {result.elapsed:.1f} s")
+    print("MEASURED agent against a store frozen before it connects (read_timeout 3 s): exit after " f"{result.elapsed:.1f} s")
 
 
 @pytest.mark.timeout(120)

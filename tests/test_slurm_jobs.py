@@ -323,7 +323,7 @@ def test_elastic_requeue_template_checkpoints_requeues_and_resumes_bit_identical
     reference = start_rally(
         ["--standalone", "--nproc-per-node", "2", str(TRAIN), *train_args, "--checkpoint-dir", str(tmp_path / "reference")],
         cwd=REPO, env=job_env(jobs.cluster), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    )
     try:
         ckpt = tmp_path / "ckpt"
         jid = jobs.sbatch(

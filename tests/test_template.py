@@ -101,7 +101,8 @@ record = {
     "fds": fds, "stdio": [stream(sys.stdin), stream(sys.stdout), stream(sys.stderr)],
     "dunder_stdio": [sys.stdin is sys.__stdin__, sys.stdout is sys.__stdout__, sys.stderr is sys.__stderr__],
     "pgid_is_pid": os.getpgid(0) == os.getpid(), "sid_is_pid": os.getsid(0) == os.getpid(),
-    "handlers": {signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(int(s)): handler_name(signal.getsignal(s))
+    "handlers": {signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(int(s)):
+                 handler_name(signal.getsignal(s))
                  for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)},
     "wakeup_fd": signal.set_wakeup_fd(-1),
     "SigBlk": status("SigBlk"), "SigIgn": status("SigIgn"), "SigCgt": status("SigCgt"),
@@ -256,7 +257,8 @@ EXITS = {
     "clean": "print('fine')",
     "exit_3": "import sys\nprint('leaving', file=sys.stderr)\nsys.exit(3)",
     "exit_message": "import sys\nsys.exit('bad configuration')",
-    "exception": "def load(name):\n    raise KeyError(f'{name} is missing')\n\ndef main():\n    load('shard-7')\n\nmain()",
+    "exception": "def load(name):\n    raise KeyError(f'{name} is missing')\n\n"
+    "def main():\n    load('shard-7')\n\nmain()",
     "chained": "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    raise RuntimeError('wrapped') from e",
     "keyboard_interrupt": "raise KeyboardInterrupt",
     "sigkill": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
@@ -433,8 +435,8 @@ def test_cuda_or_threads_in_the_template_make_forking_unsafe() -> None:
 ROUND_PROBE = """
 import json, os, sys, time
 out, rank, count = os.environ["PROBE_OUT"], os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
-record = {"pid": os.getpid(), "ppid": os.getppid(), "cmdline": open("/proc/self/cmdline", "rb").read().split(b"\\0")[:-1]}
-record["cmdline"] = [a.decode() for a in record["cmdline"]]
+cmdline = open("/proc/self/cmdline", "rb").read().split(b"\\0")[:-1]
+record = {"pid": os.getpid(), "ppid": os.getppid(), "cmdline": [a.decode() for a in cmdline]}
 with open(os.path.join(out, f"round{count}_rank{rank}.json"), "w") as f:
     json.dump(record, f)
 fail_until = int(os.environ.get("PROBE_FAIL_UNTIL", "0"))

@@ -153,7 +153,8 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
 # Long waits with no progress line yet (each also in WAITS, with its bound). Give one its line,
 # then name it in WAITS' `says` and drop it here; the last test says when.
 KNOWN_SILENT: dict[tuple[str, str, str], str] = {
-    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): "the pre-flight probe child, up to PROBE_TIMEOUT_SECONDS + 10 (30 s; about 1.5 s when healthy); its line comes after",
+    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): "the pre-flight probe child, up to "
+    "PROBE_TIMEOUT_SECONDS + 10 (30 s; about 1.5 s when healthy); its line comes after",
     ("agent/agent.py", "Agent._exit_barrier", "rdzv.wait_all_acknowledged"): "the store's host waits up to 30 s for the others to read the end",
     ("rendezvous/etcd_store.py", "EtcdStore.get", "self.wait"): "a key not yet written, up to read_timeout",
     ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.wait"): "keys not yet written, up to read_timeout",

@@ -38,7 +38,7 @@ class NodeChecks:
             self.preflight = Preflight(
                 spec, agent.host, agent.events, agent.report, agent.store_call, lambda: agent.template, agent.base_env, agent.logs.run_dir,
                 lambda: "nccl" if agent.observer.gpu is not None else "gloo",  # the backend the job's workers would use
-            )  # fmt: skip
+            )
 
     def at_join(self, store: Any) -> str | None:
         line = self.store_call(lambda: self.quarantine.at_join(store))

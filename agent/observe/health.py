@@ -348,7 +348,7 @@ class HealthMonitor:
         short = min(available, self.host_available or available) < MEMORY_SHORT_FRACTION * self.host_total
         if short:
             return (
-                f"likely killed by the out-of-memory killer: the host had {min(available, self.host_available) / MIB:.0f} MiB "
+                "likely killed by the out-of-memory killer: the host had " f"{min(available, self.host_available) / MIB:.0f} MiB "
                 f"available of {self.host_total / MIB:.0f} MiB; {rss}"
             )
         return None

@@ -26,7 +26,8 @@ class Observer:
     """Stragglers, /metrics and GPU health for one agent."""
 
     def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str], timeouts: Any = None):
-        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py), kept in the store."""
+        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py),
+        kept in the store."""
         self.spec = spec
         self.timeouts = timeouts
         self.node_checks: Any = None  # quarantine and pre-flight (agent/checks/node_checks.py): the status record's "preflight"
@@ -143,7 +144,7 @@ class Observer:
             self.events.emit(
                 "straggler", round=assignment.round, rank=s.rank, node=self.host, node_rank=assignment.group_rank,
                 step_time=round(s.step_time, 6), median=round(s.median, 6), ratio=round(s.ratio, 3), scope=s.scope, factor=factor,
-            )  # fmt: skip
+            )
         for rank in cleared:
             console.say(f"rank {rank} on {self.host} is no longer a straggler")
             self.events.emit("straggler_cleared", round=assignment.round, rank=rank, node=self.host)
