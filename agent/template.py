@@ -48,11 +48,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rally.agent import linux
+from rally.agent.template_connection import (
+    Connection,
+    TemplateGone,
+    TemplateRefused,
+    TemplateStuck,
+    status_to_returncode,
+)
 from rally.agent.worker import template_wire
-from rally.agent.template_connection import Connection, TemplateGone, TemplateRefused, TemplateStuck, status_to_returncode
 from rally.agent.worker.template_server import why_fork_is_unsafe  # noqa: F401 - re-exported for callers
 
 # Variables that differ from worker to worker or round to round (see workers.worker_env);
@@ -229,7 +236,7 @@ class TemplateClient:
     @classmethod
     def for_job(
         cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None] | None = None, announce: Callable[[str], None] | None = None
-    ) -> "TemplateClient | None":
+    ) -> TemplateClient | None:
         """The template for this job, or None when workers start plainly (--no-preload, --no-python)."""
         preload = getattr(spec, "preload", None)
         if preload is None or not spec.is_python:
@@ -247,7 +254,7 @@ class TemplateClient:
     @classmethod
     def started_for_job(
         cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None], announce: Callable[[str], None] | None = None
-    ) -> "TemplateClient | None":
+    ) -> TemplateClient | None:
         """`for_job`, started at once so it preloads torch while the rendezvous runs; None (workers
         start plainly) when the job has none, or when it cannot start (said once, with `warn`)."""
         template = cls.for_job(spec, base_env, warn, announce)
@@ -312,7 +319,7 @@ class TemplateClient:
         )
         if different:
             self._warn_once(
-                "env", f"starting workers plainly: their environment differs from the worker template's in {', '.join(different)}"
+                "env", "starting workers plainly: their environment differs from the worker template's in " f"{', '.join(different)}"
             )
             self.plain_starts += 1
             return processes.spawn(argv, env, cwd, stdout, stderr)

@@ -172,7 +172,7 @@ class Connection:
     def describe_death(self) -> str:
         try:
             code = self.popen.wait(timeout=1.0)
-        except Exception:  # noqa: BLE001 - still running, or not ours to wait for
+        except Exception:  # still running, or not ours to wait for
             return "the template stopped answering"
         from rally.agent.processes import describe_exit
 
@@ -188,6 +188,6 @@ class Connection:
             pass
         try:
             self.popen.wait(timeout=timeout)
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+        except Exception:  # subprocess.TimeoutExpired
             self.popen.kill()
             self.popen.wait()

@@ -80,7 +80,7 @@ def test_memory_above_the_baseline_counts_as_occupied_and_other_tenants_drift_do
 @pytest.mark.timeout(30)
 def test_a_workers_children_on_a_gpu_are_waited_for_too():
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
+        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; " "time.sleep(60)']); time.sleep(60)"],
         start_new_session=True,
     )
     try:
@@ -104,9 +104,9 @@ def test_with_nvml_a_killed_cuda_process_leaves_the_gpu_within_the_timeout():
     try:
         baseline = {d.index: d.memory_used for d in monitor.read()}
         worker = subprocess.Popen(
-            [sys.executable, "-c", "import torch, time; x = torch.ones(64 * 2**20, device='cuda'); print('ready', flush=True); time.sleep(60)"],
+            [sys.executable, "-c", "import torch, time; x = torch.ones(64 * 2**20, device='cuda'); print('ready', flush=True); " "time.sleep(60)"],
             stdout=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             assert worker.stdout.readline().strip() == "ready"
             assert any(worker.pid in d.processes for d in monitor.read())

@@ -130,7 +130,7 @@ def test_fsdp2_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(
         assert {digest for _, _, digest in resumed} == {reference[step]}, text
         assert {digest for _, _, digest in digests(text, "final")} == {reference[STEPS + 1]}
         if replicas == "on":  # the lost node's shards from their replica on the survivor: memory
-            assert re.search(rf"resuming from step {step} from memory \(sharded, world size 2; rank \d from the ring replica on node \d: its own node lost its copy\)", text), text
+            assert re.search(rf"resuming from step {step} from memory \(sharded, world size 2; rank \d from the ring " r"replica on node \d: its own node lost its copy\)", text), text
         else:
             assert f"resuming from step {step} (" in text and "not from memory: step" in text and "have no live copy in memory, neither own nor replica" in text, text
         assert_no_temps(ckpt)

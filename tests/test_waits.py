@@ -197,28 +197,33 @@ def _blocking(call: ast.Call) -> str | None:
     return None
 
 
+class _WaitFinder(ast.NodeVisitor):
+    """Adds each blocking call of one module to `found`, keyed by the function (or class) it is in."""
+
+    def __init__(self, module: str, found: dict[tuple[str, str, str], list[int]]) -> None:
+        self.module = module
+        self.found = found
+        self.stack: list[str] = []
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+    def visit_Call(self, node: ast.Call) -> None:
+        head = _blocking(node)
+        if head is not None:
+            self.found.setdefault((self.module, _qualname(self.stack), head), []).append(node.lineno)
+        self.generic_visit(node)
+
+
 def find_waits() -> dict[tuple[str, str, str], list[int]]:
     found: dict[tuple[str, str, str], list[int]] = {}
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
-            module = str(path.relative_to(REPO))
-            stack: list[str] = []
-
-            class Visitor(ast.NodeVisitor):
-                def visit_FunctionDef(self, node: ast.AST) -> None:
-                    stack.append(node.name)  # type: ignore[attr-defined]
-                    self.generic_visit(node)
-                    stack.pop()
-
-                visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
-
-                def visit_Call(self, node: ast.Call) -> None:
-                    head = _blocking(node)
-                    if head is not None:
-                        found.setdefault((module, _qualname(stack), head), []).append(node.lineno)
-                    self.generic_visit(node)
-
-            Visitor().visit(ast.parse(path.read_text()))
+            _WaitFinder(str(path.relative_to(REPO)), found).visit(ast.parse(path.read_text()))
     return found
 
 

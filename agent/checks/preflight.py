@@ -24,8 +24,9 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.display import console
 from rally.rendezvous.long_wait import wait_in_slices
@@ -42,7 +43,7 @@ VERDICT_WAIT_SECONDS = 30.0
 LINK_SLOW_FLOOR_SECONDS = 0.02
 
 
-def judge(results: dict[int, dict], factor: float, min_nodes: int) -> dict[str, Any]:
+def judge(results: dict[int, dict | None], factor: float, min_nodes: int) -> dict[str, Any]:
     """The verdict on a round's probe results (by group rank; None: no result): who is bad, who is left out."""
     ok = {g: r for g, r in results.items() if r and not r.get("error") and r.get("compute")}
     compute = statistics.median(r["compute"] for r in ok.values()) if ok else None
@@ -64,7 +65,7 @@ def judge(results: dict[int, dict], factor: float, min_nodes: int) -> dict[str, 
             why = f"slower than {factor:g}x the median ({', '.join(slow)})" if slow else ""
         numbers = _numbers(r, compute, link)
         nodes.append({"group_rank": g, "host": host, "bad": why, "numbers": numbers, "line": f"{why + '; ' if why else ''}{numbers}",
-                      **{k: r.get(k) for k in ("compute", "link", "allreduce", "error")}})  # fmt: skip
+                      **{k: r.get(k) for k in ("compute", "link", "allreduce", "error")}})
         if why:
             bad.append((0 if g not in ok else 1, -max((r.get("compute") or 0) / (compute or 1), (r.get("link") or 0) / (link or 1)), g))
     room = max(0, len(results) - min_nodes)
@@ -170,7 +171,7 @@ class Preflight:
             "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RALLY_PREFLIGHT_OUT": str(out),
             "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{a.round}/", "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
             "RALLY_PREFLIGHT_BACKEND": self.backend(),
-        }  # fmt: skip
+        }
         template = self.template() or self.own_template
         launch = template.spawn if template is not None else processes.spawn
         asked = time.monotonic()
@@ -188,13 +189,14 @@ class Preflight:
         try:
             return json.loads(out.read_text())
         except (OSError, ValueError):
-            return {"error": f"the probe exited with {code} and wrote no result (see {self.run_dir}/preflight_{a.round}.log)"}
+            log_path = f"{self.run_dir}/preflight_{a.round}.log"
+            return {"error": f"the probe exited with {code} and wrote no result (see {log_path})"}
 
-    def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict]:
+    def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict | None]:
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
         what = f"pre-flight of round {a.round}: waiting for every node's probe results to judge them"
         wait_in_slices(lambda t: rdzv.store.try_wait(names, t), wait, what, self.announce)
-        found: dict[int, dict] = {}
+        found: dict[int, dict | None] = {}
         for g, name in enumerate(names):
             try:
                 value = json.loads(rdzv.store.get(name)) if rdzv.store.check(name) else None
@@ -235,11 +237,11 @@ class Preflight:
             if node.get("group_rank") in left_out:
                 console.warn(f"pre-flight: node {node.get('host')} is left out of the round: {node.get('line')}")
             elif node.get("group_rank") in kept:
-                console.warn(f"pre-flight: node {node.get('host')}: {node.get('bad')}; kept: {verdict.get('summary')}; going on with it ({node.get('numbers')})")
+                console.warn(f"pre-flight: node {node.get('host')}: {node.get('bad')}; kept: {verdict.get('summary')}; " f"going on with it ({node.get('numbers')})")
         self.events.emit("preflight", round=a.round, seconds=round(seconds, 3), template_wait=round(self.template_wait, 3), nodes=verdict["nodes"], left_out=sorted(left_out), kept_bad=sorted(kept))
-        me = next((n for n in verdict["nodes"] if n.get("group_rank") == a.group_rank), {})
+        me: dict[str, Any] = next((n for n in verdict["nodes"] if n.get("group_rank") == a.group_rank), {})
         self.last = {"round": a.round, "seconds": seconds, "compute": mine.get("compute"), "link": mine.get("link"),
-                     "allreduce": mine.get("allreduce"), "bad": me.get("bad", ""), "left_out": [n["host"] for n in verdict["nodes"] if n.get("group_rank") in left_out]}  # fmt: skip
+                     "allreduce": mine.get("allreduce"), "bad": me.get("bad", ""), "left_out": [n["host"] for n in verdict["nodes"] if n.get("group_rank") in left_out]}
         if not left_out:
             return None
         if a.group_rank in left_out:

@@ -36,7 +36,7 @@ def still_occupied(devices: Iterable[DeviceReading], pids: set[int], baseline: d
         left = sorted(pid for pid in device.processes if pid in pids)
         if left:
             held = sum(device.processes[pid] for pid in left)
-            problems.append(f"{where}: old worker process{'es' if len(left) > 1 else ''} {', '.join(map(str, left))} still hold {held / MIB:.0f} MiB")
+            problems.append(f"{where}: old worker process{'es' if len(left) > 1 else ''} {', '.join(map(str, left))} still " f"hold {held / MIB:.0f} MiB")
             continue
         before = baseline.get(device.index)
         if before is not None and device.memory_used > before + RECLAIM_SLACK_BYTES:
