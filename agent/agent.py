@@ -34,6 +34,7 @@ from rally.agent.event_loop import Event, EventLoop
 from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
 from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
 from rally.agent.hang_report import HangReporter
+from rally.agent.node_waits import NodeWaits, wait_for_readers
 from rally.agent.observe.event_log import EventLog
 from rally.agent.observe.health import HealthMonitor, HealthSettings
 from rally.agent.observe.live import LiveView
@@ -79,6 +80,7 @@ class Agent:
             preferred_rank=plan.preferred_rank,
         )
         self.state = AgentState.STARTING
+        self.waits = NodeWaits(console.say)  # the line of a long wait, for the console and `rally status`
         self.loop = EventLoop(on_worker_exit=lambda w: self.health.note_exit(w.local_rank), on_child_signal=self._reap_orphans)
         self.preemption = Preemption(spec, self.host, plan.preferred_rank, self.loop, self.store_call, requeue)
         self.group: WorkerGroup | None = None
@@ -109,6 +111,7 @@ class Agent:
         self.observer.node_checks = self.checks = NodeChecks(  # quarantine, pre-flight (agent/checks/node_checks.py)
             spec, self.host, self.events, self.report, self.store_call, plan.settings.max_nodes > 1, template=lambda: self.template,
             base_env=self.base_env, run_dir=self.logs.run_dir, backend=lambda: "nccl" if self.observer.gpu is not None else "gloo",
+            announce=self.waits.announce,
         )  # fmt: skip
         # the memory tier (agent/checkpoint/agent_side.py)
         self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)
@@ -119,8 +122,8 @@ class Agent:
         processes.become_subreaper()
         self.loop.install_signal_handlers({*self.spec.signals_to_handle, *self.spec.preemption_signals})
         self.guard = GuardClient(self.token)
-        # workers are forked from it; it preloads torch meanwhile
-        self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn)
+        # workers are forked from it; it preloads torch meanwhile, saying so should a fork wait for it
+        self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn, self.waits.announce)
         try:
             self._start_observer()
             code = self._run()
@@ -375,7 +378,7 @@ class Agent:
     def _exit_barrier(self, rnd: Round) -> None:
         if self.store_server is not None:  # a signal ends the wait at once
             self.state = AgentState.EXIT_BARRIER
-            self.store_call(lambda: rnd.channel.wait_all_acknowledged(EXIT_BARRIER_SECONDS), waiting=True)
+            self.store_call(lambda: wait_for_readers(rnd, EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_now(self) -> dict | None:
         """This node's status record in the round it is in (None before the first)."""
@@ -383,7 +386,9 @@ class Agent:
 
     def _status_record(self, a: Assignment) -> dict:
         record = node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
-        return {**record, **self.ckpt.status_fields()}
+        # a long wait under way (agent/node_waits.py)
+        waiting = self.waits.fields(a.round, self.rdzv.waiting if self.rdzv else None)
+        return {**record, **self.ckpt.status_fields(), **waiting}
 
     # ================================================================ signals
     def _on_signals(self, rnd: Round | None = None) -> RoundEnd | None:

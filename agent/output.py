@@ -19,9 +19,18 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from rally.agent.untrusted_files import open_regular, read_capped
+
+class ByteSink(Protocol):
+    """Where a worker's console lines go: a binary stream (sys.stdout.buffer) or the live view's
+    sink (agent/observe/live.py), which prints them above its table."""
+
+    def write(self, data: bytes, /) -> int: ...
+
+    def flush(self) -> None: ...
+
 
 TAIL_LINES = 400  # enough for the stack dumps of a hung worker with a few threads
 READ_CHUNK = 65536
@@ -56,7 +65,7 @@ class OutputStream:
     """One worker pipe (stdout or stderr) and where its bytes go."""
 
     fd: int
-    console: BinaryIO | None  # None: not shown on the console (filtered or redirect-only)
+    console: ByteSink | None  # None: not shown on the console (filtered or redirect-only)
     prefix: bytes = b""
     whole_lines: bool = True  # False (--no-prefix): pass bytes through as they arrive
     file: BinaryIO | None = None  # --tee: an exact copy of everything

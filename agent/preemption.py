@@ -11,7 +11,8 @@ makes SLURM kill every task and a shard still being saved would be lost. The rou
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rally.agent import processes
 from rally.agent.display import console
@@ -80,5 +81,5 @@ class Preemption:
             return
         try:
             console.say(self.requeue())
-        except Exception as exc:  # noqa: BLE001 - a failed requeue is reported, not fatal
+        except Exception as exc:  # a failed requeue is reported, not fatal
             console.error(f"could not requeue the job: {exc}")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rally.agent.event_loop import Event
 from rally.agent.leased_liveness import keep_alive_with_lease

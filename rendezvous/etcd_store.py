@@ -36,7 +36,7 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 from rally.rendezvous.etcd_client import (
     EtcdClient,
@@ -48,6 +48,8 @@ from rally.rendezvous.etcd_client import (
 )
 from rally.rendezvous.etcd_http import EtcdAccess
 from rally.rendezvous.kv import KeyValueStore, StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.long_wait import LongWait
+from rally.rendezvous.store_connect import current_progress
 from rally.rendezvous.token import BadRecord, Signer
 
 # How long rally tries the endpoints at start before giving up with one clear line: etcd is
@@ -68,10 +70,14 @@ class EtcdStore(KeyValueStore):
 
     leased_liveness: ClassVar[bool] = True  # keep-alives are leases that expire by themselves
 
-    def __init__(self, client: EtcdClient, prefix: str, op_timeout: float, signer: Signer | None = None):
+    def __init__(
+        self, client: EtcdClient, prefix: str, op_timeout: float, signer: Signer | None = None, progress: Callable[[str], None] | None = None
+    ):
         """`op_timeout` bounds one operation, fail-over between members included; `signer`
-        signs every value with the job token, as on c10d (rendezvous/token.py)."""
+        signs every value with the job token, as on c10d (rendezvous/token.py); `progress` hears
+        every few seconds what a `get` of a key not yet written waits for."""
         self.client = client
+        self.progress = progress
         self.prefix = prefix
         self.op_timeout = op_timeout
         self.signer = signer or Signer()
@@ -146,12 +152,17 @@ class EtcdStore(KeyValueStore):
         self._call("/v3/kv/put", {"key": self._k(name), "value": self._seal(name, value)})
 
     def get(self, name: str) -> bytes:
-        """The key's value; blocks up to the operation timeout until it exists (as c10d's get)."""
+        """The key's value; blocks up to the operation timeout until it exists (as c10d's get),
+        in slices that say what they wait for (rally reads a key it has seen: a `get` waits only
+        for a key deleted in between)."""
+        wait: LongWait | None = None
         while True:
             kv = self._recall(name) or self._range(name)[0]
             if kv is not None:
                 return self._open(name, kv)
-            self.wait([name], self.op_timeout)
+            wait = wait or self._key_slices([name])
+            if not self.try_wait([name], wait.slice()) and not wait.tick():
+                raise StoreTimeout(f"timed out after {self.op_timeout:g} s waiting for {self.key(name)} in {self.describe}")
 
     def get_str(self, name: str) -> str:
         try:
@@ -171,6 +182,7 @@ class EtcdStore(KeyValueStore):
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
         """Every key's value, read in one transaction per MAX_TXN_OPS keys (waits for missing keys)."""
         values: list[bytes] = []
+        wait: LongWait | None = None
         for start in range(0, len(names), MAX_TXN_OPS):
             chunk = list(names[start : start + MAX_TXN_OPS])
             while True:
@@ -180,8 +192,15 @@ class EtcdStore(KeyValueStore):
                 if not missing:
                     values += [self._open(n, found[0]) for n, found in zip(chunk, kvs)]
                     break
-                self.wait(missing, self.op_timeout)
+                wait = wait or self._key_slices(missing)
+                if not self.try_wait(missing, wait.slice()) and not wait.tick():
+                    raise StoreTimeout(f"timed out after {self.op_timeout:g} s waiting for {self.key(missing[0])} in {self.describe}")
         return values
+
+    def _key_slices(self, names: Sequence[str]) -> LongWait:
+        """The bounded wait of a `get` for keys not yet written (rendezvous/long_wait.py)."""
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        return LongWait(f"waiting for store key {self.key(names[0])}{more} in {self.describe}", self.op_timeout, self.progress or (lambda _line: None))
 
     def multi_set(self, items: dict[str, str]) -> None:
         puts = [{"request_put": {"key": self._k(k), "value": self._seal(k, v)}} for k, v in items.items()]
@@ -416,7 +435,7 @@ class EtcdStore(KeyValueStore):
     # ------------------------------------------------------------------ connections
     def connect_again(self) -> "EtcdStore":
         """A second client with its own connection, for a thread that blocks in `wait`."""
-        return EtcdStore(self.client.fork(), self.prefix, self.op_timeout, self.signer)
+        return EtcdStore(self.client.fork(), self.prefix, self.op_timeout, self.signer, self.progress)
 
 
 def open_etcd_store(
@@ -426,14 +445,17 @@ def open_etcd_store(
     connect_timeout: float = CONNECT_SECONDS,
     signer: Signer | None = None,
     access: EtcdAccess | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> EtcdStore:
-    """Connect to the cluster (any member will do) and check that it serves reads.
+    """Connect to the cluster (any member will do) and check that it serves reads. `progress`
+    (default: the caller's `store_connect.reporting_progress`, the agent's console) hears what a
+    long `get` waits for.
 
     Raises StoreUnavailable with one line naming every endpoint when none answers within
     `connect_timeout` seconds.
     """
     client = EtcdClient(list(members), access=access)
-    store = EtcdStore(client, prefix, op_timeout, signer)
+    store = EtcdStore(client, prefix, op_timeout, signer, progress or current_progress())
     try:
         client.call("/v3/kv/range", {"key": b64(prefix), "count_only": True}, connect_timeout)
     except EtcdError as exc:

@@ -69,6 +69,7 @@ def wait_round_end_or_dead(rdzv: Rendezvous, running: RoundChannel, deadline: fl
         elif time.monotonic() - last_change > timeout:
             running.count_lost(members)
             silent = time.monotonic() - last_change
-            detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a new round"
+            detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); "
+            detail += "forming a new round"
             return running.end(RoundEnd(EndKind.NODE_LOST, detail, "", {"group_rank": 0}))
     return running.wait_end(WAIT_SLICE_SECONDS)

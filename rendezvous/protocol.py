@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from functools import partial
 from typing import Callable, Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
@@ -234,7 +235,7 @@ class Rendezvous:
                 if remaining <= 0:
                     attempt = self._try_close(r, attempt, deadline, last_call_over=True)
                     continue
-            self.waiting.tick(lambda: arrival.forming_line(self, r, count, deadline, quorum_seen_at))
+            self.waiting.tick(partial(arrival.forming_line, self, r, count, deadline, quorum_seen_at))
             self.store.try_wait([f"{r}/closed"], min(max(remaining, 0.001), self.waiting.interval))
         mine = f"{r}/assign/{record.attempt}/{idx}"
         if not self.store.check(mine):
@@ -284,7 +285,7 @@ class Rendezvous:
         counts = counts_entering(previous, end, step)
         record = RoundRecord(len(nodes), *counts, step, attempt, resume_step(nodes))
         mine = assignments_for(r, nodes, record)
-        self.store.multi_set({f"{r}/assign/{attempt}/{idx}": a.to_json() for idx, a in zip(indices, mine)})
+        self.store.multi_set({f"{r}/assign/{attempt}/{idx}": a.to_json() for idx, a in zip(indices, mine, strict=True)})
         self.store.set_once(f"{r}/closed", record.to_json())
 
     def _wait_as_spare(self, r: int, deadline: float) -> None:
@@ -296,7 +297,8 @@ class Rendezvous:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousError(f"round {r} was full and did not form within join_timeout ({s.join_timeout:g} s)")
-            self.waiting.tick(lambda: f"waiting for round {r} to form (it is full without this node); join_timeout in {left:.0f} s")
+            line = f"waiting for round {r} to form (it is full without this node); join_timeout in {left:.0f} s"
+            self.waiting.tick(partial(str, line))
             self.store.try_wait([f"{r}/closed"], min(left, self.waiting.interval))
             self.raise_if_closed()
         members = record.members

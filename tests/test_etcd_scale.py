@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -63,7 +64,7 @@ def requests_per_node(cluster: EtcdCluster, n: int) -> float:
             assignment = node.next_round()
             with lock:
                 ranks.append(assignment.group_rank)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threading.stack_size(512 * 1024)
@@ -97,7 +98,7 @@ def test_a_get_right_after_a_check_or_a_wait_is_served_from_that_read(etcd):
     store, other = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
     other.multi_set({"a": "1", "b": "2"})
 
-    def requests(fn) -> int:  # noqa: ANN001
+    def requests(fn) -> int:
         before = counts[0]
         fn()
         return counts[0] - before

@@ -13,8 +13,24 @@ from dataclasses import replace
 import pytest
 
 from rally.rendezvous.liveness import silent_peer
-from rally.rendezvous.protocol import JobClosed, NodeInfo, Rendezvous, RendezvousError, RendezvousSettings, Round, RoundEnd
-from rally.rendezvous.store import Store, StoreEndpoint, StoreUnavailable, UntrustedValue, connect_tcp_store, host_tcp_store, open_tcp_store
+from rally.rendezvous.protocol import (
+    JobClosed,
+    NodeInfo,
+    Rendezvous,
+    RendezvousError,
+    RendezvousSettings,
+    Round,
+    RoundEnd,
+)
+from rally.rendezvous.store import (
+    Store,
+    StoreEndpoint,
+    StoreUnavailable,
+    UntrustedValue,
+    connect_tcp_store,
+    host_tcp_store,
+    open_tcp_store,
+)
 from rally.rendezvous.token import Signer
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,7 +65,7 @@ def form(nodes: list[Rendezvous], timeout: float = 20) -> list:
         for f in futures:
             try:
                 out.append(f.result(timeout))
-            except Exception as exc:  # noqa: BLE001 - returned for the test to check
+            except Exception as exc:  # returned for the test to check
                 out.append(exc)
         return out
 
@@ -60,7 +76,7 @@ def test_ranks_are_contiguous_node_major_and_kept_across_rounds(server):
     first = form(nodes)
     assert sorted(a.group_rank for a in first) == [0, 1, 2]
     assert {a.world_size for a in first} == {6} and {a.group_world_size for a in first} == {3}
-    by_rank = sorted(zip(first, nodes), key=lambda p: p[0].group_rank)
+    by_rank = sorted(zip(first, nodes, strict=True), key=lambda p: p[0].group_rank)
     offset = 0
     for a, n in by_rank:
         assert a.rank_offset == offset
@@ -192,7 +208,7 @@ def test_a_relaunch_after_every_member_died_forms_a_new_job(server):
     s = replace(FAST, min_nodes=2, max_nodes=2, last_call_timeout=30)
     old = [node(server, f"old{i}", s) for i in range(2)]
     formed = form(old)
-    for n, a in zip(old, formed):
+    for n, a in zip(old, formed, strict=True):
         Round(n, a).channel.keep_alive()  # then every node dies
     began = time.monotonic()
     fresh = form([node(server, f"new{i}", s) for i in range(2)])

@@ -13,8 +13,9 @@ The agent calls `NodeChecks` at three moments, each one line in agent/agent.py:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.checks.quarantine import EXIT_QUARANTINED, Quarantine
 from rally.agent.display import console
@@ -40,18 +41,20 @@ class NodeChecks:
         base_env: dict[str, str],
         run_dir: Path,
         backend: Callable[[], str],
+        announce: Callable[[str], None],
     ):
         """`report` is the agent's JobReport (outcome, quarantined hosts); `multi_node`: the job may
         have more than one node (a single-node job has no node to keep out: quarantine makes no
         store call there). For the probe: `template` gives the agent's worker template (or None),
-        `backend` the process-group backend the job's workers would use."""
+        `backend` the process-group backend the job's workers would use, `announce` says its
+        waits' lines (the console and this node's status record: agent/node_waits.py)."""
         self.store_call = store_call
         self.quarantine = Quarantine(spec, host, events, report, console.say, console.warn, multi_node)
         self.preflight: Any = None
         if spec.preflight:  # the default path without it imports nothing more
             from rally.agent.checks.preflight import Preflight
 
-            self.preflight = Preflight(spec, host, events, report, store_call, template, base_env, run_dir, backend)
+            self.preflight = Preflight(spec, host, events, report, store_call, template, base_env, run_dir, backend, announce)
 
     def at_join(self, store: Any) -> str | None:
         line = self.store_call(lambda: self.quarantine.at_join(store))

@@ -92,7 +92,8 @@ class Quarantine:
         save_failures(store, record["failures"])
         if host != self.host or count < self.spec.quarantine_after or not goes_on:
             return None
-        reason = f"the root cause of {count} failures within {self.spec.quarantine_window:g} s, --quarantine-after {self.spec.quarantine_after}"
+        window, after = self.spec.quarantine_window, self.spec.quarantine_after
+        reason = f"the root cause of {count} failures within {window:g} s, --quarantine-after {after}"
         stays = f"the job needs it (fewer than MIN={min_nodes} nodes without it)" if a.group_world_size - 1 < min_nodes else ""
         stays = stays or ("it hosts the rendezvous store" if hosts_store else "")
         if stays:

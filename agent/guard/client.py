@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rally.agent.guard import orphan_guard
 from rally.agent import processes
+from rally.agent.guard import orphan_guard
 from rally.agent.guard.job_cgroup import FREEZER, PIDS, V2, JobCgroup, remove_abandoned
 from rally.agent.guard.orphan_guard import SWEEP_SECONDS, TOKEN_VARIABLE
 

@@ -26,7 +26,8 @@ class Observer:
     """Stragglers, /metrics and GPU health for one agent."""
 
     def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str], timeouts: Any = None):
-        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py), kept in the store."""
+        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py),
+        kept in the store."""
         self.spec = spec
         self.timeouts = timeouts
         self.node_checks: Any = None  # quarantine and pre-flight (agent/checks/node_checks.py): the status record's "preflight"
@@ -104,7 +105,7 @@ class Observer:
         if self.gpu is None:
             return
         if self.worker_pids:
-            problems, waited = wait_reclaimed(self.read_gpus, self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout)
+            problems, waited = wait_reclaimed(lambda: self.read_gpus() or [], self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout, announce=console.say)
             self.worker_pids = set()
             if problems:
                 console.warn(f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}")
@@ -143,7 +144,7 @@ class Observer:
             self.events.emit(
                 "straggler", round=assignment.round, rank=s.rank, node=self.host, node_rank=assignment.group_rank,
                 step_time=round(s.step_time, 6), median=round(s.median, 6), ratio=round(s.ratio, 3), scope=s.scope, factor=factor,
-            )  # fmt: skip
+            )
         for rank in cleared:
             console.say(f"rank {rank} on {self.host} is no longer a straggler")
             self.events.emit("straggler_cleared", round=assignment.round, rank=rank, node=self.host)
@@ -183,6 +184,7 @@ class Observer:
         assignment = rnd.a
         if assignment.group_world_size <= 1:
             return
+        summary: CentralValues | None
         if assignment.group_rank == 0:
             from rally.rendezvous.status import read_job_status
 
@@ -191,9 +193,8 @@ class Observer:
             except (ValueError, TypeError, KeyError, AttributeError):
                 return  # a record that is not JSON (store contents are not trusted): skip this time
             times = job_step_times(status["nodes"] if status else [], assignment.round)
-            of_all = CentralValues.of(times)
-            rnd.channel.publish_step_times(of_all.to_json())
-            summary: CentralValues | None = of_all
+            summary = CentralValues.of(times)
+            rnd.channel.publish_step_times(summary.to_json())
         elif (published := rnd.channel.step_times()) is not None:
             summary = CentralValues.from_json(published)
         else:
