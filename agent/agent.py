@@ -22,7 +22,8 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rally.agent import processes
 from rally.agent.agent_exit import AgentExit, store_failure_exit
@@ -109,9 +110,10 @@ class Agent:
         # what a worker's exit means for the round (agent/worker_exits.py)
         self.exits = WorkerExits(self.loop, self.store_call, self.events.emit)
         self.observer.node_checks = self.checks = NodeChecks(  # quarantine, pre-flight (agent/checks/node_checks.py)
-            spec, self.host, self.events, self.report, self.store_call, plan.settings.max_nodes > 1, template=lambda: self.template,
-            base_env=self.base_env, run_dir=self.logs.run_dir, backend=lambda: "nccl" if self.observer.gpu is not None else "gloo",
+            spec, self.host, self.events, self.report, self.store_call, plan.settings.max_nodes > 1,
+            template=lambda: self.template, base_env=self.base_env, run_dir=self.logs.run_dir,
             announce=self.waits.announce,
+            backend=lambda: "nccl" if self.observer.gpu is not None else "gloo",  # the backend its workers would use
         )  # fmt: skip
         # the memory tier (agent/checkpoint/agent_side.py)
         self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)
@@ -371,7 +373,8 @@ class Agent:
         elif decision.code == EXIT_PREEMPTED:
             console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")
         else:
-            console.say(f"job succeeded: {a.world_size} workers on {a.group_world_size} node{'s' if a.group_world_size != 1 else ''} finished")
+            nodes = f"{a.group_world_size} node{'s' if a.group_world_size != 1 else ''}"
+            console.say(f"job succeeded: {a.world_size} workers on {nodes} finished")
         self._exit_barrier(rnd)
         return decision.code
 

@@ -13,8 +13,9 @@ round's first record (the wait for the round to form, which is over once there i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from rally.rendezvous.long_wait import wait_in_slices
 from rally.rendezvous.protocol import Round
@@ -53,5 +54,6 @@ def wait_for_readers(rnd: Round, timeout: float) -> bool:
     job's end, so none loses the store mid-read; it says so on the console and in its status
     record (through the node's `Rendezvous`: the round's threads, which republish the record,
     have stopped by now). True once all have read it."""
-    what = f"round {rnd.a.round} ended the job: waiting for the other nodes to read that before this node, the store's host, exits"
+    r = rnd.a.round
+    what = f"round {r} ended the job: waiting for the other nodes to read that before this node, the store's host, exits"
     return wait_in_slices(rnd.channel.wait_all_acknowledged, timeout, what, partial(announce_wait, rnd.rendezvous))

@@ -23,6 +23,7 @@ from typing import BinaryIO, Protocol
 
 from rally.agent.untrusted_files import open_regular, read_capped
 
+
 class ByteSink(Protocol):
     """Where a worker's console lines go: a binary stream (sys.stdout.buffer) or the live view's
     sink (agent/observe/live.py), which prints them above its table."""

@@ -11,8 +11,9 @@ consequence ("connection closed" a moment after a peer died).
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.event_loop import EventLoop
 from rally.agent.observe.health import HealthMonitor

@@ -41,9 +41,10 @@ bounded by `join_timeout` and says every few seconds what it waits for (rendezvo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
 from rally.rendezvous.arrival import CURRENT_ROUND, joined_counter, node_slot
@@ -97,7 +98,8 @@ PREFLIGHT_VERDICT = "job/preflight"  # the last pre-flight verdict, for `rally s
 
 
 def preflight_key(r: int, part: str) -> str:
-    """Round r's pre-flight check (agent/checks/preflight.py): `result/<group rank>` (each node's numbers), `verdict` (node 0's)."""
+    """Round r's pre-flight check (agent/checks/preflight.py): `result/<group rank>` (each node's
+    numbers), `verdict` (node 0's)."""
     return f"{r}/preflight/{part}"
 
 
