@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -28,7 +28,7 @@ from rally.rendezvous.etcd_client import Member
 from rally.rendezvous.etcd_store import open_etcd_store
 from rally.rendezvous.long_wait import wait_in_slices
 from rally.rendezvous.membership import RendezvousSettings
-from rally.rendezvous.protocol import Assignment, NodeInfo, Rendezvous
+from rally.rendezvous.protocol import Assignment, NodeInfo, Rendezvous, Round, RoundChannel
 from rally.rendezvous.store import Store, StoreError, StoreTimeout, connect_tcp_store
 from rally.rendezvous.token import Signer
 from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
@@ -112,13 +112,13 @@ class StandIn:
 
     def join(self) -> Assignment:
         a = self.rdzv.next_round()
-        threading.Thread(target=self._keep_alive, args=(a,), daemon=True).start()
+        threading.Thread(target=self._keep_alive, args=(Round(self.keeper, a).channel,), daemon=True).start()
         return a
 
-    def _keep_alive(self, a: Assignment) -> None:
+    def _keep_alive(self, channel: RoundChannel) -> None:
         try:
             while not self.over.wait(SETTINGS.keep_alive_interval):
-                self.keeper.keep_alive(a.round, a.group_rank)
+                channel.keep_alive()
         except StoreError:
             pass  # the store's host is gone: the test is over
 
@@ -189,7 +189,7 @@ def test_the_store_host_waiting_for_the_others_to_read_the_end_says_so_and_goes_
     assert line.search(status.stdout), status.describe()
     assert host.popen.poll() is None
     read_at = time.monotonic()
-    node1.rdzv.acknowledge_end(a.round, a.group_world_size)  # the stand-in has read the end
+    Round(node1.rdzv, a).channel.acknowledge_end()  # the stand-in has read the end
     assert host.wait(30) == 3, host.output()
     assert time.monotonic() - read_at < WAIT_PROGRESS_SECONDS + 3, "the host goes as soon as the others have read the end"
 
