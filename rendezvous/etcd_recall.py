@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 # How long a `check` that found a key absent may start a watch on it: a watch from far back
 # makes etcd replay everything written since.

@@ -164,9 +164,11 @@ class EtcdStore(KeyValueStore):
         found, _ = self._read(names)
         missing = [n for n in names if n not in found]
         wait = self._key_slices(missing) if missing else None
-        while wait and not self.try_wait(missing, wait.slice()):  # a wait that ends remembers what it saw: the `get`s below cost no request
+        # A wait that ends remembers what it saw: the `get`s below cost no request.
+        while wait and not self.try_wait(missing, wait.slice()):
             if not wait.tick():
-                raise StoreTimeout(f"timed out after {self.op_timeout:g} s waiting for {self.key(missing[0])} in {self.describe}")
+                missed = self.key(missing[0])
+                raise StoreTimeout(f"timed out after {self.op_timeout:g} s waiting for {missed} in {self.describe}")
         return [self._open(n, found[n]) if n in found else self.get(n) for n in names]
 
     def get_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
@@ -332,8 +334,8 @@ class EtcdStore(KeyValueStore):
             span = {"key": b64(min(by_key)), "range_end": b64(max(by_key) + b"\0"), "limit": str(limit)}
             reply = self._call("/v3/kv/range", span)
             if not reply.get("more"):
-                kvs = ((by_key.get(unb64(kv.get("key"))), kv) for kv in reply.get("kvs") or [])
-                return {n: kv for n, kv in kvs if n is not None}, int(reply["header"]["revision"])
+                named = ((by_key.get(unb64(kv.get("key"))), kv) for kv in reply.get("kvs") or [])
+                return {n: kv for n, kv in named if n is not None}, int(reply["header"]["revision"])
         found: dict[str, dict] = {}
         revision: int | None = None
         for start in range(0, len(names), MAX_TXN_OPS):

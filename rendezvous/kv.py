@@ -13,7 +13,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar, Sequence
 
-
 # `get_present` first waits this long for all its keys: one call when they exist (as they do
 # after the closer's own wait), a short pause when some never will.
 PRESENT_PROBE_SECONDS = 0.01

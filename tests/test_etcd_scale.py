@@ -161,7 +161,8 @@ def test_the_closer_reads_every_descriptor_in_one_request(etcd):
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     counts, lock = [0], threading.Lock()
     prefix = f"test/{uuid.uuid4().hex}/"
-    store, writer = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    store = EtcdStore(CountingClient(members, counts, lock), prefix, 10)
+    writer = EtcdStore(EtcdClient(members), prefix, 10)
     names = [f"0/node/{i}" for i in range(300)]
     writer.multi_set({n: f"descriptor {n}" for n in names if n != "0/node/7" and n != "0/node/250"})
     writer.client.call("/v3/kv/put", {"key": b64(prefix + "0/node/7"), "value": b64("forged")}, 10)
@@ -190,7 +191,8 @@ def test_a_wait_right_after_a_check_that_found_nothing_is_only_a_watch(etcd):
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     counts, lock = [0], threading.Lock()
     prefix = f"test/{uuid.uuid4().hex}/"
-    store, writer = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    store = EtcdStore(CountingClient(members, counts, lock), prefix, 10)
+    writer = EtcdStore(EtcdClient(members), prefix, 10)
     assert not store.check("0/closed")
     writer.set("0/closed", "written in between")
     before = counts[0]

@@ -151,7 +151,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
     ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
     ("rendezvous/kv.py", "KeyValueStore.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
-    ("rendezvous/kv.py", "KeyValueStore.get_present", "self.try_wait"): (S, None, "PRESENT_PROBE_SECONDS (0.01 s): do all the keys exist"),
+    ("rendezvous/kv.py", "KeyValueStore.get_present", "self.try_wait"): (S, None, "PRESENT_PROBE_SECONDS (0.01 s)"),
     ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (NW, None, "prints a wait's progress line; not a wait"),
     ("rendezvous/waiting.py", "announce_wait", "waiting_record"): (NW, None, "builds a status record"),
     ("rendezvous/protocol.py", "Rendezvous.report_success", "self.store.try_wait"): (S, None, "0.01 s: have all members reported"),
