@@ -1,4 +1,5 @@
-"""Shared fixtures. The SLURM dev-cluster fixture lives in tests/slurm_cluster.py.
+"""Shared fixtures. The SLURM dev-cluster fixture lives in tests/slurm_cluster.py, the uninterrupted
+DDP run the DDP fault tests compare with in tests/ddp_reference.py.
 
 `cpu_hog`: faults do not arrive on idle machines. With RALLY_TEST_CPU_HOG=1 every test in a
 module named test_faults_* runs beside one busy-loop process per core (its own process group,
@@ -20,7 +21,7 @@ import pytest
 
 from rally.agent.checkpoint.shm import holders_of
 
-pytest_plugins = ["slurm_cluster"]
+pytest_plugins = ["slurm_cluster", "ddp_reference"]
 
 _HOG = "while True:\n    pass\n"
 
