@@ -173,7 +173,9 @@ def test_new_node_joins_a_running_job_below_max(job):
 
 @pytest.mark.timeout(120)
 def test_node_beyond_max_waits_as_a_spare_and_replaces_a_lost_node(job):
-    args = [*c10d_args(job.port, "1:2"), "--nproc-per-node", "1"]
+    # A long last call: round 0 is the two nodes, never one of them alone (a busy machine can start
+    # the second more than the default 1 s later), so the spare's round is round 1.
+    args = [*c10d_args(job.port, "1:2", extra_conf="last_call_timeout=30"), "--nproc-per-node", "1"]
     agents = [job.start(f"n{i}", args, ["forever"]) for i in range(2)]
     assert eventually(lambda: len(job.records()) == 2, 60)
     spare = job.start("spare", args, ["forever"])
