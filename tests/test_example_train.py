@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_reference import EVERY, STEPS, TRAIN
+from ddp_reference import EVERY, STEPS, TRAIN, params_hash
 from helpers import clean_env, start_rally
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,14 +52,6 @@ def _reader(proc: subprocess.Popen, lines: list[str]) -> threading.Thread:
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     return thread
-
-
-def _params_hash(lines: list[str]) -> str:
-    for line in lines:
-        match = re.search(r"params sha256 ([0-9a-f]{64})$", line)
-        if match:
-            return match.group(1)
-    raise AssertionError("no final hash in output:\n" + "\n".join(lines[-40:]))
 
 
 def _start_point(line: str) -> int | None:
@@ -123,5 +115,5 @@ def test_random_sigkills_of_workers_lose_nothing_and_end_bit_identical(tmp_path:
     resumed = starts[1:]
     for (killed_at, _rank), resumed_at in zip(kills, resumed):
         assert killed_at - EVERY <= resumed_at <= killed_at, f"killed at {killed_at}, resumed at {resumed_at}"
-    assert _params_hash(lines) == ddp_clean_hash
+    assert params_hash(text) == ddp_clean_hash
     assert "SIGKILL" in text  # the root cause names the signal
