@@ -1,9 +1,10 @@
-"""Shared fixtures. The SLURM dev-cluster fixture lives in tests/slurm_cluster.py.
+"""Shared fixtures. The SLURM dev-cluster fixture lives in tests/slurm_cluster.py, the uninterrupted
+DDP run the DDP fault tests compare with in tests/ddp_reference.py.
 
 `cpu_hog`: faults do not arrive on idle machines. With RALLY_TEST_CPU_HOG=1 every test in a
 module named test_faults_* runs beside one busy-loop process per core (its own process group,
 killed by pgid afterwards), so detection and recovery are proven under load. .ci/run runs the
-fault modules a second time that way.
+timing-sensitive fault modules a second time that way, less the tests marked `same_under_load`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from rally.agent.checkpoint.shm import holders_of
 
-pytest_plugins = ["slurm_cluster"]
+pytest_plugins = ["slurm_cluster", "ddp_reference"]
 
 _HOG = "while True:\n    pass\n"
 
@@ -84,3 +85,11 @@ def cpu_hog(request: pytest.FixtureRequest) -> Iterator[bool]:
             except ProcessLookupError:
                 pass
             hog.wait(timeout=10)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "same_under_load: in a fault module, a case whose fault a busy CPU cannot change (parsing, a schema): "
+        ".ci/run's CPU-hog pass leaves it out (-m 'not same_under_load')",
+    )
