@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import sys
 import tempfile
 import zlib
@@ -47,6 +48,11 @@ SUFFIX = ".dcp"
 STEP_RE = re.compile(r"^step_(\d+)\.dcp$")
 TEMP_RE = re.compile(r"^\.step_\d+\.dcp\..*\.tmp$")
 _VERDICT_CACHE_LIMIT = 256
+SLOT_HEADER = struct.Struct("<8sQQQ")
+"""A sharded copy in the memory tier: magic, metadata length, world size, rank (agent/checkpoint/dcp_memory.py)."""
+SLOT_MAGIC = b"RALLYDCP"
+KEY_RE = re.compile(r"^dcp(r?)(\d+)of(\d+)$")
+"""The holder's keys of sharded copies: ``dcp<rank>of<world>`` (own), ``dcpr<rank>of<world>`` (replica)."""
 
 
 def step_name(step: int) -> str:
