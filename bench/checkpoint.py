@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ if __package__ in (None, ""):  # `python bench/checkpoint.py`
 
 from bench import common  # noqa: E402
 from bench.common import REPO, RESULTS, Job  # noqa: E402
+from bench.scratch import scratch_dir  # noqa: E402
 
 METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover")
 LABELS = {
@@ -171,20 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = parser.parse_args(argv)
     methods = [m for m in METHODS if m in args.only.split(",")]
-    signal.signal(signal.SIGTERM, lambda signum, _frame: (_ for _ in ()).throw(KeyboardInterrupt(f"signal {signum}")))
-    root = common.make_root(args.keep)
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_start = os.getloadavg()
-    for rep in range(args.reps):
-        for method in methods if rep % 2 == 0 else list(reversed(methods)):
-            if method == "dlrover" and dlrover_python() is None:
-                runs[method].append({"error": "not installed (RALLY_BENCH_DLROVER_PYTHON)"})
-                continue
-            print(f"{time.strftime('%H:%M:%S')} {method} run {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
-            runs[method].append(run_once(method, root, rep, args.mb, args.keep))
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
+    with scratch_dir(args.keep) as root:  # removed on every way out, signals included (bench/scratch.py)
+        for rep in range(args.reps):
+            for method in methods if rep % 2 == 0 else list(reversed(methods)):
+                if method == "dlrover" and dlrover_python() is None:
+                    runs[method].append({"error": "not installed (RALLY_BENCH_DLROVER_PYTHON)"})
+                    continue
+                print(f"{time.strftime('%H:%M:%S')} {method} run {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
+                runs[method].append(run_once(method, root, rep, args.mb, args.keep))
     summary = {m: summarize(r) for m, r in runs.items()}
     text = table(summary, args.mb)
     commit = common_commit()
