@@ -49,13 +49,16 @@ from bench import common  # noqa: E402
 from bench.common import REPO, RESULTS, Job  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 
-METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover")
+METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover", "dcp_save_sharded", "dcp_async_sharded", "rally_sharded")
 LABELS = {
     "torch_save": "plain `torch.save` (rank 0)",
     "dcp_async": "`torch.distributed.checkpoint.async_save`",
     "rally_disk": "`rally.job.save`, memory tier off (torch.save + fsync, rank 0)",
     "rally": "rally memory tier (`rally.job.save`)",
     "dlrover": "DLRover 0.6.1 flash checkpoint (StorageType.DISK)",
+    "dcp_save_sharded": "sharded: `torch.distributed.checkpoint.save` (every rank)",
+    "dcp_async_sharded": "sharded: `torch.distributed.checkpoint.async_save` (every rank)",
+    "rally_sharded": "sharded: rally memory tier (`rally.job.save` of DTensors, every rank)",
 }
 WORKER = REPO / "bench" / "workers" / "ckpt.py"
 DLROVER_SHIM = REPO / "bench" / "shim" / "dlrover_run.py"
