@@ -28,7 +28,6 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from rally.agent.checkpoint import layout
