@@ -112,6 +112,7 @@ class NodeCheckpoints:
             return
         env = {**os.environ, "RALLY_ROUND": str(self.round or 0), "TORCHELASTIC_RUN_ID": self.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "local")}
         command = [sys.executable, str(Path(dcp_flush.__file__).resolve()), holder_id, str(directory), f"{seconds:.3f}"]
+        self.say(f"writing the newest sharded checkpoint held only in memory to {directory} (up to {seconds:.0f} s)")
         try:
             done = subprocess.run(command, env=env, stdout=subprocess.PIPE, timeout=seconds + 5.0, check=False, start_new_session=True)
             result = json.loads(done.stdout.decode().strip().splitlines()[-1])
