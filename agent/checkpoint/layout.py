@@ -15,7 +15,8 @@ Why equal signatures give an equal archive, as ``torch.load`` reads it: the sign
 structure (container types, lengths, keys), every leaf's value, and per tensor its type, dtype,
 shape, strides, offset, ``requires_grad`` and which storage it views (so sharing is kept), as
 well as which objects are the same object (pickle's memo). Any other kind of leaf, a tensor off
-the CPU, with attributes, conjugate/negative bits or an empty storage makes the state ineligible:
+the CPU, with attributes, conjugate/negative bits, quantization, nesting or an empty
+storage makes the state ineligible:
 it is saved by ``torch.save`` every time, as before. ``data.pkl`` may differ in memo details
 (two equal strings that are one object or two); what it unpickles to does not.
 """
@@ -63,7 +64,7 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
     def walk(obj: Any) -> bool:
         kind = type(obj)
         if kind in _LEAVES:
-            sig.append((kind, obj))
+            sig.append((kind, obj.hex() if kind is float else obj))  # -0.0 is not 0.0 to pickle
             return True
         if id(obj) in memo:
             sig.append(("same", memo[id(obj)]))
@@ -84,6 +85,8 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
         if kind not in tensor_types:
             return False
         if obj.layout != torch.strided or obj.device.type != "cpu" or obj.__dict__ or obj.is_conj() or obj.is_neg():
+            return False
+        if obj.is_quantized or obj.is_nested:  # more than data and shape in the pickle
             return False
         storage = obj.untyped_storage()
         size, ptr = storage.nbytes(), storage.data_ptr()
