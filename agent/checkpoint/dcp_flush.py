@@ -110,7 +110,10 @@ def publish_newest(directory: Path, candidates: list[tuple[int, int]], keep: int
             parts = complete(temp, world)
             if parts is None or (step != newest and waited < WAIT_NEWEST_SHARE * seconds):
                 continue
-            lock = _lock_dir(temp)
+            try:
+                lock = _lock_dir(temp)
+            except FileNotFoundError:  # another node's helper published it meanwhile
+                continue
             try:
                 if lock is None or (directory / dcp_files.step_name(step)).exists() or not temp.exists():
                     return None
@@ -137,9 +140,12 @@ def flush(holder_id: str, directory: Path, seconds: float, keep: int) -> dict[st
     if not publishers:
         return {"written": sorted(s for s, ranks in written.items() if ranks)}
     done = publish_newest(directory, publishers, keep, seconds)
-    if done is None:
-        return {"written": sorted(written)}
-    return {"step": done[0], "path": str(done[1])}
+    if done is not None:
+        return {"step": done[0], "path": str(done[1])}
+    newest = max(step for step, _ in publishers)
+    if dcp_files.is_intact(directory / dcp_files.step_name(newest)):
+        return {"written": sorted(written)}  # published by another node's helper
+    return {"warn": f"sharded checkpoint step {newest} stays in memory only: not every rank's part reached {directory} within {seconds:.0f} s"}
 
 
 def main(argv: list[str]) -> int:
