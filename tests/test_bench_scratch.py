@@ -34,7 +34,9 @@ def start(parent: Path, how: str) -> tuple[subprocess.Popen, Path]:
     )
     assert proc.stdout is not None
     root = Path(proc.stdout.readline().strip())
-    assert root.is_dir() and root.parent == parent
+    assert root.parent == parent and root.name.startswith(f"rally_bench_{proc.pid}_")
+    if how == "wait":  # (a finishing run may have removed it already)
+        assert root.is_dir()
     return proc, root
 
 
