@@ -33,6 +33,7 @@ from rally.agent.decide import Exit, Reform, Restart, decide
 from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
 from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
 from rally.agent.hang_report import HangReporter
+from rally.agent.node_waits import NodeWaits, wait_for_readers
 from rally.agent.observe.health import HealthMonitor, HealthSettings
 from rally.agent.observe.live import LiveView
 from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
@@ -78,6 +79,7 @@ class Agent:
             preferred_rank=plan.preferred_rank,
         )
         self.state = AgentState.STARTING
+        self.waits = NodeWaits(console.say)  # the line of a long wait, for the console and `rally status`
         self.loop = EventLoop(on_worker_exit=lambda w: self.health.note_exit(w.local_rank), on_child_signal=self._reap_orphans)
         self.preemption = Preemption(spec, self.host, plan.preferred_rank, self.loop, self.store_call, requeue)
         self.group: WorkerGroup | None = None
@@ -114,7 +116,7 @@ class Agent:
         processes.become_subreaper()
         self.loop.install_signal_handlers({*self.spec.signals_to_handle, *self.spec.preemption_signals})
         self.guard = GuardClient(self.token)
-        self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn)  # preloads torch meanwhile
+        self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn, self.waits.announce)  # preloads torch meanwhile
         try:
             self._start_observer()
             code = self._run()
@@ -410,10 +412,11 @@ class Agent:
     def _exit_barrier(self, rdzv: Rendezvous, a: Assignment) -> None:
         if self.store_server is not None:  # a signal ends the wait at once
             self.state = AgentState.EXIT_BARRIER
-            self.store_call(lambda: rdzv.wait_all_acknowledged(a.round, EXIT_BARRIER_SECONDS), waiting=True)
+            self.store_call(lambda: wait_for_readers(rdzv, a.round, EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_record(self, a: Assignment) -> dict:
-        return {**node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer), **self.ckpt.status_fields()}
+        waiting = self.waits.fields(a.round, self.rdzv.waiting if self.rdzv else None)  # a long wait under way (agent/node_waits.py)
+        return {**node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer), **self.ckpt.status_fields(), **waiting}
 
     # ================================================================ signals
     def _on_signals(self, rdzv: Rendezvous | None = None, a: Assignment | None = None) -> RoundEnd | None:

@@ -14,7 +14,6 @@ whole table is tested without either (tests/test_decide.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from rally.agent.exit_codes import EXIT_PREEMPTED
 from rally.rendezvous.records import Assignment, EndKind, RoundEnd
@@ -41,7 +40,7 @@ class Exit:
     gave_up: bool = False
 
 
-Decision = Union[Restart, Reform, Exit]
+Decision = Restart | Reform | Exit
 
 
 def exit_status(end: RoundEnd) -> int:

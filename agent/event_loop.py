@@ -14,8 +14,9 @@ import queue
 import selectors
 import signal
 import threading
+from collections.abc import Callable
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 
 class Event(str, Enum):
@@ -145,7 +146,7 @@ class EventLoop:
         def call() -> None:
             try:
                 box["value"] = fn()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            except BaseException as exc:  # re-raised in the main thread
                 box["error"] = exc
             done.set()
             self.inbox.post(Event.WAKE)

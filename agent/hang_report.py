@@ -30,8 +30,9 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from rally.agent.event_loop import Event
 from rally.agent.exit_codes import EXIT_INFRASTRUCTURE
@@ -105,13 +106,13 @@ class Snapshot:
     node: int = -1  # the agent's group rank
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Snapshot | None":
+    def from_dict(cls, data: dict) -> Snapshot | None:
         try:
             return cls(
                 int(data["rank"]), int(data["local_rank"]), str(data["host"]), int(data["pid"]), str(data["state"]),
                 [str(line) for line in data.get("stack") or []], None if data.get("beats") is None else int(data["beats"]),
                 int(data.get("node", -1)),
-            )  # fmt: skip
+            )
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -140,12 +141,13 @@ def name_culprit(snapshots: list[Snapshot], found_hung: Snapshot | None) -> tupl
         ranks = ", ".join(str(s.rank) for s in waiting)
         return culprit, (
             f"it is outside the collective that rank{'s' if len(waiting) > 1 else ''} {ranks} "
-            f"wait{'' if len(waiting) > 1 else 's'} in ({top_frame(waiting[0].stack)}); it is in {top_frame(culprit.stack)}"
+            f"wait{'' if len(waiting) > 1 else 's'} in ({top_frame(waiting[0].stack)}); it is in " f"{top_frame(culprit.stack)}"
         )
-    beating = [s for s in ordered if s.beats is not None]
-    if len(beating) > 1 and min(s.beats for s in beating) < max(s.beats for s in beating):  # type: ignore[type-var]
-        culprit = min(beating, key=lambda s: (s.beats, s.rank))
-        return culprit, f"it made the least progress ({culprit.beats} heartbeats; the others up to {max(s.beats for s in beating)})"  # type: ignore[type-var]
+    beating = [(s.beats, s) for s in ordered if s.beats is not None]
+    most = max((beats for beats, _ in beating), default=0)
+    if len(beating) > 1 and min(beats for beats, _ in beating) < most:
+        beats, culprit = min(beating, key=lambda pair: (pair[0], pair[1].rank))
+        return culprit, f"it made the least progress ({beats} heartbeats; the others up to {most})"
     if found_hung is not None:
         return found_hung, ""
     return ordered[0], ""
@@ -159,10 +161,10 @@ class HangReporter:
         host: str,
         is_python: bool,
         stack_dump_wait: float,
-        loop: "EventLoop",
+        loop: EventLoop,
         store_call: Callable[..., Any],
         connect: Callable[[], Rendezvous],
-        group: Callable[[], "WorkerGroup | None"],
+        group: Callable[[], WorkerGroup | None],
         heartbeat_count: Callable[[int], int | None],
         emit: Callable[..., None],
         wait: float = HANG_REPORT_WAIT_SECONDS,
@@ -231,11 +233,11 @@ class HangReporter:
             Snapshot(
                 w.global_rank, w.local_rank, self.host, w.pid, states[w.local_rank],
                 stacks.get(w.local_rank, []), self.heartbeat_count(w.local_rank), a.group_rank,
-            )  # fmt: skip
+            )
             for w in workers
         ]
 
-    def collect_stacks(self, workers: list["Worker"]) -> dict[int, list[str]]:
+    def collect_stacks(self, workers: list[Worker]) -> dict[int, list[str]]:
         """Ask each worker's faulthandler for all its threads' stacks, all at once; bounded wait."""
         if not self.is_python or not workers:
             return {}
@@ -263,7 +265,7 @@ class HangReporter:
         return {w.local_rank: w.output.stderr_since(marks[w.local_rank]) for w in asked}
 
     # ------------------------------------------------------------ the node that found the hang
-    def report(self, rdzv: Rendezvous, a: Assignment, hang: "Hang") -> RoundEnd:
+    def report(self, rdzv: Rendezvous, a: Assignment, hang: Hang) -> RoundEnd:
         """Snapshot every rank on every node, name the culprit, and describe it as the round's end."""
         group = self.group()
         assert group is not None
@@ -291,8 +293,8 @@ class HangReporter:
     def _describe(
         self,
         a: Assignment,
-        hang: "Hang",
-        found: "Worker",
+        hang: Hang,
+        found: Worker,
         snapshots: list[Snapshot],
         named: tuple[Snapshot, str] | None,
         missing: list[int],

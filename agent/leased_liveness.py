@@ -4,9 +4,9 @@ With a c10d store each node bumps a counter and watches the next node's counter 
 `RoundThreads._keep_alive` in agent/round_threads.py). With etcd the same job is done by the
 cluster: each node's alive key `<round>/alive/<group_rank>` is attached to a lease with TTL =
 keep_alive_timeout, the node refreshes the lease every keep-alive interval, and the next node in
-the ring waits (a watch, no polling) for the key's deletion. When a node dies, nobody refreshes its lease, etcd deletes the
-key TTL seconds later, and its watcher declares it lost, which ends the round as "node_lost"
-for every node. The lease survives an etcd leader change: a new leader extends every lease.
+the ring waits (a watch, no polling) for the key's deletion. When a node dies, nobody refreshes
+its lease, etcd deletes the key TTL seconds later, and its watcher declares it lost, which ends
+the round as "node_lost" for every node. The lease survives an etcd leader change: a new leader extends every lease.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rally.agent.event_loop import Event
 from rally.rendezvous.protocol import Assignment, Rendezvous

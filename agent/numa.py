@@ -15,7 +15,7 @@ near and the launcher says so once (launcher/torchrun_extras.py).
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 AFFINITY_VARIABLE = "RALLY_CPU_AFFINITY"
 
@@ -24,7 +24,7 @@ class NumaBindingError(RuntimeError):
     """torch could not work out the CPUs near a GPU (the message says why)."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def cpus_near_gpu(mode: str, gpu_index: int) -> frozenset[int]:
     """The logical CPUs torch binds the worker of `gpu_index` to in affinity mode `mode`."""
     try:  # feature detection: torch.numa.binding is newer than the oldest torch rally supports
@@ -39,7 +39,7 @@ def cpus_near_gpu(mode: str, gpu_index: int) -> frozenset[int]:
 
     try:
         cpus = _get_logical_cpus_to_bind_to(gpu_index=gpu_index, numa_options=NumaOptions(affinity_mode=AffinityMode(mode)))
-    except Exception as exc:  # noqa: BLE001 - torch raises several types reading sysfs and CUDA
+    except Exception as exc:  # torch raises several types reading sysfs and CUDA
         raise NumaBindingError(f"--numa-binding {mode}: cannot find the CPUs near GPU {gpu_index}: {exc}") from exc
     if not cpus:
         raise NumaBindingError(f"--numa-binding {mode}: torch found no CPU near GPU {gpu_index}")

@@ -11,16 +11,16 @@ makes SLURM kill every task and a shard still being saved would be lost. The rou
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rally.agent import processes
+from rally.agent.display import console
 from rally.agent.event_loop import EventLoop
 from rally.agent.exit_codes import EXIT_PREEMPTED
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.agent.display import console
 from rally.rendezvous.protocol import Assignment, EndKind, Rendezvous, RoundEnd
-
 
 
 class Preemption:
@@ -80,5 +80,5 @@ class Preemption:
             return
         try:
             console.say(self.requeue())
-        except Exception as exc:  # noqa: BLE001 - a failed requeue is reported, not fatal
+        except Exception as exc:  # a failed requeue is reported, not fatal
             console.error(f"could not requeue the job: {exc}")

@@ -19,8 +19,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Sequence
+from typing import IO
 
 import psutil
 
@@ -234,7 +235,7 @@ def kill_descendants(keep: frozenset[int] | set[int], deadline: float | None = N
 def reap_zombies(keep: frozenset[int] | set[int]) -> list[int]:
     """Reap the exited orphans re-parented to this agent (never a pid in `keep`: workers are
     reaped by their own handles, which need the exit status)."""
-    reaped = []
+    reaped: list[int] = []
     try:
         children = psutil.Process().children()
     except psutil.Error:
@@ -266,7 +267,7 @@ _STATES = {
 def process_state(pid: int) -> str:
     """The process's scheduler state in words ("stopped (SIGSTOP)", "sleeping", ...)."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one short read
+        stat = open(f"/proc/{pid}/stat").read()  # one short read
     except OSError:
         return "exited"
     letter = stat.rpartition(")")[2].split()[0]

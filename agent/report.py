@@ -18,11 +18,11 @@ from pathlib import Path
 
 from rich.table import Table
 
+from rally.agent.display.worker_table import worker_table
 from rally.agent.processes import describe_exit, exit_status_for_shell
 from rally.agent.round_threads import StoreSilent
 from rally.agent.untrusted_files import open_for_writing, read_json_object
 from rally.agent.workers import Worker, WorkerGroup
-from rally.agent.display.worker_table import worker_table
 from rally.rendezvous.backends import backend_of
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
 from rally.rendezvous.store import StoreEndpoint, UntrustedValue

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.event_loop import Event
 from rally.agent.leased_liveness import keep_alive_with_lease

@@ -7,8 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rally.agent.observe.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOW
 from rally.agent.observe.learned_timeouts import LearningSettings
+from rally.agent.observe.stragglers import DEFAULT_FACTOR, DEFAULT_WINDOW
 
 STDOUT = 1
 STDERR = 2

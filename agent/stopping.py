@@ -8,9 +8,9 @@ import time
 from typing import Any
 
 from rally.agent import processes
+from rally.agent.display import console
 from rally.agent.event_loop import EventLoop
 from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.agent.display import console
 
 # How long to keep reading stopped workers' pipes to their end (a grandchild may hold them open).
 OUTPUT_DRAIN_SECONDS = 2.0

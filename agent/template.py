@@ -48,11 +48,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rally.agent import linux
+from rally.agent.template_connection import (
+    Connection,
+    TemplateGone,
+    TemplateRefused,
+    TemplateStuck,
+    status_to_returncode,
+)
 from rally.agent.worker import template_wire
-from rally.agent.template_connection import Connection, TemplateGone, TemplateRefused, TemplateStuck, status_to_returncode
 from rally.agent.worker.template_server import why_fork_is_unsafe  # noqa: F401 - re-exported for callers
 
 # Variables that differ from worker to worker or round to round (see workers.worker_env);
@@ -202,7 +209,14 @@ class TemplateClient:
         env: dict[str, str],
         cwd: str,
         warn: Callable[[str], None],
+        announce: Callable[[str], None] | None = None,
     ) -> None:
+        """`warn` hears what went wrong; `announce` what a long wait for the template waits for
+        (agent/node_waits.py; default: the console)."""
+        if announce is None:
+            from rally.agent.display import console
+
+            announce = console.say
         self.bootstrap = bootstrap
         self.argv = template_command(python_exec, bootstrap, worker_argv)
         self.python_exec = python_exec
@@ -210,6 +224,7 @@ class TemplateClient:
         self.env = dict(env)
         self.cwd = cwd
         self.warn = warn
+        self.announce = announce
         request = bootstrap_request(worker_argv, bootstrap)
         self.path0 = preload_path0(request[0], request[1], cwd) if request else cwd
         self.connection: Connection | None = None
@@ -219,7 +234,9 @@ class TemplateClient:
         self.plain_starts = 0
 
     @classmethod
-    def for_job(cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None] | None = None) -> "TemplateClient | None":
+    def for_job(
+        cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None] | None = None, announce: Callable[[str], None] | None = None
+    ) -> TemplateClient | None:
         """The template for this job, or None when workers start plainly (--no-preload, --no-python)."""
         preload = getattr(spec, "preload", None)
         if preload is None or not spec.is_python:
@@ -232,13 +249,15 @@ class TemplateClient:
 
             warn = console.warn
         cwd = os.path.abspath(spec.cwd or os.getcwd())
-        return cls(spec.python_exec, BOOTSTRAP, spec.command(), preload, shared_worker_env(spec, base_env), cwd, warn)
+        return cls(spec.python_exec, BOOTSTRAP, spec.command(), preload, shared_worker_env(spec, base_env), cwd, warn, announce)
 
     @classmethod
-    def started_for_job(cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None]) -> "TemplateClient | None":
+    def started_for_job(
+        cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None], announce: Callable[[str], None] | None = None
+    ) -> TemplateClient | None:
         """`for_job`, started at once so it preloads torch while the rendezvous runs; None (workers
         start plainly) when the job has none, or when it cannot start (said once, with `warn`)."""
-        template = cls.for_job(spec, base_env, warn)
+        template = cls.for_job(spec, base_env, warn, announce)
         if template is None:
             return None
         try:
@@ -252,7 +271,8 @@ class TemplateClient:
     def start(self) -> None:
         """Start the template; it preloads while the agent goes on (the first spawn waits)."""
         env = {**self.env, ENV_SPACE_VARIABLE: " " * ENV_SPACE}
-        self.connection = Connection(self.argv, env, self.cwd, {"op": "init", "preload": self.preload, "path0": self.path0})
+        init = {"op": "init", "preload": self.preload, "path0": self.path0}
+        self.connection = Connection(self.argv, env, self.cwd, init, self.announce)
 
     @property
     def pid(self) -> int | None:
@@ -299,7 +319,7 @@ class TemplateClient:
         )
         if different:
             self._warn_once(
-                "env", f"starting workers plainly: their environment differs from the worker template's in {', '.join(different)}"
+                "env", "starting workers plainly: their environment differs from the worker template's in " f"{', '.join(different)}"
             )
             self.plain_starts += 1
             return processes.spawn(argv, env, cwd, stdout, stderr)

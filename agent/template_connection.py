@@ -10,10 +10,11 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rally.agent import linux
 from rally.agent.worker import template_wire
+from rally.rendezvous.long_wait import LongWait
 
 READY_TIMEOUT = 300.0  # importing torch on a loaded node
 REPLY_TIMEOUT = 30.0
@@ -38,7 +39,10 @@ def status_to_returncode(status: int) -> int:
 class Connection:
     """One template process and the agent's end of its socket."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, init: dict[str, Any]) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], cwd: str, init: dict[str, Any], announce: Callable[[str], None] = lambda _line: None
+    ) -> None:
+        """`announce` hears, every few seconds, what a long wait for the template waits for."""
         import subprocess
 
         from rally.agent import processes
@@ -58,6 +62,8 @@ class Connection:
         finally:
             theirs.close()
         self.sock = ours
+        self.announce = announce
+        self.preload = ", ".join(init.get("preload") or []) or "nothing"
         self.exits: dict[int, tuple[int, float]] = {}
         self.ready: dict[str, Any] | None = None
         self.closed = False
@@ -97,21 +103,21 @@ class Connection:
         message["fds"] = fds
         return message
 
-    def _await(self, ops: tuple[str, ...], timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
+    def _await(self, ops: tuple[str, ...], timeout: float, what: str) -> dict[str, Any]:
+        """The next message of one of `ops`, within `timeout`; every few seconds meanwhile,
+        `announce` hears `what` is awaited and for how long at most (rendezvous/long_wait.py)."""
+        wait = LongWait(what, timeout, self.announce)
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            message = self._read(wait.slice())
+            if message is not None and message["op"] != "filed":
+                if message["op"] == "ready":
+                    self.ready = message
+                if message["op"] in ops:
+                    return message
+                for fd in message.get("fds", []):
+                    os.close(fd)
+            if not wait.tick():
                 raise TemplateStuck(f"the worker template did not answer within {timeout:g} s")
-            message = self._read(left)
-            if message is None or message["op"] == "filed":
-                continue
-            if message["op"] == "ready":
-                self.ready = message
-            if message["op"] in ops:
-                return message
-            for fd in message.get("fds", []):
-                os.close(fd)
 
     def drain(self) -> None:
         """File every exit report already waiting (never blocks)."""
@@ -126,7 +132,8 @@ class Connection:
     def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         with self.lock:
             if self.ready is None:
-                self._await(("ready",), READY_TIMEOUT if timeout is None else timeout)
+                what = f"waiting for the worker template (pid {self.pid}) to import {self.preload} before it starts workers"
+                self._await(("ready",), READY_TIMEOUT if timeout is None else timeout, what)
             assert self.ready is not None
             return self.ready
 
@@ -138,7 +145,7 @@ class Connection:
             except OSError as exc:
                 self.closed = True
                 raise TemplateGone(self.describe_death()) from exc
-            reply = self._await(("spawned", "refused"), REPLY_TIMEOUT)
+            reply = self._await(("spawned", "refused"), REPLY_TIMEOUT, f"waiting for the worker template (pid {self.pid}) to fork a worker")
             if reply["op"] == "refused":
                 raise TemplateRefused(reply["reason"])
             pidfds = reply["fds"]
@@ -165,7 +172,7 @@ class Connection:
     def describe_death(self) -> str:
         try:
             code = self.popen.wait(timeout=1.0)
-        except Exception:  # noqa: BLE001 - still running, or not ours to wait for
+        except Exception:  # still running, or not ours to wait for
             return "the template stopped answering"
         from rally.agent.processes import describe_exit
 
@@ -181,6 +188,6 @@ class Connection:
             pass
         try:
             self.popen.wait(timeout=timeout)
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+        except Exception:  # subprocess.TimeoutExpired
             self.popen.kill()
             self.popen.wait()

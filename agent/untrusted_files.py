@@ -86,7 +86,7 @@ def open_for_writing(path: str | os.PathLike[str]) -> BinaryIO:
             continue
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             os.set_blocking(fd, True)
-            return open(fd, "wb")  # noqa: SIM115 - the caller owns it
+            return open(fd, "wb")  # the caller owns it
         os.close(fd)  # a FIFO that has a reader
         _unlink(path)
         flags |= os.O_EXCL

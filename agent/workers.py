@@ -14,13 +14,14 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Mapping
+from typing import Any, BinaryIO
 
 from rally.agent import logs_specs
-from rally.agent.observe.health import heartbeat_path
 from rally.agent.logs_specs import StreamPlan
+from rally.agent.observe.health import heartbeat_path
 from rally.agent.output import OutputStream, WorkerOutput
 from rally.agent.processes import ChildProcess, describe_exit, process_state, spawn
 from rally.agent.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec
@@ -135,7 +136,7 @@ def virtual_device(local_rank: int, base_env: Mapping[str, str]) -> str:
 
 
 def _stream_plans(
-    spec: JobSpec, logs: "LogLayout", attempt: int, envs: dict[int, dict[str, str]]
+    spec: JobSpec, logs: LogLayout, attempt: int, envs: dict[int, dict[str, str]]
 ) -> tuple[dict[int, StreamPlan], dict[int, Path]]:
     """Where each worker's streams go: rally's layout (torchrun's default), or --logs-specs'."""
     if spec.logs_specs:
@@ -159,7 +160,7 @@ class LogLayout:
     custom: Any = None  # --logs-specs: the user's LogsSpecs object, built once (agent/logs_specs.py)
 
     @classmethod
-    def create(cls, log_dir: str | None, run_id: str) -> "LogLayout":
+    def create(cls, log_dir: str | None, run_id: str) -> LogLayout:
         import tempfile
 
         base = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="rally_"))
@@ -196,7 +197,7 @@ class WorkerGroup:
         console_out: BinaryIO | None = None,
         console_err: BinaryIO | None = None,
         launch: Callable[..., ChildProcess] = spawn,
-    ) -> "WorkerGroup":
+    ) -> WorkerGroup:
         """Start this node's workers. `launch` has `processes.spawn`'s signature: a plain start by
         default, or the worker template's `TemplateClient.spawn` (agent/template.py)."""
         console_out = console_out or sys.stdout.buffer

@@ -43,11 +43,11 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/checkpoint.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    __package__ = "bench"  # noqa: A001
+    __package__ = "bench"
 
-from bench import common  # noqa: E402
-from bench.common import REPO, RESULTS, Job  # noqa: E402
-from bench.scratch import scratch_dir  # noqa: E402
+from bench import common
+from bench.common import REPO, RESULTS, Job
+from bench.scratch import scratch_dir
 
 METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover", "dcp_save_sharded", "dcp_async_sharded", "rally_sharded")
 LABELS = {
@@ -122,7 +122,7 @@ def summarize(runs: list[dict]) -> dict:
     if not ok:
         return {"error": runs[-1].get("error", "no run") if runs else "not run"}
     def kept(r: dict) -> list[tuple[float, float | None]]:  # (stall, durable after) of the saves made, from the 3rd
-        return [(s, d) for i, (s, d) in enumerate(zip(r["stalls"], r["durable_after"]), 1) if i > 2 and i not in r.get("dropped", [])]
+        return [(s, d) for i, (s, d) in enumerate(zip(r["stalls"], r["durable_after"], strict=False), 1) if i > 2 and i not in r.get("dropped", [])]
 
     steady = [s for r in ok for s, _ in kept(r)]
     first = [s for r in ok for s in r["stalls"][:2]]
@@ -150,7 +150,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves | saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | left in /dev/shm after the job |",
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves " "| saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | " "left in /dev/shm after the job |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
@@ -161,7 +161,7 @@ def table(summary: dict[str, dict], mb: int) -> str:
             f"| {LABELS[method]} | {s['stall']:.3f} s ({s['stall_range'][0]:.3f}–{s['stall_range'][1]:.3f}) | "
             f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | {s['dropped']} | "
             f"{'—' if s['durable'] is None else format(s['durable'], '.2f') + ' s'} | "
-            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | {s['reload_ratio']:.2f}× | {s['source']} | {format(s['shm_left'], '.0f') + ' MB' if s['shm_left'] else 'nothing'} |"
+            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | " f"{s['reload_ratio']:.2f}× | {s['source']} | " f"{format(s['shm_left'], '.0f') + ' MB' if s['shm_left'] else 'nothing'} |"
         )
     return "\n".join(lines)
 

@@ -23,9 +23,10 @@ import subprocess
 import sysconfig
 import time
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import psutil
 
@@ -90,7 +91,7 @@ def free_port() -> int:
 
 
 # ------------------------------------------------------------------ processes
-_LIVE: dict[int, "Job"] = {}
+_LIVE: dict[int, Job] = {}
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Job:
         env: dict[str, str],
         cwd: Path,
         log_dir: Path,
-    ) -> "Job":
+    ) -> Job:
         log_dir.mkdir(parents=True, exist_ok=True)
         out_path, err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -398,7 +399,7 @@ def launcher_order(rep: int) -> tuple[str, ...]:
     return LAUNCHERS if rep % 2 == 0 else tuple(reversed(LAUNCHERS))
 
 
-def error_run(run: dict[str, Any], job: "Job | None", message: str) -> dict[str, Any]:
+def error_run(run: dict[str, Any], job: Job | None, message: str) -> dict[str, Any]:
     run["ok"] = False
     run["error"] = message
     if job is not None:
@@ -411,7 +412,7 @@ _RALLY_STAMP = r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) "
 _GLOG_STAMP = r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ [^\n]*?"
 
 
-def _nearest_day(candidate, reference: float) -> float:  # noqa: ANN001 - datetime
+def _nearest_day(candidate, reference: float) -> float:  # datetime
     """A wall-clock time read without (all of) its date: the day that puts it nearest `reference`."""
     import datetime as dt
 

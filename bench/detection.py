@@ -54,7 +54,7 @@ def log_time(launcher: str, stderr: str, attempt: int, reference: float) -> floa
     return parse(lines[attempt], pattern, reference)
 
 
-def agent_noticed_times(log_dir) -> list[float]:  # noqa: ANN001 - a Path
+def agent_noticed_times(log_dir) -> list[float]:  # a Path
     """rally only: when the agent registered each failed exit (events.jsonl `worker_exited`,
     written in the same loop iteration in which the worker's pidfd turned readable)."""
     import json

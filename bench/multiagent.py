@@ -198,7 +198,7 @@ def run(ctx: Context) -> list[Figure]:
                     after_start[n].samples[launcher].append(result["after_last_start"])
                     rss.samples[launcher].append(statistics.median(result["peak_rss_mb"]))
                     rss_helpers.samples[launcher].append(statistics.median(result["peak_rss_with_helpers_mb"]))
-                    ctx.say(f"multiagent {launcher} N={n} rep {rep}: rendezvous done {result.get('rendezvous_done') or float('nan'):.3f} s "
+                    ctx.say(f"multiagent {launcher} N={n} rep {rep}: rendezvous done " f"{result.get('rendezvous_done') or float('nan'):.3f} s "
                             f"and workers running {result['after_last_import']:.3f} s after last import, "
                             f"{result['after_last_start']:.2f} s after last start, "
                             f"RSS {statistics.median(result['peak_rss_mb']):.0f} MB, exit codes ok={result['ok']}")

@@ -37,9 +37,9 @@ from bench.common import (
     launcher_order,
     read_float,
     run_dir,
+    short_command,
     wait_until,
 )
-from bench.common import short_command
 from bench.multiagent import helpers_comment, helpers_of
 
 NAME = "overhead"
@@ -144,7 +144,7 @@ def run(ctx: Context) -> list[Figure]:
             if result.get("node_pss_mb") is not None:
                 pss.samples[launcher].append(result["node_pss_mb"])
             ctx.say(f"overhead {launcher} rep {rep}: CPU {result['cpu_pct']:.2f}% of a core, RSS {result['rss_mb']:.0f} MB "
-                    f"(+helpers {result['rss_with_helpers_mb']:.0f} MB, node PSS {result['node_pss_mb'] or float('nan'):.0f} MB), "
+                    f"(+helpers {result['rss_with_helpers_mb']:.0f} MB, node PSS " f"{result['node_pss_mb'] or float('nan'):.0f} MB), "
                     f"{result['threads']} threads")
     cpu.target = "≤ 1% of a core"
     v = cpu.value("rally")

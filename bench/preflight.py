@@ -21,7 +21,19 @@ import re
 import sys
 import time
 
-from bench.common import SHIM, WORKERS, Context, Figure, Job, bench_env, error_run, free_port, launcher_exe, read_float, run_dir
+from bench.common import (
+    SHIM,
+    WORKERS,
+    Context,
+    Figure,
+    Job,
+    bench_env,
+    error_run,
+    free_port,
+    launcher_exe,
+    read_float,
+    run_dir,
+)
 
 NAME = "preflight"
 TOOK = re.compile(r"rally: pre-flight of round 0 took (\d+\.\d+) s(?: \((\d+\.\d+) s of it waiting)?")
@@ -36,7 +48,7 @@ def one(ctx: Context, nodes: int, rep: int) -> dict:
         "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-preflight-{nodes}-{rep}",
         "--local-addr", "127.0.0.1", "--preflight", "--log-dir", str(d / "logs"), str(WORKERS / "plain_ready.py"), str(out),
-    ]  # fmt: skip
+    ]
     run["argv"] = ["rally", *argv_tail]
     env = bench_env({"BENCH_IMPORT_MARK": str(run_dir(d, "marks"))})
     timeout = 60 + 5 * nodes
@@ -52,7 +64,7 @@ def one(ctx: Context, nodes: int, rep: int) -> dict:
         ready = [read_float(out / f"ready.{r}") for r in range(nodes)]
         took = [TOOK.search(j.stderr()) for j in jobs]
         if any(r is None for r in ready) or not all(took):
-            return error_run(run, jobs[0], f"{sum(r is not None for r in ready)}/{nodes} workers ran, {sum(map(bool, took))} pre-flight lines; exit codes {codes}")
+            return error_run(run, jobs[0], f"{sum(r is not None for r in ready)}/{nodes} workers ran, {sum(map(bool, took))} pre-flight " f"lines; exit codes {codes}")
         run.update(
             preflight_seconds=[float(m.group(1)) for m in took],
             # without the wait for the template's torch import, which the workers wait for anyway
@@ -75,7 +87,7 @@ def run(ctx: Context) -> list[Figure]:
             if "preflight_seconds" in result:
                 figures[n].samples["rally"].append(max(result["preflight_seconds"]))
                 beyond[n].samples["rally"].append(max(result["beyond_template"]))
-                ctx.say(f"preflight N={n} rep {rep}: {max(result['preflight_seconds']):.2f} s (slowest node), ok={result['ok']}")
+                ctx.say(f"preflight N={n} rep {rep}: {max(result['preflight_seconds']):.2f} s (slowest node), " f"ok={result['ok']}")
             else:
                 ctx.say(f"preflight N={n} rep {rep}: FAILED {result.get('error')}")
     for n in sizes:

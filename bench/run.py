@@ -35,14 +35,14 @@ from typing import Any
 
 if __package__ in (None, ""):  # `python bench/run.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    __package__ = "bench"  # noqa: A001
+    __package__ = "bench"
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from bench import common  # noqa: E402
-from bench.common import LAUNCHERS, REPO, RESULTS, Context, Figure, summary  # noqa: E402
-from bench.scratch import scratch_dir  # noqa: E402
+from bench import common
+from bench.common import LAUNCHERS, REPO, RESULTS, Context, Figure, summary
+from bench.scratch import scratch_dir
 
 BENCHMARKS = ("launch", "restart", "detection", "multiagent", "simulated", "overhead", "preflight")
 
@@ -90,7 +90,7 @@ FULL = {
 console = Console(stderr=True, highlight=False)
 
 
-def module(name: str):  # noqa: ANN201
+def module(name: str):
     import importlib
 
     return importlib.import_module(f"bench.{name}")
@@ -153,7 +153,7 @@ def rich_table(figures: list[Figure], title: str) -> Table:
     table = Table(title=title, show_lines=False)
     for h in HEADERS:
         table.add_column(h, overflow="fold")
-    for row, f in zip(rows(figures), figures):
+    for row, f in zip(rows(figures), figures, strict=True):
         style = {True: "green", False: "red"}.get(f.met) if f.target else None
         table.add_row(*row, style=style)
     return table
@@ -164,12 +164,13 @@ def markdown(figures: list[Figure], meta: dict) -> str:
         f"## rally vs torchrun — {meta['mode']} run, {meta['date']}",
         "",
         f"Machine: {meta['cpus']} CPUs, Python {meta['python']}, torch {meta['torch']}; rally at "
-        f"`{meta['rally_commit'][:10]}`{' (with uncommitted changes in ' + ', '.join(meta['rally_dirty']) + ')' if meta['rally_dirty'] else ''}. "
+        f"`{meta['rally_commit'][:10]}`"
+        f"{' (with uncommitted changes in ' + ', '.join(meta['rally_dirty']) + ')' if meta['rally_dirty'] else ''}. "
         + (f"**The rally tree changed during the run** (at the end: `{meta['rally_commit_end'][:10]}`"
            f"{', uncommitted changes in ' + ', '.join(meta['rally_dirty_end']) if meta['rally_dirty_end'] else ''}). "
            if meta.get("rally_changed_during_run") else "")
         + f"Command: `{meta['command']}` ({meta['duration_s'] / 60:.1f} min). Load average at start: "
-        f"{', '.join(f'{x:.1f}' for x in meta['loadavg_start'])}; at end: {', '.join(f'{x:.1f}' for x in meta['loadavg_end'])}"
+        f"{', '.join(f'{x:.1f}' for x in meta['loadavg_start'])}; at end: " f"{', '.join(f'{x:.1f}' for x in meta['loadavg_end'])}"
         + (f"; CPU busy just before a run (median over runs): {meta['cpu_busy_before_runs_median']:.0f} %."
            if meta.get("cpu_busy_before_runs_median") is not None else "."),
         "",
@@ -198,7 +199,7 @@ def git(*args: str) -> str:
 
 
 def metadata(mode: str, argv: list[str]) -> dict:
-    import torch  # noqa: F401 - version only; the bench process itself never uses it otherwise
+    import torch  # version only; the bench process itself never uses it otherwise
 
     dirty = git("status", "--porcelain", "--", "launcher", "agent", "rendezvous")
     return {
@@ -273,7 +274,7 @@ def run_all(args: argparse.Namespace, argv: list[str], selected: list[str], para
                 figures += module(name).run(ctx)
             except KeyboardInterrupt:
                 raise
-            except Exception as exc:  # noqa: BLE001 - one broken benchmark must not lose the others
+            except Exception as exc:  # one broken benchmark must not lose the others
                 import traceback
 
                 ctx.record(name, {"ok": False, "error": f"benchmark crashed: {exc!r}", "traceback": traceback.format_exc()})

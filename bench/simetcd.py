@@ -20,7 +20,8 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from rally.rendezvous.etcd_client import EtcdClient, Member
 
@@ -45,7 +46,7 @@ class LocalEtcd:
     def __init__(self, client_port: int, peer_port: int):
         self.client_port = client_port
         self.data_dir = tempfile.mkdtemp(prefix="rally_bench_etcd_")
-        self.log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115 - kept for the member's life
+        self.log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # kept for the member's life
         client = f"http://127.0.0.1:{client_port}"
         peer = f"http://127.0.0.1:{peer_port}"
         etcd = shutil.which("etcd")
@@ -96,7 +97,7 @@ class CountingClient(EtcdClient):
         super().__init__(members, start_at)
         self.counter = counter
 
-    def fork(self) -> "CountingClient":
+    def fork(self) -> CountingClient:
         return CountingClient(self.members, self.counter, self._current)
 
     def call(self, path: str, body: dict[str, Any], budget: float) -> dict[str, Any]:

@@ -100,7 +100,7 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
         from rally.rendezvous.store import Store
 
         class CountingStore(Store):
-            def _call(self, fn, *a):  # noqa: ANN001, ANN202
+            def _call(self, fn, *a):
                 wall, cpu = time.perf_counter(), time.thread_time()
                 value = super()._call(fn, *a)
                 counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
@@ -116,7 +116,8 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
             i = first + j
             store = CountingStore(raw, f"rally/sim{trial}/", "the simulated store", lambda raw=raw: raw)
             me = NodeInfo(node_id=f"node{i:05d}:{i}:sim", host=f"node{i:05d}", addr="127.0.0.1", nproc=8)
-            nodes.append(lambda r=Rendezvous(store, settings, me): r.next_round().group_rank)
+            rdzv = Rendezvous(store, settings, me)
+            nodes.append(lambda r=rdzv: r.next_round().group_rank)
     elif impl == "etcd":
         from rally.rendezvous.etcd_store import EtcdStore
         from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
@@ -140,7 +141,8 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
             i = first + j
             store = CountingEtcdStore(client, f"rally/sim{trial}/", timeout + 30)
             me = NodeInfo(node_id=f"node{i:05d}:{i}:sim", host=f"node{i:05d}", addr="127.0.0.1", nproc=8)
-            nodes.append(lambda r=Rendezvous(store, settings, me): r.next_round().group_rank)
+            rdzv = Rendezvous(store, settings, me)
+            nodes.append(lambda r=rdzv: r.next_round().group_rank)
     elif impl == "torch":
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -151,13 +153,13 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
         class CountingProxy:
             """What C10dRendezvousBackend sees: the node's store, with its calls counted."""
 
-            def __init__(self, store) -> None:  # noqa: ANN001
+            def __init__(self, store) -> None:
                 self._store = store
 
-            def __getattr__(self, name):  # noqa: ANN001, ANN204
+            def __getattr__(self, name):
                 fn = getattr(self._store, name)
 
-                def call(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                def call(*a, **k):
                     counter.bump()
                     return fn(*a, **k)
 
@@ -176,7 +178,7 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
         for j, raw in enumerate(clients):
             key = f"floor{trial}/{first + j}"
 
-            def ops(raw=raw, key=key) -> int:  # noqa: ANN001
+            def ops(raw=raw, key=key) -> int:
                 for _ in range(FLOOR_OPS):
                     counter.bump()
                     raw.add(key, 1)
@@ -207,7 +209,7 @@ def run_trial(nodes: list, first: int, counter: Counter, n: int = 0, stagger: fl
         try:
             ranks[j] = nodes[j]()
             done_at[j] = time.monotonic()
-        except Exception as exc:  # noqa: BLE001 - reported, not raised
+        except Exception as exc:  # reported, not raised
             text = str(exc).strip().splitlines()
             with lock:
                 errors.append(f"node {first + j}: {type(exc).__name__}: {text[0] if text else ''}")

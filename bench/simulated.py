@@ -92,7 +92,7 @@ def measure(ctx: Context, f: Figure, n: int, trials: list[str], timeout: float, 
             converged[impl] = True
             f.samples[launcher].append(result["elapsed"] - last_arrival)
             ops[launcher].append(result["store_ops_per_node"])
-            ctx.say(f"simulated {impl} N={n}{f' over {stagger:g} s' if stagger else ''}: {result['elapsed'] - last_arrival:.3f} s, "
+            ctx.say(f"simulated {impl} N={n}{f' over {stagger:g} s' if stagger else ''}: " f"{result['elapsed'] - last_arrival:.3f} s, "
                     f"{result['store_ops_per_node']:.1f} store calls/node")
         else:
             done = result.get("done")

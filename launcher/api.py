@@ -9,9 +9,10 @@ notebooks, test harnesses):
 
 Its options are the fields of `launcher.options.Options` by name, the same as the command's
 flags (an unknown name is one error line with the nearest valid one); PET_*/RALLY_* variables
-and then SLURM fill in what they leave open, as for the command. The callable and its arguments are pickled into a file in a
-fresh run directory; every worker runs `python -m rally.launcher.callable_worker`, which loads
-them, calls the function and pickles its return value to `<run dir>/results/rank_<RANK>.pkl`.
+and then SLURM fill in what they leave open, as for the command. The callable and its arguments
+are pickled into a file in a fresh run directory; every worker runs
+`python -m rally.launcher.callable_worker`, which loads them, calls the function and pickles its
+return value to `<run dir>/results/rank_<RANK>.pkl`.
 The job runs in this process with every behaviour of the command: restarts, hang detection,
 the root cause, which a failed job's `LaunchError` names (from the agent, as a value). `fn` is
 pickled by reference, so it must be importable by the workers (a module-level function of an
@@ -34,8 +35,9 @@ import pickle
 import pickletools
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from rally.agent.display import console
 from rally.launcher.cli import in_this_process, launch_and_run, run
@@ -140,7 +142,7 @@ def _main_preparation(data: bytes) -> dict[str, Any] | None | bool:
     if not refers:
         return None
     prepared = multiprocessing.spawn.get_preparation_data("rally-launch")
-    wanted = {k: prepared[k] for k in ("sys_argv", "init_main_from_name", "init_main_from_path") if k in prepared}
+    wanted: dict[str, Any] = {k: prepared[k] for k in ("sys_argv", "init_main_from_name", "init_main_from_path") if k in prepared}
     from_name = str(wanted.get("init_main_from_name", ""))
     if "init_main_from_path" not in wanted and (not from_name or from_name.split(".")[-1] == "__main__"):
         return False

@@ -3,8 +3,9 @@
 Run as `python -m rally.launcher.callable_worker RUN_DIR` (through rally's bootstrap, like any
 entry point). The caller's sys.path (RUN_DIR/sys_path.json) is appended to the worker's first,
 so that pickle finds the function's module; a function of the caller's own script (`__main__`)
-is found by importing that script first, as multiprocessing's spawn does (`prepare_main`). An exception propagates, so the worker fails as a
-script would and rally reports it as the root cause (traceback in stderr and the report).
+is found by importing that script first, as multiprocessing's spawn does (`prepare_main`). An
+exception propagates, so the worker fails as a script would and rally reports it as the root
+cause (traceback in stderr and the report).
 """
 
 from __future__ import annotations

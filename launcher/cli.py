@@ -15,14 +15,15 @@ import difflib
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import click
 from click.core import ParameterSource
 
-from rally.launcher import __version__, options
 from rally.agent.display import console
+from rally.launcher import __version__, options
 from rally.launcher.config import ConfigError, build_launch
 from rally.launcher.config_file import load_config_file
 from rally.launcher.flag_prefixes import expand_prefixes
@@ -187,7 +188,7 @@ def launch_and_run(o: Options, script: str | None, script_args: list[str], given
     return _run_agent(launch, requeue)
 
 
-def _slurm_job():  # noqa: ANN202 - launcher.slurm.SlurmJob | None, imported only here
+def _slurm_job():  # launcher.slurm.SlurmJob | None, imported only here
     from rally.launcher.slurm import SlurmJob
 
     try:
@@ -200,7 +201,7 @@ def _requeue_outside_slurm() -> str:
     raise RuntimeError("--requeue: not inside a SLURM job (SLURM_JOB_ID is unset)")
 
 
-def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  # noqa: ANN001 - launcher.config.Launch
+def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  # launcher.config.Launch
     from rally.rendezvous.store import quiet_torch_logs
 
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own

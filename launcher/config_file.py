@@ -27,7 +27,7 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         text = validate.config_text(path)  # a regular file only: a FIFO must not hang us
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save it as UTF-8") from None
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save " "it as UTF-8") from None
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -80,7 +80,7 @@ def typed(value: Any, name: str, key: str, here: str) -> Any:
             raise ConfigError(f"{here}: '{key}' is a flag: write {key}: true or {key}: false, not {value!r}")
         return value
     if isinstance(value, bool):
-        raise ConfigError(f"{here}: '{key}' takes a value, not {value!r}; write e.g. {key}: {options.Options.__dataclass_fields__[name].default!r}")
+        raise ConfigError(f"{here}: '{key}' takes a value, not {value!r}; write e.g. {key}: " f"{options.Options.__dataclass_fields__[name].default!r}")
     if kind is int:
         if isinstance(value, float) and value.is_integer():
             return int(value)

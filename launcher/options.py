@@ -11,14 +11,15 @@ names, default, help, help group and check. From these fields alone come:
 Adding a flag is a one-place edit: one field below, for example
 
     preflight_factor: float = option(2.0, "Health", "Fail a node whose ... (default 2.0).", check=above_one)
-    preflight: bool = option(True, "Health", "Check each node before it joins.", negative=True)  # --preflight/--no-preflight
+    # --preflight/--no-preflight:
+    preflight: bool = option(True, "Health", "Check each node before it joins.", negative=True)
 
 then read `parsed.preflight_factor` where launcher/config.py builds the job. Defaults that the
 agent also needs live in the agent's own types (`JobSpec`, `RendezvousSettings`) and are read
 from there with `spec_default`, so that each exists once. A check takes (value, flag) and
-returns the parsed value or raises `ConfigError`; `Options.parse()` runs every check, in
-declaration order (directories last: checking them creates them), and names the config file
-and line when the bad value came from one.
+returns the parsed value or raises `ConfigError` (the shared ones: launcher/option_checks.py);
+`Options.parse()` runs every check, in declaration order (directories last: checking them
+creates them), and names the config file and line when the bad value came from one.
 """
 
 from __future__ import annotations
@@ -26,14 +27,24 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from rally.agent.spec import JobSpec
 from rally.agent.observe.learned_timeouts import LearningSettings
+from rally.agent.spec import JobSpec
 from rally.launcher import node_checks_options, validate, values
+from rally.launcher.option_checks import (
+    backend,
+    non_empty_id,
+    not_negative,
+    optional,
+    positive_seconds,
+    rdzv_conf,
+    seconds,
+)
 from rally.launcher.validate import ConfigError
-from rally.rendezvous.backends import EndpointError, HostPort, backend_named
+from rally.rendezvous.backends import HostPort
 
 GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "Health", "rally extras")
 METADATA_KEY = "rally.option"
@@ -80,53 +91,6 @@ def spec_default(name: str) -> Any:
     return JobSpec.__dataclass_fields__[name].default
 
 
-# ------------------------------------------------------------------ checks, (value, flag) -> value
-def seconds(zero_ok: bool, minimum: float = 0.0) -> Callable[[Any, str], float | None]:
-    def check(value: Any, flag: str) -> float | None:
-        return None if value is None else validate.seconds(value, flag, zero_ok=zero_ok, minimum=minimum)
-
-    return check
-
-
-def positive_seconds(value: Any, flag: str) -> float | None:
-    """A timeout that is off unless given; given, above 0 (and finite, as every timeout)."""
-    if value is None:
-        return None
-    if float(value) <= 0:
-        raise ConfigError(f"{flag} {value}: must be a positive number of seconds")
-    return validate.seconds(value, flag, zero_ok=False)
-
-
-def not_negative(value: Any, flag: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise ConfigError(f"{flag} {number}: cannot be negative")
-    return number
-
-
-def optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    return lambda value, flag: None if value is None else check(value, flag)
-
-
-def non_empty_id(value: Any, flag: str) -> str:
-    if not str(value).strip():
-        raise ConfigError("--rdzv-id is empty; give the id every node of the job shares, e.g. --rdzv-id job42")
-    return str(value)
-
-
-def backend(value: Any, flag: str) -> Any:
-    try:
-        return backend_named(str(value))
-    except EndpointError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def rdzv_conf(value: Any, flag: str) -> dict[str, Any]:
-    conf = values.parse_rdzv_conf(value)
-    validate.check_rdzv_conf(conf)
-    return conf
-
-
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 PREEMPTION_SIGNALS = "SIGUSR1,SIGUSR2"
 
@@ -141,10 +105,10 @@ class Options:
     nproc_per_node: str = option("1", "Job", "Workers per node.", metavar="N|auto|cpu|gpu|xpu", check=lambda v, f: values.parse_nproc(v))
     role: str = option(spec_default("role"), "Job", "Worker role name (ROLE_NAME, log prefixes).")
     standalone: bool = option(False, "Rendezvous", "Single node: a private store on a free port, a random run id.")
-    rdzv_backend: str = option("static", "Rendezvous", "c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: fixed node ranks.", metavar="c10d|etcd|static", check=backend)
+    rdzv_backend: str = option("static", "Rendezvous", "c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: " "fixed node ranks.", metavar="c10d|etcd|static", check=backend)
     rdzv_endpoint: str | HostPort = option("", "Rendezvous", "The rendezvous store (c10d default port 29400), or etcd client endpoints HOST[:PORT],... (default port 2379).", str, metavar="HOST[:PORT]")
     rdzv_id: str = option(spec_default("run_id"), "Rendezvous", "Job id shared by all nodes.", metavar="ID", check=non_empty_id)
-    rdzv_conf: str = option("", "Rendezvous", "join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, store_type, ...; etcd: protocol, cacert, cert, key, username, password_file", metavar="K=V,...", check=rdzv_conf)
+    rdzv_conf: str = option("", "Rendezvous", "join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, " "store_type, ...; etcd: protocol, cacert, cert, key, username, password_file", metavar="K=V,...", check=rdzv_conf)
     node_rank: int | None = option(None, "Rendezvous", "This node's rank (static backend).", int, check=optional(not_negative))
     master_addr: str | None = option(None, "Rendezvous", "Address of node rank 0 (static backend).")
     master_port: int | None = option(None, "Rendezvous", "Port of the store on node rank 0 (static backend).", int, check=optional(validate.port))
@@ -154,7 +118,7 @@ class Options:
     shutdown_timeout: float | None = option(None, "Restarts and shutdown", f"Grace period between the stop signal and SIGKILL (default {spec_default('shutdown_timeout'):g} s).", float, check=seconds(True))
     signals_to_handle: str = option(TORCHRUN_SIGNALS, "Restarts and shutdown", "Signals forwarded to workers before shutdown.", check=values.parse_signals)
     start_method: str = option("spawn", "Restarts and shutdown", "Accepted for torchrun compatibility.", choices=("spawn", "fork", "forkserver"))
-    preload: str | None = option(None, "Restarts and shutdown", "Modules a per-node template process imports once; workers are forked from it and start in milliseconds (default: torch, for Python entry points).", metavar="MODULE,...")
+    preload: str | None = option(None, "Restarts and shutdown", "Modules a per-node template process imports once; workers are forked from it and start in " "milliseconds (default: torch, for Python entry points).", metavar="MODULE,...")
     no_preload: bool = option(False, "Restarts and shutdown", "No template: start every worker as a fresh python process.")
     log_dir: str | None = option(None, "Logs and output", "Base directory for per-rank log files and report.json.", check=optional(validate.writable_dir), late=True)
     redirects: str = option("0", "Logs and output", "Send streams to log files only: 1 stdout, 2 stderr, 3 both.", metavar="0-3|R:B,...", short="-r")
@@ -172,27 +136,27 @@ class Options:
     no_prefix: bool = option(False, "rally extras", "Do not prefix worker output lines with their rank.")
     quiet: bool = option(False, "Logs and output", "Show only rally's own lines on the console, not the workers' output.")
     checkpoint_dir: str | None = option(None, "rally extras", "Where workers save checkpoints (RALLY_CHECKPOINT_DIR).", check=optional(validate.writable_dir), late=True)
-    heartbeat_timeout: str | None = option(None, "Health", "Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first beat); auto: learn it, and each job.section's, from the job.", str, metavar="SECONDS|auto", check=lambda v, f: node_checks_options.heartbeat_timeout(v))
+    heartbeat_timeout: str | None = option(None, "Health", "Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first " "beat); auto: learn it, and each job.section's, from the job.", str, metavar="SECONDS|auto", check=lambda v, f: node_checks_options.heartbeat_timeout(v))
     silence_timeout: float | None = option(None, "Health", "Declare a worker hung after this many seconds without output.", float, check=seconds(False))
     resource_interval: float = option(spec_default("resource_interval"), "Health", "Seconds between samples of workers' CPU, memory and threads.", check=seconds(False, validate.MIN_INTERVAL))
-    startup_timeout: float | None = option(None, "Health", "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it started (default: off).", float, check=positive_seconds)
-    straggler_factor: float = option(spec_default("straggler_factor"), "Health", f"Name a rank a straggler when its step time exceeds this many times the median of the other ranks' (default {spec_default('straggler_factor'):g}).", check=lambda v, f: values.parse_straggler_factor(v))
-    straggler_window: int = option(spec_default("straggler_window"), "Health", f"Steps a rank's step time is averaged over, and must stay slow for, before it is named (default {spec_default('straggler_window')}).", check=lambda v, f: values.parse_straggler_window(v))
+    startup_timeout: float | None = option(None, "Health", "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it " "started (default: off).", float, check=positive_seconds)
+    straggler_factor: float = option(spec_default("straggler_factor"), "Health", "Name a rank a straggler when its step time exceeds this many times the median of the other ranks' " f"(default {spec_default('straggler_factor'):g}).", check=lambda v, f: values.parse_straggler_factor(v))
+    straggler_window: int = option(spec_default("straggler_window"), "Health", "Steps a rank's step time is averaged over, and must stay slow for, before it is named (default " f"{spec_default('straggler_window')}).", check=lambda v, f: values.parse_straggler_window(v))
     metrics_port: int | None = option(None, "Health", "Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed).", int, check=lambda v, f: values.parse_metrics_port(v))
-    metrics_addr: str = option(spec_default("metrics_addr"), "Health", "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps it on this host).", metavar="ADDR", check=lambda v, f: str(v or "0.0.0.0").strip("[]"))
+    metrics_addr: str = option(spec_default("metrics_addr"), "Health", "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps " "it on this host).", metavar="ADDR", check=lambda v, f: str(v or "0.0.0.0").strip("[]"))
     # Issue 21: learned timeouts, GPU memory before a restart, quarantine, pre-flight; parsed
     # together in launcher/node_checks_options.py (whether pre-flight is on depends on --nnodes).
     timeout_safety_factor: float = option(LearningSettings.factor, "Health", f"--heartbeat-timeout auto: this many times the longest interval seen (default {LearningSettings.factor:g}).")
-    timeout_samples: int = option(LearningSettings.samples, "Health", f"--heartbeat-timeout auto: heartbeat intervals seen before the timeout is set (default {LearningSettings.samples}).")
+    timeout_samples: int = option(LearningSettings.samples, "Health", "--heartbeat-timeout auto: heartbeat intervals seen before the timeout is set (default " f"{LearningSettings.samples}).")
     timeout_floor: float = option(LearningSettings.floor, "Health", f"--heartbeat-timeout auto: never below this many seconds (default {LearningSettings.floor:g}).")
-    gpu_reclaim_timeout: float = option(spec_default("gpu_reclaim_timeout"), "Restarts and shutdown", f"Before a restart, wait up to this long for the old workers to leave every GPU and free its memory (NVML; default {spec_default('gpu_reclaim_timeout'):g} s).")
-    quarantine_after: int = option(spec_default("quarantine_after"), "Restarts and shutdown", f"Keep out of later rounds a node that was the root cause of this many failures within --quarantine-window, while the job can run without it (0: never; default {spec_default('quarantine_after')}).")
+    gpu_reclaim_timeout: float = option(spec_default("gpu_reclaim_timeout"), "Restarts and shutdown", "Before a restart, wait up to this long for the old workers to leave every GPU and free its memory " f"(NVML; default {spec_default('gpu_reclaim_timeout'):g} s).")
+    quarantine_after: int = option(spec_default("quarantine_after"), "Restarts and shutdown", "Keep out of later rounds a node that was the root cause of this many failures within " "--quarantine-window, while the job can run without it (0: never; default " f"{spec_default('quarantine_after')}).")
     quarantine_window: float = option(spec_default("quarantine_window"), "Restarts and shutdown", f"Seconds within which --quarantine-after failures count (default {spec_default('quarantine_window'):g}).")
-    preflight: bool = option(False, "Health", "Probe every node (compute, and a collective over the job's backend) when a round forms; keep out failing or slow nodes (default for multi-node jobs).")
+    preflight: bool = option(False, "Health", "Probe every node (compute, and a collective over the job's backend) when a round forms; keep out " "failing or slow nodes (default for multi-node jobs).")
     no_preflight: bool = option(False, "Health", "No pre-flight probe.")
-    preflight_factor: float = option(spec_default("preflight_factor"), "Health", f"A node slower than this many times the median in the pre-flight probe is left out (default {spec_default('preflight_factor'):g}).")
+    preflight_factor: float = option(spec_default("preflight_factor"), "Health", "A node slower than this many times the median in the pre-flight probe is left out (default " f"{spec_default('preflight_factor'):g}).")
     preflight_every_round: bool = option(False, "Health", "Probe again when a round re-forms on the same nodes (default: only when the nodes change).")
-    preemption_signals: str = option(PREEMPTION_SIGNALS, "rally extras", "Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace to checkpoint.", check=values.parse_signals)
+    preemption_signals: str = option(PREEMPTION_SIGNALS, "rally extras", "Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace " "to checkpoint.", check=values.parse_signals)
     preemption_grace: float = option(spec_default("preemption_grace"), "rally extras", "Seconds workers get to checkpoint after a preemption signal.", check=seconds(True))
     requeue: bool = option(False, "rally extras", "On a preemption signal, node 0 requeues the SLURM job (scontrol requeue).")
     crash_loop_limit: int = option(spec_default("crash_loop_limit"), "rally extras", "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).", check=not_negative)
@@ -218,7 +182,7 @@ class Options:
         return parsed
 
     @classmethod
-    def of(cls, given: Mapping[str, Any], where: str = "rally.launch") -> "Options":
+    def of(cls, given: Mapping[str, Any], where: str = "rally.launch") -> Options:
         """Options from keyword arguments by name (dashes allowed); an unknown name is one line."""
         return cls(**by_name(given, where))
 

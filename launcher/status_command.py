@@ -28,13 +28,14 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rally.agent.observe import run_info
 from rally.agent.display import console
+from rally.agent.display.worker_table import straggler_line, worker_table
+from rally.agent.observe import run_info
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf
-from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, backend_named, open_endpoint
+from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.protocol import job_prefix
-from rally.agent.display.worker_table import straggler_line, worker_table
+from rally.rendezvous.store import StoreEndpoint
 
 
 @click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,19 +63,20 @@ def status_command(
 
     quiet_torch_logs()
     file_store = None
+    found: str | HostPort | None = endpoint  # the flag's, the run directory's or SLURM's store host
     if run_dir is not None:
         try:
             run_dir = run_info.find_run_dir(run_dir)
             written = run_info.read_endpoint(run_dir)
         except run_info.RunDirError as exc:
             raise click.UsageError(str(exc)) from None
-        endpoint, run_id = endpoint or written.get("endpoint"), run_id or written["run_id"]
+        found, run_id = endpoint or written.get("endpoint"), run_id or written["run_id"]
         backend, file_store = written.get("backend") or backend, written.get("file_store")
         if (run_info.read_report(run_dir) or {}).get("outcome", "running") != "running":  # over: no store to ask
-            return _show_finished(run_dir, str(run_id), as_json, f"job {run_id} has ended", str(endpoint or file_store))
+            return _show_finished(run_dir, str(run_id), as_json, f"job {run_id} has ended", str(found or file_store))
     else:
-        endpoint, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
-    where = _where(endpoint, backend, file_store, rdzv_conf)
+        found, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
+    where = _where(found, backend, file_store, rdzv_conf)
     try:
         status = read_status(where, str(run_id), timeout)
     except (StoreUnavailable, NoStoreThere) as exc:
@@ -93,7 +95,7 @@ def status_command(
     return 0
 
 
-def _where(endpoint: str | None, backend: str, file_store: str | None, rdzv_conf: str):  # noqa: ANN202 - rendezvous.store.StoreEndpoint
+def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None, rdzv_conf: str) -> StoreEndpoint:
     """Where the job's store is, from the registry's backend (a file store: its path)."""
     try:
         if file_store:
@@ -103,7 +105,7 @@ def _where(endpoint: str | None, backend: str, file_store: str | None, rdzv_conf
         raise click.UsageError(str(exc)) from None
 
 
-def read_status(where, run_id: str, timeout: float) -> dict | None:  # noqa: ANN001 - rendezvous.store.StoreEndpoint
+def read_status(where: StoreEndpoint, run_id: str, timeout: float) -> dict | None:
     """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
     from rally.rendezvous.status import read_job_status
     from rally.rendezvous.token import Signer, TokenError, env_token
@@ -160,7 +162,7 @@ def show_running(run_id: str, where: str, status: dict) -> None:
         if node.get("gpu_problems"):
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]), highlight=False)
     for node in status["nodes"]:
-        if node.get("waiting"):  # in the rendezvous: what it waits for (rendezvous/waiting.py)
+        if node.get("waiting"):  # what it waits for (rendezvous/waiting.py, agent/node_waits.py)
             updated = node.get("updated")
             age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
             out.print(f"{node.get('host')}: {node['waiting']}{age}", highlight=False)
@@ -210,7 +212,6 @@ def preflight_lines(verdict: dict | None) -> list[str]:
 
 
 def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tuple[str | HostPort, str]:
-
     """What is missing of endpoint and run id, taken from SLURM as the agent of `step` takes it."""
     if endpoint and run_id:
         return endpoint, run_id

@@ -32,7 +32,7 @@ def store_command(port: int, timeout: float) -> int:
     quiet_torch_logs()
     try:
         server = host_tcp_store(port, timeout)
-    except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError / RuntimeError
+    except Exception as exc:  # torch raises DistNetworkError / RuntimeError
         raise validate.ConfigError(  # one line, exit 2 (launcher/cli.py): a taken port is the user's to change
             f"cannot serve a store on port {port}: {str(exc).splitlines()[0]}; pick a free --port (0: any)"
         ) from None

@@ -13,8 +13,9 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 class ConfigError(Exception):
@@ -146,7 +147,7 @@ def names_fit(path: Path, option: str) -> None:
     for part in path.parts:
         size = len(os.fsencode(part))
         if size > NAME_MAX:
-            raise ConfigError(f"{option}: the name '{part[:24]}...' in that path is {size} bytes long; a file or directory name can be at most {NAME_MAX}")
+            raise ConfigError(f"{option}: the name '{part[:24]}...' in that path is {size} bytes long; a file or directory " f"name can be at most {NAME_MAX}")
 
 
 def runnable_program(script: str) -> None:

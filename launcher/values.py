@@ -12,8 +12,9 @@ import math
 import os
 import shutil
 import signal
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from rally.launcher import validate
 from rally.launcher.validate import ConfigError
@@ -79,7 +80,7 @@ def visible_gpu_count() -> int:
         import torch
 
         return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - a broken driver means no usable GPU
+    except Exception:  # a broken driver means no usable GPU
         return 0
 
 

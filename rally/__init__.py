@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rally.launcher import __version__  # noqa: E402,F401 - written once, in launcher/__init__.py
+from rally.launcher import __version__  # noqa: F401 - written once, in launcher/__init__.py
 
 _LAZY = {
     "job": ("rally.agent.worker.job", None),

@@ -139,7 +139,7 @@ def parse_etcd_endpoints(text: str) -> tuple[tuple[Member, ...], str | None]:
         members.append(Member(host, port))
     if not members:
         raise EndpointError(
-            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client endpoints (default port 2379)"
+            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client " "endpoints (default port 2379)"
         )
     if len(schemes) > 1:
         raise EndpointError(f"--rdzv-endpoint {text}: mixes http:// and https:// endpoints; a cluster's members all speak one")
@@ -171,7 +171,7 @@ def _open_tcp(endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_t
 
 
 # ------------------------------------------------------------------ the backends
-class C10dBackend:
+class C10dBackend(Backend):
     """torchrun's elastic default: a TCPStore that the endpoint's host serves (or `rally store`)."""
 
     name = "c10d"
@@ -184,7 +184,10 @@ class C10dBackend:
         endpoint = request.endpoint
         if not endpoint:
             if request.max_nodes > 1:
-                raise EndpointError("--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use --rdzv-backend static)")
+                raise EndpointError(
+                    "--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use "
+                    "--rdzv-backend static)"
+                )
             endpoint = HostPort("localhost", 0)
         host, port = _host_port(endpoint, DEFAULT_C10D_PORT)
         resolvable(host, "--rdzv-endpoint")
@@ -227,7 +230,7 @@ class StaticBackend(C10dBackend):
         return StoreEndpoint(host, port, host_here=False, backend=self.name)
 
 
-class FileBackend:
+class FileBackend(Backend):
     """A FileStore on a shared file system: c10d's rounds without a store host."""
 
     name = "file"
@@ -247,7 +250,7 @@ class FileBackend:
         text = str(endpoint)
         parent = Path(text).parent
         if not parent.is_dir():
-            raise EndpointError(f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a shared file system")
+            raise EndpointError(f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a " "shared file system")
         return StoreEndpoint("", 0, host_here=False, file_path=text, backend=self.name)
 
     def open(self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer) -> OpenedStore:
@@ -257,7 +260,7 @@ class FileBackend:
     lost_line = staticmethod(_lost_tcp_store)
 
 
-class EtcdBackend:
+class EtcdBackend(Backend):
     """torchrun's etcd backends, both over the etcd v3 API (rendezvous/etcd_store.py)."""
 
     name = "etcd"

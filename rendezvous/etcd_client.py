@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from rally.rendezvous.etcd_http import EtcdAccess, HttpConnection, HttpError
 
@@ -92,7 +92,7 @@ class EtcdClient:
     member restarted) is replaced by authenticating again. Forks share the token.
     """
 
-    def __init__(self, members: list[Member] | tuple[Member, ...], start_at: int = 0, access: EtcdAccess | None = None, auth: "_Auth | None" = None):
+    def __init__(self, members: list[Member] | tuple[Member, ...], start_at: int = 0, access: EtcdAccess | None = None, auth: _Auth | None = None):
         if not members:
             raise ValueError("an etcd client needs at least one endpoint")
         self.members = tuple(members)
@@ -110,7 +110,7 @@ class EtcdClient:
     def describe(self) -> str:
         return describe_members(self.members, self.access.protocol)
 
-    def fork(self) -> "EtcdClient":
+    def fork(self) -> EtcdClient:
         """A client of its own (own connection) that starts at the member this one uses now."""
         return EtcdClient(self.members, self._current, self.access, self._auth)
 
@@ -237,7 +237,7 @@ class EtcdClient:
                     if result.get("canceled"):
                         raise _TryElsewhere(result.get("cancel_reason") or "the watch was cancelled")
                     yield from result.get("events", [])
-            except socket.timeout:
+            except TimeoutError:
                 if time.monotonic() >= deadline:
                     return
                 self._switch_from(member)

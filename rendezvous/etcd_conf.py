@@ -38,7 +38,7 @@ def etcd_access(conf: dict[str, Any], endpoint_scheme: str | None) -> EtcdAccess
     if protocol not in ("http", "https"):
         raise EndpointError(f"--rdzv-conf protocol={given['protocol']}: use http or https")
     if endpoint_scheme and protocol != endpoint_scheme:
-        raise EndpointError(f"--rdzv-conf protocol={protocol} contradicts the {endpoint_scheme}:// endpoints in --rdzv-endpoint; give one")
+        raise EndpointError(f"--rdzv-conf protocol={protocol} contradicts the {endpoint_scheme}:// endpoints in " "--rdzv-endpoint; give one")
     tls_files = {k: str(Path(given[k]).expanduser()) if given.get(k) else None for k in ("cacert", "cert", "key")}
     if protocol == "http" and any(tls_files.values()):
         first = next(k for k, v in tls_files.items() if v)

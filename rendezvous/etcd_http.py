@@ -19,8 +19,8 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 
 class HttpError(Exception):
@@ -82,7 +82,7 @@ class HttpConnection:
 
     def _send(self, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, dict[bytes, bytes]]:
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        head = f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
+        head = f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: " f"application/json\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
         try:
             self.sock.settimeout(timeout)
             self.sock.sendall(head.encode() + body)  # one segment: no delayed-ACK stall, one wake-up

@@ -17,12 +17,12 @@ from typing import Protocol
 
 from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousSettings
 from rally.rendezvous.records import EndKind, RoundEnd
-from rally.rendezvous.waiting import spare_progress
+from rally.rendezvous.waiting import RendezvousView, spare_progress
 
 
-class Rendezvous(Protocol):
-    """What these judgements need of `protocol.Rendezvous` (declared here, so that the
-    protocol, which calls into this module, is not imported back)."""
+class Rendezvous(RendezvousView, Protocol):
+    """What these judgements need of `protocol.Rendezvous`, besides what the waiting lines need
+    (declared here, so that the protocol, which calls into this module, is not imported back)."""
 
     settings: RendezvousSettings
 
@@ -39,7 +39,7 @@ class Rendezvous(Protocol):
     def wait_round_end(self, r: int) -> RoundEnd: ...
 
 
-def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tuple[int, float] | None:
+def silent_peer(rdzv: Rendezvous, r: int, group_rank: int, members: int) -> tuple[int, float] | None:
     """After a local failure: wait until every other member's keep-alive counter moves
     (they are alive: the failure is this node's own) or one stays still for
     `keep_alive_timeout` (that node is gone: the failure here is a consequence).
@@ -62,7 +62,7 @@ def silent_peer(rdzv: "Rendezvous", r: int, group_rank: int, members: int) -> tu
     return None
 
 
-def wait_round_end_or_dead(rdzv: "Rendezvous", r: int, members: int, deadline: float) -> RoundEnd:
+def wait_round_end_or_dead(rdzv: Rendezvous, r: int, members: int, deadline: float) -> RoundEnd:
     """Wait for round r to end; end it ourselves when none of its members sends keep-alives
     any more (every node of the job died: a relaunch must form a new job, not wait forever).
     A progress line every few seconds; RendezvousError (one line) once `deadline` has passed."""
@@ -79,6 +79,6 @@ def wait_round_end_or_dead(rdzv: "Rendezvous", r: int, members: int, deadline: f
         elif time.monotonic() - last_change > timeout:
             rdzv.count_lost(r, members)
             silent = time.monotonic() - last_change
-            detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a new round"
+            detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); forming a " "new round"
             return rdzv.end_round(r, RoundEnd(EndKind.NODE_LOST, detail, "", {"group_rank": 0}))
     return rdzv.wait_round_end(r)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from rally.rendezvous.records import Assignment, NodeInfo, RoundEnd, RoundRecord
 
-
 # Long waits are cut into slices this long so a closed job or a stop request is noticed.
 WAIT_SLICE_SECONDS = 30.0
 
@@ -56,9 +55,11 @@ def assign_group_ranks(nodes: list[NodeInfo]) -> list[int]:
                 ranks[i] = wanted
                 free.discard(wanted)
     unplaced = sorted((i for i in range(n) if ranks[i] is None), key=lambda i: (nodes[i].host, nodes[i].node_id))
-    for i, rank in zip(unplaced, sorted(free)):
+    for i, rank in zip(unplaced, sorted(free), strict=True):
         ranks[i] = rank
-    return [int(rank) for rank in ranks]  # type: ignore[arg-type] - every slot is filled above
+    placed = [rank for rank in ranks if rank is not None]
+    assert len(placed) == n  # every slot is filled above
+    return placed
 
 
 def counts_entering(previous: RoundRecord | None, end: RoundEnd | None, checkpoint_step: int | None) -> tuple[int, int, int]:

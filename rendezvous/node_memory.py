@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rally.rendezvous.kv import KeyValueStore, UntrustedValue
 from rally.rendezvous.protocol import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
-from rally.rendezvous.store import Store, UntrustedValue
 
 
-def _read(store: Store, name: str) -> dict[str, Any] | None:
+def _read(store: KeyValueStore, name: str) -> dict[str, Any] | None:
     if not store.check(name):
         return None
     try:
@@ -30,12 +30,12 @@ def _read(store: Store, name: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def load_timeouts(store: Store) -> dict[str, Any] | None:
+def load_timeouts(store: KeyValueStore) -> dict[str, Any] | None:
     """The learned timeouts as stored: {"heartbeat": s | None, "sections": {name: s}}."""
     return _read(store, LEARNED_TIMEOUTS)
 
 
-def save_timeouts(store: Store, values: dict[str, Any]) -> None:
+def save_timeouts(store: KeyValueStore, values: dict[str, Any]) -> None:
     """Merge `values` into the stored timeouts, each by maximum."""
     stored = load_timeouts(store) or {}
     merged: dict[str, Any] = {"heartbeat": values.get("heartbeat"), "sections": dict(values.get("sections") or {})}
@@ -49,7 +49,7 @@ def save_timeouts(store: Store, values: dict[str, Any]) -> None:
     store.set(LEARNED_TIMEOUTS, json.dumps(merged))
 
 
-def load_node_failures(store: Store) -> dict[str, Any]:
+def load_node_failures(store: KeyValueStore) -> dict[str, Any]:
     """{"failures": {host: [[round, unix time], ...]}, "quarantined": {host: reason}, "preflight": the
     last pre-flight verdict (agent/checks/preflight.py) or None}; empty when none."""
     failures = (_read(store, NODE_FAILURES) or {}).get("failures")
@@ -65,20 +65,20 @@ def _entry(e: Any) -> bool:
     return isinstance(e, list) and len(e) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)
 
 
-def save_failures(store: Store, failures: dict[str, list]) -> None:
+def save_failures(store: KeyValueStore, failures: dict[str, list]) -> None:
     store.set(NODE_FAILURES, json.dumps({"failures": failures}))
 
 
-def load_quarantined(store: Store) -> dict[str, str]:
+def load_quarantined(store: KeyValueStore) -> dict[str, str]:
     """host -> why, for every host quarantined in this job (one store read)."""
     return {str(h): str(r) for h, r in (_read(store, QUARANTINED) or {}).items()}
 
 
-def add_quarantined(store: Store, host: str, reason: str) -> None:
+def add_quarantined(store: KeyValueStore, host: str, reason: str) -> None:
     quarantined = _read(store, QUARANTINED) or {}
     quarantined[host] = reason
     store.set(QUARANTINED, json.dumps(quarantined))
 
 
-def save_preflight(store: Store, verdict: dict) -> None:
+def save_preflight(store: KeyValueStore, verdict: dict) -> None:
     store.set(PREFLIGHT_VERDICT, json.dumps(verdict))

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from rally.rendezvous.backends import OpenedStore, backend_of
 from rally.rendezvous.protocol import RendezvousSettings, job_prefix
 from rally.rendezvous.store import StoreEndpoint
 from rally.rendezvous.store_connect import reporting_progress
 from rally.rendezvous.token import Signer
-
 
 # How long any one store call may take (--rdzv-conf read_timeout).
 READ_TIMEOUT_SECONDS = 60.0

@@ -11,7 +11,7 @@ or a worker pointed at another store is impossible by construction.
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -36,7 +36,8 @@ class EndKind(str, Enum):
     def __str__(self) -> str:  # messages and JSON show the stored value, never `EndKind.X`
         return self.value
 
-    __format__ = str.__format__
+    def __format__(self, spec: str) -> str:  # f"{kind}" and format specs apply to the value, as str's own
+        return format(self.value, spec)
 
 
 # Failures spend the restart budget; membership changes do not; final kinds end the job.
@@ -89,7 +90,8 @@ class StoredRecord:
     KINDS: dict[str, str] = {}
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
+        # Fields are flat (no nested records): asdict's deep copy cost the closer of 1024 nodes 0.1 s.
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True)  # type: ignore[arg-type]
 
     @classmethod
     def load(cls: type[T], raw: bytes | str, key: str) -> T:
@@ -119,7 +121,7 @@ class NodeInfo(StoredRecord):
 
     WHAT = "node descriptor"
     KINDS = {"node_id": "str", "host": "str", "addr": "str", "nproc": "int", "prev_rank": "int?", "preferred_rank": "int?", "checkpoint_step": "int?",
-             "memory_steps": "str", "durable_step": "int?"}  # fmt: skip
+             "memory_steps": "str", "durable_step": "int?"}
 
     node_id: str
     host: str
@@ -152,7 +154,7 @@ class Assignment(StoredRecord):
         "round": "int", "group_rank": "int", "group_world_size": "int", "rank_offset": "int", "world_size": "int",
         "restart_count": "int", "membership_changes": "int", "watch_rank": "int?", "watch_host": "str",
         "master_host": "str", "stalled_restarts": "int", "checkpoint_step": "int?", "node_id": "str", "resume_step": "int?",
-    }  # fmt: skip
+    }
 
     round: int
     group_rank: int
@@ -177,7 +179,7 @@ class Assignment(StoredRecord):
         if not self.master_host:
             raise _bad(key, self.WHAT, "master_host is empty")
 
-    def check_for(self, key: str, r: int, me: NodeInfo, max_nodes: int, members: int) -> "Assignment":
+    def check_for(self, key: str, r: int, me: NodeInfo, max_nodes: int, members: int) -> Assignment:
         """Checks against what this node knows: its id, the round, its own size, the round's record."""
         if self.node_id != me.node_id:
             raise _bad(key, self.WHAT, f"it was made for node {self.node_id[:80]!r}, not this node ({me.node_id})")
@@ -237,7 +239,7 @@ class RoundRecord(StoredRecord):
     attempt: int = 0  # which closer attempt wrote it: assignments live under assign/<attempt>/
     resume_step: int | None = None  # the newest step every member can load (membership.resume_step)
 
-    def check_members(self, key: str, max_nodes: int) -> "RoundRecord":
+    def check_members(self, key: str, max_nodes: int) -> RoundRecord:
         if not 1 <= self.members <= max_nodes:
             raise _bad(key, self.WHAT, f"members {self.members} is not in 1..{max_nodes}")
         return self
@@ -254,7 +256,7 @@ class SuccessRecord(StoredRecord):
     node_id: str
     group_rank: int
 
-    def check_for(self, key: str, group_rank: int) -> "SuccessRecord":
+    def check_for(self, key: str, group_rank: int) -> SuccessRecord:
         if self.group_rank != group_rank:
             raise _bad(key, self.WHAT, f"group_rank {self.group_rank} is not {group_rank}")
         return self

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 
+from rally.rendezvous.kv import KeyValueStore as Store
+from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.node_memory import load_node_failures
 from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED, STATUS_NODES, status_key
 from rally.rendezvous.records import MAX_COUNT, RoundEnd
-from rally.rendezvous.kv import KeyValueStore as Store, UntrustedValue
 
 
 def read_job_status(store: Store) -> dict | None:

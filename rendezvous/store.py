@@ -16,9 +16,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTampered, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
@@ -26,6 +27,7 @@ from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
     from torch.distributed import Store as TorchStore
+    from torch.distributed import TCPStore
 
 
 # The key a `rally store` process writes, so an agent on the same host can tell it from a stranger.
@@ -61,10 +63,10 @@ class Store(KeyValueStore):
     `describe` is what error messages call the store, e.g. "the rendezvous store at node1:29400".
     """
 
-    raw: "TorchStore"
+    raw: TorchStore
     prefix: str
     describe: str
-    _reconnect: Callable[[], "TorchStore"]
+    _reconnect: Callable[[], TorchStore]
     signer: Signer = field(default_factory=Signer)
 
     def _call(self, fn: Callable, *args):
@@ -121,7 +123,7 @@ class Store(KeyValueStore):
         try:
             self.raw = self._reconnect()
             return self.raw.get(self.key(name)) if self.raw.check([self.key(name)]) else None
-        except Exception:  # noqa: BLE001 - the store is really gone: the caller re-raises
+        except Exception:  # the store is really gone: the caller re-raises
             return None
 
     def counter(self, name: str, limit: int | None = None) -> int:
@@ -141,7 +143,7 @@ class Store(KeyValueStore):
 
     def append(self, name: str, value: str) -> None:
         """Append to a list key (unsigned: only `rally status` reads it, and checks each record)."""
-        self._call(self.raw.append, self.key(name), value)
+        self._call(self.raw.append, self.key(name), value)  # type: ignore[attr-defined]  # torch's stub lacks it
 
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
         """Set `name` only if nobody has; return (won, the value that stands, checked)."""
@@ -156,20 +158,21 @@ class Store(KeyValueStore):
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
         raw = self._call(self.raw.multi_get, [self.key(n) for n in names])
-        return [self._open(n, value) for n, value in zip(names, raw)]
+        return [self._open(n, value) for n, value in zip(names, raw, strict=True)]
 
     def multi_set(self, items: dict[str, str]) -> None:
-        self._call(self.raw.multi_set, [self.key(k) for k in items], [self._seal(k, v) for k, v in items.items()])
+        multi_set = self.raw.multi_set  # type: ignore[attr-defined]  # torch's stub lacks it
+        self._call(multi_set, [self.key(k) for k in items], [self._seal(k, v) for k, v in items.items()])
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
         self._call(self.raw.wait, [self.key(n) for n in names], _seconds(timeout))
 
-    def connect_again(self) -> "Store":
+    def connect_again(self) -> Store:
         """A second connection to the same store, for a thread that blocks in `wait`."""
         try:
             raw = self._reconnect()
-        except Exception as exc:  # noqa: BLE001 - torch raises several unrelated types here
+        except Exception as exc:  # torch raises several unrelated types here
             raise StoreUnavailable(f"{self.describe} is gone ({_first_line(exc)})") from exc
         return Store(raw, self.prefix, self.describe, self._reconnect, self.signer)
 
@@ -188,7 +191,7 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def host_tcp_store(port: int, timeout: float, bind: str | None = None, *, loopback_only: bool = False) -> "TorchStore":
+def host_tcp_store(port: int, timeout: float, bind: str | None = None, *, loopback_only: bool = False) -> TCPStore:
     """Start a TCPStore server in this process on `port` (0 = a free port from the OS).
 
     torch's server listens on every interface and has no bind address; with `bind` (an IP
@@ -233,7 +236,7 @@ def listen_address(host: str) -> str | None:
     127.0.1.1 here while other nodes reach this one by its interface address."""
     if host == "localhost":  # the address a client tries first
         try:
-            host = socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0]
+            host = str(socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0])
         except (OSError, IndexError):
             return "127.0.0.1"
     try:
@@ -260,7 +263,7 @@ def _interface_addresses() -> set[str]:
         import psutil
 
         return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    except Exception:  # noqa: BLE001 - without the list, an address is bound only when loopback
+    except Exception:  # without the list, an address is bound only when loopback
         return set()
 
 
@@ -271,7 +274,7 @@ def connect_tcp_store(
     op_timeout: float,
     describe: str = "",
     progress: Callable[[str], None] | None = None,
-) -> "TorchStore":
+) -> TorchStore:
     """Connect a TCPStore client: wait up to `connect_timeout` for the port to accept (saying so
     through `progress` every few seconds), then give the store `op_timeout` to answer; torch's
     own constructor is not bounded once connected (rendezvous/store_connect.py)."""
@@ -314,7 +317,7 @@ def open_file_store(path: str, prefix: str, op_timeout: float, signer: Signer) -
     """A FileStore on a shared file system (`--rdzv-conf store_type=file`)."""
     from torch.distributed import FileStore
 
-    def reconnect_file() -> "TorchStore":
+    def reconnect_file() -> TorchStore:
         store = FileStore(path, -1)
         store.set_timeout(_seconds(op_timeout))
         return store
@@ -322,7 +325,7 @@ def open_file_store(path: str, prefix: str, op_timeout: float, signer: Signer) -
     describe = f"the rendezvous file store at {path}"
     try:
         return Store(reconnect_file(), prefix, describe, reconnect_file, signer)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise StoreUnavailable(f"cannot open {describe}: {_first_line(exc)}") from exc
 
 
@@ -333,7 +336,7 @@ def open_tcp_store(
     op_timeout: float,
     signer: Signer | None = None,
     progress: Callable[[str], None] | None = None,
-) -> tuple[Store, "TorchStore | None"]:
+) -> tuple[Store, TCPStore | None]:
     """Open a TCPStore; return the client and, when hosted here, the server object (its
     `port` is the bound one; `endpoint` is left as it was).
 
@@ -353,14 +356,14 @@ def open_tcp_store(
             bind = listen_address(endpoint.host)
             server = host_tcp_store(port, op_timeout, bind)
             port = server.port
-        except Exception:  # noqa: BLE001 - port in use: someone on this host already serves
+        except Exception:  # port in use: someone on this host already serves
             if port == 0:
                 raise
             port_taken = True
     host = (bind or "127.0.0.1") if server is not None else endpoint.host
     describe = f"the rendezvous store at {endpoint.host}:{port}"
 
-    def reconnect() -> "TorchStore":
+    def reconnect() -> TorchStore:
         return connect_tcp_store(host, port, op_timeout, op_timeout, describe)
 
     wait = min(connect_timeout, HOST_MARKER_WAIT_SECONDS) if port_taken else connect_timeout
@@ -370,7 +373,7 @@ def open_tcp_store(
         if port_taken:
             raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it does not serve as a c10d store ({exc})")) from None
         raise
-    except Exception as exc:  # noqa: BLE001 - torch raises several unrelated types here
+    except Exception as exc:  # torch raises several unrelated types here
         raise StoreUnavailable(
             f"could not reach {describe} within {connect_timeout:g} s ({_first_line(exc)}); "
             "check --rdzv-endpoint and that the store's host is up"
@@ -415,13 +418,13 @@ def is_local_host(host: str) -> bool:
     if host in names:
         return True
     try:
-        target = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        target = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except OSError:
         return False
     mine: set[str] = set()
     for name in names:
         try:
-            mine |= {info[4][0] for info in socket.getaddrinfo(name, None)}
+            mine |= {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
         except OSError:
             pass
     try:
@@ -429,6 +432,6 @@ def is_local_host(host: str) -> bool:
 
         for addrs in psutil.net_if_addrs().values():
             mine |= {a.address.split("%")[0] for a in addrs}
-    except Exception:  # noqa: BLE001 - psutil missing interfaces is not fatal
+    except Exception:  # psutil missing interfaces is not fatal
         pass
     return bool(target & mine)

@@ -24,8 +24,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 # c10d's wire protocol (TCPStoreBackend.hpp): a query is one byte, VALIDATE carries a uint32.
 QUERY_VALIDATE, QUERY_GETNUMKEYS = 0, 7
@@ -59,6 +60,12 @@ def reporting_progress(progress: Callable[[str], None] | None) -> Iterator[None]
         _reporter.progress = before
 
 
+def current_progress() -> Callable[[str], None] | None:
+    """Where this thread's `reporting_progress` block reports (None outside one). A store opened
+    in the block keeps it for its own long waits (rendezvous/etcd_store.py)."""
+    return getattr(_reporter, "progress", None)
+
+
 class NoStoreThere(Exception):
     """The endpoint cannot be used as a store; the message says why, in one line."""
 
@@ -83,7 +90,7 @@ def wait_for_store(
             if not chunk:
                 break
             answer += chunk
-    except socket.timeout:
+    except TimeoutError:
         raise NoStoreThere(
             f"{describe} accepted a connection but did not answer within {answer_timeout:g} s: the store is frozen "
             "(SIGSTOP, a stalled host), or what listens there is not a c10d store"
@@ -108,7 +115,7 @@ def _connect(host: str, port: int, describe: str, connect_timeout: float, progre
         except OSError as exc:
             why = _reason(exc)
         if time.monotonic() >= deadline:
-            raise NoStoreThere(f"could not reach {describe} within {connect_timeout:g} s ({why}); check --rdzv-endpoint and that the store's host is up")
+            raise NoStoreThere(f"could not reach {describe} within {connect_timeout:g} s ({why}); check --rdzv-endpoint and " "that the store's host is up")
         if progress is not None and time.monotonic() >= next_line:
             until = time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - time.monotonic()))
             progress(f"waiting for {describe} ({why}); giving up at {until}, in {deadline - time.monotonic():.0f} s")
@@ -135,7 +142,7 @@ def bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
     def call() -> None:
         try:
             box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
         done.set()
 

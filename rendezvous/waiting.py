@@ -10,7 +10,8 @@ node to start, or that the job they joined is not theirs. The same line goes to 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.membership import RendezvousError, RendezvousSettings
@@ -31,7 +32,7 @@ class RendezvousView(Protocol):
     store: KeyValueStore
     me: NodeInfo
     last_round: int | None
-    waiting: "WaitProgress"
+    waiting: WaitProgress
 
     def on_status(self, line: str) -> None: ...
 
@@ -49,6 +50,7 @@ class WaitProgress:
         self.emit = emit
         self.interval = interval
         self.due = time.monotonic() + interval
+        self.last: tuple[float, str] | None = None  # (when, line): the node's status record shows it while fresh
 
     def begin(self) -> None:
         self.due = time.monotonic() + self.interval
@@ -58,7 +60,9 @@ class WaitProgress:
         now = time.monotonic()
         if now >= self.due:
             self.due = now + self.interval
-            self.emit(line())
+            text = line()
+            self.last = (now, text)
+            self.emit(text)
 
 
 def plural(n: int, word: str) -> str:
@@ -75,9 +79,9 @@ def forming_text(count: int, min_nodes: int, max_nodes: int, hosts: list[str], j
     """`waiting for 1 more node: 1 of 2 joined (node0); join_timeout in 583 s`."""
     joined = hosts_text(hosts, count)
     if count < min_nodes:
-        return f"waiting for {plural(min_nodes - count, 'more node')}: {count} of {min_nodes} joined{joined}; join_timeout in {join_left:.0f} s"
+        return f"waiting for {plural(min_nodes - count, 'more node')}: {count} of {min_nodes} joined{joined}; " f"join_timeout in {join_left:.0f} s"
     closes = f"closes in {last_call_left:.0f} s (last call)" if last_call_left is not None else "closes when the expected nodes are in"
-    return f"waiting for more nodes: {count} of at most {max_nodes} joined{joined}; the round {closes}; join_timeout in {join_left:.0f} s"
+    return f"waiting for more nodes: {count} of at most {max_nodes} joined{joined}; the round {closes}; join_timeout " f"in {join_left:.0f} s"
 
 
 def spare_line(r: int, members: int, max_nodes: int, join_left: float) -> str:

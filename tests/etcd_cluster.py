@@ -18,9 +18,9 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -75,7 +75,7 @@ class EtcdCluster:
 
     def start(self, member: EtcdMember) -> None:
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
-        handle = open(member.log, "ab")  # noqa: SIM115 - owned by the child
+        handle = open(member.log, "ab")  # owned by the child
         member.process = subprocess.Popen(
             [
                 str(ETCD), "--name", member.name, "--data-dir", str(member.data_dir),
@@ -85,7 +85,7 @@ class EtcdCluster:
                 "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn",
             ],
             stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        )
         handle.close()
 
     def kill(self, member: EtcdMember) -> None:

@@ -23,9 +23,10 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import psutil
 import pytest

@@ -80,8 +80,8 @@ class SlurmCluster:
         nodes = tuple(values["RALLY_DEVCLUSTER_NODE_NAMES"].split())
         return cls(
             nodes=nodes,
-            addrs=dict(zip(nodes, values["RALLY_DEVCLUSTER_NODE_ADDRS"].split())),
-            netns=dict(zip(nodes, values["RALLY_DEVCLUSTER_NODE_NETNS"].split())),
+            addrs=dict(zip(nodes, values["RALLY_DEVCLUSTER_NODE_ADDRS"].split(), strict=True)),
+            netns=dict(zip(nodes, values["RALLY_DEVCLUSTER_NODE_NETNS"].split(), strict=True)),
             login_exec=values["RALLY_DEVCLUSTER_EXEC"],
             slurm_conf=values["RALLY_DEVCLUSTER_SLURM_CONF"],
             logs=Path(values["RALLY_DEVCLUSTER_LOGS"]),

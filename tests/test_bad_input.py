@@ -105,7 +105,7 @@ MORE_BAD_FLAGS = [
         pytest.param(["--rdzv-conf", f"{key}={value}", "train.py"], key, id=f"rdzv-conf-{key}-{value}")
         for key, value in [("join_timeout", "inf"), ("read_timeout", "nan"), ("last_call_timeout", "1e300"), ("timeout", "inf"),
                            ("keep_alive_interval", "nan"), ("keep_alive_timeout", "-3"), ("keep_alive_max_attempt", "0.5")]
-    ],  # fmt: skip
+    ],
     pytest.param(["--rdzv-conf", "is_host=maybe", "train.py"], "is_host", id="rdzv-conf-is-host-not-a-boolean"),
     pytest.param(["--rdzv-conf", "timeout=5,join_timeout=6", "train.py"], "timeout=5 and join_timeout=6", id="rdzv-conf-timeout-and-join-timeout-disagree"),
     pytest.param(["--no-python", "{tmp}/noexec.sh"], "noexec.sh", id="no-python-not-executable"),

@@ -8,6 +8,7 @@ a pause in training is measured from the workers' own progress, not from rally's
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -252,7 +253,7 @@ def longest_pause(steps: list[dict]) -> float:
     by_pid: dict[int, list[float]] = {}
     for s in steps:
         by_pid.setdefault(s["pid"], []).append(s["t"])
-    return max((b - a for times in by_pid.values() for a, b in zip(times, times[1:])), default=0.0)
+    return max((b - a for times in by_pid.values() for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def kill_node(agent: AgentProcess) -> float:

@@ -18,9 +18,9 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -100,7 +100,7 @@ def start_secure_etcd(tmp_path: Path, *extra: str) -> Iterator[SecureEtcd]:
     while peer_port == client_port:
         peer_port = free_port()
     url, peer = f"https://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
-    log = open(tmp_path / "etcd.log", "ab")  # noqa: SIM115 - owned by the child
+    log = open(tmp_path / "etcd.log", "ab")  # owned by the child
     process = subprocess.Popen(
         [
             str(ETCD), "--name", "secure", "--data-dir", str(tmp_path / "etcd.data"),
@@ -211,7 +211,7 @@ def test_an_expired_auth_token_is_replaced_for_calls_and_watches(tmp_path):
         assert store.client._auth._token not in (None, first), "a fresh token"
         time.sleep(3)
         watcher = store.connect_again()
-        threading.Timer(0.5, lambda: store.connect_again().set("later", "1")).start()
+        threading.Timer(0.5, lambda s=store: s.connect_again().set("later", "1")).start()
         watcher.wait(["later"], 10)  # its read refreshes the token, or the watch does
         assert not store.try_wait(["never"], 0.3)
 

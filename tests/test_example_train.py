@@ -134,7 +134,7 @@ def test_random_sigkills_of_workers_lose_nothing_and_end_bit_identical(tmp_path:
     starts = [p for p in map(_start_point, lines) if p is not None]
     assert starts[0] == 0 and len(starts) == count + 1, text[-3000:]
     resumed = starts[1:]
-    for (killed_at, _rank), resumed_at in zip(kills, resumed):
+    for (killed_at, _rank), resumed_at in zip(kills, resumed, strict=False):
         assert killed_at - EVERY <= resumed_at <= killed_at, f"killed at {killed_at}, resumed at {resumed_at}"
     assert _params_hash(lines) == clean_hash
     assert "SIGKILL" in text  # the root cause names the signal

@@ -31,7 +31,7 @@ from helpers import (
     describe_pids,
     finish,
     is_alive,
-    procs,  # noqa: F401 - fixture
+    procs,  # noqa: F401 - a fixture
     run_rally,
     start_rally,
     survivors,

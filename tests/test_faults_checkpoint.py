@@ -237,7 +237,7 @@ def test_every_rank_skips_damaged_newest_checkpoints_alike_and_so_does_the_agent
 
     warnings = [line for line in results[0][2].splitlines() if "is damaged" in line]
     assert len(warnings) == len(damaged), results[0][2]
-    for step, line in zip(sorted(damaged, reverse=True), warnings):
+    for step, line in zip(sorted(damaged, reverse=True), warnings, strict=True):
         assert f"step_{step:012d}.pt is damaged (" in line and line.endswith("trying an older one")
     assert "rally: resuming from step 2" in results[0][2]
     assert all("is damaged" not in err for _, _, err in results[1:]), "only local rank 0 warns"
@@ -263,7 +263,7 @@ def test_a_crash_loop_over_a_damaged_newest_checkpoint_is_detected_at_the_step_r
     result = run_rally(
         ["--standalone", "--max-restarts", "10", "--crash-loop-limit", "2", "--checkpoint-dir", str(ckpt_dir), "train.py"],
         cwd=tmp_path, timeout=150,
-    )  # fmt: skip
+    )
     assert result.returncode == 1, result.describe()
     out = result.stdout + result.stderr
     assert "crash loop: 2 restarts in a row made no progress (the newest checkpoint is still step 2)" in out, result.describe()

@@ -25,7 +25,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ProcessTracker, clean_env, describe_pids, eventually, procs, run_rally, survivors, wait_for, write_probe  # noqa: F401
+from helpers import (
+    ProcessTracker,
+    clean_env,
+    describe_pids,
+    eventually,
+    procs,  # noqa: F401 - a fixture
+    run_rally,
+    survivors,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
 from rally.agent.guard.job_cgroup import JobCgroup
 
@@ -182,7 +192,7 @@ def test_sigkill_of_the_agents_process_group_leaves_no_descendant(tmp_path: Path
     killed = time.monotonic()
     left = survivors(pids, 5)
     assert not left, f"alive 5 s after SIGKILL of the agent's group ({cgroup}): {describe_pids(left)}"
-    print(f"MEASURED SIGKILL of the agent's process group ({cgroup}): every descendant gone in {time.monotonic() - killed:.2f} s")
+    print(f"MEASURED SIGKILL of the agent's process group ({cgroup}): every descendant gone in " f"{time.monotonic() - killed:.2f} s")
 
 
 @pytest.mark.timeout(120)

@@ -37,7 +37,8 @@ for step in range(100000):
     assert int(t[0]) == world
     with open(out, "a") as f:
         f.write(json.dumps({"t": time.time(), "node": os.environ["PROBE_NODE"], "rank": rank, "world": world,
-                            "round": int(os.environ["RALLY_ROUND"]), "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+                            "round": int(os.environ["RALLY_ROUND"]),
+                            "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
                             "group_rank": int(os.environ["GROUP_RANK"]), "step": step}) + "\\n")
     time.sleep(0.05)
 """
@@ -49,7 +50,8 @@ out = os.environ["PROBE_OUT"]
 while True:
     with open(out, "a") as f:
         f.write(json.dumps({"t": time.time(), "node": os.environ["PROBE_NODE"], "world": int(os.environ["WORLD_SIZE"]),
-                            "round": int(os.environ["RALLY_ROUND"]), "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+                            "round": int(os.environ["RALLY_ROUND"]),
+                            "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
                             "pid": os.getpid()}) + "\\n")
     time.sleep(0.1)
 """

@@ -20,20 +20,30 @@ import psutil
 import pytest
 
 from agents import c10d_args, start_agent, stop_all
-from helpers import clean_env, eventually, free_port, kill_group, procs, run_rally, small_disk, start_rally, write_probe  # noqa: F401 - procs is a fixture
-from rally.agent.worker import job
+from helpers import (
+    clean_env,
+    eventually,
+    free_port,
+    kill_group,
+    procs,  # noqa: F401 - a fixture
+    run_rally,
+    small_disk,
+    start_rally,
+    write_probe,
+)
 from rally.agent.checkpoint.shm import holders_of
+from rally.agent.worker import job
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
 STEPS, EVERY, KILL_AT = 30, 5, 17
 
 
-def train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 240):  # noqa: ANN201
+def train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 240):
     args = [
         "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp / f"{name}-logs"),
         "--checkpoint-dir", str(tmp / f"{name}-ckpt"), str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY), *extra,
-    ]  # fmt: skip
+    ]
     return run_rally(args, cwd=tmp, env=env or clean_env(), timeout=timeout)
 
 
@@ -81,11 +91,11 @@ def test_the_same_job_resumes_bit_identical_from_disk_without_the_memory_tier(tm
 
 @pytest.mark.torch
 @pytest.mark.timeout(300)
-def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) -> None:  # noqa: ANN001
+def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) -> None:
     args = [
         "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"),
         str(TRAIN), "--steps", "100000", "--checkpoint-every", "5", "--step-time", "0.02",
-    ]  # fmt: skip
+    ]
     proc = start_rally(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.track_group(proc.pid)
     try:

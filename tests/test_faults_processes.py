@@ -26,7 +26,17 @@ import psutil
 import pytest
 
 from agents import c10d_args, start_agent, stop_all
-from helpers import ProcessTracker, clean_env, describe_pids, free_port, procs, rally_argv, run_rally, survivors, wait_for, write_probe  # noqa: F401
+from helpers import (
+    ProcessTracker,
+    clean_env,
+    describe_pids,
+    free_port,
+    procs,  # noqa: F401 - a fixture
+    run_rally,
+    survivors,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
 
 # ------------------------------------------------------------------ helpers
@@ -217,7 +227,7 @@ def test_no_descendant_survives_a_round_end_or_the_exit(tmp_path: Path, procs: P
     rally = LiveRally(
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "2", "spawner.py", "fail-first"],
         tmp_path, clean_env(PROBE_OUT=str(out)), procs,
-    )  # fmt: skip
+    )
     wait_for(lambda: len(list(out.glob("worker_1_*"))) == 2, 60, what="the second round's workers")
     round0 = [pid for kind in ("child", "session", "daemon", "worker") for pid in read_pids(out, f"{kind}_0_*")]
     procs.track(*round0)
@@ -309,7 +319,7 @@ ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread (the pid) exits, t
 
 def _writable_memory_cgroup_v1() -> Path | None:
     try:
-        line = next(l for l in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in l)
+        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
     except (OSError, StopIteration):
         return None
     base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")

@@ -207,7 +207,8 @@ DISK_FULL = """
         error = str(exc)
     into = {"w": torch.zeros(4096)}
     ckpt = job.load_latest(into=into)
-    print(json.dumps({"error": error, "step": ckpt.step, "ok": bool((into["w"] == 1.0).all()), "left": sorted(os.listdir(sys.argv[1]))}))
+    left = sorted(os.listdir(sys.argv[1]))
+    print(json.dumps({"error": error, "step": ckpt.step, "ok": bool((into["w"] == 1.0).all()), "left": left}))
 """
 
 
@@ -219,7 +220,7 @@ def test_a_full_disk_fails_the_sharded_save_in_one_line_and_keeps_the_last_good_
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in JOB_ENV} | {job.CHECKPOINT_DIR_ENV: str(ckpt)}
-    script = f"mount -t tmpfs -o size=512k rally-test-full {ckpt} && exec {sys.executable} -c '{textwrap.dedent(DISK_FULL)}' {ckpt}"
+    script = f"mount -t tmpfs -o size=512k rally-test-full {ckpt} && exec {sys.executable} -c " f"'{textwrap.dedent(DISK_FULL)}' {ckpt}"
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=80
     )

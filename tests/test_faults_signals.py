@@ -20,9 +20,16 @@ import psutil
 import pytest
 
 from agents import c10d_args
-from helpers import ProcessTracker, clean_env, free_port, procs, survivors, wait_for, write_probe  # noqa: F401
+from helpers import (
+    ProcessTracker,
+    clean_env,
+    free_port,
+    procs,  # noqa: F401 - a fixture
+    survivors,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
-
 
 FAIL_WHILE_OTHER_IGNORES_SIGTERM = """
 import os, signal, sys, time
@@ -45,7 +52,7 @@ def test_a_signal_during_the_restart_grace_ends_rally_at_once(
     rally = LiveRally(
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout", "30", "--log-dir", str(logs), "probe.py"],
         tmp_path, clean_env(), procs,
-    )  # fmt: skip
+    )
 
     def failed() -> bool:
         return any('"returncode": 3' in p.read_text() for p in logs.glob("*/events.jsonl"))
@@ -99,7 +106,7 @@ def test_sigterm_during_the_exit_barrier_gives_143_at_once(tmp_path: Path, procs
 def _blocks(pid: int, signum: int) -> bool:
     """Whether the process's main thread has `signum` blocked (launcher start-up, torch importing)."""
     try:
-        line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("SigBlk:"))
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigBlk:"))
     except (OSError, StopIteration):
         return False
     return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
@@ -136,7 +143,7 @@ def test_crash_loop_stop_exits_within_2_s(tmp_path: Path, procs: ProcessTracker)
     rally = LiveRally(
         ["--standalone", "--max-restarts", "10", "--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-loop-limit", "1", "loop.py"],
         tmp_path, clean_env(), procs,
-    )  # fmt: skip
+    )
     said = rally.wait_line("crash loop:", 90)
     code, ended = rally.wait_exit(30)
     assert code == 4, rally.text()[-3000:]

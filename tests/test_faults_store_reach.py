@@ -25,7 +25,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ProcessTracker, clean_env, free_port, procs, run_rally, start_rally, wait_for, write_probe  # noqa: F401
+from helpers import (
+    ProcessTracker,
+    clean_env,
+    free_port,
+    procs,  # noqa: F401 - a fixture
+    run_rally,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
 
 ONE_LINE_WORKER = "print('worker ran', flush=True)\n"
@@ -62,7 +70,7 @@ def test_an_agent_started_against_a_frozen_store_stops_within_read_timeout(tmp_p
     assert "did not answer within 3 s" in result.stderr, result.describe()
     assert "Traceback" not in result.stderr and "worker ran" not in result.stdout, result.describe()
     assert result.elapsed < 3 + 30, result.describe()  # read_timeout, plus start-up on a loaded machine
-    print(f"MEASURED agent against a store frozen before it connects (read_timeout 3 s): exit after {result.elapsed:.1f} s")
+    print("MEASURED agent against a store frozen before it connects (read_timeout 3 s): exit after " f"{result.elapsed:.1f} s")
 
 
 @pytest.mark.timeout(120)

@@ -22,7 +22,13 @@ import pytest
 
 from agents import write_script
 from helpers import run_rally
-from test_faults_membership import PLAIN_WORKER, cluster, job_args, records, wait_for  # noqa: F401 - cluster is a fixture
+from test_faults_membership import (
+    PLAIN_WORKER,
+    cluster,  # noqa: F401 - a fixture
+    job_args,
+    records,
+    wait_for,
+)
 
 TOKEN = "the-job-secret"
 

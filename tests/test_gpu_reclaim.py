@@ -7,6 +7,7 @@ against the real driver runs where NVML finds a GPU and is skipped, with the rea
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -79,7 +80,7 @@ def test_memory_above_the_baseline_counts_as_occupied_and_other_tenants_drift_do
 @pytest.mark.timeout(30)
 def test_a_workers_children_on_a_gpu_are_waited_for_too():
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
+        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; " "time.sleep(60)']); time.sleep(60)"],
         start_new_session=True,
     )
     try:
@@ -103,9 +104,9 @@ def test_with_nvml_a_killed_cuda_process_leaves_the_gpu_within_the_timeout():
     try:
         baseline = {d.index: d.memory_used for d in monitor.read()}
         worker = subprocess.Popen(
-            [sys.executable, "-c", "import torch, time; x = torch.ones(64 * 2**20, device='cuda'); print('ready', flush=True); time.sleep(60)"],
+            [sys.executable, "-c", "import torch, time; x = torch.ones(64 * 2**20, device='cuda'); print('ready', flush=True); " "time.sleep(60)"],
             stdout=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             assert worker.stdout.readline().strip() == "ready"
             assert any(worker.pid in d.processes for d in monitor.read())
@@ -115,3 +116,17 @@ def test_with_nvml_a_killed_cuda_process_leaves_the_gpu_within_the_timeout():
         assert problems == [], problems
     finally:
         monitor.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_long_wait_for_the_gpus_says_what_still_holds_them_and_for_how_long_at_most():
+    from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS
+
+    workers = [_sleeper()]
+    lines: list[str] = []
+    try:
+        wait_reclaimed(_gpu_of(workers), {workers[0].pid}, {0: BASE}, timeout=WAIT_PROGRESS_SECONDS + 2, announce=lines.append)
+        held = f"GPU 0 (GPU-test): old worker process {workers[0].pid} still hold 1024 MiB"
+        assert len(lines) == 1 and re.fullmatch(rf"waiting for the last round's workers to leave the GPUs \({re.escape(held)}\): up to [12] s more", lines[0]), lines
+    finally:
+        _kill(workers)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import OnTerminal, clean_env, eventually, free_port, run_rally
 from agents import c10d_args, start_agent, stop_all, write_script
+from helpers import OnTerminal, clean_env, eventually, free_port, run_rally
 
 HEARTBEATS_THEN_HANG = """
 import os, sys, time
@@ -105,7 +105,7 @@ def test_hung_worker_with_no_restarts_left_fails_the_job(tmp_path):
 
 def _memory_cgroup_v1() -> Path | None:
     try:
-        line = next(l for l in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in l)
+        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
     except (OSError, StopIteration):
         return None
     base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")

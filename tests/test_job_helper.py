@@ -216,7 +216,7 @@ def test_sigkill_during_save_never_damages_or_hides_the_previous_checkpoint(
     mid_write_kills = 0
     last_step = 0
     ckpt_dir.mkdir()
-    for attempt in range(3):
+    for _ in range(3):
         proc = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(WRITER), str(size)],
             env=child_env(RALLY_CHECKPOINT_DIR=str(ckpt_dir)), cwd=REPO, stdout=subprocess.PIPE,

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from helpers import small_disk as mount_small_disk
-from rally.agent.worker import checkpoint_file, job
 from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
 from rally.agent.checkpoint.shm import fd_path, holders_of
 from rally.agent.checkpoint.slots import COMMITTED, SlotTable
 from rally.agent.checkpoint.tier import MEMORY_LIMIT_ENV, CheckpointTier
 from rally.agent.observe.event_log import EventLog
+from rally.agent.worker import checkpoint_file, job
 from rally.rendezvous.membership import resume_step
 from rally.rendezvous.records import NodeInfo
 
@@ -98,7 +98,7 @@ def load_slot(fd: int | None) -> dict:
         os.close(fd)
 
 
-def wait_for(predicate, timeout: float = 10.0) -> bool:  # noqa: ANN001
+def wait_for(predicate, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -429,8 +429,8 @@ def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free
 def test_rally_status_and_metrics_show_the_last_saved_and_the_last_durable_step() -> None:
     from rich.console import Console
 
-    from rally.agent.observe.metrics import AgentCollector
     from rally.agent.display.worker_table import worker_table
+    from rally.agent.observe.metrics import AgentCollector
 
     record = {"host": "h", "group_rank": 0, "round": 1, "restart_count": 0, "workers": [],
               "checkpoint_saved_step": 30, "checkpoint_durable_step": 25}  # fmt: skip

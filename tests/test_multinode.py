@@ -5,13 +5,14 @@ environment, so these tests stay cheap."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
 import pytest
 
-from helpers import eventually, free_port, is_alive
 from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
+from helpers import eventually, free_port, is_alive
 
 PROBE = """
 import json, os, sys, time
@@ -175,15 +176,18 @@ def test_new_node_joins_a_running_job_below_max(job):
 def test_node_beyond_max_waits_as_a_spare_and_replaces_a_lost_node(job):
     args = [*c10d_args(job.port, "1:2"), "--nproc-per-node", "1"]
     agents = [job.start(f"n{i}", args, ["forever"]) for i in range(2)]
-    assert eventually(lambda: len(job.records()) == 2, 60)
+    # On a busy machine the first node may form a round alone and the second join it in the next.
+    assert eventually(lambda: sum(r["WORLD_SIZE"] == "2" for r in job.records()) == 2, 60)
+    before = len(job.records())
     spare = job.start("spare", args, ["forever"])
     assert eventually(lambda: "waiting as a spare" in spare.output(), 30), spare.output()
-    assert len(job.records()) == 2  # the spare started no workers
+    assert len(job.records()) == before  # the spare started no workers
     victim = next(a for a in agents if a is not _store_host(agents))
     victim.kill_node()
-    assert eventually(lambda: "round 1:" in spare.output(), 30), "\n".join(a.output() for a in [*agents, spare])
-    assert eventually(lambda: len(job.records()) == 4, 30)
-    assert {r["WORLD_SIZE"] for r in job.records()[2:]} == {"2"}
+    joined = re.compile(r"round \d+: node \d of 2")
+    assert eventually(lambda: joined.search(spare.output()), 30), "\n".join(a.output() for a in [*agents, spare])
+    assert eventually(lambda: len(job.records()) == before + 2, 30)
+    assert {r["WORLD_SIZE"] for r in job.records()[before:]} == {"2"}
 
 
 @pytest.mark.timeout(120)

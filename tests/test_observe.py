@@ -22,9 +22,9 @@ import pytest
 
 from helpers import run_rally
 from rally.agent.observe import gpu
-from rally.agent.worker import heartbeat_file, job
 from rally.agent.observe.gpu import DeviceReading
 from rally.agent.observe.stragglers import CentralValues, StepClock, StragglerWatch, job_step_times
+from rally.agent.worker import heartbeat_file, job
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
@@ -80,7 +80,8 @@ def test_heartbeat_with_a_step_and_sections_reach_the_file_from_another_process(
             seen["in"] = [r.section, r.section_timeout]
             with job.section("upload"):                   # no timeout of its own: keeps the outer deadline
                 inner = heartbeat_file.read_record(path)
-                seen["nested"] = [inner.section, inner.section_timeout, inner.section_entered_ns == r.section_entered_ns]
+                same_start = inner.section_entered_ns == r.section_entered_ns
+                seen["nested"] = [inner.section, inner.section_timeout, same_start]
             with job.section("verify", timeout=5):
                 seen["own"] = heartbeat_file.read_record(path).section_timeout
             seen["back"] = heartbeat_file.read_record(path).section
@@ -131,9 +132,9 @@ def test_a_beat_with_a_step_still_costs_microseconds_and_section_names_are_cut_s
 @pytest.mark.timeout(30)
 def test_sections_outside_rally_do_nothing_and_rally_job_imports_without_torch():
     done = subprocess.run(
-        [sys.executable, "-c", "import sys\nfrom rally import job\nwith job.section('setup', timeout=1):\n    job.heartbeat(step=3)\nprint('torch' in sys.modules)"],
+        [sys.executable, "-c", "import sys\nfrom rally import job\nwith job.section('setup', timeout=1):\n    " "job.heartbeat(step=3)\nprint('torch' in sys.modules)"],
         env=child_env(), capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 
@@ -296,7 +297,7 @@ def test_a_node_with_unhealthy_gpus_is_named_before_it_joins_a_round(tmp_path, c
     observer.before_round()
     log.close()
     err = capsys.readouterr().err
-    assert "node node7 has unhealthy GPUs before joining the next round: GPU 1 (GPU-bbb): 3 uncorrected ECC errors; GPU 1 (GPU-bbb): XID 79" in err
+    assert "node node7 has unhealthy GPUs before joining the next round: GPU 1 (GPU-bbb): 3 uncorrected ECC " "errors; GPU 1 (GPU-bbb): XID 79" in err
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines() if "gpu_unhealthy" in line]
     assert event["node"] == "node7" and len(event["problems"]) == 2
 

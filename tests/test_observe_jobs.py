@@ -24,8 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rally
-from helpers import OnTerminal, Result, clean_env, eventually, free_port, run_rally
 from agents import c10d_args, start_agent, stop_all, write_script
+from helpers import OnTerminal, Result, clean_env, eventually, free_port, run_rally
 
 # Each rank steps at its own pace (STEP_SECONDS_<rank>, default 0.05 s) until the file `stop`
 # appears; with FAIL_ON_FILE set, rank 1 of the first attempt exits 3 once the file `fail` appears.
@@ -66,7 +66,7 @@ def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_nod
     agents = [start_agent(f"n{i}", tmp_path, [*common, "--log-dir", str(tmp_path / f"logs{i}"), str(script)], env) for i in range(2)]
     try:
         assert eventually(lambda: "straggler: rank 1" in agents[1].output(), 90), agents[1].output()
-        line = next(l for l in agents[1].output().splitlines() if "straggler: rank 1" in l)
+        line = next(x for x in agents[1].output().splitlines() if "straggler: rank 1" in x)
         assert "median of the job's other ranks" in line, line
         (event,) = [e for e in events_of(tmp_path / "logs1") if e["event"] == "straggler"]
         assert event["rank"] == 1 and event["node"] == socket.gethostname() and event["node_rank"] in (0, 1)
@@ -128,7 +128,7 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
         assert value(before, "rally_round") == 0 and value(before, "rally_restarts_total") == 0
         # Prometheus' conventions: CPU as a seconds counter, a build_info gauge, the job's run id.
         run_id = value(before, "run_id")
-        assert re.fullmatch(r"[0-9a-f-]{36}", run_id) and f"rally status --rdzv-endpoint localhost:" in agent.output()
+        assert re.fullmatch(r"[0-9a-f-]{36}", run_id) and "rally status --rdzv-endpoint localhost:" in agent.output()
         assert run_id in agent.output()  # the run id `rally status` needs is the label's
         assert value(before, "rally_build_info", version=rally.__version__, torch=metadata.version("torch"), python=platform.python_version()) == 1
         assert not [name for name, _ in before if name in ("rally_worker_cpu_percent", "rally_gpu_problems")]

@@ -112,8 +112,8 @@ def test_every_option_of_the_model_is_a_flag_in_both_spellings_with_its_variable
 @pytest.mark.timeout(30)
 def test_defaults_the_agent_also_needs_come_from_the_agents_own_types() -> None:
     from rally.agent.observe.health import HealthSettings
-    from rally.agent.spec import JobSpec
     from rally.agent.observe.stragglers import DEFAULT_FACTOR
+    from rally.agent.spec import JobSpec
     from rally.launcher.options import Options
     from rally.launcher.values import RDZV_CONF_DEFAULTS
     from rally.rendezvous.protocol import RendezvousSettings
@@ -152,10 +152,9 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------ SLURM fills in, as one object
 @pytest.mark.timeout(30)
 def test_slurm_fills_only_what_the_user_left_unset() -> None:
-    from test_slurm_env import SRUN_TASK0, job
-
     from rally.launcher.options import Options
     from rally.rendezvous.backends import HostPort
+    from test_slurm_env import SRUN_TASK0, job
 
     slurm = job(SRUN_TASK0)
     changes, taken = slurm.overrides(Options(), given=set())

@@ -2,8 +2,9 @@
 probe and the round's nodes a collective probe over gloo; a node that fails or is slower than the
 median by --preflight-factor is named with its numbers and left out while MIN allows, a spare in
 its place. No mocks of the network or the CPU: a slow link is `tc netem` delay on the node's own
-veth in network namespaces made for this run (a `tbf` rate limit where the kernel lacks netem), a slow CPU is a cgroup CPU quota; each node has a
-host name of its own (a UTS namespace). The two good nodes of a `--nnodes 2:3` job train."""
+veth in network namespaces made for this run (a `tbf` rate limit where the kernel lacks netem),
+a slow CPU is a cgroup CPU quota; each node has a host name of its own (a UTS namespace). The
+two good nodes of a `--nnodes 2:3` job train."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ for step in range(int(os.environ.get("STEPS", "20"))):
     dist.all_reduce(t)
     assert int(t[0]) == world
     with open(os.environ["PROBE_OUT"], "a") as f:
-        f.write(json.dumps({"host": socket.gethostname(), "world": world, "round": int(os.environ["RALLY_ROUND"]), "step": step}) + "\\n")
+        record = {"host": socket.gethostname(), "world": world, "round": int(os.environ["RALLY_ROUND"]), "step": step}
+        f.write(json.dumps(record) + "\\n")
     time.sleep(0.05)
 """
 
@@ -100,7 +102,7 @@ def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_t
         with slow_cpu(0.08, period=100_000) as into_cgroup:  # 8 ms of CPU per 100 ms: slow even when the machine is busy
             for host in ("c0", "c1", "c2"):
                 args = [*c10d_args(store.port, "2:3", extra_conf="join_timeout=240,last_call_timeout=200", preflight=True), "--nproc-per-node", "1",
-                        "--metrics-port", "0", "--log-dir", str(tmp_path / f"logs-{host}"), str(script)]  # fmt: skip
+                        "--metrics-port", "0", "--log-dir", str(tmp_path / f"logs-{host}"), str(script)]
                 agents.append(agent(tmp_path, host, args, {"PROBE_OUT": str(out), "STEPS": "600"}, cgroup=into_cgroup if host == "c1" else ""))
 
             def named_in_status_and_metrics() -> None:

@@ -70,7 +70,7 @@ def test_each_progress_redraw_reaches_the_console_before_the_line_ends(tmp_path:
     seen = bytearray()
     try:
         for step in (1, 2, 3):
-            read_until(proc, seen, lambda s: f"[0] step {step}/3\r".encode() in s, 60)
+            read_until(proc, seen, lambda s, step=step: f"[0] step {step}/3\r".encode() in s, 60)
             assert b"done" not in seen
             Path(f"{go}.{step}").touch()
         read_until(proc, seen, lambda s: b"[0] step 3/3 done\n" in s, 60)

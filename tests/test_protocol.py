@@ -14,7 +14,15 @@ import pytest
 
 from rally.rendezvous.liveness import silent_peer
 from rally.rendezvous.protocol import JobClosed, NodeInfo, Rendezvous, RendezvousError, RendezvousSettings, RoundEnd
-from rally.rendezvous.store import Store, StoreEndpoint, StoreUnavailable, UntrustedValue, connect_tcp_store, host_tcp_store, open_tcp_store
+from rally.rendezvous.store import (
+    Store,
+    StoreEndpoint,
+    StoreUnavailable,
+    UntrustedValue,
+    connect_tcp_store,
+    host_tcp_store,
+    open_tcp_store,
+)
 from rally.rendezvous.token import Signer
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,7 +57,7 @@ def form(nodes: list[Rendezvous], timeout: float = 20) -> list:
         for f in futures:
             try:
                 out.append(f.result(timeout))
-            except Exception as exc:  # noqa: BLE001 - returned for the test to check
+            except Exception as exc:  # returned for the test to check
                 out.append(exc)
         return out
 
@@ -60,7 +68,7 @@ def test_ranks_are_contiguous_node_major_and_kept_across_rounds(server):
     first = form(nodes)
     assert sorted(a.group_rank for a in first) == [0, 1, 2]
     assert {a.world_size for a in first} == {6} and {a.group_world_size for a in first} == {3}
-    by_rank = sorted(zip(first, nodes), key=lambda p: p[0].group_rank)
+    by_rank = sorted(zip(first, nodes, strict=True), key=lambda p: p[0].group_rank)
     offset = 0
     for a, n in by_rank:
         assert a.rank_offset == offset
@@ -157,6 +165,29 @@ def test_a_round_whose_closer_died_still_forms(server):
     assert time.monotonic() - began < s.close_timeout + 3
 
 
+def test_the_others_take_over_when_the_completing_arrival_dies_before_it_closes(server):
+    """Only the node holding the last slot closes at once (the others write no losing closer key);
+    should it die first, the others close after close_timeout."""
+    s = replace(FAST, min_nodes=3, max_nodes=3, close_timeout=1.0)
+    dead = node(server, "dead", s)
+    dead.store.add("0/joined", 1)
+    assert dead.store.set_once("0/node/2", dead.me.to_json())[0]  # it holds the last slot, then dies
+    began = time.monotonic()
+    result = form([node(server, "a", s), node(server, "b", s)])
+    assert {a.group_world_size for a in result} == {3}, result
+    assert s.close_timeout * 0.9 <= time.monotonic() - began < s.close_timeout + 3
+    assert dead.store.check("0/closer/1") and not dead.store.check("0/closer/0"), "attempt 0 was the dead node's"
+
+
+def test_get_present_reads_the_keys_that_exist_each_checked(server):
+    store, hostile = connect(server, token="secret"), connect(server, token="guess")
+    store.set("a", "1")
+    hostile.set("b", "forged")
+    present = store.get_present(["a", "b", "c"])
+    assert present["a"] == b"1" and isinstance(present["b"], UntrustedValue) and "c" not in present, present
+    assert store.get_present(["a"]) == {"a": b"1"}
+
+
 def test_a_round_never_forms_below_min_and_fails_within_join_timeout(server):
     s = replace(FAST, min_nodes=2, max_nodes=3, join_timeout=3, close_timeout=0.6)
     stranger = connect(server)
@@ -188,7 +219,7 @@ def test_a_relaunch_after_every_member_died_forms_a_new_job(server):
     s = replace(FAST, min_nodes=2, max_nodes=2, last_call_timeout=30)
     old = [node(server, f"old{i}", s) for i in range(2)]
     formed = form(old)
-    for n, a in zip(old, formed):
+    for n, a in zip(old, formed, strict=True):
         n.keep_alive(0, a.group_rank)  # then every node dies
     began = time.monotonic()
     fresh = form([node(server, f"new{i}", s) for i in range(2)])

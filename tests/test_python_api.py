@@ -61,9 +61,9 @@ def drive(tmp_path: Path, mode: str):
 def test_run_returns_the_exit_code_instead_of_exiting(tmp_path: Path) -> None:
     result = drive(tmp_path, "run")
     assert result.returncode == 0, result.describe()
-    line = next(l for l in result.stdout.splitlines() if l.startswith("CODES "))
+    line = next(x for x in result.stdout.splitlines() if x.startswith("CODES "))
     assert json.loads(line.split(" ", 1)[1]) == [2, 0], result.describe()
-    errors = [l for l in result.stderr_lines if "rally: error:" in l]
+    errors = [x for x in result.stderr_lines if "rally: error:" in x]
     assert len(errors) == 1 and "--nproc-per-node 'lots'" in errors[0], result.describe()
     assert "Traceback" not in result.stderr
 
@@ -72,7 +72,7 @@ def test_run_returns_the_exit_code_instead_of_exiting(tmp_path: Path) -> None:
 def test_launch_returns_each_ranks_result(tmp_path: Path) -> None:
     result = drive(tmp_path, "launch")
     assert result.returncode == 0, result.describe()
-    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULTS "))
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULTS "))
     results = json.loads(line.split(" ", 1)[1])
     assert results == {"0": {"value": 20, "world": 2}, "1": {"value": 22, "world": 2}}, result.describe()
 
@@ -81,6 +81,6 @@ def test_launch_returns_each_ranks_result(tmp_path: Path) -> None:
 def test_launch_raises_an_error_naming_the_root_cause(tmp_path: Path) -> None:
     result = drive(tmp_path, "fail")
     assert result.returncode == 0, result.describe()
-    line = next((l for l in result.stdout.splitlines() if l.startswith("ERROR ")), "")
+    line = next((x for x in result.stdout.splitlines() if x.startswith("ERROR ")), "")
     assert line.startswith("ERROR 1 rally.launch: fail_on_rank_1 failed: "), result.describe()
     assert "rank 1" in line and "ValueError: bad batch 17" in line, line

@@ -69,7 +69,7 @@ def test_a_node_that_caused_two_failures_is_quarantined_and_the_others_train_wit
 
 
 def test_failures_count_once_per_round_and_only_within_the_window():
-    from rally.agent.checks.quarantine import record_failure, recent_failures
+    from rally.agent.checks.quarantine import recent_failures, record_failure
 
     record: dict = {"failures": {}, "quarantined": {}}
     record_failure(record, "n1", 4, 1000.0)

@@ -82,11 +82,15 @@ def _start_nodes(tmp: Path, port: int, names: list[str], ckpt: Path, nnodes: str
     return [start_agent(name, tmp, args, env=env) for name in names]
 
 
-def _kill_a_node_after_a_save(agents: list[AgentProcess], saved_step: int) -> AgentProcess:
-    """SIGKILL the node that does not host the store once `saved_step` is on disk; return it."""
+def _kill_a_node_after_a_save(agents: list[AgentProcess], saved_step: int, durable_in: Path | None = None) -> AgentProcess:
+    """SIGKILL the node that does not host the store once it saved `saved_step` (and, given
+    `durable_in`, once that step is published there: the persist runs in the background, so on
+    a busy machine a save can still be in memory only); return it."""
     assert eventually(lambda: any("hosting the rendezvous store" in a.output() for a in agents), 60)
     victim = next(a for a in agents if "hosting the rendezvous store" not in a.output())
     assert eventually(lambda: any(s == saved_step for s, _, _ in digests(victim.output(), "saved")), 120), victim.output()
+    if durable_in is not None:
+        assert eventually(lambda: (durable_in / dcp_files.step_name(saved_step)).is_dir(), 120), victim.output()
     pids = victim.kill_node()
     assert eventually(lambda: not any(is_alive(pid) for pid in pids), 10)
     return victim
@@ -126,7 +130,7 @@ def test_fsdp2_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(
         assert {digest for _, _, digest in resumed} == {reference[step]}, text
         assert {digest for _, _, digest in digests(text, "final")} == {reference[STEPS + 1]}
         if replicas == "on":  # the lost node's shards from their replica on the survivor: memory
-            assert re.search(rf"resuming from step {step} from memory \(sharded, world size 2; rank \d from the ring replica on node \d: its own node lost its copy\)", text), text
+            assert re.search(rf"resuming from step {step} from memory \(sharded, world size 2; rank \d from the ring " r"replica on node \d: its own node lost its copy\)", text), text
         else:
             assert f"resuming from step {step} (" in text and "not from memory: step" in text and "have no live copy in memory, neither own nor replica" in text, text
         assert_no_temps(ckpt)
@@ -142,7 +146,7 @@ def test_fsdp2_job_reshards_onto_the_surviving_node_after_a_node_loss(
     agents: list[AgentProcess] = []
     try:
         agents += _start_nodes(tmp_path, port, ["n0", "n1"], ckpt, "1:2")
-        victim = _kill_a_node_after_a_save(agents, 6)
+        victim = _kill_a_node_after_a_save(agents, 6, durable_in=ckpt)
         (survivor,) = [a for a in agents if a is not victim]
         text = _finish_all([survivor], 180)
         assert survivor.popen.returncode == 0, text

@@ -130,7 +130,7 @@ class Jobs:
 
     def srun(self, args: Sequence[str], *, tag: str = "srun", env: Mapping[str, str] | None = None) -> Srun:
         out = self.tmp / f"{tag}.out"
-        handle = open(out, "wb")  # noqa: SIM115 - owned by the child
+        handle = open(out, "wb")  # owned by the child
         popen = subprocess.Popen(
             [self.cluster.login_exec, "srun", f"--job-name={self.name}", "-l", *args],
             cwd=REPO,
@@ -213,7 +213,7 @@ def test_srun_two_nodes_without_rendezvous_flags_forms_one_job_with_node_major_r
     assert {r["sum"] for r in results} == {"6"}  # 0+1+2+3: one all_reduce over both nodes
     assert [r["host"] for r in results] == ["node1", "node1", "node2", "node2"]  # node-major
     # Both agents took everything from SLURM: one run id <job>.0, the store on node1.
-    for task, node in ((0, "node1"), (1, "node2")):
+    for task in (0, 1):
         lines = "\n".join(task_lines(text, task))
         assert re.search(rf"SLURM job \d+\.0: 2 nodes \(node\[1-2\]\), this is node {task}, store node1:\d+", lines), text
         assert f"ranks {2 * task}-{2 * task + 1} of 4" in lines
@@ -323,7 +323,7 @@ def test_elastic_requeue_template_checkpoints_requeues_and_resumes_bit_identical
     reference = start_rally(
         ["--standalone", "--nproc-per-node", "2", str(TRAIN), *train_args, "--checkpoint-dir", str(tmp_path / "reference")],
         cwd=REPO, env=job_env(jobs.cluster), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    )
     try:
         ckpt = tmp_path / "ckpt"
         jid = jobs.sbatch(

@@ -29,28 +29,29 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
 
-from rally.agent import processes
-from rally.agent.spec import BOOTSTRAP
-from rally.agent.template import ForkedChild, TemplateClient, template_command
 from helpers import (
     REPO,
     clean_env,
     describe_pids,
     finish,
     is_alive,
-    procs,  # noqa: F401 - fixture
+    procs,  # noqa: F401 - a fixture
     run_rally,
     start_rally,
     survivors,
     wait_for,
     write_probe,
 )
+from rally.agent import processes
+from rally.agent.spec import BOOTSTRAP
+from rally.agent.template import ForkedChild, TemplateClient, template_command
 
 TORCH_CPU_DEFAULT_SEED = 67280421310721  # what a new torch.Generator() starts from
 
@@ -100,7 +101,8 @@ record = {
     "fds": fds, "stdio": [stream(sys.stdin), stream(sys.stdout), stream(sys.stderr)],
     "dunder_stdio": [sys.stdin is sys.__stdin__, sys.stdout is sys.__stdout__, sys.stderr is sys.__stderr__],
     "pgid_is_pid": os.getpgid(0) == os.getpid(), "sid_is_pid": os.getsid(0) == os.getpid(),
-    "handlers": {signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(int(s)): handler_name(signal.getsignal(s))
+    "handlers": {signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(int(s)):
+                 handler_name(signal.getsignal(s))
                  for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)},
     "wakeup_fd": signal.set_wakeup_fd(-1),
     "SigBlk": status("SigBlk"), "SigIgn": status("SigIgn"), "SigCgt": status("SigCgt"),
@@ -255,7 +257,8 @@ EXITS = {
     "clean": "print('fine')",
     "exit_3": "import sys\nprint('leaving', file=sys.stderr)\nsys.exit(3)",
     "exit_message": "import sys\nsys.exit('bad configuration')",
-    "exception": "def load(name):\n    raise KeyError(f'{name} is missing')\n\ndef main():\n    load('shard-7')\n\nmain()",
+    "exception": "def load(name):\n    raise KeyError(f'{name} is missing')\n\n"
+    "def main():\n    load('shard-7')\n\nmain()",
     "chained": "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    raise RuntimeError('wrapped') from e",
     "keyboard_interrupt": "raise KeyboardInterrupt",
     "sigkill": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
@@ -432,8 +435,8 @@ def test_cuda_or_threads_in_the_template_make_forking_unsafe() -> None:
 ROUND_PROBE = """
 import json, os, sys, time
 out, rank, count = os.environ["PROBE_OUT"], os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
-record = {"pid": os.getpid(), "ppid": os.getppid(), "cmdline": open("/proc/self/cmdline", "rb").read().split(b"\\0")[:-1]}
-record["cmdline"] = [a.decode() for a in record["cmdline"]]
+cmdline = open("/proc/self/cmdline", "rb").read().split(b"\\0")[:-1]
+record = {"pid": os.getpid(), "ppid": os.getppid(), "cmdline": [a.decode() for a in cmdline]}
 with open(os.path.join(out, f"round{count}_rank{rank}.json"), "w") as f:
     json.dump(record, f)
 fail_until = int(os.environ.get("PROBE_FAIL_UNTIL", "0"))
@@ -481,7 +484,7 @@ def test_rally_forks_every_round_from_one_template(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_no_preload_and_no_python_start_workers_as_children_of_rally(tmp_path: Path, procs) -> None:  # noqa: F811
+def test_no_preload_and_no_python_start_workers_as_children_of_rally(tmp_path: Path, procs) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
@@ -510,7 +513,7 @@ def wait_for_workers(out: Path, rally: subprocess.Popen, count: int, round_: int
 
 @pytest.mark.torch
 @pytest.mark.timeout(240)
-def test_a_dead_template_takes_its_workers_and_is_replaced(tmp_path: Path, procs) -> None:  # noqa: F811
+def test_a_dead_template_takes_its_workers_and_is_replaced(tmp_path: Path, procs) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
@@ -539,7 +542,7 @@ def test_a_dead_template_takes_its_workers_and_is_replaced(tmp_path: Path, procs
 
 
 @pytest.mark.timeout(180)
-def test_a_thread_in_the_template_means_plain_starts_with_one_warning(tmp_path: Path, procs) -> None:  # noqa: F811
+def test_a_thread_in_the_template_means_plain_starts_with_one_warning(tmp_path: Path, procs) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
@@ -582,7 +585,7 @@ def test_a_module_that_cannot_be_preloaded_is_reported_and_workers_still_fork(tm
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_of_rally_takes_the_template_and_its_workers(tmp_path: Path, procs) -> None:  # noqa: F811
+def test_sigkill_of_rally_takes_the_template_and_its_workers(tmp_path: Path, procs) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)

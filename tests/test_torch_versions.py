@@ -71,4 +71,4 @@ def test_a_torch_without_numa_binding_is_one_line_at_launch(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=tmp_path)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    assert re.fullmatch(r"--numa-binding node: this torch \(\S+\) has no torch\.numa\.binding, which picks the CPUs; upgrade torch \(2\.13 has it\)\n", done.stdout), done.stdout
+    assert re.fullmatch(r"--numa-binding node: this torch \(\S+\) has no torch\.numa\.binding, which picks the CPUs; upgrade " r"torch \(2\.13 has it\)\n", done.stdout), done.stdout

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, clean_env, run_rally, write_probe
-
 import rally
+from helpers import REPO, clean_env, run_rally, write_probe
 
 USER_NAMES = ("agent", "launcher", "rendezvous", "job", "bootstrap")
 

@@ -37,7 +37,9 @@ SHORT_SECONDS = 10.0
 # Names of calls that can block. `join` and `get` only count with a timeout or block keyword or
 # on a thread (str.join and dict.get are everywhere); see `_blocking`.
 WAIT_NAMES = {"sleep", "communicate", "select", "poll", "recv", "recv_into", "accept", "flock", "run_blocking"}
-ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error", "progress"}
+# `tick` is a wait's throttled progress line (rendezvous/waiting.py WaitProgress, rendezvous/long_wait.py
+# LongWait), `wait_in_slices` a wait made in slices that ticks (rendezvous/long_wait.py).
+ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error", "progress", "tick", "wait_in_slices"}
 
 S, B, SL, BG, AK, NW = "short", "bounded", "slice", "background", "after_kill", "not_a_wait"
 # (module, function, the call's text up to its first "("): (kind, says or None, why)
@@ -50,7 +52,11 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("launcher/torchrun_extras.py", "logs_specs_note", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
     # agent: the main loop and its store calls
     ("agent/agent.py", "Agent._workers_store", "rdzv.wait_master"): (SL, ("rendezvous/protocol.py", "Rendezvous.wait_master"), "1 s slices up to keep_alive_timeout*4+30"),
-    ("agent/agent.py", "Agent._exit_barrier", "rdzv.wait_all_acknowledged"): (B, None, "EXIT_BARRIER_SECONDS (30), a signal ends it"),
+    ("agent/agent.py", "Agent._exit_barrier", "wait_for_readers"): (B, ("agent/node_waits.py", "wait_for_readers"), "EXIT_BARRIER_SECONDS (30), a signal ends it"),
+    ("agent/node_waits.py", "wait_for_readers", "wait_in_slices"): (B, ("agent/node_waits.py", "wait_for_readers"), "the caller's timeout, in slices with a line (console and status record)"),
+    ("agent/node_waits.py", "wait_for_readers", "rdzv.wait_all_acknowledged"): (SL, ("agent/node_waits.py", "wait_for_readers"), "one slice"),
+    ("agent/node_waits.py", "wait_for_readers", "announce_wait"): (NW, None, "prints a wait's progress line; not a wait"),
+    ("rendezvous/long_wait.py", "wait_in_slices", "wait"): (SL, ("rendezvous/long_wait.py", "wait_in_slices"), "slices of at most WAIT_PROGRESS_SECONDS up to the caller's timeout"),
     ("agent/agent.py", "Agent.store_call", "self.loop.run_blocking"): (SL, "job", "the call runs in a thread; the main loop keeps handling signals and the store probe"),
     ("agent/event_loop.py", "EventLoop.pump", "self.selector.select"): (SL, "job", "the agent's one select: the running job's exits, output and signals"),
     ("agent/event_loop.py", "EventLoop.pump", "obj.process.poll"): (NW, None, "reaps an exited worker"),
@@ -78,11 +84,11 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/template.py", "ForkedChild._reap_after_template_death", "os.waitid"): (NW, None, "WNOHANG"),
     ("agent/template.py", "ForkedChild._reap_after_template_death", "time.sleep"): (S, None, "10 ms, 2 s deadline"),
     ("agent/template.py", "ForkedChild.wait", "self.poll"): (NW, None, "ForkedChild.poll"),
-    ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): (B, ("agent/template.py", "TemplateClient._fork"), "READY_TIMEOUT (300 s: importing torch on a loaded node)"),
+    ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): (B, ("agent/template_connection.py", "Connection._await"), "READY_TIMEOUT (300 s: importing torch on a loaded node)"),
     ("agent/template_connection.py", "status_to_returncode", "os.waitstatus_to_exitcode"): (NW, None, "arithmetic"),
     ("agent/template_connection.py", "Connection.alive", "self.popen.poll"): (NW, None, "Popen.poll"),
-    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): (B, ("agent/template.py", "TemplateClient._fork"), "READY_TIMEOUT"),
-    ("agent/template_connection.py", "Connection.fork", "self._await"): (B, None, "REPLY_TIMEOUT (30 s) for a fork"),
+    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): (B, ("agent/template_connection.py", "Connection._await"), "READY_TIMEOUT"),
+    ("agent/template_connection.py", "Connection.fork", "self._await"): (B, ("agent/template_connection.py", "Connection._await"), "REPLY_TIMEOUT (30 s) for a fork"),
     ("agent/template_connection.py", "Connection.describe_death", "self.popen.wait"): (S, None, "timeout=1"),
     ("agent/template_connection.py", "Connection.close", "self.popen.wait"): (S, None, "timeout=5, then SIGKILL"),
     ("agent/worker/template_server.py", "_Template._quiesce_native_pools", "os.waitpid"): (S, None, "a child that exits at once"),
@@ -91,13 +97,13 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/worker/template_wire.py", "recv_message", "sock.recv"): (SL, None, "the socket's timeout"),
     # agent: the checkpoint memory tier (the holder process, the agent's side, the worker's side)
     ("agent/checkpoint/client.py", "MemoryTier._connect", "time.sleep"): (S, None, "20 ms between tries for a holder still binding its socket, CONNECT_TIMEOUT (10 s) in all"),
-    ("agent/checkpoint/holder.py", "Holder.flush", "self.table.cond.wait"): (B, None, "the agent's flush at the job's end: up to --shutdown-timeout for the newest copy to be durable"),
+    ("agent/checkpoint/holder.py", "Holder.flush", "self.table.cond.wait"): (B, ("agent/checkpoint/tier.py", "CheckpointTier._ask"), "the agent's flush at the job's end: up to --shutdown-timeout for the newest copy to be durable; the agent, which waits for the answer, says so"),
     ("agent/checkpoint/holder.py", "Holder.serve", "self.listener.accept"): (BG, None, "the holder's accept loop: it waits for workers while the job runs"),
     ("agent/checkpoint/holder.py", "Holder.worker", "conn.recv"): (BG, None, "one thread per worker connection, waiting for its next request; ends when the worker closes it or dies"),
     ("agent/checkpoint/holder.py", "Holder.persister", "table.cond.wait"): (BG, None, "the idle persister, in IDLE_SLICE_SECONDS (1 s) slices"),
     ("agent/checkpoint/holder.py", "Holder.between_chunks", "self.table.cond.wait"): (S, None, "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all"),
     ("agent/checkpoint/holder.py", "main", "persister.join"): (S, None, "timeout=5 as the holder stops"),
-    ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (B, None, "one answer of the holder: REPLY_TIMEOUT (10 s), the job-end flush --shutdown-timeout + 1 s"),
+    ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (SL, ("agent/checkpoint/tier.py", "CheckpointTier._ask"), "slices of one answer of the holder: REPLY_TIMEOUT (10 s), the job-end flush --shutdown-timeout + 1 s"),
     ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded", "subprocess.run"): (B, ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded"), "the job's end: what is left of --shutdown-timeout, + 5 s"),
     ("agent/checkpoint/dcp_flush.py", "publish_newest", "time.sleep"): (S, None, "POLL_INTERVAL (20 ms) between looks, the time given in all"),
     # a worker's sharded checkpoints (torch.distributed.checkpoint, in the worker's process)
@@ -111,8 +117,8 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/checkpoint/dcp_storage.py", "PublishingWriter.write_data", "super().write_data(plan, planner).wait"): (NW, None, "torch's FileSystemWriter writes before it returns: the future is already done"),
     # rendezvous
     ("rendezvous/etcd_client.py", "EtcdClient.call", "time.sleep"): (S, None, "backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget"),
-    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.wait"): (B, None, "op_timeout (read_timeout)"),
-    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.wait"): (B, None, "op_timeout (read_timeout)"),
+    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.try_wait"): (SL, ("rendezvous/etcd_store.py", "EtcdStore.get"), "slices of op_timeout (read_timeout) for a key not yet written"),
+    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.try_wait"): (SL, ("rendezvous/etcd_store.py", "EtcdStore.multi_get"), "slices of op_timeout (read_timeout)"),
     ("rendezvous/liveness.py", "wait_round_end_or_dead", "rdzv.wait_round_end"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare's wait"),
     ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._join"), "slices of WAIT_SLICE_SECONDS up to join_timeout"),
     ("rendezvous/protocol.py", "Rendezvous._try_close", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._try_close"), "last call"),
@@ -129,20 +135,24 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("rendezvous/protocol.py", "Rendezvous.gather_stacks", "self.store.try_wait"): (S, None, "HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named"),
     ("rendezvous/store.py", "_check_same_job", "store.try_wait"): (S, None, "a marker the job's host writes at once"),
     # merged from the trust, preflight and etcd branches
-    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): (B, None, "PROBE_TIMEOUT_SECONDS + 10 (30 s), through store_call: signals and the store probe stay live"),
+    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): (S, None, "timeout=5 after SIGKILL of the probe's process group"),
+    ("agent/checks/preflight.py", "Preflight._probe", "wait_in_slices"): (B, ("agent/checks/preflight.py", "Preflight._probe"), "PROBE_TIMEOUT_SECONDS + 10 (30 s), through store_call: signals and the store probe stay live"),
     ("launcher/slurm.py", "SlurmJob.requeue", "subprocess.run"): (S, None, "timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms"),
     ("agent/observe/gpu_reclaim.py", "wait_reclaimed", "sleep"): (S, None, "RECLAIM_POLL_SECONDS (0.1 s) between GPU reads, up to --gpu-reclaim-timeout"),
-    ("agent/observe/observer.py", "Observer.before_round", "wait_reclaimed"): (B, ("agent/observe/observer.py", "Observer.before_round"), "--gpu-reclaim-timeout (30 s); a GPU that stays occupied is named"),
+    ("agent/observe/observer.py", "Observer.before_round", "wait_reclaimed"): (B, ("agent/observe/gpu_reclaim.py", "wait_reclaimed"), "--gpu-reclaim-timeout (30 s), a line every few seconds; a GPU that stays occupied is named"),
     ("agent/guard/job_cgroup.py", "JobCgroup.kill", "time.sleep"): (S, None, "10 ms between kills of the cgroup's members, up to its deadline"),
     ("agent/guard/job_cgroup.py", "JobCgroup.remove", "time.sleep"): (S, None, "20 ms between rmdir attempts, up to its deadline"),
     ("agent/guard/orphan_guard.py", "watch", "select.select"): (BG, None, "the guard waits for its agent's pipe to close; SEEN_INTERVAL slices without a cgroup"),
-    ("agent/checks/preflight.py", "Preflight._results", "rdzv.store.try_wait"): (SL, None, "the caller's wait, at most PROBE_TIMEOUT_SECONDS"),
-    ("agent/checks/preflight.py", "Preflight._read_verdict", "rdzv.store.try_wait"): (B, ("agent/checks/preflight.py", "Preflight._act"), "PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS (50 s)"),
+    ("agent/checks/preflight.py", "Preflight._results", "rdzv.store.try_wait"): (SL, ("agent/checks/preflight.py", "Preflight._results"), "one slice"),
+    ("agent/checks/preflight.py", "Preflight._results", "wait_in_slices"): (B, ("agent/checks/preflight.py", "Preflight._results"), "node 0 waits VERDICT_WAIT_SECONDS (30 s) for the slowest node's numbers"),
+    ("agent/checks/preflight.py", "Preflight._read_verdict", "rdzv.store.try_wait"): (SL, ("agent/checks/preflight.py", "Preflight._read_verdict"), "one slice"),
+    ("agent/checks/preflight.py", "Preflight._read_verdict", "wait_in_slices"): (B, ("agent/checks/preflight.py", "Preflight._read_verdict"), "PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS (50 s)"),
     ("agent/checks/preflight.py", "Preflight._act", "rdzv.wait_round_end"): (SL, None, "5 s slices for the round's end after a node was left out"),
     ("agent/checks/preflight_probe.py", "measure_links", "dist.recv"): (S, None, "a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS"),
     ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
     ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
     ("rendezvous/kv.py", "KeyValueStore.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
+    ("rendezvous/kv.py", "KeyValueStore.get_present", "self.try_wait"): (S, None, "PRESENT_PROBE_SECONDS (0.01 s)"),
     ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (NW, None, "prints a wait's progress line; not a wait"),
     ("rendezvous/waiting.py", "announce_wait", "waiting_record"): (NW, None, "builds a status record"),
     ("rendezvous/protocol.py", "Rendezvous.report_success", "self.store.try_wait"): (S, None, "0.01 s: have all members reported"),
@@ -153,18 +163,8 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
 }
 # Long waits with no progress line yet (each also in WAITS, with its bound). Give one its line,
 # then name it in WAITS' `says` and drop it here; the last test says when.
-KNOWN_SILENT: dict[tuple[str, str, str], str] = {
-    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): "the pre-flight probe child, up to PROBE_TIMEOUT_SECONDS + 10 (30 s; about 1.5 s when healthy); its line comes after",
-    ("agent/agent.py", "Agent._exit_barrier", "rdzv.wait_all_acknowledged"): "the store's host waits up to 30 s for the others to read the end",
-    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.wait"): "a key not yet written, up to read_timeout",
-    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.wait"): "keys not yet written, up to read_timeout",
-    ("agent/template_connection.py", "Connection.fork", "self._await"): "a fork reply, up to 30 s",
-    ("agent/agent.py", "Agent._workers_store", "rdzv.wait_master"): "nodes other than 0 wait for its workers' store, up to keep_alive_timeout*4+30 s",
-    ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): "the template still importing torch, up to 300 s",
-    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): "the same wait, inside",
-    ("agent/checkpoint/holder.py", "Holder.flush", "self.table.cond.wait"): "the job's end waits up to --shutdown-timeout for the newest checkpoint copy to be durable",
-    ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): "the same flush, on the agent's side",
-}
+# None is left (issue 19): every long wait says what it waits for and until when.
+KNOWN_SILENT: dict[tuple[str, str, str], str] = {}
 # Calls whose callee applies its own bound (a default timeout or slices of one).
 BOUND_INSIDE = {"work.wait", "self.loop.run_blocking", "self.connect().wait_stacks_request", "self.watcher.wait_round_end", "connection.wait_ready", "self._wait_for_all_nodes", "self._wait_as_spare"}
 
@@ -199,28 +199,33 @@ def _blocking(call: ast.Call) -> str | None:
     return None
 
 
+class _WaitFinder(ast.NodeVisitor):
+    """Adds each blocking call of one module to `found`, keyed by the function (or class) it is in."""
+
+    def __init__(self, module: str, found: dict[tuple[str, str, str], list[int]]) -> None:
+        self.module = module
+        self.found = found
+        self.stack: list[str] = []
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+    def visit_Call(self, node: ast.Call) -> None:
+        head = _blocking(node)
+        if head is not None:
+            self.found.setdefault((self.module, _qualname(self.stack), head), []).append(node.lineno)
+        self.generic_visit(node)
+
+
 def find_waits() -> dict[tuple[str, str, str], list[int]]:
     found: dict[tuple[str, str, str], list[int]] = {}
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
-            module = str(path.relative_to(REPO))
-            stack: list[str] = []
-
-            class Visitor(ast.NodeVisitor):
-                def visit_FunctionDef(self, node: ast.AST) -> None:
-                    stack.append(node.name)  # type: ignore[attr-defined]
-                    self.generic_visit(node)
-                    stack.pop()
-
-                visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
-
-                def visit_Call(self, node: ast.Call) -> None:
-                    head = _blocking(node)
-                    if head is not None:
-                        found.setdefault((module, _qualname(stack), head), []).append(node.lineno)
-                    self.generic_visit(node)
-
-            Visitor().visit(ast.parse(path.read_text()))
+            _WaitFinder(str(path.relative_to(REPO)), found).visit(ast.parse(path.read_text()))
     return found
 
 

@@ -29,9 +29,11 @@ from typing import Any, Callable
 
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.client import HOLDER_ENV
+from rally.agent.display import console
 from rally.agent.helper_process import HelperProcess
 from rally.agent.observe.event_log import EventLog
 from rally.agent.worker.job import newest_checkpoint_step
+from rally.rendezvous.long_wait import LongWait
 
 MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
 """Bytes the tier's copies may take on this node in all (default: half of what is available)."""
@@ -91,15 +93,23 @@ class CheckpointTier:
             ident = self._next_id
             if not self._send({**message, "id": ident}):
                 return None
-            deadline = time.monotonic() + wait
-            while (left := deadline - time.monotonic()) > 0:
+            what = (  # the job-end flush can take --shutdown-timeout; the others answer at once
+                f"waiting for the newest in-memory checkpoint to be written to {self.checkpoint_dir}"
+                if message.get("op") == "flush"
+                else f"waiting for the checkpoint holder (pid {self.pid}) to answer '{message.get('op')}'"
+            )
+            long_wait = LongWait(what, wait, console.say)  # in slices, with a line every few seconds
+            while True:
                 try:
-                    reply = self._replies.get(timeout=left)
+                    reply = self._replies.get(timeout=long_wait.slice())
                 except queue.Empty:
+                    if long_wait.tick():
+                        continue
                     return None
                 if reply.get("reply") == ident:
                     return reply
-            return None
+                if long_wait.left() <= 0:
+                    return None
 
     def _read(self) -> None:
         assert self.process.stdout is not None

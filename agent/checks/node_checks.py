@@ -13,7 +13,7 @@ The agent calls `NodeChecks` at three moments, each one line in agent/agent.py:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.checks.quarantine import EXIT_QUARANTINED, Quarantine
 from rally.agent.display import console
@@ -38,7 +38,8 @@ class NodeChecks:
             self.preflight = Preflight(
                 spec, agent.host, agent.events, agent.report, agent.store_call, lambda: agent.template, agent.base_env, agent.logs.run_dir,
                 lambda: "nccl" if agent.observer.gpu is not None else "gloo",  # the backend the job's workers would use
-            )  # fmt: skip
+                agent.waits.announce,  # its waits' lines: the console and this node's status record
+            )
 
     def at_join(self, store: Any) -> str | None:
         line = self.store_call(lambda: self.quarantine.at_join(store))

@@ -24,10 +24,12 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.display import console
+from rally.rendezvous.long_wait import wait_in_slices
 from rally.rendezvous.node_memory import save_preflight
 from rally.rendezvous.protocol import FAILURE_KINDS, Assignment, EndKind, RoundEnd, preflight_key
 
@@ -41,7 +43,7 @@ VERDICT_WAIT_SECONDS = 30.0
 LINK_SLOW_FLOOR_SECONDS = 0.02
 
 
-def judge(results: dict[int, dict], factor: float, min_nodes: int) -> dict[str, Any]:
+def judge(results: dict[int, dict | None], factor: float, min_nodes: int) -> dict[str, Any]:
     """The verdict on a round's probe results (by group rank; None: no result): who is bad, who is left out."""
     ok = {g: r for g, r in results.items() if r and not r.get("error") and r.get("compute")}
     compute = statistics.median(r["compute"] for r in ok.values()) if ok else None
@@ -63,7 +65,7 @@ def judge(results: dict[int, dict], factor: float, min_nodes: int) -> dict[str, 
             why = f"slower than {factor:g}x the median ({', '.join(slow)})" if slow else ""
         numbers = _numbers(r, compute, link)
         nodes.append({"group_rank": g, "host": host, "bad": why, "numbers": numbers, "line": f"{why + '; ' if why else ''}{numbers}",
-                      **{k: r.get(k) for k in ("compute", "link", "allreduce", "error")}})  # fmt: skip
+                      **{k: r.get(k) for k in ("compute", "link", "allreduce", "error")}})
         if why:
             bad.append((0 if g not in ok else 1, -max((r.get("compute") or 0) / (compute or 1), (r.get("link") or 0) / (link or 1)), g))
     room = max(0, len(results) - min_nodes)
@@ -91,9 +93,11 @@ def _numbers(r: dict, compute: float | None, link: float | None) -> str:
 class Preflight:
     """One agent's pre-flight: probe, publish, (node 0) judge, act on the verdict."""
 
-    def __init__(self, spec: Any, host: str, events: Any, report: Any, store_call: Callable[..., Any], template: Callable[[], Any], base_env: dict[str, str], run_dir: Path, backend: Callable[[], str]):
+    def __init__(self, spec: Any, host: str, events: Any, report: Any, store_call: Callable[..., Any], template: Callable[[], Any], base_env: dict[str, str], run_dir: Path, backend: Callable[[], str], announce: Callable[[str], None] = console.say):
+        """`announce` hears every few seconds what a long wait waits for (agent/node_waits.py)."""
         self.spec, self.host, self.events, self.report = spec, host, events, report
         self.store_call, self.template, self.base_env, self.run_dir, self.backend = store_call, template, base_env, run_dir, backend
+        self.announce = announce
         self.last: dict | None = None  # this node's numbers and the verdict's summary, for its status record
         self.left_out: dict[int, str] = {}  # round -> the line this node leaves with
         self.own_template: Any = None  # preloads torch for the first probe when the job has no worker template
@@ -111,7 +115,7 @@ class Preflight:
         from rally.agent.workers import shared_worker_env
 
         argv = [self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE]
-        self.own_template = TemplateClient(self.spec.python_exec, BOOTSTRAP, argv, ("torch", "torch.distributed"), shared_worker_env(self.spec, self.base_env), os.getcwd(), console.warn)
+        self.own_template = TemplateClient(self.spec.python_exec, BOOTSTRAP, argv, ("torch", "torch.distributed"), shared_worker_env(self.spec, self.base_env), os.getcwd(), console.warn, self.announce)
         try:
             self.own_template.start()
         except OSError:
@@ -167,7 +171,7 @@ class Preflight:
             "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RALLY_PREFLIGHT_OUT": str(out),
             "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{a.round}/", "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
             "RALLY_PREFLIGHT_BACKEND": self.backend(),
-        }  # fmt: skip
+        }
         template = self.template() or self.own_template
         launch = template.spawn if template is not None else processes.spawn
         asked = time.monotonic()
@@ -175,7 +179,8 @@ class Preflight:
             child = launch([self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE], env, None, log, log)
         self.template_wait = time.monotonic() - asked
         try:
-            code = self.store_call(lambda: child.wait(PROBE_TIMEOUT_SECONDS + 10), waiting=True)
+            what = f"pre-flight of round {a.round}: waiting for the probe (pid {child.pid}: compute, all-reduce, links) to finish"
+            code = self.store_call(lambda: wait_in_slices(child.wait, PROBE_TIMEOUT_SECONDS + 10, what, self.announce, done=lambda c: c is not None), waiting=True)
         finally:
             if child.returncode is None:
                 os.killpg(child.pid, signal.SIGKILL)
@@ -184,12 +189,14 @@ class Preflight:
         try:
             return json.loads(out.read_text())
         except (OSError, ValueError):
-            return {"error": f"the probe exited with {code} and wrote no result (see {self.run_dir}/preflight_{a.round}.log)"}
+            log_path = f"{self.run_dir}/preflight_{a.round}.log"
+            return {"error": f"the probe exited with {code} and wrote no result (see {log_path})"}
 
-    def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict]:
+    def _results(self, rdzv: Any, a: Assignment, wait: float) -> dict[int, dict | None]:
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
-        rdzv.store.try_wait(names, wait)
-        found: dict[int, dict] = {}
+        what = f"pre-flight of round {a.round}: waiting for every node's probe results to judge them"
+        wait_in_slices(lambda t: rdzv.store.try_wait(names, t), wait, what, self.announce)
+        found: dict[int, dict | None] = {}
         for g, name in enumerate(names):
             try:
                 value = json.loads(rdzv.store.get(name)) if rdzv.store.check(name) else None
@@ -213,7 +220,8 @@ class Preflight:
 
     def _read_verdict(self, rdzv: Any, a: Assignment) -> dict | None:
         name = preflight_key(a.round, "verdict")
-        if not rdzv.store.try_wait([name], PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS):
+        what = f"pre-flight of round {a.round}: waiting for node 0's verdict"
+        if not wait_in_slices(lambda t: rdzv.store.try_wait([name], t), PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS, what, self.announce):
             return None
         try:
             verdict = json.loads(rdzv.store.get(name))
@@ -229,11 +237,11 @@ class Preflight:
             if node.get("group_rank") in left_out:
                 console.warn(f"pre-flight: node {node.get('host')} is left out of the round: {node.get('line')}")
             elif node.get("group_rank") in kept:
-                console.warn(f"pre-flight: node {node.get('host')}: {node.get('bad')}; kept: {verdict.get('summary')}; going on with it ({node.get('numbers')})")
+                console.warn(f"pre-flight: node {node.get('host')}: {node.get('bad')}; kept: {verdict.get('summary')}; " f"going on with it ({node.get('numbers')})")
         self.events.emit("preflight", round=a.round, seconds=round(seconds, 3), template_wait=round(self.template_wait, 3), nodes=verdict["nodes"], left_out=sorted(left_out), kept_bad=sorted(kept))
-        me = next((n for n in verdict["nodes"] if n.get("group_rank") == a.group_rank), {})
+        me: dict[str, Any] = next((n for n in verdict["nodes"] if n.get("group_rank") == a.group_rank), {})
         self.last = {"round": a.round, "seconds": seconds, "compute": mine.get("compute"), "link": mine.get("link"),
-                     "allreduce": mine.get("allreduce"), "bad": me.get("bad", ""), "left_out": [n["host"] for n in verdict["nodes"] if n.get("group_rank") in left_out]}  # fmt: skip
+                     "allreduce": mine.get("allreduce"), "bad": me.get("bad", ""), "left_out": [n["host"] for n in verdict["nodes"] if n.get("group_rank") in left_out]}
         if not left_out:
             return None
         if a.group_rank in left_out:

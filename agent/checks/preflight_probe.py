@@ -45,7 +45,7 @@ def pairings(world: int) -> list[list[tuple[int, int]]]:
     return turns
 
 
-def measure_compute(torch) -> float:  # noqa: ANN001 - the torch module
+def measure_compute(torch) -> float:  # the torch module
     a = torch.randn(COMPUTE_SIZE, COMPUTE_SIZE)
     best = float("inf")
     for _ in range(COMPUTE_REPEATS):
@@ -56,7 +56,7 @@ def measure_compute(torch) -> float:  # noqa: ANN001 - the torch module
     return best
 
 
-def measure_links(torch, dist, rank: int, world: int) -> dict[int, float]:  # noqa: ANN001
+def measure_links(torch, dist, rank: int, world: int) -> dict[int, float]:
     """Seconds for LINK_MB each way with each partner (the fastest of LINK_REPEATS: a moment of CPU
     contention on a shared machine is not a slow link; a slow link is slow every time)."""
     send = torch.ones(LINK_MB * 2**18)
@@ -115,7 +115,7 @@ def main() -> None:
             result["link"] = min(links.values()) if links else None
         dist.barrier()
         dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - any failure is the probe's answer
+    except Exception as exc:  # any failure is the probe's answer
         result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         traceback.print_exc()
     result["seconds"] = time.perf_counter() - started

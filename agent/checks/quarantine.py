@@ -91,8 +91,8 @@ class Quarantine:
         save_failures(rdzv.store, record["failures"])
         if host != self.host or count < self.spec.quarantine_after or not goes_on:
             return None
-        reason = f"the root cause of {count} failures within {self.spec.quarantine_window:g} s, --quarantine-after {self.spec.quarantine_after}"
-        stays = "the job needs it (fewer than MIN={} nodes without it)".format(rdzv.settings.min_nodes) if a.group_world_size - 1 < rdzv.settings.min_nodes else ""
+        reason = f"the root cause of {count} failures within {self.spec.quarantine_window:g} s, --quarantine-after " f"{self.spec.quarantine_after}"
+        stays = f"the job needs it (fewer than MIN={rdzv.settings.min_nodes} nodes without it)" if a.group_world_size - 1 < rdzv.settings.min_nodes else ""
         stays = stays or ("it hosts the rendezvous store" if hosts_store else "")
         if stays:
             self.warn(f"node {host} was {reason}, but {stays}: it stays in")

@@ -9,7 +9,8 @@ Imports only rich: the agent and the launcher may both use it.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 from rich.table import Table
 
@@ -34,7 +35,7 @@ def step_time_cell(w: dict) -> str:
     return f"{value:.3f} slow" if w.get("straggler") else f"{value:.3f}"
 
 
-def _or_dash(key: str, fmt: Callable[[object], str] = str) -> Cell:
+def _or_dash(key: str, fmt: Callable[[Any], str] = str) -> Cell:
     return lambda w: "-" if w.get(key) is None else fmt(w[key])
 
 

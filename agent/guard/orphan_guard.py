@@ -41,7 +41,7 @@ from pathlib import Path
 if __package__:  # imported by the agent (guard/client.py)
     from rally.agent.guard.job_cgroup import JobCgroup
 else:  # run by file path: its own directory is sys.path[0]
-    from job_cgroup import JobCgroup  # type: ignore[no-redef]
+    from job_cgroup import JobCgroup  # type: ignore[no-redef,import-not-found]
 
 TOKEN_VARIABLE = "RALLY_AGENT_TOKEN"
 # How long the guard keeps scanning for marked processes after the agent died.

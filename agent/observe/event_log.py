@@ -18,7 +18,7 @@ class EventLog:
     def __init__(self, path: Path):
         self.path = path
         self.host = socket.gethostname()
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the agent
+        self._file = open(path, "a", buffering=1)  # lives as long as the agent
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"time": round(time.time(), 6), "event": event, "host": self.host, **fields}

@@ -167,7 +167,7 @@ class NvmlMonitor:
         )
         pending = _call(nvml, nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
         remapped = _call(nvml, nvml.nvmlDeviceGetRemappedRows, handle)  # (corrected, uncorrected, pending, failed)
-        processes = {}
+        processes: dict[int, int] = {}
         for proc in _call(nvml, nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []:
             processes[int(proc.pid)] = processes.get(int(proc.pid), 0) + int(proc.usedGpuMemory or 0)
         shares: dict[int, int] = {}

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from rally.agent.observe.gpu import MIB, DeviceReading
+from rally.rendezvous.long_wait import left_line
+from rally.rendezvous.waiting import WaitProgress
 
 RECLAIM_POLL_SECONDS = 0.1
 # Memory above the baseline that still counts as free: other processes on a shared GPU move it a little.
@@ -34,7 +36,7 @@ def still_occupied(devices: Iterable[DeviceReading], pids: set[int], baseline: d
         left = sorted(pid for pid in device.processes if pid in pids)
         if left:
             held = sum(device.processes[pid] for pid in left)
-            problems.append(f"{where}: old worker process{'es' if len(left) > 1 else ''} {', '.join(map(str, left))} still hold {held / MIB:.0f} MiB")
+            problems.append(f"{where}: old worker process{'es' if len(left) > 1 else ''} {', '.join(map(str, left))} still " f"hold {held / MIB:.0f} MiB")
             continue
         before = baseline.get(device.index)
         if before is not None and device.memory_used > before + RECLAIM_SLACK_BYTES:
@@ -49,14 +51,18 @@ def wait_reclaimed(
     timeout: float,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    announce: Callable[[str], None] = lambda _line: None,
 ) -> tuple[list[str], float]:
-    """Read the GPUs until `still_occupied` is empty or `timeout` passes; (what is left, seconds waited)."""
+    """Read the GPUs until `still_occupied` is empty or `timeout` passes; (what is left, seconds waited).
+    Every few seconds meanwhile, `announce` hears what is still occupied and for how long at most."""
     started = clock()
+    progress = WaitProgress(announce)
     while True:
         problems = still_occupied(read(), pids, baseline)
         waited = clock() - started
         if not problems or waited >= timeout:
             return problems, waited
+        progress.tick(lambda: left_line(f"waiting for the last round's workers to leave the GPUs ({'; '.join(problems)})", timeout - waited))
         sleep(min(RECLAIM_POLL_SECONDS, max(timeout - waited, 0.0)))
 
 

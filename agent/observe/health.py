@@ -27,14 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
-from rally.agent.worker import heartbeat_file
 from rally.agent.observe.gpu import DeviceReading, worker_usage
-from rally.agent.worker.heartbeat_file import HeartbeatRecord
 from rally.agent.spec import RESOURCE_INTERVAL_SECONDS
+from rally.agent.worker import heartbeat_file
+from rally.agent.worker.heartbeat_file import HeartbeatRecord
 
 MEMORY_SHORT_FRACTION = 0.10  # the host counts as short of memory below 10% available
 MIB = 1024 * 1024
@@ -57,7 +57,7 @@ class HealthSettings:
     learned: Any = None  # --heartbeat-timeout auto: the agent's LearnedTimeouts (agent/observe/learned_timeouts.py)
 
     @classmethod
-    def for_job(cls, spec: Any, say: Callable[[str], None], emit: Callable[..., None]) -> "HealthSettings":
+    def for_job(cls, spec: Any, say: Callable[[str], None], emit: Callable[..., None]) -> HealthSettings:
         """The job's timeouts (`spec`: agent.spec.JobSpec); learned ones print with `say`, record with `emit`."""
         from rally.agent.observe.learned_timeouts import LearnedTimeouts
 
@@ -114,7 +114,7 @@ def _is_exiting(pid: int) -> bool:
     return bool(flags & PF_EXITING)
 
 
-def _memory_cgroup_counter(pid: int) -> Path | None | bool:
+def _memory_cgroup_counter(pid: int) -> Path | None | Literal[False]:
     """The file that counts OOM kills in the memory cgroup of `pid` (cgroup v2 or v1).
 
     Returns False when the answer cannot be trusted: once a process has begun to exit (the
@@ -348,7 +348,7 @@ class HealthMonitor:
         short = min(available, self.host_available or available) < MEMORY_SHORT_FRACTION * self.host_total
         if short:
             return (
-                f"likely killed by the out-of-memory killer: the host had {min(available, self.host_available) / MIB:.0f} MiB "
+                "likely killed by the out-of-memory killer: the host had " f"{min(available, self.host_available) / MIB:.0f} MiB "
                 f"available of {self.host_total / MIB:.0f} MiB; {rss}"
             )
         return None

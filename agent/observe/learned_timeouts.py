@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from rally.agent.worker.heartbeat_file import HeartbeatRecord
 
@@ -127,5 +127,5 @@ class LearnedTimeouts:
             self.emit("timeouts_loaded", heartbeat=self.heartbeat, sections=dict(self.sections))
 
 
-def _seconds(value: Any) -> bool:
+def _seconds(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9

@@ -9,7 +9,7 @@ tearing it; rich does all the terminal work.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from rich.console import Console, Group
 from rich.live import Live

@@ -25,7 +25,8 @@ every metric carries a `run_id` label, every worker metric also `rank`, `local_r
     rally_worker_gpu_memory_bytes        GPU memory of the worker and its children (with NVML)
     rally_worker_gpu_utilization_percent its GPU utilisation (with NVML)
     rally_gpu_problems_total             GPU problems found on this node so far (ECC, XID, ...; with NVML)
-    rally_preflight_seconds{probe}       this node's last pre-flight numbers: compute, link, allreduce (agent/checks/preflight.py)
+    rally_preflight_seconds{probe}       this node's last pre-flight numbers: compute, link, allreduce
+                                         (agent/checks/preflight.py)
     rally_preflight_left_out{node}       1 for each node the last pre-flight left out
     rally_checkpoint_saved_step          the newest step saved on this node, in memory or on disk
     rally_checkpoint_durable_step        the newest step this node made durable on disk
@@ -191,7 +192,7 @@ def serve(
     except OSError as exc:
         where = f"--metrics-port {port}" if addr == DEFAULT_ADDRESS else f"--metrics-addr {addr} --metrics-port {port}"
         raise OSError(
-            f"{where}: cannot listen ({exc.strerror or exc}); pick a free port (0: any free one) and an address of this host"
+            f"{where}: cannot listen ({exc.strerror or exc}); pick a free port (0: any free one) and an " "address of this host"
         ) from None
 
 

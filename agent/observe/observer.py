@@ -13,12 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rally.agent.display import console
 from rally.agent.observe import gpu as gpus
 from rally.agent.observe.event_log import EventLog
 from rally.agent.observe.gpu_reclaim import gpu_processes_of, wait_reclaimed
-from rally.agent.spec import JobSpec
 from rally.agent.observe.stragglers import CentralValues, StragglerWatch, job_step_times
-from rally.agent.display import console
+from rally.agent.spec import JobSpec
 from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 
 
@@ -26,7 +26,8 @@ class Observer:
     """Stragglers, /metrics and GPU health for one agent."""
 
     def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str], timeouts: Any = None):
-        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py), kept in the store."""
+        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py),
+        kept in the store."""
         self.spec = spec
         self.timeouts = timeouts
         self.node_checks: Any = None  # quarantine and pre-flight (agent/checks/node_checks.py): the status record's "preflight"
@@ -104,7 +105,7 @@ class Observer:
         if self.gpu is None:
             return
         if self.worker_pids:
-            problems, waited = wait_reclaimed(self.read_gpus, self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout)
+            problems, waited = wait_reclaimed(lambda: self.read_gpus() or [], self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout, announce=console.say)
             self.worker_pids = set()
             if problems:
                 console.warn(f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}")
@@ -143,7 +144,7 @@ class Observer:
             self.events.emit(
                 "straggler", round=assignment.round, rank=s.rank, node=self.host, node_rank=assignment.group_rank,
                 step_time=round(s.step_time, 6), median=round(s.median, 6), ratio=round(s.ratio, 3), scope=s.scope, factor=factor,
-            )  # fmt: skip
+            )
         for rank in cleared:
             console.say(f"rank {rank} on {self.host} is no longer a straggler")
             self.events.emit("straggler_cleared", round=assignment.round, rank=rank, node=self.host)
@@ -181,6 +182,7 @@ class Observer:
             save_timeouts(rdzv.store, self.timeouts.to_json())
         if assignment.group_world_size <= 1:
             return
+        summary: CentralValues | None
         if assignment.group_rank == 0:
             from rally.rendezvous.status import read_job_status
 
@@ -189,7 +191,7 @@ class Observer:
             except (ValueError, TypeError, KeyError, AttributeError):
                 return  # a record that is not JSON (store contents are not trusted): skip this time
             times = job_step_times(status["nodes"] if status else [], assignment.round)
-            summary: CentralValues | None = CentralValues.of(times)
+            summary = CentralValues.of(times)
             rdzv.publish_step_times(assignment.round, summary.to_json())
         elif (published := rdzv.step_times(assignment.round)) is not None:
             summary = CentralValues.from_json(published)

@@ -183,7 +183,7 @@ class StragglerWatch:
             median = summary.median_without(value)
             slow = median is not None and median > 0 and value > self.factor * median
             step = self.step(rank) or 0
-            if not slow:
+            if median is None or not slow:
                 self._slow_since.pop(rank, None)
                 if current.pop(rank, None) is not None:
                     cleared.append(rank)

@@ -30,6 +30,7 @@ import runpy
 import signal
 import sys
 import zipfile
+from collections.abc import Callable
 
 
 def _bind_cpus() -> None:
@@ -57,7 +58,7 @@ def install_preemption_handler() -> None:
     job.install_preemption_handler(signums)
 
 
-def _strip_own_frames(tb):  # noqa: ANN001, ANN202 - traceback objects
+def _strip_own_frames(tb):  # traceback objects
     """Drop leading frames that belong to this bootstrap or to runpy."""
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
@@ -103,6 +104,7 @@ def run(mode: str, target: str, args: list[str]) -> None:
     _bind_cpus()
     install_stack_dump()
     install_preemption_handler()
+    runner: Callable[[], object]  # runs the program; what it returns is dropped
     if mode == "module":
         sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file
         sys.path[0] = os.getcwd()
@@ -122,7 +124,7 @@ def run(mode: str, target: str, args: list[str]) -> None:
         _report(exc)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)  # exit "killed by SIGINT", as python itself does
-    except BaseException as exc:  # noqa: BLE001 - reported exactly as the interpreter would
+    except BaseException as exc:  # reported exactly as the interpreter would
         _report(exc)
         sys.exit(1)
 

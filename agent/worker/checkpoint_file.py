@@ -89,7 +89,7 @@ def write(state: Any, final: Path) -> None:
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
             writer = _ChecksumWriter(f)
-            torch.save(state, writer)
+            torch.save(state, writer)  # type: ignore[arg-type]  # any object with write() (torch's FileLike says IO)
             f.write(FOOTER.pack(FOOTER_MAGIC, writer.length, writer.crc, FOOTER_END))
             f.flush()
             os.fsync(f.fileno())

@@ -37,16 +37,21 @@ import re
 import signal
 import sys
 import time
-import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rally.agent.worker import checkpoint_file, heartbeat_file
-from rally.agent.checkpoint import client as ckpt_client, dcp_files
-from rally.agent.worker.checkpoint_file import Checkpoint  # noqa: F401 - part of this module's API (load_latest returns it)
+from rally.agent.checkpoint import client as ckpt_client
+from rally.agent.checkpoint import dcp_files
 from rally.agent.checkpoint.client import CheckpointRefused  # noqa: F401 - part of this module's API
+from rally.agent.worker import checkpoint_file, heartbeat_file
+from rally.agent.worker.checkpoint_file import Checkpoint  # part of this module's API (load_latest returns it)
+from rally.agent.worker.preemption_flag import (  # noqa: F401 - part of this module's API
+    install_preemption_handler,
+    on_preempt,
+    preempted,
+)
 
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
@@ -153,7 +158,8 @@ class CheckpointDirNotSet(RuntimeError):
 
 def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None = None) -> Path | None:
     """Checkpoint ``state`` as ``step``; return the path it is (or will be) durable at on rank 0, else ``None``.
-    A DTensor (FSDP2) state, or ``sharded=True``: every rank saves its shards (:func:`rally.agent.checkpoint.dcp_storage.save`).
+    A DTensor (FSDP2) state, or ``sharded=True``: every rank saves its shards
+    (:func:`rally.agent.checkpoint.dcp_storage.save`).
 
     Under rally (the agent runs a memory tier, see docs/architecture.md) the call returns as soon
     as the state is copied into node-local shared memory, which the agent's holder process owns:
@@ -208,7 +214,8 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
 def load_latest(map_location: Any = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None) -> Checkpoint | None:
     """Load the newest checkpoint every rank can load, or return ``None`` when there is none; call it on every rank.
-    ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded (:func:`rally.agent.checkpoint.dcp_storage.load_newest`).
+    ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded
+    (:func:`rally.agent.checkpoint.dcp_storage.load_newest`).
 
     Under rally's memory tier every rank resumes from the step the round agreed on: the newest
     step that every node holds in memory or that is intact on disk. A worker restarted on a
@@ -427,65 +434,6 @@ _writer: heartbeat_file.HeartbeatWriter | None = None
 _writer_resolved = False
 _sections: list[tuple[str, int, int]] = []  # (name, entered_ns, timeout_ns), innermost last
 _beat: Callable[[int | None], None] = _first_beat
-
-
-# ---------------------------------------------------------------------------------------------
-# Preemption
-
-_preempted = False
-_preempt_callbacks: list[Callable[[int], object]] = []
-_in_callbacks = False
-
-
-def preempted() -> bool:
-    """True once a preemption signal (see :func:`install_preemption_handler`) has arrived.
-
-    Check it in the training loop: save a checkpoint and exit when it turns true, because the
-    scheduler will kill the job soon.
-    """
-    return _preempted
-
-
-def on_preempt(callback: Callable[[int], object]) -> None:
-    """Call ``callback(signum)`` each time a preemption signal arrives.
-
-    Callbacks run like any Python signal handler: in the main thread, between two bytecodes of
-    whatever it was doing (possibly in the middle of a training step or inside a collective).
-    So keep them short and do not start collectives or write checkpoints from them; set a flag or
-    log a line, and let the loop act on :func:`preempted`. An exception from a callback is printed
-    to stderr and swallowed, so it cannot kill training at a random point. A signal that arrives
-    while callbacks are running sets the flag but does not run them again re-entrantly.
-    Callbacks registered after a signal are not called for that past signal.
-    """
-    _preempt_callbacks.append(callback)
-
-
-def install_preemption_handler(signums: Iterable[int]) -> None:
-    """Catch ``signums`` so that they mark the worker preempted instead of killing it.
-
-    Called by rally's worker bootstrap before the training script runs, with the signals from
-    RALLY_PREEMPT_SIGNALS (``context().preempt_signals``), so a forwarded SIGUSR1 never kills a
-    worker whose script ignores preemption. Must run in the main thread (a Python rule).
-    """
-    for signum in signums:
-        signal.signal(signum, _handle_preemption)
-
-
-def _handle_preemption(signum: int, frame: object) -> None:
-    global _preempted, _in_callbacks
-    _preempted = True
-    if _in_callbacks:
-        return
-    _in_callbacks = True
-    try:
-        for callback in list(_preempt_callbacks):
-            try:
-                callback(signum)
-            except Exception:
-                _log(f"preemption callback {callback!r} failed:")
-                traceback.print_exc(file=sys.stderr)
-    finally:
-        _in_callbacks = False
 
 
 def _log(message: str) -> None:

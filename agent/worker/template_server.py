@@ -14,10 +14,12 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rally.agent import linux
 from rally.agent.worker import template_wire
+
 
 def _thread_count() -> int:
     try:
@@ -135,7 +137,7 @@ class _Template:
                 try:
                     importlib.import_module(name)
                     preloaded.append(name)
-                except BaseException as exc:  # noqa: BLE001 - reported to the agent, not fatal
+                except BaseException as exc:  # reported to the agent, not fatal
                     failed[name] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         finally:
             sys.path[0] = saved
@@ -216,7 +218,7 @@ class _Template:
         if pid == 0:
             try:
                 self._become_worker(request, fds)
-            except BaseException as exc:  # noqa: BLE001 - the child must never return to the loop
+            except BaseException as exc:  # the child must never return to the loop
                 try:
                     os.write(2, f"rally: the worker template could not start this worker: {exc!r}\n".encode())
                 finally:
@@ -340,7 +342,9 @@ def _reopen_stdio(unbuffered: bool) -> None:
         except OSError:
             return None
         buffering = 0 if unbuffered and write else -1
-        buf = io.open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
+        # FileIO when unbuffered, else a BufferedWriter/Reader (with .raw): open()'s overloads
+        # cannot tell which from a `buffering` chosen at run time.
+        buf: Any = open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)
         raw = buf if buffering == 0 else buf.raw
         raw.name = name
         stream = io.TextIOWrapper(
@@ -351,13 +355,15 @@ def _reopen_stdio(unbuffered: bool) -> None:
             line_buffering=not unbuffered and (raw.isatty() or fd == 2),
             write_through=unbuffered,
         )
-        stream.mode = "w" if write else "r"
+        # A plain attribute at run time (create_stdio sets it so); typeshed declares it read-only.
+        stream.mode = "w" if write else "r"  # type: ignore[misc]
         return stream
 
+    # typeshed marks sys.__std*__ Final; a forked worker replaces them as a new interpreter sets them.
     old = (sys.__stdin__, sys.__stdout__, sys.__stderr__)
-    sys.stdin = sys.__stdin__ = make(0, "<stdin>", False, old[0])
-    sys.stdout = sys.__stdout__ = make(1, "<stdout>", True, old[1])
-    sys.stderr = sys.__stderr__ = make(2, "<stderr>", True, old[2])
+    sys.stdin = sys.__stdin__ = make(0, "<stdin>", False, old[0])  # type: ignore[misc]
+    sys.stdout = sys.__stdout__ = make(1, "<stdout>", True, old[1])  # type: ignore[misc]
+    sys.stderr = sys.__stderr__ = make(2, "<stderr>", True, old[2])  # type: ignore[misc]
 
 
 def _fresh_process_state() -> None:
@@ -375,7 +381,7 @@ def _fresh_process_state() -> None:
     generator = getattr(torch, "default_generator", None)
     if generator is not None:
         generator.seed()  # a fresh `import torch` seeds the CPU generator from entropy
-    mp_process = sys.modules.get("multiprocessing.process")
+    mp_process: Any = sys.modules.get("multiprocessing.process")  # its attributes are set below
     if mp_process is not None:
         mp_process.current_process().authkey = os.urandom(32)
         mp_process.ORIGINAL_DIR = os.path.abspath(os.getcwd())

@@ -21,7 +21,8 @@ import os
 import signal
 import socket
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _HEADER = struct.Struct("!II")  # body length, number of fds
 _MAX_FDS = 8

@@ -14,7 +14,7 @@ _init = subprocess_handler.SubprocessHandler.__init__
 
 
 @functools.wraps(_init)
-def _init_with_default(self, entrypoint, args, env, stdout, stderr, local_rank_id=0, numa_options=None):  # noqa: ANN001
+def _init_with_default(self, entrypoint, args, env, stdout, stderr, local_rank_id=0, numa_options=None):
     _init(self, entrypoint, args, env, stdout, stderr, local_rank_id, numa_options)
 
 
