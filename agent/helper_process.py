@@ -20,7 +20,10 @@ class HelperProcess:
 
     def __init__(self, script: str, *args: str, stdout: Any = subprocess.DEVNULL) -> None:
         self.process: subprocess.Popen[bytes] = subprocess.Popen(
-            [sys.executable, str(Path(script).resolve()), *args], stdin=subprocess.PIPE, stdout=stdout, start_new_session=True
+            [sys.executable, str(Path(script).resolve()), *args],
+            stdin=subprocess.PIPE,
+            stdout=stdout,
+            start_new_session=True,
         )
 
     @property
@@ -38,7 +41,7 @@ class HelperProcess:
             return False
 
     def stop(self, timeout: float) -> None:
-        """Close the pipe (the helper's signal to finish) and wait for it; killed if it does not end within ``timeout``."""
+        """Close the pipe (the helper's signal to finish) and wait for it; killed if not ended within ``timeout``."""
         try:
             assert self.process.stdin is not None
             self.process.stdin.close()

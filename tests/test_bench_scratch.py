@@ -30,7 +30,10 @@ with scratch_dir(False, Path(sys.argv[2])) as root:
 
 def start(parent: Path, how: str) -> tuple[subprocess.Popen, Path]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", RUN, str(REPO), str(parent), how], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", RUN, str(REPO), str(parent), how],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     assert proc.stdout is not None
     root = Path(proc.stdout.readline().strip())

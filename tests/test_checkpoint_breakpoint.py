@@ -63,7 +63,8 @@ def test_a_sharded_step_only_in_memory_is_made_durable_when_the_job_fails_for_go
     script = write_probe(tmp_path / "shards.py", SCRIPT)
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     result = run_rally(
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--log-dir", str(logs), "--checkpoint-dir", str(ckpt), str(script)],
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0"]
+        + ["--log-dir", str(logs), "--checkpoint-dir", str(ckpt), str(script)],
         cwd=tmp_path, env=clean_env(), timeout=200,
     )  # fmt: skip
     assert result.returncode != 0, result.describe()
@@ -72,9 +73,15 @@ def test_a_sharded_step_only_in_memory_is_made_durable_when_the_job_fails_for_go
     assert dcp_files.is_intact(published), result.describe()
     assert dcp_files.newest_intact_step(ckpt) == 2
     assert [n.name for n in ckpt.iterdir() if dcp_files.TEMP_RE.match(n.name)] == []
-    assert "sharded checkpoint step 2 was only in memory: written to" in result.stdout + result.stderr, result.describe()
+    assert "sharded checkpoint step 2 was only in memory: written to" in result.stdout + result.stderr, (
+        result.describe()
+    )
     events = [json.loads(line) for path in logs.glob("*/events.jsonl") for line in path.read_text().splitlines()]
-    assert any(e.get("event") == "checkpoint_durable" and e.get("step") == 2 and e.get("where") == "breakpoint" for e in events), events
-    loaded = subprocess.run([sys.executable, "-c", LOAD, str(published)], capture_output=True, text=True, timeout=120, check=False)
+    assert any(
+        e.get("event") == "checkpoint_durable" and e.get("step") == 2 and e.get("where") == "breakpoint" for e in events
+    ), events
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD, str(published)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert loaded.returncode == 0, loaded.stderr
     assert json.loads(loaded.stdout) == [200.0 + i for i in range(8)]

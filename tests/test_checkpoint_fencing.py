@@ -66,7 +66,9 @@ def load(fd_and_length: tuple[int, int] | None) -> dict:
 
 @pytest.mark.torch
 @pytest.mark.timeout(120)
-def test_a_frozen_worker_of_an_old_round_cannot_overwrite_or_publish_over_the_newer_rounds_checkpoint(tmp_path: Path) -> None:
+def test_a_frozen_worker_of_an_old_round_cannot_overwrite_or_publish_over_the_newer_rounds_checkpoint(
+    tmp_path: Path,
+) -> None:
     import torch
 
     ckpt = tmp_path / "ckpt"

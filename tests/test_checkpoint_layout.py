@@ -67,7 +67,7 @@ def assert_same(a: object, b: object) -> None:
             assert_same(a[k], b[k])
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert_same(x, y)
     elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)

@@ -33,14 +33,32 @@ def params_hash(text: str) -> str:
 @pytest.mark.timeout(400)
 def test_a_ddp_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(tmp_path: Path) -> None:
     work = [str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY)]
-    clean = run_rally(["--standalone", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "clean"), *work], cwd=tmp_path, env=clean_env(), timeout=200)
+    clean = run_rally(
+        ["--standalone", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "clean"), *work],
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=200,
+    )
     assert clean.returncode == 0, clean.describe()
     ckpt, port = tmp_path / "ckpt", free_port()
-    args = [*c10d_args(port, "2"), "--nproc-per-node", "1", "--max-restarts", "1", "--checkpoint-dir", str(ckpt), *work, "--step-time", "0.25"]
+    args = [
+        *c10d_args(port, "2"),
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "1",
+        "--checkpoint-dir",
+        str(ckpt),
+        *work,
+        "--step-time",
+        "0.25",
+    ]
     agents: list[AgentProcess] = []
     try:
         agents += [start_agent(name, tmp_path, args) for name in ("a", "b", "c")]  # the last to arrive is the spare
-        assert eventually(lambda: any("waiting as a spare" in a.output() for a in agents), 120), "\n".join(a.output() for a in agents)
+        assert eventually(lambda: any("waiting as a spare" in a.output() for a in agents), 120), "\n".join(
+            a.output() for a in agents
+        )
         active = [a for a in agents if "waiting as a spare" not in a.output()]
         assert eventually(lambda: any("hosting the rendezvous store" in a.output() for a in active), 60)
         victim = next(a for a in active if "hosting the rendezvous store" not in a.output())

@@ -29,7 +29,8 @@ def digests(text: str, kind: str) -> list[tuple[int, str]]:
 @pytest.mark.timeout(400)
 def test_fsdp2_job_resumes_bit_identical_from_disk_after_a_sigkill_with_the_memory_tier_off(tmp_path: Path) -> None:
     def run(name: str, *extra: str):  # noqa: ANN202
-        args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / name),
+        args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                "--checkpoint-dir", str(tmp_path / name),
                 str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY), *extra]  # fmt: skip
         return run_rally(args, cwd=tmp_path, env=clean_env(RALLY_MEMORY_TIER="0"), timeout=300)
 
@@ -41,6 +42,8 @@ def test_fsdp2_job_resumes_bit_identical_from_disk_after_a_sigkill_with_the_memo
     assert "SIGKILL" in killed.stderr, killed.describe()
     resumed = [(step, digest) for step, digest in digests(killed.stdout, "start") if step > 0]
     assert resumed == [(6, saved[6])] * 2, killed.describe()  # both ranks, from step 6's files
-    assert re.search(r"resuming from step 6 \(\S*step_000000000006\.dcp, sharded, world size 2\)", killed.stderr), killed.describe()
+    assert re.search(r"resuming from step 6 \(\S*step_000000000006\.dcp, sharded, world size 2\)", killed.stderr), (
+        killed.describe()
+    )
     assert {d for _, d in digests(killed.stdout, "final")} == {d for _, d in digests(reference.stdout, "final")}
     assert dcp_files.newest_intact_step(tmp_path / "killed") == STEPS

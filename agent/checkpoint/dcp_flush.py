@@ -94,7 +94,9 @@ def complete(temp: Path, world: int) -> dict[int, dict[str, list[int]]] | None:
     return parts
 
 
-def publish_newest(directory: Path, candidates: list[tuple[int, int]], keep: int, seconds: float) -> tuple[int, Path] | None:
+def publish_newest(
+    directory: Path, candidates: list[tuple[int, int]], keep: int, seconds: float
+) -> tuple[int, Path] | None:
     """Publish the newest of ``candidates`` (step, world) whose parts are all there, waiting for
     the newest at most WAIT_NEWEST_SHARE of ``seconds`` and for any at most ``seconds``."""
     from rally.agent.checkpoint.dcp_persist import POLL_INTERVAL, _lock_dir, _publish, temp_name
@@ -145,7 +147,10 @@ def flush(holder_id: str, directory: Path, seconds: float, keep: int) -> dict[st
     newest = max(step for step, _ in publishers)
     if dcp_files.is_intact(directory / dcp_files.step_name(newest)):
         return {"written": sorted(written)}  # published by another node's helper
-    return {"warn": f"sharded checkpoint step {newest} stays in memory only: not every rank's part reached {directory} within {seconds:.0f} s"}
+    return {
+        "warn": f"sharded checkpoint step {newest} stays in memory only: "
+        f"not every rank's part reached {directory} within {seconds:.0f} s"
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -154,7 +159,10 @@ def main(argv: list[str]) -> int:
     try:
         result = flush(holder_id, directory, seconds, max(keep, 1))
     except Exception as exc:  # one line for the agent to print, never a traceback at the job's end
-        result = {"warn": f"the newest sharded checkpoint in memory could not be written to {directory}: {type(exc).__name__}: {exc}"}
+        result = {
+            "warn": f"the newest sharded checkpoint in memory could not be written to {directory}: "
+            f"{type(exc).__name__}: {exc}"
+        }
     print(json.dumps(result), flush=True)
     return 0
 

@@ -144,9 +144,9 @@ class Layout:
             target[pos : pos + len(data)] = data
         whole = torch.frombuffer(target, dtype=torch.uint8, count=self.length)
         try:
-            for storage, pos in zip(storages, self.offsets):
+            for storage, pos in zip(storages, self.offsets, strict=True):
                 size = storage.nbytes()
-                source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,))
+                source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
                 whole[pos : pos + size].copy_(source)
         finally:
             del whole  # no export of the mapping outlives the save (SlotMaps may close it)
