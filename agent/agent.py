@@ -108,7 +108,7 @@ class Agent:
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
         self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
         self.observer.node_checks = self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/checks/node_checks.py)
-        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)  # the memory tier (agent/checkpoint/agent_side.py)
+        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn, spec.run_id, console.say)  # the memory tier (agent/checkpoint/agent_side.py)
         self.base_env.update(self.ckpt.env())
 
     # ================================================================ entry point

@@ -32,6 +32,14 @@ SESSION_MARKER = "PYTEST_RALLY_SESSION"
 os.environ[SESSION_MARKER] = str(os.getpid())
 
 
+def _rally_files_in_dev_shm() -> list[str]:
+    """Files of rally's in /dev/shm (there should never be any: the tier's copies are memfds)."""
+    try:
+        return [f"/dev/shm/{name}" for name in os.listdir("/dev/shm") if "rally" in name.lower()]
+    except OSError:
+        return []
+
+
 def _rally_shared_memory() -> list[str]:
     """Memory-tier copies (memfds, agent/checkpoint/shm.py) held by processes of this test session."""
     mine = f"{SESSION_MARKER}={os.getpid()}".encode()
@@ -51,11 +59,12 @@ def no_shared_memory_left() -> Iterator[None]:
     """After every test nothing of rally's holds shared memory: no memory-tier copy is held by a
     process this session started (a holder gets 10 s to let go after its agent ended). The copies
     are memfds, never files: /dev/shm holds nothing of rally's by construction, and a memfd
-    nobody holds is already freed, so "held by a process" is the whole question."""
-    before = set(_rally_shared_memory())
+    nobody holds is already freed, so "held by a process" is the whole question; a file of
+    rally's appearing in /dev/shm would be a regression, and is checked as well."""
+    before = set(_rally_shared_memory()) | set(_rally_files_in_dev_shm())
     yield
     deadline = time.monotonic() + 10
-    while left := [x for x in _rally_shared_memory() if x not in before]:
+    while left := [x for x in _rally_shared_memory() + _rally_files_in_dev_shm() if x not in before]:
         if time.monotonic() > deadline:
             pytest.fail(f"shared memory left behind by the test: {left}")
         time.sleep(0.05)

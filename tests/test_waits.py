@@ -62,7 +62,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/event_loop.py", "EventLoop.pump", "obj.process.poll"): (NW, None, "reaps an exited worker"),
     ("agent/worker/bootstrap.py", "", "run"): (NW, None, "the worker's own program"),
     ("agent/worker/checkpoint_file.py", "_lock", "fcntl.flock"): (S, None, "blocking only on a temp file whose writer holds it for one write"),
-    ("agent/guard/client.py", "GuardClient.stop", "self.process.wait"): (S, None, "timeout=SWEEP_SECONDS + 3, then SIGKILL"),
+    ("agent/helper_process.py", "HelperProcess.stop", "self.process.wait"): (S, None, "the caller's timeout (guard SWEEP_SECONDS + 3, holder 5 s), then SIGKILL"),
     ("agent/hang_report.py", "HangReporter._watch_requests", "self.connect().wait_stacks_request"): (BG, None, "a thread answering stack requests in slices"),
     ("agent/leased_liveness.py", "keep_alive_with_lease", "round_over.wait"): (BG, None, "keep-alive interval"),
     ("agent/linux.py", "readable", "select.poll"): (NW, None, "creates a poll object"),
@@ -104,7 +104,8 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/checkpoint/holder.py", "Holder.between_chunks", "self.table.cond.wait"): (S, None, "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all"),
     ("agent/checkpoint/holder.py", "main", "persister.join"): (S, None, "timeout=5 as the holder stops"),
     ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (SL, ("agent/checkpoint/tier.py", "CheckpointTier._ask"), "slices of one answer of the holder: REPLY_TIMEOUT (10 s), the job-end flush --shutdown-timeout + 1 s"),
-    ("agent/checkpoint/tier.py", "CheckpointTier.stop", "self.process.wait"): (S, None, "timeout=5, then SIGKILL and a wait the kernel ends"),
+    ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded", "subprocess.run"): (B, ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded"), "the job's end: what is left of --shutdown-timeout, + 5 s"),
+    ("agent/checkpoint/dcp_flush.py", "publish_newest", "time.sleep"): (S, None, "POLL_INTERVAL (20 ms) between looks, the time given in all"),
     # a worker's sharded checkpoints (torch.distributed.checkpoint, in the worker's process)
     ("agent/checkpoint/dcp_memory.py", "_exchange", "dist.recv"): (SL, "job", "the ring peer's replica, inside the job: the process group's timeout, the agent's hang checks"),
     ("agent/checkpoint/dcp_memory.py", "_exchange", "work.wait"): (SL, "job", "the matching send, inside the job: the process group's timeout"),
