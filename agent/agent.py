@@ -116,7 +116,7 @@ class Agent:
             backend=lambda: "nccl" if self.observer.gpu is not None else "gloo",  # the backend its workers would use
         )  # fmt: skip
         # the memory tier (agent/checkpoint/agent_side.py)
-        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn)
+        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn, spec.run_id, console.say)
         self.base_env.update(self.ckpt.env())
 
     # ================================================================ entry point

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -48,14 +47,18 @@ if __package__ in (None, ""):  # `python bench/checkpoint.py`
 
 from bench import common
 from bench.common import REPO, RESULTS, Job
+from bench.scratch import scratch_dir
 
-METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover")
+METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover", "dcp_save_sharded", "dcp_async_sharded", "rally_sharded")
 LABELS = {
     "torch_save": "plain `torch.save` (rank 0)",
     "dcp_async": "`torch.distributed.checkpoint.async_save`",
     "rally_disk": "`rally.job.save`, memory tier off (torch.save + fsync, rank 0)",
     "rally": "rally memory tier (`rally.job.save`)",
     "dlrover": "DLRover 0.6.1 flash checkpoint (StorageType.DISK)",
+    "dcp_save_sharded": "sharded: `torch.distributed.checkpoint.save` (every rank)",
+    "dcp_async_sharded": "sharded: `torch.distributed.checkpoint.async_save` (every rank)",
+    "rally_sharded": "sharded: rally memory tier (`rally.job.save` of DTensors, every rank)",
 }
 WORKER = REPO / "bench" / "workers" / "ckpt.py"
 DLROVER_SHIM = REPO / "bench" / "shim" / "dlrover_run.py"
@@ -171,20 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = parser.parse_args(argv)
     methods = [m for m in METHODS if m in args.only.split(",")]
-    signal.signal(signal.SIGTERM, lambda signum, _frame: (_ for _ in ()).throw(KeyboardInterrupt(f"signal {signum}")))
-    root = common.make_root(args.keep)
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_start = os.getloadavg()
-    for rep in range(args.reps):
-        for method in methods if rep % 2 == 0 else list(reversed(methods)):
-            if method == "dlrover" and dlrover_python() is None:
-                runs[method].append({"error": "not installed (RALLY_BENCH_DLROVER_PYTHON)"})
-                continue
-            print(f"{time.strftime('%H:%M:%S')} {method} run {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
-            runs[method].append(run_once(method, root, rep, args.mb, args.keep))
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
+    with scratch_dir(args.keep) as root:  # removed on every way out, signals included (bench/scratch.py)
+        for rep in range(args.reps):
+            for method in methods if rep % 2 == 0 else list(reversed(methods)):
+                if method == "dlrover" and dlrover_python() is None:
+                    runs[method].append({"error": "not installed (RALLY_BENCH_DLROVER_PYTHON)"})
+                    continue
+                print(f"{time.strftime('%H:%M:%S')} {method} run {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
+                runs[method].append(run_once(method, root, rep, args.mb, args.keep))
     summary = {m: summarize(r) for m, r in runs.items()}
     text = table(summary, args.mb)
     commit = common_commit()

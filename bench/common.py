@@ -21,7 +21,6 @@ import socket
 import statistics
 import subprocess
 import sysconfig
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -279,10 +278,6 @@ def run_dir(root: Path, *parts: str) -> Path:
     path = root.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def make_root(keep: bool) -> Path:
-    return Path(tempfile.mkdtemp(prefix="rally_bench_"))
 
 
 # ------------------------------------------------------------------ statistics

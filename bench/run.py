@@ -27,11 +27,11 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # `python bench/run.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,6 +42,7 @@ from rich.table import Table
 
 from bench import common
 from bench.common import LAUNCHERS, REPO, RESULTS, Context, Figure, summary
+from bench.scratch import scratch_dir
 
 BENCHMARKS = ("launch", "restart", "detection", "multiagent", "simulated", "overhead", "preflight")
 
@@ -244,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         for key in params:
             if key.endswith("_reps"):
                 params[key] = args.reps
-    root = common.make_root(args.keep)
+    with scratch_dir(args.keep) as root:  # removed on every way out, signals included (bench/scratch.py)
+        return run_all(args, argv, selected, params, root)
+
+
+def run_all(args: argparse.Namespace, argv: list[str], selected: list[str], params: dict[str, Any], root: Path) -> int:
     ctx = Context(
         quick=args.quick,
         root=root,
@@ -253,10 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         settle_limit=args.settle if args.settle is not None else 3.0,
     )
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_signal)
     meta = metadata("quick" if args.quick else "full", argv)
     meta["params"] = params
     meta["benchmarks"] = selected
@@ -316,12 +317,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     Path(args.md).write_text(markdown(figures, meta))
     console.print(f"wrote {args.json} and {args.md}")
-    if not args.keep:
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)
-    else:
-        console.print(f"logs kept in {root}")
     return 130 if interrupted else 0
 
 

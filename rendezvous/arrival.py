@@ -62,24 +62,28 @@ def valid_arrivals(rdzv: "Rendezvous", r: int, count: int) -> tuple[list[int], l
 
     `count` (the counter, at most MAX) says how many to expect: the closer waits a third of
     `close_timeout` for them (a node counts itself in just before it claims), then takes the
-    slots that exist, and any claimed beyond `count` (the counter was moved back).
+    slots that exist, and any claimed beyond `count` (the counter was moved back). The
+    descriptors are read together (`get_present`: one request on etcd, not one per node).
     """
     s = rdzv.settings
     names = [node_slot(r, i) for i in range(count)]
-    if not rdzv.store.try_wait(names, s.close_timeout / 3):
-        names = [n for n in names if rdzv.store.check(n)]
+    rdzv.store.try_wait(names, s.close_timeout / 3)
     beyond = count
     while beyond < s.max_nodes and rdzv.store.check(node_slot(r, beyond)):
         names.append(node_slot(r, beyond))
         beyond += 1
+    present = rdzv.store.get_present(names)
     indices, nodes = [], []
     for name in names:
+        value = present.get(name)
         try:
-            nodes.append(NodeInfo.load(rdzv.store.get(name), rdzv.store.key(name)))
+            if isinstance(value, UntrustedValue):
+                raise value
+            if value is not None:  # unclaimed slots are absent
+                nodes.append(NodeInfo.load(value, rdzv.store.key(name)))
+                indices.append(int(name.rsplit("/", 1)[1]))
         except UntrustedValue as exc:
             rdzv.on_status(f"ignoring a node descriptor: {exc}")
-            continue
-        indices.append(int(name.rsplit("/", 1)[1]))
     return indices, nodes
 
 

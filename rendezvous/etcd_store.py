@@ -18,10 +18,13 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
 * every value rally writes is signed with the job token as on c10d (`rendezvous/token.py`):
   a stranger's value is rejected with one line naming the key. Counters and appended lists
   are unsigned, as on c10d; etcd's own authentication keeps strangers out altogether;
-* `wait`: read which keys are missing (one transaction for up to 128 keys); watch the first
-  missing one from the revision just read (no polling, and nothing that happens in between
-  can be missed). The protocol reads a key as check-then-get or wait-then-get: the `get` is
-  served from the read just made (`_recall`), so it costs no request;
+* `wait`: read which keys are missing (many keys: one range over the span they cover, or
+  transactions of up to 128 reads); watch the missing ones from the revision just read (no
+  polling, and nothing that happens in between can be missed). A wait for one key right after
+  a `check` that found it absent watches from that check's revision, without a read of its own.
+  The protocol reads a key as check-then-get or wait-then-get: the `get` is served from the
+  read just made (rendezvous/etcd_recall.py), so it costs no request; `get_present` reads many keys at once
+  (the closer's node descriptors) the same way;
 * liveness (`leased_liveness`): a node's keep-alive key is attached to a lease with TTL =
   keep_alive_timeout. The node refreshes the lease; if the node dies, etcd deletes the key by
   itself and the node that watches it (`wait_deleted`) sees the deletion.
@@ -33,7 +36,6 @@ them after the job: give each job its own `--rdzv-id` (or delete the prefix with
 from __future__ import annotations
 
 import math
-import threading
 import time
 import uuid
 from typing import Any, Callable, ClassVar, Iterator, Sequence
@@ -47,6 +49,7 @@ from rally.rendezvous.etcd_client import (
     unb64,
 )
 from rally.rendezvous.etcd_http import EtcdAccess
+from rally.rendezvous.etcd_recall import JustRead
 from rally.rendezvous.kv import KeyValueStore, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.long_wait import LongWait
 from rally.rendezvous.store_connect import current_progress
@@ -57,6 +60,9 @@ from rally.rendezvous.token import BadRecord, Signer
 CONNECT_SECONDS = 5.0
 # etcd refuses transactions with more operations than its --max-txn-ops (default 128).
 MAX_TXN_OPS = 128
+# Many keys are read as one range over their span (`_read`), unless it holds more than SPAN_SLACK x
+# as many other keys.
+SPAN_MIN_KEYS, SPAN_SLACK = 4, 2
 # Where a counter's increments by one and a list's appended pieces live, one key per call (see
 # `EtcdStore.add` and `append`): `<name>\x00<id>` and `<name>\x01<id>`. Keys sort bytewise, so the
 # keys from `<name>` up to `<name>\x01` are exactly the base key and its increments.
@@ -82,13 +88,13 @@ class EtcdStore(KeyValueStore):
         self.op_timeout = op_timeout
         self.signer = signer or Signer()
         self.describe = f"etcd at {client.describe()}"
-        self._just_read = threading.local()  # see `_recall`
+        self._just_read = JustRead()  # what this thread's previous request read (rendezvous/etcd_recall.py)
 
     def _k(self, name: str) -> str:
         return b64(self.key(name))
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._just_read.kvs = self._just_read.checked = None  # a new request ends what `_recall` hands out
+        self._just_read.forget()  # a new request ends what `recall` hands out
         try:
             return self.client.call(path, body, self.op_timeout)
         except EtcdUnavailable as exc:
@@ -105,34 +111,6 @@ class EtcdStore(KeyValueStore):
     def _txn(self, compare: list[dict], success: list[dict], failure: list[dict]) -> tuple[bool, list[dict]]:
         reply = self._call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
         return bool(reply.get("succeeded")), reply.get("responses") or []
-
-    def _remember(self, kvs: dict[str, dict], checked: tuple[str, dict] | None = None) -> None:
-        self._just_read.kvs = kvs
-        self._just_read.checked = checked
-
-    def _recall(self, name: str, for_check: bool = False) -> dict | None:
-        """The key as this thread's previous call read it, if that call was a `check` or a `wait`
-        that saw it and no request has been made since; then `get` needs no request, nor does a
-        first `check` after a `wait` (it leaves the value for the `get`; a second `check` asks
-        etcd again, so a loop of checks never spins on a stale answer).
-
-        The protocol reads a key as check-then-get and the closer as wait-then-get of every
-        node's descriptor (one request per node more, and N requests in a row for the closer,
-        otherwise). The value handed out is the one read a moment earlier; the keys read this way
-        are written once (round records, assignments, descriptors, the round's master) or are
-        status records where a moment does not matter.
-        """
-        kvs = getattr(self._just_read, "kvs", None) or {}
-        if for_check:
-            kv = kvs.pop(name, None)
-            if kv is not None:
-                self._just_read.checked = (name, kv)
-            return kv
-        checked = getattr(self._just_read, "checked", None)
-        if checked and checked[0] == name:
-            self._just_read.checked = None
-            return checked[1]
-        return kvs.pop(name, None)
 
     # ------------------------------------------------------------------ signed values
     def _seal(self, name: str, value: str | bytes) -> str:
@@ -157,7 +135,7 @@ class EtcdStore(KeyValueStore):
         for a key deleted in between)."""
         wait: LongWait | None = None
         while True:
-            kv = self._recall(name) or self._range(name)[0]
+            kv = self._just_read.recall(name) or self._range(name)[0]
             if kv is not None:
                 return self._open(name, kv)
             wait = wait or self._key_slices([name])
@@ -171,31 +149,42 @@ class EtcdStore(KeyValueStore):
             raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     def check(self, name: str) -> bool:
-        """Whether the key exists (the value read with it serves a `get` right after; see `_recall`)."""
-        if self._recall(name, for_check=True) is not None:
+        """Whether the key exists (the value read with it serves a `get` right after; see `JustRead.recall`)."""
+        if self._just_read.recall(name, for_check=True) is not None:
             return True
-        kv, _ = self._range(name)
+        kv, revision = self._range(name)
         if kv is not None:
-            self._remember({}, (name, kv))
+            self._just_read.remember({}, (name, kv))
+        else:
+            self._just_read.remember_absent(name, revision)
         return kv is not None
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
-        """Every key's value, read in one transaction per MAX_TXN_OPS keys (waits for missing keys)."""
-        values: list[bytes] = []
-        wait: LongWait | None = None
-        for start in range(0, len(names), MAX_TXN_OPS):
-            chunk = list(names[start : start + MAX_TXN_OPS])
-            while True:
-                _, responses = self._txn([], [{"request_range": {"key": self._k(n)}} for n in chunk], [])
-                kvs = [(r.get("response_range") or {}).get("kvs") or [] for r in responses]
-                missing = [n for n, found in zip(chunk, kvs) if not found]
-                if not missing:
-                    values += [self._open(n, found[0]) for n, found in zip(chunk, kvs)]
-                    break
-                wait = wait or self._key_slices(missing)
-                if not self.try_wait(missing, wait.slice()) and not wait.tick():
-                    raise StoreTimeout(f"timed out after {self.op_timeout:g} s waiting for {self.key(missing[0])} in {self.describe}")
-        return values
+        """Every key's value, read at once (`_read`); waits for missing keys in slices that say what they wait for."""
+        found, _ = self._read(names)
+        missing = [n for n in names if n not in found]
+        wait = self._key_slices(missing) if missing else None
+        # A wait that ends remembers what it saw: the `get`s below cost no request.
+        while wait and not self.try_wait(missing, wait.slice()):
+            if not wait.tick():
+                missed = self.key(missing[0])
+                raise StoreTimeout(f"timed out after {self.op_timeout:g} s waiting for {missed} in {self.describe}")
+        return [self._open(n, found[n]) if n in found else self.get(n) for n in names]
+
+    def get_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """The keys of `names` that exist, read at once: one range over their span (or
+        transactions of MAX_TXN_OPS reads), none when a `wait` for all of them just read them."""
+        found = self._just_read.take(names)
+        if found is None:
+            found, _ = self._read(names)
+        present: dict[str, bytes | UntrustedValue] = {}
+        for name in names:
+            if name in found:
+                try:
+                    present[name] = self._open(name, found[name])
+                except UntrustedValue as exc:
+                    present[name] = exc
+        return present
 
     def _key_slices(self, names: Sequence[str]) -> LongWait:
         """The bounded wait of a `get` for keys not yet written (rendezvous/long_wait.py)."""
@@ -335,44 +324,55 @@ class EtcdStore(KeyValueStore):
             raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     # ------------------------------------------------------------------ waiting (watches)
-    def _missing(self, names: Sequence[str], found: dict[str, dict]) -> tuple[list[str], int]:
-        """The names that do not exist yet, and the oldest revision their absence was read at
-        (one transaction per MAX_TXN_OPS names); the keys found are added to `found`."""
-        missing: list[str] = []
+    def _read(self, names: Sequence[str]) -> tuple[dict[str, dict], int]:
+        """The kvs of those of `names` that exist, and the oldest revision of the reads: one range
+        over the span from the first key to the last when that span holds few other keys (one
+        request for the closer's 1024 node descriptors), else a transaction per MAX_TXN_OPS."""
+        if len(names) >= SPAN_MIN_KEYS:
+            by_key = {self.key(n).encode(): n for n in names}
+            limit = SPAN_SLACK * len(by_key) + SPAN_MIN_KEYS
+            span = {"key": b64(min(by_key)), "range_end": b64(max(by_key) + b"\0"), "limit": str(limit)}
+            reply = self._call("/v3/kv/range", span)
+            if not reply.get("more"):
+                named = ((by_key.get(unb64(kv.get("key"))), kv) for kv in reply.get("kvs") or [])
+                return {n: kv for n, kv in named if n is not None}, int(reply["header"]["revision"])
+        found: dict[str, dict] = {}
         revision: int | None = None
         for start in range(0, len(names), MAX_TXN_OPS):
             chunk = list(names[start : start + MAX_TXN_OPS])
             reply = self._call("/v3/kv/txn", {"compare": [], "success": [{"request_range": {"key": self._k(n)}} for n in chunk], "failure": []})
             kvs = [(r.get("response_range") or {}).get("kvs") for r in reply.get("responses") or []]
             found.update((n, kv[0]) for n, kv in zip(chunk, kvs) if kv)
-            absent = [n for n in chunk if n not in found]
-            if absent and revision is None:
-                revision = int(reply["header"]["revision"])
-            missing += absent
-        return missing, revision or 0
+            revision = revision or int(reply["header"]["revision"])
+        return found, revision or 0
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds).
 
-        Reads which keys are missing (a transaction for up to MAX_TXN_OPS keys, so the closer's
-        wait for N node descriptors is N/128 requests, not N), then opens one watch, from the
-        revision just read, over the key range that spans the missing keys: each put of a
-        missing key arrives as an event carrying the key as written, so the keys that come
+        Reads which keys are missing (`_read`: the closer's wait for N node descriptors is one
+        request), or takes the revision a `check` just found the one key absent at; then opens
+        one watch, from that revision, over the key range that spans the missing keys: each put
+        of a missing key arrives as an event carrying the key as written, so the keys that come
         later cost no further read. A broken watch means: read again, watch again.
         """
         deadline = time.monotonic() + timeout
         pending = list(names)
         found: dict[str, dict] = {}  # what the reads and events saw: it serves the `get`s that follow
+        absent_at = self._just_read.absent_since(pending[0]) if len(pending) == 1 else None
         while True:
-            if len(pending) == 1:
+            if absent_at is not None:  # a check just found it absent: watch from there
+                revision, absent_at = absent_at, None
+            elif len(pending) == 1:
                 kv, revision = self._range(pending[0])
                 if kv is not None:
                     found[pending[0]] = kv
                     pending = []
             else:
-                pending, revision = self._missing(pending, found)
+                read, revision = self._read(pending)
+                found.update(read)
+                pending = [n for n in pending if n not in found]
             if not pending:
-                self._remember(found)
+                self._just_read.remember(found)
                 return
             by_key = {self.key(n).encode(): n for n in pending}
             first, last = min(by_key), max(by_key)
@@ -385,7 +385,7 @@ class EtcdStore(KeyValueStore):
                 if name is not None:
                     found[name] = kv
                 if not by_key:
-                    self._remember(found)
+                    self._just_read.remember(found)
                     return
             pending = list(by_key.values())
             if time.monotonic() >= deadline:

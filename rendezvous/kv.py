@@ -13,6 +13,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar, Sequence
 
+# `get_present` first waits this long for all its keys: one call when they exist (as they do
+# after the closer's own wait), a short pause when some never will.
+PRESENT_PROBE_SECONDS = 0.01
+
 
 class StoreError(Exception):
     """Base of store failures that the agent turns into a readable reason."""
@@ -102,6 +106,23 @@ class KeyValueStore(ABC):
         etcd an increment by one is a key of its own, one request whoever else arrives at once
         (etcd_store.EtcdStore.add)."""
         return self.add(name, 1) - 1
+
+    def get_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """The checked values of those of `names` that exist, by name: how the closer reads every
+        node descriptor. A value this job did not write is its `UntrustedValue`, so one
+        stranger's key hides none of the others. Here one `get` per key (after one wait that
+        finds them all, else a `check` each); a store that reads many keys in one request does
+        so (etcd: one range, `EtcdStore.get_present`).
+        """
+        everything = self.try_wait(names, PRESENT_PROBE_SECONDS)
+        present: dict[str, bytes | UntrustedValue] = {}
+        for name in names:
+            if everything or self.check(name):
+                try:
+                    present[name] = self.get(name)
+                except UntrustedValue as exc:
+                    present[name] = exc
+        return present
 
     def try_wait(self, names: Sequence[str], timeout: float) -> bool:
         """`wait`, answering False instead of raising when the time is up."""

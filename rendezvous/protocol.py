@@ -10,10 +10,10 @@ Forming (O(1) store calls per node, however the arrivals are spread out):
     compare_set(<r>/node/<idx>)             claim a slot with this node's descriptor, from the
                                             hint on (rendezvous/arrival.py); no free slot: late
     wait on <r>/closed                      nobody wakes for other nodes' arrivals
-  The arrival that completes the round closes it: the MAX-th, or one that brings in every
-  node expected back from the previous round (at least MIN). The MIN-th arrival keeps the
-  last call: it waits `last_call_timeout` for more, then closes. (Any waiter whose wait runs
-  out with MIN present closes too, should that node have died.) The first node to win
+  The arrival that completes the round closes it: the MAX-th, or one that brings in every node expected back from
+  the previous round (at least MIN); the others wait for its record as for a closer's, taking over after
+  `close_timeout`. The MIN-th arrival keeps the last call: it waits `last_call_timeout` for more, then closes (so
+  does any waiter whose wait runs out with MIN present, should that node have died). The first node to win
   `compare_set(<r>/closer/<attempt>)` reads the descriptors once and closes only if the valid
   ones meet the same rule (counters only wake it), assigns group ranks (a node keeps its rank
   across rounds when it can), writes one small assignment key per node under `assign/<attempt>/`
@@ -228,7 +228,7 @@ class Rendezvous:
                     "the missing nodes or raise join_timeout (--rdzv-conf join_timeout=SECONDS)"
                 )
             if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(r)):
-                attempt = self._try_close(r, attempt, deadline)
+                attempt = self._try_close(r, attempt, deadline, defer=attempt == 0 and idx + 1 < count)
                 continue
             remaining = deadline - now
             if count >= s.min_nodes:
@@ -255,14 +255,14 @@ class Rendezvous:
         waiting = self._count(f"{r - 1}/waiting", MAX_COUNT)
         return max(1, min(self.settings.max_nodes, previous.members - lost + waiting))
 
-    def _try_close(self, r: int, attempt: int, deadline: float, last_call_over: bool = False) -> int:
-        """Close round r as `attempt`'s closer if nobody has and the valid descriptors (not the
-        counter that woke us) meet the rule; return the attempt to try next."""
+    def _try_close(
+        self, r: int, attempt: int, deadline: float, last_call_over: bool = False, defer: bool = False
+    ) -> int:
+        """Close round r as `attempt`'s closer if nobody has and the valid descriptors (not the counter that woke
+        us) meet the rule (`defer`: the completing arrival closes, this node only waits); return the next attempt."""
         s = self.settings
-        won, _ = self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)
+        won = not defer and self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)[0]
         if not won:
-            # Someone else is closing; their `closed` key ends our loop. Should they die, the
-            # next attempt takes over (bounded by join_timeout in the caller).
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             return attempt if self.store.try_wait([f"{r}/closed"], wait) else attempt + 1
         count = min(self._count(joined_counter(r)), s.max_nodes)

@@ -11,7 +11,7 @@ or a worker pointed at another store is impossible by construction.
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -90,7 +90,8 @@ class StoredRecord:
     KINDS: dict[str, str] = {}
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
+        # Fields are flat (no nested records): asdict's deep copy cost the closer of 1024 nodes 0.1 s.
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True)  # type: ignore[arg-type]
 
     @classmethod
     def load(cls: type[T], raw: bytes | str, key: str) -> T:

@@ -1,9 +1,10 @@
-"""Shared fixtures. The SLURM dev-cluster fixture lives in tests/slurm_cluster.py.
+"""Shared fixtures. The SLURM dev-cluster fixture lives in tests/slurm_cluster.py, the uninterrupted
+DDP run the DDP fault tests compare with in tests/ddp_reference.py.
 
 `cpu_hog`: faults do not arrive on idle machines. With RALLY_TEST_CPU_HOG=1 every test in a
 module named test_faults_* runs beside one busy-loop process per core (its own process group,
 killed by pgid afterwards), so detection and recovery are proven under load. .ci/run runs the
-fault modules a second time that way.
+timing-sensitive fault modules a second time that way, less the tests marked `same_under_load`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from rally.agent.checkpoint.shm import holders_of
 
-pytest_plugins = ["slurm_cluster"]
+pytest_plugins = ["slurm_cluster", "ddp_reference"]
 
 _HOG = "while True:\n    pass\n"
 
@@ -29,6 +30,14 @@ _HOG = "while True:\n    pass\n"
 # processes from other jobs on a shared machine (clean_env keeps it: it is no launcher setting).
 SESSION_MARKER = "PYTEST_RALLY_SESSION"
 os.environ[SESSION_MARKER] = str(os.getpid())
+
+
+def _rally_files_in_dev_shm() -> list[str]:
+    """Files of rally's in /dev/shm (there should never be any: the tier's copies are memfds)."""
+    try:
+        return [f"/dev/shm/{name}" for name in os.listdir("/dev/shm") if "rally" in name.lower()]
+    except OSError:
+        return []
 
 
 def _rally_shared_memory() -> list[str]:
@@ -50,11 +59,12 @@ def no_shared_memory_left() -> Iterator[None]:
     """After every test nothing of rally's holds shared memory: no memory-tier copy is held by a
     process this session started (a holder gets 10 s to let go after its agent ended). The copies
     are memfds, never files: /dev/shm holds nothing of rally's by construction, and a memfd
-    nobody holds is already freed, so "held by a process" is the whole question."""
-    before = set(_rally_shared_memory())
+    nobody holds is already freed, so "held by a process" is the whole question; a file of
+    rally's appearing in /dev/shm would be a regression, and is checked as well."""
+    before = set(_rally_shared_memory()) | set(_rally_files_in_dev_shm())
     yield
     deadline = time.monotonic() + 10
-    while left := [x for x in _rally_shared_memory() if x not in before]:
+    while left := [x for x in _rally_shared_memory() + _rally_files_in_dev_shm() if x not in before]:
         if time.monotonic() > deadline:
             pytest.fail(f"shared memory left behind by the test: {left}")
         time.sleep(0.05)
@@ -84,3 +94,11 @@ def cpu_hog(request: pytest.FixtureRequest) -> Iterator[bool]:
             except ProcessLookupError:
                 pass
             hog.wait(timeout=10)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "same_under_load: in a fault module, a case whose fault a busy CPU cannot change (parsing, a schema): "
+        ".ci/run's CPU-hog pass leaves it out (-m 'not same_under_load')",
+    )

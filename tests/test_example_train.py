@@ -1,7 +1,7 @@
 """examples/train.py under rally: a job whose workers are SIGKILLed at random steps loses nothing.
 
-Each attempt starts two workers that import torch, so this file keeps to a clean run and two
-seeds of one to three random kills each.
+Each attempt starts two workers that import torch, so this file keeps to two seeds of one to three
+random kills each, compared with the session's uninterrupted run (tests/ddp_reference.py).
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from ddp_reference import EVERY, STEPS, TRAIN, params_hash
 from helpers import clean_env, start_rally
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "examples" / "train.py"
-STEPS, EVERY = 40, 5
 
 
 def _rally(tmp: Path, name: str, max_restarts: int, step_time: float) -> subprocess.Popen:
@@ -55,14 +54,6 @@ def _reader(proc: subprocess.Popen, lines: list[str]) -> threading.Thread:
     return thread
 
 
-def _params_hash(lines: list[str]) -> str:
-    for line in lines:
-        match = re.search(r"params sha256 ([0-9a-f]{64})$", line)
-        if match:
-            return match.group(1)
-    raise AssertionError("no final hash in output:\n" + "\n".join(lines[-40:]))
-
-
 def _start_point(line: str) -> int | None:
     """The step an attempt starts from, from rank 0's checkpoint-helper line (0: from scratch)."""
     if line.startswith("[0] rally: no checkpoint"):
@@ -82,22 +73,10 @@ def _worker_pid(log_dir: Path, rank: int) -> int | None:
     return pid
 
 
-@pytest.fixture(scope="module")
-def clean_hash(tmp_path_factory) -> str:
-    tmp = tmp_path_factory.mktemp("clean")
-    proc = _rally(tmp, "clean", 0, 0.0)
-    lines: list[str] = []
-    reader = _reader(proc, lines)
-    assert _finish(proc, lines, 240) == 0, "\n".join(lines[-40:])
-    reader.join(10)
-    assert any(f"step {STEPS} loss" in line for line in lines)
-    return _params_hash(lines)
-
-
 @pytest.mark.torch
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("seed", [1, 2])
-def test_random_sigkills_of_workers_lose_nothing_and_end_bit_identical(tmp_path: Path, clean_hash: str, seed: int):
+def test_random_sigkills_of_workers_lose_nothing_and_end_bit_identical(tmp_path: Path, ddp_clean_hash: str, seed: int):
     rng = random.Random(seed)
     count = rng.randint(1, 3)
     kill_steps = sorted(rng.sample(range(4, STEPS - 4, EVERY + 1), count))
@@ -136,5 +115,5 @@ def test_random_sigkills_of_workers_lose_nothing_and_end_bit_identical(tmp_path:
     resumed = starts[1:]
     for (killed_at, _rank), resumed_at in zip(kills, resumed, strict=False):
         assert killed_at - EVERY <= resumed_at <= killed_at, f"killed at {killed_at}, resumed at {resumed_at}"
-    assert _params_hash(lines) == clean_hash
+    assert params_hash(text) == ddp_clean_hash
     assert "SIGKILL" in text  # the root cause names the signal

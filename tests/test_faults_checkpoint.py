@@ -15,35 +15,16 @@ from pathlib import Path
 import pytest
 
 from helpers import run_rally, write_probe
+from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 from rally.agent.worker import job
 
 REPO = Path(__file__).resolve().parents[1]
-JOB_ENV = [
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    job.CHECKPOINT_DIR_ENV, job.CHECKPOINT_KEEP_ENV, job.HEARTBEAT_FILE_ENV, job.PREEMPT_SIGNALS_ENV,
-]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def clean_job_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in JOB_ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def ckpt_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "ckpt"
-    directory.mkdir()
-    monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(directory))
-    return directory
 
 
 def start_python(code: str, **env: str) -> subprocess.Popen[str]:
     """A helper process with this environment minus any launcher variables, plus ``env``."""
-    full = {k: v for k, v in os.environ.items() if k not in JOB_ENV} | env
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=REPO, stdin=subprocess.PIPE,
+        [sys.executable, "-c", textwrap.dedent(code)], env=outside_env(**env), cwd=REPO, stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
 

@@ -2,16 +2,16 @@
 memory or from disk, and the agent's death frees the node's copies.
 
 Each rally run starts two workers that import torch (examples/train.py, forked from the agent's
-template), so this file keeps to six runs: a clean one for the reference hash, a SIGKILLed rank
-resumed from memory, the same from disk (memory tier off), the same on two nodes (two agents on
-127.0.0.1, one worker each), a SIGKILLed agent, and a job whose disk is full (one worker).
+template), so this file keeps to five runs: a SIGKILLed rank resumed from memory, the same from
+disk (memory tier off), the same on two nodes (two agents on 127.0.0.1, one worker each), a
+SIGKILLed agent, and a job whose disk is full (one worker). The reference hash is the session's
+uninterrupted run of the same job (tests/ddp_reference.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -20,23 +20,13 @@ import psutil
 import pytest
 
 from agents import c10d_args, start_agent, stop_all
-from helpers import (
-    clean_env,
-    eventually,
-    free_port,
-    kill_group,
-    procs,  # noqa: F401 - a fixture
-    run_rally,
-    small_disk,
-    start_rally,
-    write_probe,
-)
+from ddp_reference import EVERY, STEPS, TRAIN, params_hash
+from helpers import clean_env, eventually, free_port, kill_group, procs, run_rally, small_disk, start_rally, write_probe  # noqa: F401 - procs is a fixture
+from rally.agent.worker import job
 from rally.agent.checkpoint.shm import holders_of
 from rally.agent.worker import job
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "examples" / "train.py"
-STEPS, EVERY, KILL_AT = 30, 5, 17
+KILL_AT = 17
 
 
 def train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 240):
@@ -47,31 +37,17 @@ def train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None, 
     return run_rally(args, cwd=tmp, env=env or clean_env(), timeout=timeout)
 
 
-def params_hash(text: str) -> str:
-    match = re.search(r"params sha256 ([0-9a-f]{64})", text)
-    assert match, text[-3000:]
-    return match.group(1)
-
-
 def events(log_dir: Path) -> list[dict]:
     return [json.loads(line) for path in log_dir.glob("*/events.jsonl") for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def clean_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tmp = tmp_path_factory.mktemp("clean")
-    result = train(tmp, "clean")
-    assert result.returncode == 0, result.describe()
-    return params_hash(result.stdout)
-
-
 @pytest.mark.torch
 @pytest.mark.timeout(300)
-def test_a_ddp_job_resumes_bit_identical_from_memory_after_a_sigkill(tmp_path: Path, clean_hash: str) -> None:
+def test_a_ddp_job_resumes_bit_identical_from_memory_after_a_sigkill(tmp_path: Path, ddp_clean_hash: str) -> None:
     result = train(tmp_path, "memory", "--fail-at-step", str(KILL_AT), "--fail-rank", "1")
     assert result.returncode == 0, result.describe()
     assert "[0] rally: resuming from step 15 (from memory)" in result.stderr, result.describe()
-    assert params_hash(result.stdout) == clean_hash
+    assert params_hash(result.stdout) == ddp_clean_hash
     # The newest step became durable in the background (and at the job's end at the latest) ...
     assert job.durable_steps(tmp_path / "memory-ckpt")[-1] == STEPS
     # ... and the agent said so: events.jsonl, as `rally status` and /metrics show it.
@@ -82,11 +58,11 @@ def test_a_ddp_job_resumes_bit_identical_from_memory_after_a_sigkill(tmp_path: P
 
 @pytest.mark.torch
 @pytest.mark.timeout(300)
-def test_the_same_job_resumes_bit_identical_from_disk_without_the_memory_tier(tmp_path: Path, clean_hash: str) -> None:
+def test_the_same_job_resumes_bit_identical_from_disk_without_the_memory_tier(tmp_path: Path, ddp_clean_hash: str) -> None:
     result = train(tmp_path, "disk", "--fail-at-step", str(KILL_AT), "--fail-rank", "1", env=clean_env(RALLY_MEMORY_TIER="0"))
     assert result.returncode == 0, result.describe()
     assert f"[0] rally: resuming from step 15 ({tmp_path / 'disk-ckpt' / 'step_000000000015.pt'})" in result.stderr, result.describe()
-    assert params_hash(result.stdout) == clean_hash
+    assert params_hash(result.stdout) == ddp_clean_hash
 
 
 @pytest.mark.torch
@@ -145,7 +121,7 @@ def test_the_crash_loop_guard_counts_steps_saved_in_memory_as_progress(tmp_path:
 
 @pytest.mark.torch
 @pytest.mark.timeout(300)
-def test_two_nodes_resume_from_the_same_step_in_memory_bit_identical(tmp_path: Path, clean_hash: str) -> None:
+def test_two_nodes_resume_from_the_same_step_in_memory_bit_identical(tmp_path: Path, ddp_clean_hash: str) -> None:
     port = free_port()
     work = [
         "--nproc-per-node", "1", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), str(TRAIN),
@@ -161,6 +137,6 @@ def test_two_nodes_resume_from_the_same_step_in_memory_bit_identical(tmp_path: P
             assert max(e["step"] for e in events(tmp_path / f"logs{i}") if e["event"] == "checkpoint_saved") == STEPS
         assert "rally: resuming from step 15 (from memory)" in text, text[-5000:]
         # ... and both ranks resumed from it: the parameters are those of the uninterrupted 2-rank run.
-        assert params_hash(text) == clean_hash
+        assert params_hash(text) == ddp_clean_hash
     finally:
         stop_all(agents)

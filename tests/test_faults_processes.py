@@ -26,69 +26,9 @@ import psutil
 import pytest
 
 from agents import c10d_args, start_agent, stop_all
-from helpers import (
-    ProcessTracker,
-    clean_env,
-    describe_pids,
-    free_port,
-    procs,  # noqa: F401 - a fixture
-    run_rally,
-    survivors,
-    wait_for,
-    write_probe,
-)
+from descendants import round_pids, write_leaver
+from helpers import ProcessTracker, clean_env, describe_pids, free_port, procs, rally_argv, run_rally, survivors, wait_for, write_probe  # noqa: F401
 from live_rally import LiveRally
-
-# ------------------------------------------------------------------ helpers
-
-
-def read_pids(directory: Path, pattern: str) -> list[int]:
-    return [int(p.read_text()) for p in sorted(directory.glob(pattern)) if p.read_text().strip()]
-
-
-# A worker that leaves descendants behind in every way a process can: a child in its own group, a
-# setsid'd `sleep` (another session), and a double-forked setsid'd daemon whose parent exited (it
-# is re-parented to the agent, the subreaper). It writes every pid to PROBE_OUT.
-SPAWNER = """
-import os, signal, subprocess, sys, time
-out, rank, restart = os.environ["PROBE_OUT"], os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
-
-def note(kind, pid):
-    path = os.path.join(out, f"{kind}_{restart}_{rank}")
-    with open(path + ".tmp", "w") as f:
-        f.write(str(pid))
-    os.rename(path + ".tmp", path)
-
-def daemon():
-    r, w = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        os.setsid()
-        if os.fork() == 0:
-            os.close(r)
-            os.write(w, str(os.getpid()).encode())
-            os.close(w)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL takes it
-            while True:
-                time.sleep(1)
-        os._exit(0)
-    os.close(w)
-    os.waitpid(middle, 0)
-    return int(os.read(r, 32))
-
-note("child", subprocess.Popen(["sleep", "600"]).pid)
-note("session", subprocess.Popen(["sleep", "600"], start_new_session=True).pid)
-note("daemon", daemon())
-note("worker", os.getpid())
-mode = sys.argv[1]
-if mode == "fail-first" and restart == "0" and rank == "0":
-    sys.exit(3)
-if mode == "succeed":
-    sys.exit(0)
-while True:
-    time.sleep(1)
-"""
-
 
 # ------------------------------------------------------------------ 1. the real culprit of a collective hang
 
@@ -223,17 +163,17 @@ def test_sigstopped_worker_is_shown_as_stopped_and_does_not_hold_up_the_stop(tmp
 def test_no_descendant_survives_a_round_end_or_the_exit(tmp_path: Path, procs: ProcessTracker) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    write_probe(tmp_path / "spawner.py", SPAWNER)
+    write_leaver(tmp_path / "spawner.py")
     rally = LiveRally(
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "2", "spawner.py", "fail-first"],
         tmp_path, clean_env(PROBE_OUT=str(out)), procs,
     )
     wait_for(lambda: len(list(out.glob("worker_1_*"))) == 2, 60, what="the second round's workers")
-    round0 = [pid for kind in ("child", "session", "daemon", "worker") for pid in read_pids(out, f"{kind}_0_*")]
+    round0 = round_pids(out, 0)
     procs.track(*round0)
     # The second round's workers run only after the first round's tree is gone.
     assert not survivors(round0, within=0), f"alive into the next round: {describe_pids(round0)}"
-    round1 = [pid for kind in ("child", "session", "daemon", "worker") for pid in read_pids(out, f"{kind}_1_*")]
+    round1 = round_pids(out, 1)
     procs.track(*round1)
     os.kill(rally.proc.pid, signal.SIGTERM)
     code, _ = rally.wait_exit(60)
@@ -246,10 +186,10 @@ def test_no_descendant_survives_a_round_end_or_the_exit(tmp_path: Path, procs: P
 def test_descendants_are_gone_within_3_s_of_sigkill_of_the_agent(tmp_path: Path, procs: ProcessTracker) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    write_probe(tmp_path / "spawner.py", SPAWNER)
+    write_leaver(tmp_path / "spawner.py")
     rally = LiveRally(["--standalone", "--nproc-per-node", "2", "spawner.py", "forever"], tmp_path, clean_env(PROBE_OUT=str(out)), procs)
     wait_for(lambda: len(list(out.glob("worker_0_*"))) == 2, 60, what="both workers and their descendants")
-    everything = [pid for kind in ("child", "session", "daemon", "worker") for pid in read_pids(out, f"{kind}_0_*")]
+    everything = round_pids(out, 0)
     procs.track(*everything)
     helpers = [p.pid for p in psutil.Process(rally.proc.pid).children()]
     procs.track(*helpers)

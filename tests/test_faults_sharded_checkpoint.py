@@ -17,29 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 from rally.agent.checkpoint import dcp_files
 from rally.agent.worker import job
 
-JOB_ENV = [
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    job.CHECKPOINT_DIR_ENV, job.CHECKPOINT_KEEP_ENV, job.HEARTBEAT_FILE_ENV, job.PREEMPT_SIGNALS_ENV,
-]  # fmt: skip
-
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
-
-
-@pytest.fixture(autouse=True)
-def clean_job_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in JOB_ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def ckpt_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "ckpt"
-    monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(directory))
-    return directory
 
 
 def state_of(value: float) -> dict:
@@ -140,7 +122,7 @@ SAVER_KILLED_BEFORE_PUBLISHING = """
 def test_a_save_killed_before_its_rename_leaves_the_previous_step_and_the_next_save_removes_its_directory(ckpt_dir: Path) -> None:
     import torch
 
-    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV} | {job.CHECKPOINT_DIR_ENV: str(ckpt_dir)}
+    env = outside_env(**{job.CHECKPOINT_DIR_ENV: str(ckpt_dir)})
     saver = subprocess.Popen(
         [sys.executable, "-W", "ignore", "-c", textwrap.dedent(SAVER_KILLED_BEFORE_PUBLISHING)], env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -219,8 +201,8 @@ def test_a_full_disk_fails_the_sharded_save_in_one_line_and_keeps_the_last_good_
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV} | {job.CHECKPOINT_DIR_ENV: str(ckpt)}
-    script = f"mount -t tmpfs -o size=512k rally-test-full {ckpt} && exec {sys.executable} -c " f"'{textwrap.dedent(DISK_FULL)}' {ckpt}"
+    env = outside_env(**{job.CHECKPOINT_DIR_ENV: str(ckpt)})
+    script = f"mount -t tmpfs -o size=512k rally-test-full {ckpt} && exec {sys.executable} -c '{textwrap.dedent(DISK_FULL)}' {ckpt}"
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=80
     )

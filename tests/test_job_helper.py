@@ -16,42 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 from rally.agent.worker import heartbeat_file, job
 
 REPO = Path(__file__).resolve().parents[1]
-
-JOB_ENV = [
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    job.CHECKPOINT_DIR_ENV, job.CHECKPOINT_KEEP_ENV, job.HEARTBEAT_FILE_ENV, job.PREEMPT_SIGNALS_ENV,
-]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def clean_job_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts as a plain process outside any launcher."""
-    for name in JOB_ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def ckpt_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "ckpt"
-    monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(directory))
-    return directory
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """Environment for a helper subprocess: this repo importable, no launcher variables but ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
-    env.update(extra)
-    return env
 
 
 def run_python(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=child_env(**env), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env=outside_env(**env), cwd=REPO, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -219,7 +193,7 @@ def test_sigkill_during_save_never_damages_or_hides_the_previous_checkpoint(
     for _ in range(3):
         proc = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(WRITER), str(size)],
-            env=child_env(RALLY_CHECKPOINT_DIR=str(ckpt_dir)), cwd=REPO, stdout=subprocess.PIPE,
+            env=outside_env(RALLY_CHECKPOINT_DIR=str(ckpt_dir)), cwd=REPO, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, text=True, start_new_session=True,
         )  # fmt: skip
         try:
@@ -279,7 +253,7 @@ def test_heartbeat_round_trips_through_a_file_between_processes(tmp_path: Path) 
 
     before = time.monotonic_ns()
     proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(HEARTBEATER)], env=child_env(RALLY_HEARTBEAT_FILE=str(path)),
+        [sys.executable, "-c", textwrap.dedent(HEARTBEATER)], env=outside_env(RALLY_HEARTBEAT_FILE=str(path)),
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

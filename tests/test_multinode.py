@@ -174,13 +174,15 @@ def test_new_node_joins_a_running_job_below_max(job):
 
 @pytest.mark.timeout(120)
 def test_node_beyond_max_waits_as_a_spare_and_replaces_a_lost_node(job):
-    args = [*c10d_args(job.port, "1:2"), "--nproc-per-node", "1"]
+    # A long last call: round 0 is the two nodes, never one of them alone (a busy machine can start
+    # the second more than the default 1 s later), so the spare's round is round 1.
+    args = [*c10d_args(job.port, "1:2", extra_conf="last_call_timeout=30"), "--nproc-per-node", "1"]
     agents = [job.start(f"n{i}", args, ["forever"]) for i in range(2)]
-    # On a busy machine the first node may form a round alone and the second join it in the next.
     assert eventually(lambda: sum(r["WORLD_SIZE"] == "2" for r in job.records()) == 2, 60)
     before = len(job.records())
     spare = job.start("spare", args, ["forever"])
-    assert eventually(lambda: "waiting as a spare" in spare.output(), 30), spare.output()
+    # its first line as a spare (the progress line "waiting as a spare" comes only 5 s later)
+    assert eventually(lambda: "this node waits as its spare" in spare.output(), 30), spare.output()
     assert len(job.records()) == before  # the spare started no workers
     victim = next(a for a in agents if a is not _store_host(agents))
     victim.kill_node()

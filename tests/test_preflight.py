@@ -20,19 +20,23 @@ from agents import c10d_args, stop_all, write_script
 from helpers import run_rally
 from node_checks_helpers import Store, agent, bridged_namespaces, need_root, slow_cpu, slow_link
 
-# A DDP-style loop over gloo; each node records its steps, then finishes after 20 steps.
+# A DDP-style loop over gloo; each node records its steps, then finishes after STEPS steps (20),
+# or at the first step at which any rank saw the file STOP_FILE (the test is done looking).
 TRAIN = """
 import json, os, socket, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 world = dist.get_world_size()
+stop = os.environ.get("STOP_FILE")
 for step in range(int(os.environ.get("STEPS", "20"))):
-    t = torch.ones(4)
+    t = torch.tensor([1.0, 1.0, 1.0, float(bool(stop) and os.path.exists(stop))])
     dist.all_reduce(t)
     assert int(t[0]) == world
     with open(os.environ["PROBE_OUT"], "a") as f:
         record = {"host": socket.gethostname(), "world": world, "round": int(os.environ["RALLY_ROUND"]), "step": step}
         f.write(json.dumps(record) + "\\n")
+    if t[3] > 0:
+        break
     time.sleep(0.05)
 """
 
@@ -102,8 +106,9 @@ def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_t
         with slow_cpu(0.08, period=100_000) as into_cgroup:  # 8 ms of CPU per 100 ms: slow even when the machine is busy
             for host in ("c0", "c1", "c2"):
                 args = [*c10d_args(store.port, "2:3", extra_conf="join_timeout=240,last_call_timeout=200", preflight=True), "--nproc-per-node", "1",
-                        "--metrics-port", "0", "--log-dir", str(tmp_path / f"logs-{host}"), str(script)]
-                agents.append(agent(tmp_path, host, args, {"PROBE_OUT": str(out), "STEPS": "600"}, cgroup=into_cgroup if host == "c1" else ""))
+                        "--metrics-port", "0", "--log-dir", str(tmp_path / f"logs-{host}"), str(script)]  # fmt: skip
+                env = {"PROBE_OUT": str(out), "STEPS": "1200", "STOP_FILE": str(tmp_path / "stop")}  # trains until the checks are done
+                agents.append(agent(tmp_path, host, args, env, cgroup=into_cgroup if host == "c1" else ""))
 
             def named_in_status_and_metrics() -> None:
                 port = re.search(r"Prometheus metrics at http://[^:]+:(\d+)/metrics", agents[0].output()).group(1)
@@ -112,6 +117,7 @@ def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_t
                 status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=30)
                 assert status.returncode == 0 and "pre-flight of round 0: 3 nodes, 1 named, 1 left out" in status.stdout, status.describe()
                 assert re.search(r"c1: slower than 2x the median \(compute \d+\.\dx the median\); compute \d\.\d+ s", status.stdout), status.stdout
+                (tmp_path / "stop").touch()
 
             try:
                 _check_left_out(tmp_path, agents, "c1", out, "compute", named_in_status_and_metrics)

@@ -177,6 +177,29 @@ def test_a_round_whose_closer_died_still_forms(server):
     assert time.monotonic() - began < s.close_timeout + 3
 
 
+def test_the_others_take_over_when_the_completing_arrival_dies_before_it_closes(server):
+    """Only the node holding the last slot closes at once (the others write no losing closer key);
+    should it die first, the others close after close_timeout."""
+    s = replace(FAST, min_nodes=3, max_nodes=3, close_timeout=1.0)
+    dead = node(server, "dead", s)
+    dead.store.add("0/joined", 1)
+    assert dead.store.set_once("0/node/2", dead.me.to_json())[0]  # it holds the last slot, then dies
+    began = time.monotonic()
+    result = form([node(server, "a", s), node(server, "b", s)])
+    assert {a.group_world_size for a in result} == {3}, result
+    assert s.close_timeout * 0.9 <= time.monotonic() - began < s.close_timeout + 3
+    assert dead.store.check("0/closer/1") and not dead.store.check("0/closer/0"), "attempt 0 was the dead node's"
+
+
+def test_get_present_reads_the_keys_that_exist_each_checked(server):
+    store, hostile = connect(server, token="secret"), connect(server, token="guess")
+    store.set("a", "1")
+    hostile.set("b", "forged")
+    present = store.get_present(["a", "b", "c"])
+    assert present["a"] == b"1" and isinstance(present["b"], UntrustedValue) and "c" not in present, present
+    assert store.get_present(["a"]) == {"a": b"1"}
+
+
 def test_a_round_never_forms_below_min_and_fails_within_join_timeout(server):
     s = replace(FAST, min_nodes=2, max_nodes=3, join_timeout=3, close_timeout=0.6)
     stranger = connect(server)

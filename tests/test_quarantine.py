@@ -14,7 +14,8 @@ from agents import c10d_args, stop_all, write_script
 from helpers import run_rally
 from node_checks_helpers import Store, agent, need_root
 
-# "bad"'s worker fails after 0.5 s; the others train 6 s with three nodes, 8 s with two, then finish.
+# "bad"'s worker fails after 0.5 s; the others train 6 s with three nodes, and with two until the
+# test has seen what it looks for (the file RELEASE, at most 60 s), then finish.
 WORKER = """
 import json, os, socket, sys, time
 host, world = socket.gethostname(), int(os.environ["WORLD_SIZE"])
@@ -23,7 +24,11 @@ with open(os.environ["PROBE_OUT"], "a") as f:
 if host == "bad":
     time.sleep(0.5)
     sys.exit(1)
-time.sleep(6 if world == 3 else 8)
+if world == 3:
+    time.sleep(6)
+deadline = time.time() + 60
+while world == 2 and not os.path.exists(os.environ["RELEASE"]) and time.time() < deadline:
+    time.sleep(0.05)
 """
 
 
@@ -36,7 +41,8 @@ def test_a_node_that_caused_two_failures_is_quarantined_and_the_others_train_wit
     agents = []
     try:
         args = [*c10d_args(store.port, "2:3"), "--nproc-per-node", "1", "--max-restarts", "5", str(script)]  # (c10d_args: --no-preflight)
-        agents = [agent(tmp_path, h, [*args[:-1], "--log-dir", str(tmp_path / f"logs-{h}"), args[-1]], {"PROBE_OUT": str(out)}) for h in ("good1", "bad", "good2")]
+        env = {"PROBE_OUT": str(out), "RELEASE": str(tmp_path / "release")}
+        agents = [agent(tmp_path, h, [*args[:-1], "--log-dir", str(tmp_path / f"logs-{h}"), args[-1]], env) for h in ("good1", "bad", "good2")]
         bad = agents[1]
         assert bad.wait(150) == 3, bad.output()
         text = bad.output()
@@ -49,9 +55,10 @@ def test_a_node_that_caused_two_failures_is_quarantined_and_the_others_train_wit
             time.sleep(0.1)
         status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=30)
         assert status.returncode == 0 and "quarantined: bad (the root cause of 2 failures" in status.stdout, status.describe()
-        again = agent(tmp_path, "bad", [*args[:-1], "--log-dir", str(tmp_path / "logs-bad-again"), args[-1]], {"PROBE_OUT": str(out)})
+        again = agent(tmp_path, "bad", [*args[:-1], "--log-dir", str(tmp_path / "logs-bad-again"), args[-1]], env)
         agents.append(again)
         assert again.wait(60) == 3 and "node bad is quarantined" in again.output(), again.output()  # started again: leaves at join
+        (tmp_path / "release").touch()
         for good in (agents[0], agents[2]):
             assert good.wait(90) == 0, good.output()
             assert re.search(r"node bad is quarantined \(the root cause of 2 failures.*\); the job goes on without it", good.output()), good.output()

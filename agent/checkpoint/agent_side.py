@@ -10,12 +10,25 @@ agent/agent.py calls, in its order of things::
     ckpt.renew()                     # while they run
     ckpt.close_round(a)              # before they are stopped: a late save is refused
     ckpt.finish(seconds)             # at the job's end: the newest copy made durable, memory freed
+
+At the job's end (success, failure for good, a stop) the newest in-memory step is made durable
+first, within the grace period: a whole state by the holder's persister, a sharded (DCP) one by
+a helper process that writes the ranks' parts the stopped workers could not write any more and
+publishes the step (agent/checkpoint/dcp_flush.py): "saving at the breakpoint".
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any, Callable
 
+from rally.agent.checkpoint import dcp_files, dcp_flush
+from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
 from rally.agent.checkpoint.tier import CheckpointTier
 from rally.agent.observe.event_log import EventLog
 from rally.agent.worker.job import newest_checkpoint_step
@@ -25,9 +38,15 @@ from rally.rendezvous.records import Assignment
 class NodeCheckpoints:
     """This node's checkpoints as the agent sees them."""
 
-    def __init__(self, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]) -> None:
+    def __init__(
+        self, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None],
+        run_id: str = "", say: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
         self.checkpoint_dir = checkpoint_dir
         self.tier = CheckpointTier.start(checkpoint_dir, events, warn)
+        self.events, self.warn, self.say = events, warn, say or warn
+        self.run_id = run_id
+        self.round: int | None = None  # the last round opened: names a sharded step's temporary directory
 
     @property
     def pid(self) -> int | None:
@@ -52,6 +71,7 @@ class NodeCheckpoints:
     def open_round(self, a: Assignment, keep_alive_timeout: float) -> None:
         """Saves of round `a.round` are accepted from now on, while the agent renews its lease
         (twice the keep-alive timeout, at least 10 s); workers resume from `a.resume_step`."""
+        self.round = a.round
         self.tier.open_round(a.round, a.resume_step, max(10.0, 2 * keep_alive_timeout))
 
     def renew(self) -> None:
@@ -66,5 +86,42 @@ class NodeCheckpoints:
 
     def finish(self, timeout: float) -> None:
         """The job is over: make the newest in-memory step durable (bounded), then free the memory."""
+        deadline = time.monotonic() + timeout
         self.tier.flush(timeout)
-        self.tier.stop()
+        try:
+            self.flush_sharded(max(0.0, deadline - time.monotonic()))
+        finally:
+            self.tier.stop()
+
+    def flush_sharded(self, seconds: float) -> None:
+        """Sharded steps in this node's memory newer than the newest on disk are written by
+        agent/checkpoint/dcp_flush.py (a helper: publishing needs torch), at most ``seconds``."""
+        holder_id = getattr(self.tier, "holder_id", None)
+        if holder_id is None or self.checkpoint_dir is None or seconds <= 0:
+            return
+        directory = Path(self.checkpoint_dir)
+        durable = dcp_files.newest_intact_step(directory)
+        client = MemoryTier(holder_id, -1)
+        try:
+            held = client.held("dcp")
+        except CheckpointRefused:
+            return
+        finally:
+            client.close()
+        if not any(s > (durable if durable is not None else -1) for steps in held.values() for s in steps):
+            return
+        env = {**os.environ, "RALLY_ROUND": str(self.round or 0), "TORCHELASTIC_RUN_ID": self.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "local")}
+        command = [sys.executable, str(Path(dcp_flush.__file__).resolve()), holder_id, str(directory), f"{seconds:.3f}"]
+        self.say(f"writing the newest sharded checkpoint held only in memory to {directory} (up to {seconds:.0f} s)")
+        try:
+            done = subprocess.run(command, env=env, stdout=subprocess.PIPE, timeout=seconds + 5.0, check=False, start_new_session=True)
+            result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as exc:
+            result = {"warn": f"the newest sharded checkpoint in memory was not made durable in {seconds:.0f} s ({type(exc).__name__})"}
+        if "step" in result:
+            self.tier.last_durable = max(self.tier.last_durable or -1, int(result["step"]))
+            self.events.emit("checkpoint_durable", step=result["step"], path=result["path"], where="breakpoint")
+            self.say(f"sharded checkpoint step {result['step']} was only in memory: written to {result['path']} before exit")
+        elif "warn" in result:
+            self.warn(str(result["warn"]))
+            self.events.emit("checkpoint_warning", line=result["warn"])

@@ -28,9 +28,9 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
+from rally.agent.checkpoint import layout
 from rally.agent.checkpoint.shm import ArchiveTooLarge, SlotMaps, archive_size, socket_address, storage_bytes, write_archive
 
 HOLDER_ENV = "RALLY_CKPT_HOLDER"
@@ -52,6 +52,7 @@ class MemoryTier:
         self.round = round_
         self.maps = SlotMaps()
         self._sizes: dict[str, tuple[int, int]] = {}  # key -> (bytes of tensors, archive length) at the last save
+        self._layouts: dict[str, layout.Layout] = {}  # key -> the last archive's layout, for the fast path
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -138,12 +139,32 @@ class MemoryTier:
     def save(self, state: Any, key: str, step: int, *, persist: bool | str, keep: int) -> bool:
         """Copy ``state`` into a slot as ``step``; True once committed, False if disk-only.
 
-        The slot must be as large as torch.save's archive. Finding its exact length takes a
-        pass of torch.save that copies nothing (pickling only, ~2 ms for 100 tensors); when the
-        state's tensors are the same sizes as at the last save (a training loop's case) the last
+        A state laid out as the last one saved under ``key`` (a training loop's case) is copied
+        tensor by tensor straight into the slot (agent/checkpoint/layout.py): the stall is a
+        plain copy. Otherwise torch.save writes the archive into the slot, and its layout is
+        learnt for the next save. The slot must be as large as torch.save's archive. Finding its
+        exact length takes a pass of torch.save that copies nothing (pickling only, ~2 ms for
+        100 tensors); when the state's tensors are the same sizes as at the last save the last
         length plus its pickle's length again as slack is reserved instead, and only a state
         that outgrew it pays for the exact pass and a second try.
         """
+        found = layout.signature(state)
+        known = self._layouts.get(key)
+        if found is not None and known is not None and known.signature == found[0]:
+            target = self.reserve(key, step, _room(known.length, sum(s.nbytes() for s in found[1])), persist, keep)
+            if target is None:
+                return False
+            try:
+                length = known.write(found[1], target)
+            except BaseException:
+                self.abort(key, step)
+                raise
+            self.commit(key, step, length)
+            return True
+        return self._save_archive(state, key, step, persist, keep, found)
+
+    def _save_archive(self, state: Any, key: str, step: int, persist: bool | str, keep: int, found: Any) -> bool:
+        """The save through torch.save (a new layout), learning the layout when it is eligible."""
         tensors = storage_bytes(state)
         known = self._sizes.get(key)
         guess = _room(known[1], known[0]) if known and known[0] == tensors else None
@@ -153,8 +174,9 @@ class MemoryTier:
             target = self.reserve(key, step, size, persist, keep)
             if target is None:
                 return False
+            recorder = layout.Recorder(found[1]) if found is not None else None
             try:
-                length = write_archive(state, target)
+                length = write_archive(state, target, recorder)
             except ArchiveTooLarge:
                 self.abort(key, step)
                 continue
@@ -163,6 +185,11 @@ class MemoryTier:
                 raise
             self.commit(key, step, length)
             self._sizes[key] = (tensors, length)
+            learnt = recorder.layout(found[0], length) if recorder is not None else None
+            if learnt is not None:
+                self._layouts[key] = learnt
+            else:
+                self._layouts.pop(key, None)
             return True
         raise AssertionError("unreachable: the exact size always fits")
 

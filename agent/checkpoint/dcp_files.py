@@ -32,14 +32,14 @@ import os
 import re
 import shutil
 import stat
+import struct
 import sys
 import tempfile
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rally.agent.worker.checkpoint_file import READ_CHUNK, DamagedCheckpoint, _lock, fsync_dir
+from rally.agent.worker.checkpoint_file import DamagedCheckpoint, _lock, crc32_of, fsync_dir
 
 MANIFEST = "rally.json"
 MANIFEST_FORMAT = "rally-dcp-1"
@@ -47,6 +47,11 @@ SUFFIX = ".dcp"
 STEP_RE = re.compile(r"^step_(\d+)\.dcp$")
 TEMP_RE = re.compile(r"^\.step_\d+\.dcp\..*\.tmp$")
 _VERDICT_CACHE_LIMIT = 256
+SLOT_HEADER = struct.Struct("<8sQQQ")
+"""A sharded copy in the memory tier: magic, metadata length, world size, rank (agent/checkpoint/dcp_memory.py)."""
+SLOT_MAGIC = b"RALLYDCP"
+KEY_RE = re.compile(r"^dcp(r?)(\d+)of(\d+)$")
+"""The holder's keys of sharded copies: ``dcp<rank>of<world>`` (own), ``dcpr<rank>of<world>`` (replica)."""
 
 
 def step_name(step: int) -> str:
@@ -239,15 +244,9 @@ def check_checksums(path: Path, files: dict[str, tuple[int, int]], names: Iterab
     """Read ``names`` (files of the manifest) end to end and compare their CRC-32s."""
     for name in names:
         size, expected = files[name]
-        actual, remaining = 0, size
         try:
             with open(path / name, "rb") as handle:
-                while remaining:
-                    chunk = handle.read(min(READ_CHUNK, remaining))
-                    if not chunk:
-                        raise DamagedCheckpoint(f"{name} is shorter than the manifest says")
-                    actual = zlib.crc32(chunk, actual)
-                    remaining -= len(chunk)
+                actual = crc32_of(handle, size, f"{name} is shorter than the manifest says")
         except OSError as exc:
             raise DamagedCheckpoint(f"{name}: read error: {exc.strerror}") from None
         if actual != expected:

@@ -27,8 +27,6 @@ import dataclasses
 import io
 import mmap
 import os
-import re
-import struct
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,13 +38,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StoragePrefix
 
-from rally.agent.checkpoint import client as ckpt_client, dcp_persist
+from rally.agent.checkpoint import client as ckpt_client, dcp_files, dcp_persist
 
-HEADER = struct.Struct("<8sQQQ")
-MAGIC = b"RALLYDCP"
+HEADER, MAGIC = dcp_files.SLOT_HEADER, dcp_files.SLOT_MAGIC
 REPLICAS_ENV = "RALLY_CKPT_REPLICAS"
 """Set to 0 to keep no replica of a node's shards on its ring peer (memory and disk only)."""
-_KEY_RE = re.compile(r"^dcpr?(\d+)of(\d+)$")
+_KEY_RE = dcp_files.KEY_RE
 
 
 def own_key(rank: int, world: int) -> str:
@@ -278,7 +275,7 @@ def plan(holdings: list[dict[str, list[int]]], world: int, local: int) -> tuple[
             match = _KEY_RE.match(key)
             if not match:
                 continue
-            old_rank, old_world = int(match.group(1)), int(match.group(2))
+            old_rank, old_world = int(match.group(2)), int(match.group(3))
             sizes.add(old_world)
             if old_world != world:
                 continue

@@ -119,8 +119,8 @@ def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, m
     try:
         if rank == 0:
             _remove_dead_older(directory, step)
-        files = {f"__{rank}_0.distcp": _write_file(temp / f"__{rank}_0.distcp", data), f"__{rank}.metadata": _write_file(temp / f"__{rank}.metadata", meta)}
-        _write_file(temp / f"__{rank}.rally.json", json.dumps(files).encode())
+        files = {f"__{rank}_0.distcp": write_file(temp / f"__{rank}_0.distcp", data), f"__{rank}.metadata": write_file(temp / f"__{rank}.metadata", meta)}
+        write_file(temp / f"__{rank}.rally.json", json.dumps(files).encode())
         if rank != 0:
             return
         parts = _wait_for_parts(temp, world)
@@ -152,10 +152,10 @@ def _remove_dead_older(directory: Path, step: int) -> None:
             dcp_files.remove_dead_saves(directory, only=name)
 
 
-def _write_file(path: Path, data: Any) -> tuple[int, int]:
+def write_file(path: Path, data: Any) -> tuple[int, int]:
     """``data`` into ``path`` durably (a temporary name, fsync, rename); its (size, CRC-32)."""
     view = memoryview(data).cast("B")
-    tmp = path.with_name(path.name + ".part")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.part")  # two writers of one part never mix
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         done = 0
@@ -190,7 +190,7 @@ def _publish(directory: Path, temp: Path, step: int, keep: int, world: int, part
     buffer = io.BytesIO()
     pickle.dump(merged, buffer)
     files = {name: (int(size), int(crc)) for r in range(world) for name, (size, crc) in parts[r].items() if name.endswith(".distcp")}
-    files[".metadata"] = _write_file(temp / ".metadata", buffer.getbuffer())
+    files[".metadata"] = write_file(temp / ".metadata", buffer.getbuffer())
     for r in range(world):  # the ranks' own metadata and markers served their purpose
         for extra in (f"__{r}.metadata", f"__{r}.rally.json"):
             with contextlib.suppress(FileNotFoundError):

@@ -116,7 +116,10 @@ class Holder:
                 return
             while packet := conn.recv(MAX_LINE):
                 answer, fds = self.answer(packet, conn_id)
+                news = answer.pop("news", None)
                 socket.send_fds(conn, [json.dumps(answer).encode()], fds)
+                if news:  # the agent hears of a commit after the worker does: off the training step's stall
+                    self.emit(ev="saved", key=news[0], step=news[1], memory=self.table.memory_steps())
         except OSError:
             pass
         finally:
@@ -135,8 +138,7 @@ class Holder:
                 return {"ok": True, "slot": index}, [fd]
             if op == "commit":
                 slot = table.commit(conn_id, str(msg["key"]), int(msg["step"]), int(msg["length"]), int(msg["round"]))
-                self.emit(ev="saved", key=msg["key"], step=slot.step, memory=table.memory_steps())
-                return {"ok": True}, []
+                return {"ok": True, "news": (str(msg["key"]), slot.step)}, []
             if op == "abort":
                 table.abort(conn_id, str(msg["key"]), int(msg["step"]))
                 return {"ok": True}, []

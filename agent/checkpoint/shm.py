@@ -108,8 +108,9 @@ def storage_bytes(state: Any) -> int:
 class _Sink:
     """The file-like object torch.save writes its archive to: a mapping, or nothing (sizing)."""
 
-    def __init__(self, target: mmap.mmap | None) -> None:
+    def __init__(self, target: mmap.mmap | None, recorder: Any = None) -> None:
         self.target = target
+        self.recorder = recorder  # a layout.Recorder: notes which write is which storage's data
         self.pos = 0
         self.end = 0
         self.overflowed = False
@@ -121,6 +122,8 @@ class _Sink:
                 if self.pos + n > len(self.target):
                     self.overflowed = True
                     raise ArchiveTooLarge(f"rally: the archive outgrew its slot of {len(self.target)} bytes")
+                if self.recorder is not None:
+                    self.recorder.write(self.pos, view)
                 self.target[self.pos : self.pos + n] = view
         self.pos += n
         self.end = max(self.end, self.pos)
@@ -160,11 +163,12 @@ def archive_size(state: Any) -> int:
     return sink.end
 
 
-def write_archive(state: Any, target: mmap.mmap) -> int:
-    """torch.save ``state`` into ``target`` (a slot's mapping); return the archive's length."""
+def write_archive(state: Any, target: mmap.mmap, recorder: Any = None) -> int:
+    """torch.save ``state`` into ``target`` (a slot's mapping); return the archive's length.
+    ``recorder`` (agent/checkpoint/layout.py) learns the archive's layout on the way."""
     import torch
 
-    sink = _Sink(target)
+    sink = _Sink(target, recorder)
     try:
         with _no_record_crc():
             torch.save(state, sink)

@@ -14,6 +14,9 @@ read in one place (agent/checkpoint/holder.py does the sockets and the persister
   run, and closes it (``over``) before it stops them. A reserve or commit from another round, a
   closed round or after the lease ran out (a frozen agent) is refused: a worker of a round that
   is over cannot checkpoint.
+- **Fenced slots are never written again.** A copy under way when its round closes is void, and
+  its memfd is not reused: the fenced writer (a frozen worker that runs on later) may still copy
+  into its mapping, which must not land in the newer round's copy.
 - **Reloaded slots are never written again.** ``resume`` hands a worker the slot's memfd for
   ``torch.load(mmap=True)``; the next save that lands on that slot gets a fresh memfd (the old
   one's pages live as long as the worker keeps tensors from it, then the kernel frees them).
@@ -104,7 +107,9 @@ class SlotTable:
             for keyslots in self.keys.values():  # copies under way now never commit
                 for slot in keyslots.slots:
                     if slot.state == WRITING:
-                        slot.state, slot.writer = FREE, None
+                        # Its writer (frozen, perhaps) still maps the memfd and may copy on into it
+                        # when it runs again: the next save of this slot gets a fresh memfd.
+                        slot.state, slot.writer, slot.loaded = FREE, None, True
 
     def memory_steps(self) -> list[int]:
         """Steps every key on this node holds committed (what this node can resume from memory)."""

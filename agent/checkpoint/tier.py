@@ -22,7 +22,6 @@ import json
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any, Callable
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.client import HOLDER_ENV
 from rally.agent.display import console
+from rally.agent.helper_process import HelperProcess
 from rally.agent.observe.event_log import EventLog
 from rally.agent.worker.job import newest_checkpoint_step
 from rally.rendezvous.long_wait import LongWait
@@ -46,8 +46,9 @@ RENEW_INTERVAL = 1.0
 
 
 class CheckpointTier:
-    def __init__(self, process: subprocess.Popen[bytes], holder_id: str, checkpoint_dir: Path, events: EventLog, warn: Callable[[str], None]) -> None:
-        self.process = process
+    def __init__(self, helper: HelperProcess, holder_id: str, checkpoint_dir: Path, events: EventLog, warn: Callable[[str], None]) -> None:
+        self.helper = helper
+        self.process = helper.process
         self.checkpoint_dir = checkpoint_dir
         self.holder_id = holder_id
         self.events = events
@@ -70,13 +71,10 @@ class CheckpointTier:
             return NoTier()
         holder_id = os.urandom(8).hex()  # names its socket and memfds; not a secret (the socket checks the user)
         limit = os.environ.get(MEMORY_LIMIT_ENV, "")
-        process = subprocess.Popen(
-            [sys.executable, str(Path(ckpt_holder.__file__).resolve()), holder_id, checkpoint_dir, limit],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+        helper = HelperProcess(ckpt_holder.__file__, holder_id, checkpoint_dir, limit, stdout=subprocess.PIPE)
         # Not waited for: a worker that comes before the holder's socket is bound retries
         # (agent/checkpoint/client.py), and the agent's first question waits for its answer.
-        return cls(process, holder_id, Path(checkpoint_dir), events, warn)
+        return cls(helper, holder_id, Path(checkpoint_dir), events, warn)
 
     @property
     def pid(self) -> int:
@@ -87,13 +85,7 @@ class CheckpointTier:
 
     # ------------------------------------------------------------------ talking to the holder
     def _send(self, message: dict[str, Any]) -> bool:
-        try:
-            assert self.process.stdin is not None
-            self.process.stdin.write((json.dumps(message) + "\n").encode())
-            self.process.stdin.flush()
-            return True
-        except (OSError, ValueError):
-            return False
+        return self.helper.send(json.dumps(message))
 
     def _ask(self, wait: float, **message: Any) -> dict[str, Any] | None:
         with self._lock:
@@ -172,16 +164,7 @@ class CheckpointTier:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the holder (its memory goes with it); killed if it does not stop in time."""
         self._send({"op": "stop"})
-        try:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.helper.stop(timeout)
 
 
 class NoTier:

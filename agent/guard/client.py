@@ -5,15 +5,12 @@ runs by file path, so it imports none of this."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
 from rally.agent import processes
 from rally.agent.guard import orphan_guard
 from rally.agent.guard.job_cgroup import FREEZER, PIDS, V2, JobCgroup, remove_abandoned
 from rally.agent.guard.orphan_guard import SWEEP_SECONDS, TOKEN_VARIABLE
+from rally.agent.helper_process import HelperProcess
 
 __all__ = ["GuardClient", "TOKEN_VARIABLE"]
 
@@ -44,15 +41,8 @@ class GuardClient:
 
     def __init__(self, token: str):
         self.token = token
-        self.process: Any = subprocess.Popen(
-            # By file path, as the workers' bootstrap: works from any installation, and no
-            # module on the user's path (an `agent` package, say) can take its place. In a
-            # session of its own: a SIGKILL of the agent's process group must not reach it.
-            [sys.executable, str(Path(orphan_guard.__file__).resolve())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self.helper = HelperProcess(orphan_guard.__file__)  # by file path, in a session of its own
+        self.process = self.helper.process
         self._tell(f"token {token}\n")
         # Every process the agent starts from now on (workers, the template) joins the cgroup
         # between fork and exec; everything they start inherits it.
@@ -80,24 +70,11 @@ class GuardClient:
         self._tell(f"-cleanup {path}\n")
 
     def _tell(self, line: str) -> None:
-        if self.process.stdin is not None:
-            try:
-                self.process.stdin.write(line.encode())
-                self.process.stdin.flush()
-            except OSError:
-                pass
+        self.helper.send(line)
 
     def stop(self, timeout: float = SWEEP_SECONDS + 3.0) -> None:
         """Close the pipe (the guard sweeps what is left, normally nothing) and wait, bounded."""
-        try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.helper.stop(timeout)
         processes.set_job_cgroup(None)
         if self.cgroup is not None:
             self.cgroup.remove()  # normally gone already: the guard removes it

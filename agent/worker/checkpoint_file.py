@@ -219,17 +219,24 @@ def _verify(file: BinaryIO) -> None:
         if length != size - FOOTER.size:
             raise DamagedCheckpoint(f"length {size - FOOTER.size} bytes, the footer says {length}")
         file.seek(0)
-        actual, remaining = 0, length
-        while remaining:
-            chunk = file.read(min(READ_CHUNK, remaining))
-            if not chunk:
-                raise DamagedCheckpoint("shorter than its footer says")
-            actual = zlib.crc32(chunk, actual)
-            remaining -= len(chunk)
+        actual = crc32_of(file, length, "shorter than its footer says")
     except OSError as exc:
         raise DamagedCheckpoint(f"read error: {exc.strerror}") from None
     if actual != crc:
         raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
+
+
+def crc32_of(file: BinaryIO, length: int, short: str) -> int:
+    """The CRC-32 of the next ``length`` bytes of ``file``, read in chunks; DamagedCheckpoint(``short``)
+    if it ends first. One reading loop for every verifier (here and agent/checkpoint/dcp_files.py)."""
+    actual, remaining = 0, length
+    while remaining:
+        chunk = file.read(min(READ_CHUNK, remaining))
+        if not chunk:
+            raise DamagedCheckpoint(short)
+        actual = zlib.crc32(chunk, actual)
+        remaining -= len(chunk)
+    return actual
 
 
 def open_mapped_verified(path: Path) -> int:

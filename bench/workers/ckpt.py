@@ -15,6 +15,12 @@ torch.distributed.checkpoint.async_save; durable when its future resolves), ``ra
 (rally.job.save/load_latest, the memory tier), ``rally_disk`` (the same, run with the tier
 off), ``dlrover`` (DLRover's DdpCheckpointer,
 StorageType.DISK: shared memory, persisted by its agent; run under dlrover-run).
+
+Sharded methods (FSDP's case): every rank holds ``--mb`` MB of its own shards, the state being
+DTensors (``Shard(0)`` over the 2 ranks' gloo mesh, made with ``DTensor.from_local``), and every
+rank saves: ``rally_sharded`` (rally.job.save: DCP into the memory tier, persisted in the
+background), ``dcp_async_sharded`` (DCP async_save) and ``dcp_save_sharded`` (DCP's synchronous
+save). The plain copy is a copy of the rank's local shards; the reload loads in place.
 """
 
 from __future__ import annotations
@@ -38,7 +44,22 @@ def make_state(mb: int, step: int) -> dict[str, torch.Tensor]:
     return {f"p{i}": torch.full((n,), float(step * 1000 + i)) for i in range(TENSORS)}
 
 
+def sharded_state(mb: int, step: int) -> dict[str, torch.Tensor]:
+    """The same tensors as this rank's shards of DTensors twice their size (rank r holds rows r)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) for k, v in make_state(mb, step).items()}
+
+
+def local(v: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return v.to_local() if hasattr(v, "to_local") else v
+
+
 def plain_copy_seconds(state: dict[str, torch.Tensor]) -> float:
+    state = {k: local(v) for k, v in state.items()}
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
     times = []
     for _ in range(4):
@@ -53,7 +74,8 @@ class Method:
     def __init__(self, name: str, directory: Path) -> None:
         self.name, self.dir = name, directory
         self.pending = None  # DCP's future of the last save
-        if name == "dcp_async":  # its background collectives need a group of their own (DCP's docs)
+        self.sharded = name.endswith("_sharded")
+        if name.startswith("dcp_async"):  # its background collectives need a group of their own (DCP's docs)
             self.group = dist.new_group(backend="gloo")
         if name == "dlrover":
             from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
@@ -65,12 +87,16 @@ class Method:
         if self.name == "torch_save":
             if dist.get_rank() == 0:
                 torch.save(state, self.dir / f"{step}.pt")
-        elif self.name == "dcp_async":
+        elif self.name.startswith("dcp_async"):
             import torch.distributed.checkpoint as dcp
 
             if self.pending is not None:
                 self.pending.result()  # DCP allows one save in flight
             self.pending = dcp.async_save(state, checkpoint_id=str(self.dir / f"dcp_{step}"), process_group=self.group)
+        elif self.name == "dcp_save_sharded":
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(state, checkpoint_id=str(self.dir / f"dcp_{step}"))
         elif self.name.startswith("rally"):
             from rally import job
 
@@ -83,10 +109,14 @@ class Method:
         return True
 
     def durable(self, step: int) -> bool:
-        if self.name == "torch_save":
+        if self.name in ("torch_save", "dcp_save_sharded"):
             return True
-        if self.name == "dcp_async":
+        if self.name.startswith("dcp_async"):
             return self.pending is not None and self.pending.done()
+        if self.name == "rally_sharded":
+            from rally.agent.checkpoint import dcp_files
+
+            return dcp_files.is_intact(self.dir / dcp_files.step_name(step))
         if self.name.startswith("rally"):
             from rally import job
 
@@ -98,11 +128,17 @@ class Method:
         if self.name == "torch_save":
             state = torch.load(self.dir / f"{step}.pt", weights_only=True)
             source = "disk"
-        elif self.name == "dcp_async":
+        elif self.name.startswith("dcp_"):
             import torch.distributed.checkpoint as dcp
 
             dcp.load(model, checkpoint_id=str(self.dir / f"dcp_{step}"))
             return "disk"
+        elif self.name == "rally_sharded":
+            from rally import job
+
+            ckpt = job.load_latest(into=model)
+            assert ckpt is not None and ckpt.step == step, ckpt
+            return ckpt.source
         elif self.name.startswith("rally"):
             from rally import job
 
@@ -132,14 +168,15 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     method = Method(args.method, args.dir)
     last = args.saves
+    build = sharded_state if method.sharded else make_state
     if attempt == 0:
-        state = make_state(args.mb, 0)
+        state = build(args.mb, 0)
         copy = plain_copy_seconds(state)
         stalls, durable_after, dropped = [], [], []
         for step in range(1, args.saves + 1):
             for v in state.values():
-                v.fill_(float(step))  # the "training step"
-            state["p0"][0] = step
+                local(v).fill_(float(step))  # the "training step"
+            local(state["p0"])[0] = step
             dist.barrier()
             start = time.perf_counter()
             if not method.save(state, step):
@@ -159,7 +196,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # the launcher stops us once rank 1 is gone
         return
-    model = make_state(args.mb, -1)
+    model = build(args.mb, -1)
     result = json.loads(args.out.read_text()) if rank == 0 else {}
     last = max(set(range(1, args.saves + 1)) - set(result.get("dropped", [])), default=last)
     dist.broadcast_object_list(box := [last], src=0)
@@ -168,7 +205,7 @@ def main() -> None:
     start = time.perf_counter()
     source = method.load_into(model, last)
     reload = time.perf_counter() - start
-    assert model["p0"][0].item() == last and model["p5"][7].item() == float(last), "wrong state reloaded"
+    assert local(model["p0"])[0].item() == last and local(model["p5"])[7].item() == float(last), "wrong state reloaded"
     if rank == 0:
         args.out.write_text(json.dumps({**result, "reload": reload, "reload_source": source}))
     dist.barrier()

@@ -1,0 +1,44 @@
+"""pytest plugin: the uninterrupted DDP run that the DDP fault tests compare with, once per session.
+
+tests/test_example_train.py (random SIGKILLs) and tests/test_faults_memory_tier.py (a SIGKILL
+resumed from memory, from disk, on two nodes) each prove that a job ends with the parameters of an
+uninterrupted run of examples/train.py: 2 workers, STEPS steps, a checkpoint every EVERY. That
+run is the same for all of them (deterministic: fixed seeds, gloo, one intra-op thread per
+worker), so the session makes it once (two torch workers fewer per module).
+
+Loaded from tests/conftest.py (``pytest_plugins``), so every module shares the one fixture.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import clean_env, run_rally
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "train.py"
+STEPS, EVERY = 30, 5
+
+
+def params_hash(text: str) -> str:
+    """The sha256 of the final parameters that rank 0 of examples/train.py prints last."""
+    match = re.search(r"params sha256 ([0-9a-f]{64})", text)
+    assert match, text[-3000:]
+    return match.group(1)
+
+
+@pytest.fixture(scope="session")
+def ddp_clean_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final parameters' sha256 of an uninterrupted 2-worker run of examples/train.py."""
+    tmp = tmp_path_factory.mktemp("ddp-clean")
+    args = [
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--checkpoint-dir", str(tmp / "ckpt"),
+        str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+    ]  # fmt: skip
+    result = run_rally(args, cwd=tmp, env=clean_env(), timeout=240)
+    assert result.returncode == 0, result.describe()
+    assert f"step {STEPS} loss" in result.stdout, result.describe()
+    return params_hash(result.stdout)
