@@ -66,7 +66,9 @@ __all__ = ["Agent", "AgentExit", "EXIT_PREEMPTED"]
 class Agent:
     """Runs this node's share of one job until it succeeds, fails for good, or is stopped."""
 
-    def __init__(self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str], requeue: Callable[[], str] | None = None):
+    def __init__(
+        self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str], requeue: Callable[[], str] | None = None
+    ):
         """`requeue`, when given, asks the scheduler to requeue this job and returns a message."""
         self.spec = spec
         self.plan = plan
@@ -82,7 +84,9 @@ class Agent:
         )
         self.state = AgentState.STARTING
         self.waits = NodeWaits(console.say)  # the line of a long wait, for the console and `rally status`
-        self.loop = EventLoop(on_worker_exit=lambda w: self.health.note_exit(w.local_rank), on_child_signal=self._reap_orphans)
+        self.loop = EventLoop(
+            on_worker_exit=lambda w: self.health.note_exit(w.local_rank), on_child_signal=self._reap_orphans
+        )
         self.preemption = Preemption(spec, self.host, plan.preferred_rank, self.loop, self.store_call, requeue)
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
@@ -170,7 +174,9 @@ class Agent:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
         ckpt = self.ckpt
-        self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, console.say, ckpt.progress, ckpt.holdings)
+        self.rdzv = rdzv = Rendezvous(
+            self.store, self.plan.settings, self.node, console.say, ckpt.progress, ckpt.holdings
+        )
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (self.store_call(self.store.connect_again, waiting=True) for _ in range(3))
         if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/checks/quarantine.py)
@@ -293,7 +299,9 @@ class Agent:
         while True:
             self.loop.pump(self.health.next_due(time.monotonic()))
             end = self._on_signals(rnd) or self._on_events(rnd) or self.exits.check(rnd, group, self.health)
-            hangs = end is None and self.health.check({w.local_rank: w.output.last_output_at() for w in group.running()})
+            hangs = end is None and self.health.check(
+                {w.local_rank: w.output.last_output_at() for w in group.running()}
+            )
             if hangs:
                 end = self._end_round(rnd, self.hangs.report(rnd, hangs[0]))
             if end is not None:
@@ -340,11 +348,15 @@ class Agent:
             console.error("root cause: " + explain(end))
         if isinstance(decision, Restart):
             console.say(f"restarting all workers (restart {decision.restart_count} of {self.spec.max_restarts})")
-            self.events.emit("restart", round=a.round, restart_count=decision.restart_count, kind=end.kind, cause=end.detail)
+            self.events.emit(
+                "restart", round=a.round, restart_count=decision.restart_count, kind=end.kind, cause=end.detail
+            )
             self.observer.note_restart(a.round, end)
             return None
         if isinstance(decision, Reform):
-            lost_me = end.kind is EndKind.NODE_LOST and end.info.get("group_rank") == a.group_rank and a.group_world_size > 1
+            lost_me = (
+                end.kind is EndKind.NODE_LOST and end.info.get("group_rank") == a.group_rank and a.group_world_size > 1
+            )
             if lost_me and not rnd.store.leased_liveness:  # c10d fences a node the others lost (etcd re-forms it)
                 raise AgentExit(EXIT_INFRASTRUCTURE, left_behind_line(a, end))
             if end.kind is EndKind.NODE_LOST:
@@ -369,7 +381,9 @@ class Agent:
         self.store_call(lambda: rnd.rendezvous.close_job(end))
         if decision.gave_up:
             console.console().print(self.report.workers_table())
-            console.error(f"job failed: no restarts left (--max-restarts {self.spec.max_restarts}); report: {self.report.path}")
+            console.error(
+                f"job failed: no restarts left (--max-restarts {self.spec.max_restarts}); report: {self.report.path}"
+            )
         elif decision.code == EXIT_PREEMPTED:
             console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")
         else:
@@ -454,7 +468,9 @@ class Agent:
         if self.group is not None:
             self.state = AgentState.STOPPING  # a signal now cuts the grace short and waits its turn
             spec, helpers = self.spec, self._helper_pids()
-            stop_workers(self.group, signum, spec.shutdown_timeout, self.loop, self.guard, helpers, spec.preemption_signals)
+            stop_workers(
+                self.group, signum, spec.shutdown_timeout, self.loop, self.guard, helpers, spec.preemption_signals
+            )
             self.group = None
 
     def _reap_orphans(self) -> None:

@@ -159,4 +159,3 @@ class EventLoop:
         if "error" in box:
             raise box["error"]
         return box.get("value")
-

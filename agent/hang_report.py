@@ -60,6 +60,7 @@ COLLECTIVE_FUNCTIONS = (
 )  # fmt: skip
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<function>\S+)')
 
+
 def is_suspect_state(state: str) -> bool:
     return state.startswith("stopped") or state.startswith("uninterruptible")
 
@@ -109,8 +110,13 @@ class Snapshot:
     def from_dict(cls, data: dict) -> Snapshot | None:
         try:
             return cls(
-                int(data["rank"]), int(data["local_rank"]), str(data["host"]), int(data["pid"]), str(data["state"]),
-                [str(line) for line in data.get("stack") or []], None if data.get("beats") is None else int(data["beats"]),
+                int(data["rank"]),
+                int(data["local_rank"]),
+                str(data["host"]),
+                int(data["pid"]),
+                str(data["state"]),
+                [str(line) for line in data.get("stack") or []],
+                None if data.get("beats") is None else int(data["beats"]),
                 int(data.get("node", -1)),
             )
         except (KeyError, TypeError, ValueError):
@@ -141,7 +147,8 @@ def name_culprit(snapshots: list[Snapshot], found_hung: Snapshot | None) -> tupl
         ranks = ", ".join(str(s.rank) for s in waiting)
         return culprit, (
             f"it is outside the collective that rank{'s' if len(waiting) > 1 else ''} {ranks} "
-            f"wait{'' if len(waiting) > 1 else 's'} in ({top_frame(waiting[0].stack)}); it is in " f"{top_frame(culprit.stack)}"
+            f"wait{'' if len(waiting) > 1 else 's'} in ({top_frame(waiting[0].stack)}); it is in "
+            f"{top_frame(culprit.stack)}"
         )
     beating = [(s.beats, s) for s in ordered if s.beats is not None]
     most = max((beats for beats, _ in beating), default=0)
@@ -229,8 +236,14 @@ class HangReporter:
         stacks = self.collect_stacks(workers)
         return [
             Snapshot(
-                w.global_rank, w.local_rank, self.host, w.pid, states[w.local_rank],
-                stacks.get(w.local_rank, []), self.heartbeat_count(w.local_rank), a.group_rank,
+                w.global_rank,
+                w.local_rank,
+                self.host,
+                w.pid,
+                states[w.local_rank],
+                stacks.get(w.local_rank, []),
+                self.heartbeat_count(w.local_rank),
+                a.group_rank,
             )
             for w in workers
         ]

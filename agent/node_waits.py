@@ -45,7 +45,9 @@ class NodeWaits:
         if self.round is None or self.round[0] != r:
             self.round = (r, now)
         lines = [self.last, *(o.last for o in others if o is not None)]
-        fresh = [seen for seen in lines if seen is not None and self.round[1] <= seen[0] and now - seen[0] < FRESH_SECONDS]
+        fresh = [
+            seen for seen in lines if seen is not None and self.round[1] <= seen[0] and now - seen[0] < FRESH_SECONDS
+        ]
         return {"waiting": max(fresh)[1]} if fresh else {}
 
 
@@ -55,5 +57,7 @@ def wait_for_readers(rnd: Round, timeout: float) -> bool:
     record (through the node's `Rendezvous`: the round's threads, which republish the record,
     have stopped by now). True once all have read it."""
     r = rnd.a.round
-    what = f"round {r} ended the job: waiting for the other nodes to read that before this node, the store's host, exits"
+    what = (
+        f"round {r} ended the job: waiting for the other nodes to read that before this node, the store's host, exits"
+    )
     return wait_in_slices(rnd.channel.wait_all_acknowledged, timeout, what, partial(announce_wait, rnd.rendezvous))

@@ -38,7 +38,9 @@ def cpus_near_gpu(mode: str, gpu_index: int) -> frozenset[int]:
         ) from None
 
     try:
-        cpus = _get_logical_cpus_to_bind_to(gpu_index=gpu_index, numa_options=NumaOptions(affinity_mode=AffinityMode(mode)))
+        cpus = _get_logical_cpus_to_bind_to(
+            gpu_index=gpu_index, numa_options=NumaOptions(affinity_mode=AffinityMode(mode))
+        )
     except Exception as exc:  # torch raises several types reading sysfs and CUDA
         raise NumaBindingError(f"--numa-binding {mode}: cannot find the CPUs near GPU {gpu_index}: {exc}") from exc
     if not cpus:

@@ -46,13 +46,17 @@ class Preemption:
         """Warn the workers, wait for their checkpoints (bounded), requeue, end the round."""
         name = processes.signal_name(signum)
         grace = self.spec.preemption_grace
-        console.say(f"received {name} (preemption or time limit): forwarding it to the workers; up to {grace:g} s to checkpoint")
+        console.say(
+            f"received {name} (preemption or time limit): forwarding it to the workers; up to {grace:g} s to checkpoint"
+        )
         for worker in group.running() if group else []:
             processes.send_to_group(worker.pid, signum)
         deadline = time.monotonic() + grace
         while group and group.running() and time.monotonic() < deadline:
             self.loop.pump(max(0.0, deadline - time.monotonic()))
-            actions = [signal_action(AgentState.PREEMPTING, s, self.spec.preemption_signals) for s in self.loop.take_signals()]
+            actions = [
+                signal_action(AgentState.PREEMPTING, s, self.spec.preemption_signals) for s in self.loop.take_signals()
+            ]
             if SignalAction.END_GRACE in actions:
                 break
         self._wait_for_all_nodes(rnd, deadline)

@@ -100,7 +100,9 @@ class RoundThreads:
         """Send this node's keep-alives and watch the next node's (a ring)."""
         a, s = self.a, self.keeper.settings
         if self.keeper.store.leased_liveness:  # etcd: leases expire by themselves
-            return keep_alive_with_lease(self.keeper, self.over, self._publish_status, STATUS_INTERVAL_SECONDS, self.post, self._answered)
+            return keep_alive_with_lease(
+                self.keeper, self.over, self._publish_status, STATUS_INTERVAL_SECONDS, self.post, self._answered
+            )
         interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
         last_seen, last_change = -1, time.monotonic()
         next_status = 0.0

@@ -43,7 +43,9 @@ class SignalAction(Enum):
     IGNORE = "ignore"  # a preemption warning when there is nothing left to preempt
 
 
-def signal_action(state: AgentState, signum: int, preemption_signals: frozenset[int] | set[int] | tuple[int, ...]) -> SignalAction:
+def signal_action(
+    state: AgentState, signum: int, preemption_signals: frozenset[int] | set[int] | tuple[int, ...]
+) -> SignalAction:
     """What `signum` means to an agent in `state`."""
     preempt = signum in preemption_signals
     if state is AgentState.RUNNING:

@@ -17,7 +17,13 @@ OUTPUT_DRAIN_SECONDS = 2.0
 
 
 def stop_workers(
-    group: Any, signum: int, grace: float, loop: EventLoop, guard: Any, helpers: frozenset[int], preemption_signals: tuple[int, ...] = ()
+    group: Any,
+    signum: int,
+    grace: float,
+    loop: EventLoop,
+    guard: Any,
+    helpers: frozenset[int],
+    preemption_signals: tuple[int, ...] = (),
 ) -> None:
     """Signal every worker's group, keep draining output for up to `grace` s, then SIGKILL the
     whole tree (never `helpers`: the template and the orphan guard). A signal that arrives
@@ -37,7 +43,9 @@ def stop_workers(
             break
     stuck = processes.kill_all([w.process for w in group.workers], tree, helpers)
     if stuck:
-        console.warn(f"processes {stuck} did not die within {processes.KILL_WAIT_SECONDS:g} s of SIGKILL (stuck in the kernel?)")
+        console.warn(
+            f"processes {stuck} did not die within {processes.KILL_WAIT_SECONDS:g} s of SIGKILL (stuck in the kernel?)"
+        )
     drain_streams(group.streams, loop, OUTPUT_DRAIN_SECONDS)
     loop.unwatch_workers()
     for worker in group.workers:

@@ -235,7 +235,11 @@ class TemplateClient:
 
     @classmethod
     def for_job(
-        cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None] | None = None, announce: Callable[[str], None] | None = None
+        cls,
+        spec: Any,
+        base_env: dict[str, str],
+        warn: Callable[[str], None] | None = None,
+        announce: Callable[[str], None] | None = None,
     ) -> TemplateClient | None:
         """The template for this job, or None when workers start plainly (--no-preload, --no-python)."""
         preload = getattr(spec, "preload", None)
@@ -249,11 +253,17 @@ class TemplateClient:
 
             warn = console.warn
         cwd = os.path.abspath(spec.cwd or os.getcwd())
-        return cls(spec.python_exec, BOOTSTRAP, spec.command(), preload, shared_worker_env(spec, base_env), cwd, warn, announce)
+        return cls(
+            spec.python_exec, BOOTSTRAP, spec.command(), preload, shared_worker_env(spec, base_env), cwd, warn, announce
+        )
 
     @classmethod
     def started_for_job(
-        cls, spec: Any, base_env: dict[str, str], warn: Callable[[str], None], announce: Callable[[str], None] | None = None
+        cls,
+        spec: Any,
+        base_env: dict[str, str],
+        warn: Callable[[str], None],
+        announce: Callable[[str], None] | None = None,
     ) -> TemplateClient | None:
         """`for_job`, started at once so it preloads torch while the rendezvous runs; None (workers
         start plainly) when the job has none, or when it cannot start (said once, with `warn`)."""
@@ -319,7 +329,9 @@ class TemplateClient:
         )
         if different:
             self._warn_once(
-                "env", "starting workers plainly: their environment differs from the worker template's in " f"{', '.join(different)}"
+                "env",
+                "starting workers plainly: their environment differs from the worker template's in "
+                f"{', '.join(different)}",
             )
             self.plain_starts += 1
             return processes.spawn(argv, env, cwd, stdout, stderr)
@@ -331,7 +343,9 @@ class TemplateClient:
                 return child
             except TemplateRefused as exc:
                 self.disabled = str(exc)
-                self._warn_once("refused", f"starting workers plainly from now on: {exc} (forking it would not be safe)")
+                self._warn_once(
+                    "refused", f"starting workers plainly from now on: {exc} (forking it would not be safe)"
+                )
                 break  # left running until stop(): workers it already forked die with it
             except TemplateGone as exc:
                 connection.close(timeout=1.0)  # kills it if it is stuck: workers it forked die with it

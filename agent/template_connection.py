@@ -10,7 +10,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rally.agent import linux
 from rally.agent.worker import template_wire
@@ -40,7 +41,12 @@ class Connection:
     """One template process and the agent's end of its socket."""
 
     def __init__(
-        self, argv: list[str], env: dict[str, str], cwd: str, init: dict[str, Any], announce: Callable[[str], None] = lambda _line: None
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        init: dict[str, Any],
+        announce: Callable[[str], None] = lambda _line: None,
     ) -> None:
         """`announce` hears, every few seconds, what a long wait for the template waits for."""
         import subprocess
@@ -132,7 +138,10 @@ class Connection:
     def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         with self.lock:
             if self.ready is None:
-                what = f"waiting for the worker template (pid {self.pid}) to import {self.preload} before it starts workers"
+                what = (
+                    f"waiting for the worker template (pid {self.pid}) to import {self.preload} before it starts "
+                    "workers"
+                )
                 self._await(("ready",), READY_TIMEOUT if timeout is None else timeout, what)
             assert self.ready is not None
             return self.ready
@@ -145,7 +154,11 @@ class Connection:
             except OSError as exc:
                 self.closed = True
                 raise TemplateGone(self.describe_death()) from exc
-            reply = self._await(("spawned", "refused"), REPLY_TIMEOUT, f"waiting for the worker template (pid {self.pid}) to fork a worker")
+            reply = self._await(
+                ("spawned", "refused"),
+                REPLY_TIMEOUT,
+                f"waiting for the worker template (pid {self.pid}) to fork a worker",
+            )
             if reply["op"] == "refused":
                 raise TemplateRefused(reply["reason"])
             pidfds = reply["fds"]

@@ -47,7 +47,9 @@ def open_regular(path: str | os.PathLike[str], follow: bool = False) -> int:
     return fd
 
 
-def read_capped(path: str | os.PathLike[str], limit: int, *, tail: bool = False, whole: bool = False, follow: bool = False) -> bytes:
+def read_capped(
+    path: str | os.PathLike[str], limit: int, *, tail: bool = False, whole: bool = False, follow: bool = False
+) -> bytes:
     """At most `limit` bytes of the regular file `path`: its start, or with `tail` its end.
     With `whole`, a file larger than `limit` is an UntrustedFile (a truncated JSON is no use)."""
     fd = open_regular(path, follow)

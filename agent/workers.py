@@ -148,7 +148,9 @@ def _stream_plans(
         rank_dir = logs.rank_dir(attempt, local_rank)
         tee = spec.tee.get(local_rank, 0)
         paths = {STDOUT: rank_dir / "stdout.log", STDERR: rank_dir / "stderr.log"}
-        plans[local_rank] = StreamPlan(spec.redirects.get(local_rank, 0) | tee, tee, paths, env["TORCHELASTIC_ERROR_FILE"])
+        plans[local_rank] = StreamPlan(
+            spec.redirects.get(local_rank, 0) | tee, tee, paths, env["TORCHELASTIC_ERROR_FILE"]
+        )
     return plans, {}
 
 
@@ -206,11 +208,21 @@ class WorkerGroup:
         host = socket.gethostname()
         duplicates: dict[int, tuple[BinaryIO, tuple[bytes, ...]]] = {}
         envs = {
-            local_rank: worker_env(spec, base_env, assignment, master, local_rank, str(logs.rank_dir(assignment.round, local_rank) / "error.json"))
+            local_rank: worker_env(
+                spec,
+                base_env,
+                assignment,
+                master,
+                local_rank,
+                str(logs.rank_dir(assignment.round, local_rank) / "error.json"),
+            )
             for local_rank in range(spec.nproc_per_node)
         }
         stream_plans, filtered_paths = _stream_plans(spec, logs, assignment.round, envs)
-        for bit, name, filters in ((STDOUT, "stdout", spec.duplicate_stdout_filters), (STDERR, "stderr", spec.duplicate_stderr_filters)):
+        for bit, name, filters in (
+            (STDOUT, "stdout", spec.duplicate_stdout_filters),
+            (STDERR, "stderr", spec.duplicate_stderr_filters),
+        ):
             if filters:
                 path = filtered_paths.get(bit) or logs.attempt_dir(assignment.round) / f"filtered_{name}.log"
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,7 +261,11 @@ class WorkerGroup:
                         console=console if shown else None,
                         # As torchrun when its log flags are used: tee'd streams get
                         # "[role0]:", the others go to the console untouched.
-                        prefix=tee_prefix if tee & bit else b"" if torchrun_style or not spec.prefix_output else rally_prefix,
+                        prefix=tee_prefix
+                        if tee & bit
+                        else b""
+                        if torchrun_style or not spec.prefix_output
+                        else rally_prefix,
                         whole_lines=bool(tee & bit) or (spec.prefix_output and not torchrun_style),
                         file=open_for_writing(path) if tee & bit else None,
                         tail=output.stderr_tail if bit == STDERR else None,

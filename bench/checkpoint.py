@@ -49,7 +49,16 @@ from bench import common
 from bench.common import REPO, RESULTS, Job
 from bench.scratch import scratch_dir
 
-METHODS = ("torch_save", "dcp_async", "rally_disk", "rally", "dlrover", "dcp_save_sharded", "dcp_async_sharded", "rally_sharded")
+METHODS = (
+    "torch_save",
+    "dcp_async",
+    "rally_disk",
+    "rally",
+    "dlrover",
+    "dcp_save_sharded",
+    "dcp_async_sharded",
+    "rally_sharded",
+)
 LABELS = {
     "torch_save": "plain `torch.save` (rank 0)",
     "dcp_async": "`torch.distributed.checkpoint.async_save`",
@@ -71,9 +80,28 @@ def dlrover_python() -> str | None:
 
 
 def command(method: str, run: Path, mb: int) -> list[str]:
-    work = [str(WORKER), "--method", method, "--dir", str(run / "ckpt"), "--mb", str(mb), "--out", str(run / "result.json")]
+    work = [
+        str(WORKER),
+        "--method",
+        method,
+        "--dir",
+        str(run / "ckpt"),
+        "--mb",
+        str(mb),
+        "--out",
+        str(run / "result.json"),
+    ]
     if method == "dlrover":
-        return [dlrover_python() or "python", str(DLROVER_SHIM), "--standalone", "--nproc_per_node", "2", "--max_restarts", "1", *work]
+        return [
+            dlrover_python() or "python",
+            str(DLROVER_SHIM),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--max_restarts",
+            "1",
+            *work,
+        ]
     extra = ["--checkpoint-dir", str(run / "ckpt")] if method.startswith("rally") else []
     return [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
             "--log-dir", str(run / "logs"), *extra, *work]  # fmt: skip
@@ -121,8 +149,13 @@ def summarize(runs: list[dict]) -> dict:
     ok = [r for r in runs if "reload" in r]
     if not ok:
         return {"error": runs[-1].get("error", "no run") if runs else "not run"}
+
     def kept(r: dict) -> list[tuple[float, float | None]]:  # (stall, durable after) of the saves made, from the 3rd
-        return [(s, d) for i, (s, d) in enumerate(zip(r["stalls"], r["durable_after"], strict=False), 1) if i > 2 and i not in r.get("dropped", [])]
+        return [
+            (s, d)
+            for i, (s, d) in enumerate(zip(r["stalls"], r["durable_after"], strict=False), 1)
+            if i > 2 and i not in r.get("dropped", [])
+        ]
 
     steady = [s for r in ok for s, _ in kept(r)]
     first = [s for r in ok for s in r["stalls"][:2]]
@@ -150,7 +183,9 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves " "| saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | " "left in /dev/shm after the job |",
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves "
+        "| saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | "
+        "left in /dev/shm after the job |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
@@ -161,7 +196,9 @@ def table(summary: dict[str, dict], mb: int) -> str:
             f"| {LABELS[method]} | {s['stall']:.3f} s ({s['stall_range'][0]:.3f}–{s['stall_range'][1]:.3f}) | "
             f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | {s['dropped']} | "
             f"{'—' if s['durable'] is None else format(s['durable'], '.2f') + ' s'} | "
-            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | " f"{s['reload_ratio']:.2f}× | {s['source']} | " f"{format(s['shm_left'], '.0f') + ' MB' if s['shm_left'] else 'nothing'} |"
+            f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | "
+            f"{s['reload_ratio']:.2f}× | {s['source']} | "
+            f"{format(s['shm_left'], '.0f') + ' MB' if s['shm_left'] else 'nothing'} |"
         )
     return "\n".join(lines)
 
@@ -196,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header + "\n\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "checkpoint.md").write_text(header + "\n\n" + text + "\n")
-    (RESULTS / "checkpoint.json").write_text(json.dumps({"date": started, "commit": commit, "mb": args.mb, "runs": runs, "summary": summary}, indent=1))
+    (RESULTS / "checkpoint.json").write_text(
+        json.dumps({"date": started, "commit": commit, "mb": args.mb, "runs": runs, "summary": summary}, indent=1)
+    )
     return 0
 
 

@@ -73,8 +73,15 @@ def one(ctx: Context, launcher: str, rep: int) -> dict:
     out = run_dir(d, "out")
     run = {"launcher": launcher, "rep": rep, "cpu_busy_before": ctx.settle()}
     argv = launcher_cmd(launcher) + [
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", str(ATTEMPTS - 1), "--log-dir", str(d / "logs"),
-        str(WORKERS / "detect.py"), str(out),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(ATTEMPTS - 1),
+        "--log-dir",
+        str(d / "logs"),
+        str(WORKERS / "detect.py"),
+        str(out),
     ]
     extra = {"LOGLEVEL": "INFO"} if launcher == "torchrun" else {}
     run["argv"], run["env"] = argv, extra
@@ -91,12 +98,14 @@ def one(ctx: Context, launcher: str, rep: int) -> dict:
             if exit_ts is None or term_ts is None:
                 continue
             logged = log_time(launcher, stderr, k, exit_ts)
-            attempts.append({
-                "attempt": k,
-                "sibling_sigterm_ms": (term_ts - exit_ts) * 1000,
-                "failure_logged_ms": (logged - exit_ts) * 1000 if logged is not None else None,
-                "agent_noticed_ms": (noticed[k] - exit_ts) * 1000 if k < len(noticed) else None,
-            })
+            attempts.append(
+                {
+                    "attempt": k,
+                    "sibling_sigterm_ms": (term_ts - exit_ts) * 1000,
+                    "failure_logged_ms": (logged - exit_ts) * 1000 if logged is not None else None,
+                    "agent_noticed_ms": (noticed[k] - exit_ts) * 1000 if k < len(noticed) else None,
+                }
+            )
         run.update(ok=len(attempts) == ATTEMPTS, rc=rc, attempts=attempts)
         if not run["ok"]:
             return error_run(run, job, f"exit code {rc}; {len(attempts)}/{ATTEMPTS} attempts measured")
@@ -123,12 +132,16 @@ def run(ctx: Context) -> list[Figure]:
                     logged.samples[launcher].append(a["failure_logged_ms"])
                 if a.get("agent_noticed_ms") is not None:
                     noticed.samples[launcher].append(a["agent_noticed_ms"])
-            ctx.say(f"detection {launcher} rep {rep}: sibling SIGTERM "
-                    + ", ".join(f"{a['sibling_sigterm_ms']:.1f}" for a in result.get("attempts", []))
-                    + " ms; logged "
-                    + ", ".join(f"{a['failure_logged_ms']:.1f}" if a["failure_logged_ms"] is not None else "?"
-                                for a in result.get("attempts", []))
-                    + " ms")
+            ctx.say(
+                f"detection {launcher} rep {rep}: sibling SIGTERM "
+                + ", ".join(f"{a['sibling_sigterm_ms']:.1f}" for a in result.get("attempts", []))
+                + " ms; logged "
+                + ", ".join(
+                    f"{a['failure_logged_ms']:.1f}" if a["failure_logged_ms"] is not None else "?"
+                    for a in result.get("attempts", [])
+                )
+                + " ms"
+            )
     sibling_p99.samples = sibling.samples
     noticed_p99.samples = noticed.samples
     noticed.notes["torchrun"] = noticed_p99.notes["torchrun"] = "not recorded"

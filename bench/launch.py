@@ -46,8 +46,13 @@ def one(ctx: Context, launcher: str, nproc: int, rep: int) -> dict:
     out = run_dir(d, "out")
     run = {"launcher": launcher, "nproc": nproc, "rep": rep, "cpu_busy_before": ctx.settle()}
     argv = launcher_cmd(launcher) + [
-        "--standalone", "--nproc-per-node", str(nproc), "--log-dir", str(d / "logs"),
-        str(WORKERS / "ready.py"), str(out),
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--log-dir",
+        str(d / "logs"),
+        str(WORKERS / "ready.py"),
+        str(out),
     ]
     run["argv"] = argv
     timeout = 60 + 15 * nproc
@@ -85,8 +90,10 @@ def run(ctx: Context) -> list[Figure]:
                 if result.get("ok"):
                     ready[n].samples[launcher].append(result["all_ready"])
                     started[n].samples[launcher].append(result["script_started"])
-                    ctx.say(f"launch {launcher} nproc {n} rep {rep}: ready {result['all_ready']:.2f} s "
-                            f"(first lines {result['script_started']:.2f} s, exit {result['exit']:.2f} s)")
+                    ctx.say(
+                        f"launch {launcher} nproc {n} rep {rep}: ready {result['all_ready']:.2f} s "
+                        f"(first lines {result['script_started']:.2f} s, exit {result['exit']:.2f} s)"
+                    )
                 else:
                     ctx.say(f"launch {launcher} nproc {n} rep {rep}: FAILED {result['error']}")
     if 8 in ready:

@@ -87,8 +87,16 @@ def one(ctx: Context, launcher: str, nodes: int, rep: int) -> dict:
     run = {"launcher": launcher, "nodes": nodes, "rep": rep, "cpu_busy_before": ctx.settle()}
     port = free_port()
     args = [
-        "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{launcher}-{nodes}-{rep}",
+        "--nnodes",
+        str(nodes),
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"bench-{launcher}-{nodes}-{rep}",
     ]
     if launcher == "rally":
         args += ["--local-addr", "127.0.0.1", "--no-preflight"]  # its cost is bench/preflight.py's
@@ -132,7 +140,11 @@ def one(ctx: Context, launcher: str, nodes: int, rep: int) -> dict:
         imported = [read_float(marks / str(j.pid)) for j in jobs]
         run["exit_codes"] = codes
         if any(r is None for r in ready):
-            return error_run(run, jobs[0], f"{sum(r is not None for r in ready)}/{nodes} workers ran within {timeout} s; exit codes {codes}")
+            return error_run(
+                run,
+                jobs[0],
+                f"{sum(r is not None for r in ready)}/{nodes} workers ran within {timeout} s; exit codes {codes}",
+            )
         if any(t is None for t in imported):
             return error_run(run, jobs[0], "an agent never recorded its torch import")
         last_ready = max(ready)
@@ -198,10 +210,13 @@ def run(ctx: Context) -> list[Figure]:
                     after_start[n].samples[launcher].append(result["after_last_start"])
                     rss.samples[launcher].append(statistics.median(result["peak_rss_mb"]))
                     rss_helpers.samples[launcher].append(statistics.median(result["peak_rss_with_helpers_mb"]))
-                    ctx.say(f"multiagent {launcher} N={n} rep {rep}: rendezvous done " f"{result.get('rendezvous_done') or float('nan'):.3f} s "
-                            f"and workers running {result['after_last_import']:.3f} s after last import, "
-                            f"{result['after_last_start']:.2f} s after last start, "
-                            f"RSS {statistics.median(result['peak_rss_mb']):.0f} MB, exit codes ok={result['ok']}")
+                    ctx.say(
+                        f"multiagent {launcher} N={n} rep {rep}: rendezvous done "
+                        f"{result.get('rendezvous_done') or float('nan'):.3f} s "
+                        f"and workers running {result['after_last_import']:.3f} s after last import, "
+                        f"{result['after_last_start']:.2f} s after last start, "
+                        f"RSS {statistics.median(result['peak_rss_mb']):.0f} MB, exit codes ok={result['ok']}"
+                    )
                 if not result.get("ok"):
                     ctx.say(f"multiagent {launcher} N={n} rep {rep}: FAILED {result.get('error')}")
     figures = []

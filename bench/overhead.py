@@ -82,8 +82,14 @@ def one(ctx: Context, launcher: str, rep: int) -> dict:
     out = run_dir(d, "out")
     run = {"launcher": launcher, "rep": rep, "cpu_busy_before": ctx.settle()}
     argv = launcher_cmd(launcher) + [
-        "--standalone", "--nproc-per-node", "2", "--log-dir", str(d / "logs"),
-        str(WORKERS / "plain_ready.py"), str(out), str(SLEEP),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(d / "logs"),
+        str(WORKERS / "plain_ready.py"),
+        str(out),
+        str(SLEEP),
     ]
     run["argv"] = argv
     job = Job.start(launcher, argv, bench_env(), d, d)
@@ -143,9 +149,12 @@ def run(ctx: Context) -> list[Figure]:
             rss_all.samples[launcher].append(result["rss_with_helpers_mb"])
             if result.get("node_pss_mb") is not None:
                 pss.samples[launcher].append(result["node_pss_mb"])
-            ctx.say(f"overhead {launcher} rep {rep}: CPU {result['cpu_pct']:.2f}% of a core, RSS {result['rss_mb']:.0f} MB "
-                    f"(+helpers {result['rss_with_helpers_mb']:.0f} MB, node PSS " f"{result['node_pss_mb'] or float('nan'):.0f} MB), "
-                    f"{result['threads']} threads")
+            ctx.say(
+                f"overhead {launcher} rep {rep}: CPU {result['cpu_pct']:.2f}% of a core, RSS {result['rss_mb']:.0f} MB "
+                f"(+helpers {result['rss_with_helpers_mb']:.0f} MB, node PSS "
+                f"{result['node_pss_mb'] or float('nan'):.0f} MB), "
+                f"{result['threads']} threads"
+            )
     cpu.target = "≤ 1% of a core"
     v = cpu.value("rally")
     cpu.met = None if v is None else v <= 1.0

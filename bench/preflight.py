@@ -45,9 +45,23 @@ def one(ctx: Context, nodes: int, rep: int) -> dict:
     run = {"launcher": "rally", "nodes": nodes, "rep": rep, "cpu_busy_before": ctx.settle()}
     port = free_port()
     argv_tail = [
-        "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-preflight-{nodes}-{rep}",
-        "--local-addr", "127.0.0.1", "--preflight", "--log-dir", str(d / "logs"), str(WORKERS / "plain_ready.py"), str(out),
+        "--nnodes",
+        str(nodes),
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"bench-preflight-{nodes}-{rep}",
+        "--local-addr",
+        "127.0.0.1",
+        "--preflight",
+        "--log-dir",
+        str(d / "logs"),
+        str(WORKERS / "plain_ready.py"),
+        str(out),
     ]
     run["argv"] = ["rally", *argv_tail]
     env = bench_env({"BENCH_IMPORT_MARK": str(run_dir(d, "marks"))})
@@ -55,7 +69,9 @@ def one(ctx: Context, nodes: int, rep: int) -> dict:
     jobs: list[Job] = []
     try:
         for i in range(nodes):
-            jobs.append(Job.start(f"agent{i}", [sys.executable, str(SHIM), launcher_exe("rally"), *argv_tail], env, d, d))
+            jobs.append(
+                Job.start(f"agent{i}", [sys.executable, str(SHIM), launcher_exe("rally"), *argv_tail], env, d, d)
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(j.alive() for j in jobs):
             time.sleep(0.2)
@@ -64,7 +80,12 @@ def one(ctx: Context, nodes: int, rep: int) -> dict:
         ready = [read_float(out / f"ready.{r}") for r in range(nodes)]
         took = [TOOK.search(j.stderr()) for j in jobs]
         if any(r is None for r in ready) or not all(took):
-            return error_run(run, jobs[0], f"{sum(r is not None for r in ready)}/{nodes} workers ran, {sum(map(bool, took))} pre-flight " f"lines; exit codes {codes}")
+            return error_run(
+                run,
+                jobs[0],
+                f"{sum(r is not None for r in ready)}/{nodes} workers ran, {sum(map(bool, took))} pre-flight "
+                f"lines; exit codes {codes}",
+            )
         run.update(
             preflight_seconds=[float(m.group(1)) for m in took],
             # without the wait for the template's torch import, which the workers wait for anyway
@@ -80,14 +101,19 @@ def one(ctx: Context, nodes: int, rep: int) -> dict:
 def run(ctx: Context) -> list[Figure]:
     sizes, reps = ctx.params["preflight_nodes"], ctx.params["preflight_reps"]
     figures = {n: Figure(NAME, f"{n} nodes: pre-flight check (slowest node)", "s") for n in sizes}
-    beyond = {n: Figure(NAME, f"{n} nodes: pre-flight beyond the template's torch import (slowest node)", "s") for n in sizes}
+    beyond = {
+        n: Figure(NAME, f"{n} nodes: pre-flight beyond the template's torch import (slowest node)", "s") for n in sizes
+    }
     for n in sizes:
         for rep in range(reps):
             result = ctx.record(NAME, one(ctx, n, rep))
             if "preflight_seconds" in result:
                 figures[n].samples["rally"].append(max(result["preflight_seconds"]))
                 beyond[n].samples["rally"].append(max(result["beyond_template"]))
-                ctx.say(f"preflight N={n} rep {rep}: {max(result['preflight_seconds']):.2f} s (slowest node), " f"ok={result['ok']}")
+                ctx.say(
+                    f"preflight N={n} rep {rep}: {max(result['preflight_seconds']):.2f} s (slowest node), "
+                    f"ok={result['ok']}"
+                )
             else:
                 ctx.say(f"preflight N={n} rep {rep}: FAILED {result.get('error')}")
     for n in sizes:

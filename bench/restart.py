@@ -72,14 +72,23 @@ def one(ctx: Context, launcher: str, nproc: int, rep: int) -> dict:
     out = run_dir(d, "out")
     run = {"launcher": launcher, "nproc": nproc, "rep": rep, "cpu_busy_before": ctx.settle()}
     argv = launcher_cmd(launcher) + [
-        "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1", "--log-dir", str(d / "logs"),
-        str(WORKERS / "steps.py"), str(out), str(STEPS_AFTER),
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        str(d / "logs"),
+        str(WORKERS / "steps.py"),
+        str(out),
+        str(STEPS_AFTER),
     ]
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else {}
     run["argv"], run["env"] = argv, extra
     timeout = 60 + 15 * nproc
     job = Job.start(launcher, argv, bench_env(extra), d, d)
     try:
+
         def all_stepping(attempt: int, at_least: int) -> bool:
             if not job.alive():
                 return True  # stop waiting; checked below
@@ -95,10 +104,10 @@ def one(ctx: Context, launcher: str, nproc: int, rep: int) -> dict:
             return error_run(run, job, f"pid {victim} is not one of this run's workers")
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
-        if not wait_until(lambda: all_stepping(1, 1), timeout) or not all(
-            first_step(out, r, 1) for r in range(nproc)
-        ):
-            return error_run(run, job, f"attempt 1 not stepping within {timeout} s of the kill (exit {job.popen.poll()})")
+        if not wait_until(lambda: all_stepping(1, 1), timeout) or not all(first_step(out, r, 1) for r in range(nproc)):
+            return error_run(
+                run, job, f"attempt 1 not stepping within {timeout} s of the kill (exit {job.popen.poll()})"
+            )
         resumed = max(first_step(out, r, 1) for r in range(nproc)) - t_kill
         starts = [read_float(out / f"start.{r}.1") for r in range(nproc)]
         rc = job.wait(60)
@@ -130,8 +139,10 @@ def run(ctx: Context) -> list[Figure]:
                     resumed[n].samples[launcher].append(result["resumed"])
                     if result.get("respawned") is not None:
                         respawned[n].samples[launcher].append(result["respawned"])
-                    ctx.say(f"restart {launcher} nproc {n} rep {rep}: resumed {result['resumed']:.2f} s, "
-                            f"respawned {result.get('respawned') or float('nan'):.2f} s, exit {result.get('rc')}")
+                    ctx.say(
+                        f"restart {launcher} nproc {n} rep {rep}: resumed {result['resumed']:.2f} s, "
+                        f"respawned {result.get('respawned') or float('nan'):.2f} s, exit {result.get('rc')}"
+                    )
                 if not result.get("ok"):
                     ctx.say(f"restart {launcher} nproc {n} rep {rep}: FAILED {result.get('error')}")
     if 4 in resumed:

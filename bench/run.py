@@ -141,12 +141,26 @@ def rows(figures: list[Figure]) -> list[list[str]]:
         r, r_spread = cell(f, "rally")
         t, t_spread = cell(f, "torchrun")
         n = "/".join(str(len(f.samples.get(k, []))) for k in LAUNCHERS)
-        out.append([f.bench, f.name, f.stat, n, r, r_spread, t, t_spread, ratio_text(f), f.target, met_text(f), f.comment])
+        out.append(
+            [f.bench, f.name, f.stat, n, r, r_spread, t, t_spread, ratio_text(f), f.target, met_text(f), f.comment]
+        )
     return out
 
 
-HEADERS = ["bench", "figure", "stat", "n (r/t)", "rally", "rally min–max", "torchrun", "torchrun min–max",
-           "rally/torchrun", "target", "met?", "note"]
+HEADERS = [
+    "bench",
+    "figure",
+    "stat",
+    "n (r/t)",
+    "rally",
+    "rally min–max",
+    "torchrun",
+    "torchrun min–max",
+    "rally/torchrun",
+    "target",
+    "met?",
+    "note",
+]
 
 
 def rich_table(figures: list[Figure], title: str) -> Table:
@@ -166,13 +180,20 @@ def markdown(figures: list[Figure], meta: dict) -> str:
         f"Machine: {meta['cpus']} CPUs, Python {meta['python']}, torch {meta['torch']}; rally at "
         f"`{meta['rally_commit'][:10]}`"
         f"{' (with uncommitted changes in ' + ', '.join(meta['rally_dirty']) + ')' if meta['rally_dirty'] else ''}. "
-        + (f"**The rally tree changed during the run** (at the end: `{meta['rally_commit_end'][:10]}`"
-           f"{', uncommitted changes in ' + ', '.join(meta['rally_dirty_end']) if meta['rally_dirty_end'] else ''}). "
-           if meta.get("rally_changed_during_run") else "")
+        + (
+            f"**The rally tree changed during the run** (at the end: `{meta['rally_commit_end'][:10]}`"
+            f"{', uncommitted changes in ' + ', '.join(meta['rally_dirty_end']) if meta['rally_dirty_end'] else ''}). "
+            if meta.get("rally_changed_during_run")
+            else ""
+        )
         + f"Command: `{meta['command']}` ({meta['duration_s'] / 60:.1f} min). Load average at start: "
-        f"{', '.join(f'{x:.1f}' for x in meta['loadavg_start'])}; at end: " f"{', '.join(f'{x:.1f}' for x in meta['loadavg_end'])}"
-        + (f"; CPU busy just before a run (median over runs): {meta['cpu_busy_before_runs_median']:.0f} %."
-           if meta.get("cpu_busy_before_runs_median") is not None else "."),
+        f"{', '.join(f'{x:.1f}' for x in meta['loadavg_start'])}; at end: "
+        f"{', '.join(f'{x:.1f}' for x in meta['loadavg_end'])}"
+        + (
+            f"; CPU busy just before a run (median over runs): {meta['cpu_busy_before_runs_median']:.0f} %."
+            if meta.get("cpu_busy_before_runs_median") is not None
+            else "."
+        ),
         "",
         "Values are medians (p99 where the stat column says so) over n runs per launcher; "
         "rally/torchrun < 1 means rally is faster or smaller. Raw numbers: `bench/results/latest.json`; "
@@ -219,16 +240,24 @@ def metadata(mode: str, argv: list[str]) -> dict:
 
 # ------------------------------------------------------------------ main
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[2],
+    )
     parser.add_argument("--quick", action="store_true", help="reduced sizes and repetitions (a few minutes)")
-    parser.add_argument("--only", default="", metavar="A,B", help=f"run only these benchmarks ({', '.join(BENCHMARKS)})")
+    parser.add_argument(
+        "--only", default="", metavar="A,B", help=f"run only these benchmarks ({', '.join(BENCHMARKS)})"
+    )
     parser.add_argument("--skip", default="", metavar="A,B", help="skip these benchmarks")
     parser.add_argument("--reps", type=int, default=None, help="override every repetition count")
     parser.add_argument("--json", default=str(RESULTS / "latest.json"), help="where to write raw results")
     parser.add_argument("--md", default=str(RESULTS / "latest.md"), help="where to write the markdown table")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory with every run's logs")
-    parser.add_argument("--settle", type=float, default=None, help="max seconds to wait for an idle CPU before each run")
+    parser.add_argument(
+        "--settle", type=float, default=None, help="max seconds to wait for an idle CPU before each run"
+    )
     args = parser.parse_args(argv)
     for name in filter(None, (args.only + "," + args.skip).split(",")):
         if name not in BENCHMARKS:
@@ -277,7 +306,9 @@ def run_all(args: argparse.Namespace, argv: list[str], selected: list[str], para
             except Exception as exc:  # one broken benchmark must not lose the others
                 import traceback
 
-                ctx.record(name, {"ok": False, "error": f"benchmark crashed: {exc!r}", "traceback": traceback.format_exc()})
+                ctx.record(
+                    name, {"ok": False, "error": f"benchmark crashed: {exc!r}", "traceback": traceback.format_exc()}
+                )
                 console.print(f"[red]{name} crashed:[/] {exc!r}")
             finally:
                 timings[name] = time.monotonic() - started
@@ -298,7 +329,9 @@ def run_all(args: argparse.Namespace, argv: list[str], selected: list[str], para
     dirty_end = git("status", "--porcelain", "--", "launcher", "agent", "rendezvous")
     meta["rally_dirty_end"] = sorted({line[3:] for line in dirty_end.splitlines() if line})
     meta["rally_changed_during_run"] = (meta["rally_commit_end"], meta["rally_dirty_end"]) != (
-        meta["rally_commit"], meta["rally_dirty"])
+        meta["rally_commit"],
+        meta["rally_dirty"],
+    )
     meta["interrupted"] = interrupted
     busy = [r["cpu_busy_before"] for runs in ctx.raw.values() for r in runs if r.get("cpu_busy_before") is not None]
     meta["cpu_busy_before_runs_median"] = sorted(busy)[len(busy) // 2] if busy else None

@@ -64,7 +64,9 @@ class LocalEtcd:
     def wait_ready(self, timeout: float = START_SECONDS) -> None:
         deadline = time.monotonic() + timeout
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.client_port}/v3/kv/range", data=b'{"key": "AA=="}', headers={"Content-Type": "application/json"}
+            f"http://127.0.0.1:{self.client_port}/v3/kv/range",
+            data=b'{"key": "AA=="}',
+            headers={"Content-Type": "application/json"},
         )
         while True:
             try:

@@ -289,8 +289,14 @@ def parent(args: argparse.Namespace) -> None:
         return
     from torch.distributed import TCPStore
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
-                      timeout=timedelta(seconds=args.timeout + 30))
+    server = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=timedelta(seconds=args.timeout + 30),
+    )
     base, extra = divmod(n, procs)
     children: list[subprocess.Popen] = []
     first = 0
@@ -306,19 +312,45 @@ def parent(args: argparse.Namespace) -> None:
             count = base + (1 if p < extra else 0)
             children.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "bench.simrdzv", "--child", "--trials", args.trials, "--nodes", str(n),
-                     "--first", str(first), "--count", str(count), "--port", str(server.port),
-                     "--timeout", str(args.timeout), "--stagger", str(args.stagger),
-                     "--etcd-port", str(etcd.client_port if etcd else 0)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.simrdzv",
+                        "--child",
+                        "--trials",
+                        args.trials,
+                        "--nodes",
+                        str(n),
+                        "--first",
+                        str(first),
+                        "--count",
+                        str(count),
+                        "--port",
+                        str(server.port),
+                        "--timeout",
+                        str(args.timeout),
+                        "--stagger",
+                        str(args.stagger),
+                        "--etcd-port",
+                        str(etcd.client_port if etcd else 0),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                 )
             )
             first += count
         stopped = False
         for trial, impl in enumerate(trials):
-            base_result = {"impl": impl, "nodes": n, "procs": procs, "trial": trial, "timeout": args.timeout,
-                           "stagger": args.stagger}
+            base_result = {
+                "impl": impl,
+                "nodes": n,
+                "procs": procs,
+                "trial": trial,
+                "timeout": args.timeout,
+                "stagger": args.stagger,
+            }
             if stopped:
                 emit({**base_result, "converged": False, "skipped": True, "error": "an earlier trial did not converge"})
                 continue
@@ -358,25 +390,27 @@ def parent(args: argparse.Namespace) -> None:
             finished = [d for d in done_at if d is not None]
             unique = len({r for r in ranks if r is not None})
             converged = complete and len(finished) == n and not errors and unique == (1 if impl == "floor" else n)
-            emit({
-                **base_result,
-                "converged": converged,
-                "done": len(finished),
-                "elapsed": (max(finished) - t0) if converged else None,
-                "median_node": (sorted(finished)[len(finished) // 2] - t0) if finished else None,
-                "setup": setup,
-                "store_ops": ops,
-                "store_ops_per_node": ops / n,
-                # per store request: its wall time, the Python client's own CPU time (the calling
-                # thread's), and (etcd) the etcd member's CPU time over the trial
-                "request_wall_ms": 1000 * client_wall / ops if ops else None,
-                "client_cpu_ms_per_request": 1000 * client_cpu / ops if ops else None,
-                "store_cpu_ms_per_request": 1000 * store_cpu / ops if ops and store_cpu is not None else None,
-                # rally only: when the last node joined and when the round was closed
-                **{f"{k}_at": v - t0 for k, v in events.items()},
-                "errors": errors[:5],
-                "error_count": len(errors),
-            })
+            emit(
+                {
+                    **base_result,
+                    "converged": converged,
+                    "done": len(finished),
+                    "elapsed": (max(finished) - t0) if converged else None,
+                    "median_node": (sorted(finished)[len(finished) // 2] - t0) if finished else None,
+                    "setup": setup,
+                    "store_ops": ops,
+                    "store_ops_per_node": ops / n,
+                    # per store request: its wall time, the Python client's own CPU time (the calling
+                    # thread's), and (etcd) the etcd member's CPU time over the trial
+                    "request_wall_ms": 1000 * client_wall / ops if ops else None,
+                    "client_cpu_ms_per_request": 1000 * client_cpu / ops if ops else None,
+                    "store_cpu_ms_per_request": 1000 * store_cpu / ops if ops and store_cpu is not None else None,
+                    # rally only: when the last node joined and when the round was closed
+                    **{f"{k}_at": v - t0 for k, v in events.items()},
+                    "errors": errors[:5],
+                    "error_count": len(errors),
+                }
+            )
             if not complete:
                 stopped = True
                 continue
@@ -421,8 +455,12 @@ def main() -> None:
     parser.add_argument("--trials", default="floor,rally,torch", help=f"comma-separated, from {', '.join(IMPLS)}")
     parser.add_argument("--procs", type=int, default=4, help="child processes that share the nodes")
     parser.add_argument("--timeout", type=float, default=60.0, help="per trial")
-    parser.add_argument("--stagger", type=float, default=0.0,
-                        help="spread the nodes' arrivals evenly over this many seconds (default: all at once)")
+    parser.add_argument(
+        "--stagger",
+        type=float,
+        default=0.0,
+        help="spread the nodes' arrivals evenly over this many seconds (default: all at once)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)

@@ -43,9 +43,21 @@ def one(ctx: Context, nodes: int, trials: list[str], timeout: float, stagger: fl
     """One bench.simrdzv process for `nodes`: its connections serve every trial in turn."""
     d = run_dir(ctx.root, NAME, f"n{nodes}-s{stagger:g}")
     busy = ctx.settle()
-    argv = [sys.executable, "-m", "bench.simrdzv", "--nodes", str(nodes), "--trials", ",".join(trials),
-            "--procs", str(ctx.params["simulated_procs"]), "--timeout", str(timeout + stagger),
-            "--stagger", str(stagger)]
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.simrdzv",
+        "--nodes",
+        str(nodes),
+        "--trials",
+        ",".join(trials),
+        "--procs",
+        str(ctx.params["simulated_procs"]),
+        "--timeout",
+        str(timeout + stagger),
+        "--stagger",
+        str(stagger),
+    ]
     job = Job.start("simrdzv", argv, bench_env(), REPO, d)
     try:
         limit = 240 + len(trials) * (timeout + stagger + 30) + nodes * 0.1
@@ -55,7 +67,7 @@ def one(ctx: Context, nodes: int, trials: list[str], timeout: float, stagger: fl
             message = f"exit code {rc}, {len(results)}/{len(trials)} results within {limit:.0f} s"
             results += [
                 error_run({"impl": impl, "nodes": nodes, "converged": False}, job, message)
-                for impl in trials[len(results):]
+                for impl in trials[len(results) :]
             ]
         for r in results:
             r.update(argv=argv, cpu_busy_before=busy, ok=bool(r.get("converged")))
@@ -68,8 +80,15 @@ def one(ctx: Context, nodes: int, trials: list[str], timeout: float, stagger: fl
 ETCD_TARGETS = {256: 2.0, 1024: 5.0}
 
 
-def measure(ctx: Context, f: Figure, n: int, trials: list[str], timeout: float, stagger: float = 0.0,
-            on_etcd: Figure | None = None) -> dict:
+def measure(
+    ctx: Context,
+    f: Figure,
+    n: int,
+    trials: list[str],
+    timeout: float,
+    stagger: float = 0.0,
+    on_etcd: Figure | None = None,
+) -> dict:
     """Run the trials for one N into figure `f` (and rally-on-etcd trials into `on_etcd`);
     return which impls converged."""
     ops: dict[str, list[float]] = {"rally": [], "torchrun": []}
@@ -92,8 +111,11 @@ def measure(ctx: Context, f: Figure, n: int, trials: list[str], timeout: float, 
             converged[impl] = True
             f.samples[launcher].append(result["elapsed"] - last_arrival)
             ops[launcher].append(result["store_ops_per_node"])
-            ctx.say(f"simulated {impl} N={n}{f' over {stagger:g} s' if stagger else ''}: " f"{result['elapsed'] - last_arrival:.3f} s, "
-                    f"{result['store_ops_per_node']:.1f} store calls/node")
+            ctx.say(
+                f"simulated {impl} N={n}{f' over {stagger:g} s' if stagger else ''}: "
+                f"{result['elapsed'] - last_arrival:.3f} s, "
+                f"{result['store_ops_per_node']:.1f} store calls/node"
+            )
         else:
             done = result.get("done")
             if result.get("skipped"):
@@ -116,8 +138,9 @@ def measure(ctx: Context, f: Figure, n: int, trials: list[str], timeout: float, 
     return converged
 
 
-def etcd_figure(ctx: Context, f: Figure, n: int, runs: list[dict], timeout: float, c10d_ops: list[float],
-                c10d_times: list[float]) -> None:
+def etcd_figure(
+    ctx: Context, f: Figure, n: int, runs: list[dict], timeout: float, c10d_ops: list[float], c10d_times: list[float]
+) -> None:
     """rally's protocol on one local etcd member: time, requests per node, and what one request
     costs the Python client (the calling thread's CPU) and etcd (its process's CPU / requests)."""
     done = [r for r in runs if r.get("converged")]
@@ -125,7 +148,9 @@ def etcd_figure(ctx: Context, f: Figure, n: int, runs: list[dict], timeout: floa
         if r.get("converged"):
             f.samples["rally"].append(r["elapsed"])
         else:
-            f.notes["rally"] = f"did not converge in {timeout:g} s ({r.get('done')}/{n} done) {r.get('error', '')}".strip()
+            f.notes["rally"] = (
+                f"did not converge in {timeout:g} s ({r.get('done')}/{n} done) {r.get('error', '')}".strip()
+            )
             f.censored_at["rally"] = timeout
     f.notes["torchrun"] = "not run: torch's etcd rendezvous needs the python-etcd package and etcd's v2 API"
     if n in ETCD_TARGETS:
@@ -140,9 +165,11 @@ def etcd_figure(ctx: Context, f: Figure, n: int, runs: list[dict], timeout: floa
 
     c10d = f"; c10d {sum(c10d_ops) / len(c10d_ops):.0f}" if c10d_ops else ""
     on_c10d = f"; rally on c10d {sorted(c10d_times)[len(c10d_times) // 2]:.2f} s" if c10d_times else ""
-    f.comment = (f"{mean('store_ops_per_node'):.1f} requests/node{c10d}; per request: Python client "
-                 f"{mean('client_cpu_ms_per_request'):.2f} ms CPU, etcd {mean('store_cpu_ms_per_request'):.2f} ms CPU, "
-                 f"wall {mean('request_wall_ms'):.1f} ms{on_c10d}")
+    f.comment = (
+        f"{mean('store_ops_per_node'):.1f} requests/node{c10d}; per request: Python client "
+        f"{mean('client_cpu_ms_per_request'):.2f} ms CPU, etcd {mean('store_cpu_ms_per_request'):.2f} ms CPU, "
+        f"wall {mean('request_wall_ms'):.1f} ms{on_c10d}"
+    )
     ctx.say(f"simulated rally on etcd N={n}: {f.value('rally'):.3f} s; {f.comment}")
 
 
@@ -159,7 +186,12 @@ def run(ctx: Context) -> list[Figure]:
         # largest size in a full run (the target compares 1024 nodes).
         skip_torch = torch_failed_at is not None and (ctx.quick or n != max(sizes))
         on_etcd = Figure(NAME, f"{n} simulated nodes on etcd: all assigned", "s") if n in etcd_sizes else None
-        trials = ["floor"] + ["rally"] * reps + (["etcd"] * reps if on_etcd else []) + ([] if skip_torch else ["torch"] * torch_reps)
+        trials = (
+            ["floor"]
+            + ["rally"] * reps
+            + (["etcd"] * reps if on_etcd else [])
+            + ([] if skip_torch else ["torch"] * torch_reps)
+        )
         if skip_torch:
             f.notes["torchrun"] = f"not run (did not converge at {torch_failed_at})"
             f.censored_at["torchrun"] = timeout

@@ -45,7 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="train until this many optimizer steps (default 60)")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="save every K steps (default 5)")
-    parser.add_argument("--checkpoint-dir", type=Path, help=f"checkpoint directory (default: ${job.CHECKPOINT_DIR_ENV})")
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, help=f"checkpoint directory (default: ${job.CHECKPOINT_DIR_ENV})"
+    )
     parser.add_argument("--out", type=Path, help="rank 0 writes the final state_dict here")
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds to sleep per step, to slow a demo down")
     parser.add_argument("--fail-at-step", type=int, help="SIGKILL one rank at this step, on the first attempt only")
@@ -81,9 +83,7 @@ def make_model() -> torch.nn.Module:
     import torch
 
     torch.manual_seed(MODEL_SEED)
-    return torch.nn.Sequential(
-        torch.nn.Linear(NUM_FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(NUM_FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
 
 
 def params_sha256(model: torch.nn.Module) -> str:

@@ -53,7 +53,11 @@ def parse_args() -> argparse.Namespace:
 def build(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(MODEL_SEED)
     model = torch.nn.Sequential(
-        torch.nn.Linear(NUM_FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
+        torch.nn.Linear(NUM_FEATURES, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, 1),
     )
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
@@ -128,7 +132,10 @@ def main() -> None:
             job.save(state, step)
             print(f"saved step {step} world {world} digest {digest(state)}", flush=True)
     model_state, optim_state = get_state_dict(model, opt)
-    print(f"final step {args.steps} world {world} digest {digest({'model': model_state, 'optim': optim_state})}", flush=True)
+    print(
+        f"final step {args.steps} world {world} digest {digest({'model': model_state, 'optim': optim_state})}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

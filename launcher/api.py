@@ -114,20 +114,23 @@ def payload_bytes(fn: Callable[..., Any], payload: dict[str, Any]) -> bytes:
     if IMPORTING_CALLERS_MAIN:
         raise LaunchError(
             f"rally.launch({name}) ran in a worker while it imported your script to find the function: "
-            'put the launch under `if __name__ == "__main__":`', EXIT_BAD_INPUT
+            'put the launch under `if __name__ == "__main__":`',
+            EXIT_BAD_INPUT,
         )
     try:
         data = pickle.dumps(payload)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise LaunchError(
             f"rally.launch: cannot hand {name} and its arguments to the workers ({exc}); "
-            "define the function at the top level of a .py file", EXIT_BAD_INPUT
+            "define the function at the top level of a .py file",
+            EXIT_BAD_INPUT,
         ) from None
     main = _main_preparation(data)
     if main is False:
         raise LaunchError(
             f"rally.launch: {name} is defined in __main__ of an interactive session or `python -c`, which "
-            "the workers cannot import; define it in a .py file (a module, or the script you run)", EXIT_BAD_INPUT
+            "the workers cannot import; define it in a .py file (a module, or the script you run)",
+            EXIT_BAD_INPUT,
         )
     return pickle.dumps({"main": main, "call": data})
 
@@ -142,7 +145,9 @@ def _main_preparation(data: bytes) -> dict[str, Any] | None | bool:
     if not refers:
         return None
     prepared = multiprocessing.spawn.get_preparation_data("rally-launch")
-    wanted: dict[str, Any] = {k: prepared[k] for k in ("sys_argv", "init_main_from_name", "init_main_from_path") if k in prepared}
+    wanted: dict[str, Any] = {
+        k: prepared[k] for k in ("sys_argv", "init_main_from_name", "init_main_from_path") if k in prepared
+    }
     from_name = str(wanted.get("init_main_from_name", ""))
     if "init_main_from_path" not in wanted and (not from_name or from_name.split(".")[-1] == "__main__"):
         return False

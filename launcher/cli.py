@@ -126,7 +126,9 @@ def click_option(name: str, default: Any, about: options.OptionInfo) -> click.Op
         kwargs["type"] = about.kind
     if about.metavar:
         kwargs["metavar"] = about.metavar
-    option = click.Option([*options.spellings(name, about), name], envvar=options.env_names(name), show_envvar=False, **kwargs)
+    option = click.Option(
+        [*options.spellings(name, about), name], envvar=options.env_names(name), show_envvar=False, **kwargs
+    )
     option.help_group = about.group  # type: ignore[attr-defined]
     return option
 
@@ -143,15 +145,29 @@ def _declare(fn: Callable) -> Callable:
     cls=GroupedCommand,
     name="rally",
     epilog=EPILOG,
-    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"], "max_content_width": 100},
+    context_settings={
+        "allow_interspersed_args": False,
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 100,
+    },
 )
-@click.option("--config", "config", is_eager=True, expose_value=True, callback=_load_config, metavar="FILE", help="YAML file with any of these options (plus script and args).")
+@click.option(
+    "--config",
+    "config",
+    is_eager=True,
+    expose_value=True,
+    callback=_load_config,
+    metavar="FILE",
+    help="YAML file with any of these options (plus script and args).",
+)
 @click.version_option(__version__, "--version", prog_name="rally")
 @_declare
 @click.argument("script", required=False, shell_complete=_complete_script)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run_command(ctx: click.Context, config: str | None, script: str | None, script_args: tuple[str, ...], **values: Any) -> int:
+def run_command(
+    ctx: click.Context, config: str | None, script: str | None, script_args: tuple[str, ...], **values: Any
+) -> int:
     """Launch SCRIPT on this node's workers, torchrun-compatible: same flags, same worker environment."""
     file_values = ctx.default_map or {}
     if script is None or ctx.get_parameter_source("script") == ParameterSource.DEFAULT_MAP:

@@ -61,7 +61,9 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     conf = p.rdzv_conf
     endpoint, settings, run_id, preferred_rank = plan_rendezvous(o, p, conf, slurm_job)
     try:
-        token = resolve_token(conf["token"], conf["token_file"], bool(o.standalone), slurm_job.job_id if slurm_job else None)
+        token = resolve_token(
+            conf["token"], conf["token_file"], bool(o.standalone), slurm_job.job_id if slurm_job else None
+        )
     except TokenError as exc:
         raise ConfigError(str(exc)) from None
     if p.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -109,7 +111,12 @@ def plan_rendezvous(
     backend = backend_named(o.rdzv_backend, conf["store_type"])
     endpoint, run_id = o.rdzv_endpoint, str(o.rdzv_id)
     if o.standalone:
-        backend, endpoint, min_nodes, max_nodes = backend_named("c10d", conf["store_type"]), HostPort("localhost", 0), 1, 1
+        backend, endpoint, min_nodes, max_nodes = (
+            backend_named("c10d", conf["store_type"]),
+            HostPort("localhost", 0),
+            1,
+            1,
+        )
         run_id = str(uuid.uuid4())
     elif backend.static_ranks and not endpoint and o.master_port is None and max_nodes == 1:
         # torchrun 2.13 does the same: a single-node static job needs no fixed port.
@@ -120,14 +127,25 @@ def plan_rendezvous(
     if not backend.name.startswith("etcd") and (given := [k for k in ETCD_CONF_KEYS if conf[k] is not None]):
         raise ConfigError(f"--rdzv-conf {given[0]}=... applies to --rdzv-backend etcd only; remove it")
     request = StoreRequest(
-        endpoint, min_nodes, max_nodes, run_id, p.node_rank, o.master_addr, p.master_port, conf["is_host"], conf["store_type"], conf
+        endpoint,
+        min_nodes,
+        max_nodes,
+        run_id,
+        p.node_rank,
+        o.master_addr,
+        p.master_port,
+        conf["is_host"],
+        conf["store_type"],
+        conf,
     )
     try:
         planned = backend.plan(request)
     except EndpointError as exc:
         raise ConfigError(str(exc)) from None
-    keep_alive_timeout = conf["keep_alive_timeout"] or conf["heartbeat_timeout"] or (
-        conf["keep_alive_interval"] * conf["keep_alive_max_attempt"]
+    keep_alive_timeout = (
+        conf["keep_alive_timeout"]
+        or conf["heartbeat_timeout"]
+        or (conf["keep_alive_interval"] * conf["keep_alive_max_attempt"])
     )
     settings = RendezvousSettings(
         min_nodes=min_nodes,
@@ -151,7 +169,9 @@ def shutdown_timeout(given: float | None) -> float:
     return spec_default("shutdown_timeout")
 
 
-def job_spec(o: Options, p: types.SimpleNamespace, script: str, script_args: list[str], run_id: str, notes: list[str]) -> JobSpec:
+def job_spec(
+    o: Options, p: types.SimpleNamespace, script: str, script_args: list[str], run_id: str, notes: list[str]
+) -> JobSpec:
     """What the agent runs on this node, from the parsed options."""
     from rally.launcher.worker_flags import ExtrasError, extras
 
@@ -183,7 +203,9 @@ def job_spec(o: Options, p: types.SimpleNamespace, script: str, script_args: lis
         preemption_signals=p.preemption_signals,
         preemption_grace=p.preemption_grace,
         requeue=bool(o.requeue),
-        **node_check_fields(o, p.nnodes[1]),  # --heartbeat-timeout, quarantine, pre-flight (launcher/node_checks_options.py)
+        **node_check_fields(
+            o, p.nnodes[1]
+        ),  # --heartbeat-timeout, quarantine, pre-flight (launcher/node_checks_options.py)
         silence_timeout=p.silence_timeout,
         resource_interval=p.resource_interval if p.resource_interval is not None else spec_default("resource_interval"),
         startup_timeout=p.startup_timeout,

@@ -27,7 +27,10 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         text = validate.config_text(path)  # a regular file only: a FIFO must not hang us
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save " "it as UTF-8") from None
+        raise ConfigError(
+            f"--config {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save "
+            "it as UTF-8"
+        ) from None
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -56,7 +59,9 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
             raise ConfigError(f"{here}: unknown key '{raw_key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
         if key in lines:
             first_line, first_key = lines[key]
-            raise ConfigError(f"{here}: '{raw_key}' is given again (line {first_line} has '{first_key}'); keep one of them")
+            raise ConfigError(
+                f"{here}: '{raw_key}' is given again (line {first_line} has '{first_key}'); keep one of them"
+            )
         lines[key] = (line, str(raw_key))
         validate.check_config_values(f"{path}, line {line}", {key: value})
         if key == "args":
@@ -80,7 +85,10 @@ def typed(value: Any, name: str, key: str, here: str) -> Any:
             raise ConfigError(f"{here}: '{key}' is a flag: write {key}: true or {key}: false, not {value!r}")
         return value
     if isinstance(value, bool):
-        raise ConfigError(f"{here}: '{key}' takes a value, not {value!r}; write e.g. {key}: " f"{options.Options.__dataclass_fields__[name].default!r}")
+        raise ConfigError(
+            f"{here}: '{key}' takes a value, not {value!r}; write e.g. {key}: "
+            f"{options.Options.__dataclass_fields__[name].default!r}"
+        )
     if kind is int:
         if isinstance(value, float) and value.is_integer():
             return int(value)

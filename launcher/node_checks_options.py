@@ -48,7 +48,9 @@ def heartbeat_timeout(value: Any) -> tuple[float | None, LearningSettings | None
     try:
         return seconds(value, "--heartbeat-timeout", zero_ok=False), None
     except ConfigError:
-        raise ConfigError(f"--heartbeat-timeout {value}: expected a number of seconds above 0, or 'auto' to learn it from the job") from None
+        raise ConfigError(
+            f"--heartbeat-timeout {value}: expected a number of seconds above 0, or 'auto' to learn it from the job"
+        ) from None
 
 
 def node_check_fields(o: Any, max_nodes: int) -> dict[str, Any]:
@@ -56,7 +58,9 @@ def node_check_fields(o: Any, max_nodes: int) -> dict[str, Any]:
     timeout, learning = heartbeat_timeout(o.heartbeat_timeout)
     if learning is not None:
         learning = LearningSettings(
-            factor=_factor(o.timeout_safety_factor, "--timeout-safety-factor", "5: five times the longest interval seen"),
+            factor=_factor(
+                o.timeout_safety_factor, "--timeout-safety-factor", "5: five times the longest interval seen"
+            ),
             samples=_count(o.timeout_samples, "--timeout-samples", 2),
             floor=seconds(o.timeout_floor, "--timeout-floor", zero_ok=True),
         )

@@ -101,65 +101,287 @@ class Options:
     """Every option of `rally` (and of `rally.launch`), with its default. Raw values as typed;
     `parse()` checks them and gives the parsed ones."""
 
-    nnodes: str = option("1:1", "Job", "Number of nodes, or MIN:MAX for an elastic job.", metavar="N|MIN:MAX", check=lambda v, f: values.parse_nnodes(v))
-    nproc_per_node: str = option("1", "Job", "Workers per node.", metavar="N|auto|cpu|gpu|xpu", check=lambda v, f: values.parse_nproc(v))
+    nnodes: str = option(
+        "1:1",
+        "Job",
+        "Number of nodes, or MIN:MAX for an elastic job.",
+        metavar="N|MIN:MAX",
+        check=lambda v, f: values.parse_nnodes(v),
+    )
+    nproc_per_node: str = option(
+        "1", "Job", "Workers per node.", metavar="N|auto|cpu|gpu|xpu", check=lambda v, f: values.parse_nproc(v)
+    )
     role: str = option(spec_default("role"), "Job", "Worker role name (ROLE_NAME, log prefixes).")
     standalone: bool = option(False, "Rendezvous", "Single node: a private store on a free port, a random run id.")
-    rdzv_backend: str = option("static", "Rendezvous", "c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: " "fixed node ranks.", metavar="c10d|etcd|static", check=backend)
-    rdzv_endpoint: str | HostPort = option("", "Rendezvous", "The rendezvous store (c10d default port 29400), or etcd client endpoints HOST[:PORT],... (default port 2379).", str, metavar="HOST[:PORT]")
-    rdzv_id: str = option(spec_default("run_id"), "Rendezvous", "Job id shared by all nodes.", metavar="ID", check=non_empty_id)
-    rdzv_conf: str = option("", "Rendezvous", "join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, " "store_type, ...; etcd: protocol, cacert, cert, key, username, password_file", metavar="K=V,...", check=rdzv_conf)
-    node_rank: int | None = option(None, "Rendezvous", "This node's rank (static backend).", int, check=optional(not_negative))
+    rdzv_backend: str = option(
+        "static",
+        "Rendezvous",
+        "c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: "
+        "fixed node ranks.",
+        metavar="c10d|etcd|static",
+        check=backend,
+    )
+    rdzv_endpoint: str | HostPort = option(
+        "",
+        "Rendezvous",
+        "The rendezvous store (c10d default port 29400), or etcd client endpoints HOST[:PORT],... (default port 2379).",
+        str,
+        metavar="HOST[:PORT]",
+    )
+    rdzv_id: str = option(
+        spec_default("run_id"), "Rendezvous", "Job id shared by all nodes.", metavar="ID", check=non_empty_id
+    )
+    rdzv_conf: str = option(
+        "",
+        "Rendezvous",
+        "join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, "
+        "store_type, ...; etcd: protocol, cacert, cert, key, username, password_file",
+        metavar="K=V,...",
+        check=rdzv_conf,
+    )
+    node_rank: int | None = option(
+        None, "Rendezvous", "This node's rank (static backend).", int, check=optional(not_negative)
+    )
     master_addr: str | None = option(None, "Rendezvous", "Address of node rank 0 (static backend).")
-    master_port: int | None = option(None, "Rendezvous", "Port of the store on node rank 0 (static backend).", int, check=optional(validate.port))
+    master_port: int | None = option(
+        None, "Rendezvous", "Port of the store on node rank 0 (static backend).", int, check=optional(validate.port)
+    )
     local_addr: str | None = option(None, "Rendezvous", "Address other nodes use to reach this one (default: FQDN).")
-    max_restarts: int = option(spec_default("max_restarts"), "Restarts and shutdown", "Job-wide restarts allowed after worker failures.", check=not_negative)
-    monitor_interval: float = option(0.1, "Restarts and shutdown", "Accepted for torchrun compatibility; rally needs no polling.", check=seconds(True, validate.MIN_INTERVAL))
-    shutdown_timeout: float | None = option(None, "Restarts and shutdown", f"Grace period between the stop signal and SIGKILL (default {spec_default('shutdown_timeout'):g} s).", float, check=seconds(True))
-    signals_to_handle: str = option(TORCHRUN_SIGNALS, "Restarts and shutdown", "Signals forwarded to workers before shutdown.", check=values.parse_signals)
-    start_method: str = option("spawn", "Restarts and shutdown", "Accepted for torchrun compatibility.", choices=("spawn", "fork", "forkserver"))
-    preload: str | None = option(None, "Restarts and shutdown", "Modules a per-node template process imports once; workers are forked from it and start in " "milliseconds (default: torch, for Python entry points).", metavar="MODULE,...")
-    no_preload: bool = option(False, "Restarts and shutdown", "No template: start every worker as a fresh python process.")
-    log_dir: str | None = option(None, "Logs and output", "Base directory for per-rank log files and report.json.", check=optional(validate.writable_dir), late=True)
-    redirects: str = option("0", "Logs and output", "Send streams to log files only: 1 stdout, 2 stderr, 3 both.", metavar="0-3|R:B,...", short="-r")
-    tee: str = option("0", "Logs and output", "Send streams to log files and the console.", metavar="0-3|R:B,...", short="-t")
-    local_ranks_filter: str = option("", "Logs and output", "Show only these local ranks on the console.", metavar="R,...", check=lambda v, f: values.parse_ranks_filter(v))
-    duplicate_stdout_filters: str = option("", "Logs and output", "Copy worker stdout lines containing any of these to attempt_<n>/filtered_stdout.log (,, is a comma).", metavar="S,...")
-    duplicate_stderr_filters: str = option("", "Logs and output", "The same for stderr, to filtered_stderr.log.", metavar="S,...")
-    logs_specs: str | None = option(None, "Logs and output", "A LogsSpecs class from the torchrun.logs_specs entry points: where each worker's logs go.", metavar="NAME")
-    event_log_handler: str = option("null", "Logs and output", "Accepted for torchrun compatibility; rally writes events.jsonl.", metavar="NAME")
-    virtual_local_rank: bool = option(False, "Job", "LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU.")
-    numa_binding: str | None = option(None, "Job", "torchrun's NUMA binding modes (applied only where GPUs exist).", choices=("node", "socket", "exclusive", "core-complex"))
+    max_restarts: int = option(
+        spec_default("max_restarts"),
+        "Restarts and shutdown",
+        "Job-wide restarts allowed after worker failures.",
+        check=not_negative,
+    )
+    monitor_interval: float = option(
+        0.1,
+        "Restarts and shutdown",
+        "Accepted for torchrun compatibility; rally needs no polling.",
+        check=seconds(True, validate.MIN_INTERVAL),
+    )
+    shutdown_timeout: float | None = option(
+        None,
+        "Restarts and shutdown",
+        f"Grace period between the stop signal and SIGKILL (default {spec_default('shutdown_timeout'):g} s).",
+        float,
+        check=seconds(True),
+    )
+    signals_to_handle: str = option(
+        TORCHRUN_SIGNALS,
+        "Restarts and shutdown",
+        "Signals forwarded to workers before shutdown.",
+        check=values.parse_signals,
+    )
+    start_method: str = option(
+        "spawn",
+        "Restarts and shutdown",
+        "Accepted for torchrun compatibility.",
+        choices=("spawn", "fork", "forkserver"),
+    )
+    preload: str | None = option(
+        None,
+        "Restarts and shutdown",
+        "Modules a per-node template process imports once; workers are forked from it and start in "
+        "milliseconds (default: torch, for Python entry points).",
+        metavar="MODULE,...",
+    )
+    no_preload: bool = option(
+        False, "Restarts and shutdown", "No template: start every worker as a fresh python process."
+    )
+    log_dir: str | None = option(
+        None,
+        "Logs and output",
+        "Base directory for per-rank log files and report.json.",
+        check=optional(validate.writable_dir),
+        late=True,
+    )
+    redirects: str = option(
+        "0",
+        "Logs and output",
+        "Send streams to log files only: 1 stdout, 2 stderr, 3 both.",
+        metavar="0-3|R:B,...",
+        short="-r",
+    )
+    tee: str = option(
+        "0", "Logs and output", "Send streams to log files and the console.", metavar="0-3|R:B,...", short="-t"
+    )
+    local_ranks_filter: str = option(
+        "",
+        "Logs and output",
+        "Show only these local ranks on the console.",
+        metavar="R,...",
+        check=lambda v, f: values.parse_ranks_filter(v),
+    )
+    duplicate_stdout_filters: str = option(
+        "",
+        "Logs and output",
+        "Copy worker stdout lines containing any of these to attempt_<n>/filtered_stdout.log (,, is a comma).",
+        metavar="S,...",
+    )
+    duplicate_stderr_filters: str = option(
+        "", "Logs and output", "The same for stderr, to filtered_stderr.log.", metavar="S,..."
+    )
+    logs_specs: str | None = option(
+        None,
+        "Logs and output",
+        "A LogsSpecs class from the torchrun.logs_specs entry points: where each worker's logs go.",
+        metavar="NAME",
+    )
+    event_log_handler: str = option(
+        "null", "Logs and output", "Accepted for torchrun compatibility; rally writes events.jsonl.", metavar="NAME"
+    )
+    virtual_local_rank: bool = option(
+        False, "Job", "LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU."
+    )
+    numa_binding: str | None = option(
+        None,
+        "Job",
+        "torchrun's NUMA binding modes (applied only where GPUs exist).",
+        choices=("node", "socket", "exclusive", "core-complex"),
+    )
     module: bool = option(False, "Entry point", "Run SCRIPT as a module, like python -m.", short="-m")
     no_python: bool = option(False, "Entry point", "Run SCRIPT as an executable, not with python.")
     run_path: bool = option(False, "Entry point", "Run SCRIPT with runpy.run_path.")
     no_prefix: bool = option(False, "rally extras", "Do not prefix worker output lines with their rank.")
-    quiet: bool = option(False, "Logs and output", "Show only rally's own lines on the console, not the workers' output.")
-    checkpoint_dir: str | None = option(None, "rally extras", "Where workers save checkpoints (RALLY_CHECKPOINT_DIR).", check=optional(validate.writable_dir), late=True)
-    heartbeat_timeout: str | None = option(None, "Health", "Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first " "beat); auto: learn it, and each job.section's, from the job.", str, metavar="SECONDS|auto", check=lambda v, f: node_checks_options.heartbeat_timeout(v))
-    silence_timeout: float | None = option(None, "Health", "Declare a worker hung after this many seconds without output.", float, check=seconds(False))
-    resource_interval: float = option(spec_default("resource_interval"), "Health", "Seconds between samples of workers' CPU, memory and threads.", check=seconds(False, validate.MIN_INTERVAL))
-    startup_timeout: float | None = option(None, "Health", "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it " "started (default: off).", float, check=positive_seconds)
-    straggler_factor: float = option(spec_default("straggler_factor"), "Health", "Name a rank a straggler when its step time exceeds this many times the median of the other ranks' " f"(default {spec_default('straggler_factor'):g}).", check=lambda v, f: values.parse_straggler_factor(v))
-    straggler_window: int = option(spec_default("straggler_window"), "Health", "Steps a rank's step time is averaged over, and must stay slow for, before it is named (default " f"{spec_default('straggler_window')}).", check=lambda v, f: values.parse_straggler_window(v))
-    metrics_port: int | None = option(None, "Health", "Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed).", int, check=lambda v, f: values.parse_metrics_port(v))
-    metrics_addr: str = option(spec_default("metrics_addr"), "Health", "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps " "it on this host).", metavar="ADDR", check=lambda v, f: str(v or "0.0.0.0").strip("[]"))
+    quiet: bool = option(
+        False, "Logs and output", "Show only rally's own lines on the console, not the workers' output."
+    )
+    checkpoint_dir: str | None = option(
+        None,
+        "rally extras",
+        "Where workers save checkpoints (RALLY_CHECKPOINT_DIR).",
+        check=optional(validate.writable_dir),
+        late=True,
+    )
+    heartbeat_timeout: str | None = option(
+        None,
+        "Health",
+        "Declare a worker hung after this many seconds without rally.job.heartbeat() (armed by its first "
+        "beat); auto: learn it, and each job.section's, from the job.",
+        str,
+        metavar="SECONDS|auto",
+        check=lambda v, f: node_checks_options.heartbeat_timeout(v),
+    )
+    silence_timeout: float | None = option(
+        None, "Health", "Declare a worker hung after this many seconds without output.", float, check=seconds(False)
+    )
+    resource_interval: float = option(
+        spec_default("resource_interval"),
+        "Health",
+        "Seconds between samples of workers' CPU, memory and threads.",
+        check=seconds(False, validate.MIN_INTERVAL),
+    )
+    startup_timeout: float | None = option(
+        None,
+        "Health",
+        "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it "
+        "started (default: off).",
+        float,
+        check=positive_seconds,
+    )
+    straggler_factor: float = option(
+        spec_default("straggler_factor"),
+        "Health",
+        "Name a rank a straggler when its step time exceeds this many times the median of the other ranks' "
+        f"(default {spec_default('straggler_factor'):g}).",
+        check=lambda v, f: values.parse_straggler_factor(v),
+    )
+    straggler_window: int = option(
+        spec_default("straggler_window"),
+        "Health",
+        "Steps a rank's step time is averaged over, and must stay slow for, before it is named (default "
+        f"{spec_default('straggler_window')}).",
+        check=lambda v, f: values.parse_straggler_window(v),
+    )
+    metrics_port: int | None = option(
+        None,
+        "Health",
+        "Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed).",
+        int,
+        check=lambda v, f: values.parse_metrics_port(v),
+    )
+    metrics_addr: str = option(
+        spec_default("metrics_addr"),
+        "Health",
+        "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps "
+        "it on this host).",
+        metavar="ADDR",
+        check=lambda v, f: str(v or "0.0.0.0").strip("[]"),
+    )
     # Issue 21: learned timeouts, GPU memory before a restart, quarantine, pre-flight; parsed
     # together in launcher/node_checks_options.py (whether pre-flight is on depends on --nnodes).
-    timeout_safety_factor: float = option(LearningSettings.factor, "Health", f"--heartbeat-timeout auto: this many times the longest interval seen (default {LearningSettings.factor:g}).")
-    timeout_samples: int = option(LearningSettings.samples, "Health", "--heartbeat-timeout auto: heartbeat intervals seen before the timeout is set (default " f"{LearningSettings.samples}).")
-    timeout_floor: float = option(LearningSettings.floor, "Health", f"--heartbeat-timeout auto: never below this many seconds (default {LearningSettings.floor:g}).")
-    gpu_reclaim_timeout: float = option(spec_default("gpu_reclaim_timeout"), "Restarts and shutdown", "Before a restart, wait up to this long for the old workers to leave every GPU and free its memory " f"(NVML; default {spec_default('gpu_reclaim_timeout'):g} s).")
-    quarantine_after: int = option(spec_default("quarantine_after"), "Restarts and shutdown", "Keep out of later rounds a node that was the root cause of this many failures within " "--quarantine-window, while the job can run without it (0: never; default " f"{spec_default('quarantine_after')}).")
-    quarantine_window: float = option(spec_default("quarantine_window"), "Restarts and shutdown", f"Seconds within which --quarantine-after failures count (default {spec_default('quarantine_window'):g}).")
-    preflight: bool = option(False, "Health", "Probe every node (compute, and a collective over the job's backend) when a round forms; keep out " "failing or slow nodes (default for multi-node jobs).")
+    timeout_safety_factor: float = option(
+        LearningSettings.factor,
+        "Health",
+        f"--heartbeat-timeout auto: this many times the longest interval seen (default {LearningSettings.factor:g}).",
+    )
+    timeout_samples: int = option(
+        LearningSettings.samples,
+        "Health",
+        "--heartbeat-timeout auto: heartbeat intervals seen before the timeout is set (default "
+        f"{LearningSettings.samples}).",
+    )
+    timeout_floor: float = option(
+        LearningSettings.floor,
+        "Health",
+        f"--heartbeat-timeout auto: never below this many seconds (default {LearningSettings.floor:g}).",
+    )
+    gpu_reclaim_timeout: float = option(
+        spec_default("gpu_reclaim_timeout"),
+        "Restarts and shutdown",
+        "Before a restart, wait up to this long for the old workers to leave every GPU and free its memory "
+        f"(NVML; default {spec_default('gpu_reclaim_timeout'):g} s).",
+    )
+    quarantine_after: int = option(
+        spec_default("quarantine_after"),
+        "Restarts and shutdown",
+        "Keep out of later rounds a node that was the root cause of this many failures within "
+        "--quarantine-window, while the job can run without it (0: never; default "
+        f"{spec_default('quarantine_after')}).",
+    )
+    quarantine_window: float = option(
+        spec_default("quarantine_window"),
+        "Restarts and shutdown",
+        f"Seconds within which --quarantine-after failures count (default {spec_default('quarantine_window'):g}).",
+    )
+    preflight: bool = option(
+        False,
+        "Health",
+        "Probe every node (compute, and a collective over the job's backend) when a round forms; keep out "
+        "failing or slow nodes (default for multi-node jobs).",
+    )
     no_preflight: bool = option(False, "Health", "No pre-flight probe.")
-    preflight_factor: float = option(spec_default("preflight_factor"), "Health", "A node slower than this many times the median in the pre-flight probe is left out (default " f"{spec_default('preflight_factor'):g}).")
-    preflight_every_round: bool = option(False, "Health", "Probe again when a round re-forms on the same nodes (default: only when the nodes change).")
-    preemption_signals: str = option(PREEMPTION_SIGNALS, "rally extras", "Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace " "to checkpoint.", check=values.parse_signals)
-    preemption_grace: float = option(spec_default("preemption_grace"), "rally extras", "Seconds workers get to checkpoint after a preemption signal.", check=seconds(True))
-    requeue: bool = option(False, "rally extras", "On a preemption signal, node 0 requeues the SLURM job (scontrol requeue).")
-    crash_loop_limit: int = option(spec_default("crash_loop_limit"), "rally extras", "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).", check=not_negative)
+    preflight_factor: float = option(
+        spec_default("preflight_factor"),
+        "Health",
+        "A node slower than this many times the median in the pre-flight probe is left out (default "
+        f"{spec_default('preflight_factor'):g}).",
+    )
+    preflight_every_round: bool = option(
+        False, "Health", "Probe again when a round re-forms on the same nodes (default: only when the nodes change)."
+    )
+    preemption_signals: str = option(
+        PREEMPTION_SIGNALS,
+        "rally extras",
+        "Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace "
+        "to checkpoint.",
+        check=values.parse_signals,
+    )
+    preemption_grace: float = option(
+        spec_default("preemption_grace"),
+        "rally extras",
+        "Seconds workers get to checkpoint after a preemption signal.",
+        check=seconds(True),
+    )
+    requeue: bool = option(
+        False, "rally extras", "On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."
+    )
+    crash_loop_limit: int = option(
+        spec_default("crash_loop_limit"),
+        "rally extras",
+        "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).",
+        check=not_negative,
+    )
     no_slurm: bool = option(False, "rally extras", "Ignore the SLURM environment even inside a SLURM job.")
 
     # Where values came from, for messages: option name -> "--config job.yaml, line 3, 'nnodes'".

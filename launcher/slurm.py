@@ -71,9 +71,7 @@ _PORT_STRIDE = 8653
 _SPECIAL_STEP_MIN = 0xFFFFFFF0
 
 #: Names accepted by :meth:`SlurmJob.describe`: the torchrun options that SLURM can fill in.
-DESCRIBE_KEYS: frozenset[str] = frozenset(
-    {"nnodes", "node_rank", "rdzv_id", "rdzv_endpoint", "nproc_per_node"}
-)
+DESCRIBE_KEYS: frozenset[str] = frozenset({"nnodes", "node_rank", "rdzv_id", "rdzv_endpoint", "nproc_per_node"})
 
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -367,7 +365,9 @@ class SlurmJob:
         chosen = BACKENDS.get(str(options.rdzv_backend).lower())
         rendezvous_set = (
             any(name in given for name in ("rdzv_endpoint", "master_addr", "master_port"))
-            or chosen is not None and not chosen.takes_slurm_store and "rdzv_backend" in given
+            or chosen is not None
+            and not chosen.takes_slurm_store
+            and "rdzv_backend" in given
         )
         if not options.standalone and not rendezvous_set:
             changes["rdzv_backend"] = "c10d"
@@ -384,7 +384,9 @@ class SlurmJob:
 
     def requeue(self) -> str:
         """Requeue this job (node 0's agent calls it on a preemption signal with --requeue)."""
-        done = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S)
+        done = subprocess.run(
+            ["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S
+        )
         if done.returncode != 0:
             raise RuntimeError(f"scontrol requeue {self.job_id} failed: {done.stderr.strip() or done.returncode}")
         return f"requeued SLURM job {self.job_id}; it will resume from the latest checkpoint"

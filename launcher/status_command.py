@@ -40,19 +40,52 @@ from rally.rendezvous.store import StoreEndpoint
 
 @click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", required=False, metavar="[RUN_DIR]", type=click.Path(path_type=Path))
-@click.option("--rdzv-endpoint", "--rdzv_endpoint", "endpoint", default=None, metavar="HOST[:PORT]", help="The job's rendezvous store (inside a SLURM job: taken from SLURM).")
-@click.option("--rdzv-id", "--rdzv_id", "run_id", default=None, help="The job's run id (inside a SLURM job: taken from SLURM).")
 @click.option(
-    "--rdzv-backend", "--rdzv_backend", "backend", default="c10d", show_default=True,
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "endpoint",
+    default=None,
+    metavar="HOST[:PORT]",
+    help="The job's rendezvous store (inside a SLURM job: taken from SLURM).",
+)
+@click.option(
+    "--rdzv-id", "--rdzv_id", "run_id", default=None, help="The job's run id (inside a SLURM job: taken from SLURM)."
+)
+@click.option(
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "backend",
+    default="c10d",
+    show_default=True,
     type=click.Choice(list(SELECTABLE), case_sensitive=False),
     help="etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
 )
-@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="", metavar="K=V,...", help="etcd: TLS and user keys as the job got them (protocol, cacert, cert, key, username, password_file).")
-@click.option("--slurm-step", type=click.IntRange(min=0), default=0, show_default=True, help="Inside a SLURM job: the srun step that runs rally.")
+@click.option(
+    "--rdzv-conf",
+    "--rdzv_conf",
+    "rdzv_conf",
+    default="",
+    metavar="K=V,...",
+    help="etcd: TLS and user keys as the job got them (protocol, cacert, cert, key, username, password_file).",
+)
+@click.option(
+    "--slurm-step",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Inside a SLURM job: the srun step that runs rally.",
+)
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the store.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout instead of the table (for scripts).")
 def status_command(
-    run_dir: Path | None, endpoint: str | None, run_id: str | None, backend: str, rdzv_conf: str, slurm_step: int, timeout: float, as_json: bool
+    run_dir: Path | None,
+    endpoint: str | None,
+    run_id: str | None,
+    backend: str,
+    rdzv_conf: str,
+    slurm_step: int,
+    timeout: float,
+    as_json: bool,
 ) -> int:
     """Show the nodes, round, restart count and workers of a running job.
 
@@ -82,10 +115,14 @@ def status_command(
     except (StoreUnavailable, NoStoreThere) as exc:
         if run_dir is None:
             raise ConfigError(str(exc)) from None  # one line, exit 2 (launcher/cli.py)
-        return _show_finished(run_dir, str(run_id), as_json, f"job {run_id}: its store is not answering ({exc})", str(where))
+        return _show_finished(
+            run_dir, str(run_id), as_json, f"job {run_id}: its store is not answering ({exc})", str(where)
+        )
     if status is None:
         if run_dir is not None:
-            return _show_finished(run_dir, str(run_id), as_json, f"job {run_id}: no agent has registered at {where}", str(where))
+            return _show_finished(
+                run_dir, str(run_id), as_json, f"job {run_id}: no agent has registered at {where}", str(where)
+            )
         raise click.ClickException(f"no job with run id '{run_id}' at {where} (no agent has registered there)")
     status["last_restart"] = last_restart(status["nodes"])
     if as_json:
@@ -221,7 +258,9 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
     try:
         job = SlurmJob.from_env(job_env)
     except ValueError as exc:
-        raise click.UsageError(f"cannot read the SLURM environment: {exc}; give --rdzv-endpoint and --rdzv-id") from None
+        raise click.UsageError(
+            f"cannot read the SLURM environment: {exc}; give --rdzv-endpoint and --rdzv-id"
+        ) from None
     if job is None:
         raise click.UsageError(
             "give --rdzv-endpoint HOST:PORT and --rdzv-id ID (only inside a SLURM job step are they taken from SLURM)"

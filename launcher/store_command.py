@@ -23,8 +23,17 @@ def _timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> floa
 
 
 @click.command(name="store", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--port", type=click.IntRange(0, 65535), required=True, help="TCP port to listen on (0: a free port, printed).")
-@click.option("--timeout", type=float, default=60.0, show_default=True, callback=_timeout, help="Per-operation timeout of the store, seconds.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), required=True, help="TCP port to listen on (0: a free port, printed)."
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=60.0,
+    show_default=True,
+    callback=_timeout,
+    help="Per-operation timeout of the store, seconds.",
+)
 def store_command(port: int, timeout: float) -> int:
     """A rendezvous store alone, to outlive any compute node (until SIGINT/SIGTERM)."""
     from rally.rendezvous.store import SERVICE_MARKER_KEY, host_tcp_store, quiet_torch_logs

@@ -50,6 +50,7 @@ UNHANDLED_SIGNALS = {
 # Options whose value, in a config file, is a list of strings rather than a scalar.
 LIST_OPTIONS = {"preload", "args"}
 
+
 # ------------------------------------------------------------------ config file values
 def check_config_values(path: str, data: Mapping[str, Any]) -> None:
     """Every value in a YAML job file has the shape its option takes (scalars; lists of scalars)."""
@@ -106,7 +107,9 @@ def handled_signals(signums: tuple[int, ...], option: str) -> tuple[int, ...]:
         reason = UNHANDLED_SIGNALS.get(signal.Signals(signum))
         if reason:
             name = signal.Signals(signum).name
-            raise ConfigError(f"{option}: {name} cannot be handled ({reason}); remove it, e.g. {option} SIGTERM,SIGUSR1")
+            raise ConfigError(
+                f"{option}: {name} cannot be handled ({reason}); remove it, e.g. {option} SIGTERM,SIGUSR1"
+            )
     return signums
 
 
@@ -147,7 +150,10 @@ def names_fit(path: Path, option: str) -> None:
     for part in path.parts:
         size = len(os.fsencode(part))
         if size > NAME_MAX:
-            raise ConfigError(f"{option}: the name '{part[:24]}...' in that path is {size} bytes long; a file or directory " f"name can be at most {NAME_MAX}")
+            raise ConfigError(
+                f"{option}: the name '{part[:24]}...' in that path is {size} bytes long; a file or directory "
+                f"name can be at most {NAME_MAX}"
+            )
 
 
 def runnable_program(script: str) -> None:
@@ -159,7 +165,9 @@ def runnable_program(script: str) -> None:
         if not path.is_file():
             raise ConfigError(f"--no-python: '{script}' does not exist")
         if not os.access(path, os.X_OK):
-            raise ConfigError(f"--no-python: '{script}' is not executable; chmod +x it, or drop --no-python for a Python script")
+            raise ConfigError(
+                f"--no-python: '{script}' is not executable; chmod +x it, or drop --no-python for a Python script"
+            )
     elif not shutil.which(script):
         raise ConfigError(f"--no-python: '{script}' is not a program on PATH or a file")
 
@@ -169,7 +177,9 @@ def python_script(script: str, module: bool) -> None:
         if not all(part.isidentifier() for part in script.split(".")):
             raise ConfigError(f"-m/--module '{script}' is not a module name; write e.g. -m mypackage.train")
     elif Path(script).is_dir():
-        raise ConfigError(f"training script '{script}' is a directory; give the script file, e.g. {Path(script) / 'train.py'}")
+        raise ConfigError(
+            f"training script '{script}' is a directory; give the script file, e.g. {Path(script) / 'train.py'}"
+        )
 
 
 # ------------------------------------------------------------------ all options together
@@ -179,7 +189,9 @@ def check_counts(nproc: int, max_nodes: int, node_rank: Any) -> None:
     if max_nodes > MAX_NODES:
         raise ConfigError(f"--nnodes {max_nodes}: at most {MAX_NODES} nodes")
     if node_rank is not None and int(node_rank) >= max_nodes:
-        raise ConfigError(f"--node-rank {node_rank} is not below --nnodes {max_nodes}; node ranks are 0 to {max_nodes - 1}")
+        raise ConfigError(
+            f"--node-rank {node_rank} is not below --nnodes {max_nodes}; node ranks are 0 to {max_nodes - 1}"
+        )
 
 
 def check_rdzv_conf(conf: dict[str, Any]) -> None:
@@ -189,7 +201,9 @@ def check_rdzv_conf(conf: dict[str, Any]) -> None:
             continue
         if key == "keep_alive_max_attempt":
             if not math.isfinite(value) or value != int(value) or not 1 <= value <= 1_000_000:
-                raise ConfigError(f"--rdzv-conf keep_alive_max_attempt={value:g}: must be a whole number from 1 to 1000000")
+                raise ConfigError(
+                    f"--rdzv-conf keep_alive_max_attempt={value:g}: must be a whole number from 1 to 1000000"
+                )
             conf[key] = int(value)
             continue
         minimum = MIN_INTERVAL if key == "keep_alive_interval" else 0.0

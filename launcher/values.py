@@ -56,7 +56,9 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     try:
         numbers = [int(p) for p in parts]
     except ValueError:
-        raise ConfigError(f"--nnodes '{text}' is not a number; write N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4") from None
+        raise ConfigError(
+            f"--nnodes '{text}' is not a number; write N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4"
+        ) from None
     if len(numbers) == 1:
         numbers *= 2
     if len(numbers) != 2:
@@ -99,14 +101,18 @@ def parse_nproc(text: str) -> int:
 
         count = xpu_count()
         if count == 0:
-            raise ConfigError("--nproc-per-node xpu: no XPU is available on this node (torch.xpu); use a number, 'cpu' or 'auto'")
+            raise ConfigError(
+                "--nproc-per-node xpu: no XPU is available on this node (torch.xpu); use a number, 'cpu' or 'auto'"
+            )
         return count
     if value == "auto":
         return visible_gpu_count() or os.cpu_count() or 1
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(f"--nproc-per-node '{text}' is not valid; use a number, 'auto', 'cpu', 'gpu' or 'xpu'") from None
+        raise ConfigError(
+            f"--nproc-per-node '{text}' is not valid; use a number, 'auto', 'cpu', 'gpu' or 'xpu'"
+        ) from None
     if number < 1:
         raise ConfigError(f"--nproc-per-node {number}: must be at least 1")
     return number
@@ -120,7 +126,9 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
         if not item.strip():
             continue
         if "=" not in item:
-            raise ConfigError(f"--rdzv-conf '{item}' is not KEY=VALUE; e.g. --rdzv-conf join_timeout=60,last_call_timeout=5")
+            raise ConfigError(
+                f"--rdzv-conf '{item}' is not KEY=VALUE; e.g. --rdzv-conf join_timeout=60,last_call_timeout=5"
+            )
         key, value = (s.strip() for s in item.split("=", 1))
         if key not in RDZV_CONF_DEFAULTS:
             raise ConfigError(f"--rdzv-conf: unknown key '{key}'{suggest(key, RDZV_CONF_DEFAULTS)}")
@@ -130,7 +138,11 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
             conf[key] = value.lower() in ("1", "true", "yes")
         elif key in ("token", "token_file", *ETCD_CONF_KEYS):
             if not value:
-                what = "the job's secret (or a file holding it)" if key.startswith("token") else "a value, or leave the key out"
+                what = (
+                    "the job's secret (or a file holding it)"
+                    if key.startswith("token")
+                    else "a value, or leave the key out"
+                )
                 raise ConfigError(f"--rdzv-conf {key}= is empty; give {what}")
             conf[key] = value
         elif key == "store_type":
@@ -146,7 +158,10 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
                 raise ConfigError(f"--rdzv-conf {key}={value}: must be positive")
             conf[key] = number
     if conf["timeout"] is not None:  # torch's name for the same wait; two different values are a mistake
-        if "join_timeout" in {i.split("=", 1)[0].strip() for i in str(text).split(",")} and conf["join_timeout"] != conf["timeout"]:
+        if (
+            "join_timeout" in {i.split("=", 1)[0].strip() for i in str(text).split(",")}
+            and conf["join_timeout"] != conf["timeout"]
+        ):
             raise ConfigError(
                 f"--rdzv-conf: timeout={conf['timeout']:g} and join_timeout={conf['join_timeout']:g} name the same "
                 "wait (how long the job may take to form); give one of them"
@@ -192,7 +207,9 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
 def parse_straggler_factor(value: Any) -> float:
     factor = float(value)
     if not math.isfinite(factor) or factor <= 1:
-        raise ConfigError(f"--straggler-factor {value}: must be a number above 1 (1.5: 50% slower than the others' median)")
+        raise ConfigError(
+            f"--straggler-factor {value}: must be a number above 1 (1.5: 50% slower than the others' median)"
+        )
     return factor
 
 

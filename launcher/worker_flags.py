@@ -62,7 +62,10 @@ def logs_specs_note(name: str | None) -> str | None:
 
     found = entry_points(group="torchrun.logs_specs").select(name=name)
     if not found:
-        raise ExtrasError(f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install " "the package that provides it, or drop the flag")
+        raise ExtrasError(
+            f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install "
+            "the package that provides it, or drop the flag"
+        )
     return None  # applied every attempt: agent/logs_specs.py
 
 
@@ -85,7 +88,11 @@ def numa_note(mode: str | None, gpus: int) -> str | None:
 def extras(o: Any, nproc: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
     """JobSpec fields and notes for the newer torchrun flags (`o`: launcher.options.Options)."""
     check_virtual_local_rank(bool(o.virtual_local_rank), nproc)
-    notes = [n for n in (logs_specs_note(o.logs_specs), event_log_note(o.event_log_handler), numa_note(o.numa_binding, gpus)) if n]
+    notes = [
+        n
+        for n in (logs_specs_note(o.logs_specs), event_log_note(o.event_log_handler), numa_note(o.numa_binding, gpus))
+        if n
+    ]
     fields: dict[str, Any] = {
         "virtual_local_rank": bool(o.virtual_local_rank),
         "numa_binding": o.numa_binding if gpus else None,

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import time
 
-from rally.rendezvous.records import MAX_COUNT, NodeInfo
 from rally.rendezvous.kv import UntrustedValue
-from rally.rendezvous.waiting import HOSTS_SHOWN, RendezvousView as Rendezvous, forming_text
+from rally.rendezvous.records import MAX_COUNT, NodeInfo
+from rally.rendezvous.waiting import HOSTS_SHOWN, forming_text
+from rally.rendezvous.waiting import RendezvousView as Rendezvous
 
 # The arrival keys (rendezvous/protocol.py re-exports them with the rest of the protocol's keys).
 CURRENT_ROUND = "current"  # counter: the round a late joiner starts from
@@ -33,7 +34,7 @@ def joined_counter(r: int) -> str:
     return f"{r}/joined"
 
 
-def claim_arrival_slot(rdzv: "Rendezvous", r: int, me: NodeInfo) -> int | None:
+def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> int | None:
     """Claim this node's arrival slot in round r (its descriptor, written once); its index, or
     None when all MAX slots hold other nodes (this node is late: a spare).
 
@@ -57,7 +58,7 @@ def claim_arrival_slot(rdzv: "Rendezvous", r: int, me: NodeInfo) -> int | None:
     return None
 
 
-def valid_arrivals(rdzv: "Rendezvous", r: int, count: int) -> tuple[list[int], list[NodeInfo]]:
+def valid_arrivals(rdzv: Rendezvous, r: int, count: int) -> tuple[list[int], list[NodeInfo]]:
     """The claimed slots of round r whose descriptors pass every check, in slot order.
 
     `count` (the counter, at most MAX) says how many to expect: the closer waits a third of
@@ -87,7 +88,7 @@ def valid_arrivals(rdzv: "Rendezvous", r: int, count: int) -> tuple[list[int], l
     return indices, nodes
 
 
-def joined_hosts(rdzv: "Rendezvous", r: int, count: int, limit: int) -> list[str]:
+def joined_hosts(rdzv: Rendezvous, r: int, count: int, limit: int) -> list[str]:
     """The hosts of the first `limit` claimed slots (for a progress line; unchecked slots skipped)."""
     hosts = []
     for i in range(min(count, limit)):
@@ -100,7 +101,7 @@ def joined_hosts(rdzv: "Rendezvous", r: int, count: int, limit: int) -> list[str
     return hosts
 
 
-def forming_line(rdzv: "Rendezvous", r: int, count: int, deadline: float, quorum_seen_at: float | None) -> str:
+def forming_line(rdzv: Rendezvous, r: int, count: int, deadline: float, quorum_seen_at: float | None) -> str:
     """`round 0: waiting for 1 more node: 1 of 2 joined (node0); join_timeout in 583 s`."""
     s, now = rdzv.settings, time.monotonic()
     last_call = None if quorum_seen_at is None else quorum_seen_at + s.last_call_timeout - now
@@ -108,7 +109,7 @@ def forming_line(rdzv: "Rendezvous", r: int, count: int, deadline: float, quorum
     return f"round {r}: " + forming_text(count, s.min_nodes, s.max_nodes, hosts, deadline - now, last_call)
 
 
-def current_round(rdzv: "Rendezvous") -> int:
+def current_round(rdzv: Rendezvous) -> int:
     """The round a node that joins now takes part in: the first without an end record. Rounds end
     in order; the `current` counter says where to look first (anyone can move it), and a search
     on the signed end records corrects it in O(log) reads."""

@@ -92,7 +92,9 @@ class Backend(Protocol):
     def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
         """Where a client elsewhere (`rally status`) finds a running job's store."""
 
-    def open(self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer) -> OpenedStore:
+    def open(
+        self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer
+    ) -> OpenedStore:
         """Connect (hosting the store when `endpoint.host_here`); StoreUnavailable when it cannot."""
 
     def lost_line(self, exc: BaseException, endpoint: StoreEndpoint) -> str:
@@ -130,19 +132,26 @@ def parse_etcd_endpoints(text: str) -> tuple[tuple[Member, ...], str | None]:
         scheme, sep, rest = item.partition("://")
         if sep:
             if scheme.lower() not in ("http", "https"):
-                raise EndpointError(f"--rdzv-endpoint '{item}': etcd endpoints are http:// or https://, not {scheme}://")
+                raise EndpointError(
+                    f"--rdzv-endpoint '{item}': etcd endpoints are http:// or https://, not {scheme}://"
+                )
             schemes.add(scheme.lower())
             item = rest
         host, port = _host_port(item.rstrip("/"), DEFAULT_ETCD_PORT)
         if port == 0:
-            raise EndpointError(f"--rdzv-endpoint '{item}': port 0 is not an etcd endpoint; etcd listens on 2379 by default")
+            raise EndpointError(
+                f"--rdzv-endpoint '{item}': port 0 is not an etcd endpoint; etcd listens on 2379 by default"
+            )
         members.append(Member(host, port))
     if not members:
         raise EndpointError(
-            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client " "endpoints (default port 2379)"
+            "--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client "
+            "endpoints (default port 2379)"
         )
     if len(schemes) > 1:
-        raise EndpointError(f"--rdzv-endpoint {text}: mixes http:// and https:// endpoints; a cluster's members all speak one")
+        raise EndpointError(
+            f"--rdzv-endpoint {text}: mixes http:// and https:// endpoints; a cluster's members all speak one"
+        )
     return tuple(dict.fromkeys(members)), schemes.pop() if schemes else None
 
 
@@ -152,7 +161,9 @@ def resolvable(host: str, option: str) -> None:
         socket.getaddrinfo(host, None)
     except (OSError, UnicodeError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
-        raise EndpointError(f"{option}: host '{host}' does not resolve ({reason}); check the name, or use an IP address") from None
+        raise EndpointError(
+            f"{option}: host '{host}' does not resolve ({reason}); check the name, or use an IP address"
+        ) from None
 
 
 def _lost_tcp_store(exc: BaseException, endpoint: StoreEndpoint) -> str:
@@ -164,7 +175,9 @@ def _lost_tcp_store(exc: BaseException, endpoint: StoreEndpoint) -> str:
     )
 
 
-def _open_tcp(endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer) -> OpenedStore:
+def _open_tcp(
+    endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer
+) -> OpenedStore:
     store, server = open_tcp_store(endpoint, prefix, connect_timeout, op_timeout, signer)
     bound = dataclasses.replace(endpoint, port=server.port) if server is not None else endpoint
     return OpenedStore(store, server, bound)
@@ -218,7 +231,11 @@ class StaticBackend(C10dBackend):
             raise EndpointError("--rdzv-backend static needs a fixed --nnodes N (MIN:MAX needs c10d)")
         node_rank = 0 if request.node_rank is None else request.node_rank  # torchrun's default too
         # As torchrun: --rdzv-endpoint, when given, is the master address and port.
-        host, port = parse_endpoint(str(request.endpoint), None) if request.endpoint else (request.master_addr or "127.0.0.1", None)
+        host, port = (
+            parse_endpoint(str(request.endpoint), None)
+            if request.endpoint
+            else (request.master_addr or "127.0.0.1", None)
+        )
         if port is None:
             port = request.master_port if request.master_port is not None else DEFAULT_MASTER_PORT
         resolvable(host, "--rdzv-endpoint" if request.endpoint else "--master-addr")
@@ -241,7 +258,9 @@ class FileBackend(Backend):
 
     def plan(self, request: StoreRequest) -> StoreEndpoint:
         if not request.endpoint and request.max_nodes > 1:
-            raise EndpointError("--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use --rdzv-backend static)")
+            raise EndpointError(
+                "--nnodes above 1 needs --rdzv-endpoint HOST[:PORT] (or run under SLURM, or use --rdzv-backend static)"
+            )
         return self.locate(request.endpoint or "localhost:0")
 
     def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
@@ -250,10 +269,15 @@ class FileBackend(Backend):
         text = str(endpoint)
         parent = Path(text).parent
         if not parent.is_dir():
-            raise EndpointError(f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a " "shared file system")
+            raise EndpointError(
+                f"--rdzv-endpoint {text}: the file store's directory {parent} does not exist; create it on a "
+                "shared file system"
+            )
         return StoreEndpoint("", 0, host_here=False, file_path=text, backend=self.name)
 
-    def open(self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer) -> OpenedStore:
+    def open(
+        self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer
+    ) -> OpenedStore:
         assert endpoint.file_path is not None
         return OpenedStore(open_file_store(endpoint.file_path, prefix, op_timeout, signer), None, endpoint)
 
@@ -271,10 +295,14 @@ class EtcdBackend(Backend):
 
     def plan(self, request: StoreRequest) -> StoreEndpoint:
         if request.store_type != "tcp":
-            raise EndpointError(f"--rdzv-conf store_type={request.store_type} does not apply to --rdzv-backend {self.name}; remove it")
+            raise EndpointError(
+                f"--rdzv-conf store_type={request.store_type} does not apply to --rdzv-backend {self.name}; remove it"
+            )
         endpoint = self.locate(request.endpoint, request.conf)
         if request.run_id == "none":
-            raise EndpointError(f"--rdzv-backend {self.name} needs --rdzv-id ID, one per job: etcd keeps a job's keys after it ends")
+            raise EndpointError(
+                f"--rdzv-backend {self.name} needs --rdzv-id ID, one per job: etcd keeps a job's keys after it ends"
+            )
         return endpoint
 
     def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
@@ -282,10 +310,16 @@ class EtcdBackend(Backend):
         access = etcd_access(conf or {}, scheme)
         return StoreEndpoint("", 0, host_here=False, etcd=members, backend=self.name, etcd_access=access)
 
-    def open(self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer) -> OpenedStore:
-        from rally.rendezvous.etcd_store import open_etcd_store  # values signed with the job token, as on c10d
+    def open(
+        self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer
+    ) -> OpenedStore:
+        from rally.rendezvous.etcd_open import open_etcd_store  # values signed with the job token, as on c10d
 
-        return OpenedStore(open_etcd_store(endpoint.etcd, prefix, op_timeout, signer=signer, access=endpoint.etcd_access), None, endpoint)
+        return OpenedStore(
+            open_etcd_store(endpoint.etcd, prefix, op_timeout, signer=signer, access=endpoint.etcd_access),
+            None,
+            endpoint,
+        )
 
     def lost_line(self, exc: BaseException, endpoint: StoreEndpoint) -> str:
         return (
@@ -301,7 +335,9 @@ class EtcdV2Backend(EtcdBackend):
 
 
 # ------------------------------------------------------------------ the registry
-BACKENDS: dict[str, Backend] = {b.name: b for b in (C10dBackend(), StaticBackend(), FileBackend(), EtcdBackend(), EtcdV2Backend())}
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (C10dBackend(), StaticBackend(), FileBackend(), EtcdBackend(), EtcdV2Backend())
+}
 SELECTABLE = tuple(name for name, b in BACKENDS.items() if b.selectable)
 
 
@@ -322,6 +358,8 @@ def backend_of(endpoint: StoreEndpoint) -> Backend:
     return BACKENDS[endpoint.backend]
 
 
-def open_endpoint(endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer | None = None) -> OpenedStore:
+def open_endpoint(
+    endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer | None = None
+) -> OpenedStore:
     """Open the store at `endpoint` through the backend that planned it."""
     return backend_of(endpoint).open(endpoint, prefix, connect_timeout, op_timeout, signer or Signer())

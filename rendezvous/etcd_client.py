@@ -25,7 +25,7 @@ import json
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +92,13 @@ class EtcdClient:
     member restarted) is replaced by authenticating again. Forks share the token.
     """
 
-    def __init__(self, members: list[Member] | tuple[Member, ...], start_at: int = 0, access: EtcdAccess | None = None, auth: _Auth | None = None):
+    def __init__(
+        self,
+        members: list[Member] | tuple[Member, ...],
+        start_at: int = 0,
+        access: EtcdAccess | None = None,
+        auth: _Auth | None = None,
+    ):
         if not members:
             raise ValueError("an etcd client needs at least one endpoint")
         self.members = tuple(members)
@@ -129,7 +135,9 @@ class EtcdClient:
                 with self._lock:
                     member = self.member
                     try:
-                        return self._post(path, body, max(0.05, min(REQUEST_TIMEOUT_SECONDS, deadline - time.monotonic())))
+                        return self._post(
+                            path, body, max(0.05, min(REQUEST_TIMEOUT_SECONDS, deadline - time.monotonic()))
+                        )
                     except _TryElsewhere as exc:
                         failures[member] = str(exc)
                         self._drop_connection()
@@ -182,7 +190,9 @@ class EtcdClient:
         except EtcdError as exc:
             raise EtcdError(f"etcd refused user '{self.access.username}': {exc}", exc.code) from None
         if not token:
-            raise EtcdError(f"etcd gave user '{self.access.username}' no token: is authentication enabled (etcdctl auth enable)?")
+            raise EtcdError(
+                f"etcd gave user '{self.access.username}' no token: is authentication enabled (etcdctl auth enable)?"
+            )
         return token
 
     def _authenticate_elsewhere(self, timeout: float) -> str:
@@ -202,7 +212,7 @@ class EtcdClient:
         self._current = (self._current + 1) % len(self.members)
 
     # ------------------------------------------------------------------ watches
-    def watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict[str, Any]]:
+    def watch(self, request: dict[str, Any], deadline: float) -> Generator[dict[str, Any], None, None]:
         """Open a watch on the current member and yield its events until `deadline`.
 
         Returns (ends the iteration) at the deadline. Raises `EtcdUnavailable` when the member
@@ -215,9 +225,16 @@ class EtcdClient:
         try:
             try:
                 token = self._auth.token(self._authenticate_elsewhere, _left(deadline, REQUEST_TIMEOUT_SECONDS))
-                connection = HttpConnection(member.host, member.port, self.access, _left(deadline, REQUEST_TIMEOUT_SECONDS))
+                connection = HttpConnection(
+                    member.host, member.port, self.access, _left(deadline, REQUEST_TIMEOUT_SECONDS)
+                )
                 body = json.dumps({"create_request": request}).encode()
-                status, lines = connection.stream("/v3/watch", body, {"Authorization": token} if token else {}, _left(deadline, REQUEST_TIMEOUT_SECONDS))
+                status, lines = connection.stream(
+                    "/v3/watch",
+                    body,
+                    {"Authorization": token} if token else {},
+                    _left(deadline, REQUEST_TIMEOUT_SECONDS),
+                )
                 if status != 200:
                     _parse_reply(status, b"".join(lines))  # raises with etcd's reason
                 while True:

@@ -22,10 +22,19 @@ from rally.rendezvous.etcd_http import EtcdAccess
 from rally.rendezvous.kv import EndpointError
 
 # --rdzv-conf keys for the etcd backends (all text); aliases map torch's etcd-v2 names.
-ETCD_CONF_KEYS = ("protocol", "cacert", "cert", "key", "ca_cert", "ssl_cert", "ssl_cert_key", "username", "password", "password_file")
+ETCD_CONF_KEYS = (
+    "protocol",
+    "cacert",
+    "cert",
+    "key",
+    "ca_cert",
+    "ssl_cert",
+    "ssl_cert_key",
+    "username",
+    "password",
+    "password_file",
+)
 ALIASES = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
-
-
 
 
 def etcd_access(conf: dict[str, Any], endpoint_scheme: str | None) -> EtcdAccess:
@@ -38,7 +47,10 @@ def etcd_access(conf: dict[str, Any], endpoint_scheme: str | None) -> EtcdAccess
     if protocol not in ("http", "https"):
         raise EndpointError(f"--rdzv-conf protocol={given['protocol']}: use http or https")
     if endpoint_scheme and protocol != endpoint_scheme:
-        raise EndpointError(f"--rdzv-conf protocol={protocol} contradicts the {endpoint_scheme}:// endpoints in " "--rdzv-endpoint; give one")
+        raise EndpointError(
+            f"--rdzv-conf protocol={protocol} contradicts the {endpoint_scheme}:// endpoints in "
+            "--rdzv-endpoint; give one"
+        )
     tls_files = {k: str(Path(given[k]).expanduser()) if given.get(k) else None for k in ("cacert", "cert", "key")}
     if protocol == "http" and any(tls_files.values()):
         first = next(k for k, v in tls_files.items() if v)
@@ -63,7 +75,9 @@ def etcd_access(conf: dict[str, Any], endpoint_scheme: str | None) -> EtcdAccess
             access.ssl_context()
         except (ssl.SSLError, OSError, ValueError) as exc:
             which = "cacert" if "verify" in str(exc).lower() or not tls_files["cert"] else "cert/key"
-            raise EndpointError(f"--rdzv-conf {which}: cannot load the certificates ({exc}); give PEM files that match") from None
+            raise EndpointError(
+                f"--rdzv-conf {which}: cannot load the certificates ({exc}); give PEM files that match"
+            ) from None
     return access
 
 
@@ -83,7 +97,9 @@ def _can_open(path: Path) -> bool:
 def _first_line(path: str) -> str:
     candidate = Path(path).expanduser()
     if not candidate.is_file():
-        raise EndpointError(f"--rdzv-conf password_file={path}: no such file; give a file with the password on its first line")
+        raise EndpointError(
+            f"--rdzv-conf password_file={path}: no such file; give a file with the password on its first line"
+        )
     try:
         text = candidate.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -82,14 +82,19 @@ class HttpConnection:
 
     def _send(self, path: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, dict[bytes, bytes]]:
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        head = f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: " f"application/json\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
+            f"application/json\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
+        )
         try:
             self.sock.settimeout(timeout)
             self.sock.sendall(head.encode() + body)  # one segment: no delayed-ACK stall, one wake-up
             status_line = self.reader.readline(65536)
             parts = status_line.split(None, 2)
             if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
-                raise HttpError("the connection closed" if not status_line else f"not an HTTP reply: {status_line[:60]!r}")
+                raise HttpError(
+                    "the connection closed" if not status_line else f"not an HTTP reply: {status_line[:60]!r}"
+                )
             reply_headers: dict[bytes, bytes] = {}
             while True:
                 line = self.reader.readline(65536)

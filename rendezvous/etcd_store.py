@@ -38,26 +38,21 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, ClassVar
 
 from rally.rendezvous.etcd_client import (
     EtcdClient,
     EtcdError,
     EtcdUnavailable,
-    Member,
     b64,
     unb64,
 )
-from rally.rendezvous.etcd_http import EtcdAccess
 from rally.rendezvous.etcd_recall import JustRead
 from rally.rendezvous.kv import KeyValueStore, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.long_wait import LongWait
-from rally.rendezvous.store_connect import current_progress
 from rally.rendezvous.token import BadRecord, Signer
 
-# How long rally tries the endpoints at start before giving up with one clear line: etcd is
-# infrastructure that must already be running, so an unreachable cluster is reported fast.
-CONNECT_SECONDS = 5.0
 # etcd refuses transactions with more operations than its --max-txn-ops (default 128).
 MAX_TXN_OPS = 128
 # Many keys are read as one range over their span (`_read`), unless it holds more than SPAN_SLACK x
@@ -77,7 +72,12 @@ class EtcdStore(KeyValueStore):
     leased_liveness: ClassVar[bool] = True  # keep-alives are leases that expire by themselves
 
     def __init__(
-        self, client: EtcdClient, prefix: str, op_timeout: float, signer: Signer | None = None, progress: Callable[[str], None] | None = None
+        self,
+        client: EtcdClient,
+        prefix: str,
+        op_timeout: float,
+        signer: Signer | None = None,
+        progress: Callable[[str], None] | None = None,
     ):
         """`op_timeout` bounds one operation, fail-over between members included; `signer`
         signs every value with the job token, as on c10d (rendezvous/token.py); `progress` hears
@@ -140,7 +140,9 @@ class EtcdStore(KeyValueStore):
                 return self._open(name, kv)
             wait = wait or self._key_slices([name])
             if not self.try_wait([name], wait.slice()) and not wait.tick():
-                raise StoreTimeout(f"timed out after {self.op_timeout:g} s waiting for {self.key(name)} in {self.describe}")
+                raise StoreTimeout(
+                    f"timed out after {self.op_timeout:g} s waiting for {self.key(name)} in {self.describe}"
+                )
 
     def get_str(self, name: str) -> str:
         try:
@@ -189,7 +191,11 @@ class EtcdStore(KeyValueStore):
     def _key_slices(self, names: Sequence[str]) -> LongWait:
         """The bounded wait of a `get` for keys not yet written (rendezvous/long_wait.py)."""
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-        return LongWait(f"waiting for store key {self.key(names[0])}{more} in {self.describe}", self.op_timeout, self.progress or (lambda _line: None))
+        return LongWait(
+            f"waiting for store key {self.key(names[0])}{more} in {self.describe}",
+            self.op_timeout,
+            self.progress or (lambda _line: None),
+        )
 
     def multi_set(self, items: dict[str, str]) -> None:
         puts = [{"request_put": {"key": self._k(k), "value": self._seal(k, v)}} for k, v in items.items()]
@@ -203,7 +209,9 @@ class EtcdStore(KeyValueStore):
 
     def _marked(self, name: str, first: str, end: str, **options: Any) -> dict:
         """A range request over the keys from `<name><first>` up to `<name><end>` (exclusive)."""
-        return {"request_range": {"key": b64(self.key(name) + first), "range_end": b64(self.key(name) + end), **options}}
+        return {
+            "request_range": {"key": b64(self.key(name) + first), "range_end": b64(self.key(name) + end), **options}
+        }
 
     def _counter_range(self, name: str) -> dict:
         """One range that reads a counter: the keys from `<name>` to `<name>\\x01` are the base
@@ -241,7 +249,11 @@ class EtcdStore(KeyValueStore):
             return self._add_to_base(name, amount)
         own = self._own_key(name, INCREMENTS)
         absent = {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        won, responses = self._txn([absent], [{"request_put": {"key": b64(own), "value": b64("1")}}, self._counter_range(name)], [{"request_range": {"key": b64(own)}}])
+        won, responses = self._txn(
+            [absent],
+            [{"request_put": {"key": b64(own), "value": b64("1")}}, self._counter_range(name)],
+            [{"request_range": {"key": b64(own)}}],
+        )
         if won:
             return self._counted(name, responses[1].get("response_range") or {})
         # This request was applied once already (its reply was lost, and the client sent it
@@ -263,7 +275,9 @@ class EtcdStore(KeyValueStore):
                 compare = {"key": self._k(name), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
                 old = self._base(name, kv)
             put = {"request_put": {"key": self._k(name), "value": b64(str(old + amount))}}
-            won, responses = self._txn([compare], [put, self._counter_range(name)], [{"request_range": {"key": self._k(name)}}])
+            won, responses = self._txn(
+                [compare], [put, self._counter_range(name)], [{"request_range": {"key": self._k(name)}}]
+            )
             if won:
                 return self._counted(name, responses[1].get("response_range") or {})
             kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
@@ -274,7 +288,9 @@ class EtcdStore(KeyValueStore):
         value = self._counted(name, self._call("/v3/kv/range", self._counter_range(name)["request_range"]))
         if value < 0 or (limit is not None and value > limit):
             bound = "" if limit is None else f" (at most {limit})"
-            raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range{bound}: a stranger wrote to the store")
+            raise UntrustedValue(
+                f"store key '{self.key(name)}' holds {value}, out of range{bound}: a stranger wrote to the store"
+            )
         return value
 
     def append(self, name: str, value: str) -> None:
@@ -340,9 +356,12 @@ class EtcdStore(KeyValueStore):
         revision: int | None = None
         for start in range(0, len(names), MAX_TXN_OPS):
             chunk = list(names[start : start + MAX_TXN_OPS])
-            reply = self._call("/v3/kv/txn", {"compare": [], "success": [{"request_range": {"key": self._k(n)}} for n in chunk], "failure": []})
+            reply = self._call(
+                "/v3/kv/txn",
+                {"compare": [], "success": [{"request_range": {"key": self._k(n)}} for n in chunk], "failure": []},
+            )
             kvs = [(r.get("response_range") or {}).get("kvs") for r in reply.get("responses") or []]
-            found.update((n, kv[0]) for n, kv in zip(chunk, kvs) if kv)
+            found.update((n, kv[0]) for n, kv in zip(chunk, kvs, strict=True) if kv)
             revision = revision or int(reply["header"]["revision"])
         return found, revision or 0
 
@@ -389,7 +408,9 @@ class EtcdStore(KeyValueStore):
                     return
             pending = list(by_key.values())
             if time.monotonic() >= deadline:
-                raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(pending[0])} in {self.describe}")
+                raise StoreTimeout(
+                    f"timed out after {timeout:g} s waiting for {self.key(pending[0])} in {self.describe}"
+                )
 
     def wait_deleted(self, name: str, timeout: float) -> bool:
         """True once `name` is absent (deleted, or its lease expired); False after `timeout` s."""
@@ -403,7 +424,7 @@ class EtcdStore(KeyValueStore):
                 return True
         return False
 
-    def _watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict]:
+    def _watch(self, request: dict[str, Any], deadline: float) -> Generator[dict, None, None]:
         """The events of one watch until the deadline passes or the caller stops; a broken stream
         just ends: the caller reads again (which fails over, or reports the cluster gone)."""
         events = self.client.watch(request, deadline)
@@ -433,45 +454,6 @@ class EtcdStore(KeyValueStore):
         self._call("/v3/kv/put", {"key": self._k(name), "value": self._seal(name, value), "lease": str(lease)})
 
     # ------------------------------------------------------------------ connections
-    def connect_again(self) -> "EtcdStore":
+    def connect_again(self) -> EtcdStore:
         """A second client with its own connection, for a thread that blocks in `wait`."""
         return EtcdStore(self.client.fork(), self.prefix, self.op_timeout, self.signer, self.progress)
-
-
-def open_etcd_store(
-    members: Sequence[Member],
-    prefix: str,
-    op_timeout: float,
-    connect_timeout: float = CONNECT_SECONDS,
-    signer: Signer | None = None,
-    access: EtcdAccess | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> EtcdStore:
-    """Connect to the cluster (any member will do) and check that it serves reads. `progress`
-    (default: the caller's `store_connect.reporting_progress`, the agent's console) hears what a
-    long `get` waits for.
-
-    Raises StoreUnavailable with one line naming every endpoint when none answers within
-    `connect_timeout` seconds.
-    """
-    client = EtcdClient(list(members), access=access)
-    store = EtcdStore(client, prefix, op_timeout, signer, progress or current_progress())
-    try:
-        client.call("/v3/kv/range", {"key": b64(prefix), "count_only": True}, connect_timeout)
-    except EtcdError as exc:
-        check = (
-            "etcd's HTTP gateway, which rally uses, refuses a client certificate with a Common Name while "
-            "authentication is on: give --rdzv-conf cert a certificate without a CN (the etcd user is "
-            "username/password)"
-            if "CommonName" in str(exc)
-            else f"check --rdzv-conf username and password (or password_file) and that the user may read and write {prefix}"
-        )
-        raise StoreUnavailable(f"etcd at {client.describe()} refused rally: {exc}; {check}") from exc
-    except EtcdUnavailable as exc:
-        check = (
-            "--rdzv-conf cacert (the CA that signed etcd's certificate), cert and key (a client certificate etcd trusts)"
-            if "TLS" in str(exc)
-            else "--rdzv-endpoint (etcd client endpoints HOST[:PORT],..., default port 2379) and that etcd is running"
-        )
-        raise StoreUnavailable(f"cannot reach etcd at {client.describe()}: {exc}; check {check}") from exc
-    return store

@@ -11,7 +11,8 @@ here once.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 # `get_present` first waits this long for all its keys: one call when they exist (as they do
 # after the closer's own wait), a short pause when some never will.
@@ -98,7 +99,7 @@ class KeyValueStore(ABC):
         """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
 
     @abstractmethod
-    def connect_again(self) -> "KeyValueStore":
+    def connect_again(self) -> KeyValueStore:
         """A second connection to the same store, for a thread that blocks in `wait`."""
 
     def arrive(self, name: str) -> int:

@@ -15,7 +15,8 @@ goes is the caller's `announce`: the console, and for a node's waits also its st
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
 
@@ -30,7 +31,9 @@ def left_line(what: str, left: float) -> str:
 class LongWait:
     """One bounded wait: `slice()` for the next blocking call, `tick()` after one that did not end it."""
 
-    def __init__(self, what: str, timeout: float, announce: Callable[[str], None], interval: float = WAIT_PROGRESS_SECONDS):
+    def __init__(
+        self, what: str, timeout: float, announce: Callable[[str], None], interval: float = WAIT_PROGRESS_SECONDS
+    ):
         self.what = what
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
@@ -55,7 +58,11 @@ class LongWait:
 
 
 def wait_in_slices(
-    wait: Callable[[float], T], timeout: float, what: str, announce: Callable[[str], None], done: Callable[[T], bool] = bool
+    wait: Callable[[float], T],
+    timeout: float,
+    what: str,
+    announce: Callable[[str], None],
+    done: Callable[[T], bool] = bool,
 ) -> T:
     """Call `wait(seconds)` in slices until `done(result)` or `timeout` has passed; the last result.
     Every few seconds in between, `announce` hears what is awaited and how long it may still last."""

@@ -62,7 +62,9 @@ def assign_group_ranks(nodes: list[NodeInfo]) -> list[int]:
     return placed
 
 
-def counts_entering(previous: RoundRecord | None, end: RoundEnd | None, checkpoint_step: int | None) -> tuple[int, int, int]:
+def counts_entering(
+    previous: RoundRecord | None, end: RoundEnd | None, checkpoint_step: int | None
+) -> tuple[int, int, int]:
     """(restart count, membership changes, stalled restarts) entering the round after `previous`.
 
     Derived from the previous round's record and end reason, so every node gets the same

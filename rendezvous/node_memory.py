@@ -43,7 +43,7 @@ def save_timeouts(store: KeyValueStore, values: dict[str, Any]) -> None:
     if isinstance(old, (int, float)) and (merged["heartbeat"] is None or old > merged["heartbeat"]):
         merged["heartbeat"] = old
     old_sections = stored.get("sections")
-    for name, value in (old_sections.items() if isinstance(old_sections, dict) else []):
+    for name, value in old_sections.items() if isinstance(old_sections, dict) else []:
         if isinstance(value, (int, float)) and value > merged["sections"].get(name, 0):
             merged["sections"][name] = value
     store.set(LEARNED_TIMEOUTS, json.dumps(merged))
@@ -55,14 +55,18 @@ def load_node_failures(store: KeyValueStore) -> dict[str, Any]:
     failures = (_read(store, NODE_FAILURES) or {}).get("failures")
     quarantined = _read(store, QUARANTINED) or {}
     return {
-        "failures": {str(h): [e for e in ts if _entry(e)] for h, ts in failures.items() if isinstance(ts, list)} if isinstance(failures, dict) else {},
+        "failures": {str(h): [e for e in ts if _entry(e)] for h, ts in failures.items() if isinstance(ts, list)}
+        if isinstance(failures, dict)
+        else {},
         "quarantined": {str(h): str(r) for h, r in quarantined.items()},
         "preflight": _read(store, PREFLIGHT_VERDICT),
     }
 
 
 def _entry(e: Any) -> bool:
-    return isinstance(e, list) and len(e) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)
+    return (
+        isinstance(e, list) and len(e) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)
+    )
 
 
 def save_failures(store: KeyValueStore, failures: dict[str, list]) -> None:

@@ -47,7 +47,9 @@ class RendezvousPlan:
         waits for (rendezvous/store_connect.py)."""
         backend = backend_of(self.endpoint)
         with reporting_progress(progress):
-            opened = backend.open(self.endpoint, job_prefix(run_id), self.connect_timeout, self.read_timeout, Signer(self.token))
+            opened = backend.open(
+                self.endpoint, job_prefix(run_id), self.connect_timeout, self.read_timeout, Signer(self.token)
+            )
         if not backend.imports_torch:
             # Reaching the store needs no torch, but any node may host the workers' TCPStore in
             # a later round: import it now, beside the rendezvous, not in the middle of a re-form.

@@ -146,7 +146,9 @@ class Rendezvous:
         name = f"{r}/closed"
         if not self.store.check(name):
             return None
-        return RoundRecord.load(self.store.get(name), self.store.key(name)).check_members(self.store.key(name), self.settings.max_nodes)
+        return RoundRecord.load(self.store.get(name), self.store.key(name)).check_members(
+            self.store.key(name), self.settings.max_nodes
+        )
 
     def _count(self, name: str, limit: int = MAX_COUNT) -> int:
         return self.store.counter(name, limit)
@@ -315,7 +317,6 @@ class Rendezvous:
             raise JobClosed(ended_line(self, end))
 
 
-
 class Round:
     """This node's part in one formed round, on one store connection: its assignment and what the
     round's nodes share (end, liveness, master: `channel`; hang stacks: `stacks`; the preemption
@@ -345,9 +346,26 @@ class Round:
         return self.channel.wait_master(timeout, self.a.master_host, self.rendezvous.waiting)
 
 
-
 __all__ = [
-    "Assignment", "FAILURE_KINDS", "FINAL_KINDS", "EndKind", "JobClosed", "MEMBERSHIP_KINDS", "NodeInfo", "Rendezvous",
-    "RendezvousError", "RendezvousSettings", "Round", "RoundChannel", "RoundEnd", "RoundRecord", "StoreTimeout",
-    "assign_group_ranks", "CURRENT_ROUND", "JOB_STARTED", "STACKS_ROUND_OVER", "STATUS_NODES", "status_key",
+    "Assignment",
+    "FAILURE_KINDS",
+    "FINAL_KINDS",
+    "EndKind",
+    "JobClosed",
+    "MEMBERSHIP_KINDS",
+    "NodeInfo",
+    "Rendezvous",
+    "RendezvousError",
+    "RendezvousSettings",
+    "Round",
+    "RoundChannel",
+    "RoundEnd",
+    "RoundRecord",
+    "StoreTimeout",
+    "assign_group_ranks",
+    "CURRENT_ROUND",
+    "JOB_STARTED",
+    "STACKS_ROUND_OVER",
+    "STATUS_NODES",
+    "status_key",
 ]

@@ -20,7 +20,6 @@ from rally.rendezvous.kv import StoreTampered, UntrustedValue
 T = TypeVar("T", bound="StoredRecord")
 
 
-
 class EndKind(str, Enum):
     """Why a round ended. Its value is what the store holds (`<r>/end`, `job/closed`)."""
 
@@ -120,8 +119,17 @@ class NodeInfo(StoredRecord):
     """What a node tells the round about itself."""
 
     WHAT = "node descriptor"
-    KINDS = {"node_id": "str", "host": "str", "addr": "str", "nproc": "int", "prev_rank": "int?", "preferred_rank": "int?", "checkpoint_step": "int?",
-             "memory_steps": "str", "durable_step": "int?"}
+    KINDS = {
+        "node_id": "str",
+        "host": "str",
+        "addr": "str",
+        "nproc": "int",
+        "prev_rank": "int?",
+        "preferred_rank": "int?",
+        "checkpoint_step": "int?",
+        "memory_steps": "str",
+        "durable_step": "int?",
+    }
 
     node_id: str
     host: str
@@ -151,9 +159,20 @@ class Assignment(StoredRecord):
 
     WHAT = "assignment"
     KINDS = {
-        "round": "int", "group_rank": "int", "group_world_size": "int", "rank_offset": "int", "world_size": "int",
-        "restart_count": "int", "membership_changes": "int", "watch_rank": "int?", "watch_host": "str",
-        "master_host": "str", "stalled_restarts": "int", "checkpoint_step": "int?", "node_id": "str", "resume_step": "int?",
+        "round": "int",
+        "group_rank": "int",
+        "group_world_size": "int",
+        "rank_offset": "int",
+        "world_size": "int",
+        "restart_count": "int",
+        "membership_changes": "int",
+        "watch_rank": "int?",
+        "watch_host": "str",
+        "master_host": "str",
+        "stalled_restarts": "int",
+        "checkpoint_step": "int?",
+        "node_id": "str",
+        "resume_step": "int?",
     }
 
     round: int
@@ -173,9 +192,13 @@ class Assignment(StoredRecord):
 
     def check(self, key: str) -> None:
         if not self.group_rank < self.group_world_size:
-            raise _bad(key, self.WHAT, f"group_rank {self.group_rank} is not below group_world_size {self.group_world_size}")
+            raise _bad(
+                key, self.WHAT, f"group_rank {self.group_rank} is not below group_world_size {self.group_world_size}"
+            )
         if self.watch_rank is not None and not self.watch_rank < self.group_world_size:
-            raise _bad(key, self.WHAT, f"watch_rank {self.watch_rank} is not below group_world_size {self.group_world_size}")
+            raise _bad(
+                key, self.WHAT, f"watch_rank {self.watch_rank} is not below group_world_size {self.group_world_size}"
+            )
         if not self.master_host:
             raise _bad(key, self.WHAT, "master_host is empty")
 
@@ -186,9 +209,17 @@ class Assignment(StoredRecord):
         if self.round != r:
             raise _bad(key, self.WHAT, f"round {self.round} is not {r}")
         if not 1 <= self.group_world_size <= max_nodes or self.group_world_size != members:
-            raise _bad(key, self.WHAT, f"group_world_size {self.group_world_size} is not the round's {members} nodes (at most {max_nodes})")
+            raise _bad(
+                key,
+                self.WHAT,
+                f"group_world_size {self.group_world_size} is not the round's {members} nodes (at most {max_nodes})",
+            )
         if self.rank_offset + me.nproc > self.world_size or self.world_size > self.group_world_size * MAX_NPROC:
-            raise _bad(key, self.WHAT, f"ranks {self.rank_offset}..{self.rank_offset + me.nproc - 1} do not fit world_size {self.world_size}")
+            raise _bad(
+                key,
+                self.WHAT,
+                f"ranks {self.rank_offset}..{self.rank_offset + me.nproc - 1} do not fit world_size {self.world_size}",
+            )
         return self
 
 
@@ -229,7 +260,15 @@ class RoundRecord(StoredRecord):
     """The `<r>/closed` record: who is in round r and the job-wide counts entering it."""
 
     WHAT = "round record"
-    KINDS = {"members": "int", "restart_count": "int", "membership_changes": "int", "stalled_restarts": "int", "checkpoint_step": "int?", "attempt": "int", "resume_step": "int?"}
+    KINDS = {
+        "members": "int",
+        "restart_count": "int",
+        "membership_changes": "int",
+        "stalled_restarts": "int",
+        "checkpoint_step": "int?",
+        "attempt": "int",
+        "resume_step": "int?",
+    }
 
     members: int
     restart_count: int

@@ -206,8 +206,10 @@ class RoundChannel:
         waiting.begin()
         while True:
             waiting.tick(
-                lambda: f"round {self.r}: waiting for node 0 ({master_host}) to start the workers' store; "
-                f"giving up in {deadline - time.monotonic():.0f} s"
+                lambda: (
+                    f"round {self.r}: waiting for node 0 ({master_host}) to start the workers' store; "
+                    f"giving up in {deadline - time.monotonic():.0f} s"
+                )
             )
             if self.store.try_wait([name], min(1.0, max(deadline - time.monotonic(), 0.01))):
                 return parse_master(self.store.get_str(name), self.store.key(name), master_host)

@@ -38,4 +38,10 @@ def read_job_status(store: Store) -> dict | None:
     current = store.counter(CURRENT_ROUND)
     closed = RoundEnd.load(store.get(JOB_CLOSED), store.key(JOB_CLOSED)) if store.check(JOB_CLOSED) else None
     health = load_node_failures(store)  # quarantine and pre-flight (rendezvous/node_memory.py)
-    return {"round": current, "closed": closed, "nodes": records, "quarantined": health["quarantined"], "preflight": health["preflight"]}
+    return {
+        "round": current,
+        "closed": closed,
+        "nodes": records,
+        "quarantined": health["quarantined"],
+        "preflight": health["preflight"],
+    }

@@ -36,7 +36,9 @@ class StatusBoard:
     def register(self) -> None:
         """List this node under `status/nodes`; the first node signs who started the job, when."""
         self.store.append(STATUS_NODES, self.me.node_id + "\n")
-        self.store.set_once(JOB_STARTED, json.dumps({"host": self.me.host, "node_id": self.me.node_id, "time": time.time()}))
+        self.store.set_once(
+            JOB_STARTED, json.dumps({"host": self.me.host, "node_id": self.me.node_id, "time": time.time()})
+        )
 
     def publish(self, record: dict[str, Any]) -> None:
         self.store.set(status_key(self.me.node_id), json.dumps(record))

@@ -53,7 +53,15 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=max(value, 0.001))
 
 
-__all__ = ["Store", "StoreEndpoint", "StoreError", "StoreTampered", "StoreTimeout", "StoreUnavailable", "UntrustedValue"]
+__all__ = [
+    "Store",
+    "StoreEndpoint",
+    "StoreError",
+    "StoreTampered",
+    "StoreTimeout",
+    "StoreUnavailable",
+    "UntrustedValue",
+]
 
 
 @dataclass
@@ -116,7 +124,9 @@ class Store(KeyValueStore):
             value = self._read_after_reconnect(name)
             if value is None:
                 raise
-            raise UntrustedValue(f"store key '{self.key(name)}' holds {value[:40]!r}, not a counter (garbage written by a stranger)") from None
+            raise UntrustedValue(
+                f"store key '{self.key(name)}' holds {value[:40]!r}, not a counter (garbage written by a stranger)"
+            ) from None
 
     def _read_after_reconnect(self, name: str) -> bytes | None:
         """The raw value of `name` over a fresh connection, or None when the store is gone."""
@@ -131,7 +141,9 @@ class Store(KeyValueStore):
         value = self.add(name, 0)
         if value < 0 or (limit is not None and value > limit):
             bound = "" if limit is None else f" (at most {limit})"
-            raise UntrustedValue(f"store key '{self.key(name)}' holds {value}, out of range{bound}: a stranger wrote to the store")
+            raise UntrustedValue(
+                f"store key '{self.key(name)}' holds {value}, out of range{bound}: a stranger wrote to the store"
+            )
         return value
 
     def check(self, name: str) -> bool:
@@ -185,6 +197,7 @@ class Store(KeyValueStore):
         for key in stale:
             self._call(self.raw.delete_key, key)
         return len(stale)
+
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
@@ -371,7 +384,9 @@ def open_tcp_store(
         raw = connect_tcp_store(host, port, wait, op_timeout, describe, None if port_taken else progress)
     except StoreUnavailable as exc:
         if port_taken:
-            raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it does not serve as a c10d store ({exc})")) from None
+            raise StoreUnavailable(
+                _stranger_port_message(endpoint, port, f"it does not serve as a c10d store ({exc})")
+            ) from None
         raise
     except Exception as exc:  # torch raises several unrelated types here
         raise StoreUnavailable(
@@ -391,11 +406,15 @@ def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: floa
     if store.raw.check([SERVICE_MARKER_KEY]):
         return
     if not store.try_wait([HOST_MARKER_NAME], wait):
-        raise StoreUnavailable(_stranger_port_message(endpoint, port, "it is not this job's store (another job, or another program)"))
+        raise StoreUnavailable(
+            _stranger_port_message(endpoint, port, "it is not this job's store (another job, or another program)")
+        )
     try:
         store.get(HOST_MARKER_NAME)
     except UntrustedValue as exc:
-        raise StoreUnavailable(_stranger_port_message(endpoint, port, f"its host did not sign with this job's token ({exc})")) from None
+        raise StoreUnavailable(
+            _stranger_port_message(endpoint, port, f"its host did not sign with this job's token ({exc})")
+        ) from None
 
 
 def _stranger_port_message(endpoint: StoreEndpoint, port: int, why: str) -> str:

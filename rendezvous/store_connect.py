@@ -96,15 +96,21 @@ def wait_for_store(
             "(SIGSTOP, a stalled host), or what listens there is not a c10d store"
         ) from None
     except OSError as exc:
-        raise NoStoreThere(f"{describe} dropped the connection ({exc.strerror or exc}): what listens there is not a c10d store") from None
+        raise NoStoreThere(
+            f"{describe} dropped the connection ({exc.strerror or exc}): what listens there is not a c10d store"
+        ) from None
     finally:
         conn.close()
     if len(answer) != 8 or struct.unpack("<q", answer)[0] < 0:
         shown = answer[:16].decode("ascii", errors="replace").strip() or "nothing"
-        raise NoStoreThere(f"{describe} answered like no c10d store (it sent {shown!r}): another program holds that port")
+        raise NoStoreThere(
+            f"{describe} answered like no c10d store (it sent {shown!r}): another program holds that port"
+        )
 
 
-def _connect(host: str, port: int, describe: str, connect_timeout: float, progress: Callable[[str], None] | None) -> socket.socket:
+def _connect(
+    host: str, port: int, describe: str, connect_timeout: float, progress: Callable[[str], None] | None
+) -> socket.socket:
     """A connected socket, retrying what may still change (refused, unreachable, unresolved)."""
     deadline = time.monotonic() + connect_timeout
     next_line = time.monotonic() + PROGRESS_SECONDS
@@ -115,7 +121,10 @@ def _connect(host: str, port: int, describe: str, connect_timeout: float, progre
         except OSError as exc:
             why = _reason(exc)
         if time.monotonic() >= deadline:
-            raise NoStoreThere(f"could not reach {describe} within {connect_timeout:g} s ({why}); check --rdzv-endpoint and " "that the store's host is up")
+            raise NoStoreThere(
+                f"could not reach {describe} within {connect_timeout:g} s ({why}); check --rdzv-endpoint and "
+                "that the store's host is up"
+            )
         if progress is not None and time.monotonic() >= next_line:
             until = time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - time.monotonic()))
             progress(f"waiting for {describe} ({why}); giving up at {until}, in {deadline - time.monotonic():.0f} s")
@@ -148,7 +157,9 @@ def bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
 
     threading.Thread(target=call, daemon=True, name="rally-store-connect").start()
     if not done.wait(seconds):
-        raise NoStoreThere(f"{what} did not finish within {seconds:g} s: the store stopped answering (frozen, or its host stalled)")
+        raise NoStoreThere(
+            f"{what} did not finish within {seconds:g} s: the store stopped answering (frozen, or its host stalled)"
+        )
     if "error" in box:
         raise box["error"]
     return box.get("value")

@@ -65,7 +65,11 @@ class Signer:
         head = len(ENVELOPE_TAG)
         body = sealed[head + _MAC_HEX_LENGTH + 1 :]
         signed_for, nul, payload = body.partition(b"\0")
-        if not sealed.startswith(ENVELOPE_TAG) or sealed[head + _MAC_HEX_LENGTH : head + _MAC_HEX_LENGTH + 1] != b"." or not nul:
+        if (
+            not sealed.startswith(ENVELOPE_TAG)
+            or sealed[head + _MAC_HEX_LENGTH : head + _MAC_HEX_LENGTH + 1] != b"."
+            or not nul
+        ):
             raise BadRecord(
                 f"store key '{key}' holds {_preview(sealed)}, which no rally agent wrote (garbage, or a "
                 "stranger writing to the rendezvous store); use a store only this job can reach"
@@ -96,7 +100,9 @@ def read_token_file(path: str) -> str:
     try:
         text = Path(path).expanduser().read_text(encoding="utf-8", errors="strict")
     except (OSError, UnicodeDecodeError) as exc:
-        raise TokenError(f"cannot read the job token file {path}: {exc}; give a readable file with the secret on its first line") from None
+        raise TokenError(
+            f"cannot read the job token file {path}: {exc}; give a readable file with the secret on its first line"
+        ) from None
     first = text.strip().splitlines()[0].strip() if text.strip() else ""
     if not first:
         raise TokenError(f"the job token file {path} is empty; put the secret on its first line")
@@ -122,7 +128,9 @@ def user_secret(home: Path | None = None) -> str:
                 tmp.unlink()
         return read_token_file(str(path))
     except OSError as exc:
-        raise TokenError(f"cannot create the per-user rally secret in {directory}: {exc}; set {ENV_TOKEN} instead") from None
+        raise TokenError(
+            f"cannot create the per-user rally secret in {directory}: {exc}; set {ENV_TOKEN} instead"
+        ) from None
 
 
 def env_token() -> str:
@@ -136,7 +144,9 @@ def env_token() -> str:
     return value
 
 
-def resolve_token(conf_token: str | None, conf_token_file: str | None, standalone: bool, slurm_job_id: str | None) -> str:
+def resolve_token(
+    conf_token: str | None, conf_token_file: str | None, standalone: bool, slurm_job_id: str | None
+) -> str:
     """The job's token by the precedence in this module's docstring ("" = none)."""
     if conf_token:
         return conf_token

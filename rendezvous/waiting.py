@@ -73,13 +73,25 @@ def hosts_text(hosts: list[str], count: int) -> str:
     return f" ({shown}{f', +{more} more' if more > 0 and shown else ''})" if shown else ""
 
 
-def forming_text(count: int, min_nodes: int, max_nodes: int, hosts: list[str], join_left: float, last_call_left: float | None) -> str:
+def forming_text(
+    count: int, min_nodes: int, max_nodes: int, hosts: list[str], join_left: float, last_call_left: float | None
+) -> str:
     """`waiting for 1 more node: 1 of 2 joined (node0); join_timeout in 583 s`."""
     joined = hosts_text(hosts, count)
     if count < min_nodes:
-        return f"waiting for {plural(min_nodes - count, 'more node')}: {count} of {min_nodes} joined{joined}; " f"join_timeout in {join_left:.0f} s"
-    closes = f"closes in {last_call_left:.0f} s (last call)" if last_call_left is not None else "closes when the expected nodes are in"
-    return f"waiting for more nodes: {count} of at most {max_nodes} joined{joined}; the round {closes}; join_timeout " f"in {join_left:.0f} s"
+        return (
+            f"waiting for {plural(min_nodes - count, 'more node')}: {count} of {min_nodes} joined{joined}; "
+            f"join_timeout in {join_left:.0f} s"
+        )
+    closes = (
+        f"closes in {last_call_left:.0f} s (last call)"
+        if last_call_left is not None
+        else "closes when the expected nodes are in"
+    )
+    return (
+        f"waiting for more nodes: {count} of at most {max_nodes} joined{joined}; the round {closes}; join_timeout "
+        f"in {join_left:.0f} s"
+    )
 
 
 def spare_line(r: int, members: int, max_nodes: int, join_left: float) -> str:
@@ -115,14 +127,20 @@ def ended_line(rdzv: RendezvousView, end: RoundEnd) -> str:
     """The job has ended; to a node that never took part, most likely another job's run id."""
     if rdzv.last_round is not None:
         return f"job already ended ({end.kind}): {end.detail}"
-    return clash_line(rdzv, f"belongs to a job that already ended ({end.kind}: {end.detail[:200]})", "this node ran nothing")
+    return clash_line(
+        rdzv, f"belongs to a job that already ended ({end.kind}: {end.detail[:200]})", "this node ran nothing"
+    )
 
 
 def spare_notice(rdzv: RendezvousView, members: int) -> str:
     """A node that found the job full: a spare; one that never took part names the clash."""
     s = rdzv.settings
     if rdzv.last_round is None:
-        return clash_line(rdzv, f"is in use by a running job ({members} of at most {s.max_nodes} nodes)", "this node waits as its spare")
+        return clash_line(
+            rdzv,
+            f"is in use by a running job ({members} of at most {s.max_nodes} nodes)",
+            "this node waits as its spare",
+        )
     return f"the job is full ({members} of at most {s.max_nodes} nodes); waiting as a spare until a node leaves"
 
 

@@ -67,11 +67,15 @@ def start_agent(
     `prefix` runs it under another command (`ip netns exec NS`, a node of its own)."""
     log = tmp / f"{name}.log"
     with open(log, "w") as handle:  # the child keeps its own descriptor
-        popen = start_rally(args, cwd=tmp, env=clean_env(**(env or {})), stdout=handle, stderr=subprocess.STDOUT, prefix=prefix or ())
+        popen = start_rally(
+            args, cwd=tmp, env=clean_env(**(env or {})), stdout=handle, stderr=subprocess.STDOUT, prefix=prefix or ()
+        )
     return AgentProcess(name, popen, log)
 
 
-def c10d_args(port: int, nnodes: str, run_id: str = "testjob", extra_conf: str = "", preflight: bool = False) -> list[str]:
+def c10d_args(
+    port: int, nnodes: str, run_id: str = "testjob", extra_conf: str = "", preflight: bool = False
+) -> list[str]:
     """A c10d job on 127.0.0.1 with short timeouts. Without the pre-flight check (on by default
     for multi-node jobs) unless `preflight`: the tests that use this measure rendezvous, faults
     and restarts, which the probe at each round's formation would only slow down."""
@@ -79,13 +83,20 @@ def c10d_args(port: int, nnodes: str, run_id: str = "testjob", extra_conf: str =
     if extra_conf:
         conf += "," + extra_conf
     return [
-        "--nnodes", nnodes,
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", run_id,
-        "--local-addr", "127.0.0.1",
-        "--rdzv-conf", conf,
-        "--shutdown-timeout", "3",
+        "--nnodes",
+        nnodes,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "--local-addr",
+        "127.0.0.1",
+        "--rdzv-conf",
+        conf,
+        "--shutdown-timeout",
+        "3",
         *([] if preflight else ["--no-preflight"]),
     ]
 

@@ -75,6 +75,8 @@ def start_mode_env() -> dict[str, str]:
     if mode and mode not in START_MODES:
         raise ValueError(f"RALLY_TEST_START_MODE={mode!r}: use one of {', '.join(START_MODES)}")
     return dict(START_MODES.get(mode, {}))
+
+
 # ---- end of the hook ---------------------------------------------------------------------------
 
 
@@ -233,7 +235,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition") -> object:
+def wait_for(
+    predicate: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition"
+) -> object:
     """Poll `predicate` until it returns something truthy; fail the test after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
@@ -343,7 +347,9 @@ def small_disk(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of `size` (e.g. "2m") mounted at `path` for the block, unmounted after: a disk
     that fills up for real. Skips the test where this machine does not allow mounting."""
     path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
     try:

@@ -30,8 +30,10 @@ class LiveRally:
 
     def wait_line(self, needle: str, timeout: float) -> float:
         """The time the first line containing `needle` arrived (fails the test after `timeout`)."""
+
         def seen() -> float | None:
             return next((t for t, line in self.lines if needle in line), None)
+
         try:
             return wait_for(seen, timeout, what=repr(needle))  # type: ignore[return-value]
         except BaseException:

@@ -47,9 +47,13 @@ class Store:
     def __init__(self, tmp: Path, prefix: list[str] | None = None):
         self.log = tmp / "store.log"
         with open(self.log, "w") as handle:
-            self.popen = start_rally(["store", "--port", "0"], cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, prefix=prefix or ())
+            self.popen = start_rally(
+                ["store", "--port", "0"], cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, prefix=prefix or ()
+            )
         deadline = time.monotonic() + 60
-        while not (found := re.search(r"listening on port (\d+)", self.log.read_text())) and time.monotonic() < deadline:
+        while (
+            not (found := re.search(r"listening on port (\d+)", self.log.read_text())) and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         assert found, self.log.read_text()
         self.port = int(found.group(1))
@@ -60,10 +64,16 @@ class Store:
         self.popen.wait(timeout=10)
 
 
-def agent(tmp: Path, host: str, args: list[str], env: dict[str, str], netns: str | None = None, cgroup: str = "") -> AgentProcess:
+def agent(
+    tmp: Path, host: str, args: list[str], env: dict[str, str], netns: str | None = None, cgroup: str = ""
+) -> AgentProcess:
     """An agent on a "machine" called `host` (log: <tmp>/<host>.log), in `netns`, moved into a
     cgroup first by the `cgroup` shell snippet of `slow_cpu`."""
-    prefix = (["ip", "netns", "exec", netns] if netns else []) + (["sh", "-c", f'{cgroup} exec "$@"', "sh"] if cgroup else []) + named(host)
+    prefix = (
+        (["ip", "netns", "exec", netns] if netns else [])
+        + (["sh", "-c", f'{cgroup} exec "$@"', "sh"] if cgroup else [])
+        + named(host)
+    )
     return start_agent(host, tmp, args, env, prefix=prefix)
 
 
@@ -111,7 +121,12 @@ def slow_link(netns: str, delay_ms: int, fallback_rate: str = "40mbit") -> str:
         return f"netem delay {delay_ms} ms"
     if "unknown" not in done.stderr:
         raise RuntimeError(f"tc netem failed: {done.stderr.strip()}")
-    subprocess.run([*tc, "tbf", "rate", fallback_rate, "burst", "32kb", "latency", "400ms"], check=True, capture_output=True, timeout=10)
+    subprocess.run(
+        [*tc, "tbf", "rate", fallback_rate, "burst", "32kb", "latency", "400ms"],
+        check=True,
+        capture_output=True,
+        timeout=10,
+    )
     return f"tbf rate {fallback_rate} (this kernel has no netem)"
 
 

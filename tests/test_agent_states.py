@@ -64,7 +64,10 @@ def test_round_end_kinds_round_trip_through_the_store_as_their_names() -> None:
 
 def nodes(*specs: tuple[str, int, int | None, int | None]) -> list[NodeInfo]:
     """(host, nproc, previous rank, checkpoint step) per node, in arrival order."""
-    return [NodeInfo(node_id=f"{h}:1", host=h, addr=f"{h}.addr", nproc=n, prev_rank=prev, checkpoint_step=step) for h, n, prev, step in specs]
+    return [
+        NodeInfo(node_id=f"{h}:1", host=h, addr=f"{h}.addr", nproc=n, prev_rank=prev, checkpoint_step=step)
+        for h, n, prev, step in specs
+    ]
 
 
 def test_assignments_are_node_major_keep_ranks_and_watch_a_ring() -> None:

@@ -36,7 +36,9 @@ def test_the_registry_holds_torchruns_backends_and_the_file_store() -> None:
 def test_each_backend_plans_from_the_options() -> None:
     c10d = backend_named("c10d").plan(StoreRequest(endpoint="127.0.0.1:29411", max_nodes=2))
     assert (c10d.host, c10d.port, c10d.host_here, c10d.backend) == ("127.0.0.1", 29411, True, "c10d")
-    from_slurm = backend_named("c10d").plan(StoreRequest(endpoint=HostPort("127.0.0.1", 17234), max_nodes=2, is_host=False))
+    from_slurm = backend_named("c10d").plan(
+        StoreRequest(endpoint=HostPort("127.0.0.1", 17234), max_nodes=2, is_host=False)
+    )
     assert (from_slurm.host, from_slurm.port, from_slurm.host_here) == ("127.0.0.1", 17234, False)
     static = backend_named("static").plan(StoreRequest(min_nodes=2, max_nodes=2, node_rank=1, master_addr="127.0.0.1"))
     assert (static.port, static.host_here, static.backend) == (29500, False, "static")
@@ -61,6 +63,8 @@ def test_a_store_hosted_on_port_0_reports_its_port_and_leaves_the_plan_alone() -
     assert planned.port == 0, "the planned endpoint is not changed behind the caller's back"
     assert dataclasses.replace(planned, port=opened.port) == opened.endpoint
     opened.store.set("k", "v")
-    client = open_endpoint(backend_named("c10d").locate(f"localhost:{opened.port}"), job_prefix("job1"), 5, 5, Signer("t"))
+    client = open_endpoint(
+        backend_named("c10d").locate(f"localhost:{opened.port}"), job_prefix("job1"), 5, 5, Signer("t")
+    )
     assert client.server is None and client.store.get("k") == b"v" and client.port == opened.port
     assert client.store.try_wait(["k"], 1) and not client.store.try_wait(["never"], 0.2)

@@ -61,11 +61,21 @@ BAD_FLAGS = [
     pytest.param(["--nproc-per-node", "-1", "train.py"], "--nproc-per-node", id="nproc-negative"),
     pytest.param(["--nproc-per-node", "gpu", "train.py"], "gpu", id="nproc-gpu-without-gpus"),
     pytest.param(["--max-restarts", "-1", "train.py"], "--max-restarts", id="max-restarts-negative"),
-    pytest.param(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "a:b:c", "train.py"], "a:b:c", id="endpoint-malformed-c10d"),
-    pytest.param(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host:99999", "train.py"], "99999", id="endpoint-port-out-of-range-c10d"),
+    pytest.param(
+        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "a:b:c", "train.py"],
+        "a:b:c",
+        id="endpoint-malformed-c10d",
+    ),
+    pytest.param(
+        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host:99999", "train.py"],
+        "99999",
+        id="endpoint-port-out-of-range-c10d",
+    ),
     # torchrun's default (static) backend takes its store address from --rdzv-endpoint too.
     pytest.param(["--rdzv-endpoint", "a:b:c", "train.py"], "a:b:c", id="endpoint-malformed-default-backend"),
-    pytest.param(["--rdzv-endpoint", "host:99999", "train.py"], "99999", id="endpoint-port-out-of-range-default-backend"),
+    pytest.param(
+        ["--rdzv-endpoint", "host:99999", "train.py"], "99999", id="endpoint-port-out-of-range-default-backend"
+    ),
     pytest.param(["--rdzv-conf", "bogus=1", "train.py"], "bogus", id="rdzv-conf-unknown-key"),
     pytest.param(["missing_script.py"], "missing_script.py", id="script-missing"),
 ]
@@ -91,34 +101,93 @@ MORE_BAD_FLAGS = [
     pytest.param(["--log-dir", "/proc/rally-test-logs", "train.py"], "--log-dir", id="log-dir-unwritable"),
     pytest.param(["--log-dir", "{tmp}/afile", "train.py"], "--log-dir", id="log-dir-is-a-file"),
     pytest.param(["--log-dir", "", "train.py"], "--log-dir", id="log-dir-empty"),
-    pytest.param(["--checkpoint-dir", "/proc/rally-test-ckpt", "train.py"], "--checkpoint-dir", id="checkpoint-dir-unwritable"),
-    pytest.param(["--checkpoint-dir", "{tmp}/afile/sub", "train.py"], "--checkpoint-dir", id="checkpoint-dir-under-a-file"),
+    pytest.param(
+        ["--checkpoint-dir", "/proc/rally-test-ckpt", "train.py"], "--checkpoint-dir", id="checkpoint-dir-unwritable"
+    ),
+    pytest.param(
+        ["--checkpoint-dir", "{tmp}/afile/sub", "train.py"], "--checkpoint-dir", id="checkpoint-dir-under-a-file"
+    ),
     pytest.param(["--checkpoint-dir", "", "train.py"], "--checkpoint-dir", id="checkpoint-dir-empty"),
     *[
         pytest.param([option, value, "train.py"], option, id=f"{option[2:]}-{value}")
-        for option in ("--shutdown-timeout", "--heartbeat-timeout", "--silence-timeout", "--preemption-grace", "--resource-interval")
+        for option in (
+            "--shutdown-timeout",
+            "--heartbeat-timeout",
+            "--silence-timeout",
+            "--preemption-grace",
+            "--resource-interval",
+        )
         for value in ("inf", "nan", "-1", "1e300")
     ],
     pytest.param(["--resource-interval", "1e-9", "train.py"], "--resource-interval", id="resource-interval-tiny"),
     pytest.param(["--monitor-interval", "nan", "train.py"], "--monitor-interval", id="monitor-interval-nan"),
     *[
         pytest.param(["--rdzv-conf", f"{key}={value}", "train.py"], key, id=f"rdzv-conf-{key}-{value}")
-        for key, value in [("join_timeout", "inf"), ("read_timeout", "nan"), ("last_call_timeout", "1e300"), ("timeout", "inf"),
-                           ("keep_alive_interval", "nan"), ("keep_alive_timeout", "-3"), ("keep_alive_max_attempt", "0.5")]
+        for key, value in [
+            ("join_timeout", "inf"),
+            ("read_timeout", "nan"),
+            ("last_call_timeout", "1e300"),
+            ("timeout", "inf"),
+            ("keep_alive_interval", "nan"),
+            ("keep_alive_timeout", "-3"),
+            ("keep_alive_max_attempt", "0.5"),
+        ]
     ],
     pytest.param(["--rdzv-conf", "is_host=maybe", "train.py"], "is_host", id="rdzv-conf-is-host-not-a-boolean"),
-    pytest.param(["--rdzv-conf", "timeout=5,join_timeout=6", "train.py"], "timeout=5 and join_timeout=6", id="rdzv-conf-timeout-and-join-timeout-disagree"),
+    pytest.param(
+        ["--rdzv-conf", "timeout=5,join_timeout=6", "train.py"],
+        "timeout=5 and join_timeout=6",
+        id="rdzv-conf-timeout-and-join-timeout-disagree",
+    ),
     pytest.param(["--no-python", "{tmp}/noexec.sh"], "noexec.sh", id="no-python-not-executable"),
     pytest.param(["--no-python", "{tmp}/adir"], "adir", id="no-python-a-directory"),
     pytest.param(["{tmp}/adir"], "adir", id="script-is-a-directory"),
     pytest.param(["-m", "no.such..module"], "no.such..module", id="module-name-malformed"),
     pytest.param(["--master-port", "70000", "train.py"], "--master-port", id="master-port-70000"),
     pytest.param(["--master-port", "-1", "train.py"], "--master-port", id="master-port-negative"),
-    pytest.param(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:70000", "train.py"], "70000", id="c10d-endpoint-port-70000"),
-    pytest.param(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "no-such-host.invalid:29400", "train.py"], "no-such-host.invalid", id="c10d-endpoint-unresolvable"),
-    pytest.param(["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400", "train.py"], "--rdzv-endpoint", id="static-endpoint-unresolvable"),
-    pytest.param(["--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid", "--master-port", "29999", "train.py"], "--master-addr", id="master-addr-unresolvable"),
-    pytest.param(["--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file", "--rdzv-endpoint", "/nonexistent-rally/store", "train.py"], "--rdzv-endpoint", id="file-store-directory-missing"),
+    pytest.param(
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:70000", "train.py"],
+        "70000",
+        id="c10d-endpoint-port-70000",
+    ),
+    pytest.param(
+        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "no-such-host.invalid:29400", "train.py"],
+        "no-such-host.invalid",
+        id="c10d-endpoint-unresolvable",
+    ),
+    pytest.param(
+        ["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400", "train.py"],
+        "--rdzv-endpoint",
+        id="static-endpoint-unresolvable",
+    ),
+    pytest.param(
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "no-such-host.invalid",
+            "--master-port",
+            "29999",
+            "train.py",
+        ],
+        "--master-addr",
+        id="master-addr-unresolvable",
+    ),
+    pytest.param(
+        [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-conf",
+            "store_type=file",
+            "--rdzv-endpoint",
+            "/nonexistent-rally/store",
+            "train.py",
+        ],
+        "--rdzv-endpoint",
+        id="file-store-directory-missing",
+    ),
     pytest.param(["--nproc-per-node", "100000", "train.py"], "--nproc-per-node", id="nproc-huge"),
     pytest.param(["--nproc-per-node", "0", "train.py"], "--nproc-per-node", id="nproc-zero"),
     pytest.param(["--nnodes", "0:0", "train.py"], "--nnodes", id="nnodes-0-0"),
@@ -126,13 +195,28 @@ MORE_BAD_FLAGS = [
     pytest.param(["--node-rank", "5", "train.py"], "--node-rank", id="node-rank-not-below-nnodes"),
     pytest.param(["--rdzv-id", "", "train.py"], "--rdzv-id", id="rdzv-id-empty"),
     pytest.param(["store", "--port", "70000"], "--port", id="store-port-70000"),
-    *[pytest.param(["store", "--port", "0", "--timeout", value], "--timeout", id=f"store-timeout-{value}") for value in ("inf", "nan", "-1", "1e300")],
-    pytest.param(["status", "--rdzv-endpoint", "no-such-host.invalid:29400", "--rdzv-id", "x"], "no-such-host.invalid", id="status-endpoint-unresolvable"),
+    *[
+        pytest.param(["store", "--port", "0", "--timeout", value], "--timeout", id=f"store-timeout-{value}")
+        for value in ("inf", "nan", "-1", "1e300")
+    ],
+    pytest.param(
+        ["status", "--rdzv-endpoint", "no-such-host.invalid:29400", "--rdzv-id", "x"],
+        "no-such-host.invalid",
+        id="status-endpoint-unresolvable",
+    ),
     # issue 21: learned timeouts, GPU reclaim, quarantine, pre-flight
     pytest.param(["--heartbeat-timeout", "sometimes", "train.py"], "or 'auto'", id="heartbeat-timeout-word"),
     pytest.param(["--heartbeat-timeout", "0", "train.py"], "--heartbeat-timeout", id="heartbeat-timeout-zero"),
-    pytest.param(["--heartbeat-timeout", "auto", "--timeout-safety-factor", "0.5", "train.py"], "--timeout-safety-factor", id="safety-factor-below-1"),
-    pytest.param(["--heartbeat-timeout", "auto", "--timeout-samples", "1", "train.py"], "--timeout-samples", id="timeout-samples-1"),
+    pytest.param(
+        ["--heartbeat-timeout", "auto", "--timeout-safety-factor", "0.5", "train.py"],
+        "--timeout-safety-factor",
+        id="safety-factor-below-1",
+    ),
+    pytest.param(
+        ["--heartbeat-timeout", "auto", "--timeout-samples", "1", "train.py"],
+        "--timeout-samples",
+        id="timeout-samples-1",
+    ),
     pytest.param(["--gpu-reclaim-timeout", "-1", "train.py"], "--gpu-reclaim-timeout", id="gpu-reclaim-negative"),
     pytest.param(["--quarantine-after", "-1", "train.py"], "--quarantine-after", id="quarantine-after-negative"),
     pytest.param(["--quarantine-window", "0", "train.py"], "--quarantine-window", id="quarantine-window-zero"),
@@ -256,7 +340,13 @@ def test_unreachable_store_exits_2_within_seconds_naming_the_endpoint(tmp_path: 
 def test_help_shows_grouped_options_and_examples(tmp_path: Path) -> None:
     result = run_rally(["--help"], cwd=tmp_path)
     assert result.returncode == 0, result.describe()
-    for heading in ("Job options:", "Rendezvous options:", "Restarts and shutdown options:", "Logs and output options:", "Entry point options:"):
+    for heading in (
+        "Job options:",
+        "Rendezvous options:",
+        "Restarts and shutdown options:",
+        "Logs and output options:",
+        "Entry point options:",
+    ):
         assert heading in result.stdout, heading
     assert "Examples:" in result.stdout
     assert "rally --standalone --nproc-per-node" in result.stdout
@@ -279,7 +369,9 @@ LONG_NAME = "x" * 300
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("option", ["--log-dir", "--checkpoint-dir"])
 def test_a_path_component_longer_than_255_bytes_exits_2_with_one_line(tmp_path: Path, option: str) -> None:
-    line = assert_one_line_only(rally_fails(tmp_path, "--standalone", option, str(tmp_path / LONG_NAME / "run"), "train.py"))
+    line = assert_one_line_only(
+        rally_fails(tmp_path, "--standalone", option, str(tmp_path / LONG_NAME / "run"), "train.py")
+    )
     assert option in line and "at most 255" in line, line
 
 
@@ -316,6 +408,8 @@ def test_rally_store_on_a_taken_port_exits_2_with_one_line(tmp_path: Path) -> No
 @pytest.mark.timeout(60)
 def test_rally_status_against_an_unreachable_endpoint_exits_2_with_one_line(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    result = run_rally(["status", "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--timeout", "1"], cwd=tmp_path, timeout=40)
+    result = run_rally(
+        ["status", "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--timeout", "1"], cwd=tmp_path, timeout=40
+    )
     line = assert_one_line_only(result)
     assert endpoint in line, line

@@ -26,8 +26,16 @@ CASES = [
     pytest.param(end(EndKind.SUCCEEDED), 3, 3, Exit(0), id="success-after-the-last-restart-exits-0"),
     pytest.param(end(EndKind.WORKER_FAILED, 3), 0, 2, Restart(1), id="failure-with-budget-restarts"),
     pytest.param(end(EndKind.WORKER_FAILED, 3), 1, 2, Restart(2), id="failure-spends-the-last-restart"),
-    pytest.param(end(EndKind.WORKER_FAILED, 3), 2, 2, Exit(3, gave_up=True), id="failure-without-budget-exits-with-the-workers-status"),
-    pytest.param(end(EndKind.WORKER_FAILED, 0), 0, 0, Exit(1, gave_up=True), id="failure-reporting-status-0-still-exits-non-zero"),
+    pytest.param(
+        end(EndKind.WORKER_FAILED, 3),
+        2,
+        2,
+        Exit(3, gave_up=True),
+        id="failure-without-budget-exits-with-the-workers-status",
+    ),
+    pytest.param(
+        end(EndKind.WORKER_FAILED, 0), 0, 0, Exit(1, gave_up=True), id="failure-reporting-status-0-still-exits-non-zero"
+    ),
     pytest.param(end(EndKind.WORKER_FAILED), 0, 0, Exit(1, gave_up=True), id="failure-without-a-status-exits-1"),
     pytest.param(end(EndKind.WORKER_HUNG, 1), 0, 1, Restart(1), id="hang-restarts-like-a-failure"),
     pytest.param(end(EndKind.WORKER_HUNG, 1), 1, 1, Exit(1, gave_up=True), id="hang-without-budget-gives-up"),

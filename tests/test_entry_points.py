@@ -31,7 +31,9 @@ ARGV_PROBE = """
 """
 
 
-def run_probe(tmp_path: Path, launcher_args: list[str], nproc: int = 2, env: dict[str, str] | None = None) -> list[dict]:
+def run_probe(
+    tmp_path: Path, launcher_args: list[str], nproc: int = 2, env: dict[str, str] | None = None
+) -> list[dict]:
     """Run rally with these arguments, and return what each local rank's probe recorded."""
     out = tmp_path / "out"
     out.mkdir()

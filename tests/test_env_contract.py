@@ -44,7 +44,9 @@ ENV_PROBE = """
 """
 
 
-def dump_env(tmp_path: Path, name: str, launcher_args: list[str], *, env: dict[str, str] | None = None, torchrun: bool = False) -> dict[int, dict[str, str]]:
+def dump_env(
+    tmp_path: Path, name: str, launcher_args: list[str], *, env: dict[str, str] | None = None, torchrun: bool = False
+) -> dict[int, dict[str, str]]:
     """Run the env probe under rally (or torchrun) and return {local_rank: environ}."""
     probe = write_probe(tmp_path / "env_probe.py", ENV_PROBE)
     out = tmp_path / name
@@ -89,12 +91,16 @@ def test_rally_workers_get_every_variable_torchrun_workers_get(tmp_path: Path) -
             assert r_env.get(key) == value, f"rally changed or dropped inherited {key}: {r_env.get(key)!r} != {value!r}"
 
         added_by_torchrun = {k for k in t_env if k not in parent} - TORCHRUN_INTERNAL
-        assert "RANK" in added_by_torchrun and "TORCHELASTIC_ERROR_FILE" in added_by_torchrun  # the probe saw a real torchrun
+        assert (
+            "RANK" in added_by_torchrun and "TORCHELASTIC_ERROR_FILE" in added_by_torchrun
+        )  # the probe saw a real torchrun
         missing = sorted(added_by_torchrun - set(r_env))
         assert not missing, f"local rank {local_rank}: rally does not set {missing}"
 
         for key in sorted(added_by_torchrun - DIFFERENT_EVERY_RUN):
-            assert r_env[key] == t_env[key], f"local rank {local_rank}: {key} is {r_env[key]!r} under rally, {t_env[key]!r} under torchrun"
+            assert r_env[key] == t_env[key], (
+                f"local rank {local_rank}: {key} is {r_env[key]!r} under rally, {t_env[key]!r} under torchrun"
+            )
 
         for env in (t_env, r_env):
             assert_port(env["MASTER_PORT"])

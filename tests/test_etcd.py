@@ -24,7 +24,8 @@ from agents import AgentProcess, start_agent, stop_all
 from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
 from helpers import eventually, free_port, run_rally, write_probe
 from rally.rendezvous.etcd_client import Member
-from rally.rendezvous.etcd_store import EtcdStore, open_etcd_store
+from rally.rendezvous.etcd_open import open_etcd_store
+from rally.rendezvous.etcd_store import EtcdStore
 from rally.rendezvous.store import StoreTimeout, StoreUnavailable
 from test_bad_input import assert_one_line_only, rally_fails, the_error_line
 
@@ -289,7 +290,9 @@ def test_the_etcd_leader_sigkilled_mid_training_costs_no_restart_and_no_pause(et
     codes = [agent.wait(90) for agent in agents]
     steps = job.steps()
     assert codes == [0, 0], job.outputs()
-    assert {(s["RALLY_ROUND"], s["TORCHELASTIC_RESTART_COUNT"]) for s in steps} == {("0", "0")}, "one round, restart count 0"
+    assert {(s["RALLY_ROUND"], s["TORCHELASTIC_RESTART_COUNT"]) for s in steps} == {("0", "0")}, (
+        "one round, restart count 0"
+    )
     assert any(s["t"] > killed_at + 3 for s in steps), "training went on after the leader died"
     pause = longest_pause(steps)
     print(f"longest pause in training: {pause:.3f} s (leader {leader.name} killed)")
@@ -321,7 +324,9 @@ def test_a_node_sigkilled_is_lost_by_lease_expiry_and_the_survivor_trains_again_
     back_after = min(s["t"] for s in again) - killed_at
     print(f"the survivor trained again {back_after:.2f} s after the kill (lease TTL {KEEP_ALIVE_TIMEOUT:g} s)")
     killed = time.strftime("%H:%M:%S", time.localtime(killed_at)) + f".{int(killed_at * 1000) % 1000:03d}"
-    assert back_after <= KEEP_ALIVE_TIMEOUT + 2, f"the survivor trained again {back_after:.2f} s after the kill at {killed}\n{job.outputs()}"
+    assert back_after <= KEEP_ALIVE_TIMEOUT + 2, (
+        f"the survivor trained again {back_after:.2f} s after the kill at {killed}\n{job.outputs()}"
+    )
     text = survivor.output()
     assert "sent no keep-alive" in text and "re-forming the job" in text, text
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in victim.descendants())
@@ -345,7 +350,9 @@ def test_losing_the_whole_etcd_cluster_stops_every_node_with_a_clear_message(etc
         assert ("has not answered for" in out and "workers were stopped" in out) or (
             "is unreachable: no member answered within 3 s" in out and "so this node stops" in out
         ), job.outputs()
-    assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -365,8 +372,14 @@ def test_etcd_unreachable_at_start_is_one_clear_line_and_a_fast_exit(tmp_path):
     [
         pytest.param(["--rdzv-backend", "etcd", "--rdzv-id", "x"], "needs --rdzv-endpoint", id="no-endpoint"),
         pytest.param(["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:2379"], "needs --rdzv-id", id="no-run-id"),
-        pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "ftp://h:2379", "--rdzv-id", "x"], "http:// or https://", id="scheme"),
-        pytest.param(["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:99999", "--rdzv-id", "x"], "out of range", id="bad-port"),
+        pytest.param(
+            ["--rdzv-backend", "etcd", "--rdzv-endpoint", "ftp://h:2379", "--rdzv-id", "x"],
+            "http:// or https://",
+            id="scheme",
+        ),
+        pytest.param(
+            ["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:99999", "--rdzv-id", "x"], "out of range", id="bad-port"
+        ),
     ],
 )
 def test_bad_etcd_options_are_one_line_and_exit_2(tmp_path, args, expected):

@@ -96,7 +96,10 @@ def test_a_get_right_after_a_check_or_a_wait_is_served_from_that_read(etcd):
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     counts, lock = [0], threading.Lock()
     prefix = f"test/{uuid.uuid4().hex}/"
-    store, other = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    store, other = (
+        EtcdStore(CountingClient(members, counts, lock), prefix, 10),
+        EtcdStore(EtcdClient(members), prefix, 10),
+    )
     other.multi_set({"a": "1", "b": "2"})
 
     def requests(fn) -> int:
@@ -110,7 +113,9 @@ def test_a_get_right_after_a_check_or_a_wait_is_served_from_that_read(etcd):
     other.set("a", "changed")
     assert store.get_str("a") == "changed", "a value handed out once is not handed out again"
     assert requests(lambda: (store.check("a"), store.check("a"))) == 2, "a second check asks etcd again"
-    assert requests(lambda: (store.check("a"), store.set("x", "1"), store.get_str("a"))) == 3, "a request in between ends it"
+    assert requests(lambda: (store.check("a"), store.set("x", "1"), store.get_str("a"))) == 3, (
+        "a request in between ends it"
+    )
 
 
 @needs_etcd
@@ -138,7 +143,10 @@ def test_waiting_for_many_keys_is_one_read_and_one_watch_however_late_they_come(
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     counts, lock = [0], threading.Lock()
     prefix = f"test/{uuid.uuid4().hex}/"
-    store, writer = EtcdStore(CountingClient(members, counts, lock), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
+    store, writer = (
+        EtcdStore(CountingClient(members, counts, lock), prefix, 10),
+        EtcdStore(EtcdClient(members), prefix, 10),
+    )
     names = [f"0/node/{i}" for i in range(40)]
     writer.multi_set({n: f"descriptor {n}" for n in names[:10]})
 

@@ -29,7 +29,7 @@ from etcd_cluster import ETCD
 from helpers import eventually, free_port, run_rally, write_probe
 from rally.rendezvous.etcd_client import Member
 from rally.rendezvous.etcd_http import EtcdAccess
-from rally.rendezvous.etcd_store import open_etcd_store
+from rally.rendezvous.etcd_open import open_etcd_store
 from test_bad_input import assert_one_line_only, rally_fails, the_error_line
 from test_etcd import PROBE
 
@@ -51,13 +51,20 @@ def make_certificates(directory: Path) -> dict[str, Path]:
     run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=rally test CA")
     # The client certificate has no Common Name: with authentication on, etcd's HTTP gateway
     # refuses one that has (etcd would take the CN for a user name); `client-cn` shows that.
-    certificates = (("server", "serverAuth,clientAuth", "/CN=rally-server"), ("client", "clientAuth", "/O=rally"), ("client-cn", "clientAuth", "/CN=rally-client"))
+    certificates = (
+        ("server", "serverAuth,clientAuth", "/CN=rally-server"),
+        ("client", "clientAuth", "/O=rally"),
+        ("client-cn", "clientAuth", "/CN=rally-client"),
+    )
     for name, usage, subject in certificates:
         (directory / f"{name}.ext").write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n")
         run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject)
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")  # fmt: skip
-    return {name: directory / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key", "client-cn.pem", "client-cn.key")}
+    return {
+        name: directory / name
+        for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key", "client-cn.pem", "client-cn.key")
+    }
 
 
 @dataclass
@@ -83,7 +90,9 @@ class SecureEtcd:
         ]  # fmt: skip
         if user:
             command.insert(1, f"--user={user}")
-        return subprocess.run(command, capture_output=True, text=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"})
+        return subprocess.run(
+            command, capture_output=True, text=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"}
+        )
 
 
 @pytest.fixture
@@ -117,7 +126,9 @@ def start_secure_etcd(tmp_path: Path, *extra: str) -> Iterator[SecureEtcd]:
     password_file.write_text("rally-secret\n")
     member = SecureEtcd(f"127.0.0.1:{client_port}", files, password_file, process)
     try:
-        assert eventually(lambda: member.etcdctl("endpoint", "health", user="").returncode == 0, 30), (tmp_path / "etcd.log").read_text()
+        assert eventually(lambda: member.etcdctl("endpoint", "health", user="").returncode == 0, 30), (
+            tmp_path / "etcd.log"
+        ).read_text()
         for args in (
             ("role", "add", "root"), ("user", "add", "root:rootpw"), ("user", "grant-role", "root", "root"),
             ("role", "add", "rally"), ("role", "grant-permission", "rally", "--prefix=true", "readwrite", "rally/"),
@@ -151,12 +162,16 @@ def test_a_job_runs_on_etcd_with_tls_client_certificates_and_an_etcd_user(secure
     agents = [start_agent(f"n{i}", tmp_path, args) for i in range(2)]
     try:
         stepping = lambda: steps.exists() and len(steps.read_text().splitlines()) > 10  # noqa: E731
-        assert eventually(lambda: stepping() or any(a.popen.poll() is not None for a in agents), 120) and stepping(), agents[0].output()
+        assert eventually(lambda: stepping() or any(a.popen.poll() is not None for a in agents), 120) and stepping(), (
+            agents[0].output()
+        )
         status = run_rally(
             ["status", "--rdzv-backend", "etcd", "--rdzv-endpoint", secure_etcd.endpoint, "--rdzv-id", run_id,
              "--rdzv-conf", secure_etcd.conf()], cwd=tmp_path, timeout=60,
         )  # fmt: skip
-        assert status.returncode == 0 and f"job {run_id} at etcd at https://{secure_etcd.endpoint}" in status.stdout, status.describe()
+        assert status.returncode == 0 and f"job {run_id} at etcd at https://{secure_etcd.endpoint}" in status.stdout, (
+            status.describe()
+        )
         codes = [agent.wait(120) for agent in agents]
         assert codes == [0, 0], "\n".join(a.output() for a in agents)
     finally:
@@ -178,7 +193,9 @@ def test_a_job_runs_on_etcd_with_tls_client_certificates_and_an_etcd_user(secure
         pytest.param({"username": "", "password_file": ""}, "refused rally", id="no-user"),
         pytest.param({"cert": "", "key": ""}, "TLS", id="no-client-certificate"),
         pytest.param({"cacert": "client.pem"}, "TLS", id="wrong-ca"),
-        pytest.param({"cert": "client-cn.pem", "key": "client-cn.key"}, "a certificate without a CN", id="certificate-with-cn"),
+        pytest.param(
+            {"cert": "client-cn.pem", "key": "client-cn.key"}, "a certificate without a CN", id="certificate-with-cn"
+        ),
     ],
 )
 def test_wrong_etcd_credentials_are_one_line_and_exit_2(secure_etcd, tmp_path, override, expected):
@@ -202,7 +219,9 @@ def test_an_expired_auth_token_is_replaced_for_calls_and_watches(tmp_path):
     for member in start_secure_etcd(tmp_path, "--auth-token-ttl", "1"):
         host, port = member.endpoint.split(":")
         f = member.files
-        access = EtcdAccess("https", str(f["ca.pem"]), str(f["client.pem"]), str(f["client.key"]), "rally", "rally-secret")
+        access = EtcdAccess(
+            "https", str(f["ca.pem"]), str(f["client.pem"]), str(f["client.key"]), "rally", "rally-secret"
+        )
         store = open_etcd_store([Member(host, int(port))], f"rally/{uuid.uuid4().hex}/", 10, access=access)
         store.set("k", "v")
         first = store.client._auth._token
@@ -220,7 +239,11 @@ def test_an_expired_auth_token_is_replaced_for_calls_and_watches(tmp_path):
 @pytest.mark.parametrize(
     "conf, expected",
     [
-        pytest.param("cacert=/nonexistent/ca.pem,protocol=https", "cacert=/nonexistent/ca.pem: no such readable file", id="missing-ca"),
+        pytest.param(
+            "cacert=/nonexistent/ca.pem,protocol=https",
+            "cacert=/nonexistent/ca.pem: no such readable file",
+            id="missing-ca",
+        ),
         pytest.param("cacert={ca}", "needs TLS: add protocol=https", id="tls-without-https"),
         pytest.param("protocol=gopher", "use http or https", id="bad-protocol"),
         pytest.param("username=rally", "needs both a name and a password", id="user-without-password"),

@@ -98,7 +98,9 @@ def test_random_sigkills_of_workers_lose_nothing_and_end_bit_identical(tmp_path:
                     kill_steps.pop(0)
                     # wait for the restart before looking for the next kill step
                     lines_before = len(lines)
-                    while proc.poll() is None and not any(_start_point(line) is not None for line in lines[lines_before:]):
+                    while proc.poll() is None and not any(
+                        _start_point(line) is not None for line in lines[lines_before:]
+                    ):
                         time.sleep(0.05)
                     seen = len(lines)
                     break

@@ -218,7 +218,9 @@ SHUTDOWN_TIMEOUT = 10
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
-def test_signal_to_rally_is_forwarded_to_workers_and_nothing_survives(tmp_path: Path, procs: ProcessTracker, signum: signal.Signals) -> None:
+def test_signal_to_rally_is_forwarded_to_workers_and_nothing_survives(
+    tmp_path: Path, procs: ProcessTracker, signum: signal.Signals
+) -> None:
     rally, workers, grandchildren = start_signal_job(tmp_path, procs, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
     helpers = [p.pid for p in psutil.Process(rally.pid).children() if p.pid not in workers]
     sent = time.monotonic()
@@ -228,19 +230,25 @@ def test_signal_to_rally_is_forwarded_to_workers_and_nothing_survives(tmp_path: 
     # The workers die of the signal at once, so rally does not wait out the grace period.
     assert result.elapsed < SHUTDOWN_TIMEOUT, f"took {result.elapsed:.1f} s to stop\n{result.describe()}"
     for rank in range(len(workers)):
-        assert (tmp_path / "out" / f"signal_{rank}").read_text() == str(int(signum)), f"rank {rank} did not get {signum.name}"
+        assert (tmp_path / "out" / f"signal_{rank}").read_text() == str(int(signum)), (
+            f"rank {rank} did not get {signum.name}"
+        )
     left = survivors(workers + grandchildren + helpers, within=0.5)
     assert not left, f"still alive after rally exited: {describe_pids(left)}"
 
 
 @pytest.mark.timeout(120)
-def test_worker_that_ignores_sigterm_is_killed_after_the_shutdown_timeout(tmp_path: Path, procs: ProcessTracker) -> None:
+def test_worker_that_ignores_sigterm_is_killed_after_the_shutdown_timeout(
+    tmp_path: Path, procs: ProcessTracker
+) -> None:
     rally, workers, grandchildren = start_signal_job(tmp_path, procs, "--shutdown-timeout", "1", ignore_sigterm=True)
     sent = time.monotonic()
     os.kill(rally.pid, signal.SIGTERM)
     result = finish(rally, timeout=30, started=sent)
     assert result.returncode == 128 + signal.SIGTERM, result.describe()
-    assert 0.9 <= result.elapsed < 8, f"SIGKILL comes after the 1 s grace period, not before, not much later\n{result.describe()}"
+    assert 0.9 <= result.elapsed < 8, (
+        f"SIGKILL comes after the 1 s grace period, not before, not much later\n{result.describe()}"
+    )
     left = survivors(workers + grandchildren, within=0.5)
     assert not left, f"still alive after rally exited: {describe_pids(left)}"
 

@@ -86,7 +86,9 @@ def test_concurrent_saver_processes_never_delete_each_others_files(ckpt_dir: Pat
     import torch
 
     savers = [
-        start_python(SAVER.replace("sys.argv[1:]", f"[{i}, {SAVERS}, {SAVES_EACH}]"), RALLY_CHECKPOINT_DIR=str(ckpt_dir))
+        start_python(
+            SAVER.replace("sys.argv[1:]", f"[{i}, {SAVERS}, {SAVES_EACH}]"), RALLY_CHECKPOINT_DIR=str(ckpt_dir)
+        )
         for i in range(SAVERS)
     ]
     release(savers, "ready")
@@ -242,11 +244,23 @@ def test_a_crash_loop_over_a_damaged_newest_checkpoint_is_detected_at_the_step_r
     damage_newest_files(ckpt_dir)
     write_probe(tmp_path / "train.py", CRASHES_AFTER_RESUMING)
     result = run_rally(
-        ["--standalone", "--max-restarts", "10", "--crash-loop-limit", "2", "--checkpoint-dir", str(ckpt_dir), "train.py"],
-        cwd=tmp_path, timeout=150,
+        [
+            "--standalone",
+            "--max-restarts",
+            "10",
+            "--crash-loop-limit",
+            "2",
+            "--checkpoint-dir",
+            str(ckpt_dir),
+            "train.py",
+        ],
+        cwd=tmp_path,
+        timeout=150,
     )
     assert result.returncode == 1, result.describe()
     out = result.stdout + result.stderr
-    assert "crash loop: 2 restarts in a row made no progress (the newest checkpoint is still step 2)" in out, result.describe()
+    assert "crash loop: 2 restarts in a row made no progress (the newest checkpoint is still step 2)" in out, (
+        result.describe()
+    )
     assert out.count("resumed at 2") == 2, result.describe()  # the stall is seen entering the third round
     assert "Traceback" not in result.stderr, result.describe()

@@ -26,13 +26,21 @@ def test_a_strangers_unsigned_round_end_on_etcd_is_rejected_naming_the_key(etcd,
     probe, steps = write_probe(tmp_path / "probe.py", PROBE), tmp_path / "steps.jsonl"
     run_id = f"job-{uuid.uuid4().hex[:8]}"
     args = job_args(etcd.endpoints(), run_id, "read_timeout=10", probe, steps, 60)
-    agents: list[AgentProcess] = [start_agent(f"n{i}", tmp_path, args, env={"RALLY_JOB_TOKEN": "the-secret"}) for i in range(2)]
+    agents: list[AgentProcess] = [
+        start_agent(f"n{i}", tmp_path, args, env={"RALLY_JOB_TOKEN": "the-secret"}) for i in range(2)
+    ]
     try:
         assert eventually(lambda: steps.exists() and len(steps.read_text().splitlines()) > 10, 120), agents[0].output()
         key = f"rally/{run_id}/0/end"
-        forged = json.dumps({"kind": "succeeded", "detail": "all workers finished successfully", "node": "", "info": {}})
-        body = json.dumps({"key": base64.b64encode(key.encode()).decode(), "value": base64.b64encode(forged.encode()).decode()})
-        request = urllib.request.Request(f"http://{etcd.members[0].endpoint}/v3/kv/put", body.encode(), {"Content-Type": "application/json"})
+        forged = json.dumps(
+            {"kind": "succeeded", "detail": "all workers finished successfully", "node": "", "info": {}}
+        )
+        body = json.dumps(
+            {"key": base64.b64encode(key.encode()).decode(), "value": base64.b64encode(forged.encode()).decode()}
+        )
+        request = urllib.request.Request(
+            f"http://{etcd.members[0].endpoint}/v3/kv/put", body.encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=10) as reply:
             assert reply.status == 200
         codes = [agent.wait(60) for agent in agents]

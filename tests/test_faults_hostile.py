@@ -25,8 +25,19 @@ from pathlib import Path
 import psutil
 import pytest
 
-from descendants import KINDS as LEAVER_KINDS, round_pids, write_leaver
-from helpers import ProcessTracker, clean_env, describe_pids, eventually, procs, run_rally, survivors, wait_for, write_probe  # noqa: F401
+from descendants import KINDS as LEAVER_KINDS
+from descendants import round_pids, write_leaver
+from helpers import (  # noqa: F401
+    ProcessTracker,
+    clean_env,
+    describe_pids,
+    eventually,
+    procs,
+    run_rally,
+    survivors,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
 from rally.agent.guard.job_cgroup import JobCgroup
 
@@ -83,7 +94,11 @@ sys.exit(1)
     "kind",
     # A FIFO (a blocking open) and /dev/zero (an endless read) are timing faults; the others are
     # JSON the schema check rejects however busy the CPU is.
-    ["fifo", "dev-zero", *(pytest.param(k, marks=pytest.mark.same_under_load) for k in ("list", "string", "nested", "bad-fields"))],
+    [
+        "fifo",
+        "dev-zero",
+        *(pytest.param(k, marks=pytest.mark.same_under_load) for k in ("list", "string", "nested", "bad-fields")),
+    ],
 )
 def test_a_hostile_error_file_is_reported_as_a_plain_failure(tmp_path: Path, kind: str) -> None:
     write_probe(tmp_path / "probe.py", _failing_worker(kind))
@@ -116,7 +131,17 @@ def test_fifos_planted_where_the_agent_writes_next_do_not_wedge_it(tmp_path: Pat
     """A worker that knows the log layout plants FIFOs at the next attempt's log files and at
     report.json's temporary name, then fails: the agent replaces them and goes on."""
     write_probe(tmp_path / "probe.py", PLANTS_FIFOS)
-    args = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), *logs, "probe.py"]
+    args = [
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *logs,
+        "probe.py",
+    ]
     result = run_rally(args, cwd=tmp_path, env=clean_env(), timeout=90)
     assert result.returncode == 0, result.describe()
     (stdout_log,) = (tmp_path / "logs").glob("*/attempt_1/0/stdout.log")
@@ -146,7 +171,9 @@ def _start_leaver(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> tuple[L
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cgroup", ["auto", "freezer", "pids", "off"])
-def test_sigkill_of_the_agents_process_group_leaves_no_descendant(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> None:
+def test_sigkill_of_the_agents_process_group_leaves_no_descendant(
+    tmp_path: Path, procs: ProcessTracker, cgroup: str
+) -> None:
     """What `timeout -s KILL rally ...` or `kill -9 -PGID` does: the guard leads a session of
     its own, survives, and kills everything, token or not (cgroup v2, v1 freezer, v1 pids, or
     without a cgroup the descendants it saw)."""
@@ -155,12 +182,17 @@ def test_sigkill_of_the_agents_process_group_leaves_no_descendant(tmp_path: Path
     killed = time.monotonic()
     left = survivors(pids, 5)
     assert not left, f"alive 5 s after SIGKILL of the agent's group ({cgroup}): {describe_pids(left)}"
-    print(f"MEASURED SIGKILL of the agent's process group ({cgroup}): every descendant gone in " f"{time.monotonic() - killed:.2f} s")
+    print(
+        f"MEASURED SIGKILL of the agent's process group ({cgroup}): every descendant gone in "
+        f"{time.monotonic() - killed:.2f} s"
+    )
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cgroup", ["auto", "off"])
-def test_sigkill_of_the_agent_alone_kills_descendants_without_the_token(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> None:
+def test_sigkill_of_the_agent_alone_kills_descendants_without_the_token(
+    tmp_path: Path, procs: ProcessTracker, cgroup: str
+) -> None:
     rally, pids = _start_leaver(tmp_path, procs, cgroup)
     token = psutil.Process(pids[KINDS.index("worker")]).environ()["RALLY_AGENT_TOKEN"]
     made = list(Path("/sys/fs/cgroup").glob(f"*/rally-*-{token}"))

@@ -81,7 +81,9 @@ class StoreProcess:
         self.log = tmp / "store.log"
         prefix = ["ip", "netns", "exec", netns] if netns else []
         with open(self.log, "w") as handle:
-            self.popen = start_rally(["store", "--port", "0"], cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, prefix=prefix)
+            self.popen = start_rally(
+                ["store", "--port", "0"], cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, prefix=prefix
+            )
         found = wait_for(lambda: re.search(r"listening on port (\d+)", self.log.read_text()), 60)
         assert found, self.log.read_text()
         self.port = int(re.search(r"listening on port (\d+)", self.log.read_text()).group(1))
@@ -107,7 +109,9 @@ def cluster(tmp_path: Path):
             return stores[-1]
 
         def agent(self, name: str, args: list[str], env: dict[str, str] | None = None) -> AgentProcess:
-            agent = start_agent(name, tmp_path, args, env={"PROBE_OUT": str(self.out), "PROBE_NODE": name, **(env or {})})
+            agent = start_agent(
+                name, tmp_path, args, env={"PROBE_OUT": str(self.out), "PROBE_NODE": name, **(env or {})}
+            )
             started.append(agent)
             return agent
 
@@ -128,11 +132,14 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     store = cluster.store()
     script = write_script(tmp_path, "train.py", GLOO_WORKER)
     agents = [
-        cluster.agent(f"n{i}", [*job_args(store.port, "1:2"), "--max-restarts", "0", "--log-dir", str(tmp_path / f"logs{i}"), str(script)])
+        cluster.agent(
+            f"n{i}",
+            [*job_args(store.port, "1:2"), "--max-restarts", "0", "--log-dir", str(tmp_path / f"logs{i}"), str(script)],
+        )
         for i in range(2)
     ]
-    assert wait_for(lambda: len({r["node"] for r in records(cluster.out) if r["step"] >= 3}) == 2, 150), (
-        "\n".join(a.output() for a in agents)
+    assert wait_for(lambda: len({r["node"] for r in records(cluster.out) if r["step"] >= 3}) == 2, 150), "\n".join(
+        a.output() for a in agents
     )
     by_node = {r["node"]: r for r in records(cluster.out)}
     victim_name = next(n for n, r in by_node.items() if r["group_rank"] == 0)  # also hosts the workers' store
@@ -142,7 +149,9 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     victim.kill_node()
 
     def training_again() -> dict | None:
-        later = [r for r in records(cluster.out) if r["node"] == survivor.name and r["round"] >= 1 and r["t"] > killed_at]
+        later = [
+            r for r in records(cluster.out) if r["node"] == survivor.name and r["round"] >= 1 and r["t"] > killed_at
+        ]
         return later[0] if later else None
 
     first = wait_for(training_again, 30)
@@ -173,7 +182,9 @@ def test_a_frozen_store_is_noticed_within_read_timeout_with_a_clear_line(cluster
     read_timeout = 3.0
     args = [*job_args(store.port, "2", extra=f"read_timeout={read_timeout:g}"), str(script)]
     agents = [cluster.agent(f"n{i}", args) for i in range(2)]
-    assert wait_for(lambda: len({r["node"] for r in records(cluster.out)}) == 2, 60), "\n".join(a.output() for a in agents)
+    assert wait_for(lambda: len({r["node"] for r in records(cluster.out)}) == 2, 60), "\n".join(
+        a.output() for a in agents
+    )
     os.killpg(store.popen.pid, signal.SIGSTOP)
     frozen_at = time.monotonic()
     codes = [a.wait(30) for a in agents]
@@ -197,7 +208,9 @@ def test_a_store_that_freezes_while_the_job_forms_is_noticed_within_read_timeout
     read_timeout = 3.0
     agent = cluster.agent("n0", [*job_args(store.port, "2", extra=f"read_timeout={read_timeout:g}"), str(script)])
     client = TCPStore("127.0.0.1", store.port, is_master=False)
-    assert wait_for(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), agent.output()  # it waits for a second node
+    assert wait_for(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), (
+        agent.output()
+    )  # it waits for a second node
     os.killpg(store.popen.pid, signal.SIGSTOP)
     frozen_at = time.monotonic()
     code = agent.wait(30)
@@ -333,9 +346,9 @@ def test_a_cut_node_stops_its_workers_and_the_others_reform(cluster, tmp_path, n
             args = [*job_args(store.port, "2:3", host=f"{SUBNET}.1"), str(script)]
             args[args.index("--local-addr") + 1] = f"{SUBNET}.{10 + i}"
             agents.append(_netns_agent(cluster, tmp_path, netns[1 + i], f"n{i}", args))
-        assert wait_for(lambda: {r["node"] for r in records(cluster.out) if r["world"] == 3} == {"n0", "n1", "n2"}, 90), (
-            "\n".join(a.output() for a in agents)
-        )
+        assert wait_for(
+            lambda: {r["node"] for r in records(cluster.out) if r["world"] == 3} == {"n0", "n1", "n2"}, 90
+        ), "\n".join(a.output() for a in agents)
         cut = agents[1]
         cut_at = time.time()
         _ip("-n", netns[0], "link", "set", "mbr1", "down")  # n1's cable is pulled
@@ -351,7 +364,9 @@ def test_a_cut_node_stops_its_workers_and_the_others_reform(cluster, tmp_path, n
         def reformed() -> list[dict]:
             return [r for r in records(cluster.out) if r["t"] > cut_at and r["world"] == 2]
 
-        assert wait_for(lambda: {r["node"] for r in reformed()} == {"n0", "n2"}, 30), "\n".join(a.output() for a in agents)
+        assert wait_for(lambda: {r["node"] for r in reformed()} == {"n0", "n2"}, 30), "\n".join(
+            a.output() for a in agents
+        )
         again = min(r["t"] for r in reformed()) - cut_at
         print(f"network cut: the others training again after {again:.2f} s")
         assert again <= KEEP_ALIVE_TIMEOUT + 2, again

@@ -22,7 +22,6 @@ import pytest
 from agents import c10d_args, start_agent, stop_all
 from ddp_reference import EVERY, STEPS, TRAIN, params_hash
 from helpers import clean_env, eventually, free_port, kill_group, procs, run_rally, small_disk, start_rally, write_probe  # noqa: F401 - procs is a fixture
-from rally.agent.worker import job
 from rally.agent.checkpoint.shm import holders_of
 from rally.agent.worker import job
 
@@ -31,8 +30,21 @@ KILL_AT = 17
 
 def train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 240):
     args = [
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp / f"{name}-logs"),
-        "--checkpoint-dir", str(tmp / f"{name}-ckpt"), str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY), *extra,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        str(tmp / f"{name}-logs"),
+        "--checkpoint-dir",
+        str(tmp / f"{name}-ckpt"),
+        str(TRAIN),
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        str(EVERY),
+        *extra,
     ]
     return run_rally(args, cwd=tmp, env=env or clean_env(), timeout=timeout)
 
@@ -58,10 +70,16 @@ def test_a_ddp_job_resumes_bit_identical_from_memory_after_a_sigkill(tmp_path: P
 
 @pytest.mark.torch
 @pytest.mark.timeout(300)
-def test_the_same_job_resumes_bit_identical_from_disk_without_the_memory_tier(tmp_path: Path, ddp_clean_hash: str) -> None:
-    result = train(tmp_path, "disk", "--fail-at-step", str(KILL_AT), "--fail-rank", "1", env=clean_env(RALLY_MEMORY_TIER="0"))
+def test_the_same_job_resumes_bit_identical_from_disk_without_the_memory_tier(
+    tmp_path: Path, ddp_clean_hash: str
+) -> None:
+    result = train(
+        tmp_path, "disk", "--fail-at-step", str(KILL_AT), "--fail-rank", "1", env=clean_env(RALLY_MEMORY_TIER="0")
+    )
     assert result.returncode == 0, result.describe()
-    assert f"[0] rally: resuming from step 15 ({tmp_path / 'disk-ckpt' / 'step_000000000015.pt'})" in result.stderr, result.describe()
+    assert f"[0] rally: resuming from step 15 ({tmp_path / 'disk-ckpt' / 'step_000000000015.pt'})" in result.stderr, (
+        result.describe()
+    )
     assert params_hash(result.stdout) == ddp_clean_hash
 
 
@@ -69,8 +87,20 @@ def test_the_same_job_resumes_bit_identical_from_disk_without_the_memory_tier(tm
 @pytest.mark.timeout(300)
 def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) -> None:
     args = [
-        "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"),
-        str(TRAIN), "--steps", "100000", "--checkpoint-every", "5", "--step-time", "0.02",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        str(TRAIN),
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "5",
+        "--step-time",
+        "0.02",
     ]
     proc = start_rally(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.track_group(proc.pid)
@@ -83,7 +113,9 @@ def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) ->
         procs.track(*(p.pid for p in everything))
         os.kill(proc.pid, signal.SIGKILL)  # the agent alone: its guard stops the workers, the holder sees it go
         proc.wait(timeout=10)
-        assert eventually(lambda: not holders_of(pids=[p.pid for p in everything]), 15), holders_of(pids=[p.pid for p in everything])
+        assert eventually(lambda: not holders_of(pids=[p.pid for p in everything]), 15), holders_of(
+            pids=[p.pid for p in everything]
+        )
     finally:
         if proc.poll() is None:
             kill_group(proc.pid)
@@ -127,7 +159,10 @@ def test_two_nodes_resume_from_the_same_step_in_memory_bit_identical(tmp_path: P
         "--nproc-per-node", "1", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), str(TRAIN),
         "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--fail-at-step", str(KILL_AT), "--fail-rank", "1",
     ]  # fmt: skip
-    agents = [start_agent(f"n{i}", tmp_path, [*c10d_args(port, "2"), "--log-dir", str(tmp_path / f"logs{i}"), *work]) for i in range(2)]
+    agents = [
+        start_agent(f"n{i}", tmp_path, [*c10d_args(port, "2"), "--log-dir", str(tmp_path / f"logs{i}"), *work])
+        for i in range(2)
+    ]
     try:
         codes = [agent.wait(timeout=240) for agent in agents]
         text = "\n".join(agent.output() for agent in agents)

@@ -27,7 +27,18 @@ import pytest
 
 from agents import c10d_args, start_agent, stop_all
 from descendants import round_pids, write_leaver
-from helpers import ProcessTracker, clean_env, describe_pids, free_port, procs, rally_argv, run_rally, survivors, wait_for, write_probe  # noqa: F401
+from helpers import (  # noqa: F401
+    ProcessTracker,
+    clean_env,
+    describe_pids,
+    free_port,
+    procs,
+    rally_argv,
+    run_rally,
+    survivors,
+    wait_for,
+    write_probe,
+)
 from live_rally import LiveRally
 
 # ------------------------------------------------------------------ 1. the real culprit of a collective hang
@@ -63,7 +74,16 @@ def test_collective_hang_names_the_rank_outside_the_collective_with_its_stack(tm
     out.mkdir()
     script = write_probe(tmp_path / "hang.py", COLLECTIVE_HANG)
     port = free_port()
-    args = [*c10d_args(port, "2"), "--nproc-per-node", "1", "--heartbeat-timeout", "2", "--max-restarts", "0", str(script)]
+    args = [
+        *c10d_args(port, "2"),
+        "--nproc-per-node",
+        "1",
+        "--heartbeat-timeout",
+        "2",
+        "--max-restarts",
+        "0",
+        str(script),
+    ]
     env = {**clean_env(PROBE_OUT=str(out)), "RALLY_NO_PRELOAD": "1"}
     agents = [start_agent(f"node{i}", tmp_path, args, env=env) for i in range(2)]
     try:
@@ -129,7 +149,9 @@ while True:
 
 
 @pytest.mark.timeout(120)
-def test_sigstopped_worker_is_shown_as_stopped_and_does_not_hold_up_the_stop(tmp_path: Path, procs: ProcessTracker) -> None:
+def test_sigstopped_worker_is_shown_as_stopped_and_does_not_hold_up_the_stop(
+    tmp_path: Path, procs: ProcessTracker
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "sleeper.py", SLEEPER)
@@ -143,7 +165,12 @@ def test_sigstopped_worker_is_shown_as_stopped_and_does_not_hold_up_the_stop(tmp
     status_env = {**clean_env(), "COLUMNS": "200"}
 
     def status_shows_it() -> bool:
-        done = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stopjob"], cwd=tmp_path, env=status_env, timeout=30)
+        done = run_rally(
+            ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stopjob"],
+            cwd=tmp_path,
+            env=status_env,
+            timeout=30,
+        )
         return "stopped (SIGSTOP)" in done.stdout
 
     wait_for(status_shows_it, 20, interval=0.5, what="`rally status` to show the stopped worker")
@@ -165,8 +192,20 @@ def test_no_descendant_survives_a_round_end_or_the_exit(tmp_path: Path, procs: P
     out.mkdir()
     write_leaver(tmp_path / "spawner.py")
     rally = LiveRally(
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "2", "spawner.py", "fail-first"],
-        tmp_path, clean_env(PROBE_OUT=str(out)), procs,
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--shutdown-timeout",
+            "2",
+            "spawner.py",
+            "fail-first",
+        ],
+        tmp_path,
+        clean_env(PROBE_OUT=str(out)),
+        procs,
     )
     wait_for(lambda: len(list(out.glob("worker_1_*"))) == 2, 60, what="the second round's workers")
     round0 = round_pids(out, 0)
@@ -187,7 +226,12 @@ def test_descendants_are_gone_within_3_s_of_sigkill_of_the_agent(tmp_path: Path,
     out = tmp_path / "out"
     out.mkdir()
     write_leaver(tmp_path / "spawner.py")
-    rally = LiveRally(["--standalone", "--nproc-per-node", "2", "spawner.py", "forever"], tmp_path, clean_env(PROBE_OUT=str(out)), procs)
+    rally = LiveRally(
+        ["--standalone", "--nproc-per-node", "2", "spawner.py", "forever"],
+        tmp_path,
+        clean_env(PROBE_OUT=str(out)),
+        procs,
+    )
     wait_for(lambda: len(list(out.glob("worker_0_*"))) == 2, 60, what="both workers and their descendants")
     everything = round_pids(out, 0)
     procs.track(*everything)
@@ -223,7 +267,9 @@ def test_an_orphan_reparented_to_the_agent_is_reaped_the_moment_it_exits(tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     write_probe(tmp_path / "orphans.py", ORPHAN_MAKER)
-    rally = LiveRally(["--standalone", "--nproc-per-node", "1", "orphans.py"], tmp_path, clean_env(PROBE_OUT=str(out)), procs)
+    rally = LiveRally(
+        ["--standalone", "--nproc-per-node", "1", "orphans.py"], tmp_path, clean_env(PROBE_OUT=str(out)), procs
+    )
     wait_for(lambda: (out / "orphan").exists() and (out / "orphan").read_text(), 60, what="the orphan")
     orphan = int((out / "orphan").read_text())
     procs.track(orphan)
@@ -267,7 +313,9 @@ def _writable_memory_cgroup_v1() -> Path | None:
 
 
 @pytest.mark.timeout(60)
-def test_oom_kill_is_attributed_even_when_the_sample_lands_while_the_worker_exits(tmp_path: Path, procs: ProcessTracker) -> None:
+def test_oom_kill_is_attributed_even_when_the_sample_lands_while_the_worker_exits(
+    tmp_path: Path, procs: ProcessTracker
+) -> None:
     """A process that has begun to exit shows its cgroup-v1 paths as "/": on a busy machine the
     agent's sampler often ran in that window and lost the worker's cgroup. The leader thread of
     this probe exits first, which holds the process in exactly that state, deterministically."""
@@ -281,7 +329,12 @@ def test_oom_kill_is_attributed_even_when_the_sample_lands_while_the_worker_exit
     try:
         (group / "memory.limit_in_bytes").write_text(str(64 * 1024 * 1024))
         probe = write_probe(tmp_path / "oom.py", OOM_PROBE)
-        child = subprocess.Popen([sys.executable, str(probe), str(group / "cgroup.procs")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, str(probe), str(group / "cgroup.procs")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.track(child.pid)
         monitor = HealthMonitor(HealthSettings(resource_interval=0.1))
         monitor.watch(0, child.pid, None, time.monotonic())
@@ -289,7 +342,9 @@ def test_oom_kill_is_attributed_even_when_the_sample_lands_while_the_worker_exit
         monitor.sample()  # alive, in the limited cgroup
         child.stdin.write("exit the main thread\n")
         child.stdin.flush()
-        wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 10, what="the leader thread to exit")
+        wait_for(
+            lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 10, what="the leader thread to exit"
+        )
         monitor.sample()  # lands while the pid is exiting: must not take "/" for a move
         child.stdin.write("go\n")
         child.stdin.flush()

@@ -39,7 +39,9 @@ def entries(directory: Path) -> list[str]:
 
 
 @pytest.mark.timeout(60)
-def test_a_sharded_save_is_a_plain_dcp_directory_that_load_latest_fills_in_place(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_sharded_save_is_a_plain_dcp_directory_that_load_latest_fills_in_place(
+    ckpt_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -119,7 +121,9 @@ SAVER_KILLED_BEFORE_PUBLISHING = """
 
 
 @pytest.mark.timeout(90)
-def test_a_save_killed_before_its_rename_leaves_the_previous_step_and_the_next_save_removes_its_directory(ckpt_dir: Path) -> None:
+def test_a_save_killed_before_its_rename_leaves_the_previous_step_and_the_next_save_removes_its_directory(
+    ckpt_dir: Path,
+) -> None:
     import torch
 
     env = outside_env(**{job.CHECKPOINT_DIR_ENV: str(ckpt_dir)})
@@ -150,7 +154,9 @@ def test_a_sharded_save_that_fails_midway_raises_and_leaves_the_last_good_step(c
 
     job.save(state_of(1.0), 1, sharded=True)
     bad = state_of(2.0) | {"lock": threading.Lock()}  # not picklable: fails while the rank writes
-    with pytest.raises(RuntimeError, match=r"^rally: sharded checkpoint of step 2 in .* failed on rank 0: TypeError: cannot pickle"):
+    with pytest.raises(
+        RuntimeError, match=r"^rally: sharded checkpoint of step 2 in .* failed on rank 0: TypeError: cannot pickle"
+    ):
         job.save(bad, 2, sharded=True)
     assert entries(ckpt_dir) == ["step_000000000001.dcp"]
     assert job.load_latest(into=template()).step == 1  # type: ignore[union-attr]
@@ -202,9 +208,16 @@ def test_a_full_disk_fails_the_sharded_save_in_one_line_and_keeps_the_last_good_
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     env = outside_env(**{job.CHECKPOINT_DIR_ENV: str(ckpt)})
-    script = f"mount -t tmpfs -o size=512k rally-test-full {ckpt} && exec {sys.executable} -c '{textwrap.dedent(DISK_FULL)}' {ckpt}"
+    script = (
+        f"mount -t tmpfs -o size=512k rally-test-full {ckpt} && exec {sys.executable} -c "
+        f"'{textwrap.dedent(DISK_FULL)}' {ckpt}"
+    )
     done = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=80
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=80,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -223,11 +236,18 @@ def test_the_resume_plan_takes_the_newest_step_every_rank_has_in_some_nodes_memo
     assert plan([held[0], {}], 2, 1) == (6, {0: 0, 1: 0}, "")
     # without the replica: no step is complete, the disk it is, and why
     step, providers, why = plan([{"dcp0of2": [4, 6]}, {}], 2, 1)
-    assert step is None and why == "step 6: the shards of rank 1 (node 1) have no live copy in memory, neither own nor replica"
+    assert (
+        step is None
+        and why == "step 6: the shards of rank 1 (node 1) have no live copy in memory, neither own nor replica"
+    )
     # a newer step only partly in memory gives way to the newest complete one
     assert plan([{"dcp0of2": [6, 8]}, {"dcp1of2": [6]}], 2, 1)[:2] == (6, {0: 0, 1: 1})
     # the world size changed: memory cannot serve another layout
-    assert plan([{"dcp0of2": [6], "dcpr1of2": [6]}], 1, 1) == (None, {}, "the world size changed (2 -> 1): shards are resharded from disk")
+    assert plan([{"dcp0of2": [6], "dcpr1of2": [6]}], 1, 1) == (
+        None,
+        {},
+        "the world size changed (2 -> 1): shards are resharded from disk",
+    )
     assert plan([{}, {}], 2, 1) == (None, {}, "no shards of this job in any node's memory")
 
 
@@ -250,7 +270,10 @@ def test_background_parts_of_every_rank_are_published_as_one_dcp_checkpoint(tmp_
     from rally.agent.checkpoint import dcp_persist
 
     parts = [_rank_part(rank, 2.0) for rank in (0, 1)]
-    writers = [threading.Thread(target=dcp_persist.persist_part, args=(tmp_path, 4, 3, rank, 2, *parts[rank])) for rank in (1, 0)]
+    writers = [
+        threading.Thread(target=dcp_persist.persist_part, args=(tmp_path, 4, 3, rank, 2, *parts[rank]))
+        for rank in (1, 0)
+    ]
     for writer in writers:
         writer.start()
     for writer in writers:
@@ -273,8 +296,12 @@ def test_a_step_whose_other_rank_never_writes_is_not_published_and_a_later_step_
     persister = dcp_persist.Persister()
     persister.submit(tmp_path, 2, 3, 0, 2, *_rank_part(0, 1.0))  # rank 1 died before writing step 2
     assert persister.wait(30)
-    assert "step 2 could not be written" in capsys.readouterr().err and "ranks [1] did not write their part" in (persister.last_error or "")
-    assert [n for n in entries(tmp_path) if dcp_files.STEP_RE.match(n)] == [] and dcp_files.newest_intact_step(tmp_path) is None
+    assert "step 2 could not be written" in capsys.readouterr().err and "ranks [1] did not write their part" in (
+        persister.last_error or ""
+    )
+    assert [n for n in entries(tmp_path) if dcp_files.STEP_RE.match(n)] == [] and dcp_files.newest_intact_step(
+        tmp_path
+    ) is None
     rank1 = dcp_persist.Persister()
     rank1.submit(tmp_path, 4, 3, 1, 2, *_rank_part(1, 5.0))
     persister.submit(tmp_path, 4, 3, 0, 2, *_rank_part(0, 5.0))

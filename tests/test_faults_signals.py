@@ -43,15 +43,30 @@ while True:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("signum, expected", [(signal.SIGTERM, 143), (signal.SIGUSR1, 75)], ids=["SIGTERM", "preemption-SIGUSR1"])
+@pytest.mark.parametrize(
+    "signum, expected", [(signal.SIGTERM, 143), (signal.SIGUSR1, 75)], ids=["SIGTERM", "preemption-SIGUSR1"]
+)
 def test_a_signal_during_the_restart_grace_ends_rally_at_once(
     tmp_path: Path, procs: ProcessTracker, signum: signal.Signals, expected: int
 ) -> None:
     write_probe(tmp_path / "probe.py", FAIL_WHILE_OTHER_IGNORES_SIGTERM)
     logs = tmp_path / "logs"
     rally = LiveRally(
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout", "30", "--log-dir", str(logs), "probe.py"],
-        tmp_path, clean_env(), procs,
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "--shutdown-timeout",
+            "30",
+            "--log-dir",
+            str(logs),
+            "probe.py",
+        ],
+        tmp_path,
+        clean_env(),
+        procs,
     )
 
     def failed() -> bool:
@@ -114,12 +129,16 @@ def _blocks(pid: int, signum: int) -> bool:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("when", ["start-up", "rendezvous"])
-def test_a_preemption_signal_is_not_lost_at_start_up_or_in_the_rendezvous(tmp_path: Path, procs: ProcessTracker, when: str) -> None:
+def test_a_preemption_signal_is_not_lost_at_start_up_or_in_the_rendezvous(
+    tmp_path: Path, procs: ProcessTracker, when: str
+) -> None:
     write_probe(tmp_path / "probe.py", "import time\ntime.sleep(600)\n")
     # Two nodes expected, one started: the agent waits in the rendezvous for ever.
     rally = LiveRally([*c10d_args(free_port(), "2", run_id="early"), "probe.py"], tmp_path, clean_env(), procs)
     if when == "start-up":  # the launcher holds it while torch imports, before any handler exists
-        wait_for(lambda: _blocks(rally.proc.pid, signal.SIGUSR1), 30, interval=0.005, what="the launcher to block SIGUSR1")
+        wait_for(
+            lambda: _blocks(rally.proc.pid, signal.SIGUSR1), 30, interval=0.005, what="the launcher to block SIGUSR1"
+        )
     else:
         rally.wait_line("hosting the rendezvous store", 60)
     sent = time.monotonic()
@@ -141,8 +160,19 @@ def test_crash_loop_stop_exits_within_2_s(tmp_path: Path, procs: ProcessTracker)
     """
     write_probe(tmp_path / "loop.py", body)
     rally = LiveRally(
-        ["--standalone", "--max-restarts", "10", "--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-loop-limit", "1", "loop.py"],
-        tmp_path, clean_env(), procs,
+        [
+            "--standalone",
+            "--max-restarts",
+            "10",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--crash-loop-limit",
+            "1",
+            "loop.py",
+        ],
+        tmp_path,
+        clean_env(),
+        procs,
     )
     said = rally.wait_line("crash loop:", 90)
     code, ended = rally.wait_exit(30)

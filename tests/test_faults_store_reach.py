@@ -61,7 +61,9 @@ def _agent_args(port: int, nnodes: str, read_timeout: float) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_an_agent_started_against_a_frozen_store_stops_within_read_timeout(tmp_path: Path, frozen_store: tuple[int, subprocess.Popen]) -> None:
+def test_an_agent_started_against_a_frozen_store_stops_within_read_timeout(
+    tmp_path: Path, frozen_store: tuple[int, subprocess.Popen]
+) -> None:
     port, store = frozen_store
     write_probe(tmp_path / "probe.py", ONE_LINE_WORKER)
     store.send_signal(signal.SIGSTOP)
@@ -70,12 +72,17 @@ def test_an_agent_started_against_a_frozen_store_stops_within_read_timeout(tmp_p
     assert "did not answer within 3 s" in result.stderr, result.describe()
     assert "Traceback" not in result.stderr and "worker ran" not in result.stdout, result.describe()
     assert result.elapsed < 3 + 30, result.describe()  # read_timeout, plus start-up on a loaded machine
-    print("MEASURED agent against a store frozen before it connects (read_timeout 3 s): exit after " f"{result.elapsed:.1f} s")
+    print(
+        "MEASURED agent against a store frozen before it connects (read_timeout 3 s): exit after "
+        f"{result.elapsed:.1f} s"
+    )
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delay", [0.3, 1.5])
-def test_a_store_frozen_while_an_agent_starts_is_noticed(tmp_path: Path, procs: ProcessTracker, frozen_store: tuple[int, subprocess.Popen], delay: float) -> None:
+def test_a_store_frozen_while_an_agent_starts_is_noticed(
+    tmp_path: Path, procs: ProcessTracker, frozen_store: tuple[int, subprocess.Popen], delay: float
+) -> None:
     port, store = frozen_store
     write_probe(tmp_path / "probe.py", ONE_LINE_WORKER)
     agent = LiveRally(_agent_args(port, "2", 3), tmp_path, clean_env(), procs)  # waits for a second node
@@ -90,12 +97,21 @@ def test_a_store_frozen_while_an_agent_starts_is_noticed(tmp_path: Path, procs: 
 
 
 @pytest.mark.timeout(60)
-def test_rally_status_against_a_frozen_store_fails_within_its_timeout(tmp_path: Path, frozen_store: tuple[int, subprocess.Popen]) -> None:
+def test_rally_status_against_a_frozen_store_fails_within_its_timeout(
+    tmp_path: Path, frozen_store: tuple[int, subprocess.Popen]
+) -> None:
     port, store = frozen_store
     store.send_signal(signal.SIGSTOP)
-    result = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "reach", "--timeout", "2"], cwd=tmp_path, env=clean_env(), timeout=40)
+    result = run_rally(
+        ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "reach", "--timeout", "2"],
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=40,
+    )
     assert result.returncode == 2, result.describe()
-    assert len(result.stderr.strip().splitlines()) == 1 and "did not answer within 2 s" in result.stderr, result.describe()
+    assert len(result.stderr.strip().splitlines()) == 1 and "did not answer within 2 s" in result.stderr, (
+        result.describe()
+    )
     assert result.elapsed < 2 + 25, result.describe()  # --timeout, plus start-up on a loaded machine
 
 
@@ -107,7 +123,9 @@ def test_a_master_port_held_by_an_http_server_fails_fast_with_one_line(tmp_path:
     procs.track_group(http.pid)
     wait_for(lambda: _accepts(port), 30, what="the HTTP server")
     write_probe(tmp_path / "probe.py", ONE_LINE_WORKER)
-    result = run_rally(["--nproc-per-node", "1", "--master-port", str(port), "probe.py"], cwd=tmp_path, env=clean_env(), timeout=60)
+    result = run_rally(
+        ["--nproc-per-node", "1", "--master-port", str(port), "probe.py"], cwd=tmp_path, env=clean_env(), timeout=60
+    )
     assert result.returncode == 2, result.describe()
     assert "is already taken" in result.stderr and "not a c10d store" in result.stderr, result.describe()
     assert len([line for line in result.stderr.splitlines() if "error" in line]) == 1, result.describe()
@@ -120,11 +138,17 @@ def test_a_refused_store_connection_says_what_it_waits_for_every_few_seconds(tmp
     port = free_port()  # nothing listens there
     write_probe(tmp_path / "probe.py", ONE_LINE_WORKER)
     args = _agent_args(port, "1", 5)
-    args[args.index("--rdzv-conf") + 1] = args[args.index("--rdzv-conf") + 1].replace("join_timeout=60", "join_timeout=12")
+    args[args.index("--rdzv-conf") + 1] = args[args.index("--rdzv-conf") + 1].replace(
+        "join_timeout=60", "join_timeout=12"
+    )
     result = run_rally(args, cwd=tmp_path, env=clean_env(), timeout=60)
     assert result.returncode == 2, result.describe()
-    waiting = [line for line in result.stderr.splitlines() if f"waiting for the rendezvous store at 127.0.0.1:{port}" in line]
-    assert len(waiting) >= 2 and all("connection refused" in line and "giving up at" in line for line in waiting), result.describe()
+    waiting = [
+        line for line in result.stderr.splitlines() if f"waiting for the rendezvous store at 127.0.0.1:{port}" in line
+    ]
+    assert len(waiting) >= 2 and all("connection refused" in line and "giving up at" in line for line in waiting), (
+        result.describe()
+    )
     assert f"could not reach the rendezvous store at 127.0.0.1:{port} within 12 s" in result.stderr, result.describe()
 
 
@@ -146,7 +170,11 @@ time.sleep(120)
 
 
 def _listening(pid: int) -> set[tuple[str, int]]:
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 @pytest.mark.timeout(120)
@@ -160,7 +188,9 @@ def test_the_stores_listen_where_their_endpoint_says(tmp_path: Path, procs: Proc
     else:
         args, name = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{where}:{free_port()}"], where
     expected = socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0] if name == "localhost" else name
-    rally = LiveRally([*args, "--nproc-per-node", "1", "--shutdown-timeout", "1", "probe.py"], tmp_path, clean_env(), procs)
+    rally = LiveRally(
+        [*args, "--nproc-per-node", "1", "--shutdown-timeout", "1", "probe.py"], tmp_path, clean_env(), procs
+    )
     rally.wait_line("MASTER", 60)
     master = next(line for _, line in rally.lines if "MASTER" in line).split()
     assert master[-2] == name, rally.text()

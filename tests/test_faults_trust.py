@@ -120,7 +120,9 @@ def test_a_decremented_arrival_counter_never_gives_two_nodes_one_rank(cluster, t
 def test_deleting_a_rounds_record_is_tampering_not_a_fresh_restart_budget(cluster, tmp_path):
     store = cluster.store()
     script = write_script(tmp_path, "fail.py", FAILING_WORKER)
-    agent = cluster.agent("n0", [*job_args(store.port, "1"), "--max-restarts", "2", str(script)], env={"RALLY_JOB_TOKEN": TOKEN})
+    agent = cluster.agent(
+        "n0", [*job_args(store.port, "1"), "--max-restarts", "2", str(script)], env={"RALLY_JOB_TOKEN": TOKEN}
+    )
     client = stranger(store.port)
     stop = threading.Event()
     deleted: list[str] = []
@@ -181,7 +183,9 @@ def test_an_arrival_counter_pushed_past_max_makes_no_node_a_spare(cluster, tmp_p
     store = cluster.store()
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     stranger(store.port).add("rally/testjob/0/joined", 7)  # as if 7 nodes had died between add and claim
-    agent = cluster.agent("n0", [*job_args(store.port, "1", extra="join_timeout=5"), str(script)], env={"RALLY_JOB_TOKEN": TOKEN})
+    agent = cluster.agent(
+        "n0", [*job_args(store.port, "1", extra="join_timeout=5"), str(script)], env={"RALLY_JOB_TOKEN": TOKEN}
+    )
     assert agent.wait(60) == 0, agent.output()
     assert [r["world"] for r in records(cluster.out)] == [1]
 
@@ -213,7 +217,9 @@ def test_a_node_waiting_for_others_says_so_on_the_console_and_in_rally_status(cl
     line = re.compile(r"waiting for 1 more node: 1 of 2 joined \(\S+\); join_timeout in (\d+) s")
     found = wait_for(lambda: line.search(agent.output()), 30)
     assert found and int(found.group(1)) <= 15, agent.output()
-    status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=60)
+    status = run_rally(
+        ["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=60
+    )
     assert status.returncode == 0 and line.search(status.stdout), status.describe()
     assert agent.wait(40) == 2, agent.output()
     assert "did not form" in agent.output()
@@ -224,7 +230,16 @@ def test_a_node_waiting_for_others_says_so_on_the_console_and_in_rally_status(cl
 def test_two_jobs_on_one_store_with_the_default_run_id_get_one_line_naming_the_clash(cluster, tmp_path):
     store = cluster.store()
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
-    defaults = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--nproc-per-node", "1"]
+    defaults = [
+        "--nnodes",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{store.port}",
+        "--nproc-per-node",
+        "1",
+    ]
     release = tmp_path / "release"
     first = cluster.agent("job1", [*defaults, str(script)], env={"RELEASE_FILE": str(release)})
     assert wait_for(lambda: records(cluster.out), 60), first.output()
@@ -255,9 +270,10 @@ def test_a_frozen_agent_says_it_was_left_behind_not_that_the_store_froze(cluster
     os.kill(frozen.popen.pid, signal.SIGSTOP)  # the agent only; its worker runs on
     stopped_at = time.time()
     try:
-        assert wait_for(lambda: [r for r in records(cluster.out) if r["node"] == "n1" and r["world"] == 1 and r["t"] > stopped_at], 30), (
-            survivor.output()
-        )
+        assert wait_for(
+            lambda: [r for r in records(cluster.out) if r["node"] == "n1" and r["world"] == 1 and r["t"] > stopped_at],
+            30,
+        ), survivor.output()
     finally:
         os.kill(frozen.popen.pid, signal.SIGCONT)
     code = frozen.wait(30)
@@ -272,11 +288,21 @@ def test_an_empty_job_token_variable_is_one_line_not_no_token(tmp_path):
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     from helpers import clean_env
 
-    result = run_rally(["--standalone", "--nproc-per-node", "1", str(script)], cwd=tmp_path, env=clean_env(RALLY_JOB_TOKEN=""), timeout=60)
+    result = run_rally(
+        ["--standalone", "--nproc-per-node", "1", str(script)],
+        cwd=tmp_path,
+        env=clean_env(RALLY_JOB_TOKEN=""),
+        timeout=60,
+    )
     assert result.returncode == 2, result.describe()
     lines = [line for line in result.stderr_lines if line.strip()]
     assert len(lines) == 1 and "RALLY_JOB_TOKEN is set but empty" in lines[0], result.describe()
-    status = run_rally(["status", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x"], cwd=tmp_path, env=clean_env(RALLY_JOB_TOKEN=""), timeout=60)
+    status = run_rally(
+        ["status", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x"],
+        cwd=tmp_path,
+        env=clean_env(RALLY_JOB_TOKEN=""),
+        timeout=60,
+    )
     assert status.returncode == 2 and "RALLY_JOB_TOKEN is set but empty" in status.stderr, status.describe()
 
 
@@ -302,7 +328,15 @@ def _node(server, name: str, settings, token: str = TOKEN):
     return Rendezvous(Store(reconnect(), "rally/job/", "the test store", reconnect, Signer(token)), settings, me)
 
 
-FAST = dict(min_nodes=1, max_nodes=1, join_timeout=5, last_call_timeout=0.3, keep_alive_interval=0.05, keep_alive_timeout=0.5, close_timeout=1.5)
+FAST = dict(
+    min_nodes=1,
+    max_nodes=1,
+    join_timeout=5,
+    last_call_timeout=0.3,
+    keep_alive_interval=0.05,
+    keep_alive_timeout=0.5,
+    close_timeout=1.5,
+)
 
 
 @pytest.mark.timeout(60)
@@ -336,7 +370,9 @@ def test_an_assignment_is_bound_to_the_node_it_was_made_for(server):
         "checkpoint_step": None, "node_id": "b:id",
     }  # fmt: skip
     b.store.set("0/assign/0/0", json.dumps(others))  # signed with the job's token, but made for b
-    with pytest.raises(UntrustedValue, match=r"'rally/job/0/assign/0/0' .* made for node 'b:id', not this node \(a:id\)"):
+    with pytest.raises(
+        UntrustedValue, match=r"'rally/job/0/assign/0/0' .* made for node 'b:id', not this node \(a:id\)"
+    ):
         a.next_round()
 
 

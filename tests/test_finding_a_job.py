@@ -40,7 +40,17 @@ def status(args: list[str], cwd: Path) -> Result:
 def test_the_printed_status_command_and_the_run_directory_find_the_job_and_its_last_restart(tmp_path, mode):
     script = write_script(tmp_path, "fail_once.py", FAIL_ONCE)
     flags = ["--standalone"] if mode == "standalone" else c10d_args(free_port(), "1", run_id="findme")
-    args = [*flags, "--nproc-per-node", "2", "--no-preload", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), str(script)]
+    args = [
+        *flags,
+        "--nproc-per-node",
+        "2",
+        "--no-preload",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(script),
+    ]
     agent = start_agent(mode, tmp_path, args)
     try:
         assert eventually(lambda: "round 1:" in agent.output(), 90), agent.output()
@@ -102,6 +112,8 @@ def test_a_directory_that_is_not_a_run_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_status_json_of_an_unreachable_store_is_one_line_and_no_traceback(tmp_path):
-    done = status(["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "nobody", "--json", "--timeout", "1"], tmp_path)
+    done = status(
+        ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "nobody", "--json", "--timeout", "1"], tmp_path
+    )
     assert done.returncode != 0 and done.stdout == "" and "Traceback" not in done.stderr, done.describe()
     assert os.linesep not in done.stderr.strip(), done.stderr

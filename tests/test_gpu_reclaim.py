@@ -32,7 +32,11 @@ def _gpu_of(procs: list[subprocess.Popen]):
 
     def read() -> list[DeviceReading]:
         alive = {p.pid: GIB for p in procs if p.poll() is None}
-        return [DeviceReading(index=0, uuid="GPU-test", memory_used=BASE + len(alive) * GIB, memory_total=16 * GIB, processes=alive)]
+        return [
+            DeviceReading(
+                index=0, uuid="GPU-test", memory_used=BASE + len(alive) * GIB, memory_total=16 * GIB, processes=alive
+            )
+        ]
 
     return read
 
@@ -80,7 +84,12 @@ def test_memory_above_the_baseline_counts_as_occupied_and_other_tenants_drift_do
 @pytest.mark.timeout(30)
 def test_a_workers_children_on_a_gpu_are_waited_for_too():
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; " "time.sleep(60)']); time.sleep(60)"],
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(60)']); time.sleep(60)",
+        ],
         start_new_session=True,
     )
     try:
@@ -104,8 +113,15 @@ def test_with_nvml_a_killed_cuda_process_leaves_the_gpu_within_the_timeout():
     try:
         baseline = {d.index: d.memory_used for d in monitor.read()}
         worker = subprocess.Popen(
-            [sys.executable, "-c", "import torch, time; x = torch.ones(64 * 2**20, device='cuda'); print('ready', flush=True); " "time.sleep(60)"],
-            stdout=subprocess.PIPE, text=True, start_new_session=True,
+            [
+                sys.executable,
+                "-c",
+                "import torch, time; x = torch.ones(64 * 2**20, device='cuda'); print('ready', flush=True); "
+                "time.sleep(60)",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             assert worker.stdout.readline().strip() == "ready"
@@ -125,8 +141,13 @@ def test_a_long_wait_for_the_gpus_says_what_still_holds_them_and_for_how_long_at
     workers = [_sleeper()]
     lines: list[str] = []
     try:
-        wait_reclaimed(_gpu_of(workers), {workers[0].pid}, {0: BASE}, timeout=WAIT_PROGRESS_SECONDS + 2, announce=lines.append)
+        wait_reclaimed(
+            _gpu_of(workers), {workers[0].pid}, {0: BASE}, timeout=WAIT_PROGRESS_SECONDS + 2, announce=lines.append
+        )
         held = f"GPU 0 (GPU-test): old worker process {workers[0].pid} still hold 1024 MiB"
-        assert len(lines) == 1 and re.fullmatch(rf"waiting for the last round's workers to leave the GPUs \({re.escape(held)}\): up to [12] s more", lines[0]), lines
+        assert len(lines) == 1 and re.fullmatch(
+            rf"waiting for the last round's workers to leave the GPUs \({re.escape(held)}\): up to [12] s more",
+            lines[0],
+        ), lines
     finally:
         _kill(workers)

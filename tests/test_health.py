@@ -68,7 +68,9 @@ def _events(tmp: Path) -> list[dict]:
 
 @pytest.mark.timeout(120)
 def test_worker_that_stops_heartbeating_is_caught_with_its_stack_and_the_job_restarts(tmp_path):
-    code, out, _ = _run(tmp_path, HEARTBEATS_THEN_HANG, "--nproc-per-node", "2", "--heartbeat-timeout", "1", "--max-restarts", "1")
+    code, out, _ = _run(
+        tmp_path, HEARTBEATS_THEN_HANG, "--nproc-per-node", "2", "--heartbeat-timeout", "1", "--max-restarts", "1"
+    )
     assert code == 0, out
     assert re.search(r"rank 1 .* is hung: it sent no heartbeat for 1\.\d s", out), out
     assert "stuck_in_allreduce" in out  # the stack names the function it is stuck in
@@ -83,7 +85,9 @@ def test_worker_that_stops_heartbeating_is_caught_with_its_stack_and_the_job_res
 
 @pytest.mark.timeout(120)
 def test_worker_stopped_with_sigstop_is_caught_and_its_stack_collected(tmp_path):
-    code, out, _ = _run(tmp_path, STOPS_ITSELF, "--nproc-per-node", "2", "--heartbeat-timeout", "1", "--max-restarts", "1")
+    code, out, _ = _run(
+        tmp_path, STOPS_ITSELF, "--nproc-per-node", "2", "--heartbeat-timeout", "1", "--max-restarts", "1"
+    )
     assert code == 0, out
     assert "rank 0" in out and "is hung" in out
     assert "about_to_stop" in out
@@ -124,7 +128,7 @@ def test_worker_killed_by_the_oom_killer_is_reported_as_such(tmp_path):
         (group / "memory.limit_in_bytes").write_text(str(64 * 1024 * 1024))
         script = f"""
 import os, time
-open({str(group / 'cgroup.procs')!r}, "w").write(str(os.getpid()))
+open({str(group / "cgroup.procs")!r}, "w").write(str(os.getpid()))
 time.sleep(1.5)  # let rally sample the worker inside its cgroup (it samples every 0.1 s)
 hog = []
 while True:
@@ -178,7 +182,9 @@ while step < 100:
         job.save({"step": step}, step)
     step += 1
 """
-    code, out, _ = _run(tmp_path, script, "--max-restarts", "10", "--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-loop-limit", "2")
+    code, out, _ = _run(
+        tmp_path, script, "--max-restarts", "10", "--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-loop-limit", "2"
+    )
     assert code == 1, out
     assert "crash loop: 2 restarts in a row made no progress" in out and "step 5" in out
     assert "fails at step 7 every time" in out
@@ -198,7 +204,10 @@ def test_output_off_a_terminal_has_no_escape_codes(tmp_path):
 def test_rally_status_shows_a_running_three_node_job(tmp_path):
     port = free_port()
     probe = write_script(tmp_path, "probe.py", "import time\nwhile True:\n    time.sleep(0.1)\n")
-    agents = [start_agent(f"n{i}", tmp_path, [*c10d_args(port, "3", run_id="statusjob"), "--nproc-per-node", "2", str(probe)]) for i in range(3)]
+    agents = [
+        start_agent(f"n{i}", tmp_path, [*c10d_args(port, "3", run_id="statusjob"), "--nproc-per-node", "2", str(probe)])
+        for i in range(3)
+    ]
     try:
         assert eventually(lambda: all("round 0:" in a.output() for a in agents), 60)
         env = clean_env(COLUMNS="200")
@@ -214,7 +223,9 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
         assert "round 0" in text
         for rank in range(6):
             assert re.search(rf"│ {rank}\s+│", text), text
-        missing = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nosuchjob"], cwd=tmp_path, timeout=30)
+        missing = run_rally(
+            ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nosuchjob"], cwd=tmp_path, timeout=30
+        )
         assert missing.returncode != 0
         assert "no job with run id 'nosuchjob'" in missing.stderr and "Traceback" not in missing.stderr
     finally:
@@ -224,7 +235,9 @@ def test_rally_status_shows_a_running_three_node_job(tmp_path):
 @pytest.mark.timeout(120)
 def test_on_a_terminal_a_live_table_of_the_workers_is_shown(tmp_path):
     """rally under a real pseudo-terminal (both stdout and stderr), as a person would run it."""
-    script = write_script(tmp_path, "w.py", "import time\nfor i in range(25):\n    print('step', i, flush=True)\n    time.sleep(0.2)\n")
+    script = write_script(
+        tmp_path, "w.py", "import time\nfor i in range(25):\n    print('step', i, flush=True)\n    time.sleep(0.2)\n"
+    )
     env = {**clean_env(), "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
     terminal = OnTerminal(["--standalone", "--nproc-per-node", "2", str(script)], cwd=tmp_path, env=env)
     try:

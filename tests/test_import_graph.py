@@ -37,9 +37,7 @@ def imports_of(path: Path) -> set[str]:
     return found & ALL.keys()
 
 
-ALL: dict[str, Path] = {
-    module_of(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))
-}
+ALL: dict[str, Path] = {module_of(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
 GRAPH: dict[str, set[str]] = {name: imports_of(path) - {name} for name, path in ALL.items()}
 
 

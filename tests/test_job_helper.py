@@ -123,9 +123,7 @@ def test_non_rank0_save_writes_nothing_but_load_works(ckpt_dir: Path, monkeypatc
 
 
 @pytest.mark.timeout(60)
-def test_truncated_newest_checkpoint_falls_back_to_previous(
-    ckpt_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_truncated_newest_checkpoint_falls_back_to_previous(ckpt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
     job.save({"w": torch.full((1000,), 1.0)}, 1)
@@ -219,7 +217,9 @@ def test_sigkill_during_save_never_damages_or_hides_the_previous_checkpoint(
         capsys.readouterr()
         for name in checkpoint_names(ckpt_dir):
             state = torch.load(ckpt_dir / name, weights_only=True)
-            assert int(name[5:17]) == state["step"] and torch.equal(state["data"], torch.full((size,), float(state["step"])))
+            assert int(name[5:17]) == state["step"] and torch.equal(
+                state["data"], torch.full((size,), float(state["step"]))
+            )
         # ... and load_latest finds the newest of them without needing to fall back.
         ckpt = job.load_latest()
         assert ckpt is not None and ckpt.step >= max(last_step, 1)

@@ -47,7 +47,10 @@ def _names_a_key(call: ast.Call) -> bool:
     first = call.args[0]
     spelled = isinstance(first, ast.JoinedStr) or (isinstance(first, ast.Constant) and isinstance(first.value, str))
     if isinstance(first, (ast.List, ast.Tuple)):  # try_wait([keys], ...)
-        spelled = any(isinstance(e, ast.JoinedStr) or (isinstance(e, ast.Constant) and isinstance(e.value, str)) for e in first.elts)
+        spelled = any(
+            isinstance(e, ast.JoinedStr) or (isinstance(e, ast.Constant) and isinstance(e.value, str))
+            for e in first.elts
+        )
     return name.endswith("store") and spelled
 
 
@@ -61,14 +64,22 @@ def test_only_the_protocol_names_store_keys() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and _names_a_key(node):
                 offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)[:80]}")
-    assert offenders == [], f"store keys belong in the protocol's modules ({', '.join(sorted(PROTOCOL))}):\n" + "\n".join(offenders)
+    assert offenders == [], (
+        f"store keys belong in the protocol's modules ({', '.join(sorted(PROTOCOL))}):\n" + "\n".join(offenders)
+    )
 
 
 def test_the_key_check_catches_a_key_spelled_out_elsewhere() -> None:
     """The check above would see the agent writing a key itself (so it can fail)."""
-    calls = [n for n in ast.walk(ast.parse('rdzv.store.set(f"{r}/preempt_done", "1")\nself.store.try_wait(["x"], 1)')) if isinstance(n, ast.Call)]
+    calls = [
+        n
+        for n in ast.walk(ast.parse('rdzv.store.set(f"{r}/preempt_done", "1")\nself.store.try_wait(["x"], 1)'))
+        if isinstance(n, ast.Call)
+    ]
     assert [_names_a_key(c) for c in calls] == [True, True]
-    harmless = [n for n in ast.walk(ast.parse('rnd.channel.publish_master("h", 1)\nd.get("x")')) if isinstance(n, ast.Call)]
+    harmless = [
+        n for n in ast.walk(ast.parse('rnd.channel.publish_master("h", 1)\nd.get("x")')) if isinstance(n, ast.Call)
+    ]
     assert not any(_names_a_key(c) for c in harmless)
 
 
@@ -86,7 +97,9 @@ def _rally_imports(path: Path) -> set[str]:
 def test_console_and_the_worker_table_are_leaves_and_all_the_agent_takes_from_the_launcher() -> None:
     for leaf in ("agent/display/console.py", "agent/display/worker_table.py"):
         assert _rally_imports(REPO / leaf) == set(), f"{leaf} must import nothing of rally"
-    from_launcher = {m for p in (REPO / "agent").rglob("*.py") for m in _rally_imports(p) if m.startswith("rally.launcher")}
+    from_launcher = {
+        m for p in (REPO / "agent").rglob("*.py") for m in _rally_imports(p) if m.startswith("rally.launcher")
+    }
     assert from_launcher <= {"rally.agent.display.console", "rally.agent.display.worker_table"}, from_launcher
 
 
@@ -104,7 +117,8 @@ def test_every_test_starts_rally_through_the_one_launch_helper() -> None:
     spelled = [
         str(p.relative_to(REPO))
         for p in sorted((REPO / "tests").glob("*.py"))
-        if p.name not in ("helpers.py", "test_layout.py") and ('"-m", "rally"' in p.read_text() or "rally_argv(" in p.read_text())
+        if p.name not in ("helpers.py", "test_layout.py")
+        and ('"-m", "rally"' in p.read_text() or "rally_argv(" in p.read_text())
     ]
     assert spelled == []
 

@@ -47,7 +47,16 @@ for step in range(40):
 print("trained", flush=True)
 """
 
-AUTO = ["--heartbeat-timeout", "auto", "--timeout-samples", "10", "--timeout-safety-factor", "4", "--timeout-floor", "0"]
+AUTO = [
+    "--heartbeat-timeout",
+    "auto",
+    "--timeout-samples",
+    "10",
+    "--timeout-safety-factor",
+    "4",
+    "--timeout-floor",
+    "0",
+]
 
 
 def _events(tmp: Path) -> list[dict]:
@@ -58,10 +67,16 @@ def _events(tmp: Path) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_a_hang_is_caught_within_the_safety_factor_of_the_learned_interval_and_a_restart_does_not_relearn(tmp_path):
     script = write_script(tmp_path, "w.py", BEATS_THEN_HANG)
-    done = run_rally(["--standalone", "--log-dir", str(tmp_path / "logs"), *AUTO, "--max-restarts", "1", str(script)], cwd=tmp_path, timeout=100)
+    done = run_rally(
+        ["--standalone", "--log-dir", str(tmp_path / "logs"), *AUTO, "--max-restarts", "1", str(script)],
+        cwd=tmp_path,
+        timeout=100,
+    )
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
-    learned = re.findall(r"heartbeat timeout learned (\d+\.\d+) s: 4 x the longest of \d+ intervals \((\d+\.\d+) s\)", out)
+    learned = re.findall(
+        r"heartbeat timeout learned (\d+\.\d+) s: 4 x the longest of \d+ intervals \((\d+\.\d+) s\)", out
+    )
     assert len(learned) == 1, out  # printed once; the restarted workers were not learned from again
     timeout, longest = float(learned[0][0]), float(learned[0][1])
     assert 0.1 <= longest <= 1.5 and timeout == pytest.approx(4 * longest, abs=0.06), out
@@ -77,12 +92,18 @@ def test_a_hang_is_caught_within_the_safety_factor_of_the_learned_interval_and_a
 @pytest.mark.timeout(120)
 def test_a_checkpoint_section_three_times_longer_than_the_step_timeout_never_trips_it(tmp_path):
     script = write_script(tmp_path, "w.py", CHECKPOINTS)
-    done = run_rally(["--standalone", "--log-dir", str(tmp_path / "logs"), *AUTO, str(script)], cwd=tmp_path, timeout=100)
+    done = run_rally(
+        ["--standalone", "--log-dir", str(tmp_path / "logs"), *AUTO, str(script)], cwd=tmp_path, timeout=100
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "trained" in out and "hung" not in out, out
     timeout = float(re.search(r"heartbeat timeout learned (\d+\.\d+) s", out).group(1))
     assert 4.0 >= 3 * timeout, out  # the checkpoint really was 3x longer than the step timeout
-    section = float(re.search(r"timeout of section 'checkpoint' learned (\d+\.\d+) s: 4 x the longest of 1 completion", out).group(1))
+    section = float(
+        re.search(r"timeout of section 'checkpoint' learned (\d+\.\d+) s: 4 x the longest of 1 completion", out).group(
+            1
+        )
+    )
     assert section == pytest.approx(16.0, abs=1.0), out  # learned from the first checkpoint (4 s)
     assert {e["kind"] for e in _events(tmp_path) if e["event"] == "timeout_learned"} == {"heartbeat", "section"}
 
@@ -110,7 +131,9 @@ def test_the_worker_measures_the_longest_interval_and_section_itself(tmp_path):
     learner = LearnedTimeouts(LearningSettings(factor=3, samples=4, floor=0.5), said.append, lambda *a, **k: None)
     learner.observe(record)
     assert learner.heartbeat == pytest.approx(3 * record.longest_interval_ns / 1e9)
-    assert learner.section_timeout("checkpoint/save") == pytest.approx(3 * record.done_longest_ns / 1e9)  # nested: the outer's
+    assert learner.section_timeout("checkpoint/save") == pytest.approx(
+        3 * record.done_longest_ns / 1e9
+    )  # nested: the outer's
     floored = LearnedTimeouts(LearningSettings(factor=3, samples=4, floor=5), said.append, lambda *a, **k: None)
     floored.observe(record)
     assert floored.heartbeat == 5 and len(said) == 4

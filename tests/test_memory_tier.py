@@ -279,19 +279,28 @@ def test_the_round_resumes_from_the_newest_step_every_node_can_load() -> None:
 
 @pytest.mark.torch
 @pytest.mark.timeout(60)
-def test_too_little_shared_memory_is_one_line_and_saves_go_to_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_little_shared_memory_is_one_line_and_saves_go_to_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "100000")
     t = Tier(tmp_path, tmp_path / "ckpt")
     try:
         t.agent.open_round(0, None, LEASE)
-        for name, value in {ckpt_client.HOLDER_ENV: t.holder, "RALLY_ROUND": "0", job.CHECKPOINT_DIR_ENV: str(t.checkpoint_dir)}.items():
+        for name, value in {
+            ckpt_client.HOLDER_ENV: t.holder,
+            "RALLY_ROUND": "0",
+            job.CHECKPOINT_DIR_ENV: str(t.checkpoint_dir),
+        }.items():
             monkeypatch.setenv(name, value)
         monkeypatch.setattr(ckpt_client, "_tier_resolved", False)
         for step in (1, 2):
             assert job.save(state(step), step) == t.checkpoint_dir / f"step_{step:012d}.pt"
         assert job.durable_steps() == [1, 2]  # written by the worker itself, at once
         assert wait_for(lambda: len(t.warnings) == 1)
-        assert t.warnings[0].startswith("not enough memory for in-memory checkpoints on this node") and "disk only" in t.warnings[0]
+        assert (
+            t.warnings[0].startswith("not enough memory for in-memory checkpoints on this node")
+            and "disk only" in t.warnings[0]
+        )
         time.sleep(0.2)
         assert len(t.warnings) == 1  # one line, at the first save
     finally:
@@ -308,7 +317,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.torch
 @pytest.mark.timeout(60)
-def test_a_full_disk_is_one_line_and_keeps_the_memory_copy_and_the_last_durable_step(tmp_path: Path, small_disk: Path) -> None:
+def test_a_full_disk_is_one_line_and_keeps_the_memory_copy_and_the_last_durable_step(
+    tmp_path: Path, small_disk: Path
+) -> None:
     t = Tier(tmp_path, small_disk / "ckpt")
     try:
         t.agent.open_round(0, None, LEASE)
@@ -319,9 +330,13 @@ def test_a_full_disk_is_one_line_and_keeps_the_memory_copy_and_the_last_durable_
         assert t.agent.flush(30)
         assert wait_for(lambda: t.warnings)
         [line] = t.warnings
-        assert line.startswith(f"checkpoint step 2 could not be written to {small_disk / 'ckpt'}: the disk is full (4.0 MB needed, ")
+        assert line.startswith(
+            f"checkpoint step 2 could not be written to {small_disk / 'ckpt'}: the disk is full (4.0 MB needed, "
+        )
         assert "MB free)" in line and "\n" not in line
-        assert job.durable_steps(small_disk / "ckpt") == [1] and checkpoint_file.is_intact(small_disk / "ckpt" / "step_000000000001.pt")
+        assert job.durable_steps(small_disk / "ckpt") == [1] and checkpoint_file.is_intact(
+            small_disk / "ckpt" / "step_000000000001.pt"
+        )
         assert [p.name for p in (small_disk / "ckpt").iterdir()] == ["step_000000000001.pt"]  # no temp file left
         t.agent.open_round(1, 2, LEASE)
         step, fd = t.worker(1).resume("whole")
@@ -410,7 +425,9 @@ def test_the_holders_memory_is_freed_when_its_agent_is_sigkilled(tmp_path: Path)
 
 @pytest.mark.torch
 @pytest.mark.timeout(60)
-def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch
 
     monkeypatch.delenv(ckpt_client.HOLDER_ENV, raising=False)  # the disk path: no memory tier (issue 19, item 9),
@@ -422,8 +439,12 @@ def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free
             job.save({"w": torch.ones(500_000)}, 2)  # 2 MB
         line = str(info.value)
         assert f"checkpoint step_000000000002.pt could not be written to {disk / 'ckpt'}: the disk is full" in line
-        assert "at least 2.0 MB needed" in line and "MB free" in line and "\n" not in line and "unexpected pos" not in line
-        assert job.durable_steps() == [1] and sorted(p.name for p in (disk / "ckpt").iterdir()) == ["step_000000000001.pt"]
+        assert (
+            "at least 2.0 MB needed" in line and "MB free" in line and "\n" not in line and "unexpected pos" not in line
+        )
+        assert job.durable_steps() == [1] and sorted(p.name for p in (disk / "ckpt").iterdir()) == [
+            "step_000000000001.pt"
+        ]
 
 
 def test_rally_status_and_metrics_show_the_last_saved_and_the_last_durable_step() -> None:

@@ -107,7 +107,18 @@ def test_elastic_range_forms_with_fewer_than_max_after_last_call(job):
 @pytest.mark.timeout(120)
 def test_static_rendezvous_uses_the_given_node_ranks(job):
     port = job.port
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "static",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
     agents = [job.start(f"n{rank}", [*common, "--node-rank", str(rank)], ["ok"]) for rank in (1, 0)]
     assert _finish(agents) == [0, 0], "\n".join(a.output() for a in agents)
     records = job.records()

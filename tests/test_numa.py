@@ -29,7 +29,9 @@ seen["main"] = sorted(os.sched_getaffinity(0))
 print(json.dumps(seen))
 """
 
-needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least two CPUs to tell a binding apart")
+needs_two_cpus = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="needs at least two CPUs to tell a binding apart"
+)
 
 
 def _one_cpu() -> int:
@@ -49,7 +51,9 @@ def test_a_plain_start_is_bound_before_exec_with_every_thread(tmp_path: Path):
     cpu = _one_cpu()
     out = tmp_path / "out"
     with out.open("wb") as sink:
-        child = processes.spawn([sys.executable, str(script)], {**os.environ, AFFINITY_VARIABLE: str(cpu)}, None, sink, None)
+        child = processes.spawn(
+            [sys.executable, str(script)], {**os.environ, AFFINITY_VARIABLE: str(cpu)}, None, sink, None
+        )
         assert child.popen.wait(timeout=20) == 0
     assert json.loads(out.read_text()) == {"main": [cpu], "thread": [cpu]}
 

@@ -47,7 +47,12 @@ def rally(tmp: Path, script: str, *args: str, timeout: float = 90) -> tuple[int,
     """Run rally on a stdlib probe (no template: nothing to preload) and return (code, output)."""
     path = tmp / "w.py"
     path.write_text(textwrap.dedent(script))
-    done = run_rally(["--standalone", "--no-preload", "--log-dir", str(tmp / "logs"), *args, str(path)], cwd=tmp, env=child_env(), timeout=timeout)
+    done = run_rally(
+        ["--standalone", "--no-preload", "--log-dir", str(tmp / "logs"), *args, str(path)],
+        cwd=tmp,
+        env=child_env(),
+        timeout=timeout,
+    )
     return done.returncode, done.stdout + done.stderr
 
 
@@ -103,7 +108,11 @@ def test_heartbeat_with_a_step_and_sections_reach_the_file_from_another_process(
     assert seen["own"] == 5.0 and seen["back"] == "checkpoint" and seen["out"] == ""
     assert "timeout must be a positive number" in seen["bad"]
     record = heartbeat_file.read_record(path)
-    assert record.count == 2 and record.step == 41 and before < record.ns < record.section_changed_ns <= time.monotonic_ns()
+    assert (
+        record.count == 2
+        and record.step == 41
+        and before < record.ns < record.section_changed_ns <= time.monotonic_ns()
+    )
     assert os.path.getsize(path) == heartbeat_file.SIZE == 224  # fixed size, shared by both sides
 
 
@@ -132,8 +141,16 @@ def test_a_beat_with_a_step_still_costs_microseconds_and_section_names_are_cut_s
 @pytest.mark.timeout(30)
 def test_sections_outside_rally_do_nothing_and_rally_job_imports_without_torch():
     done = subprocess.run(
-        [sys.executable, "-c", "import sys\nfrom rally import job\nwith job.section('setup', timeout=1):\n    " "job.heartbeat(step=3)\nprint('torch' in sys.modules)"],
-        env=child_env(), capture_output=True, text=True, timeout=30,
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom rally import job\nwith job.section('setup', timeout=1):\n    "
+            "job.heartbeat(step=3)\nprint('torch' in sys.modules)",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
@@ -168,7 +185,16 @@ def test_the_median_of_all_other_ranks_comes_from_three_published_numbers(seed):
             assert summary.median_without(x) == (pytest.approx(expected) if others else None)
 
 
-@pytest.mark.parametrize("text", ['{"count": 5, "offset": 1, "values": [1, 2]}', "[]", "not json", '{"count": 3, "offset": 0, "values": [3, 2, 1]}', '{"count": 2, "offset": 0, "values": [1, NaN]}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"count": 5, "offset": 1, "values": [1, 2]}',
+        "[]",
+        "not json",
+        '{"count": 3, "offset": 0, "values": [3, 2, 1]}',
+        '{"count": 2, "offset": 0, "values": [1, NaN]}',
+    ],
+)
 def test_a_malformed_published_summary_is_ignored(text):
     assert CentralValues.from_json(text) is None
 
@@ -194,7 +220,11 @@ def test_a_rank_persistently_slower_is_named_and_one_long_step_is_not():
     named = _feed(watch, {0: steady, 1: slow, 2: steady, 3: spike})
     assert [s.rank for _, s in named] == [1]
     step, straggler = named[0]
-    assert straggler.step_time == pytest.approx(0.3) and straggler.median == pytest.approx(0.1) and straggler.scope == "node"
+    assert (
+        straggler.step_time == pytest.approx(0.3)
+        and straggler.median == pytest.approx(0.1)
+        and straggler.scope == "node"
+    )
     # Its 5-step mean passes 1.5x the others' at step 6 (0.18 s); it is named after staying slow
     # for a further window. The spike's window stays slow for steps 12-16 only: never a whole window.
     assert step == 6 + 5
@@ -224,7 +254,9 @@ def test_node_0_reads_step_times_only_from_this_rounds_records():
 
 def test_gpu_problems_are_named_from_nvml_readings():
     healthy = DeviceReading(0, "GPU-aaa", ecc_uncorrected=0, xids=(13, 43))  # application XIDs: not the GPU's fault
-    sick = DeviceReading(1, "GPU-bbb", ecc_uncorrected=2, retired_pages_pending=True, remapping_failed=True, xids=(79, 79, 48))
+    sick = DeviceReading(
+        1, "GPU-bbb", ecc_uncorrected=2, retired_pages_pending=True, remapping_failed=True, xids=(79, 79, 48)
+    )
     assert gpu.device_problems(healthy) == []
     assert gpu.node_problems([healthy, sick]) == [
         "GPU 1 (GPU-bbb): 2 uncorrected ECC errors",
@@ -272,7 +304,9 @@ def test_without_nvidia_ml_py_gpu_health_is_skipped_with_a_reason():
 
 
 def test_without_a_driver_gpu_health_is_skipped_with_nvmls_reason():
-    pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed here (the gpu extra): the driver path cannot be tried")
+    pytest.importorskip(
+        "pynvml", reason="nvidia-ml-py is not installed here (the gpu extra): the driver path cannot be tried"
+    )
     monitor, reason = gpu.open_monitor()
     if monitor is not None:
         monitor.close()
@@ -297,8 +331,13 @@ def test_a_node_with_unhealthy_gpus_is_named_before_it_joins_a_round(tmp_path, c
     observer.before_round()
     log.close()
     err = capsys.readouterr().err
-    assert "node node7 has unhealthy GPUs before joining the next round: GPU 1 (GPU-bbb): 3 uncorrected ECC " "errors; GPU 1 (GPU-bbb): XID 79" in err
-    (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines() if "gpu_unhealthy" in line]
+    assert (
+        "node node7 has unhealthy GPUs before joining the next round: GPU 1 (GPU-bbb): 3 uncorrected ECC "
+        "errors; GPU 1 (GPU-bbb): XID 79" in err
+    )
+    (event,) = [
+        json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines() if "gpu_unhealthy" in line
+    ]
     assert event["node"] == "node7" and len(event["problems"]) == 2
 
 
@@ -323,7 +362,9 @@ def test_on_a_node_without_gpus_the_skip_reason_is_logged_and_the_job_runs(tmp_p
 def test_where_gpus_are_expected_the_skip_reason_is_shown_on_the_console(tmp_path):
     skip_where_nvml_works()
     (tmp_path / "w.py").write_text("print('ok')\n")
-    done = run_rally(["--standalone", "--no-preload", str(tmp_path / "w.py")], cwd=tmp_path, env=child_env(CUDA_VISIBLE_DEVICES="0"))
+    done = run_rally(
+        ["--standalone", "--no-preload", str(tmp_path / "w.py")], cwd=tmp_path, env=child_env(CUDA_VISIBLE_DEVICES="0")
+    )
     assert done.returncode == 0, done.stderr
     assert "rally: warning: GPU health checks skipped: " in done.stderr and "Traceback" not in done.stderr
 
@@ -348,7 +389,11 @@ for step in range(5):
 def test_a_worker_that_never_sends_its_first_heartbeat_is_hung_with_its_stack(tmp_path):
     code, out = rally(tmp_path, NEVER_BEATS, "--nproc-per-node", "2", "--startup-timeout", "1.5", "--max-restarts", "1")
     assert code == 0, out
-    assert "rank 1 (local rank 1" in out and "is hung: it sent no first heartbeat in 1." in out and "since starting (--startup-timeout 1.5)" in out
+    assert (
+        "rank 1 (local rank 1" in out
+        and "is hung: it sent no first heartbeat in 1." in out
+        and "since starting (--startup-timeout 1.5)" in out
+    )
     assert "stuck_in_setup" in out  # its stack, collected before it was killed
     hung = [e for e in events(tmp_path) if e["event"] == "worker_hung"]
     assert len(hung) == 1 and hung[0]["rank"] == 1

@@ -61,9 +61,19 @@ def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_nod
     """Two nodes, one rank each: only the job-wide median (node 0's summary) can name rank 1."""
     port = free_port()
     script = write_script(tmp_path, "paced.py", PACED)
-    common = [*c10d_args(port, "2", run_id="stragglerjob"), "--nproc-per-node", "1", "--no-preload", "--resource-interval", "0.2"]
+    common = [
+        *c10d_args(port, "2", run_id="stragglerjob"),
+        "--nproc-per-node",
+        "1",
+        "--no-preload",
+        "--resource-interval",
+        "0.2",
+    ]
     env = {"STEP_SECONDS_0": "0.04", "STEP_SECONDS_1": "0.16"}
-    agents = [start_agent(f"n{i}", tmp_path, [*common, "--log-dir", str(tmp_path / f"logs{i}"), str(script)], env) for i in range(2)]
+    agents = [
+        start_agent(f"n{i}", tmp_path, [*common, "--log-dir", str(tmp_path / f"logs{i}"), str(script)], env)
+        for i in range(2)
+    ]
     try:
         assert eventually(lambda: "straggler: rank 1" in agents[1].output(), 90), agents[1].output()
         line = next(x for x in agents[1].output().splitlines() if "straggler: rank 1" in x)
@@ -74,7 +84,9 @@ def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_nod
         assert 0.14 < event["step_time"] < 0.4 and 0.03 < event["median"] < 0.1, event  # loaded machines are slow
         status = status_of("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stragglerjob")
         assert status.returncode == 0, status.stderr
-        assert "s/step" in status.stdout and re.search(r"straggler: rank 1 on \S+ takes 0\.\d+ s per step", status.stdout), status.stdout
+        assert "s/step" in status.stdout and re.search(
+            r"straggler: rank 1 on \S+ takes 0\.\d+ s per step", status.stdout
+        ), status.stdout
         assert re.search(r"0\.\d{3} slow", status.stdout), status.stdout
         (tmp_path / "stop").touch()
         assert [a.wait(60) for a in agents] == [0, 0]
@@ -111,7 +123,19 @@ def worker(metrics: dict, name: str, rank: int, **labels: str) -> float | None:
 @pytest.mark.timeout(180)
 def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_restart(tmp_path):
     script = write_script(tmp_path, "paced.py", PACED)
-    args = ["--standalone", "--nproc-per-node", "2", "--no-preload", "--max-restarts", "1", "--resource-interval", "0.2", "--metrics-port", "0", str(script)]
+    args = [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-preload",
+        "--max-restarts",
+        "1",
+        "--resource-interval",
+        "0.2",
+        "--metrics-port",
+        "0",
+        str(script),
+    ]
     agent = start_agent("metrics", tmp_path, args, {"FAIL_ON_FILE": "1"})
     try:
         found = eventually(lambda: re.search(r"Prometheus metrics at http://\S+:(\d+)/metrics", agent.output()), 60)
@@ -121,7 +145,12 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
 
         def steps_known() -> dict | None:
             m = scrape(port)
-            return m if worker(m, "rally_worker_step", 1) is not None and worker(m, "rally_worker_cpu_seconds_total", 1) is not None else None
+            return (
+                m
+                if worker(m, "rally_worker_step", 1) is not None
+                and worker(m, "rally_worker_cpu_seconds_total", 1) is not None
+                else None
+            )
 
         assert eventually(steps_known, 60), agent.output()
         before = scrape(port)
@@ -130,7 +159,16 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
         run_id = value(before, "run_id")
         assert re.fullmatch(r"[0-9a-f-]{36}", run_id) and "rally status --rdzv-endpoint localhost:" in agent.output()
         assert run_id in agent.output()  # the run id `rally status` needs is the label's
-        assert value(before, "rally_build_info", version=rally.__version__, torch=metadata.version("torch"), python=platform.python_version()) == 1
+        assert (
+            value(
+                before,
+                "rally_build_info",
+                version=rally.__version__,
+                torch=metadata.version("torch"),
+                python=platform.python_version(),
+            )
+            == 1
+        )
         assert not [name for name, _ in before if name in ("rally_worker_cpu_percent", "rally_gpu_problems")]
         assert value(before, "rally_world_size") == 2 and value(before, "rally_nodes") == 1
         assert value(before, "rally_failures_total", kind="worker_failed") == 0
@@ -140,9 +178,17 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
             assert worker(before, "rally_worker_rss_bytes", rank) > 1024 * 1024
             assert 0 <= worker(before, "rally_worker_heartbeat_age_seconds", rank) < 5
             assert worker(before, "rally_worker_straggler", rank) == 0
-        assert eventually(lambda: worker(scrape(port), "rally_worker_step", 0) > worker(before, "rally_worker_step", 0), 30)
+        assert eventually(
+            lambda: worker(scrape(port), "rally_worker_step", 0) > worker(before, "rally_worker_step", 0), 30
+        )
         assert eventually(lambda: worker(scrape(port), "rally_worker_step_seconds", 0) is not None, 30)
-        assert eventually(lambda: worker(scrape(port), "rally_worker_cpu_seconds_total", 0) > worker(before, "rally_worker_cpu_seconds_total", 0), 30)
+        assert eventually(
+            lambda: (
+                worker(scrape(port), "rally_worker_cpu_seconds_total", 0)
+                > worker(before, "rally_worker_cpu_seconds_total", 0)
+            ),
+            30,
+        )
 
         (tmp_path / "fail").touch()  # rank 1 of the first attempt exits 3: one restart
         assert eventually(lambda: value(scrape(port), "rally_restarts_total") == 1, 60), agent.output()
@@ -178,21 +224,40 @@ def test_metrics_addr_keeps_the_endpoint_on_loopback(tmp_path):
     """--metrics-addr 127.0.0.1: the socket listens on loopback only (read back from the
     kernel's own table of listening sockets), and the printed address is the one to scrape."""
     script = write_script(tmp_path, "paced.py", PACED)
-    args = ["--standalone", "--nproc-per-node", "1", "--no-preload", "--metrics-port", "0", "--metrics-addr", "127.0.0.1", str(script)]
+    args = [
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "--no-preload",
+        "--metrics-port",
+        "0",
+        "--metrics-addr",
+        "127.0.0.1",
+        str(script),
+    ]
     agent = start_agent("loopback", tmp_path, args)
     try:
         printed = r"Prometheus metrics at http://127\.0\.0\.1:(\d+)/metrics"
         assert eventually(lambda: re.search(printed, agent.output()), 60), agent.output()
         port = int(re.search(printed, agent.output()).group(1))
-        listening = [c.laddr.ip for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        listening = [
+            c.laddr.ip
+            for c in psutil.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        ]
         assert listening == ["127.0.0.1"], listening
         assert value(scrape(port), "rally_failures_total", kind="worker_failed") == 0
         (tmp_path / "stop").touch()
         assert agent.wait(60) == 0, agent.output()
     finally:
         stop_all([agent])
-    done = run_rally(["--standalone", "--no-preload", "--metrics-port", "0", "--metrics-addr", "192.0.2.1", str(script)], cwd=tmp_path)
-    assert done.returncode == 2 and "--metrics-addr 192.0.2.1 --metrics-port 0: cannot listen" in done.stderr, done.stderr
+    done = run_rally(
+        ["--standalone", "--no-preload", "--metrics-port", "0", "--metrics-addr", "192.0.2.1", str(script)],
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "--metrics-addr 192.0.2.1 --metrics-port 0: cannot listen" in done.stderr, (
+        done.stderr
+    )
     assert "Traceback" not in done.stderr
 
 
@@ -269,4 +334,6 @@ def test_the_live_view_names_a_straggler_under_a_real_terminal(tmp_path):
     text = terminal.text()
     assert re.search(r"┃ rank\s+┃ pid\s+┃ state.*┃\s+step ┃\s+s/step ┃", text), text[-3000:]
     assert re.search(r"│ 1\s+│ \d+\s+│ running.*│\s+0\.\d{3} slow │", text), text[-3000:]
-    assert re.search(r"straggler: rank 1 on \S+ takes 0\.\d+ s per step, \d+\.\dx the median of this node's other ranks", text), text[-3000:]
+    assert re.search(
+        r"straggler: rank 1 on \S+ takes 0\.\d+ s per step, \d+\.\dx the median of this node's other ranks", text
+    ), text[-3000:]

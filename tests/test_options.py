@@ -43,7 +43,9 @@ def test_a_bad_value_from_yaml_names_the_file_and_line(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_a_key_given_in_both_spellings_is_refused_naming_both_lines(tmp_path: Path) -> None:
     line = fails_with_file(tmp_path, "nproc-per-node: 2\nmax_restarts: 1\nnproc_per_node: 3\n")
-    assert "job.yaml, line 3" in line and "line 1" in line and "nproc-per-node" in line and "nproc_per_node" in line, line
+    assert "job.yaml, line 3" in line and "line 1" in line and "nproc-per-node" in line and "nproc_per_node" in line, (
+        line
+    )
 
 
 @pytest.mark.timeout(90)
@@ -59,7 +61,12 @@ def test_a_bad_yaml_value_overridden_by_a_flag_is_not_blamed_on_the_file(tmp_pat
 @pytest.mark.timeout(120)
 def test_an_unambiguous_prefix_of_a_flag_runs_as_torchrun_accepts_it(tmp_path: Path) -> None:
     probe = write_probe(tmp_path / "hello.py", "import os\nprint('hello from', os.environ['LOCAL_RANK'])\n")
-    result = run_rally(["--standalone", "--no-prel", "--nproc-per-nod", "2", "--max-restart=1", str(probe)], cwd=tmp_path, env=clean_env(), timeout=90)
+    result = run_rally(
+        ["--standalone", "--no-prel", "--nproc-per-nod", "2", "--max-restart=1", str(probe)],
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=90,
+    )
     assert result.returncode == 0, result.describe()
     assert sorted(re.findall(r"hello from (\d)", result.stdout)) == ["0", "1"], result.describe()
 
@@ -67,7 +74,12 @@ def test_an_unambiguous_prefix_of_a_flag_runs_as_torchrun_accepts_it(tmp_path: P
 @pytest.mark.timeout(60)
 def test_the_scripts_own_arguments_are_never_expanded(tmp_path: Path) -> None:
     probe = write_probe(tmp_path / "args.py", "import sys\nprint('ARGS', sys.argv[1:])\n")
-    result = run_rally(["--standalone", "--no-preload", str(probe), "--nproc-per-nod", "7", "--std"], cwd=tmp_path, env=clean_env(), timeout=90)
+    result = run_rally(
+        ["--standalone", "--no-preload", str(probe), "--nproc-per-nod", "7", "--std"],
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=90,
+    )
     assert result.returncode == 0, result.describe()
     assert "ARGS ['--nproc-per-nod', '7', '--std']" in result.stdout, result.describe()
 
@@ -121,7 +133,11 @@ def test_defaults_the_agent_also_needs_come_from_the_agents_own_types() -> None:
     o = Options()
     assert o.straggler_factor == JobSpec.straggler_factor == DEFAULT_FACTOR
     assert o.resource_interval == JobSpec.resource_interval == HealthSettings.resource_interval
-    assert (o.max_restarts, o.crash_loop_limit, o.preemption_grace) == (JobSpec.max_restarts, JobSpec.crash_loop_limit, JobSpec.preemption_grace)
+    assert (o.max_restarts, o.crash_loop_limit, o.preemption_grace) == (
+        JobSpec.max_restarts,
+        JobSpec.crash_loop_limit,
+        JobSpec.preemption_grace,
+    )
     assert RDZV_CONF_DEFAULTS["join_timeout"] == RendezvousSettings.join_timeout
 
 
@@ -131,7 +147,9 @@ def test_launch_takes_the_models_names_and_refuses_an_unknown_one_with_the_neare
     from rally.launcher.options import Options
 
     assert Options.of({"nproc-per-node": 2, "max_restarts": 1}) == Options(nproc_per_node=2, max_restarts=1)
-    with pytest.raises(rally.LaunchError, match=r"unknown option 'nproc_per_nod'; did you mean 'nproc_per_node'\?") as caught:
+    with pytest.raises(
+        rally.LaunchError, match=r"unknown option 'nproc_per_nod'; did you mean 'nproc_per_node'\?"
+    ) as caught:
         rally.launch({"nproc_per_nod": 2}, print)
     assert caught.value.exit_code == 2
 
@@ -158,13 +176,17 @@ def test_slurm_fills_only_what_the_user_left_unset() -> None:
 
     slurm = job(SRUN_TASK0)
     changes, taken = slurm.overrides(Options(), given=set())
-    assert changes["rdzv_backend"] == "c10d" and changes["rdzv_endpoint"] == HostPort(slurm.store_host, slurm.store_port)
+    assert changes["rdzv_backend"] == "c10d" and changes["rdzv_endpoint"] == HostPort(
+        slurm.store_host, slurm.store_port
+    )
     assert changes["nnodes"] == str(slurm.nnodes) and changes["rdzv_id"] == slurm.run_id
     assert changes["nproc_per_node"] == str(slurm.nproc_auto())
     assert set(taken) == {"nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node"}
 
     mine = Options(rdzv_backend="etcd", rdzv_endpoint="e1:2379", nnodes="3", rdzv_id="job7", nproc_per_node="2")
-    changes, taken = slurm.overrides(mine, given={"rdzv_backend", "rdzv_endpoint", "nnodes", "rdzv_id", "nproc_per_node"})
+    changes, taken = slurm.overrides(
+        mine, given={"rdzv_backend", "rdzv_endpoint", "nnodes", "rdzv_id", "nproc_per_node"}
+    )
     assert changes == {} and taken == []
 
     changes, _ = slurm.overrides(Options(rdzv_backend="etcd"), given={"rdzv_backend"})
@@ -190,7 +212,12 @@ def test_a_flag_with_a_negative_form_takes_both_in_both_spellings() -> None:
 
     show.params.append(option)
     runner = CliRunner()
-    for args, expected in (([], True), (["--no-gpu-check"], False), (["--no_gpu_check"], False), (["--gpu_check"], True)):
+    for args, expected in (
+        ([], True),
+        (["--no-gpu-check"], False),
+        (["--no_gpu_check"], False),
+        (["--gpu_check"], True),
+    ):
         result = runner.invoke(show, args)
         assert result.output.strip() == f"gpu_check={expected}", (args, result.output)
     result = runner.invoke(show, [], env={"RALLY_GPU_CHECK": "0"})
@@ -202,7 +229,18 @@ def test_launch_reads_the_same_variables_as_the_command_converted_as_click_conve
     from rally.launcher.config import ConfigError
     from rally.launcher.options import from_environment
 
-    environ = {"PET_NPROC_PER_NODE": "4", "RALLY_NO_PRELOAD": "1", "RALLY_MAX_RESTARTS": "2", "PET_STANDALONE": "", "RALLY_STANDALONE": "yes"}
-    assert from_environment(environ) == {"nproc_per_node": "4", "no_preload": True, "max_restarts": 2, "standalone": True}
+    environ = {
+        "PET_NPROC_PER_NODE": "4",
+        "RALLY_NO_PRELOAD": "1",
+        "RALLY_MAX_RESTARTS": "2",
+        "PET_STANDALONE": "",
+        "RALLY_STANDALONE": "yes",
+    }
+    assert from_environment(environ) == {
+        "nproc_per_node": "4",
+        "no_preload": True,
+        "max_restarts": 2,
+        "standalone": True,
+    }
     with pytest.raises(ConfigError, match="RALLY_MAX_RESTARTS='x'"):
         from_environment({"RALLY_MAX_RESTARTS": "x"})

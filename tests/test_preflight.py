@@ -59,17 +59,24 @@ def _check_left_out(tmp: Path, agents: list, slow: str, out: Path, what: str, wh
             time.sleep(0.1)
         while_training()
     line = [ln for ln in bad.output().splitlines() if "left out by the pre-flight check" in ln]
-    assert len(line) == 1 and re.search(rf"node {slow} is left out by the pre-flight check: slower than 2x the median \({what} \d+\.\dx the median", line[0]), bad.output()
+    assert len(line) == 1 and re.search(
+        rf"node {slow} is left out by the pre-flight check: slower than 2x the median \({what} \d+\.\dx the median",
+        line[0],
+    ), bad.output()
     for good in (a for a in agents if a.name != slow):
         assert good.wait(120) == 0, good.output()
-        assert re.search(rf"pre-flight: node {slow} is left out of the round: slower than 2x the median \({what}", good.output()), good.output()
+        assert re.search(
+            rf"pre-flight: node {slow} is left out of the round: slower than 2x the median \({what}", good.output()
+        ), good.output()
         assert "re-forming the job: pre-flight left out " + slow in good.output()
         events = [e for e in _events(tmp, good.name) if e["event"] == "preflight"]
         named = next(n for n in events[0]["nodes"] if n["host"] == slow)
         assert named["bad"] and (named["compute"] if what == "compute" else named["link"]) > 0, events[0]
     last = max(r["step"] for r in _records(out))
     trained = {r["host"] for r in _records(out) if r["step"] == last}
-    assert trained == {a.name for a in agents if a.name != slow} and {r["world"] for r in _records(out) if r["step"] == last} == {2}
+    assert trained == {a.name for a in agents if a.name != slow} and {
+        r["world"] for r in _records(out) if r["step"] == last
+    } == {2}
     assert not [r for r in _records(out) if r["host"] == slow]  # its script never started
 
 
@@ -84,10 +91,22 @@ def test_a_node_with_a_slow_link_is_named_and_left_out_while_the_two_good_nodes_
         try:
             print(f"slow link on n1: {slow_link(nodes[1], 100)}")
             for i, ns in enumerate(nodes):
-                args = [*c10d_args(store.port, "2:3", extra_conf="last_call_timeout=20,keep_alive_timeout=10", preflight=True), "--nproc-per-node", "1", "--log-dir", str(tmp_path / f"logs-n{i}"), str(script)]
+                args = [
+                    *c10d_args(
+                        store.port, "2:3", extra_conf="last_call_timeout=20,keep_alive_timeout=10", preflight=True
+                    ),
+                    "--nproc-per-node",
+                    "1",
+                    "--log-dir",
+                    str(tmp_path / f"logs-n{i}"),
+                    str(script),
+                ]
                 args = [a.replace("127.0.0.1", "10.77.0.1") for a in args]
                 args[args.index("--local-addr") + 1] = f"10.77.0.{10 + i}"
-                env = {"PROBE_OUT": str(out), "GLOO_SOCKET_IFNAME": "eth0"}  # the host names resolve nowhere: gloo binds to eth0
+                env = {
+                    "PROBE_OUT": str(out),
+                    "GLOO_SOCKET_IFNAME": "eth0",
+                }  # the host names resolve nowhere: gloo binds to eth0
                 agents.append(agent(tmp_path, f"n{i}", args, env, netns=ns))
             _check_left_out(tmp_path, agents, "n1", out, "link")
         finally:
@@ -103,20 +122,37 @@ def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_t
     store = Store(tmp_path)
     agents = []
     try:
-        with slow_cpu(0.08, period=100_000) as into_cgroup:  # 8 ms of CPU per 100 ms: slow even when the machine is busy
+        # 8 ms of CPU per 100 ms: slow even when the machine is busy
+        with slow_cpu(0.08, period=100_000) as into_cgroup:
             for host in ("c0", "c1", "c2"):
-                args = [*c10d_args(store.port, "2:3", extra_conf="join_timeout=240,last_call_timeout=200", preflight=True), "--nproc-per-node", "1",
+                conf = "join_timeout=240,last_call_timeout=200"
+                args = [*c10d_args(store.port, "2:3", extra_conf=conf, preflight=True), "--nproc-per-node", "1",
                         "--metrics-port", "0", "--log-dir", str(tmp_path / f"logs-{host}"), str(script)]  # fmt: skip
-                env = {"PROBE_OUT": str(out), "STEPS": "1200", "STOP_FILE": str(tmp_path / "stop")}  # trains until the checks are done
+                env = {
+                    "PROBE_OUT": str(out),
+                    "STEPS": "1200",
+                    "STOP_FILE": str(tmp_path / "stop"),
+                }  # trains until the checks are done
                 agents.append(agent(tmp_path, host, args, env, cgroup=into_cgroup if host == "c1" else ""))
 
             def named_in_status_and_metrics() -> None:
                 port = re.search(r"Prometheus metrics at http://[^:]+:(\d+)/metrics", agents[0].output()).group(1)
                 metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-                assert 'rally_preflight_left_out{node="c1"} 1.0' in metrics and 'rally_preflight_seconds{probe="compute"}' in metrics, metrics
-                status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=30)
-                assert status.returncode == 0 and "pre-flight of round 0: 3 nodes, 1 named, 1 left out" in status.stdout, status.describe()
-                assert re.search(r"c1: slower than 2x the median \(compute \d+\.\dx the median\); compute \d\.\d+ s", status.stdout), status.stdout
+                assert (
+                    'rally_preflight_left_out{node="c1"} 1.0' in metrics
+                    and 'rally_preflight_seconds{probe="compute"}' in metrics
+                ), metrics
+                status = run_rally(
+                    ["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"],
+                    cwd=tmp_path,
+                    timeout=30,
+                )
+                assert (
+                    status.returncode == 0 and "pre-flight of round 0: 3 nodes, 1 named, 1 left out" in status.stdout
+                ), status.describe()
+                assert re.search(
+                    r"c1: slower than 2x the median \(compute \d+\.\dx the median\); compute \d\.\d+ s", status.stdout
+                ), status.stdout
                 (tmp_path / "stop").touch()
 
             try:
@@ -133,12 +169,27 @@ def test_the_verdict_names_failing_and_slow_nodes_and_leaves_out_only_what_min_a
     def result(host: str, compute: float, link: float | None = 0.001, error: str | None = None) -> dict:
         return {"host": host, "compute": None if error else compute, "link": link, "allreduce": 0.01, "error": error}
 
-    verdict = judge({0: result("a", 0.1), 1: result("b", 0.5), 2: result("c", 0.11), 3: result("d", 0.1, error="RuntimeError: boom")}, 2.0, 2)
+    verdict = judge(
+        {
+            0: result("a", 0.1),
+            1: result("b", 0.5),
+            2: result("c", 0.11),
+            3: result("d", 0.1, error="RuntimeError: boom"),
+        },
+        2.0,
+        2,
+    )
     assert verdict["left_out"] == [3, 1]  # a failed probe first, then the slowest
     named = {n["host"]: n["bad"] for n in verdict["nodes"]}
-    assert named["d"].startswith("its probe failed: RuntimeError: boom") and "compute 4.5x the median" in named["b"] and not named["a"]
+    assert (
+        named["d"].startswith("its probe failed: RuntimeError: boom")
+        and "compute 4.5x the median" in named["b"]
+        and not named["a"]
+    )
     tight = judge({0: result("a", 0.1), 1: result("b", 0.5), 2: result("c", 0.1, link=0.2)}, 2.0, 3)
-    assert tight["left_out"] == [] and tight["kept_bad"] == [2, 1] and "(MIN=3)" in tight["summary"]  # the job goes on, and says so
+    assert (
+        tight["left_out"] == [] and tight["kept_bad"] == [2, 1] and "(MIN=3)" in tight["summary"]
+    )  # the job goes on, and says so
     two = judge({0: result("a", 0.1, link=0.001), 1: result("b", 0.1, link=0.3)}, 2.0, 1)
     assert two["left_out"] == [] and two["median_link"] is None  # one pair: the link tells nobody apart
     broken = judge({0: result("a", 0, error="x"), 1: result("b", 0, error="x"), 2: result("c", 0.1)}, 2.0, 1)

@@ -35,7 +35,15 @@ from rally.rendezvous.token import Signer
 
 pytestmark = pytest.mark.timeout(60)
 
-FAST = RendezvousSettings(min_nodes=1, max_nodes=1, join_timeout=10, last_call_timeout=0.3, keep_alive_interval=0.05, keep_alive_timeout=0.5, close_timeout=1.5)
+FAST = RendezvousSettings(
+    min_nodes=1,
+    max_nodes=1,
+    join_timeout=10,
+    last_call_timeout=0.3,
+    keep_alive_interval=0.05,
+    keep_alive_timeout=0.5,
+    close_timeout=1.5,
+)
 
 
 @pytest.fixture
@@ -52,7 +60,9 @@ def connect(server, run: str = "job", token: str = "") -> Store:
     return Store(reconnect(), f"rally/{run}/", "the test store", reconnect, Signer(token))
 
 
-def node(server, name: str, settings: RendezvousSettings, nproc: int = 2, token: str = "", run: str = "job") -> Rendezvous:
+def node(
+    server, name: str, settings: RendezvousSettings, nproc: int = 2, token: str = "", run: str = "job"
+) -> Rendezvous:
     me = NodeInfo(node_id=f"{name}:id", host=name, addr=f"{name}.addr", nproc=nproc)
     return Rendezvous(connect(server, run, token), settings, me)
 
@@ -236,7 +246,9 @@ def test_a_relaunch_after_every_member_died_forms_a_new_job(server):
     began = time.monotonic()
     fresh = form([node(server, f"new{i}", s) for i in range(2)])
     assert {a.round for a in fresh} == {1} and {a.group_world_size for a in fresh} == {2}, fresh
-    assert time.monotonic() - began < s.keep_alive_timeout + 3, "no last call: the dead round's members were counted lost"
+    assert time.monotonic() - began < s.keep_alive_timeout + 3, (
+        "no last call: the dead round's members were counted lost"
+    )
 
 
 # ------------------------------------------------------------------ hostile store contents
@@ -246,8 +258,32 @@ def test_a_relaunch_after_every_member_died_forms_a_new_job(server):
         ("0/assign/0/{idx}", b"not json", "no rally agent wrote"),
         ("0/assign/0/{idx}", "not json", "is not JSON"),
         ("0/assign/0/{idx}", json.dumps({"round": 0}), "fields"),
-        ("0/closed", json.dumps({"members": 99, "restart_count": 0, "membership_changes": 0, "stalled_restarts": 0, "checkpoint_step": None}), "members 99"),
-        ("0/closed", json.dumps({"members": 1, "restart_count": -3, "membership_changes": 0, "stalled_restarts": 0, "checkpoint_step": None}), "restart_count is -3"),
+        (
+            "0/closed",
+            json.dumps(
+                {
+                    "members": 99,
+                    "restart_count": 0,
+                    "membership_changes": 0,
+                    "stalled_restarts": 0,
+                    "checkpoint_step": None,
+                }
+            ),
+            "members 99",
+        ),
+        (
+            "0/closed",
+            json.dumps(
+                {
+                    "members": 1,
+                    "restart_count": -3,
+                    "membership_changes": 0,
+                    "stalled_restarts": 0,
+                    "checkpoint_step": None,
+                }
+            ),
+            "restart_count is -3",
+        ),
     ],
 )
 def test_garbage_in_round_keys_gives_one_line_naming_the_key(server, key, value, expected):
@@ -259,7 +295,18 @@ def test_garbage_in_round_keys_gives_one_line_naming_the_key(server, key, value,
     else:
         hostile.raw.set(hostile.key(name), value)
     if name != "0/closed":  # a valid round record, so the node goes on to read its assignment
-        hostile.set("0/closed", json.dumps({"members": 1, "restart_count": 0, "membership_changes": 0, "stalled_restarts": 0, "checkpoint_step": None}))
+        hostile.set(
+            "0/closed",
+            json.dumps(
+                {
+                    "members": 1,
+                    "restart_count": 0,
+                    "membership_changes": 0,
+                    "stalled_restarts": 0,
+                    "checkpoint_step": None,
+                }
+            ),
+        )
     (result,) = form([node(server, "a", s)])
     assert isinstance(result, UntrustedValue), result
     text = str(result)
@@ -339,7 +386,9 @@ def test_a_standalone_store_listens_on_loopback_only():
 def test_a_taken_port_is_joined_only_when_this_job_hosts_it(server):
     mine, host = open_tcp_store(StoreEndpoint("127.0.0.1", 0, host_here=True), "rally/job1/", 5, 5, Signer("t1"))
     port = host.port
-    same, second_host = open_tcp_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job1/", 5, 5, Signer("t1"))
+    same, second_host = open_tcp_store(
+        StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job1/", 5, 5, Signer("t1")
+    )
     assert second_host is None and same.get("host")
     began = time.monotonic()
     with pytest.raises(StoreUnavailable, match="not this job's store"):
@@ -352,9 +401,15 @@ def test_a_taken_port_is_joined_only_when_this_job_hosts_it(server):
 def test_a_forged_job_end_or_round_end_is_one_line_naming_the_key(server):
     s = replace(FAST, min_nodes=1, max_nodes=1)
     hostile = connect(server)
-    hostile.set("job/closed", json.dumps({"kind": "succeeded", "detail": "x", "node": "", "info": {"exit_status": 999}}))
+    hostile.set(
+        "job/closed", json.dumps({"kind": "succeeded", "detail": "x", "node": "", "info": {"exit_status": 999}})
+    )
     (result,) = form([node(server, "a", s)])
-    assert isinstance(result, UntrustedValue) and "'rally/job/job/closed'" in str(result) and "exit_status 999" in str(result), result
+    assert (
+        isinstance(result, UntrustedValue)
+        and "'rally/job/job/closed'" in str(result)
+        and "exit_status 999" in str(result)
+    ), result
 
 
 def test_status_skips_records_that_are_not_this_jobs(server):

@@ -40,9 +40,19 @@ def test_a_node_that_caused_two_failures_is_quarantined_and_the_others_train_wit
     out = tmp_path / "records.jsonl"
     agents = []
     try:
-        args = [*c10d_args(store.port, "2:3"), "--nproc-per-node", "1", "--max-restarts", "5", str(script)]  # (c10d_args: --no-preflight)
+        args = [
+            *c10d_args(store.port, "2:3"),
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "5",
+            str(script),
+        ]  # (c10d_args: --no-preflight)
         env = {"PROBE_OUT": str(out), "RELEASE": str(tmp_path / "release")}
-        agents = [agent(tmp_path, h, [*args[:-1], "--log-dir", str(tmp_path / f"logs-{h}"), args[-1]], env) for h in ("good1", "bad", "good2")]
+        agents = [
+            agent(tmp_path, h, [*args[:-1], "--log-dir", str(tmp_path / f"logs-{h}"), args[-1]], env)
+            for h in ("good1", "bad", "good2")
+        ]
         bad = agents[1]
         assert bad.wait(150) == 3, bad.output()
         text = bad.output()
@@ -51,17 +61,27 @@ def test_a_node_that_caused_two_failures_is_quarantined_and_the_others_train_wit
         assert "Traceback" not in text
         # While the two good nodes train, `rally status` lists the quarantined node.
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(json.loads(r)["world"] == 2 for r in out.read_text().splitlines()):
+        while time.monotonic() < deadline and not any(
+            json.loads(r)["world"] == 2 for r in out.read_text().splitlines()
+        ):
             time.sleep(0.1)
-        status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=30)
-        assert status.returncode == 0 and "quarantined: bad (the root cause of 2 failures" in status.stdout, status.describe()
+        status = run_rally(
+            ["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=30
+        )
+        assert status.returncode == 0 and "quarantined: bad (the root cause of 2 failures" in status.stdout, (
+            status.describe()
+        )
         again = agent(tmp_path, "bad", [*args[:-1], "--log-dir", str(tmp_path / "logs-bad-again"), args[-1]], env)
         agents.append(again)
-        assert again.wait(60) == 3 and "node bad is quarantined" in again.output(), again.output()  # started again: leaves at join
+        assert again.wait(60) == 3 and "node bad is quarantined" in again.output(), (
+            again.output()
+        )  # started again: leaves at join
         (tmp_path / "release").touch()
         for good in (agents[0], agents[2]):
             assert good.wait(90) == 0, good.output()
-            assert re.search(r"node bad is quarantined \(the root cause of 2 failures.*\); the job goes on without it", good.output()), good.output()
+            assert re.search(
+                r"node bad is quarantined \(the root cause of 2 failures.*\); the job goes on without it", good.output()
+            ), good.output()
         records = [json.loads(r) for r in out.read_text().splitlines()]
         assert [r["round"] for r in records if r["host"] == "bad"] == [0, 1]  # never admitted again
         assert {r["host"] for r in records if r["world"] == 2} == {"good1", "good2"}
@@ -91,7 +111,13 @@ def test_failures_count_once_per_round_and_only_within_the_window():
 def test_under_slurm_the_line_names_the_node_to_exclude_on_requeue():
     from rally.agent.checks.quarantine import excluded_line
 
-    line = excluded_line("gpu17.cluster", "the root cause of 2 failures", {"SLURMD_NODENAME": "gpu17", "SLURM_JOB_ID": "4242"})
-    assert line.startswith("node gpu17.cluster is quarantined (the root cause of 2 failures); this agent leaves the job")
-    assert line.endswith("to keep SLURM node gpu17 out when the job is requeued: scontrol update JobId=4242 ExcNodeList=gpu17")
+    line = excluded_line(
+        "gpu17.cluster", "the root cause of 2 failures", {"SLURMD_NODENAME": "gpu17", "SLURM_JOB_ID": "4242"}
+    )
+    assert line.startswith(
+        "node gpu17.cluster is quarantined (the root cause of 2 failures); this agent leaves the job"
+    )
+    assert line.endswith(
+        "to keep SLURM node gpu17 out when the job is requeued: scontrol update JobId=4242 ExcNodeList=gpu17"
+    )
     assert "SLURM" not in excluded_line("n1", "x", {})

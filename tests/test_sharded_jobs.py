@@ -91,9 +91,11 @@ def _tails(agents: list[AgentProcess]) -> str:
 def _members(agents: list[AgentProcess], r: int) -> list[AgentProcess]:
     """The nodes round `r` runs on, once it formed with two (any node may be the spare, the store's
     host too: after a restart the spare can be faster to join)."""
+
     def both() -> list[AgentProcess]:
         found = [a for a in agents if f"round {r}: node " in a.output()]
         return found if len(found) == 2 else []
+
     assert eventually(both, 120), _tails(agents)
     return both()
 
@@ -104,8 +106,10 @@ def _resumes(text: str) -> list[tuple[int, int, str]]:
 
 def _new_resumes(agents: list[AgentProcess], seen: dict[str, int], count: int) -> list[tuple[int, int, str]]:
     """The next `count` resumes the ranks printed (waiting for them) after those counted in `seen`."""
+
     def new() -> list[tuple[int, int, str]]:
         return [x for a in agents for x in _resumes(a.output())[seen.get(a.name, 0) :]]
+
     assert eventually(lambda: len(new()) >= count, 120), _tails(agents)
     found = new()
     assert len(found) == count, _tails(agents)
@@ -152,7 +156,10 @@ def test_fsdp2_job_resumes_bit_identical_after_a_rank_sigkill_a_node_loss_and_on
         assert _new_resumes(agents, seen, 2) == [(4, 2, reference[4])] * 2, _tails(agents)
         text = "".join(a.output() for a in agents)
         assert "failed with SIGKILL" in text, _tails(agents)
-        whence = r"(every rank's shards from its own node|rank \d from the ring replica on node \d: its own node lost its copy)"
+        whence = (
+            r"(every rank's shards from its own node|rank \d from the ring replica on node \d: its own node lost its "
+            r"copy)"
+        )
         assert re.search(rf"resuming from step 4 from memory \(sharded, world size 2; {whence}\)", text), _tails(agents)
 
         # 2. A node of round 1 lost (not the store's host), the spare takes its place: from memory,
@@ -165,8 +172,10 @@ def test_fsdp2_job_resumes_bit_identical_after_a_rank_sigkill_a_node_loss_and_on
         assert resumed == [(step, 2, reference[step])] * 2, _tails(agents)
         text = "".join(a.output() for a in agents)
         assert "sent no keep-alive" in text, _tails(agents)
-        assert re.search(rf"resuming from step {step} from memory \(sharded, world size 2; rank \d from the ring replica "
-                         r"on node \d: its own node lost its copy\)", text), _tails(agents)  # fmt: skip
+        replica = r"rank \d from the ring replica on node \d: its own node lost its copy"
+        assert re.search(rf"resuming from step {step} from memory \(sharded, world size 2; {replica}\)", text), _tails(
+            agents
+        )
 
         # 3. The other node lost too, no spare left: the store's host alone reshards from disk.
         (other,) = [a for a in second if a is not host]

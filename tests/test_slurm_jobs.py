@@ -69,7 +69,9 @@ def job_env(cluster: SlurmCluster, extra: Mapping[str, str] | None = None) -> di
     return env
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, show: Callable[[], str] = lambda: "") -> None:
+def wait_until(
+    predicate: Callable[[], object], timeout: float, what: str, show: Callable[[], str] = lambda: ""
+) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -145,7 +147,9 @@ class Jobs:
         self.sruns.append(run)
         return run
 
-    def sbatch(self, template: Path, *args: str, script_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> str:
+    def sbatch(
+        self, template: Path, *args: str, script_args: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> str:
         """Submit ``template`` itself (not a copy) with extra sbatch ``args``; return the job id."""
         done = subprocess.run(
             [
@@ -215,7 +219,9 @@ def test_srun_two_nodes_without_rendezvous_flags_forms_one_job_with_node_major_r
     # Both agents took everything from SLURM: one run id <job>.0, the store on node1.
     for task in (0, 1):
         lines = "\n".join(task_lines(text, task))
-        assert re.search(rf"SLURM job \d+\.0: 2 nodes \(node\[1-2\]\), this is node {task}, store node1:\d+", lines), text
+        assert re.search(rf"SLURM job \d+\.0: 2 nodes \(node\[1-2\]\), this is node {task}, store node1:\d+", lines), (
+            text
+        )
         assert f"ranks {2 * task}-{2 * task + 1} of 4" in lines
         assert "job succeeded: 4 workers on 2 nodes" in lines
     assert "hosting the rendezvous store" in "\n".join(task_lines(text, 0))
@@ -225,7 +231,17 @@ def test_srun_two_nodes_without_rendezvous_flags_forms_one_job_with_node_major_r
 @pytest.mark.timeout(240)
 def test_worker_failure_on_node2_restarts_both_nodes_and_the_job_completes(jobs: Jobs) -> None:
     run = jobs.srun(
-        ["-N2", "--ntasks-per-node=1", RALLY, "--nproc-per-node", "2", "--max-restarts", "1", str(DDP), "fail-on-node2"],
+        [
+            "-N2",
+            "--ntasks-per-node=1",
+            RALLY,
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            str(DDP),
+            "fail-on-node2",
+        ],
         tag="ddp-restart",
     )
     code = run.wait(200)
@@ -311,7 +327,9 @@ def params_hash(text: str) -> str:
 
 
 def checkpoint_steps(directory: Path) -> list[int]:
-    return sorted(int(m.group(1)) for p in directory.glob("step_*.pt") if (m := re.fullmatch(r"step_(\d+)\.pt", p.name)))
+    return sorted(
+        int(m.group(1)) for p in directory.glob("step_*.pt") if (m := re.fullmatch(r"step_(\d+)\.pt", p.name))
+    )
 
 
 @pytest.mark.torch
@@ -321,8 +339,18 @@ def test_elastic_requeue_template_checkpoints_requeues_and_resumes_bit_identical
     # The uninterrupted reference, at the same world size (2), on this host with --standalone;
     # it runs while the cluster job does (determinism does not depend on timing).
     reference = start_rally(
-        ["--standalone", "--nproc-per-node", "2", str(TRAIN), *train_args, "--checkpoint-dir", str(tmp_path / "reference")],
-        cwd=REPO, env=job_env(jobs.cluster), stderr=subprocess.STDOUT,
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(TRAIN),
+            *train_args,
+            "--checkpoint-dir",
+            str(tmp_path / "reference"),
+        ],
+        cwd=REPO,
+        env=job_env(jobs.cluster),
+        stderr=subprocess.STDOUT,
     )
     try:
         ckpt = tmp_path / "ckpt"

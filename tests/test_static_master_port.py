@@ -52,7 +52,9 @@ def test_static_two_node_job_uses_the_master_port_and_restarts_cleanly(tmp_path:
         "--shutdown-timeout", "5",
     ]  # fmt: skip
     agents = [
-        start_agent(f"node{rank}", tmp_path, [*common, "--node-rank", str(rank), str(script)], env={"OUT_DIR": str(out)})
+        start_agent(
+            f"node{rank}", tmp_path, [*common, "--node-rank", str(rank), str(script)], env={"OUT_DIR": str(out)}
+        )
         for rank in (0, 1)
     ]
     try:

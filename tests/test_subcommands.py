@@ -43,7 +43,9 @@ def test_shell_completion_script_and_completions(tmp_path: Path) -> None:
     rally = shutil.which("rally", path=os.path.dirname(os.sys.executable))
     assert rally, "the rally console script is installed next to the interpreter"
     source = run_rally([], cwd=tmp_path, argv=[rally], env=clean_env(_RALLY_COMPLETE="bash_source"))
-    assert source.returncode == 0 and "_rally_completion()" in source.stdout and "complete " in source.stdout, source.describe()
+    assert source.returncode == 0 and "_rally_completion()" in source.stdout and "complete " in source.stdout, (
+        source.describe()
+    )
     words = clean_env(_RALLY_COMPLETE="bash_complete", COMP_WORDS="rally --nproc", COMP_CWORD="1")
     options = run_rally([], cwd=tmp_path, argv=[rally], env=words)
     assert "plain,--nproc-per-node" in options.stdout.splitlines(), options.describe()

@@ -153,7 +153,9 @@ def template(workdir: Path, base_env: dict[str, str]) -> Iterator[TemplateClient
     client.stop()
 
 
-def start(how: str, template: TemplateClient, argv: list[str], env: dict[str, str], cwd: Path, tag: str) -> tuple[int, str, str]:
+def start(
+    how: str, template: TemplateClient, argv: list[str], env: dict[str, str], cwd: Path, tag: str
+) -> tuple[int, str, str]:
     """Run one worker plainly or from the template; return (returncode, stdout, stderr)."""
     out_path, err_path = cwd / f"{tag}.stdout", cwd / f"{tag}.stderr"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -184,7 +186,9 @@ def plain_sigint() -> str:
 
 @pytest.mark.torch
 @pytest.mark.timeout(240)
-def test_a_forked_worker_is_indistinguishable_from_a_plain_start(template: TemplateClient, workdir: Path, base_env: dict[str, str]) -> None:
+def test_a_forked_worker_is_indistinguishable_from_a_plain_start(
+    template: TemplateClient, workdir: Path, base_env: dict[str, str]
+) -> None:
     argv = worker_argv("script", "probe.py", "--lr", "0.1", "two words", "")
     records = {}
     for how, rank in (("plain", "plain"), ("template", "t1"), ("template", "t2")):
@@ -204,7 +208,9 @@ def test_a_forked_worker_is_indistinguishable_from_a_plain_start(template: Templ
         forked_norm["environ"]["RANK"] = forked_norm["proc_environ"] = "<rank>"
         plain_copy = {**plain_norm, "environ": {**plain_norm["environ"], "RANK": "<rank>"}, "proc_environ": "<rank>"}
         for key in plain_copy:
-            assert forked_norm[key] == plain_copy[key], f"{key}: forked {forked_norm[key]!r} != plain {plain_copy[key]!r}"
+            assert forked_norm[key] == plain_copy[key], (
+                f"{key}: forked {forked_norm[key]!r} != plain {plain_copy[key]!r}"
+            )
         # The essentials, spelled out.
         assert forked["argv"] == ["probe.py", "--lr", "0.1", "two words", ""]
         assert forked["orig_argv"] == argv
@@ -245,7 +251,10 @@ def test_module_mode_matches_python_dash_m(template: TemplateClient, workdir: Pa
         """,
     )
     argv = worker_argv("module", "mpkg.entry", "--x", "1")
-    runs = {how: start(how, template, argv, {**base_env, "RANK": "0"}, workdir, f"module-{how}") for how in ("plain", "template")}
+    runs = {
+        how: start(how, template, argv, {**base_env, "RANK": "0"}, workdir, f"module-{how}")
+        for how in ("plain", "template")
+    }
     assert runs["plain"] == runs["template"]
     code, out, _ = runs["template"]
     record = json.loads(out)
@@ -278,7 +287,9 @@ EXPECTED_CODES = {
 
 
 @pytest.mark.timeout(180)
-def test_exit_codes_output_and_tracebacks_are_identical(template: TemplateClient, workdir: Path, base_env: dict[str, str]) -> None:
+def test_exit_codes_output_and_tracebacks_are_identical(
+    template: TemplateClient, workdir: Path, base_env: dict[str, str]
+) -> None:
     for name, body in EXITS.items():
         write_probe(workdir / f"exit_{name}.py", body + "\n")
         argv = worker_argv("script", f"exit_{name}.py")
@@ -286,8 +297,10 @@ def test_exit_codes_output_and_tracebacks_are_identical(template: TemplateClient
         forked = start("template", template, argv, {**base_env, "RANK": "0"}, workdir, f"{name}-template")
         assert forked == plain, f"{name}: forked {forked!r} != plain {plain!r}"
         assert forked[0] == EXPECTED_CODES[name], f"{name}: {forked!r}"
-    exception_stderr = start("template", template, worker_argv("script", "exit_exception.py"), {**base_env, "RANK": "0"}, workdir, "tb")[2]
-    assert exception_stderr.startswith("Traceback (most recent call last):\n  File \"")
+    exception_stderr = start(
+        "template", template, worker_argv("script", "exit_exception.py"), {**base_env, "RANK": "0"}, workdir, "tb"
+    )[2]
+    assert exception_stderr.startswith('Traceback (most recent call last):\n  File "')
     assert "bootstrap.py" not in exception_stderr and "template.py" not in exception_stderr
     assert "in load\n" in exception_stderr and exception_stderr.endswith("KeyError: 'shard-7 is missing'\n")
 
@@ -319,7 +332,9 @@ if __name__ == "__main__":
 
 @pytest.mark.torch
 @pytest.mark.timeout(240)
-def test_multiprocessing_and_dataloader_workers_work_in_a_forked_worker(template: TemplateClient, workdir: Path, base_env: dict[str, str]) -> None:
+def test_multiprocessing_and_dataloader_workers_work_in_a_forked_worker(
+    template: TemplateClient, workdir: Path, base_env: dict[str, str]
+) -> None:
     write_probe(workdir / "mp_probe.py", MULTIPROCESSING)
     argv = worker_argv("script", "mp_probe.py")
     plain = start("plain", template, argv, {**base_env, "RANK": "0"}, workdir, "mp-plain")
@@ -330,7 +345,9 @@ def test_multiprocessing_and_dataloader_workers_work_in_a_forked_worker(template
 
 
 @pytest.mark.timeout(120)
-def test_an_environment_the_template_was_not_started_with_means_a_plain_start(template: TemplateClient, workdir: Path, base_env: dict[str, str]) -> None:
+def test_an_environment_the_template_was_not_started_with_means_a_plain_start(
+    template: TemplateClient, workdir: Path, base_env: dict[str, str]
+) -> None:
     write_probe(workdir / "pid.py", "import os\nprint(os.getppid())")
     argv = worker_argv("script", "pid.py")
     forks = template.forks
@@ -378,7 +395,9 @@ def test_signals_the_agent_ignores_or_blocks_at_spawn_time_are_inherited_as_by_a
 
 
 @pytest.mark.timeout(120)
-def test_a_preload_that_hangs_means_plain_starts_not_a_hung_agent(workdir: Path, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_preload_that_hangs_means_plain_starts_not_a_hung_agent(
+    workdir: Path, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import rally.agent.template_connection
 
     write_probe(workdir / "sleepy.py", "import time\ntime.sleep(600)\n")
@@ -423,7 +442,9 @@ def test_cuda_or_threads_in_the_template_make_forking_unsafe() -> None:
         threading.Thread(target=time.sleep, args=(5,), daemon=True, name="loader").start()
         print(why_fork_is_unsafe())
     """
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean_env(), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "None"
@@ -468,7 +489,19 @@ def test_rally_forks_every_round_from_one_template(tmp_path: Path) -> None:
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
     result = run_rally(
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--shutdown-timeout", "5", "--preload", "torch", "probe.py", "--flag"],
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--shutdown-timeout",
+            "5",
+            "--preload",
+            "torch",
+            "probe.py",
+            "--flag",
+        ],
         cwd=tmp_path,
         env=rally_env(out, PROBE_FAIL_UNTIL="2"),
         timeout=170,
@@ -490,7 +523,9 @@ def test_no_preload_and_no_python_start_workers_as_children_of_rally(tmp_path: P
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
     write_probe(tmp_path / "ppid.sh", '#!/bin/sh\necho "$PPID" > "$PROBE_OUT/sh_$RANK"\n', executable=True)
     for args, plain in ((["probe.py"], True), (["--no-python", "./ppid.sh"], False)):
-        rally = start_rally(["--standalone", "--nproc-per-node", "2", *args], cwd=tmp_path, env=rally_env(out, plain=plain))
+        rally = start_rally(
+            ["--standalone", "--nproc-per-node", "2", *args], cwd=tmp_path, env=rally_env(out, plain=plain)
+        )
         procs.track_group(rally.pid)
         result = finish(rally, 100)
         assert result.returncode == 0, result.describe()
@@ -518,7 +553,18 @@ def test_a_dead_template_takes_its_workers_and_is_replaced(tmp_path: Path, procs
     out.mkdir()
     write_probe(tmp_path / "probe.py", ROUND_PROBE)
     rally = start_rally(
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "3", "--preload", "torch", "probe.py"],
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--shutdown-timeout",
+            "3",
+            "--preload",
+            "torch",
+            "probe.py",
+        ],
         cwd=tmp_path,
         env=rally_env(out, PROBE_SLEEP_ROUND0="120"),
     )

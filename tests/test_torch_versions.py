@@ -40,7 +40,9 @@ def matrix_versions() -> tuple[str, str]:
 def test_the_requirement_has_the_tested_floor_and_no_ceiling():
     requirement = torch_requirement()
     oldest, newest = matrix_versions()
-    assert [(s.operator, s.version) for s in requirement.specifier] == [(">=", Version(oldest).base_version.rsplit(".", 1)[0])]
+    assert [(s.operator, s.version) for s in requirement.specifier] == [
+        (">=", Version(oldest).base_version.rsplit(".", 1)[0])
+    ]
     for version in (oldest, newest, "2.14.0", "2.14.1", metadata.version("torch").split("+")[0], "3.0.0"):
         assert requirement.specifier.contains(version), f"{requirement} refuses torch {version}"
     assert not requirement.specifier.contains("2.4.1")  # seen to fail (README)
@@ -71,4 +73,8 @@ def test_a_torch_without_numa_binding_is_one_line_at_launch(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=tmp_path)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    assert re.fullmatch(r"--numa-binding node: this torch \(\S+\) has no torch\.numa\.binding, which picks the CPUs; upgrade " r"torch \(2\.13 has it\)\n", done.stdout), done.stdout
+    assert re.fullmatch(
+        r"--numa-binding node: this torch \(\S+\) has no torch\.numa\.binding, which picks the CPUs; upgrade "
+        r"torch \(2\.13 has it\)\n",
+        done.stdout,
+    ), done.stdout

@@ -68,7 +68,9 @@ def assert_user_modules(report: dict, project: Path) -> None:
     for entry in report["path"]:
         resolved = Path(entry or ".").resolve()
         for source in rally_source_dirs():
-            assert resolved != source and source not in resolved.parents, f"rally's {source} is on the worker's sys.path: {entry}"
+            assert resolved != source and source not in resolved.parents, (
+                f"rally's {source} is on the worker's sys.path: {entry}"
+            )
 
 
 @pytest.mark.timeout(180)
@@ -107,7 +109,18 @@ def test_a_non_editable_install_runs_the_users_project_with_its_orphan_guard(tmp
     for folder in ("rally", "agent", "launcher", "rendezvous"):  # a copy: pip builds in the tree
         shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     site = tmp_path / "site"
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(source)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(site),
+        str(source),
+    ]
     done = subprocess.run(pip, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     project = make_user_project(tmp_path / "project").resolve()
@@ -125,7 +138,9 @@ def test_a_non_editable_install_runs_the_users_project_with_its_orphan_guard(tmp
     out.mkdir()
     env = clean_env(OUT_DIR=str(out), PYTHONPATH=str(site), RALLY_NO_PRELOAD=None, RALLY_PRELOAD=None)
     check = [sys.executable, "-c", "import rally; print(rally.__file__)"]
-    assert subprocess.run(check, cwd=project, env=env, capture_output=True, text=True, timeout=60).stdout.startswith(str(site))
+    assert subprocess.run(check, cwd=project, env=env, capture_output=True, text=True, timeout=60).stdout.startswith(
+        str(site)
+    )
     result = run_rally(["--standalone", "--no-preload", "guard_probe.py"], cwd=project, env=env)
     assert result.returncode == 0, result.describe()
     assert f"[0] guard {site}/rally/agent/guard/orphan_guard.py" in result.stdout, result.describe()

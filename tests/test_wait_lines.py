@@ -25,7 +25,7 @@ from rally.agent.node_waits import NodeWaits
 from rally.agent.spec import BOOTSTRAP
 from rally.agent.template import ForkedChild, TemplateClient
 from rally.rendezvous.etcd_client import Member
-from rally.rendezvous.etcd_store import open_etcd_store
+from rally.rendezvous.etcd_open import open_etcd_store
 from rally.rendezvous.long_wait import wait_in_slices
 from rally.rendezvous.membership import RendezvousSettings
 from rally.rendezvous.protocol import Assignment, NodeInfo, Rendezvous, Round, RoundChannel
@@ -63,7 +63,9 @@ def test_a_nodes_record_carries_the_line_of_a_wait_in_the_round_not_the_one_that
     rendezvous.tick(lambda: "round 0: waiting for 1 more node: 1 of 2 joined (a); join_timeout in 583 s")
     assert waits.fields(0, rendezvous) == {}, "the round has formed: that wait is over"
     rendezvous.tick(lambda: "round 0: waiting for node 0 (a) to start the workers' store; giving up in 33 s")
-    assert waits.fields(0, rendezvous) == {"waiting": "round 0: waiting for node 0 (a) to start the workers' store; giving up in 33 s"}
+    assert waits.fields(0, rendezvous) == {
+        "waiting": "round 0: waiting for node 0 (a) to start the workers' store; giving up in 33 s"
+    }
     waits.announce("waiting for the worker template (pid 7) to import torch before it starts workers: up to 290 s more")
     assert waits.fields(0, rendezvous)["waiting"].startswith("waiting for the worker template"), "the newest line"
     assert waits.fields(1, rendezvous) == {}, "a new round: the last round's waits are over"
@@ -78,7 +80,9 @@ def test_a_template_slow_to_import_its_preload_says_so_then_forks_the_worker(tmp
     env = clean_env()
     warnings: list[str] = []
     lines: list[str] = []
-    client = TemplateClient(sys.executable, BOOTSTRAP, argv, ("slowload",), env, str(tmp_path), warnings.append, lines.append)
+    client = TemplateClient(
+        sys.executable, BOOTSTRAP, argv, ("slowload",), env, str(tmp_path), warnings.append, lines.append
+    )
     client.start()
     try:
         child = client.spawn(argv, {**env, "RANK": "0"}, str(tmp_path), subprocess.DEVNULL, None)
@@ -88,7 +92,10 @@ def test_a_template_slow_to_import_its_preload_says_so_then_forks_the_worker(tmp
     finally:
         client.stop()
     assert warnings == []
-    pattern = rf"waiting for the worker template \(pid {client.pid}\) to import slowload before it starts workers: up to \d+ s more"
+    pattern = (
+        rf"waiting for the worker template \(pid {client.pid}\) to import slowload before it starts workers: up to "
+        r"\d+ s more"
+    )
     assert lines and all(re.fullmatch(pattern, line) for line in lines), lines
 
 
@@ -105,7 +112,13 @@ class StandIn:
     (so the agent watching it never declares it lost) and does only what the test says."""
 
     def __init__(self, port: int, group_rank: int):
-        me = NodeInfo(node_id=f"standin:{group_rank}:{uuid.uuid4().hex[:8]}", host="standin", addr="127.0.0.1", nproc=1, preferred_rank=group_rank)
+        me = NodeInfo(
+            node_id=f"standin:{group_rank}:{uuid.uuid4().hex[:8]}",
+            host="standin",
+            addr="127.0.0.1",
+            nproc=1,
+            preferred_rank=group_rank,
+        )
         self.rdzv = Rendezvous(_connect(port), SETTINGS, me)
         self.keeper = Rendezvous(self.rdzv.store.connect_again(), SETTINGS, me)
         self.over = threading.Event()
@@ -156,7 +169,9 @@ def _agent(tmp_path: Path, started: list, name: str, port: int, extra: list[str]
 
 
 @pytest.mark.timeout(180)
-def test_a_node_whose_node_0_never_publishes_the_workers_store_says_so_on_the_console_and_in_rally_status(tmp_path, started):
+def test_a_node_whose_node_0_never_publishes_the_workers_store_says_so_on_the_console_and_in_rally_status(
+    tmp_path, started
+):
     port = _rally_store(tmp_path, started)
     script = write_script(tmp_path, "ok.py", "print('WORKER-RAN')\n")
     agent = _agent(tmp_path, started, "node1", port, ["--node-rank", "1"], script)
@@ -167,7 +182,9 @@ def test_a_node_whose_node_0_never_publishes_the_workers_store_says_so_on_the_co
     line = re.compile(r"round 0: waiting for node 0 \(127\.0\.0\.1\) to start the workers' store; giving up in (\d+) s")
     found = wait_for(lambda: line.search(agent.output()), 60)
     assert found and int(found.group(1)) <= SETTINGS.keep_alive_timeout * 4 + 30, agent.output()
-    status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path, timeout=60)
+    status = run_rally(
+        ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path, timeout=60
+    )
     assert status.returncode == 0 and line.search(status.stdout), status.describe()
     assert "WORKER-RAN" not in agent.output(), "no worker starts without the workers' store"
 
@@ -182,32 +199,53 @@ def test_the_store_host_waiting_for_the_others_to_read_the_end_says_so_and_goes_
     started.append(node1)
     a = node1.join()
     assert a.group_rank == 1
-    line = re.compile(r"round 0 ended the job: waiting for the other nodes to read that before this node, the store's host, exits: up to (\d+) s more")
+    line = re.compile(
+        r"round 0 ended the job: waiting for the other nodes to read that before this node, the store's host, "
+        r"exits: up to (\d+) s more"
+    )
     found = wait_for(lambda: line.search(host.output()), 90)
     assert found and int(found.group(1)) < 30, host.output()
-    status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path, timeout=60)
+    status = run_rally(
+        ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path, timeout=60
+    )
     assert line.search(status.stdout), status.describe()
     assert host.popen.poll() is None
     read_at = time.monotonic()
     Round(node1.rdzv, a).channel.acknowledge_end()  # the stand-in has read the end
     assert host.wait(30) == 3, host.output()
-    assert time.monotonic() - read_at < WAIT_PROGRESS_SECONDS + 3, "the host goes as soon as the others have read the end"
+    assert time.monotonic() - read_at < WAIT_PROGRESS_SECONDS + 3, (
+        "the host goes as soon as the others have read the end"
+    )
 
 
 @pytest.mark.timeout(180)
-def test_a_pre_flight_probe_waiting_for_a_node_that_never_probes_says_so_on_the_console_and_in_rally_status(tmp_path, started):
+def test_a_pre_flight_probe_waiting_for_a_node_that_never_probes_says_so_on_the_console_and_in_rally_status(
+    tmp_path, started
+):
     port = _rally_store(tmp_path, started)
     script = write_script(tmp_path, "ok.py", "print('WORKER-RAN')\n")
-    args = [*c10d_args(port, "2", run_id=RUN_ID, preflight=True), "--nproc-per-node", "1", "--node-rank", "0", str(script)]
+    args = [
+        *c10d_args(port, "2", run_id=RUN_ID, preflight=True),
+        "--nproc-per-node",
+        "1",
+        "--node-rank",
+        "0",
+        str(script),
+    ]
     agent = start_agent("node0", tmp_path, args, env={"RALLY_JOB_TOKEN": TOKEN})
     started.append(agent)
     node1 = StandIn(port, 1)
     started.append(node1)
     assert node1.join().group_rank == 1  # and never runs its probe: node 0's probe waits for it
-    line = re.compile(r"pre-flight of round 0: waiting for the probe \(pid \d+: compute, all-reduce, links\) to finish: up to (\d+) s more")
+    line = re.compile(
+        r"pre-flight of round 0: waiting for the probe \(pid \d+: compute, all-reduce, links\) to finish: up to "
+        r"(\d+) s more"
+    )
     found = wait_for(lambda: line.search(agent.output()), 90)
     assert found and int(found.group(1)) < 30, agent.output()
-    status = run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path, timeout=60)
+    status = run_rally(
+        ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path, timeout=60
+    )
     assert status.returncode == 0 and line.search(status.stdout), status.describe()
 
 
@@ -221,6 +259,8 @@ def test_an_etcd_get_of_a_key_never_written_says_what_it_waits_for_and_times_out
     with pytest.raises(StoreTimeout, match="never"):
         store.get("never")
     assert time.monotonic() - started_at < WAIT_PROGRESS_SECONDS + 5
-    assert len(lines) == 1 and re.fullmatch(rf"waiting for store key {re.escape(store.key('never'))} in etcd at .*: up to [12] s more", lines[0]), lines
+    assert len(lines) == 1 and re.fullmatch(
+        rf"waiting for store key {re.escape(store.key('never'))} in etcd at .*: up to [12] s more", lines[0]
+    ), lines
     threading.Timer(0.5, lambda: store.connect_again().set("late", "here")).start()
     assert store.get_str("late") == "here" and len(lines) == 1

@@ -46,35 +46,99 @@ S, B, SL, BG, AK, NW = "short", "bounded", "slice", "background", "after_kill", 
 WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]] = {
     # launcher
     ("launcher/slurm.py", "hostnames", "subprocess.run"): (S, None, "timeout=SCONTROL_TIMEOUT"),
-    ("agent/logs_specs.py", "load", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
-    ("agent/preemption.py", "Preemption.run", "self._wait_for_all_nodes"): (SL, ("agent/preemption.py", "Preemption.run"), "--preemption-grace"),
-    ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare"),
-    ("launcher/worker_flags.py", "logs_specs_note", "entry_points(group='torchrun.logs_specs').select"): (NW, None, "entry points, not select(2)"),
+    ("agent/logs_specs.py", "load", "entry_points(group='torchrun.logs_specs').select"): (
+        NW,
+        None,
+        "entry points, not select(2)",
+    ),
+    ("agent/preemption.py", "Preemption.run", "self._wait_for_all_nodes"): (
+        SL,
+        ("agent/preemption.py", "Preemption.run"),
+        "--preemption-grace",
+    ),
+    ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (
+        SL,
+        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
+        "a spare",
+    ),
+    ("launcher/worker_flags.py", "logs_specs_note", "entry_points(group='torchrun.logs_specs').select"): (
+        NW,
+        None,
+        "entry points, not select(2)",
+    ),
     # agent: the main loop and its store calls
-    ("agent/agent.py", "Agent._workers_store", "rnd.wait_master"): (SL, ("rendezvous/round_channel.py", "RoundChannel.wait_master"), "1 s slices up to keep_alive_timeout*4+30"),
-    ("agent/agent.py", "Agent._exit_barrier", "wait_for_readers"): (B, ("agent/node_waits.py", "wait_for_readers"), "EXIT_BARRIER_SECONDS (30), a signal ends it"),
-    ("agent/node_waits.py", "wait_for_readers", "wait_in_slices"): (B, ("agent/node_waits.py", "wait_for_readers"), "the caller's timeout, in slices with a line (console and status record)"),
-        ("rendezvous/long_wait.py", "wait_in_slices", "wait"): (SL, ("rendezvous/long_wait.py", "wait_in_slices"), "slices of at most WAIT_PROGRESS_SECONDS up to the caller's timeout"),
-    ("agent/agent.py", "Agent.store_call", "self.loop.run_blocking"): (SL, "job", "the call runs in a thread; the main loop keeps handling signals and the store probe"),
-    ("agent/event_loop.py", "EventLoop.pump", "self.selector.select"): (SL, "job", "the agent's one select: the running job's exits, output and signals"),
+    ("agent/agent.py", "Agent._workers_store", "rnd.wait_master"): (
+        SL,
+        ("rendezvous/round_channel.py", "RoundChannel.wait_master"),
+        "1 s slices up to keep_alive_timeout*4+30",
+    ),
+    ("agent/agent.py", "Agent._exit_barrier", "wait_for_readers"): (
+        B,
+        ("agent/node_waits.py", "wait_for_readers"),
+        "EXIT_BARRIER_SECONDS (30), a signal ends it",
+    ),
+    ("agent/node_waits.py", "wait_for_readers", "wait_in_slices"): (
+        B,
+        ("agent/node_waits.py", "wait_for_readers"),
+        "the caller's timeout, in slices with a line (console and status record)",
+    ),
+    ("rendezvous/long_wait.py", "wait_in_slices", "wait"): (
+        SL,
+        ("rendezvous/long_wait.py", "wait_in_slices"),
+        "slices of at most WAIT_PROGRESS_SECONDS up to the caller's timeout",
+    ),
+    ("agent/agent.py", "Agent.store_call", "self.loop.run_blocking"): (
+        SL,
+        "job",
+        "the call runs in a thread; the main loop keeps handling signals and the store probe",
+    ),
+    ("agent/event_loop.py", "EventLoop.pump", "self.selector.select"): (
+        SL,
+        "job",
+        "the agent's one select: the running job's exits, output and signals",
+    ),
     ("agent/event_loop.py", "EventLoop.pump", "obj.process.poll"): (NW, None, "reaps an exited worker"),
     ("agent/worker/bootstrap.py", "", "run"): (NW, None, "the worker's own program"),
-    ("agent/worker/checkpoint_file.py", "_lock", "fcntl.flock"): (S, None, "blocking only on a temp file whose writer holds it for one write"),
-    ("agent/helper_process.py", "HelperProcess.stop", "self.process.wait"): (S, None, "the caller's timeout (guard SWEEP_SECONDS + 3, holder 5 s), then SIGKILL"),
-    ("agent/hang_report.py", "HangReporter._watch_requests", "rnd.connect_again().stacks.wait_request"): (BG, None, "a thread answering stack requests in slices"),
+    ("agent/worker/checkpoint_file.py", "_lock", "fcntl.flock"): (
+        S,
+        None,
+        "blocking only on a temp file whose writer holds it for one write",
+    ),
+    ("agent/helper_process.py", "HelperProcess.stop", "self.process.wait"): (
+        S,
+        None,
+        "the caller's timeout (guard SWEEP_SECONDS + 3, holder 5 s), then SIGKILL",
+    ),
+    ("agent/hang_report.py", "HangReporter._watch_requests", "rnd.connect_again().stacks.wait_request"): (
+        BG,
+        None,
+        "a thread answering stack requests in slices",
+    ),
     ("agent/leased_liveness.py", "keep_alive_with_lease", "round_over.wait"): (BG, None, "keep-alive interval"),
     ("agent/linux.py", "readable", "select.poll"): (NW, None, "creates a poll object"),
-    ("agent/linux.py", "readable", "poller.poll"): (SL, "job", "the caller's timeout; None only for a worker's own exit"),
+    ("agent/linux.py", "readable", "poller.poll"): (
+        SL,
+        "job",
+        "the caller's timeout; None only for a worker's own exit",
+    ),
     ("agent/observe/metrics.py", "MetricsServer.close", "self.thread.join"): (S, None, "timeout=5"),
     ("agent/guard/orphan_guard.py", "sweep", "time.sleep"): (S, None, "10 ms between sweeps, bounded by SWEEP_SECONDS"),
-    ("agent/preemption.py", "Preemption._wait_for_all_nodes", "rnd.preemption.wait_all_checkpointed"): (B, ("agent/preemption.py", "Preemption.run"), "--preemption-grace"),
+    ("agent/preemption.py", "Preemption._wait_for_all_nodes", "rnd.preemption.wait_all_checkpointed"): (
+        B,
+        ("agent/preemption.py", "Preemption.run"),
+        "--preemption-grace",
+    ),
     ("agent/processes.py", "ChildProcess.poll", "self.popen.poll"): (NW, None, "Popen.poll"),
     ("agent/processes.py", "ChildProcess.wait", "self.popen.wait"): (SL, "job", "the caller's timeout"),
     ("agent/processes.py", "kill_all", "child.poll"): (NW, None, "Popen.poll"),
     ("agent/processes.py", "kill_all", "child.wait"): (S, None, "up to the kill deadline"),
     ("agent/processes.py", "kill_descendants", "time.sleep"): (S, None, "5 ms between sweeps"),
     ("agent/processes.py", "reap_zombies", "os.waitpid"): (NW, None, "WNOHANG"),
-    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.watcher.channel.wait_end"): (BG, None, "the watcher thread, in slices, while the job runs"),
+    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.watcher.channel.wait_end"): (
+        BG,
+        None,
+        "the watcher thread, in slices, while the job runs",
+    ),
     ("agent/round_threads.py", "RoundThreads._keep_alive", "self.over.wait"): (BG, None, "keep-alive interval"),
     ("agent/round_threads.py", "RoundThreads._watchdog", "self.over.wait"): (BG, None, "limit / 8"),
     ("agent/round_threads.py", "StoreProbe._run", "self.over.wait"): (BG, None, "probe interval"),
@@ -82,82 +146,311 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/template.py", "ForkedChild._reap_after_template_death", "os.waitid"): (NW, None, "WNOHANG"),
     ("agent/template.py", "ForkedChild._reap_after_template_death", "time.sleep"): (S, None, "10 ms, 2 s deadline"),
     ("agent/template.py", "ForkedChild.wait", "self.poll"): (NW, None, "ForkedChild.poll"),
-    ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): (B, ("agent/template_connection.py", "Connection._await"), "READY_TIMEOUT (300 s: importing torch on a loaded node)"),
+    ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): (
+        B,
+        ("agent/template_connection.py", "Connection._await"),
+        "READY_TIMEOUT (300 s: importing torch on a loaded node)",
+    ),
     ("agent/template_connection.py", "status_to_returncode", "os.waitstatus_to_exitcode"): (NW, None, "arithmetic"),
     ("agent/template_connection.py", "Connection.alive", "self.popen.poll"): (NW, None, "Popen.poll"),
-    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): (B, ("agent/template_connection.py", "Connection._await"), "READY_TIMEOUT"),
-    ("agent/template_connection.py", "Connection.fork", "self._await"): (B, ("agent/template_connection.py", "Connection._await"), "REPLY_TIMEOUT (30 s) for a fork"),
+    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): (
+        B,
+        ("agent/template_connection.py", "Connection._await"),
+        "READY_TIMEOUT",
+    ),
+    ("agent/template_connection.py", "Connection.fork", "self._await"): (
+        B,
+        ("agent/template_connection.py", "Connection._await"),
+        "REPLY_TIMEOUT (30 s) for a fork",
+    ),
     ("agent/template_connection.py", "Connection.describe_death", "self.popen.wait"): (S, None, "timeout=1"),
     ("agent/template_connection.py", "Connection.close", "self.popen.wait"): (S, None, "timeout=5, then SIGKILL"),
-    ("agent/worker/template_server.py", "_Template._quiesce_native_pools", "os.waitpid"): (S, None, "a child that exits at once"),
-    ("agent/worker/template_server.py", "_Template.serve", "self.poller.poll"): (BG, None, "the template server's loop: it waits for requests"),
+    ("agent/worker/template_server.py", "_Template._quiesce_native_pools", "os.waitpid"): (
+        S,
+        None,
+        "a child that exits at once",
+    ),
+    ("agent/worker/template_server.py", "_Template.serve", "self.poller.poll"): (
+        BG,
+        None,
+        "the template server's loop: it waits for requests",
+    ),
     ("agent/worker/template_server.py", "_Template._reap", "os.waitpid"): (NW, None, "WNOHANG"),
     ("agent/worker/template_wire.py", "recv_message", "sock.recv"): (SL, None, "the socket's timeout"),
     # agent: the checkpoint memory tier (the holder process, the agent's side, the worker's side)
-    ("agent/checkpoint/client.py", "MemoryTier._connect", "time.sleep"): (S, None, "20 ms between tries for a holder still binding its socket, CONNECT_TIMEOUT (10 s) in all"),
-    ("agent/checkpoint/holder.py", "Holder.flush", "self.table.cond.wait"): (B, ("agent/checkpoint/tier.py", "CheckpointTier._ask"), "the agent's flush at the job's end: up to --shutdown-timeout for the newest copy to be durable; the agent, which waits for the answer, says so"),
-    ("agent/checkpoint/holder.py", "Holder.serve", "self.listener.accept"): (BG, None, "the holder's accept loop: it waits for workers while the job runs"),
-    ("agent/checkpoint/holder.py", "Holder.worker", "conn.recv"): (BG, None, "one thread per worker connection, waiting for its next request; ends when the worker closes it or dies"),
-    ("agent/checkpoint/holder.py", "Holder.persister", "table.cond.wait"): (BG, None, "the idle persister, in IDLE_SLICE_SECONDS (1 s) slices"),
-    ("agent/checkpoint/holder.py", "Holder.between_chunks", "self.table.cond.wait"): (S, None, "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all"),
+    ("agent/checkpoint/client.py", "MemoryTier._connect", "time.sleep"): (
+        S,
+        None,
+        "20 ms between tries for a holder still binding its socket, CONNECT_TIMEOUT (10 s) in all",
+    ),
+    ("agent/checkpoint/holder.py", "Holder.flush", "self.table.cond.wait"): (
+        B,
+        ("agent/checkpoint/tier.py", "CheckpointTier._ask"),
+        "the agent's flush at the job's end: up to --shutdown-timeout for the newest copy to be durable; the "
+        "agent, which waits for the answer, says so",
+    ),
+    ("agent/checkpoint/holder.py", "Holder.serve", "self.listener.accept"): (
+        BG,
+        None,
+        "the holder's accept loop: it waits for workers while the job runs",
+    ),
+    ("agent/checkpoint/holder.py", "Holder.worker", "conn.recv"): (
+        BG,
+        None,
+        "one thread per worker connection, waiting for its next request; ends when the worker closes it or dies",
+    ),
+    ("agent/checkpoint/holder.py", "Holder.persister", "table.cond.wait"): (
+        BG,
+        None,
+        "the idle persister, in IDLE_SLICE_SECONDS (1 s) slices",
+    ),
+    ("agent/checkpoint/holder.py", "Holder.between_chunks", "self.table.cond.wait"): (
+        S,
+        None,
+        "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all",
+    ),
     ("agent/checkpoint/holder.py", "main", "persister.join"): (S, None, "timeout=5 as the holder stops"),
-    ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (SL, ("agent/checkpoint/tier.py", "CheckpointTier._ask"), "slices of one answer of the holder: REPLY_TIMEOUT (10 s), the job-end flush --shutdown-timeout + 1 s"),
-    ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded", "subprocess.run"): (B, ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded"), "the job's end: what is left of --shutdown-timeout, + 5 s"),
-    ("agent/checkpoint/dcp_flush.py", "publish_newest", "time.sleep"): (S, None, "POLL_INTERVAL (20 ms) between looks, the time given in all"),
+    ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (
+        SL,
+        ("agent/checkpoint/tier.py", "CheckpointTier._ask"),
+        "slices of one answer of the holder: REPLY_TIMEOUT (10 s), the job-end flush --shutdown-timeout + 1 s",
+    ),
+    ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded", "subprocess.run"): (
+        B,
+        ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded"),
+        "the job's end: what is left of --shutdown-timeout, + 5 s",
+    ),
+    ("agent/checkpoint/dcp_flush.py", "publish_newest", "time.sleep"): (
+        S,
+        None,
+        "POLL_INTERVAL (20 ms) between looks, the time given in all",
+    ),
     # a worker's sharded checkpoints (torch.distributed.checkpoint, in the worker's process)
-    ("agent/checkpoint/dcp_memory.py", "_exchange", "dist.recv"): (SL, "job", "the ring peer's replica, inside the job: the process group's timeout, the agent's hang checks"),
-    ("agent/checkpoint/dcp_memory.py", "_exchange", "work.wait"): (SL, "job", "the matching send, inside the job: the process group's timeout"),
-    ("agent/checkpoint/dcp_memory.py", "load", "dist.recv"): (SL, "job", "a copy served from another rank's memory at resume: the process group's timeout"),
-    ("agent/checkpoint/dcp_persist.py", "Persister.submit", "self.cond.wait"): (SL, "job", "a save while MAX_PENDING (2) steps wait for this worker's own disk write, in POLL_SLICE (1 s) slices"),
+    ("agent/checkpoint/dcp_memory.py", "_exchange", "dist.recv"): (
+        SL,
+        "job",
+        "the ring peer's replica, inside the job: the process group's timeout, the agent's hang checks",
+    ),
+    ("agent/checkpoint/dcp_memory.py", "_exchange", "work.wait"): (
+        SL,
+        "job",
+        "the matching send, inside the job: the process group's timeout",
+    ),
+    ("agent/checkpoint/dcp_memory.py", "load", "dist.recv"): (
+        SL,
+        "job",
+        "a copy served from another rank's memory at resume: the process group's timeout",
+    ),
+    ("agent/checkpoint/dcp_persist.py", "Persister.submit", "self.cond.wait"): (
+        SL,
+        "job",
+        "a save while MAX_PENDING (2) steps wait for this worker's own disk write, in POLL_SLICE (1 s) slices",
+    ),
     ("agent/checkpoint/dcp_persist.py", "Persister.wait", "self.cond.wait"): (SL, None, "the caller's timeout (tests)"),
-    ("agent/checkpoint/dcp_persist.py", "persist_part", "_wait_for_parts"): (BG, None, "the worker's background writer: rank 0 waits for every rank's part, PUBLISH_TIMEOUT (300 s)"),
-    ("agent/checkpoint/dcp_persist.py", "_wait_for_parts", "time.sleep"): (S, None, "POLL_INTERVAL (20 ms) between looks, PUBLISH_TIMEOUT in all"),
-    ("agent/checkpoint/dcp_storage.py", "PublishingWriter.write_data", "super().write_data(plan, planner).wait"): (NW, None, "torch's FileSystemWriter writes before it returns: the future is already done"),
+    ("agent/checkpoint/dcp_persist.py", "persist_part", "_wait_for_parts"): (
+        BG,
+        None,
+        "the worker's background writer: rank 0 waits for every rank's part, PUBLISH_TIMEOUT (300 s)",
+    ),
+    ("agent/checkpoint/dcp_persist.py", "_wait_for_parts", "time.sleep"): (
+        S,
+        None,
+        "POLL_INTERVAL (20 ms) between looks, PUBLISH_TIMEOUT in all",
+    ),
+    ("agent/checkpoint/dcp_storage.py", "PublishingWriter.write_data", "super().write_data(plan, planner).wait"): (
+        NW,
+        None,
+        "torch's FileSystemWriter writes before it returns: the future is already done",
+    ),
     # rendezvous
-    ("rendezvous/etcd_client.py", "EtcdClient.call", "time.sleep"): (S, None, "backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget"),
-    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.try_wait"): (SL, ("rendezvous/etcd_store.py", "EtcdStore.get"), "slices of op_timeout (read_timeout) for a key not yet written"),
-    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.try_wait"): (SL, ("rendezvous/etcd_store.py", "EtcdStore.multi_get"), "slices of op_timeout (read_timeout)"),
-    ("rendezvous/liveness.py", "wait_round_end_or_dead", "running.wait_end"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare's wait"),
-    ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._join"), "slices of WAIT_SLICE_SECONDS up to join_timeout"),
-    ("rendezvous/protocol.py", "Rendezvous._try_close", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._try_close"), "last call"),
-    ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "self.store.try_wait"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "WAIT_SLICE_SECONDS"),
-    ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "wait_round_end_or_dead"): (SL, ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"), "a spare waits out a running round"),
-    ("rendezvous/protocol.py", "Round.wait_master", "self.channel.wait_master"): (SL, None, "1 s slices up to the caller's deadline"),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_master", "self.store.try_wait"): (SL, None, "1 s slices up to the caller's deadline"),
-    ("rendezvous/round_channel.py", "RoundChannel.member_appeared", "self.store.try_wait"): (BG, None, "the peer watcher"),
-    ("rendezvous/round_channel.py", "RoundChannel.member_gone", "self._leases.wait_deleted"): (BG, None, "the peer watcher"),
-    ("rendezvous/round_channel.py", "RoundChannel.ended_within", "self.store.try_wait"): (SL, None, "the caller's slice"),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_end", "self.store.try_wait"): (SL, "job", "slices while the round runs"),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_all_acknowledged", "self.store.try_wait"): (SL, None, "the caller's timeout"),
-    ("rendezvous/preemption_barrier.py", "PreemptionBarrier.wait_all_checkpointed", "self.store.try_wait"): (SL, None, "the caller's timeout"),
+    ("rendezvous/etcd_client.py", "EtcdClient.call", "time.sleep"): (
+        S,
+        None,
+        "backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget",
+    ),
+    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.try_wait"): (
+        SL,
+        ("rendezvous/etcd_store.py", "EtcdStore.get"),
+        "slices of op_timeout (read_timeout) for a key not yet written",
+    ),
+    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.try_wait"): (
+        SL,
+        ("rendezvous/etcd_store.py", "EtcdStore.multi_get"),
+        "slices of op_timeout (read_timeout)",
+    ),
+    ("rendezvous/liveness.py", "wait_round_end_or_dead", "running.wait_end"): (
+        SL,
+        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
+        "a spare's wait",
+    ),
+    ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (
+        SL,
+        ("rendezvous/protocol.py", "Rendezvous._join"),
+        "slices of WAIT_SLICE_SECONDS up to join_timeout",
+    ),
+    ("rendezvous/protocol.py", "Rendezvous._try_close", "self.store.try_wait"): (
+        SL,
+        ("rendezvous/protocol.py", "Rendezvous._try_close"),
+        "last call",
+    ),
+    ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "self.store.try_wait"): (
+        SL,
+        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
+        "WAIT_SLICE_SECONDS",
+    ),
+    ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "wait_round_end_or_dead"): (
+        SL,
+        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
+        "a spare waits out a running round",
+    ),
+    ("rendezvous/protocol.py", "Round.wait_master", "self.channel.wait_master"): (
+        SL,
+        None,
+        "1 s slices up to the caller's deadline",
+    ),
+    ("rendezvous/round_channel.py", "RoundChannel.wait_master", "self.store.try_wait"): (
+        SL,
+        None,
+        "1 s slices up to the caller's deadline",
+    ),
+    ("rendezvous/round_channel.py", "RoundChannel.member_appeared", "self.store.try_wait"): (
+        BG,
+        None,
+        "the peer watcher",
+    ),
+    ("rendezvous/round_channel.py", "RoundChannel.member_gone", "self._leases.wait_deleted"): (
+        BG,
+        None,
+        "the peer watcher",
+    ),
+    ("rendezvous/round_channel.py", "RoundChannel.ended_within", "self.store.try_wait"): (
+        SL,
+        None,
+        "the caller's slice",
+    ),
+    ("rendezvous/round_channel.py", "RoundChannel.wait_end", "self.store.try_wait"): (
+        SL,
+        "job",
+        "slices while the round runs",
+    ),
+    ("rendezvous/round_channel.py", "RoundChannel.wait_all_acknowledged", "self.store.try_wait"): (
+        SL,
+        None,
+        "the caller's timeout",
+    ),
+    ("rendezvous/preemption_barrier.py", "PreemptionBarrier.wait_all_checkpointed", "self.store.try_wait"): (
+        SL,
+        None,
+        "the caller's timeout",
+    ),
     ("rendezvous/stack_exchange.py", "StackExchange.wait_request", "self.store.try_wait"): (BG, None, "slices"),
-    ("rendezvous/stack_exchange.py", "StackExchange.gather", "self.store.try_wait"): (S, None, "HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named"),
+    ("rendezvous/stack_exchange.py", "StackExchange.gather", "self.store.try_wait"): (
+        S,
+        None,
+        "HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named",
+    ),
     ("rendezvous/store.py", "_check_same_job", "store.try_wait"): (S, None, "a marker the job's host writes at once"),
     # merged from the trust, preflight and etcd branches
-    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): (S, None, "timeout=5 after SIGKILL of the probe's process group"),
-    ("agent/checks/preflight.py", "Preflight._probe", "wait_in_slices"): (B, ("agent/checks/preflight.py", "Preflight._probe"), "PROBE_TIMEOUT_SECONDS + 10 (30 s), through store_call: signals and the store probe stay live"),
-    ("launcher/slurm.py", "SlurmJob.requeue", "subprocess.run"): (S, None, "timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms"),
-    ("agent/observe/gpu_reclaim.py", "wait_reclaimed", "sleep"): (S, None, "RECLAIM_POLL_SECONDS (0.1 s) between GPU reads, up to --gpu-reclaim-timeout"),
-    ("agent/observe/observer.py", "Observer.before_round", "wait_reclaimed"): (B, ("agent/observe/gpu_reclaim.py", "wait_reclaimed"), "--gpu-reclaim-timeout (30 s), a line every few seconds; a GPU that stays occupied is named"),
-    ("agent/guard/job_cgroup.py", "JobCgroup.kill", "time.sleep"): (S, None, "10 ms between kills of the cgroup's members, up to its deadline"),
-    ("agent/guard/job_cgroup.py", "JobCgroup.remove", "time.sleep"): (S, None, "20 ms between rmdir attempts, up to its deadline"),
-    ("agent/guard/orphan_guard.py", "watch", "select.select"): (BG, None, "the guard waits for its agent's pipe to close; SEEN_INTERVAL slices without a cgroup"),
-    ("agent/checks/preflight.py", "Preflight._results", "store.try_wait"): (SL, ("agent/checks/preflight.py", "Preflight._results"), "one slice"),
-    ("agent/checks/preflight.py", "Preflight._results", "wait_in_slices"): (B, ("agent/checks/preflight.py", "Preflight._results"), "node 0 waits VERDICT_WAIT_SECONDS (30 s) for the slowest node's numbers"),
-    ("agent/checks/preflight.py", "Preflight._read_verdict", "rnd.store.try_wait"): (SL, ("agent/checks/preflight.py", "Preflight._read_verdict"), "one slice"),
-    ("agent/checks/preflight.py", "Preflight._read_verdict", "wait_in_slices"): (B, ("agent/checks/preflight.py", "Preflight._read_verdict"), "PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS (50 s)"),
-    ("agent/checks/preflight.py", "Preflight._act", "rnd.channel.wait_end"): (SL, None, "5 s slices for the round's end after a node was left out"),
-    ("agent/checks/preflight_probe.py", "measure_links", "dist.recv"): (S, None, "a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS"),
+    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): (
+        S,
+        None,
+        "timeout=5 after SIGKILL of the probe's process group",
+    ),
+    ("agent/checks/preflight.py", "Preflight._probe", "wait_in_slices"): (
+        B,
+        ("agent/checks/preflight.py", "Preflight._probe"),
+        "PROBE_TIMEOUT_SECONDS + 10 (30 s), through store_call: signals and the store probe stay live",
+    ),
+    ("launcher/slurm.py", "SlurmJob.requeue", "subprocess.run"): (
+        S,
+        None,
+        "timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms",
+    ),
+    ("agent/observe/gpu_reclaim.py", "wait_reclaimed", "sleep"): (
+        S,
+        None,
+        "RECLAIM_POLL_SECONDS (0.1 s) between GPU reads, up to --gpu-reclaim-timeout",
+    ),
+    ("agent/observe/observer.py", "Observer.before_round", "wait_reclaimed"): (
+        B,
+        ("agent/observe/gpu_reclaim.py", "wait_reclaimed"),
+        "--gpu-reclaim-timeout (30 s), a line every few seconds; a GPU that stays occupied is named",
+    ),
+    ("agent/guard/job_cgroup.py", "JobCgroup.kill", "time.sleep"): (
+        S,
+        None,
+        "10 ms between kills of the cgroup's members, up to its deadline",
+    ),
+    ("agent/guard/job_cgroup.py", "JobCgroup.remove", "time.sleep"): (
+        S,
+        None,
+        "20 ms between rmdir attempts, up to its deadline",
+    ),
+    ("agent/guard/orphan_guard.py", "watch", "select.select"): (
+        BG,
+        None,
+        "the guard waits for its agent's pipe to close; SEEN_INTERVAL slices without a cgroup",
+    ),
+    ("agent/checks/preflight.py", "Preflight._results", "store.try_wait"): (
+        SL,
+        ("agent/checks/preflight.py", "Preflight._results"),
+        "one slice",
+    ),
+    ("agent/checks/preflight.py", "Preflight._results", "wait_in_slices"): (
+        B,
+        ("agent/checks/preflight.py", "Preflight._results"),
+        "node 0 waits VERDICT_WAIT_SECONDS (30 s) for the slowest node's numbers",
+    ),
+    ("agent/checks/preflight.py", "Preflight._read_verdict", "rnd.store.try_wait"): (
+        SL,
+        ("agent/checks/preflight.py", "Preflight._read_verdict"),
+        "one slice",
+    ),
+    ("agent/checks/preflight.py", "Preflight._read_verdict", "wait_in_slices"): (
+        B,
+        ("agent/checks/preflight.py", "Preflight._read_verdict"),
+        "PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS (50 s)",
+    ),
+    ("agent/checks/preflight.py", "Preflight._act", "rnd.channel.wait_end"): (
+        SL,
+        None,
+        "5 s slices for the round's end after a node was left out",
+    ),
+    ("agent/checks/preflight_probe.py", "measure_links", "dist.recv"): (
+        S,
+        None,
+        "a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS",
+    ),
     ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
     ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
     ("rendezvous/kv.py", "KeyValueStore.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
     ("rendezvous/kv.py", "KeyValueStore.get_present", "self.try_wait"): (S, None, "PRESENT_PROBE_SECONDS (0.01 s)"),
-    ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (NW, None, "prints a wait's progress line; not a wait"),
+    ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (
+        NW,
+        None,
+        "prints a wait's progress line; not a wait",
+    ),
     ("rendezvous/waiting.py", "announce_wait", "waiting_record"): (NW, None, "builds a status record"),
-    ("rendezvous/round_channel.py", "RoundChannel.report_success", "self.store.try_wait"): (S, None, "0.01 s: have all members reported"),
-    ("rendezvous/store.py", "connect_tcp_store", "wait_for_store"): (B, ("rendezvous/store_connect.py", "_connect"), "connect_timeout, with a line every PROGRESS_SECONDS"),
-    ("rendezvous/store_connect.py", "wait_for_store", "conn.recv"): (S, None, "the socket's timeout: min(read_timeout, 5 s)"),
-    ("rendezvous/store_connect.py", "_connect", "time.sleep"): (S, None, "RETRY_SECONDS between connect attempts, up to the deadline"),
+    ("rendezvous/round_channel.py", "RoundChannel.report_success", "self.store.try_wait"): (
+        S,
+        None,
+        "0.01 s: have all members reported",
+    ),
+    ("rendezvous/store.py", "connect_tcp_store", "wait_for_store"): (
+        B,
+        ("rendezvous/store_connect.py", "_connect"),
+        "connect_timeout, with a line every PROGRESS_SECONDS",
+    ),
+    ("rendezvous/store_connect.py", "wait_for_store", "conn.recv"): (
+        S,
+        None,
+        "the socket's timeout: min(read_timeout, 5 s)",
+    ),
+    ("rendezvous/store_connect.py", "_connect", "time.sleep"): (
+        S,
+        None,
+        "RETRY_SECONDS between connect attempts, up to the deadline",
+    ),
     ("rendezvous/store_connect.py", "bounded", "done.wait"): (SL, None, "the caller's bound (read_timeout)"),
 }
 # Long waits with no progress line yet (each also in WAITS, with its bound). Give one its line,
@@ -165,7 +458,16 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
 # None is left (issue 19): every long wait says what it waits for and until when.
 KNOWN_SILENT: dict[tuple[str, str, str], str] = {}
 # Calls whose callee applies its own bound (a default timeout or slices of one).
-BOUND_INSIDE = {"work.wait", "self.loop.run_blocking", "rnd.connect_again().stacks.wait_request", "self.watcher.channel.wait_end", "self.channel.wait_master", "connection.wait_ready", "self._wait_for_all_nodes", "self._wait_as_spare"}
+BOUND_INSIDE = {
+    "work.wait",
+    "self.loop.run_blocking",
+    "rnd.connect_again().stacks.wait_request",
+    "self.watcher.channel.wait_end",
+    "self.channel.wait_master",
+    "connection.wait_ready",
+    "self._wait_for_all_nodes",
+    "self._wait_as_spare",
+}
 
 
 def _qualname(stack: list[str]) -> str:
@@ -268,7 +570,11 @@ def _bound_seconds(module: str, call: ast.Call) -> float | None:
 @pytest.mark.timeout(60)
 def test_every_blocking_call_in_the_code_is_listed_with_its_bound():
     found = find_waits()
-    new = [f"{m}:{lines[0]} in {f or '<module>'}: {head}(...)" for (m, f, head), lines in found.items() if (m, f, head) not in WAITS]
+    new = [
+        f"{m}:{lines[0]} in {f or '<module>'}: {head}(...)"
+        for (m, f, head), lines in found.items()
+        if (m, f, head) not in WAITS
+    ]
     gone = [key for key in WAITS if key not in found]
     assert not new, (
         "blocking calls not listed in tests/test_waits.py WAITS - give each a bound and, if it can last "
@@ -328,5 +634,11 @@ def test_every_long_wait_prints_what_it_waits_for():
 
 def test_the_scan_finds_a_blocking_call_and_ignores_string_joins():
     """The scanner itself (so the tests above can fail)."""
-    calls = [n for n in ast.walk(ast.parse("ev.wait(5)\n','.join(x)\nt.thread.join()\nd.get('k')\nq.get(timeout=1)\ntime.sleep(1)")) if isinstance(n, ast.Call)]
+    calls = [
+        n
+        for n in ast.walk(
+            ast.parse("ev.wait(5)\n','.join(x)\nt.thread.join()\nd.get('k')\nq.get(timeout=1)\ntime.sleep(1)")
+        )
+        if isinstance(n, ast.Call)
+    ]
     assert [_blocking(c) for c in calls] == ["ev.wait", None, "t.thread.join", None, "q.get", "time.sleep"]

@@ -45,9 +45,17 @@ def launch(tmp_path: Path, name: str, torchrun: bool) -> tuple[dict[str, list[st
 @pytest.mark.timeout(240)
 def test_duplicate_filters_and_virtual_local_rank_match_torchrun(tmp_path: Path) -> None:
     r_filtered, r_envs = launch(tmp_path, "rally", torchrun=False)
-    assert r_filtered["filtered_stdout.log"] == ["[default0]:a,b here 0", "[default0]:apple pie 0", "[default1]:a,b here 1", "[default1]:apple pie 1"]
+    assert r_filtered["filtered_stdout.log"] == [
+        "[default0]:a,b here 0",
+        "[default0]:apple pie 0",
+        "[default1]:a,b here 1",
+        "[default1]:apple pie 1",
+    ]
     assert r_filtered["filtered_stderr.log"] == ["[default0]:err orange 0", "[default1]:err orange 1"]
-    assert r_envs == {"env_0": {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "5"}, "env_1": {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "7"}}
+    assert r_envs == {
+        "env_0": {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "5"},
+        "env_1": {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "7"},
+    }
     # Older torchruns (before these flags, e.g. 2.8; .ci/torch-matrix) have nothing to compare with.
     if torchrun_knows("--virtual-local-rank", "--duplicate-stdout-filters", "--duplicate-stderr-filters"):
         t_filtered, t_envs = launch(tmp_path, "torchrun", torchrun=True)
@@ -76,7 +84,10 @@ def test_accepted_flags_say_what_rally_does_with_them(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--logs-specs", "nosuchspec"], "--logs-specs 'nosuchspec': no entry point of that name in the 'torchrun.logs_specs' group"),
+        (
+            ["--logs-specs", "nosuchspec"],
+            "--logs-specs 'nosuchspec': no entry point of that name in the 'torchrun.logs_specs' group",
+        ),
         (["--nproc-per-node", "xpu"], "--nproc-per-node xpu: no XPU is available on this node"),
         (["--numa-binding", "everywhere"], "'everywhere' is not one of"),
     ],
@@ -146,13 +157,21 @@ def test_a_custom_logs_specs_class_decides_where_logs_go_as_under_torchrun(tmp_p
         env = clean_env(PYTHONPATH=str(site), RALLY_NO_PRELOAD="1", RALLY_PRELOAD=None)
         result = run_rally(args, cwd=tmp_path, env=env, argv=argv, timeout=120)
         assert result.returncode == 0, result.describe()
-        files[name] = {str(p.relative_to(logs / "flat")): p.read_text().split() for p in (logs / "flat").rglob("*.*") if p.suffix != ".json"}
+        files[name] = {
+            str(p.relative_to(logs / "flat")): p.read_text().split()
+            for p in (logs / "flat").rglob("*.*")
+            if p.suffix != ".json"
+        }
         consoles[name] = [line for line in result.stdout.splitlines() if "out of" in line]
-    assert files["rally"] == files["torchrun"] == {
-        "attempt0/rank0.out": ["out", "of", "0", "rank0.error.json"],
-        "attempt0/rank1.out": ["out", "of", "1", "rank1.error.json"],
-        "attempt0/rank0.err": ["err", "of", "0"],
-        "attempt0/rank1.err": ["err", "of", "1"],
-    }
+    assert (
+        files["rally"]
+        == files["torchrun"]
+        == {
+            "attempt0/rank0.out": ["out", "of", "0", "rank0.error.json"],
+            "attempt0/rank1.out": ["out", "of", "1", "rank1.error.json"],
+            "attempt0/rank0.err": ["err", "of", "0"],
+            "attempt0/rank1.err": ["err", "of", "1"],
+        }
+    )
     assert len(consoles["rally"]) == len(consoles["torchrun"]) == 1  # only rank 0's stdout is tee'd
     assert "out of 0" in consoles["rally"][0] and "out of 0" in consoles["torchrun"][0]

@@ -24,8 +24,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.checkpoint import dcp_files, dcp_flush
 from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
@@ -110,18 +111,31 @@ class NodeCheckpoints:
             client.close()
         if not any(s > (durable if durable is not None else -1) for steps in held.values() for s in steps):
             return
-        env = {**os.environ, "RALLY_ROUND": str(self.round or 0), "TORCHELASTIC_RUN_ID": self.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "local")}
+        env = {
+            **os.environ,
+            "RALLY_ROUND": str(self.round or 0),
+            "TORCHELASTIC_RUN_ID": self.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+        }
         command = [sys.executable, str(Path(dcp_flush.__file__).resolve()), holder_id, str(directory), f"{seconds:.3f}"]
         self.say(f"writing the newest sharded checkpoint held only in memory to {directory} (up to {seconds:.0f} s)")
         try:
-            done = subprocess.run(command, env=env, stdout=subprocess.PIPE, timeout=seconds + 5.0, check=False, start_new_session=True)
+            done = subprocess.run(
+                command, env=env, stdout=subprocess.PIPE, timeout=seconds + 5.0, check=False, start_new_session=True
+            )
             result = json.loads(done.stdout.decode().strip().splitlines()[-1])
         except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as exc:
-            result = {"warn": f"the newest sharded checkpoint in memory was not made durable in {seconds:.0f} s ({type(exc).__name__})"}
+            result = {
+                "warn": (
+                    f"the newest sharded checkpoint in memory was not made durable in {seconds:.0f} s "
+                    f"({type(exc).__name__})"
+                )
+            }
         if "step" in result:
             self.tier.last_durable = max(self.tier.last_durable or -1, int(result["step"]))
             self.events.emit("checkpoint_durable", step=result["step"], path=result["path"], where="breakpoint")
-            self.say(f"sharded checkpoint step {result['step']} was only in memory: written to {result['path']} before exit")
+            self.say(
+                f"sharded checkpoint step {result['step']} was only in memory: written to {result['path']} before exit"
+            )
         elif "warn" in result:
             self.warn(str(result["warn"]))
             self.events.emit("checkpoint_warning", line=result["warn"])

@@ -31,7 +31,14 @@ import time
 from typing import Any
 
 from rally.agent.checkpoint import layout
-from rally.agent.checkpoint.shm import ArchiveTooLarge, SlotMaps, archive_size, socket_address, storage_bytes, write_archive
+from rally.agent.checkpoint.shm import (
+    ArchiveTooLarge,
+    SlotMaps,
+    archive_size,
+    socket_address,
+    storage_bytes,
+    write_archive,
+)
 
 HOLDER_ENV = "RALLY_CKPT_HOLDER"
 """The holder's id (its socket's name); set by the agent in every worker's environment when the tier runs."""
@@ -82,7 +89,9 @@ class MemoryTier:
                 except OSError as exc:
                     self.close()
                     if attempt or message.get("op") in ("commit", "abort"):
-                        raise CheckpointRefused(f"rally: the checkpoint holder of this node is unreachable ({exc})") from None
+                        raise CheckpointRefused(
+                            f"rally: the checkpoint holder of this node is unreachable ({exc})"
+                        ) from None
         raise AssertionError("unreachable")
 
     def _connect(self) -> None:
@@ -121,7 +130,9 @@ class MemoryTier:
         short for a copy (the caller saves to disk instead). ``persist``: False keeps the copy in
         memory only; True has the holder write it as ``step_<step>.pt`` (keep-K pruning); a
         relative file name has it written there (no pruning), e.g. one rank's shard."""
-        answer, fds = self.request(op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep)
+        answer, fds = self.request(
+            op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep
+        )
         if answer.get("disk_only"):
             return None
         self._checked(answer, fds)

@@ -76,7 +76,10 @@ def holds_shards(state: Any) -> bool:
     """
     kinds = tuple(
         kind
-        for module, name in (("torch.distributed.tensor", "DTensor"), ("torch.distributed._shard.sharded_tensor", "ShardedTensor"))
+        for module, name in (
+            ("torch.distributed.tensor", "DTensor"),
+            ("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
+        )
         if (kind := getattr(sys.modules.get(module), name, None)) is not None
     )
     if not kinds:
@@ -91,7 +94,6 @@ def holds_shards(state: Any) -> bool:
         elif isinstance(value, (list, tuple)):
             pending.extend(value)
     return False
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +147,11 @@ def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, tuple[i
     An existing directory of the same step (a damaged one this job resumed past) is moved
     aside first and deleted after, so the name never points at a half-written directory.
     """
-    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(files.items())}}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": step,
+        "files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(files.items())},
+    }
     fd = os.open(temp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, json.dumps(manifest, indent=1).encode())
@@ -269,7 +275,11 @@ def is_intact(path: Path) -> bool:
     """Whether ``path`` passes a full :func:`verify`, remembered per version of the directory and of
     each file in it (the agent asks every round; published files never change unless damaged)."""
     try:
-        key = (str(path), *_stamp(path), *(item for name in sorted(os.listdir(path)) for item in (name, *_stamp(path / name))))
+        key = (
+            str(path),
+            *_stamp(path),
+            *(item for name in sorted(os.listdir(path)) for item in (name, *_stamp(path / name))),
+        )
     except OSError:
         return False
     if key not in _verdicts:

@@ -38,7 +38,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StoragePrefix
 
-from rally.agent.checkpoint import client as ckpt_client, dcp_files, dcp_persist
+from rally.agent.checkpoint import client as ckpt_client
+from rally.agent.checkpoint import dcp_files, dcp_persist
 
 HEADER, MAGIC = dcp_files.SLOT_HEADER, dcp_files.SLOT_MAGIC
 REPLICAS_ENV = "RALLY_CKPT_REPLICAS"
@@ -283,7 +284,12 @@ def plan(holdings: list[dict[str, list[int]]], world: int, local: int) -> tuple[
                 copies.setdefault(step, {}).setdefault(old_rank, []).append(holder)
     if not copies:
         if sizes:
-            return None, {}, f"the world size changed ({'/'.join(map(str, sorted(sizes)))} -> {world}): shards are resharded from disk"
+            return (
+                None,
+                {},
+                f"the world size changed ({'/'.join(map(str, sorted(sizes)))} -> {world}): shards are resharded "
+                "from disk",
+            )
         return None, {}, "no shards of this job in any node's memory"
     why = ""
     for step in sorted(copies, reverse=True):
@@ -293,7 +299,11 @@ def plan(holdings: list[dict[str, list[int]]], world: int, local: int) -> tuple[
             return step, providers, why
         if not why:
             nodes = sorted({r // local for r in missing})
-            why = f"step {step}: the shards of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}) have no live copy in memory, neither own nor replica"
+            why = (
+                f"step {step}: the shards of rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                f"(node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}) "
+                "have no live copy in memory, neither own nor replica"
+            )
     return None, {}, why
 
 
@@ -332,7 +342,9 @@ def load(state: dict[str, Any], step: int, providers: dict[int, int]) -> list[in
     mine = blobs[rank]
     magic, meta_len, old_world, old_rank = HEADER.unpack_from(mine, 0)
     if magic != MAGIC or (old_world, old_rank) != (world, rank):
-        raise RuntimeError(f"rally: the in-memory copy of rank {rank} is not one (it says rank {old_rank} of {old_world})")
+        raise RuntimeError(
+            f"rally: the in-memory copy of rank {rank} is not one (it says rank {old_rank} of {old_world})"
+        )
     meta = mine[HEADER.size : HEADER.size + meta_len]
     data = mine[HEADER.size + meta_len :]
     reader = FileSystemReader("/rally-memory")

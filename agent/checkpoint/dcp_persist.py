@@ -101,7 +101,10 @@ class Persister:
             try:
                 persist_part(*job)
             except Exception as exc:  # a failed step is not retried: the next save brings a newer one
-                self.last_error = f"rally: sharded checkpoint of step {job[1]} could not be written to {job[0]}: {type(exc).__name__}: {exc}"
+                self.last_error = (
+                    f"rally: sharded checkpoint of step {job[1]} could not be written to {job[0]}: "
+                    f"{type(exc).__name__}: {exc}"
+                )
                 print(self.last_error, file=sys.stderr, flush=True)
             finally:
                 with self.cond:
@@ -119,7 +122,10 @@ def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, m
     try:
         if rank == 0:
             _remove_dead_older(directory, step)
-        files = {f"__{rank}_0.distcp": write_file(temp / f"__{rank}_0.distcp", data), f"__{rank}.metadata": write_file(temp / f"__{rank}.metadata", meta)}
+        files = {
+            f"__{rank}_0.distcp": write_file(temp / f"__{rank}_0.distcp", data),
+            f"__{rank}.metadata": write_file(temp / f"__{rank}.metadata", meta),
+        }
         write_file(temp / f"__{rank}.rally.json", json.dumps(files).encode())
         if rank != 0:
             return
@@ -184,12 +190,19 @@ def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[int]]]:
     return parts
 
 
-def _publish(directory: Path, temp: Path, step: int, keep: int, world: int, parts: dict[int, dict[str, list[int]]]) -> None:
+def _publish(
+    directory: Path, temp: Path, step: int, keep: int, world: int, parts: dict[int, dict[str, list[int]]]
+) -> None:
     """Merge the ranks' metadata into DCP's global ``.metadata``, then publish like a synchronous save."""
     merged = merge_metadata([pickle.loads((temp / f"__{r}.metadata").read_bytes()) for r in range(world)])
     buffer = io.BytesIO()
     pickle.dump(merged, buffer)
-    files = {name: (int(size), int(crc)) for r in range(world) for name, (size, crc) in parts[r].items() if name.endswith(".distcp")}
+    files = {
+        name: (int(size), int(crc))
+        for r in range(world)
+        for name, (size, crc) in parts[r].items()
+        if name.endswith(".distcp")
+    }
     files[".metadata"] = write_file(temp / ".metadata", buffer.getbuffer())
     for r in range(world):  # the ranks' own metadata and markers served their purpose
         for extra in (f"__{r}.metadata", f"__{r}.rally.json"):
@@ -211,7 +224,11 @@ def merge_metadata(ranks: list[Any]) -> Any:
     for metadata in ranks:
         for fqn, item in metadata.state_dict_metadata.items():
             if fqn not in state:
-                state[fqn] = item if not isinstance(item, TensorStorageMetadata) else TensorStorageMetadata(item.properties, item.size, [])
+                state[fqn] = (
+                    item
+                    if not isinstance(item, TensorStorageMetadata)
+                    else TensorStorageMetadata(item.properties, item.size, [])
+                )
             if isinstance(item, TensorStorageMetadata):
                 known = {(tuple(c.offsets), tuple(c.sizes)) for c in state[fqn].chunks}
                 state[fqn].chunks.extend(c for c in item.chunks if (tuple(c.offsets), tuple(c.sizes)) not in known)
@@ -220,7 +237,13 @@ def merge_metadata(ranks: list[Any]) -> Any:
         if isinstance(metadata.planner_data, dict):
             for key, value in metadata.planner_data.items():
                 planner.setdefault(key, value)
-    return Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, storage_meta=ranks[0].storage_meta, version=ranks[0].version)
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=ranks[0].storage_meta,
+        version=ranks[0].version,
+    )
 
 
 _persister: Persister | None = None

@@ -30,13 +30,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemReader,
+    FileSystemWriter,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from rally.agent.checkpoint import client as ckpt_client, dcp_files, dcp_memory
+from rally.agent.checkpoint import client as ckpt_client
+from rally.agent.checkpoint import dcp_files, dcp_memory
 from rally.agent.worker.checkpoint_file import Checkpoint, DamagedCheckpoint
 
 
@@ -121,7 +128,9 @@ class PublishingWriter(FileSystemWriter):
         dcp_files.remove_dead_saves(self.directory)
         self.temp = dcp_files.TempDir(self.directory, self.step)
         name = self.temp.path.name
-        return [dataclasses.replace(plan, storage_data=_Part(prefix=f"__{i}_", temp=name)) for i, plan in enumerate(plans)]
+        return [
+            dataclasses.replace(plan, storage_data=_Part(prefix=f"__{i}_", temp=name)) for i, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.path = self.directory / plan.storage_data.temp
@@ -166,7 +175,10 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
     if step < 0:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
     if not isinstance(state, dict):
-        raise TypeError(f"rally: a sharded checkpoint's state must be a dict (torch.distributed.checkpoint's rule), got {type(state).__name__}")
+        raise TypeError(
+            "rally: a sharded checkpoint's state must be a dict (torch.distributed.checkpoint's rule), got "
+            f"{type(state).__name__}"
+        )
     if dist.is_available() and dist.is_initialized() and dcp_memory.save(state, directory, step, keep):
         return directory / dcp_files.step_name(step)  # in memory now, on disk in the background
     writer = PublishingWriter(directory, step, keep)
@@ -179,7 +191,8 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
         error = _os_error_within(error)
         others = f" (and on {len(failure.failures) - 1} more ranks)" if len(failure.failures) > 1 else ""
         raise ShardedSaveFailed(
-            f"rally: sharded checkpoint of step {step} in {directory} failed on rank {rank}{others}: {type(error).__name__}: {error}"
+            f"rally: sharded checkpoint of step {step} in {directory} failed on rank {rank}{others}: "
+            f"{type(error).__name__}: {error}"
         ) from failure
     except BaseException:
         if writer.temp is not None:
@@ -229,14 +242,19 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
             continue
         dcp.load(state, storage_reader=FileSystemReader(path))
         if rank == 0:
-            _log(f"resuming from step {step} ({path}, sharded, world size {world}){f'; not from memory: {why}' if why else ''}")
+            _log(
+                f"resuming from step {step} ({path}, sharded, world size "
+                f"{world}){f'; not from memory: {why}' if why else ''}"
+            )
         return Checkpoint(step=step, state=state, path=path)
     if rank == 0:
         _log("no sharded checkpoint, starting from scratch")
     return None
 
 
-def _load_from_memory(state: dict[str, Any], newest_on_disk: int | None, directory: Path) -> tuple[Checkpoint | None, str]:
+def _load_from_memory(
+    state: dict[str, Any], newest_on_disk: int | None, directory: Path
+) -> tuple[Checkpoint | None, str]:
     """Resume from the nodes' memory when every rank's shards of a step not older than the disk's
     newest are held by a live node (own copy or ring replica); else (None, why not)."""
     if not (dist.is_available() and dist.is_initialized()) or not dcp_memory.agreed()[0]:
@@ -262,11 +280,16 @@ def _load_from_memory(state: dict[str, Any], newest_on_disk: int | None, directo
     if any(reasons):
         return None, f"loading step {step} from memory failed ({next(r for r in reasons if r)})"
     if rank == 0:
-        origin = "every rank's shards from its own node" if not remote else (
-            f"rank{'s' if len(remote) > 1 else ''} {', '.join(map(str, remote))} from the ring replica on "
-            f"node{'s' if len({providers[r] // local for r in remote}) > 1 else ''} "
-            f"{', '.join(str(n) for n in sorted({providers[r] // local for r in remote}))}: "
-            f"{'its own node' if len(remote) == 1 else 'their own nodes'} lost {'its' if len(remote) == 1 else 'their'} copy"
+        origin = (
+            "every rank's shards from its own node"
+            if not remote
+            else (
+                f"rank{'s' if len(remote) > 1 else ''} {', '.join(map(str, remote))} from the ring replica on "
+                f"node{'s' if len({providers[r] // local for r in remote}) > 1 else ''} "
+                f"{', '.join(str(n) for n in sorted({providers[r] // local for r in remote}))}: "
+                f"{'its own node' if len(remote) == 1 else 'their own nodes'} lost "
+                f"{'its' if len(remote) == 1 else 'their'} copy"
+            )
         )
         _log(f"resuming from step {step} from memory (sharded, world size {world}; {origin})")
     return Checkpoint(step=step, state=state, path=directory / dcp_files.step_name(step), source="memory"), ""

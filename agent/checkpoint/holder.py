@@ -134,7 +134,15 @@ class Holder:
             op = msg["op"]
             if op == "reserve":
                 name = self.persist_name(msg.get("persist"), int(msg["step"]))
-                index, fd = table.reserve(conn_id, str(msg["key"]), int(msg["step"]), int(msg["size"]), int(msg["round"]), name, int(msg.get("keep", 3)))
+                index, fd = table.reserve(
+                    conn_id,
+                    str(msg["key"]),
+                    int(msg["step"]),
+                    int(msg["size"]),
+                    int(msg["round"]),
+                    name,
+                    int(msg.get("keep", 3)),
+                )
                 return {"ok": True, "slot": index}, [fd]
             if op == "commit":
                 slot = table.commit(conn_id, str(msg["key"]), int(msg["step"]), int(msg["length"]), int(msg["round"]))
@@ -148,8 +156,8 @@ class Holder:
                 found = table.committed_slot(str(msg["key"]), int(msg["step"]))
                 return {"ok": True, "length": found[1] if found else 0}, [found[0]] if found else []
             if op == "resume":
-                step, index, fd = table.resume(str(msg["key"]))
-                return {"ok": True, "step": step, "slot": index}, [] if fd is None else [fd]
+                newest, newest_index, newest_fd = table.resume(str(msg["key"]))
+                return {"ok": True, "step": newest, "slot": newest_index}, [] if newest_fd is None else [newest_fd]
             return {"ok": False, "error": f"rally: unknown memory-tier request {op!r}"}, []
         except ShmTooSmall as exc:
             if not self.told_disk_only:  # one line, at the first save that did not fit
@@ -190,10 +198,20 @@ class Holder:
                     table.cond.wait(IDLE_SLICE_SECONDS)  # woken by a commit or stop; the slice only re-checks
                 if self.stopping:
                     return
+            assert job is not None  # the wait above ends with a job or with stopping
             key, index, slot = job
+            assert slot.fd is not None  # a committed slot keeps its memfd until it is freed
             ok = False
             try:
-                path = persist(slot.fd, slot.length, self.checkpoint_dir, slot.step, slot.keep, self.between_chunks, slot.persist_name)  # type: ignore[arg-type]
+                path = persist(
+                    slot.fd,
+                    slot.length,
+                    self.checkpoint_dir,
+                    slot.step,
+                    slot.keep,
+                    self.between_chunks,
+                    slot.persist_name,
+                )
                 ok = True
                 self.emit(ev="durable", key=key, step=slot.step, path=str(path))
             except DiskFull as exc:
@@ -201,9 +219,18 @@ class Holder:
             except PersistCancelled:
                 pass
             except OSError as exc:
-                self.emit(ev="warn", line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc.strerror or exc}")
+                self.emit(
+                    ev="warn",
+                    line=(
+                        f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: "
+                        f"{exc.strerror or exc}"
+                    ),
+                )
             except Exception as exc:  # a bug must not stop the persister: say it, keep the copies
-                self.emit(ev="warn", line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc!r}")
+                self.emit(
+                    ev="warn",
+                    line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc!r}",
+                )
             with table.cond:
                 table.persisted(key, index, ok)
 

@@ -19,8 +19,8 @@ import mmap
 import os
 import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from rally.agent.worker import checkpoint_file
 from rally.agent.worker.checkpoint_file import FOOTER, FOOTER_END, FOOTER_MAGIC, READ_CHUNK

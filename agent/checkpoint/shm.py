@@ -159,7 +159,7 @@ def archive_size(state: Any) -> int:
 
     sink = _Sink(None)
     with _no_record_crc():
-        torch.save(state, sink)
+        torch.save(state, sink)  # type: ignore[arg-type]  # any object with write() (torch's FileLike says IO)
     return sink.end
 
 
@@ -171,7 +171,7 @@ def write_archive(state: Any, target: mmap.mmap, recorder: Any = None) -> int:
     sink = _Sink(target, recorder)
     try:
         with _no_record_crc():
-            torch.save(state, sink)
+            torch.save(state, sink)  # type: ignore[arg-type]  # any object with write() (torch's FileLike says IO)
     except Exception:
         if sink.overflowed:  # torch's zip writer may raise its own error on the way out: ours is the cause
             raise ArchiveTooLarge(f"rally: the archive outgrew its slot of {len(target)} bytes") from None

@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from rally.agent.checkpoint.shm import SLOTS_PER_KEY, memfd_name, valid_key
 
 FREE, WRITING, COMMITTED = "free", "writing", "committed"
@@ -129,9 +130,13 @@ class SlotTable:
                 f"(the node is in round {self.round}); a worker of an ended round may not save"
             )
         if time.monotonic() > self.lease_until:
-            raise Refused(f"rally: checkpoint refused: round {r} is no longer confirmed by its agent (frozen or cut off)")
+            raise Refused(
+                f"rally: checkpoint refused: round {r} is no longer confirmed by its agent (frozen or cut off)"
+            )
 
-    def reserve(self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int) -> tuple[int, int]:
+    def reserve(
+        self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int
+    ) -> tuple[int, int]:
         """(index, memfd) of a slot for ``step`` of ``key`` with room for ``size`` bytes, marked being written."""
         if not valid_key(key) or step < 0 or size <= 0:
             raise Refused(f"rally: checkpoint refused: bad request for key {key!r}, step {step}, {size} bytes")
@@ -146,7 +151,7 @@ class SlotTable:
                 self._allocate(key, index, size, slot)
             else:  # back to its full size: only the tail cut off at the last commit is new
                 start = slot.length & ~(PAGE - 1)
-                os.posix_fallocate(slot.fd, start, slot.size - start)  # type: ignore[arg-type]
+                os.posix_fallocate(slot.fd, start, slot.size - start)
             keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, slot.fd, conn, persist_name, keep)
             return index, slot.fd  # type: ignore[return-value]
 
@@ -162,7 +167,14 @@ class SlotTable:
         """A fresh memfd of ``size`` bytes for the slot (the old one let go), its pages taken now."""
         held = sum(s.size for k in self.keys.values() for s in k.slots) - slot.size
         free = available_memory()
-        allowed = [limit for limit in ((free + slot.size) // 2 if free is not None else None, self.memory_limit and self.memory_limit - held) if limit is not None]
+        allowed = [
+            limit
+            for limit in (
+                (free + slot.size) // 2 if free is not None else None,
+                self.memory_limit and self.memory_limit - held,
+            )
+            if limit is not None
+        ]
         if allowed and size > min(allowed):
             self.disk_only = self._too_small_line(size, min(allowed))
             raise ShmTooSmall(self.disk_only)
@@ -270,10 +282,13 @@ class SlotTable:
         The slot is marked loaded, so the next save into it gets a fresh memfd."""
         with self.cond:
             keyslots = self.keys.get(key)
-            for s, index in keyslots.committed() if keyslots else []:
-                if s == step:
-                    keyslots.slots[index].loaded = True
-                    return keyslots.slots[index].fd, keyslots.slots[index].length
+            if keyslots is None:
+                return None
+            for s, index in keyslots.committed():
+                slot = keyslots.slots[index]
+                if s == step and slot.fd is not None:
+                    slot.loaded = True
+                    return slot.fd, slot.length
             return None
 
     # ------------------------------------------------------------------ the persister's side
@@ -333,7 +348,10 @@ def available_memory() -> int | None:
         if controllers == "":
             files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
         elif "memory" in controllers.split(","):
-            files = (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes", f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
+            files = (
+                f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes",
+                f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes",
+            )
         else:
             continue
         try:

@@ -24,8 +24,9 @@ import queue
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.client import HOLDER_ENV
@@ -46,7 +47,9 @@ RENEW_INTERVAL = 1.0
 
 
 class CheckpointTier:
-    def __init__(self, helper: HelperProcess, holder_id: str, checkpoint_dir: Path, events: EventLog, warn: Callable[[str], None]) -> None:
+    def __init__(
+        self, helper: HelperProcess, holder_id: str, checkpoint_dir: Path, events: EventLog, warn: Callable[[str], None]
+    ) -> None:
         self.helper = helper
         self.process = helper.process
         self.checkpoint_dir = checkpoint_dir
@@ -65,7 +68,9 @@ class CheckpointTier:
         threading.Thread(target=self._read, daemon=True, name="rally-ckpt-tier").start()
 
     @classmethod
-    def start(cls, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]) -> CheckpointTier | NoTier:
+    def start(
+        cls, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]
+    ) -> CheckpointTier | NoTier:
         """Start the holder; a :class:`NoTier` (saves go to disk) without a checkpoint directory."""
         if not checkpoint_dir or os.environ.get(MEMORY_TIER_ENV, "1") == "0":
             return NoTier()

@@ -54,7 +54,9 @@ class NodeChecks:
         if spec.preflight:  # the default path without it imports nothing more
             from rally.agent.checks.preflight import Preflight
 
-            self.preflight = Preflight(spec, host, events, report, store_call, template, base_env, run_dir, backend, announce)
+            self.preflight = Preflight(
+                spec, host, events, report, store_call, template, base_env, run_dir, backend, announce
+            )
 
     def at_join(self, store: Any) -> str | None:
         line = self.store_call(lambda: self.quarantine.at_join(store))

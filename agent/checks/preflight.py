@@ -64,10 +64,24 @@ def judge(results: dict[int, dict | None], factor: float, min_nodes: int) -> dic
                 slow.append(f"link {r['link'] / link:.1f}x the median")
             why = f"slower than {factor:g}x the median ({', '.join(slow)})" if slow else ""
         numbers = _numbers(r, compute, link)
-        nodes.append({"group_rank": g, "host": host, "bad": why, "numbers": numbers, "line": f"{why + '; ' if why else ''}{numbers}",
-                      **{k: r.get(k) for k in ("compute", "link", "allreduce", "error")}})
+        nodes.append(
+            {
+                "group_rank": g,
+                "host": host,
+                "bad": why,
+                "numbers": numbers,
+                "line": f"{why + '; ' if why else ''}{numbers}",
+                **{k: r.get(k) for k in ("compute", "link", "allreduce", "error")},
+            }
+        )
         if why:
-            bad.append((0 if g not in ok else 1, -max((r.get("compute") or 0) / (compute or 1), (r.get("link") or 0) / (link or 1)), g))
+            bad.append(
+                (
+                    0 if g not in ok else 1,
+                    -max((r.get("compute") or 0) / (compute or 1), (r.get("link") or 0) / (link or 1)),
+                    g,
+                )
+            )
     room = max(0, len(results) - min_nodes)
     if len(ok) * 2 <= len(results):  # a probe that failed on most nodes names no culprit
         room = 0
@@ -75,8 +89,19 @@ def judge(results: dict[int, dict | None], factor: float, min_nodes: int) -> dic
     kept = [g for *_, g in sorted(bad)[room:]]
     summary = f"{len(results)} nodes, {len(bad)} named, {len(out)} left out" + (f", {len(kept)} kept" if kept else "")
     if kept:
-        summary += f" (the probe failed on {len(results) - len(ok)} of {len(results)}: no culprit)" if len(ok) * 2 <= len(results) else f" (MIN={min_nodes})"
-    return {"nodes": nodes, "left_out": out, "kept_bad": kept, "median_compute": compute, "median_link": link, "summary": summary}
+        summary += (
+            f" (the probe failed on {len(results) - len(ok)} of {len(results)}: no culprit)"
+            if len(ok) * 2 <= len(results)
+            else f" (MIN={min_nodes})"
+        )
+    return {
+        "nodes": nodes,
+        "left_out": out,
+        "kept_bad": kept,
+        "median_compute": compute,
+        "median_link": link,
+        "summary": summary,
+    }
 
 
 def _numbers(r: dict, compute: float | None, link: float | None) -> str:
@@ -93,15 +118,35 @@ def _numbers(r: dict, compute: float | None, link: float | None) -> str:
 class Preflight:
     """One agent's pre-flight: probe, publish, (node 0) judge, act on the verdict."""
 
-    def __init__(self, spec: Any, host: str, events: Any, report: Any, store_call: Callable[..., Any], template: Callable[[], Any], base_env: dict[str, str], run_dir: Path, backend: Callable[[], str], announce: Callable[[str], None] = console.say):
+    def __init__(
+        self,
+        spec: Any,
+        host: str,
+        events: Any,
+        report: Any,
+        store_call: Callable[..., Any],
+        template: Callable[[], Any],
+        base_env: dict[str, str],
+        run_dir: Path,
+        backend: Callable[[], str],
+        announce: Callable[[str], None] = console.say,
+    ):
         """`announce` hears every few seconds what a long wait waits for (agent/node_waits.py)."""
         self.spec, self.host, self.events, self.report = spec, host, events, report
-        self.store_call, self.template, self.base_env, self.run_dir, self.backend = store_call, template, base_env, run_dir, backend
+        self.store_call, self.template, self.base_env, self.run_dir, self.backend = (
+            store_call,
+            template,
+            base_env,
+            run_dir,
+            backend,
+        )
         self.announce = announce
         self.last: dict | None = None  # this node's numbers and the verdict's summary, for its status record
         self.left_out: dict[int, str] = {}  # round -> the line this node leaves with
         self.own_template: Any = None  # preloads torch for the first probe when the job has no worker template
-        self.template_wait = 0.0  # of the last probe: waiting for the template's preload, which the workers wait for too
+        self.template_wait = (
+            0.0  # of the last probe: waiting for the template's preload, which the workers wait for too
+        )
 
     def start_template(self) -> None:
         """A job whose workers start plainly (a script without torch, --no-preload) has no template
@@ -115,7 +160,16 @@ class Preflight:
         from rally.agent.workers import shared_worker_env
 
         argv = [self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE]
-        self.own_template = TemplateClient(self.spec.python_exec, BOOTSTRAP, argv, ("torch", "torch.distributed"), shared_worker_env(self.spec, self.base_env), os.getcwd(), console.warn, self.announce)
+        self.own_template = TemplateClient(
+            self.spec.python_exec,
+            BOOTSTRAP,
+            argv,
+            ("torch", "torch.distributed"),
+            shared_worker_env(self.spec, self.base_env),
+            os.getcwd(),
+            console.warn,
+            self.announce,
+        )
         try:
             self.own_template.start()
         except OSError:
@@ -169,20 +223,35 @@ class Preflight:
         out = self.run_dir / f"preflight_{a.round}.json"
         out.unlink(missing_ok=True)
         env = {
-            **shared_worker_env(self.spec, self.base_env), "RANK": str(a.group_rank), "WORLD_SIZE": str(a.group_world_size),
-            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RALLY_PREFLIGHT_OUT": str(out),
-            "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{a.round}/", "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
+            **shared_worker_env(self.spec, self.base_env),
+            "RANK": str(a.group_rank),
+            "WORLD_SIZE": str(a.group_world_size),
+            "MASTER_ADDR": master[0],
+            "MASTER_PORT": str(master[1]),
+            "RALLY_PREFLIGHT_OUT": str(out),
+            "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{a.round}/",
+            "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
             "RALLY_PREFLIGHT_BACKEND": self.backend(),
         }
         template = self.template() or self.own_template
         launch = template.spawn if template is not None else processes.spawn
         asked = time.monotonic()
-        with open(self.run_dir / f"preflight_{a.round}.log", "wb") as log:  # a template still loading torch is waited for here
+        with open(
+            self.run_dir / f"preflight_{a.round}.log", "wb"
+        ) as log:  # a template still loading torch is waited for here
             child = launch([self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE], env, None, log, log)
         self.template_wait = time.monotonic() - asked
         try:
-            what = f"pre-flight of round {a.round}: waiting for the probe (pid {child.pid}: compute, all-reduce, links) to finish"
-            code = self.store_call(lambda: wait_in_slices(child.wait, PROBE_TIMEOUT_SECONDS + 10, what, self.announce, done=lambda c: c is not None), waiting=True)
+            what = (
+                f"pre-flight of round {a.round}: waiting for the probe (pid {child.pid}: compute, all-reduce, links) "
+                "to finish"
+            )
+            code = self.store_call(
+                lambda: wait_in_slices(
+                    child.wait, PROBE_TIMEOUT_SECONDS + 10, what, self.announce, done=lambda c: c is not None
+                ),
+                waiting=True,
+            )
         finally:
             if child.returncode is None:
                 os.killpg(child.pid, signal.SIGKILL)
@@ -217,7 +286,11 @@ class Preflight:
             names = ", ".join(n["host"] for n in verdict["nodes"] if n["group_rank"] in verdict["left_out"])
             rnd.channel.count_lost(len(verdict["left_out"]))  # the re-formed round does not wait for them
             store.set(preflight_key(a.round, "verdict"), json.dumps(verdict))
-            rnd.channel.end(RoundEnd(EndKind.NODE_LEFT, f"pre-flight left out {names}", self.host, {"preflight": verdict["left_out"]}))
+            rnd.channel.end(
+                RoundEnd(
+                    EndKind.NODE_LEFT, f"pre-flight left out {names}", self.host, {"preflight": verdict["left_out"]}
+                )
+            )
         else:
             store.set(preflight_key(a.round, "verdict"), json.dumps(verdict))
         return verdict
@@ -237,21 +310,45 @@ class Preflight:
     def _act(self, rnd: Round, verdict: dict, mine: dict, seconds: float) -> RoundEnd | None:
         a = rnd.a
         left_out, kept = set(verdict.get("left_out") or []), set(verdict.get("kept_bad") or [])
-        waited = f" ({self.template_wait:.2f} s of it waiting for the worker template to load torch)" if self.template_wait >= 0.1 else ""
+        waited = (
+            f" ({self.template_wait:.2f} s of it waiting for the worker template to load torch)"
+            if self.template_wait >= 0.1
+            else ""
+        )
         console.say(f"pre-flight of round {a.round} took {seconds:.2f} s{waited}: {verdict.get('summary', '')}")
         for node in verdict["nodes"]:
             if node.get("group_rank") in left_out:
                 console.warn(f"pre-flight: node {node.get('host')} is left out of the round: {node.get('line')}")
             elif node.get("group_rank") in kept:
-                console.warn(f"pre-flight: node {node.get('host')}: {node.get('bad')}; kept: {verdict.get('summary')}; " f"going on with it ({node.get('numbers')})")
-        self.events.emit("preflight", round=a.round, seconds=round(seconds, 3), template_wait=round(self.template_wait, 3), nodes=verdict["nodes"], left_out=sorted(left_out), kept_bad=sorted(kept))
+                console.warn(
+                    f"pre-flight: node {node.get('host')}: {node.get('bad')}; kept: {verdict.get('summary')}; "
+                    f"going on with it ({node.get('numbers')})"
+                )
+        self.events.emit(
+            "preflight",
+            round=a.round,
+            seconds=round(seconds, 3),
+            template_wait=round(self.template_wait, 3),
+            nodes=verdict["nodes"],
+            left_out=sorted(left_out),
+            kept_bad=sorted(kept),
+        )
         me: dict[str, Any] = next((n for n in verdict["nodes"] if n.get("group_rank") == a.group_rank), {})
-        self.last = {"round": a.round, "seconds": seconds, "compute": mine.get("compute"), "link": mine.get("link"),
-                     "allreduce": mine.get("allreduce"), "bad": me.get("bad", ""), "left_out": [n["host"] for n in verdict["nodes"] if n.get("group_rank") in left_out]}
+        self.last = {
+            "round": a.round,
+            "seconds": seconds,
+            "compute": mine.get("compute"),
+            "link": mine.get("link"),
+            "allreduce": mine.get("allreduce"),
+            "bad": me.get("bad", ""),
+            "left_out": [n["host"] for n in verdict["nodes"] if n.get("group_rank") in left_out],
+        }
         if not left_out:
             return None
         if a.group_rank in left_out:
-            self.left_out[a.round] = f"node {self.host} is left out by the pre-flight check: {me.get('line')}; the job goes on without it"
+            self.left_out[a.round] = (
+                f"node {self.host} is left out by the pre-flight check: {me.get('line')}; the job goes on without it"
+            )
             self.report.outcome = "left out by pre-flight"
         return self.store_call(lambda: rnd.channel.wait_end(5.0), waiting=True)
 

@@ -95,12 +95,16 @@ def main() -> None:
         result["compute"] = measure_compute(torch)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         timeout = timedelta(seconds=float(os.environ["RALLY_PREFLIGHT_TIMEOUT"]))
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
         prefixed = dist.PrefixStore(os.environ["RALLY_PREFLIGHT_PREFIX"], store)
         result["startup"] = time.perf_counter() - started - result["compute"]  # imports and the store's connect
         backend = os.environ.get("RALLY_PREFLIGHT_BACKEND", "gloo")
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
-        result["connect"] = time.perf_counter() - started - result["compute"]  # the store, then the backend's connections
+        result["connect"] = (
+            time.perf_counter() - started - result["compute"]
+        )  # the store, then the backend's connections
         device = "cuda" if backend == "nccl" else "cpu"
         dist.all_reduce(torch.ones(1, device=device))  # warm-up: connections
         tensor = torch.ones(COLLECTIVE_MB * 2**18, device=device)

@@ -39,7 +39,9 @@ def record_failure(record: dict[str, Any], host: str, r: int, now: float) -> Non
 
 
 def recent_failures(record: dict[str, Any], host: str, window: float, now: float) -> int:
-    return sum(1 for e in record["failures"].get(host, []) if isinstance(e, list) and len(e) == 2 and e[1] >= now - window)
+    return sum(
+        1 for e in record["failures"].get(host, []) if isinstance(e, list) and len(e) == 2 and e[1] >= now - window
+    )
 
 
 def excluded_line(host: str, reason: str, env: dict[str, str]) -> str:
@@ -48,14 +50,25 @@ def excluded_line(host: str, reason: str, env: dict[str, str]) -> str:
     node = env.get("SLURMD_NODENAME")
     if node:
         job = env.get("SLURM_JOB_ID", "$SLURM_JOB_ID")
-        line += f"; to keep SLURM node {node} out when the job is requeued: scontrol update JobId={job} ExcNodeList={node}"
+        line += (
+            f"; to keep SLURM node {node} out when the job is requeued: scontrol update JobId={job} ExcNodeList={node}"
+        )
     return line
 
 
 class Quarantine:
     """One agent's part: record each round's root cause, leave when its own node is quarantined."""
 
-    def __init__(self, spec: Any, host: str, events: Any, report: Any, say: Callable[[str], None], warn: Callable[[str], None], multi_node: bool = True):
+    def __init__(
+        self,
+        spec: Any,
+        host: str,
+        events: Any,
+        report: Any,
+        say: Callable[[str], None],
+        warn: Callable[[str], None],
+        multi_node: bool = True,
+    ):
         self.spec = spec
         self.enabled = bool(spec.quarantine_after) and multi_node
         self.host = host
@@ -94,7 +107,11 @@ class Quarantine:
             return None
         window, after = self.spec.quarantine_window, self.spec.quarantine_after
         reason = f"the root cause of {count} failures within {window:g} s, --quarantine-after {after}"
-        stays = f"the job needs it (fewer than MIN={min_nodes} nodes without it)" if a.group_world_size - 1 < min_nodes else ""
+        stays = (
+            f"the job needs it (fewer than MIN={min_nodes} nodes without it)"
+            if a.group_world_size - 1 < min_nodes
+            else ""
+        )
         stays = stays or ("it hosts the rendezvous store" if hosts_store else "")
         if stays:
             self.warn(f"node {host} was {reason}, but {stays}: it stays in")

@@ -67,6 +67,7 @@ NODE_COLUMNS: list[tuple[str, Callable[[dict, float], str]]] = [
     ("keep-alive", lambda n, now: f"{now - n['updated']:.1f} s ago" if n.get("updated") else "-"),
 ]
 
+
 def _checkpoint(node: dict) -> str:
     """The newest step this node saved (memory tier) and the newest durable one: "30 (25 on disk)"."""
     saved, durable = node.get("checkpoint_saved_step"), node.get("checkpoint_durable_step")
@@ -80,7 +81,9 @@ def _checkpoint(node: dict) -> str:
 RIGHT_ALIGNED = ("cpu %", "rss MiB", "gpu MiB", "gpu %", "step", "s/step")
 
 
-def worker_table(nodes: list[dict], title: str, *, caption: str | None = None, per_node: bool = False, now: float | None = None) -> Table:
+def worker_table(
+    nodes: list[dict], title: str, *, caption: str | None = None, per_node: bool = False, now: float | None = None
+) -> Table:
     """A row per worker of `nodes` (each a record with "workers"); with `per_node`, the node's
     own columns lead and a node without workers still gets a row."""
     now = time.time() if now is None else now

@@ -68,7 +68,9 @@ class JobCgroup:
             except OSError:
                 continue
             group = cls(kind, path)
-            if not os.access(group.procs_file, os.W_OK) or (kind == V2 and not (path / "cgroup.kill").exists()):  # v2: kernel < 5.14
+            if not os.access(group.procs_file, os.W_OK) or (
+                kind == V2 and not (path / "cgroup.kill").exists()
+            ):  # v2: kernel < 5.14
                 group.remove()
                 continue
             return group

@@ -163,7 +163,11 @@ class NvmlMonitor:
         memory = _call(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
         utilization = _call(nvml, nvml.nvmlDeviceGetUtilizationRates, handle)
         ecc = _call(
-            nvml, nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+            nvml,
+            nvml.nvmlDeviceGetTotalEccErrors,
+            handle,
+            nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+            nvml.NVML_VOLATILE_ECC,
         )
         pending = _call(nvml, nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
         remapped = _call(nvml, nvml.nvmlDeviceGetRemappedRows, handle)  # (corrected, uncorrected, pending, failed)
@@ -191,7 +195,9 @@ class NvmlMonitor:
         )
 
 
-def open_monitor(import_module: Callable[[str], ModuleType] = importlib.import_module) -> tuple[NvmlMonitor | None, str]:
+def open_monitor(
+    import_module: Callable[[str], ModuleType] = importlib.import_module,
+) -> tuple[NvmlMonitor | None, str]:
     """NVML ready to read, or None and the reason GPU health is skipped on this node (one line)."""
     try:
         nvml = import_module("pynvml")

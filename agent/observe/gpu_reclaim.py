@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 
 from rally.agent.observe.gpu import MIB, DeviceReading
 from rally.rendezvous.long_wait import left_line
@@ -36,11 +37,16 @@ def still_occupied(devices: Iterable[DeviceReading], pids: set[int], baseline: d
         left = sorted(pid for pid in device.processes if pid in pids)
         if left:
             held = sum(device.processes[pid] for pid in left)
-            problems.append(f"{where}: old worker process{'es' if len(left) > 1 else ''} {', '.join(map(str, left))} still " f"hold {held / MIB:.0f} MiB")
+            problems.append(
+                f"{where}: old worker process{'es' if len(left) > 1 else ''} {', '.join(map(str, left))} still "
+                f"hold {held / MIB:.0f} MiB"
+            )
             continue
         before = baseline.get(device.index)
         if before is not None and device.memory_used > before + RECLAIM_SLACK_BYTES:
-            problems.append(f"{where}: {device.memory_used / MIB:.0f} MiB in use, {before / MIB:.0f} MiB before the workers started")
+            problems.append(
+                f"{where}: {device.memory_used / MIB:.0f} MiB in use, {before / MIB:.0f} MiB before the workers started"
+            )
     return problems
 
 
@@ -62,7 +68,10 @@ def wait_reclaimed(
         waited = clock() - started
         if not problems or waited >= timeout:
             return problems, waited
-        progress.tick(lambda: left_line(f"waiting for the last round's workers to leave the GPUs ({'; '.join(problems)})", timeout - waited))
+        line = left_line(
+            f"waiting for the last round's workers to leave the GPUs ({'; '.join(problems)})", timeout - waited
+        )
+        progress.tick(partial(str, line))  # this pass's line (a lambda would see the loop's last)
         sleep(min(RECLAIM_POLL_SECONDS, max(timeout - waited, 0.0)))
 
 

@@ -62,7 +62,13 @@ class HealthSettings:
         from rally.agent.observe.learned_timeouts import LearnedTimeouts
 
         learned = LearnedTimeouts(spec.timeout_learning, say, emit) if spec.timeout_learning else None
-        return cls(spec.heartbeat_timeout, spec.silence_timeout, spec.resource_interval, startup_timeout=spec.startup_timeout, learned=learned)
+        return cls(
+            spec.heartbeat_timeout,
+            spec.silence_timeout,
+            spec.resource_interval,
+            startup_timeout=spec.startup_timeout,
+            learned=learned,
+        )
 
 
 @dataclass
@@ -256,15 +262,26 @@ class HealthMonitor:
             inside = now - record.section_entered_ns / 1e9
             if inside <= limit or not self._still_in(w, record):
                 return None
-            return Hang(w.local_rank, f"hung in section '{record.section}' for {inside:.1f} s ({whose} timeout is {limit:.3g} s)", inside)
+            return Hang(
+                w.local_rank,
+                f"hung in section '{record.section}' for {inside:.1f} s ({whose} timeout is {limit:.3g} s)",
+                inside,
+            )
         where = f", in section '{record.section}'" if record.section else ""
         alive_at = max(w.started_at, record.section_changed_ns / 1e9)
         startup = self.settings.startup_timeout
         if startup and w.heartbeat_path and record.count == 0 and now - alive_at > startup:
             silent = now - alive_at
             since = "starting" if alive_at == w.started_at else "its last section change"
-            return Hang(w.local_rank, f"sent no first heartbeat in {silent:.1f} s since {since} (--startup-timeout {startup:g}){where}", silent)
-        timeout, flag = self.settings.heartbeat_timeout, f"--heartbeat-timeout {self.settings.heartbeat_timeout:g}" if self.settings.heartbeat_timeout else ""
+            return Hang(
+                w.local_rank,
+                f"sent no first heartbeat in {silent:.1f} s since {since} (--startup-timeout {startup:g}){where}",
+                silent,
+            )
+        timeout, flag = (
+            self.settings.heartbeat_timeout,
+            f"--heartbeat-timeout {self.settings.heartbeat_timeout:g}" if self.settings.heartbeat_timeout else "",
+        )
         if timeout is None and learned is not None and learned.heartbeat is not None:
             timeout, flag = learned.heartbeat, f"--heartbeat-timeout auto, learned {learned.heartbeat:.2f} s"
         if timeout and w.last_beat_at is not None and record.count:
@@ -277,7 +294,10 @@ class HealthMonitor:
         """Confirm a section hang with a second read: a read that raced a section change
         could mix two sections' fields, and nobody is killed on a torn read."""
         again = self._read(w)
-        return again is not None and (again.section, again.section_entered_ns) == (record.section, record.section_entered_ns)
+        return again is not None and (again.section, again.section_entered_ns) == (
+            record.section,
+            record.section_entered_ns,
+        )
 
     def _silence_hang(self, w: _Watched, now: float, last_output_at: float | None, where: str = "") -> Hang | None:
         timeout = self.settings.silence_timeout
@@ -285,7 +305,9 @@ class HealthMonitor:
             return None
         silent = now - max(last_output_at or 0.0, w.started_at)
         if silent > timeout:
-            return Hang(w.local_rank, f"printed nothing for {silent:.1f} s (--silence-timeout {timeout:g}){where}", silent)
+            return Hang(
+                w.local_rank, f"printed nothing for {silent:.1f} s (--silence-timeout {timeout:g}){where}", silent
+            )
         return None
 
     def sample(self) -> None:
@@ -348,7 +370,8 @@ class HealthMonitor:
         short = min(available, self.host_available or available) < MEMORY_SHORT_FRACTION * self.host_total
         if short:
             return (
-                "likely killed by the out-of-memory killer: the host had " f"{min(available, self.host_available) / MIB:.0f} MiB "
+                "likely killed by the out-of-memory killer: the host had "
+                f"{min(available, self.host_available) / MIB:.0f} MiB "
                 f"available of {self.host_total / MIB:.0f} MiB; {rss}"
             )
         return None
@@ -383,5 +406,3 @@ def heartbeat_path(rank_dir: Path) -> str:
     path = rank_dir / "heartbeat"
     heartbeat_file.create(path)
     return str(path)
-
-

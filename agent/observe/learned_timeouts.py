@@ -79,7 +79,9 @@ class LearnedTimeouts:
         if name and record.done_count >= SECTION_SAMPLES:
             longest = max(self.longest_section.get(name, 0.0), record.done_longest_ns / 1e9)
             self.longest_section[name] = longest
-            self._raise("section", name, longest, f"{record.done_count} completion{'s' if record.done_count != 1 else ''}")
+            self._raise(
+                "section", name, longest, f"{record.done_count} completion{'s' if record.done_count != 1 else ''}"
+            )
 
     def _raise(self, kind: str, name: str | None, longest: float, seen: str) -> None:
         s = self.settings
@@ -99,7 +101,14 @@ class LearnedTimeouts:
             f"{what} {verb} {value:.2f} s: {s.factor:g} x the longest of {seen} ({longest:.2f} s), "
             f"at least {s.floor:g} s (--heartbeat-timeout auto)"
         )
-        self.emit("timeout_learned", kind=kind, section=name, timeout=round(value, 3), longest=round(longest, 6), previous=current)
+        self.emit(
+            "timeout_learned",
+            kind=kind,
+            section=name,
+            timeout=round(value, 3),
+            longest=round(longest, 6),
+            previous=current,
+        )
 
     # ------------------------------------------------------------------ the store (rendezvous/node_memory.py)
     def to_json(self) -> dict[str, Any]:
@@ -118,7 +127,7 @@ class LearnedTimeouts:
                 self.heartbeat = float(beat)
                 taken.append(f"heartbeat {beat:.1f} s")
             sections = stored.get("sections")
-            for name, value in (sections.items() if isinstance(sections, dict) else []):
+            for name, value in sections.items() if isinstance(sections, dict) else []:
                 if isinstance(name, str) and _seconds(value) and value > self.sections.get(name, 0.0):
                     self.sections[name] = float(value)
                     taken.append(f"section '{name}' {value:.1f} s")

@@ -77,7 +77,9 @@ class LiveView:
 
     def render(self) -> Group:
         """The table, then each worker's latest progress redraw (see ConsoleSink)."""
-        progress = [Text.from_ansi(line, no_wrap=True, overflow="ellipsis") for line in list(self.sink.progress.values())]
+        progress = [
+            Text.from_ansi(line, no_wrap=True, overflow="ellipsis") for line in list(self.sink.progress.values())
+        ]
         return Group(render_workers(self.snapshot() or {}), *progress)
 
 

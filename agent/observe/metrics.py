@@ -76,7 +76,11 @@ def build_versions() -> dict[str, str]:
 
 
 CHECKPOINT_GAUGES = [
-    ("checkpoint_saved_step", "rally_checkpoint_saved_step", "The newest step saved on this node (in memory or on disk)."),
+    (
+        "checkpoint_saved_step",
+        "rally_checkpoint_saved_step",
+        "The newest step saved on this node (in memory or on disk).",
+    ),
     ("checkpoint_durable_step", "rally_checkpoint_durable_step", "The newest step this node made durable on disk."),
 ]
 
@@ -101,17 +105,25 @@ class AgentCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         record = self.snapshot() or {}
         ends = self.round_ends()
-        info = GaugeMetricFamily("rally_build_info", "1; the versions of rally, torch and Python this agent runs with.", labels=["run_id", *self.versions])
+        info = GaugeMetricFamily(
+            "rally_build_info",
+            "1; the versions of rally, torch and Python this agent runs with.",
+            labels=["run_id", *self.versions],
+        )
         info.add_metric([self.run_id, *self.versions.values()], 1.0)
         yield info
-        failures = CounterMetricFamily("rally_failures", "Round ends this node saw that were failures, by kind.", labels=["run_id", "kind"])
+        failures = CounterMetricFamily(
+            "rally_failures", "Round ends this node saw that were failures, by kind.", labels=["run_id", "kind"]
+        )
         for kind in FAILURE_END_KINDS:
             failures.add_metric([self.run_id, kind], float(ends.count(kind)))
         yield failures
         if not record:
             return
         yield self._one(GaugeMetricFamily, "rally_round", "The current rendezvous round.", record.get("round", 0))
-        yield self._one(CounterMetricFamily, "rally_restarts", "Job-wide restarts so far.", record.get("restart_count", 0))
+        yield self._one(
+            CounterMetricFamily, "rally_restarts", "Job-wide restarts so far.", record.get("restart_count", 0)
+        )
         yield self._one(GaugeMetricFamily, "rally_world_size", "Workers in the job.", record.get("world_size", 0))
         if record.get("group_world_size") is not None:
             yield self._one(GaugeMetricFamily, "rally_nodes", "Nodes in the current round.", record["group_world_size"])
@@ -119,7 +131,12 @@ class AgentCollector(Collector):
             if record.get(field) is not None:
                 yield self._one(GaugeMetricFamily, name, text, record[field])
         if record.get("gpu_problems_total") is not None:
-            yield self._one(CounterMetricFamily, "rally_gpu_problems", "GPU problems found on this node so far (ECC, XID, ...).", record["gpu_problems_total"])
+            yield self._one(
+                CounterMetricFamily,
+                "rally_gpu_problems",
+                "GPU problems found on this node so far (ECC, XID, ...).",
+                record["gpu_problems_total"],
+            )
         yield from self._workers(record)
         yield from _preflight(record.get("preflight"))
 
@@ -127,9 +144,15 @@ class AgentCollector(Collector):
         host = str(record.get("host", ""))
         labels = ["run_id", "rank", "local_rank", "host"]
         state = GaugeMetricFamily("rally_worker_state", "1 for the worker's current state.", labels=[*labels, "state"])
-        straggler = GaugeMetricFamily("rally_worker_straggler", "1 while the worker is named a straggler.", labels=labels)
-        cpu = CounterMetricFamily("rally_worker_cpu_seconds", "CPU time (user + system) of the worker process.", labels=labels)
-        gauges = {key: GaugeMetricFamily(f"rally_worker_{name}", text, labels=labels) for name, key, text in WORKER_GAUGES}
+        straggler = GaugeMetricFamily(
+            "rally_worker_straggler", "1 while the worker is named a straggler.", labels=labels
+        )
+        cpu = CounterMetricFamily(
+            "rally_worker_cpu_seconds", "CPU time (user + system) of the worker process.", labels=labels
+        )
+        gauges = {
+            key: GaugeMetricFamily(f"rally_worker_{name}", text, labels=labels) for name, key, text in WORKER_GAUGES
+        }
         for w in record.get("workers") or []:
             ids = [self.run_id, str(w.get("rank")), str(w.get("local_rank")), host]
             for name in WORKER_STATES:
@@ -150,12 +173,16 @@ def _preflight(last: Any) -> Iterator[Metric]:
     """The status record's "preflight" (agent/checks/preflight.py): this node's numbers, and who was left out."""
     if not isinstance(last, dict):
         return
-    probes = GaugeMetricFamily("rally_preflight_seconds", "This node's last pre-flight probe, by probe.", labels=["probe"])
+    probes = GaugeMetricFamily(
+        "rally_preflight_seconds", "This node's last pre-flight probe, by probe.", labels=["probe"]
+    )
     for probe in ("compute", "link", "allreduce"):
         if isinstance(last.get(probe), (int, float)):
             probes.add_metric([probe], float(last[probe]))
     yield probes
-    left_out = GaugeMetricFamily("rally_preflight_left_out", "Nodes the last pre-flight check left out of the round.", labels=["node"])
+    left_out = GaugeMetricFamily(
+        "rally_preflight_left_out", "Nodes the last pre-flight check left out of the round.", labels=["node"]
+    )
     for node in last.get("left_out") or []:
         left_out.add_metric([str(node)], 1.0)
     yield left_out
@@ -184,7 +211,11 @@ class MetricsServer:
 
 
 def serve(
-    port: int, snapshot: Callable[[], dict | None], round_ends: Callable[[], list[str]], run_id: str = "", addr: str = DEFAULT_ADDRESS
+    port: int,
+    snapshot: Callable[[], dict | None],
+    round_ends: Callable[[], list[str]],
+    run_id: str = "",
+    addr: str = DEFAULT_ADDRESS,
 ) -> MetricsServer:
     """Start serving; raises OSError with a one-line reason when the address cannot be bound."""
     try:
@@ -192,7 +223,8 @@ def serve(
     except OSError as exc:
         where = f"--metrics-port {port}" if addr == DEFAULT_ADDRESS else f"--metrics-addr {addr} --metrics-port {port}"
         raise OSError(
-            f"{where}: cannot listen ({exc.strerror or exc}); pick a free port (0: any free one) and an " "address of this host"
+            f"{where}: cannot listen ({exc.strerror or exc}); pick a free port (0: any free one) and an "
+            "address of this host"
         ) from None
 
 

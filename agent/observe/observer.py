@@ -30,7 +30,9 @@ class Observer:
         kept in the store."""
         self.spec = spec
         self.timeouts = timeouts
-        self.node_checks: Any = None  # quarantine and pre-flight (agent/checks/node_checks.py): the status record's "preflight"
+        self.node_checks: Any = (
+            None  # quarantine and pre-flight (agent/checks/node_checks.py): the status record's "preflight"
+        )
         self.events = events
         self.host = host
         self.base_env = base_env
@@ -42,7 +44,9 @@ class Observer:
         self.gpu_xid_problems: list[str] = []  # XIDs are events: remembered once seen
         self.gpu_problems_seen: set[str] = set()  # every distinct problem so far (rally_gpu_problems_total)
         self.last_restart: dict | None = None  # why the job last went round again (`rally status`)
-        self.worker_pids: set[int] = set()  # this round's workers and their processes seen on GPUs (agent/observe/gpu_reclaim.py)
+        self.worker_pids: set[int] = (
+            set()
+        )  # this round's workers and their processes seen on GPUs (agent/observe/gpu_reclaim.py)
         self.gpu_baseline: dict[int, int] = {}  # bytes in use per GPU before the round's workers started
 
     # ------------------------------------------------------------------ lifecycle
@@ -60,7 +64,9 @@ class Observer:
             from rally.agent.observe import metrics
 
             ends = lambda: metrics.round_end_kinds(report.attempts)  # noqa: E731
-            self.metrics = metrics.serve(self.spec.metrics_port, snapshot, ends, self.spec.run_id, self.spec.metrics_addr)
+            self.metrics = metrics.serve(
+                self.spec.metrics_port, snapshot, ends, self.spec.run_id, self.spec.metrics_addr
+            )
             console.say(f"Prometheus metrics at {self.metrics.url}")
 
     def stop(self) -> None:
@@ -105,10 +111,18 @@ class Observer:
         if self.gpu is None:
             return
         if self.worker_pids:
-            problems, waited = wait_reclaimed(lambda: self.read_gpus() or [], self.worker_pids, self.gpu_baseline, self.spec.gpu_reclaim_timeout, announce=console.say)
+            problems, waited = wait_reclaimed(
+                lambda: self.read_gpus() or [],
+                self.worker_pids,
+                self.gpu_baseline,
+                self.spec.gpu_reclaim_timeout,
+                announce=console.say,
+            )
             self.worker_pids = set()
             if problems:
-                console.warn(f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}")
+                console.warn(
+                    f"GPU memory not reclaimed after {waited:.1f} s (--gpu-reclaim-timeout): {'; '.join(problems)}"
+                )
             self.events.emit("gpu_reclaim", node=self.host, waited=round(waited, 3), occupied=problems)
         self.gpu_baseline = {d.index: d.memory_used for d in self.read_gpus() or []}
         problems = self.gpu_problems() or []
@@ -125,7 +139,9 @@ class Observer:
     def after_check(self, assignment: Any, workers: list[Any], health: Any) -> None:
         """Feed the heartbeat files' steps to the straggler watch; name and clear stragglers."""
         if self.gpu is not None:  # whom to wait for before the next round (agent/observe/gpu_reclaim.py)
-            self.worker_pids |= {w.pid for w in workers} | gpu_processes_of(self.gpu_devices or [], {w.pid for w in workers})
+            self.worker_pids |= {w.pid for w in workers} | gpu_processes_of(
+                self.gpu_devices or [], {w.pid for w in workers}
+            )
         records = health.records()
         new = False
         for worker in workers:
@@ -142,8 +158,16 @@ class Observer:
                 f"median of the {s.scope}'s other ranks ({s.median:.3f} s; --straggler-factor {factor:g})"
             )
             self.events.emit(
-                "straggler", round=assignment.round, rank=s.rank, node=self.host, node_rank=assignment.group_rank,
-                step_time=round(s.step_time, 6), median=round(s.median, 6), ratio=round(s.ratio, 3), scope=s.scope, factor=factor,
+                "straggler",
+                round=assignment.round,
+                rank=s.rank,
+                node=self.host,
+                node_rank=assignment.group_rank,
+                step_time=round(s.step_time, 6),
+                median=round(s.median, 6),
+                ratio=round(s.ratio, 3),
+                scope=s.scope,
+                factor=factor,
             )
         for rank in cleared:
             console.say(f"rank {rank} on {self.host} is no longer a straggler")
@@ -156,7 +180,9 @@ class Observer:
         return {
             "step": self.stragglers.step(worker.global_rank),
             "step_time": self.stragglers.step_times.get(worker.global_rank),
-            "straggler": None if straggler is None else {"step_time": straggler.step_time, "median": straggler.median, "scope": straggler.scope},
+            "straggler": None
+            if straggler is None
+            else {"step_time": straggler.step_time, "median": straggler.median, "scope": straggler.scope},
             "section": record.section if record is not None else "",
             "gpu_utilization": health.resources(worker.local_rank).gpu_utilization,
         }
@@ -200,4 +226,3 @@ class Observer:
         else:
             return
         self.stragglers.job = summary if summary is not None and summary.count >= 2 else None
-

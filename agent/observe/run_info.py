@@ -71,9 +71,13 @@ def find_run_dir(path: Path) -> Path:
     if len(runs) == 1:
         return runs[0]
     if not runs:
-        raise RunDirError(f"{path} is not a rally run directory (it has no {ENDPOINT_FILE}); give the one rally printed at start")
+        raise RunDirError(
+            f"{path} is not a rally run directory (it has no {ENDPOINT_FILE}); give the one rally printed at start"
+        )
     newest = max(runs, key=lambda p: (p / ENDPOINT_FILE).stat().st_mtime)
-    raise RunDirError(f"{path} holds {len(runs)} runs; give one of them, e.g. the newest: rally status {shlex.quote(str(newest))}")
+    raise RunDirError(
+        f"{path} holds {len(runs)} runs; give one of them, e.g. the newest: rally status {shlex.quote(str(newest))}"
+    )
 
 
 def read_endpoint(run_dir: Path) -> dict:
@@ -101,7 +105,11 @@ def last_restart_from_events(run_dir: Path) -> dict | None:
             continue  # a line cut short by a crash
         if isinstance(event, dict) and event.get("event") in RESTART_EVENTS:
             kind = event.get("kind") or "restart"
-            last = {"round": event.get("round"), "kind": str(kind), "detail": str(event.get("cause") or event.get("detail") or "")}
+            last = {
+                "round": event.get("round"),
+                "kind": str(kind),
+                "detail": str(event.get("cause") or event.get("detail") or ""),
+            }
     return last
 
 

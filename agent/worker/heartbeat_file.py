@@ -107,7 +107,12 @@ def create(path: str | os.PathLike[str]) -> Path:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with open(fd, "wb") as f:
-        f.write(HEADER.pack(MAGIC) + BEAT.pack(0, 0, NO_STEP) + SECTION.pack(0, 0, 0, 0, b"") + bytes(LEARN_BEAT.size + LEARN_SECTION.size))
+        f.write(
+            HEADER.pack(MAGIC)
+            + BEAT.pack(0, 0, NO_STEP)
+            + SECTION.pack(0, 0, 0, 0, b"")
+            + bytes(LEARN_BEAT.size + LEARN_SECTION.size)
+        )
     os.replace(tmp, path)
     return path
 
@@ -208,7 +213,9 @@ class HeartbeatWriter:
         count, longest = count + 1, max(longest, time.monotonic_ns() - entered_ns)
         self._section_stats[name] = (count, longest)
         self._sections_done += 1
-        LEARN_SECTION.pack_into(self._map, LEARN_SECTION_OFFSET, self._sections_done, count, longest, 0, encode_section_name(name, 48))
+        LEARN_SECTION.pack_into(
+            self._map, LEARN_SECTION_OFFSET, self._sections_done, count, longest, 0, encode_section_name(name, 48)
+        )
 
     def close(self) -> None:
         """Unmap the file; further beats raise ``ValueError``."""

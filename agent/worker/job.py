@@ -120,7 +120,11 @@ def to_signal(item: str) -> signal.Signals:
     """``"SIGUSR1"``, ``"usr1"`` or ``"10"`` as a signal: rally's one reading of a signal's name
     (flags, config, RALLY_PREEMPT_SIGNALS). KeyError or ValueError when there is no such signal."""
     name = item.strip().upper()
-    return signal.Signals(int(name)) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    return (
+        signal.Signals(int(name))
+        if name.isdigit()
+        else signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    )
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
@@ -192,6 +196,7 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     ctx = context()
     if sharded if sharded is not None else dcp_files.holds_shards(state):
         from rally.agent.checkpoint import dcp_storage  # imports torch.distributed.checkpoint
+
         return dcp_storage.save(state, _require_dir(ctx), step, _resolve_keep(keep))
     if step < 0:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
@@ -212,7 +217,9 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     return final
 
 
-def load_latest(map_location: Any = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None) -> Checkpoint | None:
+def load_latest(
+    map_location: Any = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None
+) -> Checkpoint | None:
     """Load the newest checkpoint every rank can load, or return ``None`` when there is none; call it on every rank.
     ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded
     (:func:`rally.agent.checkpoint.dcp_storage.load_newest`).
@@ -240,6 +247,7 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True, into: d
     directory = _require_dir(ctx)
     if into is not None:
         from rally.agent.checkpoint import dcp_storage  # imports torch.distributed.checkpoint
+
         return dcp_storage.load_newest(into, directory)
 
     import torch
@@ -250,7 +258,9 @@ def load_latest(map_location: Any = "cpu", *, weights_only: bool = True, into: d
         agreed, memfd = memory.resume(WHOLE_STATE_KEY)
         if memfd is not None and agreed is not None:
             try:
-                state = torch.load(f"/proc/self/fd/{memfd}", map_location=map_location, weights_only=weights_only, mmap=True)
+                state = torch.load(
+                    f"/proc/self/fd/{memfd}", map_location=map_location, weights_only=weights_only, mmap=True
+                )
             finally:
                 os.close(memfd)  # the mapping keeps the copy
             if ctx.is_rank0:
@@ -383,7 +393,9 @@ def section(name: str, timeout: float | None = None) -> Iterator[None]:
     thread only. Outside rally (no RALLY_HEARTBEAT_FILE) it does nothing.
     """
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
-        raise ValueError(f"rally: section {name!r}: timeout must be a positive number of seconds or None, got {timeout!r}")
+        raise ValueError(
+            f"rally: section {name!r}: timeout must be a positive number of seconds or None, got {timeout!r}"
+        )
     writer = _heartbeat_writer()
     if writer is None:
         yield

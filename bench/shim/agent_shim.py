@@ -7,6 +7,7 @@ a torch submodule) returns, then removes its import hook. The variable is taken 
 environment before the launcher runs, so workers never see it. Used by the multi-agent
 benchmark to know when the last agent is ready to join, the same way for both launchers.
 """
+
 import builtins
 import os
 import runpy

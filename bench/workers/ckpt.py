@@ -190,7 +190,9 @@ def main() -> None:
         if method.pending is not None:
             method.pending.result()
         if rank == 0:
-            args.out.write_text(json.dumps({"copy": copy, "stalls": stalls, "durable_after": durable_after, "dropped": dropped}))
+            args.out.write_text(
+                json.dumps({"copy": copy, "stalls": stalls, "durable_after": durable_after, "dropped": dropped})
+            )
         dist.barrier()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -6,6 +6,7 @@ rank 1 installs a SIGTERM handler that writes time.time() to <out>/term.<k> and 
 rank 0 waits for that, lets the launcher settle for 0.3 s, writes time.time() to
   <out>/exit.<k> and calls os._exit(1) right after.
 """
+
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ out = sys.argv[1]
 rank = int(os.environ["LOCAL_RANK"])
 k = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 if rank == 1:
+
     def on_term(*_):
         now = time.time()
         with open(f"{out}/term.{k}", "w") as f:

@@ -1,5 +1,6 @@
 """Plain-Python worker (no torch): writes time.time() to <out>/ready.<rank> (and pid), then
 sleeps `seconds` (default 0) and exits 0."""
+
 import os
 import sys
 import time

@@ -3,6 +3,7 @@
 Writes <out>/ready.<rank>.json with time.time() at the script's first line (`start`), after
 `import torch` (`imported`) and after the all_reduce returned (`ready`).
 """
+
 import json
 import os
 import sys
@@ -19,8 +20,15 @@ value = torch.ones(1)
 dist.all_reduce(value)
 t_ready = time.time()
 rank = int(os.environ["RANK"])
-record = {"rank": rank, "pid": os.getpid(), "start": t_start, "imported": t_imported, "ready": t_ready,
-          "sum": value.item(), "world_size": dist.get_world_size()}
+record = {
+    "rank": rank,
+    "pid": os.getpid(),
+    "start": t_start,
+    "imported": t_imported,
+    "ready": t_ready,
+    "sum": value.item(),
+    "world_size": dist.get_world_size(),
+}
 tmp = f"{out}/ready.{rank}.json.tmp"
 with open(tmp, "w") as f:
     json.dump(record, f)

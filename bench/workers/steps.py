@@ -4,6 +4,7 @@ Appends "<restart_count> <step> <time.time()>" to <out>/steps.<rank> after every
 and writes <out>/start.<rank>.<restart> (script's first line) and pid.<rank>.<restart>.
 Attempt 0 steps until it is killed; a restarted attempt does `after` steps and exits 0.
 """
+
 import os
 import sys
 import time

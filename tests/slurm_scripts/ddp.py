@@ -1,8 +1,8 @@
 """A small gloo all_reduce for the SLURM job tests (imports torch: about 2 s of CPU per worker).
 
-    ddp.py                  every rank contributes its rank; all must see sum(range(world))
-    ddp.py fail-on-node2    on the first attempt (TORCHELASTIC_RESTART_COUNT=0) local rank 0 of
-                            the second node (GROUP_RANK=1) exits 7 before importing torch
+ddp.py                  every rank contributes its rank; all must see sum(range(world))
+ddp.py fail-on-node2    on the first attempt (TORCHELASTIC_RESTART_COUNT=0) local rank 0 of
+                        the second node (GROUP_RANK=1) exits 7 before importing torch
 """
 
 import os
@@ -12,7 +12,12 @@ import sys
 host = socket.gethostname()
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 print(f"START rank={os.environ['RANK']} host={host} restart={restart}", flush=True)
-if sys.argv[1:] == ["fail-on-node2"] and os.environ["GROUP_RANK"] == "1" and os.environ["LOCAL_RANK"] == "0" and restart == 0:
+if (
+    sys.argv[1:] == ["fail-on-node2"]
+    and os.environ["GROUP_RANK"] == "1"
+    and os.environ["LOCAL_RANK"] == "0"
+    and restart == 0
+):
     print(f"rank {os.environ['RANK']} on {host}: failing on purpose (exit 7)", file=sys.stderr, flush=True)
     sys.exit(7)
 

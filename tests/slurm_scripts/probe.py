@@ -1,9 +1,9 @@
 """A torch-free worker for the SLURM job tests: prints its place in the job as one JSON line.
 
-    probe.py ok                    print and exit 0
-    probe.py exit-rank R CODE      global rank R exits CODE (every attempt); the others exit 0
-    probe.py until-world N         keep running until rally restarts this rank with WORLD_SIZE=N
-                                   (a worker of a larger world runs until the agent stops it)
+probe.py ok                    print and exit 0
+probe.py exit-rank R CODE      global rank R exits CODE (every attempt); the others exit 0
+probe.py until-world N         keep running until rally restarts this rank with WORLD_SIZE=N
+                               (a worker of a larger world runs until the agent stops it)
 """
 
 import json
