@@ -20,6 +20,7 @@ from rally.agent.event_loop import EventLoop
 from rally.agent.exit_codes import EXIT_PREEMPTED
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
+from rally.rendezvous.long_wait import LongWait, wait_in_slices
 from rally.rendezvous.protocol import EndKind, Round, RoundEnd
 
 
@@ -51,15 +52,20 @@ class Preemption:
         )
         for worker in group.running() if group else []:
             processes.send_to_group(worker.pid, signum)
-        deadline = time.monotonic() + grace
-        while group and group.running() and time.monotonic() < deadline:
-            self.loop.pump(max(0.0, deadline - time.monotonic()))
+        # In slices, so that a long grace says every few seconds who is still saving.
+        workers = LongWait(f"after {name}: waiting for this node's workers to checkpoint and exit", grace, console.say)
+        while group and group.running() and workers.left() > 0:
+            self.loop.pump(workers.slice())
             actions = [
                 signal_action(AgentState.PREEMPTING, s, self.spec.preemption_signals) for s in self.loop.take_signals()
             ]
             if SignalAction.END_GRACE in actions:
                 break
-        self._wait_for_all_nodes(rnd, deadline)
+            workers.what = (
+                f"after {name}: waiting for {len(group.running())} worker(s) of this node to checkpoint and exit"
+            )
+            workers.tick()
+        self._wait_for_all_nodes(rnd, workers.deadline)
         self.requeue_once(rnd)
         end = RoundEnd(EndKind.PREEMPTED, f"{self.host} received {name}", self.host, {"exit_status": EXIT_PREEMPTED})
         return self.store_call(lambda: rnd.channel.end(end))
@@ -68,7 +74,10 @@ class Preemption:
         self.store_call(rnd.preemption.note_checkpointed)
         if rnd.a.group_rank == 0 and self.spec.requeue:
             remaining = max(0.01, deadline - time.monotonic())
-            if not self.store_call(lambda: rnd.preemption.wait_all_checkpointed(remaining)):
+            what = "waiting for every node's workers to checkpoint before requeueing (--preemption-grace)"
+            if not self.store_call(
+                lambda: wait_in_slices(rnd.preemption.wait_all_checkpointed, remaining, what, console.say)
+            ):
                 console.warn("not every node finished checkpointing within --preemption-grace; requeueing anyway")
 
     def requeue_once(self, rnd: Round | None) -> None:

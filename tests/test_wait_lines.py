@@ -7,7 +7,9 @@ to read the job's end, and an etcd key never written. Each line comes after one 
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +22,17 @@ import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
 from etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
-from helpers import clean_env, free_port, run_rally, start_rally, wait_for, write_probe
+from helpers import (
+    ProcessTracker,
+    clean_env,
+    free_port,
+    procs,  # noqa: F401 - a fixture
+    run_rally,
+    start_rally,
+    wait_for,
+    write_probe,
+)
+from live_rally import LiveRally
 from rally.agent.node_waits import NodeWaits
 from rally.agent.spec import BOOTSTRAP
 from rally.agent.template import ForkedChild, TemplateClient
@@ -264,3 +276,24 @@ def test_an_etcd_get_of_a_key_never_written_says_what_it_waits_for_and_times_out
     ), lines
     threading.Timer(0.5, lambda: store.connect_again().set("late", "here")).start()
     assert store.get_str("late") == "here" and len(lines) == 1
+
+
+IGNORES_PREEMPTION = """
+import signal, time
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # keeps "checkpointing" through the whole grace
+open("ready", "w").close()
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_preemption_grace_says_how_many_workers_it_still_waits_for(tmp_path: Path, procs: ProcessTracker) -> None:
+    write_probe(tmp_path / "probe.py", IGNORES_PREEMPTION)
+    args = ["--standalone", "--nproc-per-node", "1", "--preemption-grace", "12", "probe.py"]
+    rally = LiveRally(args, tmp_path, clean_env(), procs)
+    wait_for(lambda: (tmp_path / "ready").exists(), 60, what="the worker to start")
+    os.kill(rally.proc.pid, signal.SIGUSR1)
+    rally.wait_line("waiting for 1 worker(s) of this node to checkpoint and exit: up to", 3 * WAIT_PROGRESS_SECONDS)
+    code, _ = rally.wait_exit(40)
+    assert code == 75, rally.text()  # the grace over, the worker stopped, the job preempted

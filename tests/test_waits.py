@@ -123,10 +123,10 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ),
     ("agent/observe/metrics.py", "MetricsServer.close", "self.thread.join"): (S, None, "timeout=5"),
     ("agent/guard/orphan_guard.py", "sweep", "time.sleep"): (S, None, "10 ms between sweeps, bounded by SWEEP_SECONDS"),
-    ("agent/preemption.py", "Preemption._wait_for_all_nodes", "rnd.preemption.wait_all_checkpointed"): (
+    ("agent/preemption.py", "Preemption._wait_for_all_nodes", "wait_in_slices"): (
         B,
-        ("agent/preemption.py", "Preemption.run"),
-        "--preemption-grace",
+        ("agent/preemption.py", "Preemption._wait_for_all_nodes"),
+        "what is left of --preemption-grace, in slices with a line every few seconds, through store_call",
     ),
     ("agent/processes.py", "ChildProcess.poll", "self.popen.poll"): (NW, None, "Popen.poll"),
     ("agent/processes.py", "ChildProcess.wait", "self.popen.wait"): (SL, "job", "the caller's timeout"),
