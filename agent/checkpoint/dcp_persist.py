@@ -20,14 +20,21 @@ any world size loads and reshards. A rank that dies before its marker leaves the
 unpublished; its memory copy and the previous durable step stay, and the temporary directory is
 deleted by a later publication.
 
-One thread per worker process, steps in order; at most ``MAX_PENDING`` steps wait for it (a
-save beyond that waits for the oldest). The thread is not a daemon: a worker that returns from
-its script finishes writing its last step before the process exits.
+One thread per worker process, steps in order. A step saved by the fast path
+(agent/checkpoint/dcp_layout.py) waits in its shared-memory slot: the thread copies it into a buffer
+of its own (reused) before writing, and a save that needs that slot again while the step still
+waits gives the step up instead of waiting for the disk (:meth:`Persister.claim`), marking it
+``__<r>.skipped`` so that rank 0 publishes none of it; a step is published only once every rank
+wrote its part. Other steps (DCP's own files, at the first save of a layout) hold their own bytes:
+at most ``MAX_PENDING`` of them wait (a save beyond that waits for the oldest). The thread is
+not a daemon: a worker that returns from its script finishes writing its last step before the
+process exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -60,6 +67,20 @@ def temp_name(step: int) -> str:
     return f".{dcp_files.step_name(step)}.{safe}.tmp"
 
 
+class _Skipped(Exception):
+    """A rank gave this step up (its writer fell behind and the slot holding it was written again)."""
+
+
+@dataclasses.dataclass
+class _FromSlot:
+    """A step's data still in this rank's shared-memory slot (the save's fast path): the writer
+    copies it into its own buffer before the next save may write that slot again."""
+
+    mapping: Any
+    start: int
+    end: int
+
+
 class Persister:
     """This worker's background writer of sharded steps (see the module's docstring)."""
 
@@ -69,16 +90,46 @@ class Persister:
         self.thread: threading.Thread | None = None
         self.last_error: str | None = None
         self._busy = False
+        self._staging: Any = None  # the slot mapping the writer copies out of right now
+        self._buffer: Any = None  # the writer's copy of a slot's data (a uint8 tensor), reused from step to step
+        self.skipped: list[int] = []  # steps given up (tests, and the log)
 
     def submit(self, directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any) -> None:
+        """Queue ``step``'s files; ``data`` is bytes of its own, or a :class:`_FromSlot`.
+
+        Own bytes: at most MAX_PENDING steps wait (a save beyond that waits for the oldest). A
+        slot: never waits here, see :meth:`claim`."""
         with self.cond:
-            while len(self.pending) >= MAX_PENDING:
+            while not isinstance(data, _FromSlot) and len(self.pending) + self._busy >= MAX_PENDING:
                 self.cond.wait(POLL_SLICE)  # woken when a step is written; the slice only re-checks
             self.pending.append((directory, step, keep, rank, world, meta, data))
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="rally-dcp-persist", daemon=False)
                 self.thread.start()
             self.cond.notify_all()
+
+    def claim(self, mapping: Any) -> None:
+        """Before a save writes ``mapping`` (a slot) again: a step still waiting in it for the disk is
+        given up, and one being copied out of it is waited for (one memory copy at most).
+
+        The step given up is marked in its temporary directory (``__<rank>.skipped``), so rank 0
+        stops waiting for this rank's part and publishes none of it: a step is published only
+        when every rank wrote it, and the newest step is never the one given up.
+        """
+        with self.cond:
+            while self._staging is mapping:
+                self.cond.wait(POLL_SLICE)
+            dropped = [job for job in self.pending if isinstance(job[6], _FromSlot) and job[6].mapping is mapping]
+            for job in dropped:
+                self.pending.remove(job)
+                self.skipped.append(job[1])
+            if dropped:
+                self.cond.notify_all()
+        for directory, step, _, rank, *_ in dropped:
+            with contextlib.suppress(OSError):
+                temp = directory / temp_name(step)
+                temp.mkdir(parents=True, exist_ok=True)
+                (temp / f"__{rank}.skipped").touch()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until nothing waits for the disk (tests, and the end of a job); False on timeout."""
@@ -96,18 +147,45 @@ class Persister:
             with self.cond:
                 if not self.pending:
                     return
-                job = self.pending[0]
+                job = self.pending.popleft()
                 self._busy = True
+                source = job[6]
+                if isinstance(source, _FromSlot):
+                    self._staging = source.mapping
             try:
+                if isinstance(source, _FromSlot):
+                    job = (*job[:6], self._stage(source))
                 persist_part(*job)
+            except _Skipped as skip:
+                print(f"rally: sharded step {job[1]} not written to disk: {skip}; a newer step follows", file=sys.stderr, flush=True)
             except Exception as exc:  # a failed step is not retried: the next save brings a newer one
                 self.last_error = f"rally: sharded checkpoint of step {job[1]} could not be written to {job[0]}: {type(exc).__name__}: {exc}"
                 print(self.last_error, file=sys.stderr, flush=True)
             finally:
                 with self.cond:
-                    self.pending.popleft()
+                    self._staging = None
                     self._busy = False
                     self.cond.notify_all()
+
+    def _stage(self, source: _FromSlot) -> memoryview:
+        """Copy a step's data out of its slot into the writer's buffer, then let the slot go.
+        torch's copy, which lets go of the GIL: the training loop's thread runs on meanwhile."""
+        import torch
+
+        try:
+            n = source.end - source.start
+            if self._buffer is None or self._buffer.numel() < n:
+                self._buffer = None  # the old one freed before the new one is taken
+                self._buffer = torch.empty(n, dtype=torch.uint8)
+            staged = self._buffer[:n]
+            slot = torch.frombuffer(source.mapping, dtype=torch.uint8, count=n, offset=source.start)
+            staged.copy_(slot)
+            del slot  # no export of the mapping outlives the copy
+            return memoryview(staged.numpy())
+        finally:
+            with self.cond:
+                self._staging = None
+                self.cond.notify_all()
 
 
 def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any) -> None:
@@ -119,6 +197,8 @@ def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, m
     try:
         if rank == 0:
             _remove_dead_older(directory, step)
+        elif (temp / "__0.skipped").exists():
+            raise _Skipped("rank 0 gave it up")
         files = {f"__{rank}_0.distcp": write_file(temp / f"__{rank}_0.distcp", data), f"__{rank}.metadata": write_file(temp / f"__{rank}.metadata", meta)}
         write_file(temp / f"__{rank}.rally.json", json.dumps(files).encode())
         if rank != 0:
@@ -172,6 +252,9 @@ def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[int]]]:
     deadline = time.monotonic() + PUBLISH_TIMEOUT
     parts: dict[int, dict[str, list[int]]] = {}
     while len(parts) < world:
+        gave_up = [r for r in range(world) if r not in parts and (temp / f"__{r}.skipped").exists()]
+        if gave_up:
+            raise _Skipped(f"rank{'s' if len(gave_up) > 1 else ''} {', '.join(map(str, gave_up))} gave it up (its disk writer fell behind)")
         for r in range(world):
             if r not in parts:
                 with contextlib.suppress(FileNotFoundError, ValueError):
