@@ -141,7 +141,7 @@ def data_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def _rank_local_files(state: dict[str, Any], rank: int, recorder: Recorder | None = None) -> tuple[memoryview, memoryview]:
+def _rank_local_files(state: dict[str, Any], rank: int, recorder: Recorder | None = None) -> tuple[memoryview, ...]:
     """This rank's view of ``state`` as DCP's (metadata, data) files, made in memory by DCP itself
     (no per-record CRC-32 in the data file: rally's manifest has the files' own)."""
     writer = _RankLocalWriter(rank, recorder)
@@ -205,7 +205,14 @@ _layouts: dict[str, dcp_layout.FilesLayout] = {}
 
 
 def _save_fast(
-    tier: ckpt_client.MemoryTier, known: dcp_layout.FilesLayout, storages: list[Any], directory: Path, step: int, keep: int, rank: int, world: int
+    tier: ckpt_client.MemoryTier,
+    known: dcp_layout.FilesLayout,
+    storages: list[Any],
+    directory: Path,
+    step: int,
+    keep: int,
+    rank: int,
+    world: int,
 ) -> bool:
     """The shards copied straight into the slot, beside the last save's metadata and zip headers;
     the persister copies the slot out in the background. False (nothing done): no room in memory."""
@@ -227,7 +234,8 @@ def _save_fast(
     tier.commit(key, step, size)
     with memoryview(target) as whole:
         _replicate(tier, [whole[:size]], step, keep, rank, world)
-    dcp_persist.persister().submit(directory, step, keep, rank, world, known.meta, dcp_persist._FromSlot(target, start, size))
+    waiting = dcp_persist._FromSlot(target, start, size)  # copied out by the writer, in the background
+    dcp_persist.persister().submit(directory, step, keep, rank, world, known.meta, waiting)
     return True
 
 

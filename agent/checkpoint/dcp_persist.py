@@ -119,13 +119,17 @@ class Persister:
         with self.cond:
             while self._staging is mapping:
                 self.cond.wait(POLL_SLICE)
-            dropped = [job for job in self.pending if isinstance(job[6], _FromSlot) and job[6].mapping is mapping]
+            dropped = [j for j in self.pending if isinstance(j[6], _FromSlot) and j[6].mapping is mapping]
             for job in dropped:
                 self.pending.remove(job)
                 self.skipped.append(job[1])
             if dropped:
                 self.cond.notify_all()
         for directory, step, _, rank, *_ in dropped:
+            if rank == 0 and len(self.skipped) == len(dropped):  # the first time only
+                line = (f"rally: the disk is slower than the sharded saves: step {step} and later ones that find "
+                        "the writer still busy are not written to it; the newest step always is")  # fmt: skip
+                print(line, file=sys.stderr, flush=True)
             with contextlib.suppress(OSError):
                 temp = directory / temp_name(step)
                 temp.mkdir(parents=True, exist_ok=True)
@@ -157,7 +161,8 @@ class Persister:
                     job = (*job[:6], self._stage(source))
                 persist_part(*job)
             except _Skipped as skip:
-                print(f"rally: sharded step {job[1]} not written to disk: {skip}; a newer step follows", file=sys.stderr, flush=True)
+                line = f"rally: sharded step {job[1]} not written to disk: {skip}; a newer step follows"
+                print(line, file=sys.stderr, flush=True)
             except Exception as exc:  # a failed step is not retried: the next save brings a newer one
                 self.last_error = f"rally: sharded checkpoint of step {job[1]} could not be written to {job[0]}: {type(exc).__name__}: {exc}"
                 print(self.last_error, file=sys.stderr, flush=True)
@@ -254,7 +259,8 @@ def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[int]]]:
     while len(parts) < world:
         gave_up = [r for r in range(world) if r not in parts and (temp / f"__{r}.skipped").exists()]
         if gave_up:
-            raise _Skipped(f"rank{'s' if len(gave_up) > 1 else ''} {', '.join(map(str, gave_up))} gave it up (its disk writer fell behind)")
+            ranks = f"rank{'s' if len(gave_up) > 1 else ''} {', '.join(map(str, gave_up))}"
+            raise _Skipped(f"{ranks} gave it up (its disk writer fell behind)")
         for r in range(world):
             if r not in parts:
                 with contextlib.suppress(FileNotFoundError, ValueError):
