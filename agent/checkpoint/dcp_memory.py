@@ -234,7 +234,7 @@ def _save_fast(
     tier.commit(key, step, size)
     with memoryview(target) as whole:
         _replicate(tier, [whole[:size]], step, keep, rank, world)
-    waiting = dcp_persist._FromSlot(target, start, size)  # copied out by the writer, in the background
+    waiting = dcp_persist._FromSlot(target, memoryview(target)[start:size])  # copied out by the writer, later
     dcp_persist.persister().submit(directory, step, keep, rank, world, known.meta, waiting)
     return True
 

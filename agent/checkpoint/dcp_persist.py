@@ -74,11 +74,12 @@ class _Skipped(Exception):
 @dataclasses.dataclass
 class _FromSlot:
     """A step's data still in this rank's shared-memory slot (the save's fast path): the writer
-    copies it into its own buffer before the next save may write that slot again."""
+    copies it into its own buffer before the next save may write that slot again. ``data`` is a
+    view of the slot's mapping: while it lives the mapping cannot be closed (a slot the holder
+    replaced stays readable until the step is copied out)."""
 
     mapping: Any
-    start: int
-    end: int
+    data: memoryview
 
 
 class Persister:
@@ -123,6 +124,8 @@ class Persister:
             for job in dropped:
                 self.pending.remove(job)
                 self.skipped.append(job[1])
+                with contextlib.suppress(BufferError):
+                    job[6].data.release()
             if dropped:
                 self.cond.notify_all()
         for directory, step, _, rank, *_ in dropped:
@@ -178,14 +181,16 @@ class Persister:
         import torch
 
         try:
-            n = source.end - source.start
+            n = source.data.nbytes
             if self._buffer is None or self._buffer.numel() < n:
                 self._buffer = None  # the old one freed before the new one is taken
                 self._buffer = torch.empty(n, dtype=torch.uint8)
             staged = self._buffer[:n]
-            slot = torch.frombuffer(source.mapping, dtype=torch.uint8, count=n, offset=source.start)
+            slot = torch.frombuffer(source.data, dtype=torch.uint8, count=n)
             staged.copy_(slot)
             del slot  # no export of the mapping outlives the copy
+            with contextlib.suppress(BufferError):
+                source.data.release()
             return memoryview(staged.numpy())
         finally:
             with self.cond:
