@@ -56,6 +56,9 @@ POLL_INTERVAL = 0.02
 """How often rank 0 looks for the other ranks' markers (seconds)."""
 MAX_PENDING = 2
 """Steps that may wait for the disk per worker; a save beyond that waits for the oldest."""
+LOW_PRIORITY = 19
+"""The writer thread's nice value: on busy cores the training loop's threads go first (the
+holder's persister does the same); the disk write only has to keep up over several saves."""
 POLL_SLICE = 1.0
 """One slice of that wait (seconds): a written step wakes it at once, the slice only re-checks."""
 
@@ -150,6 +153,8 @@ class Persister:
         return True
 
     def _run(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own nice value
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
         while True:
             with self.cond:
                 if not self.pending:
