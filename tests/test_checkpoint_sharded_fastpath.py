@@ -40,9 +40,9 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 if rank == 1:  # a slow disk: every file of this rank's writer is written late
     real_write = dcp_persist.write_file
-    def slow_write(path, data):
+    def slow_write(path, data, *pause):
         time.sleep(SLOW)
-        return real_write(path, data)
+        return real_write(path, data, *pause)
     dcp_persist.write_file = slow_write
 mesh = init_device_mesh("cpu", (2,))
 

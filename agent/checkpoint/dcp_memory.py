@@ -222,12 +222,14 @@ def _save_fast(
     target = tier.reserve(key, step, size, persist=False, keep=keep)
     if target is None:
         return False
-    dcp_persist.persister().claim(target)  # no step still waiting for the disk in this slot
+    persister = dcp_persist.persister()
+    persister.claim(target)  # no step still waiting for the disk in this slot
     try:
-        HEADER.pack_into(target, 0, MAGIC, len(known.meta), world, rank)
-        target[HEADER.size : start] = known.meta
-        with memoryview(target) as whole:
-            known.write_data(storages, whole[start:size])
+        with persister.saving():
+            HEADER.pack_into(target, 0, MAGIC, len(known.meta), world, rank)
+            target[HEADER.size : start] = known.meta
+            with memoryview(target) as whole:
+                known.write_data(storages, whole[start:size])
     except BaseException:
         tier.abort(key, step)
         raise
@@ -235,7 +237,7 @@ def _save_fast(
     with memoryview(target) as whole:
         _replicate(tier, [whole[:size]], step, keep, rank, world)
     waiting = dcp_persist._FromSlot(target, memoryview(target)[start:size])  # copied out by the writer, later
-    dcp_persist.persister().submit(directory, step, keep, rank, world, known.meta, waiting)
+    persister.submit(directory, step, keep, rank, world, known.meta, waiting)
     return True
 
 

@@ -44,6 +44,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ POLL_INTERVAL = 0.02
 """How often rank 0 looks for the other ranks' markers (seconds)."""
 MAX_PENDING = 2
 """Steps that may wait for the disk per worker; a save beyond that waits for the oldest."""
+WRITE_CHUNK = 16 << 20
+"""Bytes the writer writes (and checksums) between two looks at whether a save is copying."""
 LOW_PRIORITY = 19
 """The writer thread's nice value: on busy cores the training loop's threads go first (the
 holder's persister does the same); the disk write only has to keep up over several saves."""
@@ -96,6 +99,7 @@ class Persister:
         self._busy = False
         self._staging: Any = None  # the slot mapping the writer copies out of right now
         self._buffer: Any = None  # the writer's copy of a slot's data (a uint8 tensor), reused from step to step
+        self._saving = 0  # saves copying into their slot right now (the writer pauses)
         self.skipped: list[int] = []  # steps given up (tests, and the log)
 
     def submit(self, directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any) -> None:
@@ -141,6 +145,24 @@ class Persister:
                 temp.mkdir(parents=True, exist_ok=True)
                 (temp / f"__{rank}.skipped").touch()
 
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a save's copy into its slot: the writer pauses between chunks meanwhile, so the
+        copy has the memory bandwidth to itself (the stall stays one plain copy)."""
+        with self.cond:
+            self._saving += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self._saving -= 1
+                self.cond.notify_all()
+
+    def _step_aside(self) -> None:
+        with self.cond:
+            while self._saving:
+                self.cond.wait(POLL_SLICE)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Until nothing waits for the disk (tests, and the end of a job); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -167,7 +189,7 @@ class Persister:
             try:
                 if isinstance(source, _FromSlot):
                     job = (*job[:6], self._stage(source))
-                persist_part(*job)
+                persist_part(*job, pause=self._step_aside)
             except _Skipped as skip:
                 line = f"rally: sharded step {job[1]} not written to disk: {skip}; a newer step follows"
                 print(line, file=sys.stderr, flush=True)
@@ -186,6 +208,7 @@ class Persister:
         import torch
 
         try:
+            self._step_aside()  # not while a save of this process copies (claim waits outside it)
             n = source.data.nbytes
             if self._buffer is None or self._buffer.numel() < n:
                 self._buffer = None  # the old one freed before the new one is taken
@@ -203,7 +226,10 @@ class Persister:
                 self.cond.notify_all()
 
 
-def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any) -> None:
+def persist_part(
+    directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any,
+    pause: Callable[[], None] | None = None,
+) -> None:
     """Write this rank's part of ``step``; on rank 0 also wait for the others and publish."""
     directory.mkdir(parents=True, exist_ok=True)
     temp = directory / temp_name(step)
@@ -214,7 +240,8 @@ def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, m
             _remove_dead_older(directory, step)
         elif (temp / "__0.skipped").exists():
             raise _Skipped("rank 0 gave it up")
-        files = {f"__{rank}_0.distcp": write_file(temp / f"__{rank}_0.distcp", data), f"__{rank}.metadata": write_file(temp / f"__{rank}.metadata", meta)}
+        files = {f"__{rank}_0.distcp": write_file(temp / f"__{rank}_0.distcp", data, pause),
+                 f"__{rank}.metadata": write_file(temp / f"__{rank}.metadata", meta)}  # fmt: skip
         write_file(temp / f"__{rank}.rally.json", json.dumps(files).encode())
         if rank != 0:
             return
@@ -247,20 +274,26 @@ def _remove_dead_older(directory: Path, step: int) -> None:
             dcp_files.remove_dead_saves(directory, only=name)
 
 
-def write_file(path: Path, data: Any) -> tuple[int, int]:
-    """``data`` into ``path`` durably (a temporary name, fsync, rename); its (size, CRC-32)."""
+def write_file(path: Path, data: Any, pause: Callable[[], None] | None = None) -> tuple[int, int]:
+    """``data`` into ``path`` durably (a temporary name, fsync, rename); its (size, CRC-32).
+    ``pause`` is called between chunks (the writer steps aside while a save copies)."""
     view = memoryview(data).cast("B")
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.part")  # two writers of one part never mix
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        done = 0
+        done, crc = 0, 0
         while done < view.nbytes:
-            done += os.write(fd, view[done:])
+            if pause is not None:
+                pause()
+            chunk = view[done : done + WRITE_CHUNK]
+            n = os.write(fd, chunk)
+            crc = zlib.crc32(chunk[:n], crc)
+            done += n
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    return view.nbytes, zlib.crc32(view)
+    return view.nbytes, crc
 
 
 def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[int]]]:
