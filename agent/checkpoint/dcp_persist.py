@@ -189,10 +189,12 @@ class Persister:
             try:
                 if isinstance(source, _FromSlot):
                     job = (*job[:6], self._stage(source))
-                persist_part(*job, pause=self._step_aside)
-            except _Skipped as skip:
-                line = f"rally: sharded step {job[1]} not written to disk: {skip}; a newer step follows"
-                print(line, file=sys.stderr, flush=True)
+                directory, step, keep, rank, world, meta, data = job
+                persist_part(directory, step, keep, rank, world, meta, data, pause=self._step_aside)
+            except _Skipped as skip:  # said by rank 0 alone: the other ranks' skips say the same
+                if job[3] == 0:
+                    line = f"rally: sharded step {job[1]} not written to disk: {skip}; a newer step follows"
+                    print(line, file=sys.stderr, flush=True)
             except Exception as exc:  # a failed step is not retried: the next save brings a newer one
                 self.last_error = f"rally: sharded checkpoint of step {job[1]} could not be written to {job[0]}: {type(exc).__name__}: {exc}"
                 print(self.last_error, file=sys.stderr, flush=True)
