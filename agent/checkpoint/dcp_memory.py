@@ -39,7 +39,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StoragePrefix
 
 from rally.agent.checkpoint import client as ckpt_client
-from rally.agent.checkpoint import dcp_files, dcp_persist
+from rally.agent.checkpoint import dcp_files, dcp_layout, dcp_persist
+from rally.agent.checkpoint.layout import Recorder
+from rally.agent.checkpoint.shm import _no_record_crc
 
 HEADER, MAGIC = dcp_files.SLOT_HEADER, dcp_files.SLOT_MAGIC
 REPLICAS_ENV = "RALLY_CKPT_REPLICAS"
@@ -94,14 +96,15 @@ class _ViewReader(io.RawIOBase):
 class _MemoryFileSystem(FileSystem):
     """DCP's file system interface over a dict of names to bytes (no directory, no fsync)."""
 
-    def __init__(self, files: dict[str, Any] | None = None) -> None:
+    def __init__(self, files: dict[str, Any] | None = None, recorder: Recorder | None = None) -> None:
         self.files: dict[str, Any] = files or {}
+        self.recorder = recorder  # watches the data file's writes (agent/checkpoint/dcp_layout.py)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         name = Path(path).name
         if "w" in mode:
-            stream = _OpenBytes()
+            stream = dcp_layout.RecordingBytes(self.recorder) if name.endswith(".distcp") else _OpenBytes()
             yield stream
             self.files[name] = stream
         else:
@@ -125,9 +128,11 @@ class _RankLocalWriter(FileSystemWriter):
     """DCP's writer for one rank saving alone (``no_dist``), naming its file as DCP's own
     rank-local layout does (``__<rank>_0.distcp``), into memory."""
 
-    def __init__(self, rank: int) -> None:
+    fs: _MemoryFileSystem  # torch's writer declares a FileSystem; this one keeps the files in memory
+
+    def __init__(self, rank: int, recorder: Recorder | None = None) -> None:
         super().__init__("/rally-memory", sync_files=False)
-        self.fs = _MemoryFileSystem()
+        self.fs = _MemoryFileSystem(recorder=recorder)
         self.own_rank = rank
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
@@ -139,10 +144,11 @@ def data_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def _rank_local_files(state: dict[str, Any], rank: int) -> tuple[memoryview, memoryview]:
-    """This rank's view of ``state`` as DCP's (metadata, data) files, made in memory by DCP itself."""
-    writer = _RankLocalWriter(rank)
-    with _rank_local():
+def _rank_local_files(state: dict[str, Any], rank: int, recorder: Recorder | None = None) -> tuple[memoryview, ...]:
+    """This rank's view of ``state`` as DCP's (metadata, data) files, made in memory by DCP itself
+    (no per-record CRC-32 in the data file: rally's manifest has the files' own)."""
+    writer = _RankLocalWriter(rank, recorder)
+    with _rank_local(), _no_record_crc():
         dcp.save(state, storage_writer=writer, no_dist=True)
     files = writer.fs.files
     return files[".metadata"].getbuffer(), files[data_name(rank)].getbuffer()
@@ -159,16 +165,31 @@ def _rank_local() -> Iterator[None]:
 def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> bool:
     """Copy this rank's shards of ``step`` into its node's memory and a replica into the next
     node's, then hand the same files to the background persister (agent/checkpoint/dcp_persist.py).
-    False, doing nothing, when the ranks did not agree on the memory path (see :func:`agreed`)."""
+    False, doing nothing, when the ranks did not agree on the memory path (see :func:`agreed`).
+
+    A state laid out as at this rank's last save takes the fast path (:func:`_save_fast`):
+    its shards copied straight into the slot."""
     tier = ckpt_client.tier()
     if not agreed()[0] or tier is None:
         return False
     rank, world = dist.get_rank(), dist.get_world_size()
-    meta, data = _rank_local_files(state, rank)
-    size = HEADER.size + meta.nbytes + data.nbytes
     key = own_key(rank, world)
+    found = dcp_layout.signature(state)
+    known = _layouts.get(key)
+    if found is not None and known is not None and known.signature == found[0]:
+        if _save_fast(tier, known, found[1], directory, step, keep, rank, world):
+            return True
+    recorder = Recorder(found[1]) if found is not None else None
+    meta, data = _rank_local_files(state, rank, recorder)
+    learnt = dcp_layout.learn(found[0] if found is not None else None, recorder, meta, data.nbytes)
+    if learnt is not None:
+        _layouts[key] = learnt
+    else:
+        _layouts.pop(key, None)
+    size = HEADER.size + meta.nbytes + data.nbytes
     target = tier.reserve(key, step, size, persist=False, keep=keep)
     if target is not None:
+        dcp_persist.persister().claim(target)
         try:
             HEADER.pack_into(target, 0, MAGIC, meta.nbytes, world, rank)
             target[HEADER.size : HEADER.size + meta.nbytes] = meta
@@ -179,6 +200,47 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> bool:
         tier.commit(key, step, size)
     _replicate(tier, [HEADER.pack(MAGIC, meta.nbytes, world, rank), meta, data], step, keep, rank, world)
     dcp_persist.persister().submit(directory, step, keep, rank, world, meta, data)
+    return True
+
+
+_layouts: dict[str, dcp_layout.FilesLayout] = {}
+"""This process's last layout of DCP's files per key (agent/checkpoint/dcp_layout.py)."""
+
+
+def _save_fast(
+    tier: ckpt_client.MemoryTier,
+    known: dcp_layout.FilesLayout,
+    storages: list[Any],
+    directory: Path,
+    step: int,
+    keep: int,
+    rank: int,
+    world: int,
+) -> bool:
+    """The shards copied straight into the slot, beside the last save's metadata and zip headers;
+    the persister copies the slot out in the background. False (nothing done): no room in memory."""
+    key = own_key(rank, world)
+    start = HEADER.size + len(known.meta)
+    size = start + known.data.length
+    target = tier.reserve(key, step, size, persist=False, keep=keep)
+    if target is None:
+        return False
+    persister = dcp_persist.persister()
+    persister.claim(target)  # no step still waiting for the disk in this slot
+    try:
+        with persister.saving():
+            HEADER.pack_into(target, 0, MAGIC, len(known.meta), world, rank)
+            target[HEADER.size : start] = known.meta
+            with memoryview(target) as whole:
+                known.write_data(storages, whole[start:size])
+    except BaseException:
+        tier.abort(key, step)
+        raise
+    tier.commit(key, step, size)
+    with memoryview(target) as whole:
+        _replicate(tier, [whole[:size]], step, keep, rank, world)
+    waiting = dcp_persist._FromSlot(target, memoryview(target)[start:size])  # copied out by the writer, later
+    persister.submit(directory, step, keep, rank, world, known.meta, waiting)
     return True
 
 
@@ -227,7 +289,7 @@ def _replicate(tier: ckpt_client.MemoryTier, parts: list[Any], step: int, keep: 
     to, source = ring
     size = sum(memoryview(p).nbytes for p in parts)
     outgoing = torch.empty(size, dtype=torch.uint8)
-    view, at = memoryview(outgoing.numpy()), 0
+    view, at = outgoing.numpy().data, 0
     for part in parts:
         n = memoryview(part).nbytes
         view[at : at + n] = part
@@ -256,6 +318,7 @@ def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> N
     """Send ``send`` to ``to`` while receiving ``recv`` from ``source`` (no deadlock in a ring)."""
     work = dist.isend(send, to)
     dist.recv(recv, source)
+    assert work is not None  # None only for a rank outside the group, which no rank of the job is
     work.wait()
 
 
@@ -338,7 +401,7 @@ def load(state: dict[str, Any], step: int, providers: dict[int, int]) -> list[in
             dist.recv(size, provider)
             buffer = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.recv(buffer, provider)
-            blobs[rank] = memoryview(buffer.numpy())
+            blobs[rank] = buffer.numpy().data
     mine = blobs[rank]
     magic, meta_len, old_world, old_rank = HEADER.unpack_from(mine, 0)
     if magic != MAGIC or (old_world, old_rank) != (world, rank):

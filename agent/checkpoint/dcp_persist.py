@@ -20,14 +20,21 @@ any world size loads and reshards. A rank that dies before its marker leaves the
 unpublished; its memory copy and the previous durable step stay, and the temporary directory is
 deleted by a later publication.
 
-One thread per worker process, steps in order; at most ``MAX_PENDING`` steps wait for it (a
-save beyond that waits for the oldest). The thread is not a daemon: a worker that returns from
-its script finishes writing its last step before the process exits.
+One thread per worker process, steps in order. A step saved by the fast path
+(agent/checkpoint/dcp_layout.py) waits in its shared-memory slot: the thread copies it into a buffer
+of its own (reused) before writing, and a save that needs that slot again while the step still
+waits gives the step up instead of waiting for the disk (:meth:`Persister.claim`), marking it
+``__<r>.skipped`` so that rank 0 publishes none of it; a step is published only once every rank
+wrote its part. Other steps (DCP's own files, at the first save of a layout) hold their own bytes:
+at most ``MAX_PENDING`` of them wait (a save beyond that waits for the oldest). The thread is
+not a daemon: a worker that returns from its script finishes writing its last step before the
+process exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -37,6 +44,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +57,11 @@ POLL_INTERVAL = 0.02
 """How often rank 0 looks for the other ranks' markers (seconds)."""
 MAX_PENDING = 2
 """Steps that may wait for the disk per worker; a save beyond that waits for the oldest."""
+WRITE_CHUNK = 16 << 20
+"""Bytes the writer writes (and checksums) between two looks at whether a save is copying."""
+LOW_PRIORITY = 19
+"""The writer thread's nice value: on busy cores the training loop's threads go first (the
+holder's persister does the same); the disk write only has to keep up over several saves."""
 POLL_SLICE = 1.0
 """One slice of that wait (seconds): a written step wakes it at once, the slice only re-checks."""
 
@@ -60,6 +73,21 @@ def temp_name(step: int) -> str:
     return f".{dcp_files.step_name(step)}.{safe}.tmp"
 
 
+class _Skipped(Exception):
+    """A rank gave this step up (its writer fell behind and the slot holding it was written again)."""
+
+
+@dataclasses.dataclass
+class _FromSlot:
+    """A step's data still in this rank's shared-memory slot (the save's fast path): the writer
+    copies it into its own buffer before the next save may write that slot again. ``data`` is a
+    view of the slot's mapping: while it lives the mapping cannot be closed (a slot the holder
+    replaced stays readable until the step is copied out)."""
+
+    mapping: Any
+    data: memoryview
+
+
 class Persister:
     """This worker's background writer of sharded steps (see the module's docstring)."""
 
@@ -69,16 +97,71 @@ class Persister:
         self.thread: threading.Thread | None = None
         self.last_error: str | None = None
         self._busy = False
+        self._staging: Any = None  # the slot mapping the writer copies out of right now
+        self._buffer: Any = None  # the writer's copy of a slot's data (a uint8 tensor), reused from step to step
+        self._saving = 0  # saves copying into their slot right now (the writer pauses)
+        self.skipped: list[int] = []  # steps given up (tests, and the log)
 
     def submit(self, directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any) -> None:
+        """Queue ``step``'s files; ``data`` is bytes of its own, or a :class:`_FromSlot`.
+
+        Own bytes: at most MAX_PENDING steps wait (a save beyond that waits for the oldest). A
+        slot: never waits here, see :meth:`claim`."""
         with self.cond:
-            while len(self.pending) >= MAX_PENDING:
+            while not isinstance(data, _FromSlot) and len(self.pending) + self._busy >= MAX_PENDING:
                 self.cond.wait(POLL_SLICE)  # woken when a step is written; the slice only re-checks
             self.pending.append((directory, step, keep, rank, world, meta, data))
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="rally-dcp-persist", daemon=False)
                 self.thread.start()
             self.cond.notify_all()
+
+    def claim(self, mapping: Any) -> None:
+        """Before a save writes ``mapping`` (a slot) again: a step still waiting in it for the disk is
+        given up, and one being copied out of it is waited for (one memory copy at most).
+
+        The step given up is marked in its temporary directory (``__<rank>.skipped``), so rank 0
+        stops waiting for this rank's part and publishes none of it: a step is published only
+        when every rank wrote it, and the newest step is never the one given up.
+        """
+        with self.cond:
+            while self._staging is mapping:
+                self.cond.wait(POLL_SLICE)
+            dropped = [j for j in self.pending if isinstance(j[6], _FromSlot) and j[6].mapping is mapping]
+            for job in dropped:
+                self.pending.remove(job)
+                self.skipped.append(job[1])
+                with contextlib.suppress(BufferError):
+                    job[6].data.release()
+            if dropped:
+                self.cond.notify_all()
+        for directory, step, _, rank, *_ in dropped:
+            if rank == 0 and len(self.skipped) == len(dropped):  # the first time only
+                line = (f"rally: the disk is slower than the sharded saves: step {step} and later ones that find "
+                        "the writer still busy are not written to it; the newest step always is")  # fmt: skip
+                print(line, file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                temp = directory / temp_name(step)
+                temp.mkdir(parents=True, exist_ok=True)
+                (temp / f"__{rank}.skipped").touch()
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a save's copy into its slot: the writer pauses between chunks meanwhile, so the
+        copy has the memory bandwidth to itself (the stall stays one plain copy)."""
+        with self.cond:
+            self._saving += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self._saving -= 1
+                self.cond.notify_all()
+
+    def _step_aside(self) -> None:
+        with self.cond:
+            while self._saving:
+                self.cond.wait(POLL_SLICE)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until nothing waits for the disk (tests, and the end of a job); False on timeout."""
@@ -92,14 +175,26 @@ class Persister:
         return True
 
     def _run(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own nice value
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
         while True:
             with self.cond:
                 if not self.pending:
                     return
-                job = self.pending[0]
+                job = self.pending.popleft()
                 self._busy = True
+                source = job[6]
+                if isinstance(source, _FromSlot):
+                    self._staging = source.mapping
             try:
-                persist_part(*job)
+                if isinstance(source, _FromSlot):
+                    job = (*job[:6], self._stage(source))
+                directory, step, keep, rank, world, meta, data = job
+                persist_part(directory, step, keep, rank, world, meta, data, pause=self._step_aside)
+            except _Skipped as skip:  # said by rank 0 alone: the other ranks' skips say the same
+                if job[3] == 0:
+                    line = f"rally: sharded step {job[1]} not written to disk: {skip}; a newer step follows"
+                    print(line, file=sys.stderr, flush=True)
             except Exception as exc:  # a failed step is not retried: the next save brings a newer one
                 self.last_error = (
                     f"rally: sharded checkpoint of step {job[1]} could not be written to {job[0]}: "
@@ -108,12 +203,44 @@ class Persister:
                 print(self.last_error, file=sys.stderr, flush=True)
             finally:
                 with self.cond:
-                    self.pending.popleft()
+                    self._staging = None
                     self._busy = False
                     self.cond.notify_all()
 
+    def _stage(self, source: _FromSlot) -> memoryview:
+        """Copy a step's data out of its slot into the writer's buffer, then let the slot go.
+        torch's copy, which lets go of the GIL: the training loop's thread runs on meanwhile."""
+        import torch
 
-def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any) -> None:
+        try:
+            self._step_aside()  # not while a save of this process copies (claim waits outside it)
+            n = source.data.nbytes
+            if self._buffer is None or self._buffer.numel() < n:
+                self._buffer = None  # the old one freed before the new one is taken
+                self._buffer = torch.empty(n, dtype=torch.uint8)
+            staged = self._buffer[:n]
+            slot = torch.frombuffer(source.data, dtype=torch.uint8, count=n)
+            staged.copy_(slot)
+            del slot  # no export of the mapping outlives the copy
+            with contextlib.suppress(BufferError):
+                source.data.release()
+            return memoryview(staged.numpy())
+        finally:
+            with self.cond:
+                self._staging = None
+                self.cond.notify_all()
+
+
+def persist_part(
+    directory: Path,
+    step: int,
+    keep: int,
+    rank: int,
+    world: int,
+    meta: Any,
+    data: Any,
+    pause: Callable[[], None] | None = None,
+) -> None:
     """Write this rank's part of ``step``; on rank 0 also wait for the others and publish."""
     directory.mkdir(parents=True, exist_ok=True)
     temp = directory / temp_name(step)
@@ -122,10 +249,10 @@ def persist_part(directory: Path, step: int, keep: int, rank: int, world: int, m
     try:
         if rank == 0:
             _remove_dead_older(directory, step)
-        files = {
-            f"__{rank}_0.distcp": write_file(temp / f"__{rank}_0.distcp", data),
-            f"__{rank}.metadata": write_file(temp / f"__{rank}.metadata", meta),
-        }
+        elif (temp / "__0.skipped").exists():
+            raise _Skipped("rank 0 gave it up")
+        files = {f"__{rank}_0.distcp": write_file(temp / f"__{rank}_0.distcp", data, pause),
+                 f"__{rank}.metadata": write_file(temp / f"__{rank}.metadata", meta)}  # fmt: skip
         write_file(temp / f"__{rank}.rally.json", json.dumps(files).encode())
         if rank != 0:
             return
@@ -158,26 +285,36 @@ def _remove_dead_older(directory: Path, step: int) -> None:
             dcp_files.remove_dead_saves(directory, only=name)
 
 
-def write_file(path: Path, data: Any) -> tuple[int, int]:
-    """``data`` into ``path`` durably (a temporary name, fsync, rename); its (size, CRC-32)."""
+def write_file(path: Path, data: Any, pause: Callable[[], None] | None = None) -> tuple[int, int]:
+    """``data`` into ``path`` durably (a temporary name, fsync, rename); its (size, CRC-32).
+    ``pause`` is called between chunks (the writer steps aside while a save copies)."""
     view = memoryview(data).cast("B")
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.part")  # two writers of one part never mix
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        done = 0
+        done, crc = 0, 0
         while done < view.nbytes:
-            done += os.write(fd, view[done:])
+            if pause is not None:
+                pause()
+            chunk = view[done : done + WRITE_CHUNK]
+            n = os.write(fd, chunk)
+            crc = zlib.crc32(chunk[:n], crc)
+            done += n
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    return view.nbytes, zlib.crc32(view)
+    return view.nbytes, crc
 
 
 def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[int]]]:
     deadline = time.monotonic() + PUBLISH_TIMEOUT
     parts: dict[int, dict[str, list[int]]] = {}
     while len(parts) < world:
+        gave_up = [r for r in range(world) if r not in parts and (temp / f"__{r}.skipped").exists()]
+        if gave_up:
+            ranks = f"rank{'s' if len(gave_up) > 1 else ''} {', '.join(map(str, gave_up))}"
+            raise _Skipped(f"{ranks} gave it up (its disk writer fell behind)")
         for r in range(world):
             if r not in parts:
                 with contextlib.suppress(FileNotFoundError, ValueError):

@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ class _Checked:
 class _CrcStream(io.RawIOBase):
     """A write-only file that counts the bytes written and their CRC-32 (one pass, no re-read)."""
 
-    def __init__(self, raw: io.BufferedWriter) -> None:
+    def __init__(self, raw: IO[bytes]) -> None:
         self.raw, self.crc, self.length = raw, 0, 0
 
     def writable(self) -> bool:
@@ -113,6 +113,8 @@ class PublishingWriter(FileSystemWriter):
     DCP calls ``finish`` on the coordinator only after gathering every rank's write results, and
     not at all when any rank failed, so a published directory always holds every rank's part.
     """
+
+    fs: _ChecksummingFileSystem  # torch's writer declares a FileSystem; this one also sums what it writes
 
     def __init__(self, directory: Path, step: int, keep: int) -> None:
         super().__init__(directory, single_file_per_rank=True, sync_files=True, overwrite=True)
