@@ -247,6 +247,16 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         "a save while MAX_PENDING (2) steps wait for this worker's own disk write, in POLL_SLICE (1 s) slices",
     ),
     ("agent/checkpoint/dcp_persist.py", "Persister.wait", "self.cond.wait"): (SL, None, "the caller's timeout (tests)"),
+    ("agent/checkpoint/dcp_persist.py", "Persister.claim", "self.cond.wait"): (
+        S,
+        None,
+        "the writer's copy of one slot out to its buffer (one memory copy), in POLL_SLICE slices",
+    ),
+    ("agent/checkpoint/dcp_persist.py", "Persister._step_aside", "self.cond.wait"): (
+        S,
+        None,
+        "the writer pauses while a save copies into its slot (one memory copy), in POLL_SLICE slices",
+    ),
     ("agent/checkpoint/dcp_persist.py", "persist_part", "_wait_for_parts"): (
         BG,
         None,
