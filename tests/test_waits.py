@@ -571,7 +571,8 @@ def _bound_seconds(module: str, call: ast.Call) -> float | None:
             pass
         if isinstance(expr, ast.Name) and expr.id.isupper():
             package, _, name = module.partition("/")
-            value = getattr(importlib.import_module(f"{PACKAGES[package]}.{name[:-3]}"), expr.id, None)
+            dotted = name[:-3].replace("/", ".")  # agent/checkpoint/x.py -> rally.agent.checkpoint.x
+            value = getattr(importlib.import_module(f"{PACKAGES[package]}.{dotted}"), expr.id, None)
             if isinstance(value, (int, float)):
                 return float(value)
     return None
