@@ -25,12 +25,9 @@ for whole states: ``torch.load`` does not check them); rally's manifest has CRC-
 from __future__ import annotations
 
 import io
-from collections import OrderedDict
 from typing import Any
 
-from rally.agent.checkpoint.layout import Layout, Recorder
-
-_LEAVES = (str, int, float, bool, type(None), bytes)
+from rally.agent.checkpoint.layout import Layout, Recorder, walk_structure
 
 
 def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
@@ -67,23 +64,8 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
         storages.append(storage)
         return (type(obj), obj.dtype, tuple(obj.shape), obj.requires_grad)
 
-    def walk(obj: Any) -> bool:
+    def leaf(obj: Any) -> bool:
         kind = type(obj)
-        if kind in _LEAVES:
-            sig.append((kind, obj.hex() if kind is float else obj))
-            return True
-        if kind in (dict, OrderedDict):
-            sig.append((kind, len(obj)))
-            for k, v in obj.items():
-                if type(k) not in _LEAVES:
-                    return False
-                sig.append((type(k), k))
-                if not walk(v):
-                    return False
-            return True
-        if kind in (list, tuple):
-            sig.append((kind, len(obj)))
-            return all(walk(v) for v in obj)
         if kind is DTensor:
             local = tensor(obj.to_local())
             if local is None:
@@ -114,7 +96,7 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
         sig.append(found)
         return True
 
-    return (tuple(sig), storages) if walk(state) else None
+    return (tuple(sig), storages) if walk_structure(state, sig, leaf) else None
 
 
 class RecordingBytes(io.BytesIO):

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 _LEAVES = (str, int, float, bool, type(None), bytes)
-_CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
 class _PyBuffer(ctypes.Structure):
@@ -51,6 +51,35 @@ def buffer_address(view: memoryview) -> int:
         ctypes.pythonapi.PyBuffer_Release(ctypes.byref(info))
 
 
+def walk_structure(obj: Any, sig: list[Any], other: Callable[[Any], bool], memo: dict[int, int] | None = None) -> bool:
+    """Append to ``sig`` the structure of ``obj``: container types, lengths and keys, and every
+    plain leaf's value; ``other(obj)`` describes anything else (False: the state is ineligible).
+    With ``memo``, an object met again is noted as the same one (pickle's memo). Both fast paths
+    (this module's and dcp_layout's) describe their states so; they differ in their tensors."""
+    kind = type(obj)
+    if kind in _LEAVES:
+        sig.append((kind, obj.hex() if kind is float else obj))  # -0.0 is not 0.0 to pickle
+        return True
+    if memo is not None:
+        if id(obj) in memo:
+            sig.append(("same", memo[id(obj)]))
+            return True
+        memo[id(obj)] = len(memo)
+    if kind in (dict, OrderedDict):
+        sig.append((kind, len(obj)))
+        for k, v in obj.items():
+            if type(k) not in _LEAVES:
+                return False
+            sig.append((type(k), k))
+            if not walk_structure(v, sig, other, memo):
+                return False
+        return True
+    if kind in (list, tuple):
+        sig.append((kind, len(obj)))
+        return all(walk_structure(v, sig, other, memo) for v in obj)
+    return other(obj)
+
+
 def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
     """(what decides the archive's layout, the state's storages in walk order); None: ineligible."""
     import torch
@@ -61,27 +90,8 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
     index: dict[int, int] = {}
     memo: dict[int, int] = {}
 
-    def walk(obj: Any) -> bool:
+    def tensor(obj: Any) -> bool:
         kind = type(obj)
-        if kind in _LEAVES:
-            sig.append((kind, obj.hex() if kind is float else obj))  # -0.0 is not 0.0 to pickle
-            return True
-        if id(obj) in memo:
-            sig.append(("same", memo[id(obj)]))
-            return True
-        memo[id(obj)] = len(memo)
-        if kind in (dict, OrderedDict):
-            sig.append((kind, len(obj)))
-            for k, v in obj.items():
-                if type(k) not in _LEAVES:
-                    return False
-                sig.append((type(k), k))
-                if not walk(v):
-                    return False
-            return True
-        if kind in (list, tuple):
-            sig.append((kind, len(obj)))
-            return all(walk(v) for v in obj)
         if kind not in tensor_types:
             return False
         if obj.layout != torch.strided or obj.device.type != "cpu" or obj.__dict__ or obj.is_conj() or obj.is_neg():
@@ -100,7 +110,7 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
         sig.append((kind, obj.dtype, tuple(obj.shape), obj.stride(), obj.storage_offset(), obj.requires_grad, i, size))
         return True
 
-    return (tuple(sig), storages) if walk(state) else None
+    return (tuple(sig), storages) if walk_structure(state, sig, tensor, memo) else None
 
 
 class Recorder:
