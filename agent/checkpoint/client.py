@@ -40,6 +40,8 @@ from rally.agent.checkpoint.shm import (
     write_archive,
 )
 
+WHOLE_STATE_KEY = "whole"
+"""The key of a state every rank holds alike (DDP), saved once per node by ``rally.job.save``."""
 HOLDER_ENV = "RALLY_CKPT_HOLDER"
 """The holder's id (its socket's name); set by the agent in every worker's environment when the tier runs."""
 MAX_PACKET = 64 * 1024

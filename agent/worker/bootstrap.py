@@ -100,10 +100,19 @@ def _report(exc: BaseException) -> None:
     sys.excepthook(type(exc), exc, exc.__traceback__)
 
 
+def start_resume_prefetch() -> None:
+    """On a restart under the memory tier, map the checkpoint to resume from while the script starts."""
+    if os.environ.get("RALLY_CKPT_HOLDER"):
+        from rally.agent.checkpoint import resume_prefetch
+
+        resume_prefetch.start()
+
+
 def run(mode: str, target: str, args: list[str]) -> None:
     _bind_cpus()
     install_stack_dump()
     install_preemption_handler()
+    start_resume_prefetch()
     runner: Callable[[], object]  # runs the program; what it returns is dropped
     if mode == "module":
         sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file

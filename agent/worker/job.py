@@ -43,8 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from rally.agent.checkpoint import client as ckpt_client
-from rally.agent.checkpoint import dcp_files
-from rally.agent.checkpoint.client import CheckpointRefused  # noqa: F401 - part of this module's API
+from rally.agent.checkpoint import dcp_files, resume_prefetch
+from rally.agent.checkpoint.client import (
+    WHOLE_STATE_KEY,
+    CheckpointRefused,  # noqa: F401 - part of this module's API
+)
 from rally.agent.worker import checkpoint_file, heartbeat_file
 from rally.agent.worker.checkpoint_file import Checkpoint  # part of this module's API (load_latest returns it)
 from rally.agent.worker.preemption_flag import (  # noqa: F401 - part of this module's API
@@ -61,9 +64,6 @@ PREEMPT_SIGNALS_ENV = "RALLY_PREEMPT_SIGNALS"
 DEFAULT_CHECKPOINT_KEEP = 3
 """Checkpoints kept by :func:`save` when neither ``keep`` nor RALLY_CHECKPOINT_KEEP says otherwise.
 More than one, so that a newest file damaged after it was written still leaves a fallback."""
-
-WHOLE_STATE_KEY = "whole"
-"""The memory tier's key for a state every rank holds alike (DDP), saved once per node."""
 
 _CHECKPOINT_RE = re.compile(r"^step_(\d+)\.pt$")
 
@@ -194,6 +194,7 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     (a concurrent saver's, or damaged ones this job resumed past) are left alone.
     """
     ctx = context()
+    resume_prefetch.discard()  # a reload the script did not make: its mapping is let go
     if sharded if sharded is not None else dcp_files.holds_shards(state):
         from rally.agent.checkpoint import dcp_storage  # imports torch.distributed.checkpoint
 
@@ -254,6 +255,9 @@ def load_latest(
 
     agreed = None
     memory = ckpt_client.tier()
+    prepared = resume_prefetch.take(map_location) if memory is not None else None
+    if prepared is not None:  # mapped while the script started (agent/checkpoint/resume_prefetch.py)
+        return _from_memory(ctx, directory, *prepared)
     if memory is not None:
         agreed, memfd = memory.resume(WHOLE_STATE_KEY)
         if memfd is not None and agreed is not None:
@@ -263,9 +267,7 @@ def load_latest(
                 )
             finally:
                 os.close(memfd)  # the mapping keeps the copy
-            if ctx.is_rank0:
-                _log(f"resuming from step {agreed} (from memory)")
-            return Checkpoint(step=agreed, state=state, path=directory / f"step_{agreed:012d}.pt", source="memory")
+            return _from_memory(ctx, directory, agreed, state)
 
     for step, path in reversed(_list_checkpoints(directory)):
         if agreed is not None and step > agreed:
@@ -288,6 +290,12 @@ def load_latest(
     if ctx.is_rank0:
         _log("no checkpoint, starting from scratch")
     return None
+
+
+def _from_memory(ctx: JobContext, directory: Path, step: int, state: Any) -> Checkpoint:
+    if ctx.is_rank0:
+        _log(f"resuming from step {step} (from memory)")
+    return Checkpoint(step=step, state=state, path=directory / f"step_{step:012d}.pt", source="memory")
 
 
 def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:

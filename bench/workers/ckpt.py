@@ -75,6 +75,15 @@ class Method:
         self.name, self.dir = name, directory
         self.pending = None  # DCP's future of the last save
         self.sharded = name.endswith("_sharded")
+        # Imported here, as a script imports at its top: not inside the timed save or reload.
+        if name.startswith("rally"):
+            from rally import job
+
+            self.job = job
+        if name.startswith("dcp"):
+            import torch.distributed.checkpoint as dcp
+
+            self.dcp = dcp
         if name.startswith("dcp_async"):  # its background collectives need a group of their own (DCP's docs)
             self.group = dist.new_group(backend="gloo")
         if name == "dlrover":
@@ -88,19 +97,15 @@ class Method:
             if dist.get_rank() == 0:
                 torch.save(state, self.dir / f"{step}.pt")
         elif self.name.startswith("dcp_async"):
-            import torch.distributed.checkpoint as dcp
-
             if self.pending is not None:
                 self.pending.result()  # DCP allows one save in flight
-            self.pending = dcp.async_save(state, checkpoint_id=str(self.dir / f"dcp_{step}"), process_group=self.group)
+            self.pending = self.dcp.async_save(
+                state, checkpoint_id=str(self.dir / f"dcp_{step}"), process_group=self.group
+            )
         elif self.name == "dcp_save_sharded":
-            import torch.distributed.checkpoint as dcp
-
-            dcp.save(state, checkpoint_id=str(self.dir / f"dcp_{step}"))
+            self.dcp.save(state, checkpoint_id=str(self.dir / f"dcp_{step}"))
         elif self.name.startswith("rally"):
-            from rally import job
-
-            job.save(state, step)
+            self.job.save(state, step)
         elif self.name == "dlrover":
             from dlrover.trainer.torch.flash_checkpoint.ddp import StorageType
 
@@ -118,9 +123,7 @@ class Method:
 
             return dcp_files.is_intact(self.dir / dcp_files.step_name(step))
         if self.name.startswith("rally"):
-            from rally import job
-
-            return step in job.durable_steps()
+            return step in self.job.durable_steps()
         return (self.dir / f"{step}.pt").exists()
 
     def load_into(self, model: dict[str, torch.Tensor], step: int) -> str:
@@ -129,20 +132,14 @@ class Method:
             state = torch.load(self.dir / f"{step}.pt", weights_only=True)
             source = "disk"
         elif self.name.startswith("dcp_"):
-            import torch.distributed.checkpoint as dcp
-
-            dcp.load(model, checkpoint_id=str(self.dir / f"dcp_{step}"))
+            self.dcp.load(model, checkpoint_id=str(self.dir / f"dcp_{step}"))
             return "disk"
         elif self.name == "rally_sharded":
-            from rally import job
-
-            ckpt = job.load_latest(into=model)
+            ckpt = self.job.load_latest(into=model)
             assert ckpt is not None and ckpt.step == step, ckpt
             return ckpt.source
         elif self.name.startswith("rally"):
-            from rally import job
-
-            ckpt = job.load_latest()
+            ckpt = self.job.load_latest()
             assert ckpt is not None and ckpt.step == step, ckpt
             state, source = ckpt.state, ckpt.source
         else:

@@ -1,0 +1,153 @@
+"""Reload from memory before the script asks: map the round's resume step while the script starts.
+
+A restarted worker spends its first moments on things that do not need the checkpoint (imports,
+CUDA and NCCL set-up, ``init_process_group``, building the model), then calls
+``job.load_latest()`` and copies the state into its model. Reading a 400 MB copy out of shared
+memory costs a plain copy (~20 ms here), plus the kernel's work of mapping its 100,000 pages into
+the worker (~35 ms of page faults), plus ``torch.load``'s unpickling (~7 ms) and the holder's
+answer. The step to resume from is fixed before the worker starts (the agent opens the round with
+it, see agent/checkpoint/slots.py), so all but the copy can be done early:
+
+    bootstrap.run()   -> start()              # a thread: resume, torch.load(mmap=True), fault the pages in
+    job.load_latest() -> take(map_location)   # (step, state) once, if prepared for the CPU; else None
+    job.save()        -> discard()            # a script that saves without loading lets go of it
+
+so the call costs nothing but the copy into the model that follows it. The thread runs only on a
+restart (``TORCHELASTIC_RESTART_COUNT`` > 0) under the memory tier, and does more than one request
+to the holder only when this node holds a whole-state copy (``job.save`` of a DDP state) of the
+step the round resumes from; a sharded job, a fresh node or a first start costs nothing.
+
+Why the prepared answer stays right until the call: a worker belongs to one round, whose resume
+step the holder never changes, and the ``resume`` request marks the slot reloaded, so it is never
+written again (agent/checkpoint/slots.py): the mapping holds exactly that step until the worker
+lets go of it. It is given once, and only to a ``load_latest`` that loads to the CPU (the default);
+anything else, or any failure of the thread (e.g. a type the script allows with
+``torch.serialization.add_safe_globals`` only later), and ``load_latest`` takes its ordinary path,
+which reports what is wrong. ``RALLY_RESUME_PREFETCH=0`` turns it off.
+
+Faulting in: ``madvise(MADV_POPULATE_READ)`` over the mapping torch made (Linux 5.14+), else a
+read of one byte per page. Both only map the holder's pages (reads of a private mapping share
+them): no copy, no extra memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+from rally.agent.checkpoint import client
+from rally.agent.checkpoint.shm import fd_path
+
+PREFETCH_ENV = "RALLY_RESUME_PREFETCH"
+MADV_POPULATE_READ = 22  # linux/mman.h; not in Python's mmap module before 3.13
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_ready: tuple[int, Any] | None = None  # (the round's resume step, its state mapped from this node's copy)
+_discarded = False
+
+
+def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
+    """Start preparing the resume step in the background when this worker may reload one; True if started."""
+    global _thread
+    if not environ.get(client.HOLDER_ENV) or environ.get(PREFETCH_ENV, "1") == "0":
+        return False
+    try:
+        restarted = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    except ValueError:
+        return False
+    if not restarted:
+        return False
+    _thread = threading.Thread(target=_prepare, daemon=True, name="rally-resume-prefetch")
+    _thread.start()
+    return True
+
+
+def _prepare() -> None:
+    global _ready
+    try:
+        tier = client.tier()
+        if tier is None:
+            return
+        step, fd = tier.resume(client.WHOLE_STATE_KEY)
+        if fd is None:
+            return
+        try:
+            if step is None:
+                return
+            import torch  # only now: a node holding a whole-state copy runs a torch job
+
+            state = torch.load(fd_path(fd), map_location="cpu", weights_only=True, mmap=True)
+        finally:
+            os.close(fd)  # the mapping keeps the copy
+        fault_in(storages_of(state))
+        with _lock:
+            if not _discarded:
+                _ready = (step, state)
+    except Exception:  # noqa: BLE001 - the script's own load_latest takes the ordinary path and says what is wrong
+        return
+
+
+def storages_of(state: Any) -> list[Any]:
+    """The distinct tensor storages in ``state`` (dicts, lists, tuples), as torch.load returns them."""
+    found: dict[int, Any] = {}
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "untyped_storage"):
+            storage = item.untyped_storage()
+            if storage.nbytes():
+                found[storage.data_ptr()] = storage
+    return list(found.values())
+
+
+def fault_in(storages: list[Any]) -> None:
+    """Map every page of ``storages`` into this process now (torch.load put them in one mapping)."""
+    if not storages:
+        return
+    start = min(s.data_ptr() for s in storages) // PAGE * PAGE
+    end = max(s.data_ptr() + s.nbytes() for s in storages)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(start, end - start, MADV_POPULATE_READ) == 0:
+        return
+    import torch  # an older kernel (EINVAL): read one byte of every page instead
+
+    for storage in storages:
+        torch.empty(0, dtype=torch.uint8).set_(storage)[::PAGE].max()
+
+
+def take(map_location: Any) -> tuple[int, Any] | None:
+    """(the round's resume step, its state) if prepared and ``map_location`` is the CPU; else None
+    (load it the ordinary way). Given once: a second ``load_latest`` loads anew."""
+    global _ready
+    thread = _thread
+    if thread is None:
+        return None
+    thread.join(client.REPLY_TIMEOUT)  # it is mapping what the caller is about to load: the fastest way on
+    with _lock:
+        ready, _ready = _ready, None
+    return ready if ready is not None and _on_cpu(map_location) else None
+
+
+def discard() -> None:
+    """Let go of a prepared state the script did not load (it saves instead): its mapping would
+    keep a replaced copy's memory alive."""
+    global _ready, _discarded
+    with _lock:
+        _ready, _discarded = None, True
+
+
+def _on_cpu(map_location: Any) -> bool:
+    if map_location is None or map_location == "cpu":
+        return True
+    import torch
+
+    return isinstance(map_location, torch.device) and map_location.type == "cpu"

@@ -1,0 +1,189 @@
+"""A restarted worker finds its resume step mapped before it asks (agent/checkpoint/resume_prefetch.py).
+
+A real holder (started as the agent starts it) holds the copies; the worker is a real process
+started through rally's bootstrap, as every worker is, with the environment the agent gives a
+restarted worker. What the worker sees is read from inside it: whether the thread ran, how much
+of the copy is mapped into it before ``load_latest`` (its /proc/self/smaps), what ``load_latest``
+returns and from where.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rally.agent.checkpoint import client as ckpt_client
+from rally.agent.checkpoint.client import MemoryTier
+from rally.agent.checkpoint.tier import CheckpointTier
+from rally.agent.observe.event_log import EventLog
+from rally.agent.worker import job
+
+REPO = Path(__file__).resolve().parents[1]
+BOOTSTRAP = REPO / "agent" / "worker" / "bootstrap.py"
+LEASE = 60.0
+ELEMENTS = 2_000_000  # 8 MB of float32: 2,000 pages to map
+
+
+class Holder:
+    """A holder with steps 1 and 2 of a whole state in memory, and round 1 resuming from step 2."""
+
+    def __init__(self, tmp: Path, extra: dict | None = None) -> None:
+        import torch
+
+        self.checkpoint_dir = tmp / "ckpt"
+        self.agent = CheckpointTier.start(str(self.checkpoint_dir), EventLog(tmp / "events.jsonl"), print)
+        assert isinstance(self.agent, CheckpointTier)
+        self.id = self.agent.env()[ckpt_client.HOLDER_ENV]
+        self.agent.open_round(0, None, LEASE)
+        for step in (1, 2):
+            state = {"w": torch.full((ELEMENTS,), float(step)), "step": step, **(extra or {})}
+            assert MemoryTier(self.id, 0).save(state, job.WHOLE_STATE_KEY, step, persist=False, keep=3)
+        self.agent.open_round(1, 2, LEASE)
+
+    def run_worker(self, tmp: Path, script: str, restart_count: int = 1, **env: str) -> dict:
+        """Run ``script`` as a restarted worker of round 1; what it printed last, as JSON."""
+        path = tmp / "worker.py"
+        path.write_text(textwrap.dedent(script))
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "TORCHELASTIC_", "RANK"))}
+        clean |= {
+            ckpt_client.HOLDER_ENV: self.id,
+            "RALLY_ROUND": "1",
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            job.CHECKPOINT_DIR_ENV: str(self.checkpoint_dir),
+            **env,
+        }
+        done = subprocess.run(
+            [sys.executable, "-u", str(BOOTSTRAP), "script", str(path)], env=clean, cwd=tmp,
+            capture_output=True, text=True, timeout=90, start_new_session=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[Holder]:
+    h = Holder(tmp_path)
+    try:
+        yield h
+    finally:
+        h.agent.stop()
+
+
+# Inside the worker: {inode: kB mapped} of the memory tier's whole-state memfds in this process.
+MAPPED_KB = """
+    def mapped_kb():
+        found, inode = {}, None
+        for line in open("/proc/self/smaps"):
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: range perms offset dev inode path
+                inode = fields[4] if "memfd:rally-ckpt-" in line and "-whole." in line else None
+            elif inode and line.startswith("Rss:"):
+                found[inode] = found.get(inode, 0) + int(fields[1])
+        return found
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_restarted_worker_finds_its_resume_step_mapped_before_it_asks(holder: Holder, tmp_path: Path) -> None:
+    got = holder.run_worker(
+        tmp_path,
+        MAPPED_KB
+        + """
+    import json, torch
+    from rally import job
+    from rally.agent.checkpoint import resume_prefetch
+    assert resume_prefetch._thread is not None, "no prefetch on a restart under the memory tier"
+    resume_prefetch._thread.join(60)
+    before = sum(mapped_kb().values())  # what the thread mapped while "the script was starting"
+    first = job.load_latest()
+    second = job.load_latest(map_location=lambda storage, location: storage)  # not the prepared one: loads anew
+    print(json.dumps({
+        "before_kb": before,
+        "first": [first.step, first.source, first.state["step"], bool((first.state["w"] == 2.0).all())],
+        "second": [second.step, second.source, second.state["step"], torch.equal(second.state["w"], first.state["w"])],
+        "left": resume_prefetch._ready is not None,
+    }))
+""",
+    )
+    assert got["before_kb"] >= ELEMENTS * 4 // 1024, f"the copy was not mapped before load_latest: {got}"
+    assert got["first"] == [2, "memory", 2, True]  # the round's step, not simply the newest in memory
+    assert got["second"] == [2, "memory", 2, True]
+    assert got["left"] is False  # given once
+
+
+NO_PREFETCH = """
+    import json
+    from rally.agent.checkpoint import resume_prefetch
+    print(json.dumps({"thread": resume_prefetch._thread is not None}))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_first_start_or_the_switch_off_prepares_nothing(holder: Holder, tmp_path: Path) -> None:
+    assert holder.run_worker(tmp_path, NO_PREFETCH, restart_count=0) == {"thread": False}
+    assert holder.run_worker(tmp_path, NO_PREFETCH, RALLY_RESUME_PREFETCH="0") == {"thread": False}
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_state_the_safe_loader_refuses_is_loaded_the_ordinary_way(tmp_path: Path) -> None:
+    from fractions import Fraction
+
+    holder = Holder(tmp_path, extra={"lr": Fraction(1, 3)})  # not among the types weights_only loads
+    try:
+        got = holder.run_worker(
+            tmp_path,
+            """
+    import json, pickle
+    from rally import job
+    from rally.agent.checkpoint import resume_prefetch
+    resume_prefetch._thread.join(60)
+    prepared = resume_prefetch._ready is not None
+    try:
+        job.load_latest()
+        refused = ""
+    except pickle.UnpicklingError as exc:  # as torch.load itself refuses it
+        refused = type(exc).__name__
+    ckpt = job.load_latest(weights_only=False)
+    got = [ckpt.step, ckpt.source, str(ckpt.state["lr"])]
+    print(json.dumps({"prepared": prepared, "refused": refused, "got": got}))
+""",
+        )
+    finally:
+        holder.agent.stop()
+    assert got == {"prepared": False, "refused": "UnpicklingError", "got": [2, "memory", "1/3"]}
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_script_that_saves_before_it_loads_lets_go_of_the_prepared_copy(holder: Holder, tmp_path: Path) -> None:
+    got = holder.run_worker(
+        tmp_path,
+        MAPPED_KB
+        + """
+    import gc, json, torch
+    from rally import job
+    from rally.agent.checkpoint import resume_prefetch
+    resume_prefetch._thread.join(60)
+    prepared = {inode for inode, kb in mapped_kb().items() if kb}
+    before = sum(mapped_kb().values())
+    job.save({"w": torch.zeros(10), "step": 3}, 3)  # a script that starts over instead of resuming
+    gc.collect()
+    after = sum(kb for inode, kb in mapped_kb().items() if inode in prepared)
+    ckpt = job.load_latest()
+    print(json.dumps({"before_kb": before, "after_kb": after, "prepared": resume_prefetch._ready is not None,
+                      "got": [ckpt.step, ckpt.source]}))
+""",
+    )
+    assert got["before_kb"] >= ELEMENTS * 4 // 1024
+    assert got["prepared"] is False
+    assert got["after_kb"] < ELEMENTS * 4 // 1024 // 2, f"the prepared mapping outlived the save: {got}"
+    assert got["got"] == [2, "memory"]  # the round still resumes from its step, loaded anew
