@@ -14,54 +14,63 @@ plain copy the stall is measured against, and nothing else.
 Why equal signatures give equal files: DCP's plan for a rank depends on the flattened keys, each
 tensor's dtype, shape, ``requires_grad`` and, for a DTensor, its mesh, placements and global
 shape (which decide the chunk's offsets), and on the non-tensor values (pickled into the file);
-the signature holds all of them. Only states DCP writes without a copy are eligible: every
-tensor on the CPU, plain or a DTensor, contiguous, filling its storage from offset 0, no storage
-shared between two tensors. Then DCP hands ``torch.save`` each storage itself, and the recorder
-sees every storage written whole exactly once (else :meth:`Recorder.layout` gives None and every
-save takes DCP's way, as before). Per-record CRC-32s are left out (``compute_crc32=False``, as
+the signature holds all of them. Eligible: every tensor on the CPU, plain or a DTensor's local
+shard, contiguous, and no storage filled by two tensors. DCP hands ``torch.save`` a storage that
+a tensor fills as it is; a tensor that does not fill its storage (FSDP2's uneven last shard is a
+slice of a padded one) it copies first, into a storage nobody else knows. So the save that
+teaches a layout gives DCP a compact copy of such a view, made here (:func:`compacted`), and the
+recorder sees every storage written whole exactly once (else :meth:`Recorder.layout` gives None
+and every save takes DCP's way, as before); the replay copies the view's bytes. A tensor with no
+bytes (an empty shard) has nothing to copy. Per-record CRC-32s are left out (``compute_crc32=False``, as
 for whole states: ``torch.load`` does not check them); rally's manifest has CRC-32s of the files.
 """
 
 from __future__ import annotations
 
 import io
+from collections import OrderedDict
 from typing import Any
 
 from rally.agent.checkpoint.layout import Layout, Recorder, walk_structure
 
 
-def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
-    """(what decides DCP's two files but the tensors' bytes, the storages in walk order); None: ineligible."""
+def _local_kind(obj: Any) -> str | None:
+    """How DCP writes a (local) tensor: ``whole`` (its storage itself), ``view`` (a clone DCP makes
+    of a tensor that does not fill its storage, e.g. FSDP2's uneven last shard, a slice of its
+    padded storage), ``empty`` (no bytes); None: not eligible for the fast path."""
     import torch
+
+    if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu" or obj.layout != torch.strided:
+        return None
+    if obj.__dict__ or obj.is_conj() or obj.is_neg() or obj.is_quantized or obj.is_nested or not obj.is_contiguous():
+        return None
+    if obj.nbytes == 0:
+        return "empty"
+    return "whole" if obj.untyped_storage().nbytes() == obj.nbytes else "view"
+
+
+def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """(what decides DCP's two files but the tensors' bytes, the sources of those bytes in walk
+    order: a storage DCP writes itself, or a view whose clone it writes); None: ineligible."""
     from torch.distributed.tensor import DTensor
 
     sig: list[Any] = []
-    storages: list[Any] = []
+    sources: list[Any] = []
     seen: set[int] = set()
     meshes: dict[int, tuple[Any, ...]] = {}
 
     def tensor(obj: Any) -> tuple[Any, ...] | None:
-        if (
-            type(obj) not in (torch.Tensor, torch.nn.Parameter)
-            or obj.device.type != "cpu"
-            or obj.layout != torch.strided
-        ):
+        kind = _local_kind(obj)
+        if kind is None:
             return None
-        if (
-            obj.__dict__
-            or obj.is_conj()
-            or obj.is_neg()
-            or obj.is_quantized
-            or obj.is_nested
-            or not obj.is_contiguous()
-        ):
-            return None
-        storage = obj.untyped_storage()
-        ptr = storage.data_ptr()
-        if obj.storage_offset() != 0 or storage.nbytes() != obj.nbytes or obj.nbytes == 0 or ptr in seen:
-            return None
-        seen.add(ptr)
-        storages.append(storage)
+        if kind == "whole":
+            storage = obj.untyped_storage()
+            if storage.data_ptr() in seen:  # written twice by DCP: the recorder could not tell which is which
+                return None
+            seen.add(storage.data_ptr())
+            sources.append(storage)
+        elif kind == "view":
+            sources.append(obj)
         return (type(obj), obj.dtype, tuple(obj.shape), obj.requires_grad)
 
     def leaf(obj: Any) -> bool:
@@ -96,7 +105,60 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
         sig.append(found)
         return True
 
-    return (tuple(sig), storages) if walk_structure(state, sig, leaf) else None
+    return (tuple(sig), sources) if walk_structure(state, sig, leaf) else None
+
+
+def compacted(state: Any, sources: list[Any]) -> tuple[Any, list[Any] | None]:
+    """For the save that teaches a layout: ``state`` with every view among ``sources`` replaced
+    by a compact copy made here, and the storages the recorder is to watch (that copy's in the
+    view's place). DCP would copy a view itself, into a storage no recorder knows; written from
+    ours, every source is seen. (``state`` as it is, and None, when the walk disagrees with
+    ``sources``: that save teaches nothing.)"""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(s, torch.Tensor) for s in sources):
+        return state, sources
+    watched: list[Any] = []
+
+    def compact(local: Any) -> Any:
+        kind = _local_kind(local)
+        if kind == "whole":
+            watched.append(local.untyped_storage())
+        elif kind == "view":
+            copy = local.detach().clone(memory_format=torch.contiguous_format).requires_grad_(local.requires_grad)
+            watched.append(copy.untyped_storage())
+            return copy
+        return local
+
+    def rebuild(obj: Any) -> Any:
+        kind = type(obj)
+        if kind in (dict, OrderedDict):
+            return kind((k, rebuild(v)) for k, v in obj.items())
+        if kind in (list, tuple):
+            return kind(rebuild(v) for v in obj)
+        if kind is DTensor:
+            local = obj.to_local()
+            copy = compact(local)
+            if copy is local:
+                return obj
+            return DTensor.from_local(
+                copy, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+            )
+        if isinstance(obj, torch.Tensor):
+            return compact(obj)
+        return obj
+
+    rebuilt = rebuild(state)
+    if [_nbytes(s) for s in watched] != [_nbytes(s) for s in sources]:
+        return state, None
+    return rebuilt, watched
+
+
+def _nbytes(source: Any) -> int:
+    import torch
+
+    return int(source.nbytes) if isinstance(source, torch.Tensor) else int(source.nbytes())
 
 
 class RecordingBytes(io.BytesIO):

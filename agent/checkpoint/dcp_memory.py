@@ -179,8 +179,9 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> bool:
     if found is not None and known is not None and known.signature == found[0]:
         if _save_fast(tier, known, found[1], directory, step, keep, rank, world):
             return True
-    recorder = Recorder(found[1]) if found is not None else None
-    meta, data = _rank_local_files(state, rank, recorder)
+    written, watched = dcp_layout.compacted(state, found[1]) if found is not None else (state, None)
+    recorder = Recorder(watched) if watched is not None else None
+    meta, data = _rank_local_files(written, rank, recorder)
     learnt = dcp_layout.learn(found[0] if found is not None else None, recorder, meta, data.nbytes)
     if learnt is not None:
         _layouts[key] = learnt

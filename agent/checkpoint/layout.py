@@ -144,8 +144,10 @@ class Layout:
         self.offsets = offsets
         self.rest = rest
 
-    def write(self, storages: list[Any], target: Any) -> int:
-        """Write the archive of a state with this layout into ``target`` (a slot's mapping); its length."""
+    def write(self, sources: list[Any], target: Any) -> int:
+        """Write the archive of a state with this layout into ``target`` (a slot's mapping); its length.
+        A source is a storage, or a contiguous tensor whose bytes were written as a storage of
+        their own (a view DCP would clone, see agent/checkpoint/dcp_layout.py)."""
         import torch
 
         if len(target) < self.length:
@@ -154,10 +156,18 @@ class Layout:
             target[pos : pos + len(data)] = data
         whole = torch.frombuffer(target, dtype=torch.uint8, count=self.length)
         try:
-            for storage, pos in zip(storages, self.offsets, strict=True):
-                size = storage.nbytes()
-                source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
-                whole[pos : pos + size].copy_(source)
+            for source, pos in zip(sources, self.offsets, strict=True):
+                data = _bytes_of(source)
+                whole[pos : pos + data.numel()].copy_(data)
         finally:
             del whole  # no export of the mapping outlives the save (SlotMaps may close it)
         return self.length
+
+
+def _bytes_of(source: Any) -> Any:
+    """A uint8 tensor over a storage's bytes, or over a contiguous tensor's own bytes."""
+    import torch
+
+    if isinstance(source, torch.Tensor):
+        return source.detach().reshape(-1).view(torch.uint8)
+    return torch.empty(0, dtype=torch.uint8).set_(source, 0, (source.nbytes(),), (1,))
