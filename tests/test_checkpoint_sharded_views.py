@@ -7,8 +7,11 @@ fast path must still take these states, and what it writes must be what DCP
 itself writes for the same state, after the values changed since the layout was learnt (the
 data file byte for byte; the metadata but for the id DCP gives every save).
 
-One real process (world size 1, gloo, a 1-rank mesh) runs DCP's own rank-local save and the
-replay side by side on the same states and prints what it found.
+The reload reads such files out of memory with one copy per shard
+(agent/checkpoint/dcp_reader.py): it must load what DCP's own reader loads.
+
+One real process (world size 1, gloo, a 1-rank mesh) runs DCP's own rank-local save and load and
+rally's replay and reader side by side on the same states and prints what it found.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from helpers import clean_env
 CHECK = r"""
 import json, os, pickle, sys, warnings
 import torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from rally.agent.checkpoint import dcp_layout, dcp_memory
@@ -69,6 +74,29 @@ replayed = bytearray(learnt.data.length) if learnt else bytearray()
 if learnt:
     learnt.write_data(again[1], memoryview(replayed))
 dcp_meta, dcp_data = dcp_memory._rank_local_files(state, 0)
+
+# The reload's fast reader (agent/checkpoint/dcp_reader.py) against DCP's own, into fresh states.
+def sharded(local, shape, stride):
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+def fresh():
+    return {
+        "uneven": sharded(torch.zeros(8, 5)[:7], (7, 5), (5, 1)),
+        "empty": sharded(torch.zeros(4)[:0], (0,), (1,)),
+        "offset": torch.zeros(40)[10:25], "whole": torch.zeros(6), "step": torch.tensor(-1.0), "meta": {"lr": 0.0},
+    }
+
+files = {".metadata": dcp_meta, dcp_memory.data_name(0): dcp_data}
+fast, slow = fresh(), fresh()
+reader = dcp_memory.MemoryReader(files, dcp_memory._MemoryFileSystem(files))
+dcp.load(fast, storage_reader=reader, no_dist=True)
+own = FileSystemReader("/rally-memory")
+own.fs = dcp_memory._MemoryFileSystem(files)
+dcp.load(slow, storage_reader=own, no_dist=True)
+local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+loaded_alike = fast["meta"] == slow["meta"] == {"lr": 0.1} and all(
+    torch.equal(local(fast[k]), local(slow[k])) and torch.equal(local(fast[k]), local(state[k]))
+    for k in ("uneven", "empty", "offset", "whole", "step"))
 print("RESULT " + json.dumps({
     "kinds": [dcp_layout._local_kind(t) for t in (padded[:7], empty_padded[:0], flat[10:25], state["whole"])],
     "sources": [type(s).__name__ for s in sources],
@@ -76,6 +104,8 @@ print("RESULT " + json.dumps({
     "same_signature": again is not None and again[0] == sig,
     "meta_same_as_dcp": bool(learnt) and recorded(learnt.meta) == recorded(own_meta) == recorded(dcp_meta),
     "data_same_as_dcp": bytes(replayed) == bytes(dcp_data),
+    "loaded_alike": loaded_alike,
+    "viewed": reader.viewed,
 }), flush=True)
 dist.destroy_process_group()
 """
@@ -97,3 +127,5 @@ def test_uneven_and_empty_shards_take_the_fast_path_and_write_what_dcp_writes(tm
     assert found["learnt"] and found["same_signature"], found  # eligible, and replayable at the next save
     assert found["meta_same_as_dcp"], found  # the compact copies changed nothing DCP records
     assert found["data_same_as_dcp"], found  # the replay wrote DCP's own bytes for the new values
+    assert found["loaded_alike"], found  # the reload's reader loads what DCP's own loads
+    assert found["viewed"] == 4, found  # every tensor with bytes read straight out of memory, one copy

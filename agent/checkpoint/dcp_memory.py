@@ -36,10 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter, _StoragePrefix
 
 from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint import dcp_files, dcp_layout, dcp_persist
+from rally.agent.checkpoint.dcp_reader import MemoryReader, ViewFile
 from rally.agent.checkpoint.layout import Recorder
 from rally.agent.checkpoint.shm import _no_record_crc
 
@@ -66,33 +67,6 @@ class _OpenBytes(io.BytesIO):
         pass
 
 
-class _ViewReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview (a mapped slot): no copy of the whole file."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.pos = memoryview(view).cast("B"), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        target = memoryview(buffer).cast("B")
-        n = max(0, min(target.nbytes, self.view.nbytes - self.pos))
-        target[:n] = self.view[self.pos : self.pos + n]
-        self.pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.view.nbytes}[whence] + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-
 class _MemoryFileSystem(FileSystem):
     """DCP's file system interface over a dict of names to bytes (no directory, no fsync)."""
 
@@ -109,7 +83,7 @@ class _MemoryFileSystem(FileSystem):
             self.files[name] = stream
         else:
             data = self.files[name]
-            yield _ViewReader(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+            yield ViewFile(data.getbuffer() if isinstance(data, io.BytesIO) else data)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         self.files[Path(new_path).name] = self.files.pop(Path(path).name)
@@ -411,8 +385,8 @@ def load(state: dict[str, Any], step: int, providers: dict[int, int]) -> list[in
         )
     meta = mine[HEADER.size : HEADER.size + meta_len]
     data = mine[HEADER.size + meta_len :]
-    reader = FileSystemReader("/rally-memory")
-    reader.fs = _MemoryFileSystem({".metadata": meta, data_name(rank): data})
+    files = {".metadata": meta, data_name(rank): data}
+    reader = MemoryReader(files, _MemoryFileSystem(files))  # one copy per shard (agent/checkpoint/dcp_reader.py)
     with _rank_local():
         dcp.load(state, storage_reader=reader, no_dist=True)
     return remote
