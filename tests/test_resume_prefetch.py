@@ -34,7 +34,7 @@ ELEMENTS = 2_000_000  # 8 MB of float32: 2,000 pages to map
 class Holder:
     """A holder with steps 1 and 2 of a whole state in memory, and round 1 resuming from step 2."""
 
-    def __init__(self, tmp: Path, extra: dict | None = None) -> None:
+    def __init__(self, tmp: Path, extra: dict | None = None, whole: bool = True) -> None:
         import torch
 
         self.checkpoint_dir = tmp / "ckpt"
@@ -42,7 +42,7 @@ class Holder:
         assert isinstance(self.agent, CheckpointTier)
         self.id = self.agent.env()[ckpt_client.HOLDER_ENV]
         self.agent.open_round(0, None, LEASE)
-        for step in (1, 2):
+        for step in (1, 2) if whole else ():
             state = {"w": torch.full((ELEMENTS,), float(step)), "step": step, **(extra or {})}
             assert MemoryTier(self.id, 0).save(state, job.WHOLE_STATE_KEY, step, persist=False, keep=3)
         self.agent.open_round(1, 2, LEASE)
@@ -187,3 +187,43 @@ def test_a_script_that_saves_before_it_loads_lets_go_of_the_prepared_copy(holder
     assert got["prepared"] is False
     assert got["after_kb"] < ELEMENTS * 4 // 1024 // 2, f"the prepared mapping outlived the save: {got}"
     assert got["got"] == [2, "memory"]  # the round still resumes from its step, loaded anew
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_sharded_rank_finds_its_own_newest_copy_mapped_before_it_asks(tmp_path: Path) -> None:
+    """A sharded job agrees on its step inside load_latest: the thread maps this rank's own newest
+    copy (key dcp<rank>of<world>), which load_latest takes when that is the agreed step."""
+    holder = Holder(tmp_path, whole=False)
+    try:
+        size, writer = 4 << 20, MemoryTier(holder.id, 1)
+        for step in (3, 4):  # a rank's two copies (any bytes: the thread only maps them)
+            slot = writer.reserve("dcp1of2", step, size, False, 3)
+            assert slot is not None
+            slot[:size] = bytes([step]) * size
+            writer.commit("dcp1of2", step, size)
+        got = holder.run_worker(
+            tmp_path,
+            """
+    import json
+    from rally.agent.checkpoint import resume_prefetch
+    resume_prefetch._thread.join(60)
+    kb, inside = 0, False
+    for line in open("/proc/self/smaps"):  # the mapping of this rank's copy: its memfd is named dcp1of2
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            inside = "memfd:rally-ckpt-" in line and "-dcp1of2." in line
+        elif inside and line.startswith("Rss:"):
+            kb += int(fields[1])
+    view = resume_prefetch.take_slot("dcp1of2", 4)
+    again = resume_prefetch.take_slot("dcp1of2", 4)
+    print(json.dumps({"dcp_kb": kb, "first_byte": view[0] if view is not None else None, "again": again is not None}))
+""",
+            RANK="1",
+            WORLD_SIZE="2",
+        )
+    finally:
+        holder.agent.stop()
+    assert got["dcp_kb"] >= 4 << 10, got  # a copy faulted in before load_latest asked
+    assert got["first_byte"] == 4, got  # the newest one
+    assert got["again"] is False, got  # given once

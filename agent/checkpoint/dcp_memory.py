@@ -345,9 +345,10 @@ def plan(holdings: list[dict[str, list[int]]], world: int, local: int) -> tuple[
     return None, {}, why
 
 
-def load(state: dict[str, Any], step: int, providers: dict[int, int]) -> list[int]:
+def load(state: dict[str, Any], step: int, providers: dict[int, int], mine: memoryview | None = None) -> list[int]:
     """Load this rank's copy of ``step`` into ``state`` in place (a collective: every rank calls it,
-    with the same plan); return the ranks whose copy came from another node."""
+    with the same plan); return the ranks whose copy came from another node. ``mine``: this
+    rank's own copy of ``step``, already mapped (agent/checkpoint/resume_prefetch.py)."""
     tier = ckpt_client.tier()
     assert tier is not None
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -358,7 +359,8 @@ def load(state: dict[str, Any], step: int, providers: dict[int, int]) -> list[in
     missing = ""
     for old_rank in [rank] * (providers.get(rank) == rank) + [r for r in remote if providers[r] == rank]:
         try:
-            blobs[old_rank] = _read_slot(tier, old_rank, world, step)
+            own = mine if old_rank == rank else None
+            blobs[old_rank] = own if own is not None else _read_slot(tier, old_rank, world, step)
         except (RuntimeError, OSError) as exc:
             missing = str(exc)
     vote = torch.tensor([0 if missing else 1], dtype=torch.int32)
@@ -394,12 +396,22 @@ def load(state: dict[str, Any], step: int, providers: dict[int, int]) -> list[in
 
 def _read_slot(tier: ckpt_client.MemoryTier, old_rank: int, world: int, step: int) -> memoryview:
     for key in (own_key(old_rank, world), replica_key(old_rank, world)):
-        found = tier.slot(key, step)
+        found = map_slot(tier, key, step)
         if found is not None:
-            fd, length = found
-            try:  # mapped, not copied: the holder never writes a slot it handed out again
-                mapped = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            return memoryview(mapped)
+            return found
     raise RuntimeError(f"rally: the in-memory copy of rank {old_rank}, step {step}, is gone from this node")
+
+
+def map_slot(tier: ckpt_client.MemoryTier, key: str, step: int) -> memoryview | None:
+    """This node's copy of ``step`` under ``key``, mapped (None: not held here). Mapped, not
+    copied: the holder never writes a slot it handed out again. Private and writable, so
+    ``torch.frombuffer`` views it without a warning; nothing writes to it."""
+    found = tier.slot(key, step)
+    if found is None:
+        return None
+    fd, length = found
+    try:
+        mapped = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return memoryview(mapped)

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from rally.agent.checkpoint import client as ckpt_client
-from rally.agent.checkpoint import dcp_files, dcp_memory
+from rally.agent.checkpoint import dcp_files, dcp_memory, resume_prefetch
 from rally.agent.worker.checkpoint_file import Checkpoint, DamagedCheckpoint
 
 
@@ -275,7 +275,8 @@ def _load_from_memory(
         return None, f"the disk holds a newer step ({newest_on_disk}) than memory ({step})"
     failure = ""
     try:
-        remote = dcp_memory.load(state, step, providers)
+        mine = resume_prefetch.take_slot(dcp_memory.own_key(rank, world), step)  # mapped while the script started
+        remote = dcp_memory.load(state, step, providers, mine)
     except Exception as exc:  # the same on every rank after the vote below: all take the disk
         failure, remote = f"{type(exc).__name__}: {exc}", []
     reasons = _reasons_of_every_rank(failure, world)

@@ -10,12 +10,18 @@ it, see agent/checkpoint/slots.py), so all but the copy can be done early:
 
     bootstrap.run()   -> start()              # a thread: resume, torch.load(mmap=True), fault the pages in
     job.load_latest() -> take(map_location)   # (step, state) once, if prepared for the CPU; else None
+    load_latest(into) -> take_slot(key, step) # a sharded job: this rank's copy, mapped
     job.save()        -> discard()            # a script that saves without loading lets go of it
 
 so the call costs nothing but the copy into the model that follows it. The thread runs only on a
-restart (``TORCHELASTIC_RESTART_COUNT`` > 0) under the memory tier, and does more than one request
-to the holder only when this node holds a whole-state copy (``job.save`` of a DDP state) of the
-step the round resumes from; a sharded job, a fresh node or a first start costs nothing.
+restart (``TORCHELASTIC_RESTART_COUNT`` > 0) under the memory tier, and does more than a request
+or two to the holder only when this node holds a copy to resume from; a fresh node or a first
+start costs nothing.
+
+A sharded job (``job.save`` of DTensors) agrees on its step inside ``load_latest`` (every rank's
+holdings are gathered, agent/checkpoint/dcp_storage.py), so the thread prepares what is likely:
+it imports DCP (tens of ms) and maps and faults in this rank's own newest copy, which
+``dcp_storage`` takes (:func:`take_slot`) when the agreed step is that one.
 
 Why the prepared answer stays right until the call: a worker belongs to one round, whose resume
 step the holder never changes, and the ``resume`` request marks the slot reloaded, so it is never
@@ -47,6 +53,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _ready: tuple[int, Any] | None = None  # (the round's resume step, its state mapped from this node's copy)
+_slot_ready: tuple[str, int, memoryview] | None = None  # (key, step, mapping) of this rank's sharded copy
 _discarded = False
 
 
@@ -74,6 +81,7 @@ def _prepare() -> None:
             return
         step, fd = tier.resume(client.WHOLE_STATE_KEY)
         if fd is None:
+            _prepare_sharded(tier)
             return
         try:
             if step is None:
@@ -89,6 +97,29 @@ def _prepare() -> None:
                 _ready = (step, state)
     except Exception:  # noqa: BLE001 - the script's own load_latest takes the ordinary path and says what is wrong
         return
+
+
+def _prepare_sharded(tier: client.MemoryTier) -> None:
+    """A sharded job (``job.save`` of DTensors): import DCP, and map this rank's own newest copy.
+    Which step the ranks resume from is decided in ``load_latest`` (agent/checkpoint/dcp_storage.py);
+    it is the newest every rank holds, so this rank's newest is the likely one."""
+    global _slot_ready
+    held = tier.held("dcp")
+    if not held:
+        return
+    from rally.agent.checkpoint import dcp_memory  # imports torch.distributed.checkpoint: off the reload's path
+
+    key = dcp_memory.own_key(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    steps = held.get(key)
+    if not steps:
+        return
+    view = dcp_memory.map_slot(tier, key, max(steps))
+    if view is None:
+        return
+    populate(ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes)
+    with _lock:
+        if not _discarded:
+            _slot_ready = (key, max(steps), view)
 
 
 def storages_of(state: Any) -> list[Any]:
@@ -112,16 +143,23 @@ def fault_in(storages: list[Any]) -> None:
     """Map every page of ``storages`` into this process now (torch.load put them in one mapping)."""
     if not storages:
         return
-    start = min(s.data_ptr() for s in storages) // PAGE * PAGE
-    end = max(s.data_ptr() + s.nbytes() for s in storages)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(start, end - start, MADV_POPULATE_READ) == 0:
+    start = min(s.data_ptr() for s in storages)
+    if populate(start, max(s.data_ptr() + s.nbytes() for s in storages) - start):
         return
     import torch  # an older kernel (EINVAL): read one byte of every page instead
 
     for storage in storages:
         torch.empty(0, dtype=torch.uint8).set_(storage)[::PAGE].max()
+
+
+def populate(address: int, length: int) -> bool:
+    """``madvise(MADV_POPULATE_READ)`` over the pages of [address, address + length): mapped
+    readable, shared with the holder's memfd (no copy even in a private mapping); False where the
+    kernel has no such advice (before 5.14)."""
+    start = address // PAGE * PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return bool(libc.madvise(start, address + length - start, MADV_POPULATE_READ) == 0)
 
 
 def take(map_location: Any) -> tuple[int, Any] | None:
@@ -137,12 +175,25 @@ def take(map_location: Any) -> tuple[int, Any] | None:
     return ready if ready is not None and _on_cpu(map_location) else None
 
 
-def discard() -> None:
-    """Let go of a prepared state the script did not load (it saves instead): its mapping would
-    keep a replaced copy's memory alive."""
-    global _ready, _discarded
+def take_slot(key: str, step: int) -> memoryview | None:
+    """This rank's sharded copy of ``step`` under ``key``, mapped and faulted in while the script
+    started; None if another was prepared or none (map it then). Given once."""
+    global _slot_ready
+    thread = _thread
+    if thread is None:
+        return None
+    thread.join(client.REPLY_TIMEOUT)
     with _lock:
-        _ready, _discarded = None, True
+        ready, _slot_ready = _slot_ready, None
+    return ready[2] if ready is not None and ready[:2] == (key, step) else None
+
+
+def discard() -> None:
+    """Let go of what was prepared for a reload the script did not make (it saves instead): a
+    mapping would keep a replaced copy's memory alive."""
+    global _ready, _slot_ready, _discarded
+    with _lock:
+        _ready, _slot_ready, _discarded = None, None, True
 
 
 def _on_cpu(map_location: Any) -> bool:
