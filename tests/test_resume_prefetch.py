@@ -142,7 +142,7 @@ def test_a_state_the_safe_loader_refuses_is_loaded_the_ordinary_way(tmp_path: Pa
         got = holder.run_worker(
             tmp_path,
             """
-    import json, pickle
+    import json, pickle, torch
     from rally import job
     from rally.agent.checkpoint import resume_prefetch
     resume_prefetch._thread.join(60)

@@ -220,6 +220,20 @@ class MemoryTier:
         self._checked(answer, fds)
         return {str(k): [int(s) for s in v] for k, v in answer["held"].items()}
 
+    def mapped_slot(self, key: str, step: int) -> memoryview | None:
+        """Committed ``step`` of ``key`` on this node, mapped (None: not held here). Mapped, not
+        copied: the holder never writes a slot it handed out again. Private and writable, so
+        ``torch.frombuffer`` views it without a warning; nothing writes to it."""
+        found = self.slot(key, step)
+        if found is None:
+            return None
+        fd, length = found
+        try:
+            mapped = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return memoryview(mapped)
+
     def slot(self, key: str, step: int) -> tuple[int, int] | None:
         """(a memfd holding committed ``step`` of ``key`` on this node, its length), or None.
         The caller closes the memfd."""

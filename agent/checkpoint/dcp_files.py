@@ -54,6 +54,16 @@ KEY_RE = re.compile(r"^dcp(r?)(\d+)of(\d+)$")
 """The holder's keys of sharded copies: ``dcp<rank>of<world>`` (own), ``dcpr<rank>of<world>`` (replica)."""
 
 
+def own_key(rank: int, world: int) -> str:
+    """The holder's key for rank ``rank``'s own copy (the world size in it: a copy serves only its layout)."""
+    return f"dcp{rank}of{world}"
+
+
+def replica_key(rank: int, world: int) -> str:
+    """The holder's key for the replica of rank ``rank``'s copy, kept on the next node."""
+    return f"dcpr{rank}of{world}"
+
+
 def step_name(step: int) -> str:
     """The published directory's name for ``step``: ``step_<12 digits>.dcp``."""
     return f"step_{step:012d}{SUFFIX}"

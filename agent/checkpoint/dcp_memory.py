@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import mmap
 import os
 import warnings
 from collections.abc import Iterator
@@ -48,16 +47,7 @@ HEADER, MAGIC = dcp_files.SLOT_HEADER, dcp_files.SLOT_MAGIC
 REPLICAS_ENV = "RALLY_CKPT_REPLICAS"
 """Set to 0 to keep no replica of a node's shards on its ring peer (memory and disk only)."""
 _KEY_RE = dcp_files.KEY_RE
-
-
-def own_key(rank: int, world: int) -> str:
-    """The holder's key for rank ``rank``'s own copy (the world size in it: a copy serves only its layout)."""
-    return f"dcp{rank}of{world}"
-
-
-def replica_key(rank: int, world: int) -> str:
-    """The holder's key for the replica of rank ``rank``'s copy, kept on the next node."""
-    return f"dcpr{rank}of{world}"
+own_key, replica_key = dcp_files.own_key, dcp_files.replica_key
 
 
 class _OpenBytes(io.BytesIO):
@@ -396,22 +386,7 @@ def load(state: dict[str, Any], step: int, providers: dict[int, int], mine: memo
 
 def _read_slot(tier: ckpt_client.MemoryTier, old_rank: int, world: int, step: int) -> memoryview:
     for key in (own_key(old_rank, world), replica_key(old_rank, world)):
-        found = map_slot(tier, key, step)
+        found = tier.mapped_slot(key, step)
         if found is not None:
             return found
     raise RuntimeError(f"rally: the in-memory copy of rank {old_rank}, step {step}, is gone from this node")
-
-
-def map_slot(tier: ckpt_client.MemoryTier, key: str, step: int) -> memoryview | None:
-    """This node's copy of ``step`` under ``key``, mapped (None: not held here). Mapped, not
-    copied: the holder never writes a slot it handed out again. Private and writable, so
-    ``torch.frombuffer`` views it without a warning; nothing writes to it."""
-    found = tier.slot(key, step)
-    if found is None:
-        return None
-    fd, length = found
-    try:
-        mapped = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    return memoryview(mapped)

@@ -20,8 +20,13 @@ start costs nothing.
 
 A sharded job (``job.save`` of DTensors) agrees on its step inside ``load_latest`` (every rank's
 holdings are gathered, agent/checkpoint/dcp_storage.py), so the thread prepares what is likely:
-it imports DCP (tens of ms) and maps and faults in this rank's own newest copy, which
-``dcp_storage`` takes (:func:`take_slot`) when the agreed step is that one.
+it maps and faults in this rank's own newest copy, which ``dcp_storage`` takes
+(:func:`take_slot`) when the agreed step is that one.
+
+The thread never imports a module the script may be importing at the same moment (two threads
+importing one package's modules in different orders can deadlock, and it could be the script's
+thread that fails): the sharded part needs no torch, the whole-state part waits until the
+script's own ``import torch`` has finished.
 
 Why the prepared answer stays right until the call: a worker belongs to one round, whose resume
 step the holder never changes, and the ``resume`` request marks the slot reloaded, so it is never
@@ -40,10 +45,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
+import time
 from typing import Any
 
-from rally.agent.checkpoint import client
+from rally.agent.checkpoint import client, dcp_files
 from rally.agent.checkpoint.shm import fd_path
 
 PREFETCH_ENV = "RALLY_RESUME_PREFETCH"
@@ -84,9 +91,9 @@ def _prepare() -> None:
             _prepare_sharded(tier)
             return
         try:
-            if step is None:
+            if step is None or not _torch_imported(client.REPLY_TIMEOUT):
                 return
-            import torch  # only now: a node holding a whole-state copy runs a torch job
+            import torch  # already imported by the script
 
             state = torch.load(fd_path(fd), map_location="cpu", weights_only=True, mmap=True)
         finally:
@@ -99,27 +106,37 @@ def _prepare() -> None:
         return
 
 
+def _torch_imported(timeout: float) -> bool:
+    """Wait until the script's own import of torch has finished; False if it does not within
+    ``timeout``. This thread never imports it first: two threads importing one package's modules
+    in different orders can deadlock, and the script's thread would be the one to fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        module = sys.modules.get("torch")
+        if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
 def _prepare_sharded(tier: client.MemoryTier) -> None:
-    """A sharded job (``job.save`` of DTensors): import DCP, and map this rank's own newest copy.
+    """A sharded job (``job.save`` of DTensors): map and fault in this rank's own newest copy.
     Which step the ranks resume from is decided in ``load_latest`` (agent/checkpoint/dcp_storage.py);
-    it is the newest every rank holds, so this rank's newest is the likely one."""
+    it is the newest every rank holds, so this rank's newest is the likely one. Imports no torch."""
     global _slot_ready
     held = tier.held("dcp")
-    if not held:
+    key = dcp_files.own_key(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    if not held.get(key):
         return
-    from rally.agent.checkpoint import dcp_memory  # imports torch.distributed.checkpoint: off the reload's path
-
-    key = dcp_memory.own_key(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
-    steps = held.get(key)
-    if not steps:
-        return
-    view = dcp_memory.map_slot(tier, key, max(steps))
+    step = max(held[key])
+    view = tier.mapped_slot(key, step)
     if view is None:
         return
     populate(ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes)
     with _lock:
         if not _discarded:
-            _slot_ready = (key, max(steps), view)
+            _slot_ready = (key, step, view)
 
 
 def storages_of(state: Any) -> list[Any]:
