@@ -18,7 +18,10 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
   DCP: its future; DLRover: the file), when that happens within the 1.5 s between saves;
 - **reload**: after the restart, from the call until the state is back in the model's tensors
   (load + ``copy_``; DCP loads in place), and where it came from; also divided by the plain copy
-  of the same run, since on a shared machine the load moves between runs.
+  of the same run, since on a shared machine the load moves between runs. Each method's modules
+  are imported when the worker starts, as a script imports at its top, not inside the timed
+  call. rally's restarted workers map their node's copy and fault its pages in while they start
+  (agent/checkpoint/resume_prefetch.py, on every restart), so its reload is mostly the copy.
 
 rally (with its memory tier, and without: ``RALLY_MEMORY_TIER=0``, the disk path whose
 ``load_latest`` is item 8's) and the two torch methods run under rally (``--checkpoint-dir`` only
