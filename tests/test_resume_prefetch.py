@@ -76,14 +76,14 @@ def holder(tmp_path: Path) -> Iterator[Holder]:
         h.agent.stop()
 
 
-# Inside the worker: {inode: kB mapped} of the memory tier's whole-state memfds in this process.
+# Inside the worker: {inode: kB mapped} of the memory tier's memfds of a key (whole: DDP's state).
 MAPPED_KB = """
-    def mapped_kb():
+    def mapped_kb(key="whole"):
         found, inode = {}, None
         for line in open("/proc/self/smaps"):
             fields = line.split()
             if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: range perms offset dev inode path
-                inode = fields[4] if "memfd:rally-ckpt-" in line and "-whole." in line else None
+                inode = fields[4] if "memfd:rally-ckpt-" in line and f"-{key}." in line else None
             elif inode and line.startswith("Rss:"):
                 found[inode] = found.get(inode, 0) + int(fields[1])
         return found
@@ -204,17 +204,12 @@ def test_a_sharded_rank_finds_its_own_newest_copy_mapped_before_it_asks(tmp_path
             writer.commit("dcp1of2", step, size)
         got = holder.run_worker(
             tmp_path,
-            """
+            MAPPED_KB
+            + """
     import json
     from rally.agent.checkpoint import resume_prefetch
     resume_prefetch._thread.join(60)
-    kb, inside = 0, False
-    for line in open("/proc/self/smaps"):  # the mapping of this rank's copy: its memfd is named dcp1of2
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:
-            inside = "memfd:rally-ckpt-" in line and "-dcp1of2." in line
-        elif inside and line.startswith("Rss:"):
-            kb += int(fields[1])
+    kb = sum(mapped_kb("dcp1of2").values())  # the mapping of this rank's copy
     view = resume_prefetch.take_slot("dcp1of2", 4)
     again = resume_prefetch.take_slot("dcp1of2", 4)
     print(json.dumps({"dcp_kb": kb, "first_byte": view[0] if view is not None else None, "again": again is not None}))

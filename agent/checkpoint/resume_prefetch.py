@@ -51,7 +51,7 @@ import time
 from typing import Any
 
 from rally.agent.checkpoint import client, dcp_files
-from rally.agent.checkpoint.shm import fd_path
+from rally.agent.checkpoint.shm import fd_path, storages_of
 
 PREFETCH_ENV = "RALLY_RESUME_PREFETCH"
 MADV_POPULATE_READ = 22  # linux/mman.h; not in Python's mmap module before 3.13
@@ -137,23 +137,6 @@ def _prepare_sharded(tier: client.MemoryTier) -> None:
     with _lock:
         if not _discarded:
             _slot_ready = (key, step, view)
-
-
-def storages_of(state: Any) -> list[Any]:
-    """The distinct tensor storages in ``state`` (dicts, lists, tuples), as torch.load returns them."""
-    found: dict[int, Any] = {}
-    stack = [state]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif hasattr(item, "untyped_storage"):
-            storage = item.untyped_storage()
-            if storage.nbytes():
-                found[storage.data_ptr()] = storage
-    return list(found.values())
 
 
 def fault_in(storages: list[Any]) -> None:

@@ -88,10 +88,9 @@ class ArchiveTooLarge(ValueError):
     """The archive did not fit the slot reserved for it (the state grew since it was sized)."""
 
 
-def storage_bytes(state: Any) -> int:
-    """The bytes of the tensors in ``state`` (dicts, lists, tuples; each storage once): cheap,
-    to tell whether a state has the same sizes as the last one saved."""
-    seen: dict[int, int] = {}
+def storages_of(state: Any) -> list[Any]:
+    """The distinct storages, with bytes, of the tensors in ``state`` (dicts, lists, tuples)."""
+    found: dict[int, Any] = {}
     stack = [state]
     while stack:
         item = stack.pop()
@@ -101,8 +100,15 @@ def storage_bytes(state: Any) -> int:
             stack.extend(item)
         elif hasattr(item, "untyped_storage"):
             storage = item.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+            if storage.nbytes():
+                found[storage.data_ptr()] = storage
+    return list(found.values())
+
+
+def storage_bytes(state: Any) -> int:
+    """The bytes of the tensors in ``state`` (each storage once): cheap, to tell whether a state
+    has the same sizes as the last one saved."""
+    return sum(storage.nbytes() for storage in storages_of(state))
 
 
 class _Sink:
