@@ -21,7 +21,7 @@ import pytest
 
 from rally.agent.checkpoint.shm import holders_of
 
-pytest_plugins = ["slurm_cluster", "ddp_reference"]
+pytest_plugins = ["slurm_cluster", "ddp_reference", "fsdp_reference"]
 
 _HOG = "while True:\n    pass\n"
 
