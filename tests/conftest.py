@@ -21,7 +21,7 @@ import pytest
 
 from rally.agent.checkpoint.shm import holders_of
 
-pytest_plugins = ["slurm_cluster", "ddp_reference"]
+pytest_plugins = ["slurm_cluster", "ddp_reference", "fsdp_reference"]
 
 _HOG = "while True:\n    pass\n"
 
@@ -99,6 +99,7 @@ def cpu_hog(request: pytest.FixtureRequest) -> Iterator[bool]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "same_under_load: in a fault module, a case whose fault a busy CPU cannot change (parsing, a schema): "
-        ".ci/run's CPU-hog pass leaves it out (-m 'not same_under_load')",
+        "same_under_load: in a fault module, a case whose fault a busy CPU cannot change (bad input, a "
+        "schema, a signature check, the addresses a store binds, a wait for what never comes, bounded by a "
+        "clock): .ci/run's CPU-hog pass leaves it out (-m 'not same_under_load'); a comment above each says why",
     )

@@ -1,7 +1,8 @@
 """pytest plugin: the uninterrupted DDP run that the DDP fault tests compare with, once per session.
 
-tests/test_example_train.py (random SIGKILLs) and tests/test_faults_memory_tier.py (a SIGKILL
-resumed from memory, from disk, on two nodes) each prove that a job ends with the parameters of an
+tests/test_example_train.py (random SIGKILLs), tests/test_faults_memory_tier.py (a SIGKILL
+resumed from memory, from disk, on two nodes) and tests/test_checkpoint_node_loss.py (a whole node
+lost, a spare in its place) each prove that a job ends with the parameters of an
 uninterrupted run of examples/train.py: 2 workers, STEPS steps, a checkpoint every EVERY. That
 run is the same for all of them (deterministic: fixed seeds, gloo, one intra-op thread per
 worker), so the session makes it once (two torch workers fewer per module).

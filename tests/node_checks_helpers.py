@@ -130,28 +130,43 @@ def slow_link(netns: str, delay_ms: int, fallback_rate: str = "40mbit") -> str:
     return f"tbf rate {fallback_rate} (this kernel has no netem)"
 
 
+class SlowCpu:
+    """A cgroup for one node's processes: `into` is a shell snippet that moves the shell into it
+    (prefix a command with `sh -c '<snippet> exec "$@"' sh`); `limit()` gives the group its share
+    of one CPU, at once for the processes already in it."""
+
+    def __init__(self, group: Path, v2: bool, share: float, period: int):
+        self.group, self.v2, self.quota, self.period = group, v2, int(period * share), period
+        self.into = f"echo $$ > {group / 'cgroup.procs'} &&"
+
+    def limit(self) -> None:
+        if self.v2:
+            (self.group / "cpu.max").write_text(f"{self.quota} {self.period}")
+        else:
+            (self.group / "cpu.cfs_period_us").write_text(str(self.period))
+            (self.group / "cpu.cfs_quota_us").write_text(str(self.quota))
+
+
 @contextlib.contextmanager
-def slow_cpu(share: float, period: int = 50_000) -> Iterator[str]:
-    """A cgroup whose processes get `share` of one CPU; yields a shell snippet that moves the shell
-    into it (prefix a command with `sh -c '<snippet> exec "$@"' sh`). cgroup v2 (`cpu.max`) where
-    the unified hierarchy has the cpu controller, else v1 (`cpu.cfs_quota_us`)."""
-    quota = int(period * share)
+def slow_cpu(share: float, period: int = 50_000, limited: bool = True) -> Iterator[SlowCpu]:
+    """A cgroup whose processes get `share` of one CPU (SlowCpu); with `limited=False` the share
+    applies only from `limit()` on (a node that starts up at full speed, then slows down).
+    cgroup v2 (`cpu.max`) where the unified hierarchy has the cpu controller, else v1
+    (`cpu.cfs_quota_us`)."""
     unified = Path("/sys/fs/cgroup")
     v2 = (unified / "cgroup.controllers").exists() and "cpu" in (unified / "cgroup.controllers").read_text().split()
     if v2:
         group = unified / f"rally-slow-{os.getpid()}"
-        group.mkdir()
-        (group / "cpu.max").write_text(f"{quota} {period}")
     else:
-        root = unified / "cpu"
-        if not (root / "cpu.cfs_quota_us").exists():
+        if not (unified / "cpu" / "cpu.cfs_quota_us").exists():
             pytest.skip("no cgroup cpu controller (v2 cpu.max or v1 cpu.cfs_quota_us) to slow a CPU with")
-        group = root / f"rally-slow-{os.getpid()}"
-        group.mkdir()
-        (group / "cpu.cfs_period_us").write_text(str(period))
-        (group / "cpu.cfs_quota_us").write_text(str(quota))
+        group = unified / "cpu" / f"rally-slow-{os.getpid()}"
+    group.mkdir()
+    cpu = SlowCpu(group, v2, share, period)
+    if limited:
+        cpu.limit()
     try:
-        yield f"echo $$ > {group / 'cgroup.procs'} &&"
+        yield cpu
     finally:
         procs = group / "cgroup.procs"
         deadline = time.monotonic() + 10

@@ -3,7 +3,8 @@ bit-identical after the loss of a whole node. Two nodes of one worker each and a
 agents on 127.0.0.1; the node that does not host the store is SIGKILLed with everything under it
 once a checkpoint is durable. The round resumes from the step every node can load (the survivor
 from its memory, the spare, which holds no copy, from disk), and the final parameters are those of
-an uninterrupted two-rank run (examples/train.py prints their sha256).
+an uninterrupted two-rank run (examples/train.py prints their sha256): the session's one run of the
+same job (tests/ddp_reference.py), so this file starts no torch workers for a reference of its own.
 """
 
 from __future__ import annotations
@@ -14,12 +15,9 @@ from pathlib import Path
 import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all
-from helpers import clean_env, eventually, free_port, is_alive, run_rally
+from ddp_reference import EVERY, STEPS, TRAIN
+from helpers import eventually, free_port, is_alive
 from rally.agent.worker import job
-
-REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "examples" / "train.py"
-STEPS, EVERY = 40, 5
 
 pytestmark = pytest.mark.torch
 
@@ -31,15 +29,10 @@ def params_hash(text: str) -> str:
 
 
 @pytest.mark.timeout(400)
-def test_a_ddp_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(tmp_path: Path) -> None:
+def test_a_ddp_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(
+    tmp_path: Path, ddp_clean_hash: str
+) -> None:
     work = [str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY)]
-    clean = run_rally(
-        ["--standalone", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "clean"), *work],
-        cwd=tmp_path,
-        env=clean_env(),
-        timeout=200,
-    )
-    assert clean.returncode == 0, clean.describe()
     ckpt, port = tmp_path / "ckpt", free_port()
     args = [
         *c10d_args(port, "2"),
@@ -73,6 +66,6 @@ def test_a_ddp_job_resumes_bit_identical_on_a_spare_after_a_whole_node_is_lost(t
         assert "sent no keep-alive" in text, text[-5000:]
         # Every rank resumes from the agreed step: the survivor's from its memory, the spare's from disk.
         assert re.search(r"rally: resuming from step \d+ \((from memory|\S*/ckpt/step_\d+\.pt)\)", text), text[-5000:]
-        assert params_hash(text) == params_hash(clean.stdout)
+        assert params_hash(text) == ddp_clean_hash
     finally:
         stop_all(agents)

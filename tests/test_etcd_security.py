@@ -95,10 +95,12 @@ class SecureEtcd:
         )
 
 
-@pytest.fixture
-def secure_etcd(tmp_path: Path) -> Iterator[SecureEtcd]:
-    """One etcd member with TLS, client certificates and authentication enabled."""
-    yield from start_secure_etcd(tmp_path)
+@pytest.fixture(scope="module")
+def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
+    """One etcd member with TLS, client certificates and authentication enabled, shared by the
+    module's tests (its certificates and users take a second to make; no test changes them, and
+    each job has a run id of its own)."""
+    yield from start_secure_etcd(tmp_path_factory.mktemp("secure-etcd"))
 
 
 def start_secure_etcd(tmp_path: Path, *extra: str) -> Iterator[SecureEtcd]:

@@ -20,6 +20,8 @@ from test_etcd import PROBE
 from test_etcd_security import job_args
 
 
+# Same under load: the forged end is written at a fixed point and rejected by its (missing) signature.
+@pytest.mark.same_under_load
 @needs_etcd
 @pytest.mark.timeout(180)
 def test_a_strangers_unsigned_round_end_on_etcd_is_rejected_naming_the_key(etcd, tmp_path):

@@ -231,6 +231,8 @@ def _alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------ 3. strangers
+# Same under load: the stranger is refused by a signature check, whenever it comes.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(120)
 def test_a_node_without_the_job_token_cannot_join(cluster, tmp_path):
     store = cluster.store()
@@ -247,6 +249,8 @@ def test_a_node_without_the_job_token_cannot_join(cluster, tmp_path):
     assert member.popen.poll() is None, member.output()
 
 
+# Same under load: malformed JSON, written before the agent starts.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(120)
 def test_garbage_in_the_store_is_one_line_naming_the_key(cluster, tmp_path):
     from torch.distributed import TCPStore
@@ -262,19 +266,24 @@ def test_garbage_in_the_store_is_one_line_naming_the_key(cluster, tmp_path):
     assert "Traceback" not in agent.output() and not records(cluster.out)
 
 
+# Same under load: the foreign store never holds this job's signed marker, however long it is waited for.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(120)
 def test_a_taken_endpoint_port_never_joins_a_strangers_store(cluster, tmp_path):
     from torch.distributed import TCPStore
 
     foreign = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # another job's store
     script = write_script(tmp_path, "plain.py", PLAIN_WORKER)
-    agent = cluster.agent("n0", [*job_args(foreign.port, "1"), str(script)])
+    # join_timeout bounds the wait for the job's signed marker there (at most 10 s)
+    agent = cluster.agent("n0", [*job_args(foreign.port, "1", extra="join_timeout=3"), str(script)])
     code = agent.wait(60)
     text = agent.output()
     assert code == 2 and "is already taken" in text and "not this job's store" in text, text
     assert "Traceback" not in text and not records(cluster.out)
 
 
+# Same under load: which address the store binds.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(120)
 def test_standalone_store_listens_on_loopback_only(cluster, tmp_path):
     import psutil

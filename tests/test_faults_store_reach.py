@@ -133,6 +133,8 @@ def test_a_master_port_held_by_an_http_server_fails_fast_with_one_line(tmp_path:
     print(f"MEASURED --master-port held by an HTTP server: one line, exit 2 after {result.elapsed:.1f} s")
 
 
+# Same under load: nothing ever listens; the lines' interval and join_timeout are clock deadlines.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(90)
 def test_a_refused_store_connection_says_what_it_waits_for_every_few_seconds(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
@@ -177,6 +179,8 @@ def _listening(pid: int) -> set[tuple[str, int]]:
     }
 
 
+# Same under load: which addresses the stores bind.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["standalone", "127.0.0.1", "localhost", "127.0.0.2"])
 def test_the_stores_listen_where_their_endpoint_says(tmp_path: Path, procs: ProcessTracker, where: str) -> None:

@@ -406,13 +406,13 @@ def stuck_saving():
     while True:
         time.sleep(0.05)
 with job.section("setup", timeout=30):
-    time.sleep(2.5)                      # longer than --startup-timeout: fine inside its section
+    time.sleep(2.0)                      # longer than --startup-timeout: fine inside its section
 for step in range(3):
     job.heartbeat(step=step)
-with job.section("checkpoint", timeout=float(os.environ.get("CKPT_TIMEOUT", "4"))):
+with job.section("checkpoint", timeout=float(os.environ.get("CKPT_TIMEOUT", "3"))):
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         stuck_saving()
-    time.sleep(2.5)                      # a long save: longer than --heartbeat-timeout, within its own
+    time.sleep(2.0)                      # a long save: longer than --heartbeat-timeout, within its own
 job.heartbeat(step=3)
 print("done", flush=True)
 """
@@ -425,7 +425,7 @@ def test_a_long_section_is_not_a_hang_and_a_stuck_one_is_named_with_its_stack(tm
         "--resource-interval", "0.2", "--max-restarts", "1",
     )  # fmt: skip
     assert code == 0, out
-    assert "is hung: it hung in section 'checkpoint' for 4." in out and "(its timeout is 4 s)" in out, out
+    assert "is hung: it hung in section 'checkpoint' for 3." in out and "(its timeout is 3 s)" in out, out
     assert "stuck_saving" in out
     hung = [e for e in events(tmp_path) if e["event"] == "worker_hung"]
     assert len(hung) == 1 and "section 'checkpoint'" in hung[0]["reason"]  # the second attempt's long save was fine

@@ -322,7 +322,8 @@ def test_rally_status_inside_a_slurm_step_needs_no_endpoint_or_id(tmp_path):
 def test_the_live_view_names_a_straggler_under_a_real_terminal(tmp_path):
     script = write_script(tmp_path, "paced.py", PACED)
     env = {**clean_env(), "TERM": "xterm", "COLUMNS": "120", "LINES": "40", "STEP_SECONDS_1": "0.2"}
-    args = ["--standalone", "--nproc-per-node", "3", "--no-preload", "--resource-interval", "0.2", str(script)]
+    args = ["--standalone", "--nproc-per-node", "3", "--no-preload", "--resource-interval", "0.2"]
+    args += ["--straggler-window", "4", str(script)]  # named after 2 x 4 slow steps, not 2 x 10
     terminal = OnTerminal(args, cwd=tmp_path, env=env)
     try:
         terminal.read(120, until=lambda seen: b"slow" in seen)  # until the table marks a straggler

@@ -12,12 +12,13 @@ import json
 import re
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from agents import c10d_args, stop_all, write_script
-from helpers import run_rally
+from helpers import eventually, run_rally
 from node_checks_helpers import Store, agent, bridged_namespaces, need_root, slow_cpu, slow_link
 
 # A DDP-style loop over gloo; each node records its steps, then finishes after STEPS steps (20),
@@ -117,14 +118,23 @@ def test_a_node_with_a_slow_link_is_named_and_left_out_while_the_two_good_nodes_
 @pytest.mark.timeout(420)
 def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_train(tmp_path):
     need_root("cgroups and host names of their own")
+    from torch.distributed import TCPStore
+
     script = write_script(tmp_path, "train.py", TRAIN)
     out = tmp_path / "records.jsonl"
     store = Store(tmp_path)
+    client = TCPStore("127.0.0.1", store.port, is_master=False)
+
+    def round0_has(nodes: int) -> bool:
+        return client.add("rally/testjob/0/joined", 0) == nodes
+
     agents = []
     try:
-        # 8 ms of CPU per 100 ms: slow even when the machine is busy
-        with slow_cpu(0.08, period=100_000) as into_cgroup:
-            for host in ("c0", "c1", "c2"):
+        # 8 ms of CPU per 100 ms: slow even when the machine is busy. c1 starts up (its torch
+        # imports) at full speed and slows down once it has joined round 0, before the round forms
+        # (three nodes, at most three): at 8 % its start-up alone took some 25 s.
+        with slow_cpu(0.08, period=100_000, limited=False) as cpu:
+            for joined, host in enumerate(("c0", "c1", "c2")):
                 conf = "join_timeout=240,last_call_timeout=200"
                 args = [*c10d_args(store.port, "2:3", extra_conf=conf, preflight=True), "--nproc-per-node", "1",
                         "--metrics-port", "0", "--log-dir", str(tmp_path / f"logs-{host}"), str(script)]  # fmt: skip
@@ -133,7 +143,13 @@ def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_t
                     "STEPS": "1200",
                     "STOP_FILE": str(tmp_path / "stop"),
                 }  # trains until the checks are done
-                agents.append(agent(tmp_path, host, args, env, cgroup=into_cgroup if host == "c1" else ""))
+                agents.append(agent(tmp_path, host, args, env, cgroup=cpu.into if host == "c1" else ""))
+                if host == "c2":
+                    break  # round 0 closes now: three nodes, at most three
+                # c0, then c1 join round 0 before the next node starts: c1 is node 1 of 3
+                assert eventually(partial(round0_has, joined + 1), 120), agents[-1].output()
+                if host == "c1":
+                    cpu.limit()  # before the round forms; its template may still be importing torch
 
             def named_in_status_and_metrics() -> None:
                 port = re.search(r"Prometheus metrics at http://[^:]+:(\d+)/metrics", agents[0].output()).group(1)

@@ -23,25 +23,11 @@ from pathlib import Path
 import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all
-from helpers import clean_env, eventually, finish, free_port, is_alive, start_rally
+from fsdp_reference import EVERY, STEPS, TRAIN, digests
+from helpers import eventually, free_port, is_alive
 from rally.agent.checkpoint import dcp_files
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "examples" / "train_fsdp.py"
-STEPS, EVERY = 24, 2
-LINE = re.compile(r"\b(start|saved|final) step (\d+) world (\d+) digest ([0-9a-f]{64})$")
-
 pytestmark = pytest.mark.torch
-
-
-def digests(text: str, kind: str) -> list[tuple[int, int, str]]:
-    """(step, world size, digest) of every `kind` line the workers printed, in order."""
-    found = []
-    for line in text.splitlines():
-        match = LINE.search(line)
-        if match and match.group(1) == kind:
-            found.append((int(match.group(2)), int(match.group(3)), match.group(4)))
-    return found
 
 
 def train_args(ckpt: Path, *extra: str) -> list[str]:
@@ -52,18 +38,10 @@ def assert_no_temps(ckpt: Path) -> None:
     assert [n for n in ckpt.iterdir() if dcp_files.TEMP_RE.match(n.name)] == []
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """Digest of the full state at every saved step, and at the end (key STEPS + 1), of an
-    uninterrupted two-rank run."""
-    tmp = tmp_path_factory.mktemp("reference")
-    proc = start_rally(["--standalone", "--nproc-per-node", "2", *train_args(tmp / "ckpt")], cwd=tmp, env=clean_env())
-    result = finish(proc, 240)
-    assert result.returncode == 0, result.describe()
-    saved = {step: digest for step, world, digest in digests(result.stdout, "saved") if world == 2}
-    assert sorted(saved) == list(range(EVERY, STEPS + 1, EVERY)), result.describe()
-    (final,) = {digest for _, _, digest in digests(result.stdout, "final")}
-    return saved | {STEPS + 1: final}
+@pytest.fixture
+def reference(fsdp_reference: dict[int, str]) -> dict[int, str]:
+    """The session's uninterrupted run (tests/fsdp_reference.py): digests by step, STEPS + 1 the end."""
+    return fsdp_reference
 
 
 def _start_nodes(

@@ -290,7 +290,7 @@ while True:
 @pytest.mark.timeout(90)
 def test_a_preemption_grace_says_how_many_workers_it_still_waits_for(tmp_path: Path, procs: ProcessTracker) -> None:
     write_probe(tmp_path / "probe.py", IGNORES_PREEMPTION)
-    args = ["--standalone", "--nproc-per-node", "1", "--preemption-grace", "12", "probe.py"]
+    args = ["--standalone", "--nproc-per-node", "1", "--preemption-grace", "7", "probe.py"]  # a line after 5 s
     rally = LiveRally(args, tmp_path, clean_env(), procs)
     wait_for(lambda: (tmp_path / "ready").exists(), 60, what="the worker to start")
     os.kill(rally.proc.pid, signal.SIGUSR1)
