@@ -15,7 +15,8 @@ from helpers import eventually, kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as run from a terminal, even if started with SIGINT ignored
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from bench.scratch import scratch_dir

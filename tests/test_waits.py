@@ -225,6 +225,17 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         None,
         "POLL_INTERVAL (20 ms) between looks, the time given in all",
     ),
+    ("agent/checkpoint/resume_prefetch.py", "_torch_imported", "time.sleep"): (
+        BG,
+        None,
+        "the prefetch thread waiting for the script's own import of torch: 10 ms slices, REPLY_TIMEOUT (60 s) in "
+        "all; nobody waits on it (load_latest waits JOIN_SECONDS at most)",
+    ),
+    ("agent/checkpoint/resume_prefetch.py", "_finished", "thread.join"): (
+        S,
+        None,
+        "JOIN_SECONDS (5 s) for the prefetch thread; then load_latest takes the ordinary path",
+    ),
     # a worker's sharded checkpoints (torch.distributed.checkpoint, in the worker's process)
     ("agent/checkpoint/dcp_memory.py", "_exchange", "dist.recv"): (
         SL,

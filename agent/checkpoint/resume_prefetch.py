@@ -56,6 +56,8 @@ from rally.agent.checkpoint.shm import fd_path, storages_of
 PREFETCH_ENV = "RALLY_RESUME_PREFETCH"
 MADV_POPULATE_READ = 22  # linux/mman.h; not in Python's mmap module before 3.13
 PAGE = os.sysconf("SC_PAGE_SIZE")
+JOIN_SECONDS = 5.0
+"""How long ``load_latest`` waits for the thread (its work is one answer of the holder and ~50 ms per 400 MB)."""
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -166,10 +168,8 @@ def take(map_location: Any) -> tuple[int, Any] | None:
     """(the round's resume step, its state) if prepared and ``map_location`` is the CPU; else None
     (load it the ordinary way). Given once: a second ``load_latest`` loads anew."""
     global _ready
-    thread = _thread
-    if thread is None:
+    if not _finished():
         return None
-    thread.join(client.REPLY_TIMEOUT)  # it is mapping what the caller is about to load: the fastest way on
     with _lock:
         ready, _ready = _ready, None
     return ready if ready is not None and _on_cpu(map_location) else None
@@ -179,13 +179,27 @@ def take_slot(key: str, step: int) -> memoryview | None:
     """This rank's sharded copy of ``step`` under ``key``, mapped and faulted in while the script
     started; None if another was prepared or none (map it then). Given once."""
     global _slot_ready
-    thread = _thread
-    if thread is None:
+    if not _finished():
         return None
-    thread.join(client.REPLY_TIMEOUT)
     with _lock:
         ready, _slot_ready = _slot_ready, None
     return ready[2] if ready is not None and ready[:2] == (key, step) else None
+
+
+def _finished() -> bool:
+    """Whether the thread ran and is done, waiting at most JOIN_SECONDS for it: it is mapping what
+    the caller is about to load, so finishing it is the fastest way on. One still busy then (a
+    holder slow to answer) is let go, and what it prepares later is dropped."""
+    global _discarded
+    thread = _thread
+    if thread is None:
+        return False
+    thread.join(JOIN_SECONDS)
+    if thread.is_alive():
+        with _lock:
+            _discarded = True
+        return False
+    return True
 
 
 def discard() -> None:
