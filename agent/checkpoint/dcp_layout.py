@@ -31,7 +31,7 @@ import io
 from collections import OrderedDict
 from typing import Any
 
-from rally.agent.checkpoint.layout import Layout, Recorder, walk_structure
+from rally.agent.checkpoint.layout import Layout, Recorder, bytes_of, walk_structure
 
 
 def _local_kind(obj: Any) -> str | None:
@@ -150,15 +150,9 @@ def compacted(state: Any, sources: list[Any]) -> tuple[Any, list[Any] | None]:
         return obj
 
     rebuilt = rebuild(state)
-    if [_nbytes(s) for s in watched] != [_nbytes(s) for s in sources]:
+    if [bytes_of(s).numel() for s in watched] != [bytes_of(s).numel() for s in sources]:
         return state, None
     return rebuilt, watched
-
-
-def _nbytes(source: Any) -> int:
-    import torch
-
-    return int(source.nbytes) if isinstance(source, torch.Tensor) else int(source.nbytes())
 
 
 class RecordingBytes(io.BytesIO):

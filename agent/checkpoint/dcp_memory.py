@@ -335,9 +335,9 @@ def plan(holdings: list[dict[str, list[int]]], world: int, local: int) -> tuple[
     return None, {}, why
 
 
-def load(state: dict[str, Any], step: int, providers: dict[int, int], mine: memoryview | None = None) -> list[int]:
+def load(state: dict[str, Any], step: int, providers: dict[int, int], prepared: memoryview | None = None) -> list[int]:
     """Load this rank's copy of ``step`` into ``state`` in place (a collective: every rank calls it,
-    with the same plan); return the ranks whose copy came from another node. ``mine``: this
+    with the same plan); return the ranks whose copy came from another node. ``prepared``: this
     rank's own copy of ``step``, already mapped (agent/checkpoint/resume_prefetch.py)."""
     tier = ckpt_client.tier()
     assert tier is not None
@@ -349,8 +349,10 @@ def load(state: dict[str, Any], step: int, providers: dict[int, int], mine: memo
     missing = ""
     for old_rank in [rank] * (providers.get(rank) == rank) + [r for r in remote if providers[r] == rank]:
         try:
-            own = mine if old_rank == rank else None
-            blobs[old_rank] = own if own is not None else _read_slot(tier, old_rank, world, step)
+            if old_rank == rank and prepared is not None:
+                blobs[old_rank] = prepared
+            else:
+                blobs[old_rank] = _read_slot(tier, old_rank, world, step)
         except (RuntimeError, OSError) as exc:
             missing = str(exc)
     vote = torch.tensor([0 if missing else 1], dtype=torch.int32)

@@ -275,8 +275,8 @@ def _load_from_memory(
         return None, f"the disk holds a newer step ({newest_on_disk}) than memory ({step})"
     failure = ""
     try:
-        mine = resume_prefetch.take_slot(dcp_memory.own_key(rank, world), step)  # mapped while the script started
-        remote = dcp_memory.load(state, step, providers, mine)
+        prepared = resume_prefetch.take_slot(dcp_memory.own_key(rank, world), step)  # mapped as the script started
+        remote = dcp_memory.load(state, step, providers, prepared)
     except Exception as exc:  # the same on every rank after the vote below: all take the disk
         failure, remote = f"{type(exc).__name__}: {exc}", []
     reasons = _reasons_of_every_rank(failure, world)

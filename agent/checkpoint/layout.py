@@ -157,14 +157,14 @@ class Layout:
         whole = torch.frombuffer(target, dtype=torch.uint8, count=self.length)
         try:
             for source, pos in zip(sources, self.offsets, strict=True):
-                data = _bytes_of(source)
+                data = bytes_of(source)
                 whole[pos : pos + data.numel()].copy_(data)
         finally:
             del whole  # no export of the mapping outlives the save (SlotMaps may close it)
         return self.length
 
 
-def _bytes_of(source: Any) -> Any:
+def bytes_of(source: Any) -> Any:
     """A uint8 tensor over a storage's bytes, or over a contiguous tensor's own bytes."""
     import torch
 
