@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
+from rally.rendezvous.token import Signer
+
 # `get_present` first waits this long for all its keys: one call when they exist (as they do
 # after the closer's own wait), a short pause when some never will.
 PRESENT_PROBE_SECONDS = 0.01
@@ -54,6 +56,7 @@ class KeyValueStore(ABC):
 
     prefix: str
     describe: str
+    signer: Signer  # signs what this connection writes, checks what it reads (rendezvous/token.py)
     # Keep-alives are counters watched in a ring, unless the store's keys can expire by
     # themselves (etcd leases): then it offers grant_lease / set_leased / wait_deleted instead.
     leased_liveness: ClassVar[bool] = False

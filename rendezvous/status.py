@@ -12,8 +12,8 @@ from rally.rendezvous.kv import KeyValueStore as Store
 from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.node_memory import load_node_failures
 from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED
-from rally.rendezvous.records import MAX_COUNT, RoundEnd
-from rally.rendezvous.status_board import STATUS_NODES, status_key
+from rally.rendezvous.records import RoundEnd
+from rally.rendezvous.status_board import STATUS_NODES, listed_nodes, status_key
 
 
 def read_job_status(store: Store) -> dict | None:
@@ -24,9 +24,7 @@ def read_job_status(store: Store) -> dict | None:
     """
     if not store.check(STATUS_NODES):
         return None
-    raw_list = store.get_unsigned(STATUS_NODES).decode(errors="replace")
-    node_ids = [n for n in raw_list.splitlines() if n and len(n) < 512][:MAX_COUNT]
-    names = [status_key(n) for n in node_ids]
+    names = [status_key(n) for n in listed_nodes(store)]  # signed lines only, bounded
     records = []
     for name in names:
         try:

@@ -140,6 +140,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         "the watcher thread, in slices, while the job runs",
     ),
     ("agent/round_threads.py", "RoundThreads._keep_alive", "self.over.wait"): (BG, None, "keep-alive interval"),
+    ("agent/round_threads.py", "RoundThreads._publish_status", "self.over.wait"): (BG, None, "STATUS_INTERVAL_SECONDS"),
     ("agent/round_threads.py", "RoundThreads._watchdog", "self.over.wait"): (BG, None, "limit / 8"),
     ("agent/round_threads.py", "StoreProbe._run", "self.over.wait"): (BG, None, "probe interval"),
     ("agent/template.py", "ForkedChild.poll", "self.connection.popen.wait"): (AK, None, "after popen.kill()"),
