@@ -8,10 +8,27 @@ docs/security.md "Local surfaces" lists what these tests prove.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
 import pytest
 
 from agents import write_script
-from stranger import require_stranger, run_as_stranger
+from helpers import (  # noqa: F401
+    ProcessTracker,
+    clean_env,
+    describe_pids,
+    procs,
+    survivors,
+    write_probe,
+)
+from helpers import wait_for as wait_until
+from live_rally import LiveRally
+from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command
 from test_faults_membership import (
     cluster,  # noqa: F401 - a fixture
     job_args,
@@ -57,3 +74,130 @@ def test_a_strangers_long_append_to_the_status_list_does_not_stop_keep_alives(cl
     codes = [a.wait(90) for a in agents]
     assert codes == [0, 0], "\n".join(a.output() for a in agents)
     assert all("job succeeded" in a.output() for a in agents)
+
+
+# ------------------------------------------------------------------ 7. the guard and a recycled id
+def _stranger_at(pid: int, code: str) -> int | None:
+    """Start `code` as uid 65534 on exactly `pid` (a freed id handed out again, as pid_max wraps):
+    through /proc/sys/kernel/ns_last_pid, in a double fork, so it is nobody's child here (not a
+    descendant of this process, whose descendants a guard may count as the job's). Its pid, or
+    None when another process took the id each time."""
+    r, w = os.pipe()
+    command, env = stranger_command(code), {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/"}
+    middle = os.fork()
+    if middle == 0:  # pragma: no cover - the forked child
+        try:
+            os.close(r)
+            os.setsid()
+            for _ in range(100):
+                Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+                child = os.fork()
+                if child == 0:
+                    os.execvpe(command[0], command, env)
+                if child == pid:
+                    os.write(w, str(child).encode())
+                    break
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(middle, 0)
+    got = os.read(r, 32)
+    os.close(r)
+    return int(got) if got else None
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
+@pytest.mark.timeout(60)
+def test_the_guard_never_kills_a_stranger_on_a_recycled_group_id(procs: ProcessTracker) -> None:
+    """A worker registered with the guard exits early; its id goes to another user's process,
+    which leads a group of that number. The agent is then gone: the guard used to killpg the id."""
+    require_stranger()
+    from rally.agent.guard.client import GuardClient
+
+    guard = GuardClient(os.urandom(8).hex())
+    try:
+        worker = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        guard.guard_group(worker.pid)  # as the agent does, before the worker can be reaped
+        time.sleep(0.7)  # the guard has looked at the job (SEEN_INTERVAL)
+        worker.kill()
+        worker.wait()
+        stranger = _stranger_at(worker.pid, "import os, time\nos.setsid()\ntime.sleep(60)")
+        if stranger is None:
+            pytest.skip(f"pid {worker.pid} was taken by another process each time")
+        procs.track(stranger)
+        wait_until(lambda: _stat(stranger)[3] == str(stranger), 10, what="the stranger leads its session")
+        assert os.stat(f"/proc/{stranger}").st_uid == STRANGER_UID
+    finally:
+        guard.stop()
+    assert guard.process.returncode == 0
+    assert not survivors([stranger], 1.0) == [], "the guard killed another user's process on a recycled id"
+
+
+# ------------------------------------------------------------------ 15. a root worker leaves the cgroup
+ESCAPER = """
+import os, sys, time
+out = os.environ["PROBE_OUT"]
+
+def leave_the_job_cgroup():
+    # write this process into the parent of every rally-* cgroup it is in (as root can)
+    mounts = {}
+    for line in open("/proc/self/mountinfo"):
+        fields, _, tail = line.partition(" - ")
+        parts, rest = fields.split(), tail.split()
+        mounts.setdefault(rest[0], []).append((parts[4], parts[3], set(rest[2].split(",")) if len(rest) > 2 else set()))
+    for line in open("/proc/self/cgroup"):
+        number, controllers, path = line.strip().split(":", 2)
+        if "/rally-" not in path:
+            continue
+        kinds = mounts.get("cgroup2", []) if number == "0" else [
+            m for m in mounts.get("cgroup", []) if set(controllers.split(",")) <= m[2]]
+        for mount, root, _ in kinds:
+            parent = os.path.join(mount, os.path.relpath(os.path.dirname(path), root))
+            with open(os.path.join(parent, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+if os.fork() == 0:
+    leave_the_job_cgroup()
+    os.setsid()
+    if os.fork() == 0:
+        env = {"PATH": "/usr/bin:/bin"}          # no RALLY_AGENT_TOKEN
+        with open(out + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(out + ".tmp", out)
+        os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)"], env)
+    os._exit(0)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_root_worker_that_leaves_the_cgroup_session_and_token_dies_with_the_agent(
+    tmp_path: Path, procs: ProcessTracker
+) -> None:
+    """'No orphans, ever' held only for workers that cannot write the cgroup hierarchy: a root
+    worker's daemon moved itself out of the job's cgroup, shed its session and the token, and
+    outlived the agent's SIGKILL. The guard now also kills what it saw below the agent."""
+    out = tmp_path / "escaped"
+    write_probe(tmp_path / "escaper.py", ESCAPER)
+    rally = LiveRally(
+        ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0", "escaper.py"],
+        tmp_path,
+        clean_env(PROBE_OUT=str(out)),
+        procs,
+    )
+    wait_until(out.exists, 60, what="the escaped daemon")
+    escaped = int(out.read_text())
+    procs.track(escaped)
+    cgroups = Path(f"/proc/{escaped}/cgroup").read_text()
+    assert "/rally-" not in cgroups, cgroups
+    assert "RALLY_AGENT_TOKEN" not in psutil.Process(escaped).environ()
+    time.sleep(1.0)  # the guard looks every SEEN_INTERVAL (0.5 s)
+    os.kill(rally.proc.pid, signal.SIGKILL)
+    left = survivors([escaped], 5)
+    assert not left, f"alive 5 s after SIGKILL of the agent: {describe_pids(left)}\n{cgroups}"

@@ -123,6 +123,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ),
     ("agent/observe/metrics.py", "MetricsServer.close", "self.thread.join"): (S, None, "timeout=5"),
     ("agent/guard/orphan_guard.py", "sweep", "time.sleep"): (S, None, "10 ms between sweeps, bounded by SWEEP_SECONDS"),
+    ("agent/guard/orphan_guard.py", "Worker.alive", "select.select"): (NW, None, "a poll of a pidfd, timeout 0"),
     ("agent/preemption.py", "Preemption._wait_for_all_nodes", "wait_in_slices"): (
         B,
         ("agent/preemption.py", "Preemption._wait_for_all_nodes"),
@@ -411,7 +412,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/guard/orphan_guard.py", "watch", "select.select"): (
         BG,
         None,
-        "the guard waits for its agent's pipe to close; SEEN_INTERVAL slices without a cgroup",
+        "the guard waits for its agent's pipe to close, a worker's exit (pidfd), or SEEN_INTERVAL",
     ),
     ("agent/checks/preflight.py", "Preflight._results", "store.try_wait"): (
         SL,
