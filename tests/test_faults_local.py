@@ -28,7 +28,7 @@ from helpers import (  # noqa: F401
 )
 from helpers import wait_for as wait_until
 from live_rally import LiveRally
-from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command
+from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
 from test_faults_membership import (
     cluster,  # noqa: F401 - a fixture
     job_args,
@@ -201,3 +201,59 @@ def test_a_root_worker_that_leaves_the_cgroup_session_and_token_dies_with_the_ag
     os.kill(rally.proc.pid, signal.SIGKILL)
     left = survivors([escaped], 5)
     assert not left, f"alive 5 s after SIGKILL of the agent: {describe_pids(left)}\n{cgroups}"
+
+
+# ------------------------------------------------------------------ 9. /metrics and idle clients
+HALF_OPEN = """
+import socket, sys, time
+port, count = {port}, {count}
+held = []
+for _ in range(count):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setblocking(False)
+    held.append(s)
+print("open", len(held), flush=True)
+deadline = time.monotonic() + 30
+closed = 0
+while time.monotonic() < deadline and closed < count:
+    closed = 0
+    for s in held:
+        try:
+            closed += s.recv(1) == b""
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed += 1
+    time.sleep(0.2)
+print("closed", closed, round(time.monotonic() - deadline + 30, 1), flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_metrics_keep_serving_and_start_no_thread_under_400_half_open_connections() -> None:
+    """Another user opens 400 connections to /metrics and sends nothing: prometheus-client's
+    server held a thread per connection for ever (8 -> 89 threads in 12 s; under a pids limit,
+    `can't start new thread`). Now: no thread per client, scrapes answered, idle ones dropped."""
+    import threading
+    import urllib.request
+
+    from rally.agent.observe import metrics
+
+    require_stranger()
+    server = metrics.serve(0, lambda: None, lambda: [], "local-surfaces", "127.0.0.1")
+    try:
+        before = threading.active_count()
+        code = HALF_OPEN.format(port=server.port, count=400)
+        with stranger_process(code) as attacker:
+            assert attacker.stdout is not None
+            assert attacker.stdout.readline().strip() == "open 400", attacker.stderr.read() if attacker.poll() else ""
+            threads = threading.active_count()
+            for _ in range(3):
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as response:
+                    assert b"rally_build_info" in response.read()
+            closed = attacker.stdout.readline().split()
+            assert closed[:2] == ["closed", "400"], closed
+            assert float(closed[2]) < 15, closed  # REQUEST_SECONDS (5 s), on a loaded machine
+        assert threads - before <= 1, f"{threads - before} threads started for 400 idle connections"
+    finally:
+        server.close()

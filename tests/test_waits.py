@@ -121,7 +121,18 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         "job",
         "the caller's timeout; None only for a worker's own exit",
     ),
-    ("agent/observe/metrics.py", "MetricsServer.close", "self.thread.join"): (S, None, "timeout=5"),
+    ("agent/observe/metrics_http.py", "BoundedHttpServer.close", "self.thread.join"): (S, None, "timeout=5"),
+    ("agent/observe/metrics_http.py", "BoundedHttpServer._serve", "selector.select"): (
+        BG,
+        None,
+        "the metrics thread waits for clients; each waits REQUEST_SECONDS at most",
+    ),
+    ("agent/observe/metrics_http.py", "BoundedHttpServer._accept", "self.sock.accept"): (
+        NW,
+        None,
+        "a non-blocking socket",
+    ),
+    ("agent/observe/metrics_http.py", "BoundedHttpServer._read", "conn.recv"): (NW, None, "a non-blocking socket"),
     ("agent/guard/orphan_guard.py", "sweep", "time.sleep"): (S, None, "10 ms between sweeps, bounded by SWEEP_SECONDS"),
     ("agent/guard/orphan_guard.py", "Worker.alive", "select.select"): (NW, None, "a poll of a pidfd, timeout 0"),
     ("agent/preemption.py", "Preemption._wait_for_all_nodes", "wait_in_slices"): (
