@@ -198,6 +198,8 @@ def launch_and_run(o: Options, script: str | None, script_args: list[str], given
     launch = build_launch(o, script, script_args, slurm_job)
     for note in launch.notes:
         console.say(note)
+    for line in launch.warnings:  # secrets and the store left open to other users (secret_warnings.py)
+        console.warn(line)
     requeue = None
     if o.requeue:
         requeue = slurm_job.requeue if slurm_job is not None else _requeue_outside_slurm

@@ -16,7 +16,7 @@ import socket
 import sys
 import types
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from rally.launcher import validate
 from rally.launcher.node_checks_options import node_check_fields
 from rally.launcher.options import Options, spec_default
 from rally.launcher.preload import parse_preload
+from rally.launcher.secret_warnings import secret_warnings
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf, parse_std_map, visible_gpu_count
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
@@ -47,6 +48,7 @@ class Launch:
     spec: JobSpec
     plan: RendezvousPlan
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)  # launcher/secret_warnings.py: one line each
 
 
 def build_launch(o: Options, script: str | None, script_args: list[str], slurm_job: Any = None) -> Launch:
@@ -60,12 +62,14 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     notes: list[str] = []
     conf = p.rdzv_conf
     endpoint, settings, run_id, preferred_rank = plan_rendezvous(o, p, conf, slurm_job)
+    warnings: list[str] = []
     try:
         token = resolve_token(
-            conf["token"], conf["token_file"], bool(o.standalone), slurm_job.job_id if slurm_job else None
+            conf["token"], conf["token_file"], bool(o.standalone), slurm_job.job_id if slurm_job else None, warnings
         )
     except TokenError as exc:
         raise ConfigError(str(exc)) from None
+    warnings += secret_warnings(conf, endpoint, token, settings.max_nodes)
     if p.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         notes.append(
             f"setting OMP_NUM_THREADS=1 for each of the {p.nproc_per_node} workers (it was unset); "
@@ -83,7 +87,7 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
         read_timeout=conf["read_timeout"],
         token=token,
     )
-    return Launch(spec, plan, notes)
+    return Launch(spec, plan, notes, warnings)
 
 
 def check_entry_point(o: Options, script: str | None) -> None:

@@ -23,6 +23,7 @@ from helpers import (  # noqa: F401
     clean_env,
     describe_pids,
     procs,
+    run_rally,
     survivors,
     write_probe,
 )
@@ -257,3 +258,92 @@ def test_metrics_keep_serving_and_start_no_thread_under_400_half_open_connection
         assert threads - before <= 1, f"{threads - before} threads started for 400 idle connections"
     finally:
         server.close()
+
+
+# ------------------------------------------------------------------ 8, 12. secrets and a job without a token
+def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **options: str):
+    """build_launch for a 2-node job on `options` (the checks rally runs at start, in-process)."""
+    from rally.launcher.config import build_launch
+    from rally.launcher.options import Options
+
+    monkeypatch.delenv("RALLY_JOB_TOKEN", raising=False)
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    given = {"nnodes": "2", "rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:29400", **options}
+    return build_launch(Options.of(given), str(script), [])
+
+
+@pytest.mark.same_under_load  # a file mode and a flag, read once at start
+@pytest.mark.timeout(30)
+def test_a_token_on_argv_and_loose_secret_files_get_one_warning_line_each(tmp_path, monkeypatch):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    token_file.chmod(0o644)
+    on_argv = _launch(tmp_path, monkeypatch, rdzv_conf="token=s3cret").warnings
+    assert len(on_argv) == 1 and "/proc/*/cmdline" in on_argv[0] and "token_file" in on_argv[0], on_argv
+    loose = _launch(tmp_path, monkeypatch, rdzv_conf=f"token_file={token_file}").warnings
+    assert loose == [f"--rdzv-conf token_file={token_file} can be read by other users (mode 0644); chmod 600 it"]
+    token_file.chmod(0o600)
+    assert _launch(tmp_path, monkeypatch, rdzv_conf=f"token_file={token_file}").warnings == []
+    password = tmp_path / "etcd-password"
+    password.write_text("pw\n")
+    password.chmod(0o600)
+    etcd = {"rdzv_backend": "etcd", "rdzv_endpoint": "127.0.0.1:2379", "rdzv_id": "job"}
+    conf = f"token_file={token_file},username=alice,password_file={password}"
+    clear = _launch(tmp_path, monkeypatch, **etcd, rdzv_conf=conf).warnings
+    assert len(clear) == 1 and "travels in clear over http://" in clear[0] and "alice" in clear[0], clear
+    tls_conf = conf + ",protocol=https"
+    assert _launch(tmp_path, monkeypatch, **{**etcd, "rdzv_endpoint": "https://127.0.0.1:2379"}, rdzv_conf=tls_conf)
+
+
+@pytest.mark.same_under_load  # file modes and owners, read once
+@pytest.mark.timeout(30)
+def test_the_per_user_secret_is_refused_when_linked_or_foreign_and_loose_modes_are_named(tmp_path, monkeypatch):
+    from rally.rendezvous.token import TokenError, resolve_token
+
+    monkeypatch.delenv("RALLY_JOB_TOKEN", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / ".rally").symlink_to(elsewhere)
+    with pytest.raises(TokenError, match=r"\.rally is a symlink"):
+        resolve_token(None, None, False, "7")
+    (tmp_path / ".rally").unlink()
+    (tmp_path / ".rally").mkdir()
+    os.chown(tmp_path / ".rally", STRANGER_UID, STRANGER_UID)
+    with pytest.raises(TokenError, match=f"owned by uid {STRANGER_UID}"):
+        resolve_token(None, None, False, "7")
+    os.chown(tmp_path / ".rally", os.geteuid(), os.getegid())
+    (tmp_path / ".rally").chmod(0o777)
+    warnings: list[str] = []
+    first = resolve_token(None, None, False, "7", warnings)
+    assert len(warnings) == 1 and "can be written by other users (mode 0777)" in warnings[0], warnings
+    (tmp_path / ".rally").chmod(0o700)
+    (tmp_path / ".rally" / "secret").chmod(0o644)
+    warnings = []
+    assert resolve_token(None, None, False, "7", warnings) == first
+    assert len(warnings) == 1 and "secret file" in warnings[0] and "mode 0644" in warnings[0], warnings
+    (tmp_path / ".rally" / "secret").chmod(0o600)
+    warnings = []
+    assert resolve_token(None, None, False, "7", warnings) == first and warnings == []
+
+
+@pytest.mark.same_under_load  # a line at start, no timing
+@pytest.mark.timeout(60)
+def test_a_multi_node_job_without_a_token_says_at_start_what_a_stranger_can_do(tmp_path, monkeypatch):
+    """c10d outside SLURM and etcd: a forged round end used to end such a job silently."""
+    etcd = {"rdzv_backend": "etcd", "rdzv_endpoint": "127.0.0.1:2379", "rdzv_id": "job"}
+    (line,) = _launch(tmp_path, monkeypatch, **etcd).warnings
+    assert line.startswith("no job token: anyone who can write to etcd at 127.0.0.1:2379 can end this job"), line
+    monkeypatch.setenv("RALLY_JOB_TOKEN", "s3cret")
+    from rally.launcher.config import build_launch
+    from rally.launcher.options import Options
+
+    assert build_launch(Options.of({"nnodes": "2", **etcd}), str(tmp_path / "train.py"), []).warnings == []
+    done = run_rally(
+        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--no-preflight"]
+        + ["--rdzv-conf", "join_timeout=1", str(tmp_path / "train.py")],
+        cwd=tmp_path,
+    )
+    said = [line for line in done.stderr.splitlines() if "no job token" in line]
+    assert len(said) == 1 and "RALLY_JOB_TOKEN or --rdzv-conf token_file=PATH" in said[0], done.stderr
