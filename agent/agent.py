@@ -91,6 +91,7 @@ class Agent:
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
         self.store: KeyValueStore | None = None
+        self.untrusted_seen: set[str] = set()  # keys already named by _untrusted_value
         self.store_server: Any = None
         self.worker_store: Any = None
         self.rdzv: Rendezvous | None = None
@@ -159,12 +160,21 @@ class Agent:
             self.state = AgentState.RENDEZVOUS
             self.observer.before_round()
             rnd: Round = self.store_call(rdzv.join_round, waiting=True)  # a signal pending since the last round ends it
+            for store in (rnd.store, watcher, keeper):  # the job runs: a stranger's garbage ends nothing
+                store.on_untrusted = self._untrusted_value
             if self.spec.crash_loop_limit and rnd.a.stalled_restarts >= self.spec.crash_loop_limit:
                 return self._stop_crash_loop(rnd)
             end = self._run_round(rnd, rnd.on(watcher), rnd.on(keeper))
             code = self._after_round(rnd, end)
             if code is not None:
                 return code
+
+    def _untrusted_value(self, line: str) -> None:
+        """A value this job did not write was replaced or ignored (rendezvous/kv.py): one line per key."""
+        key = line.split("'")[1] if line.count("'") >= 2 else line
+        if key not in self.untrusted_seen:
+            self.untrusted_seen.add(key)
+            console.warn(line)
 
     def _join_job(self) -> tuple[Rendezvous, KeyValueStore, KeyValueStore]:
         """Open (or host) the store and make this node known; one connection per watching thread."""

@@ -32,12 +32,15 @@ from rally.agent.event_loop import Event
 from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
 from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundEnd
-from rally.rendezvous.store import StoreError
+from rally.rendezvous.store import StoreError, UntrustedValue
 
 # How often a node refreshes its record for `rally status` (the status thread, never the keep-alive's).
 STATUS_INTERVAL_SECONDS = 2.0
 
 Post = Callable[[Event, Any], None]
+
+# How often the end watcher looks again while the round's end key holds a stranger's value.
+UNTRUSTED_END_POLL_SECONDS = 0.2
 
 
 class StoreSilent(StoreError):
@@ -94,11 +97,31 @@ class RoundThreads:
         self.over.set()
 
     def _watch_round_end(self) -> None:
+        channel, tolerate = self.watcher.channel, self.watcher.store.on_untrusted
         try:
-            self.post(Event.ROUND_END, (self.a.round, self.watcher.channel.wait_end()))
+            end: RoundEnd | None
+            try:
+                end = channel.wait_end()
+            except UntrustedValue as exc:
+                if tolerate is None:
+                    raise
+                # A stranger's value where the round's end goes: not an end. The job's own end
+                # replaces it (Store.set_once); until then, look again every slice.
+                tolerate(f"{exc}; ignored, the job goes on")
+                while (end := self._valid_end(channel)) is None:
+                    if self.over.wait(UNTRUSTED_END_POLL_SECONDS):
+                        return
+            self.post(Event.ROUND_END, (self.a.round, end))
         except StoreError as exc:
             if not self.over.is_set():
                 self.post(Event.STORE_LOST, exc)
+
+    @staticmethod
+    def _valid_end(channel: Any) -> RoundEnd | None:
+        try:
+            return channel.ended()
+        except UntrustedValue:
+            return None
 
     def _keep_alive(self) -> None:
         """Send this node's keep-alives and watch the next node's (a ring)."""

@@ -36,6 +36,8 @@ SERVICE_MARKER_KEY = "rally/store-service"
 HOST_MARKER_NAME = "host"
 # How long an agent that found the endpoint's port taken waits for the hosting agent's marker.
 HOST_MARKER_WAIT_SECONDS = 10.0
+# How many times a counter or first-wins key a stranger keeps filling with garbage is replaced.
+REPAIR_ATTEMPTS = 3
 
 
 def quiet_torch_logs() -> None:
@@ -76,6 +78,7 @@ class Store(KeyValueStore):
     describe: str
     _reconnect: Callable[[], TorchStore]
     signer: Signer = field(default_factory=Signer)
+    on_untrusted: Callable[[str], None] | None = None  # see KeyValueStore; copied by connect_again
 
     def _call(self, fn: Callable, *args):
         from torch.distributed import DistNetworkError, DistStoreError
@@ -117,16 +120,24 @@ class Store(KeyValueStore):
 
     def add(self, name: str, amount: int) -> int:
         """Add to a counter. Counters cannot be signed; a stranger who `set` one to text makes
-        the server drop the connection, which is told apart here from a lost store."""
-        try:
-            return int(self._call(self.raw.add, self.key(name), amount))
-        except StoreUnavailable:
-            value = self._read_after_reconnect(name)
-            if value is None:
-                raise
-            raise UntrustedValue(
-                f"store key '{self.key(name)}' holds {value[:40]!r}, not a counter (garbage written by a stranger)"
-            ) from None
+        the server drop the connection, which is told apart here from a lost store. With
+        `on_untrusted` set, such garbage is reset to 0 (counters are hints: slots and signed
+        records decide) and the add is tried again."""
+        for _attempt in range(REPAIR_ATTEMPTS):
+            try:
+                return int(self._call(self.raw.add, self.key(name), amount))
+            except StoreUnavailable:
+                value = self._read_after_reconnect(name)
+                if value is None:
+                    raise
+                line = (
+                    f"store key '{self.key(name)}' holds {value[:40]!r}, not a counter (garbage written by a stranger)"
+                )
+                if self.on_untrusted is None:
+                    raise UntrustedValue(line) from None
+                self._call(self.raw.compare_set, self.key(name), value, b"0")
+                self.on_untrusted(line + "; reset to 0, the job goes on")
+        raise UntrustedValue(f"store key '{self.key(name)}' is rewritten with garbage again and again (a stranger)")
 
     def _read_after_reconnect(self, name: str) -> bytes | None:
         """The raw value of `name` over a fresh connection, or None when the store is gone."""
@@ -158,15 +169,25 @@ class Store(KeyValueStore):
         self._call(self.raw.append, self.key(name), value)  # type: ignore[attr-defined]  # torch's stub lacks it
 
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
-        """Set `name` only if nobody has; return (won, the value that stands, checked)."""
+        """Set `name` only if nobody has; return (won, the value that stands, checked). With
+        `on_untrusted` set, a standing value this job did not write counts as nobody's: it is
+        replaced (compare-and-set against exactly it, so a genuine first value is never lost)."""
         sealed = self._seal(name, value)
-        current = self._call(self.raw.compare_set, self.key(name), "", sealed)
-        if current == sealed:
-            return True, value
-        try:
-            return False, self._open(name, current).decode()
-        except UnicodeDecodeError:
-            raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
+        expected: bytes | str = ""
+        for _attempt in range(REPAIR_ATTEMPTS):
+            current = self._call(self.raw.compare_set, self.key(name), expected, sealed)
+            if current == sealed:
+                return True, value
+            try:
+                return False, self._open(name, current).decode()
+            except UnicodeDecodeError:
+                raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
+            except UntrustedValue as exc:
+                if self.on_untrusted is None:
+                    raise
+                self.on_untrusted(f"{exc}; replaced, the job goes on")
+                expected = current
+        raise UntrustedValue(f"store key '{self.key(name)}' is rewritten with garbage again and again (a stranger)")
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
         raw = self._call(self.raw.multi_get, [self.key(n) for n in names])
@@ -186,7 +207,7 @@ class Store(KeyValueStore):
             raw = self._reconnect()
         except Exception as exc:  # torch raises several unrelated types here
             raise StoreUnavailable(f"{self.describe} is gone ({_first_line(exc)})") from exc
-        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer)
+        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer, self.on_untrusted)
 
     def delete_keys_outside(self, keep_prefix: str) -> int:
         """Delete every key of the whole store that does not start with `keep_prefix`; return

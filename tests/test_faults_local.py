@@ -9,6 +9,7 @@ docs/security.md "Local surfaces" lists what these tests prove.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -347,3 +348,47 @@ def test_a_multi_node_job_without_a_token_says_at_start_what_a_stranger_can_do(t
     )
     said = [line for line in done.stderr.splitlines() if "no job token" in line]
     assert len(said) == 1 and "RALLY_JOB_TOKEN or --rdzv-conf token_file=PATH" in said[0], done.stderr
+
+
+# ------------------------------------------------------------------ 10. the standalone store
+GARBAGE_EVERYWHERE = """
+import sys
+prefix = sys.argv[1] if len(sys.argv) > 1 else None
+keys = [k for k in store.list_keys() if k.startswith("rally/")]
+job = keys[0].split("/")[1]
+readable = [k for k in keys if b'"workers"' in store.get(k)]
+print("read", len(readable), flush=True)
+targets = sorted(set(keys) | {{f"rally/{{job}}/0/end", f"rally/{{job}}/0/acked"}})
+for key in targets:
+    store.set(key, b"garbage")
+print("wrote", len(targets), flush=True)
+"""
+
+SLEEPER = """
+import time
+print("worker up", flush=True)
+time.sleep(8)
+print("worker done", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_strangers_garbage_in_every_key_of_a_standalone_store_ends_nothing(
+    tmp_path: Path, procs: ProcessTracker
+) -> None:
+    """Another user finds the --standalone store's loopback port and writes garbage into every
+    key of the job (and the round's end before it exists): each rejected value is one line, the
+    job goes on and succeeds."""
+    require_stranger()
+    write_probe(tmp_path / "sleeper.py", SLEEPER)
+    rally = LiveRally(["--standalone", "--nproc-per-node", "1", "sleeper.py"], tmp_path, clean_env(), procs)
+    rally.wait_line("worker up", 60)
+    port = int(re.search(r"localhost:(\d+)", rally.text()).group(1))  # type: ignore[union-attr]
+    said = as_stranger(port, GARBAGE_EVERYWHERE.format())
+    assert "wrote" in said, said
+    code, _ = rally.wait_exit(60)
+    assert code == 0, rally.text()[-4000:]
+    assert "job succeeded" in rally.text(), rally.text()[-4000:]
+    assert "Traceback" not in rally.text()
+    warned = [line for line in rally.text().splitlines() if "rally: warning: store key" in line]
+    assert warned and len(warned) == len({line.split("'")[1] for line in warned}), warned  # one line per key
