@@ -146,10 +146,15 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/processes.py", "kill_all", "child.wait"): (S, None, "up to the kill deadline"),
     ("agent/processes.py", "kill_descendants", "time.sleep"): (S, None, "5 ms between sweeps"),
     ("agent/processes.py", "reap_zombies", "os.waitpid"): (NW, None, "WNOHANG"),
-    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.watcher.channel.wait_end"): (
+    ("agent/round_threads.py", "RoundThreads._watch_round_end", "channel.wait_end"): (
         BG,
         None,
         "the watcher thread, in slices, while the job runs",
+    ),
+    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.over.wait"): (
+        BG,
+        None,
+        "UNTRUSTED_END_POLL_SECONDS while the end key holds a stranger's value",
     ),
     ("agent/round_threads.py", "RoundThreads._keep_alive", "self.over.wait"): (BG, None, "keep-alive interval"),
     ("agent/round_threads.py", "RoundThreads._publish_status", "self.over.wait"): (BG, None, "STATUS_INTERVAL_SECONDS"),
