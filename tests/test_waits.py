@@ -501,7 +501,7 @@ BOUND_INSIDE = {
     "work.wait",
     "self.loop.run_blocking",
     "rnd.connect_again().stacks.wait_request",
-    "self.watcher.channel.wait_end",
+    "channel.wait_end",
     "self.channel.wait_master",
     "connection.wait_ready",
     "self._wait_for_all_nodes",
