@@ -161,7 +161,8 @@ class Agent:
             self.observer.before_round()
             rnd: Round = self.store_call(rdzv.join_round, waiting=True)  # a signal pending since the last round ends it
             for store in (rnd.store, watcher, keeper):  # the job runs: a stranger's garbage ends nothing
-                store.on_untrusted = self._untrusted_value
+                if store.replaces_untrusted:
+                    store.on_untrusted = self._untrusted_value
             if self.spec.crash_loop_limit and rnd.a.stalled_restarts >= self.spec.crash_loop_limit:
                 return self._stop_crash_loop(rnd)
             end = self._run_round(rnd, rnd.on(watcher), rnd.on(keeper))

@@ -57,10 +57,12 @@ class KeyValueStore(ABC):
     prefix: str
     describe: str
     signer: Signer  # signs what this connection writes, checks what it reads (rendezvous/token.py)
-    # None: a value this job did not write raises UntrustedValue. Set (by a running job's agent):
-    # such a value in a counter or a first-wins key is replaced and this is called with one line
-    # naming the key, so a stranger's garbage write ends nothing (stores that can replace do so).
+    # None: a value this job did not write raises UntrustedValue. Set (by a running job's agent,
+    # on a store whose `replaces_untrusted` is True: c10d): such a value in a counter or a
+    # first-wins key is replaced and this is called with one line naming the key, so a stranger's
+    # garbage write ends nothing.
     on_untrusted: Callable[[str], None] | None = None
+    replaces_untrusted: ClassVar[bool] = False
     # Keep-alives are counters watched in a ring, unless the store's keys can expire by
     # themselves (etcd leases): then it offers grant_lease / set_leased / wait_deleted instead.
     leased_liveness: ClassVar[bool] = False

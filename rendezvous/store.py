@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTampered, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
@@ -79,6 +79,7 @@ class Store(KeyValueStore):
     _reconnect: Callable[[], TorchStore]
     signer: Signer = field(default_factory=Signer)
     on_untrusted: Callable[[str], None] | None = None  # see KeyValueStore; copied by connect_again
+    replaces_untrusted: ClassVar[bool] = True
 
     def _call(self, fn: Callable, *args):
         from torch.distributed import DistNetworkError, DistStoreError
