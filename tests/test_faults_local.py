@@ -179,8 +179,9 @@ while True:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("cgroup", ["auto", "freezer", "pids"])  # auto: v2 beside the v1 controllers here
 def test_a_root_worker_that_leaves_the_cgroup_session_and_token_dies_with_the_agent(
-    tmp_path: Path, procs: ProcessTracker
+    tmp_path: Path, procs: ProcessTracker, cgroup: str
 ) -> None:
     """'No orphans, ever' held only for workers that cannot write the cgroup hierarchy: a root
     worker's daemon moved itself out of the job's cgroup, shed its session and the token, and
@@ -190,7 +191,7 @@ def test_a_root_worker_that_leaves_the_cgroup_session_and_token_dies_with_the_ag
     rally = LiveRally(
         ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0", "escaper.py"],
         tmp_path,
-        clean_env(PROBE_OUT=str(out)),
+        clean_env(PROBE_OUT=str(out), RALLY_JOB_CGROUP=cgroup),
         procs,
     )
     wait_until(out.exists, 60, what="the escaped daemon")
