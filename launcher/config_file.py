@@ -16,10 +16,44 @@ from typing import Any
 
 import yaml
 
+from rally.agent.display.untrusted_text import printable
 from rally.launcher import options, validate
 from rally.launcher.validate import ConfigError
 
 EXTRA_KEYS = ("script", "args")
+# A job file's values are scalars or lists of scalars (a mapping holding lists: depth 3).
+MAX_DEPTH = 10
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """A SafeLoader for job files that refuses what only a bomb needs: aliases (`*name`: nine
+    levels of nine references each, 557 bytes, expand to 387 million strings when anything
+    walks or formats the value) and nesting past MAX_DEPTH (PyYAML composes recursively: 50 000
+    `[` are a RecursionError). Each is a YAMLError with the line and column, so one line."""
+
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"an alias (*{printable(event.anchor, limit=40)}) is not accepted in a job file: write the value out",
+                event.start_mark,
+            )
+        if self.depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"values nested more than {MAX_DEPTH} deep are not accepted in a job file",
+                self.peek_event().start_mark,
+            )
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)  # type: ignore[misc]
+        finally:
+            self.depth -= 1
 
 
 def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -32,7 +66,7 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
             "it as UTF-8"
         ) from None
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=BoundedLoader)  # no alias, no deep nesting: safe_load is then cheap
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
