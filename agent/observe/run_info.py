@@ -143,7 +143,7 @@ def last_restart_from_events(run_dir: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except OSError as exc:  # UntrustedFile too: a FIFO, a link to /dev/zero
-        raise Unreadable(f"{printable(path)}: not read ({_why(path, exc)})") from None
+        raise Unreadable(f"{printable(path)} was not read: {_why(path, exc)}") from None
     lines = data.decode(errors="replace").splitlines()
     if len(data) == MAX_EVENTS_BYTES:
         lines = lines[1:]  # the first may be the end of a line cut by the tail
@@ -177,13 +177,13 @@ def _json_object(path: Path, limit: int) -> dict:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise Unreadable(f"{printable(path)}: not read ({_why(path, exc)})") from None
+        raise Unreadable(f"{printable(path)} was not read: {_why(path, exc)}") from None
 
 
 def _why(path: Path, exc: OSError) -> str:
-    """What is wrong with the file, without its path (UntrustedFile's message starts with it)."""
+    """What is wrong with the file: "it is a symbolic link" (UntrustedFile's message starts with its path)."""
     if isinstance(exc, UntrustedFile):
-        return printable(str(exc).removeprefix(f"{path} "))
+        return "it " + printable(str(exc).removeprefix(f"{path} "))
     return printable(exc.strerror or exc)
 
 
