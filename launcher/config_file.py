@@ -29,7 +29,7 @@ MAX_KEY = 100
 
 class BoundedLoader(yaml.SafeLoader):
     """A SafeLoader for job files that refuses what only a bomb needs: aliases (`*name`: nine
-    levels of nine references each, 557 bytes, expand to 387 million strings when anything
+    levels of nine references each, a few hundred bytes, expand to 387 million strings when anything
     walks or formats the value), nesting past MAX_DEPTH (PyYAML composes recursively: 50 000
     `[` are a RecursionError) and keys that cannot be option names (longer than MAX_KEY, or not
     text), which every message about a key would quote. Each is a YAMLError with the line and

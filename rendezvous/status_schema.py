@@ -99,7 +99,9 @@ def checked(value: Any, kind: Any) -> Any:
     if isinstance(kind, dict):
         if not isinstance(value, dict):
             return None
-        return {name: checked(value.get(name), field) for name, field in kind.items() if name in value}
+        fields = {name: checked(value[name], field) for name, field in kind.items() if name in value}
+        # A null stays null (writers write them); a value of the wrong type is dropped (absent).
+        return {name: v for name, v in fields.items() if v is not None or value[name] is None}
     if isinstance(kind, ListOf):
         if not isinstance(value, list):
             return None
