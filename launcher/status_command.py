@@ -114,6 +114,7 @@ def status_command(
     from rally.rendezvous.store_connect import NoStoreThere
 
     quiet_torch_logs()
+    token = job_token()  # bad input first, before any store or file is looked at
     file_store = None
     found: str | HostPort | None = endpoint  # the flag's, the run directory's or SLURM's store host
     if run_dir is not None:
@@ -129,20 +130,18 @@ def status_command(
     else:
         found, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     where = _where(found, backend, file_store, rdzv_conf)
-    try:
-        refused = _refused(where, timeout)
-        if refused and run_dir is None:
+    if _refused(where, timeout):  # nothing listens: a job's own store ends with it
+        if run_dir is None:
             raise ConfigError(printable(ended_line(str(where), str(run_id)), limit=2000))  # one line, exit 2
-        status = None if refused else read_status(where, str(run_id), timeout)
+        heading = f"job {run_id}: nothing listens at {where} (its store is gone)"
+        return _show_finished(run_dir, str(run_id), as_json, heading, str(where))
+    try:
+        status = read_status(where, str(run_id), timeout, token)
     except (StoreUnavailable, NoStoreThere) as exc:
         if run_dir is None:
             raise ConfigError(printable(exc, limit=2000)) from None  # one line, exit 2 (launcher/cli.py)
         return _show_finished(
             run_dir, str(run_id), as_json, f"job {run_id}: its store is not answering ({exc})", str(where)
-        )
-    if refused and run_dir is not None:
-        return _show_finished(
-            run_dir, str(run_id), as_json, f"job {run_id}: nothing listens at {where} (its store is gone)", str(where)
         )
     if status is None:
         if run_dir is not None:
@@ -213,16 +212,21 @@ def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None
         raise click.UsageError(str(exc)) from None
 
 
-def read_status(where: StoreEndpoint, run_id: str, timeout: float) -> dict | None:
-    """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
-    from rally.rendezvous.status import read_job_status
-    from rally.rendezvous.token import Signer, TokenError, env_token
+def job_token() -> str:
+    """RALLY_JOB_TOKEN, to verify records with ("" without it: records are shown unverified)."""
+    from rally.rendezvous.token import TokenError, env_token
 
     try:
-        token = env_token()  # without it, records are shown unverified
+        return env_token()
     except TokenError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def read_status(where: StoreEndpoint, run_id: str, timeout: float, token: str) -> dict | None:
+    """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
+    from rally.rendezvous.status import read_job_status
     from rally.rendezvous.store_connect import bounded
+    from rally.rendezvous.token import Signer
 
     _import_store_client()
     store = open_endpoint(where, job_prefix(run_id), timeout, timeout, Signer(token, verify=bool(token))).store
