@@ -94,7 +94,7 @@ def find_run_dir(path: Path) -> Path:
             f"{printable(path)} is not a rally run directory (it has no {ENDPOINT_FILE}); give the one rally "
             "printed at start"
         )
-    newest = max(runs, key=lambda p: (p / ENDPOINT_FILE).lstat().st_mtime)
+    newest = max(runs, key=lambda p: _mtime(p / ENDPOINT_FILE))
     raise RunDirError(
         f"{printable(path)} holds {len(runs)} runs; give one of them, e.g. the newest: "
         f"rally status {printable(shlex.quote(str(newest)))}"
@@ -185,6 +185,13 @@ def _why(path: Path, exc: OSError) -> str:
     if isinstance(exc, UntrustedFile):
         return "it " + printable(str(exc).removeprefix(f"{path} "))
     return printable(exc.strerror or exc)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:  # gone since it was listed
+        return 0.0
 
 
 def _loads(line: str) -> Any:
