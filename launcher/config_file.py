@@ -16,10 +16,62 @@ from typing import Any
 
 import yaml
 
+from rally.agent.display.untrusted_text import printable
 from rally.launcher import options, validate
 from rally.launcher.validate import ConfigError
 
 EXTRA_KEYS = ("script", "args")
+# A job file's values are scalars or lists of scalars (a mapping holding lists: depth 3).
+MAX_DEPTH = 10
+# Its keys are option names: the longest is under 40 characters.
+MAX_KEY = 100
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """A SafeLoader for job files that refuses what only a bomb needs: aliases (`*name`: nine
+    levels of nine references each, a few hundred bytes, expand to 387 million strings when anything
+    walks or formats the value), nesting past MAX_DEPTH (PyYAML composes recursively: 50 000
+    `[` are a RecursionError) and keys that cannot be option names (longer than MAX_KEY, or not
+    text), which every message about a key would quote. Each is a YAMLError with the line and
+    column, so one line."""
+
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"an alias (*{printable(event.anchor, limit=40)}) is not accepted in a job file: write the value out",
+                event.start_mark,
+            )
+        if self.depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"values nested more than {MAX_DEPTH} deep are not accepted in a job file",
+                self.peek_event().start_mark,
+            )
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
+        node = super().compose_mapping_node(anchor)
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or len(key.value) > MAX_KEY:
+                what = (
+                    f"a key of {len(key.value)} characters"
+                    if isinstance(key, yaml.ScalarNode)
+                    else "a key that is not text"
+                )
+                raise yaml.composer.ComposerError(
+                    None, None, f"{what} is not an option name; write option: value", key.start_mark
+                )
+        return node
 
 
 def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -32,7 +84,7 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
             "it as UTF-8"
         ) from None
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=BoundedLoader)  # no alias, no deep nesting: safe_load is then cheap
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -82,11 +134,13 @@ def typed(value: Any, name: str, key: str, here: str) -> Any:
         return value
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{here}: '{key}' is a flag: write {key}: true or {key}: false, not {value!r}")
+            raise ConfigError(
+                f"{here}: '{key}' is a flag: write {key}: true or {key}: false, not {validate.quoted(value)}"
+            )
         return value
     if isinstance(value, bool):
         raise ConfigError(
-            f"{here}: '{key}' takes a value, not {value!r}; write e.g. {key}: "
+            f"{here}: '{key}' takes a value, not {validate.quoted(value)}; write e.g. {key}: "
             f"{options.Options.__dataclass_fields__[name].default!r}"
         )
     if kind is int:
@@ -95,12 +149,12 @@ def typed(value: Any, name: str, key: str, here: str) -> Any:
         try:
             return int(value) if isinstance(value, (int, str)) else int("not a number")
         except ValueError:
-            raise ConfigError(f"{here}: '{key}' must be a whole number, not {value!r}") from None
+            raise ConfigError(f"{here}: '{key}' must be a whole number, not {validate.quoted(value)}") from None
     if kind is float and isinstance(value, str):
         try:
             return float(value)
         except ValueError:
-            raise ConfigError(f"{here}: '{key}' must be a number, not {value!r}") from None
+            raise ConfigError(f"{here}: '{key}' must be a number, not {validate.quoted(value)}") from None
     if kind is str:
         return value if isinstance(value, str) else str(value)
     return value

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 import shutil
 import signal
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from rally.agent.display.untrusted_text import printable
 
 
 class ConfigError(Exception):
@@ -50,6 +53,16 @@ UNHANDLED_SIGNALS = {
 # Options whose value, in a config file, is a list of strings rather than a scalar.
 LIST_OPTIONS = {"preload", "args"}
 
+# How much of a value a message quotes: a few items, a few levels, 80 characters of a string.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 2, 4, 4, 80, 80
+
+
+def quoted(value: Any) -> str:
+    """`repr(value)` for a message, bounded whatever the value (a 4 MB string, a list nested
+    to the limit): reprlib looks at no more of it than it shows."""
+    return printable(_QUOTE.repr(value), limit=200)
+
 
 # ------------------------------------------------------------------ config file values
 def check_config_values(path: str, data: Mapping[str, Any]) -> None:
@@ -59,20 +72,20 @@ def check_config_values(path: str, data: Mapping[str, Any]) -> None:
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(
                     f"--config {path}: 'script' must be the path of the training script as text, "
-                    f"got {value!r} ({type(value).__name__}); write e.g. script: train.py (quote numbers)"
+                    f"got {quoted(value)} ({type(value).__name__}); write e.g. script: train.py (quote numbers)"
                 )
         elif key in LIST_OPTIONS:
             items = value if isinstance(value, list) else [value]
             bad = [item for item in items if isinstance(item, (list, dict)) or item is None]
             if bad:
                 raise ConfigError(
-                    f"--config {path}: '{key}' must be a list of plain values, got the item {bad[0]!r}; "
+                    f"--config {path}: '{key}' must be a list of plain values, got the item {quoted(bad[0])}; "
                     f"e.g. {key}: [--lr, '0.1']"
                 )
         elif isinstance(value, (list, dict)):
             raise ConfigError(
                 f"--config {path}: '{key}' must be a single value, got a {type(value).__name__} "
-                f"({value!r}); write it as {key}: VALUE"
+                f"({quoted(value)}); write it as {key}: VALUE"
             )
 
 
@@ -82,7 +95,7 @@ def seconds(value: Any, option: str, *, zero_ok: bool, minimum: float = 0.0) -> 
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{option} {value!r}: expected a number of seconds, e.g. {option} 30") from None
+        raise ConfigError(f"{option} {quoted(value)}: expected a number of seconds, e.g. {option} 30") from None
     if math.isnan(number) or math.isinf(number) or number > MAX_SECONDS or number < 0 or (number == 0 and not zero_ok):
         lowest = "from 0" if zero_ok else f"from {minimum:g}" if minimum else "above 0 and"
         raise ConfigError(f"{option} {value}: must be a number of seconds {lowest} up to {MAX_SECONDS:g} (7 days)")
@@ -95,7 +108,7 @@ def port(value: Any, option: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{option} {value!r}: expected a port number from 0 to 65535") from None
+        raise ConfigError(f"{option} {quoted(value)}: expected a port number from 0 to 65535") from None
     if not 0 <= number <= 65535:
         raise ConfigError(f"{option} {value}: port {number} is out of range; use a port from 0 to 65535")
     return number

@@ -1,7 +1,7 @@
 """Fault matrix: another user of the node against the job's local surfaces (issue 27, items 6-10,
 12, 15): the store's lists and keep-alives, the orphan guard, /metrics, the standalone store and
 the job's secrets. The attacker is a real other uid (tests/stranger.py) wherever it is one; it
-reaches a TCPStore with the torch of this interpreter (a stranger who installs torch can too).
+speaks c10d's wire protocol with the standard library (tests/stranger_store.py).
 
 docs/security.md "Local surfaces" lists what these tests prove.
 """
@@ -31,6 +31,7 @@ from helpers import (  # noqa: F401
 from helpers import wait_for as wait_until
 from live_rally import LiveRally
 from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
+from stranger_store import STORE_CLIENT
 from test_faults_membership import (
     cluster,  # noqa: F401 - a fixture
     job_args,
@@ -39,19 +40,18 @@ from test_faults_membership import (
 )
 from test_faults_trust import RANKS_WORKER, TOKEN
 
-# A stranger's TCPStore client (torch from this interpreter's site-packages), as uid 65534.
-STRANGER_CLIENT = """
-import os, sys
-os.environ["RES_OPTIONS"] = "timeout:1 attempts:1"
-from datetime import timedelta
-from torch.distributed import TCPStore
-store = TCPStore("127.0.0.1", {port}, is_master=False, timeout=timedelta(seconds=10))
+# Raw writes besides tests/stranger_store.py's enveloped `put`: what any TCPStore client can send.
+RAW_PUT = r"""
+def raw_put(port, key, data):
+    conn = store(port)
+    conn.sendall(bytes([SET]) + _text(b"/" + key.encode()) + _text(data))
+    done(conn)
 """
 
 
-def as_stranger(port: int, code: str, timeout: float = 60) -> str:
-    """Run `code` as uid 65534 with `store` connected to the port; its stdout (it must succeed)."""
-    done = run_as_stranger(STRANGER_CLIENT.format(port=port) + code, timeout=timeout)
+def as_stranger(code: str, timeout: float = 60) -> str:
+    """Run `code` as uid 65534 with c10d's wire protocol at hand (standard library only); its stdout."""
+    done = run_as_stranger(STORE_CLIENT + RAW_PUT + code, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -67,12 +67,7 @@ def test_a_strangers_long_append_to_the_status_list_does_not_stop_keep_alives(cl
     env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "10", "OTHER_RANK_SECONDS": "10"}
     agents = [cluster.agent(f"n{i}", [*job_args(store.port, "2"), str(script)], env=env) for i in range(2)]
     assert wait_for(lambda: len(records(cluster.out)) == 2, 90), "\n".join(a.output() for a in agents)
-    appended = as_stranger(
-        store.port,
-        'store.append("rally/testjob/status/nodes", b"".join(b"n%06d\\n" % i for i in range(190000)))\n'
-        'print("appended", len(store.get("rally/testjob/status/nodes")))',
-    )
-    assert "appended 15" in appended, appended  # 1.5 MB
+    as_stranger(f"append({store.port}, 'rally/testjob/status/nodes', b''.join(b'n%06d\\n' % i for i in range(190000)))")
     codes = [a.wait(90) for a in agents]
     assert codes == [0, 0], "\n".join(a.output() for a in agents)
     assert all("job succeeded" in a.output() for a in agents)
@@ -352,18 +347,13 @@ def test_a_multi_node_job_without_a_token_says_at_start_what_a_stranger_can_do(t
 
 
 # ------------------------------------------------------------------ 10. the standalone store
-GARBAGE_EVERYWHERE = """
-import sys
-prefix = sys.argv[1] if len(sys.argv) > 1 else None
-keys = [k for k in store.list_keys() if k.startswith("rally/")]
-job = keys[0].split("/")[1]
-readable = [k for k in keys if b'"workers"' in store.get(k)]
-print("read", len(readable), flush=True)
-targets = sorted(set(keys) | {{f"rally/{{job}}/0/end", f"rally/{{job}}/0/acked"}})
-for key in targets:
-    store.set(key, b"garbage")
-print("wrote", len(targets), flush=True)
-"""
+# Every key a running single-node round holds or reads (the status record's name is the node's
+# own: a stranger who lists the keys finds it, here it is left out), and the round's end before
+# the job writes it.
+JOB_KEYS = (
+    "0/alive/0 0/end 0/acked current 0/master 0/closed 0/assign/0/0 0/node/0 0/joined 0/closer/0 "
+    "job/started host status/nodes"
+).split()
 
 SLEEPER = """
 import time
@@ -384,9 +374,10 @@ def test_a_strangers_garbage_in_every_key_of_a_standalone_store_ends_nothing(
     write_probe(tmp_path / "sleeper.py", SLEEPER)
     rally = LiveRally(["--standalone", "--nproc-per-node", "1", "sleeper.py"], tmp_path, clean_env(), procs)
     rally.wait_line("worker up", 60)
-    port = int(re.search(r"localhost:(\d+)", rally.text()).group(1))  # type: ignore[union-attr]
-    said = as_stranger(port, GARBAGE_EVERYWHERE.format())
-    assert "wrote" in said, said
+    found = re.search(r"localhost:(\d+) --rdzv-id (\S+)", rally.text())
+    assert found, rally.text()
+    port, run_id = int(found.group(1)), found.group(2)
+    as_stranger("".join(f"raw_put({port}, 'rally/{run_id}/{key}', b'garbage')\n" for key in JOB_KEYS))
     code, _ = rally.wait_exit(60)
     assert code == 0, rally.text()[-4000:]
     assert "job succeeded" in rally.text(), rally.text()[-4000:]
