@@ -160,7 +160,14 @@ def _declare(fn: Callable) -> Callable:
     metavar="FILE",
     help="YAML file with any of these options (plus script and args).",
 )
-@click.version_option(__version__, "--version", prog_name="rally")
+@click.option(
+    "--version",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=lambda ctx, _param, value: _print_version(ctx) if value else None,
+    help="Show rally's, torch's and Python's versions and exit.",
+)
 @_declare
 @click.argument("script", required=False, shell_complete=_complete_script)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -177,6 +184,22 @@ def run_command(
     origins = {n: where for n, where in ctx.meta.get("rally.origins", {}).items() if n in from_file}
     given = {n for n in values if ctx.get_parameter_source(n) != ParameterSource.DEFAULT}
     return launch_and_run(Options(**values, origins=origins), script, list(script_args), given).code
+
+
+def version_line() -> str:
+    """``rally 0.1.0 (torch 2.13.0+cpu, Python 3.11.2)``: what a bug report needs, without importing torch."""
+    from importlib import metadata
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"rally {__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
+
+
+def _print_version(ctx: click.Context) -> None:
+    click.echo(version_line())
+    ctx.exit(0)
 
 
 @dataclass
