@@ -25,9 +25,10 @@ from click.core import ParameterSource
 from rally.agent.display import console
 from rally.launcher import __version__, options
 from rally.launcher.config import ConfigError, build_launch
-from rally.launcher.config_file import load_config_file
+from rally.launcher.config_file import FileMistakes, load_config_file
 from rally.launcher.flag_prefixes import expand_prefixes
 from rally.launcher.options import GROUPS, Options
+from rally.launcher.validate import Mistakes, mistakes_of
 
 EARLY_BLOCKED_SIGNALS = {signal.SIGUSR1, signal.SIGUSR2}
 
@@ -110,6 +111,9 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
     if value:
         try:
             ctx.default_map, ctx.meta["rally.origins"] = load_config_file(value)
+        except FileMistakes as exc:  # told with the other options' mistakes (run_command)
+            ctx.default_map, ctx.meta["rally.origins"] = exc.values, exc.origins
+            ctx.meta["rally.file_mistakes"] = exc.mistakes
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from None
     return value
@@ -183,7 +187,14 @@ def run_command(
     from_file = {n for n in values if ctx.get_parameter_source(n) == ParameterSource.DEFAULT_MAP}
     origins = {n: where for n, where in ctx.meta.get("rally.origins", {}).items() if n in from_file}
     given = {n for n in values if ctx.get_parameter_source(n) != ParameterSource.DEFAULT}
-    return launch_and_run(Options(**values, origins=origins), script, list(script_args), given).code
+    o = Options(**values, origins=origins)
+    if file_mistakes := ctx.meta.get("rally.file_mistakes"):  # every mistake in one run, the file's first
+        try:
+            o.parse(act=False)
+        except ConfigError as exc:
+            raise Mistakes(file_mistakes + mistakes_of(exc)) from None
+        raise Mistakes(file_mistakes)
+    return launch_and_run(o, script, list(script_args), given).code
 
 
 def version_line() -> str:

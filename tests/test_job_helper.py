@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
-from rally.agent.worker import heartbeat_file, job
+from rally.agent.worker import heartbeat_file, job, memory_only
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -405,8 +405,8 @@ def test_a_script_without_checkpoint_dir_keeps_its_checkpoints_in_memory_and_res
     )  # fmt: skip
     assert result.returncode == 0, result.describe()
     err = result.stderr
-    assert err.count(job.MEMORY_ONLY_LINE) == 1, result.describe()  # once, on rank 0, at the first start
-    assert "--checkpoint-dir DIR" in job.MEMORY_ONLY_LINE
+    assert err.count(memory_only.LINE) == 1, result.describe()  # once, on rank 0, at the first start
+    assert "--checkpoint-dir DIR" in memory_only.LINE
     assert "resuming from step 5 (from memory)" in err, result.describe()
     assert "[0] start 6 source memory" in result.stdout and "[1] start 6 source memory" in result.stdout
     assert "[0] w 6.0" in result.stdout and "[1] w 6.0" in result.stdout

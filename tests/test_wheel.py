@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env
+from helpers import clean_env, run_rally
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_ROOTS = {
@@ -114,16 +114,12 @@ def test_the_installed_wheel_runs_a_job(built: Built, tmp_path: Path) -> None:
         env=env, cwd=tmp_path, capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     assert all(line.startswith(str(target)) for line in where.stdout.split()), where.stdout
-    version = subprocess.run(
-        [sys.executable, "-m", "rally", "--version"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
+    version = run_rally(["--version"], cwd=tmp_path, env=env, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("rally ") and "torch " in version.stdout
     script = tmp_path / "hello.py"
     script.write_text("import os\nprint('hello from rank', os.environ['RANK'])\n")
-    job = subprocess.run(
-        [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-         str(script)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert job.returncode == 0, job.stderr[-3000:]
+    job = run_rally(
+        ["--standalone", "--nproc-per-node", "2", "--log-dir", tmp_path / "logs", script], cwd=tmp_path, env=env
+    )
+    assert job.returncode == 0, job.describe()
     assert "[0] hello from rank 0" in job.stdout and "[1] hello from rank 1" in job.stdout

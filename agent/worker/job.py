@@ -49,7 +49,7 @@ from rally.agent.checkpoint.client import (
     WHOLE_STATE_KEY,
     CheckpointRefused,  # noqa: F401 - part of this module's API
 )
-from rally.agent.worker import checkpoint_file, heartbeat_file
+from rally.agent.worker import checkpoint_file, heartbeat_file, memory_only
 from rally.agent.worker.checkpoint_file import Checkpoint  # part of this module's API (load_latest returns it)
 from rally.agent.worker.preemption_flag import (  # noqa: F401 - part of this module's API
     install_preemption_handler,
@@ -209,7 +209,8 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     keep = _resolve_keep(keep)
     memory = ckpt_client.tier()
     if ctx.checkpoint_dir is None and memory is not None:
-        return _save_in_memory_only(ctx, memory, state, step, keep)
+        _save_in_memory_only(ctx, memory, state, step, keep)
+        return None  # no file
     directory = _require_dir(ctx)
     final = directory / f"step_{step:012d}.pt"
     if memory is not None and ctx.local_rank != 0:
@@ -304,63 +305,26 @@ def load_latest(
 def _from_memory(ctx: JobContext, directory: Path | None, step: int, state: Any) -> Checkpoint:
     if ctx.is_rank0:
         _log(f"resuming from step {step} (from memory)")
-    path = (directory or Path(MEMORY_ONLY_PATH)) / f"step_{step:012d}.pt"
+    path = (directory or Path(memory_only.NO_DIRECTORY)) / f"step_{step:012d}.pt"
     return Checkpoint(step=step, state=state, path=path, source="memory")
 
 
-MEMORY_ONLY_PATH = "<memory>"
-"""The directory part of a memory-only checkpoint's ``Checkpoint.path``: it has no file."""
-MEMORY_ONLY_LINE = (
-    "checkpoints are kept in this node's memory only, for restarts within this job; "
-    "to keep them on disk as well, run rally with --checkpoint-dir DIR"
-)
-_told_memory_only = False
-
-
-def _say_memory_only(ctx: JobContext) -> None:
-    """Once per worker, on rank 0: where checkpoints go when no directory was given, and how to change it."""
-    global _told_memory_only
-    if ctx.is_rank0 and ctx.restart_count == 0 and not _told_memory_only:
-        _log(MEMORY_ONLY_LINE)
-    _told_memory_only = True
-
-
-def _save_in_memory_only(
-    ctx: JobContext, memory: ckpt_client.MemoryTier, state: Any, step: int, keep: int
-) -> Path | None:
-    """Under rally without --checkpoint-dir: the node's copy in the memory tier, never a file.
-    Restarts of this job resume from it; nothing survives the job's end."""
-    _say_memory_only(ctx)
-    if ctx.local_rank != 0:
-        return None  # local rank 0 holds this node's copy
-    if not memory.save(state, WHOLE_STATE_KEY, step, persist=False, keep=keep):
-        raise CheckpointDirNotSet(
-            "rally: this node has too little memory to keep checkpoints in memory and no checkpoint "
-            "directory to write them to; run rally with --checkpoint-dir DIR"
-        )
-    return None
+def _save_in_memory_only(ctx: JobContext, memory: ckpt_client.MemoryTier, state: Any, step: int, keep: int) -> None:
+    memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
+    if ctx.local_rank == 0 and not memory_only.save(memory, state, step, keep):  # local rank 0: the node's copy
+        raise CheckpointDirNotSet(memory_only.NO_ROOM)
 
 
 def _load_from_memory_only(
     ctx: JobContext, memory: ckpt_client.MemoryTier, map_location: Any, weights_only: bool
 ) -> Checkpoint | None:
-    """Under rally without --checkpoint-dir: the step the round agreed on, from the memory tier, or None."""
-    _say_memory_only(ctx)
-    prepared = resume_prefetch.take(map_location)
-    if prepared is not None:
-        return _from_memory(ctx, None, *prepared)
-    agreed, memfd = memory.resume(WHOLE_STATE_KEY)
-    if memfd is None or agreed is None:
+    memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
+    found = resume_prefetch.take(map_location) or memory_only.load(memory, map_location, weights_only)
+    if found is None:
         if ctx.is_rank0:
             _log("no checkpoint, starting from scratch")
         return None
-    import torch
-
-    try:
-        state = torch.load(f"/proc/self/fd/{memfd}", map_location=map_location, weights_only=weights_only, mmap=True)
-    finally:
-        os.close(memfd)  # the mapping keeps the copy
-    return _from_memory(ctx, None, agreed, state)
+    return _from_memory(ctx, None, *found)
 
 
 def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
