@@ -32,7 +32,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COPYABLE = {"bash", "sh", "shell", "console", "python", "py", "yaml", "yml"}
 FENCE = re.compile(r"^(\s*)```(\S*)")
 MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(\w+)\s*(.*?)\s*-->\s*$")
-PAGE_TIMEOUT = 240.0
+PAGE_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,12 @@ def test_the_snippets_of_a_page_run_as_written(page: Path, tmp_path: Path) -> No
                 argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT,
                 start_new_session=True,
             )  # fmt: skip
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{block.where()} did not finish within {PAGE_TIMEOUT:g} s:\n{block.body}")
+        except subprocess.TimeoutExpired as late:
+            printed = "\n".join(
+                out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+                for out in (late.stdout, late.stderr)
+            )[-4000:]
+            pytest.fail(f"{block.where()} did not finish within {PAGE_TIMEOUT:g} s:\n{block.body}\n{printed}")
         shown = f"{block.where()}:\n{block.body}\nexit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         assert done.returncode == 0, shown
         assert "Traceback" not in done.stderr, shown
