@@ -56,6 +56,7 @@ from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, Round, RoundEnd
 from rally.rendezvous.store import StoreError, host_tcp_store, listen_address
+from rally.rendezvous.waiting import plural
 
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
@@ -322,7 +323,7 @@ class Agent:
             if not reported_success and group.all_succeeded():
                 reported_success = True
                 if a.group_world_size > 1:
-                    console.say(f"all {len(group.workers)} workers on this node finished; waiting for the other nodes")
+                    console.say(f"{_every(len(group.workers))} on this node finished; waiting for the other nodes")
                 self.store_call(rnd.channel.report_success)
 
     def _on_events(self, rnd: Round) -> RoundEnd | None:
@@ -398,8 +399,9 @@ class Agent:
         elif decision.code == EXIT_PREEMPTED:
             console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")
         else:
-            nodes = f"{a.group_world_size} node{'s' if a.group_world_size != 1 else ''}"
-            console.say(f"job succeeded: {a.world_size} workers on {nodes} finished")
+            console.say(
+                f"job succeeded: {plural(a.world_size, 'worker')} on {plural(a.group_world_size, 'node')} finished"
+            )
         self._exit_barrier(rnd)
         return decision.code
 
@@ -446,7 +448,11 @@ class Agent:
     def _leave(self, rnd: Round, signum: int) -> None:
         """Stopped by a signal while running: the workers get it, the others re-form without us."""
         name = processes.signal_name(signum)
-        console.say(f"received {name}: forwarding it to the workers, then stopping")
+        again = "Ctrl-C again" if signum == signal.SIGINT else f"{name} again"
+        console.say(
+            f"received {name}: forwarding it to the workers and stopping; they get up to "
+            f"{self.spec.shutdown_timeout:g} s to exit (--shutdown-timeout), then SIGKILL; {again} kills them now"
+        )
         self._stop_workers(signum)
         end = RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)
         self.store_call(lambda: rnd.channel.leave(end), best_effort=True)
@@ -492,3 +498,8 @@ class Agent:
         template = self.template.helper_pids() if self.template is not None else set()
         holder = {self.ckpt.pid} if self.ckpt.pid is not None else set()
         return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | holder)
+
+
+def _every(workers: int) -> str:
+    """ "all 4 workers", "the 1 worker": never "all 1 workers"."""
+    return "the 1 worker" if workers == 1 else f"all {workers} workers"

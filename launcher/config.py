@@ -59,7 +59,7 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     p = o.parse()
     min_nodes, max_nodes = p.nnodes
     validate.check_counts(p.nproc_per_node, max_nodes, p.node_rank)
-    notes: list[str] = []
+    notes: list[str] = standalone_overrides(o, p.nnodes)
     conf = p.rdzv_conf
     endpoint, settings, run_id, preferred_rank = plan_rendezvous(o, p, conf, slurm_job)
     warnings: list[str] = []
@@ -78,6 +78,11 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     # Node rank 0 of a static job is, by definition, reachable at the master address.
     static_master = endpoint.host if backend_named(endpoint.backend).static_ranks and endpoint.host_here else None
     spec = job_spec(o, p, script, script_args, run_id, notes)
+    if spec.uses_torchrun_logs() and spec.prefix_output:
+        notes.append(
+            f"--tee/--redirects: console lines follow torchrun's format ([{spec.role}0]: on tee'd streams, "
+            "no prefix on the others) instead of rally's [rank]"
+        )
     plan = RendezvousPlan(
         endpoint=endpoint,
         settings=settings,
@@ -88,6 +93,23 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
         token=token,
     )
     return Launch(spec, plan, notes, warnings)
+
+
+def standalone_overrides(o: Options, nnodes: tuple[int, int]) -> list[str]:
+    """--standalone runs one node on a private store (as torchrun's does): the rendezvous flags it
+    replaces are named in one line, never dropped in silence."""
+    if not o.standalone:
+        return []
+    replaced = [f"--nnodes {o.nnodes}"] if nnodes != (1, 1) else []
+    replaced += [f"--rdzv-endpoint {o.rdzv_endpoint}"] if o.rdzv_endpoint else []
+    replaced += [f"--rdzv-backend {o.rdzv_backend}"] if o.rdzv_backend not in ("static", "c10d") else []
+    replaced += [f"--rdzv-id {o.rdzv_id}"] if o.rdzv_id != spec_default("run_id") else []
+    if not replaced:
+        return []
+    return [
+        f"--standalone overrides {', '.join(replaced)}: it runs one node on a private store at a free port, "
+        "with a random run id; drop --standalone to use them"
+    ]
 
 
 def check_entry_point(o: Options, script: str | None) -> None:

@@ -1,7 +1,8 @@
 """A `--config` YAML job file: its keys are the options of launcher/options.py (either spelling)
 plus `script` and `args`, and every value must have its option's type.
 
-Every mistake is one line naming the file, the line and the key: an unknown key (with the
+Every mistake is one line naming the file, the line and the key, and every key is checked, so
+all of a file's mistakes are told in one run: an unknown key (with the
 nearest valid one), a key given twice (also as `nproc-per-node` and `nproc_per_node`), a flag
 that is not true/false (`standalone: 1`), a count that is not a whole number
 (`max-restarts: 2.9`, which would otherwise silently become 2). Values that have the right
@@ -100,31 +101,55 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     origins: dict[str, str] = {}
     lines: dict[str, tuple[int, str]] = {}
     constructor = yaml.SafeLoader("")
+    mistakes: list[str] = []  # every key is checked: all of a file's mistakes are told in one run
     for key_node, value_node in root.value:
         raw_key = constructor.construct_object(key_node, deep=True)
         value = constructor.construct_object(value_node, deep=True)
         line = key_node.start_mark.line + 1
-        key = str(raw_key).replace("-", "_")
-        here = f"--config {path}, line {line}"
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-            raise ConfigError(f"{here}: unknown key '{raw_key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
-        if key in lines:
-            first_line, first_key = lines[key]
-            raise ConfigError(
-                f"{here}: '{raw_key}' is given again (line {first_line} has '{first_key}'); keep one of them"
-            )
-        lines[key] = (line, str(raw_key))
-        validate.check_config_values(f"{path}, line {line}", {key: value})
-        if key == "args":
-            if not isinstance(value, list):
-                raise ConfigError(f"{here}: 'args' must be a list, e.g. args: [--lr, '0.1']")
-            value = [str(v) for v in value]
-        elif key != "script":
-            value = typed(value, key, str(raw_key), here)
-            origins[key] = f"{here}, '{raw_key}'"
+        try:
+            key, value = checked_entry(path, line, raw_key, value, valid, lines)
+        except ConfigError as exc:
+            mistakes.append(str(exc))
+            continue
+        if key not in EXTRA_KEYS:
+            origins[key] = f"--config {path}, line {line}, '{raw_key}'"
         result[key] = value
+    if mistakes:
+        raise FileMistakes(mistakes, result, origins)
     return result, origins
+
+
+class FileMistakes(validate.Mistakes):
+    """Keys of the file that are wrong in themselves (unknown, twice, of the wrong type), with the
+    file's other values: the command checks those too, with the flags that may override them
+    (a value a flag replaces is not blamed on the file), and tells every mistake in one run."""
+
+    def __init__(self, mistakes: list[str], values: dict[str, Any], origins: dict[str, str]) -> None:
+        super().__init__(mistakes)
+        self.values, self.origins = values, origins
+
+
+def checked_entry(
+    path: str, line: int, raw_key: Any, value: Any, valid: list[str], lines: dict[str, tuple[int, str]]
+) -> tuple[str, Any]:
+    """One `key: value` of the file as (option name, typed value), or a ConfigError naming its line."""
+    key = str(raw_key).replace("-", "_")
+    here = f"--config {path}, line {line}"
+    if key not in valid:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+        raise ConfigError(f"{here}: unknown key '{raw_key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
+    if key in lines:
+        first_line, first_key = lines[key]
+        raise ConfigError(f"{here}: '{raw_key}' is given again (line {first_line} has '{first_key}'); keep one of them")
+    lines[key] = (line, str(raw_key))
+    validate.check_config_values(f"{path}, line {line}", {key: value})
+    if key == "args":
+        if not isinstance(value, list):
+            raise ConfigError(f"{here}: 'args' must be a list, e.g. args: [--lr, '0.1']")
+        return key, [str(v) for v in value]
+    if key == "script":
+        return key, value
+    return key, typed(value, key, str(raw_key), here)
 
 
 def typed(value: Any, name: str, key: str, here: str) -> Any:

@@ -25,6 +25,21 @@ class ConfigError(Exception):
     """A user error in flags, environment or config file. The message is shown as is."""
 
 
+class Mistakes(ConfigError):
+    """Several mistakes found in one run, as one error: the first on the error line, each other
+    on a line of its own below it (one mistake stays exactly its one line)."""
+
+    def __init__(self, mistakes: list[str]) -> None:
+        self.mistakes = list(mistakes)
+        first, others = mistakes[0], mistakes[1:]
+        text = f"{first} ({len(mistakes)} mistakes, the others below)" if others else first
+        super().__init__("\n  ".join([text, *others]))
+
+
+def mistakes_of(exc: ConfigError) -> list[str]:
+    return exc.mistakes if isinstance(exc, Mistakes) else [str(exc)]
+
+
 MAX_SECONDS = 7 * 24 * 3600.0
 """Upper bound of every timeout and interval (7 days): beyond it torch's store timeouts overflow
 a C int of milliseconds and time stamps leave the platform's range; no job needs more."""
@@ -170,8 +185,14 @@ def names_fit(path: Path, option: str) -> None:
 
 
 def runnable_program(script: str) -> None:
-    """--no-python: the program is an executable file, or a command found on PATH."""
+    """--no-python: the program is an executable file, or a command found on PATH. A bare name is
+    looked up on PATH only, as a shell does (and as the worker's exec will): one in the working
+    directory is named with its ``./`` instead of failing later with a traceback."""
     path = Path(script)
+    if os.sep not in script and path.exists() and not shutil.which(script):
+        raise ConfigError(
+            f"--no-python: '{script}' is not a program on PATH; did you mean ./{script} (the one in {os.getcwd()})?"
+        )
     if os.sep in script or path.exists():
         if path.is_dir():
             raise ConfigError(f"--no-python: '{script}' is a directory, not a program")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,6 +39,10 @@ HOST_MARKER_NAME = "host"
 HOST_MARKER_WAIT_SECONDS = 10.0
 # How many times a counter or first-wins key a stranger keeps filling with garbage is replaced.
 REPAIR_ATTEMPTS = 3
+# The slices of that wait: between them, a store hosted by another job is recognised by its marker.
+MARKER_SLICE_SECONDS = 0.25
+# Where every job's keys live (rendezvous/protocol.py's job_prefix: rally/<run id>/).
+RALLY_KEY_ROOT = "rally/"
 
 
 def quiet_torch_logs() -> None:
@@ -427,16 +432,32 @@ def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: floa
     """The port was taken: accept a `rally store` service or this job's own host, nothing else."""
     if store.raw.check([SERVICE_MARKER_KEY]):
         return
-    if not store.try_wait([HOST_MARKER_NAME], wait):
-        raise StoreUnavailable(
-            _stranger_port_message(endpoint, port, "it is not this job's store (another job, or another program)")
-        )
+    deadline = time.monotonic() + wait
+    while not store.try_wait([HOST_MARKER_NAME], min(MARKER_SLICE_SECONDS, max(0.01, deadline - time.monotonic()))):
+        if other := _other_jobs_store(store):
+            raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it is the store of another job ({other})"))
+        if time.monotonic() >= deadline:
+            raise StoreUnavailable(
+                _stranger_port_message(endpoint, port, "it is not this job's store (another job, or another program)")
+            )
     try:
         store.get(HOST_MARKER_NAME)
     except UntrustedValue as exc:
         raise StoreUnavailable(
             _stranger_port_message(endpoint, port, f"its host did not sign with this job's token ({exc})")
         ) from None
+
+
+def _other_jobs_store(store: Store) -> str | None:
+    """The run id of the job whose agent hosts this store, when it is not ours: its host marker
+    is there under another job's prefix. Named at once rather than after the marker wait."""
+    try:
+        keys = store.raw.list_keys()
+    except Exception:  # a store that cannot list its keys: the marker wait decides, as before
+        return None
+    own, suffix = store.key(HOST_MARKER_NAME), "/" + HOST_MARKER_NAME
+    others = [k for k in keys if k != own and k.startswith(RALLY_KEY_ROOT) and k.endswith(suffix)]
+    return f"run id {others[0][len(RALLY_KEY_ROOT) : -len(suffix)]}" if others else None
 
 
 def _stranger_port_message(endpoint: StoreEndpoint, port: int, why: str) -> str:

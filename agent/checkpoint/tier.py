@@ -48,7 +48,12 @@ RENEW_INTERVAL = 1.0
 
 class CheckpointTier:
     def __init__(
-        self, helper: HelperProcess, holder_id: str, checkpoint_dir: Path, events: EventLog, warn: Callable[[str], None]
+        self,
+        helper: HelperProcess,
+        holder_id: str,
+        checkpoint_dir: Path | None,
+        events: EventLog,
+        warn: Callable[[str], None],
     ) -> None:
         self.helper = helper
         self.process = helper.process
@@ -71,15 +76,18 @@ class CheckpointTier:
     def start(
         cls, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]
     ) -> CheckpointTier | NoTier:
-        """Start the holder; a :class:`NoTier` (saves go to disk) without a checkpoint directory."""
-        if not checkpoint_dir or os.environ.get(MEMORY_TIER_ENV, "1") == "0":
+        """Start the holder; a :class:`NoTier` (saves go to disk) when the tier is turned off.
+        Without a checkpoint directory the holder runs too: a script's checkpoints then live in
+        memory only (rally.job saves them with ``persist=False``), so restarts within the job
+        resume from them and a script written for rally needs no flag."""
+        if os.environ.get(MEMORY_TIER_ENV, "1") == "0":
             return NoTier()
         holder_id = os.urandom(8).hex()  # names its socket and memfds; not a secret (the socket checks the user)
         limit = os.environ.get(MEMORY_LIMIT_ENV, "")
-        helper = HelperProcess(ckpt_holder.__file__, holder_id, checkpoint_dir, limit, stdout=subprocess.PIPE)
+        helper = HelperProcess(ckpt_holder.__file__, holder_id, checkpoint_dir or "", limit, stdout=subprocess.PIPE)
         # Not waited for: a worker that comes before the holder's socket is bound retries
         # (agent/checkpoint/client.py), and the agent's first question waits for its answer.
-        return cls(helper, holder_id, Path(checkpoint_dir), events, warn)
+        return cls(helper, holder_id, Path(checkpoint_dir) if checkpoint_dir else None, events, warn)
 
     @property
     def pid(self) -> int:
@@ -143,7 +151,7 @@ class CheckpointTier:
         return self.memory
 
     def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
-        if self.last_durable is None:  # what earlier runs left on disk (the verdict is cached)
+        if self.last_durable is None and self.checkpoint_dir is not None:  # what earlier runs left (cached)
             self.last_durable = newest_checkpoint_step(self.checkpoint_dir)
         self._round, self._lease, self._renewed = r, lease, time.monotonic()
         self._ask(REPLY_TIMEOUT, op="round", round=r, resume=resume_step, lease=lease)
