@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 
 from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import Result, clean_env, free_port, run_rally, wait_for
+from helpers import Result, clean_env, free_port, kill_group, run_rally, start_rally, wait_for
 from stranger import require_stranger, run_as_stranger
 from stranger_store import STORE_CLIENT
 
@@ -223,8 +223,9 @@ def stranger_plants_run(shared: Path, files: str) -> Path:
 
 def status_limited(run_dir: Path, *extra: str, timeout: float = 30) -> Result:
     """`rally status RUN_DIR` in an address space of NO_TORCH_ADDRESS_SPACE (see there)."""
-    argv = ["prlimit", f"--as={NO_TORCH_ADDRESS_SPACE}", sys.executable, "-m", "rally", "status", str(run_dir), *extra]
-    return run_rally([], argv=argv, cwd=Path("/"), env={**clean_env(), "COLUMNS": "200"}, timeout=timeout)
+    limited = ["prlimit", f"--as={NO_TORCH_ADDRESS_SPACE}"]
+    env = {**clean_env(), "COLUMNS": "200"}
+    return run_rally(["status", run_dir, *extra], prefix=limited, cwd=Path("/"), env=env, timeout=timeout)
 
 
 # Same under load: a FIFO blocks a plain open for ever, whatever the CPU does.
@@ -311,8 +312,8 @@ def test_a_yaml_alias_bomb_in_a_job_file_is_one_line_at_once(tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text(alias_bomb())
     assert config.stat().st_size < 600
-    argv = ["prlimit", f"--as={NO_TORCH_ADDRESS_SPACE}", sys.executable, "-m", "rally", "--config", str(config)]
-    done = run_rally([], argv=argv, cwd=tmp_path, env=clean_env(), timeout=30)
+    limited = ["prlimit", f"--as={NO_TORCH_ADDRESS_SPACE}"]
+    done = run_rally(["--config", config], prefix=limited, cwd=tmp_path, env=clean_env(), timeout=30)
     assert done.returncode == 2 and len(done.stderr_lines) == 1, done.describe()
     assert "line 3, column" in done.stderr and "an alias (*a) is not accepted in a job file" in done.stderr
     assert done.elapsed < 5, done.describe()  # measured 0.2 s; main: 22 s, then a MemoryError
@@ -343,11 +344,21 @@ time.sleep(120)
 STATUS_LINE = re.compile(r"see this job with: rally status (.+?)  \(or: rally status (\S+)\)")
 
 
-def child_cpu_seconds(argv: list[str], env: dict[str, str]) -> tuple[float, subprocess.CompletedProcess[str]]:
-    """User + system CPU seconds `argv` took: unlike wall time, a busy machine barely changes it."""
+def child_cpu_seconds(
+    args: list[str], env: dict[str, str], argv: list[str] | None = None
+) -> tuple[float, subprocess.CompletedProcess[str]]:
+    """User + system CPU seconds `rally ARGS` (or `argv`) took: unlike wall time, a busy machine
+    barely changes it."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    proc = start_rally(args, argv=argv, cwd="/", env=env)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc.pid)
+            proc.wait()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done
 
 
@@ -366,10 +377,9 @@ def test_after_its_agent_is_killed_status_answers_at_once_without_torch_and_poin
         agent.popen.wait(timeout=10)
         assert not (run_dir / "report.json").exists()
 
-        env = {**clean_env(), "COLUMNS": "200"}
-        by_dir = [sys.executable, "-X", "importtime", "-m", "rally", "status", str(run_dir)]
+        env = {**clean_env(), "COLUMNS": "200", "PYTHONPROFILEIMPORTTIME": "1"}  # as -X importtime
         started = time.monotonic()
-        cpu, done = child_cpu_seconds(by_dir, env)
+        cpu, done = child_cpu_seconds(["status", str(run_dir)], env)
         elapsed = time.monotonic() - started
         assert done.returncode == 0, done.stderr
         assert "outcome: unknown (no report.json: the agent may have been killed)" in done.stdout, done.stdout
@@ -401,10 +411,9 @@ def test_status_with_a_store_costs_torch_s_import_and_prints_no_numpy_warning(st
     (tmp_path / "numpy").mkdir()
     (tmp_path / "numpy" / "__init__.py").write_text(FAKE_NUMPY)
     env = {**clean_env(), "COLUMNS": "200", "PYTHONPATH": str(tmp_path)}
-    torch_cpu, torch_done = child_cpu_seconds([sys.executable, "-c", "import torch.distributed"], env)
+    torch_cpu, torch_done = child_cpu_seconds([], env, argv=[sys.executable, "-c", "import torch.distributed"])
     assert "Failed to initialize NumPy" in torch_done.stderr, torch_done.stderr  # torch itself warns
-    argv = [sys.executable, "-m", "rally", "status", "--rdzv-endpoint", f"127.0.0.1:{store}", "--rdzv-id", "costs"]
-    status_cpu, done = child_cpu_seconds(argv, env)
+    status_cpu, done = child_cpu_seconds(["status", "--rdzv-endpoint", f"127.0.0.1:{store}", "--rdzv-id", "costs"], env)
     assert done.returncode == 0 and "4242" in done.stdout, done.stderr
     assert "NumPy" not in done.stderr and done.stderr.strip() == "", done.stderr
     assert status_cpu < torch_cpu + 0.75, (status_cpu, torch_cpu)  # measured: +0.2 s
