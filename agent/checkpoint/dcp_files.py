@@ -289,7 +289,8 @@ def read_manifest(path: Path) -> Manifest:
     if signed:
         step = manifest.get("step")
         try:
-            genuine = isinstance(step, int) and auth.verify(MAC_KIND, step, _signed_part(manifest), str(manifest.get("mac")))
+            mac = str(manifest.get("mac"))
+            genuine = isinstance(step, int) and auth.verify(MAC_KIND, step, _signed_part(manifest), mac)
         except auth.NoKey as exc:
             raise DamagedCheckpoint(str(exc)) from None
         if not genuine:

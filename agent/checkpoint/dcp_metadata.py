@@ -66,7 +66,7 @@ class _Restricted(pickle.Unpickler):
         )
 
 
-def load(file: IO[bytes]) -> Metadata:
+def load(file: IO[bytes] | io.IOBase) -> Metadata:
     """DCP's Metadata from ``file``; UnsafeMetadata for anything else."""
     try:
         found = _Restricted(file).load()
@@ -90,7 +90,7 @@ class SafeMetadataReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = load(stream)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata

@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint import auth, dcp_files, dcp_memory, resume_prefetch
+from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint.dcp_metadata import SafeMetadataReader
 from rally.agent.worker.checkpoint_file import Checkpoint, DamagedCheckpoint
 

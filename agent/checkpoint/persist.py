@@ -4,8 +4,9 @@ The file it writes is exactly what ``job.save`` writes (agent/worker/checkpoint_
 archive, then rally's footer with its length, step, CRC-32 and HMAC (agent/checkpoint/auth.py). The CRC
 and the MAC are computed while the bytes are copied, in one pass over the slot, so a durable
 checkpoint costs one read of memory and one write of the disk (the MAC's CPU runs in this
-background thread, at a low priority, never in the training step's stall). Atomic as ever: a locked temporary file in the same directory, fsync, rename over
-``step_<step:012d>.pt``, fsync the directory, then keep-K pruning exactly as ``job.save`` prunes.
+background thread, at a low priority, never in the training step's stall). Atomic as ever: a
+locked temporary file in the same directory, fsync, rename over ``step_<step:012d>.pt``, fsync
+the directory, then keep-K pruning exactly as ``job.save`` prunes.
 
 A full disk is a :class:`DiskFull` whose message is one line naming the directory, the step,
 the bytes needed and the bytes free; the temporary file is removed, nothing else is touched

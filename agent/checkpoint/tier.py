@@ -171,12 +171,12 @@ class CheckpointTier:
             self._hear(line)
         if not self.stopping:  # end of file while the agent still needs it: the holder died
             self.died = True
-            line = (
+            said = (
                 f"the checkpoint holder of this node (pid {self.pid}) died: its in-memory checkpoints are lost "
                 f"and saves to memory fail (newest step on disk: {self.last_durable})"
             )
-            self.warn(line)
-            self.events.emit("checkpoint_warning", line=line)
+            self.warn(said)
+            self.events.emit("checkpoint_warning", line=said)
 
     def _hear(self, line: bytes) -> None:
         try:
@@ -260,6 +260,7 @@ class NoTier:
 
     pid = None
     last_saved = last_durable = None
+    died = False
 
     def env(self) -> dict[str, str]:
         return {}

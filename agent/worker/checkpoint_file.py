@@ -12,10 +12,10 @@ long and its first N bytes have that CRC-32; it is **authentic** only if ``mac``
 of the step and the N bytes under the job's checkpoint key (agent/checkpoint/auth.py), verifies:
 one pass over the bytes computes both. Files written before authentication end in the 24-byte
 footer ``b"RALLYCKP" | N | crc32 | b"END1"`` (no step, no MAC): intact, but unauthenticated, and
-loaded only from a directory only the job's user can write (rally.job.load_latest says so). Anything else (truncated, zero length, garbage,
-unreadable, a directory or FIFO under a checkpoint's name, a file written by plain torch.save)
-is damaged and skipped. torch.load ignores the bytes after its zip archive, so an intact file
-still loads with plain ``torch.load(path)``.
+loaded only from a directory only the job's user can write (rally.job.load_latest says so).
+Anything else (truncated, zero length, garbage, unreadable, a directory, FIFO or symlink under a
+checkpoint's name, a file written by plain torch.save) is damaged and skipped. torch.load
+ignores the bytes after its zip archive, so an intact file still loads with plain ``torch.load(path)``.
 
 Concurrent writers in one directory: each writer holds an exclusive ``flock`` on its temporary
 file from creation until the rename, and a temporary file is deleted only by whoever can take
@@ -212,7 +212,7 @@ def _open_for_check(path: Path) -> int:
     """A read-only fd of ``path`` that never blocks (a FIFO in its place); FileNotFoundError as
     is, any other failure to open is damage."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # a FIFO must not block us, a link is not followed
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # no FIFO blocks, no link
     except FileNotFoundError:
         raise
     except OSError as exc:
