@@ -172,16 +172,26 @@ def make_private_dir(path: Path) -> None:
 
 
 def private_subdir(path: Path) -> None:
-    """Create ``path`` 0700 exclusively, or accept an existing one only if it is a real directory
-    (not a link) of our uid that nobody else may write. Raises PermissionError naming the problem."""
+    """Create ``path`` 0700 exclusively, or accept an existing one (another rank was first) only if
+    it is a real directory (not a link) of our uid that nobody else may write; it is made 0700.
+    Raises PermissionError naming the problem."""
     try:
         os.mkdir(path, 0o700)
         return
     except FileExistsError:
         pass
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise PermissionError(
-            f"rally: refusing {path}: it is not a private directory of this user's (a link, another "
-            "user's, or open to others); something else made it"
-        )
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:  # ELOOP/ENOTDIR: a link, or not a directory
+        raise PermissionError(f"rally: refusing {path}: it is not a directory of rally's ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            raise PermissionError(
+                f"rally: refusing {path}: it is not a private directory of this user's (another user's, or "
+                "writable by others); something else made it"
+            )
+        if info.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
