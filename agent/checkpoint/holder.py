@@ -23,8 +23,8 @@ It talks JSON lines on two channels:
   listens on it, so the workers' SO_PEERCRED names this process. A connection is served only
   if its peer has this user's uid and its first packet is ``hello`` with the job's secret
   (RALLY_CKPT_SECRET, read from the environment and dropped from it): another user, or another
-  job of the same user, is turned away. A ``reserve`` larger than the node's memory (or
-  RALLY_CKPT_MEMORY_LIMIT) is refused as a bad request; it never turns the job to disk-only saving.
+  job of the same user, is turned away. A ``reserve`` larger than the node's whole memory is
+  refused as a bad request; one that does not fit now goes to disk for that save only (nothing latches).
 
 The copies are memfds (agent/checkpoint/shm.py): when the holder ends, however, the kernel frees them
 as soon as no worker maps them any more. Nothing of the tier is a file.

@@ -129,7 +129,8 @@ class CheckpointTier:
         """Why the newest saved step is not durable because the holder died (one line), or None."""
         if not self.died:
             return None
-        saved, durable = self.last_saved, self.last_durable
+        on_disk = [s for s in (self.last_durable, newest_checkpoint_step(self.checkpoint_dir)) if s is not None]
+        saved, durable = self.last_saved, max(on_disk, default=None)  # another node's holder may have written it
         if saved is None or (durable is not None and durable >= saved):
             return None
         return (
