@@ -208,6 +208,40 @@ def test_the_agent_notices_its_holder_dying_and_never_counts_its_memory_steps_as
         assert tier.lost() is not None and "never reached" in tier.lost()  # type: ignore[operator]
 
 
+HOLDER_DIES = """
+import time, psutil
+from rally.agent.checkpoint import client
+tier = client.tier()
+slot = tier.reserve("whole", 7, 4096, False, 3)  # step 7, in memory only
+slot[:4] = b"abcd"
+tier.commit("whole", 7, 4)
+time.sleep(0.5)  # the holder tells its agent "saved"
+me, holder = psutil.Process(), None
+while me is not None and holder is None:  # the holder: a child of the agent, an ancestor of this worker
+    holder = next((c for c in me.children() if "holder.py" in " ".join(c.cmdline())), None)
+    me = me.parent()
+holder.kill()
+time.sleep(1.5)
+print("worker done", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_job_whose_holder_died_with_its_newest_step_does_not_exit_0(tmp_path: Path) -> None:
+    from helpers import clean_env, run_rally
+
+    script = tmp_path / "train.py"
+    script.write_text(HOLDER_DIES)
+    ckpt = tmp_path / "ckpt"
+    result = run_rally(
+        ["--standalone", "--nproc-per-node", "1", "--checkpoint-dir", str(ckpt), str(script)],
+        cwd=tmp_path, env=clean_env(), timeout=80,
+    )  # fmt: skip
+    assert "worker done" in result.stdout, result.describe()
+    assert result.returncode != 0, result.describe()  # main: exit 0, "succeeded"
+    assert "checkpoint step 7 never reached" in result.stderr, result.describe()
+
+
 # --- item 2: no code from a squatter's DCP metadata --------------------------------------------
 
 SHARDED_RESUME = """
