@@ -134,11 +134,11 @@ def writable_dir(value: Any, option: str) -> str:
 def private_dir(value: Any, option: str) -> str:
     """:func:`writable_dir`, but a directory it creates is 0700 (only the user may read its checkpoints)."""
     text = str(value)
-    if text.strip() and not Path(text).exists():
-        try:
+    try:
+        if text.strip() and not os.path.lexists(text):
             os.makedirs(text, mode=0o700, exist_ok=True)
-        except OSError:
-            pass  # writable_dir says what is wrong
+    except (OSError, ValueError):
+        pass  # writable_dir says what is wrong, in one line
     return writable_dir(value, option)
 
 
