@@ -394,7 +394,7 @@ def test_checkpoints_another_user_planted_are_never_loaded_even_with_consent(ope
 
 @pytest.mark.torch
 @pytest.mark.timeout(120)
-def test_legacy_checkpoints_still_load_from_a_private_directory_with_one_line(tmp_path: Path) -> None:
+def test_legacy_checkpoints_still_load_from_a_private_directory_with_one_line_each(tmp_path: Path) -> None:
     import io
 
     import torch
@@ -406,9 +406,23 @@ def test_legacy_checkpoints_still_load_from_a_private_directory_with_one_line(tm
     payload = buffer.getvalue()
     legacy = checkpoint_file.LEGACY_FOOTER.pack(b"RALLYCKP", len(payload), __import__("zlib").crc32(payload), b"END1")
     (private / "step_000000000003.pt").write_bytes(payload + legacy)
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    sharded = private / "step_000000000004.dcp"  # a sharded step with the manifest of before (CRCs, no MAC)
+    dcp.save({"w": torch.full((4,), 4.0)}, storage_writer=FileSystemWriter(sharded), no_dist=True)
+    files = {p.name: p.read_bytes() for p in sharded.iterdir()}
+    manifest = {
+        "format": "rally-dcp-1",
+        "step": 4,
+        "files": {n: {"size": len(d), "crc32": zlib.crc32(d)} for n, d in files.items()},
+    }
+    (sharded / "rally.json").write_text(json.dumps(manifest))
     found, stderr = load_in_worker(private, shared=False)
-    assert found.get("whole") == 3, (found, stderr)
-    assert stderr.count("unauthenticated") == 1, stderr
+    assert found.get("whole") == 3 and found.get("sharded") == 4, (found, stderr)
+    assert stderr.count("unauthenticated") == 2, stderr
 
 
 @pytest.mark.timeout(30)
