@@ -141,11 +141,14 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
-            self.ckpt.finish(self.spec.shutdown_timeout)  # the newest in-memory step made durable
+            lost = self.ckpt.finish(self.spec.shutdown_timeout)  # the newest in-memory step made durable
             processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
             for part in (self.live, self.template, self.guard, self.observer):
                 if part is not None:
                     part.stop()
+        if lost and code == 0:  # a job whose newest checkpoint died with the holder has not succeeded
+            console.error(lost)
+            code = 1
         self.report.exit_code = code
         if self.report.outcome == "running":
             self.report.outcome = "succeeded" if code == 0 else "failed"

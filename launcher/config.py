@@ -112,6 +112,24 @@ def standalone_overrides(o: Options, nnodes: tuple[int, int]) -> list[str]:
     ]
 
 
+def trusted_checkpoint_dir(given: str | None, shared: bool) -> str | None:
+    """--checkpoint-dir resolved, refused with one line if another user may plant checkpoints in it
+    (unless --checkpoint-dir-shared), and a key to sign checkpoints with (agent/checkpoint/auth.py)."""
+    if not given:
+        return None
+    from rally.agent.checkpoint import auth
+
+    path = Path(given).resolve()
+    problem = auth.directory_problem(path)
+    if problem is not None and not shared:
+        raise ConfigError(auth.refusal_line(path, problem).removeprefix("rally: "))
+    try:
+        auth.job_keys()
+    except auth.NoKey as exc:
+        raise ConfigError(str(exc).removeprefix("rally: ")) from None
+    return str(path)
+
+
 def check_entry_point(o: Options, script: str | None) -> None:
     """The program to run exists and the entry-point flags fit together."""
     if not script:
@@ -239,7 +257,8 @@ def job_spec(
         straggler_window=p.straggler_window,
         metrics_port=p.metrics_port,
         metrics_addr=p.metrics_addr,
-        checkpoint_dir=str(Path(p.checkpoint_dir).resolve()) if p.checkpoint_dir else None,
+        checkpoint_dir=trusted_checkpoint_dir(p.checkpoint_dir, bool(o.checkpoint_dir_shared)),
+        checkpoint_dir_shared=bool(o.checkpoint_dir_shared),
         crash_loop_limit=p.crash_loop_limit,
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
         **extra_fields,

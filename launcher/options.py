@@ -249,9 +249,17 @@ class Options:
     checkpoint_dir: str | None = option(
         None,
         "rally extras",
-        "Where workers save checkpoints (RALLY_CHECKPOINT_DIR).",
-        check=optional(validate.writable_dir),
+        "Where workers save checkpoints (RALLY_CHECKPOINT_DIR); created 0700. Refused if another user "
+        "owns it or may write it, unless --checkpoint-dir-shared.",
+        check=optional(validate.private_dir),
         late=True,
+    )
+    checkpoint_dir_shared: bool = option(
+        False,
+        "rally extras",
+        "Accept a --checkpoint-dir that other users may write (a shared scratch directory): they can then "
+        "delete or replace files there, but the job loads only checkpoints signed with your key "
+        "(RALLY_JOB_TOKEN or ~/.rally/secret); unsigned older ones are not loaded.",
     )
     heartbeat_timeout: str | None = option(
         None,

@@ -159,6 +159,17 @@ def writable_dir(value: Any, option: str) -> str:
     return text
 
 
+def private_dir(value: Any, option: str) -> str:
+    """:func:`writable_dir`, but a directory it creates is 0700 (only the user may read its checkpoints)."""
+    text = str(value)
+    try:
+        if text.strip() and not os.path.lexists(text):
+            os.makedirs(text, mode=0o700, exist_ok=True)
+    except (OSError, ValueError):
+        pass  # writable_dir says what is wrong, in one line
+    return writable_dir(value, option)
+
+
 def config_text(path: str) -> str:
     """The text of a --config file: a regular file only (a FIFO would hang the read, /dev/zero
     fill memory), at most MAX_CONFIG_BYTES, read without blocking (agent/untrusted_files.py)."""

@@ -43,8 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rally.agent.checkpoint import auth, dcp_files, resume_prefetch
 from rally.agent.checkpoint import client as ckpt_client
-from rally.agent.checkpoint import dcp_files, resume_prefetch
+from rally.agent.checkpoint.auth import UnsafeDirectory  # noqa: F401 - part of this module's API
 from rally.agent.checkpoint.client import (
     WHOLE_STATE_KEY,
     CheckpointRefused,  # noqa: F401 - part of this module's API
@@ -219,9 +220,9 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
         return final if ctx.is_rank0 else None
     if not ctx.is_rank0:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
+    auth.make_private_dir(directory)
     checkpoint_file.remove_dead_writers_temps(directory)
-    checkpoint_file.write(state, final)
+    checkpoint_file.write(state, final, step)
     prune(directory, keep, protect=final)
     return final
 
@@ -283,13 +284,21 @@ def load_latest(
         if agreed is not None and step > agreed:
             continue  # newer than what every rank can load: not this round's step
         try:
-            fd = checkpoint_file.open_mapped_verified(path)
+            fd, verified = checkpoint_file.open_mapped_verified(path)
         except FileNotFoundError:
             continue  # pruned by a saver between listing and opening; an older one is still there
         except checkpoint_file.DamagedCheckpoint as damage:
             if ctx.local_rank == 0:
                 _log(f"warning: checkpoint {path} is damaged ({damage}); trying an older one")
             continue
+        refused = checkpoint_file.refusal(path, verified)
+        if refused is not None:
+            os.close(fd)
+            if ctx.local_rank == 0:
+                _log(f"warning: checkpoint {path} is not loaded ({refused}); trying an older one")
+            continue
+        if not verified.signed and ctx.is_rank0:
+            _log(checkpoint_file.unauthenticated_line(path))
         try:
             state = torch.load(f"/proc/self/fd/{fd}", map_location=map_location, weights_only=weights_only, mmap=True)
         finally:
@@ -356,12 +365,15 @@ def newest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
 
 
 def _require_dir(ctx: JobContext, sharded: bool = False) -> Path:
+    """The job's checkpoint directory, once it is known that no other user can plant a checkpoint
+    there (or the user consented, RALLY_CHECKPOINT_DIR_SHARED=1): UnsafeDirectory otherwise."""
     if ctx.checkpoint_dir is None:
         what = "sharded checkpoints need" if sharded else "no checkpoint directory: checkpoints need"
         raise CheckpointDirNotSet(
             f"rally: {what} a directory that every rank can see: run under rally with "
             f"--checkpoint-dir DIR (under torchrun or plain python, set {CHECKPOINT_DIR_ENV}=DIR)"
         )
+    auth.check_directory(ctx.checkpoint_dir)
     return ctx.checkpoint_dir
 
 
