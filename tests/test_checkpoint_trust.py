@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_rally
 from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint import dcp_files, dcp_persist, persist
 from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
@@ -455,16 +456,14 @@ def test_the_launcher_refuses_a_checkpoint_dir_others_can_write_unless_told_it_i
     os.chmod(shared, 0o777)
     script = open_dir / "train.py"
     script.write_text("print('ran')\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "TORCHELASTIC_"))}
-    base = [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "1", "--checkpoint-dir", str(shared)]
-    refused = subprocess.run([*base, str(script)], env=env, capture_output=True, text=True, timeout=50, cwd=open_dir)
+    base = ["--standalone", "--nproc-per-node", "1", "--checkpoint-dir", str(shared)]
+    refused = run_rally([*base, str(script)], cwd=open_dir, timeout=50)
     assert refused.returncode != 0 and "ran" not in refused.stdout
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "writable by every user" in lines[0] and "--checkpoint-dir-shared" in lines[0], lines
-    accepted = subprocess.run(
-        [*base[:-2], "--checkpoint-dir-shared", "--checkpoint-dir", str(shared), str(script)],
-        env=env, capture_output=True, text=True, timeout=50, cwd=open_dir,
-    )  # fmt: skip
+    accepted = run_rally(
+        [*base[:-2], "--checkpoint-dir-shared", "--checkpoint-dir", str(shared), str(script)], cwd=open_dir, timeout=50
+    )
     assert accepted.returncode == 0 and "ran" in accepted.stdout, accepted.stderr[-2000:]
 
 
