@@ -190,7 +190,7 @@ def agent_events(log_dir: Path) -> list[dict[str, Any]]:
 
 def restart_phases(agent: list[dict[str, Any]], worker: list[dict[str, Any]], kills: list[float]) -> list[dict]:
     """Each kill's restart as rally's agent lived it: seconds per phase (PHASES), from the agent's
-    event timestamps and the new rank 0's first line (same clock: time.time() on one machine)."""
+    event timestamps and every new rank's first line (same clock: time.time() on one machine)."""
     out = []
     for kill in kills:
         after = [e for e in agent if e["time"] >= kill]
