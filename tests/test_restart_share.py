@@ -53,3 +53,39 @@ def test_sharded_steps_count_alike(tmp_path: Path) -> None:
     assert newest_checkpoint_step(tmp_path, above=4) is None
     assert newest_checkpoint_step(tmp_path, above=3) == 4
     assert newest_checkpoint_step(tmp_path / "missing", above=3) is None
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_a_one_node_descriptor_does_not_read_the_file_its_memory_holds(tmp_path: Path) -> None:
+    """A real holder (as the agent starts it) holds step 2 in memory and made it durable on disk:
+    one node's descriptor says so without reading the file; with more nodes the file is checked."""
+    import torch
+
+    from rally.agent.checkpoint import client as ckpt_client
+    from rally.agent.checkpoint.agent_side import NodeCheckpoints
+    from rally.agent.checkpoint.client import MemoryTier
+    from rally.agent.observe.event_log import EventLog
+    from rally.agent.round_holdings import RoundHoldings
+
+    directory = tmp_path / "ckpt"
+    ckpt = NodeCheckpoints(str(directory), EventLog(tmp_path / "events.jsonl"), print)
+    try:
+        ckpt.tier.open_round(0, None, 60.0)
+        worker = MemoryTier(ckpt.env()[ckpt_client.HOLDER_ENV], 0)
+        for step in (1, 2):
+            assert worker.save({"w": torch.full((1000,), float(step))}, "whole", step, persist=True, keep=3)
+            assert ckpt.tier.flush(30)
+        newest = directory / "step_000000000002.pt"
+        assert newest.exists()
+
+        one = RoundHoldings(ckpt, single_node=True)
+        memory, durable = one.holdings()
+        assert max(memory) == 2 and durable is None and one.progress() == 2
+        assert not _read(newest)  # the restart's critical path did not read it
+
+        many = RoundHoldings(ckpt, single_node=False)
+        assert many.holdings() == (memory, 2) and many.progress() == 2
+        assert _read(newest)  # another node may not hold step 2 in memory: the disk counts
+    finally:
+        ckpt.tier.stop()
