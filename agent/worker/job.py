@@ -347,21 +347,27 @@ def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
     return [step for step, path in found if checkpoint_file.is_complete(path)]
 
 
-def newest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
+def newest_checkpoint_step(directory: str | os.PathLike[str], above: int | None = None) -> int | None:
     """The step of the newest intact checkpoint in `directory` (None if there is none).
 
     The agent uses this to tell a crash loop (restarts that make no progress) from a job that
     fails now and then but keeps moving forward; sharded checkpoints (``step_*.dcp``) count alike.
     Damaged files are skipped exactly as :func:`load_latest` skips them, so the step counted is
     the step the workers resume from; an unreadable directory counts as no checkpoint.
+
+    ``above``: only steps newer than it count (None if none of them is intact). Checking a file
+    reads all of it (a CRC over 400 MB is ~0.5 s), so a caller that holds step ``above`` in memory
+    anyway (agent/round_holdings.py) does not read the older files on a restart's critical path.
     """
     try:
         found = _list_checkpoints(Path(directory))
-        sharded = dcp_files.newest_intact_step(Path(directory))
+        sharded = dcp_files.list_steps(Path(directory))
     except OSError:
         return None
-    whole = next((step for step, path in reversed(found) if checkpoint_file.is_intact(path)), None)
-    return max((s for s in (whole, sharded) if s is not None), default=None)
+    newer = above if above is not None else -1
+    whole = next((s for s, path in reversed(found) if s > newer and checkpoint_file.is_intact(path)), None)
+    shard = next((s for s, path in reversed(sharded) if s > newer and dcp_files.is_intact(path)), None)
+    return max((s for s in (whole, shard) if s is not None), default=None)
 
 
 def _require_dir(ctx: JobContext, sharded: bool = False) -> Path:
