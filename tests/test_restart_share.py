@@ -9,22 +9,25 @@ the restart's phases; these tests pin what the descriptor says.
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import pytest
 
 from rally.agent.worker import checkpoint_file
-from rally.agent.worker.checkpoint_file import FOOTER, FOOTER_END, FOOTER_MAGIC
 from rally.agent.worker.job import newest_checkpoint_step
 
 
 def _write(directory: Path, step: int, damaged: bool = False) -> Path:
-    """A checkpoint file as rally writes it (payload, then the footer with its length and CRC)."""
+    """A checkpoint file as rally writes it (payload, then the footer with its length, step, CRC
+    and MAC); `damaged` flips a payload bit after the footer was made."""
     payload = f"the state of step {step}".encode() * 100
-    crc = zlib.crc32(payload) ^ (1 if damaged else 0)
+    sums = checkpoint_file.Sums(step)
+    sums.update(payload)
+    footer = sums.footer()
+    if damaged:
+        payload = payload[:-1] + bytes([payload[-1] ^ 1])
     path = directory / f"step_{step:012d}.pt"
-    path.write_bytes(payload + FOOTER.pack(FOOTER_MAGIC, len(payload), crc, FOOTER_END))
+    path.write_bytes(payload + footer)
     return path
 
 
@@ -62,9 +65,8 @@ def test_a_one_node_descriptor_does_not_read_the_file_its_memory_holds(tmp_path:
     one node's descriptor says so without reading the file; with more nodes the file is checked."""
     import torch
 
-    from rally.agent.checkpoint import client as ckpt_client
     from rally.agent.checkpoint.agent_side import NodeCheckpoints
-    from rally.agent.checkpoint.client import MemoryTier
+    from rally.agent.checkpoint.client import HolderAddress, MemoryTier
     from rally.agent.observe.event_log import EventLog
     from rally.agent.round_holdings import RoundHoldings
 
@@ -72,7 +74,9 @@ def test_a_one_node_descriptor_does_not_read_the_file_its_memory_holds(tmp_path:
     ckpt = NodeCheckpoints(str(directory), EventLog(tmp_path / "events.jsonl"), print)
     try:
         ckpt.tier.open_round(0, None, 60.0)
-        worker = MemoryTier(ckpt.env()[ckpt_client.HOLDER_ENV], 0)
+        address = HolderAddress.from_env(ckpt.env())
+        assert address is not None
+        worker = MemoryTier(address, 0)
         for step in (1, 2):
             assert worker.save({"w": torch.full((1000,), float(step))}, "whole", step, persist=True, keep=3)
             assert ckpt.tier.flush(30)

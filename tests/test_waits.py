@@ -228,6 +228,27 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all",
     ),
     ("agent/checkpoint/holder.py", "main", "persister.join"): (S, None, "timeout=5 as the holder stops"),
+    ("agent/checkpoint/holder.py", "Holder.greeted", "conn.recv"): (
+        BG,
+        None,
+        "a connection's own thread waits for its hello with the job's secret: HELLO_TIMEOUT (10 s) on the "
+        "socket, then it is closed",
+    ),
+    ("agent/checkpoint/tier.py", "CheckpointTier.start", "_wait_ready"): (
+        B,
+        ("agent/checkpoint/tier.py", "CheckpointTier.start"),
+        "the starting holder's 'ready' line: READY_TIMEOUT in all, then the tier is off with one line",
+    ),
+    ("agent/checkpoint/tier.py", "_wait_ready", "select.select"): (
+        SL,
+        ("agent/checkpoint/tier.py", "CheckpointTier.start"),
+        "the rest of READY_TIMEOUT (15 s) for the holder's next line; start says why the tier is off if it ends so",
+    ),
+    ("agent/checkpoint/tier.py", "_wait_ready", "helper.process.wait"): (
+        NW,
+        None,
+        "the holder's stdout ended: it has exited, the wait only reads its exit code",
+    ),
     ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (
         SL,
         ("agent/checkpoint/tier.py", "CheckpointTier._ask"),
