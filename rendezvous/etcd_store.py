@@ -188,6 +188,10 @@ class EtcdStore(KeyValueStore):
                     present[name] = exc
         return present
 
+    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """Keys known to exist, read at once: `get_present` (one range, or none after a wait)."""
+        return self.get_present(names)
+
     def _key_slices(self, names: Sequence[str]) -> LongWait:
         """The bounded wait of a `get` for keys not yet written (rendezvous/long_wait.py)."""
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
