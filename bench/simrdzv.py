@@ -137,6 +137,7 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
             rdzv = Rendezvous(store, settings, me)
             nodes.append(lambda r=rdzv: r.next_round().group_rank)
     elif impl == "etcd":
+        from bench.simetcd import CLOSER
         from rally.rendezvous.etcd_store import EtcdStore
         from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
 
@@ -150,6 +151,8 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
 
             def set_once(self, name: str, value: str) -> tuple[bool, str]:
                 outcome = super().set_once(name, value)
+                if "/closer/" in name and outcome[0]:
+                    CLOSER.won = True
                 if name.endswith("/closed"):
                     counter.event("closed")
                 return outcome
@@ -536,7 +539,21 @@ def profile(log: list, probes: list, t0: float, events: dict[str, float], finish
             "queue_ms_max": round(1000 * rtts[-1], 2) if rtts else None,
         }
     closer = sorted(c for c in log if c[6])
+    close_at = next((c[0] for c in closer if c[1] in ("compare_set", "txn") and c[2] == "#/closed"), None)
+    wake: dict[str, list] = {}
+    if close_at is not None:  # after the close: when each node's reads started, and how long they took
+        for op, kind in (("get", "#/closed"), ("compare_set", "#/assign/#/#")):
+            calls = sorted(c for c in log if c[1] == op and c[2] == kind and c[0] >= close_at)
+            starts, walls = [c[0] - close_at for c in calls], sorted(c[5] for c in calls)
+            wake[f"{op} {kind}"] = [
+                round(starts[int(q * (len(starts) - 1))], 3) if starts else None for q in (0.0, 0.5, 0.9, 1.0)
+            ] + [
+                round(1000 * walls[len(walls) // 2], 1) if walls else None,
+                round(1000 * walls[-1], 1) if walls else None,
+            ]
+        wake["done"] = [round(d - close_at, 3) for d in sorted(finished)[:: max(1, len(finished) // 4)]]
     return {
+        "after_close": wake,  # per read: start time after the close (min, p50, p90, max), wall ms (p50, max)
         "phases": phases,
         "bytes_per_node": round(sum(c[3] + c[4] for c in log) / n),
         "closer": [(round(c[0] - t0, 3), c[1], c[2], round(1000 * c[5], 1), c[3] + c[4]) for c in closer][:40],

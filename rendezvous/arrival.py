@@ -116,15 +116,15 @@ def forming_line(rdzv: Rendezvous, r: int, count: int, deadline: float, quorum_s
     return f"round {r}: " + forming_text(count, s.min_nodes, s.max_nodes, hosts, deadline - now, last_call)
 
 
-def current_round(rdzv: Rendezvous) -> int:
+def current_round(rdzv: Rendezvous, hint: int | None = None) -> int:
     """The round a node that joins now takes part in: the first without an end record. Rounds end
-    in order; the `current` counter says where to look first (anyone can move it), and a search
-    on the signed end records corrects it in O(log) reads."""
+    in order; the `current` counter (`hint`: as the caller just read it) says where to look first
+    (anyone can move it), and a search on the signed end records corrects it in O(log) reads."""
 
     def ended(r: int) -> bool:
         return r < 0 or rdzv.round_end(r) is not None
 
-    hint = rdzv.store.counter(CURRENT_ROUND, MAX_COUNT)
+    hint = rdzv.store.counter(CURRENT_ROUND, MAX_COUNT) if hint is None else hint
     if ended(hint - 1) and not ended(hint):
         return hint
     lo, hi = 0, hint

@@ -131,6 +131,20 @@ class KeyValueStore(ABC):
                 values[name] = exc
         return values
 
+    def read_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """The checked values of those of `names` that exist now (never a wait; a value this job did
+        not write is its `UntrustedValue`): a `check` and a `get` each here, one request on etcd
+        (`EtcdStore.read_present`). For a few keys that mostly do not exist (the end records a
+        node checks before it joins), where `get_present` would wait."""
+        present: dict[str, bytes | UntrustedValue] = {}
+        for name in names:
+            if self.check(name):
+                try:
+                    present[name] = self.get(name)
+                except UntrustedValue as exc:
+                    present[name] = exc
+        return present
+
     def get_if_present(self, name: str) -> bytes | None:
         """The checked value of `name`, or None when it does not exist (never a wait): a `check`
         and a `get` here, one request where the store can (`Store.get_if_present`). Only for keys

@@ -49,7 +49,7 @@ from typing import Protocol, runtime_checkable
 from rally.rendezvous import arrival
 from rally.rendezvous.arrival import CURRENT_ROUND, joined_counter, node_slot
 from rally.rendezvous.kv import KeyValueStore as Store
-from rally.rendezvous.kv import StoreTimeout
+from rally.rendezvous.kv import StoreTimeout, UntrustedValue
 from rally.rendezvous.liveness import wait_round_end_or_dead
 from rally.rendezvous.membership import (
     JobClosed,
@@ -134,13 +134,25 @@ class Rendezvous:
         self.last_round: int | None = None
         self.last_rank: int | None = None
         self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
+        self._ahead: dict[str, bytes | UntrustedValue | None] = {}  # `_read_ahead`: until the node joins
         self.waiting = WaitProgress(lambda line: announce_wait(self, line))
 
     # ----------------------------------------------------------------- checked reads
+    def _read_ahead(self, ends: list[str]) -> None:
+        """Read the end records a node checks before it joins (the job's, the rounds' around the
+        `current` hint) together: one request on etcd instead of one each (`read_present`)."""
+        names = [JOB_CLOSED, *ends]
+        present = self.store.read_present(names)
+        self._ahead = {name: present.get(name) for name in names}
+
     def _end_record(self, name: str) -> RoundEnd | None:
-        if not self.store.check(name):
-            return None
-        return RoundEnd.load(self.store.get(name), self.store.key(name))
+        if name in self._ahead:  # read a moment ago with the others (`_read_ahead`)
+            value = self._ahead[name]
+        else:
+            value = self.store.get(name) if self.store.check(name) else None
+        if isinstance(value, UntrustedValue):
+            raise value
+        return None if value is None else RoundEnd.load(value, self.store.key(name))
 
     def round_record(self, r: int, closed: bool = False) -> RoundRecord | None:
         """Round r's record, None while it forms; `closed`: a wait just saw it, so one `get` reads
@@ -196,10 +208,17 @@ class Rendezvous:
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
-        r = arrival.current_round(self) if self.last_round is None else self.last_round + 1
+        if self.last_round is None:
+            hint = self.store.counter(CURRENT_ROUND, MAX_COUNT)
+            self._read_ahead([end_key(hint - 1), end_key(hint)] if hint > 0 else [end_key(0)])
+            r = arrival.current_round(self, hint)
+        else:
+            r = self.last_round + 1
+            self._read_ahead([end_key(r - 1)])
         while True:
             self.raise_if_closed()
             self._raise_if_final(r - 1)
+            self._ahead = {}
             assignment = self._join(r, deadline)
             if assignment is not None:
                 self.last_round = r
