@@ -526,15 +526,19 @@ def profile(log: list, probes: list, t0: float, events: dict[str, float], finish
     phases = {}
     for name, start, stop in bounds:
         calls = [c for c in log if start <= c[0] < stop or (name == "close_to_done" and c[0] >= stop)]
-        kinds: dict[str, int] = {}
+        kinds: dict[str, list[float]] = {}
         for c in calls:
-            kinds[f"{c[1]} {c[2]}"] = kinds.get(f"{c[1]} {c[2]}", 0) + 1
+            kinds.setdefault(f"{c[1]} {c[2]}", []).append(c[5])
         rtts = sorted(r for t, r in probes if start <= t < stop)
         phases[name] = {
             "seconds": round(stop - start, 3),
             "calls_per_node": round(len(calls) / n, 2),
             "bytes_per_node": round(sum(c[3] + c[4] for c in calls) / n),
-            "top_calls": sorted(kinds.items(), key=lambda kv: -kv[1])[:6],
+            # the commonest calls: how many, and their median wall time (ms)
+            "top_calls": [
+                (kind, len(walls), round(1000 * sorted(walls)[len(walls) // 2], 1))
+                for kind, walls in sorted(kinds.items(), key=lambda kv: -len(kv[1]))[:6]
+            ],
             "queue_ms_p50": round(1000 * rtts[len(rtts) // 2], 2) if rtts else None,
             "queue_ms_max": round(1000 * rtts[-1], 2) if rtts else None,
         }
