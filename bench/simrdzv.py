@@ -289,6 +289,8 @@ def child(args: argparse.Namespace) -> None:
     n, first, count = args.nodes, args.first, args.count
     trials = args.trials.split(",")
     raise_fd_limit(3 * count + 256)  # an etcd node holds a connection and, while it waits, a watch
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     threading.stack_size(512 * 1024)
     from torch.distributed import TCPStore
 
@@ -369,6 +371,7 @@ def parent(args: argparse.Namespace) -> None:
                         "--etcd-port",
                         str(etcd.client_port if etcd else 0),
                         *(["--profile"] if args.profile else []),
+                        *(["--switch-interval", str(args.switch_interval)] if args.switch_interval else []),
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -602,6 +605,7 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="rally: calls, bytes and the server's queue by phase, the closer's calls"
     )
+    parser.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval in each child")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
