@@ -90,7 +90,7 @@ def _names(cls: type) -> tuple[frozenset[str], frozenset[str]]:
     of 4,096 nodes loads and writes 8,192 records on the rendezvous' critical path)."""
     known = _FIELD_NAMES.get(cls)
     if known is None:
-        every = fields(cls)  # type: ignore[arg-type]
+        every = fields(cls)
         required = frozenset(f.name for f in every if f.default is MISSING and f.default_factory is MISSING)
         known = _FIELD_NAMES[cls] = (frozenset(f.name for f in every), required)
     return known
