@@ -1,6 +1,6 @@
 """Simulated rendezvous: N nodes as threads spread over a few processes, one TCPStore.
 
-    python -m bench.simrdzv --nodes N [--trials floor,rally,etcd,torch] [--procs P] [--timeout S]
+    python -m bench.simrdzv --nodes N [--trials floor,rally,etcd,torch] [--procs P] [--timeout S] [--profile]
 
 Prints one JSON line per trial: {"impl", "nodes", "converged", "done", "elapsed", "store_ops", ...}.
 
@@ -32,6 +32,15 @@ calling thread's `time.thread_time`) and the etcd member's CPU time per request.
 calls as one rally node makes per round) and nothing else, i.e. how fast this machine can
 serve N clients at all, with their Python threads sharing its cores.
 
+`--switch-interval` (default SWITCH_INTERVAL, 0.5 s) is each child's `sys.setswitchinterval`: with
+Python's 5 ms, the ~1,000 threads of a child that a close wakes at once force GIL switches on one
+another every 5 ms, which at 4,096 nodes cost more than the store (see SWITCH_INTERVAL).
+
+`--profile` adds, per trial: store calls, bytes and the commonest calls (count, median wall time) per
+node in each phase (go -> last join -> closed -> last node done), the store server's queue in each
+phase (a probe client's round trips, one every 5 ms), the closer's own calls in order, when the
+woken nodes' reads started after the close, and the nodes' and the server's CPU time per node.
+
 Caveat: the nodes' client-side CPU work shares this machine's cores (and each child's GIL).
 torch's client work per operation grows with N (it pickles and base64-encodes the whole
 state, every participant and heartbeat, on every compare-and-set); rally's does not.
@@ -61,6 +70,12 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
 FLOOR_OPS = 16
+# The children's GIL switch interval. A simulated node is a thread, and a child holds ~1,000 of them;
+# a real node has an interpreter of its own. With Python's 5 ms, the ~1,000 threads a close wakes
+# at once each time out on the GIL every 5 ms and force a switch (a convoy): at 4,096 nodes that
+# cost 3 to 30 s after the close, in the harness, not the store (docs/benchmarks.md). Threads here
+# give the GIL up at every store call, so a long interval only stops the forced switches.
+SWITCH_INTERVAL = 0.5
 IMPLS = ("floor", "rally", "etcd", "torch")
 
 
@@ -371,7 +386,8 @@ def parent(args: argparse.Namespace) -> None:
                         "--etcd-port",
                         str(etcd.client_port if etcd else 0),
                         *(["--profile"] if args.profile else []),
-                        *(["--switch-interval", str(args.switch_interval)] if args.switch_interval else []),
+                        "--switch-interval",
+                        str(args.switch_interval),
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -389,6 +405,7 @@ def parent(args: argparse.Namespace) -> None:
                 "trial": trial,
                 "timeout": args.timeout,
                 "stagger": args.stagger,
+                "switch_interval": args.switch_interval,
             }
             if stopped:
                 emit({**base_result, "converged": False, "skipped": True, "error": "an earlier trial did not converge"})
@@ -605,7 +622,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="rally: calls, bytes and the server's queue by phase, the closer's calls"
     )
-    parser.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval in each child")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=SWITCH_INTERVAL,
+        help=f"the children's sys.setswitchinterval (default {SWITCH_INTERVAL:g} s; 0: Python's own 0.005 s)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)

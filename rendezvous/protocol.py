@@ -77,7 +77,7 @@ from rally.rendezvous.records import (
 from rally.rendezvous.round_channel import RoundChannel, end_key, lost_counter
 from rally.rendezvous.stack_exchange import STACKS_ROUND_OVER, StackExchange
 from rally.rendezvous.status_board import JOB_STARTED, STATUS_NODES, StatusBoard, status_key
-from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, spare_notice
+from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, progress_interval, spare_notice
 
 RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
 
@@ -135,7 +135,7 @@ class Rendezvous:
         self.last_rank: int | None = None
         self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
         self._ahead: dict[str, bytes | UntrustedValue | None] = {}  # `_read_ahead`: until the node joins
-        self.waiting = WaitProgress(lambda line: announce_wait(self, line))
+        self.waiting = WaitProgress(lambda line: announce_wait(self, line), progress_interval(settings.max_nodes))
 
     # ----------------------------------------------------------------- checked reads
     def _read_ahead(self, ends: list[str]) -> None:
