@@ -56,6 +56,7 @@ from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, Round, RoundEnd
 from rally.rendezvous.store import StoreError, host_tcp_store, listen_address
+from rally.rendezvous.waiting import plural
 
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
@@ -91,6 +92,7 @@ class Agent:
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
         self.store: KeyValueStore | None = None
+        self.untrusted_seen: set[str] = set()  # keys already named by _untrusted_value
         self.store_server: Any = None
         self.worker_store: Any = None
         self.rdzv: Rendezvous | None = None
@@ -139,11 +141,14 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
-            self.ckpt.finish(self.spec.shutdown_timeout)  # the newest in-memory step made durable
+            lost = self.ckpt.finish(self.spec.shutdown_timeout)  # the newest in-memory step made durable
             processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
             for part in (self.live, self.template, self.guard, self.observer):
                 if part is not None:
                     part.stop()
+        if lost and code == 0:  # a job whose newest checkpoint died with the holder has not succeeded
+            console.error(lost)
+            code = 1
         self.report.exit_code = code
         if self.report.outcome == "running":
             self.report.outcome = "succeeded" if code == 0 else "failed"
@@ -159,12 +164,22 @@ class Agent:
             self.state = AgentState.RENDEZVOUS
             self.observer.before_round()
             rnd: Round = self.store_call(rdzv.join_round, waiting=True)  # a signal pending since the last round ends it
+            for store in (rnd.store, watcher, keeper):  # the job runs: a stranger's garbage ends nothing
+                if store.replaces_untrusted:
+                    store.on_untrusted = self._untrusted_value
             if self.spec.crash_loop_limit and rnd.a.stalled_restarts >= self.spec.crash_loop_limit:
                 return self._stop_crash_loop(rnd)
             end = self._run_round(rnd, rnd.on(watcher), rnd.on(keeper))
             code = self._after_round(rnd, end)
             if code is not None:
                 return code
+
+    def _untrusted_value(self, line: str) -> None:
+        """A value this job did not write was replaced or ignored (rendezvous/kv.py): one line per key."""
+        key = line.split("'")[1] if line.count("'") >= 2 else line
+        if key not in self.untrusted_seen:
+            self.untrusted_seen.add(key)
+            console.warn(line)
 
     def _join_job(self) -> tuple[Rendezvous, KeyValueStore, KeyValueStore]:
         """Open (or host) the store and make this node known; one connection per watching thread."""
@@ -311,7 +326,7 @@ class Agent:
             if not reported_success and group.all_succeeded():
                 reported_success = True
                 if a.group_world_size > 1:
-                    console.say(f"all {len(group.workers)} workers on this node finished; waiting for the other nodes")
+                    console.say(f"{_every(len(group.workers))} on this node finished; waiting for the other nodes")
                 self.store_call(rnd.channel.report_success)
 
     def _on_events(self, rnd: Round) -> RoundEnd | None:
@@ -387,8 +402,9 @@ class Agent:
         elif decision.code == EXIT_PREEMPTED:
             console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")
         else:
-            nodes = f"{a.group_world_size} node{'s' if a.group_world_size != 1 else ''}"
-            console.say(f"job succeeded: {a.world_size} workers on {nodes} finished")
+            console.say(
+                f"job succeeded: {plural(a.world_size, 'worker')} on {plural(a.group_world_size, 'node')} finished"
+            )
         self._exit_barrier(rnd)
         return decision.code
 
@@ -435,7 +451,11 @@ class Agent:
     def _leave(self, rnd: Round, signum: int) -> None:
         """Stopped by a signal while running: the workers get it, the others re-form without us."""
         name = processes.signal_name(signum)
-        console.say(f"received {name}: forwarding it to the workers, then stopping")
+        again = "Ctrl-C again" if signum == signal.SIGINT else f"{name} again"
+        console.say(
+            f"received {name}: forwarding it to the workers and stopping; they get up to "
+            f"{self.spec.shutdown_timeout:g} s to exit (--shutdown-timeout), then SIGKILL; {again} kills them now"
+        )
         self._stop_workers(signum)
         end = RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)
         self.store_call(lambda: rnd.channel.leave(end), best_effort=True)
@@ -481,3 +501,8 @@ class Agent:
         template = self.template.helper_pids() if self.template is not None else set()
         holder = {self.ckpt.pid} if self.ckpt.pid is not None else set()
         return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | holder)
+
+
+def _every(workers: int) -> str:
+    """ "all 4 workers", "the 1 worker": never "all 1 workers"."""
+    return "the 1 worker" if workers == 1 else f"all {workers} workers"

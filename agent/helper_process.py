@@ -18,12 +18,19 @@ from typing import Any
 class HelperProcess:
     """``python <script> ARGS...`` with a pipe to its stdin; ``stdout`` as for subprocess.Popen."""
 
-    def __init__(self, script: str, *args: str, stdout: Any = subprocess.DEVNULL) -> None:
+    def __init__(
+        self, script: str, *args: str, stdout: Any = subprocess.DEVNULL, pass_fds: tuple[int, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        """``pass_fds``: descriptors the helper inherits (the holder's socket); ``env``: its environment
+        (secrets go there, never into ARGS: a command line is every user's to read)."""
         self.process: subprocess.Popen[bytes] = subprocess.Popen(
             [sys.executable, str(Path(script).resolve()), *args],
             stdin=subprocess.PIPE,
             stdout=stdout,
             start_new_session=True,
+            pass_fds=pass_fds,
+            env=env,
         )
 
     @property

@@ -28,12 +28,11 @@ WATCH_SLICE_SECONDS = 5.0
 def keep_alive_with_lease(
     keeper: Round,
     round_over: threading.Event,
-    publish_status: Callable[[], None],
-    status_interval: float,
     post: Callable[[Event, Any], None],
     answered: Callable[[float], None] = lambda _sent_at: None,
 ) -> None:
     """Hold this node's alive key (refresh its lease) and watch the next node's, until the round is over.
+    Nothing else runs on this thread (the status record has a thread of its own, agent/round_threads.py).
 
     Store failures are posted as (Event.STORE_LOST, exc), as the counter-based keep-alive does.
     The alive key's value counts the refreshes, so `RoundChannel.alive_count` moves as with a
@@ -47,16 +46,13 @@ def keep_alive_with_lease(
         if a.watch_rank is not None:
             ring = keeper.connect_again()
             threading.Thread(target=_watch_next, args=(ring, round_over, post), daemon=True).start()
-        next_status, beats = 0.0, 0
+        beats = 0
         while not round_over.is_set():
             sent_at = time.monotonic()
             beats += 1
             if not channel.refresh_alive(beats, lease):
                 return  # our lease ran out (we stalled): our watcher ends the round, we re-form
             answered(sent_at)
-            if time.monotonic() >= next_status:
-                publish_status()
-                next_status = time.monotonic() + status_interval
             round_over.wait(interval)
     except StoreError as exc:
         if not round_over.is_set():

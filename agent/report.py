@@ -97,6 +97,8 @@ def explain(end: RoundEnd) -> str:
         lines += ["traceback (from its error file):", info["traceback"].rstrip()]
     elif info.get("stderr_tail"):
         lines += ["last lines of its stderr:", *("  " + line for line in info["stderr_tail"])]
+    elif end.kind == EndKind.WORKER_FAILED and int(info.get("returncode") or 0) < 0:
+        lines.append("it wrote nothing to stderr")  # killed by a signal: no handler of Python's ran, @record neither
     elif end.kind == EndKind.WORKER_FAILED:
         lines.append("it wrote nothing to stderr (no traceback: decorate main with torch's @record to get one)")
     return "\n".join(lines)

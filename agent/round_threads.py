@@ -5,9 +5,13 @@ call on its connection) and reports through `post(kind, value)`, the agent's inb
 are agent/event_loop.py's `Event`):
 
 * **end watcher**: waits on the round's end key -> (ROUND_END, (round, RoundEnd));
-* **keep-alive**: bumps this node's counter every interval, refreshes its `rally status`
-  record, and watches the next member's counter (a ring): silent for `keep_alive_timeout`
-  -> declares that node lost, which ends the round for everyone;
+* **keep-alive**: bumps this node's counter every interval and watches the next member's
+  counter (a ring): silent for `keep_alive_timeout` -> declares that node lost, which ends the
+  round for everyone. It does nothing else: no store scan, nothing a stranger's writes can
+  make slow, so nothing but a lost store can delay a keep-alive (issue 27);
+* **status**: refreshes this node's `rally status` record and runs the straggler exchange
+  (node 0 reads every node's record) every STATUS_INTERVAL_SECONDS, on a connection of its own;
+  a store error here is skipped (the keep-alive thread is the judge of a lost store);
 * **store watchdog**: a c10d client call on a frozen store, or across a cut network, never
   returns (torch applies no timeout to `add`). When the keep-alive has not completed a store
   call for 3/4 of `min(keep_alive_timeout, read_timeout)`, this node is about to be declared
@@ -28,12 +32,15 @@ from rally.agent.event_loop import Event
 from rally.agent.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
 from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundEnd
-from rally.rendezvous.store import StoreError
+from rally.rendezvous.store import StoreError, UntrustedValue
 
-# How often a node refreshes its record for `rally status` (piggybacks on the keep-alive thread).
+# How often a node refreshes its record for `rally status` (the status thread, never the keep-alive's).
 STATUS_INTERVAL_SECONDS = 2.0
 
 Post = Callable[[Event, Any], None]
+
+# How often the end watcher looks again while the round's end key holds a stranger's value.
+UNTRUSTED_END_POLL_SECONDS = 0.2
 
 
 class StoreSilent(StoreError):
@@ -83,37 +90,51 @@ class RoundThreads:
         self.last_answer = time.monotonic()
 
     def start(self) -> None:
-        for target in (self._watch_round_end, self._keep_alive, self._watchdog):
+        for target in (self._watch_round_end, self._keep_alive, self._watchdog, self._publish_status):
             threading.Thread(target=target, daemon=True).start()
 
     def stop(self) -> None:
         self.over.set()
 
     def _watch_round_end(self) -> None:
+        channel, tolerate = self.watcher.channel, self.watcher.store.on_untrusted
         try:
-            self.post(Event.ROUND_END, (self.a.round, self.watcher.channel.wait_end()))
+            end: RoundEnd | None
+            try:
+                end = channel.wait_end()
+            except UntrustedValue as exc:
+                if tolerate is None:
+                    raise
+                # A stranger's value where the round's end goes: not an end. The job's own end
+                # replaces it (Store.set_once); until then, look again every slice.
+                tolerate(f"{exc}; ignored, the job goes on")
+                while (end := self._valid_end(channel)) is None:
+                    if self.over.wait(UNTRUSTED_END_POLL_SECONDS):
+                        return
+            self.post(Event.ROUND_END, (self.a.round, end))
         except StoreError as exc:
             if not self.over.is_set():
                 self.post(Event.STORE_LOST, exc)
+
+    @staticmethod
+    def _valid_end(channel: Any) -> RoundEnd | None:
+        try:
+            return channel.ended()
+        except UntrustedValue:
+            return None
 
     def _keep_alive(self) -> None:
         """Send this node's keep-alives and watch the next node's (a ring)."""
         a, s = self.a, self.keeper.settings
         if self.keeper.store.leased_liveness:  # etcd: leases expire by themselves
-            return keep_alive_with_lease(
-                self.keeper, self.over, self._publish_status, STATUS_INTERVAL_SECONDS, self.post, self._answered
-            )
+            return keep_alive_with_lease(self.keeper, self.over, self.post, self._answered)
         interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
         last_seen, last_change = -1, time.monotonic()
-        next_status = 0.0
         channel = self.keeper.channel
         try:
             while not self.over.is_set():
                 channel.keep_alive()
                 self.last_answer = time.monotonic()
-                if time.monotonic() >= next_status:
-                    self._publish_status()
-                    next_status = time.monotonic() + STATUS_INTERVAL_SECONDS
                 if a.watch_rank is not None:
                     seen = channel.alive_count(a.watch_rank)
                     now = self.last_answer = time.monotonic()
@@ -128,8 +149,19 @@ class RoundThreads:
                 self.post(Event.STORE_LOST, exc)
 
     def _publish_status(self) -> None:
-        self.keeper.status.publish(self.status_record(self.a))
-        self.exchange(self.keeper)
+        """The status thread: this node's record and the straggler exchange, on a connection of
+        its own, so a slow scan (a stranger's long list, a big job) never delays a keep-alive."""
+        try:
+            rnd = self.keeper.connect_again()
+        except StoreError:
+            return  # the store is gone: the keep-alive thread reports it
+        while not self.over.is_set():
+            try:
+                rnd.status.publish(self.status_record(self.a))
+                self.exchange(rnd)
+            except StoreError:
+                pass  # skipped this time; a lost store is the keep-alive thread's to report
+            self.over.wait(STATUS_INTERVAL_SECONDS)
 
     def _answered(self, sent_at: float) -> None:
         self.last_answer = sent_at

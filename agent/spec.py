@@ -64,6 +64,7 @@ class JobSpec:
     metrics_port: int | None = None  # --metrics-port: serve Prometheus /metrics (0: a free port)
     metrics_addr: str = "0.0.0.0"  # --metrics-addr: the address /metrics listens on (every interface)
     checkpoint_dir: str | None = None
+    checkpoint_dir_shared: bool = False  # --checkpoint-dir-shared: other users may write it (signed checkpoints only)
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
     python_exec: str = sys.executable
     cwd: str | None = None

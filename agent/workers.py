@@ -119,6 +119,8 @@ def worker_env(
             env["RALLY_PREEMPT_SIGNALS"] = ",".join(signal.Signals(s).name for s in spec.preemption_signals)
     if spec.checkpoint_dir:
         env["RALLY_CHECKPOINT_DIR"] = spec.checkpoint_dir
+        if spec.checkpoint_dir_shared:  # the user's consent (agent/checkpoint/auth.py)
+            env["RALLY_CHECKPOINT_DIR_SHARED"] = "1"
     if spec.numa_binding is not None:  # the CPUs near this worker's GPU (agent/numa.py)
         from rally.agent.numa import AFFINITY_VARIABLE, cpus_near_gpu, format_cpus
 

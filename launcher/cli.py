@@ -25,9 +25,10 @@ from click.core import ParameterSource
 from rally.agent.display import console
 from rally.launcher import __version__, options
 from rally.launcher.config import ConfigError, build_launch
-from rally.launcher.config_file import load_config_file
+from rally.launcher.config_file import FileMistakes, load_config_file
 from rally.launcher.flag_prefixes import expand_prefixes
 from rally.launcher.options import GROUPS, Options
+from rally.launcher.validate import Mistakes, mistakes_of
 
 EARLY_BLOCKED_SIGNALS = {signal.SIGUSR1, signal.SIGUSR2}
 
@@ -110,6 +111,9 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
     if value:
         try:
             ctx.default_map, ctx.meta["rally.origins"] = load_config_file(value)
+        except FileMistakes as exc:  # told with the other options' mistakes (run_command)
+            ctx.default_map, ctx.meta["rally.origins"] = exc.values, exc.origins
+            ctx.meta["rally.file_mistakes"] = exc.mistakes
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from None
     return value
@@ -160,7 +164,14 @@ def _declare(fn: Callable) -> Callable:
     metavar="FILE",
     help="YAML file with any of these options (plus script and args).",
 )
-@click.version_option(__version__, "--version", prog_name="rally")
+@click.option(
+    "--version",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=lambda ctx, _param, value: _print_version(ctx) if value else None,
+    help="Show rally's, torch's and Python's versions and exit.",
+)
 @_declare
 @click.argument("script", required=False, shell_complete=_complete_script)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -176,7 +187,30 @@ def run_command(
     from_file = {n for n in values if ctx.get_parameter_source(n) == ParameterSource.DEFAULT_MAP}
     origins = {n: where for n, where in ctx.meta.get("rally.origins", {}).items() if n in from_file}
     given = {n for n in values if ctx.get_parameter_source(n) != ParameterSource.DEFAULT}
-    return launch_and_run(Options(**values, origins=origins), script, list(script_args), given).code
+    o = Options(**values, origins=origins)
+    if file_mistakes := ctx.meta.get("rally.file_mistakes"):  # every mistake in one run, the file's first
+        try:
+            o.parse(act=False)
+        except ConfigError as exc:
+            raise Mistakes(file_mistakes + mistakes_of(exc)) from None
+        raise Mistakes(file_mistakes)
+    return launch_and_run(o, script, list(script_args), given).code
+
+
+def version_line() -> str:
+    """``rally 0.1.0 (torch 2.13.0+cpu, Python 3.11.2)``: what a bug report needs, without importing torch."""
+    from importlib import metadata
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"rally {__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
+
+
+def _print_version(ctx: click.Context) -> None:
+    click.echo(version_line())
+    ctx.exit(0)
 
 
 @dataclass
@@ -198,6 +232,8 @@ def launch_and_run(o: Options, script: str | None, script_args: list[str], given
     launch = build_launch(o, script, script_args, slurm_job)
     for note in launch.notes:
         console.say(note)
+    for line in launch.warnings:  # secrets and the store left open to other users (secret_warnings.py)
+        console.warn(line)
     requeue = None
     if o.requeue:
         requeue = slurm_job.requeue if slurm_job is not None else _requeue_outside_slurm

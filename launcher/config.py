@@ -16,7 +16,7 @@ import socket
 import sys
 import types
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from rally.launcher import validate
 from rally.launcher.node_checks_options import node_check_fields
 from rally.launcher.options import Options, spec_default
 from rally.launcher.preload import parse_preload
+from rally.launcher.secret_warnings import secret_warnings
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf, parse_std_map, visible_gpu_count
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
@@ -47,6 +48,7 @@ class Launch:
     spec: JobSpec
     plan: RendezvousPlan
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)  # launcher/secret_warnings.py: one line each
 
 
 def build_launch(o: Options, script: str | None, script_args: list[str], slurm_job: Any = None) -> Launch:
@@ -57,15 +59,17 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     p = o.parse()
     min_nodes, max_nodes = p.nnodes
     validate.check_counts(p.nproc_per_node, max_nodes, p.node_rank)
-    notes: list[str] = []
+    notes: list[str] = standalone_overrides(o, p.nnodes)
     conf = p.rdzv_conf
     endpoint, settings, run_id, preferred_rank = plan_rendezvous(o, p, conf, slurm_job)
+    warnings: list[str] = []
     try:
         token = resolve_token(
-            conf["token"], conf["token_file"], bool(o.standalone), slurm_job.job_id if slurm_job else None
+            conf["token"], conf["token_file"], bool(o.standalone), slurm_job.job_id if slurm_job else None, warnings
         )
     except TokenError as exc:
         raise ConfigError(str(exc)) from None
+    warnings += secret_warnings(conf, endpoint, token, settings.max_nodes)
     if p.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         notes.append(
             f"setting OMP_NUM_THREADS=1 for each of the {p.nproc_per_node} workers (it was unset); "
@@ -74,6 +78,11 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     # Node rank 0 of a static job is, by definition, reachable at the master address.
     static_master = endpoint.host if backend_named(endpoint.backend).static_ranks and endpoint.host_here else None
     spec = job_spec(o, p, script, script_args, run_id, notes)
+    if spec.uses_torchrun_logs() and spec.prefix_output:
+        notes.append(
+            f"--tee/--redirects: console lines follow torchrun's format ([{spec.role}0]: on tee'd streams, "
+            "no prefix on the others) instead of rally's [rank]"
+        )
     plan = RendezvousPlan(
         endpoint=endpoint,
         settings=settings,
@@ -83,7 +92,42 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
         read_timeout=conf["read_timeout"],
         token=token,
     )
-    return Launch(spec, plan, notes)
+    return Launch(spec, plan, notes, warnings)
+
+
+def standalone_overrides(o: Options, nnodes: tuple[int, int]) -> list[str]:
+    """--standalone runs one node on a private store (as torchrun's does): the rendezvous flags it
+    replaces are named in one line, never dropped in silence."""
+    if not o.standalone:
+        return []
+    replaced = [f"--nnodes {o.nnodes}"] if nnodes != (1, 1) else []
+    replaced += [f"--rdzv-endpoint {o.rdzv_endpoint}"] if o.rdzv_endpoint else []
+    replaced += [f"--rdzv-backend {o.rdzv_backend}"] if o.rdzv_backend not in ("static", "c10d") else []
+    replaced += [f"--rdzv-id {o.rdzv_id}"] if o.rdzv_id != spec_default("run_id") else []
+    if not replaced:
+        return []
+    return [
+        f"--standalone overrides {', '.join(replaced)}: it runs one node on a private store at a free port, "
+        "with a random run id; drop --standalone to use them"
+    ]
+
+
+def trusted_checkpoint_dir(given: str | None, shared: bool) -> str | None:
+    """--checkpoint-dir resolved, refused with one line if another user may plant checkpoints in it
+    (unless --checkpoint-dir-shared), and a key to sign checkpoints with (agent/checkpoint/auth.py)."""
+    if not given:
+        return None
+    from rally.agent.checkpoint import auth
+
+    path = Path(given).resolve()
+    problem = auth.directory_problem(path)
+    if problem is not None and not shared:
+        raise ConfigError(auth.refusal_line(path, problem).removeprefix("rally: "))
+    try:
+        auth.job_keys()
+    except auth.NoKey as exc:
+        raise ConfigError(str(exc).removeprefix("rally: ")) from None
+    return str(path)
 
 
 def check_entry_point(o: Options, script: str | None) -> None:
@@ -213,7 +257,8 @@ def job_spec(
         straggler_window=p.straggler_window,
         metrics_port=p.metrics_port,
         metrics_addr=p.metrics_addr,
-        checkpoint_dir=str(Path(p.checkpoint_dir).resolve()) if p.checkpoint_dir else None,
+        checkpoint_dir=trusted_checkpoint_dir(p.checkpoint_dir, bool(o.checkpoint_dir_shared)),
+        checkpoint_dir_shared=bool(o.checkpoint_dir_shared),
         crash_loop_limit=p.crash_loop_limit,
         python_exec=os.environ.get("PYTHON_EXEC", sys.executable),
         **extra_fields,

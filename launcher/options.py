@@ -43,7 +43,7 @@ from rally.launcher.option_checks import (
     rdzv_conf,
     seconds,
 )
-from rally.launcher.validate import ConfigError
+from rally.launcher.validate import ConfigError, Mistakes
 from rally.rendezvous.backends import HostPort
 
 GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "Health", "rally extras")
@@ -249,9 +249,17 @@ class Options:
     checkpoint_dir: str | None = option(
         None,
         "rally extras",
-        "Where workers save checkpoints (RALLY_CHECKPOINT_DIR).",
-        check=optional(validate.writable_dir),
+        "Where workers save checkpoints (RALLY_CHECKPOINT_DIR); created 0700. Refused if another user "
+        "owns it or may write it, unless --checkpoint-dir-shared.",
+        check=optional(validate.private_dir),
         late=True,
+    )
+    checkpoint_dir_shared: bool = option(
+        False,
+        "rally extras",
+        "Accept a --checkpoint-dir that other users may write (a shared scratch directory): they can then "
+        "delete or replace files there, but the job loads only checkpoints signed with your key "
+        "(RALLY_JOB_TOKEN or ~/.rally/secret); unsigned older ones are not loaded.",
     )
     heartbeat_timeout: str | None = option(
         None,
@@ -387,20 +395,27 @@ class Options:
     # Where values came from, for messages: option name -> "--config job.yaml, line 3, 'nnodes'".
     origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
-    def parse(self) -> types.SimpleNamespace:
+    def parse(self, act: bool = True) -> types.SimpleNamespace:
         """Every option's value checked and parsed (by its field's `check`; unchecked values as
-        they are). A bad value raises ConfigError, prefixed with the file and line it came from."""
+        they are). Bad values raise one ConfigError (:class:`Mistakes`: all of them), each prefixed
+        with the file and line it came from. ``act=False`` skips the late checks, which act (they
+        make a directory): for a launch known to fail already."""
         parsed = types.SimpleNamespace()
+        mistakes: list[str] = []  # every value is checked: all mistakes are told in one run
         for f in sorted(option_fields(), key=lambda f: info(f).late):
             value = getattr(self, f.name)
             check = info(f).check
+            if info(f).late and (mistakes or not act):
+                break  # a late check acts (it makes a directory): not for a launch that fails anyway
             try:
                 setattr(parsed, f.name, check(value, flag(f.name)) if check else value)
             except ConfigError as exc:
                 origin = self.origins.get(f.name)
-                raise ConfigError(f"{origin}: {exc}" if origin else str(exc)) from None
+                mistakes.append(f"{origin}: {exc}" if origin else str(exc))
             except (TypeError, ValueError) as exc:  # a value of the wrong type, from rally.launch
-                raise ConfigError(f"{flag(f.name)} {value!r}: {exc}") from None
+                mistakes.append(f"{flag(f.name)} {value!r}: {exc}")
+        if mistakes:
+            raise Mistakes(mistakes)
         return parsed
 
     @classmethod

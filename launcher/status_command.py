@@ -14,6 +14,15 @@ through `srun` is a step of its own. The store host is the first host of the job
 (agent/observe/run_info.py), and shows that directory's report and last restart once the store is gone.
 `--json` prints one JSON object instead of the table. Either way the last restart's cause is
 shown (each node's status record keeps the newest round end it went round again after).
+
+What it reads, anyone who reaches a store without a job token, or writes into a shared --log-dir,
+may have written: so it reads as the agent reads its workers' files. Every record is checked
+against its writer's types (rendezvous/status_schema.py), every file opened without following a
+link or blocking and read up to a cap (agent/untrusted_files.py), every string escaped before
+it reaches the terminal (agent/display/untrusted_text.py) and rich markup in it never
+interpreted. A store that refuses the connection (the job has ended: its store went with it) is
+said at once, with where the job's run directory is, and torch is imported only to talk to a
+store that is there.
 """
 
 from __future__ import annotations
@@ -21,21 +30,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
+import tempfile
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from rally.agent.display import console
+from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import straggler_line, worker_table
 from rally.agent.observe import run_info
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.protocol import job_prefix
+from rally.rendezvous.status_schema import MAX_ITEMS, VERDICT, checked
 from rally.rendezvous.store import StoreEndpoint
+
+# How long the first connect to a c10d store may take before the ordinary (retrying) connect
+# takes over; a refusal comes back at once and ends the command.
+PROBE_SECONDS = 2.0
 
 
 @click.command(name="status", context_settings={"help_option_names": ["-h", "--help"]})
@@ -95,6 +114,7 @@ def status_command(
     from rally.rendezvous.store_connect import NoStoreThere
 
     quiet_torch_logs()
+    token = job_token()  # bad input first, before any store or file is looked at
     file_store = None
     found: str | HostPort | None = endpoint  # the flag's, the run directory's or SLURM's store host
     if run_dir is not None:
@@ -105,16 +125,21 @@ def status_command(
             raise click.UsageError(str(exc)) from None
         found, run_id = endpoint or written.get("endpoint"), run_id or written["run_id"]
         backend, file_store = written.get("backend") or backend, written.get("file_store")
-        if (run_info.read_report(run_dir) or {}).get("outcome", "running") != "running":  # over: no store to ask
+        if _report_outcome(run_dir) != "running":  # over: no store to ask
             return _show_finished(run_dir, str(run_id), as_json, f"job {run_id} has ended", str(found or file_store))
     else:
         found, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     where = _where(found, backend, file_store, rdzv_conf)
+    if _refused(where, timeout):  # nothing listens: a job's own store ends with it
+        if run_dir is None:
+            raise ConfigError(printable(ended_line(str(where), str(run_id)), limit=2000))  # one line, exit 2
+        heading = f"job {run_id}: nothing listens at {where} (its store is gone)"
+        return _show_finished(run_dir, str(run_id), as_json, heading, str(where))
     try:
-        status = read_status(where, str(run_id), timeout)
+        status = read_status(where, str(run_id), timeout, token)
     except (StoreUnavailable, NoStoreThere) as exc:
         if run_dir is None:
-            raise ConfigError(str(exc)) from None  # one line, exit 2 (launcher/cli.py)
+            raise ConfigError(printable(exc, limit=2000)) from None  # one line, exit 2 (launcher/cli.py)
         return _show_finished(
             run_dir, str(run_id), as_json, f"job {run_id}: its store is not answering ({exc})", str(where)
         )
@@ -123,13 +148,58 @@ def status_command(
             return _show_finished(
                 run_dir, str(run_id), as_json, f"job {run_id}: no agent has registered at {where}", str(where)
             )
-        raise click.ClickException(f"no job with run id '{run_id}' at {where} (no agent has registered there)")
+        raise click.ClickException(
+            printable(f"no job with run id '{run_id}' at {where} (no agent has registered there)", limit=2000)
+        )
     status["last_restart"] = last_restart(status["nodes"])
     if as_json:
         click.echo(json.dumps(as_record(run_id, str(where), status, "store"), default=str))
         return 0
     show_running(str(run_id), str(where), status)
     return 0
+
+
+def _refused(where: StoreEndpoint, timeout: float) -> bool:
+    """Whether a c10d store's port refuses a connection (nothing listens: a job's own store ends
+    with it). Anything else (it accepts, a name that does not resolve yet, a host that does not
+    answer) is left to the store's own connect, which waits up to --timeout."""
+    if where.etcd or where.file_path:
+        return False
+    try:
+        socket.create_connection((where.host, where.port), timeout=min(timeout, PROBE_SECONDS)).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+def ended_line(where: str, run_id: str) -> str:
+    """What to say when nothing listens at the job's store: it has ended (or not yet started),
+    and what the job left behind is in its run directory, named where it is on this machine."""
+    runs = run_info.run_dirs_of(run_id)
+    if runs:
+        shown = f"rally status {runs[0]}" + (f" (the newest of {len(runs)} with that run id)" if len(runs) > 1 else "")
+    else:
+        shown = (
+            "rally status RUN_DIR (the run directory the job printed at start: <--log-dir>/<run id>_*, "
+            f"by default {Path(tempfile.gettempdir()) / 'rally_*'}/<run id>_*, on the node that ran it)"
+        )
+    return (
+        f"nothing listens at {where} (connection refused): job {run_id} has ended, or its store is not up yet; "
+        f"what a job leaves behind is in its run directory: {shown}"
+    )
+
+
+def _report_outcome(run_dir: Path) -> str:
+    """report.json's outcome: "running" while there is none yet (the agent writes it last), or
+    none that the agent wrote."""
+    try:
+        report = run_info.read_report(run_dir)
+    except run_info.Unreadable:
+        return "running"  # not a report the agent wrote: ask the store, then say what was wrong
+    outcome = (report or {}).get("outcome", "running")
+    return outcome if isinstance(outcome, str) else "unknown"
 
 
 def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None, rdzv_conf: str) -> StoreEndpoint:
@@ -142,20 +212,34 @@ def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None
         raise click.UsageError(str(exc)) from None
 
 
-def read_status(where: StoreEndpoint, run_id: str, timeout: float) -> dict | None:
-    """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
-    from rally.rendezvous.status import read_job_status
-    from rally.rendezvous.token import Signer, TokenError, env_token
+def job_token() -> str:
+    """RALLY_JOB_TOKEN, to verify records with ("" without it: records are shown unverified)."""
+    from rally.rendezvous.token import TokenError, env_token
 
     try:
-        token = env_token()  # without it, records are shown unverified
+        return env_token()
     except TokenError as exc:
         raise click.UsageError(str(exc)) from None
-    from rally.rendezvous.store_connect import bounded
 
+
+def read_status(where: StoreEndpoint, run_id: str, timeout: float, token: str) -> dict | None:
+    """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
+    from rally.rendezvous.status import read_job_status
+    from rally.rendezvous.store_connect import bounded
+    from rally.rendezvous.token import Signer
+
+    _import_store_client()
     store = open_endpoint(where, job_prefix(run_id), timeout, timeout, Signer(token, verify=bool(token))).store
     # Bounded as a whole: a store that freezes after the connect must not hang the command.
     return bounded(lambda: read_job_status(store), timeout, f"reading job {run_id} from {where}")
+
+
+def _import_store_client() -> None:
+    """torch, for its store client, without the warning it prints where NumPy is missing or of
+    another ABI ("Failed to initialize NumPy"): `rally status` never touches a tensor."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy")
+        import torch.distributed  # noqa: F401
 
 
 def last_restart(nodes: list[dict]) -> dict | None:
@@ -164,10 +248,15 @@ def last_restart(nodes: list[dict]) -> dict | None:
     return max(seen, key=lambda r: r.get("round") if isinstance(r.get("round"), int) else -1, default=None)
 
 
-def restart_line(restart: dict | None) -> str:
+def restart_line(restart: dict | None, ended: bool = False) -> str:
+    """The last restart's cause; without one, "no restart so far" while the job runs, and "the
+    job never restarted" once it has ended (nothing is "so far" of a job that is over)."""
     if not restart:
-        return "no restart so far"
-    return f"last restart: round {restart.get('round')} ended ({restart.get('kind')}): {restart.get('detail')}"
+        return "the job never restarted" if ended else "no restart so far"
+    return printable(
+        f"last restart: round {restart.get('round')} ended ({restart.get('kind')}): {restart.get('detail')}",
+        limit=1000,
+    )
 
 
 def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
@@ -187,64 +276,105 @@ def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
     }
 
 
+def terminal_safe(value: Any) -> Any:
+    """A checked record (rendezvous/status_schema.py) with every string made printable."""
+    if isinstance(value, dict):
+        return {k: terminal_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [terminal_safe(v) for v in value]
+    return printable(value) if isinstance(value, str) else value
+
+
 def show_running(run_id: str, where: str, status: dict) -> None:
-    out = Console()
+    # No markup, emoji or highlighting: nothing in a record is read as a rich instruction.
+    out = Console(markup=False, emoji=False, highlight=False)
     if not out.is_terminal:
-        out = Console(width=160)
-    out.print(status_table(run_id, where, status, time.time()))
-    for node in status["nodes"]:
+        out = Console(width=160, markup=False, emoji=False, highlight=False)
+    nodes = terminal_safe(status["nodes"])
+    shown = {**status, "nodes": nodes, "round": "-" if status["round"] is None else status["round"]}
+    out.print(status_table(printable(run_id), printable(where), shown, time.time()))
+    for node in nodes:
         for w in node.get("workers") or []:
-            if w.get("straggler"):
-                out.print(straggler_line(w, node.get("host")), highlight=False)
+            if w.get("straggler") and _straggler_complete(w):
+                out.print(straggler_line(w, node.get("host")))
         if node.get("gpu_problems"):
-            out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]), highlight=False)
-    for node in status["nodes"]:
+            out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]))
+    for node in nodes:
         if node.get("waiting"):  # what it waits for (rendezvous/waiting.py, agent/node_waits.py)
             updated = node.get("updated")
             age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
-            out.print(f"{node.get('host')}: {node['waiting']}{age}", highlight=False)
-    out.print(restart_line(status["last_restart"]), highlight=False)
-    for host, reason in (status.get("quarantined") or {}).items():
-        out.print(f"quarantined: {host} ({reason})", highlight=False)
-    for line in preflight_lines(status.get("preflight")):
-        out.print(line, highlight=False)
+            out.print(f"{node.get('host')}: {node['waiting']}{age}")
     closed = status["closed"]
+    out.print(restart_line(status["last_restart"], ended=closed is not None))
+    for host, reason in list((status.get("quarantined") or {}).items())[:MAX_ITEMS]:
+        out.print(f"quarantined: {printable(host)} ({printable(reason)})")
+    for line in preflight_lines(status.get("preflight")):
+        out.print(line)
     if closed is not None:
-        console.say(f"the job has ended ({closed.kind}): {closed.detail}")
+        console.say(printable(f"the job has ended ({closed.kind}): {closed.detail}", limit=1000))
+
+
+def _straggler_complete(worker: dict) -> bool:
+    """A straggler entry with the fields its line formats (a checked record may lack some)."""
+    s = worker["straggler"]
+    return worker.get("rank") is not None and s.get("step_time") is not None and s.get("median") is not None
 
 
 def _show_finished(run_dir: Path, run_id: str, as_json: bool, heading: str, where: str) -> int:
-    """The store is gone (the job ended, or its host did): what the agent left in RUN_DIR."""
-    report = run_info.read_report(run_dir) or {}
-    status = {
+    """The store is gone (the job ended, or its host did): what the agent left in RUN_DIR. A file
+    there that is not what the agent writes (a FIFO, a link, too large, not JSON) is not read:
+    one line says so, and what it would have told is "unknown"."""
+    report_problem = events_problem = None
+    try:
+        report = run_info.read_report(run_dir)
+    except run_info.Unreadable as exc:
+        report, report_problem = None, str(exc)
+    try:
+        restart = run_info.last_restart_from_events(run_dir)
+    except run_info.Unreadable as exc:
+        restart, events_problem = None, str(exc)
+    problems = [p for p in (report_problem, events_problem) if p]
+    outcome, exit_code = (report or {}).get("outcome"), (report or {}).get("exit_code")
+    if not isinstance(outcome, str):
+        if report_problem:
+            outcome = "unknown (report.json was not read)"
+        elif report is not None:
+            outcome = "unknown (report.json has no outcome)"
+        else:
+            outcome = "unknown (no report.json: the agent may have been killed)"
+    status: dict[str, Any] = {
         "round": None,
         "closed": None,
         "nodes": [],
-        "last_restart": run_info.last_restart_from_events(run_dir),
-        "outcome": report.get("outcome", "unknown (no report.json: the agent may have been killed)"),
-        "exit_code": report.get("exit_code"),
-        "report": str(run_dir / run_info.REPORT_FILE) if report else None,
+        "last_restart": restart,
+        "outcome": outcome[: run_info.MAX_TEXT],
+        "exit_code": exit_code if type(exit_code) is int else None,
+        "report": str(run_dir / run_info.REPORT_FILE) if report is not None else None,
     }
     if as_json:
-        click.echo(json.dumps({**as_record(run_id, where, status, "run_dir"), "run_dir": str(run_dir)}, default=str))
+        record = {**as_record(run_id, where, status, "run_dir"), "run_dir": str(run_dir), "not_read": problems}
+        click.echo(json.dumps(record, default=str))
         return 0
-    click.echo(f"{heading}; from {run_dir}:")
-    exit_code = "" if status["exit_code"] is None else f", exit code {status['exit_code']}"
-    click.echo(f"outcome: {status['outcome']}{exit_code}")
-    click.echo(restart_line(status["last_restart"]))
+    click.echo(printable(f"{heading}; from {run_dir}:", limit=2000))
+    code = "" if status["exit_code"] is None else f", exit code {status['exit_code']}"
+    click.echo(printable(f"outcome: {status['outcome']}{code}", limit=1000))
+    unknown = "last restart: unknown (events.jsonl was not read)"
+    click.echo(unknown if events_problem else restart_line(restart, ended=True))
+    for line in problems:
+        click.echo(line)
     if status["report"]:
-        click.echo(f"report: {status['report']}")
+        click.echo(printable(f"report: {status['report']}", limit=2000))
     return 0
 
 
-def preflight_lines(verdict: dict | None) -> list[str]:
+def preflight_lines(verdict: Any) -> list[str]:
     """The last pre-flight check (agent/checks/preflight.py): each node's numbers, and who was left out."""
-    if not isinstance(verdict, dict):
+    verdict = checked(verdict, VERDICT)
+    if not verdict:
         return []
-    lines = [f"pre-flight of round {verdict.get('round')}: {verdict.get('summary', '')}"]
+    lines = [printable(f"pre-flight of round {verdict.get('round')}: {verdict.get('summary', '')}", limit=1000)]
     for node in verdict.get("nodes") or []:
-        if isinstance(node, dict):
-            lines.append(f"  {node.get('host')}: {node.get('line', '')}")
+        lines.append(printable(f"  {node.get('host')}: {node.get('line', '')}", limit=1000))
     return lines
 
 

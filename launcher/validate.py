@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 import shutil
 import signal
 import tempfile
@@ -17,9 +18,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rally.agent.display.untrusted_text import printable
+
 
 class ConfigError(Exception):
     """A user error in flags, environment or config file. The message is shown as is."""
+
+
+class Mistakes(ConfigError):
+    """Several mistakes found in one run, as one error: the first on the error line, each other
+    on a line of its own below it (one mistake stays exactly its one line)."""
+
+    def __init__(self, mistakes: list[str]) -> None:
+        self.mistakes = list(mistakes)
+        first, others = mistakes[0], mistakes[1:]
+        text = f"{first} ({len(mistakes)} mistakes, the others below)" if others else first
+        super().__init__("\n  ".join([text, *others]))
+
+
+def mistakes_of(exc: ConfigError) -> list[str]:
+    return exc.mistakes if isinstance(exc, Mistakes) else [str(exc)]
 
 
 MAX_SECONDS = 7 * 24 * 3600.0
@@ -50,6 +68,16 @@ UNHANDLED_SIGNALS = {
 # Options whose value, in a config file, is a list of strings rather than a scalar.
 LIST_OPTIONS = {"preload", "args"}
 
+# How much of a value a message quotes: a few items, a few levels, 80 characters of a string.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 2, 4, 4, 80, 80
+
+
+def quoted(value: Any) -> str:
+    """`repr(value)` for a message, bounded whatever the value (a 4 MB string, a list nested
+    to the limit): reprlib looks at no more of it than it shows."""
+    return printable(_QUOTE.repr(value), limit=200)
+
 
 # ------------------------------------------------------------------ config file values
 def check_config_values(path: str, data: Mapping[str, Any]) -> None:
@@ -59,20 +87,20 @@ def check_config_values(path: str, data: Mapping[str, Any]) -> None:
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(
                     f"--config {path}: 'script' must be the path of the training script as text, "
-                    f"got {value!r} ({type(value).__name__}); write e.g. script: train.py (quote numbers)"
+                    f"got {quoted(value)} ({type(value).__name__}); write e.g. script: train.py (quote numbers)"
                 )
         elif key in LIST_OPTIONS:
             items = value if isinstance(value, list) else [value]
             bad = [item for item in items if isinstance(item, (list, dict)) or item is None]
             if bad:
                 raise ConfigError(
-                    f"--config {path}: '{key}' must be a list of plain values, got the item {bad[0]!r}; "
+                    f"--config {path}: '{key}' must be a list of plain values, got the item {quoted(bad[0])}; "
                     f"e.g. {key}: [--lr, '0.1']"
                 )
         elif isinstance(value, (list, dict)):
             raise ConfigError(
                 f"--config {path}: '{key}' must be a single value, got a {type(value).__name__} "
-                f"({value!r}); write it as {key}: VALUE"
+                f"({quoted(value)}); write it as {key}: VALUE"
             )
 
 
@@ -82,7 +110,7 @@ def seconds(value: Any, option: str, *, zero_ok: bool, minimum: float = 0.0) -> 
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{option} {value!r}: expected a number of seconds, e.g. {option} 30") from None
+        raise ConfigError(f"{option} {quoted(value)}: expected a number of seconds, e.g. {option} 30") from None
     if math.isnan(number) or math.isinf(number) or number > MAX_SECONDS or number < 0 or (number == 0 and not zero_ok):
         lowest = "from 0" if zero_ok else f"from {minimum:g}" if minimum else "above 0 and"
         raise ConfigError(f"{option} {value}: must be a number of seconds {lowest} up to {MAX_SECONDS:g} (7 days)")
@@ -95,7 +123,7 @@ def port(value: Any, option: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{option} {value!r}: expected a port number from 0 to 65535") from None
+        raise ConfigError(f"{option} {quoted(value)}: expected a port number from 0 to 65535") from None
     if not 0 <= number <= 65535:
         raise ConfigError(f"{option} {value}: port {number} is out of range; use a port from 0 to 65535")
     return number
@@ -131,6 +159,17 @@ def writable_dir(value: Any, option: str) -> str:
     return text
 
 
+def private_dir(value: Any, option: str) -> str:
+    """:func:`writable_dir`, but a directory it creates is 0700 (only the user may read its checkpoints)."""
+    text = str(value)
+    try:
+        if text.strip() and not os.path.lexists(text):
+            os.makedirs(text, mode=0o700, exist_ok=True)
+    except (OSError, ValueError):
+        pass  # writable_dir says what is wrong, in one line
+    return writable_dir(value, option)
+
+
 def config_text(path: str) -> str:
     """The text of a --config file: a regular file only (a FIFO would hang the read, /dev/zero
     fill memory), at most MAX_CONFIG_BYTES, read without blocking (agent/untrusted_files.py)."""
@@ -157,8 +196,14 @@ def names_fit(path: Path, option: str) -> None:
 
 
 def runnable_program(script: str) -> None:
-    """--no-python: the program is an executable file, or a command found on PATH."""
+    """--no-python: the program is an executable file, or a command found on PATH. A bare name is
+    looked up on PATH only, as a shell does (and as the worker's exec will): one in the working
+    directory is named with its ``./`` instead of failing later with a traceback."""
     path = Path(script)
+    if os.sep not in script and path.exists() and not shutil.which(script):
+        raise ConfigError(
+            f"--no-python: '{script}' is not a program on PATH; did you mean ./{script} (the one in {os.getcwd()})?"
+        )
     if os.sep in script or path.exists():
         if path.is_dir():
             raise ConfigError(f"--no-python: '{script}' is a directory, not a program")

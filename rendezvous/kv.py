@@ -11,8 +11,10 @@ here once.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
+
+from rally.rendezvous.token import Signer
 
 # `get_present` first waits this long for all its keys: one call when they exist (as they do
 # after the closer's own wait), a short pause when some never will.
@@ -54,6 +56,13 @@ class KeyValueStore(ABC):
 
     prefix: str
     describe: str
+    signer: Signer  # signs what this connection writes, checks what it reads (rendezvous/token.py)
+    # None: a value this job did not write raises UntrustedValue. Set (by a running job's agent,
+    # on a store whose `replaces_untrusted` is True: c10d): such a value in a counter or a
+    # first-wins key is replaced and this is called with one line naming the key, so a stranger's
+    # garbage write ends nothing.
+    on_untrusted: Callable[[str], None] | None = None
+    replaces_untrusted: ClassVar[bool] = False
     # Keep-alives are counters watched in a ring, unless the store's keys can expire by
     # themselves (etcd leases): then it offers grant_lease / set_leased / wait_deleted instead.
     leased_liveness: ClassVar[bool] = False

@@ -25,7 +25,7 @@ def _read(store: KeyValueStore, name: str) -> dict[str, Any] | None:
         return None
     try:
         value = json.loads(store.get(name))
-    except (ValueError, UntrustedValue):
+    except (ValueError, UntrustedValue, RecursionError):  # RecursionError: JSON nested 100 000 deep
         return None
     return value if isinstance(value, dict) else None
 

@@ -1,47 +1,76 @@
 """What `rally status` and the straggler exchange read: the job's round, end and node records.
 
 Nodes publish their records on the status board (rendezvous/status_board.py); this reader trusts none of
-them (a record that is not this job's is left out), so a stranger's writes never break it.
+them: a record that is not this job's JSON object (not signed for its key, larger than
+MAX_RECORD_BYTES, nested past the parser's depth) is left out, and every field of the others is
+checked against its writer's types (rendezvous/status_schema.py), so a stranger's writes never break it.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from rally.rendezvous.kv import KeyValueStore as Store
 from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.node_memory import load_node_failures
 from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED
 from rally.rendezvous.records import MAX_COUNT, RoundEnd
-from rally.rendezvous.status_board import STATUS_NODES, status_key
+from rally.rendezvous.status_board import STATUS_NODES, listed_nodes, status_key
+from rally.rendezvous.status_schema import MAX_RECORD_BYTES, checked_node
 
 
 def read_job_status(store: Store) -> dict | None:
     """What `rally status` shows: the job's round, end state and every node's last record.
 
     Returns None when no agent of this run id has registered at this store. Records that are
-    not valid JSON objects are left out (they were not written by this job's agents).
+    not valid JSON objects are left out (they were not written by this job's agents). `round` is
+    the newest round a node's record reports (the store's round counter runs one ahead once a
+    round has ended), the counter only while no node has published a record.
     """
     if not store.check(STATUS_NODES):
         return None
-    raw_list = store.get_unsigned(STATUS_NODES).decode(errors="replace")
-    node_ids = [n for n in raw_list.splitlines() if n and len(n) < 512][:MAX_COUNT]
-    names = [status_key(n) for n in node_ids]
+    # signed lines only, each once, at most status_board.MAX_LISTED_NODES: a stranger's appends
+    # drive no store call per line
+    names = [status_key(n) for n in listed_nodes(store)]
     records = []
     for name in names:
-        try:
-            record = json.loads(store.get(name)) if store.check(name) else None
-        except (UntrustedValue, ValueError):
-            record = None
-        if isinstance(record, dict) and isinstance(record.get("workers"), list):
+        record = checked_node(_json(store, name))
+        if record is not None:
             records.append(record)
-    current = store.counter(CURRENT_ROUND)
-    closed = RoundEnd.load(store.get(JOB_CLOSED), store.key(JOB_CLOSED)) if store.check(JOB_CLOSED) else None
+    rounds = [r["round"] for r in records if r.get("round") is not None]
     health = load_node_failures(store)  # quarantine and pre-flight (rendezvous/node_memory.py)
     return {
-        "round": current,
-        "closed": closed,
+        "round": max(rounds) if rounds else _counter(store),
+        "closed": _job_end(store),
         "nodes": records,
         "quarantined": health["quarantined"],
         "preflight": health["preflight"],
     }
+
+
+def _counter(store: Store) -> int | None:
+    try:
+        return store.counter(CURRENT_ROUND, MAX_COUNT)
+    except UntrustedValue:  # a stranger's text or negative number where the counter goes
+        return None
+
+
+def _json(store: Store, name: str) -> Any:
+    """The JSON value at `name`, or None for anything else (absent, unsigned, too large, too deep)."""
+    try:
+        raw = store.get(name) if store.check(name) else None
+        return json.loads(raw) if raw is not None and len(raw) <= MAX_RECORD_BYTES else None
+    except (UntrustedValue, ValueError, RecursionError):  # RecursionError: "[[[[..." 100 000 deep
+        return None
+
+
+def _job_end(store: Store) -> RoundEnd | None:
+    """The job's end, when one was recorded that this job could have written."""
+    if not store.check(JOB_CLOSED):
+        return None
+    try:
+        raw = store.get(JOB_CLOSED)
+        return RoundEnd.load(raw, store.key(JOB_CLOSED)) if len(raw) <= MAX_RECORD_BYTES else None
+    except (UntrustedValue, ValueError, RecursionError):
+        return None

@@ -3,7 +3,9 @@ clash line (rendezvous/status.py reads it all back, trusting none of it).
 
 Keys, outside the rounds:
 
-    status/nodes        every node id that ever registered, one per line (an append)
+    status/nodes        every node id that ever registered, one signed line each (an append:
+                        anyone can add to it, so each line carries the job's HMAC and readers
+                        act only on lines that verify, at most MAX_LISTED_NODES of them)
     status/node/<id>    a node's latest record (JSON; agent/observe/status_record.py builds it)
     job/started         who started the job, and when (first wins): names a run-id clash
 """
@@ -16,9 +18,14 @@ from typing import Any
 
 from rally.rendezvous.kv import KeyValueStore, UntrustedValue
 from rally.rendezvous.records import NodeInfo
+from rally.rendezvous.token import BadRecord
 
 STATUS_NODES = "status/nodes"
 JOB_STARTED = "job/started"
+# At most this many node ids are taken from `status/nodes` (nodes that ever registered, restarts
+# included); a line longer than MAX_LINE_BYTES is nobody's (a node id is a host name and a pid).
+MAX_LISTED_NODES = 4096
+MAX_LINE_BYTES = 1024
 
 
 def status_key(node_id: str) -> str:
@@ -35,7 +42,7 @@ class StatusBoard:
 
     def register(self) -> None:
         """List this node under `status/nodes`; the first node signs who started the job, when."""
-        self.store.append(STATUS_NODES, self.me.node_id + "\n")
+        self.store.append(STATUS_NODES, signed_line(self.store, STATUS_NODES, self.me.node_id))
         self.store.set_once(
             JOB_STARTED, json.dumps({"host": self.me.host, "node_id": self.me.node_id, "time": time.time()})
         )
@@ -50,3 +57,29 @@ class StatusBoard:
         except (UntrustedValue, ValueError):
             return None
         return started if isinstance(started, dict) else None
+
+
+def signed_line(store: KeyValueStore, name: str, text: str) -> str:
+    """One line of an append-list: `text` in the store's signed envelope (rendezvous/token.py,
+    bound to the list's key), hex-encoded so it holds no newline."""
+    return store.signer.seal(store.key(name), text).hex() + "\n"
+
+
+def listed_nodes(store: KeyValueStore) -> list[str]:
+    """The node ids on `status/nodes` whose line verifies, each once, in order, at most
+    MAX_LISTED_NODES: a stranger's appends (garbage, or 1.5 MB of lines) cost one read of the
+    list and an HMAC each, never a store call per line."""
+    if not store.check(STATUS_NODES):
+        return []
+    key, found = store.key(STATUS_NODES), dict[str, None]()
+    for line in store.get_unsigned(STATUS_NODES).split(b"\n"):
+        if not line or len(line) > MAX_LINE_BYTES:
+            continue
+        try:
+            node_id = store.signer.open(key, bytes.fromhex(line.decode("ascii"))).decode()
+        except (BadRecord, ValueError):  # not hex, not text, not signed with this job's token
+            continue
+        found[node_id] = None
+        if len(found) >= MAX_LISTED_NODES:
+            break
+    return list(found)

@@ -16,10 +16,11 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTampered, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
@@ -39,6 +40,12 @@ HOST_MARKER_WAIT_SECONDS = 10.0
 # The expected value of `Store.get_if_present`'s compare_set: never a sealed value (those start
 # with token.ENVELOPE_TAG), so the compare never matches and the call only reads.
 ABSENT = b"\x00rally: no such key\x00"
+# How many times a counter or first-wins key a stranger keeps filling with garbage is replaced.
+REPAIR_ATTEMPTS = 3
+# The slices of that wait: between them, a store hosted by another job is recognised by its marker.
+MARKER_SLICE_SECONDS = 0.25
+# Where every job's keys live (rendezvous/protocol.py's job_prefix: rally/<run id>/).
+RALLY_KEY_ROOT = "rally/"
 
 
 def quiet_torch_logs() -> None:
@@ -79,6 +86,8 @@ class Store(KeyValueStore):
     describe: str
     _reconnect: Callable[[], TorchStore]
     signer: Signer = field(default_factory=Signer)
+    on_untrusted: Callable[[str], None] | None = None  # see KeyValueStore; copied by connect_again
+    replaces_untrusted: ClassVar[bool] = True
 
     def _call(self, fn: Callable, *args):
         from torch.distributed import DistNetworkError, DistStoreError
@@ -120,16 +129,24 @@ class Store(KeyValueStore):
 
     def add(self, name: str, amount: int) -> int:
         """Add to a counter. Counters cannot be signed; a stranger who `set` one to text makes
-        the server drop the connection, which is told apart here from a lost store."""
-        try:
-            return int(self._call(self.raw.add, self.key(name), amount))
-        except StoreUnavailable:
-            value = self._read_after_reconnect(name)
-            if value is None:
-                raise
-            raise UntrustedValue(
-                f"store key '{self.key(name)}' holds {value[:40]!r}, not a counter (garbage written by a stranger)"
-            ) from None
+        the server drop the connection, which is told apart here from a lost store. With
+        `on_untrusted` set, such garbage is reset to 0 (counters are hints: slots and signed
+        records decide) and the add is tried again."""
+        for _attempt in range(REPAIR_ATTEMPTS):
+            try:
+                return int(self._call(self.raw.add, self.key(name), amount))
+            except StoreUnavailable:
+                value = self._read_after_reconnect(name)
+                if value is None:
+                    raise
+                line = (
+                    f"store key '{self.key(name)}' holds {value[:40]!r}, not a counter (garbage written by a stranger)"
+                )
+                if self.on_untrusted is None:
+                    raise UntrustedValue(line) from None
+                self._call(self.raw.compare_set, self.key(name), value, b"0")
+                self.on_untrusted(line + "; reset to 0, the job goes on")
+        raise UntrustedValue(f"store key '{self.key(name)}' is rewritten with garbage again and again (a stranger)")
 
     def _read_after_reconnect(self, name: str) -> bytes | None:
         """The raw value of `name` over a fresh connection, or None when the store is gone."""
@@ -161,15 +178,25 @@ class Store(KeyValueStore):
         self._call(self.raw.append, self.key(name), value)  # type: ignore[attr-defined]  # torch's stub lacks it
 
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
-        """Set `name` only if nobody has; return (won, the value that stands, checked)."""
+        """Set `name` only if nobody has; return (won, the value that stands, checked). With
+        `on_untrusted` set, a standing value this job did not write counts as nobody's: it is
+        replaced (compare-and-set against exactly it, so a genuine first value is never lost)."""
         sealed = self._seal(name, value)
-        current = self._call(self.raw.compare_set, self.key(name), "", sealed)
-        if current == sealed:
-            return True, value
-        try:
-            return False, self._open(name, current).decode()
-        except UnicodeDecodeError:
-            raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
+        expected: bytes | str = ""
+        for _attempt in range(REPAIR_ATTEMPTS):
+            current = self._call(self.raw.compare_set, self.key(name), expected, sealed)
+            if current == sealed:
+                return True, value
+            try:
+                return False, self._open(name, current).decode()
+            except UnicodeDecodeError:
+                raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
+            except UntrustedValue as exc:
+                if self.on_untrusted is None:
+                    raise
+                self.on_untrusted(f"{exc}; replaced, the job goes on")
+                expected = current
+        raise UntrustedValue(f"store key '{self.key(name)}' is rewritten with garbage again and again (a stranger)")
 
     def get_if_present(self, name: str) -> bytes | None:
         """The checked value of `name`, or None when absent, in one request instead of a `check`
@@ -213,7 +240,7 @@ class Store(KeyValueStore):
             raw = self._reconnect()
         except Exception as exc:  # torch raises several unrelated types here
             raise StoreUnavailable(f"{self.describe} is gone ({_first_line(exc)})") from exc
-        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer)
+        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer, self.on_untrusted)
 
     def delete_keys_outside(self, keep_prefix: str) -> int:
         """Delete every key of the whole store that does not start with `keep_prefix`; return
@@ -432,16 +459,32 @@ def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: floa
     """The port was taken: accept a `rally store` service or this job's own host, nothing else."""
     if store.raw.check([SERVICE_MARKER_KEY]):
         return
-    if not store.try_wait([HOST_MARKER_NAME], wait):
-        raise StoreUnavailable(
-            _stranger_port_message(endpoint, port, "it is not this job's store (another job, or another program)")
-        )
+    deadline = time.monotonic() + wait
+    while not store.try_wait([HOST_MARKER_NAME], min(MARKER_SLICE_SECONDS, max(0.01, deadline - time.monotonic()))):
+        if other := _other_jobs_store(store):
+            raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it is the store of another job ({other})"))
+        if time.monotonic() >= deadline:
+            raise StoreUnavailable(
+                _stranger_port_message(endpoint, port, "it is not this job's store (another job, or another program)")
+            )
     try:
         store.get(HOST_MARKER_NAME)
     except UntrustedValue as exc:
         raise StoreUnavailable(
             _stranger_port_message(endpoint, port, f"its host did not sign with this job's token ({exc})")
         ) from None
+
+
+def _other_jobs_store(store: Store) -> str | None:
+    """The run id of the job whose agent hosts this store, when it is not ours: its host marker
+    is there under another job's prefix. Named at once rather than after the marker wait."""
+    try:
+        keys = store.raw.list_keys()
+    except Exception:  # a store that cannot list its keys: the marker wait decides, as before
+        return None
+    own, suffix = store.key(HOST_MARKER_NAME), "/" + HOST_MARKER_NAME
+    others = [k for k in keys if k != own and k.startswith(RALLY_KEY_ROOT) and k.endswith(suffix)]
+    return f"run id {others[0][len(RALLY_KEY_ROOT) : -len(suffix)]}" if others else None
 
 
 def _stranger_port_message(endpoint: StoreEndpoint, port: int, why: str) -> str:

@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 from pathlib import Path
 
 ENV_TOKEN = "RALLY_JOB_TOKEN"
@@ -109,15 +110,21 @@ def read_token_file(path: str) -> str:
     return first
 
 
-def user_secret(home: Path | None = None) -> str:
-    """This user's secret in ~/.rally/secret (0600), created atomically on first use."""
+def user_secret(home: Path | None = None, warnings: list[str] | None = None) -> str:
+    """This user's secret in ~/.rally/secret (0600), created atomically on first use.
+
+    As ssh does with ~/.ssh: a ~/.rally that is a symlink or another user's, or a secret that is
+    a symlink or another user's, is refused (whoever controls it chooses or reads the token); a
+    ~/.rally that group or others can write, or a secret they can read, is used with one line
+    each in `warnings`."""
     directory = (home or Path.home()) / ".rally"
     path = directory / "secret"
     try:
         directory.mkdir(mode=0o700, exist_ok=True)
-        if not path.exists():
+        _check_own(directory, "directory", warnings, stat.S_IWGRP | stat.S_IWOTH, "written by")
+        if not path.exists() and not path.is_symlink():
             tmp = directory / f".secret.{os.getpid()}.{secrets.token_hex(4)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as handle:
                 handle.write(secrets.token_hex(32) + "\n")
             try:
@@ -126,11 +133,29 @@ def user_secret(home: Path | None = None) -> str:
                 pass
             finally:
                 tmp.unlink()
+        _check_own(path, "file", warnings, stat.S_IRGRP | stat.S_IROTH, "read by")
         return read_token_file(str(path))
     except OSError as exc:
         raise TokenError(
             f"cannot create the per-user rally secret in {directory}: {exc}; set {ENV_TOKEN} instead"
         ) from None
+
+
+def _check_own(path: Path, what: str, warnings: list[str] | None, loose_bits: int, loose_verb: str) -> None:
+    """Refuse `path` unless it is this user's own (not a symlink); warn when `loose_bits` are set."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.geteuid():
+        why = "a symlink" if stat.S_ISLNK(info.st_mode) else f"owned by uid {info.st_uid}, not you"
+        raise TokenError(
+            f"the per-user rally secret {what} {path} is {why}: whoever controls it could choose or read the "
+            f"job token, so it is not used; remove it (rally makes a new one) or set {ENV_TOKEN}"
+        )
+    if warnings is not None and info.st_mode & loose_bits:
+        mode = stat.S_IMODE(info.st_mode)
+        fix = "chmod 700" if what == "directory" else "chmod 600"
+        warnings.append(
+            f"the per-user rally secret {what} {path} can be {loose_verb} other users (mode {mode:04o}); {fix} it"
+        )
 
 
 def env_token() -> str:
@@ -145,9 +170,14 @@ def env_token() -> str:
 
 
 def resolve_token(
-    conf_token: str | None, conf_token_file: str | None, standalone: bool, slurm_job_id: str | None
+    conf_token: str | None,
+    conf_token_file: str | None,
+    standalone: bool,
+    slurm_job_id: str | None,
+    warnings: list[str] | None = None,
 ) -> str:
-    """The job's token by the precedence in this module's docstring ("" = none)."""
+    """The job's token by the precedence in this module's docstring ("" = none); loose modes of
+    the per-user secret go to `warnings` (one line each)."""
     if conf_token:
         return conf_token
     if conf_token_file:
@@ -157,5 +187,7 @@ def resolve_token(
     if standalone:
         return secrets.token_hex(32)
     if slurm_job_id:
-        return hmac.new(user_secret().encode(), f"slurm:{slurm_job_id}".encode(), hashlib.sha256).hexdigest()
+        return hmac.new(
+            user_secret(warnings=warnings).encode(), f"slurm:{slurm_job_id}".encode(), hashlib.sha256
+        ).hexdigest()
     return ""

@@ -156,10 +156,12 @@ def run_rally(
     env: dict[str, str] | None = None,
     timeout: float = 90,
     argv: list[str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> Result:
-    """Run `rally ARGS...` (or any `argv`) to completion and return what it printed."""
+    """Run `rally ARGS...` (after `prefix`, such as `prlimit --as=N`; or any `argv`) to completion
+    and return what it printed."""
     started = time.monotonic()
-    proc = start_rally(args, cwd=cwd, env=env, argv=argv)
+    proc = start_rally(args, cwd=cwd, env=env, argv=argv, prefix=prefix)
     try:
         return finish(proc, timeout, started)
     finally:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import rally
 from helpers import Result, clean_env, free_port, run_rally, write_probe
 
 # rally's own lines; off a terminal, messages from a running agent carry a timestamp.
@@ -356,10 +357,15 @@ def test_help_shows_grouped_options_and_examples(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_version_prints_the_version_and_exits_0(tmp_path: Path) -> None:
+def test_version_names_rally_torch_and_python(tmp_path: Path) -> None:
+    """Issue 29: what a bug report needs, in one line, without importing torch."""
+    import platform
+    from importlib import metadata
+
     result = run_rally(["--version"], cwd=tmp_path)
     assert result.returncode == 0, result.describe()
-    assert re.fullmatch(r"rally, version \d+\.\d+\.\d+\S*\n", result.stdout), result.stdout
+    expected = f"rally {rally.__version__} (torch {metadata.version('torch')}, Python {platform.python_version()})\n"
+    assert result.stdout == expected and result.stderr == ""
 
 
 # ------------------------------------------------------------------ the residue of issue 18 (item 13)

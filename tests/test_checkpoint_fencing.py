@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from helpers import kill_group, wait_for
-from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint.client import MemoryTier
 from rally.agent.checkpoint.shm import fd_path
 from rally.agent.checkpoint.tier import CheckpointTier
@@ -76,7 +75,7 @@ def test_a_frozen_worker_of_an_old_round_cannot_overwrite_or_publish_over_the_ne
     agent = CheckpointTier.start(str(ckpt), EventLog(tmp_path / "events.jsonl"), warnings.append)
     assert isinstance(agent, CheckpointTier)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
-    env |= {ckpt_client.HOLDER_ENV: agent.holder_id, "RALLY_ROUND": "0", job.CHECKPOINT_DIR_ENV: str(ckpt)}
+    env |= {**agent.env(), "RALLY_ROUND": "0", job.CHECKPOINT_DIR_ENV: str(ckpt)}
     stale = None
     try:
         agent.open_round(0, None, LEASE)
@@ -92,7 +91,7 @@ def test_a_frozen_worker_of_an_old_round_cannot_overwrite_or_publish_over_the_ne
         # The job moves on: round 0 is over, round 1's worker saves step 5 and it becomes durable.
         agent.close_round(0)
         agent.open_round(1, 1, LEASE)
-        newer = MemoryTier(agent.holder_id, 1)
+        newer = MemoryTier(agent.address, 1)
         assert newer.save({"w": torch.full((1000,), 5.0), "step": 5}, "whole", 5, persist=True, keep=3)
         assert agent.flush(30)
         durable = ckpt / "step_000000000005.pt"

@@ -25,7 +25,7 @@ def worker(tmp_path: Path) -> Iterator[MemoryTier]:
     agent = CheckpointTier.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "events.jsonl"), print)
     assert isinstance(agent, CheckpointTier)
     agent.open_round(0, None, 60.0)
-    tier = MemoryTier(agent.holder_id, 0)
+    tier = MemoryTier(agent.address, 0)
     try:
         yield tier
     finally:

@@ -138,6 +138,14 @@ RESTART_TWICE = """
         f.write(count + "\\n")
     if count in ("0", "1"):
         if os.environ["RANK"] == "1":
+            # Fail only once rank 0 has recorded this round: which worker starts first must not
+            # decide what the test sees (a round stopped before rank 0's first line loses its entry).
+            seen_0 = os.path.join(os.environ["PROBE_OUT"], "seen_0")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if os.path.exists(seen_0) and len(open(seen_0).read().split()) > int(count):
+                    break
+                time.sleep(0.01)
             sys.exit(3)
         time.sleep(60)  # rank 0 is healthy; rally stops it for the restart
 """

@@ -209,7 +209,7 @@ def test_a_full_disk_fails_the_sharded_save_in_one_line_and_keeps_the_last_good_
     ckpt.mkdir()
     env = outside_env(**{job.CHECKPOINT_DIR_ENV: str(ckpt)})
     script = (
-        f"mount -t tmpfs -o size=512k rally-test-full {ckpt} && exec {sys.executable} -c "
+        f"mount -t tmpfs -o size=512k,mode=0700 rally-test-full {ckpt} && exec {sys.executable} -c "
         f"'{textwrap.dedent(DISK_FULL)}' {ckpt}"
     )
     done = subprocess.run(

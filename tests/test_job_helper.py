@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
-from rally.agent.worker import heartbeat_file, job
+from rally.agent.worker import heartbeat_file, job, memory_only
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,7 +158,8 @@ def test_missing_checkpoint_dir_is_a_one_line_error() -> None:
     for call in (lambda: job.save({}, 1), job.load_latest):
         with pytest.raises(job.CheckpointDirNotSet) as info:
             call()
-        assert "set RALLY_CHECKPOINT_DIR" in str(info.value) and "\n" not in str(info.value)
+        message = str(info.value)
+        assert "--checkpoint-dir DIR" in message and "RALLY_CHECKPOINT_DIR" in message and "\n" not in message
 
 
 WRITER = """
@@ -364,3 +365,49 @@ def test_importing_the_helper_does_not_import_torch() -> None:
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+MEMORY_ONLY = """
+    import os, time
+    import torch
+    from rally import job
+
+    ckpt = job.load_latest()
+    start = ckpt.step + 1 if ckpt else 0
+    w = ckpt.state["w"] if ckpt else torch.zeros(1)
+    ctx = job.context()
+    print(f"start {start} source {ckpt.source if ckpt else None}", flush=True)
+    for step in range(start, 6):
+        w += 1
+        job.save({"w": w}, step)
+        if step == 3 and ctx.restart_count == 0 and ctx.rank == 1:
+            time.sleep(1.0)  # rank 0 saves steps up to 5 meanwhile
+            os._exit(3)
+    print(f"w {w.item()}", flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_script_without_checkpoint_dir_keeps_its_checkpoints_in_memory_and_resumes_from_them(
+    tmp_path: Path,
+) -> None:
+    """Issue 29: a script written for rally works under `rally` with no flag. Its saves go to the
+    memory tier only (no file anywhere), a restart resumes from memory, and one line says where
+    checkpoints are kept and how to make them durable."""
+    from helpers import clean_env, run_rally
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(MEMORY_ONLY))
+    result = run_rally(
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", tmp_path / "logs", script],
+        cwd=tmp_path, env=clean_env(), timeout=100,
+    )  # fmt: skip
+    assert result.returncode == 0, result.describe()
+    err = result.stderr
+    assert err.count(memory_only.LINE) == 1, result.describe()  # once, on rank 0, at the first start
+    assert "--checkpoint-dir DIR" in memory_only.LINE
+    assert "resuming from step 5 (from memory)" in err, result.describe()
+    assert "[0] start 6 source memory" in result.stdout and "[1] start 6 source memory" in result.stdout
+    assert "[0] w 6.0" in result.stdout and "[1] w 6.0" in result.stdout
+    assert not list(tmp_path.rglob("step_*")), "a memory-only checkpoint must leave no file"

@@ -43,7 +43,7 @@ class Tier:
         self.events = tmp / "events.jsonl"
         self.agent = CheckpointTier.start(str(checkpoint_dir), EventLog(self.events), self.warnings.append)
         assert isinstance(self.agent, CheckpointTier)
-        self.holder = self.agent.env()[ckpt_client.HOLDER_ENV]
+        self.holder = self.agent.address
 
     def worker(self, r: int = 0) -> MemoryTier:
         return MemoryTier(self.holder, r)
@@ -287,7 +287,7 @@ def test_too_little_shared_memory_is_one_line_and_saves_go_to_disk(
     try:
         t.agent.open_round(0, None, LEASE)
         for name, value in {
-            ckpt_client.HOLDER_ENV: t.holder,
+            **t.agent.env(),
             "RALLY_ROUND": "0",
             job.CHECKPOINT_DIR_ENV: str(t.checkpoint_dir),
         }.items():
@@ -368,7 +368,7 @@ KILLED_MID_COPY = """
 @pytest.mark.timeout(120)
 def test_a_worker_killed_mid_copy_leaves_the_previous_step_usable(tier: Tier) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
-    env |= {ckpt_client.HOLDER_ENV: tier.holder, "RALLY_ROUND": "0", job.CHECKPOINT_DIR_ENV: str(tier.checkpoint_dir)}
+    env |= {**tier.agent.env(), "RALLY_ROUND": "0", job.CHECKPOINT_DIR_ENV: str(tier.checkpoint_dir)}
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(KILLED_MID_COPY)], env=env, cwd=REPO,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
@@ -399,7 +399,7 @@ FAKE_AGENT = """
     from rally.agent.observe.event_log import EventLog
     tier = CheckpointTier.start(sys.argv[1], EventLog(Path(sys.argv[2])), print)
     tier.open_round(0, None, 60)
-    MemoryTier(tier.holder_id, 0).reserve("whole", 1, 1 << 20, False, 3)  # a slot: 1 MB of memfd
+    MemoryTier(tier.address, 0).reserve("whole", 1, 1 << 20, False, 3)  # a slot: 1 MB of memfd
     print(tier.pid, flush=True)
     time.sleep(60)
 """

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint.client import MemoryTier
 from rally.agent.checkpoint.tier import CheckpointTier
 from rally.agent.observe.event_log import EventLog
@@ -40,7 +39,7 @@ class Holder:
         self.checkpoint_dir = tmp / "ckpt"
         self.agent = CheckpointTier.start(str(self.checkpoint_dir), EventLog(tmp / "events.jsonl"), print)
         assert isinstance(self.agent, CheckpointTier)
-        self.id = self.agent.env()[ckpt_client.HOLDER_ENV]
+        self.id = self.agent.address
         self.agent.open_round(0, None, LEASE)
         for step in (1, 2) if whole else ():
             state = {"w": torch.full((ELEMENTS,), float(step)), "step": step, **(extra or {})}
@@ -53,7 +52,7 @@ class Holder:
         path.write_text(textwrap.dedent(script))
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "TORCHELASTIC_", "RANK"))}
         clean |= {
-            ckpt_client.HOLDER_ENV: self.id,
+            **self.agent.env(),
             "RALLY_ROUND": "1",
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             job.CHECKPOINT_DIR_ENV: str(self.checkpoint_dir),

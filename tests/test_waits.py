@@ -121,8 +121,20 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         "job",
         "the caller's timeout; None only for a worker's own exit",
     ),
-    ("agent/observe/metrics.py", "MetricsServer.close", "self.thread.join"): (S, None, "timeout=5"),
+    ("agent/observe/metrics_http.py", "BoundedHttpServer.close", "self.thread.join"): (S, None, "timeout=5"),
+    ("agent/observe/metrics_http.py", "BoundedHttpServer._serve", "selector.select"): (
+        BG,
+        None,
+        "the metrics thread waits for clients; each waits REQUEST_SECONDS at most",
+    ),
+    ("agent/observe/metrics_http.py", "BoundedHttpServer._accept", "self.sock.accept"): (
+        NW,
+        None,
+        "a non-blocking socket",
+    ),
+    ("agent/observe/metrics_http.py", "BoundedHttpServer._read", "conn.recv"): (NW, None, "a non-blocking socket"),
     ("agent/guard/orphan_guard.py", "sweep", "time.sleep"): (S, None, "10 ms between sweeps, bounded by SWEEP_SECONDS"),
+    ("agent/guard/orphan_guard.py", "Worker.alive", "select.select"): (NW, None, "a poll of a pidfd, timeout 0"),
     ("agent/preemption.py", "Preemption._wait_for_all_nodes", "wait_in_slices"): (
         B,
         ("agent/preemption.py", "Preemption._wait_for_all_nodes"),
@@ -134,12 +146,18 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/processes.py", "kill_all", "child.wait"): (S, None, "up to the kill deadline"),
     ("agent/processes.py", "kill_descendants", "time.sleep"): (S, None, "5 ms between sweeps"),
     ("agent/processes.py", "reap_zombies", "os.waitpid"): (NW, None, "WNOHANG"),
-    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.watcher.channel.wait_end"): (
+    ("agent/round_threads.py", "RoundThreads._watch_round_end", "channel.wait_end"): (
         BG,
         None,
         "the watcher thread, in slices, while the job runs",
     ),
+    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.over.wait"): (
+        BG,
+        None,
+        "UNTRUSTED_END_POLL_SECONDS while the end key holds a stranger's value",
+    ),
     ("agent/round_threads.py", "RoundThreads._keep_alive", "self.over.wait"): (BG, None, "keep-alive interval"),
+    ("agent/round_threads.py", "RoundThreads._publish_status", "self.over.wait"): (BG, None, "STATUS_INTERVAL_SECONDS"),
     ("agent/round_threads.py", "RoundThreads._watchdog", "self.over.wait"): (BG, None, "limit / 8"),
     ("agent/round_threads.py", "StoreProbe._run", "self.over.wait"): (BG, None, "probe interval"),
     ("agent/template.py", "ForkedChild.poll", "self.connection.popen.wait"): (AK, None, "after popen.kill()"),
@@ -410,7 +428,7 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
     ("agent/guard/orphan_guard.py", "watch", "select.select"): (
         BG,
         None,
-        "the guard waits for its agent's pipe to close; SEEN_INTERVAL slices without a cgroup",
+        "the guard waits for its agent's pipe to close, a worker's exit (pidfd), or SEEN_INTERVAL",
     ),
     ("agent/checks/preflight.py", "Preflight._results", "store.try_wait"): (
         SL,
@@ -483,7 +501,7 @@ BOUND_INSIDE = {
     "work.wait",
     "self.loop.run_blocking",
     "rnd.connect_again().stacks.wait_request",
-    "self.watcher.channel.wait_end",
+    "channel.wait_end",
     "self.channel.wait_master",
     "connection.wait_ready",
     "self._wait_for_all_nodes",

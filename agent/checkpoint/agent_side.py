@@ -85,24 +85,27 @@ class NodeCheckpoints:
         """The last saved and durable steps, for `rally status`, the live view and /metrics."""
         return self.tier.status_fields()
 
-    def finish(self, timeout: float) -> None:
-        """The job is over: make the newest in-memory step durable (bounded), then free the memory."""
+    def finish(self, timeout: float) -> str | None:
+        """The job is over: make the newest in-memory step durable (bounded), then free the memory.
+        Returns one line when the newest saved step never reached disk because the holder died
+        (the agent then does not report success), else None."""
         deadline = time.monotonic() + timeout
         self.tier.flush(timeout)
         try:
             self.flush_sharded(max(0.0, deadline - time.monotonic()))
         finally:
             self.tier.stop()
+        return self.tier.lost()
 
     def flush_sharded(self, seconds: float) -> None:
         """Sharded steps in this node's memory newer than the newest on disk are written by
         agent/checkpoint/dcp_flush.py (a helper: publishing needs torch), at most ``seconds``."""
-        holder_id = getattr(self.tier, "holder_id", None)
-        if holder_id is None or self.checkpoint_dir is None or seconds <= 0:
+        address = getattr(self.tier, "address", None)
+        if address is None or self.tier.died or self.checkpoint_dir is None or seconds <= 0:
             return
         directory = Path(self.checkpoint_dir)
         durable = dcp_files.newest_intact_step(directory)
-        client = MemoryTier(holder_id, -1)
+        client = MemoryTier(address, -1)
         try:
             held = client.held("dcp")
         except CheckpointRefused:
@@ -113,10 +116,11 @@ class NodeCheckpoints:
             return
         env = {
             **os.environ,
+            **address.env(),  # the holder's address and the job's secret: in the environment, never in argv
             "RALLY_ROUND": str(self.round or 0),
             "TORCHELASTIC_RUN_ID": self.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "local"),
         }
-        command = [sys.executable, str(Path(dcp_flush.__file__).resolve()), holder_id, str(directory), f"{seconds:.3f}"]
+        command = [sys.executable, str(Path(dcp_flush.__file__).resolve()), str(directory), f"{seconds:.3f}"]
         self.say(f"writing the newest sharded checkpoint held only in memory to {directory} (up to {seconds:.0f} s)")
         try:
             done = subprocess.run(

@@ -10,6 +10,13 @@ slot, copies its state into the slot and says it is complete::
 ``save`` returns once the copy is in shared memory; the holder persists it in the background.
 Requests and answers are packets on the holder's abstract SOCK_SEQPACKET socket, a slot's memfd
 travelling with the answer (see agent/checkpoint/shm.py for the layout).
+
+Who answers is checked before anything is sent: the socket's name is random and bound by the
+agent before the holder starts (nobody can take it first), and the peer must be the holder the
+agent started (SO_PEERCRED: its pid, RALLY_CKPT_HOLDER_PID, and this process's uid), else
+:class:`CheckpointRefused`. The first packet on every connection is ``hello`` with the job's
+connection secret (RALLY_CKPT_SECRET): a process of the same user that is not one of this job's
+workers (another job's) is turned away by the holder.
 A save the holder refuses (this worker's round is over, a bad request) raises
 :class:`CheckpointRefused` with the holder's one line. Requests go over one Unix-socket
 connection per worker process, kept open between saves (so the holder knows the writer is alive:
@@ -26,8 +33,11 @@ import json
 import mmap
 import os
 import socket
+import struct
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from rally.agent.checkpoint import layout
@@ -43,7 +53,11 @@ from rally.agent.checkpoint.shm import (
 WHOLE_STATE_KEY = "whole"
 """The key of a state every rank holds alike (DDP), saved once per node by ``rally.job.save``."""
 HOLDER_ENV = "RALLY_CKPT_HOLDER"
-"""The holder's id (its socket's name); set by the agent in every worker's environment when the tier runs."""
+"""The holder's socket's name (random); set by the agent in every worker's environment when the tier runs."""
+HOLDER_PID_ENV = "RALLY_CKPT_HOLDER_PID"
+"""The holder's pid: the only process a worker accepts as the peer of that socket."""
+SECRET_ENV = "RALLY_CKPT_SECRET"
+"""The job's connection secret: the holder serves only connections that present it."""
 MAX_PACKET = 64 * 1024
 CONNECT_TIMEOUT = 10.0
 """Seconds a worker waits for the holder's socket to appear (the agent starts both at once)."""
@@ -55,9 +69,43 @@ class CheckpointRefused(RuntimeError):
     """The holder refused a save, e.g. from a worker of a round that is over."""
 
 
+@dataclass(frozen=True)
+class HolderAddress:
+    """How a worker reaches its node's holder and knows it is that holder: the socket's name, the
+    holder's pid, and the job's connection secret. Handed to workers in the environment (read
+    only by the job's user), never on a command line."""
+
+    name: str
+    pid: int
+    secret: str
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> HolderAddress | None:
+        env = os.environ if environ is None else environ
+        name, pid, secret = env.get(HOLDER_ENV, ""), env.get(HOLDER_PID_ENV, ""), env.get(SECRET_ENV, "")
+        if not name:
+            return None
+        if not pid.isdigit() or not secret:
+            raise CheckpointRefused(
+                f"rally: {HOLDER_ENV} is set without {HOLDER_PID_ENV} and {SECRET_ENV}: the checkpoint holder "
+                "cannot be verified (set by rally's agent only; unset them outside rally)"
+            )
+        return cls(name, int(pid), secret)
+
+    def env(self) -> dict[str, str]:
+        return {HOLDER_ENV: self.name, HOLDER_PID_ENV: str(self.pid), SECRET_ENV: self.secret}
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, from the kernel."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid, gid
+
+
 class MemoryTier:
-    def __init__(self, holder_id: str, round_: int) -> None:
-        self.address = socket_address(holder_id)
+    def __init__(self, holder: HolderAddress, round_: int) -> None:
+        self.holder = holder
+        self.address = socket_address(holder.name)
         self.round = round_
         self.maps = SlotMaps()
         self._sizes: dict[str, tuple[int, int]] = {}  # key -> (bytes of tensors, archive length) at the last save
@@ -67,8 +115,8 @@ class MemoryTier:
 
     @classmethod
     def from_env(cls) -> MemoryTier | None:
-        holder = os.environ.get(HOLDER_ENV, "")
-        if not holder:
+        holder = HolderAddress.from_env()
+        if holder is None:
             return None
         return cls(holder, int(os.environ.get("RALLY_ROUND", "0") or 0))
 
@@ -88,7 +136,7 @@ class MemoryTier:
                             os.close(fd)
                         raise ConnectionResetError("the holder closed the connection")
                     return json.loads(data), fds
-                except OSError as exc:
+                except (OSError, ValueError) as exc:
                     self.close()
                     if attempt or message.get("op") in ("commit", "abort"):
                         raise CheckpointRefused(
@@ -97,7 +145,8 @@ class MemoryTier:
         raise AssertionError("unreachable")
 
     def _connect(self) -> None:
-        """Connect, waiting (bounded) for a holder that is still starting next to a fast worker."""
+        """Connect, waiting (bounded) for a holder that is still starting next to a fast worker;
+        then make sure the peer is the holder the agent started, and present the job's secret."""
         deadline = time.monotonic() + CONNECT_TIMEOUT
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -110,8 +159,24 @@ class MemoryTier:
                     raise
                 time.sleep(0.02)
                 continue
-            self._sock = sock
-            return
+            break
+        try:
+            pid, uid, _ = peer_credentials(sock)
+            if pid != self.holder.pid or uid != os.geteuid():
+                raise CheckpointRefused(
+                    f"rally: the checkpoint socket is served by pid {pid} (uid {uid}), not by this node's holder "
+                    f"(pid {self.holder.pid}, uid {os.geteuid()}): refusing it; nothing was sent"
+                )
+            sock.sendall(json.dumps({"op": "hello", "secret": self.holder.secret}).encode())
+            data, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 1)
+            for fd in fds:
+                os.close(fd)
+            if not data or not json.loads(data).get("ok"):
+                raise ConnectionResetError("the holder turned this connection away (not this job's secret)")
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
 
     def close(self) -> None:
         if self._sock is not None:

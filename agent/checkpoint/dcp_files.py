@@ -6,7 +6,8 @@ A sharded checkpoint is a plain DCP directory, written by torch's own planner an
     step_000000000120.dcp/            published: what load_latest and the crash-loop guard see
         __0_0.distcp  __1_0.distcp    one file per rank: the shards that rank held (torch.save'd)
         .metadata                     DCP's index of every tensor chunk (pickled by torch)
-        rally.json                    rally's manifest: each file's size and CRC-32
+        rally.json                    rally's manifest: each file's size, CRC-32 and SHA-256, and an
+                                      HMAC of it all under the job's checkpoint key
     .step_000000000120.dcp.<id>.tmp/  a save in progress, locked (flock) by its coordinator
 
 Why a directory renamed into place: a DCP save is written by every rank at once, so there is no
@@ -21,28 +22,44 @@ damaged shard loads depends on where the damage is; sizes and CRC-32s give every
 rank, the agent) one verdict from the bytes alone. ``torch.distributed.checkpoint.load`` ignores
 ``rally.json``, so a published directory is also an ordinary DCP checkpoint.
 
+Why an HMAC: a CRC says "whole", not "ours", and ``.metadata`` is a pickle. The manifest's
+``mac`` (agent/checkpoint/auth.py) covers the step and every file's SHA-256, so a directory
+verifies only if the job's key signed exactly these bytes as this step. Manifests written before
+(``rally-dcp-1``: CRCs only) are unauthenticated: loaded only from a directory only the job's
+user can write. Nothing here follows a symlink: the step directory and its files must be what
+they are (lstat), and files are opened with O_NOFOLLOW.
+
 This module needs only the standard library: the agent's crash-loop check uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 import struct
 import sys
 import tempfile
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rally.agent.worker.checkpoint_file import DamagedCheckpoint, _lock, crc32_of, fsync_dir
+from rally.agent.checkpoint import auth
+from rally.agent.worker.checkpoint_file import READ_CHUNK, DamagedCheckpoint, _lock, fsync_dir
 
 MANIFEST = "rally.json"
-MANIFEST_FORMAT = "rally-dcp-1"
+MANIFEST_FORMAT = "rally-dcp-2"
+LEGACY_FORMAT = "rally-dcp-1"
+"""Manifests written before checkpoints were signed: CRCs only, no MAC."""
+MAC_KIND = "dcp"
+FileSums = tuple[int, int, str]
+"""A file's (size, CRC-32, SHA-256 hex)."""
 SUFFIX = ".dcp"
 STEP_RE = re.compile(r"^step_(\d+)\.dcp$")
 TEMP_RE = re.compile(r"^\.step_\d+\.dcp\..*\.tmp$")
@@ -132,7 +149,7 @@ class TempDir:
                 pass  # a cleaner took it between mkdtemp and our lock; make another
             os.close(self._fd)
 
-    def publish(self, files: dict[str, tuple[int, int]]) -> Path:
+    def publish(self, files: dict[str, FileSums]) -> Path:
         """Publish this directory as its step (see :func:`publish_dir`); return the new path."""
         self.path = publish_dir(self.parent, self.path, self.step, files)
         return self.path
@@ -150,19 +167,26 @@ class TempDir:
         self.close()
 
 
-def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, tuple[int, int]]) -> Path:
-    """Write the manifest into ``temp``, make everything durable, rename it to the step's name.
+def _signed_part(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(
+        {k: manifest.get(k) for k in ("format", "step", "files")}, sort_keys=True, separators=(",", ":")
+    ).encode()
 
-    ``files`` maps each file of the checkpoint (shards and ``.metadata``) to (size, CRC-32).
+
+def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, FileSums]) -> Path:
+    """Write the signed manifest into ``temp``, make everything durable, rename it to the step's name.
+
+    ``files`` maps each file of the checkpoint (shards and ``.metadata``) to (size, CRC-32, SHA-256).
     An existing directory of the same step (a damaged one this job resumed past) is moved
     aside first and deleted after, so the name never points at a half-written directory.
     """
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "step": step,
-        "files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(files.items())},
+        "files": {n: {"size": s, "crc32": c, "sha256": h} for n, (s, c, h) in sorted(files.items())},
     }
-    fd = os.open(temp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    manifest["mac"] = auth.sign(MAC_KIND, step, _signed_part(manifest))
+    fd = os.open(temp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, json.dumps(manifest, indent=1).encode())
         os.fsync(fd)
@@ -182,7 +206,7 @@ def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, tuple[i
 
 def _aside(path: Path) -> Path:
     """Rename ``path`` to an unlocked temporary name (so it vanishes from listings at once)."""
-    trash = Path(tempfile.mktemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    trash = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
     os.rename(path, trash)
     return trash
 
@@ -202,6 +226,9 @@ def remove_dead_saves(directory: Path, only: str | None = None) -> None:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:
             continue  # renamed or deleted meanwhile, or not a directory of ours
+        if os.fstat(fd).st_uid != os.geteuid():
+            os.close(fd)
+            continue  # another user's: not ours to delete
         try:
             if _lock(fd, blocking=False) and os.stat(path).st_ino == os.fstat(fd).st_ino:
                 shutil.rmtree(path, ignore_errors=True)
@@ -227,55 +254,119 @@ def prune(directory: Path, keep: int, own_step: int) -> None:
 # Reading: one verdict from the bytes alone
 
 
-def manifest_files(path: Path) -> dict[str, tuple[int, int]]:
-    """The manifest's files, (size, CRC-32) each, after checking that each exists with its size.
+class Manifest:
+    """A published step's manifest, read and judged: its files' sums, and whether the job's key signed it."""
 
-    Cheap (one small read and a stat per file); raises DamagedCheckpoint naming the first problem.
-    """
+    def __init__(self, files: dict[str, tuple[int, int, str | None]], signed: bool) -> None:
+        self.files, self.signed = files, signed
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest of the step directory ``path``, its MAC checked (a legacy one only from a
+    directory only this user can write), and each file there with its size. DamagedCheckpoint
+    naming the first problem. Cheap: one small read and an lstat per file."""
+    step_named = STEP_RE.match(path.name)
     try:
-        with open(path / MANIFEST, "rb") as handle:
-            manifest = json.loads(handle.read(1 << 20))
-        files = {str(n): (int(v["size"]), int(v["crc32"])) for n, v in manifest["files"].items()}
-        if manifest.get("format") != MANIFEST_FORMAT or ".metadata" not in files:
+        fd = os.open(path / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError
+            manifest = json.loads(os.read(fd, 1 << 20))
+        finally:
+            os.close(fd)
+        fmt = manifest.get("format")
+        files = {
+            str(n): (int(v["size"]), int(v["crc32"]), str(v["sha256"]) if fmt == MANIFEST_FORMAT else None)
+            for n, v in manifest["files"].items()
+        }
+        if fmt not in (MANIFEST_FORMAT, LEGACY_FORMAT) or ".metadata" not in files:
             raise ValueError
     except FileNotFoundError:
         raise DamagedCheckpoint(f"no {MANIFEST}: not a complete rally checkpoint") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise DamagedCheckpoint(f"{MANIFEST} is unreadable or malformed") from None
-    for name, (size, _) in files.items():
+    signed = fmt == MANIFEST_FORMAT
+    if signed:
+        step = manifest.get("step")
+        try:
+            mac = str(manifest.get("mac"))
+            genuine = isinstance(step, int) and auth.verify(MAC_KIND, step, _signed_part(manifest), mac)
+        except auth.NoKey as exc:
+            raise DamagedCheckpoint(str(exc)) from None
+        if not genuine:
+            raise DamagedCheckpoint(
+                "not signed with this job's checkpoint key (written by another user, or under another RALLY_JOB_TOKEN)"
+            )
+        if step_named and int(step_named.group(1)) != step:
+            raise DamagedCheckpoint(f"signed for step {step}, not for the step its name says (renamed)")
+    else:
+        problem = auth.directory_problem(path.parent)
+        if problem is not None:
+            raise DamagedCheckpoint(
+                f"written before checkpoints were signed, and {path.parent} {problem}: an unauthenticated "
+                "checkpoint is not loaded"
+            )
+    for name, (size, _, _) in files.items():
         if "/" in name or name in ("", ".", ".."):
             raise DamagedCheckpoint(f"{MANIFEST} names a file outside the checkpoint: {name!r}")
         try:
-            info = os.stat(path / name)
+            info = os.lstat(path / name)
         except OSError:
             raise DamagedCheckpoint(f"{name} is missing") from None
         if not stat.S_ISREG(info.st_mode):
             raise DamagedCheckpoint(f"{name} is not a regular file")
         if info.st_size != size:
             raise DamagedCheckpoint(f"{name} has {info.st_size} bytes, the manifest says {size}")
-    return files
+    return Manifest(files, signed)
 
 
-def check_checksums(path: Path, files: dict[str, tuple[int, int]], names: Iterable[str]) -> None:
-    """Read ``names`` (files of the manifest) end to end and compare their CRC-32s."""
+def manifest_files(path: Path) -> dict[str, tuple[int, int, str | None]]:
+    """The manifest's files, (size, CRC-32, SHA-256 or None for a legacy manifest), checked as
+    :func:`read_manifest` checks them."""
+    return read_manifest(path).files
+
+
+def check_checksums(path: Path, files: dict[str, tuple[int, int, str | None]], names: Iterable[str]) -> None:
+    """Read ``names`` (files of the manifest) end to end, never through a link, and compare their
+    CRC-32s and (signed manifests) SHA-256s: one pass computes both."""
     for name in names:
-        size, expected = files[name]
+        size, expected, digest = files[name]
+        crc, sha, remaining = 0, hashlib.sha256() if digest is not None else None, size
         try:
-            with open(path / name, "rb") as handle:
-                actual = crc32_of(handle, size, f"{name} is shorter than the manifest says")
+            fd = os.open(path / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as handle:
+                while remaining:
+                    chunk = handle.read(min(READ_CHUNK, remaining))
+                    if not chunk:
+                        raise DamagedCheckpoint(f"{name} is shorter than the manifest says")
+                    crc = zlib.crc32(chunk, crc)
+                    if sha is not None:
+                        sha.update(chunk)
+                    remaining -= len(chunk)
         except OSError as exc:
             raise DamagedCheckpoint(f"{name}: read error: {exc.strerror}") from None
-        if actual != expected:
-            raise DamagedCheckpoint(f"{name}: checksum mismatch: crc32 {actual:08x}, the manifest says {expected:08x}")
+        if crc != expected:
+            raise DamagedCheckpoint(f"{name}: checksum mismatch: crc32 {crc:08x}, the manifest says {expected:08x}")
+        if sha is not None and sha.hexdigest() != digest:
+            raise DamagedCheckpoint(f"{name}: its SHA-256 is not the one the signed manifest lists")
 
 
-def verify(path: Path, share: int = 0, shares: int = 1) -> None:
-    """Check a published directory: every file's size, and the CRC-32 of every ``shares``-th file
-    from ``share`` on (ranks split the reading, then agree; see dcp_storage). Raises DamagedCheckpoint."""
-    if not path.is_dir():
-        raise DamagedCheckpoint("not a directory")
-    files = manifest_files(path)
-    check_checksums(path, files, sorted(files)[share::shares])
+def verify(path: Path, share: int = 0, shares: int = 1) -> bool:
+    """Check a published directory: its manifest's MAC, every file's size, and the CRC-32 and
+    SHA-256 of every ``shares``-th file from ``share`` on (ranks split the reading, then agree; see
+    dcp_storage). True: signed by the job's key; False: a legacy directory (unauthenticated, from a
+    directory only this user can write). Raises DamagedCheckpoint."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        raise DamagedCheckpoint("not a directory") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise DamagedCheckpoint("not a directory (a link, or a file)")
+    if info.st_uid != os.geteuid():
+        raise DamagedCheckpoint(f"owned by uid {info.st_uid}, not by this user: not rally's")
+    manifest = read_manifest(path)
+    check_checksums(path, manifest.files, sorted(manifest.files)[share::shares])
+    return manifest.signed
 
 
 _verdicts: dict[tuple[object, ...], bool] = {}
@@ -305,7 +396,7 @@ def is_intact(path: Path) -> bool:
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int]:
-    info = os.stat(path)
+    info = os.lstat(path)
     return info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns
 
 

@@ -4,7 +4,8 @@ When a job fails for good or is stopped, its workers are gone, and with them the
 write their shards to disk (agent/checkpoint/dcp_persist.py): the newest steps may exist only in
 the holders' memory. Each node's agent then runs this helper, bounded by the grace period::
 
-    python <rally>/agent/checkpoint/dcp_flush.py HOLDER_ID CKPT_DIR SECONDS     (RALLY_ROUND, TORCHELASTIC_RUN_ID set)
+    python <rally>/agent/checkpoint/dcp_flush.py CKPT_DIR SECONDS
+        (RALLY_CKPT_HOLDER, RALLY_CKPT_HOLDER_PID, RALLY_CKPT_SECRET, RALLY_ROUND, TORCHELASTIC_RUN_ID set)
 
 It reads the sharded copies its node's holder keeps (own and replica, agent/checkpoint/dcp_memory.py)
 of every step newer than the newest durable one, and writes each rank's part exactly as that rank's
@@ -15,8 +16,11 @@ publishes the newest step that is complete, with DCP's merged metadata: the same
 synchronous save publishes. A step whose parts never all arrive stays unpublished; the previous
 durable step is untouched.
 
-Why a process of its own: publishing unpickles DCP's metadata, which needs torch; neither the
-agent nor the holder imports torch. The helper imports it only to publish.
+Why a process of its own: publishing reads DCP's metadata, which needs torch; neither the
+agent nor the holder imports torch. The helper imports it only to publish. It talks only to the
+holder its agent started (agent/checkpoint/client.py checks the peer's pid and uid), and reads
+the ranks' metadata with a restricted unpickler (agent/checkpoint/dcp_metadata.py): no class
+outside DCP's metadata is ever built from those bytes.
 
 Prints one JSON line: ``{"step": N, "path": P}`` when it published, ``{"written": [...]}`` when it
 only wrote parts, ``{"warn": line}`` when it could not.
@@ -33,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rally.agent.checkpoint import dcp_files
-from rally.agent.checkpoint.client import MemoryTier
+from rally.agent.checkpoint.client import CheckpointRefused, HolderAddress, MemoryTier
 
 WAIT_NEWEST_SHARE = 0.6
 """Of the time allowed, the share spent waiting for the newest step's parts before an older
@@ -57,10 +61,12 @@ def held_steps(tier: MemoryTier, durable: int | None) -> dict[tuple[int, int], d
 
 def write_parts(tier: MemoryTier, directory: Path, step: int, world: int, keys: dict[int, str]) -> list[int]:
     """Write this node's parts of ``step`` into its temporary directory; the ranks written."""
+    from rally.agent.checkpoint import auth
     from rally.agent.checkpoint.dcp_persist import temp_name, write_file
 
     temp = directory / temp_name(step)
-    temp.mkdir(parents=True, exist_ok=True)
+    auth.make_private_dir(directory)
+    auth.private_subdir(temp)  # 0700, exclusively or ours already: never a link, never another user's
     written = []
     for rank, key in sorted(keys.items()):
         found = tier.slot(key, step)
@@ -83,12 +89,14 @@ def write_parts(tier: MemoryTier, directory: Path, step: int, world: int, keys: 
     return written
 
 
-def complete(temp: Path, world: int) -> dict[int, dict[str, list[int]]] | None:
+def complete(temp: Path, world: int) -> dict[int, dict[str, list[Any]]] | None:
     """Every rank's marker of a step's temporary directory, or None while one is missing."""
     parts = {}
     for rank in range(world):
         try:
-            parts[rank] = json.loads((temp / f"__{rank}.rally.json").read_bytes())
+            fd = os.open(temp / f"__{rank}.rally.json", os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as handle:
+                parts[rank] = json.loads(handle.read())
         except (OSError, ValueError):
             return None
     return parts
@@ -129,8 +137,8 @@ def publish_newest(
         time.sleep(POLL_INTERVAL)
 
 
-def flush(holder_id: str, directory: Path, seconds: float, keep: int) -> dict[str, Any]:
-    tier = MemoryTier(holder_id, -1)  # reads only: no round needed
+def flush(holder: HolderAddress, directory: Path, seconds: float, keep: int) -> dict[str, Any]:
+    tier = MemoryTier(holder, -1)  # reads only: no round needed
     try:
         held = held_steps(tier, dcp_files.newest_intact_step(directory))
         if not held:
@@ -154,10 +162,13 @@ def flush(holder_id: str, directory: Path, seconds: float, keep: int) -> dict[st
 
 
 def main(argv: list[str]) -> int:
-    holder_id, directory, seconds = argv[0], Path(argv[1]), float(argv[2])
+    directory, seconds = Path(argv[0]), float(argv[1])
     keep = int(os.environ.get("RALLY_CHECKPOINT_KEEP", "3") or 3)
     try:
-        result = flush(holder_id, directory, seconds, max(keep, 1))
+        holder = HolderAddress.from_env()
+        if holder is None:
+            raise CheckpointRefused("no checkpoint holder in the environment")
+        result = flush(holder, directory, seconds, max(keep, 1))
     except Exception as exc:  # one line for the agent to print, never a traceback at the job's end
         result = {
             "warn": f"the newest sharded checkpoint in memory could not be written to {directory}: "

@@ -7,10 +7,17 @@ job's process group would race the training loop's collectives (or die with
 memory tier is exactly DCP's "no collectives" layout (``__<rank>_0.distcp`` and its rank's
 ``.metadata``), so each rank's thread only writes bytes it has::
 
-    .step_N.dcp.<run>-<round>.tmp/       made by whichever rank comes first, locked by rank 0
+    .step_N.dcp.<tag>.tmp/               made (0700) by whichever rank comes first, locked by rank 0
         __<r>_0.distcp                   rank r's shards (DCP's file, fsynced, renamed into place)
         __<r>.metadata                   rank r's own DCP metadata
-        __<r>.rally.json                 rank r's part is complete: its two files' sizes and CRC-32s
+        __<r>.rally.json                 rank r's part is complete: its two files' sizes, CRC-32s, SHA-256s
+
+The ``<tag>`` is an HMAC of the run, the round and the step under the job's checkpoint key
+(agent/checkpoint/auth.py): every rank of the round computes the same name without talking, and
+nobody without the key can predict it. A rank creates it exclusively (mode 0700) or, when
+another rank was first, accepts it only as a real directory of this user's that nobody else may
+write (never a link); every file in it is created 0600 under a random temporary name with
+O_EXCL and O_NOFOLLOW, then renamed into place.
 
 Rank 0's thread waits (bounded, PUBLISH_TIMEOUT) for every rank's marker, merges the ranks'
 metadata into DCP's global ``.metadata`` (the union of their chunks: what DCP's coordinator
@@ -35,10 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import os
 import pickle
+import secrets
 import sys
 import threading
 import time
@@ -48,7 +57,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rally.agent.checkpoint import dcp_files
+from rally.agent.checkpoint import auth, dcp_files
 from rally.agent.worker.checkpoint_file import _lock, fsync_dir
 
 PUBLISH_TIMEOUT = 300.0
@@ -67,10 +76,23 @@ POLL_SLICE = 1.0
 
 
 def temp_name(step: int) -> str:
-    """The step's temporary directory, the same name on every rank of this round."""
-    tag = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}-{os.environ.get('RALLY_ROUND', '0')}"
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in tag)
-    return f".{dcp_files.step_name(step)}.{safe}.tmp"
+    """The step's temporary directory: the same name on every rank of this round, unpredictable
+    to anyone without the job's checkpoint key (an HMAC of the run, the round and the step)."""
+    seed = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}\0{os.environ.get('RALLY_ROUND', '0')}".encode()
+    return f".{dcp_files.step_name(step)}.{auth.sign('dcp-temp', step, seed)[:32]}.tmp"
+
+
+def _touch_private(path: Path) -> None:
+    """Create the marker ``path`` 0600 (never through a link); an existing one is fine."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+
+
+def _read_private(path: Path) -> bytes:
+    """A file of our temporary directory, never through a link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
 
 
 class _Skipped(Exception):
@@ -142,8 +164,9 @@ class Persister:
                 print(line, file=sys.stderr, flush=True)
             with contextlib.suppress(OSError):
                 temp = directory / temp_name(step)
-                temp.mkdir(parents=True, exist_ok=True)
-                (temp / f"__{rank}.skipped").touch()
+                auth.make_private_dir(directory)
+                auth.private_subdir(temp)
+                _touch_private(temp / f"__{rank}.skipped")
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
@@ -242,9 +265,9 @@ def persist_part(
     pause: Callable[[], None] | None = None,
 ) -> None:
     """Write this rank's part of ``step``; on rank 0 also wait for the others and publish."""
-    directory.mkdir(parents=True, exist_ok=True)
+    auth.make_private_dir(directory)
     temp = directory / temp_name(step)
-    temp.mkdir(exist_ok=True)
+    auth.private_subdir(temp)  # exclusively, or ours already (another rank's): never a link, never another user's
     lock = _lock_dir(temp) if rank == 0 else None
     try:
         if rank == 0:
@@ -265,7 +288,7 @@ def persist_part(
 
 def _lock_dir(path: Path) -> int | None:
     """Rank 0's flock on the step's temporary directory: while held, no cleaner deletes it."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     if not _lock(fd, blocking=True):
         os.close(fd)
         return None
@@ -285,31 +308,33 @@ def _remove_dead_older(directory: Path, step: int) -> None:
             dcp_files.remove_dead_saves(directory, only=name)
 
 
-def write_file(path: Path, data: Any, pause: Callable[[], None] | None = None) -> tuple[int, int]:
-    """``data`` into ``path`` durably (a temporary name, fsync, rename); its (size, CRC-32).
-    ``pause`` is called between chunks (the writer steps aside while a save copies)."""
+def write_file(path: Path, data: Any, pause: Callable[[], None] | None = None) -> tuple[int, int, str]:
+    """``data`` into ``path`` durably (a random temporary name created 0600 exclusively, never
+    through a link; fsync, rename); its (size, CRC-32, SHA-256 hex). ``pause`` is called between
+    chunks (the writer steps aside while a save copies)."""
     view = memoryview(data).cast("B")
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.part")  # two writers of one part never mix
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.part")  # two writers of one part never mix
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        done, crc = 0, 0
+        done, crc, sha = 0, 0, hashlib.sha256()
         while done < view.nbytes:
             if pause is not None:
                 pause()
             chunk = view[done : done + WRITE_CHUNK]
             n = os.write(fd, chunk)
             crc = zlib.crc32(chunk[:n], crc)
+            sha.update(chunk[:n])
             done += n
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    return view.nbytes, crc
+    return view.nbytes, crc, sha.hexdigest()
 
 
-def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[int]]]:
+def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[Any]]]:
     deadline = time.monotonic() + PUBLISH_TIMEOUT
-    parts: dict[int, dict[str, list[int]]] = {}
+    parts: dict[int, dict[str, list[Any]]] = {}
     while len(parts) < world:
         gave_up = [r for r in range(world) if r not in parts and (temp / f"__{r}.skipped").exists()]
         if gave_up:
@@ -318,7 +343,7 @@ def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[int]]]:
         for r in range(world):
             if r not in parts:
                 with contextlib.suppress(FileNotFoundError, ValueError):
-                    parts[r] = json.loads((temp / f"__{r}.rally.json").read_bytes())
+                    parts[r] = json.loads(_read_private(temp / f"__{r}.rally.json"))
         if len(parts) < world:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world)) - set(parts))
@@ -328,16 +353,19 @@ def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[int]]]:
 
 
 def _publish(
-    directory: Path, temp: Path, step: int, keep: int, world: int, parts: dict[int, dict[str, list[int]]]
+    directory: Path, temp: Path, step: int, keep: int, world: int, parts: dict[int, dict[str, list[Any]]]
 ) -> None:
-    """Merge the ranks' metadata into DCP's global ``.metadata``, then publish like a synchronous save."""
-    merged = merge_metadata([pickle.loads((temp / f"__{r}.metadata").read_bytes()) for r in range(world)])
+    """Merge the ranks' metadata (read with the restricted unpickler) into DCP's global ``.metadata``,
+    then publish like a synchronous save: a signed manifest."""
+    from rally.agent.checkpoint import dcp_metadata  # torch: only the publisher needs it
+
+    merged = merge_metadata([dcp_metadata.loads(_read_private(temp / f"__{r}.metadata")) for r in range(world)])
     buffer = io.BytesIO()
     pickle.dump(merged, buffer)
     files = {
-        name: (int(size), int(crc))
+        name: (int(size), int(crc), str(sha))
         for r in range(world)
-        for name, (size, crc) in parts[r].items()
+        for name, (size, crc, sha) in parts[r].items()
         if name.endswith(".distcp")
     }
     files[".metadata"] = write_file(temp / ".metadata", buffer.getbuffer())

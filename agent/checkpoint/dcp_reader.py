@@ -27,15 +27,17 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
+
+from rally.agent.checkpoint.dcp_metadata import SafeMetadataReader
 
 _STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
 
 
-class MemoryReader(FileSystemReader):
-    """DCP's reader over a rank's files held in memory (``files``: name -> buffer), fast for tensors."""
+class MemoryReader(SafeMetadataReader):
+    """DCP's reader over a rank's files held in memory (``files``: name -> buffer), fast for tensors;
+    its ``.metadata`` read with the restricted unpickler (agent/checkpoint/dcp_metadata.py)."""
 
     def __init__(self, files: dict[str, Any], fs: Any) -> None:
         super().__init__("/rally-memory")

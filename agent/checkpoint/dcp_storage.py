@@ -17,6 +17,7 @@ Imported only by job.save/load_latest (it imports torch).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import os
 import sys
@@ -32,7 +33,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
-    FileSystemReader,
     FileSystemWriter,
     _StorageInfo,
     _StoragePrefix,
@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from rally.agent.checkpoint import auth, dcp_files, dcp_memory, resume_prefetch
 from rally.agent.checkpoint import client as ckpt_client
-from rally.agent.checkpoint import dcp_files, dcp_memory, resume_prefetch
+from rally.agent.checkpoint.dcp_metadata import SafeMetadataReader
 from rally.agent.worker.checkpoint_file import Checkpoint, DamagedCheckpoint
 
 
@@ -61,13 +62,14 @@ class _Checked:
     info: _StorageInfo
     file_size: int
     file_crc32: int
+    file_sha256: str
 
 
 class _CrcStream(io.RawIOBase):
-    """A write-only file that counts the bytes written and their CRC-32 (one pass, no re-read)."""
+    """A write-only file that counts the bytes written, their CRC-32 and SHA-256 (one pass, no re-read)."""
 
     def __init__(self, raw: IO[bytes]) -> None:
-        self.raw, self.crc, self.length = raw, 0, 0
+        self.raw, self.crc, self.length, self.sha = raw, 0, 0, hashlib.sha256()
 
     def writable(self) -> bool:
         return True
@@ -76,6 +78,7 @@ class _CrcStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         self.raw.write(view)  # buffered: writes all of it or raises
         self.crc = zlib.crc32(view, self.crc)
+        self.sha.update(view)
         self.length += view.nbytes
         return view.nbytes
 
@@ -90,10 +93,11 @@ class _CrcStream(io.RawIOBase):
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, remembering (size, CRC-32) of every file it writes, by name."""
+    """DCP's local file system, remembering (size, CRC-32, SHA-256) of every file it writes, by
+    name; files are created 0600 and never through a link (in the save's 0700 temporary directory)."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, tuple[int, int]] = {}
+        self.sums: dict[str, tuple[int, int, str]] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
@@ -101,9 +105,10 @@ class _ChecksummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as raw, _CrcStream(raw) as stream:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with open(fd, mode) as raw, _CrcStream(raw) as stream:
             yield stream
-        self.sums[Path(path).name] = (stream.length, stream.crc)
+        self.sums[Path(path).name] = (stream.length, stream.crc, stream.sha.hexdigest())
 
 
 class PublishingWriter(FileSystemWriter):
@@ -126,7 +131,7 @@ class PublishingWriter(FileSystemWriter):
         return plan  # the directory is the coordinator's choice, made in prepare_global_plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        auth.make_private_dir(self.directory)
         dcp_files.remove_dead_saves(self.directory)
         self.temp = dcp_files.TempDir(self.directory, self.step)
         name = self.temp.path.name
@@ -147,12 +152,16 @@ class PublishingWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.temp is not None, "finish before prepare_global_plan"
-        files: dict[str, tuple[int, int]] = {}
+        files: dict[str, tuple[int, int, str]] = {}
         plain: list[list[WriteResult]] = []
         for rank_results in results:
             plain.append([dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank_results])
             for r in rank_results:
-                files[r.storage_data.info.relative_path] = (r.storage_data.file_size, r.storage_data.file_crc32)
+                files[r.storage_data.info.relative_path] = (
+                    r.storage_data.file_size,
+                    r.storage_data.file_crc32,
+                    r.storage_data.file_sha256,
+                )
         super().finish(metadata, plain)  # .metadata.tmp, fsync, rename to .metadata
         files[".metadata"] = self.fs.sums[".metadata.tmp"]
         self.temp.publish(files)
@@ -232,9 +241,9 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
         return from_memory
     for step in reversed(steps):
         path = directory / dcp_files.step_name(step)
-        reason = ""
+        reason, signed = "", True
         try:
-            dcp_files.verify(path, share=rank, shares=world)
+            signed = dcp_files.verify(path, share=rank, shares=world)
         except DamagedCheckpoint as damage:
             reason = str(damage)
         reasons = _reasons_of_every_rank(reason, world)
@@ -242,7 +251,12 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
             if rank == 0:
                 _log(f"warning: checkpoint {path} is damaged ({next(r for r in reasons if r)}); trying an older one")
             continue
-        dcp.load(state, storage_reader=FileSystemReader(path))
+        if not signed and rank == 0:
+            _log(
+                f"checkpoint {path} was written before rally signed checkpoints: it is unauthenticated, loaded "
+                "because only you can write its directory"
+            )
+        dcp.load(state, storage_reader=SafeMetadataReader(path))  # authenticated above; restricted unpickler
         if rank == 0:
             _log(
                 f"resuming from step {step} ({path}, sharded, world size "

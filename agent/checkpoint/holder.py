@@ -16,17 +16,26 @@ It talks JSON lines on two channels:
   the agent's process group (Ctrl-C, ``kill -- -PGID``) cannot take the copies away before the
   agent has made the newest one durable.
 - **an abstract Unix socket, with the workers** (agent/checkpoint/client.py; SOCK_SEQPACKET, one
-  request or answer per packet, only the job's user): ``reserve`` a slot, ``commit`` or
-  ``abort`` it, ``resume`` (which step, and from where). A slot's memfd travels with the answer.
+  request or answer per packet): ``reserve`` a slot, ``commit`` or ``abort`` it, ``resume``
+  (which step, and from where). A slot's memfd travels with the answer. The agent creates and
+  binds the socket under a random name before this process starts and hands it over as an
+  inherited descriptor (no name on any command line, and nobody can bind it first); the holder
+  listens on it, so the workers' SO_PEERCRED names this process. A connection is served only
+  if its peer has this user's uid and its first packet is ``hello`` with the job's secret
+  (RALLY_CKPT_SECRET, read from the environment and dropped from it): another user, or another
+  job of the same user, is turned away. A ``reserve`` larger than the node's whole memory is
+  refused as a bad request; one that does not fit now goes to disk for that save only (nothing latches).
 
 The copies are memfds (agent/checkpoint/shm.py): when the holder ends, however, the kernel frees them
 as soon as no worker maps them any more. Nothing of the tier is a file.
 
-Run by file path, like the orphan guard: ``python <rally>/agent/checkpoint/holder.py TOKEN CKPT_DIR [LIMIT]``.
+Run by file path, like the orphan guard: ``python <rally>/agent/checkpoint/holder.py SOCKET_FD TAG CKPT_DIR [LIMIT]``
+(TAG names the memfds; not a secret). It says ``{"ev": "ready"}`` once it listens.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import signal
@@ -39,7 +48,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rally.agent.checkpoint.persist import DiskFull, PersistCancelled, default_name, persist, valid_name
-from rally.agent.checkpoint.shm import socket_address
 from rally.agent.checkpoint.slots import Refused, ShmTooSmall, SlotTable
 
 PERSIST_NICENESS = 10
@@ -52,18 +60,26 @@ IDLE_SLICE_SECONDS = 1.0
 """The idle persister's wait for work, one slice at a time (a commit or a stop wakes it at once)."""
 
 
+SECRET_ENV = "RALLY_CKPT_SECRET"
+"""The job's connection secret (agent/checkpoint/client.py's SECRET_ENV; not imported: the holder stays small)."""
+HELLO_TIMEOUT = 10.0
+"""Seconds a new connection has to say ``hello`` before it is closed."""
+
+
 class Holder:
-    def __init__(self, token: str, checkpoint_dir: Path, memory_limit: int | None, out: BinaryIO) -> None:
-        self.token = token
-        self.table = SlotTable(token, memory_limit)
+    def __init__(
+        self, listener: socket.socket, secret: str, tag: str, checkpoint_dir: Path | None, memory_limit: int | None,
+        out: BinaryIO,
+    ) -> None:  # fmt: skip
+        self.secret = secret.encode()
+        self.table = SlotTable(tag, memory_limit)
         self.checkpoint_dir = checkpoint_dir
         self.out = out
         self.out_lock = threading.Lock()
         self.stopping = False
         self.told_disk_only = False
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.listener.bind(socket_address(token))
-        self.listener.listen(64)
+        self.listener = listener
+        self.listener.listen(64)  # here, not in the agent: the workers' SO_PEERCRED then names this process
 
     # ------------------------------------------------------------------ to the agent
     def emit(self, **message: Any) -> None:
@@ -112,8 +128,9 @@ class Holder:
     def worker(self, conn: socket.socket, conn_id: int) -> None:
         try:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            if struct.unpack("3i", creds)[1] != os.getuid():
+            if struct.unpack("3i", creds)[1] != os.geteuid() or not self.greeted(conn):
                 return
+            conn.settimeout(None)
             while packet := conn.recv(MAX_LINE):
                 answer, fds = self.answer(packet, conn_id)
                 news = answer.pop("news", None)
@@ -125,6 +142,19 @@ class Holder:
         finally:
             self.table.writer_gone(conn_id)
             conn.close()
+
+    def greeted(self, conn: socket.socket) -> bool:
+        """Whether the connection's first packet is ``hello`` with the job's secret (answered ok)."""
+        conn.settimeout(HELLO_TIMEOUT)
+        try:
+            hello = json.loads(conn.recv(MAX_LINE))
+            secret = hello.get("secret") if hello.get("op") == "hello" else None
+        except (ValueError, AttributeError):
+            return False
+        if not isinstance(secret, str) or not hmac.compare_digest(secret.encode(), self.secret):
+            return False
+        conn.sendall(json.dumps({"ok": True}).encode())
+        return True
 
     def answer(self, packet: bytes, conn_id: int) -> tuple[dict[str, Any], list[int]]:
         """The answer to one request, and the memfds that go with it."""
@@ -171,10 +201,12 @@ class Holder:
         except OSError as exc:
             return {"ok": False, "error": f"rally: memory tier: {exc.strerror or exc}"}, []
 
-    @staticmethod
-    def persist_name(persist: Any, step: int) -> str | None:
+    def persist_name(self, persist: Any, step: int) -> str | None:
         """``persist`` of a reserve: false (memory only), true (``step_<step>.pt``, keep-K) or a
-        relative file name in the checkpoint directory (e.g. a rank's shard)."""
+        relative file name in the checkpoint directory (e.g. a rank's shard). A job without a
+        checkpoint directory keeps its copies in memory only: a request to persist is refused."""
+        if persist and self.checkpoint_dir is None:
+            raise Refused("rally: this job has no --checkpoint-dir: its checkpoints are kept in memory only")
         if persist is True:
             return default_name(step)
         if not persist:
@@ -201,6 +233,7 @@ class Holder:
             assert job is not None  # the wait above ends with a job or with stopping
             key, index, slot = job
             assert slot.fd is not None  # a committed slot keeps its memfd until it is freed
+            assert self.checkpoint_dir is not None  # persist_name refuses a slot to persist without one
             ok = False
             try:
                 path = persist(
@@ -258,13 +291,19 @@ class Holder:
 def main(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_IGN)
-    token, checkpoint_dir = argv[0], Path(argv[1])
-    limit = int(argv[2]) if len(argv) > 2 and argv[2] else None
-    holder = Holder(token, checkpoint_dir, limit, sys.stdout.buffer)
+    listener = socket.socket(fileno=int(argv[0]))
+    tag, checkpoint_dir = argv[1], (Path(argv[2]) if argv[2] else None)  # "": memory only
+    limit = int(argv[3]) if len(argv) > 3 and argv[3] else None
+    secret = os.environ.pop(SECRET_ENV, "")
+    if not secret:
+        print(json.dumps({"ev": "warn", "line": f"the checkpoint holder was started without {SECRET_ENV}"}), flush=True)
+        return 2
+    holder = Holder(listener, secret, tag, checkpoint_dir, limit, sys.stdout.buffer)
     persister = threading.Thread(target=holder.persister, daemon=True)
     try:
         threading.Thread(target=holder.serve, daemon=True).start()
         persister.start()
+        holder.emit(ev="ready")
         for line in sys.stdin.buffer:  # returns at end of file: the agent stopped us or died
             try:
                 msg = json.loads(line)

@@ -1,10 +1,12 @@
 """Make one in-memory copy durable: the holder's persister copies a slot into --checkpoint-dir.
 
 The file it writes is exactly what ``job.save`` writes (agent/worker/checkpoint_file.py): the torch.save
-archive, then rally's footer with its length and CRC-32. The CRC is computed while the bytes are
-copied, in one pass over the slot, so a durable checkpoint costs one read of memory and one write
-of the disk. Atomic as ever: a locked temporary file in the same directory, fsync, rename over
-``step_<step:012d>.pt``, fsync the directory, then keep-K pruning exactly as ``job.save`` prunes.
+archive, then rally's footer with its length, step, CRC-32 and HMAC (agent/checkpoint/auth.py). The CRC
+and the MAC are computed while the bytes are copied, in one pass over the slot, so a durable
+checkpoint costs one read of memory and one write of the disk (the MAC's CPU runs in this
+background thread, at a low priority, never in the training step's stall). Atomic as ever: a
+locked temporary file in the same directory, fsync, rename over ``step_<step:012d>.pt``, fsync
+the directory, then keep-K pruning exactly as ``job.save`` prunes.
 
 A full disk is a :class:`DiskFull` whose message is one line naming the directory, the step,
 the bytes needed and the bytes free; the temporary file is removed, nothing else is touched
@@ -18,12 +20,12 @@ import errno
 import mmap
 import os
 import re
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+from rally.agent.checkpoint import auth
 from rally.agent.worker import checkpoint_file
-from rally.agent.worker.checkpoint_file import FOOTER, FOOTER_END, FOOTER_MAGIC, READ_CHUNK
+from rally.agent.worker.checkpoint_file import FOOTER, READ_CHUNK, Sums
 
 
 class DiskFull(OSError):
@@ -60,7 +62,11 @@ def persist(
     from rally.agent.worker.job import prune  # no torch: job imports it only inside save/load
 
     final = directory / (name or default_name(step))
-    final.parent.mkdir(parents=True, exist_ok=True)
+    auth.make_private_dir(directory)
+    level = directory
+    for part in final.parent.relative_to(directory).parts:  # a name of its own, e.g. a rank's shard
+        level = level / part
+        auth.private_subdir(level)  # 0700, ours, never a link
     checkpoint_file.remove_dead_writers_temps(final.parent)
     directory = final.parent
     needed = length + FOOTER.size
@@ -69,16 +75,16 @@ def persist(
         raise DiskFull(_full_line(directory, step, needed, free))
     fd, tmp = checkpoint_file.locked_temp(final)
     try:
-        crc = 0
+        sums = Sums(step)
         if length:
             with mmap.mmap(source, length, prot=mmap.PROT_READ) as data, memoryview(data) as view:
                 for start in range(0, length, READ_CHUNK):
                     if between_chunks():
                         raise PersistCancelled()
                     with view[start : start + READ_CHUNK] as chunk:
-                        crc = zlib.crc32(chunk, crc)
+                        sums.update(chunk)
                         _write_all(fd, chunk)
-        _write_all(fd, FOOTER.pack(FOOTER_MAGIC, length, crc, FOOTER_END))
+        _write_all(fd, sums.footer())
         os.fsync(fd)
         os.replace(tmp, final)
     except OSError as exc:

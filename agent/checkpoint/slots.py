@@ -22,7 +22,9 @@ read in one place (agent/checkpoint/holder.py does the sockets and the persister
   one's pages live as long as the worker keeps tensors from it, then the kernel frees them).
 - **Memory is checked before it is taken.** A copy may take at most half of the memory still
   available to this node and its cgroup (and stay under RALLY_CKPT_MEMORY_LIMIT if set);
-  otherwise the tier says so once and the job saves to disk only.
+  otherwise that save goes to disk (the tier says so once), and a later save that fits is held
+  again: nothing latches. A request for more than the node's whole memory is no state at all:
+  it is refused as a bad request.
 """
 
 from __future__ import annotations
@@ -140,10 +142,13 @@ class SlotTable:
         """(index, memfd) of a slot for ``step`` of ``key`` with room for ``size`` bytes, marked being written."""
         if not valid_key(key) or step < 0 or size <= 0:
             raise Refused(f"rally: checkpoint refused: bad request for key {key!r}, step {step}, {size} bytes")
+        total = total_memory()
+        if total is not None and size > total:
+            raise Refused(
+                f"rally: checkpoint refused: a copy of {size} bytes is more than this node's memory ({total} bytes)"
+            )
         with self.cond:
             self._fence(r)
-            if self.disk_only is not None:
-                raise ShmTooSmall(self.disk_only)
             keyslots = self.keys.setdefault(key, KeySlots())
             index = self._choose(keyslots)
             slot = keyslots.slots[index]
@@ -195,7 +200,7 @@ class SlotTable:
     def _too_small_line(self, size: int, room: int) -> str:
         return (
             f"not enough memory for in-memory checkpoints on this node ({size / 1e6:.1f} MB needed per "
-            f"copy, {max(room, 0) / 1e6:.1f} MB it may take); saving to disk only from now on"
+            f"copy, {max(room, 0) / 1e6:.1f} MB it may take); such saves go to disk only"
         )
 
     def release(self) -> None:
@@ -328,6 +333,18 @@ class SlotTable:
                     if slot.persist_name and not slot.persisted and slot.step > self.durable.get(key, -1):
                         return True
             return False
+
+
+def total_memory() -> int | None:
+    """The node's physical memory (MemTotal), the bound of any sane request; None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def available_memory() -> int | None:

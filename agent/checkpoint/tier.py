@@ -14,6 +14,14 @@ The agent (agent/agent.py) calls, in its own order of things::
 A thread reads the holder's news: ``saved`` and ``durable`` steps go to events.jsonl
 (``checkpoint_saved``, ``checkpoint_durable``) and to :meth:`status_fields` (``rally status``,
 /metrics); a ``warn`` is one line on the console (shared memory too small, disk full).
+
+The holder's socket is the agent's: created and bound here under a random name before the holder
+starts, handed to it as an inherited descriptor (no name on its command line, no moment when
+another user could bind the name first), with the job's connection secret in its environment.
+:meth:`CheckpointTier.start` waits (bounded) for the holder to say it listens; a holder that
+cannot start leaves the tier off with one line (saves go to disk), never half on. A holder that
+dies later is noticed at once (one line), and the job's end does not count its in-memory steps
+as durable (:meth:`CheckpointTier.lost`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
+import select
+import socket
 import subprocess
 import threading
 import time
@@ -29,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from rally.agent.checkpoint import holder as ckpt_holder
-from rally.agent.checkpoint.client import HOLDER_ENV
+from rally.agent.checkpoint.client import SECRET_ENV, HolderAddress
+from rally.agent.checkpoint.shm import socket_address
 from rally.agent.display import console
 from rally.agent.helper_process import HelperProcess
 from rally.agent.observe.event_log import EventLog
@@ -44,16 +56,26 @@ REPLY_TIMEOUT = 10.0
 """Seconds the agent waits for an answer of the holder outside a flush."""
 RENEW_INTERVAL = 1.0
 """How often the agent renews the round's lease at most (seconds)."""
+READY_TIMEOUT = 15.0
+"""Seconds the agent waits for a starting holder to say it listens before it turns the tier off."""
+
+
+def socket_name() -> str:
+    """A fresh random name for the holder's socket (128 bits: nobody guesses it before it is bound)."""
+    return secrets.token_hex(16)
 
 
 class CheckpointTier:
     def __init__(
-        self, helper: HelperProcess, holder_id: str, checkpoint_dir: Path, events: EventLog, warn: Callable[[str], None]
-    ) -> None:
+        self, helper: HelperProcess, address: HolderAddress, checkpoint_dir: Path | None, events: EventLog,
+        warn: Callable[[str], None],
+    ) -> None:  # fmt: skip
         self.helper = helper
         self.process = helper.process
         self.checkpoint_dir = checkpoint_dir
-        self.holder_id = holder_id
+        self.address = address
+        self.stopping = False
+        self.died = False
         self.events = events
         self.warn = warn
         self.last_saved: int | None = None
@@ -71,22 +93,54 @@ class CheckpointTier:
     def start(
         cls, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]
     ) -> CheckpointTier | NoTier:
-        """Start the holder; a :class:`NoTier` (saves go to disk) without a checkpoint directory."""
-        if not checkpoint_dir or os.environ.get(MEMORY_TIER_ENV, "1") == "0":
+        """Start the holder; a :class:`NoTier` (saves go to disk) when the tier is turned off, or
+        (with one line) when the holder cannot start. Without a checkpoint directory the holder runs
+        too: a script's checkpoints then live in memory only (rally.job saves them with
+        ``persist=False``, and the holder refuses to persist), so restarts within the job resume
+        from them and a script written for rally needs no flag."""
+        if os.environ.get(MEMORY_TIER_ENV, "1") == "0":
             return NoTier()
-        holder_id = os.urandom(8).hex()  # names its socket and memfds; not a secret (the socket checks the user)
-        limit = os.environ.get(MEMORY_LIMIT_ENV, "")
-        helper = HelperProcess(ckpt_holder.__file__, holder_id, checkpoint_dir, limit, stdout=subprocess.PIPE)
-        # Not waited for: a worker that comes before the holder's socket is bound retries
-        # (agent/checkpoint/client.py), and the agent's first question waits for its answer.
-        return cls(helper, holder_id, Path(checkpoint_dir), events, warn)
+        name, secret = socket_name(), secrets.token_hex(32)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(socket_address(name))
+            limit = os.environ.get(MEMORY_LIMIT_ENV, "")
+            helper = HelperProcess(
+                ckpt_holder.__file__, str(listener.fileno()), secrets.token_hex(4), checkpoint_dir or "", limit,
+                stdout=subprocess.PIPE, pass_fds=(listener.fileno(),), env={**os.environ, SECRET_ENV: secret},
+            )  # fmt: skip
+        except OSError as exc:
+            warn(f"the in-memory checkpoint tier is off: its socket could not be set up ({exc}); saves go to disk")
+            return NoTier()
+        finally:
+            listener.close()  # the holder has its own descriptor of it
+        trouble = _wait_ready(helper)
+        if trouble:
+            helper.stop(1.0)
+            warn(f"the in-memory checkpoint tier is off: the checkpoint holder {trouble}; saves go to disk")
+            return NoTier()
+        directory = Path(checkpoint_dir) if checkpoint_dir else None
+        return cls(helper, HolderAddress(name, helper.pid, secret), directory, events, warn)
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def env(self) -> dict[str, str]:
-        return {HOLDER_ENV: self.holder_id}
+        return self.address.env()
+
+    def lost(self) -> str | None:
+        """Why the newest saved step is not durable because the holder died (one line), or None."""
+        if not self.died or self.checkpoint_dir is None:  # memory only: nothing was to reach a disk
+            return None
+        on_disk = [s for s in (self.last_durable, newest_checkpoint_step(self.checkpoint_dir)) if s is not None]
+        saved, durable = self.last_saved, max(on_disk, default=None)  # another node's holder may have written it
+        if saved is None or (durable is not None and durable >= saved):
+            return None
+        return (
+            f"checkpoint step {saved} never reached {self.checkpoint_dir}: the checkpoint holder (pid {self.pid}) "
+            f"died; the newest step on disk is {durable if durable is not None else 'none'}"
+        )
 
     # ------------------------------------------------------------------ talking to the holder
     def _send(self, message: dict[str, Any]) -> bool:
@@ -119,21 +173,32 @@ class CheckpointTier:
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if "reply" in msg:
-                self._replies.put(msg)
-            elif msg.get("ev") == "saved":
-                self.last_saved, self.memory = msg["step"], msg.get("memory", self.memory)
-                self.events.emit("checkpoint_saved", step=msg["step"], key=msg.get("key"), where="memory")
-            elif msg.get("ev") == "durable":
-                self.last_durable = max(self.last_durable or -1, msg["step"])
-                self.events.emit("checkpoint_durable", step=msg["step"], path=msg.get("path"))
-            elif msg.get("ev") == "warn":
-                self.warn(str(msg.get("line", "")))
-                self.events.emit("checkpoint_warning", line=msg.get("line"))
+            self._hear(line)
+        if not self.stopping:  # end of file while the agent still needs it: the holder died
+            self.died = True
+            said = (
+                f"the checkpoint holder of this node (pid {self.pid}) died: its in-memory checkpoints are lost "
+                f"and saves to memory fail (newest step on disk: {self.last_durable})"
+            )
+            self.warn(said)
+            self.events.emit("checkpoint_warning", line=said)
+
+    def _hear(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return
+        if "reply" in msg:
+            self._replies.put(msg)
+        elif msg.get("ev") == "saved":
+            self.last_saved, self.memory = msg["step"], msg.get("memory", self.memory)
+            self.events.emit("checkpoint_saved", step=msg["step"], key=msg.get("key"), where="memory")
+        elif msg.get("ev") == "durable":
+            self.last_durable = max(self.last_durable or -1, msg["step"])
+            self.events.emit("checkpoint_durable", step=msg["step"], path=msg.get("path"))
+        elif msg.get("ev") == "warn":
+            self.warn(str(msg.get("line", "")))
+            self.events.emit("checkpoint_warning", line=msg.get("line"))
 
     # ------------------------------------------------------------------ the agent's calls
     def memory_steps(self) -> list[int]:
@@ -143,7 +208,7 @@ class CheckpointTier:
         return self.memory
 
     def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
-        if self.last_durable is None:  # what earlier runs left on disk (the verdict is cached)
+        if self.last_durable is None and self.checkpoint_dir is not None:  # what earlier runs left (cached)
             self.last_durable = newest_checkpoint_step(self.checkpoint_dir)
         self._round, self._lease, self._renewed = r, lease, time.monotonic()
         self._ask(REPLY_TIMEOUT, op="round", round=r, resume=resume_step, lease=lease)
@@ -168,8 +233,31 @@ class CheckpointTier:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the holder (its memory goes with it); killed if it does not stop in time."""
+        self.stopping = True
         self._send({"op": "stop"})
         self.helper.stop(timeout)
+
+
+def _wait_ready(helper: HelperProcess) -> str | None:
+    """None once the starting holder says it listens; else what went wrong, as a clause."""
+    stdout = helper.process.stdout
+    assert stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([stdout], [], [], left)[0]:
+            break
+        line = stdout.readline()
+        if not line:
+            return f"(pid {helper.pid}) exited as it started (exit code {helper.process.wait()})"
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if msg.get("ev") == "ready":
+            return None
+        if msg.get("ev") == "warn":
+            return f"(pid {helper.pid}) could not start: {msg.get('line')}"
+    return f"(pid {helper.pid}) did not start within {READY_TIMEOUT:g} s"
 
 
 class NoTier:
@@ -177,9 +265,13 @@ class NoTier:
 
     pid = None
     last_saved = last_durable = None
+    died = False
 
     def env(self) -> dict[str, str]:
         return {}
+
+    def lost(self) -> str | None:
+        return None
 
     def memory_steps(self) -> list[int]:
         return []

@@ -94,12 +94,19 @@ def worker_table(
         table.add_column(header)
     for header, _ in shown:
         table.add_column(header, justify="right" if header in RIGHT_ALIGNED else "left")
-    for node in sorted(nodes, key=lambda n: (n.get("group_rank", 0), n.get("host", ""))) if per_node else nodes:
+    for node in sorted(nodes, key=_node_order) if per_node else nodes:
         rows = node.get("workers") or ([{}] if per_node else [])
         for i, w in enumerate(rows):
             lead = [cell(node, now) if i == 0 else "" for _, cell in NODE_COLUMNS] if per_node else []
             table.add_row(*lead, *(cell(w) if w else "" for _, cell in shown))
     return table
+
+
+def _node_order(node: dict) -> tuple[int, str]:
+    """Nodes by group rank, then host; a record without them (or with nulls: `rally status`
+    shows records anyone may have written) sorts as rank 0, host ""."""
+    rank = node.get("group_rank")
+    return (rank if isinstance(rank, int) else 0, str(node.get("host") or ""))
 
 
 def straggler_line(worker: dict, host: str | None) -> str:

@@ -56,7 +56,9 @@ class GuardClient:
         return self.process.pid
 
     def guard_group(self, pgid: int) -> None:
-        self._tell(f"{pgid}\n")
+        """A worker started (it leads session and group `pgid`): called before the agent reaps
+        it, so its start time is read while the id is still its own."""
+        self._tell(f"{pgid} {orphan_guard.start_time(pgid) or ''}\n".replace(" \n", "\n"))
 
     def unguard_group(self, pgid: int) -> None:
         self._tell(f"-{pgid}\n")

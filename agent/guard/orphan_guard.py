@@ -13,16 +13,34 @@ with a pipe on its stdin, and tells it:
                    environment (and so in everything the workers start that keeps it)
     cgroup K PATH  the job's own cgroup (agent/guard/job_cgroup.py): every worker and everything it
                    starts is in it, token or not, setsid'd or not
-    PGID / -PGID   a worker's process group, started / stopped
+    PGID START     a worker started: it leads its session and process group PGID, and START is
+                   its start time (/proc/PGID/stat field 22); `-PGID`: it stopped
     cleanup PATH   a file or directory to remove once the job's processes are dead (shared
                    memory a later part of the job keeps, say); `-cleanup PATH` forgets it
 
-When the pipe reaches end-of-file the agent is gone (however it died), and the guard SIGKILLs
-the job's cgroup, every group it was told about, every process whose /proc/PID/environ carries
-the token, scanning again until none is left (a process may fork while being killed), and,
-where no cgroup could be made, every descendant of the agent it saw while watching (it looks
-every SEEN_INTERVAL seconds: what a worker started and disowned within the last interval before
-the agent died may escape). Then it removes the cleanup paths and the cgroup, and exits.
+The guard kills only what it can prove is the job's, because a pid or a group id is a number the
+kernel hands out again once it is free (pid_max is 32768 on many nodes): another user's process
+may hold it by the time the guard acts. Proof is one of:
+
+* membership of the job's cgroup;
+* RALLY_AGENT_TOKEN=T in the environment (a random secret; only root and the job's user can read
+  another process's environment);
+* a worker itself: the guard holds a pidfd of each worker from its registration (opened, then
+  its start time checked against START), so a signal through it can only reach that process;
+  a worker that exits is forgotten at once (the pidfd turns readable);
+* membership of a live worker's session or group (an id cannot be handed out again while a
+  process uses it), and the processes the guard saw below the agent or in such a session while
+  the agent lived, each with its start time, re-checked through a pidfd before the kill.
+
+Every SEEN_INTERVAL seconds while the agent lives the guard notes the agent's descendants and the
+members of the workers' sessions (with a cgroup too: a root worker can leave the cgroup by
+writing to the hierarchy, and shed its session and the token). When the pipe reaches end-of-file
+the agent is gone (however it died), and the guard SIGKILLs the job's cgroup, then every process
+proven the job's as above, their descendants, and every process whose environment carries the
+token, scanning again until none is left (a process may fork while being killed). What escapes:
+a root process that leaves the cgroup, its session and the token within SEEN_INTERVAL of the
+agent's death (or whose parent chain left the agent before the guard's last look). Then it removes
+the cleanup paths and the cgroup, and exits.
 It imports nothing heavy and ignores the terminal's and SLURM's signals, so it outlives the
 agent long enough to do its one job. Run by file path (`python <rally>/agent/orphan_guard.py`),
 so it works from any installation and nothing on the user's path can stand in for it.
@@ -46,24 +64,62 @@ else:  # run by file path: its own directory is sys.path[0]
 TOKEN_VARIABLE = "RALLY_AGENT_TOKEN"
 # How long the guard keeps scanning for marked processes after the agent died.
 SWEEP_SECONDS = 2.0
-# Without a cgroup: how often the guard lists the agent's descendants while the agent lives.
+# How often the guard notes the agent's descendants and the workers' sessions while the agent lives.
 SEEN_INTERVAL = 0.5
 # How long the guard tries to remove the emptied cgroup (dying members leave it with a delay).
 REMOVE_WAIT_SECONDS = 10.0
 
 
+@dataclass(frozen=True)
+class Row:
+    """One process in /proc: its parent, group, session and start time (clock ticks since boot)."""
+
+    ppid: int
+    pgrp: int
+    session: int
+    start: str
+    zombie: bool
+
+
+@dataclass
+class Worker:
+    """A registered worker, which leads session and group `pgid`; `pidfd` refers to it alone
+    (-1 where the kernel has no pidfds: then its start time is checked before each signal)."""
+
+    pgid: int
+    start: str
+    pidfd: int
+
+    def alive(self) -> bool:
+        if self.pidfd >= 0:
+            return not select.select([self.pidfd], [], [], 0)[0]  # a pidfd turns readable at exit
+        return start_time(self.pgid) == self.start and not _is_zombie(self.pgid)
+
+    def kill(self) -> None:
+        if self.pidfd >= 0:
+            _signal_pidfd(self.pidfd)
+        elif self.alive():
+            _kill(self.pgid)
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
 @dataclass
 class Orders:
-    """What the agent told the guard so far (see the module's docstring)."""
+    """What the agent told the guard so far (see the module's docstring), and what it saw."""
 
     token: str | None = None
     cgroup: JobCgroup | None = None
-    groups: set[int] = field(default_factory=set)
+    workers: dict[int, Worker] = field(default_factory=dict)
     cleanup: list[str] = field(default_factory=list)
-    seen: dict[int, str] = field(default_factory=dict)  # pid -> its start time (no recycled pid)
+    seen: dict[int, str] = field(default_factory=dict)  # pid -> its start time: proven the job's
 
     def apply(self, word: bytes) -> None:
         text = word.decode(errors="replace")
+        head = text.split(" ")
         if text.startswith("token "):
             self.token = text[6:]
         elif text.startswith("cgroup "):
@@ -73,68 +129,144 @@ class Orders:
         elif text.startswith("-cleanup "):
             self.cleanup = [p for p in self.cleanup if p != text[9:]]
         elif text.startswith("-") and text[1:].isdigit():
-            self.groups.discard(int(text[1:]))
-        elif text.isdigit():
-            self.groups.add(int(text))
+            self.forget(int(text[1:]))
+        elif head[0].isdigit():
+            self.register(int(head[0]), head[1] if len(head) > 1 else None)
+
+    def register(self, pgid: int, start: str | None) -> None:
+        """Hold a pidfd of the worker `pgid` if it is still the process that started at `start`."""
+        worker = claim(pgid, start)
+        if worker is not None:
+            self.forget(pgid)
+            self.workers[pgid] = worker
+
+    def forget(self, pgid: int) -> None:
+        worker = self.workers.pop(pgid, None)
+        if worker is not None:
+            worker.close()
+
+    def live_sessions(self) -> set[int]:
+        """The sessions (= groups) of the workers alive now: those ids cannot belong to anyone else."""
+        return {pgid for pgid, worker in self.workers.items() if worker.alive()}
+
+    def look(self, agent: int) -> None:
+        """Note what is provably the job's now (see the module's docstring); forget exited workers,
+        keeping the members of their sessions (an id is not handed out while a process uses it)."""
+        table = processes()
+        for pgid in [p for p, w in self.workers.items() if not w.alive()]:
+            self.seen.update(members(table, {pgid}))
+            self.forget(pgid)
+        kept = {pid: start for pid, start in self.seen.items() if pid in table and table[pid].start == start}
+        self.seen = kept | proven(table, agent, self.live_sessions())
+
+    def pidfds(self) -> list[int]:
+        return [w.pidfd for w in self.workers.values() if w.pidfd >= 0]
 
 
-def marked_processes(token: str) -> list[int]:
-    """Pids whose environment carries RALLY_AGENT_TOKEN=token (processes we may read)."""
-    needle = f"{TOKEN_VARIABLE}={token}".encode()
-    found = []
-    me = os.getpid()
+def claim(pid: int, start: str | None) -> Worker | None:
+    """A Worker for `pid` if it runs and (when given) started at `start`, else None (it is gone,
+    and its id may be another process's by now)."""
+    fd = pidfd_open(pid)
+    now = start_time(pid)  # read after the pidfd is open: both name the same process
+    if now is None or (start is not None and now != start) or fd == -2:
+        if fd >= 0:
+            os.close(fd)
+        return None
+    return Worker(pid, now, fd)
+
+
+def pidfd_open(pid: int) -> int:
+    """A pidfd of `pid`; -1 where the kernel or Python has none, -2 when no such process runs."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -2
+    except (AttributeError, OSError):
+        return -1
+
+
+def processes() -> dict[int, Row]:
+    """Every process this guard can see in /proc."""
+    table: dict[int, Row] = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if b"\0" + needle + b"\0" in b"\0" + environ + b"\0":
-            found.append(int(name))
+        if name.isdigit():
+            fields = _stat_fields(int(name))
+            if fields:
+                state, ppid, pgrp, session = fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+                table[int(name)] = Row(ppid, pgrp, session, fields[19], state in ("Z", "X"))
+    return table
+
+
+def members(table: dict[int, Row], sessions: set[int]) -> dict[int, str]:
+    """Processes in one of `sessions` (as session or as process group), with their start times."""
+    return {pid: row.start for pid, row in table.items() if row.session in sessions or row.pgrp in sessions}
+
+
+def proven(table: dict[int, Row], agent: int, sessions: set[int], roots: tuple[int, ...] = ()) -> dict[int, str]:
+    """The agent's descendants, the members of `sessions`, `roots` and everything below them
+    (never this process), with their start times."""
+    children: dict[int, list[int]] = {}
+    for pid, row in table.items():
+        children.setdefault(row.ppid, []).append(pid)
+    todo = [*children.get(agent, []), *members(table, sessions), *roots]
+    found: dict[int, str] = {}
+    while todo:
+        pid = todo.pop()
+        if pid != os.getpid() and pid not in found and pid in table:
+            found[pid] = table[pid].start
+            todo.extend(children.get(pid, []))
     return found
 
 
 def descendants(root: int) -> dict[int, str]:
     """Every process below `root` (but this one), with its start time, from /proc."""
-    children: dict[int, list[int]] = {}
-    started: dict[int, str] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        fields = _stat_fields(int(name))
-        if fields:
-            children.setdefault(int(fields[1]), []).append(int(name))
-            started[int(name)] = fields[19]
-    found: dict[int, str] = {}
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        if pid != os.getpid() and pid not in found:
-            found[pid] = started.get(pid, "")
-            todo.extend(children.get(pid, []))
-    return found
+    return proven(processes(), root, set())
+
+
+def marked_processes(token: str) -> list[int]:
+    """Pids whose environment carries RALLY_AGENT_TOKEN=token (processes we may read)."""
+    needle = f"{TOKEN_VARIABLE}={token}".encode()
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and _marked(int(name), needle)]
+
+
+def _marked(pid: int, needle: bytes) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return False
+    return b"\0" + needle + b"\0" in b"\0" + environ + b"\0"
 
 
 def sweep(orders: Orders, seconds: float = SWEEP_SECONDS) -> None:
-    """SIGKILL the cgroup, the groups, the descendants seen, then every marked process until a
-    scan finds none (bounded); then remove the cleanup paths and the cgroup."""
+    """SIGKILL the cgroup, then what is proven the job's (workers through their pidfds, the
+    processes seen, the live workers' sessions and what is below them), then every marked
+    process until a scan finds none (bounded); then remove the cleanup paths and the cgroup."""
     if orders.cgroup is not None:
         orders.cgroup.kill()
-    for pgid in orders.groups:
-        _kill(pgid, group=True)
-    for pid, start in orders.seen.items():
-        fields = _stat_fields(pid)
-        if fields and fields[19] == start:  # the same process, not a recycled pid
-            _kill(pid)
+    table = processes()
+    sessions = orders.live_sessions()  # checked after the scan: alive during it
+    seen = tuple(pid for pid, start in orders.seen.items() if pid in table and table[pid].start == start)
+    targets = proven(table, -1, sessions, seen)  # and what they started since the last look
+    for worker in orders.workers.values():
+        worker.kill()
+    for pid, start in targets.items():
+        kill_if_same(pid, start)
     deadline = time.monotonic() + seconds
-    while orders.token and time.monotonic() < deadline:
-        alive = [pid for pid in marked_processes(orders.token) if not _is_zombie(pid)]
-        if not alive:
+    needle = f"{TOKEN_VARIABLE}={orders.token}".encode() if orders.token else None
+    while time.monotonic() < deadline:
+        table = processes()
+        left = {pid: row.start for pid, row in table.items() if not row.zombie and pid in targets}
+        left |= {pid: s for pid, s in proven(table, -1, sessions).items() if not table[pid].zombie}
+        if needle is not None:
+            left |= {pid: row.start for pid, row in table.items() if not row.zombie and _marked(pid, needle)}
+        left = {pid: start for pid, start in left.items() if pid != os.getpid()}
+        if not left:
             break
-        for pid in alive:
-            _kill(pid)
+        for pid, start in left.items():
+            kill_if_same(pid, start, needle if pid not in targets else None)
         time.sleep(0.01)
     for path in orders.cleanup:
         _remove(path)
@@ -142,9 +274,33 @@ def sweep(orders: Orders, seconds: float = SWEEP_SECONDS) -> None:
         orders.cgroup.remove(wait=REMOVE_WAIT_SECONDS)
 
 
-def _kill(pid: int, group: bool = False) -> None:
+def kill_if_same(pid: int, start: str, needle: bytes | None = None) -> None:
+    """SIGKILL `pid` only if it is still the process that started at `start` (and, given a
+    `needle`, still carries it in its environment): checked after a pidfd of it is open, and the
+    signal goes through that pidfd, so a recycled id never receives it."""
+    fd = pidfd_open(pid)
     try:
-        (os.killpg if group else os.kill)(pid, signal.SIGKILL)
+        if fd == -2 or start_time(pid) != start or (needle is not None and not _marked(pid, needle)):
+            return
+        if fd >= 0:
+            _signal_pidfd(fd)
+        else:
+            _kill(pid)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _signal_pidfd(fd: int) -> None:
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -160,11 +316,17 @@ def _remove(path: str) -> None:
 
 
 def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat from the state on (index 0: state, 1: ppid, 19: start time)."""
+    """/proc/PID/stat from the state on (index 0: state, 1: ppid, 2: pgrp, 3: session, 19: start time)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return None
+
+
+def start_time(pid: int) -> str | None:
+    """When `pid` started (clock ticks since boot, /proc/PID/stat field 22); None when it is gone."""
+    fields = _stat_fields(pid)
+    return fields[19] if fields and len(fields) > 19 else None
 
 
 def _is_zombie(pid: int) -> bool:
@@ -173,12 +335,15 @@ def _is_zombie(pid: int) -> bool:
 
 
 def watch(orders: Orders, agent: int) -> None:
-    """Read the agent's orders until end-of-file; without a cgroup, note its descendants meanwhile."""
+    """Read the agent's orders until end-of-file; meanwhile note what is the job's every
+    SEEN_INTERVAL, and at once when a worker exits (its pidfd turns readable)."""
     pending = b""
+    next_look = 0.0
     while True:
-        interval = SEEN_INTERVAL if orders.cgroup is None else None
-        if not select.select([0], [], [], interval)[0]:
-            orders.seen = descendants(agent)  # a subreaper's tree keeps all it had: the last look suffices
+        ready = select.select([0, *orders.pidfds()], [], [], max(0.0, next_look - time.monotonic()))[0]
+        if 0 not in ready:
+            orders.look(agent)
+            next_look = time.monotonic() + SEEN_INTERVAL
             continue
         data = os.read(0, 65536)
         if not data:  # the agent closed the pipe or died

@@ -1,6 +1,7 @@
 """`--metrics-port PORT`: this node's agent as Prometheus metrics at http://HOST:PORT/metrics.
 
-prometheus-client serves the text format from a thread. Nothing is pushed or updated on a
+prometheus-client's WSGI app renders the text format, served from one thread that drops idle and
+slow clients (agent/observe/metrics_http.py). Nothing is pushed or updated on a
 timer: at each scrape :class:`AgentCollector` builds the metrics from the same status record
 that the live view and `rally status` show (agent/agent.py `_status_record`), plus the round
 ends this node has seen (its report). So a scrape costs nothing between scrapes, and the numbers
@@ -44,9 +45,11 @@ from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from rally.agent.observe.metrics_http import BoundedHttpServer
 
 WORKER_STATES = ("running", "succeeded", "failed", "stopped")
 # Round ends that count as failures (a node lost counts: the job lost work to it).
@@ -189,13 +192,15 @@ def _preflight(last: Any) -> Iterator[Metric]:
 
 
 class MetricsServer:
-    """The /metrics endpoint: prometheus-client's HTTP server in a daemon thread."""
+    """The /metrics endpoint: prometheus-client's WSGI app behind a one-thread server that drops
+    idle and slow clients (agent/observe/metrics_http.py), so nobody who reaches the port can
+    make the agent start threads or stop the scrapes."""
 
     def __init__(self, port: int, collector: Collector, addr: str = DEFAULT_ADDRESS):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         self.addr = addr
-        self.server, self.thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.server = BoundedHttpServer(addr, port, make_wsgi_app(self.registry))
         self.port: int = self.server.server_port
 
     @property
@@ -205,9 +210,7 @@ class MetricsServer:
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        self.server.close(timeout=5)
 
 
 def serve(

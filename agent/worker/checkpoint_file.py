@@ -5,13 +5,17 @@ is (a flipped byte inside a tensor loads "fine"), on the torch version and on ti
 that each try to load the newest file could disagree on the step they resume from. A footer
 written at save time gives one verdict for every reader, the agent's crash-loop check included::
 
-    [ torch.save payload (N bytes) ][ footer: b"RALLYCKP" | N (u64 LE) | crc32 (u32 LE) | b"END1" ]
+    [ torch.save payload (N bytes) ][ footer: b"RALLYCK2" | N (u64) | step (u64) | crc32 (u32) | mac (32 B) | b"END2" ]
 
-A file is intact only if it is a regular file, ends with that footer, is exactly N + 24 bytes
-long and its first N bytes have that CRC-32. Anything else (truncated, zero length, garbage,
-unreadable, a directory or FIFO under a checkpoint's name, a file written by plain torch.save)
-is damaged and skipped. torch.load ignores the bytes after its zip archive, so an intact file
-still loads with plain ``torch.load(path)``.
+A file is intact only if it is a regular file, ends with that footer, is exactly N + 64 bytes
+long and its first N bytes have that CRC-32; it is **authentic** only if ``mac``, an HMAC-SHA256
+of the step and the N bytes under the job's checkpoint key (agent/checkpoint/auth.py), verifies:
+one pass over the bytes computes both. Files written before authentication end in the 24-byte
+footer ``b"RALLYCKP" | N | crc32 | b"END1"`` (no step, no MAC): intact, but unauthenticated, and
+loaded only from a directory only the job's user can write (rally.job.load_latest says so).
+Anything else (truncated, zero length, garbage, unreadable, a directory, FIFO or symlink under a
+checkpoint's name, a file written by plain torch.save) is damaged and skipped. torch.load
+ignores the bytes after its zip archive, so an intact file still loads with plain ``torch.load(path)``.
 
 Concurrent writers in one directory: each writer holds an exclusive ``flock`` on its temporary
 file from creation until the rename, and a temporary file is deleted only by whoever can take
@@ -37,8 +41,12 @@ from typing import Any, BinaryIO
 
 from rally.agent.checkpoint.shm import storage_bytes
 
-FOOTER = struct.Struct("<8sQI4s")
-FOOTER_MAGIC, FOOTER_END = b"RALLYCKP", b"END1"
+FOOTER = struct.Struct("<8sQQI32s4s")
+FOOTER_MAGIC, FOOTER_END = b"RALLYCK2", b"END2"
+LEGACY_FOOTER = struct.Struct("<8sQI4s")
+"""The footer before checkpoints were signed: intact, never authentic."""
+LEGACY_MAGIC, LEGACY_END = b"RALLYCKP", b"END1"
+MAC_KIND = "whole"
 READ_CHUNK = 8 << 20
 """Bytes read at a time while checking a file's CRC (8 MiB: large reads, bounded memory)."""
 
@@ -62,35 +70,60 @@ class Checkpoint:
     source: str = "disk"  # "memory": mapped from the node's shared memory; "disk": from ``path``
 
 
-class _ChecksumWriter:
-    """A write-only file wrapper that counts the bytes torch.save writes and their CRC-32."""
+@dataclass(frozen=True)
+class Verified:
+    """What a check of a file found: ``signed`` by this job's key (False: a legacy, unauthenticated
+    file), and the step its footer signs (None for a legacy file)."""
 
-    def __init__(self, file: BinaryIO) -> None:
+    signed: bool
+    step: int | None
+
+
+class Sums:
+    """The CRC-32 and the HMAC of a payload, fed in one pass; :meth:`footer` seals it."""
+
+    def __init__(self, step: int) -> None:
+        from rally.agent.checkpoint import auth
+
+        self.step, self.crc, self.length = step, 0, 0
+        self.mac = auth.new_mac(auth.signing_key(), MAC_KIND, step)
+
+    def update(self, view: Any) -> None:
+        self.crc = zlib.crc32(view, self.crc)
+        self.mac.update(view)
+        self.length += memoryview(view).nbytes
+
+    def footer(self) -> bytes:
+        return FOOTER.pack(FOOTER_MAGIC, self.length, self.step, self.crc, self.mac.digest(), FOOTER_END)
+
+
+class _ChecksumWriter:
+    """A write-only file wrapper that feeds the bytes torch.save writes to a :class:`Sums`."""
+
+    def __init__(self, file: BinaryIO, sums: Sums) -> None:
         self.file = file
-        self.crc = 0
-        self.length = 0
+        self.sums = sums
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        self.crc = zlib.crc32(view, self.crc)
-        self.length += view.nbytes
+        self.sums.update(view)
         return self.file.write(view)
 
     def flush(self) -> None:
         self.file.flush()
 
 
-def write(state: Any, final: Path) -> None:
-    """Write ``state`` durably to ``final`` (atomic rename); a crash leaves ``final`` as it was."""
+def write(state: Any, final: Path, step: int) -> None:
+    """Write ``state`` durably to ``final`` (atomic rename), signed as ``step``; a crash leaves ``final`` as it was."""
     import torch
 
     directory = final.parent
+    sums = Sums(step)
     fd, tmp = locked_temp(final)
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
-            writer = _ChecksumWriter(f)
-            torch.save(state, writer)  # type: ignore[arg-type]  # any object with write() (torch's FileLike says IO)
-            f.write(FOOTER.pack(FOOTER_MAGIC, writer.length, writer.crc, FOOTER_END))
+            torch.save(state, _ChecksumWriter(f, sums))  # type: ignore[arg-type]  # any object with write()
+            f.write(sums.footer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -163,7 +196,7 @@ def remove_dead_writers_temps(directory: Path) -> None:
             continue
         path = directory / name
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # writable: NFS locks need it
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW)  # writable: NFS locks need it
         except OSError:
             continue  # renamed or deleted meanwhile, or not ours to touch
         try:
@@ -179,7 +212,7 @@ def _open_for_check(path: Path) -> int:
     """A read-only fd of ``path`` that never blocks (a FIFO in its place); FileNotFoundError as
     is, any other failure to open is damage."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not block us
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # no FIFO blocks, no link
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -187,48 +220,15 @@ def _open_for_check(path: Path) -> int:
 
 
 def open_verified(path: Path) -> BinaryIO:
-    """Open ``path`` and check it end to end; return it positioned at 0, or raise DamagedCheckpoint."""
-    fd = _open_for_check(path)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DamagedCheckpoint("not a regular file")
-        file = os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        _verify(file)
-        file.seek(0)
-        return file
-    except BaseException:
-        file.close()
-        raise
-
-
-def _verify(file: BinaryIO) -> None:
-    size = os.fstat(file.fileno()).st_size
-    if size == 0:
-        raise DamagedCheckpoint("empty file")
-    if size < FOOTER.size:
-        raise DamagedCheckpoint(f"only {size} bytes, no rally footer")
-    try:
-        file.seek(size - FOOTER.size)
-        magic, length, crc, end = FOOTER.unpack(file.read(FOOTER.size))
-        if magic != FOOTER_MAGIC or end != FOOTER_END:
-            raise DamagedCheckpoint("no rally footer: truncated, or not written by rally.job.save")
-        if length != size - FOOTER.size:
-            raise DamagedCheckpoint(f"length {size - FOOTER.size} bytes, the footer says {length}")
-        file.seek(0)
-        actual = crc32_of(file, length, "shorter than its footer says")
-    except OSError as exc:
-        raise DamagedCheckpoint(f"read error: {exc.strerror}") from None
-    if actual != crc:
-        raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
+    """Open ``path`` and check it end to end (a legacy file passes as intact); return it positioned
+    at 0, or raise DamagedCheckpoint. For tests and tools: loaders use :func:`open_mapped_verified`."""
+    fd, _ = open_mapped_verified(path)
+    return os.fdopen(fd, "rb")
 
 
 def crc32_of(file: BinaryIO, length: int, short: str) -> int:
     """The CRC-32 of the next ``length`` bytes of ``file``, read in chunks; DamagedCheckpoint(``short``)
-    if it ends first. One reading loop for every verifier (here and agent/checkpoint/dcp_files.py)."""
+    if it ends first."""
     actual, remaining = 0, length
     while remaining:
         chunk = file.read(min(READ_CHUNK, remaining))
@@ -239,61 +239,87 @@ def crc32_of(file: BinaryIO, length: int, short: str) -> int:
     return actual
 
 
-def open_mapped_verified(path: Path) -> int:
-    """Open ``path``, check it end to end through a read-only mapping; return the open fd.
+def open_mapped_verified(path: Path) -> tuple[int, Verified]:
+    """Open ``path`` (never through a link), check it end to end through a read-only mapping;
+    return the open fd and what the check found (signed by this job, or a legacy file).
 
-    One pass over the bytes (the CRC), and they stay in the page cache for the reader that maps
-    the same fd (``torch.load("/proc/self/fd/<fd>", mmap=True)``): a load reads the file once,
-    not once for the check and again for torch. The caller closes the fd.
+    One pass over the bytes (the CRC and the MAC together), and they stay in the page cache for
+    the reader that maps the same fd (``torch.load("/proc/self/fd/<fd>", mmap=True)``): a load
+    reads the file once, and what it loads is what was checked. A file whose MAC does not verify
+    is DamagedCheckpoint ("not signed with this job's key"). The caller closes the fd.
     """
     fd = _open_for_check(path)
     try:
-        _verify_mapped(fd)
-        return fd
+        return fd, _verify_mapped(fd)
     except BaseException:
         os.close(fd)
         raise
 
 
-def _verify_mapped(fd: int) -> None:
+def _verify_mapped(fd: int) -> Verified:
+    from rally.agent.checkpoint import auth
+
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         raise DamagedCheckpoint("not a regular file")
     size = info.st_size
     if size == 0:
         raise DamagedCheckpoint("empty file")
-    if size < FOOTER.size:
+    if size < LEGACY_FOOTER.size:
         raise DamagedCheckpoint(f"only {size} bytes, no rally footer")
     try:
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data:
-            magic, length, crc, end = FOOTER.unpack_from(data, size - FOOTER.size)
-            if magic != FOOTER_MAGIC or end != FOOTER_END:
+            signed = size >= FOOTER.size and data[size - 4 : size] == FOOTER_END
+            if signed:
+                magic, length, step, crc, mac, end = FOOTER.unpack_from(data, size - FOOTER.size)
+                footer_size = FOOTER.size
+            else:
+                magic, length, crc, end = LEGACY_FOOTER.unpack_from(data, size - LEGACY_FOOTER.size)
+                footer_size, step, mac = LEGACY_FOOTER.size, None, b""
+            if (magic, end) not in ((FOOTER_MAGIC, FOOTER_END), (LEGACY_MAGIC, LEGACY_END)):
                 raise DamagedCheckpoint("no rally footer: truncated, or not written by rally.job.save")
-            if length != size - FOOTER.size:
-                raise DamagedCheckpoint(f"length {size - FOOTER.size} bytes, the footer says {length}")
+            if length != size - footer_size:
+                raise DamagedCheckpoint(f"length {size - footer_size} bytes, the footer says {length}")
+            macs = [auth.new_mac(key, MAC_KIND, step) for key in auth.keys()] if signed else []
             with memoryview(data) as view:
                 actual = 0
                 for start in range(0, length, READ_CHUNK):
-                    actual = zlib.crc32(view[start : min(start + READ_CHUNK, length)], actual)
+                    with view[start : min(start + READ_CHUNK, length)] as chunk:
+                        actual = zlib.crc32(chunk, actual)
+                        for m in macs:
+                            m.update(chunk)
     except (OSError, ValueError) as exc:
         raise DamagedCheckpoint(f"read error: {getattr(exc, 'strerror', None) or exc}") from None
+    except auth.NoKey as exc:
+        raise DamagedCheckpoint(str(exc)) from None
     if actual != crc:
         raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
+    if signed and not auth.matches(macs, mac):
+        raise DamagedCheckpoint(
+            "not signed with this job's checkpoint key (written by another user, or under another RALLY_JOB_TOKEN)"
+        )
+    return Verified(signed, step)
 
 
 def is_complete(path: Path) -> bool:
     """Whether ``path`` is a regular file ending in a footer whose length matches: written to the
     end and renamed into place. Cheap (no CRC); the CRC is checked when it is loaded."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size < FOOTER.size:
+        if not stat.S_ISREG(info.st_mode) or info.st_size < LEGACY_FOOTER.size:
             return False
-        magic, length, _, end = FOOTER.unpack(os.pread(fd, FOOTER.size, info.st_size - FOOTER.size))
-        return magic == FOOTER_MAGIC and end == FOOTER_END and length == info.st_size - FOOTER.size
+        if info.st_size >= FOOTER.size:
+            magic, length, _, _, _, end = FOOTER.unpack(os.pread(fd, FOOTER.size, info.st_size - FOOTER.size))
+            if (magic, end) == (FOOTER_MAGIC, FOOTER_END):
+                return length == info.st_size - FOOTER.size
+        magic, length, _, end = LEGACY_FOOTER.unpack(
+            os.pread(fd, LEGACY_FOOTER.size, info.st_size - LEGACY_FOOTER.size)
+        )
+        return magic == LEGACY_MAGIC and end == LEGACY_END and length == info.st_size - LEGACY_FOOTER.size
     except (OSError, struct.error):
         return False
     finally:
@@ -310,20 +336,48 @@ def is_intact(path: Path) -> bool:
     rewrite is a new inode or a new ctime), so each version is read once.
     """
     try:
-        info = os.stat(path)
+        info = os.lstat(path)
     except OSError:
         return False
     key = (str(path), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
     if key not in _verdicts:
         try:
-            open_verified(path).close()
-            verdict = True
+            fd, verified = open_mapped_verified(path)
+            os.close(fd)
+            verdict = refusal(path, verified) is None
         except (DamagedCheckpoint, FileNotFoundError):
             verdict = False
         if len(_verdicts) >= _VERDICT_CACHE_LIMIT:
             _verdicts.clear()
         _verdicts[key] = verdict
     return _verdicts[key]
+
+
+_NAME_STEP = re.compile(r"^step_(\d+)\.pt$")
+
+
+def refusal(path: Path, verified: Verified) -> str | None:
+    """Why an intact ``path`` must not be loaded (one clause), or None. A signed file must sign
+    the step its name says (a genuine older file renamed to a newer step is refused); a legacy
+    (unsigned) file loads only from a directory only this user can write."""
+    from rally.agent.checkpoint import auth
+
+    if verified.signed:
+        named = _NAME_STEP.match(path.name)
+        if named and int(named.group(1)) != verified.step:
+            return f"signed for step {verified.step}, not for the step its name says (renamed)"
+        return None
+    problem = auth.directory_problem(path.parent)
+    if problem is None:
+        return None
+    return f"written before checkpoints were signed, and {path.parent} {problem}: an unauthenticated file is not loaded"
+
+
+def unauthenticated_line(path: Path) -> str:
+    return (
+        f"checkpoint {path} was written before rally signed checkpoints: it is unauthenticated, loaded "
+        "because only you can write its directory"
+    )
 
 
 def fsync_dir(directory: Path) -> None:

@@ -9,8 +9,9 @@ Environment (all optional; outside a launcher the job is rank 0 of 1)::
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
     GROUP_RANK, GROUP_WORLD_SIZE                   torchrun's names, set by rally and torchrun
     TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID
-    RALLY_CHECKPOINT_DIR     where save/load_latest keep checkpoints; must be one directory
-                             that every rank sees (a shared file system on several nodes)
+    RALLY_CHECKPOINT_DIR     where save/load_latest keep checkpoints (rally's --checkpoint-dir);
+                             one directory that every rank sees (a shared file system on several
+                             nodes). Under rally without it, checkpoints live in the memory tier only
     RALLY_CHECKPOINT_KEEP    how many checkpoints save() keeps (default 3)
     RALLY_CKPT_HOLDER, RALLY_ROUND   the agent's checkpoint holder and this worker's round: save()
                              copies into the node's memory, the holder writes the disk
@@ -42,13 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rally.agent.checkpoint import auth, dcp_files, resume_prefetch
 from rally.agent.checkpoint import client as ckpt_client
-from rally.agent.checkpoint import dcp_files, resume_prefetch
+from rally.agent.checkpoint.auth import UnsafeDirectory  # noqa: F401 - part of this module's API
 from rally.agent.checkpoint.client import (
     WHOLE_STATE_KEY,
     CheckpointRefused,  # noqa: F401 - part of this module's API
 )
-from rally.agent.worker import checkpoint_file, heartbeat_file
+from rally.agent.worker import checkpoint_file, heartbeat_file, memory_only
 from rally.agent.worker.checkpoint_file import Checkpoint  # part of this module's API (load_latest returns it)
 from rally.agent.worker.preemption_flag import (  # noqa: F401 - part of this module's API
     install_preemption_handler,
@@ -176,6 +178,10 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     round that is over is refused (:class:`CheckpointRefused`). Should /dev/shm be too small, the
     agent says so once and every save is written straight to disk, as below.
 
+    Under rally without a checkpoint directory (no ``--checkpoint-dir``) the copy stays in the
+    memory tier only: restarts within the job resume from it, nothing is written, and rank 0 says
+    so once. Returns ``None`` then.
+
     Without rally's memory tier (torchrun, plain python) only global rank 0 writes, directly:
     ``torch.save`` into a temporary file in the same directory, a footer with the payload's
     length and CRC-32 (see :mod:`rally.agent.worker.checkpoint_file`), flush and fsync, rename over
@@ -198,22 +204,25 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     if sharded if sharded is not None else dcp_files.holds_shards(state):
         from rally.agent.checkpoint import dcp_storage  # imports torch.distributed.checkpoint
 
-        return dcp_storage.save(state, _require_dir(ctx), step, _resolve_keep(keep))
+        return dcp_storage.save(state, _require_dir(ctx, sharded=True), step, _resolve_keep(keep))
     if step < 0:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
     keep = _resolve_keep(keep)
+    memory = ckpt_client.tier()
+    if ctx.checkpoint_dir is None and memory is not None:
+        _save_in_memory_only(ctx, memory, state, step, keep)
+        return None  # no file
     directory = _require_dir(ctx)
     final = directory / f"step_{step:012d}.pt"
-    memory = ckpt_client.tier()
     if memory is not None and ctx.local_rank != 0:
         return None  # local rank 0 holds this node's copy
     if memory is not None and memory.save(state, WHOLE_STATE_KEY, step, persist=ctx.is_rank0, keep=keep):
         return final if ctx.is_rank0 else None
     if not ctx.is_rank0:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
+    auth.make_private_dir(directory)
     checkpoint_file.remove_dead_writers_temps(directory)
-    checkpoint_file.write(state, final)
+    checkpoint_file.write(state, final, step)
     prune(directory, keep, protect=final)
     return final
 
@@ -245,7 +254,10 @@ def load_latest(
     rank. Rank 0 logs one line: where it resumes from, or that it starts from scratch.
     """
     ctx = context()
-    directory = _require_dir(ctx)
+    memory = ckpt_client.tier()
+    if ctx.checkpoint_dir is None and memory is not None and into is None:
+        return _load_from_memory_only(ctx, memory, map_location, weights_only)
+    directory = _require_dir(ctx, sharded=into is not None)
     if into is not None:
         from rally.agent.checkpoint import dcp_storage  # imports torch.distributed.checkpoint
 
@@ -254,7 +266,6 @@ def load_latest(
     import torch
 
     agreed = None
-    memory = ckpt_client.tier()
     prepared = resume_prefetch.take(map_location) if memory is not None else None
     if prepared is not None:  # mapped while the script started (agent/checkpoint/resume_prefetch.py)
         return _from_memory(ctx, directory, *prepared)
@@ -273,13 +284,21 @@ def load_latest(
         if agreed is not None and step > agreed:
             continue  # newer than what every rank can load: not this round's step
         try:
-            fd = checkpoint_file.open_mapped_verified(path)
+            fd, verified = checkpoint_file.open_mapped_verified(path)
         except FileNotFoundError:
             continue  # pruned by a saver between listing and opening; an older one is still there
         except checkpoint_file.DamagedCheckpoint as damage:
             if ctx.local_rank == 0:
                 _log(f"warning: checkpoint {path} is damaged ({damage}); trying an older one")
             continue
+        refused = checkpoint_file.refusal(path, verified)
+        if refused is not None:
+            os.close(fd)
+            if ctx.local_rank == 0:
+                _log(f"warning: checkpoint {path} is not loaded ({refused}); trying an older one")
+            continue
+        if not verified.signed and ctx.is_rank0:
+            _log(checkpoint_file.unauthenticated_line(path))
         try:
             state = torch.load(f"/proc/self/fd/{fd}", map_location=map_location, weights_only=weights_only, mmap=True)
         finally:
@@ -292,10 +311,29 @@ def load_latest(
     return None
 
 
-def _from_memory(ctx: JobContext, directory: Path, step: int, state: Any) -> Checkpoint:
+def _from_memory(ctx: JobContext, directory: Path | None, step: int, state: Any) -> Checkpoint:
     if ctx.is_rank0:
         _log(f"resuming from step {step} (from memory)")
-    return Checkpoint(step=step, state=state, path=directory / f"step_{step:012d}.pt", source="memory")
+    path = (directory or Path(memory_only.NO_DIRECTORY)) / f"step_{step:012d}.pt"
+    return Checkpoint(step=step, state=state, path=path, source="memory")
+
+
+def _save_in_memory_only(ctx: JobContext, memory: ckpt_client.MemoryTier, state: Any, step: int, keep: int) -> None:
+    memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
+    if ctx.local_rank == 0 and not memory_only.save(memory, state, step, keep):  # local rank 0: the node's copy
+        raise CheckpointDirNotSet(memory_only.NO_ROOM)
+
+
+def _load_from_memory_only(
+    ctx: JobContext, memory: ckpt_client.MemoryTier, map_location: Any, weights_only: bool
+) -> Checkpoint | None:
+    memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
+    found = resume_prefetch.take(map_location) or memory_only.load(memory, map_location, weights_only)
+    if found is None:
+        if ctx.is_rank0:
+            _log("no checkpoint, starting from scratch")
+        return None
+    return _from_memory(ctx, None, *found)
 
 
 def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
@@ -326,11 +364,16 @@ def newest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
     return max((s for s in (whole, sharded) if s is not None), default=None)
 
 
-def _require_dir(ctx: JobContext) -> Path:
+def _require_dir(ctx: JobContext, sharded: bool = False) -> Path:
+    """The job's checkpoint directory, once it is known that no other user can plant a checkpoint
+    there (or the user consented, RALLY_CHECKPOINT_DIR_SHARED=1): UnsafeDirectory otherwise."""
     if ctx.checkpoint_dir is None:
+        what = "sharded checkpoints need" if sharded else "no checkpoint directory: checkpoints need"
         raise CheckpointDirNotSet(
-            f"rally: no checkpoint directory; set {CHECKPOINT_DIR_ENV} to a directory that every rank can see"
+            f"rally: {what} a directory that every rank can see: run under rally with "
+            f"--checkpoint-dir DIR (under torchrun or plain python, set {CHECKPOINT_DIR_ENV}=DIR)"
         )
+    auth.check_directory(ctx.checkpoint_dir)
     return ctx.checkpoint_dir
 
 

@@ -1,0 +1,93 @@
+"""What authenticating checkpoints costs: the HMAC-SHA256 beside the CRC-32, per GB (issue 27).
+
+    python -m bench.checkpoint_mac            1 GB, 3 repetitions
+    python -m bench.checkpoint_mac --gb 0.5 --reps 5
+
+Three figures, each the median of the repetitions, each through rally's own code:
+
+- **sums**: one pass over the bytes in 8 MiB chunks, the CRC-32 alone (the footer before) and the
+  CRC-32 plus the HMAC (``checkpoint_file.Sums``: what the holder's persister and ``job.save`` do);
+- **persist**: the holder's persister writing a slot (a memfd) to a signed file in a temporary
+  directory (``persist.persist``: copy, CRC, HMAC, fsync, rename), in the background of training;
+- **verify**: ``checkpoint_file.open_mapped_verified`` of that file (CRC + HMAC, what
+  ``load_latest`` does before a disk load) against the same bytes with the legacy footer (CRC only).
+
+Reloads from memory verify nothing (the holder's channel is authenticated), and the training
+step's stall never computes a MAC: those are bench/checkpoint.py's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+from rally.agent.checkpoint import persist
+from rally.agent.worker import checkpoint_file
+
+CHUNK = checkpoint_file.READ_CHUNK
+
+
+def timed(action) -> float:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    size = int(args.gb * (1 << 30))
+    data = os.urandom(1 << 20) * (size >> 20)
+    view = memoryview(data)
+
+    def crc_only() -> None:
+        crc = 0
+        for start in range(0, len(data), CHUNK):
+            crc = zlib.crc32(view[start : start + CHUNK], crc)
+
+    def crc_and_mac() -> None:
+        sums = checkpoint_file.Sums(1)
+        for start in range(0, len(data), CHUNK):
+            sums.update(view[start : start + CHUNK])
+        sums.footer()
+
+    rows: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="rally-mac-") as tmp:
+        directory = Path(tmp)
+        slot = os.memfd_create("bench-slot")
+        os.write(slot, data)
+        legacy = directory / "legacy" / "step_000000000001.pt"
+        legacy.parent.mkdir(mode=0o700)
+        footer = checkpoint_file.LEGACY_FOOTER.pack(b"RALLYCKP", len(data), zlib.crc32(data), b"END1")
+        legacy.write_bytes(data + footer)
+        signed = directory / persist.default_name(1)
+        for _ in range(args.reps):
+            rows.setdefault("sums: CRC-32 only", []).append(timed(crc_only))
+            rows.setdefault("sums: CRC-32 + HMAC-SHA256", []).append(timed(crc_and_mac))
+            rows.setdefault("persist (signed, fsync)", []).append(
+                timed(lambda: persist.persist(slot, len(data), directory, 1, 3))
+            )
+            rows.setdefault("verify: legacy file (CRC only)", []).append(
+                timed(lambda: os.close(checkpoint_file.open_mapped_verified(legacy)[0]))
+            )
+            rows.setdefault("verify: signed file (CRC + HMAC)", []).append(
+                timed(lambda: os.close(checkpoint_file.open_mapped_verified(signed)[0]))
+            )
+        os.close(slot)
+    gb = len(data) / (1 << 30)
+    print(f"{len(data) / 1e9:.2f} GB, median of {args.reps}; load average {os.getloadavg()[0]:.1f}")
+    print("| what | seconds per GiB | GiB/s |\n|---|---|---|")
+    for name, times in rows.items():
+        per = statistics.median(times) / gb
+        print(f"| {name} | {per:.3f} | {1 / per:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

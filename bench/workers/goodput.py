@@ -1,0 +1,189 @@
+"""The goodput benchmark's worker (bench/goodput.py): train in lockstep, checkpoint, survive kills.
+
+    <launcher> --nproc-per-node 2 bench/workers/goodput.py --method rally --dir D --until EPOCH --events E
+
+Every rank holds the same state, 25 float32 tensors of 2000 x 2000 (400 MB, the size of
+25 x Linear(2000, 2000)), and steps in lockstep with the other rank: each step overwrites every
+tensor in place (an optimizer step's memory traffic: the state after step s is ``s + i`` in
+tensor i, so a resumed state is checked exactly), computes matrix products until the step has
+taken ``--step-seconds`` (0.1 s), and all-reduces a small tensor, as DDP's gradient exchange would
+(so a killed peer fails the survivor, as in real training). Rank 0's all-reduce also carries
+"the deadline has passed", so both ranks stop after the same step.
+
+Checkpoints follow Young's interval for a failure every ``--mtbf`` seconds: every
+``round(sqrt(2 x stall x mtbf) / step time)`` steps, with the stall and the step time measured as
+the run goes (the first save is at step 1, to measure it). Methods:
+
+- ``rally``: ``rally.job.save(state, step)`` / ``load_latest()`` (the memory tier, persisted in
+  the background to ``--checkpoint-dir``);
+- ``torch_save``: rank 0 ``torch.save`` to a temporary file, fsync, rename (atomic; the previous
+  one is removed), every rank ``torch.load``\\ s the newest at start;
+- ``dlrover``: DLRover's flash checkpoint (``DdpCheckpointer``, ``StorageType.DISK``);
+- ``none``: no checkpoint (the failure-free ideal's run).
+
+Rank 0 appends one JSON line per event to ``--events``: ``start`` (the script's first line, before
+``import torch``), ``resumed`` (the step loaded, and how long the load took), ``step`` (every
+step, with its duration) and ``save`` (the stall). Rank 1 writes its pid to ``--pid-file`` so the
+driver can kill it.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # the script's first line: the restart's end as far as the launcher goes
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+TENSORS = 25
+SIDE = 2000
+
+
+class Events:
+    """Rank 0's event log (other ranks log nothing)."""
+
+    def __init__(self, path: Path, attempt: int) -> None:
+        self.file = open(path, "a", buffering=1) if os.environ["RANK"] == "0" else None  # noqa: SIM115
+        self.attempt = attempt
+
+    def __call__(self, event: str, **fields: float | int | str) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"e": event, "t": time.time(), "a": self.attempt, **fields}) + "\n")
+
+
+class Checkpoints:
+    """One method's save and load, behind the same two calls."""
+
+    def __init__(self, method: str, directory: Path) -> None:
+        self.method, self.dir = method, directory
+        if method == "rally":
+            from rally import job
+
+            self.job = job
+        elif method == "dlrover":
+            from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+
+            self.dl, self.storage = DdpCheckpointer(str(directory)), StorageType.DISK
+
+    def save(self, state: dict[str, torch.Tensor], step: int) -> None:
+        if self.method == "rally":
+            self.job.save(state, step)
+        elif self.method == "torch_save":
+            if dist.get_rank() == 0:
+                final, temp = self.dir / f"step_{step}.pt", self.dir / f".step_{step}.pt.tmp"
+                with open(temp, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(temp, final)
+                for older in self.dir.glob("step_*.pt"):
+                    if older != final:
+                        older.unlink(missing_ok=True)
+        elif self.method == "dlrover":
+            self.dl.save_checkpoint(step, state, str(self.dir / f"{step}.pt"), storage_type=self.storage)
+
+    def load(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest checkpoint: (step, state), or None."""
+        if self.method == "rally":
+            ckpt = self.job.load_latest()
+            return None if ckpt is None else (ckpt.step, ckpt.state)
+        if self.method == "torch_save":
+            steps = sorted(int(p.stem.split("_")[1]) for p in self.dir.glob("step_*.pt"))
+            if not steps:
+                return None
+            return steps[-1], torch.load(self.dir / f"step_{steps[-1]}.pt", weights_only=True)
+        if self.method == "dlrover":
+            state = self.dl.load_checkpoint()
+            return (int(state["layer0.weight"][0, 0].item()), state) if state else None  # tensor 0 holds its step
+        return None
+
+
+def fill(state: dict[str, torch.Tensor], step: int) -> None:
+    """The state after ``step``: tensor i holds ``step + i`` everywhere (overwritten in place)."""
+    for i, tensor in enumerate(state.values()):
+        tensor.fill_(float(step + i))
+
+
+def check(state: dict[str, torch.Tensor], step: int) -> None:
+    """A resumed state must be exactly the saved step's (first and last element of each tensor)."""
+    for i, tensor in enumerate(state.values()):
+        flat = tensor.view(-1)
+        if flat[0].item() != step + i or flat[-1].item() != step + i:
+            raise SystemExit(f"resumed state is not step {step}'s: tensor {i} holds {flat[0].item()}")
+
+
+def busy_until(deadline: float, a: torch.Tensor, b: torch.Tensor) -> None:
+    while time.perf_counter() < deadline:
+        torch.mm(a, b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", required=True, choices=("rally", "torch_save", "dlrover", "none"))
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--events", type=Path, required=True)
+    parser.add_argument("--pid-file", type=Path, required=True)
+    parser.add_argument("--until", type=float, required=True, help="wall-clock time (epoch) to stop at")
+    parser.add_argument("--step-seconds", type=float, default=0.1)
+    parser.add_argument("--mtbf", type=float, default=60.0)
+    args = parser.parse_args()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+    torch.set_num_threads(1)
+    events = Events(args.events, attempt)
+    events("start", at=STARTED)
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        args.pid_file.write_text(str(os.getpid()))
+    state = {f"layer{i}.weight": torch.empty(SIDE, SIDE) for i in range(TENSORS)}
+    ckpt = Checkpoints(args.method, args.dir)
+    began = time.perf_counter()
+    loaded = ckpt.load() if args.method != "none" else None
+    step = 0
+    if loaded is not None:
+        step, saved = loaded
+        for name, tensor in state.items():
+            tensor.copy_(saved[name])
+        check(state, step)
+        events("resumed", step=step, seconds=time.perf_counter() - began)
+    else:
+        fill(state, 0)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    flag = torch.zeros(1)
+    stalls: list[float] = []
+    step_times: list[float] = []
+    next_save = step + 1
+    while True:
+        step += 1
+        t0 = time.perf_counter()
+        fill(state, step)
+        busy_until(t0 + args.step_seconds, a, b)
+        flag[0] = 1.0 if dist.get_rank() == 0 and time.time() >= args.until else 0.0
+        dist.all_reduce(flag)
+        took = time.perf_counter() - t0
+        step_times.append(took)
+        events("step", step=step, seconds=took)
+        if flag[0] > 0:
+            break
+        if args.method != "none" and step >= next_save:
+            t1 = time.perf_counter()
+            ckpt.save(state, step)
+            stalls.append(time.perf_counter() - t1)
+            events("save", step=step, seconds=stalls[-1])
+            per_step = statistics.median(step_times[-50:])
+            interval = math.sqrt(2 * statistics.median(stalls) * args.mtbf) / per_step
+            next_save = step + max(1, round(interval))
+            events("interval", steps=max(1, round(interval)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,564 @@
+"""Issue 27, the checkpoint tier as a security boundary (items 1, 2, 3, 4, 5 and 11).
+
+The attacker is a real other user (tests/stranger.py: uid 65534, standard library only) wherever
+the finding is about another user; item 11 is the same user's other job. Everything is real: the
+agent's holder process, its socket, memfds, files on disk. Where a case needs torch (DCP's
+metadata, torch.save'd states) one worker subprocess does the loading.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rally.agent.checkpoint import client as ckpt_client
+from rally.agent.checkpoint import dcp_files, dcp_persist, persist
+from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
+from rally.agent.checkpoint.tier import CheckpointTier, NoTier
+from rally.agent.observe.event_log import EventLog
+from rally.agent.worker import checkpoint_file
+from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
+
+REPO = Path(__file__).resolve().parents[1]
+LEASE = 60.0
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory under /tmp that the stranger can reach (tmp_path's parents are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="rally-trust-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[CheckpointTier, list[str]]]:
+    warnings: list[str] = []
+    tier = CheckpointTier.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "events.jsonl"), warnings.append)
+    assert isinstance(tier, CheckpointTier), warnings
+    tier.open_round(0, None, LEASE)
+    try:
+        yield tier, warnings
+    finally:
+        tier.stop()
+
+
+def worker_of(tier: CheckpointTier, monkeypatch: pytest.MonkeyPatch, **changed: str) -> MemoryTier:
+    """A worker's client made as a worker makes it: from the environment the agent gives it."""
+    for name, value in {**tier.env(), "RALLY_ROUND": "0", **changed}.items():
+        monkeypatch.setenv(name, value)
+    made = MemoryTier.from_env()
+    assert made is not None
+    return made
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return bool(condition())
+
+
+# A holder of the stranger's: answers every request as the real one would, with its own step, and
+# a sharded copy whose DCP metadata is a pickle that runs code (standard library only).
+FAKE_HOLDER = """
+import json, os, pickle, socket, struct, sys
+name, marker = sys.argv[1], sys.argv[2]
+class Boom:
+    def __reduce__(self):
+        return (exec, ("open(%r, 'w').write('pwned')" % marker,))
+meta = pickle.dumps(Boom())
+blob = struct.pack("<8sQQQ", b"RALLYDCP", len(meta), 1, 0) + meta + b"\\0" * 64
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind("\\0rally-ckpt-" + name)
+listener.listen(8)
+print("listening", flush=True)
+while True:
+    conn, _ = listener.accept()
+    try:
+        while packet := conn.recv(65536):
+            op = json.loads(packet).get("op")
+            fds = []
+            if op == "held":
+                answer = {"ok": True, "held": {"dcp0of1": [424242]}}
+            elif op == "slot":
+                fd = os.memfd_create("x")
+                os.write(fd, blob)
+                answer, fds = {"ok": True, "length": len(blob)}, [fd]
+            else:
+                answer = {"ok": True, "step": 424242, "slot": 0}
+            socket.send_fds(conn, [json.dumps(answer).encode()], fds)
+    except OSError:
+        pass
+    conn.close()
+"""
+
+
+def start_fake_holder(marker: Path) -> tuple[contextlib.AbstractContextManager, str]:  # type: ignore[type-arg]
+    name = os.urandom(16).hex()
+    code = f"import sys; sys.argv = ['x', {name!r}, {str(marker)!r}]\n" + FAKE_HOLDER
+    return stranger_process(code), name
+
+
+# --- item 1: the holder cannot be squatted, and the worker checks who answers ----------------
+
+
+@pytest.mark.timeout(30)
+def test_the_holders_socket_is_named_on_no_command_line_and_another_user_cannot_bind_it(
+    agent: tuple[CheckpointTier, list[str]],
+) -> None:
+    require_stranger()
+    tier, _ = agent
+    name = tier.env()[ckpt_client.HOLDER_ENV]
+    cmdline = Path(f"/proc/{tier.pid}/cmdline").read_bytes().decode()
+    assert name not in cmdline, "the socket's name is on the holder's command line, readable by every user"
+    # Even told the name (abstract names show in /proc/net/unix once bound), the stranger can
+    # neither bind it (the agent bound it before the holder started) nor be served on it.
+    probe = f"""
+import json, socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+try:
+    s.bind("\\0rally-ckpt-{name}")
+    print("bound")
+except OSError as exc:
+    print("bind refused", exc.errno)
+c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+c.settimeout(5)
+c.connect("\\0rally-ckpt-{name}")
+c.send(json.dumps({{"op": "resume", "key": "whole"}}).encode())
+try:
+    print("answer", c.recv(65536))
+except OSError as exc:
+    print("no answer", exc)
+"""
+    done = run_as_stranger(probe, timeout=20)
+    assert "bind refused 98" in done.stdout, done.stdout + done.stderr
+    assert "answer b''" in done.stdout or "no answer" in done.stdout, done.stdout
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_refuses_a_checkpoint_socket_served_by_another_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "pwned"
+    attacker, name = start_fake_holder(marker)
+    with attacker as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "listening", proc.stderr
+        monkeypatch.setenv(ckpt_client.HOLDER_ENV, name)
+        monkeypatch.setenv("RALLY_CKPT_HOLDER_PID", str(os.getpid()))  # the holder the agent started: not the squatter
+        monkeypatch.setenv("RALLY_CKPT_SECRET", "the-jobs-secret")
+        worker = MemoryTier.from_env()
+        assert worker is not None
+        with pytest.raises(CheckpointRefused, match=r"served by pid \d+ \(uid 65534\).*refusing it"):
+            worker.resume("whole")  # main: (424242, ...) from the squatter
+        worker.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_holder_that_cannot_bind_its_socket_leaves_the_tier_off_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rally.agent.checkpoint import tier as tier_module
+
+    attacker, name = start_fake_holder(tmp_path / "unused")
+    with attacker as proc:  # the stranger holds the name first
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
+        monkeypatch.setattr(tier_module, "socket_name", lambda: name, raising=False)
+        warnings: list[str] = []
+        started = CheckpointTier.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "e.jsonl"), warnings.append)
+        try:
+            assert isinstance(started, NoTier), "the tier is half on: a holder without its socket"
+            assert len(warnings) == 1 and "tier is off" in warnings[0] and "Address already in use" in warnings[0]
+            assert started.env() == {}
+        finally:
+            started.stop()
+
+
+@pytest.mark.timeout(30)
+def test_the_agent_notices_its_holder_dying_and_never_counts_its_memory_steps_as_durable(
+    agent: tuple[CheckpointTier, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, warnings = agent
+    worker = worker_of(tier, monkeypatch)
+    slot = worker.reserve("whole", 7, 4096, True, 3)
+    assert slot is not None
+    worker.commit("whole", 7, 100)  # saved in memory; the persister may or may not have written it yet
+    worker.close()
+    assert wait_for(lambda: tier.last_saved == 7)
+    os.kill(tier.pid, 9)
+    assert wait_for(lambda: any("holder of this node" in w and "died" in w for w in warnings)), warnings
+    if tier.last_durable != 7:  # died before the disk: the job's end must not count it
+        assert tier.lost() is not None and "never reached" in tier.lost()  # type: ignore[operator]
+
+
+HOLDER_DIES = """
+import time, psutil
+from rally.agent.checkpoint import client
+tier = client.tier()
+slot = tier.reserve("whole", 7, 4096, False, 3)  # step 7, in memory only
+slot[:4] = b"abcd"
+tier.commit("whole", 7, 4)
+time.sleep(0.5)  # the holder tells its agent "saved"
+me, holder = psutil.Process(), None
+while me is not None and holder is None:  # the holder: a child of the agent, an ancestor of this worker
+    holder = next((c for c in me.children() if "holder.py" in " ".join(c.cmdline())), None)
+    me = me.parent()
+holder.kill()
+time.sleep(1.5)
+print("worker done", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_job_whose_holder_died_with_its_newest_step_does_not_exit_0(tmp_path: Path) -> None:
+    from helpers import clean_env, run_rally
+
+    script = tmp_path / "train.py"
+    script.write_text(HOLDER_DIES)
+    ckpt = tmp_path / "ckpt"
+    result = run_rally(
+        ["--standalone", "--nproc-per-node", "1", "--checkpoint-dir", str(ckpt), str(script)],
+        cwd=tmp_path, env=clean_env(), timeout=80,
+    )  # fmt: skip
+    assert "worker done" in result.stdout, result.describe()
+    assert result.returncode != 0, result.describe()  # main: exit 0, "succeeded"
+    assert "checkpoint step 7 never reached" in result.stderr, result.describe()
+
+
+# --- item 2: no code from a squatter's DCP metadata --------------------------------------------
+
+SHARDED_RESUME = """
+import json, os, sys, tempfile
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+from rally import job
+from rally.agent.checkpoint.client import CheckpointRefused
+try:
+    found = job.load_latest(into={"w": torch.zeros(4)})
+    print(json.dumps({"step": found.step if found else None}))
+except CheckpointRefused as exc:
+    print(json.dumps({"refused": str(exc)}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_squatters_dcp_metadata_never_runs_code_in_the_worker(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(mode=0o700)
+    attacker, name = start_fake_holder(marker)
+    with attacker as proc:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+        env |= {
+            ckpt_client.HOLDER_ENV: name,
+            "RALLY_CKPT_HOLDER_PID": str(os.getpid()),
+            "RALLY_CKPT_SECRET": "the-jobs-secret",
+            "RALLY_CHECKPOINT_DIR": str(ckpt),
+            "RALLY_ROUND": "0",
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", SHARDED_RESUME], env=env, cwd=REPO, capture_output=True, text=True, timeout=100
+        )
+    assert not marker.exists(), "the squatter's pickle ran in the worker"
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refusing it" in json.loads(done.stdout.strip().splitlines()[-1]).get("refused", ""), done.stdout
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_dcp_metadata_is_read_with_an_allow_list_of_dcps_own_classes(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from rally.agent.checkpoint import dcp_metadata
+
+    dcp.save(
+        {"w": torch.zeros(3, dtype=torch.bfloat16), "n": 1}, storage_writer=FileSystemWriter(tmp_path), no_dist=True
+    )
+    genuine = dcp_metadata.loads((tmp_path / ".metadata").read_bytes())
+    assert "w" in genuine.state_dict_metadata
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (exec, (f"open({str(marker)!r}, 'w').write('pwned')",))
+
+    with pytest.raises(dcp_metadata.UnsafeMetadata, match="builtins.exec"):
+        dcp_metadata.loads(pickle.dumps(Boom()))
+    assert not marker.exists()
+
+
+# --- item 3: planted checkpoints --------------------------------------------------------------
+
+PLANTED_LOAD = """
+import json, os, sys
+import torch
+from rally import job
+out = {}
+try:
+    found = job.load_latest()
+    out["whole"] = found.step if found else None
+except Exception as exc:
+    out["whole_error"] = f"{type(exc).__name__}: {exc}"
+try:
+    found = job.load_latest(into={"w": torch.zeros(4)})
+    out["sharded"] = found.step if found else None
+except Exception as exc:
+    out["sharded_error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+PLANT = """
+import base64, json, os, sys, zlib, struct
+directory, payload, meta = sys.argv[1], base64.b64decode(sys.argv[2]), base64.b64decode(sys.argv[3])
+with open(os.path.join(directory, "step_000000000099.pt"), "wb") as f:   # a legacy footer, a valid CRC
+    f.write(payload + struct.pack("<8sQI4s", b"RALLYCKP", len(payload), zlib.crc32(payload), b"END1"))
+step = os.path.join(directory, "step_000000000099.dcp")
+os.mkdir(step)
+files = {".metadata": meta, "__0_0.distcp": b"x" * 16}
+for name, data in files.items():
+    open(os.path.join(step, name), "wb").write(data)
+manifest = {"format": "rally-dcp-1", "step": 99,
+            "files": {n: {"size": len(d), "crc32": zlib.crc32(d)} for n, d in files.items()}}
+open(os.path.join(step, "rally.json"), "w").write(json.dumps(manifest))
+print("planted")
+"""
+
+
+def planted_payloads(marker: Path) -> tuple[str, str]:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save({"w": torch.full((4,), 424242.0)}, buffer)
+
+    class Boom:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (exec, (f"open({str(marker)!r}, 'w').write('pwned')",))
+
+    return base64.b64encode(buffer.getvalue()).decode(), base64.b64encode(pickle.dumps(Boom())).decode()
+
+
+def load_in_worker(directory: Path, shared: bool) -> tuple[dict, str]:
+    """What a worker's load_latest() and load_latest(into=...) find in ``directory`` (each may fail)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env |= {"RALLY_CHECKPOINT_DIR": str(directory)} | ({"RALLY_CHECKPOINT_DIR_SHARED": "1"} if shared else {})
+    done = subprocess.run(
+        [sys.executable, "-c", PLANTED_LOAD], env=env, cwd=REPO, capture_output=True, text=True, timeout=100
+    )
+    lines = done.stdout.strip().splitlines()
+    return (json.loads(lines[-1]) if lines else {"crashed": done.returncode}), done.stderr
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(150)
+def test_checkpoints_another_user_planted_are_never_loaded_even_with_consent(open_dir: Path) -> None:
+    require_stranger()
+    shared = open_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # a shared scratch directory
+    marker = open_dir / "pwned"
+    payload, meta = planted_payloads(marker)
+    args = f"import sys; sys.argv = ['x', {str(shared)!r}, {payload!r}, {meta!r}]\n"
+    done = run_as_stranger(args + PLANT, timeout=20)
+    assert "planted" in done.stdout, done.stderr
+    found, stderr = load_in_worker(shared, shared=True)
+    assert not marker.exists(), "the planted .metadata pickle ran code in the job"
+    assert found.get("whole") is None and found.get("sharded") is None, (found, stderr[-2000:])
+    assert "not loaded" in stderr
+    refused, _ = load_in_worker(shared, shared=False)  # without consent: one line, nothing loaded
+    assert "--checkpoint-dir-shared" in refused.get("whole_error", ""), refused
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_legacy_checkpoints_still_load_from_a_private_directory_with_one_line_each(tmp_path: Path) -> None:
+    import io
+
+    import torch
+
+    private = tmp_path / "mine"
+    private.mkdir(mode=0o700)
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(4)}, buffer)
+    payload = buffer.getvalue()
+    legacy = checkpoint_file.LEGACY_FOOTER.pack(b"RALLYCKP", len(payload), __import__("zlib").crc32(payload), b"END1")
+    (private / "step_000000000003.pt").write_bytes(payload + legacy)
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    sharded = private / "step_000000000004.dcp"  # a sharded step with the manifest of before (CRCs, no MAC)
+    dcp.save({"w": torch.full((4,), 4.0)}, storage_writer=FileSystemWriter(sharded), no_dist=True)
+    files = {p.name: p.read_bytes() for p in sharded.iterdir()}
+    manifest = {
+        "format": "rally-dcp-1",
+        "step": 4,
+        "files": {n: {"size": len(d), "crc32": zlib.crc32(d)} for n, d in files.items()},
+    }
+    (sharded / "rally.json").write_text(json.dumps(manifest))
+    found, stderr = load_in_worker(private, shared=False)
+    assert found.get("whole") == 3 and found.get("sharded") == 4, (found, stderr)
+    assert stderr.count("unauthenticated") == 2, stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_signed_checkpoint_renamed_to_another_step_or_signed_by_another_key_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = b"0123456789" * 100
+    fd = os.memfd_create("slot")
+    os.write(fd, data)
+    written = persist.persist(fd, len(data), tmp_path, 5, 3)
+    os.close(fd)
+    assert checkpoint_file.is_intact(written)
+    renamed = tmp_path / "step_000000000009.pt"
+    os.rename(written, renamed)
+    assert not checkpoint_file.is_intact(renamed)
+    monkeypatch.setenv("RALLY_CKPT_KEY", "00" * 32)  # another user's key
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    fd = os.memfd_create("slot")
+    os.write(fd, data)
+    foreign = persist.persist(fd, len(data), tmp_path / "other", 5, 3)
+    os.close(fd)
+    monkeypatch.delenv("RALLY_CKPT_KEY")
+    assert not checkpoint_file.is_intact(foreign)
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_refuses_a_checkpoint_dir_others_can_write_unless_told_it_is_shared(open_dir: Path) -> None:
+    shared = open_dir / "scratch"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    script = open_dir / "train.py"
+    script.write_text("print('ran')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "TORCHELASTIC_"))}
+    base = [sys.executable, "-m", "rally", "--standalone", "--nproc-per-node", "1", "--checkpoint-dir", str(shared)]
+    refused = subprocess.run([*base, str(script)], env=env, capture_output=True, text=True, timeout=50, cwd=open_dir)
+    assert refused.returncode != 0 and "ran" not in refused.stdout
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "writable by every user" in lines[0] and "--checkpoint-dir-shared" in lines[0], lines
+    accepted = subprocess.run(
+        [*base[:-2], "--checkpoint-dir-shared", "--checkpoint-dir", str(shared), str(script)],
+        env=env, capture_output=True, text=True, timeout=50, cwd=open_dir,
+    )  # fmt: skip
+    assert accepted.returncode == 0 and "ran" in accepted.stdout, accepted.stderr[-2000:]
+
+
+# --- items 4 and 5: private sharded files, unpredictable temp names, no links followed ---------
+
+
+def write_part(directory: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's part of a sharded step, as its background writer writes it (no torch: rank 1 does not publish)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("RALLY_ROUND", "0")
+    dcp_persist.persist_part(directory, step, 3, 1, 2, b"metadata", b"shards of rank 1")
+
+
+@pytest.mark.timeout(30)
+def test_sharded_parts_and_manifests_are_readable_by_no_other_user(
+    open_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require_stranger()
+    ckpt = open_dir / "ckpt"  # the user's own directory, 0755: others may look, not write
+    ckpt.mkdir(mode=0o755)
+    write_part(ckpt, 4, monkeypatch)
+    (temp,) = [p for p in ckpt.iterdir() if dcp_files.TEMP_RE.match(p.name)]
+    assert temp.stat().st_mode & 0o777 == 0o700
+    assert {p.name: p.stat().st_mode & 0o777 for p in temp.iterdir()} == {
+        "__1_0.distcp": 0o600,
+        "__1.metadata": 0o600,
+        "__1.rally.json": 0o600,
+    }
+    done = run_as_stranger(f"print(open({str(temp / '__1_0.distcp')!r}, 'rb').read())", timeout=10)
+    assert "PermissionError" in done.stderr and "shards" not in done.stdout
+    published = dcp_files.TempDir(ckpt, 5)
+    (published.path / ".metadata").write_bytes(b"m")
+    path = published.publish({".metadata": (1, 0, "0" * 64)})
+    published.close()
+    assert (path / dcp_files.MANIFEST).stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.timeout(30)
+def test_a_link_planted_at_the_sharded_temp_name_is_never_followed(
+    open_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require_stranger()
+    shared = open_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("RALLY_ROUND", "0")
+    names = {".step_000000000007.dcp.job1-0.tmp", dcp_persist.temp_name(7)}  # main's name, and today's (leaked)
+    plant = f"""
+import os
+trap = {str(shared / "trap")!r}
+os.mkdir(trap); os.chmod(trap, 0o777)
+for name in {sorted(names)!r}:
+    os.symlink(trap, os.path.join({str(shared)!r}, name))
+print("planted")
+"""
+    assert "planted" in run_as_stranger(plant, timeout=10).stdout
+    with contextlib.suppress(PermissionError):  # refused: the name is another user's link
+        write_part(shared, 7, monkeypatch)
+    assert list((shared / "trap").iterdir()) == [], "the job wrote its shards into the stranger's directory"
+    assert (shared / "trap").stat().st_uid == STRANGER_UID
+
+
+# --- item 11: another job of the same user ------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_same_user_process_without_the_jobs_secret_is_turned_away(
+    agent: tuple[CheckpointTier, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, _ = agent
+    owner = worker_of(tier, monkeypatch)
+    slot = owner.reserve("whole", 3, 4096, False, 3)
+    assert slot is not None
+    slot[:5] = b"state"
+    owner.commit("whole", 3, 5)
+    other = worker_of(tier, monkeypatch, RALLY_CKPT_SECRET="another-jobs-secret")  # name and pid learnt, not the secret
+    with pytest.raises(CheckpointRefused, match="turned this connection away"):
+        other.held("")  # main: {"whole": [3]}, and its memfd on a "slot" request
+    other.close()
+    owner.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_reserve_is_refused_and_never_latches_the_job_to_disk_only(
+    agent: tuple[CheckpointTier, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, warnings = agent
+    worker = worker_of(tier, monkeypatch)
+    with pytest.raises(CheckpointRefused, match="more than this node's memory"):
+        worker.reserve("whole", 1, 1 << 50, True, 3)  # 1 PiB
+    slot = worker.reserve("whole", 2, 4096, True, 3)  # the next save is held in memory as ever
+    assert slot is not None
+    worker.commit("whole", 2, 10)
+    assert wait_for(lambda: tier.last_saved == 2)
+    assert not any("disk only" in w for w in warnings), warnings
+    worker.close()

@@ -1,0 +1,124 @@
+"""Every command and script of the README and the documentation pages that a user would copy
+runs here, as written, so no snippet can drift from the code (issue 29).
+
+A fenced block is marked on the line before it:
+
+    <!-- snippet: file NAME -->     the block is written to NAME in the page's directory
+    <!-- snippet: run -->           the block runs there (bash with -euo pipefail, or python)
+    <!-- snippet: run TEXT -->      ... and TEXT must be in what it printed (stdout or stderr)
+    <!-- snippet: skip REASON -->   it cannot run in a test (another machine, the network, minutes)
+
+Each page runs in a fresh directory holding the README's `train.py` and the page's own `file`
+blocks, with the installed `rally` first on PATH; its `run` blocks run in order and must exit 0
+without a traceback. A `bash`, `sh`, `python` or `yaml` block without a marker fails
+`test_every_block_a_user_would_copy_is_marked`: output belongs in `text` blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import clean_env
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+COPYABLE = {"bash", "sh", "shell", "console", "python", "py", "yaml", "yml"}
+FENCE = re.compile(r"^(\s*)```(\S*)")
+MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(\w+)\s*(.*?)\s*-->\s*$")
+PAGE_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int
+    lang: str
+    kind: str  # run, file, skip; "" when unmarked
+    arg: str
+    body: str
+
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+
+def blocks_of(page: Path) -> list[Block]:
+    lines = page.read_text().split("\n")
+    found, i = [], 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, lang = opening.group(1), opening.group(2)
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        body = "\n".join(line[len(indent) :] for line in lines[i + 1 : end]) + "\n"
+        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER.match(before)
+        kind, arg = (marker.group(1), marker.group(2)) if marker else ("", "")
+        found.append(Block(page, i + 1, lang, kind, arg, body))
+        i = end + 1
+    return found
+
+
+def readme_train_py() -> str:
+    (block,) = [b for b in blocks_of(REPO / "README.md") if b.kind == "file" and b.arg == "train.py"]
+    return block.body
+
+
+@pytest.mark.timeout(30)
+def test_every_block_a_user_would_copy_is_marked() -> None:
+    problems = []
+    for page in PAGES:
+        for block in blocks_of(page):
+            if block.lang in COPYABLE and block.kind not in ("run", "file", "skip"):
+                problems.append(f"{block.where()}: a {block.lang} block without <!-- snippet: run|file|skip -->")
+            elif block.kind == "skip" and not block.arg:
+                problems.append(f"{block.where()}: skip without a reason")
+            elif block.kind == "file" and not re.fullmatch(r"[\w.-]+", block.arg):
+                problems.append(f"{block.where()}: file needs a plain file name, not {block.arg!r}")
+            elif block.kind == "run" and block.lang not in ("bash", "sh", "python"):
+                problems.append(f"{block.where()}: only bash and python blocks run, not {block.lang!r}")
+    assert not problems, "\n".join(problems)
+
+
+RUNNABLE = [page for page in PAGES if any(b.kind == "run" for b in blocks_of(page))]
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(PAGE_TIMEOUT + 30)
+@pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(REPO)) for p in RUNNABLE])
+def test_the_snippets_of_a_page_run_as_written(page: Path, tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(readme_train_py())
+    blocks = blocks_of(page)
+    for block in blocks:
+        if block.kind == "file":
+            (tmp_path / block.arg).write_text(block.body)
+    env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    for block in (b for b in blocks if b.kind == "run"):
+        argv = (
+            [sys.executable, "-c", block.body]
+            if block.lang == "python"
+            else ["bash", "-euo", "pipefail", "-c", block.body]
+        )
+        try:
+            done = subprocess.run(
+                argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as late:
+            printed = "\n".join(
+                out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+                for out in (late.stdout, late.stderr)
+            )[-4000:]
+            pytest.fail(f"{block.where()} did not finish within {PAGE_TIMEOUT:g} s:\n{block.body}\n{printed}")
+        shown = f"{block.where()}:\n{block.body}\nexit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert done.returncode == 0, shown
+        assert "Traceback" not in done.stderr, shown
+        assert block.arg in done.stdout + done.stderr, f"expected {block.arg!r} in the output of {shown}"
