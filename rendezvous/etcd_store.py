@@ -331,13 +331,19 @@ class EtcdStore(KeyValueStore):
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
         """Set `name` only if nobody has (create_revision == 0); return (won, the value that stands, checked)."""
         compare = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        put = {"request_put": {"key": self._k(name), "value": self._seal(name, value)}}
+        sealed = self._seal(name, value)
+        put = {"request_put": {"key": self._k(name), "value": sealed}}
         won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
         if won:
             return True, value
         kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
         if not kvs:
             return False, ""
+        if kvs[0].get("value") == sealed:
+            # This very value stands: our own write, applied, whose reply was lost and which the client
+            # sent again (etcd_client.py). It won, as on c10d (`Store.set_once`); else a node whose slot
+            # claim timed out under load claimed a second slot and left another node out of the round.
+            return True, value
         try:
             return False, self._open(name, kvs[0]).decode()
         except UnicodeDecodeError:

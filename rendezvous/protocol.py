@@ -208,17 +208,19 @@ class Rendezvous:
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
-        if self.last_round is None:
-            hint = self.store.counter(CURRENT_ROUND, MAX_COUNT)
-            self._read_ahead([end_key(hint - 1), end_key(hint)] if hint > 0 else [end_key(0)])
-            r = arrival.current_round(self, hint)
-        else:
-            r = self.last_round + 1
-            self._read_ahead([end_key(r - 1)])
-        while True:
+        try:  # the end records read ahead serve these first checks only, never a later read
+            if self.last_round is None:
+                hint = self.store.counter(CURRENT_ROUND, MAX_COUNT)
+                self._read_ahead([end_key(hint - 1), end_key(hint)] if hint > 0 else [end_key(0)])
+                r = arrival.current_round(self, hint)
+            else:
+                r = self.last_round + 1
+                self._read_ahead([end_key(r - 1)])
             self.raise_if_closed()
             self._raise_if_final(r - 1)
+        finally:
             self._ahead = {}
+        while True:
             assignment = self._join(r, deadline)
             if assignment is not None:
                 self.last_round = r
@@ -227,6 +229,8 @@ class Rendezvous:
             self._wait_as_spare(r, time.monotonic() + self.settings.join_timeout)
             r += 1
             deadline = time.monotonic() + self.settings.join_timeout
+            self.raise_if_closed()
+            self._raise_if_final(r - 1)
 
     def _join(self, r: int, deadline: float) -> Assignment | None:
         s = self.settings
