@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 # Variables a launcher sets for its workers, or that configure rally itself. A test that runs
 # inside some launcher (or with PET_*/RALLY_* exported) must not leak them into the job under test.
@@ -237,29 +238,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(
-    predicate: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition"
-) -> object:
-    """Poll `predicate` until it returns something truthy; fail the test after `timeout` s."""
+def eventually(predicate: Callable[[], T], timeout: float, interval: float = 0.05) -> T:
+    """The tests' one poll: `predicate`'s first truthy value within `timeout` s, else its last
+    (falsy) value, for `assert eventually(...), context` or `found = eventually(...)`."""
     deadline = time.monotonic() + timeout
-    while True:
+    while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+    return predicate()
 
 
-def eventually(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
-    """Whether `predicate` holds within `timeout` s, for `assert eventually(...), context`
-    (wait_for fails the test by itself instead)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
+def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
+    """`eventually`, failing the test (naming `what`) when `predicate` never holds."""
+    value = eventually(predicate, timeout, interval)
+    if not value:
+        pytest.fail(f"timed out after {timeout} s waiting for {what}")
+    return value
 
 
 def is_alive(pid: int) -> bool:

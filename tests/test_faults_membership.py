@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
-from helpers import start_rally
+from helpers import eventually, start_rally
 
 KEEP_ALIVE_TIMEOUT = 2.0
 
@@ -57,17 +57,6 @@ while True:
 """
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.02):
-    """The predicate's first truthy value within `timeout` seconds (else its last value)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
-
-
 def records(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -84,7 +73,7 @@ class StoreProcess:
             self.popen = start_rally(
                 ["store", "--port", "0"], cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, prefix=prefix
             )
-        found = wait_for(lambda: re.search(r"listening on port (\d+)", self.log.read_text()), 60)
+        found = eventually(lambda: re.search(r"listening on port (\d+)", self.log.read_text()), 60)
         assert found, self.log.read_text()
         self.port = int(re.search(r"listening on port (\d+)", self.log.read_text()).group(1))
 
@@ -138,7 +127,7 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
         )
         for i in range(2)
     ]
-    assert wait_for(lambda: len({r["node"] for r in records(cluster.out) if r["step"] >= 3}) == 2, 150), "\n".join(
+    assert eventually(lambda: len({r["node"] for r in records(cluster.out) if r["step"] >= 3}) == 2, 150), "\n".join(
         a.output() for a in agents
     )
     by_node = {r["node"]: r for r in records(cluster.out)}
@@ -154,7 +143,7 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
         ]
         return later[0] if later else None
 
-    first = wait_for(training_again, 30)
+    first = eventually(training_again, 30)
     assert first, survivor.output()
     recovery = first["t"] - killed_at
     output = survivor.output()
@@ -182,7 +171,7 @@ def test_a_frozen_store_is_noticed_within_read_timeout_with_a_clear_line(cluster
     read_timeout = 3.0
     args = [*job_args(store.port, "2", extra=f"read_timeout={read_timeout:g}"), str(script)]
     agents = [cluster.agent(f"n{i}", args) for i in range(2)]
-    assert wait_for(lambda: len({r["node"] for r in records(cluster.out)}) == 2, 60), "\n".join(
+    assert eventually(lambda: len({r["node"] for r in records(cluster.out)}) == 2, 60), "\n".join(
         a.output() for a in agents
     )
     os.killpg(store.popen.pid, signal.SIGSTOP)
@@ -208,7 +197,7 @@ def test_a_store_that_freezes_while_the_job_forms_is_noticed_within_read_timeout
     read_timeout = 3.0
     agent = cluster.agent("n0", [*job_args(store.port, "2", extra=f"read_timeout={read_timeout:g}"), str(script)])
     client = TCPStore("127.0.0.1", store.port, is_master=False)
-    assert wait_for(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), (
+    assert eventually(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), (
         agent.output()
     )  # it waits for a second node
     os.killpg(store.popen.pid, signal.SIGSTOP)
@@ -239,7 +228,7 @@ def test_a_node_without_the_job_token_cannot_join(cluster, tmp_path):
     script = write_script(tmp_path, "plain.py", PLAIN_WORKER)
     args = [*job_args(store.port, "1:3", extra="last_call_timeout=1"), str(script)]
     member = cluster.agent("member", args, env={"RALLY_JOB_TOKEN": "the-secret"})
-    assert wait_for(lambda: records(cluster.out), 60), member.output()
+    assert eventually(lambda: records(cluster.out), 60), member.output()
     stranger = cluster.agent("stranger", args, env={"RALLY_JOB_TOKEN": "a-guess"})
     code = stranger.wait(60)
     text = stranger.output()
@@ -290,7 +279,7 @@ def test_standalone_store_listens_on_loopback_only(cluster, tmp_path):
 
     script = write_script(tmp_path, "plain.py", PLAIN_WORKER)
     agent = cluster.agent("n0", ["--standalone", "--nproc-per-node", "1", str(script)])
-    found = wait_for(lambda: re.search(r"hosting the rendezvous store on port (\d+)", agent.output()), 60)
+    found = eventually(lambda: re.search(r"hosting the rendezvous store on port (\d+)", agent.output()), 60)
     assert found, agent.output()
     port = int(found.group(1))
     listening = [c for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
@@ -355,7 +344,7 @@ def test_a_cut_node_stops_its_workers_and_the_others_reform(cluster, tmp_path, n
             args = [*job_args(store.port, "2:3", host=f"{SUBNET}.1"), str(script)]
             args[args.index("--local-addr") + 1] = f"{SUBNET}.{10 + i}"
             agents.append(_netns_agent(cluster, tmp_path, netns[1 + i], f"n{i}", args))
-        assert wait_for(
+        assert eventually(
             lambda: {r["node"] for r in records(cluster.out) if r["world"] == 3} == {"n0", "n1", "n2"}, 90
         ), "\n".join(a.output() for a in agents)
         cut = agents[1]
@@ -373,7 +362,7 @@ def test_a_cut_node_stops_its_workers_and_the_others_reform(cluster, tmp_path, n
         def reformed() -> list[dict]:
             return [r for r in records(cluster.out) if r["t"] > cut_at and r["world"] == 2]
 
-        assert wait_for(lambda: {r["node"] for r in reformed()} == {"n0", "n2"}, 30), "\n".join(
+        assert eventually(lambda: {r["node"] for r in reformed()} == {"n0", "n2"}, 30), "\n".join(
             a.output() for a in agents
         )
         again = min(r["t"] for r in reformed()) - cut_at

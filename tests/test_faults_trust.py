@@ -21,13 +21,12 @@ from pathlib import Path
 import pytest
 
 from agents import write_script
-from helpers import run_rally
+from helpers import eventually, run_rally
 from test_faults_membership import (
     PLAIN_WORKER,
     cluster,  # noqa: F401 - a fixture
     job_args,
     records,
-    wait_for,
 )
 
 TOKEN = "the-job-secret"
@@ -83,7 +82,7 @@ def test_a_strangers_success_counter_ends_nothing(cluster, tmp_path):
     env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "5", "OTHER_RANK_SECONDS": "1"}
     client = stranger(store.port)  # connected first: a client's connect can take seconds (DNS)
     agents = [cluster.agent(f"n{i}", [*job_args(store.port, "2"), str(script)], env=env) for i in range(2)]
-    assert wait_for(lambda: len(records(cluster.out)) == 2, 90), "\n".join(a.output() for a in agents)
+    assert eventually(lambda: len(records(cluster.out)) == 2, 90), "\n".join(a.output() for a in agents)
     client.add("rally/testjob/0/succeeded", 1)  # before rank 0 ends: its node's report made it 2 of 2
     faked_at = time.monotonic()
     time.sleep(3)  # rank 0 has ended (after 1 s): its node's report and the stranger's make 2 of 2
@@ -107,7 +106,7 @@ def test_a_decremented_arrival_counter_never_gives_two_nodes_one_rank(cluster, t
     env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "3", "OTHER_RANK_SECONDS": "3"}
     client = stranger(store.port)
     first = cluster.agent("n0", args, env=env)
-    assert wait_for(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), first.output()
+    assert eventually(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), first.output()
     assert client.add("rally/testjob/0/joined", -1) == 0  # the next node would get index 0 again
     second = cluster.agent("n1", args, env=env)
     codes = [first.wait(90), second.wait(90)]
@@ -204,7 +203,7 @@ def test_a_spare_of_a_full_job_gives_up_at_join_timeout_saying_what_it_waited_fo
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     env = {"RALLY_JOB_TOKEN": TOKEN, "OTHER_RANK_SECONDS": "60"}
     member = cluster.agent("member", [*job_args(store.port, "1", extra="join_timeout=8"), str(script)], env=env)
-    assert wait_for(lambda: records(cluster.out), 60), member.output()
+    assert eventually(lambda: records(cluster.out), 60), member.output()
     began = time.monotonic()
     spare = cluster.agent("spare", [*job_args(store.port, "1", extra="join_timeout=8"), str(script)], env=env)
     code = spare.wait(60)
@@ -225,7 +224,7 @@ def test_a_node_waiting_for_others_says_so_on_the_console_and_in_rally_status(cl
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     agent = cluster.agent("n0", [*job_args(store.port, "2", extra="join_timeout=10"), str(script)])
     line = re.compile(r"waiting for 1 more node: 1 of 2 joined \(\S+\); join_timeout in (\d+) s")
-    found = wait_for(lambda: line.search(agent.output()), 30)
+    found = eventually(lambda: line.search(agent.output()), 30)
     assert found and int(found.group(1)) <= 10, agent.output()
     status = run_rally(
         ["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=60
@@ -252,9 +251,9 @@ def test_two_jobs_on_one_store_with_the_default_run_id_get_one_line_naming_the_c
     ]
     release = tmp_path / "release"
     first = cluster.agent("job1", [*defaults, str(script)], env={"RELEASE_FILE": str(release)})
-    assert wait_for(lambda: records(cluster.out), 60), first.output()
+    assert eventually(lambda: records(cluster.out), 60), first.output()
     second = cluster.agent("job2", [*defaults, str(script)])
-    clash = wait_for(lambda: re.search(r"run id 'none' at .* is in use by a running job.*", second.output()), 60)
+    clash = eventually(lambda: re.search(r"run id 'none' at .* is in use by a running job.*", second.output()), 60)
     release.touch()  # job 1 may end now
     assert clash, second.output()
     assert f"(pid {first.popen.pid})" in clash.group(0) and "--rdzv-id" in clash.group(0), clash.group(0)
@@ -273,14 +272,14 @@ def test_a_frozen_agent_says_it_was_left_behind_not_that_the_store_froze(cluster
     script = write_script(tmp_path, "plain.py", PLAIN_WORKER)
     args = [*job_args(store.port, "1:2"), str(script)]
     agents = [cluster.agent(f"n{i}", args, env={"RALLY_JOB_TOKEN": TOKEN}) for i in range(2)]
-    assert wait_for(lambda: {r["node"] for r in records(cluster.out) if r["world"] == 2} == {"n0", "n1"}, 90), (
+    assert eventually(lambda: {r["node"] for r in records(cluster.out) if r["world"] == 2} == {"n0", "n1"}, 90), (
         "\n".join(a.output() for a in agents)
     )
     frozen, survivor = agents
     os.kill(frozen.popen.pid, signal.SIGSTOP)  # the agent only; its worker runs on
     stopped_at = time.time()
     try:
-        assert wait_for(
+        assert eventually(
             lambda: [r for r in records(cluster.out) if r["node"] == "n1" and r["world"] == 1 and r["t"] > stopped_at],
             30,
         ), survivor.output()
