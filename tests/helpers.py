@@ -231,6 +231,20 @@ def read_json_files(directory: Path, pattern: str) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob(pattern))}
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file, [] while it does not exist; a last line still being
+    written (no closing brace yet) is left for the next read."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def read_events(log_dir: Path) -> list[dict]:
+    """The tests' one events reader: every record of the agent's `<run>/events.jsonl` files under
+    `log_dir` (--log-dir), oldest run first."""
+    return [event for path in sorted(log_dir.glob("*/events.jsonl")) for event in read_jsonl(path)]
+
+
 def free_port() -> int:
     """A port the OS says is free right now (bound to 127.0.0.1:0, then closed)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

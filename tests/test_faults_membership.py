@@ -8,7 +8,6 @@ Each test measures the detection or recovery time it asserts; README's "Fault ma
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
-from helpers import eventually, start_rally
+from helpers import eventually, read_events, read_jsonl, start_rally
 
 KEEP_ALIVE_TIMEOUT = 2.0
 
@@ -58,9 +57,7 @@ while True:
 
 
 def records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return read_jsonl(path)
 
 
 class StoreProcess:
@@ -158,7 +155,7 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     assert survivor.wait(30) == 128 + signal.SIGTERM
     # The secondary failure really happened: the survivor's worker died of the lost peer in round 0.
     logs = tmp_path / f"logs{survivor.name[1:]}"
-    events = [json.loads(line) for f in logs.glob("*/events.jsonl") for line in f.read_text().splitlines()]
+    events = read_events(logs)
     exits = [e for e in events if e["event"] == "worker_exited" and e["round"] == 0]
     assert exits and exits[0]["returncode"] not in (0, None) and not exits[0]["exit"].startswith("SIG"), events
 
