@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import write_script
+from agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
 from helpers import (  # noqa: F401
     ProcessTracker,
     clean_env,
@@ -33,11 +33,6 @@ from helpers import (  # noqa: F401
 from live_rally import LiveRally
 from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
 from stranger_store import STORE_CLIENT
-from test_faults_membership import (
-    cluster,  # noqa: F401 - a fixture
-    job_args,
-    records,
-)
 from test_faults_trust import RANKS_WORKER, TOKEN
 
 # Raw writes besides tests/stranger_store.py's enveloped `put`: what any TCPStore client can send.
@@ -66,7 +61,7 @@ def test_a_strangers_long_append_to_the_status_list_does_not_stop_keep_alives(cl
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "10", "OTHER_RANK_SECONDS": "10"}
     agents = [cluster.agent(f"n{i}", [*job_args(store.port, "2"), str(script)], env=env) for i in range(2)]
-    assert eventually(lambda: len(records(cluster.out)) == 2, 90), "\n".join(a.output() for a in agents)
+    assert eventually(lambda: len(cluster.records()) == 2, 90), "\n".join(a.output() for a in agents)
     as_stranger(f"append({store.port}, 'rally/testjob/status/nodes', b''.join(b'n%06d\\n' % i for i in range(190000)))")
     codes = [a.wait(90) for a in agents]
     assert codes == [0, 0], "\n".join(a.output() for a in agents)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from agents import c10d_args, stop_all, write_script
+from agents import StoreProcess, c10d_args, stop_all, write_script
 from helpers import eventually, read_events, read_jsonl, run_rally
-from node_checks_helpers import Store, agent, bridged_namespaces, need_root, slow_cpu, slow_link
+from node_checks_helpers import agent, bridged_namespaces, need_root, slow_cpu, slow_link
 
 # A DDP-style loop over gloo; each node records its steps, then finishes after STEPS steps (20),
 # or at the first step at which any rank saw the file STOP_FILE (the test is done looking).
@@ -78,7 +78,7 @@ def test_a_node_with_a_slow_link_is_named_and_left_out_while_the_two_good_nodes_
     out = tmp_path / "records.jsonl"
     agents = []
     with bridged_namespaces(3) as (nodes, bridge):
-        store = Store(tmp_path, prefix=["ip", "netns", "exec", bridge])
+        store = StoreProcess(tmp_path, prefix=["ip", "netns", "exec", bridge])
         try:
             print(f"slow link on n1: {slow_link(nodes[1], 100)}")
             for i, ns in enumerate(nodes):
@@ -112,7 +112,7 @@ def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_t
 
     script = write_script(tmp_path, "train.py", TRAIN)
     out = tmp_path / "records.jsonl"
-    store = Store(tmp_path)
+    store = StoreProcess(tmp_path)
     client = TCPStore("127.0.0.1", store.port, is_master=False)
 
     def round0_has(nodes: int) -> bool:
