@@ -3,30 +3,39 @@ progress line (issue 19, "Must show").
 
 The code is read, not run: every call that can block (a store wait, `Event.wait`, a process or
 thread wait, a `select`/`poll`, `sleep`, a blocking `flock`, `subprocess.run`, socket reads) is
-found by its name in the syntax tree of every module of rally, and each one must be listed in
-WAITS below with what bounds it:
+found by its name in the syntax tree of every module of rally, and each one declares what bounds
+it where it is written (issue 28: a rename or a move takes the declaration along), in a comment
+directly above the line of the call:
 
+    # wait: KIND[, said by WHO]: why it is bounded
+    # wait HEAD: KIND ...        (only for the call HEAD, when one line holds several waits)
+
+KIND is one of
     short       its bound is a number or constant of at most SHORT_SECONDS
-    bounded     a bound that can be long (a user's timeout): the progress line is named in `says`
-    slice       one bounded slice of a longer wait that loops and re-checks; `says` names the
-                function that announces the whole wait (or "job": the wait *is* the running job)
+    bounded     a bound that can be long (a user's timeout): the progress line is named in `said by`
+    slice       one bounded slice of a longer wait that loops and re-checks; `said by` names the
+                function that announces the whole wait (or "the job": the wait *is* the running job)
     background  a thread or server of the agent waiting for work while the job runs; nobody
                 waits on it, so no line; its slices are bounded unless it is a server's loop
     after_kill  a process wait with no bound right after SIGKILL (the kernel ends it)
     not_a_wait  a call with a waiting name that returns at once (WNOHANG, Popen.poll, ...)
 
-`says` = (module, function): that function must print something (console say/warn/error,
-`on_status`, `announce`, a `progress` callback) - the line that tells the user what is awaited.
-A wait that is long and silent today is in KNOWN_SILENT too, with why it may stay so; the last
-test keeps that list honest in both directions.
+WHO is a function of the same module (`Class.method`), one of another (`agent/x.py Class.method`) or
+`the job`: that function must print something (console say/warn/error, `on_status`, `announce`, a
+`progress` callback) - the line that tells the user what is awaited. The comment may go on over more
+comment lines. A wait that is long and silent today is in KNOWN_SILENT too, with why it may stay so;
+the last test keeps that list honest in both directions.
 
-A new wait fails the first test with its place and what to add here.
+WAITS below still lists, by (module, function, call), the waits of modules that were being
+reworked when the declarations moved into the code (issue 28); move each into its module as a
+comment when you touch it. A new wait fails the first test with its place and what to write.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -42,8 +51,15 @@ WAIT_NAMES = {"sleep", "communicate", "select", "poll", "recv", "recv_into", "ac
 ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error", "progress", "tick", "wait_in_slices"}
 
 S, B, SL, BG, AK, NW = "short", "bounded", "slice", "background", "after_kill", "not_a_wait"
+KINDS = (S, B, SL, BG, AK, NW)
+# `# wait: KIND[, said by WHO]: why` or `# wait HEAD: ...` (the module docstring says what each part means)
+MARKER = re.compile(
+    r"#\s*wait(?:\s+(?P<head>[^:\s]+))?:\s*(?P<kind>[a-z_]+)"
+    r"(?:,\s*said by (?P<says>the job|\S+\.py \S+|\S+))?:\s*(?P<why>.*)"
+)
+Declaration = tuple[str, tuple[str, str] | str | None, str]  # (kind, says or None, why)
 # (module, function, the call's text up to its first "("): (kind, says or None, why)
-WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]] = {
+WAITS: dict[tuple[str, str, str], Declaration] = {
     # launcher
     ("launcher/slurm.py", "hostnames", "subprocess.run"): (S, None, "timeout=SCONTROL_TIMEOUT"),
     ("agent/logs_specs.py", "load", "entry_points(group='torchrun.logs_specs').select"): (
@@ -228,6 +244,23 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all",
     ),
     ("agent/checkpoint/holder.py", "main", "persister.join"): (S, None, "timeout=5 as the holder stops"),
+    ("agent/checkpoint/holder.py", "Holder.greeted", "conn.recv"): (
+        BG,
+        None,
+        "a worker connection's thread waits HELLO_TIMEOUT (10 s, the socket's timeout) for the greeting",
+    ),
+    ("agent/checkpoint/tier.py", "CheckpointTier.start", "_wait_ready"): (
+        B,
+        ("agent/checkpoint/tier.py", "CheckpointTier.start"),
+        "READY_TIMEOUT (15 s) for the holder to listen, at the agent's start; no progress line, but a holder "
+        "that does not is named in a warning and saves go to disk",
+    ),
+    ("agent/checkpoint/tier.py", "_wait_ready", "select.select"): (SL, None, "what is left of READY_TIMEOUT"),
+    ("agent/checkpoint/tier.py", "_wait_ready", "helper.process.wait"): (
+        S,
+        None,
+        "no bound: the holder closed its stdout before saying it listens, which it does only as it exits",
+    ),
     ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (
         SL,
         ("agent/checkpoint/tier.py", "CheckpointTier._ask"),
@@ -561,12 +594,81 @@ class _WaitFinder(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def _sources() -> list[Path]:
+    return [path for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))]
+
+
 def find_waits() -> dict[tuple[str, str, str], list[int]]:
+    """Every blocking call of rally: (module, function, the call up to "(") -> its lines."""
     found: dict[tuple[str, str, str], list[int]] = {}
-    for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            _WaitFinder(str(path.relative_to(REPO)), found).visit(ast.parse(path.read_text()))
+    for path in _sources():
+        _WaitFinder(str(path.relative_to(REPO)), found).visit(ast.parse(path.read_text()))
     return found
+
+
+def _comment_block_above(lines: list[str], lineno: int) -> list[tuple[int, str]]:
+    """The comment lines directly above line `lineno` (1-based), top first, with their numbers."""
+    block: list[tuple[int, str]] = []
+    i = lineno - 2
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        block.insert(0, (i + 1, lines[i].strip()))
+        i -= 1
+    return block
+
+
+def _markers(module: str, block: list[tuple[int, str]]) -> list[tuple[int, str | None, Declaration]]:
+    """The `# wait:` declarations in a comment block: (line, the call it names or None, declaration)."""
+    found: list[tuple[int, str | None, list[str]]] = []
+    for lineno, text in block:
+        match = MARKER.match(text)
+        if match:
+            found.append((lineno, match["head"], [match["kind"], match["says"] or "", match["why"]]))
+        elif found:
+            found[-1][2][2] += " " + text.lstrip("#").strip()  # the why goes on
+    result = []
+    for lineno, head, (kind, says, why) in found:
+        said: tuple[str, str] | str | None = None
+        if says == "the job":
+            said = "job"
+        elif says:
+            where, _, function = says.rpartition(" ")
+            said = (where or module, function)
+        result.append((lineno, head, (kind, said, why.strip())))
+    return result
+
+
+def declared_in_code(
+    found: dict[tuple[str, str, str], list[int]],
+) -> tuple[dict[tuple[str, str, str], Declaration], list[str]]:
+    """Each found wait's `# wait:` declaration, and what is wrong with the declarations: an unknown
+    kind, two that disagree for one call, a declaration with no such call under it."""
+    declared: dict[tuple[str, str, str], Declaration] = {}
+    used: set[tuple[str, int]] = set()
+    problems: list[str] = []
+    for key, lines in sorted(found.items()):
+        module, _, head = key
+        source = (REPO / module).read_text().splitlines()
+        for lineno in lines:
+            markers = [m for m in _markers(module, _comment_block_above(source, lineno)) if m[1] in (None, head)]
+            if len(markers) > 1:
+                problems.append(f"{module}:{lineno}: {len(markers)} `# wait:` comments for {head}(...): name the call")
+            for marker_line, _, declaration in markers[:1]:
+                used.add((module, marker_line))
+                if declaration[0] not in KINDS:
+                    problems.append(f"{module}:{marker_line}: unknown wait kind {declaration[0]!r} (one of {KINDS})")
+                elif declared.setdefault(key, declaration) != declaration:
+                    problems.append(f"{module}:{marker_line}: {head}(...) is declared differently elsewhere in it")
+    for module in sorted({m for m, _, _ in found} | {str(p.relative_to(REPO)) for p in _sources()}):
+        for i, line in enumerate((REPO / module).read_text().splitlines(), start=1):
+            if MARKER.match(line.strip()) and (module, i) not in used:
+                problems.append(f"{module}:{i}: a `# wait:` comment with no blocking call right under it")
+    return declared, problems
+
+
+def all_waits() -> dict[tuple[str, str, str], Declaration]:
+    """Every wait's declaration: those written in the code, then those still listed in WAITS."""
+    declared, _ = declared_in_code(find_waits())
+    return {**WAITS, **declared}
 
 
 def _function(module: str, qualname: str) -> ast.AST | None:
@@ -608,25 +710,30 @@ def _bound_seconds(module: str, call: ast.Call) -> float | None:
 
 
 @pytest.mark.timeout(60)
-def test_every_blocking_call_in_the_code_is_listed_with_its_bound():
+def test_every_blocking_call_in_the_code_declares_its_bound():
     found = find_waits()
+    declared, problems = declared_in_code(found)
     new = [
         f"{m}:{lines[0]} in {f or '<module>'}: {head}(...)"
         for (m, f, head), lines in found.items()
-        if (m, f, head) not in WAITS
+        if (m, f, head) not in declared and (m, f, head) not in WAITS
     ]
+    twice = [key for key in declared if key in WAITS]
     gone = [key for key in WAITS if key not in found]
     assert not new, (
-        "blocking calls not listed in tests/test_waits.py WAITS - give each a bound and, if it can last "
-        "more than a few seconds, a progress line, then list it:\n" + "\n".join(new)
+        "blocking calls that do not say what bounds them - give each a bound and, if it can last more than a "
+        "few seconds, a progress line, then write above the call `# wait: KIND[, said by WHO]: why` "
+        "(tests/test_waits.py says how):\n" + "\n".join(new)
     )
+    assert not problems, "\n".join(problems)
+    assert not twice, f"declared in the code and in tests/test_waits.py WAITS (drop them from WAITS): {twice}"
     assert not gone, f"listed in WAITS but no longer in the code (remove them): {gone}"
 
 
 @pytest.mark.timeout(60)
 def test_short_waits_are_short_and_unbounded_ones_only_follow_a_kill():
     problems = []
-    for (module, function, head), (kind, _says, why) in WAITS.items():
+    for (module, function, head), (kind, _says, why) in all_waits().items():
         node = _function(module, function) if function else ast.parse((REPO / module).read_text())
         assert node is not None, (module, function)
         calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and _blocking(n) == head]
@@ -657,7 +764,8 @@ def test_every_long_wait_prints_what_it_waits_for():
     """`says` names a function that prints; KNOWN_SILENT lists the long waits that do not yet,
     and each of those must still be silent (so the list shrinks as lines are added)."""
     unannounced, no_longer_silent = [], []
-    for key, (kind, says, why) in WAITS.items():
+    waits = all_waits()
+    for key, (kind, says, why) in waits.items():
         long = kind == B or (kind == SL and says not in (None, "job"))
         if not long:
             continue
@@ -669,7 +777,7 @@ def test_every_long_wait_prints_what_it_waits_for():
             unannounced.append(f"{key}: {why}; says={says}")
     assert unannounced == [], "long waits without a progress line:\n" + "\n".join(unannounced)
     assert no_longer_silent == [], f"these now announce themselves: remove them from KNOWN_SILENT: {no_longer_silent}"
-    assert set(KNOWN_SILENT) <= set(WAITS), set(KNOWN_SILENT) - set(WAITS)
+    assert set(KNOWN_SILENT) <= set(waits), set(KNOWN_SILENT) - set(waits)
 
 
 def test_the_scan_finds_a_blocking_call_and_ignores_string_joins():
@@ -682,3 +790,23 @@ def test_the_scan_finds_a_blocking_call_and_ignores_string_joins():
         if isinstance(n, ast.Call)
     ]
     assert [_blocking(c) for c in calls] == ["ev.wait", None, "t.thread.join", None, "q.get", "time.sleep"]
+
+
+def test_a_wait_comment_declares_the_call_under_it_and_a_stray_one_is_found():
+    """The declaration reader itself (so the tests above can fail): a comment block's `# wait:`
+    lines, one naming its call, the why going on over comment lines; `said by` in three forms."""
+    source = [
+        "# an ordinary comment",
+        "# wait: slice, said by Waiter.run: slices of",
+        "#   WAIT_SLICE_SECONDS",
+        "# wait q.get: bounded, said by agent/x.py announce: a timeout",
+        "# wait ev.wait: short, said by the job: 1 s",
+        "x = ev.wait(1) or q.get(timeout=t)",
+    ]
+    markers = _markers("agent/m.py", _comment_block_above(source, 6))
+    assert markers == [
+        (2, None, (SL, ("agent/m.py", "Waiter.run"), "slices of WAIT_SLICE_SECONDS")),
+        (4, "q.get", (B, ("agent/x.py", "announce"), "a timeout")),
+        (5, "ev.wait", (S, "job", "1 s")),
+    ]
+    assert _markers("agent/m.py", _comment_block_above(["# wait: short: 1 s", "", "ev.wait(1)"], 3)) == []
