@@ -124,6 +124,7 @@ class KeyValueStore(ABC):
         finds them all, else a `check` each); a store that reads many keys in one request does
         so (etcd: one range, `EtcdStore.get_present`).
         """
+        # wait: short: PRESENT_PROBE_SECONDS (0.01 s)
         everything = self.try_wait(names, PRESENT_PROBE_SECONDS)
         present: dict[str, bytes | UntrustedValue] = {}
         for name in names:
@@ -137,6 +138,7 @@ class KeyValueStore(ABC):
     def try_wait(self, names: Sequence[str], timeout: float) -> bool:
         """`wait`, answering False instead of raising when the time is up."""
         try:
+            # wait: slice: the caller's timeout
             self.wait(names, timeout)
             return True
         except StoreTimeout:

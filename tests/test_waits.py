@@ -62,16 +62,6 @@ Declaration = tuple[str, tuple[str, str] | str | None, str]  # (kind, says or No
 WAITS: dict[tuple[str, str, str], Declaration] = {
     # launcher
     ("launcher/slurm.py", "hostnames", "subprocess.run"): (S, None, "timeout=SCONTROL_TIMEOUT"),
-    ("agent/logs_specs.py", "load", "entry_points(group='torchrun.logs_specs').select"): (
-        NW,
-        None,
-        "entry points, not select(2)",
-    ),
-    ("agent/preemption.py", "Preemption.run", "self._wait_for_all_nodes"): (
-        SL,
-        ("agent/preemption.py", "Preemption.run"),
-        "--preemption-grace",
-    ),
     ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (
         SL,
         ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
@@ -93,89 +83,16 @@ WAITS: dict[tuple[str, str, str], Declaration] = {
         ("agent/node_waits.py", "wait_for_readers"),
         "EXIT_BARRIER_SECONDS (30), a signal ends it",
     ),
-    ("agent/node_waits.py", "wait_for_readers", "wait_in_slices"): (
-        B,
-        ("agent/node_waits.py", "wait_for_readers"),
-        "the caller's timeout, in slices with a line (console and status record)",
-    ),
-    ("rendezvous/long_wait.py", "wait_in_slices", "wait"): (
-        SL,
-        ("rendezvous/long_wait.py", "wait_in_slices"),
-        "slices of at most WAIT_PROGRESS_SECONDS up to the caller's timeout",
-    ),
     ("agent/agent.py", "Agent.store_call", "self.loop.run_blocking"): (
         SL,
         "job",
         "the call runs in a thread; the main loop keeps handling signals and the store probe",
     ),
-    ("agent/event_loop.py", "EventLoop.pump", "self.selector.select"): (
-        SL,
-        "job",
-        "the agent's one select: the running job's exits, output and signals",
-    ),
-    ("agent/event_loop.py", "EventLoop.pump", "obj.process.poll"): (NW, None, "reaps an exited worker"),
-    ("agent/worker/bootstrap.py", "", "run"): (NW, None, "the worker's own program"),
     ("agent/worker/checkpoint_file.py", "_lock", "fcntl.flock"): (
         S,
         None,
         "blocking only on a temp file whose writer holds it for one write",
     ),
-    ("agent/helper_process.py", "HelperProcess.stop", "self.process.wait"): (
-        S,
-        None,
-        "the caller's timeout (guard SWEEP_SECONDS + 3, holder 5 s), then SIGKILL",
-    ),
-    ("agent/hang_report.py", "HangReporter._watch_requests", "rnd.connect_again().stacks.wait_request"): (
-        BG,
-        None,
-        "a thread answering stack requests in slices",
-    ),
-    ("agent/leased_liveness.py", "keep_alive_with_lease", "round_over.wait"): (BG, None, "keep-alive interval"),
-    ("agent/linux.py", "readable", "select.poll"): (NW, None, "creates a poll object"),
-    ("agent/linux.py", "readable", "poller.poll"): (
-        SL,
-        "job",
-        "the caller's timeout; None only for a worker's own exit",
-    ),
-    ("agent/observe/metrics_http.py", "BoundedHttpServer.close", "self.thread.join"): (S, None, "timeout=5"),
-    ("agent/observe/metrics_http.py", "BoundedHttpServer._serve", "selector.select"): (
-        BG,
-        None,
-        "the metrics thread waits for clients; each waits REQUEST_SECONDS at most",
-    ),
-    ("agent/observe/metrics_http.py", "BoundedHttpServer._accept", "self.sock.accept"): (
-        NW,
-        None,
-        "a non-blocking socket",
-    ),
-    ("agent/observe/metrics_http.py", "BoundedHttpServer._read", "conn.recv"): (NW, None, "a non-blocking socket"),
-    ("agent/guard/orphan_guard.py", "sweep", "time.sleep"): (S, None, "10 ms between sweeps, bounded by SWEEP_SECONDS"),
-    ("agent/guard/orphan_guard.py", "Worker.alive", "select.select"): (NW, None, "a poll of a pidfd, timeout 0"),
-    ("agent/preemption.py", "Preemption._wait_for_all_nodes", "wait_in_slices"): (
-        B,
-        ("agent/preemption.py", "Preemption._wait_for_all_nodes"),
-        "what is left of --preemption-grace, in slices with a line every few seconds, through store_call",
-    ),
-    ("agent/processes.py", "ChildProcess.poll", "self.popen.poll"): (NW, None, "Popen.poll"),
-    ("agent/processes.py", "ChildProcess.wait", "self.popen.wait"): (SL, "job", "the caller's timeout"),
-    ("agent/processes.py", "kill_all", "child.poll"): (NW, None, "Popen.poll"),
-    ("agent/processes.py", "kill_all", "child.wait"): (S, None, "up to the kill deadline"),
-    ("agent/processes.py", "kill_descendants", "time.sleep"): (S, None, "5 ms between sweeps"),
-    ("agent/processes.py", "reap_zombies", "os.waitpid"): (NW, None, "WNOHANG"),
-    ("agent/round_threads.py", "RoundThreads._watch_round_end", "channel.wait_end"): (
-        BG,
-        None,
-        "the watcher thread, in slices, while the job runs",
-    ),
-    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.over.wait"): (
-        BG,
-        None,
-        "UNTRUSTED_END_POLL_SECONDS while the end key holds a stranger's value",
-    ),
-    ("agent/round_threads.py", "RoundThreads._keep_alive", "self.over.wait"): (BG, None, "keep-alive interval"),
-    ("agent/round_threads.py", "RoundThreads._publish_status", "self.over.wait"): (BG, None, "STATUS_INTERVAL_SECONDS"),
-    ("agent/round_threads.py", "RoundThreads._watchdog", "self.over.wait"): (BG, None, "limit / 8"),
-    ("agent/round_threads.py", "StoreProbe._run", "self.over.wait"): (BG, None, "probe interval"),
     ("agent/template.py", "ForkedChild.poll", "self.connection.popen.wait"): (AK, None, "after popen.kill()"),
     ("agent/template.py", "ForkedChild._reap_after_template_death", "os.waitid"): (NW, None, "WNOHANG"),
     ("agent/template.py", "ForkedChild._reap_after_template_death", "time.sleep"): (S, None, "10 ms, 2 s deadline"),
@@ -185,32 +102,6 @@ WAITS: dict[tuple[str, str, str], Declaration] = {
         ("agent/template_connection.py", "Connection._await"),
         "READY_TIMEOUT (300 s: importing torch on a loaded node)",
     ),
-    ("agent/template_connection.py", "status_to_returncode", "os.waitstatus_to_exitcode"): (NW, None, "arithmetic"),
-    ("agent/template_connection.py", "Connection.alive", "self.popen.poll"): (NW, None, "Popen.poll"),
-    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): (
-        B,
-        ("agent/template_connection.py", "Connection._await"),
-        "READY_TIMEOUT",
-    ),
-    ("agent/template_connection.py", "Connection.fork", "self._await"): (
-        B,
-        ("agent/template_connection.py", "Connection._await"),
-        "REPLY_TIMEOUT (30 s) for a fork",
-    ),
-    ("agent/template_connection.py", "Connection.describe_death", "self.popen.wait"): (S, None, "timeout=1"),
-    ("agent/template_connection.py", "Connection.close", "self.popen.wait"): (S, None, "timeout=5, then SIGKILL"),
-    ("agent/worker/template_server.py", "_Template._quiesce_native_pools", "os.waitpid"): (
-        S,
-        None,
-        "a child that exits at once",
-    ),
-    ("agent/worker/template_server.py", "_Template.serve", "self.poller.poll"): (
-        BG,
-        None,
-        "the template server's loop: it waits for requests",
-    ),
-    ("agent/worker/template_server.py", "_Template._reap", "os.waitpid"): (NW, None, "WNOHANG"),
-    ("agent/worker/template_wire.py", "recv_message", "sock.recv"): (SL, None, "the socket's timeout"),
     # agent: the checkpoint memory tier (the holder process, the agent's side, the worker's side)
     ("agent/checkpoint/client.py", "MemoryTier._connect", "time.sleep"): (
         S,
@@ -335,26 +226,6 @@ WAITS: dict[tuple[str, str, str], Declaration] = {
         "torch's FileSystemWriter writes before it returns: the future is already done",
     ),
     # rendezvous
-    ("rendezvous/etcd_client.py", "EtcdClient.call", "time.sleep"): (
-        S,
-        None,
-        "backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget",
-    ),
-    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.try_wait"): (
-        SL,
-        ("rendezvous/etcd_store.py", "EtcdStore.get"),
-        "slices of op_timeout (read_timeout) for a key not yet written",
-    ),
-    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.try_wait"): (
-        SL,
-        ("rendezvous/etcd_store.py", "EtcdStore.multi_get"),
-        "slices of op_timeout (read_timeout)",
-    ),
-    ("rendezvous/liveness.py", "wait_round_end_or_dead", "running.wait_end"): (
-        SL,
-        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
-        "a spare's wait",
-    ),
     ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (
         SL,
         ("rendezvous/protocol.py", "Rendezvous._join"),
@@ -380,150 +251,19 @@ WAITS: dict[tuple[str, str, str], Declaration] = {
         None,
         "1 s slices up to the caller's deadline",
     ),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_master", "self.store.try_wait"): (
-        SL,
-        None,
-        "1 s slices up to the caller's deadline",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.member_appeared", "self.store.try_wait"): (
-        BG,
-        None,
-        "the peer watcher",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.member_gone", "self._leases.wait_deleted"): (
-        BG,
-        None,
-        "the peer watcher",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.ended_within", "self.store.try_wait"): (
-        SL,
-        None,
-        "the caller's slice",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_end", "self.store.try_wait"): (
-        SL,
-        "job",
-        "slices while the round runs",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_all_acknowledged", "self.store.try_wait"): (
-        SL,
-        None,
-        "the caller's timeout",
-    ),
-    ("rendezvous/preemption_barrier.py", "PreemptionBarrier.wait_all_checkpointed", "self.store.try_wait"): (
-        SL,
-        None,
-        "the caller's timeout",
-    ),
-    ("rendezvous/stack_exchange.py", "StackExchange.wait_request", "self.store.try_wait"): (BG, None, "slices"),
-    ("rendezvous/stack_exchange.py", "StackExchange.gather", "self.store.try_wait"): (
-        S,
-        None,
-        "HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named",
-    ),
-    ("rendezvous/store.py", "_check_same_job", "store.try_wait"): (S, None, "a marker the job's host writes at once"),
-    # merged from the trust, preflight and etcd branches
-    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): (
-        S,
-        None,
-        "timeout=5 after SIGKILL of the probe's process group",
-    ),
-    ("agent/checks/preflight.py", "Preflight._probe", "wait_in_slices"): (
-        B,
-        ("agent/checks/preflight.py", "Preflight._probe"),
-        "PROBE_TIMEOUT_SECONDS + 10 (30 s), through store_call: signals and the store probe stay live",
-    ),
+    # the launcher, the rendezvous protocol and the arrival order (merged from later branches)
     ("launcher/slurm.py", "SlurmJob.requeue", "subprocess.run"): (
         S,
         None,
         "timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms",
     ),
-    ("agent/observe/gpu_reclaim.py", "wait_reclaimed", "sleep"): (
-        S,
-        None,
-        "RECLAIM_POLL_SECONDS (0.1 s) between GPU reads, up to --gpu-reclaim-timeout",
-    ),
-    ("agent/observe/observer.py", "Observer.before_round", "wait_reclaimed"): (
-        B,
-        ("agent/observe/gpu_reclaim.py", "wait_reclaimed"),
-        "--gpu-reclaim-timeout (30 s), a line every few seconds; a GPU that stays occupied is named",
-    ),
-    ("agent/guard/job_cgroup.py", "JobCgroup.kill", "time.sleep"): (
-        S,
-        None,
-        "10 ms between kills of the cgroup's members, up to its deadline",
-    ),
-    ("agent/guard/job_cgroup.py", "JobCgroup.remove", "time.sleep"): (
-        S,
-        None,
-        "20 ms between rmdir attempts, up to its deadline",
-    ),
-    ("agent/guard/orphan_guard.py", "watch", "select.select"): (
-        BG,
-        None,
-        "the guard waits for its agent's pipe to close, a worker's exit (pidfd), or SEEN_INTERVAL",
-    ),
-    ("agent/checks/preflight.py", "Preflight._results", "store.try_wait"): (
-        SL,
-        ("agent/checks/preflight.py", "Preflight._results"),
-        "one slice",
-    ),
-    ("agent/checks/preflight.py", "Preflight._results", "wait_in_slices"): (
-        B,
-        ("agent/checks/preflight.py", "Preflight._results"),
-        "node 0 waits VERDICT_WAIT_SECONDS (30 s) for the slowest node's numbers",
-    ),
-    ("agent/checks/preflight.py", "Preflight._read_verdict", "rnd.store.try_wait"): (
-        SL,
-        ("agent/checks/preflight.py", "Preflight._read_verdict"),
-        "one slice",
-    ),
-    ("agent/checks/preflight.py", "Preflight._read_verdict", "wait_in_slices"): (
-        B,
-        ("agent/checks/preflight.py", "Preflight._read_verdict"),
-        "PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS (50 s)",
-    ),
-    ("agent/checks/preflight.py", "Preflight._act", "rnd.channel.wait_end"): (
-        SL,
-        None,
-        "5 s slices for the round's end after a node was left out",
-    ),
-    ("agent/checks/preflight_probe.py", "measure_links", "dist.recv"): (
-        S,
-        None,
-        "a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS",
-    ),
     ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
     ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
-    ("rendezvous/kv.py", "KeyValueStore.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
-    ("rendezvous/kv.py", "KeyValueStore.get_present", "self.try_wait"): (S, None, "PRESENT_PROBE_SECONDS (0.01 s)"),
     ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (
         NW,
         None,
         "prints a wait's progress line; not a wait",
     ),
-    ("rendezvous/waiting.py", "announce_wait", "waiting_record"): (NW, None, "builds a status record"),
-    ("rendezvous/round_channel.py", "RoundChannel.report_success", "self.store.try_wait"): (
-        S,
-        None,
-        "0.01 s: have all members reported",
-    ),
-    ("rendezvous/store.py", "connect_tcp_store", "wait_for_store"): (
-        B,
-        ("rendezvous/store_connect.py", "_connect"),
-        "connect_timeout, with a line every PROGRESS_SECONDS",
-    ),
-    ("rendezvous/store_connect.py", "wait_for_store", "conn.recv"): (
-        S,
-        None,
-        "the socket's timeout: min(read_timeout, 5 s)",
-    ),
-    ("rendezvous/store_connect.py", "_connect", "time.sleep"): (
-        S,
-        None,
-        "RETRY_SECONDS between connect attempts, up to the deadline",
-    ),
-    ("rendezvous/store_connect.py", "bounded", "done.wait"): (SL, None, "the caller's bound (read_timeout)"),
 }
 # Long waits with no progress line yet (each also in WAITS, with its bound). Give one its line,
 # then name it in WAITS' `says` and drop it here; the last test says when.
