@@ -264,11 +264,17 @@ def eventually(predicate: Callable[[], T], timeout: float, interval: float = 0.0
     return predicate()
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
-    """`eventually`, failing the test (naming `what`) when `predicate` never holds."""
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float,
+    interval: float = 0.05,
+    what: str = "condition",
+    show: Callable[[], str] | None = None,
+) -> T:
+    """`eventually`, failing the test (naming `what`, and what `show` returns) when `predicate` never holds."""
     value = eventually(predicate, timeout, interval)
     if not value:
-        pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        pytest.fail(f"timed out after {timeout:g} s waiting for {what}" + (f"\n{show()}" if show else ""))
     return value
 
 
