@@ -36,6 +36,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -338,12 +339,18 @@ def _sources() -> list[Path]:
     return [path for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))]
 
 
+@cache
 def find_waits() -> dict[tuple[str, str, str], list[int]]:
     """Every blocking call of rally: (module, function, the call up to "(") -> its lines."""
     found: dict[tuple[str, str, str], list[int]] = {}
     for path in _sources():
         _WaitFinder(str(path.relative_to(REPO)), found).visit(ast.parse(path.read_text()))
     return found
+
+
+@cache
+def _lines(module: str) -> list[str]:
+    return (REPO / module).read_text().splitlines()
 
 
 def _comment_block_above(lines: list[str], lineno: int) -> list[tuple[int, str]]:
@@ -387,7 +394,7 @@ def declared_in_code(
     problems: list[str] = []
     for key, lines in sorted(found.items()):
         module, _, head = key
-        source = (REPO / module).read_text().splitlines()
+        source = _lines(module)
         for lineno in lines:
             markers = [m for m in _markers(module, _comment_block_above(source, lineno)) if m[1] in (None, head)]
             if len(markers) > 1:
@@ -399,12 +406,13 @@ def declared_in_code(
                 elif declared.setdefault(key, declaration) != declaration:
                     problems.append(f"{module}:{marker_line}: {head}(...) is declared differently elsewhere in it")
     for module in sorted({m for m, _, _ in found} | {str(p.relative_to(REPO)) for p in _sources()}):
-        for i, line in enumerate((REPO / module).read_text().splitlines(), start=1):
+        for i, line in enumerate(_lines(module), start=1):
             if MARKER.match(line.strip()) and (module, i) not in used:
                 problems.append(f"{module}:{i}: a `# wait:` comment with no blocking call right under it")
     return declared, problems
 
 
+@cache
 def all_waits() -> dict[tuple[str, str, str], Declaration]:
     """Every wait's declaration: those written in the code, then those still listed in WAITS."""
     declared, _ = declared_in_code(find_waits())
