@@ -139,19 +139,23 @@ WAITS: dict[tuple[str, str, str], Declaration] = {
     ("agent/checkpoint/holder.py", "Holder.greeted", "conn.recv"): (
         BG,
         None,
-        "a worker connection's thread waits HELLO_TIMEOUT (10 s, the socket's timeout) for the greeting",
+        "a connection's own thread waits for its hello with the job's secret: HELLO_TIMEOUT (10 s) on the "
+        "socket, then it is closed",
     ),
     ("agent/checkpoint/tier.py", "CheckpointTier.start", "_wait_ready"): (
         B,
         ("agent/checkpoint/tier.py", "CheckpointTier.start"),
-        "READY_TIMEOUT (15 s) for the holder to listen, at the agent's start; no progress line, but a holder "
-        "that does not is named in a warning and saves go to disk",
+        "the starting holder's 'ready' line: READY_TIMEOUT in all, then the tier is off with one line",
     ),
-    ("agent/checkpoint/tier.py", "_wait_ready", "select.select"): (SL, None, "what is left of READY_TIMEOUT"),
+    ("agent/checkpoint/tier.py", "_wait_ready", "select.select"): (
+        SL,
+        ("agent/checkpoint/tier.py", "CheckpointTier.start"),
+        "the rest of READY_TIMEOUT (15 s) for the holder's next line; start says why the tier is off if it ends so",
+    ),
     ("agent/checkpoint/tier.py", "_wait_ready", "helper.process.wait"): (
-        S,
+        NW,
         None,
-        "no bound: the holder closed its stdout before saying it listens, which it does only as it exits",
+        "the holder's stdout ended: it has exited, the wait only reads its exit code",
     ),
     ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (
         SL,

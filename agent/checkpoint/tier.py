@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.client import SECRET_ENV, HolderAddress
 from rally.agent.checkpoint.shm import socket_address
@@ -127,7 +128,8 @@ class CheckpointTier:
         return self.process.pid
 
     def env(self) -> dict[str, str]:
-        return self.address.env()
+        memory_only = {ckpt_client.MEMORY_ONLY_ENV: "1"} if self.checkpoint_dir is None else {}
+        return {**self.address.env(), **memory_only}
 
     def lost(self) -> str | None:
         """Why the newest saved step is not durable because the holder died (one line), or None."""
