@@ -139,6 +139,7 @@ class EtcdStore(KeyValueStore):
             if kv is not None:
                 return self._open(name, kv)
             wait = wait or self._key_slices([name])
+            # wait: slice, said by EtcdStore.get: slices of op_timeout (read_timeout) for a key not yet written
             if not self.try_wait([name], wait.slice()) and not wait.tick():
                 raise StoreTimeout(
                     f"timed out after {self.op_timeout:g} s waiting for {self.key(name)} in {self.describe}"
@@ -167,6 +168,7 @@ class EtcdStore(KeyValueStore):
         missing = [n for n in names if n not in found]
         wait = self._key_slices(missing) if missing else None
         # A wait that ends remembers what it saw: the `get`s below cost no request.
+        # wait: slice, said by EtcdStore.multi_get: slices of op_timeout (read_timeout)
         while wait and not self.try_wait(missing, wait.slice()):
             if not wait.tick():
                 missed = self.key(missing[0])

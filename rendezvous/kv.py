@@ -124,6 +124,7 @@ class KeyValueStore(ABC):
         each), then `read_each` (one `multi_get` on c10d); a store that reads many keys in one
         request overrides this (etcd: one range, `EtcdStore.get_present`).
         """
+        # wait: short: PRESENT_PROBE_SECONDS (0.01 s)
         if self.try_wait(names, PRESENT_PROBE_SECONDS):
             return self.read_each(names)
         return self.read_each([name for name in names if self.check(name)])
@@ -164,6 +165,7 @@ class KeyValueStore(ABC):
     def try_wait(self, names: Sequence[str], timeout: float) -> bool:
         """`wait`, answering False instead of raising when the time is up."""
         try:
+            # wait: slice: the caller's timeout
             self.wait(names, timeout)
             return True
         except StoreTimeout:

@@ -347,6 +347,8 @@ def connect_tcp_store(
     own constructor is not bounded once connected (rendezvous/store_connect.py)."""
     describe = describe or f"the store at {host}:{port}"
     try:
+        # wait: bounded, said by rendezvous/store_connect.py _connect: connect_timeout, with a line every
+        #   PROGRESS_SECONDS
         wait_for_store(host, port, describe, connect_timeout, op_timeout, progress)
         from torch.distributed import TCPStore  # after the check: a dead endpoint fails without it
 
@@ -460,6 +462,7 @@ def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: floa
     if store.raw.check([SERVICE_MARKER_KEY]):
         return
     deadline = time.monotonic() + wait
+    # wait: short: a marker the job's host writes at once
     while not store.try_wait([HOST_MARKER_NAME], min(MARKER_SLICE_SECONDS, max(0.01, deadline - time.monotonic()))):
         if other := _other_jobs_store(store):
             raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it is the store of another job ({other})"))

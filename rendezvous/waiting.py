@@ -174,6 +174,7 @@ def spare_progress(rdzv: RendezvousView, r: int, members: int, deadline: float) 
 def announce_wait(rdzv: RendezvousView, line: str) -> None:
     """A progress line of a long wait: to the console, and to `rally status` (the node's record)."""
     rdzv.on_status(line)
+    # wait: not_a_wait: builds a status record
     rdzv.status.publish(waiting_record(rdzv.me.host, rdzv.me.node_id, line))
 
 

@@ -155,4 +155,5 @@ if __name__ == "__main__":
         _mode, _target, _args = serve_as_template()
     else:
         _mode, _target, _args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    # wait: not_a_wait: the worker's own program
     run(_mode, _target, _args)

@@ -162,12 +162,14 @@ class _Template:
         pid = os.fork()
         if pid == 0:
             os._exit(0)
+        # wait: short: a child that exits at once
         os.waitpid(pid, 0)
 
     # ------------------------------------------------------------ the loop
     def serve(self) -> tuple[str, str, list[str]]:
         assert self.poller is not None
         while True:
+            # wait: background: the template server's loop: it waits for requests
             for fd, _events in self.poller.poll():
                 if fd == self.wake_r:
                     self._drain_wakeups()
@@ -198,6 +200,7 @@ class _Template:
     def _reap(self) -> None:
         while True:
             try:
+                # wait: not_a_wait: WNOHANG
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
