@@ -44,6 +44,7 @@ from rally.launcher.option_checks import (
     seconds,
 )
 from rally.launcher.validate import ConfigError, Mistakes
+from rally.launcher.worker_flags import NUMA_MODES
 from rally.rendezvous.backends import HostPort
 
 GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "Health", "rally extras")
@@ -237,7 +238,7 @@ class Options:
         None,
         "Job",
         "torchrun's NUMA binding modes (applied only where GPUs exist).",
-        choices=("node", "socket", "exclusive", "core-complex"),
+        choices=NUMA_MODES,
     )
     module: bool = option(False, "Entry point", "Run SCRIPT as a module, like python -m.", short="-m")
     no_python: bool = option(False, "Entry point", "Run SCRIPT as an executable, not with python.")
