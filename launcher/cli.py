@@ -191,7 +191,7 @@ def run_command(
     o = Options(**values, origins=origins)
     if file_mistakes := ctx.meta.get("rally.file_mistakes"):  # every mistake in one run, the file's first
         try:
-            o.parse(act=False)
+            o.parse(script, act=False)
         except ConfigError as exc:
             raise Mistakes(file_mistakes + mistakes_of(exc)) from None
         raise Mistakes(file_mistakes)
