@@ -9,6 +9,7 @@ the user. `Options.parse` prefixes a message with the config file and line the v
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -52,9 +53,14 @@ class Parsing:
             raise Unavailable(name)
         return self.done[name]
 
-    def about(self, flag: str) -> Parsing:
-        """The same parsing, for a check run on another option's value (named `flag` in messages)."""
-        return Parsing(self.options, self.script, flag, self.done, self.failed, self.notes)
+    def other(self, name: str, check: Check) -> Any:
+        """Another option's raw value through `check`; a mistake in it is that option's (its
+        message names where that value came from)."""
+        try:
+            return check(getattr(self.options, name), dataclasses.replace(self, flag="--" + name.replace("_", "-")))
+        except ConfigError as exc:
+            exc.option = name  # type: ignore[attr-defined]
+            raise
 
     @functools.cached_property
     def gpus(self) -> int:
@@ -222,22 +228,19 @@ def backend(value: Any, p: Parsing) -> str:
     return str(value)
 
 
-def private_store(o: Any, max_nodes: int) -> bool:
+def private_store(p: Parsing) -> bool:
     """A single-node static job without an address runs on a private store at a free port, as
     torchrun 2.13's does (--standalone always does)."""
-    return (
-        backend_named(str(o.rdzv_backend)).static_ranks
-        and not o.rdzv_endpoint
-        and o.master_port is None
-        and (max_nodes == 1)
-    )
+    o = p.options
+    static = backend_named(p.parsed("rdzv_backend")).static_ranks
+    return static and not o.rdzv_endpoint and o.master_port is None and p.parsed("nnodes")[1] == 1
 
 
 def run_id(value: Any, p: Parsing) -> str:
     """--rdzv-id: the id every node shares; a private store's job gets a random one."""
     if not str(value).strip():
         raise ConfigError("--rdzv-id is empty; give the id every node of the job shares, e.g. --rdzv-id job42")
-    if p.parsed("standalone") or (str(value) == JobSpec.run_id and private_store(p.options, p.parsed("nnodes")[1])):
+    if p.parsed("standalone") or (str(value) == JobSpec.run_id and private_store(p)):
         return str(uuid.uuid4())
     return str(value)
 
@@ -339,13 +342,10 @@ def heartbeat_timeout(value: Any, p: Parsing) -> tuple[float | None, LearningSet
             raise ConfigError(
                 f"{p.flag} {value}: expected a number of seconds above 0, or 'auto' to learn it from the job"
             ) from None
-    o = p.options
     return None, LearningSettings(
-        factor=factor("5: five times the longest interval seen")(
-            o.timeout_safety_factor, p.about("--timeout-safety-factor")
-        ),
-        samples=count(2)(o.timeout_samples, p.about("--timeout-samples")),
-        floor=validate.seconds(o.timeout_floor, "--timeout-floor", zero_ok=True),
+        factor=p.other("timeout_safety_factor", factor("5: five times the longest interval seen")),
+        samples=p.other("timeout_samples", count(2)),
+        floor=p.other("timeout_floor", always_seconds(True)),
     )
 
 

@@ -540,7 +540,7 @@ class Options:
             except Unavailable:  # an option it needs failed, and that mistake is told
                 pass
             except ConfigError as exc:
-                origin = self.origins.get(f.name)
+                origin = self.origins.get(getattr(exc, "option", f.name))  # a value another check read: its own
                 mistakes.append(f"{origin}: {exc}" if origin else str(exc))
             except (TypeError, ValueError) as exc:  # a value of the wrong type, from rally.launch
                 mistakes.append(f"{flag(f.name)} {value!r}: {exc}")

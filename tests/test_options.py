@@ -57,6 +57,29 @@ def test_a_bad_yaml_value_overridden_by_a_flag_is_not_blamed_on_the_file(tmp_pat
     assert "job.yaml" not in line and "-3" in line, line
 
 
+@pytest.mark.same_under_load  # a check of the config file, before anything starts
+@pytest.mark.timeout(60)
+def test_mistakes_in_options_checked_together_are_told_in_one_run_each_naming_its_own_line(tmp_path: Path) -> None:
+    """--redirects needs --nproc-per-node, --heartbeat-timeout auto reads --timeout-samples, --preflight
+    reads --no-preflight: checked with every other option, each mistake at the line of its value."""
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "redirects: 9\nheartbeat-timeout: auto\ntimeout-samples: 1\npreflight: true\nno-preflight: true\n"
+        "quarantine-after: -3\nscript: train.py\n"
+    )
+    result = rally_fails(tmp_path, "--config", str(config))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
+    first, *others = result.stderr_lines
+    assert "(4 mistakes, the others below)" in first, result.describe()
+    where = [line.removeprefix("rally: error: ").split(": ")[0].strip() for line in [first, *others]]
+    assert where == [
+        f"--config {config}, line 1, 'redirects'",
+        f"--config {config}, line 3, 'timeout-samples'",
+        f"--config {config}, line 6, 'quarantine-after'",
+        f"--config {config}, line 4, 'preflight'",
+    ], result.describe()
+
+
 # ------------------------------------------------------------------ flags as typed (issue 19, 4)
 @pytest.mark.timeout(120)
 def test_an_unambiguous_prefix_of_a_flag_runs_as_torchrun_accepts_it(tmp_path: Path) -> None:
