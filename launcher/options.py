@@ -13,7 +13,7 @@ these fields alone come:
 
 Adding a flag is one field below and, when the agent needs it, one field of `JobSpec`:
 
-    preflight_factor: float = option(2.0, "Health", "Fail a node whose ... (default 2.0).", check=factor("2: ..."))
+    preflight_factor: float = option(2.0, "Health", "Fail a node whose ... (default 2.0).", check=checks.factor("2: ..."))
 
 fills `JobSpec.preflight_factor` (the field of the same name; `fills=` names another, or
 several when the check returns a tuple; `read_by=` says which option's check reads a value that
@@ -35,49 +35,9 @@ from typing import Any
 
 from rally.agent.observe.learned_timeouts import LearningSettings
 from rally.agent.spec import JobSpec
+from rally.launcher import option_checks as checks
 from rally.launcher import validate
-from rally.launcher.option_checks import (
-    Check,
-    Parsing,
-    Unavailable,
-    always_seconds,
-    as_bool,
-    as_is,
-    backend,
-    checkpoint_dir,
-    comma_list,
-    count,
-    event_log_handler,
-    factor,
-    heartbeat_timeout,
-    logs_specs,
-    metrics_addr,
-    metrics_port,
-    negated,
-    nnodes,
-    node_rank,
-    not_negative,
-    nproc_per_node,
-    numa_binding,
-    optional,
-    port,
-    positive_seconds,
-    preflight,
-    preload,
-    python_exec,
-    ranks_filter,
-    rdzv_conf,
-    run_id,
-    seconds,
-    shutdown_timeout,
-    signals,
-    standalone,
-    std_map,
-    straggler_factor,
-    straggler_window,
-    virtual_local_rank,
-    writable_dir,
-)
+from rally.launcher.option_checks import Check, Parsing, Unavailable
 from rally.launcher.validate import ConfigError, Mistakes
 from rally.launcher.worker_flags import NUMA_MODES
 from rally.rendezvous.backends import HostPort
@@ -134,7 +94,7 @@ class OptionInfo:
     metavar: str | None = None
     short: str | None = None  # e.g. "-m"
     choices: tuple[str, ...] | None = None
-    check: Check = as_is  # (value, Parsing) -> parsed value, or ConfigError
+    check: Check = checks.as_is  # (value, Parsing) -> parsed value, or ConfigError
     late: bool = False  # checked after every other option (the check has an effect: a directory)
     fills: tuple[str, ...] = ()  # fields of JobSpec or RendezvousOptions its parsed value goes to
     read_by: str | None = None  # for an option that fills nothing: the option whose check reads it
@@ -167,7 +127,7 @@ def option(
         metavar,
         short,
         choices,
-        check or (as_bool if resolved is bool else as_is),
+        check or (checks.as_bool if resolved is bool else checks.as_is),
         late,
         targets,
         read_by,
@@ -195,12 +155,14 @@ class Options:
         "Job",
         "Number of nodes, or MIN:MAX for an elastic job.",
         metavar="N|MIN:MAX",
-        check=nnodes,
+        check=checks.nnodes,
     )
-    nproc_per_node: str = option("1", "Job", "Workers per node.", metavar="N|auto|cpu|gpu|xpu", check=nproc_per_node)
+    nproc_per_node: str = option(
+        "1", "Job", "Workers per node.", metavar="N|auto|cpu|gpu|xpu", check=checks.nproc_per_node
+    )
     role: str = option(spec_default("role"), "Job", "Worker role name (ROLE_NAME, log prefixes).")
     standalone: bool = option(
-        False, "Rendezvous", "Single node: a private store on a free port, a random run id.", check=standalone
+        False, "Rendezvous", "Single node: a private store on a free port, a random run id.", check=checks.standalone
     )
     rdzv_backend: str = option(
         "static",
@@ -208,7 +170,7 @@ class Options:
         "c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: "
         "fixed node ranks.",
         metavar="c10d|etcd|static",
-        check=backend,
+        check=checks.backend,
     )
     rdzv_endpoint: str | HostPort = option(
         "",
@@ -218,7 +180,12 @@ class Options:
         metavar="HOST[:PORT]",
     )
     rdzv_id: str = option(
-        spec_default("run_id"), "Rendezvous", "Job id shared by all nodes.", metavar="ID", check=run_id, fills="run_id"
+        spec_default("run_id"),
+        "Rendezvous",
+        "Job id shared by all nodes.",
+        metavar="ID",
+        check=checks.run_id,
+        fills="run_id",
     )
     rdzv_conf: str = option(
         "",
@@ -226,25 +193,31 @@ class Options:
         "join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, "
         "store_type, ...; etcd: protocol, cacert, cert, key, username, password_file",
         metavar="K=V,...",
-        check=rdzv_conf,
+        check=checks.rdzv_conf,
     )
-    node_rank: int | None = option(None, "Rendezvous", "This node's rank (static backend).", int, check=node_rank)
+    node_rank: int | None = option(
+        None, "Rendezvous", "This node's rank (static backend).", int, check=checks.node_rank
+    )
     master_addr: str | None = option(None, "Rendezvous", "Address of node rank 0 (static backend).")
     master_port: int | None = option(
-        None, "Rendezvous", "Port of the store on node rank 0 (static backend).", int, check=optional(port)
+        None,
+        "Rendezvous",
+        "Port of the store on node rank 0 (static backend).",
+        int,
+        check=checks.optional(checks.port),
     )
     local_addr: str | None = option(None, "Rendezvous", "Address other nodes use to reach this one (default: FQDN).")
     max_restarts: int = option(
         spec_default("max_restarts"),
         "Restarts and shutdown",
         "Job-wide restarts allowed after worker failures.",
-        check=not_negative,
+        check=checks.not_negative,
     )
     monitor_interval: float = option(
         0.1,
         "Restarts and shutdown",
         "Accepted for torchrun compatibility; rally needs no polling.",
-        check=seconds(True, validate.MIN_INTERVAL),
+        check=checks.seconds(True, validate.MIN_INTERVAL),
         read_by=TORCHRUN_ONLY,
     )
     shutdown_timeout: float | None = option(
@@ -252,13 +225,13 @@ class Options:
         "Restarts and shutdown",
         f"Grace period between the stop signal and SIGKILL (default {spec_default('shutdown_timeout'):g} s).",
         float,
-        check=shutdown_timeout,
+        check=checks.shutdown_timeout,
     )
     signals_to_handle: str = option(
         TORCHRUN_SIGNALS,
         "Restarts and shutdown",
         "Signals forwarded to workers before shutdown.",
-        check=signals,
+        check=checks.signals,
     )
     start_method: str = option(
         "spawn",
@@ -273,7 +246,7 @@ class Options:
         "Modules a per-node template process imports once; workers are forked from it and start in "
         "milliseconds (default: torch, for Python entry points).",
         metavar="MODULE,...",
-        check=preload,
+        check=checks.preload,
     )
     no_preload: bool = option(
         False,
@@ -285,7 +258,7 @@ class Options:
         None,
         "Logs and output",
         "Base directory for per-rank log files and report.json.",
-        check=optional(writable_dir),
+        check=checks.optional(checks.writable_dir),
         late=True,
     )
     redirects: str = option(
@@ -294,7 +267,7 @@ class Options:
         "Send streams to log files only: 1 stdout, 2 stderr, 3 both.",
         metavar="0-3|R:B,...",
         short="-r",
-        check=std_map,
+        check=checks.std_map,
     )
     tee: str = option(
         "0",
@@ -302,52 +275,52 @@ class Options:
         "Send streams to log files and the console.",
         metavar="0-3|R:B,...",
         short="-t",
-        check=std_map,
+        check=checks.std_map,
     )
     local_ranks_filter: str = option(
         "",
         "Logs and output",
         "Show only these local ranks on the console.",
         metavar="R,...",
-        check=ranks_filter,
+        check=checks.ranks_filter,
     )
     duplicate_stdout_filters: str = option(
         "",
         "Logs and output",
         "Copy worker stdout lines containing any of these to attempt_<n>/filtered_stdout.log (,, is a comma).",
         metavar="S,...",
-        check=comma_list,
+        check=checks.comma_list,
     )
     duplicate_stderr_filters: str = option(
-        "", "Logs and output", "The same for stderr, to filtered_stderr.log.", metavar="S,...", check=comma_list
+        "", "Logs and output", "The same for stderr, to filtered_stderr.log.", metavar="S,...", check=checks.comma_list
     )
     logs_specs: str | None = option(
         None,
         "Logs and output",
         "A LogsSpecs class from the torchrun.logs_specs entry points: where each worker's logs go.",
         metavar="NAME",
-        check=logs_specs,
+        check=checks.logs_specs,
     )
     event_log_handler: str = option(
         "null",
         "Logs and output",
         "Accepted for torchrun compatibility; rally writes events.jsonl.",
         metavar="NAME",
-        check=event_log_handler,
+        check=checks.event_log_handler,
         read_by=TORCHRUN_ONLY,
     )
     virtual_local_rank: bool = option(
         False,
         "Job",
         "LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU.",
-        check=virtual_local_rank,
+        check=checks.virtual_local_rank,
     )
     numa_binding: str | None = option(
         None,
         "Job",
         "torchrun's NUMA binding modes (applied only where GPUs exist).",
         choices=NUMA_MODES,
-        check=numa_binding,
+        check=checks.numa_binding,
     )
     module: bool = option(False, "Entry point", "Run SCRIPT as a module, like python -m.", short="-m")
     no_python: bool = option(False, "Entry point", "Run SCRIPT as an executable, not with python.")
@@ -356,7 +329,7 @@ class Options:
         False,
         "rally extras",
         "Do not prefix worker output lines with their rank.",
-        check=negated,
+        check=checks.negated,
         fills="prefix_output",
     )
     quiet: bool = option(
@@ -367,7 +340,7 @@ class Options:
         "rally extras",
         "Where workers save checkpoints (RALLY_CHECKPOINT_DIR); created 0700. Refused if another user "
         "owns it or may write it, unless --checkpoint-dir-shared.",
-        check=checkpoint_dir,
+        check=checks.checkpoint_dir,
         late=True,
     )
     checkpoint_dir_shared: bool = option(
@@ -384,17 +357,21 @@ class Options:
         "beat); auto: learn it, and each job.section's, from the job.",
         str,
         metavar="SECONDS|auto",
-        check=heartbeat_timeout,
+        check=checks.heartbeat_timeout,
         fills=("heartbeat_timeout", "timeout_learning"),
     )
     silence_timeout: float | None = option(
-        None, "Health", "Declare a worker hung after this many seconds without output.", float, check=seconds(False)
+        None,
+        "Health",
+        "Declare a worker hung after this many seconds without output.",
+        float,
+        check=checks.seconds(False),
     )
     resource_interval: float = option(
         spec_default("resource_interval"),
         "Health",
         "Seconds between samples of workers' CPU, memory and threads.",
-        check=seconds(False, validate.MIN_INTERVAL, unset=spec_default("resource_interval")),
+        check=checks.seconds(False, validate.MIN_INTERVAL, unset=spec_default("resource_interval")),
     )
     startup_timeout: float | None = option(
         None,
@@ -402,28 +379,28 @@ class Options:
         "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it "
         "started (default: off).",
         float,
-        check=positive_seconds,
+        check=checks.positive_seconds,
     )
     straggler_factor: float = option(
         spec_default("straggler_factor"),
         "Health",
         "Name a rank a straggler when its step time exceeds this many times the median of the other ranks' "
         f"(default {spec_default('straggler_factor'):g}).",
-        check=straggler_factor,
+        check=checks.straggler_factor,
     )
     straggler_window: int = option(
         spec_default("straggler_window"),
         "Health",
         "Steps a rank's step time is averaged over, and must stay slow for, before it is named (default "
         f"{spec_default('straggler_window')}).",
-        check=straggler_window,
+        check=checks.straggler_window,
     )
     metrics_port: int | None = option(
         None,
         "Health",
         "Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed).",
         int,
-        check=metrics_port,
+        check=checks.metrics_port,
     )
     metrics_addr: str = option(
         spec_default("metrics_addr"),
@@ -431,7 +408,7 @@ class Options:
         "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps "
         "it on this host).",
         metavar="ADDR",
-        check=metrics_addr,
+        check=checks.metrics_addr,
     )
     # Issue 21: learned timeouts, GPU memory before a restart, quarantine, pre-flight.
     timeout_safety_factor: float = option(
@@ -458,7 +435,7 @@ class Options:
         "Restarts and shutdown",
         "Before a restart, wait up to this long for the old workers to leave every GPU and free its memory "
         f"(NVML; default {spec_default('gpu_reclaim_timeout'):g} s).",
-        check=always_seconds(True),
+        check=checks.always_seconds(True),
     )
     quarantine_after: int = option(
         spec_default("quarantine_after"),
@@ -466,20 +443,20 @@ class Options:
         "Keep out of later rounds a node that was the root cause of this many failures within "
         "--quarantine-window, while the job can run without it (0: never; default "
         f"{spec_default('quarantine_after')}).",
-        check=count(0),
+        check=checks.count(0),
     )
     quarantine_window: float = option(
         spec_default("quarantine_window"),
         "Restarts and shutdown",
         f"Seconds within which --quarantine-after failures count (default {spec_default('quarantine_window'):g}).",
-        check=always_seconds(False),
+        check=checks.always_seconds(False),
     )
     preflight: bool = option(
         False,
         "Health",
         "Probe every node (compute, and a collective over the job's backend) when a round forms; keep out "
         "failing or slow nodes (default for multi-node jobs).",
-        check=preflight,
+        check=checks.preflight,
     )
     no_preflight: bool = option(False, "Health", "No pre-flight probe.", read_by="preflight")
     preflight_factor: float = option(
@@ -487,7 +464,7 @@ class Options:
         "Health",
         "A node slower than this many times the median in the pre-flight probe is left out (default "
         f"{spec_default('preflight_factor'):g}).",
-        check=factor("2: twice as slow as the median node"),
+        check=checks.factor("2: twice as slow as the median node"),
     )
     preflight_every_round: bool = option(
         False, "Health", "Probe again when a round re-forms on the same nodes (default: only when the nodes change)."
@@ -497,13 +474,13 @@ class Options:
         "rally extras",
         "Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace "
         "to checkpoint.",
-        check=signals,
+        check=checks.signals,
     )
     preemption_grace: float = option(
         spec_default("preemption_grace"),
         "rally extras",
         "Seconds workers get to checkpoint after a preemption signal.",
-        check=seconds(True),
+        check=checks.seconds(True),
     )
     requeue: bool = option(
         False, "rally extras", "On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."
@@ -512,7 +489,7 @@ class Options:
         spec_default("crash_loop_limit"),
         "rally extras",
         "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).",
-        check=not_negative,
+        check=checks.not_negative,
     )
     no_slurm: bool = option(
         False, "rally extras", "Ignore the SLURM environment even inside a SLURM job.", read_by=THE_COMMAND
@@ -548,7 +525,7 @@ class Options:
         if mistakes:
             raise Mistakes(mistakes)
         spec, rendezvous = filled(p.done)
-        job = JobSpec(entrypoint=script or "", args=tuple(args), python_exec=python_exec(), **spec)
+        job = JobSpec(entrypoint=script or "", args=tuple(args), python_exec=checks.python_exec(), **spec)
         return Parsed(job, RendezvousOptions(**rendezvous), p.notes)
 
     @classmethod
