@@ -13,7 +13,7 @@ these fields alone come:
 
 Adding a flag is one field below and, when the agent needs it, one field of `JobSpec`:
 
-    preflight_factor: float = option(2.0, "Health", "Fail a node whose ... (default 2.0).", check=checks.factor("2: ..."))
+    preflight_factor: float = option(2.0, "Health", "Leave out a node ... (default 2).", check=checks.factor("2: ..."))
 
 fills `JobSpec.preflight_factor` (the field of the same name; `fills=` names another, or
 several when the check returns a tuple; `read_by=` says which option's check reads a value that
