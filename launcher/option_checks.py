@@ -49,8 +49,11 @@ class Parsing:
     notes: list[str] = field(default_factory=list)
 
     def parsed(self, name: str) -> Any:
-        if name in self.failed or name not in self.done:
+        """The checked value of an option declared before this one."""
+        if name in self.failed:
             raise Unavailable(name)
+        if name not in self.done:
+            raise RuntimeError(f"{self.flag}'s check reads {name}, which is checked after it: declare {name} first")
         return self.done[name]
 
     def other(self, name: str, check: Check) -> Any:
