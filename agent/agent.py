@@ -29,7 +29,7 @@ from rally.agent import processes
 from rally.agent.agent_exit import AgentExit, store_failure_exit
 from rally.agent.checkpoint.agent_side import NodeCheckpoints
 from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
-from rally.agent.decide import Exit, Reform, Restart, decide
+from rally.agent.decide import Exit, Reform, Restart, decide, exit_status
 from rally.agent.display import console
 from rally.agent.event_loop import Event, EventLoop
 from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
@@ -217,7 +217,8 @@ class Agent:
         )
         last = self.last_failure
         info = dict(last.info) if last else {}
-        end = self.store_call(lambda: rnd.channel.end(RoundEnd(EndKind.ABORTED, detail, self.host, info)))
+        ours = RoundEnd(EndKind.ABORTED, detail, self.host, info)
+        end = self.store_call(lambda: rnd.channel.end(ours))
         self.store_call(lambda: rdzv.close_job(end))
         self.store_call(rnd.channel.acknowledge_end)  # no barrier wait
         self.report.outcome = "crash loop"
@@ -225,7 +226,7 @@ class Agent:
         if last is not None:
             console.error("the last failure: " + explain(last))
         self._exit_barrier(rnd)
-        return int(info.get("exit_status", 1)) or 1
+        return exit_status(ours)
 
     # ================================================================ one round
     def _run_round(self, rnd: Round, watcher: Round, keeper: Round) -> RoundEnd:
