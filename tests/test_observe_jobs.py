@@ -138,12 +138,12 @@ def test_metrics_are_served_in_prometheus_format_and_follow_the_job_through_a_re
 
         def steps_known() -> dict | None:
             m = scrape(port)
-            return (
-                m
-                if worker(m, "rally_worker_step", 1) is not None
-                and worker(m, "rally_worker_cpu_seconds_total", 1) is not None
-                else None
+            known = all(  # both ranks: the test compares rank 0's step below
+                worker(m, "rally_worker_step", rank) is not None
+                and worker(m, "rally_worker_cpu_seconds_total", rank) is not None
+                for rank in (0, 1)
             )
+            return m if known else None
 
         assert eventually(steps_known, 60), agent.output()
         before = scrape(port)

@@ -24,7 +24,9 @@ from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
 from etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
 from helpers import (
     ProcessTracker,
+    Result,
     clean_env,
+    eventually,
     free_port,
     procs,  # noqa: F401 - a fixture
     run_rally,
@@ -255,10 +257,13 @@ def test_a_pre_flight_probe_waiting_for_a_node_that_never_probes_says_so_on_the_
     )
     found = wait_for(lambda: line.search(agent.output()), 90)
     assert found and int(found.group(1)) < 30, agent.output()
-    status = run_rally(
-        ["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path, timeout=60
-    )
-    assert status.returncode == 0 and line.search(status.stdout), status.describe()
+
+    def status() -> Result:
+        return run_rally(["status", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID], cwd=tmp_path)
+
+    # The node's record is refreshed every STATUS_INTERVAL_SECONDS (2 s): the line is there within one.
+    shown = eventually(lambda: (done := status()).returncode == 0 and line.search(done.stdout) and done, 15)
+    assert shown, status().describe()
 
 
 @needs_etcd
