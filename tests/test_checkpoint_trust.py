@@ -207,6 +207,9 @@ def test_the_agent_notices_its_holder_dying_and_never_counts_its_memory_steps_as
     assert wait_for(lambda: any("holder of this node" in w and "died" in w for w in warnings)), warnings
     if tier.last_durable != 7:  # died before the disk: the job's end must not count it
         assert tier.lost() is not None and "never reached" in tier.lost()  # type: ignore[operator]
+    # never half on: the next round's workers get no holder, and no round agrees on its memory steps
+    assert tier.env() == {ckpt_client.HOLDER_LOST_ENV: "1"}
+    assert tier.memory_steps() == []
 
 
 HOLDER_DIES = """
@@ -241,6 +244,57 @@ def test_a_job_whose_holder_died_with_its_newest_step_does_not_exit_0(tmp_path: 
     assert "worker done" in result.stdout, result.describe()
     assert result.returncode != 0, result.describe()  # main: exit 0, "succeeded"
     assert "checkpoint step 7 never reached" in result.stderr, result.describe()
+
+
+HOLDER_DIES_MID_JOB = """
+import json, os, sys, time
+from pathlib import Path
+import psutil, torch
+from rally import job
+marker = Path(sys.argv[1])
+found = job.load_latest()
+print("round " + json.dumps({"holder": "RALLY_CKPT_HOLDER" in os.environ, "resumed": found.step if found else None,
+                             "source": found.source if found else None}), flush=True)
+for step in range(found.step + 1 if found else 0, 6):
+    job.save({"w": torch.full((4,), float(step))}, step)
+    if step == 2 and not marker.exists():
+        deadline = time.monotonic() + 20
+        while 2 not in job.durable_steps() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        marker.write_text("")
+        me, holder = psutil.Process(), None
+        while me is not None and holder is None:  # the holder: a child of an ancestor of this worker
+            holder = next((c for c in me.children() if "holder.py" in " ".join(c.cmdline())), None)
+            me = me.parent()
+        holder.kill()
+        time.sleep(1.0)
+print("worker done", flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_holder_killed_mid_job_turns_the_tier_off_and_the_job_goes_on_from_disk(tmp_path: Path) -> None:
+    from helpers import clean_env, run_rally
+
+    script = tmp_path / "train.py"
+    script.write_text(HOLDER_DIES_MID_JOB)
+    ckpt = tmp_path / "ckpt"
+    result = run_rally(
+        ["--standalone", "--nproc-per-node", "1", "--max-restarts", "2", "--checkpoint-dir", str(ckpt),
+         str(script), str(tmp_path / "killed")],
+        cwd=tmp_path, env=clean_env(), timeout=110,
+    )  # fmt: skip
+    rounds = [json.loads(line.split("round ", 1)[1]) for line in result.stdout.splitlines() if "round {" in line]
+    assert result.returncode == 0, result.describe()  # main: every later round's save fails on the dead holder
+    assert rounds[0] == {"holder": True, "resumed": None, "source": None}, result.describe()
+    assert rounds[1] == {"holder": False, "resumed": 2, "source": "disk"}, result.describe()
+    assert result.stderr.count("died: its in-memory checkpoints are lost") == 1, result.describe()
+    assert "the memory tier is off from the next round on, saves go to disk" in result.stderr, result.describe()
+    newest = ckpt / "step_000000000005.pt"
+    fd, verified = checkpoint_file.open_mapped_verified(newest)  # written by the worker itself, signed
+    os.close(fd)
+    assert verified.signed and verified.step == 5
 
 
 # --- item 2: no code from a squatter's DCP metadata --------------------------------------------

@@ -56,6 +56,9 @@ HOLDER_ENV = "RALLY_CKPT_HOLDER"
 """The holder's socket's name (random); set by the agent in every worker's environment when the tier runs."""
 HOLDER_PID_ENV = "RALLY_CKPT_HOLDER_PID"
 """The holder's pid: the only process a worker accepts as the peer of that socket."""
+HOLDER_LOST_ENV = "RALLY_CKPT_HOLDER_LOST"
+"""1: this node's holder died in an earlier round and the tier is off (set instead of the three
+above): rally.job then saves to disk, or without a checkpoint directory says once that checkpoints are off."""
 SECRET_ENV = "RALLY_CKPT_SECRET"
 """The job's connection secret: the holder serves only connections that present it."""
 MAX_PACKET = 64 * 1024

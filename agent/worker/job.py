@@ -212,6 +212,9 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     if ctx.checkpoint_dir is None and memory is not None:
         _save_in_memory_only(ctx, memory, state, step, keep)
         return None  # no file
+    if ctx.checkpoint_dir is None and memory_only.tier_lost():
+        memory_only.tell_off_once(ctx.is_rank0, _log)  # the holder died: no memory, no directory
+        return None
     directory = _require_dir(ctx)
     final = directory / f"step_{step:012d}.pt"
     if memory is not None and ctx.local_rank != 0:
@@ -257,6 +260,9 @@ def load_latest(
     memory = ckpt_client.tier()
     if ctx.checkpoint_dir is None and memory is not None and into is None:
         return _load_from_memory_only(ctx, memory, map_location, weights_only)
+    if ctx.checkpoint_dir is None and into is None and memory_only.tier_lost():
+        memory_only.tell_off_once(ctx.is_rank0, _log)
+        return None
     directory = _require_dir(ctx, sharded=into is not None)
     if into is not None:
         from rally.agent.checkpoint import dcp_storage  # imports torch.distributed.checkpoint
