@@ -297,6 +297,44 @@ def test_a_holder_killed_mid_job_turns_the_tier_off_and_the_job_goes_on_from_dis
     assert verified.signed and verified.step == 5
 
 
+SAVE_OR_LOAD = """
+import json, os, sys
+import torch
+from rally import job
+if sys.argv[1] == "save":
+    job.save({"w": torch.arange(4.0)}, 3)
+    print("saved", flush=True)
+else:
+    found = job.load_latest()
+    print("loaded " + json.dumps(found.step if found else None), flush=True)
+print("token in env: " + str(any(v == "tok-" + "shared-by-the-nodes" for v in os.environ.values())), flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_nodes_sharing_only_a_token_file_verify_each_others_checkpoints(tmp_path: Path) -> None:
+    """Two launches with different homes (no shared ~/.rally/secret) and one --rdzv-conf token_file:
+    what the first wrote (through its holder) the second loads, as a multi-node job's nodes would."""
+    from helpers import clean_env, run_rally
+
+    script, ckpt, token = tmp_path / "train.py", tmp_path / "ckpt", tmp_path / "token"
+    script.write_text(SAVE_OR_LOAD)
+    token.write_text("tok-shared-by-the-nodes\n")
+    token.chmod(0o600)
+    results = []
+    for node, what in (("a", "save"), ("b", "load")):
+        (tmp_path / node).mkdir()
+        args = ["--standalone", "--nproc-per-node", "1", "--rdzv-conf", f"token_file={token}"]
+        args += ["--checkpoint-dir", str(ckpt), str(script), what]
+        env = clean_env(HOME=str(tmp_path / node), RALLY_JOB_TOKEN=None)
+        results.append(run_rally(args, cwd=tmp_path, env=env, timeout=55))
+    saved, loaded = results
+    assert saved.returncode == 0 and "saved" in saved.stdout, saved.describe()
+    assert loaded.returncode == 0 and "loaded 3" in loaded.stdout, loaded.describe()  # main: refused, not signed
+    assert "token in env: False" in saved.stdout and "token in env: False" in loaded.stdout  # the key, not the token
+
+
 # --- item 2: no code from a squatter's DCP metadata --------------------------------------------
 
 SHARDED_RESUME = """

@@ -295,7 +295,7 @@ def read_manifest(path: Path) -> Manifest:
             raise DamagedCheckpoint(str(exc)) from None
         if not genuine:
             raise DamagedCheckpoint(
-                "not signed with this job's checkpoint key (written by another user, or under another RALLY_JOB_TOKEN)"
+                "not signed with this job's checkpoint key (written by another user, or under another job token)"
             )
         if step_named and int(step_named.group(1)) != step:
             raise DamagedCheckpoint(f"signed for step {step}, not for the step its name says (renamed)")

@@ -296,7 +296,7 @@ def _verify_mapped(fd: int) -> Verified:
         raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
     if signed and not auth.matches(macs, mac):
         raise DamagedCheckpoint(
-            "not signed with this job's checkpoint key (written by another user, or under another RALLY_JOB_TOKEN)"
+            "not signed with this job's checkpoint key (written by another user, or under another job token)"
         )
     return Verified(signed, step)
 
