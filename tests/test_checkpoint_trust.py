@@ -588,7 +588,7 @@ def test_sharded_parts_and_manifests_are_readable_by_no_other_user(
     assert "PermissionError" in done.stderr and "shards" not in done.stdout
     published = dcp_files.TempDir(ckpt, 5)
     (published.path / ".metadata").write_bytes(b"m")
-    path = published.publish({".metadata": (1, 0, "0" * 64)})
+    path = published.publish({".metadata": (1, "0" * 64)})
     published.close()
     assert (path / dcp_files.MANIFEST).stat().st_mode & 0o777 == 0o600
 

@@ -115,9 +115,16 @@ def verify(kind: str, step: int, payload: bytes, mac_hex: str) -> bool:
     return any(hmac.compare_digest(sign(kind, step, payload, key), mac_hex) for key in keys())
 
 
-def matches(macs: list[hmac.HMAC], digest: bytes) -> bool:
-    """Whether one of ``macs`` (one per key, fed the same bytes) gives ``digest``."""
-    return any(hmac.compare_digest(m.digest(), digest) for m in macs)
+def seal(key: bytes, kind: str, step: int, root: bytes) -> bytes:
+    """The MAC of a checkpoint whose bytes have the digest ``root`` (agent/checkpoint/digest.py)."""
+    mac = new_mac(key, kind, step)
+    mac.update(root)
+    return mac.digest()
+
+
+def sealed(key: bytes, kind: str, step: int, root: bytes, mac: bytes) -> bool:
+    """Whether ``mac`` is :func:`seal` of ``root`` under ``key`` (compared in constant time)."""
+    return hmac.compare_digest(seal(key, kind, step, root), mac)
 
 
 # ---------------------------------------------------------------------------------------------
