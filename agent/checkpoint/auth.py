@@ -14,8 +14,8 @@ under the **checkpoint key**, and nothing is loaded whose MAC does not verify:
   token and SLURM's per-job one never key checkpoints). A file signed under any of these keys is
   accepted (a token set on one launch and not on the next still finds its checkpoints).
 - the MAC covers the step (a genuine older file renamed to a newer step does not verify) and the
-  data itself (whole-state files: every byte, in the pass that also computes the CRC; sharded:
-  the manifest, which lists every file's SHA-256).
+  data itself (whole-state files: the digest of every byte, agent/checkpoint/digest.py; sharded:
+  the manifest, which lists every file's digest).
 
 Checkpoints written before this (footer ``END1``, manifest ``rally-dcp-1``) carry no MAC: they
 load only from a directory only the job's user can write (:func:`directory_problem`), with one

@@ -63,7 +63,6 @@ FileCheck = tuple[int, int | None, str | None]
 """A manifest's file: (size, CRC-32 of a legacy manifest or None, digest hex of a signed one or None)."""
 FileSums = tuple[int, str]
 """A file's (size, digest hex: agent/checkpoint/digest.py), as a writer saw it."""
-"""A file's (size, CRC-32, SHA-256 hex)."""
 SUFFIX = ".dcp"
 STEP_RE = re.compile(r"^step_(\d+)\.dcp$")
 TEMP_RE = re.compile(r"^\.step_\d+\.dcp\..*\.tmp$")

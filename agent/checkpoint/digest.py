@@ -45,6 +45,15 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool and lock are not this process's (its threads are gone)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _leaf(chunk: memoryview) -> bytes:
     """One leaf's digest; the view is released here, before the future says done, so the caller
     may close the mapping under it as soon as :meth:`TreeDigest.root` returns."""

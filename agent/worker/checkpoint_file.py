@@ -50,7 +50,7 @@ LEGACY_FOOTER = struct.Struct("<8sQI4s")
 LEGACY_MAGIC, LEGACY_END = b"RALLYCKP", b"END1"
 MAC_KIND = "whole"
 READ_CHUNK = 8 << 20
-"""Bytes read at a time while checking a file's CRC (8 MiB: large reads, bounded memory)."""
+"""Bytes the persister copies at a time (8 MiB: large writes, bounded memory; one digest leaf)."""
 
 TEMP_RE = re.compile(r"^\.step_\d+\.pt\..*\.tmp$")
 _VERDICT_CACHE_LIMIT = 256
@@ -240,7 +240,7 @@ def open_mapped_verified(path: Path) -> tuple[int, Verified]:
     """Open ``path`` (never through a link), check it end to end through a read-only mapping;
     return the open fd and what the check found (signed by this job, or a legacy file).
 
-    One pass over the bytes (the CRC and the MAC together), and they stay in the page cache for
+    One pass over the bytes (the digest, on its threads; a legacy file's CRC), and they stay in the page cache for
     the reader that maps the same fd (``torch.load("/proc/self/fd/<fd>", mmap=True)``): a load
     reads the file once, and what it loads is what was checked. A file whose MAC does not verify
     is DamagedCheckpoint ("not signed with this job's key"). The caller closes the fd.
@@ -300,7 +300,7 @@ def _verify_mapped(fd: int) -> Verified:
 
 def is_complete(path: Path) -> bool:
     """Whether ``path`` is a regular file ending in a footer whose length matches: written to the
-    end and renamed into place. Cheap (no CRC); the CRC is checked when it is loaded."""
+    end and renamed into place. Cheap (no digest); the MAC is checked when it is loaded."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
