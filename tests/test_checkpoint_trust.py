@@ -297,6 +297,24 @@ def test_a_holder_killed_mid_job_turns_the_tier_off_and_the_job_goes_on_from_dis
     assert verified.signed and verified.step == 5
 
 
+# Environment only, no processes to time: a busy CPU changes nothing here.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(30)
+def test_without_a_checkpoint_dir_a_round_after_the_holders_death_says_once_that_checkpoints_are_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rally.agent.worker import job, memory_only
+
+    for name in (ckpt_client.HOLDER_ENV, ckpt_client.HOLDER_PID_ENV, ckpt_client.SECRET_ENV, "RALLY_CHECKPOINT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(ckpt_client.HOLDER_LOST_ENV, "1")  # what the agent gives the next round's workers
+    monkeypatch.setattr(ckpt_client, "_tier_resolved", False)
+    monkeypatch.setattr(memory_only, "_told_off", False)
+    assert job.load_latest() is None
+    assert job.save({"step": 1}, 1) is None and job.save({"step": 2}, 2) is None  # main: CheckpointDirNotSet
+    assert capsys.readouterr().err.count("checkpoints are off: this node's checkpoint holder died") == 1
+
+
 SAVE_OR_LOAD = """
 import json, os, sys
 import torch
