@@ -29,7 +29,7 @@ from rally.agent import processes
 from rally.agent.agent_exit import AgentExit, store_failure_exit
 from rally.agent.checkpoint.agent_side import NodeCheckpoints
 from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
-from rally.agent.decide import Exit, Reform, Restart, decide
+from rally.agent.decide import Exit, Reform, Restart, decide, exit_status
 from rally.agent.display import console
 from rally.agent.event_loop import Event, EventLoop
 from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
@@ -44,6 +44,7 @@ from rally.agent.observe.run_info import announce
 from rally.agent.observe.status_record import node_status
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_lost_line
+from rally.agent.round_holdings import RoundHoldings
 from rally.agent.round_threads import RoundThreads, StoreProbe, left_behind_line
 from rally.agent.spec import JobSpec
 from rally.agent.states import AgentState, SignalAction, signal_action
@@ -187,10 +188,10 @@ class Agent:
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
-        ckpt = self.ckpt
-        self.rdzv = rdzv = Rendezvous(
-            self.store, self.plan.settings, self.node, console.say, ckpt.progress, ckpt.holdings
-        )
+        # the memory tier's steps and the disk's, read cheaply for the restart (agent/round_holdings.py)
+        held = RoundHoldings(self.ckpt, single_node=self.plan.settings.max_nodes == 1)
+        settings = self.plan.settings
+        self.rdzv = rdzv = Rendezvous(self.store, settings, self.node, console.say, held.progress, held.holdings)
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (self.store_call(self.store.connect_again, waiting=True) for _ in range(3))
         if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/checks/quarantine.py)
@@ -215,7 +216,8 @@ class Agent:
         )
         last = self.last_failure
         info = dict(last.info) if last else {}
-        end = self.store_call(lambda: rnd.channel.end(RoundEnd(EndKind.ABORTED, detail, self.host, info)))
+        ours = RoundEnd(EndKind.ABORTED, detail, self.host, info)
+        end = self.store_call(lambda: rnd.channel.end(ours))
         self.store_call(lambda: rdzv.close_job(end))
         self.store_call(rnd.channel.acknowledge_end)  # no barrier wait
         self.report.outcome = "crash loop"
@@ -223,7 +225,7 @@ class Agent:
         if last is not None:
             console.error("the last failure: " + explain(last))
         self._exit_barrier(rnd)
-        return int(info.get("exit_status", 1)) or 1
+        return exit_status(ours)
 
     # ================================================================ one round
     def _run_round(self, rnd: Round, watcher: Round, keeper: Round) -> RoundEnd:
@@ -292,6 +294,7 @@ class Agent:
         # --heartbeat-timeout auto: learned before, by any node
         self.observer.load_timeouts(self.store_call, self.store)
         sink = self.live.sink if self.live is not None else None
+        self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
         env = {**self.base_env, **self.ckpt.env()}  # the holder's address, none once it died (tier.py)
         self.group = WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
@@ -351,9 +354,11 @@ class Agent:
         None to go round again."""
         a, group = rnd.a, self.group
         self.ckpt.close_round(a)  # from now on a save of this round's workers is refused
+        stopping = time.monotonic()
         self._stop_workers(signal.SIGTERM)
+        stop_seconds = round(time.monotonic() - stopping, 6)
         self.report.finish_attempt(group, end)
-        self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail)
+        self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail, stop_seconds=stop_seconds)
         self.store_call(rnd.channel.acknowledge_end)
         if line := self.checks.after_round(rnd, end, self.store_server is not None):  # quarantined, or left out
             raise AgentExit(EXIT_QUARANTINED, line)

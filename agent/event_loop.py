@@ -105,6 +105,7 @@ class EventLoop:
     # ---------------------------------------------------------------- waiting
     def pump(self, timeout: float | None) -> None:
         """Wait up to `timeout` for I/O and handle it: worker exits and output, signals, events."""
+        # wait: slice, said by the job: the agent's one select: the running job's exits, output and signals
         for key, _ in self.selector.select(timeout):
             kind, obj = key.data
             if kind == "stream":
@@ -112,6 +113,7 @@ class EventLoop:
                     self.selector.unregister(key.fd)
             elif kind == "exit":
                 self.on_worker_exit(obj)
+                # wait: not_a_wait: reaps an exited worker
                 obj.process.poll()
                 self.selector.unregister(key.fd)
             elif kind == "signal":

@@ -200,6 +200,7 @@ class HangReporter:
 
     def _watch_requests(self, rnd: Round) -> None:
         try:
+            # wait: background: a thread answering stack requests in slices
             if rnd.connect_again().stacks.wait_request():
                 self.loop.inbox.post(Event.DUMP_STACKS, rnd.a.round)
         except StoreError:

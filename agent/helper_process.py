@@ -55,7 +55,9 @@ class HelperProcess:
         except OSError:
             pass
         try:
+            # wait: short: the caller's timeout (guard SWEEP_SECONDS + 3, holder 5 s), then SIGKILL
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            # wait: short: the caller's timeout (guard SWEEP_SECONDS + 3, holder 5 s), then SIGKILL
             self.process.wait()

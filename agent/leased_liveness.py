@@ -53,6 +53,7 @@ def keep_alive_with_lease(
             if not channel.refresh_alive(beats, lease):
                 return  # our lease ran out (we stalled): our watcher ends the round, we re-form
             answered(sent_at)
+            # wait: background: keep-alive interval
             round_over.wait(interval)
     except StoreError as exc:
         if not round_over.is_set():

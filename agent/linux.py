@@ -24,6 +24,8 @@ def prctl(option: int, value: int) -> int:
 
 def readable(fd: int, timeout: float | None) -> bool:
     """Whether `fd` becomes readable within `timeout` seconds (None: wait for ever)."""
+    # wait: not_a_wait: creates a poll object
     poller = select.poll()
     poller.register(fd, select.POLLIN)
+    # wait: slice, said by the job: the caller's timeout; None only for a worker's own exit
     return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))

@@ -32,6 +32,7 @@ def load(name: str, spec: JobSpec, log_dir: Path) -> Any:
     """Build the named LogsSpecs as torchrun does (launcher/worker_flags.py checked it exists)."""
     from torch.distributed.elastic.multiprocessing.api import Std
 
+    # wait: not_a_wait: entry points, not select(2)
     (entry,) = entry_points(group="torchrun.logs_specs").select(name=name)
     cls = entry.load()
     return cls(

@@ -60,4 +60,5 @@ def wait_for_readers(rnd: Round, timeout: float) -> bool:
     what = (
         f"round {r} ended the job: waiting for the other nodes to read that before this node, the store's host, exits"
     )
+    # wait: bounded, said by wait_for_readers: the caller's timeout, in slices with a line (console and status record)
     return wait_in_slices(rnd.channel.wait_all_acknowledged, timeout, what, partial(announce_wait, rnd.rendezvous))

@@ -65,6 +65,7 @@ class Preemption:
                 f"after {name}: waiting for {len(group.running())} worker(s) of this node to checkpoint and exit"
             )
             workers.tick()
+        # wait: slice, said by Preemption.run: --preemption-grace
         self._wait_for_all_nodes(rnd, workers.deadline)
         self.requeue_once(rnd)
         end = RoundEnd(EndKind.PREEMPTED, f"{self.host} received {name}", self.host, {"exit_status": EXIT_PREEMPTED})
@@ -76,6 +77,8 @@ class Preemption:
             remaining = max(0.01, deadline - time.monotonic())
             what = "waiting for every node's workers to checkpoint before requeueing (--preemption-grace)"
             if not self.store_call(
+                # wait: bounded, said by Preemption._wait_for_all_nodes: what is left of --preemption-grace, in slices
+                #   with a line every few seconds, through store_call
                 lambda: wait_in_slices(rnd.preemption.wait_all_checkpointed, remaining, what, console.say)
             ):
                 console.warn("not every node finished checkpointing within --preemption-grace; requeueing anyway")

@@ -103,6 +103,7 @@ class ChildProcess:
 
     def poll(self) -> int | None:
         """Reap the process if it has exited (call when the pidfd is readable)."""
+        # wait: not_a_wait: Popen.poll
         if self.popen.returncode is None and self.popen.poll() is not None:
             self.ended_at = time.monotonic()
         return self.popen.returncode
@@ -111,6 +112,7 @@ class ChildProcess:
         """Wait (up to `timeout`) until the process has exited and been reaped; its returncode,
         or None if it is still there."""
         try:
+            # wait: slice, said by the job: the caller's timeout
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
@@ -191,6 +193,7 @@ def kill_all(children: Sequence[ChildProcess], tree: dict[int, psutil.Process], 
     still there. `keep` names the agent's own helper processes, which belong to no worker.
     """
     for child in children:
+        # wait: not_a_wait: Popen.poll
         if child.poll() is None:
             tree.update({p.pid: p for p in _descendants(child.pid)})
             send_to_group(child.pid, signal.SIGKILL)
@@ -201,6 +204,7 @@ def kill_all(children: Sequence[ChildProcess], tree: dict[int, psutil.Process], 
             pass
     deadline = time.monotonic() + KILL_WAIT_SECONDS
     for child in children:
+        # wait: short: up to the kill deadline
         child.wait(max(0.0, deadline - time.monotonic()))
     return kill_descendants(keep | {c.pid for c in children if c.returncode is None}, deadline)
 
@@ -229,6 +233,7 @@ def kill_descendants(keep: frozenset[int] | set[int], deadline: float | None = N
         reap_zombies(keep)
         if not alive or time.monotonic() > deadline:
             return alive
+        # wait: short: 5 ms between sweeps
         time.sleep(0.005)
 
 
@@ -244,6 +249,7 @@ def reap_zombies(keep: frozenset[int] | set[int]) -> list[int]:
         if proc.pid in keep:
             continue
         try:
+            # wait: not_a_wait: WNOHANG
             if proc.status() == psutil.STATUS_ZOMBIE and os.waitpid(proc.pid, os.WNOHANG)[0]:
                 reaped.append(proc.pid)
         except (psutil.Error, ChildProcessError):

@@ -101,6 +101,7 @@ class RoundThreads:
         try:
             end: RoundEnd | None
             try:
+                # wait: background: the watcher thread, in slices, while the job runs
                 end = channel.wait_end()
             except UntrustedValue as exc:
                 if tolerate is None:
@@ -109,6 +110,7 @@ class RoundThreads:
                 # replaces it (Store.set_once); until then, look again every slice.
                 tolerate(f"{exc}; ignored, the job goes on")
                 while (end := self._valid_end(channel)) is None:
+                    # wait: background: UNTRUSTED_END_POLL_SECONDS while the end key holds a stranger's value
                     if self.over.wait(UNTRUSTED_END_POLL_SECONDS):
                         return
             self.post(Event.ROUND_END, (self.a.round, end))
@@ -143,6 +145,7 @@ class RoundThreads:
                     elif now - last_change > s.keep_alive_timeout:
                         channel.declare_lost(a.watch_rank, a.watch_host, now - last_change)
                         return
+                # wait: background: keep-alive interval
                 self.over.wait(interval)
         except StoreError as exc:
             if not self.over.is_set():
@@ -161,6 +164,7 @@ class RoundThreads:
                 self.exchange(rnd)
             except StoreError:
                 pass  # skipped this time; a lost store is the keep-alive thread's to report
+            # wait: background: STATUS_INTERVAL_SECONDS
             self.over.wait(STATUS_INTERVAL_SECONDS)
 
     def _answered(self, sent_at: float) -> None:
@@ -172,6 +176,7 @@ class RoundThreads:
         limit = store_silence_limit(self.keeper.settings, self.read_timeout, self.keeper.store.leased_liveness)
         tick = limit / 8
         woke = time.monotonic()
+        # wait: background: limit / 8
         while not self.over.wait(tick):
             now = time.monotonic()
             frozen, woke = now - woke - tick, now
@@ -240,6 +245,7 @@ class StoreProbe:
 
     def _run(self) -> None:
         try:
+            # wait: background: probe interval
             while not self.over.wait(self.interval):
                 self.pinging = True
                 self.rdzv.ping()

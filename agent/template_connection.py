@@ -34,6 +34,7 @@ class TemplateStuck(TemplateGone):
 
 
 def status_to_returncode(status: int) -> int:
+    # wait: not_a_wait: arithmetic
     return os.waitstatus_to_exitcode(status)
 
 
@@ -85,6 +86,7 @@ class Connection:
         return self.popen.pid
 
     def alive(self) -> bool:
+        # wait: not_a_wait: Popen.poll
         return not self.closed and self.popen.poll() is None
 
     # ------------------------------------------------------------ reading
@@ -142,6 +144,7 @@ class Connection:
                     f"waiting for the worker template (pid {self.pid}) to import {self.preload} before it starts "
                     "workers"
                 )
+                # wait: bounded, said by Connection._await: READY_TIMEOUT
                 self._await(("ready",), READY_TIMEOUT if timeout is None else timeout, what)
             assert self.ready is not None
             return self.ready
@@ -154,6 +157,7 @@ class Connection:
             except OSError as exc:
                 self.closed = True
                 raise TemplateGone(self.describe_death()) from exc
+            # wait: bounded, said by Connection._await: REPLY_TIMEOUT (30 s) for a fork
             reply = self._await(
                 ("spawned", "refused"),
                 REPLY_TIMEOUT,
@@ -184,6 +188,7 @@ class Connection:
 
     def describe_death(self) -> str:
         try:
+            # wait: short: timeout=1
             code = self.popen.wait(timeout=1.0)
         except Exception:  # still running, or not ours to wait for
             return "the template stopped answering"
@@ -200,7 +205,9 @@ class Connection:
         except OSError:
             pass
         try:
+            # wait: short: timeout=5, then SIGKILL
             self.popen.wait(timeout=timeout)
         except Exception:  # subprocess.TimeoutExpired
             self.popen.kill()
+            # wait: short: timeout=5, then SIGKILL
             self.popen.wait()

@@ -21,6 +21,10 @@ time went, as seconds of the run: **saves** (the steps' stall in ``save``), **re
 kill until both ranks step again: the launcher's share, kill -> the new rank 0 running the
 script's first line, then the script's own start: imports, ``init_process_group``, the reload),
 **redone** (steps computed again because they came after the last checkpoint, x the step time).
+rally's share is then broken down phase by phase (PHASES below, median and range over the kills),
+from the timestamps in its agent's own ``events.jsonl`` (under ``--log-dir``) and every new rank's
+first line: the kill, the agent noticing it, the other workers stopped, the restart decided, the
+next round formed, its set-up, the forks, the script running.
 Writes bench/results/goodput.md and goodput.json.
 """
 
@@ -120,6 +124,8 @@ def run_once(name: str, root: Path, duration: float, kill_every: float) -> dict[
         job.kill()
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
     result = analyze(events, kills, launched, until)
+    if name == "rally":  # where rally's share went, from its agent's own event log
+        result["phases"] = restart_phases(agent_events(run / "logs"), events, kills)
     if code != 0:
         result["error"] = f"exit {code}: {job.tail(6)}"
     return result
@@ -127,6 +133,7 @@ def run_once(name: str, root: Path, duration: float, kill_every: float) -> dict[
 
 def analyze(events: list[dict[str, Any]], kills: list[float], launched: float, until: float) -> dict[str, Any]:
     """Progress and where the time went, from rank 0's events and the kill times."""
+    events = [e for e in events if e.get("rank", 0) == 0]  # rank 0's view (every rank logs its start)
     steps = [e for e in events if e["e"] == "step" and e["t"] <= until]
     saves = [e for e in events if e["e"] == "save" and e["t"] <= until]
     step_time = statistics.median(e["seconds"] for e in steps) if steps else 0.0
@@ -162,6 +169,67 @@ def analyze(events: list[dict[str, Any]], kills: list[float], launched: float, u
         "redone_steps": redone,
         "redone_seconds": redone * step_time,
     }
+
+
+PHASES = {
+    "notice": "kill -> agent notices (the killed rank's pidfd: includes the kernel freeing its memory)",
+    "stop": "-> the checkpoint tier's round closed, the other workers stopped (`round_ended`)",
+    "decide": "-> the end acknowledged in the store, restart decided (`restart`)",
+    "rendezvous": "-> the next round formed (`round_formed`)",
+    "setup": "-> workers' store, pre-flight, the checkpoint tier's round open (`workers_starting`)",
+    "fork": "-> every new worker forked from the template (last `worker_started`)",
+    "script": "-> every new worker runs the script's first line",
+}
+
+
+def agent_events(log_dir: Path) -> list[dict[str, Any]]:
+    """The rally agent's events.jsonl (one run directory under ``--log-dir``)."""
+    lines = [line for path in sorted(log_dir.glob("*/events.jsonl")) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def restart_phases(agent: list[dict[str, Any]], worker: list[dict[str, Any]], kills: list[float]) -> list[dict]:
+    """Each kill's restart as rally's agent lived it: seconds per phase (PHASES), from the agent's
+    event timestamps and every new rank's first line (same clock: time.time() on one machine)."""
+    out = []
+    for kill in kills:
+        after = [e for e in agent if e["time"] >= kill]
+        noticed = next((e for e in after if e["event"] == "worker_exited"), None)
+        ended = next((e for e in after if e["event"] == "round_ended"), None)
+        decided = next((e for e in after if e["event"] in ("restart", "membership_change")), None)
+        formed = next((e for e in after if e["event"] == "round_formed"), None)
+        if None in (noticed, ended, decided, formed):
+            continue
+        r = formed["round"]
+        starting = next((e for e in after if e["event"] == "workers_starting" and e["round"] == r), None)
+        started = [e["time"] for e in after if e["event"] == "worker_started" and e["round"] == r]
+        firsts = [e["at"] for e in worker if e["e"] == "start" and e["a"] == formed["restart_count"]]
+        script = max(firsts) if len(firsts) == len(started) else None  # every new worker's first line
+        marks = [kill, noticed["time"], ended["time"], decided["time"], formed["time"],
+                 starting["time"] if starting else formed["time"], max(started, default=None), script]  # fmt: skip
+        if None in marks:
+            continue
+        phases = {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)}
+        phases["stop_workers"] = ended.get("stop_seconds")  # of "stop": the workers alone
+        phases["total"] = marks[-1] - kill
+        out.append(phases)
+    return out
+
+
+def phase_table(phases: list[dict[str, Any]]) -> str:
+    """rally's share of a restart, phase by phase: median and range over the kills."""
+    if not phases:
+        return ""
+    lines = ["| rally's share of a restart, phase by phase (agent's events.jsonl) | median | min - max |"]
+    lines.append("|---|---|---|")
+    for name, label in [*PHASES.items(), ("total", "**kill -> script running (rally's share)**")]:
+        values = [p[name] for p in phases]
+        lines.append(f"| {label} | {statistics.median(values):.3f} s | {min(values):.3f} - {max(values):.3f} s |")
+    stops = [p["stop_workers"] for p in phases if p.get("stop_workers") is not None]
+    if stops:
+        lines.append(f"| (of stop: stopping the workers alone) | {statistics.median(stops):.3f} s | "
+                     f"{min(stops):.3f} - {max(stops):.3f} s |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def fmt(value: float | None, spec: str = ".2f", unit: str = " s") -> str:
@@ -219,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError) as exc:
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     text = table(results, args.duration, args.kill_every)
+    if phases := phase_table(results.get("rally", {}).get("phases", [])):
+        text += f"\n\n{phases}"
     header = (
         f"Goodput benchmark, {started}, {os.cpu_count()} CPUs, rally at `{common_commit()[:10]}`, "
         f"`python -m bench.goodput {' '.join(argv if argv is not None else sys.argv[1:])}`; load average at the "

@@ -13,11 +13,14 @@ simulated nodes that run rally's round protocol on it, each with its own EtcdSto
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,6 +29,13 @@ from typing import Any
 from rally.rendezvous.etcd_client import EtcdClient, Member
 
 START_SECONDS = 30.0
+
+
+class _Closer(threading.local):
+    won = False  # this thread closed a round (set by bench.simrdzv's counting store, for --profile)
+
+
+CLOSER = _Closer()
 
 
 def two_free_ports() -> tuple[int, int]:
@@ -103,19 +113,33 @@ class CountingClient(EtcdClient):
         return CountingClient(self.members, self.counter, self._current)
 
     def call(self, path: str, body: dict[str, Any], budget: float) -> dict[str, Any]:
-        wall, cpu = time.perf_counter(), time.thread_time()
+        t, wall, cpu = time.monotonic(), time.perf_counter(), time.thread_time()
         try:
             return super().call(path, body, budget)
         finally:
             self.counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
+            self._record(path, body, t, wall)
+
+    def _record(self, path: str, body: dict[str, Any], t: float, wall: float) -> None:
+        """bench.simrdzv --profile: one line per request, named by its first key (see Counter.record)."""
+        if getattr(self.counter, "log", None) is None:
+            return
+        first = body
+        for op in body.get("success") or body.get("compare") or []:
+            first = next(iter(op.values())) if "key" not in op else op
+            break
+        key = base64.b64decode(first.get("key", "")).decode(errors="replace").split("\x00")[0]
+        size = len(json.dumps(body))
+        self.counter.record(path.rsplit("/", 1)[-1], key, size, 0, t, time.perf_counter() - wall, CLOSER.won)
 
     def watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict[str, Any]]:
         """One request: the watch's set-up and the parsing of its events count as client CPU."""
-        wall, cpu = time.perf_counter(), time.thread_time()
+        t, wall, cpu = time.monotonic(), time.perf_counter(), time.thread_time()
         try:
             yield from super().watch(request, deadline)
         finally:
             self.counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
+            self._record("/watch", request, t, wall)
 
 
 def etcd_clients(port: int, count: int, counter: Any) -> list[CountingClient]:

@@ -1,6 +1,6 @@
 """Simulated rendezvous: N nodes as threads spread over a few processes, one TCPStore.
 
-    python -m bench.simrdzv --nodes N [--trials floor,rally,etcd,torch] [--procs P] [--timeout S]
+    python -m bench.simrdzv --nodes N [--trials floor,rally,etcd,torch] [--procs P] [--timeout S] [--profile]
 
 Prints one JSON line per trial: {"impl", "nodes", "converged", "done", "elapsed", "store_ops", ...}.
 
@@ -32,6 +32,15 @@ calling thread's `time.thread_time`) and the etcd member's CPU time per request.
 calls as one rally node makes per round) and nothing else, i.e. how fast this machine can
 serve N clients at all, with their Python threads sharing its cores.
 
+`--switch-interval` (default SWITCH_INTERVAL, 0.5 s) is each child's `sys.setswitchinterval`: with
+Python's 5 ms, the ~1,000 threads of a child that a close wakes at once force GIL switches on one
+another every 5 ms, which at 4,096 nodes cost more than the store (see SWITCH_INTERVAL).
+
+`--profile` adds, per trial: store calls, bytes and the commonest calls (count, median wall time) per
+node in each phase (go -> last join -> closed -> last node done), the store server's queue in each
+phase (a probe client's round trips, one every 5 ms), the closer's own calls in order, when the
+woken nodes' reads started after the close, and the nodes' and the server's CPU time per node.
+
 Caveat: the nodes' client-side CPU work shares this machine's cores (and each child's GIL).
 torch's client work per operation grows with N (it pickles and base64-encodes the whole
 state, every participant and heartbeat, on every compare-and-set); rally's does not.
@@ -42,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import select
 import signal
@@ -60,6 +70,12 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
 FLOOR_OPS = 16
+# The children's GIL switch interval. A simulated node is a thread, and a child holds ~1,000 of them;
+# a real node has an interpreter of its own. With Python's 5 ms, the ~1,000 threads a close wakes
+# at once each time out on the GIL every 5 ms and force a switch (a convoy): at 4,096 nodes that
+# cost 3 to 30 s after the close, in the harness, not the store (docs/benchmarks.md). Threads here
+# give the GIL up at every store call, so a long interval only stops the forced switches.
+SWITCH_INTERVAL = 0.5
 IMPLS = ("floor", "rally", "etcd", "torch")
 
 
@@ -79,6 +95,13 @@ class Counter:
         self.wall = 0.0  # seconds spent inside store calls, summed over every node's calls
         self.cpu = 0.0  # of which the calling thread's own CPU time (the Python client's cost)
         self.events: dict[str, float] = {}  # rally: when the last join / the close happened here
+        self.log: list | None = None  # --profile: one (t, op, key kind, bytes out, bytes in, wall, closer) per call
+
+    def record(self, op: str, key: str, out: int, back: int, t: float, wall: float, closer: bool) -> None:
+        if self.log is not None:
+            kind = re.sub(r"\d+", "#", key.split("/", 2)[-1] if key.startswith("rally/") else key)
+            with self.lock:
+                self.log.append((t, op, kind, out, back, wall, closer))
 
     def event(self, name: str) -> None:
         now = time.monotonic()
@@ -99,12 +122,22 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
         from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
         from rally.rendezvous.store import Store
 
+        closer_thread = threading.local()
+
         class CountingStore(Store):
             def _call(self, fn, *a):
-                wall, cpu = time.perf_counter(), time.thread_time()
+                t, wall, cpu = time.monotonic(), time.perf_counter(), time.thread_time()
                 value = super()._call(fn, *a)
                 counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
                 name = getattr(fn, "__name__", "")
+                if counter.log is not None:
+                    if name == "compare_set" and "/closer/" in a[0] and value == a[2]:
+                        closer_thread.won = True
+                    key = a[0] if a and isinstance(a[0], str) else (a[0][0] if a and a[0] else "")
+                    counter.record(
+                        name, key, _size(a), _size(value), t, time.perf_counter() - wall,
+                        getattr(closer_thread, "won", False),
+                    )  # fmt: skip
                 if name == "add" and a[1] == 1 and a[0].endswith("/joined"):
                     counter.event("last_join")
                 elif name in ("set", "compare_set") and a[0].endswith("/closed"):
@@ -119,6 +152,7 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
             rdzv = Rendezvous(store, settings, me)
             nodes.append(lambda r=rdzv: r.next_round().group_rank)
     elif impl == "etcd":
+        from bench.simetcd import CLOSER
         from rally.rendezvous.etcd_store import EtcdStore
         from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
 
@@ -132,6 +166,8 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
 
             def set_once(self, name: str, value: str) -> tuple[bool, str]:
                 outcome = super().set_once(name, value)
+                if "/closer/" in name and outcome[0]:
+                    CLOSER.won = True
                 if name.endswith("/closed"):
                     counter.event("closed")
                 return outcome
@@ -186,6 +222,15 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
 
             nodes.append(ops)
     return nodes
+
+
+def _size(value) -> int:
+    """Bytes a store call carries: its keys and values (a profile's bytes per node)."""
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    return 8 if isinstance(value, int) else 0
 
 
 def run_trial(nodes: list, first: int, counter: Counter, n: int = 0, stagger: float = 0.0) -> dict:
@@ -243,7 +288,10 @@ def run_trial(nodes: list, first: int, counter: Counter, n: int = 0, stagger: fl
             "client_wall": wall - before[1],
             "client_cpu": cpu - before[2],
             "events": dict(counter.events),
+            "log": list(counter.log or []),
         }
+        if counter.log is not None:
+            counter.log.clear()
     print(json.dumps(result), flush=True)
     if remaining[0]:
         return {"stop": True}
@@ -256,11 +304,15 @@ def child(args: argparse.Namespace) -> None:
     n, first, count = args.nodes, args.first, args.count
     trials = args.trials.split(",")
     raise_fd_limit(3 * count + 256)  # an etcd node holds a connection and, while it waits, a watch
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     threading.stack_size(512 * 1024)
     from torch.distributed import TCPStore
 
     op_timeout = timedelta(seconds=args.timeout + 30)
     counter = Counter()
+    if args.profile:
+        counter.log = []
     clients = []
     if set(trials) - {"etcd"}:
         clients = [TCPStore("127.0.0.1", args.port, is_master=False, timeout=op_timeout) for _ in range(count)]
@@ -333,6 +385,9 @@ def parent(args: argparse.Namespace) -> None:
                         str(args.stagger),
                         "--etcd-port",
                         str(etcd.client_port if etcd else 0),
+                        *(["--profile"] if args.profile else []),
+                        "--switch-interval",
+                        str(args.switch_interval),
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -350,6 +405,7 @@ def parent(args: argparse.Namespace) -> None:
                 "trial": trial,
                 "timeout": args.timeout,
                 "stagger": args.stagger,
+                "switch_interval": args.switch_interval,
             }
             if stopped:
                 emit({**base_result, "converged": False, "skipped": True, "error": "an earlier trial did not converge"})
@@ -362,6 +418,8 @@ def parent(args: argparse.Namespace) -> None:
                 continue
             setup = time.monotonic() - t_setup
             etcd_cpu = etcd.cpu_seconds() if etcd and impl == "etcd" else None
+            probe = QueueProbe(server.port, args.timeout) if args.profile else None
+            cpu_before = cpu_seconds(children) if args.profile else (0.0, 0.0)
             t0 = time.monotonic()
             for c in children:
                 c.stdin.write("go\n")
@@ -369,6 +427,7 @@ def parent(args: argparse.Namespace) -> None:
             deadline = t0 + args.timeout
             done_at, ranks, errors, ops, client_wall, client_cpu = [], [], [], 0, 0.0, 0.0
             events: dict[str, float] = {}
+            log: list = []
             complete = True
             for c in children:
                 line = _readline(c, deadline)
@@ -384,8 +443,11 @@ def parent(args: argparse.Namespace) -> None:
                     ops += part["store_ops"]
                     client_wall += part["client_wall"]
                     client_cpu += part["client_cpu"]
+                    log += part.get("log", [])
                     for k, v in part.get("events", {}).items():
                         events[k] = max(events.get(k, 0.0), v)
+            probes = probe.stop() if probe else []
+            cpu_after = cpu_seconds(children) if args.profile else (0.0, 0.0)
             store_cpu = etcd.cpu_seconds() - etcd_cpu if etcd_cpu is not None else None
             finished = [d for d in done_at if d is not None]
             unique = len({r for r in ranks if r is not None})
@@ -409,6 +471,17 @@ def parent(args: argparse.Namespace) -> None:
                     **{f"{k}_at": v - t0 for k, v in events.items()},
                     "errors": errors[:5],
                     "error_count": len(errors),
+                    **(
+                        {
+                            "profile": {
+                                "nodes_cpu_ms_per_node": round(1000 * (cpu_after[0] - cpu_before[0]) / n, 3),
+                                "server_cpu_ms_per_node": round(1000 * (cpu_after[1] - cpu_before[1]) / n, 3),
+                                **profile(log, probes, t0, events, finished, n),
+                            }
+                        }
+                        if args.profile
+                        else {}
+                    ),  # fmt: skip
                 }
             )
             if not complete:
@@ -424,6 +497,91 @@ def parent(args: argparse.Namespace) -> None:
             c.wait()
         if etcd is not None:
             etcd.stop()
+
+
+def cpu_seconds(children: list[subprocess.Popen]) -> tuple[float, float]:
+    """CPU time (user + system) so far of the simulated nodes' processes, and of this process
+    (the store server's thread; the probe's share is small)."""
+    import psutil
+
+    def used(pid: int) -> float:
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system
+
+    return sum(used(c.pid) for c in children), used(os.getpid())
+
+
+class QueueProbe:
+    """The store server's queue during a trial: a client of its own sends one `check` every 5 ms
+    and records how long the answer took (a request waits behind everything queued before it)."""
+
+    def __init__(self, port: int, timeout: float) -> None:
+        from torch.distributed import TCPStore
+
+        self.client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout + 30))
+        self.samples: list[tuple[float, float]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.done.wait(0.005):
+            t = time.monotonic()
+            self.client.check(["probe"])
+            self.samples.append((t, time.monotonic() - t))
+
+    def stop(self) -> list[tuple[float, float]]:
+        self.done.set()
+        self.thread.join()
+        return self.samples
+
+
+def profile(log: list, probes: list, t0: float, events: dict[str, float], finished: list[float], n: int) -> dict:
+    """Where a trial's time went, by phase (go -> last join -> closed -> last node done): store
+    calls and bytes per node, the commonest calls, the server's queue (probe round trips), and
+    the closer's own calls in order."""
+    end = max(finished, default=t0)
+    bounds = [("to_last_join", t0, events.get("last_join", t0)), ("join_to_close", events.get("last_join", t0),
+              events.get("closed", t0)), ("close_to_done", events.get("closed", t0), end)]  # fmt: skip
+    phases = {}
+    for name, start, stop in bounds:
+        calls = [c for c in log if start <= c[0] < stop or (name == "close_to_done" and c[0] >= stop)]
+        kinds: dict[str, list[float]] = {}
+        for c in calls:
+            kinds.setdefault(f"{c[1]} {c[2]}", []).append(c[5])
+        rtts = sorted(r for t, r in probes if start <= t < stop)
+        phases[name] = {
+            "seconds": round(stop - start, 3),
+            "calls_per_node": round(len(calls) / n, 2),
+            "bytes_per_node": round(sum(c[3] + c[4] for c in calls) / n),
+            # the commonest calls: how many, and their median wall time (ms)
+            "top_calls": [
+                (kind, len(walls), round(1000 * sorted(walls)[len(walls) // 2], 1))
+                for kind, walls in sorted(kinds.items(), key=lambda kv: -len(kv[1]))[:6]
+            ],
+            "queue_ms_p50": round(1000 * rtts[len(rtts) // 2], 2) if rtts else None,
+            "queue_ms_max": round(1000 * rtts[-1], 2) if rtts else None,
+        }
+    closer = sorted(c for c in log if c[6])
+    close_at = next((c[0] for c in closer if c[1] in ("compare_set", "txn") and c[2] == "#/closed"), None)
+    wake: dict[str, list] = {}
+    if close_at is not None:  # after the close: when each node's reads started, and how long they took
+        for op, kind in (("get", "#/closed"), ("compare_set", "#/assign/#/#")):
+            calls = sorted(c for c in log if c[1] == op and c[2] == kind and c[0] >= close_at)
+            starts, walls = [c[0] - close_at for c in calls], sorted(c[5] for c in calls)
+            wake[f"{op} {kind}"] = [
+                round(starts[int(q * (len(starts) - 1))], 3) if starts else None for q in (0.0, 0.5, 0.9, 1.0)
+            ] + [
+                round(1000 * walls[len(walls) // 2], 1) if walls else None,
+                round(1000 * walls[-1], 1) if walls else None,
+            ]
+        wake["done"] = [round(d - close_at, 3) for d in sorted(finished)[:: max(1, len(finished) // 4)]]
+    return {
+        "after_close": wake,  # per read: start time after the close (min, p50, p90, max), wall ms (p50, max)
+        "phases": phases,
+        "bytes_per_node": round(sum(c[3] + c[4] for c in log) / n),
+        "closer": [(round(c[0] - t0, 3), c[1], c[2], round(1000 * c[5], 1), c[3] + c[4]) for c in closer][:40],
+    }
 
 
 def emit(result: dict) -> None:
@@ -460,6 +618,15 @@ def main() -> None:
         type=float,
         default=0.0,
         help="spread the nodes' arrivals evenly over this many seconds (default: all at once)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="rally: calls, bytes and the server's queue by phase, the closer's calls"
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=SWITCH_INTERVAL,
+        help=f"the children's sys.setswitchinterval (default {SWITCH_INTERVAL:g} s; 0: Python's own 0.005 s)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from rally.agent.display import console
+from rally.agent.exit_codes import EXIT_BAD_INPUT
 from rally.launcher.cli import in_this_process, launch_and_run, run
 from rally.launcher.config import ConfigError
 from rally.launcher.options import Options, by_name, from_environment
@@ -48,7 +49,6 @@ __all__ = ["LaunchError", "launch", "run"]
 
 PAYLOAD = "payload.pkl"
 RESULTS = "results"
-EXIT_BAD_INPUT = 2
 # Set in a worker while it imports the caller's script to find a `__main__` function: a
 # `rally.launch` reached then is an unguarded call at the script's top level.
 IMPORTING_CALLERS_MAIN = False

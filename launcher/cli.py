@@ -23,6 +23,7 @@ import click
 from click.core import ParameterSource
 
 from rally.agent.display import console
+from rally.agent.exit_codes import EXIT_BAD_INPUT
 from rally.launcher import __version__, options
 from rally.launcher.config import ConfigError, build_launch
 from rally.launcher.config_file import FileMistakes, load_config_file
@@ -190,7 +191,7 @@ def run_command(
     o = Options(**values, origins=origins)
     if file_mistakes := ctx.meta.get("rally.file_mistakes"):  # every mistake in one run, the file's first
         try:
-            o.parse(act=False)
+            o.parse(script, act=False)
         except ConfigError as exc:
             raise Mistakes(file_mistakes + mistakes_of(exc)) from None
         raise Mistakes(file_mistakes)
@@ -277,7 +278,7 @@ _AGENT_RAN = False  # main() ends a process that ran the agent with os._exit (se
 def run(argv: list[str]) -> int:
     """The `rally` command as a function: returns the exit code instead of exiting.
 
-    Bad input prints its one `rally: error:` line and returns 2. The agent runs in this
+    Bad input prints its one `rally: error:` line and returns 2 (EXIT_BAD_INPUT). The agent runs in this
     process (it must be the main thread: it installs signal handlers); the handlers, the wake-up
     fd and the signal mask are put back when it returns.
     """
@@ -309,7 +310,7 @@ def _run_command(args: list[str]) -> int:
         code = command.main(args, prog_name="rally", standalone_mode=False)
     except ConfigError as exc:
         console.plain_error(str(exc))
-        return 2
+        return EXIT_BAD_INPUT
     except click.UsageError as exc:
         message = exc.format_message()
         if isinstance(exc, click.NoSuchOption):
@@ -318,7 +319,7 @@ def _run_command(args: list[str]) -> int:
             if closest:
                 message = f"no such option {exc.option_name}; did you mean {closest[0]}?"
         console.plain_error(message)
-        return 2
+        return EXIT_BAD_INPUT
     except click.ClickException as exc:
         console.plain_error(exc.format_message())
         return exc.exit_code

@@ -1,58 +1,391 @@
-"""The checks an option of launcher/options.py names: each takes (value, flag) and returns the
-parsed value or raises `ConfigError` (one line, exit 2), so that a bad value is reported with the
-flag, the environment variable or the config file line it came from (`Options.parse`)."""
+"""The checks the options of launcher/options.py name, all of one signature:
+``check(value, p: Parsing) -> parsed value``, raising `ConfigError` (one line, exit 2).
+
+`p.flag` is the option's flag for messages; `p.options` the raw value of every option, for a
+check that reads another's (--preflight reads --no-preflight); `p.parsed(name)` an option checked
+before it (declaration order: --redirects needs --nproc-per-node's count); `p.notes` lines to tell
+the user. `Options.parse` prefixes a message with the config file and line the value came from.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import os
+import signal
+import sys
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from rally.launcher import validate, values
+from rally.agent.observe.learned_timeouts import LearningSettings
+from rally.agent.spec import JobSpec
+from rally.launcher import validate, values, worker_flags
+from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import EndpointError, backend_named
 
+# torchrun's variable for the workers' grace period, read when --shutdown-timeout is not given.
+SHUTDOWN_TIMEOUT_VARIABLE = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+AUTO = "auto"
 
-def seconds(zero_ok: bool, minimum: float = 0.0) -> Callable[[Any, str], float | None]:
-    def check(value: Any, flag: str) -> float | None:
-        return None if value is None else validate.seconds(value, flag, zero_ok=zero_ok, minimum=minimum)
+
+class Unavailable(Exception):
+    """An option this check needs failed its own check (that mistake is told): skip this one."""
+
+
+@dataclass
+class Parsing:
+    """What a check sees besides its value (see the module docstring)."""
+
+    options: Any  # launcher.options.Options (which imports this module): every raw value
+    script: str | None = None
+    flag: str = ""
+    done: dict[str, Any] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+
+    def parsed(self, name: str) -> Any:
+        """The checked value of an option declared before this one."""
+        if name in self.failed:
+            raise Unavailable(name)
+        if name not in self.done:
+            raise RuntimeError(f"{self.flag}'s check reads {name}, which is checked after it: declare {name} first")
+        return self.done[name]
+
+    def other(self, name: str, check: Check) -> Any:
+        """Another option's raw value through `check`; a mistake in it is that option's (its
+        message names where that value came from)."""
+        try:
+            return check(getattr(self.options, name), dataclasses.replace(self, flag="--" + name.replace("_", "-")))
+        except ConfigError as exc:
+            exc.option = name  # type: ignore[attr-defined]
+            raise
+
+    @functools.cached_property
+    def gpus(self) -> int:
+        return values.visible_gpu_count()
+
+
+Check = Callable[[Any, Parsing], Any]
+
+
+# ------------------------------------------------------------------ shapes many options share
+def as_is(value: Any, p: Parsing) -> Any:
+    return value
+
+
+def as_bool(value: Any, p: Parsing) -> bool:
+    return bool(value)
+
+
+def negated(value: Any, p: Parsing) -> bool:
+    """--no-prefix fills JobSpec.prefix_output."""
+    return not value
+
+
+def seconds(zero_ok: bool, minimum: float = 0.0, unset: float | None = None) -> Check:
+    """A number of seconds (validate.seconds); None (not given) is `unset`."""
+
+    def check(value: Any, p: Parsing) -> float | None:
+        return unset if value is None else validate.seconds(value, p.flag, zero_ok=zero_ok, minimum=minimum)
 
     return check
 
 
-def positive_seconds(value: Any, flag: str) -> float | None:
+def always_seconds(zero_ok: bool) -> Check:
+    """A number of seconds that must be there (an option with a default of its own)."""
+    return lambda value, p: validate.seconds(value, p.flag, zero_ok=zero_ok)
+
+
+def positive_seconds(value: Any, p: Parsing) -> float | None:
     """A timeout that is off unless given; given, above 0 (and finite, as every timeout)."""
     if value is None:
         return None
     if float(value) <= 0:
-        raise ConfigError(f"{flag} {value}: must be a positive number of seconds")
-    return validate.seconds(value, flag, zero_ok=False)
+        raise ConfigError(f"{p.flag} {value}: must be a positive number of seconds")
+    return validate.seconds(value, p.flag, zero_ok=False)
 
 
-def not_negative(value: Any, flag: str) -> int:
+def not_negative(value: Any, p: Parsing) -> int:
     number = int(value)
     if number < 0:
-        raise ConfigError(f"{flag} {number}: cannot be negative")
+        raise ConfigError(f"{p.flag} {number}: cannot be negative")
     return number
 
 
-def optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    return lambda value, flag: None if value is None else check(value, flag)
+def count(least: int) -> Check:
+    """A whole number, at least `least`."""
+
+    def check(value: Any, p: Parsing) -> int:
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{p.flag} {value!r}: expected a whole number, at least {least}") from None
+        if number < least:
+            raise ConfigError(f"{p.flag} {value}: must be at least {least}")
+        return number
+
+    return check
 
 
-def non_empty_id(value: Any, flag: str) -> str:
-    if not str(value).strip():
-        raise ConfigError("--rdzv-id is empty; give the id every node of the job shares, e.g. --rdzv-id job42")
+def factor(example: str) -> Check:
+    """A finite number above 1."""
+
+    def check(value: Any, p: Parsing) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number <= 1:
+            raise ConfigError(f"{p.flag} {value}: must be a number above 1 ({example})")
+        return number
+
+    return check
+
+
+def optional(check: Check) -> Check:
+    return lambda value, p: None if value is None else check(value, p)
+
+
+def port(value: Any, p: Parsing) -> int:
+    return validate.port(value, p.flag)
+
+
+def writable_dir(value: Any, p: Parsing) -> str:
+    return validate.writable_dir(value, p.flag)
+
+
+def signals(value: Any, p: Parsing) -> tuple[int, ...]:
+    """`SIGTERM,USR1,10`: each read by job.to_signal, rally's one reading of a signal's name."""
+    from rally.agent.worker.job import to_signal
+
+    out = []
+    for name in str(value).split(","):
+        name = name.strip().upper()
+        if not name:
+            continue
+        full = name if name.startswith("SIG") else "SIG" + name
+        try:
+            out.append(int(to_signal(name)))
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"{p.flag}: unknown signal '{name}'{values.suggest(full, signal.Signals.__members__)}"
+            ) from None
+    return validate.handled_signals(tuple(out), p.flag)
+
+
+# ------------------------------------------------------------------ the job's size
+def nnodes(value: Any, p: Parsing) -> tuple[int, int]:
+    """`N` or `MIN:MAX` with 0 < MIN <= MAX <= MAX_NODES."""
+    low, high = values.parse_nnodes(value)
+    if high > validate.MAX_NODES:
+        raise ConfigError(f"--nnodes {high}: at most {validate.MAX_NODES} nodes")
+    return low, high
+
+
+def nproc_per_node(value: Any, p: Parsing) -> int:
+    nproc = values.parse_nproc(value)
+    if nproc > validate.MAX_NPROC_PER_NODE:
+        raise ConfigError(f"--nproc-per-node {nproc}: at most {validate.MAX_NPROC_PER_NODE} workers per node")
+    return nproc
+
+
+def node_rank(value: Any, p: Parsing) -> int | None:
+    if value is None:
+        return None
+    rank = not_negative(value, p)
+    max_nodes = p.parsed("nnodes")[1]
+    if rank >= max_nodes:
+        raise ConfigError(f"--node-rank {rank} is not below --nnodes {max_nodes}; node ranks are 0 to {max_nodes - 1}")
+    return rank
+
+
+# ------------------------------------------------------------------ rendezvous
+def standalone(value: Any, p: Parsing) -> bool:
+    """--standalone runs one node on a private store (as torchrun's does): the rendezvous flags it
+    replaces are named in one note, never dropped in silence."""
+    o = p.options
+    if not value:
+        return False
+    replaced = [f"--nnodes {o.nnodes}"] if p.parsed("nnodes") != (1, 1) else []
+    replaced += [f"--rdzv-endpoint {o.rdzv_endpoint}"] if o.rdzv_endpoint else []
+    replaced += [f"--rdzv-backend {o.rdzv_backend}"] if o.rdzv_backend not in ("static", "c10d") else []
+    replaced += [f"--rdzv-id {o.rdzv_id}"] if o.rdzv_id != JobSpec.run_id else []
+    if replaced:
+        p.notes.append(
+            f"--standalone overrides {', '.join(replaced)}: it runs one node on a private store at a free port, "
+            "with a random run id; drop --standalone to use them"
+        )
+    return True
+
+
+def backend(value: Any, p: Parsing) -> str:
+    try:
+        backend_named(str(value))
+    except EndpointError as exc:
+        raise ConfigError(str(exc)) from None
     return str(value)
 
 
-def backend(value: Any, flag: str) -> Any:
-    try:
-        return backend_named(str(value))
-    except EndpointError as exc:
-        raise ConfigError(str(exc)) from None
+def private_store(p: Parsing) -> bool:
+    """A single-node static job without an address runs on a private store at a free port, as
+    torchrun 2.13's does (--standalone always does)."""
+    o = p.options
+    static = backend_named(p.parsed("rdzv_backend")).static_ranks
+    return static and not o.rdzv_endpoint and o.master_port is None and p.parsed("nnodes")[1] == 1
 
 
-def rdzv_conf(value: Any, flag: str) -> dict[str, Any]:
+def run_id(value: Any, p: Parsing) -> str:
+    """--rdzv-id: the id every node shares; a private store's job gets a random one."""
+    if not str(value).strip():
+        raise ConfigError("--rdzv-id is empty; give the id every node of the job shares, e.g. --rdzv-id job42")
+    if p.parsed("standalone") or (str(value) == JobSpec.run_id and private_store(p)):
+        return str(uuid.uuid4())
+    return str(value)
+
+
+def rdzv_conf(value: Any, p: Parsing) -> dict[str, Any]:
     conf = values.parse_rdzv_conf(value)
     validate.check_rdzv_conf(conf)
     return conf
+
+
+# ------------------------------------------------------------------ workers and their output
+def std_map(value: Any, p: Parsing) -> dict[int, int]:
+    """torchrun's -r/-t, expanded for every local rank."""
+    return values.parse_std_map(value, p.flag, p.parsed("nproc_per_node"))
+
+
+def ranks_filter(value: Any, p: Parsing) -> frozenset[int] | None:
+    return values.parse_ranks_filter(value)
+
+
+def comma_list(value: Any, p: Parsing) -> tuple[str, ...]:
+    return worker_flags.comma_separated_list(value)
+
+
+def virtual_local_rank(value: Any, p: Parsing) -> bool:
+    worker_flags.check_virtual_local_rank(bool(value), p.parsed("nproc_per_node"))
+    return bool(value)
+
+
+def logs_specs(value: Any, p: Parsing) -> str | None:
+    worker_flags.logs_specs_note(value)
+    return value or None
+
+
+def event_log_handler(value: Any, p: Parsing) -> str:
+    if note := worker_flags.event_log_note(value):
+        p.notes.append(note)
+    return str(value)
+
+
+def numa_binding(value: Any, p: Parsing) -> str | None:
+    """Bound only where GPUs exist; every worker's CPUs worked out now, so a node where torch
+    cannot is one line at launch."""
+    if value is None:
+        return None
+    if note := worker_flags.numa_note(value, p.gpus):
+        p.notes.append(note)
+    if not p.gpus:
+        return None
+    worker_flags.check_numa_binding(value, p.parsed("nproc_per_node"))
+    return str(value)
+
+
+def preload(value: Any, p: Parsing) -> tuple[str, ...] | None:
+    """--preload, given --no-preload, --no-python, -m and the script (launcher/preload.py)."""
+    o = p.options
+    return parse_preload(value, bool(o.no_preload), bool(o.no_python), p.script, bool(o.module))
+
+
+def shutdown_timeout(value: Any, p: Parsing) -> float:
+    """--shutdown-timeout, else torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else JobSpec's default."""
+    if value is not None:
+        return validate.seconds(value, p.flag, zero_ok=True)
+    from_env = os.environ.get(SHUTDOWN_TIMEOUT_VARIABLE, "")
+    if from_env.strip():
+        return validate.seconds(from_env, SHUTDOWN_TIMEOUT_VARIABLE, zero_ok=True)
+    return JobSpec.shutdown_timeout
+
+
+def checkpoint_dir(value: Any, p: Parsing) -> str | None:
+    """Created 0700; refused with one line if another user may plant checkpoints in it (unless
+    --checkpoint-dir-shared); a key to sign checkpoints with must exist (agent/checkpoint/auth.py)."""
+    if value is None:
+        return None
+    validate.private_dir(value, p.flag)
+    from rally.agent.checkpoint import auth
+
+    path = Path(str(value)).resolve()
+    problem = auth.directory_problem(path)
+    if problem is not None and not p.options.checkpoint_dir_shared:
+        raise ConfigError(auth.refusal_line(path, problem).removeprefix("rally: "))
+    try:
+        auth.job_keys()
+    except auth.NoKey as exc:
+        raise ConfigError(str(exc).removeprefix("rally: ")) from None
+    return str(path)
+
+
+# ------------------------------------------------------------------ health
+def heartbeat_timeout(value: Any, p: Parsing) -> tuple[float | None, LearningSettings | None]:
+    """Seconds, or `auto` (learned, tuned by --timeout-safety-factor, --timeout-samples and
+    --timeout-floor); a typo says what it takes."""
+    if value is None:
+        return None, None
+    if str(value).strip().lower() != AUTO:
+        try:
+            return validate.seconds(value, p.flag, zero_ok=False), None
+        except ConfigError:
+            raise ConfigError(
+                f"{p.flag} {value}: expected a number of seconds above 0, or 'auto' to learn it from the job"
+            ) from None
+    return None, LearningSettings(
+        factor=p.other("timeout_safety_factor", factor("5: five times the longest interval seen")),
+        samples=p.other("timeout_samples", count(2)),
+        floor=p.other("timeout_floor", always_seconds(True)),
+    )
+
+
+def preflight(value: Any, p: Parsing) -> bool:
+    """On when asked, and by default for multi-node jobs unless --no-preflight."""
+    if value and p.options.no_preflight:
+        raise ConfigError("--preflight and --no-preflight contradict each other; give one of them")
+    return bool(value) or (p.parsed("nnodes")[1] > 1 and not p.options.no_preflight)
+
+
+def straggler_factor(value: Any, p: Parsing) -> float:
+    number = float(value)
+    if not math.isfinite(number) or number <= 1:
+        raise ConfigError(f"{p.flag} {value}: must be a number above 1 (1.5: 50% slower than the others' median)")
+    return number
+
+
+def straggler_window(value: Any, p: Parsing) -> int:
+    window = int(value)
+    if window < 2:
+        raise ConfigError(f"{p.flag} {value}: must be at least 2 steps")
+    return window
+
+
+def metrics_port(value: Any, p: Parsing) -> int | None:
+    if value is None:
+        return None
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"{p.flag} {value}: must be a port number 0-65535 (0: any free port)")
+    return number
+
+
+def metrics_addr(value: Any, p: Parsing) -> str:
+    return str(value or "0.0.0.0").strip("[]")
+
+
+def python_exec() -> str:
+    """The interpreter workers run (JobSpec.python_exec): $PYTHON_EXEC, as torchrun, else this one."""
+    return os.environ.get("PYTHON_EXEC", sys.executable)

@@ -1,53 +1,87 @@
 """rally's options, declared once: each is one field of `Options`, which carries its flag
-names, default, help, help group and check. From these fields alone come:
+names, default, help, help group, check, and the field of the agent's inputs it fills. From
+these fields alone come:
 
 * the click options of `rally` (`--nproc-per-node` and torchrun's `--nproc_per_node`, short
   names, metavars, choices, help grouped as in `rally --help`), in launcher/cli.py;
 * the environment variables `PET_<NAME>` (as torchrun) and `RALLY_<NAME>`;
 * the keys of a `--config` YAML file (either spelling) and the type each value must have
   (launcher/config_file.py);
-* the keyword arguments of `rally.launch(...)` (launcher/api.py builds `Options` directly).
+* the keyword arguments of `rally.launch(...)` (launcher/api.py builds `Options` directly);
+* the agent's `JobSpec` (agent/spec.py) and the rendezvous flags (`RendezvousOptions`), built by
+  `Options.parse()` from what each option fills: there is no other path into them.
 
-Adding a flag is a one-place edit: one field below, for example
+Adding a flag is one field below and, when the agent needs it, one field of `JobSpec`:
 
-    preflight_factor: float = option(2.0, "Health", "Fail a node whose ... (default 2.0).", check=above_one)
-    # --preflight/--no-preflight:
-    preflight: bool = option(True, "Health", "Check each node before it joins.", negative=True)
+    preflight_factor: float = option(2.0, "Health", "Leave out a node ... (default 2).", check=checks.factor("2: ..."))
 
-then read `parsed.preflight_factor` where launcher/config.py builds the job. Defaults that the
-agent also needs live in the agent's own types (`JobSpec`, `RendezvousSettings`) and are read
-from there with `spec_default`, so that each exists once. A check takes (value, flag) and
-returns the parsed value or raises `ConfigError` (the shared ones: launcher/option_checks.py);
-`Options.parse()` runs every check, in declaration order (directories last: checking them
-creates them), and names the config file and line when the bad value came from one.
+fills `JobSpec.preflight_factor` (the field of the same name; `fills=` names another, or
+several when the check returns a tuple; `read_by=` says which option's check reads a value that
+fills nothing itself). Defaults that the agent also needs live in the agent's own types
+(`JobSpec`, `RendezvousSettings`) and are read from there with `spec_default`, so that each
+exists once. Every check has one signature, (value, Parsing) -> the parsed value or
+`ConfigError` (launcher/option_checks.py). `Options.parse()` runs them in declaration order
+(directories last: checking them creates them), tells every mistake in one run, and names the
+config file and line when the bad value came from one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from rally.agent.observe.learned_timeouts import LearningSettings
 from rally.agent.spec import JobSpec
-from rally.launcher import node_checks_options, validate, values
-from rally.launcher.option_checks import (
-    backend,
-    non_empty_id,
-    not_negative,
-    optional,
-    positive_seconds,
-    rdzv_conf,
-    seconds,
-)
+from rally.launcher import option_checks as checks
+from rally.launcher import validate
+from rally.launcher.option_checks import Check, Parsing, Unavailable
 from rally.launcher.validate import ConfigError, Mistakes
+from rally.launcher.worker_flags import NUMA_MODES
 from rally.rendezvous.backends import HostPort
 
 GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "Health", "rally extras")
 METADATA_KEY = "rally.option"
+SAME = "same"  # `fills`: the field of the option's own name
+# `read_by` of an option no check reads: torchrun's, accepted and ignored; or the command's own.
+TORCHRUN_ONLY = "torchrun compatibility"
+THE_COMMAND = "the command, before parsing"
+
+
+@dataclass(frozen=True)
+class RendezvousOptions:
+    """The rendezvous flags, checked: what launcher/config.py plans the store and the membership
+    rules from (the run id is `JobSpec.run_id`)."""
+
+    nnodes: tuple[int, int] = (1, 1)
+    standalone: bool = False
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str | HostPort = ""
+    rdzv_conf: dict[str, Any] = field(default_factory=dict)
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What `Options.parse()` gives: the agent's job, the rendezvous flags, lines to tell."""
+
+    spec: JobSpec
+    rendezvous: RendezvousOptions
+    notes: list[str]
+
+
+# JobSpec's fields that no option fills, and where they come from instead.
+NOT_AN_OPTION = {
+    "entrypoint": "the SCRIPT argument",
+    "args": "the script's arguments",
+    "python_exec": "$PYTHON_EXEC (option_checks.python_exec)",
+    "cwd": "the working directory (the agent's own)",
+}
 
 
 @dataclass(frozen=True)
@@ -60,9 +94,10 @@ class OptionInfo:
     metavar: str | None = None
     short: str | None = None  # e.g. "-m"
     choices: tuple[str, ...] | None = None
-    check: Callable[[Any, str], Any] | None = None  # (value, flag) -> parsed value, or ConfigError
+    check: Check = checks.as_is  # (value, Parsing) -> parsed value, or ConfigError
     late: bool = False  # checked after every other option (the check has an effect: a directory)
-    negative: bool = False  # a flag that also has its --no-<name> form (default True, say)
+    fills: tuple[str, ...] = ()  # fields of JobSpec or RendezvousOptions its parsed value goes to
+    read_by: str | None = None  # for an option that fills nothing: the option whose check reads it
 
 
 def option(
@@ -74,15 +109,29 @@ def option(
     metavar: str | None = None,
     short: str | None = None,
     choices: tuple[str, ...] | None = None,
-    check: Callable[[Any, str], Any] | None = None,
+    check: Check | None = None,
     late: bool = False,
-    negative: bool = False,
+    fills: str | tuple[str, ...] = SAME,
+    read_by: str | None = None,
 ) -> Any:
-    """A field of `Options`: its default and what the option is (see OptionInfo)."""
+    """A field of `Options`: its default and what the option is (see OptionInfo). Without
+    `read_by`, it fills the field of its own name (or those `fills` names)."""
     if group not in GROUPS:
         raise ValueError(f"unknown help group {group!r}; one of {GROUPS}")
     resolved = kind or (bool if isinstance(default, bool) else type(default) if default is not None else str)
-    info = OptionInfo(group, help, resolved, metavar, short, choices, check, late, negative)
+    targets = () if read_by else (fills,) if isinstance(fills, str) else fills
+    info = OptionInfo(
+        group,
+        help,
+        resolved,
+        metavar,
+        short,
+        choices,
+        check or (checks.as_bool if resolved is bool else checks.as_is),
+        late,
+        targets,
+        read_by,
+    )
     return field(default=default, metadata={METADATA_KEY: info})
 
 
@@ -106,20 +155,22 @@ class Options:
         "Job",
         "Number of nodes, or MIN:MAX for an elastic job.",
         metavar="N|MIN:MAX",
-        check=lambda v, f: values.parse_nnodes(v),
+        check=checks.nnodes,
     )
     nproc_per_node: str = option(
-        "1", "Job", "Workers per node.", metavar="N|auto|cpu|gpu|xpu", check=lambda v, f: values.parse_nproc(v)
+        "1", "Job", "Workers per node.", metavar="N|auto|cpu|gpu|xpu", check=checks.nproc_per_node
     )
     role: str = option(spec_default("role"), "Job", "Worker role name (ROLE_NAME, log prefixes).")
-    standalone: bool = option(False, "Rendezvous", "Single node: a private store on a free port, a random run id.")
+    standalone: bool = option(
+        False, "Rendezvous", "Single node: a private store on a free port, a random run id.", check=checks.standalone
+    )
     rdzv_backend: str = option(
         "static",
         "Rendezvous",
         "c10d: elastic rendezvous through a store; etcd (or etcd-v2): the same on an etcd cluster; static: "
         "fixed node ranks.",
         metavar="c10d|etcd|static",
-        check=backend,
+        check=checks.backend,
     )
     rdzv_endpoint: str | HostPort = option(
         "",
@@ -129,7 +180,12 @@ class Options:
         metavar="HOST[:PORT]",
     )
     rdzv_id: str = option(
-        spec_default("run_id"), "Rendezvous", "Job id shared by all nodes.", metavar="ID", check=non_empty_id
+        spec_default("run_id"),
+        "Rendezvous",
+        "Job id shared by all nodes.",
+        metavar="ID",
+        check=checks.run_id,
+        fills="run_id",
     )
     rdzv_conf: str = option(
         "",
@@ -137,46 +193,52 @@ class Options:
         "join_timeout, last_call_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_timeout, "
         "store_type, ...; etcd: protocol, cacert, cert, key, username, password_file",
         metavar="K=V,...",
-        check=rdzv_conf,
+        check=checks.rdzv_conf,
     )
     node_rank: int | None = option(
-        None, "Rendezvous", "This node's rank (static backend).", int, check=optional(not_negative)
+        None, "Rendezvous", "This node's rank (static backend).", int, check=checks.node_rank
     )
     master_addr: str | None = option(None, "Rendezvous", "Address of node rank 0 (static backend).")
     master_port: int | None = option(
-        None, "Rendezvous", "Port of the store on node rank 0 (static backend).", int, check=optional(validate.port)
+        None,
+        "Rendezvous",
+        "Port of the store on node rank 0 (static backend).",
+        int,
+        check=checks.optional(checks.port),
     )
     local_addr: str | None = option(None, "Rendezvous", "Address other nodes use to reach this one (default: FQDN).")
     max_restarts: int = option(
         spec_default("max_restarts"),
         "Restarts and shutdown",
         "Job-wide restarts allowed after worker failures.",
-        check=not_negative,
+        check=checks.not_negative,
     )
     monitor_interval: float = option(
         0.1,
         "Restarts and shutdown",
         "Accepted for torchrun compatibility; rally needs no polling.",
-        check=seconds(True, validate.MIN_INTERVAL),
+        check=checks.seconds(True, validate.MIN_INTERVAL),
+        read_by=TORCHRUN_ONLY,
     )
     shutdown_timeout: float | None = option(
         None,
         "Restarts and shutdown",
         f"Grace period between the stop signal and SIGKILL (default {spec_default('shutdown_timeout'):g} s).",
         float,
-        check=seconds(True),
+        check=checks.shutdown_timeout,
     )
     signals_to_handle: str = option(
         TORCHRUN_SIGNALS,
         "Restarts and shutdown",
         "Signals forwarded to workers before shutdown.",
-        check=values.parse_signals,
+        check=checks.signals,
     )
     start_method: str = option(
         "spawn",
         "Restarts and shutdown",
         "Accepted for torchrun compatibility.",
         choices=("spawn", "fork", "forkserver"),
+        read_by=TORCHRUN_ONLY,
     )
     preload: str | None = option(
         None,
@@ -184,15 +246,19 @@ class Options:
         "Modules a per-node template process imports once; workers are forked from it and start in "
         "milliseconds (default: torch, for Python entry points).",
         metavar="MODULE,...",
+        check=checks.preload,
     )
     no_preload: bool = option(
-        False, "Restarts and shutdown", "No template: start every worker as a fresh python process."
+        False,
+        "Restarts and shutdown",
+        "No template: start every worker as a fresh python process.",
+        read_by="preload",
     )
     log_dir: str | None = option(
         None,
         "Logs and output",
         "Base directory for per-rank log files and report.json.",
-        check=optional(validate.writable_dir),
+        check=checks.optional(checks.writable_dir),
         late=True,
     )
     redirects: str = option(
@@ -201,48 +267,71 @@ class Options:
         "Send streams to log files only: 1 stdout, 2 stderr, 3 both.",
         metavar="0-3|R:B,...",
         short="-r",
+        check=checks.std_map,
     )
     tee: str = option(
-        "0", "Logs and output", "Send streams to log files and the console.", metavar="0-3|R:B,...", short="-t"
+        "0",
+        "Logs and output",
+        "Send streams to log files and the console.",
+        metavar="0-3|R:B,...",
+        short="-t",
+        check=checks.std_map,
     )
     local_ranks_filter: str = option(
         "",
         "Logs and output",
         "Show only these local ranks on the console.",
         metavar="R,...",
-        check=lambda v, f: values.parse_ranks_filter(v),
+        check=checks.ranks_filter,
     )
     duplicate_stdout_filters: str = option(
         "",
         "Logs and output",
         "Copy worker stdout lines containing any of these to attempt_<n>/filtered_stdout.log (,, is a comma).",
         metavar="S,...",
+        check=checks.comma_list,
     )
     duplicate_stderr_filters: str = option(
-        "", "Logs and output", "The same for stderr, to filtered_stderr.log.", metavar="S,..."
+        "", "Logs and output", "The same for stderr, to filtered_stderr.log.", metavar="S,...", check=checks.comma_list
     )
     logs_specs: str | None = option(
         None,
         "Logs and output",
         "A LogsSpecs class from the torchrun.logs_specs entry points: where each worker's logs go.",
         metavar="NAME",
+        check=checks.logs_specs,
     )
     event_log_handler: str = option(
-        "null", "Logs and output", "Accepted for torchrun compatibility; rally writes events.jsonl.", metavar="NAME"
+        "null",
+        "Logs and output",
+        "Accepted for torchrun compatibility; rally writes events.jsonl.",
+        metavar="NAME",
+        check=checks.event_log_handler,
+        read_by=TORCHRUN_ONLY,
     )
     virtual_local_rank: bool = option(
-        False, "Job", "LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU."
+        False,
+        "Job",
+        "LOCAL_RANK=0 for every worker; CUDA_VISIBLE_DEVICES narrowed to its own GPU.",
+        check=checks.virtual_local_rank,
     )
     numa_binding: str | None = option(
         None,
         "Job",
         "torchrun's NUMA binding modes (applied only where GPUs exist).",
-        choices=("node", "socket", "exclusive", "core-complex"),
+        choices=NUMA_MODES,
+        check=checks.numa_binding,
     )
     module: bool = option(False, "Entry point", "Run SCRIPT as a module, like python -m.", short="-m")
     no_python: bool = option(False, "Entry point", "Run SCRIPT as an executable, not with python.")
     run_path: bool = option(False, "Entry point", "Run SCRIPT with runpy.run_path.")
-    no_prefix: bool = option(False, "rally extras", "Do not prefix worker output lines with their rank.")
+    no_prefix: bool = option(
+        False,
+        "rally extras",
+        "Do not prefix worker output lines with their rank.",
+        check=checks.negated,
+        fills="prefix_output",
+    )
     quiet: bool = option(
         False, "Logs and output", "Show only rally's own lines on the console, not the workers' output."
     )
@@ -251,7 +340,7 @@ class Options:
         "rally extras",
         "Where workers save checkpoints (RALLY_CHECKPOINT_DIR); created 0700. Refused if another user "
         "owns it or may write it, unless --checkpoint-dir-shared.",
-        check=optional(validate.private_dir),
+        check=checks.checkpoint_dir,
         late=True,
     )
     checkpoint_dir_shared: bool = option(
@@ -268,16 +357,21 @@ class Options:
         "beat); auto: learn it, and each job.section's, from the job.",
         str,
         metavar="SECONDS|auto",
-        check=lambda v, f: node_checks_options.heartbeat_timeout(v),
+        check=checks.heartbeat_timeout,
+        fills=("heartbeat_timeout", "timeout_learning"),
     )
     silence_timeout: float | None = option(
-        None, "Health", "Declare a worker hung after this many seconds without output.", float, check=seconds(False)
+        None,
+        "Health",
+        "Declare a worker hung after this many seconds without output.",
+        float,
+        check=checks.seconds(False),
     )
     resource_interval: float = option(
         spec_default("resource_interval"),
         "Health",
         "Seconds between samples of workers' CPU, memory and threads.",
-        check=seconds(False, validate.MIN_INTERVAL),
+        check=checks.seconds(False, validate.MIN_INTERVAL, unset=spec_default("resource_interval")),
     )
     startup_timeout: float | None = option(
         None,
@@ -285,28 +379,28 @@ class Options:
         "Declare a worker hung when its first rally.job.heartbeat() has not come this many seconds after it "
         "started (default: off).",
         float,
-        check=positive_seconds,
+        check=checks.positive_seconds,
     )
     straggler_factor: float = option(
         spec_default("straggler_factor"),
         "Health",
         "Name a rank a straggler when its step time exceeds this many times the median of the other ranks' "
         f"(default {spec_default('straggler_factor'):g}).",
-        check=lambda v, f: values.parse_straggler_factor(v),
+        check=checks.straggler_factor,
     )
     straggler_window: int = option(
         spec_default("straggler_window"),
         "Health",
         "Steps a rank's step time is averaged over, and must stay slow for, before it is named (default "
         f"{spec_default('straggler_window')}).",
-        check=lambda v, f: values.parse_straggler_window(v),
+        check=checks.straggler_window,
     )
     metrics_port: int | None = option(
         None,
         "Health",
         "Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, printed).",
         int,
-        check=lambda v, f: values.parse_metrics_port(v),
+        check=checks.metrics_port,
     )
     metrics_addr: str = option(
         spec_default("metrics_addr"),
@@ -314,31 +408,34 @@ class Options:
         "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps "
         "it on this host).",
         metavar="ADDR",
-        check=lambda v, f: str(v or "0.0.0.0").strip("[]"),
+        check=checks.metrics_addr,
     )
-    # Issue 21: learned timeouts, GPU memory before a restart, quarantine, pre-flight; parsed
-    # together in launcher/node_checks_options.py (whether pre-flight is on depends on --nnodes).
+    # Issue 21: learned timeouts, GPU memory before a restart, quarantine, pre-flight.
     timeout_safety_factor: float = option(
         LearningSettings.factor,
         "Health",
         f"--heartbeat-timeout auto: this many times the longest interval seen (default {LearningSettings.factor:g}).",
+        read_by="heartbeat_timeout",
     )
     timeout_samples: int = option(
         LearningSettings.samples,
         "Health",
         "--heartbeat-timeout auto: heartbeat intervals seen before the timeout is set (default "
         f"{LearningSettings.samples}).",
+        read_by="heartbeat_timeout",
     )
     timeout_floor: float = option(
         LearningSettings.floor,
         "Health",
         f"--heartbeat-timeout auto: never below this many seconds (default {LearningSettings.floor:g}).",
+        read_by="heartbeat_timeout",
     )
     gpu_reclaim_timeout: float = option(
         spec_default("gpu_reclaim_timeout"),
         "Restarts and shutdown",
         "Before a restart, wait up to this long for the old workers to leave every GPU and free its memory "
         f"(NVML; default {spec_default('gpu_reclaim_timeout'):g} s).",
+        check=checks.always_seconds(True),
     )
     quarantine_after: int = option(
         spec_default("quarantine_after"),
@@ -346,24 +443,28 @@ class Options:
         "Keep out of later rounds a node that was the root cause of this many failures within "
         "--quarantine-window, while the job can run without it (0: never; default "
         f"{spec_default('quarantine_after')}).",
+        check=checks.count(0),
     )
     quarantine_window: float = option(
         spec_default("quarantine_window"),
         "Restarts and shutdown",
         f"Seconds within which --quarantine-after failures count (default {spec_default('quarantine_window'):g}).",
+        check=checks.always_seconds(False),
     )
     preflight: bool = option(
         False,
         "Health",
         "Probe every node (compute, and a collective over the job's backend) when a round forms; keep out "
         "failing or slow nodes (default for multi-node jobs).",
+        check=checks.preflight,
     )
-    no_preflight: bool = option(False, "Health", "No pre-flight probe.")
+    no_preflight: bool = option(False, "Health", "No pre-flight probe.", read_by="preflight")
     preflight_factor: float = option(
         spec_default("preflight_factor"),
         "Health",
         "A node slower than this many times the median in the pre-flight probe is left out (default "
         f"{spec_default('preflight_factor'):g}).",
+        check=checks.factor("2: twice as slow as the median node"),
     )
     preflight_every_round: bool = option(
         False, "Health", "Probe again when a round re-forms on the same nodes (default: only when the nodes change)."
@@ -373,13 +474,13 @@ class Options:
         "rally extras",
         "Signals that warn of preemption or a time limit: forwarded to workers, which get --preemption-grace "
         "to checkpoint.",
-        check=values.parse_signals,
+        check=checks.signals,
     )
     preemption_grace: float = option(
         spec_default("preemption_grace"),
         "rally extras",
         "Seconds workers get to checkpoint after a preemption signal.",
-        check=seconds(True),
+        check=checks.seconds(True),
     )
     requeue: bool = option(
         False, "rally extras", "On a preemption signal, node 0 requeues the SLURM job (scontrol requeue)."
@@ -388,35 +489,44 @@ class Options:
         spec_default("crash_loop_limit"),
         "rally extras",
         "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).",
-        check=not_negative,
+        check=checks.not_negative,
     )
-    no_slurm: bool = option(False, "rally extras", "Ignore the SLURM environment even inside a SLURM job.")
+    no_slurm: bool = option(
+        False, "rally extras", "Ignore the SLURM environment even inside a SLURM job.", read_by=THE_COMMAND
+    )
 
     # Where values came from, for messages: option name -> "--config job.yaml, line 3, 'nnodes'".
     origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
-    def parse(self, act: bool = True) -> types.SimpleNamespace:
-        """Every option's value checked and parsed (by its field's `check`; unchecked values as
-        they are). Bad values raise one ConfigError (:class:`Mistakes`: all of them), each prefixed
-        with the file and line it came from. ``act=False`` skips the late checks, which act (they
-        make a directory): for a launch known to fail already."""
-        parsed = types.SimpleNamespace()
+    def parse(self, script: str | None = None, args: tuple[str, ...] | list[str] = (), act: bool = True) -> Parsed:
+        """Every option's value checked and parsed by its field's `check`, and the agent's JobSpec
+        (running `script` with `args`) and the rendezvous flags filled from them. Bad values raise
+        one ConfigError (:class:`Mistakes`: all of them), each prefixed with the file and line it
+        came from. ``act=False`` skips the late checks, which act (they make a directory): for a
+        launch known to fail already."""
+        p = Parsing(self, script)
         mistakes: list[str] = []  # every value is checked: all mistakes are told in one run
         for f in sorted(option_fields(), key=lambda f: info(f).late):
-            value = getattr(self, f.name)
-            check = info(f).check
             if info(f).late and (mistakes or not act):
                 break  # a late check acts (it makes a directory): not for a launch that fails anyway
+            value = getattr(self, f.name)
+            p.flag = flag(f.name)
             try:
-                setattr(parsed, f.name, check(value, flag(f.name)) if check else value)
+                p.done[f.name] = info(f).check(value, p)
+                continue
+            except Unavailable:  # an option it needs failed, and that mistake is told
+                pass
             except ConfigError as exc:
-                origin = self.origins.get(f.name)
+                origin = self.origins.get(getattr(exc, "option", f.name))  # a value another check read: its own
                 mistakes.append(f"{origin}: {exc}" if origin else str(exc))
             except (TypeError, ValueError) as exc:  # a value of the wrong type, from rally.launch
                 mistakes.append(f"{flag(f.name)} {value!r}: {exc}")
+            p.failed.add(f.name)
         if mistakes:
             raise Mistakes(mistakes)
-        return parsed
+        spec, rendezvous = filled(p.done)
+        job = JobSpec(entrypoint=script or "", args=tuple(args), python_exec=checks.python_exec(), **spec)
+        return Parsed(job, RendezvousOptions(**rendezvous), p.notes)
 
     @classmethod
     def of(cls, given: Mapping[str, Any], where: str = "rally.launch") -> Options:
@@ -456,13 +566,33 @@ def flag(name: str) -> str:
 
 
 def spellings(name: str, about: OptionInfo | None = None) -> list[str]:
-    """Every flag of an option: its short name, the dashed name, and torchrun's underscored one
-    (with a `negative` flag, each as click's `--x/--no-x` pair)."""
+    """Every flag of an option: its short name, the dashed name, and torchrun's underscored one."""
     about = about or info(Options.__dataclass_fields__[name])
-    out = [flag(name)] + ([f"--{name}"] if "_" in name else [])
-    if about.negative:
-        out = [f"{f}/--no{'-' if f == flag(name) else '_'}{f[2:]}" for f in out]
-    return ([about.short] if about.short else []) + out
+    return ([about.short] if about.short else []) + [flag(name)] + ([f"--{name}"] if "_" in name else [])
+
+
+def targets(name: str) -> list[tuple[type, str]]:
+    """The fields an option fills: (JobSpec or RendezvousOptions, field name), in `fills` order."""
+    found: list[tuple[type, str]] = []
+    for target in info(Options.__dataclass_fields__[name]).fills:
+        target = name if target == SAME else target
+        owners = [kind for kind in (JobSpec, RendezvousOptions) if target in kind.__dataclass_fields__]
+        if len(owners) != 1:
+            raise TypeError(f"option {name} fills {target!r}, a field of {len(owners)} of JobSpec, RendezvousOptions")
+        found.append((owners[0], target))
+    return found
+
+
+def filled(parsed: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fields of JobSpec and of RendezvousOptions, from the parsed options."""
+    out: dict[type, dict[str, Any]] = {JobSpec: {}, RendezvousOptions: {}}
+    for name, value in parsed.items():
+        where = targets(name)
+        if not where:
+            continue  # read by another option's check
+        for (kind, target), part in zip(where, value if len(where) > 1 else [value], strict=True):
+            out[kind][target] = part
+    return out[JobSpec], out[RendezvousOptions]
 
 
 def env_names(name: str) -> list[str]:

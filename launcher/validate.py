@@ -1,9 +1,10 @@
 """Checks of raw user input at the edge, before anything starts: each failure is one line that fixes it.
 
-launcher/config.py parses values into the agent's types; this module rejects values that parse
-but cannot work (an infinite timeout, SIGKILL as a signal to forward, a log directory nobody can
-write, a port above 65535, a host that does not resolve, a config file value of the wrong type),
-so that none of them turns into a traceback, a hang or a silently wrong job later on.
+The option checks (launcher/option_checks.py) parse values into the agent's types; this module
+holds the errors, and the checks of values that parse but cannot work (an infinite timeout,
+SIGKILL as a signal to forward, a log directory nobody can write, a port above 65535, a config
+file value of the wrong type), so that none of them turns into a traceback, a hang or a silently
+wrong job later on.
 """
 
 from __future__ import annotations
@@ -227,18 +228,7 @@ def python_script(script: str, module: bool) -> None:
         )
 
 
-# ------------------------------------------------------------------ all options together
-def check_counts(nproc: int, max_nodes: int, node_rank: Any) -> None:
-    if nproc > MAX_NPROC_PER_NODE:
-        raise ConfigError(f"--nproc-per-node {nproc}: at most {MAX_NPROC_PER_NODE} workers per node")
-    if max_nodes > MAX_NODES:
-        raise ConfigError(f"--nnodes {max_nodes}: at most {MAX_NODES} nodes")
-    if node_rank is not None and int(node_rank) >= max_nodes:
-        raise ConfigError(
-            f"--node-rank {node_rank} is not below --nnodes {max_nodes}; node ranks are 0 to {max_nodes - 1}"
-        )
-
-
+# ------------------------------------------------------------------ --rdzv-conf
 def check_rdzv_conf(conf: dict[str, Any]) -> None:
     """--rdzv-conf numbers are finite seconds within range; keep_alive_max_attempt a whole count."""
     for key, value in conf.items():

@@ -1,22 +1,18 @@
-"""Parsers of one option's value each: text as typed (or as YAML gave it) -> the agent's types.
+"""Parsers of option values written as text (as typed, or as YAML gave it) -> the agent's types,
+for the option checks (launcher/option_checks.py) and `rally status` (--rdzv-conf).
 
-Every failure is `ConfigError` with one line that says what is wrong and how to fix it. The
-options model (launcher/options.py) names, for each option, the parser here or the check in
-launcher/validate.py that its value goes through; launcher/config.py combines them.
+Every failure is `ConfigError` with one line that says what is wrong and how to fix it.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import shutil
-import signal
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rally.launcher import validate
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.etcd_conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import READ_TIMEOUT_SECONDS
@@ -202,44 +198,3 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
     if any(r < 0 for r in ranks):
         raise ConfigError(f"--local-ranks-filter '{text}': ranks cannot be negative")
     return ranks
-
-
-def parse_straggler_factor(value: Any) -> float:
-    factor = float(value)
-    if not math.isfinite(factor) or factor <= 1:
-        raise ConfigError(
-            f"--straggler-factor {value}: must be a number above 1 (1.5: 50% slower than the others' median)"
-        )
-    return factor
-
-
-def parse_straggler_window(value: Any) -> int:
-    window = int(value)
-    if window < 2:
-        raise ConfigError(f"--straggler-window {value}: must be at least 2 steps")
-    return window
-
-
-def parse_metrics_port(value: Any) -> int | None:
-    if value is None:
-        return None
-    port = int(value)
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"--metrics-port {value}: must be a port number 0-65535 (0: any free port)")
-    return port
-
-
-def parse_signals(text: str, flag: str) -> tuple[int, ...]:
-    from rally.agent.worker.job import to_signal
-
-    out = []
-    for name in str(text).split(","):
-        name = name.strip().upper()
-        if not name:
-            continue
-        full = name if name.startswith("SIG") else "SIG" + name
-        try:
-            out.append(int(to_signal(name)))
-        except (KeyError, ValueError):
-            raise ConfigError(f"{flag}: unknown signal '{name}'{suggest(full, signal.Signals.__members__)}") from None
-    return validate.handled_signals(tuple(out), flag)

@@ -1,6 +1,5 @@
 """The flags that shape each worker (its local rank and devices, copies of its output, where its
-logs go, its CPUs), torchrun 2.13's newer ones: parsed and checked here, so config.py stays about
-rally's core.
+logs go, its CPUs), torchrun 2.13's newer ones: what their checks (launcher/option_checks.py) need.
 
 * `--virtual-local-rank`: every worker sees LOCAL_RANK=0 and one GPU (CUDA_VISIBLE_DEVICES
   narrowed to its own), as torchrun's `_set_local_rank_env`.
@@ -20,13 +19,10 @@ rally's core.
 from __future__ import annotations
 
 import os
-from typing import Any
+
+from rally.launcher.validate import ConfigError
 
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-
-
-class ExtrasError(ValueError):
-    """A bad value for one of these flags (the launcher shows it as one line, exit 2)."""
 
 
 def comma_separated_list(value: str | None) -> tuple[str, ...]:
@@ -49,7 +45,7 @@ def xpu_count() -> int:
 def check_virtual_local_rank(enabled: bool, nproc: int) -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if enabled and visible is not None and nproc > len(visible.split(",")):
-        raise ExtrasError(
+        raise ConfigError(
             f"--virtual-local-rank: {nproc} workers but CUDA_VISIBLE_DEVICES={visible} lists fewer GPUs; "
             "lower --nproc-per-node or widen CUDA_VISIBLE_DEVICES"
         )
@@ -62,7 +58,7 @@ def logs_specs_note(name: str | None) -> str | None:
 
     found = entry_points(group="torchrun.logs_specs").select(name=name)
     if not found:
-        raise ExtrasError(
+        raise ConfigError(
             f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install "
             "the package that provides it, or drop the flag"
         )
@@ -79,30 +75,10 @@ def numa_note(mode: str | None, gpus: int) -> str | None:
     if mode is None:
         return None
     if mode not in NUMA_MODES:
-        raise ExtrasError(f"--numa-binding '{mode}' is not one of {', '.join(NUMA_MODES)}")
+        raise ConfigError(f"--numa-binding '{mode}' is not one of {', '.join(NUMA_MODES)}")
     if gpus == 0:
         return f"--numa-binding {mode}: no GPU on this node to bind workers near; workers keep every CPU"
     return None  # applied per worker: agent/numa.py
-
-
-def extras(o: Any, nproc: int, gpus: int) -> tuple[dict[str, Any], list[str]]:
-    """JobSpec fields and notes for the newer torchrun flags (`o`: launcher.options.Options)."""
-    check_virtual_local_rank(bool(o.virtual_local_rank), nproc)
-    notes = [
-        n
-        for n in (logs_specs_note(o.logs_specs), event_log_note(o.event_log_handler), numa_note(o.numa_binding, gpus))
-        if n
-    ]
-    fields: dict[str, Any] = {
-        "virtual_local_rank": bool(o.virtual_local_rank),
-        "numa_binding": o.numa_binding if gpus else None,
-        "logs_specs": o.logs_specs or None,
-        "duplicate_stdout_filters": comma_separated_list(o.duplicate_stdout_filters),
-        "duplicate_stderr_filters": comma_separated_list(o.duplicate_stderr_filters),
-    }
-    if fields["numa_binding"]:
-        check_numa_binding(fields["numa_binding"], nproc)
-    return fields, notes
 
 
 def check_numa_binding(mode: str, nproc: int) -> None:
@@ -113,4 +89,4 @@ def check_numa_binding(mode: str, nproc: int) -> None:
         try:
             cpus_near_gpu(mode, local_rank)
         except NumaBindingError as exc:
-            raise ExtrasError(f"{exc}; run without --numa-binding") from None
+            raise ConfigError(f"{exc}; run without --numa-binding") from None

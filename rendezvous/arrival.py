@@ -14,6 +14,7 @@ arrivals another way (etcd create revisions) replaces them, and nothing else.
 from __future__ import annotations
 
 import time
+from itertools import chain
 
 from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.records import MAX_COUNT, NodeInfo
@@ -34,9 +35,11 @@ def joined_counter(r: int) -> str:
     return f"{r}/joined"
 
 
-def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> int | None:
-    """Claim this node's arrival slot in round r (its descriptor, written once); its index, or
-    None when all MAX slots hold other nodes (this node is late: a spare).
+def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> tuple[int, int] | None:
+    """Claim this node's arrival slot in round r (its descriptor, written once); its index and the
+    arrival counter as this node's arrival left it (how many had arrived: the protocol's first look
+    at the round, with no read of its own), or None when all MAX slots hold other nodes (this
+    node is late: a spare).
 
     O(1) store calls when nobody interferes: the counter's hint is free. A taken hint (the counter
     was moved back) tries the next slots; a hint at or past MAX is checked with one wait on every
@@ -47,14 +50,14 @@ def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> int | None:
     if hint >= s.max_nodes and rdzv.store.try_wait([node_slot(r, i) for i in range(s.max_nodes)], 0.01):
         return None  # really full
     start = hint if 0 <= hint < s.max_nodes else 0
-    for idx in [*range(start, s.max_nodes), *range(start)]:
+    for idx in chain(range(start, s.max_nodes), range(start)):  # not a list: O(1) when the hint is free
         try:
             won, _ = rdzv.store.set_once(node_slot(r, idx), me.to_json())
         except UntrustedValue as exc:  # a stranger's garbage holds it: not an arrival, not ours
             rdzv.on_status(f"skipping arrival slot {idx}: {exc}")
             continue
         if won:
-            return idx
+            return idx, hint + 1
     return None
 
 
@@ -64,16 +67,17 @@ def valid_arrivals(rdzv: Rendezvous, r: int, count: int) -> tuple[list[int], lis
     `count` (the counter, at most MAX) says how many to expect: the closer waits a third of
     `close_timeout` for them (a node counts itself in just before it claims), then takes the
     slots that exist, and any claimed beyond `count` (the counter was moved back). The
-    descriptors are read together (`get_present`: one request on etcd, not one per node).
+    descriptors are read together: one request (c10d: multi_get, etcd: a range), not one per node.
     """
     s = rdzv.settings
     names = [node_slot(r, i) for i in range(count)]
-    rdzv.store.try_wait(names, s.close_timeout / 3)
+    everything = rdzv.store.try_wait(names, s.close_timeout / 3)
     beyond = count
     while beyond < s.max_nodes and rdzv.store.check(node_slot(r, beyond)):
         names.append(node_slot(r, beyond))
         beyond += 1
-    present = rdzv.store.get_present(names)
+    # Every slot the wait and the checks saw exists: one read of them all (c10d: one multi_get).
+    present = rdzv.store.read_each(names) if everything else rdzv.store.get_present(names)
     indices, nodes = [], []
     for name in names:
         value = present.get(name)
@@ -89,13 +93,16 @@ def valid_arrivals(rdzv: Rendezvous, r: int, count: int) -> tuple[list[int], lis
 
 
 def joined_hosts(rdzv: Rendezvous, r: int, count: int, limit: int) -> list[str]:
-    """The hosts of the first `limit` claimed slots (for a progress line; unchecked slots skipped)."""
+    """The hosts of the first `limit` claimed slots (for a progress line; unchecked slots skipped),
+    read together: every waiting node prints one every few seconds, and at thousands of nodes one
+    request each is what the store can take."""
+    names = [node_slot(r, i) for i in range(min(count, limit))]
     hosts = []
-    for i in range(min(count, limit)):
-        name = node_slot(r, i)
+    for name, value in rdzv.store.get_present(names).items():
         try:
-            if rdzv.store.check(name):
-                hosts.append(NodeInfo.load(rdzv.store.get(name), rdzv.store.key(name)).host)
+            if isinstance(value, UntrustedValue):
+                raise value
+            hosts.append(NodeInfo.load(value, rdzv.store.key(name)).host)
         except UntrustedValue:
             continue
     return hosts
@@ -109,15 +116,15 @@ def forming_line(rdzv: Rendezvous, r: int, count: int, deadline: float, quorum_s
     return f"round {r}: " + forming_text(count, s.min_nodes, s.max_nodes, hosts, deadline - now, last_call)
 
 
-def current_round(rdzv: Rendezvous) -> int:
+def current_round(rdzv: Rendezvous, hint: int | None = None) -> int:
     """The round a node that joins now takes part in: the first without an end record. Rounds end
-    in order; the `current` counter says where to look first (anyone can move it), and a search
-    on the signed end records corrects it in O(log) reads."""
+    in order; the `current` counter (`hint`: as the caller just read it) says where to look first
+    (anyone can move it), and a search on the signed end records corrects it in O(log) reads."""
 
     def ended(r: int) -> bool:
         return r < 0 or rdzv.round_end(r) is not None
 
-    hint = rdzv.store.counter(CURRENT_ROUND, MAX_COUNT)
+    hint = rdzv.store.counter(CURRENT_ROUND, MAX_COUNT) if hint is None else hint
     if ended(hint - 1) and not ended(hint):
         return hint
     lo, hi = 0, hint

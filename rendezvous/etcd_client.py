@@ -146,6 +146,7 @@ class EtcdClient:
                     break
             if time.monotonic() + delay >= deadline:
                 raise EtcdUnavailable(f"no member answered within {budget:g} s: {_summary(failures)}")
+            # wait: short: backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget
             time.sleep(delay)  # every member failed just now: give the cluster a moment
             delay = min(delay * 2, RETRY_DELAY_MAX_SECONDS)
 

@@ -139,6 +139,7 @@ class EtcdStore(KeyValueStore):
             if kv is not None:
                 return self._open(name, kv)
             wait = wait or self._key_slices([name])
+            # wait: slice, said by EtcdStore.get: slices of op_timeout (read_timeout) for a key not yet written
             if not self.try_wait([name], wait.slice()) and not wait.tick():
                 raise StoreTimeout(
                     f"timed out after {self.op_timeout:g} s waiting for {self.key(name)} in {self.describe}"
@@ -167,6 +168,7 @@ class EtcdStore(KeyValueStore):
         missing = [n for n in names if n not in found]
         wait = self._key_slices(missing) if missing else None
         # A wait that ends remembers what it saw: the `get`s below cost no request.
+        # wait: slice, said by EtcdStore.multi_get: slices of op_timeout (read_timeout)
         while wait and not self.try_wait(missing, wait.slice()):
             if not wait.tick():
                 missed = self.key(missing[0])
@@ -187,6 +189,10 @@ class EtcdStore(KeyValueStore):
                 except UntrustedValue as exc:
                     present[name] = exc
         return present
+
+    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """Keys known to exist, read at once: `get_present` (one range, or none after a wait)."""
+        return self.get_present(names)
 
     def _key_slices(self, names: Sequence[str]) -> LongWait:
         """The bounded wait of a `get` for keys not yet written (rendezvous/long_wait.py)."""
@@ -327,13 +333,19 @@ class EtcdStore(KeyValueStore):
     def set_once(self, name: str, value: str) -> tuple[bool, str]:
         """Set `name` only if nobody has (create_revision == 0); return (won, the value that stands, checked)."""
         compare = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        put = {"request_put": {"key": self._k(name), "value": self._seal(name, value)}}
+        sealed = self._seal(name, value)
+        put = {"request_put": {"key": self._k(name), "value": sealed}}
         won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
         if won:
             return True, value
         kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
         if not kvs:
             return False, ""
+        if kvs[0].get("value") == sealed:
+            # This very value stands: our own write, applied, whose reply was lost and which the client
+            # sent again (etcd_client.py). It won, as on c10d (`Store.set_once`); else a node whose slot
+            # claim timed out under load claimed a second slot and left another node out of the round.
+            return True, value
         try:
             return False, self._open(name, kvs[0]).decode()
         except UnicodeDecodeError:
@@ -352,6 +364,10 @@ class EtcdStore(KeyValueStore):
             if not reply.get("more"):
                 named = ((by_key.get(unb64(kv.get("key"))), kv) for kv in reply.get("kvs") or [])
                 return {n: kv for n, kv in named if n is not None}, int(reply["header"]["revision"])
+        return self._read_keys(names)
+
+    def _read_keys(self, names: Sequence[str]) -> tuple[dict[str, dict], int]:
+        """`_read` key by key: a transaction of a range per key, per MAX_TXN_OPS keys."""
         found: dict[str, dict] = {}
         revision: int | None = None
         for start in range(0, len(names), MAX_TXN_OPS):
@@ -364,6 +380,19 @@ class EtcdStore(KeyValueStore):
             found.update((n, kv[0]) for n, kv in zip(chunk, kvs, strict=True) if kv)
             revision = revision or int(reply["header"]["revision"])
         return found, revision or 0
+
+    def read_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """The keys of `names` that exist, in one transaction of a range each (a few unrelated keys:
+        the end records a node checks before it joins); each value checked on its own."""
+        found, _ = self._read_keys(names)
+        present: dict[str, bytes | UntrustedValue] = {}
+        for name in names:
+            if name in found:
+                try:
+                    present[name] = self._open(name, found[name])
+                except UntrustedValue as exc:
+                    present[name] = exc
+        return present
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds).

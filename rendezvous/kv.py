@@ -120,23 +120,52 @@ class KeyValueStore(ABC):
     def get_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
         """The checked values of those of `names` that exist, by name: how the closer reads every
         node descriptor. A value this job did not write is its `UntrustedValue`, so one
-        stranger's key hides none of the others. Here one `get` per key (after one wait that
-        finds them all, else a `check` each); a store that reads many keys in one request does
-        so (etcd: one range, `EtcdStore.get_present`).
+        stranger's key hides none of the others. One wait that finds them all (else a `check`
+        each), then `read_each` (one `multi_get` on c10d); a store that reads many keys in one
+        request overrides this (etcd: one range, `EtcdStore.get_present`).
         """
-        everything = self.try_wait(names, PRESENT_PROBE_SECONDS)
+        # wait: short: PRESENT_PROBE_SECONDS (0.01 s)
+        if self.try_wait(names, PRESENT_PROBE_SECONDS):
+            return self.read_each(names)
+        return self.read_each([name for name in names if self.check(name)])
+
+    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """The checked values of `names`, which all exist, each on its own (a value this job did not
+        write is its `UntrustedValue`): one `get` per key here; one request where the store reads
+        many keys at once (c10d: `multi_get`, `Store.read_each`)."""
+        values: dict[str, bytes | UntrustedValue] = {}
+        for name in names:
+            try:
+                values[name] = self.get(name)
+            except UntrustedValue as exc:
+                values[name] = exc
+        return values
+
+    def read_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """The checked values of those of `names` that exist now (never a wait; a value this job did
+        not write is its `UntrustedValue`): a `check` and a `get` each here, one request on etcd
+        (`EtcdStore.read_present`). For a few keys that mostly do not exist (the end records a
+        node checks before it joins), where `get_present` would wait."""
         present: dict[str, bytes | UntrustedValue] = {}
         for name in names:
-            if everything or self.check(name):
+            if self.check(name):
                 try:
                     present[name] = self.get(name)
                 except UntrustedValue as exc:
                     present[name] = exc
         return present
 
+    def get_if_present(self, name: str) -> bytes | None:
+        """The checked value of `name`, or None when it does not exist (never a wait): a `check`
+        and a `get` here, one request where the store can (`Store.get_if_present`). Only for keys
+        nobody waits for while they are absent (a node's assignment): on c10d the request wakes
+        such waiters (see `Store.get_if_present`)."""
+        return self.get(name) if self.check(name) else None
+
     def try_wait(self, names: Sequence[str], timeout: float) -> bool:
         """`wait`, answering False instead of raising when the time is up."""
         try:
+            # wait: slice: the caller's timeout
             self.wait(names, timeout)
             return True
         except StoreTimeout:

@@ -72,4 +72,5 @@ def wait_round_end_or_dead(rdzv: Rendezvous, running: RoundChannel, deadline: fl
             detail = f"all {members} nodes of round {r} sent no keep-alive for {silent:.1f} s (they died); "
             detail += "forming a new round"
             return running.end(RoundEnd(EndKind.NODE_LOST, detail, "", {"group_rank": 0}))
+    # wait: slice, said by rendezvous/protocol.py Rendezvous._wait_as_spare: a spare's wait
     return running.wait_end(WAIT_SLICE_SECONDS)

@@ -68,6 +68,7 @@ def wait_in_slices(
     Every few seconds in between, `announce` hears what is awaited and how long it may still last."""
     long_wait = LongWait(what, timeout, announce)
     while True:
+        # wait: slice, said by wait_in_slices: slices of at most WAIT_PROGRESS_SECONDS up to the caller's timeout
         result = wait(long_wait.slice())
         if done(result) or not long_wait.tick():
             return result

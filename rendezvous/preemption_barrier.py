@@ -29,6 +29,7 @@ class PreemptionBarrier:
             self.store.set(self.all_done, "1")
 
     def wait_all_checkpointed(self, timeout: float) -> bool:
+        # wait: slice: the caller's timeout
         return self.store.try_wait([self.all_done], timeout)
 
     def claim_requeue(self) -> bool:

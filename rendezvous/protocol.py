@@ -49,7 +49,7 @@ from typing import Protocol, runtime_checkable
 from rally.rendezvous import arrival
 from rally.rendezvous.arrival import CURRENT_ROUND, joined_counter, node_slot
 from rally.rendezvous.kv import KeyValueStore as Store
-from rally.rendezvous.kv import StoreTimeout
+from rally.rendezvous.kv import StoreTimeout, UntrustedValue
 from rally.rendezvous.liveness import wait_round_end_or_dead
 from rally.rendezvous.membership import (
     JobClosed,
@@ -77,7 +77,7 @@ from rally.rendezvous.records import (
 from rally.rendezvous.round_channel import RoundChannel, end_key, lost_counter
 from rally.rendezvous.stack_exchange import STACKS_ROUND_OVER, StackExchange
 from rally.rendezvous.status_board import JOB_STARTED, STATUS_NODES, StatusBoard, status_key
-from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, spare_notice
+from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, progress_interval, spare_notice
 
 RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
 
@@ -134,17 +134,31 @@ class Rendezvous:
         self.last_round: int | None = None
         self.last_rank: int | None = None
         self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
-        self.waiting = WaitProgress(lambda line: announce_wait(self, line))
+        self._ahead: dict[str, bytes | UntrustedValue | None] = {}  # `_read_ahead`: until the node joins
+        self.waiting = WaitProgress(lambda line: announce_wait(self, line), progress_interval(settings.max_nodes))
 
     # ----------------------------------------------------------------- checked reads
-    def _end_record(self, name: str) -> RoundEnd | None:
-        if not self.store.check(name):
-            return None
-        return RoundEnd.load(self.store.get(name), self.store.key(name))
+    def _read_ahead(self, ends: list[str]) -> None:
+        """Read the end records a node checks before it joins (the job's, the rounds' around the
+        `current` hint) together: one request on etcd instead of one each (`read_present`)."""
+        names = [JOB_CLOSED, *ends]
+        present = self.store.read_present(names)
+        self._ahead = {name: present.get(name) for name in names}
 
-    def round_record(self, r: int) -> RoundRecord | None:
+    def _end_record(self, name: str) -> RoundEnd | None:
+        if name in self._ahead:  # read a moment ago with the others (`_read_ahead`)
+            value = self._ahead[name]
+        else:
+            value = self.store.get(name) if self.store.check(name) else None
+        if isinstance(value, UntrustedValue):
+            raise value
+        return None if value is None else RoundEnd.load(value, self.store.key(name))
+
+    def round_record(self, r: int, closed: bool = False) -> RoundRecord | None:
+        """Round r's record, None while it forms; `closed`: a wait just saw it, so one `get` reads
+        it (after the close every waiter reads it: one request each, not a `check` and a `get`)."""
         name = f"{r}/closed"
-        if not self.store.check(name):
+        if not closed and not self.store.check(name):
             return None
         return RoundRecord.load(self.store.get(name), self.store.key(name)).check_members(
             self.store.key(name), self.settings.max_nodes
@@ -194,10 +208,19 @@ class Rendezvous:
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
-        r = arrival.current_round(self) if self.last_round is None else self.last_round + 1
-        while True:
+        try:  # the end records read ahead serve these first checks only, never a later read
+            if self.last_round is None:
+                hint = self.store.counter(CURRENT_ROUND, MAX_COUNT)
+                self._read_ahead([end_key(hint - 1), end_key(hint)] if hint > 0 else [end_key(0)])
+                r = arrival.current_round(self, hint)
+            else:
+                r = self.last_round + 1
+                self._read_ahead([end_key(r - 1)])
             self.raise_if_closed()
             self._raise_if_final(r - 1)
+        finally:
+            self._ahead = {}
+        while True:
             assignment = self._join(r, deadline)
             if assignment is not None:
                 self.last_round = r
@@ -206,6 +229,8 @@ class Rendezvous:
             self._wait_as_spare(r, time.monotonic() + self.settings.join_timeout)
             r += 1
             deadline = time.monotonic() + self.settings.join_timeout
+            self.raise_if_closed()
+            self._raise_if_final(r - 1)
 
     def _join(self, r: int, deadline: float) -> Assignment | None:
         s = self.settings
@@ -214,14 +239,20 @@ class Rendezvous:
             **asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress(),
             "memory_steps": ",".join(map(str, memory)), "durable_step": durable,
         })  # fmt: skip
-        idx = arrival.claim_arrival_slot(self, r, me)
-        if idx is None:
+        claimed = arrival.claim_arrival_slot(self, r, me)
+        if claimed is None:
             return None
+        idx, arrived = claimed
         quorum_seen_at: float | None = None
-        attempt = 0
+        attempt, closed = 0, False  # closed: a wait saw the round's record, so one `get` reads it
+        # The first pass takes the counter as this node's own arrival left it (the last arrival, the
+        # one that closes, reads nothing before it does); later passes read it again.
+        count, first = min(max(arrived, idx + 1), s.max_nodes), True  # a hint: the closer counts
         self.waiting.begin()
-        while (record := self.round_record(r)) is None:
-            count = min(max(self._count(joined_counter(r)), idx + 1), s.max_nodes)  # a hint: the closer counts
+        while (record := self.round_record(r, closed)) is None:
+            if not first:
+                count = min(max(self._count(joined_counter(r)), idx + 1), s.max_nodes)
+            first = False
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousError(
@@ -230,21 +261,22 @@ class Rendezvous:
                     "the missing nodes or raise join_timeout (--rdzv-conf join_timeout=SECONDS)"
                 )
             if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(r)):
-                attempt = self._try_close(r, attempt, deadline, defer=attempt == 0 and idx + 1 < count)
+                attempt, closed = self._try_close(r, attempt, deadline, defer=attempt == 0 and idx + 1 < count)
                 continue
             remaining = deadline - now
             if count >= s.min_nodes:
                 quorum_seen_at = quorum_seen_at or now
                 remaining = min(remaining, quorum_seen_at + s.last_call_timeout - now)
                 if remaining <= 0:
-                    attempt = self._try_close(r, attempt, deadline, last_call_over=True)
+                    attempt, closed = self._try_close(r, attempt, deadline, last_call_over=True)
                     continue
             self.waiting.tick(partial(arrival.forming_line, self, r, count, deadline, quorum_seen_at))
-            self.store.try_wait([f"{r}/closed"], min(max(remaining, 0.001), self.waiting.interval))
-        mine = f"{r}/assign/{record.attempt}/{idx}"
-        if not self.store.check(mine):
+            closed = self.store.try_wait([f"{r}/closed"], min(max(remaining, 0.001), self.waiting.interval))
+        mine = f"{r}/assign/{record.attempt}/{idx}"  # nobody waits for it: one request reads it or its absence
+        value = self.store.get_if_present(mine)
+        if value is None:  # the closer did not count this node in (it claimed its slot too late)
             return None
-        return Assignment.load(self.store.get(mine), self.store.key(mine)).check_for(
+        return Assignment.load(value, self.store.key(mine)).check_for(
             self.store.key(mine), r, self.me, s.max_nodes, record.members
         )
 
@@ -259,14 +291,16 @@ class Rendezvous:
 
     def _try_close(
         self, r: int, attempt: int, deadline: float, last_call_over: bool = False, defer: bool = False
-    ) -> int:
+    ) -> tuple[int, bool]:
         """Close round r as `attempt`'s closer if nobody has and the valid descriptors (not the counter that woke
-        us) meet the rule (`defer`: the completing arrival closes, this node only waits); return the next attempt."""
+        us) meet the rule (`defer`: the completing arrival closes, this node only waits); return the next attempt
+        and whether the round is closed (by this node, or another's close that the wait saw)."""
         s = self.settings
         won = not defer and self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)[0]
         if not won:
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
-            return attempt if self.store.try_wait([f"{r}/closed"], wait) else attempt + 1
+            closed = self.store.try_wait([f"{r}/closed"], wait)
+            return (attempt, True) if closed else (attempt + 1, False)
         count = min(self._count(joined_counter(r)), s.max_nodes)
         indices, nodes = arrival.valid_arrivals(self, r, count)
         required = s.min_nodes if last_call_over else max(s.min_nodes, min(self._expected(r), s.max_nodes))
@@ -276,9 +310,9 @@ class Rendezvous:
                                f"of {s.min_nodes} nodes; waiting for more")  # fmt: skip
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             self.store.try_wait([node_slot(r, max(indices, default=-1) + 1)], wait)
-            return attempt + 1
+            return attempt + 1, False
         self._write_round(r, attempt, indices, nodes)
-        return attempt
+        return attempt, True  # this close, or one that won before it
 
     def _write_round(self, r: int, attempt: int, indices: list[int], nodes: list[NodeInfo]) -> None:
         step = newest_step(nodes)

@@ -110,10 +110,12 @@ class RoundChannel:
         return RoundEnd.load(self.store.get(name), self.store.key(name))
 
     def ended_within(self, timeout: float) -> bool:
+        # wait: slice: the caller's slice
         return self.store.try_wait([end_key(self.r)], timeout)
 
     def wait_end(self, slice_seconds: float = WAIT_SLICE_SECONDS) -> RoundEnd:
         """Block until the round ends (event-driven: a store wait on its end key)."""
+        # wait: slice, said by the job: slices while the round runs
         while not self.store.try_wait([end_key(self.r)], slice_seconds):
             pass
         end = self.ended()
@@ -133,6 +135,7 @@ class RoundChannel:
         mine = self._mine()
         self.store.set(self._key(f"succeeded/{mine}"), SuccessRecord(self.me.node_id, mine).to_json())
         names = [self._key(f"succeeded/{g}") for g in range(self.members)]
+        # wait: short: 0.01 s: have all members reported
         if not self.store.try_wait(names, 0.01):
             return None
         for g, name in enumerate(names):
@@ -145,6 +148,7 @@ class RoundChannel:
 
     def wait_all_acknowledged(self, timeout: float) -> bool:
         """The store's host waits here before exiting, so no agent loses the store mid-read."""
+        # wait: slice: the caller's timeout
         return self.store.try_wait([self._key("all_acked")], timeout)
 
     # ----------------------------------------------------------------- who is alive
@@ -171,10 +175,12 @@ class RoundChannel:
         return True
 
     def member_appeared(self, group_rank: int, timeout: float) -> bool:
+        # wait: background: the peer watcher
         return self.store.try_wait([self._key(f"alive/{group_rank}")], timeout)
 
     def member_gone(self, group_rank: int, timeout: float) -> bool:
         """True once the member's alive key is gone (its lease expired); False after `timeout`."""
+        # wait: background: the peer watcher
         return self._leases.wait_deleted(self._key(f"alive/{group_rank}"), timeout)
 
     def declare_lost(self, group_rank: int, host: str, silent_for: float, note: str = "") -> RoundEnd:
@@ -211,6 +217,7 @@ class RoundChannel:
                     f"giving up in {deadline - time.monotonic():.0f} s"
                 )
             )
+            # wait: slice: 1 s slices up to the caller's deadline
             if self.store.try_wait([name], min(1.0, max(deadline - time.monotonic(), 0.01))):
                 return parse_master(self.store.get_str(name), self.store.key(name), master_host)
             end = self.ended()

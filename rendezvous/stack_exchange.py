@@ -42,6 +42,7 @@ class StackExchange:
 
     def wait_request(self, slice_seconds: float = WAIT_SLICE_SECONDS) -> bool:
         """Block until the dump key is set; True if it is a request (not the round's end)."""
+        # wait: background: slices
         while not self.store.try_wait([self.dump], slice_seconds):
             pass
         return self.store.get_str(self.dump) != STACKS_ROUND_OVER
@@ -52,6 +53,7 @@ class StackExchange:
     def gather(self, timeout: float) -> dict[int, list[dict]]:
         """Every node's published snapshots, waiting up to `timeout` for all; missing nodes left out."""
         names = [self._stacks(g) for g in range(self.members)]
+        # wait: short: HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named
         self.store.try_wait(names, timeout)
         found: dict[int, list[dict]] = {}
         for g, name in enumerate(names):

@@ -37,6 +37,9 @@ SERVICE_MARKER_KEY = "rally/store-service"
 HOST_MARKER_NAME = "host"
 # How long an agent that found the endpoint's port taken waits for the hosting agent's marker.
 HOST_MARKER_WAIT_SECONDS = 10.0
+# The expected value of `Store.get_if_present`'s compare_set: never a sealed value (those start
+# with token.ENVELOPE_TAG), so the compare never matches and the call only reads.
+ABSENT = b"\x00rally: no such key\x00"
 # How many times a counter or first-wins key a stranger keeps filling with garbage is replaced.
 REPAIR_ATTEMPTS = 3
 # The slices of that wait: between them, a store hosted by another job is recognised by its marker.
@@ -195,6 +198,30 @@ class Store(KeyValueStore):
                 expected = current
         raise UntrustedValue(f"store key '{self.key(name)}' is rewritten with garbage again and again (a stranger)")
 
+    def get_if_present(self, name: str) -> bytes | None:
+        """The checked value of `name`, or None when absent, in one request instead of a `check`
+        and a `get`: c10d's `compare_set` with an expected value no rally writer ever stores
+        (ABSENT: not a sealed value) changes nothing and answers the key's value, or ABSENT
+        itself when there is no key. torch's server wakes a key's waiters on every compare_set,
+        set or not, so this is only for keys nobody waits for while they are absent (a node's
+        assignment; never `closed` or `end`). A stranger who stores ABSENT makes the key look
+        absent, which deleting it would do as well."""
+        current = self._call(self.raw.compare_set, self.key(name), ABSENT, ABSENT)
+        return None if current == ABSENT else self._open(name, current)
+
+    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """The checked values of `names` (all of which exist) in one `multi_get`: the closer's read
+        of every node descriptor is one request, not one per node. Each value is checked on its
+        own, so a stranger's value is its `UntrustedValue` and hides none of the others."""
+        raw = self._call(self.raw.multi_get, [self.key(n) for n in names]) if names else []
+        values: dict[str, bytes | UntrustedValue] = {}
+        for name, sealed in zip(names, raw, strict=True):
+            try:
+                values[name] = self._open(name, sealed)
+            except UntrustedValue as exc:
+                values[name] = exc
+        return values
+
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
         raw = self._call(self.raw.multi_get, [self.key(n) for n in names])
         return [self._open(n, value) for n, value in zip(names, raw, strict=True)]
@@ -320,6 +347,8 @@ def connect_tcp_store(
     own constructor is not bounded once connected (rendezvous/store_connect.py)."""
     describe = describe or f"the store at {host}:{port}"
     try:
+        # wait: bounded, said by rendezvous/store_connect.py _connect: connect_timeout, with a line every
+        #   PROGRESS_SECONDS
         wait_for_store(host, port, describe, connect_timeout, op_timeout, progress)
         from torch.distributed import TCPStore  # after the check: a dead endpoint fails without it
 
@@ -433,6 +462,7 @@ def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: floa
     if store.raw.check([SERVICE_MARKER_KEY]):
         return
     deadline = time.monotonic() + wait
+    # wait: short: a marker the job's host writes at once
     while not store.try_wait([HOST_MARKER_NAME], min(MARKER_SLICE_SECONDS, max(0.01, deadline - time.monotonic()))):
         if other := _other_jobs_store(store):
             raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it is the store of another job ({other})"))

@@ -86,6 +86,7 @@ def wait_for_store(
         conn.sendall(struct.pack("<BIB", QUERY_VALIDATE, VALIDATION_MAGIC, QUERY_GETNUMKEYS))
         answer = b""
         while len(answer) < 8:
+            # wait: short: the socket's timeout: min(read_timeout, 5 s)
             chunk = conn.recv(8 - len(answer))
             if not chunk:
                 break
@@ -129,6 +130,7 @@ def _connect(
             until = time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - time.monotonic()))
             progress(f"waiting for {describe} ({why}); giving up at {until}, in {deadline - time.monotonic():.0f} s")
             next_line += PROGRESS_SECONDS
+        # wait: short: RETRY_SECONDS between connect attempts, up to the deadline
         time.sleep(min(RETRY_SECONDS, max(0.0, deadline - time.monotonic())))
 
 
@@ -156,6 +158,7 @@ def bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
         done.set()
 
     threading.Thread(target=call, daemon=True, name="rally-store-connect").start()
+    # wait: slice: the caller's bound (read_timeout)
     if not done.wait(seconds):
         raise NoStoreThere(
             f"{what} did not finish within {seconds:g} s: the store stopped answering (frozen, or its host stalled)"

@@ -23,6 +23,17 @@ from rally.rendezvous.status_board import StatusBoard
 WAIT_PROGRESS_SECONDS = 5.0
 # How many of the joined nodes a progress line names.
 HOSTS_SHOWN = 4
+# A job of more nodes than this waits (and prints) that many intervals longer: see `progress_interval`.
+PROGRESS_NODES = 1024
+
+
+def progress_interval(max_nodes: int) -> float:
+    """How often a node waiting in the rendezvous wakes to print and publish its line: every
+    WAIT_PROGRESS_SECONDS up to PROGRESS_NODES nodes, one interval more per PROGRESS_NODES above.
+    Each line costs the store a few requests per node (the count, the first hosts, the status
+    record, a new wait or watch): at 4,096 nodes, lines every 5 s were more requests than a
+    one-member etcd serves, so the lines themselves kept the round from forming."""
+    return WAIT_PROGRESS_SECONDS * max(1, -(-max_nodes // PROGRESS_NODES))
 
 
 class RendezvousView(Protocol):
@@ -163,6 +174,7 @@ def spare_progress(rdzv: RendezvousView, r: int, members: int, deadline: float) 
 def announce_wait(rdzv: RendezvousView, line: str) -> None:
     """A progress line of a long wait: to the console, and to `rally status` (the node's record)."""
     rdzv.on_status(line)
+    # wait: not_a_wait: builds a status record
     rdzv.status.publish(waiting_record(rdzv.me.host, rdzv.me.node_id, line))
 
 

@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 # Variables a launcher sets for its workers, or that configure rally itself. A test that runs
 # inside some launcher (or with PET_*/RALLY_* exported) must not leak them into the job under test.
@@ -230,6 +231,20 @@ def read_json_files(directory: Path, pattern: str) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob(pattern))}
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file, [] while it does not exist; a last line still being
+    written (no closing brace yet) is left for the next read."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def read_events(log_dir: Path) -> list[dict]:
+    """The tests' one events reader: every record of the agent's `<run>/events.jsonl` files under
+    `log_dir` (--log-dir), oldest run first."""
+    return [event for path in sorted(log_dir.glob("*/events.jsonl")) for event in read_jsonl(path)]
+
+
 def free_port() -> int:
     """A port the OS says is free right now (bound to 127.0.0.1:0, then closed)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -237,29 +252,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(
-    predicate: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition"
-) -> object:
-    """Poll `predicate` until it returns something truthy; fail the test after `timeout` s."""
+def eventually(predicate: Callable[[], T], timeout: float, interval: float = 0.05) -> T:
+    """The tests' one poll: `predicate`'s first truthy value within `timeout` s, else its last
+    (falsy) value, for `assert eventually(...), context` or `found = eventually(...)`."""
     deadline = time.monotonic() + timeout
-    while True:
+    while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+    return predicate()
 
 
-def eventually(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
-    """Whether `predicate` holds within `timeout` s, for `assert eventually(...), context`
-    (wait_for fails the test by itself instead)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float,
+    interval: float = 0.05,
+    what: str = "condition",
+    show: Callable[[], str] | None = None,
+) -> T:
+    """`eventually`, failing the test (naming `what`, and what `show` returns) when `predicate` never holds."""
+    value = eventually(predicate, timeout, interval)
+    if not value:
+        pytest.fail(f"timed out after {timeout:g} s waiting for {what}" + (f"\n{show()}" if show else ""))
+    return value
 
 
 def is_alive(pid: int) -> bool:

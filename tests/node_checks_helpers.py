@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from agents import AgentProcess, start_agent
-from helpers import start_rally
 
 # Run the rest of argv with this host name, in a UTS namespace of its own (root only).
 _SET_HOSTNAME = "import os, socket, sys; socket.sethostname(sys.argv[1]); os.execvp(sys.argv[2], sys.argv[2:])"
@@ -39,29 +37,6 @@ def need_root(what: str) -> None:
 
 def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
-class Store:
-    """A standalone `rally store` on port 0 (in a network namespace when given)."""
-
-    def __init__(self, tmp: Path, prefix: list[str] | None = None):
-        self.log = tmp / "store.log"
-        with open(self.log, "w") as handle:
-            self.popen = start_rally(
-                ["store", "--port", "0"], cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, prefix=prefix or ()
-            )
-        deadline = time.monotonic() + 60
-        while (
-            not (found := re.search(r"listening on port (\d+)", self.log.read_text())) and time.monotonic() < deadline
-        ):
-            time.sleep(0.05)
-        assert found, self.log.read_text()
-        self.port = int(found.group(1))
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, 9)
-        self.popen.wait(timeout=10)
 
 
 def agent(

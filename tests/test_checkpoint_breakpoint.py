@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally, write_probe
+from helpers import clean_env, read_events, run_rally, write_probe
 from rally.agent.checkpoint import dcp_files
 
 SCRIPT = """
@@ -76,7 +76,7 @@ def test_a_sharded_step_only_in_memory_is_made_durable_when_the_job_fails_for_go
     assert "sharded checkpoint step 2 was only in memory: written to" in result.stdout + result.stderr, (
         result.describe()
     )
-    events = [json.loads(line) for path in logs.glob("*/events.jsonl") for line in path.read_text().splitlines()]
+    events = read_events(logs)
     assert any(
         e.get("event") == "checkpoint_durable" and e.get("step") == 2 and e.get("where") == "breakpoint" for e in events
     ), events

@@ -17,13 +17,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from helpers import run_rally
+from helpers import eventually, run_rally
 from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint import dcp_files, dcp_persist, persist
 from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
@@ -66,15 +65,6 @@ def worker_of(tier: CheckpointTier, monkeypatch: pytest.MonkeyPatch, **changed: 
     made = MemoryTier.from_env()
     assert made is not None
     return made
-
-
-def wait_for(condition, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return bool(condition())
 
 
 # A holder of the stranger's: answers every request as the real one would, with its own step, and
@@ -202,9 +192,9 @@ def test_the_agent_notices_its_holder_dying_and_never_counts_its_memory_steps_as
     assert slot is not None
     worker.commit("whole", 7, 100)  # saved in memory; the persister may or may not have written it yet
     worker.close()
-    assert wait_for(lambda: tier.last_saved == 7)
+    assert eventually(lambda: tier.last_saved == 7, 10)
     os.kill(tier.pid, 9)
-    assert wait_for(lambda: any("holder of this node" in w and "died" in w for w in warnings)), warnings
+    assert eventually(lambda: any("holder of this node" in w and "died" in w for w in warnings), 10), warnings
     if tier.last_durable != 7:  # died before the disk: the job's end must not count it
         assert tier.lost() is not None and "never reached" in tier.lost()  # type: ignore[operator]
     # never half on: the next round's workers get no holder, and no round agrees on its memory steps
@@ -668,6 +658,6 @@ def test_a_huge_reserve_is_refused_and_never_latches_the_job_to_disk_only(
     slot = worker.reserve("whole", 2, 4096, True, 3)  # the next save is held in memory as ever
     assert slot is not None
     worker.commit("whole", 2, 10)
-    assert wait_for(lambda: tier.last_saved == 2)
+    assert eventually(lambda: tier.last_saved == 2, 10)
     assert not any("disk only" in w for w in warnings), warnings
     worker.close()

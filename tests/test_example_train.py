@@ -6,7 +6,6 @@ random kills each, compared with the session's uninterrupted run (tests/ddp_refe
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ddp_reference import EVERY, STEPS, TRAIN, params_hash
-from helpers import clean_env, start_rally
+from helpers import clean_env, read_events, start_rally
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,11 +64,9 @@ def _start_point(line: str) -> int | None:
 def _worker_pid(log_dir: Path, rank: int) -> int | None:
     """The pid of `rank` in the newest round, from the agent's events.jsonl."""
     pid = None
-    for events in log_dir.glob("*/events.jsonl"):
-        for line in events.read_text().splitlines():
-            record = json.loads(line)
-            if record["event"] == "worker_started" and record["rank"] == rank:
-                pid = record["pid"]
+    for record in read_events(log_dir):
+        if record["event"] == "worker_started" and record["rank"] == rank:
+            pid = record["pid"]
     return pid
 
 

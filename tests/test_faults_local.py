@@ -18,26 +18,21 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import write_script
+from agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
 from helpers import (  # noqa: F401
     ProcessTracker,
     clean_env,
     describe_pids,
+    eventually,
     procs,
     run_rally,
     survivors,
+    wait_for,
     write_probe,
 )
-from helpers import wait_for as wait_until
 from live_rally import LiveRally
 from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
 from stranger_store import STORE_CLIENT
-from test_faults_membership import (
-    cluster,  # noqa: F401 - a fixture
-    job_args,
-    records,
-    wait_for,
-)
 from test_faults_trust import RANKS_WORKER, TOKEN
 
 # Raw writes besides tests/stranger_store.py's enveloped `put`: what any TCPStore client can send.
@@ -66,7 +61,7 @@ def test_a_strangers_long_append_to_the_status_list_does_not_stop_keep_alives(cl
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "10", "OTHER_RANK_SECONDS": "10"}
     agents = [cluster.agent(f"n{i}", [*job_args(store.port, "2"), str(script)], env=env) for i in range(2)]
-    assert wait_for(lambda: len(records(cluster.out)) == 2, 90), "\n".join(a.output() for a in agents)
+    assert eventually(lambda: len(cluster.records()) == 2, 90), "\n".join(a.output() for a in agents)
     as_stranger(f"append({store.port}, 'rally/testjob/status/nodes', b''.join(b'n%06d\\n' % i for i in range(190000)))")
     codes = [a.wait(90) for a in agents]
     assert codes == [0, 0], "\n".join(a.output() for a in agents)
@@ -127,7 +122,7 @@ def test_the_guard_never_kills_a_stranger_on_a_recycled_group_id(procs: ProcessT
         if stranger is None:
             pytest.skip(f"pid {worker.pid} was taken by another process each time")
         procs.track(stranger)
-        wait_until(lambda: _stat(stranger)[3] == str(stranger), 10, what="the stranger leads its session")
+        wait_for(lambda: _stat(stranger)[3] == str(stranger), 10, what="the stranger leads its session")
         assert os.stat(f"/proc/{stranger}").st_uid == STRANGER_UID
     finally:
         guard.stop()
@@ -189,7 +184,7 @@ def test_a_root_worker_that_leaves_the_cgroup_session_and_token_dies_with_the_ag
         clean_env(PROBE_OUT=str(out), RALLY_JOB_CGROUP=cgroup),
         procs,
     )
-    wait_until(out.exists, 60, what="the escaped daemon")
+    wait_for(out.exists, 60, what="the escaped daemon")
     escaped = int(out.read_text())
     procs.track(escaped)
     cgroups = Path(f"/proc/{escaped}/cgroup").read_text()

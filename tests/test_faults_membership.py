@@ -8,19 +8,17 @@ Each test measures the detection or recovery time it asserts; README's "Fault ma
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
-from helpers import start_rally
+from agents import cluster, job_args, stop_all, write_script  # noqa: F401 - cluster is a fixture
+from helpers import eventually, read_events
 
 KEEP_ALIVE_TIMEOUT = 2.0
 
@@ -57,75 +55,6 @@ while True:
 """
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.02):
-    """The predicate's first truthy value within `timeout` seconds (else its last value)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
-
-
-def records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
-
-
-class StoreProcess:
-    """A standalone `rally store` (optionally inside a network namespace)."""
-
-    def __init__(self, tmp: Path, netns: str | None = None):
-        self.log = tmp / "store.log"
-        prefix = ["ip", "netns", "exec", netns] if netns else []
-        with open(self.log, "w") as handle:
-            self.popen = start_rally(
-                ["store", "--port", "0"], cwd=tmp, stdout=handle, stderr=subprocess.STDOUT, prefix=prefix
-            )
-        found = wait_for(lambda: re.search(r"listening on port (\d+)", self.log.read_text()), 60)
-        assert found, self.log.read_text()
-        self.port = int(re.search(r"listening on port (\d+)", self.log.read_text()).group(1))
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGCONT)
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        self.popen.wait(timeout=10)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path):
-    """Agents (and a standalone store) for one job; everything is killed by pid/pgid afterwards."""
-    started: list[AgentProcess] = []
-    stores: list[StoreProcess] = []
-
-    class Cluster:
-        out = tmp_path / "records.jsonl"
-
-        def store(self, netns: str | None = None) -> StoreProcess:
-            stores.append(StoreProcess(tmp_path, netns))
-            return stores[-1]
-
-        def agent(self, name: str, args: list[str], env: dict[str, str] | None = None) -> AgentProcess:
-            agent = start_agent(
-                name, tmp_path, args, env={"PROBE_OUT": str(self.out), "PROBE_NODE": name, **(env or {})}
-            )
-            started.append(agent)
-            return agent
-
-    yield Cluster()
-    stop_all(started)
-    for store in stores:
-        store.stop()
-
-
-def job_args(port: int, nnodes: str, host: str = "127.0.0.1", extra: str = "") -> list[str]:
-    args = c10d_args(port, nnodes, extra_conf=extra)
-    return [a.replace("127.0.0.1", host) for a in args] + ["--nproc-per-node", "1"]
-
-
 # ------------------------------------------------------------------ 1. a whole node dies
 @pytest.mark.timeout(240)
 def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_once(cluster, tmp_path):
@@ -138,10 +67,10 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
         )
         for i in range(2)
     ]
-    assert wait_for(lambda: len({r["node"] for r in records(cluster.out) if r["step"] >= 3}) == 2, 150), "\n".join(
+    assert eventually(lambda: len({r["node"] for r in cluster.records() if r["step"] >= 3}) == 2, 150), "\n".join(
         a.output() for a in agents
     )
-    by_node = {r["node"]: r for r in records(cluster.out)}
+    by_node = {r["node"]: r for r in cluster.records()}
     victim_name = next(n for n, r in by_node.items() if r["group_rank"] == 0)  # also hosts the workers' store
     victim = next(a for a in agents if a.name == victim_name)
     survivor = next(a for a in agents if a.name != victim_name)
@@ -149,12 +78,10 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     victim.kill_node()
 
     def training_again() -> dict | None:
-        later = [
-            r for r in records(cluster.out) if r["node"] == survivor.name and r["round"] >= 1 and r["t"] > killed_at
-        ]
+        later = [r for r in cluster.records() if r["node"] == survivor.name and r["round"] >= 1 and r["t"] > killed_at]
         return later[0] if later else None
 
-    first = wait_for(training_again, 30)
+    first = eventually(training_again, 30)
     assert first, survivor.output()
     recovery = first["t"] - killed_at
     output = survivor.output()
@@ -169,7 +96,7 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     assert survivor.wait(30) == 128 + signal.SIGTERM
     # The secondary failure really happened: the survivor's worker died of the lost peer in round 0.
     logs = tmp_path / f"logs{survivor.name[1:]}"
-    events = [json.loads(line) for f in logs.glob("*/events.jsonl") for line in f.read_text().splitlines()]
+    events = read_events(logs)
     exits = [e for e in events if e["event"] == "worker_exited" and e["round"] == 0]
     assert exits and exits[0]["returncode"] not in (0, None) and not exits[0]["exit"].startswith("SIG"), events
 
@@ -182,7 +109,7 @@ def test_a_frozen_store_is_noticed_within_read_timeout_with_a_clear_line(cluster
     read_timeout = 3.0
     args = [*job_args(store.port, "2", extra=f"read_timeout={read_timeout:g}"), str(script)]
     agents = [cluster.agent(f"n{i}", args) for i in range(2)]
-    assert wait_for(lambda: len({r["node"] for r in records(cluster.out)}) == 2, 60), "\n".join(
+    assert eventually(lambda: len({r["node"] for r in cluster.records()}) == 2, 60), "\n".join(
         a.output() for a in agents
     )
     os.killpg(store.popen.pid, signal.SIGSTOP)
@@ -195,7 +122,7 @@ def test_a_frozen_store_is_noticed_within_read_timeout_with_a_clear_line(cluster
     for agent in agents:
         text = agent.output()
         assert "has not answered for" in text and "frozen" in text and "Traceback" not in text, text
-    pids = {r["pid"] for r in records(cluster.out)}
+    pids = {r["pid"] for r in cluster.records()}
     assert not [p for p in pids if _alive(p)], "workers outlived their agent"
 
 
@@ -208,7 +135,7 @@ def test_a_store_that_freezes_while_the_job_forms_is_noticed_within_read_timeout
     read_timeout = 3.0
     agent = cluster.agent("n0", [*job_args(store.port, "2", extra=f"read_timeout={read_timeout:g}"), str(script)])
     client = TCPStore("127.0.0.1", store.port, is_master=False)
-    assert wait_for(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), (
+    assert eventually(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), (
         agent.output()
     )  # it waits for a second node
     os.killpg(store.popen.pid, signal.SIGSTOP)
@@ -239,13 +166,13 @@ def test_a_node_without_the_job_token_cannot_join(cluster, tmp_path):
     script = write_script(tmp_path, "plain.py", PLAIN_WORKER)
     args = [*job_args(store.port, "1:3", extra="last_call_timeout=1"), str(script)]
     member = cluster.agent("member", args, env={"RALLY_JOB_TOKEN": "the-secret"})
-    assert wait_for(lambda: records(cluster.out), 60), member.output()
+    assert eventually(lambda: cluster.records(), 60), member.output()
     stranger = cluster.agent("stranger", args, env={"RALLY_JOB_TOKEN": "a-guess"})
     code = stranger.wait(60)
     text = stranger.output()
     assert code != 0 and "signed with a different job token" in text and "Traceback" not in text, text
-    assert {r["node"] for r in records(cluster.out)} == {"member"}  # it never ran a worker
-    assert {r["world"] for r in records(cluster.out)} == {1}
+    assert {r["node"] for r in cluster.records()} == {"member"}  # it never ran a worker
+    assert {r["world"] for r in cluster.records()} == {1}
     assert member.popen.poll() is None, member.output()
 
 
@@ -263,7 +190,7 @@ def test_garbage_in_the_store_is_one_line_naming_the_key(cluster, tmp_path):
     code = agent.wait(60)
     lines = [line for line in agent.output().splitlines() if "rally: error" in line]
     assert code in (1, 2) and len(lines) == 1 and "'rally/testjob/0/closed'" in lines[0], agent.output()
-    assert "Traceback" not in agent.output() and not records(cluster.out)
+    assert "Traceback" not in agent.output() and not cluster.records()
 
 
 # Same under load: the foreign store never holds this job's signed marker, however long it is waited for.
@@ -279,7 +206,7 @@ def test_a_taken_endpoint_port_never_joins_a_strangers_store(cluster, tmp_path):
     code = agent.wait(60)
     text = agent.output()
     assert code == 2 and "is already taken" in text and "not this job's store" in text, text
-    assert "Traceback" not in text and not records(cluster.out)
+    assert "Traceback" not in text and not cluster.records()
 
 
 # Same under load: which address the store binds.
@@ -290,7 +217,7 @@ def test_standalone_store_listens_on_loopback_only(cluster, tmp_path):
 
     script = write_script(tmp_path, "plain.py", PLAIN_WORKER)
     agent = cluster.agent("n0", ["--standalone", "--nproc-per-node", "1", str(script)])
-    found = wait_for(lambda: re.search(r"hosting the rendezvous store on port (\d+)", agent.output()), 60)
+    found = eventually(lambda: re.search(r"hosting the rendezvous store on port (\d+)", agent.output()), 60)
     assert found, agent.output()
     port = int(found.group(1))
     listening = [c for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"]
@@ -340,11 +267,6 @@ def netns():
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
 
 
-def _netns_agent(cluster, tmp_path: Path, ns: str, name: str, args: list[str]) -> AgentProcess:
-    env = {"PROBE_OUT": str(cluster.out), "PROBE_NODE": name}
-    return start_agent(name, tmp_path, args, env, prefix=["ip", "netns", "exec", ns])
-
-
 @pytest.mark.timeout(240)
 def test_a_cut_node_stops_its_workers_and_the_others_reform(cluster, tmp_path, netns):
     store = cluster.store(netns=netns[0])
@@ -354,9 +276,9 @@ def test_a_cut_node_stops_its_workers_and_the_others_reform(cluster, tmp_path, n
         for i in range(3):
             args = [*job_args(store.port, "2:3", host=f"{SUBNET}.1"), str(script)]
             args[args.index("--local-addr") + 1] = f"{SUBNET}.{10 + i}"
-            agents.append(_netns_agent(cluster, tmp_path, netns[1 + i], f"n{i}", args))
-        assert wait_for(
-            lambda: {r["node"] for r in records(cluster.out) if r["world"] == 3} == {"n0", "n1", "n2"}, 90
+            agents.append(cluster.agent(f"n{i}", args, netns=netns[1 + i]))
+        assert eventually(
+            lambda: {r["node"] for r in cluster.records() if r["world"] == 3} == {"n0", "n1", "n2"}, 90
         ), "\n".join(a.output() for a in agents)
         cut = agents[1]
         cut_at = time.time()
@@ -367,13 +289,13 @@ def test_a_cut_node_stops_its_workers_and_the_others_reform(cluster, tmp_path, n
         print(f"network cut: the cut node stopped after {stopped:.2f} s")
         assert code == 1 and "has not answered for" in text and "cut off" in text and "Traceback" not in text, text
         assert stopped <= KEEP_ALIVE_TIMEOUT + 2, stopped
-        last_cut = max(r["t"] for r in records(cluster.out) if r["node"] == "n1")
+        last_cut = max(r["t"] for r in cluster.records() if r["node"] == "n1")
         assert last_cut <= cut_at + stopped + 0.5  # no split brain: it did not keep training on its own
 
         def reformed() -> list[dict]:
-            return [r for r in records(cluster.out) if r["t"] > cut_at and r["world"] == 2]
+            return [r for r in cluster.records() if r["t"] > cut_at and r["world"] == 2]
 
-        assert wait_for(lambda: {r["node"] for r in reformed()} == {"n0", "n2"}, 30), "\n".join(
+        assert eventually(lambda: {r["node"] for r in reformed()} == {"n0", "n2"}, 30), "\n".join(
             a.output() for a in agents
         )
         again = min(r["t"] for r in reformed()) - cut_at
@@ -381,6 +303,6 @@ def test_a_cut_node_stops_its_workers_and_the_others_reform(cluster, tmp_path, n
         assert again <= KEEP_ALIVE_TIMEOUT + 2, again
         assert {r["restart"] for r in reformed()} == {0}
         assert last_cut < min(r["t"] for r in reformed()), "the cut node was still training when the others re-formed"
-        assert not [r for r in records(cluster.out) if r["node"] == "n1" and r["t"] > cut_at + stopped + 0.5]
+        assert not [r for r in cluster.records() if r["node"] == "n1" and r["t"] > cut_at + stopped + 0.5]
     finally:
         stop_all(agents)

@@ -10,7 +10,6 @@ uninterrupted run of the same job (tests/ddp_reference.py).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,18 @@ import pytest
 
 from agents import c10d_args, start_agent, stop_all
 from ddp_reference import EVERY, STEPS, TRAIN, params_hash
-from helpers import clean_env, eventually, free_port, kill_group, procs, run_rally, small_disk, start_rally, write_probe  # noqa: F401 - procs is a fixture
+from helpers import (  # noqa: F401 - procs is a fixture
+    clean_env,
+    eventually,
+    free_port,
+    kill_group,
+    procs,
+    read_events,
+    run_rally,
+    small_disk,
+    start_rally,
+    write_probe,
+)
 from rally.agent.checkpoint.shm import holders_of
 from rally.agent.worker import job
 
@@ -49,10 +59,6 @@ def train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None, 
     return run_rally(args, cwd=tmp, env=env or clean_env(), timeout=timeout)
 
 
-def events(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for path in log_dir.glob("*/events.jsonl") for line in path.read_text().splitlines()]
-
-
 @pytest.mark.torch
 @pytest.mark.timeout(300)
 def test_a_ddp_job_resumes_bit_identical_from_memory_after_a_sigkill(tmp_path: Path, ddp_clean_hash: str) -> None:
@@ -63,7 +69,7 @@ def test_a_ddp_job_resumes_bit_identical_from_memory_after_a_sigkill(tmp_path: P
     # The newest step became durable in the background (and at the job's end at the latest) ...
     assert job.durable_steps(tmp_path / "memory-ckpt")[-1] == STEPS
     # ... and the agent said so: events.jsonl, as `rally status` and /metrics show it.
-    seen = events(tmp_path / "memory-logs")
+    seen = read_events(tmp_path / "memory-logs")
     assert max(e["step"] for e in seen if e["event"] == "checkpoint_saved") == STEPS
     assert max(e["step"] for e in seen if e["event"] == "checkpoint_durable") == STEPS
 
@@ -105,7 +111,7 @@ def test_a_sigkill_of_the_agent_frees_the_nodes_copies(tmp_path: Path, procs) ->
     proc = start_rally(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.track_group(proc.pid)
     try:
-        assert eventually(lambda: any(e["event"] == "checkpoint_saved" for e in events(tmp_path / "logs")), 120)
+        assert eventually(lambda: any(e["event"] == "checkpoint_saved" for e in read_events(tmp_path / "logs")), 120)
         agent = psutil.Process(proc.pid)
         everything = agent.children(recursive=True)
         holders = [p.pid for p in everything if any("checkpoint/holder.py" in part for part in p.cmdline())]
@@ -169,7 +175,9 @@ def test_two_nodes_resume_from_the_same_step_in_memory_bit_identical(tmp_path: P
         assert codes == [0, 0], text[-5000:]
         # Each node held its own copy (local rank 0 of each node saves); the round agreed on step 15 ...
         for i in range(2):
-            assert max(e["step"] for e in events(tmp_path / f"logs{i}") if e["event"] == "checkpoint_saved") == STEPS
+            assert (
+                max(e["step"] for e in read_events(tmp_path / f"logs{i}") if e["event"] == "checkpoint_saved") == STEPS
+            )
         assert "rally: resuming from step 15 (from memory)" in text, text[-5000:]
         # ... and both ranks resumed from it: the parameters are those of the uninterrupted 2-rank run.
         assert params_hash(text) == ddp_clean_hash

@@ -25,6 +25,7 @@ from helpers import (
     clean_env,
     free_port,
     procs,  # noqa: F401 - a fixture
+    read_events,
     survivors,
     wait_for,
     write_probe,
@@ -70,7 +71,7 @@ def test_a_signal_during_the_restart_grace_ends_rally_at_once(
     )
 
     def failed() -> bool:
-        return any('"returncode": 3' in p.read_text() for p in logs.glob("*/events.jsonl"))
+        return any(e.get("returncode") == 3 for e in read_events(logs))
 
     wait_for(failed, 60, what="rank 1 to fail")  # rank 0 now sits out the 30 s grace of the restart
     workers = [p.pid for p in psutil.Process(rally.proc.pid).children(recursive=True)]

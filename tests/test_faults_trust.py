@@ -20,15 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from agents import write_script
-from helpers import run_rally
-from test_faults_membership import (
-    PLAIN_WORKER,
-    cluster,  # noqa: F401 - a fixture
-    job_args,
-    records,
-    wait_for,
-)
+from agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
+from helpers import eventually, run_rally
+from test_faults_membership import PLAIN_WORKER
 
 TOKEN = "the-job-secret"
 
@@ -83,7 +77,7 @@ def test_a_strangers_success_counter_ends_nothing(cluster, tmp_path):
     env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "5", "OTHER_RANK_SECONDS": "1"}
     client = stranger(store.port)  # connected first: a client's connect can take seconds (DNS)
     agents = [cluster.agent(f"n{i}", [*job_args(store.port, "2"), str(script)], env=env) for i in range(2)]
-    assert wait_for(lambda: len(records(cluster.out)) == 2, 90), "\n".join(a.output() for a in agents)
+    assert eventually(lambda: len(cluster.records()) == 2, 90), "\n".join(a.output() for a in agents)
     client.add("rally/testjob/0/succeeded", 1)  # before rank 0 ends: its node's report made it 2 of 2
     faked_at = time.monotonic()
     time.sleep(3)  # rank 0 has ended (after 1 s): its node's report and the stranger's make 2 of 2
@@ -107,13 +101,13 @@ def test_a_decremented_arrival_counter_never_gives_two_nodes_one_rank(cluster, t
     env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "3", "OTHER_RANK_SECONDS": "3"}
     client = stranger(store.port)
     first = cluster.agent("n0", args, env=env)
-    assert wait_for(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), first.output()
+    assert eventually(lambda: client.add("rally/testjob/0/joined", 0) == 1, 60), first.output()
     assert client.add("rally/testjob/0/joined", -1) == 0  # the next node would get index 0 again
     second = cluster.agent("n1", args, env=env)
     codes = [first.wait(90), second.wait(90)]
     text = first.output() + second.output()
     assert codes == [0, 0], text
-    round0 = [r for r in records(cluster.out) if r["round"] == 0]
+    round0 = [r for r in cluster.records() if r["round"] == 0]
     assert sorted(r["rank"] for r in round0) == [0, 1] and {r["world"] for r in round0} == {2}, round0
     assert sorted(r["group_rank"] for r in round0) == [0, 1], round0
     assert "node 0 of 2" in text and "node 1 of 2" in text, text
@@ -150,7 +144,7 @@ def test_deleting_a_rounds_record_is_tampering_not_a_fresh_restart_budget(cluste
         stop.set()
         deleter.join(15)
     text = agent.output()
-    starts = records(cluster.out)
+    starts = cluster.records()
     assert code == 1, text
     assert len(starts) <= 3 and [r["restart"] for r in starts] == list(range(len(starts))), starts
     tampering = [line for line in error_lines(text) if "tampering" in line]  # besides the worker's root cause
@@ -195,7 +189,7 @@ def test_an_arrival_counter_pushed_past_max_makes_no_node_a_spare(cluster, tmp_p
         "n0", [*job_args(store.port, "1", extra="join_timeout=5"), str(script)], env={"RALLY_JOB_TOKEN": TOKEN}
     )
     assert agent.wait(60) == 0, agent.output()
-    assert [r["world"] for r in records(cluster.out)] == [1]
+    assert [r["world"] for r in cluster.records()] == [1]
 
 
 @pytest.mark.timeout(180)
@@ -204,7 +198,7 @@ def test_a_spare_of_a_full_job_gives_up_at_join_timeout_saying_what_it_waited_fo
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     env = {"RALLY_JOB_TOKEN": TOKEN, "OTHER_RANK_SECONDS": "60"}
     member = cluster.agent("member", [*job_args(store.port, "1", extra="join_timeout=8"), str(script)], env=env)
-    assert wait_for(lambda: records(cluster.out), 60), member.output()
+    assert eventually(lambda: cluster.records(), 60), member.output()
     began = time.monotonic()
     spare = cluster.agent("spare", [*job_args(store.port, "1", extra="join_timeout=8"), str(script)], env=env)
     code = spare.wait(60)
@@ -214,7 +208,7 @@ def test_a_spare_of_a_full_job_gives_up_at_join_timeout_saying_what_it_waited_fo
     assert re.search(r"waiting as a spare: round 0 runs with 1 of at most 1 nodes; .*join_timeout in \d+ s", text), text
     lines = error_lines(text)
     assert len(lines) == 1 and "as its spare" in lines[0] and "--rdzv-id" in lines[0], text
-    assert member.popen.poll() is None and len(records(cluster.out)) == 1
+    assert member.popen.poll() is None and len(cluster.records()) == 1
 
 
 # Same under load: no other node ever comes; the line's interval and join_timeout are clock deadlines.
@@ -225,7 +219,7 @@ def test_a_node_waiting_for_others_says_so_on_the_console_and_in_rally_status(cl
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
     agent = cluster.agent("n0", [*job_args(store.port, "2", extra="join_timeout=10"), str(script)])
     line = re.compile(r"waiting for 1 more node: 1 of 2 joined \(\S+\); join_timeout in (\d+) s")
-    found = wait_for(lambda: line.search(agent.output()), 30)
+    found = eventually(lambda: line.search(agent.output()), 30)
     assert found and int(found.group(1)) <= 10, agent.output()
     status = run_rally(
         ["status", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "testjob"], cwd=tmp_path, timeout=60
@@ -252,9 +246,9 @@ def test_two_jobs_on_one_store_with_the_default_run_id_get_one_line_naming_the_c
     ]
     release = tmp_path / "release"
     first = cluster.agent("job1", [*defaults, str(script)], env={"RELEASE_FILE": str(release)})
-    assert wait_for(lambda: records(cluster.out), 60), first.output()
+    assert eventually(lambda: cluster.records(), 60), first.output()
     second = cluster.agent("job2", [*defaults, str(script)])
-    clash = wait_for(lambda: re.search(r"run id 'none' at .* is in use by a running job.*", second.output()), 60)
+    clash = eventually(lambda: re.search(r"run id 'none' at .* is in use by a running job.*", second.output()), 60)
     release.touch()  # job 1 may end now
     assert clash, second.output()
     assert f"(pid {first.popen.pid})" in clash.group(0) and "--rdzv-id" in clash.group(0), clash.group(0)
@@ -263,7 +257,7 @@ def test_two_jobs_on_one_store_with_the_default_run_id_get_one_line_naming_the_c
     lines = error_lines(second.output())
     assert len(lines) == 1 and "run id 'none'" in lines[0] and "already ended (succeeded" in lines[0], second.output()
     assert "this node ran nothing" in lines[0] and "--rdzv-id" in lines[0], lines
-    assert [r["node"] for r in records(cluster.out)] == ["job1"]
+    assert [r["node"] for r in cluster.records()] == ["job1"]
 
 
 # ------------------------------------------------------------------ 12. a frozen agent
@@ -273,15 +267,15 @@ def test_a_frozen_agent_says_it_was_left_behind_not_that_the_store_froze(cluster
     script = write_script(tmp_path, "plain.py", PLAIN_WORKER)
     args = [*job_args(store.port, "1:2"), str(script)]
     agents = [cluster.agent(f"n{i}", args, env={"RALLY_JOB_TOKEN": TOKEN}) for i in range(2)]
-    assert wait_for(lambda: {r["node"] for r in records(cluster.out) if r["world"] == 2} == {"n0", "n1"}, 90), (
-        "\n".join(a.output() for a in agents)
+    assert eventually(lambda: {r["node"] for r in cluster.records() if r["world"] == 2} == {"n0", "n1"}, 90), "\n".join(
+        a.output() for a in agents
     )
     frozen, survivor = agents
     os.kill(frozen.popen.pid, signal.SIGSTOP)  # the agent only; its worker runs on
     stopped_at = time.time()
     try:
-        assert wait_for(
-            lambda: [r for r in records(cluster.out) if r["node"] == "n1" and r["world"] == 1 and r["t"] > stopped_at],
+        assert eventually(
+            lambda: [r for r in cluster.records() if r["node"] == "n1" and r["world"] == 1 and r["t"] > stopped_at],
             30,
         ), survivor.output()
     finally:

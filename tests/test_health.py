@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import OnTerminal, clean_env, eventually, free_port, run_rally
+from helpers import OnTerminal, clean_env, eventually, free_port, read_events, run_rally
 
 HEARTBEATS_THEN_HANG = """
 import os, sys, time
@@ -61,11 +61,6 @@ def _report(tmp: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _events(tmp: Path) -> list[dict]:
-    (path,) = (tmp / "logs").glob("*/events.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.mark.timeout(120)
 def test_worker_that_stops_heartbeating_is_caught_with_its_stack_and_the_job_restarts(tmp_path):
     code, out, _ = _run(
@@ -76,7 +71,7 @@ def test_worker_that_stops_heartbeating_is_caught_with_its_stack_and_the_job_res
     assert "stuck_in_allreduce" in out  # the stack names the function it is stuck in
     hung = [a["end"] for a in _report(tmp_path)["attempts"] if a["end"]["kind"] == "worker_hung"]
     assert hung and any("stuck_in_allreduce" in line for line in hung[0]["info"]["stacks"])
-    events = _events(tmp_path)
+    events = read_events(tmp_path / "logs")
     detected = next(e for e in events if e["event"] == "worker_hung")
     started = [e for e in events if e["event"] == "worker_started" and e["rank"] == 1][0]
     # 20 beats take ~0.5 s; then the timeout (1 s) plus at most one second of slack
@@ -156,7 +151,9 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1"
 """
     code, out, _ = _run(tmp_path, fails_once, "--nproc-per-node", "2", "--max-restarts", "1")
     assert code == 0, out
-    events = [e for e in _events(tmp_path) if e["event"] != "gpu_health_skipped"]  # no GPU here: see test_observe.py
+    events = [
+        e for e in read_events(tmp_path / "logs") if e["event"] != "gpu_health_skipped"
+    ]  # no GPU here: see test_observe.py
     kinds = [e["event"] for e in events]
     assert kinds[0] == "round_formed" and kinds[-1] == "job_end"
     assert kinds.count("worker_started") == 4 and kinds.count("round_formed") == 2

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from package_graph import cycles, module_graph, rally_imports
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("launcher", "agent", "rendezvous")
 LARGE_MODULE_LINES = 800
@@ -89,22 +91,12 @@ def test_the_key_check_catches_a_key_spelled_out_elsewhere() -> None:
     assert not any(_names_a_key(c) for c in harmless)
 
 
-def _rally_imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rally"):
-            found |= {f"{node.module}.{a.name}" if node.module == "rally.launcher" else node.module for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("rally")}
-    return found
-
-
 @pytest.mark.timeout(30)
 def test_console_and_the_worker_table_are_leaves_and_all_the_agent_takes_from_the_launcher() -> None:
     for leaf in ("agent/display/console.py", "agent/display/worker_table.py"):
-        assert _rally_imports(REPO / leaf) == set(), f"{leaf} must import nothing of rally"
+        assert rally_imports(REPO / leaf) == set(), f"{leaf} must import nothing of rally"
     from_launcher = {
-        m for p in (REPO / "agent").rglob("*.py") for m in _rally_imports(p) if m.startswith("rally.launcher")
+        m for p in (REPO / "agent").rglob("*.py") for m in rally_imports(p) if m.startswith("rally.launcher")
     }
     assert from_launcher <= {"rally.agent.display.console", "rally.agent.display.worker_table"}, from_launcher
 
@@ -129,58 +121,10 @@ def test_every_test_starts_rally_through_the_one_launch_helper() -> None:
     assert spelled == []
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """rally's modules and the rally modules each imports (at run time or for type checking)."""
-    graph: dict[str, set[str]] = {}
-    for path in modules():
-        parts = path.relative_to(REPO).with_suffix("").parts
-        name = ".".join(["rally", *(parts[:-1] if parts[-1] == "__init__" else parts)])
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rally"):
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # a module, or names in one
-            elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name.startswith("rally")}
-        graph[name] = found
-    return {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every import circle: the strongly connected components with more than one module."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
 @pytest.mark.timeout(30)
 def test_no_import_circles() -> None:
-    assert _cycles(_import_graph()) == []
+    assert cycles(module_graph()) == []
 
 
 def test_the_circle_check_finds_a_circle() -> None:
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

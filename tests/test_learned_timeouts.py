@@ -5,14 +5,12 @@ so a restart does not learn again. Real rally runs, real heartbeat files, a real
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 
 from agents import write_script
-from helpers import run_rally
+from helpers import read_events, run_rally
 from rally.agent.observe.learned_timeouts import LearnedTimeouts, LearningSettings
 from rally.agent.worker import heartbeat_file
 from rally.rendezvous.node_memory import load_timeouts, save_timeouts
@@ -59,11 +57,6 @@ AUTO = [
 ]
 
 
-def _events(tmp: Path) -> list[dict]:
-    (path,) = (tmp / "logs").glob("*/events.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.mark.timeout(120)
 def test_a_hang_is_caught_within_the_safety_factor_of_the_learned_interval_and_a_restart_does_not_relearn(tmp_path):
     script = write_script(tmp_path, "w.py", BEATS_THEN_HANG)
@@ -80,7 +73,7 @@ def test_a_hang_is_caught_within_the_safety_factor_of_the_learned_interval_and_a
     assert len(learned) == 1, out  # printed once; the restarted workers were not learned from again
     timeout, longest = float(learned[0][0]), float(learned[0][1])
     assert 0.1 <= longest <= 1.5 and timeout == pytest.approx(4 * longest, abs=0.06), out
-    hangs = [e for e in _events(tmp_path) if e["event"] == "worker_hung"]
+    hangs = [e for e in read_events(tmp_path / "logs") if e["event"] == "worker_hung"]
     assert len(hangs) == 2, out  # the second after only 3 beats: the learned value held across the restart
     for hang in hangs:
         assert f"--heartbeat-timeout auto, learned {timeout:.2f} s" in hang["reason"], hang
@@ -105,7 +98,10 @@ def test_a_checkpoint_section_three_times_longer_than_the_step_timeout_never_tri
         )
     )
     assert section == pytest.approx(12.0, abs=1.0), out  # learned from the first checkpoint (3 s)
-    assert {e["kind"] for e in _events(tmp_path) if e["event"] == "timeout_learned"} == {"heartbeat", "section"}
+    assert {e["kind"] for e in read_events(tmp_path / "logs") if e["event"] == "timeout_learned"} == {
+        "heartbeat",
+        "section",
+    }
 
 
 @pytest.mark.timeout(30)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import eventually
 from helpers import small_disk as mount_small_disk
 from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
@@ -98,15 +99,6 @@ def load_slot(fd: int | None) -> dict:
         os.close(fd)
 
 
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 # --- save, persist, reload -------------------------------------------------------------------
 
 
@@ -122,7 +114,7 @@ def test_a_save_returns_with_the_state_in_memory_and_the_holder_makes_it_durable
 
         assert same(torch.load(f, weights_only=True), state(1))
     assert job.durable_steps(tier.checkpoint_dir) == [1]
-    assert wait_for(lambda: tier.agent.last_saved == 1 and tier.agent.last_durable == 1)
+    assert eventually(lambda: tier.agent.last_saved == 1 and tier.agent.last_durable == 1, 10)
     events = tier.events.read_text()
     assert '"event": "checkpoint_saved"' in events and '"event": "checkpoint_durable"' in events
 
@@ -296,7 +288,7 @@ def test_too_little_shared_memory_is_one_line_and_saves_go_to_disk(
         for step in (1, 2):
             assert job.save(state(step), step) == t.checkpoint_dir / f"step_{step:012d}.pt"
         assert job.durable_steps() == [1, 2]  # written by the worker itself, at once
-        assert wait_for(lambda: len(t.warnings) == 1)
+        assert eventually(lambda: len(t.warnings) == 1, 10)
         assert (
             t.warnings[0].startswith("not enough memory for in-memory checkpoints on this node")
             and "disk only" in t.warnings[0]
@@ -328,7 +320,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_memory_copy_and_the_last_durable_
         assert t.agent.flush(30)
         worker.save(state(2, n=1_000_000), "whole", 2, persist=True, keep=3)  # 4 MB: does not
         assert t.agent.flush(30)
-        assert wait_for(lambda: t.warnings)
+        assert eventually(lambda: t.warnings, 10)
         [line] = t.warnings
         assert line.startswith(
             f"checkpoint step 2 could not be written to {small_disk / 'ckpt'}: the disk is full (4.0 MB needed, "
@@ -382,7 +374,7 @@ def test_a_worker_killed_mid_copy_leaves_the_previous_step_usable(tier: Tier) ->
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-    assert wait_for(lambda: tier.agent.memory_steps() == [1])
+    assert eventually(lambda: tier.agent.memory_steps() == [1], 10)
     tier.agent.open_round(1, 1, LEASE)
     step, fd = tier.worker(1).resume("whole")
     assert step == 1 and load_slot(fd)["step"] == 1
@@ -420,7 +412,7 @@ def test_the_holders_memory_is_freed_when_its_agent_is_sigkilled(tmp_path: Path)
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
         agent.wait(timeout=10)
-    assert wait_for(lambda: not holders_of(pids=[holder])), "the holder kept its memory after the agent died"
+    assert eventually(lambda: not holders_of(pids=[holder]), 10), "the holder kept its memory after the agent died"
 
 
 @pytest.mark.torch

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_rally
+from helpers import read_events, read_jsonl, run_rally
 from rally.agent.observe import gpu
 from rally.agent.observe.gpu import DeviceReading
 from rally.agent.observe.stragglers import CentralValues, StepClock, StragglerWatch, job_step_times
@@ -54,11 +54,6 @@ def rally(tmp: Path, script: str, *args: str, timeout: float = 90) -> tuple[int,
         timeout=timeout,
     )
     return done.returncode, done.stdout + done.stderr
-
-
-def events(tmp: Path) -> list[dict]:
-    (path,) = (tmp / "logs").glob("*/events.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # --- the heartbeat file: steps and sections ------------------------------------------------------
@@ -335,9 +330,7 @@ def test_a_node_with_unhealthy_gpus_is_named_before_it_joins_a_round(tmp_path, c
         "node node7 has unhealthy GPUs before joining the next round: GPU 1 (GPU-bbb): 3 uncorrected ECC "
         "errors; GPU 1 (GPU-bbb): XID 79" in err
     )
-    (event,) = [
-        json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines() if "gpu_unhealthy" in line
-    ]
+    (event,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "gpu_unhealthy"]
     assert event["node"] == "node7" and len(event["problems"]) == 2
 
 
@@ -353,7 +346,7 @@ def test_on_a_node_without_gpus_the_skip_reason_is_logged_and_the_job_runs(tmp_p
     skip_where_nvml_works()
     code, out = rally(tmp_path, "print('ok')\n")
     assert code == 0, out
-    skipped = [e for e in events(tmp_path) if e["event"] == "gpu_health_skipped"]
+    skipped = [e for e in read_events(tmp_path / "logs") if e["event"] == "gpu_health_skipped"]
     assert len(skipped) == 1 and ("not installed" in skipped[0]["reason"] or "no NVIDIA driver" in skipped[0]["reason"])
     assert "GPU health checks skipped" not in out  # no GPU expected here: the console stays quiet
 
@@ -395,7 +388,7 @@ def test_a_worker_that_never_sends_its_first_heartbeat_is_hung_with_its_stack(tm
         and "since starting (--startup-timeout 1.5)" in out
     )
     assert "stuck_in_setup" in out  # its stack, collected before it was killed
-    hung = [e for e in events(tmp_path) if e["event"] == "worker_hung"]
+    hung = [e for e in read_events(tmp_path / "logs") if e["event"] == "worker_hung"]
     assert len(hung) == 1 and hung[0]["rank"] == 1
 
 
@@ -427,7 +420,7 @@ def test_a_long_section_is_not_a_hang_and_a_stuck_one_is_named_with_its_stack(tm
     assert code == 0, out
     assert "is hung: it hung in section 'checkpoint' for 3." in out and "(its timeout is 3 s)" in out, out
     assert "stuck_saving" in out
-    hung = [e for e in events(tmp_path) if e["event"] == "worker_hung"]
+    hung = [e for e in read_events(tmp_path / "logs") if e["event"] == "worker_hung"]
     assert len(hung) == 1 and "section 'checkpoint'" in hung[0]["reason"]  # the second attempt's long save was fine
     assert "done" in out
 

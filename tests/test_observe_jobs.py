@@ -7,7 +7,6 @@ Workers are stdlib probes (--no-preload); each agent is a real rally process on 
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -17,7 +16,6 @@ import subprocess
 import urllib.error
 import urllib.request
 from importlib import metadata
-from pathlib import Path
 
 import psutil
 import pytest
@@ -25,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import rally
 from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import OnTerminal, Result, clean_env, eventually, free_port, run_rally
+from helpers import OnTerminal, Result, clean_env, eventually, free_port, read_events, run_rally
 
 # Each rank steps at its own pace (STEP_SECONDS_<rank>, default 0.05 s) until the file `stop`
 # appears; with FAIL_ON_FILE set, rank 1 of the first attempt exits 3 once the file `fail` appears.
@@ -51,11 +49,6 @@ def status_of(*args: str, env: dict[str, str] | None = None) -> Result:
     return run_rally(["status", *args], cwd=os.getcwd(), env={**(env or clean_env()), "COLUMNS": "200"}, timeout=60)
 
 
-def events_of(log_dir: Path) -> list[dict]:
-    (path,) = log_dir.glob("*/events.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.mark.timeout(180)
 def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_node(tmp_path):
     """Two nodes, one rank each: only the job-wide median (node 0's summary) can name rank 1."""
@@ -78,7 +71,7 @@ def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_nod
         assert eventually(lambda: "straggler: rank 1" in agents[1].output(), 90), agents[1].output()
         line = next(x for x in agents[1].output().splitlines() if "straggler: rank 1" in x)
         assert "median of the job's other ranks" in line, line
-        (event,) = [e for e in events_of(tmp_path / "logs1") if e["event"] == "straggler"]
+        (event,) = [e for e in read_events(tmp_path / "logs1") if e["event"] == "straggler"]
         assert event["rank"] == 1 and event["node"] == socket.gethostname() and event["node_rank"] in (0, 1)
         assert event["scope"] == "job" and event["factor"] == 1.5
         assert 0.14 < event["step_time"] < 0.4 and 0.03 < event["median"] < 0.1, event  # loaded machines are slow
@@ -90,7 +83,7 @@ def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_nod
         assert re.search(r"0\.\d{3} slow", status.stdout), status.stdout
         (tmp_path / "stop").touch()
         assert [a.wait(60) for a in agents] == [0, 0]
-        assert not [e for e in events_of(tmp_path / "logs0") if e["event"] == "straggler"]  # rank 0 is the fast one
+        assert not [e for e in read_events(tmp_path / "logs0") if e["event"] == "straggler"]  # rank 0 is the fast one
     finally:
         stop_all(agents)
 

@@ -57,6 +57,29 @@ def test_a_bad_yaml_value_overridden_by_a_flag_is_not_blamed_on_the_file(tmp_pat
     assert "job.yaml" not in line and "-3" in line, line
 
 
+@pytest.mark.same_under_load  # a check of the config file, before anything starts
+@pytest.mark.timeout(60)
+def test_mistakes_in_options_checked_together_are_told_in_one_run_each_naming_its_own_line(tmp_path: Path) -> None:
+    """--redirects needs --nproc-per-node, --heartbeat-timeout auto reads --timeout-samples, --preflight
+    reads --no-preflight: checked with every other option, each mistake at the line of its value."""
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "redirects: 9\nheartbeat-timeout: auto\ntimeout-samples: 1\npreflight: true\nno-preflight: true\n"
+        "quarantine-after: -3\nscript: train.py\n"
+    )
+    result = rally_fails(tmp_path, "--config", str(config))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
+    first, *others = result.stderr_lines
+    assert "(4 mistakes, the others below)" in first, result.describe()
+    where = [line.removeprefix("rally: error: ").split(": ")[0].strip() for line in [first, *others]]
+    assert where == [
+        f"--config {config}, line 1, 'redirects'",
+        f"--config {config}, line 3, 'timeout-samples'",
+        f"--config {config}, line 6, 'quarantine-after'",
+        f"--config {config}, line 4, 'preflight'",
+    ], result.describe()
+
+
 # ------------------------------------------------------------------ flags as typed (issue 19, 4)
 @pytest.mark.timeout(120)
 def test_an_unambiguous_prefix_of_a_flag_runs_as_torchrun_accepts_it(tmp_path: Path) -> None:
@@ -195,33 +218,54 @@ def test_slurm_fills_only_what_the_user_left_unset() -> None:
     assert "rdzv_endpoint" not in changes
 
 
+@pytest.mark.same_under_load  # declarations read at import, no process
 @pytest.mark.timeout(30)
-def test_a_flag_with_a_negative_form_takes_both_in_both_spellings() -> None:
-    """--preflight/--no-preflight (and --gpu_check/--no_gpu_check): one `negative=True` field."""
-    import click
-    from click.testing import CliRunner
+def test_every_option_lands_in_the_agents_inputs_or_is_read_by_another_options_check() -> None:
+    """One path into JobSpec: each option fills fields of JobSpec or RendezvousOptions, or names
+    the option whose check reads it; every such field is filled by exactly one option."""
+    import dataclasses
 
-    from rally.launcher.cli import click_option
-    from rally.launcher.options import OptionInfo
+    from rally.agent.spec import JobSpec
+    from rally.launcher import options
 
-    option = click_option("gpu_check", True, OptionInfo("Health", "Check GPUs.", bool, negative=True))
+    filled: dict[tuple[type, str], str] = {}
+    for name in options.names():
+        about = options.info(options.Options.__dataclass_fields__[name])
+        assert bool(about.fills) != bool(about.read_by), f"{name}: fills {about.fills}, read by {about.read_by}"
+        if about.read_by:
+            assert about.read_by in (*options.names(), options.TORCHRUN_ONLY, options.THE_COMMAND), name
+        for target in options.targets(name):
+            assert target not in filled, f"{name} and {filled.get(target)} both fill {target}"
+            filled[target] = name
+    wanted = {(JobSpec, f.name) for f in dataclasses.fields(JobSpec) if f.name not in options.NOT_AN_OPTION}
+    wanted |= {(options.RendezvousOptions, f.name) for f in dataclasses.fields(options.RendezvousOptions)}
+    assert set(filled) == wanted, set(filled) ^ wanted
 
-    @click.command()
-    def show(gpu_check: bool) -> None:
-        click.echo(f"gpu_check={gpu_check}")
 
-    show.params.append(option)
-    runner = CliRunner()
-    for args, expected in (
-        ([], True),
-        (["--no-gpu-check"], False),
-        (["--no_gpu_check"], False),
-        (["--gpu_check"], True),
-    ):
-        result = runner.invoke(show, args)
-        assert result.output.strip() == f"gpu_check={expected}", (args, result.output)
-    result = runner.invoke(show, [], env={"RALLY_GPU_CHECK": "0"})
-    assert result.output.strip() == "gpu_check=False", result.output
+@pytest.mark.same_under_load  # a parse, no process
+@pytest.mark.timeout(30)
+def test_parsing_fills_the_agents_job_from_the_options_alone(tmp_path: Path, monkeypatch) -> None:
+    from rally.agent.observe.learned_timeouts import LearningSettings
+    from rally.launcher.options import Options
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    script = write_probe(tmp_path / "train.py", "print('hi')\n")
+    parsed = Options(
+        nnodes="2",
+        nproc_per_node="2",
+        rdzv_id="job7",
+        tee="1",
+        no_prefix=True,
+        heartbeat_timeout="auto",
+        timeout_samples=3,
+        duplicate_stdout_filters="a,,b,c",
+    ).parse(str(script), ["--lr", "1"])
+    spec = parsed.spec
+    assert (spec.entrypoint, spec.args, spec.run_id, spec.nproc_per_node) == (str(script), ("--lr", "1"), "job7", 2)
+    assert spec.tee == {0: 1, 1: 1} and spec.prefix_output is False and spec.preflight is True
+    assert spec.heartbeat_timeout is None and spec.timeout_learning == LearningSettings(samples=3)
+    assert spec.duplicate_stdout_filters == ("a,b", "c") and spec.preload is None  # a stdlib-only script
+    assert parsed.rendezvous.nnodes == (2, 2) and parsed.rendezvous.rdzv_conf["store_type"] == "tcp"
 
 
 @pytest.mark.timeout(30)

@@ -8,7 +8,6 @@ two good nodes of a `--nnodes 2:3` job train."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import urllib.request
@@ -17,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from agents import c10d_args, stop_all, write_script
-from helpers import eventually, run_rally
-from node_checks_helpers import Store, agent, bridged_namespaces, need_root, slow_cpu, slow_link
+from agents import StoreProcess, c10d_args, stop_all, write_script
+from helpers import eventually, read_events, read_jsonl, run_rally
+from node_checks_helpers import agent, bridged_namespaces, need_root, slow_cpu, slow_link
 
 # A DDP-style loop over gloo; each node records its steps, then finishes after STEPS steps (20),
 # or at the first step at which any rank saw the file STOP_FILE (the test is done looking).
@@ -42,21 +41,12 @@ for step in range(int(os.environ.get("STEPS", "20"))):
 """
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _events(tmp: Path, host: str) -> list[dict]:
-    (path,) = (tmp / f"logs-{host}").glob("*/events.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def _check_left_out(tmp: Path, agents: list, slow: str, out: Path, what: str, while_training=None) -> None:
     bad = next(a for a in agents if a.name == slow)
     assert bad.wait(180) == 3, bad.output()
     if while_training is not None:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(r["world"] == 2 for r in _records(out)):
+        while time.monotonic() < deadline and not any(r["world"] == 2 for r in read_jsonl(out)):
             time.sleep(0.1)
         while_training()
     line = [ln for ln in bad.output().splitlines() if "left out by the pre-flight check" in ln]
@@ -70,15 +60,15 @@ def _check_left_out(tmp: Path, agents: list, slow: str, out: Path, what: str, wh
             rf"pre-flight: node {slow} is left out of the round: slower than 2x the median \({what}", good.output()
         ), good.output()
         assert "re-forming the job: pre-flight left out " + slow in good.output()
-        events = [e for e in _events(tmp, good.name) if e["event"] == "preflight"]
+        events = [e for e in read_events(tmp / f"logs-{good.name}") if e["event"] == "preflight"]
         named = next(n for n in events[0]["nodes"] if n["host"] == slow)
         assert named["bad"] and (named["compute"] if what == "compute" else named["link"]) > 0, events[0]
-    last = max(r["step"] for r in _records(out))
-    trained = {r["host"] for r in _records(out) if r["step"] == last}
+    last = max(r["step"] for r in read_jsonl(out))
+    trained = {r["host"] for r in read_jsonl(out) if r["step"] == last}
     assert trained == {a.name for a in agents if a.name != slow} and {
-        r["world"] for r in _records(out) if r["step"] == last
+        r["world"] for r in read_jsonl(out) if r["step"] == last
     } == {2}
-    assert not [r for r in _records(out) if r["host"] == slow]  # its script never started
+    assert not [r for r in read_jsonl(out) if r["host"] == slow]  # its script never started
 
 
 @pytest.mark.timeout(300)
@@ -88,7 +78,7 @@ def test_a_node_with_a_slow_link_is_named_and_left_out_while_the_two_good_nodes_
     out = tmp_path / "records.jsonl"
     agents = []
     with bridged_namespaces(3) as (nodes, bridge):
-        store = Store(tmp_path, prefix=["ip", "netns", "exec", bridge])
+        store = StoreProcess(tmp_path, prefix=["ip", "netns", "exec", bridge])
         try:
             print(f"slow link on n1: {slow_link(nodes[1], 100)}")
             for i, ns in enumerate(nodes):
@@ -122,7 +112,7 @@ def test_a_node_with_a_slow_cpu_is_named_and_left_out_while_the_two_good_nodes_t
 
     script = write_script(tmp_path, "train.py", TRAIN)
     out = tmp_path / "records.jsonl"
-    store = Store(tmp_path)
+    store = StoreProcess(tmp_path)
     client = TCPStore("127.0.0.1", store.port, is_master=False)
 
     def round0_has(nodes: int) -> bool:

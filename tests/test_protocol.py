@@ -391,7 +391,7 @@ def test_a_taken_port_is_joined_only_when_this_job_hosts_it(server):
     )
     assert second_host is None and same.get("host")
     began = time.monotonic()
-    with pytest.raises(StoreUnavailable, match="not this job's store"):
+    with pytest.raises(StoreUnavailable, match=r"the store of another job \(run id job1\)"):
         open_tcp_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job2/", 1, 1, Signer("t2"))
     with pytest.raises(StoreUnavailable, match="did not sign with this job's token"):
         open_tcp_store(StoreEndpoint("127.0.0.1", port, host_here=True), "rally/job1/", 1, 1, Signer("wrong"))

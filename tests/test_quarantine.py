@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from agents import c10d_args, stop_all, write_script
+from agents import StoreProcess, c10d_args, stop_all, write_script
 from helpers import run_rally
-from node_checks_helpers import Store, agent, need_root
+from node_checks_helpers import agent, need_root
 
 # "bad"'s worker fails after 0.5 s; the others train 6 s with three nodes, and with two until the
 # test has seen what it looks for (the file RELEASE, at most 60 s), then finish.
@@ -35,7 +35,7 @@ while world == 2 and not os.path.exists(os.environ["RELEASE"]) and time.time() <
 @pytest.mark.timeout(240)
 def test_a_node_that_caused_two_failures_is_quarantined_and_the_others_train_without_it(tmp_path):
     need_root("a host name per agent (UTS namespaces)")
-    store = Store(tmp_path)
+    store = StoreProcess(tmp_path)
     script = write_script(tmp_path, "w.py", WORKER)
     out = tmp_path / "records.jsonl"
     agents = []

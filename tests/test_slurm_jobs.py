@@ -24,15 +24,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from helpers import start_rally
+from helpers import start_rally, wait_for
 
 if TYPE_CHECKING:  # the fixture comes from the slurm_cluster plugin (tests/conftest.py)
     from slurm_cluster import SlurmCluster
@@ -67,16 +66,6 @@ def job_env(cluster: SlurmCluster, extra: Mapping[str, str] | None = None) -> di
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
-
-
-def wait_until(
-    predicate: Callable[[], object], timeout: float, what: str, show: Callable[[], str] = lambda: ""
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}\n{show()}")
-        time.sleep(0.2)
 
 
 def alive(pid: int) -> bool:
@@ -189,7 +178,7 @@ class Jobs:
                 except subprocess.TimeoutExpired:
                     os.killpg(run.popen.pid, signal.SIGKILL)
                     run.popen.wait(10)
-        wait_until(lambda: not self.ours(), 90, f"jobs named {self.name} to be gone")
+        wait_for(lambda: not self.ours(), 90, 0.2, f"jobs named {self.name} to be gone")
 
 
 @pytest.fixture
@@ -279,7 +268,7 @@ def test_elastic_job_on_three_nodes_goes_on_with_two_when_a_node_dies(jobs: Jobs
          "bash", "-c", f'{rally}; echo "TASK-EXIT node=$SLURMD_NODENAME rc=$?"'],
         tag="elastic",
     )  # fmt: skip
-    wait_until(lambda: len(probe_records(run.text())) >= 3, 120, "3 workers of the first round", run.text)
+    wait_for(lambda: len(probe_records(run.text())) >= 3, 120, 0.2, "3 workers of the first round", run.text)
     first = probe_records(run.text())
     assert {r["WORLD_SIZE"] for r in first} == {"3"} and {r["host"] for r in first} == {"node1", "node2", "node3"}
     assert "hosting the rendezvous store" in "\n".join(task_lines(run.text(), 0))  # node1; node3 is not special
@@ -295,7 +284,7 @@ def test_elastic_job_on_three_nodes_goes_on_with_two_when_a_node_dies(jobs: Jobs
             except ProcessLookupError:
                 pass
         exits = lambda: re.findall(r"TASK-EXIT node=(node\d) rc=(\d+)", run.text())  # noqa: E731
-        wait_until(lambda: len(exits()) >= 2, 90, "the two surviving nodes to finish", run.text)
+        wait_for(lambda: len(exits()) >= 2, 90, 0.2, "the two surviving nodes to finish", run.text)
         text = run.text()
         assert sorted(exits()) == [("node1", "0"), ("node2", "0")], text
         second = [r for r in probe_records(text) if r["WORLD_SIZE"] == "2"]
@@ -366,12 +355,12 @@ def test_elastic_requeue_template_checkpoints_requeues_and_resumes_bit_identical
             },
         )  # fmt: skip
         out = lambda: jobs.output(jid)  # noqa: E731
-        wait_until(lambda: any(s >= 10 for s in checkpoint_steps(ckpt)), 200, "a checkpoint at step >= 10", out)
+        wait_for(lambda: any(s >= 10 for s in checkpoint_steps(ckpt)), 200, 0.2, "a checkpoint at step >= 10", out)
         assert "SLURM_RESTART_COUNT=0" in out()
 
         # What --signal=B:USR1@90 does before the time limit: SIGUSR1 to the batch shell only.
         jobs.cluster.run_login(["scancel", "--signal=USR1", "--batch", jid], timeout=10, check=True)
-        wait_until(lambda: "SLURM_RESTART_COUNT=1" in out(), 120, "the requeued run to start", out)
+        wait_for(lambda: "SLURM_RESTART_COUNT=1" in out(), 120, 0.2, "the requeued run to start", out)
         jobs.cluster.wait_job_gone(jid, timeout=240)
         text = out()
 

@@ -3,30 +3,40 @@ progress line (issue 19, "Must show").
 
 The code is read, not run: every call that can block (a store wait, `Event.wait`, a process or
 thread wait, a `select`/`poll`, `sleep`, a blocking `flock`, `subprocess.run`, socket reads) is
-found by its name in the syntax tree of every module of rally, and each one must be listed in
-WAITS below with what bounds it:
+found by its name in the syntax tree of every module of rally, and each one declares what bounds
+it where it is written (issue 28: a rename or a move takes the declaration along), in a comment
+directly above the line of the call:
 
+    # wait: KIND[, said by WHO]: why it is bounded
+    # wait HEAD: KIND ...        (only for the call HEAD, when one line holds several waits)
+
+KIND is one of
     short       its bound is a number or constant of at most SHORT_SECONDS
-    bounded     a bound that can be long (a user's timeout): the progress line is named in `says`
-    slice       one bounded slice of a longer wait that loops and re-checks; `says` names the
-                function that announces the whole wait (or "job": the wait *is* the running job)
+    bounded     a bound that can be long (a user's timeout): the progress line is named in `said by`
+    slice       one bounded slice of a longer wait that loops and re-checks; `said by` names the
+                function that announces the whole wait (or "the job": the wait *is* the running job)
     background  a thread or server of the agent waiting for work while the job runs; nobody
                 waits on it, so no line; its slices are bounded unless it is a server's loop
     after_kill  a process wait with no bound right after SIGKILL (the kernel ends it)
     not_a_wait  a call with a waiting name that returns at once (WNOHANG, Popen.poll, ...)
 
-`says` = (module, function): that function must print something (console say/warn/error,
-`on_status`, `announce`, a `progress` callback) - the line that tells the user what is awaited.
-A wait that is long and silent today is in KNOWN_SILENT too, with why it may stay so; the last
-test keeps that list honest in both directions.
+WHO is a function of the same module (`Class.method`), one of another (`agent/x.py Class.method`) or
+`the job`: that function must print something (console say/warn/error, `on_status`, `announce`, a
+`progress` callback) - the line that tells the user what is awaited. The comment may go on over more
+comment lines. A wait that is long and silent today is in KNOWN_SILENT too, with why it may stay so;
+the last test keeps that list honest in both directions.
 
-A new wait fails the first test with its place and what to add here.
+WAITS below still lists, by (module, function, call), the waits of modules that were being
+reworked when the declarations moved into the code (issue 28); move each into its module as a
+comment when you touch it. A new wait fails the first test with its place and what to write.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -42,20 +52,17 @@ WAIT_NAMES = {"sleep", "communicate", "select", "poll", "recv", "recv_into", "ac
 ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error", "progress", "tick", "wait_in_slices"}
 
 S, B, SL, BG, AK, NW = "short", "bounded", "slice", "background", "after_kill", "not_a_wait"
+KINDS = (S, B, SL, BG, AK, NW)
+# `# wait: KIND[, said by WHO]: why` or `# wait HEAD: ...` (the module docstring says what each part means)
+MARKER = re.compile(
+    r"#\s*wait(?:\s+(?P<head>[^:\s]+))?:\s*(?P<kind>[a-z_]+)"
+    r"(?:,\s*said by (?P<says>the job|\S+\.py \S+|\S+))?:\s*(?P<why>.*)"
+)
+Declaration = tuple[str, tuple[str, str] | str | None, str]  # (kind, says or None, why)
 # (module, function, the call's text up to its first "("): (kind, says or None, why)
-WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]] = {
+WAITS: dict[tuple[str, str, str], Declaration] = {
     # launcher
     ("launcher/slurm.py", "hostnames", "subprocess.run"): (S, None, "timeout=SCONTROL_TIMEOUT"),
-    ("agent/logs_specs.py", "load", "entry_points(group='torchrun.logs_specs').select"): (
-        NW,
-        None,
-        "entry points, not select(2)",
-    ),
-    ("agent/preemption.py", "Preemption.run", "self._wait_for_all_nodes"): (
-        SL,
-        ("agent/preemption.py", "Preemption.run"),
-        "--preemption-grace",
-    ),
     ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (
         SL,
         ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
@@ -77,89 +84,16 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         ("agent/node_waits.py", "wait_for_readers"),
         "EXIT_BARRIER_SECONDS (30), a signal ends it",
     ),
-    ("agent/node_waits.py", "wait_for_readers", "wait_in_slices"): (
-        B,
-        ("agent/node_waits.py", "wait_for_readers"),
-        "the caller's timeout, in slices with a line (console and status record)",
-    ),
-    ("rendezvous/long_wait.py", "wait_in_slices", "wait"): (
-        SL,
-        ("rendezvous/long_wait.py", "wait_in_slices"),
-        "slices of at most WAIT_PROGRESS_SECONDS up to the caller's timeout",
-    ),
     ("agent/agent.py", "Agent.store_call", "self.loop.run_blocking"): (
         SL,
         "job",
         "the call runs in a thread; the main loop keeps handling signals and the store probe",
     ),
-    ("agent/event_loop.py", "EventLoop.pump", "self.selector.select"): (
-        SL,
-        "job",
-        "the agent's one select: the running job's exits, output and signals",
-    ),
-    ("agent/event_loop.py", "EventLoop.pump", "obj.process.poll"): (NW, None, "reaps an exited worker"),
-    ("agent/worker/bootstrap.py", "", "run"): (NW, None, "the worker's own program"),
     ("agent/worker/checkpoint_file.py", "_lock", "fcntl.flock"): (
         S,
         None,
         "blocking only on a temp file whose writer holds it for one write",
     ),
-    ("agent/helper_process.py", "HelperProcess.stop", "self.process.wait"): (
-        S,
-        None,
-        "the caller's timeout (guard SWEEP_SECONDS + 3, holder 5 s), then SIGKILL",
-    ),
-    ("agent/hang_report.py", "HangReporter._watch_requests", "rnd.connect_again().stacks.wait_request"): (
-        BG,
-        None,
-        "a thread answering stack requests in slices",
-    ),
-    ("agent/leased_liveness.py", "keep_alive_with_lease", "round_over.wait"): (BG, None, "keep-alive interval"),
-    ("agent/linux.py", "readable", "select.poll"): (NW, None, "creates a poll object"),
-    ("agent/linux.py", "readable", "poller.poll"): (
-        SL,
-        "job",
-        "the caller's timeout; None only for a worker's own exit",
-    ),
-    ("agent/observe/metrics_http.py", "BoundedHttpServer.close", "self.thread.join"): (S, None, "timeout=5"),
-    ("agent/observe/metrics_http.py", "BoundedHttpServer._serve", "selector.select"): (
-        BG,
-        None,
-        "the metrics thread waits for clients; each waits REQUEST_SECONDS at most",
-    ),
-    ("agent/observe/metrics_http.py", "BoundedHttpServer._accept", "self.sock.accept"): (
-        NW,
-        None,
-        "a non-blocking socket",
-    ),
-    ("agent/observe/metrics_http.py", "BoundedHttpServer._read", "conn.recv"): (NW, None, "a non-blocking socket"),
-    ("agent/guard/orphan_guard.py", "sweep", "time.sleep"): (S, None, "10 ms between sweeps, bounded by SWEEP_SECONDS"),
-    ("agent/guard/orphan_guard.py", "Worker.alive", "select.select"): (NW, None, "a poll of a pidfd, timeout 0"),
-    ("agent/preemption.py", "Preemption._wait_for_all_nodes", "wait_in_slices"): (
-        B,
-        ("agent/preemption.py", "Preemption._wait_for_all_nodes"),
-        "what is left of --preemption-grace, in slices with a line every few seconds, through store_call",
-    ),
-    ("agent/processes.py", "ChildProcess.poll", "self.popen.poll"): (NW, None, "Popen.poll"),
-    ("agent/processes.py", "ChildProcess.wait", "self.popen.wait"): (SL, "job", "the caller's timeout"),
-    ("agent/processes.py", "kill_all", "child.poll"): (NW, None, "Popen.poll"),
-    ("agent/processes.py", "kill_all", "child.wait"): (S, None, "up to the kill deadline"),
-    ("agent/processes.py", "kill_descendants", "time.sleep"): (S, None, "5 ms between sweeps"),
-    ("agent/processes.py", "reap_zombies", "os.waitpid"): (NW, None, "WNOHANG"),
-    ("agent/round_threads.py", "RoundThreads._watch_round_end", "channel.wait_end"): (
-        BG,
-        None,
-        "the watcher thread, in slices, while the job runs",
-    ),
-    ("agent/round_threads.py", "RoundThreads._watch_round_end", "self.over.wait"): (
-        BG,
-        None,
-        "UNTRUSTED_END_POLL_SECONDS while the end key holds a stranger's value",
-    ),
-    ("agent/round_threads.py", "RoundThreads._keep_alive", "self.over.wait"): (BG, None, "keep-alive interval"),
-    ("agent/round_threads.py", "RoundThreads._publish_status", "self.over.wait"): (BG, None, "STATUS_INTERVAL_SECONDS"),
-    ("agent/round_threads.py", "RoundThreads._watchdog", "self.over.wait"): (BG, None, "limit / 8"),
-    ("agent/round_threads.py", "StoreProbe._run", "self.over.wait"): (BG, None, "probe interval"),
     ("agent/template.py", "ForkedChild.poll", "self.connection.popen.wait"): (AK, None, "after popen.kill()"),
     ("agent/template.py", "ForkedChild._reap_after_template_death", "os.waitid"): (NW, None, "WNOHANG"),
     ("agent/template.py", "ForkedChild._reap_after_template_death", "time.sleep"): (S, None, "10 ms, 2 s deadline"),
@@ -169,32 +103,6 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         ("agent/template_connection.py", "Connection._await"),
         "READY_TIMEOUT (300 s: importing torch on a loaded node)",
     ),
-    ("agent/template_connection.py", "status_to_returncode", "os.waitstatus_to_exitcode"): (NW, None, "arithmetic"),
-    ("agent/template_connection.py", "Connection.alive", "self.popen.poll"): (NW, None, "Popen.poll"),
-    ("agent/template_connection.py", "Connection.wait_ready", "self._await"): (
-        B,
-        ("agent/template_connection.py", "Connection._await"),
-        "READY_TIMEOUT",
-    ),
-    ("agent/template_connection.py", "Connection.fork", "self._await"): (
-        B,
-        ("agent/template_connection.py", "Connection._await"),
-        "REPLY_TIMEOUT (30 s) for a fork",
-    ),
-    ("agent/template_connection.py", "Connection.describe_death", "self.popen.wait"): (S, None, "timeout=1"),
-    ("agent/template_connection.py", "Connection.close", "self.popen.wait"): (S, None, "timeout=5, then SIGKILL"),
-    ("agent/worker/template_server.py", "_Template._quiesce_native_pools", "os.waitpid"): (
-        S,
-        None,
-        "a child that exits at once",
-    ),
-    ("agent/worker/template_server.py", "_Template.serve", "self.poller.poll"): (
-        BG,
-        None,
-        "the template server's loop: it waits for requests",
-    ),
-    ("agent/worker/template_server.py", "_Template._reap", "os.waitpid"): (NW, None, "WNOHANG"),
-    ("agent/worker/template_wire.py", "recv_message", "sock.recv"): (SL, None, "the socket's timeout"),
     # agent: the checkpoint memory tier (the holder process, the agent's side, the worker's side)
     ("agent/checkpoint/client.py", "MemoryTier._connect", "time.sleep"): (
         S,
@@ -228,6 +136,27 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all",
     ),
     ("agent/checkpoint/holder.py", "main", "persister.join"): (S, None, "timeout=5 as the holder stops"),
+    ("agent/checkpoint/holder.py", "Holder.greeted", "conn.recv"): (
+        BG,
+        None,
+        "a connection's own thread waits for its hello with the job's secret: HELLO_TIMEOUT (10 s) on the "
+        "socket, then it is closed",
+    ),
+    ("agent/checkpoint/tier.py", "CheckpointTier.start", "_wait_ready"): (
+        B,
+        ("agent/checkpoint/tier.py", "CheckpointTier.start"),
+        "the starting holder's 'ready' line: READY_TIMEOUT in all, then the tier is off with one line",
+    ),
+    ("agent/checkpoint/tier.py", "_wait_ready", "select.select"): (
+        SL,
+        ("agent/checkpoint/tier.py", "CheckpointTier.start"),
+        "the rest of READY_TIMEOUT (15 s) for the holder's next line; start says why the tier is off if it ends so",
+    ),
+    ("agent/checkpoint/tier.py", "_wait_ready", "helper.process.wait"): (
+        NW,
+        None,
+        "the holder's stdout ended: it has exited, the wait only reads its exit code",
+    ),
     ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (
         SL,
         ("agent/checkpoint/tier.py", "CheckpointTier._ask"),
@@ -302,26 +231,6 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         "torch's FileSystemWriter writes before it returns: the future is already done",
     ),
     # rendezvous
-    ("rendezvous/etcd_client.py", "EtcdClient.call", "time.sleep"): (
-        S,
-        None,
-        "backoff up to RETRY_DELAY_MAX_SECONDS within the call's budget",
-    ),
-    ("rendezvous/etcd_store.py", "EtcdStore.get", "self.try_wait"): (
-        SL,
-        ("rendezvous/etcd_store.py", "EtcdStore.get"),
-        "slices of op_timeout (read_timeout) for a key not yet written",
-    ),
-    ("rendezvous/etcd_store.py", "EtcdStore.multi_get", "self.try_wait"): (
-        SL,
-        ("rendezvous/etcd_store.py", "EtcdStore.multi_get"),
-        "slices of op_timeout (read_timeout)",
-    ),
-    ("rendezvous/liveness.py", "wait_round_end_or_dead", "running.wait_end"): (
-        SL,
-        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
-        "a spare's wait",
-    ),
     ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (
         SL,
         ("rendezvous/protocol.py", "Rendezvous._join"),
@@ -347,150 +256,19 @@ WAITS: dict[tuple[str, str, str], tuple[str, tuple[str, str] | str | None, str]]
         None,
         "1 s slices up to the caller's deadline",
     ),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_master", "self.store.try_wait"): (
-        SL,
-        None,
-        "1 s slices up to the caller's deadline",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.member_appeared", "self.store.try_wait"): (
-        BG,
-        None,
-        "the peer watcher",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.member_gone", "self._leases.wait_deleted"): (
-        BG,
-        None,
-        "the peer watcher",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.ended_within", "self.store.try_wait"): (
-        SL,
-        None,
-        "the caller's slice",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_end", "self.store.try_wait"): (
-        SL,
-        "job",
-        "slices while the round runs",
-    ),
-    ("rendezvous/round_channel.py", "RoundChannel.wait_all_acknowledged", "self.store.try_wait"): (
-        SL,
-        None,
-        "the caller's timeout",
-    ),
-    ("rendezvous/preemption_barrier.py", "PreemptionBarrier.wait_all_checkpointed", "self.store.try_wait"): (
-        SL,
-        None,
-        "the caller's timeout",
-    ),
-    ("rendezvous/stack_exchange.py", "StackExchange.wait_request", "self.store.try_wait"): (BG, None, "slices"),
-    ("rendezvous/stack_exchange.py", "StackExchange.gather", "self.store.try_wait"): (
-        S,
-        None,
-        "HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named",
-    ),
-    ("rendezvous/store.py", "_check_same_job", "store.try_wait"): (S, None, "a marker the job's host writes at once"),
-    # merged from the trust, preflight and etcd branches
-    ("agent/checks/preflight.py", "Preflight._probe", "child.wait"): (
-        S,
-        None,
-        "timeout=5 after SIGKILL of the probe's process group",
-    ),
-    ("agent/checks/preflight.py", "Preflight._probe", "wait_in_slices"): (
-        B,
-        ("agent/checks/preflight.py", "Preflight._probe"),
-        "PROBE_TIMEOUT_SECONDS + 10 (30 s), through store_call: signals and the store probe stay live",
-    ),
+    # the launcher, the rendezvous protocol and the arrival order (merged from later branches)
     ("launcher/slurm.py", "SlurmJob.requeue", "subprocess.run"): (
         S,
         None,
         "timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms",
     ),
-    ("agent/observe/gpu_reclaim.py", "wait_reclaimed", "sleep"): (
-        S,
-        None,
-        "RECLAIM_POLL_SECONDS (0.1 s) between GPU reads, up to --gpu-reclaim-timeout",
-    ),
-    ("agent/observe/observer.py", "Observer.before_round", "wait_reclaimed"): (
-        B,
-        ("agent/observe/gpu_reclaim.py", "wait_reclaimed"),
-        "--gpu-reclaim-timeout (30 s), a line every few seconds; a GPU that stays occupied is named",
-    ),
-    ("agent/guard/job_cgroup.py", "JobCgroup.kill", "time.sleep"): (
-        S,
-        None,
-        "10 ms between kills of the cgroup's members, up to its deadline",
-    ),
-    ("agent/guard/job_cgroup.py", "JobCgroup.remove", "time.sleep"): (
-        S,
-        None,
-        "20 ms between rmdir attempts, up to its deadline",
-    ),
-    ("agent/guard/orphan_guard.py", "watch", "select.select"): (
-        BG,
-        None,
-        "the guard waits for its agent's pipe to close, a worker's exit (pidfd), or SEEN_INTERVAL",
-    ),
-    ("agent/checks/preflight.py", "Preflight._results", "store.try_wait"): (
-        SL,
-        ("agent/checks/preflight.py", "Preflight._results"),
-        "one slice",
-    ),
-    ("agent/checks/preflight.py", "Preflight._results", "wait_in_slices"): (
-        B,
-        ("agent/checks/preflight.py", "Preflight._results"),
-        "node 0 waits VERDICT_WAIT_SECONDS (30 s) for the slowest node's numbers",
-    ),
-    ("agent/checks/preflight.py", "Preflight._read_verdict", "rnd.store.try_wait"): (
-        SL,
-        ("agent/checks/preflight.py", "Preflight._read_verdict"),
-        "one slice",
-    ),
-    ("agent/checks/preflight.py", "Preflight._read_verdict", "wait_in_slices"): (
-        B,
-        ("agent/checks/preflight.py", "Preflight._read_verdict"),
-        "PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS (50 s)",
-    ),
-    ("agent/checks/preflight.py", "Preflight._act", "rnd.channel.wait_end"): (
-        SL,
-        None,
-        "5 s slices for the round's end after a node was left out",
-    ),
-    ("agent/checks/preflight_probe.py", "measure_links", "dist.recv"): (
-        S,
-        None,
-        "a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS",
-    ),
     ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
     ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
-    ("rendezvous/kv.py", "KeyValueStore.try_wait", "self.wait"): (SL, None, "the caller's timeout"),
-    ("rendezvous/kv.py", "KeyValueStore.get_present", "self.try_wait"): (S, None, "PRESENT_PROBE_SECONDS (0.01 s)"),
     ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (
         NW,
         None,
         "prints a wait's progress line; not a wait",
     ),
-    ("rendezvous/waiting.py", "announce_wait", "waiting_record"): (NW, None, "builds a status record"),
-    ("rendezvous/round_channel.py", "RoundChannel.report_success", "self.store.try_wait"): (
-        S,
-        None,
-        "0.01 s: have all members reported",
-    ),
-    ("rendezvous/store.py", "connect_tcp_store", "wait_for_store"): (
-        B,
-        ("rendezvous/store_connect.py", "_connect"),
-        "connect_timeout, with a line every PROGRESS_SECONDS",
-    ),
-    ("rendezvous/store_connect.py", "wait_for_store", "conn.recv"): (
-        S,
-        None,
-        "the socket's timeout: min(read_timeout, 5 s)",
-    ),
-    ("rendezvous/store_connect.py", "_connect", "time.sleep"): (
-        S,
-        None,
-        "RETRY_SECONDS between connect attempts, up to the deadline",
-    ),
-    ("rendezvous/store_connect.py", "bounded", "done.wait"): (SL, None, "the caller's bound (read_timeout)"),
 }
 # Long waits with no progress line yet (each also in WAITS, with its bound). Give one its line,
 # then name it in WAITS' `says` and drop it here; the last test says when.
@@ -561,12 +339,88 @@ class _WaitFinder(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def _sources() -> list[Path]:
+    return [path for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))]
+
+
+@cache
 def find_waits() -> dict[tuple[str, str, str], list[int]]:
+    """Every blocking call of rally: (module, function, the call up to "(") -> its lines."""
     found: dict[tuple[str, str, str], list[int]] = {}
-    for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            _WaitFinder(str(path.relative_to(REPO)), found).visit(ast.parse(path.read_text()))
+    for path in _sources():
+        _WaitFinder(str(path.relative_to(REPO)), found).visit(ast.parse(path.read_text()))
     return found
+
+
+@cache
+def _lines(module: str) -> list[str]:
+    return (REPO / module).read_text().splitlines()
+
+
+def _comment_block_above(lines: list[str], lineno: int) -> list[tuple[int, str]]:
+    """The comment lines directly above line `lineno` (1-based), top first, with their numbers."""
+    block: list[tuple[int, str]] = []
+    i = lineno - 2
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        block.insert(0, (i + 1, lines[i].strip()))
+        i -= 1
+    return block
+
+
+def _markers(module: str, block: list[tuple[int, str]]) -> list[tuple[int, str | None, Declaration]]:
+    """The `# wait:` declarations in a comment block: (line, the call it names or None, declaration)."""
+    found: list[tuple[int, str | None, list[str]]] = []
+    for lineno, text in block:
+        match = MARKER.match(text)
+        if match:
+            found.append((lineno, match["head"], [match["kind"], match["says"] or "", match["why"]]))
+        elif found:
+            found[-1][2][2] += " " + text.lstrip("#").strip()  # the why goes on
+    result = []
+    for lineno, head, (kind, says, why) in found:
+        said: tuple[str, str] | str | None = None
+        if says == "the job":
+            said = "job"
+        elif says:
+            where, _, function = says.rpartition(" ")
+            said = (where or module, function)
+        result.append((lineno, head, (kind, said, why.strip())))
+    return result
+
+
+def declared_in_code(
+    found: dict[tuple[str, str, str], list[int]],
+) -> tuple[dict[tuple[str, str, str], Declaration], list[str]]:
+    """Each found wait's `# wait:` declaration, and what is wrong with the declarations: an unknown
+    kind, two that disagree for one call, a declaration with no such call under it."""
+    declared: dict[tuple[str, str, str], Declaration] = {}
+    used: set[tuple[str, int]] = set()
+    problems: list[str] = []
+    for key, lines in sorted(found.items()):
+        module, _, head = key
+        source = _lines(module)
+        for lineno in lines:
+            markers = [m for m in _markers(module, _comment_block_above(source, lineno)) if m[1] in (None, head)]
+            if len(markers) > 1:
+                problems.append(f"{module}:{lineno}: {len(markers)} `# wait:` comments for {head}(...): name the call")
+            for marker_line, _, declaration in markers[:1]:
+                used.add((module, marker_line))
+                if declaration[0] not in KINDS:
+                    problems.append(f"{module}:{marker_line}: unknown wait kind {declaration[0]!r} (one of {KINDS})")
+                elif declared.setdefault(key, declaration) != declaration:
+                    problems.append(f"{module}:{marker_line}: {head}(...) is declared differently elsewhere in it")
+    for module in sorted({m for m, _, _ in found} | {str(p.relative_to(REPO)) for p in _sources()}):
+        for i, line in enumerate(_lines(module), start=1):
+            if MARKER.match(line.strip()) and (module, i) not in used:
+                problems.append(f"{module}:{i}: a `# wait:` comment with no blocking call right under it")
+    return declared, problems
+
+
+@cache
+def all_waits() -> dict[tuple[str, str, str], Declaration]:
+    """Every wait's declaration: those written in the code, then those still listed in WAITS."""
+    declared, _ = declared_in_code(find_waits())
+    return {**WAITS, **declared}
 
 
 def _function(module: str, qualname: str) -> ast.AST | None:
@@ -608,25 +462,30 @@ def _bound_seconds(module: str, call: ast.Call) -> float | None:
 
 
 @pytest.mark.timeout(60)
-def test_every_blocking_call_in_the_code_is_listed_with_its_bound():
+def test_every_blocking_call_in_the_code_declares_its_bound():
     found = find_waits()
+    declared, problems = declared_in_code(found)
     new = [
         f"{m}:{lines[0]} in {f or '<module>'}: {head}(...)"
         for (m, f, head), lines in found.items()
-        if (m, f, head) not in WAITS
+        if (m, f, head) not in declared and (m, f, head) not in WAITS
     ]
+    twice = [key for key in declared if key in WAITS]
     gone = [key for key in WAITS if key not in found]
     assert not new, (
-        "blocking calls not listed in tests/test_waits.py WAITS - give each a bound and, if it can last "
-        "more than a few seconds, a progress line, then list it:\n" + "\n".join(new)
+        "blocking calls that do not say what bounds them - give each a bound and, if it can last more than a "
+        "few seconds, a progress line, then write above the call `# wait: KIND[, said by WHO]: why` "
+        "(tests/test_waits.py says how):\n" + "\n".join(new)
     )
+    assert not problems, "\n".join(problems)
+    assert not twice, f"declared in the code and in tests/test_waits.py WAITS (drop them from WAITS): {twice}"
     assert not gone, f"listed in WAITS but no longer in the code (remove them): {gone}"
 
 
 @pytest.mark.timeout(60)
 def test_short_waits_are_short_and_unbounded_ones_only_follow_a_kill():
     problems = []
-    for (module, function, head), (kind, _says, why) in WAITS.items():
+    for (module, function, head), (kind, _says, why) in all_waits().items():
         node = _function(module, function) if function else ast.parse((REPO / module).read_text())
         assert node is not None, (module, function)
         calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and _blocking(n) == head]
@@ -657,7 +516,8 @@ def test_every_long_wait_prints_what_it_waits_for():
     """`says` names a function that prints; KNOWN_SILENT lists the long waits that do not yet,
     and each of those must still be silent (so the list shrinks as lines are added)."""
     unannounced, no_longer_silent = [], []
-    for key, (kind, says, why) in WAITS.items():
+    waits = all_waits()
+    for key, (kind, says, why) in waits.items():
         long = kind == B or (kind == SL and says not in (None, "job"))
         if not long:
             continue
@@ -669,7 +529,7 @@ def test_every_long_wait_prints_what_it_waits_for():
             unannounced.append(f"{key}: {why}; says={says}")
     assert unannounced == [], "long waits without a progress line:\n" + "\n".join(unannounced)
     assert no_longer_silent == [], f"these now announce themselves: remove them from KNOWN_SILENT: {no_longer_silent}"
-    assert set(KNOWN_SILENT) <= set(WAITS), set(KNOWN_SILENT) - set(WAITS)
+    assert set(KNOWN_SILENT) <= set(waits), set(KNOWN_SILENT) - set(waits)
 
 
 def test_the_scan_finds_a_blocking_call_and_ignores_string_joins():
@@ -682,3 +542,23 @@ def test_the_scan_finds_a_blocking_call_and_ignores_string_joins():
         if isinstance(n, ast.Call)
     ]
     assert [_blocking(c) for c in calls] == ["ev.wait", None, "t.thread.join", None, "q.get", "time.sleep"]
+
+
+def test_a_wait_comment_declares_the_call_under_it_and_a_stray_one_is_found():
+    """The declaration reader itself (so the tests above can fail): a comment block's `# wait:`
+    lines, one naming its call, the why going on over comment lines; `said by` in three forms."""
+    source = [
+        "# an ordinary comment",
+        "# wait: slice, said by Waiter.run: slices of",
+        "#   WAIT_SLICE_SECONDS",
+        "# wait q.get: bounded, said by agent/x.py announce: a timeout",
+        "# wait ev.wait: short, said by the job: 1 s",
+        "x = ev.wait(1) or q.get(timeout=t)",
+    ]
+    markers = _markers("agent/m.py", _comment_block_above(source, 6))
+    assert markers == [
+        (2, None, (SL, ("agent/m.py", "Waiter.run"), "slices of WAIT_SLICE_SECONDS")),
+        (4, "q.get", (B, ("agent/x.py", "announce"), "a timeout")),
+        (5, "ev.wait", (S, "job", "1 s")),
+    ]
+    assert _markers("agent/m.py", _comment_block_above(["# wait: short: 1 s", "", "ev.wait(1)"], 3)) == []

@@ -61,6 +61,8 @@ HOLDER_LOST_ENV = "RALLY_CKPT_HOLDER_LOST"
 above): rally.job then saves to disk, or without a checkpoint directory says once that checkpoints are off."""
 SECRET_ENV = "RALLY_CKPT_SECRET"
 """The job's connection secret: the holder serves only connections that present it."""
+MEMORY_ONLY_ENV = "RALLY_CKPT_MEMORY_ONLY"
+""""1" when the agent has no --checkpoint-dir: its holder keeps copies in memory and persists none."""
 MAX_PACKET = 64 * 1024
 CONNECT_TIMEOUT = 10.0
 """Seconds a worker waits for the holder's socket to appear (the agent starts both at once)."""
@@ -319,6 +321,11 @@ def _room(length: int, tensors: int) -> int:
 
 _tier: MemoryTier | None = None
 _tier_resolved = False
+
+
+def persists() -> bool:
+    """Whether this job's holder writes its copies to disk (the agent was given --checkpoint-dir)."""
+    return os.environ.get(MEMORY_ONLY_ENV) != "1"
 
 
 def tier() -> MemoryTier | None:

@@ -228,7 +228,10 @@ def agreed() -> tuple[bool, int, int]:
             return _agreed
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         replicas = os.environ.get(REPLICAS_ENV, "1") != "0"
-        flags = torch.tensor([ckpt_client.tier() is not None, replicas, local, -local], dtype=torch.int64)
+        # A holder that persists nothing (no --checkpoint-dir) is no path for sharded steps: the script's
+        # own directory is written by DCP as without the tier.
+        has = ckpt_client.persists() and ckpt_client.tier() is not None
+        flags = torch.tensor([has, replicas, local, -local], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         has_tier, replicas_everywhere, fewest, most = int(flags[0]), int(flags[1]), int(flags[2]), -int(flags[3])
         world = dist.get_world_size()

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.client import HOLDER_LOST_ENV, SECRET_ENV, HolderAddress
 from rally.agent.checkpoint.shm import socket_address
@@ -140,7 +141,10 @@ class CheckpointTier:
 
     def env(self) -> dict[str, str]:
         """The holder's address for the next round's workers; nothing once it died (they save to disk)."""
-        return {HOLDER_LOST_ENV: "1"} if self.off else self.address.env()
+        if self.off:
+            return {HOLDER_LOST_ENV: "1"}
+        memory_only = {ckpt_client.MEMORY_ONLY_ENV: "1"} if self.checkpoint_dir is None else {}
+        return {**self.address.env(), **memory_only}
 
     def lost(self) -> str | None:
         """Why the newest saved step is not durable because the holder died (one line), or None."""

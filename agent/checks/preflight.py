@@ -247,6 +247,8 @@ class Preflight:
                 "to finish"
             )
             code = self.store_call(
+                # wait: bounded, said by Preflight._probe: PROBE_TIMEOUT_SECONDS + 10 (30 s), through store_call:
+                #   signals and the store probe stay live
                 lambda: wait_in_slices(
                     child.wait, PROBE_TIMEOUT_SECONDS + 10, what, self.announce, done=lambda c: c is not None
                 ),
@@ -255,6 +257,7 @@ class Preflight:
         finally:
             if child.returncode is None:
                 os.killpg(child.pid, signal.SIGKILL)
+                # wait: short: timeout=5 after SIGKILL of the probe's process group
                 child.wait(5)
         self.stop_template()
         try:
@@ -267,6 +270,9 @@ class Preflight:
         a, store = rnd.a, rnd.store
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
         what = f"pre-flight of round {a.round}: waiting for every node's probe results to judge them"
+        # wait wait_in_slices: bounded, said by Preflight._results: node 0 waits VERDICT_WAIT_SECONDS (30 s) for the
+        #   slowest node's numbers
+        # wait store.try_wait: slice, said by Preflight._results: one slice
         wait_in_slices(lambda t: store.try_wait(names, t), wait, what, self.announce)
         found: dict[int, dict | None] = {}
         for g, name in enumerate(names):
@@ -299,6 +305,9 @@ class Preflight:
         name = preflight_key(rnd.a.round, "verdict")
         what = f"pre-flight of round {rnd.a.round}: waiting for node 0's verdict"
         bound = PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS
+        # wait wait_in_slices: bounded, said by Preflight._read_verdict: PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS
+        #   (50 s)
+        # wait rnd.store.try_wait: slice, said by Preflight._read_verdict: one slice
         if not wait_in_slices(lambda t: rnd.store.try_wait([name], t), bound, what, self.announce):
             return None
         try:
@@ -350,6 +359,7 @@ class Preflight:
                 f"node {self.host} is left out by the pre-flight check: {me.get('line')}; the job goes on without it"
             )
             self.report.outcome = "left out by pre-flight"
+        # wait: slice: 5 s slices for the round's end after a node was left out
         return self.store_call(lambda: rnd.channel.wait_end(5.0), waiting=True)
 
     def left_out_line(self, a: Assignment, end: RoundEnd) -> str | None:

@@ -73,11 +73,14 @@ def measure_links(torch, dist, rank: int, world: int) -> dict[int, float]:
             # time the whole exchange, delivery included, in both directions.
             if rank < partner:
                 dist.send(send, partner)
+                # wait: short: a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS
                 dist.recv(receive, partner)
                 dist.send(ack, partner)
             else:
+                # wait: short: a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS
                 dist.recv(receive, partner)
                 dist.send(send, partner)
+                # wait: short: a 1 MB exchange in the probe child, which the agent kills at PROBE_TIMEOUT_SECONDS
                 dist.recv(ack, partner)
             times[partner] = min(times.get(partner, float("inf")), time.perf_counter() - started)
     return times

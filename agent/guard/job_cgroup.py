@@ -112,6 +112,7 @@ class JobCgroup:
                 _write(self.path / "freezer.state", "THAWED")  # a frozen process dies once thawed
             else:
                 _kill(members)
+            # wait: short: 10 ms between kills of the cgroup's members, up to its deadline
             time.sleep(0.01)
 
     def remove(self, wait: float = 0.0) -> bool:
@@ -127,6 +128,7 @@ class JobCgroup:
             except OSError:
                 if time.monotonic() >= deadline:
                     return False
+            # wait: short: 20 ms between rmdir attempts, up to its deadline
             time.sleep(0.02)
 
 

@@ -92,6 +92,7 @@ class Worker:
 
     def alive(self) -> bool:
         if self.pidfd >= 0:
+            # wait: not_a_wait: a poll of a pidfd, timeout 0
             return not select.select([self.pidfd], [], [], 0)[0]  # a pidfd turns readable at exit
         return start_time(self.pgid) == self.start and not _is_zombie(self.pgid)
 
@@ -267,6 +268,7 @@ def sweep(orders: Orders, seconds: float = SWEEP_SECONDS) -> None:
             break
         for pid, start in left.items():
             kill_if_same(pid, start, needle if pid not in targets else None)
+        # wait: short: 10 ms between sweeps, bounded by SWEEP_SECONDS
         time.sleep(0.01)
     for path in orders.cleanup:
         _remove(path)
@@ -340,6 +342,7 @@ def watch(orders: Orders, agent: int) -> None:
     pending = b""
     next_look = 0.0
     while True:
+        # wait: background: the guard waits for its agent's pipe to close, a worker's exit (pidfd), or SEEN_INTERVAL
         ready = select.select([0, *orders.pidfds()], [], [], max(0.0, next_look - time.monotonic()))[0]
         if 0 not in ready:
             orders.look(agent)

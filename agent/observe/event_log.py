@@ -1,8 +1,9 @@
 """`<log-dir>/events.jsonl`: one JSON object per lifecycle event, for tools and post-mortems.
 
 Each line has `time` (Unix seconds), `event`, `host` and the event's own fields. Events:
-round_formed, worker_started, worker_exited, worker_hung, restart, membership_change,
-preempted, job_end. The file is appended and flushed per event, so it survives a crash.
+round_formed, workers_starting (the round's workers are about to be forked), worker_started,
+worker_exited, worker_hung, round_ended (with `stop_seconds`, the time its workers took to stop),
+restart, membership_change, preempted, job_end. The file is appended and flushed per event, so it survives a crash.
 """
 
 from __future__ import annotations

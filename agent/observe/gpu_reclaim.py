@@ -72,6 +72,7 @@ def wait_reclaimed(
             f"waiting for the last round's workers to leave the GPUs ({'; '.join(problems)})", timeout - waited
         )
         progress.tick(partial(str, line))  # this pass's line (a lambda would see the loop's last)
+        # wait: short: RECLAIM_POLL_SECONDS (0.1 s) between GPU reads, up to --gpu-reclaim-timeout
         sleep(min(RECLAIM_POLL_SECONDS, max(timeout - waited, 0.0)))
 
 

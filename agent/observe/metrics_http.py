@@ -56,6 +56,7 @@ class BoundedHttpServer:
 
     def close(self, timeout: float = 5.0) -> None:
         self._wake_write.send(b"x")
+        # wait: short: timeout=5
         self.thread.join(timeout)
         self._wake_write.close()
 
@@ -68,6 +69,7 @@ class BoundedHttpServer:
             while True:
                 due = min((deadline for deadline, _ in waiting.values()), default=None)
                 timeout = None if due is None else max(0.0, due - time.monotonic())
+                # wait: background: the metrics thread waits for clients; each waits REQUEST_SECONDS at most
                 for key, _ in selector.select(timeout):
                     if key.fileobj is self._wake_read:
                         return
@@ -88,6 +90,7 @@ class BoundedHttpServer:
     def _accept(self, selector: selectors.BaseSelector, waiting: dict) -> None:
         while True:
             try:
+                # wait: not_a_wait: a non-blocking socket
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
@@ -101,6 +104,7 @@ class BoundedHttpServer:
 
     def _read(self, selector: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
         try:
+            # wait: not_a_wait: a non-blocking socket
             data = conn.recv(4096)
         except (BlockingIOError, InterruptedError):
             return

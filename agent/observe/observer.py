@@ -111,6 +111,8 @@ class Observer:
         if self.gpu is None:
             return
         if self.worker_pids:
+            # wait: bounded, said by agent/observe/gpu_reclaim.py wait_reclaimed: --gpu-reclaim-timeout (30 s), a line
+            #   every few seconds; a GPU that stays occupied is named
             problems, waited = wait_reclaimed(
                 lambda: self.read_gpus() or [],
                 self.worker_pids,

@@ -52,10 +52,9 @@ def install_preemption_handler() -> None:
     names = os.environ.get("RALLY_PREEMPT_SIGNALS")
     if not names:
         return
-    signums = [int(signal.Signals[n.strip()]) for n in names.split(",") if n.strip()]
     from rally.agent.worker import job
 
-    job.install_preemption_handler(signums)
+    job.install_preemption_handler([int(s) for s in job.parse_signals(names)])
 
 
 def _strip_own_frames(tb):  # traceback objects
@@ -155,4 +154,5 @@ if __name__ == "__main__":
         _mode, _target, _args = serve_as_template()
     else:
         _mode, _target, _args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    # wait: not_a_wait: the worker's own program
     run(_mode, _target, _args)

@@ -209,7 +209,7 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     if step < 0:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
     keep = _resolve_keep(keep)
-    memory = ckpt_client.tier()
+    memory = _memory_tier(ctx)
     if ctx.checkpoint_dir is None and memory is not None:
         _save_in_memory_only(ctx, memory, state, step, keep)
         return None  # no file
@@ -258,7 +258,7 @@ def load_latest(
     rank. Rank 0 logs one line: where it resumes from, or that it starts from scratch.
     """
     ctx = context()
-    memory = ckpt_client.tier()
+    memory = _memory_tier(ctx)
     if ctx.checkpoint_dir is None and memory is not None and into is None:
         return _load_from_memory_only(ctx, memory, map_location, weights_only)
     if ctx.checkpoint_dir is None and into is None and memory_only.tier_lost():
@@ -354,21 +354,37 @@ def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
     return [step for step, path in found if checkpoint_file.is_complete(path)]
 
 
-def newest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
+def newest_checkpoint_step(directory: str | os.PathLike[str], above: int | None = None) -> int | None:
     """The step of the newest intact checkpoint in `directory` (None if there is none).
 
     The agent uses this to tell a crash loop (restarts that make no progress) from a job that
     fails now and then but keeps moving forward; sharded checkpoints (``step_*.dcp``) count alike.
     Damaged files are skipped exactly as :func:`load_latest` skips them, so the step counted is
     the step the workers resume from; an unreadable directory counts as no checkpoint.
+
+    ``above``: only steps newer than it count (None if none of them is intact). Checking a file
+    reads all of it (a CRC over 400 MB is ~0.5 s), so a caller that holds step ``above`` in memory
+    anyway (agent/round_holdings.py) does not read the older files on a restart's critical path.
     """
     try:
         found = _list_checkpoints(Path(directory))
-        sharded = dcp_files.newest_intact_step(Path(directory))
+        sharded = dcp_files.list_steps(Path(directory))
     except OSError:
         return None
-    whole = next((step for step, path in reversed(found) if checkpoint_file.is_intact(path)), None)
-    return max((s for s in (whole, sharded) if s is not None), default=None)
+    newer = above if above is not None else -1
+    whole = next((s for s, path in reversed(found) if s > newer and checkpoint_file.is_intact(path)), None)
+    shard = next((s for s, path in reversed(sharded) if s > newer and dcp_files.is_intact(path)), None)
+    return max((s for s in (whole, shard) if s is not None), default=None)
+
+
+def _memory_tier(ctx: JobContext) -> ckpt_client.MemoryTier | None:
+    """The node's memory tier as this script may use it. A script that names its own checkpoint
+    directory (RALLY_CHECKPOINT_DIR) under an agent given no --checkpoint-dir saves to disk as
+    without the tier: that agent's holder persists nothing, and the script's directory is its own."""
+    memory = ckpt_client.tier()
+    if memory is not None and ctx.checkpoint_dir is not None and not ckpt_client.persists():
+        return None
+    return memory
 
 
 def _require_dir(ctx: JobContext, sharded: bool = False) -> Path:

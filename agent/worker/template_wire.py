@@ -63,6 +63,7 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None
         length, _count = _HEADER.unpack(header)
         body = bytearray()
         while len(body) < length:
+            # wait: slice: the socket's timeout
             chunk = sock.recv(min(length - len(body), 1 << 20))
             if not chunk:
                 raise ConnectionError("the connection closed in the middle of a message")

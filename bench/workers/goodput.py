@@ -22,9 +22,9 @@ the run goes (the first save is at step 1, to measure it). Methods:
 - ``none``: no checkpoint (the failure-free ideal's run).
 
 Rank 0 appends one JSON line per event to ``--events``: ``start`` (the script's first line, before
-``import torch``), ``resumed`` (the step loaded, and how long the load took), ``step`` (every
-step, with its duration) and ``save`` (the stall). Rank 1 writes its pid to ``--pid-file`` so the
-driver can kill it.
+``import torch``; every rank writes this one, with its ``rank``), ``resumed`` (the step loaded,
+and how long the load took), ``step`` (every step, with its duration) and ``save`` (the stall).
+Rank 1 writes its pid to ``--pid-file`` so the driver can kill it.
 """
 
 from __future__ import annotations
@@ -57,6 +57,16 @@ class Events:
     def __call__(self, event: str, **fields: float | int | str) -> None:
         if self.file is not None:
             self.file.write(json.dumps({"e": event, "t": time.time(), "a": self.attempt, **fields}) + "\n")
+
+    def started(self, path: Path) -> None:
+        """Every rank's ``start`` (the restart's end is the last rank's first line): one short append."""
+        rank = int(os.environ["RANK"])
+        line = json.dumps({"e": "start", "t": time.time(), "a": self.attempt, "at": STARTED, "rank": rank}) + "\n"
+        if self.file is not None:
+            self.file.write(line)
+        else:
+            with open(path, "a") as f:
+                f.write(line)
 
 
 class Checkpoints:
@@ -139,7 +149,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     events = Events(args.events, attempt)
-    events("start", at=STARTED)
+    events.started(args.events)
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
         args.pid_file.write_text(str(os.getpid()))
