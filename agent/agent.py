@@ -124,7 +124,6 @@ class Agent:
         )  # fmt: skip
         # the memory tier (agent/checkpoint/agent_side.py)
         self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn, spec.run_id, console.say)
-        self.base_env.update(self.ckpt.env())
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -296,7 +295,8 @@ class Agent:
         self.observer.load_timeouts(self.store_call, self.store)
         sink = self.live.sink if self.live is not None else None
         self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
-        self.group = WorkerGroup.start(self.spec, self.base_env, a, master, self.logs, multi_node, sink, sink, launch)
+        env = {**self.base_env, **self.ckpt.env()}  # the holder's address, none once it died (tier.py)
+        self.group = WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         for stream in self.group.streams:
             self.loop.watch_stream(stream)

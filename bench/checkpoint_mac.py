@@ -1,16 +1,19 @@
-"""What authenticating checkpoints costs: the HMAC-SHA256 beside the CRC-32, per GB (issue 27).
+"""What authenticating checkpoints costs, per GiB (issue 27).
 
-    python -m bench.checkpoint_mac            1 GB, 3 repetitions
+    python -m bench.checkpoint_mac            1 GiB, 3 repetitions
     python -m bench.checkpoint_mac --gb 0.5 --reps 5
 
-Three figures, each the median of the repetitions, each through rally's own code:
+Each figure is the median of the repetitions, through rally's own code where rally does it:
 
-- **sums**: one pass over the bytes in 8 MiB chunks, the CRC-32 alone (the footer before) and the
-  CRC-32 plus the HMAC (``checkpoint_file.Sums``: what the holder's persister and ``job.save`` do);
+- **sums**: one pass over the bytes in 8 MiB chunks: the CRC-32 alone (the legacy footer's), the
+  CRC-32 plus an HMAC-SHA256 on one thread (the first signed format, for comparison), a keyed
+  BLAKE2b on one thread (the alternative considered), and rally's digest + MAC
+  (``checkpoint_file.Sums``: SHA-256 leaves on agent/checkpoint/digest.py's threads, what
+  ``job.save`` and the holder's persister compute);
 - **persist**: the holder's persister writing a slot (a memfd) to a signed file in a temporary
-  directory (``persist.persist``: copy, CRC, HMAC, fsync, rename), in the background of training;
-- **verify**: ``checkpoint_file.open_mapped_verified`` of that file (CRC + HMAC, what
-  ``load_latest`` does before a disk load) against the same bytes with the legacy footer (CRC only).
+  directory (``persist.persist``: copy, digest, fsync, rename), in the background of training;
+- **verify**: ``checkpoint_file.open_mapped_verified`` of that file (what ``load_latest`` does
+  before a disk load) against the same bytes with the legacy footer (CRC only).
 
 Reloads from memory verify nothing (the holder's channel is authenticated), and the training
 step's stall never computes a MAC: those are bench/checkpoint.py's figures.
@@ -19,6 +22,8 @@ step's stall never computes a MAC: those are bench/checkpoint.py's figures.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import os
 import statistics
 import tempfile
@@ -26,7 +31,7 @@ import time
 import zlib
 from pathlib import Path
 
-from rally.agent.checkpoint import persist
+from rally.agent.checkpoint import digest, persist
 from rally.agent.worker import checkpoint_file
 
 CHUNK = checkpoint_file.READ_CHUNK
@@ -52,7 +57,20 @@ def main() -> None:
         for start in range(0, len(data), CHUNK):
             crc = zlib.crc32(view[start : start + CHUNK], crc)
 
-    def crc_and_mac() -> None:
+    def crc_and_hmac() -> None:
+        crc, mac = 0, hmac.new(b"k" * 32, b"", hashlib.sha256)
+        for start in range(0, len(data), CHUNK):
+            crc = zlib.crc32(view[start : start + CHUNK], crc)
+            mac.update(view[start : start + CHUNK])
+        mac.digest()
+
+    def keyed_blake2b() -> None:
+        mac = hashlib.blake2b(key=b"k" * 32, digest_size=32)
+        for start in range(0, len(data), CHUNK):
+            mac.update(view[start : start + CHUNK])
+        mac.digest()
+
+    def rally_sums() -> None:
         sums = checkpoint_file.Sums(1)
         for start in range(0, len(data), CHUNK):
             sums.update(view[start : start + CHUNK])
@@ -69,15 +87,19 @@ def main() -> None:
         legacy.write_bytes(data + footer)
         signed = directory / persist.default_name(1)
         for _ in range(args.reps):
-            rows.setdefault("sums: CRC-32 only", []).append(timed(crc_only))
-            rows.setdefault("sums: CRC-32 + HMAC-SHA256", []).append(timed(crc_and_mac))
+            rows.setdefault("sums: CRC-32 only (legacy footer)", []).append(timed(crc_only))
+            rows.setdefault("sums: CRC-32 + HMAC-SHA256, one thread (first signed format)", []).append(
+                timed(crc_and_hmac)
+            )
+            rows.setdefault("sums: keyed BLAKE2b, one thread", []).append(timed(keyed_blake2b))
+            rows.setdefault(f"sums: rally's digest + MAC ({digest.THREADS} threads)", []).append(timed(rally_sums))
             rows.setdefault("persist (signed, fsync)", []).append(
                 timed(lambda: persist.persist(slot, len(data), directory, 1, 3))
             )
             rows.setdefault("verify: legacy file (CRC only)", []).append(
                 timed(lambda: os.close(checkpoint_file.open_mapped_verified(legacy)[0]))
             )
-            rows.setdefault("verify: signed file (CRC + HMAC)", []).append(
+            rows.setdefault("verify: signed file (digest + MAC)", []).append(
                 timed(lambda: os.close(checkpoint_file.open_mapped_verified(signed)[0]))
             )
         os.close(slot)

@@ -257,6 +257,10 @@ def _requeue_outside_slurm() -> str:
 def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  # launcher.config.Launch
     from rally.rendezvous.store import quiet_torch_logs
 
+    if launch.checkpoint_token:  # the key, never the token, for the holder and the workers: in the environment
+        from rally.agent.checkpoint import auth
+
+        os.environ[auth.KEY_ENV] = auth.derive(launch.checkpoint_token).hex()
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own
     quiet_torch_logs()
     from rally.agent.agent import Agent

@@ -41,6 +41,10 @@ class Launch:
     plan: RendezvousPlan
     notes: list[str]
     warnings: list[str] = field(default_factory=list)  # launcher/secret_warnings.py: one line each
+    checkpoint_token: str = ""
+    """The job token the user gave on the command line (--rdzv-conf token=/token_file=), which keys
+    checkpoints as RALLY_JOB_TOKEN does (agent/checkpoint/auth.py); never --standalone's random
+    token or SLURM's per-job one: a resubmitted job must verify what the earlier one wrote."""
 
 
 def build_launch(o: Options, script: str | None, script_args: list[str], slurm_job: Any = None) -> Launch:
@@ -81,7 +85,7 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
         read_timeout=conf["read_timeout"],
         token=token,
     )
-    return Launch(spec, plan, notes, warnings)
+    return Launch(spec, plan, notes, warnings, token if conf["token"] or conf["token_file"] else "")
 
 
 def check_entry_point(o: Options, script: str | None) -> None:

@@ -11,6 +11,7 @@ or a worker pointed at another store is impossible by construction.
 from __future__ import annotations
 
 import json
+from collections.abc import Set as AbstractSet
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any, TypeVar
@@ -65,6 +66,31 @@ def tampered(key: str, why: str) -> StoreTampered:
     )
 
 
+SHOWN_NAMES = 3
+"""Field names a message shows at most: the line stays one bounded line, whatever the store held."""
+
+
+def _some_names(names: AbstractSet[str]) -> str:
+    shown = ", ".join(repr(n[:40]) for n in sorted(names)[:SHOWN_NAMES])
+    return shown + (f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else "")
+
+
+def _field_problem(unknown: AbstractSet[str], missing: AbstractSet[str]) -> str:
+    """The unknown and the missing fields, a few names each: never every name a forger sent."""
+    parts = [f"unknown field{'s' if len(unknown) > 1 else ''} {_some_names(unknown)}"] if unknown else []
+    parts += [f"missing field{'s' if len(missing) > 1 else ''} {_some_names(missing)}"] if missing else []
+    return "; ".join(parts)
+
+
+def _shown(value: Any) -> str:
+    """A value for a message, bounded: a container by its kind (its repr may be huge or too deep)."""
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return "a JSON array"
+    return repr(value)[:60]
+
+
 def _check_value(key: str, what: str, name: str, value: Any, kind: str) -> None:
     """`kind`: "int", "int?", "str", "dict" — int means a non-negative int (never a bool)."""
     optional = kind.endswith("?")
@@ -73,13 +99,13 @@ def _check_value(key: str, what: str, name: str, value: Any, kind: str) -> None:
         return
     if base == "int":
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
-            raise _bad(key, what, f"{name} is {value!r}, not a count in 0..{MAX_COUNT}")
+            raise _bad(key, what, f"{name} is {_shown(value)}, not a count in 0..{MAX_COUNT}")
     elif base == "str":
         if not isinstance(value, str) or len(value) > MAX_TEXT:
-            raise _bad(key, what, f"{name} is {value!r:.60}, not a string")
+            raise _bad(key, what, f"{name} is {_shown(value)}, not a string")
     elif base == "dict":
         if not isinstance(value, dict):
-            raise _bad(key, what, f"{name} is {value!r:.60}, not an object")
+            raise _bad(key, what, f"{name} is {_shown(value)}, not an object")
 
 
 _FIELD_NAMES: dict[type, tuple[frozenset[str], frozenset[str]]] = {}
@@ -112,11 +138,13 @@ class StoredRecord:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise _bad(key, cls.WHAT, f"{str(raw)[:40]!r} is not JSON") from None
+        except RecursionError:  # a value nested deeper than the parser goes (a forger's, never ours)
+            raise _bad(key, cls.WHAT, "nested too deeply to be one of rally's records") from None
         if not isinstance(data, dict):
             raise _bad(key, cls.WHAT, "not a JSON object")
         names, required = _names(cls)
         if set(data) - names or required - set(data):
-            raise _bad(key, cls.WHAT, f"fields {sorted(data)} are not {sorted(names)}")
+            raise _bad(key, cls.WHAT, _field_problem(set(data) - names, required - set(data)))
         for name, value in data.items():
             _check_value(key, cls.WHAT, name, value, cls.KINDS[name])
         record = cls(**data)

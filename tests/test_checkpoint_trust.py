@@ -197,6 +197,9 @@ def test_the_agent_notices_its_holder_dying_and_never_counts_its_memory_steps_as
     assert eventually(lambda: any("holder of this node" in w and "died" in w for w in warnings), 10), warnings
     if tier.last_durable != 7:  # died before the disk: the job's end must not count it
         assert tier.lost() is not None and "never reached" in tier.lost()  # type: ignore[operator]
+    # never half on: the next round's workers get no holder, and no round agrees on its memory steps
+    assert tier.env() == {ckpt_client.HOLDER_LOST_ENV: "1"}
+    assert tier.memory_steps() == []
 
 
 HOLDER_DIES = """
@@ -231,6 +234,113 @@ def test_a_job_whose_holder_died_with_its_newest_step_does_not_exit_0(tmp_path: 
     assert "worker done" in result.stdout, result.describe()
     assert result.returncode != 0, result.describe()  # main: exit 0, "succeeded"
     assert "checkpoint step 7 never reached" in result.stderr, result.describe()
+
+
+HOLDER_DIES_MID_JOB = """
+import json, os, sys, time
+from pathlib import Path
+import psutil, torch
+from rally import job
+marker = Path(sys.argv[1])
+found = job.load_latest()
+print("round " + json.dumps({"holder": "RALLY_CKPT_HOLDER" in os.environ, "resumed": found.step if found else None,
+                             "source": found.source if found else None}), flush=True)
+for step in range(found.step + 1 if found else 0, 6):
+    job.save({"w": torch.full((4,), float(step))}, step)
+    if step == 2 and not marker.exists():
+        deadline = time.monotonic() + 20
+        while 2 not in job.durable_steps() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        marker.write_text("")
+        me, holder = psutil.Process(), None
+        while me is not None and holder is None:  # the holder: a child of an ancestor of this worker
+            holder = next((c for c in me.children() if "holder.py" in " ".join(c.cmdline())), None)
+            me = me.parent()
+        holder.kill()
+        time.sleep(1.0)
+print("worker done", flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_holder_killed_mid_job_turns_the_tier_off_and_the_job_goes_on_from_disk(tmp_path: Path) -> None:
+    from helpers import clean_env, run_rally
+
+    script = tmp_path / "train.py"
+    script.write_text(HOLDER_DIES_MID_JOB)
+    ckpt = tmp_path / "ckpt"
+    result = run_rally(
+        ["--standalone", "--nproc-per-node", "1", "--max-restarts", "2", "--checkpoint-dir", str(ckpt),
+         str(script), str(tmp_path / "killed")],
+        cwd=tmp_path, env=clean_env(), timeout=110,
+    )  # fmt: skip
+    rounds = [json.loads(line.split("round ", 1)[1]) for line in result.stdout.splitlines() if "round {" in line]
+    assert result.returncode == 0, result.describe()  # main: every later round's save fails on the dead holder
+    assert rounds[0] == {"holder": True, "resumed": None, "source": None}, result.describe()
+    assert rounds[1] == {"holder": False, "resumed": 2, "source": "disk"}, result.describe()
+    assert result.stderr.count("died: its in-memory checkpoints are lost") == 1, result.describe()
+    assert "the memory tier is off from the next round on, saves go to disk" in result.stderr, result.describe()
+    newest = ckpt / "step_000000000005.pt"
+    fd, verified = checkpoint_file.open_mapped_verified(newest)  # written by the worker itself, signed
+    os.close(fd)
+    assert verified.signed and verified.step == 5
+
+
+# Environment only, no processes to time: a busy CPU changes nothing here.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(30)
+def test_without_a_checkpoint_dir_a_round_after_the_holders_death_says_once_that_checkpoints_are_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rally.agent.worker import job, memory_only
+
+    for name in (ckpt_client.HOLDER_ENV, ckpt_client.HOLDER_PID_ENV, ckpt_client.SECRET_ENV, "RALLY_CHECKPOINT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(ckpt_client.HOLDER_LOST_ENV, "1")  # what the agent gives the next round's workers
+    monkeypatch.setattr(ckpt_client, "_tier_resolved", False)
+    monkeypatch.setattr(memory_only, "_told_off", False, raising=False)
+    assert job.load_latest() is None
+    assert job.save({"step": 1}, 1) is None and job.save({"step": 2}, 2) is None  # main: CheckpointDirNotSet
+    assert capsys.readouterr().err.count("checkpoints are off: this node's checkpoint holder died") == 1
+
+
+SAVE_OR_LOAD = """
+import json, os, sys
+import torch
+from rally import job
+if sys.argv[1] == "save":
+    job.save({"w": torch.arange(4.0)}, 3)
+    print("saved", flush=True)
+else:
+    found = job.load_latest()
+    print("loaded " + json.dumps(found.step if found else None), flush=True)
+print("token in env: " + str(any(v == "tok-" + "shared-by-the-nodes" for v in os.environ.values())), flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_nodes_sharing_only_a_token_file_verify_each_others_checkpoints(tmp_path: Path) -> None:
+    """Two launches with different homes (no shared ~/.rally/secret) and one --rdzv-conf token_file:
+    what the first wrote (through its holder) the second loads, as a multi-node job's nodes would."""
+    from helpers import clean_env, run_rally
+
+    script, ckpt, token = tmp_path / "train.py", tmp_path / "ckpt", tmp_path / "token"
+    script.write_text(SAVE_OR_LOAD)
+    token.write_text("tok-shared-by-the-nodes\n")
+    token.chmod(0o600)
+    results = []
+    for node, what in (("a", "save"), ("b", "load")):
+        (tmp_path / node).mkdir()
+        args = ["--standalone", "--nproc-per-node", "1", "--rdzv-conf", f"token_file={token}"]
+        args += ["--checkpoint-dir", str(ckpt), str(script), what]
+        env = clean_env(HOME=str(tmp_path / node), RALLY_JOB_TOKEN=None)
+        results.append(run_rally(args, cwd=tmp_path, env=env, timeout=55))
+    saved, loaded = results
+    assert saved.returncode == 0 and "saved" in saved.stdout, saved.describe()
+    assert loaded.returncode == 0 and "loaded 3" in loaded.stdout, loaded.describe()  # main: refused, not signed
+    assert "token in env: False" in saved.stdout and "token in env: False" in loaded.stdout  # the key, not the token
 
 
 # --- item 2: no code from a squatter's DCP metadata --------------------------------------------
@@ -486,7 +596,7 @@ def test_sharded_parts_and_manifests_are_readable_by_no_other_user(
     assert "PermissionError" in done.stderr and "shards" not in done.stdout
     published = dcp_files.TempDir(ckpt, 5)
     (published.path / ".metadata").write_bytes(b"m")
-    path = published.publish({".metadata": (1, 0, "0" * 64)})
+    path = published.publish({".metadata": (1, "0" * 64)})
     published.close()
     assert (path / dcp_files.MANIFEST).stat().st_mode & 0o777 == 0o600
 

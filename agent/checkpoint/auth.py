@@ -5,15 +5,17 @@ with ``weights_only`` stops code, not chosen tensors). A CRC is recomputed by an
 "whole", never "ours". Every manifest and footer rally writes therefore carries an HMAC-SHA256
 under the **checkpoint key**, and nothing is loaded whose MAC does not verify:
 
-- the key is derived from the job token RALLY_JOB_TOKEN when it is set, else from the per-user
-  secret ``~/.rally/secret`` (rendezvous/token.py, 0600 in a 0700 directory): the same on every
-  launch of the same user, so a requeued or resubmitted job verifies what the earlier one wrote.
-  A file signed under either of the two keys is accepted (a token set on one launch and not on
-  the next still finds its checkpoints). The agent hands its workers and its holder the derived
-  key (RALLY_CKPT_KEY, hex), never the token itself.
+- the key is derived from the job token the user gave: ``--rdzv-conf token=`` / ``token_file=``
+  (the launcher, launcher/cli.py, puts the derived key, never the token, in RALLY_CKPT_KEY for the
+  agent, its holder and its workers), else RALLY_JOB_TOKEN, else the per-user secret
+  ``~/.rally/secret`` (rendezvous/token.py, 0600 in a 0700 directory). Each is the same on every
+  launch, so a requeued or resubmitted job verifies what the earlier one wrote, and nodes that
+  share a token file but no home directory verify each other's checkpoints (--standalone's random
+  token and SLURM's per-job one never key checkpoints). A file signed under any of these keys is
+  accepted (a token set on one launch and not on the next still finds its checkpoints).
 - the MAC covers the step (a genuine older file renamed to a newer step does not verify) and the
-  data itself (whole-state files: every byte, in the pass that also computes the CRC; sharded:
-  the manifest, which lists every file's SHA-256).
+  data itself (whole-state files: the digest of every byte, agent/checkpoint/digest.py; sharded:
+  the manifest, which lists every file's digest).
 
 Checkpoints written before this (footer ``END1``, manifest ``rally-dcp-1``) carry no MAC: they
 load only from a directory only the job's user can write (:func:`directory_problem`), with one
@@ -113,9 +115,16 @@ def verify(kind: str, step: int, payload: bytes, mac_hex: str) -> bool:
     return any(hmac.compare_digest(sign(kind, step, payload, key), mac_hex) for key in keys())
 
 
-def matches(macs: list[hmac.HMAC], digest: bytes) -> bool:
-    """Whether one of ``macs`` (one per key, fed the same bytes) gives ``digest``."""
-    return any(hmac.compare_digest(m.digest(), digest) for m in macs)
+def seal(key: bytes, kind: str, step: int, root: bytes) -> bytes:
+    """The MAC of a checkpoint whose bytes have the digest ``root`` (agent/checkpoint/digest.py)."""
+    mac = new_mac(key, kind, step)
+    mac.update(root)
+    return mac.digest()
+
+
+def sealed(key: bytes, kind: str, step: int, root: bytes, mac: bytes) -> bool:
+    """Whether ``mac`` is :func:`seal` of ``root`` under ``key`` (compared in constant time)."""
+    return hmac.compare_digest(seal(key, kind, step, root), mac)
 
 
 # ---------------------------------------------------------------------------------------------

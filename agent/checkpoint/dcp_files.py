@@ -6,8 +6,8 @@ A sharded checkpoint is a plain DCP directory, written by torch's own planner an
     step_000000000120.dcp/            published: what load_latest and the crash-loop guard see
         __0_0.distcp  __1_0.distcp    one file per rank: the shards that rank held (torch.save'd)
         .metadata                     DCP's index of every tensor chunk (pickled by torch)
-        rally.json                    rally's manifest: each file's size, CRC-32 and SHA-256, and an
-                                      HMAC of it all under the job's checkpoint key
+        rally.json                    rally's manifest: each file's size and digest, and an HMAC of
+                                      it all under the job's checkpoint key
     .step_000000000120.dcp.<id>.tmp/  a save in progress, locked (flock) by its coordinator
 
 Why a directory renamed into place: a DCP save is written by every rank at once, so there is no
@@ -18,14 +18,15 @@ step's name. A crash at any moment leaves the previous steps as they were and, a
 temporary directory that the next save deletes once its lock is free (its coordinator died).
 
 Why a manifest: as for single-file checkpoints (:mod:`rally.agent.worker.checkpoint_file`), whether a
-damaged shard loads depends on where the damage is; sizes and CRC-32s give every reader (each
+damaged shard loads depends on where the damage is; sizes and digests give every reader (each
 rank, the agent) one verdict from the bytes alone. ``torch.distributed.checkpoint.load`` ignores
 ``rally.json``, so a published directory is also an ordinary DCP checkpoint.
 
 Why an HMAC: a CRC says "whole", not "ours", and ``.metadata`` is a pickle. The manifest's
-``mac`` (agent/checkpoint/auth.py) covers the step and every file's SHA-256, so a directory
-verifies only if the job's key signed exactly these bytes as this step. Manifests written before
-(``rally-dcp-1``: CRCs only) are unauthenticated: loaded only from a directory only the job's
+``mac`` (agent/checkpoint/auth.py) covers the step and every file's digest (agent/checkpoint/digest.py:
+SHA-256 leaves on a few threads, then a root; no CRC beside it, the MAC'd digest rejects any
+damage), so a directory verifies only if the job's key signed exactly these bytes as this step.
+Manifests written before (``rally-dcp-1``: CRCs only) are unauthenticated: loaded only from a directory only the job's
 user can write. Nothing here follows a symlink: the step directory and its files must be what
 they are (lstat), and files are opened with O_NOFOLLOW.
 
@@ -35,8 +36,8 @@ This module needs only the standard library: the agent's crash-loop check uses i
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
+import mmap
 import os
 import re
 import secrets
@@ -50,16 +51,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rally.agent.checkpoint import auth
-from rally.agent.worker.checkpoint_file import READ_CHUNK, DamagedCheckpoint, _lock, fsync_dir
+from rally.agent.checkpoint import auth, digest
+from rally.agent.worker.checkpoint_file import DamagedCheckpoint, _lock, fsync_dir
 
 MANIFEST = "rally.json"
-MANIFEST_FORMAT = "rally-dcp-2"
+MANIFEST_FORMAT = "rally-dcp-3"
 LEGACY_FORMAT = "rally-dcp-1"
 """Manifests written before checkpoints were signed: CRCs only, no MAC."""
 MAC_KIND = "dcp"
-FileSums = tuple[int, int, str]
-"""A file's (size, CRC-32, SHA-256 hex)."""
+FileCheck = tuple[int, int | None, str | None]
+"""A manifest's file: (size, CRC-32 of a legacy manifest or None, digest hex of a signed one or None)."""
+FileSums = tuple[int, str]
+"""A file's (size, digest hex: agent/checkpoint/digest.py), as a writer saw it."""
 SUFFIX = ".dcp"
 STEP_RE = re.compile(r"^step_(\d+)\.dcp$")
 TEMP_RE = re.compile(r"^\.step_\d+\.dcp\..*\.tmp$")
@@ -176,14 +179,14 @@ def _signed_part(manifest: dict[str, Any]) -> bytes:
 def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, FileSums]) -> Path:
     """Write the signed manifest into ``temp``, make everything durable, rename it to the step's name.
 
-    ``files`` maps each file of the checkpoint (shards and ``.metadata``) to (size, CRC-32, SHA-256).
+    ``files`` maps each file of the checkpoint (shards and ``.metadata``) to (size, digest hex).
     An existing directory of the same step (a damaged one this job resumed past) is moved
     aside first and deleted after, so the name never points at a half-written directory.
     """
     manifest: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "step": step,
-        "files": {n: {"size": s, "crc32": c, "sha256": h} for n, (s, c, h) in sorted(files.items())},
+        "files": {n: {"size": s, "digest": d} for n, (s, d) in sorted(files.items())},
     }
     manifest["mac"] = auth.sign(MAC_KIND, step, _signed_part(manifest))
     fd = os.open(temp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -257,7 +260,7 @@ def prune(directory: Path, keep: int, own_step: int) -> None:
 class Manifest:
     """A published step's manifest, read and judged: its files' sums, and whether the job's key signed it."""
 
-    def __init__(self, files: dict[str, tuple[int, int, str | None]], signed: bool) -> None:
+    def __init__(self, files: dict[str, FileCheck], signed: bool) -> None:
         self.files, self.signed = files, signed
 
 
@@ -275,8 +278,10 @@ def read_manifest(path: Path) -> Manifest:
         finally:
             os.close(fd)
         fmt = manifest.get("format")
-        files = {
-            str(n): (int(v["size"]), int(v["crc32"]), str(v["sha256"]) if fmt == MANIFEST_FORMAT else None)
+        files: dict[str, FileCheck] = {
+            str(n): (int(v["size"]), None, str(v["digest"]))
+            if fmt == MANIFEST_FORMAT
+            else (int(v["size"]), int(v["crc32"]), None)
             for n, v in manifest["files"].items()
         }
         if fmt not in (MANIFEST_FORMAT, LEGACY_FORMAT) or ".metadata" not in files:
@@ -295,7 +300,7 @@ def read_manifest(path: Path) -> Manifest:
             raise DamagedCheckpoint(str(exc)) from None
         if not genuine:
             raise DamagedCheckpoint(
-                "not signed with this job's checkpoint key (written by another user, or under another RALLY_JOB_TOKEN)"
+                "not signed with this job's checkpoint key (written by another user, or under another job token)"
             )
         if step_named and int(step_named.group(1)) != step:
             raise DamagedCheckpoint(f"signed for step {step}, not for the step its name says (renamed)")
@@ -320,40 +325,45 @@ def read_manifest(path: Path) -> Manifest:
     return Manifest(files, signed)
 
 
-def manifest_files(path: Path) -> dict[str, tuple[int, int, str | None]]:
-    """The manifest's files, (size, CRC-32, SHA-256 or None for a legacy manifest), checked as
-    :func:`read_manifest` checks them."""
+def manifest_files(path: Path) -> dict[str, FileCheck]:
+    """The manifest's files, (size, CRC-32 of a legacy manifest, digest of a signed one), checked
+    as :func:`read_manifest` checks them."""
     return read_manifest(path).files
 
 
-def check_checksums(path: Path, files: dict[str, tuple[int, int, str | None]], names: Iterable[str]) -> None:
+def check_checksums(path: Path, files: dict[str, FileCheck], names: Iterable[str]) -> None:
     """Read ``names`` (files of the manifest) end to end, never through a link, and compare their
-    CRC-32s and (signed manifests) SHA-256s: one pass computes both."""
+    digests (signed manifests; the leaves on the digest's threads) or CRC-32s (legacy ones)."""
     for name in names:
-        size, expected, digest = files[name]
-        crc, sha, remaining = 0, hashlib.sha256() if digest is not None else None, size
+        size, expected_crc, expected_digest = files[name]
         try:
             fd = os.open(path / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as handle:
-                while remaining:
-                    chunk = handle.read(min(READ_CHUNK, remaining))
-                    if not chunk:
-                        raise DamagedCheckpoint(f"{name} is shorter than the manifest says")
-                    crc = zlib.crc32(chunk, crc)
-                    if sha is not None:
-                        sha.update(chunk)
-                    remaining -= len(chunk)
         except OSError as exc:
             raise DamagedCheckpoint(f"{name}: read error: {exc.strerror}") from None
-        if crc != expected:
-            raise DamagedCheckpoint(f"{name}: checksum mismatch: crc32 {crc:08x}, the manifest says {expected:08x}")
-        if sha is not None and sha.hexdigest() != digest:
-            raise DamagedCheckpoint(f"{name}: its SHA-256 is not the one the signed manifest lists")
+        try:
+            if os.fstat(fd).st_size < size:
+                raise DamagedCheckpoint(f"{name} is shorter than the manifest says")
+            if size == 0:
+                actual_digest, crc = digest.of(b""), zlib.crc32(b"")
+            else:
+                with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data, memoryview(data) as view:
+                    if expected_digest is not None:
+                        actual_digest, crc = digest.of(view), 0
+                    else:
+                        actual_digest, crc = b"", zlib.crc32(view)
+        except (OSError, ValueError) as exc:
+            raise DamagedCheckpoint(f"{name}: read error: {getattr(exc, 'strerror', None) or exc}") from None
+        finally:
+            os.close(fd)
+        if expected_digest is not None and actual_digest.hex() != expected_digest:
+            raise DamagedCheckpoint(f"{name}: its digest is not the one the signed manifest lists (damaged)")
+        if expected_crc is not None and crc != expected_crc:
+            raise DamagedCheckpoint(f"{name}: checksum mismatch: crc32 {crc:08x}, the manifest says {expected_crc:08x}")
 
 
 def verify(path: Path, share: int = 0, shares: int = 1) -> bool:
-    """Check a published directory: its manifest's MAC, every file's size, and the CRC-32 and
-    SHA-256 of every ``shares``-th file from ``share`` on (ranks split the reading, then agree; see
+    """Check a published directory: its manifest's MAC, every file's size, and the digest (a
+    legacy manifest: the CRC-32) of every ``shares``-th file from ``share`` on (ranks split the reading, then agree; see
     dcp_storage). True: signed by the job's key; False: a legacy directory (unauthenticated, from a
     directory only this user can write). Raises DamagedCheckpoint."""
     try:

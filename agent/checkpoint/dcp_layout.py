@@ -22,7 +22,7 @@ teaches a layout gives DCP a compact copy of such a view, made here (:func:`comp
 recorder sees every storage written whole exactly once (else :meth:`Recorder.layout` gives None
 and every save takes DCP's way, as before); the replay copies the view's bytes. A tensor with no
 bytes (an empty shard) has nothing to copy. Per-record CRC-32s are left out (``compute_crc32=False``, as
-for whole states: ``torch.load`` does not check them); rally's manifest has CRC-32s of the files.
+for whole states: ``torch.load`` does not check them); rally's manifest has the files' digests.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ memory tier is exactly DCP's "no collectives" layout (``__<rank>_0.distcp`` and 
     .step_N.dcp.<tag>.tmp/               made (0700) by whichever rank comes first, locked by rank 0
         __<r>_0.distcp                   rank r's shards (DCP's file, fsynced, renamed into place)
         __<r>.metadata                   rank r's own DCP metadata
-        __<r>.rally.json                 rank r's part is complete: its two files' sizes, CRC-32s, SHA-256s
+        __<r>.rally.json                 rank r's part is complete: its two files' sizes and digests
 
 The ``<tag>`` is an HMAC of the run, the round and the step under the job's checkpoint key
 (agent/checkpoint/auth.py): every rank of the round computes the same name without talking, and
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import io
 import json
 import os
@@ -51,13 +50,12 @@ import secrets
 import sys
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rally.agent.checkpoint import auth, dcp_files
+from rally.agent.checkpoint import auth, dcp_files, digest
 from rally.agent.worker.checkpoint_file import _lock, fsync_dir
 
 PUBLISH_TIMEOUT = 300.0
@@ -308,28 +306,32 @@ def _remove_dead_older(directory: Path, step: int) -> None:
             dcp_files.remove_dead_saves(directory, only=name)
 
 
-def write_file(path: Path, data: Any, pause: Callable[[], None] | None = None) -> tuple[int, int, str]:
+def write_file(path: Path, data: Any, pause: Callable[[], None] | None = None) -> tuple[int, str]:
     """``data`` into ``path`` durably (a random temporary name created 0600 exclusively, never
-    through a link; fsync, rename); its (size, CRC-32, SHA-256 hex). ``pause`` is called between
+    through a link; fsync, rename); its (size, digest hex: agent/checkpoint/digest.py, each leaf
+    hashed on the digest's threads while the next chunk is written). ``pause`` is called between
     chunks (the writer steps aside while a save copies)."""
     view = memoryview(data).cast("B")
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.part")  # two writers of one part never mix
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        done, crc, sha = 0, 0, hashlib.sha256()
-        while done < view.nbytes:
-            if pause is not None:
-                pause()
-            chunk = view[done : done + WRITE_CHUNK]
-            n = os.write(fd, chunk)
-            crc = zlib.crc32(chunk[:n], crc)
-            sha.update(chunk[:n])
-            done += n
+        done, tree = 0, digest.TreeDigest()
+        try:
+            while done < view.nbytes:
+                if pause is not None:
+                    pause()
+                chunk = view[done : done + WRITE_CHUNK]
+                n = os.write(fd, chunk)
+                tree.update(chunk[:n], borrowed=True)  # ``data`` outlives this call: root() waits below
+                done += n
+            root = tree.root()
+        finally:
+            tree.settle()
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    return view.nbytes, crc, sha.hexdigest()
+    return view.nbytes, root.hex()
 
 
 def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[Any]]]:
@@ -363,9 +365,9 @@ def _publish(
     buffer = io.BytesIO()
     pickle.dump(merged, buffer)
     files = {
-        name: (int(size), int(crc), str(sha))
+        name: (int(size), str(digest_hex))
         for r in range(world)
-        for name, (size, crc, sha) in parts[r].items()
+        for name, (size, digest_hex) in parts[r].items()
         if name.endswith(".distcp")
     }
     files[".metadata"] = write_file(temp / ".metadata", buffer.getbuffer())

@@ -6,7 +6,7 @@ into chunks, deduplicate replicated tensors, and reshard on load when the world 
 (elastic ``--nnodes MIN:MAX``). rally adds what DCP's FileSystemWriter leaves open: it writes
 into a fresh directory and tolerates a crash by leaving a half-written checkpoint under the
 final name. :class:`PublishingWriter` is that writer with the directory chosen by the
-coordinator, a CRC-32 of every file computed while it is written, and publication by rename
+coordinator, a digest of every file computed while it is written, and publication by rename
 (:mod:`rally.agent.checkpoint.dcp_files`). Loading is torch's own FileSystemReader, after every rank agreed
 that the directory is intact (each checks the sizes and a share of the checksums, then one
 all-reduce), so all ranks resume from the same step.
@@ -17,11 +17,9 @@ Imported only by job.save/load_latest (it imports torch).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import os
 import sys
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from rally.agent.checkpoint import auth, dcp_files, dcp_memory, resume_prefetch
+from rally.agent.checkpoint import auth, dcp_files, dcp_memory, digest, resume_prefetch
 from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint.dcp_metadata import SafeMetadataReader
 from rally.agent.worker.checkpoint_file import Checkpoint, DamagedCheckpoint
@@ -57,19 +55,19 @@ class _Part(_StoragePrefix):
 
 @dataclasses.dataclass(frozen=True)
 class _Checked:
-    """One write result's storage info plus its whole file's size and CRC-32, sent to the coordinator."""
+    """One write result's storage info plus its whole file's size and digest, sent to the coordinator."""
 
     info: _StorageInfo
     file_size: int
-    file_crc32: int
-    file_sha256: str
+    file_digest: str
 
 
-class _CrcStream(io.RawIOBase):
-    """A write-only file that counts the bytes written, their CRC-32 and SHA-256 (one pass, no re-read)."""
+class _DigestStream(io.RawIOBase):
+    """A write-only file that counts the bytes written and their digest (agent/checkpoint/digest.py:
+    whole leaves of a large write hashed on its threads; one pass, no re-read)."""
 
     def __init__(self, raw: IO[bytes]) -> None:
-        self.raw, self.crc, self.length, self.sha = raw, 0, 0, hashlib.sha256()
+        self.raw, self.tree = raw, digest.TreeDigest()
 
     def writable(self) -> bool:
         return True
@@ -77,13 +75,11 @@ class _CrcStream(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)  # buffered: writes all of it or raises
-        self.crc = zlib.crc32(view, self.crc)
-        self.sha.update(view)
-        self.length += view.nbytes
+        self.tree.update(view)
         return view.nbytes
 
     def tell(self) -> int:
-        return self.length
+        return self.tree.length
 
     def flush(self) -> None:
         self.raw.flush()
@@ -93,11 +89,11 @@ class _CrcStream(io.RawIOBase):
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, remembering (size, CRC-32, SHA-256) of every file it writes, by
+    """DCP's local file system, remembering (size, digest hex) of every file it writes, by
     name; files are created 0600 and never through a link (in the save's 0700 temporary directory)."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, tuple[int, int, str]] = {}
+        self.sums: dict[str, tuple[int, str]] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
@@ -106,9 +102,9 @@ class _ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with open(fd, mode) as raw, _CrcStream(raw) as stream:
+        with open(fd, mode) as raw, _DigestStream(raw) as stream:
             yield stream
-        self.sums[Path(path).name] = (stream.length, stream.crc, stream.sha.hexdigest())
+        self.sums[Path(path).name] = (stream.tree.length, stream.tree.root().hex())
 
 
 class PublishingWriter(FileSystemWriter):
@@ -152,16 +148,12 @@ class PublishingWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.temp is not None, "finish before prepare_global_plan"
-        files: dict[str, tuple[int, int, str]] = {}
+        files: dict[str, tuple[int, str]] = {}
         plain: list[list[WriteResult]] = []
         for rank_results in results:
             plain.append([dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank_results])
             for r in rank_results:
-                files[r.storage_data.info.relative_path] = (
-                    r.storage_data.file_size,
-                    r.storage_data.file_crc32,
-                    r.storage_data.file_sha256,
-                )
+                files[r.storage_data.info.relative_path] = (r.storage_data.file_size, r.storage_data.file_digest)
         super().finish(metadata, plain)  # .metadata.tmp, fsync, rename to .metadata
         files[".metadata"] = self.fs.sums[".metadata.tmp"]
         self.temp.publish(files)
@@ -180,7 +172,7 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
 
     torch.distributed.checkpoint's own planner and file format, one ``__<rank>_0.distcp`` file per
     rank in a temporary directory that global rank 0 renames to ``step_<step:012d>.dcp`` only once
-    every rank's file, DCP's ``.metadata`` and rally's manifest (sizes, CRC-32s) are durable. Keeps
+    every rank's file, DCP's ``.metadata`` and rally's manifest (sizes, digests) are durable. Keeps
     the newest ``keep`` sharded checkpoints, as job.save keeps whole-state files.
     """
     if step < 0:
@@ -230,7 +222,7 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
     """Load the newest intact sharded checkpoint into ``state`` in place (job.load_latest(into=state)).
 
     Every rank walks the same list (rank 0's) and skips the same damaged directories: each rank
-    checks every file's size and the CRC-32 of its share of the files, and a directory is used
+    checks every file's size and the digest of its share of the files, and a directory is used
     only when every rank found its share intact. Rank 0 says which directory was skipped and why,
     and where it resumes from.
     """

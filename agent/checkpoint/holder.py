@@ -4,7 +4,7 @@ Why a process of its own: the copies must outlive the worker that made them (a r
 reloads them in milliseconds), must never be owned by a worker (a dying worker cannot take them
 along, and a stale one cannot keep writing), and persisting them must not cost the agent's main
 loop anything. The holder imports no torch: slots hold torch.save's bytes (agent/checkpoint/shm.py),
-persisting is a byte copy with a CRC (agent/checkpoint/persist.py), and its rules are agent/checkpoint/slots.py.
+persisting is a byte copy with a MAC (agent/checkpoint/persist.py), and its rules are agent/checkpoint/slots.py.
 
 It talks JSON lines on two channels:
 

@@ -1,10 +1,11 @@
 """Make one in-memory copy durable: the holder's persister copies a slot into --checkpoint-dir.
 
 The file it writes is exactly what ``job.save`` writes (agent/worker/checkpoint_file.py): the torch.save
-archive, then rally's footer with its length, step, CRC-32 and HMAC (agent/checkpoint/auth.py). The CRC
-and the MAC are computed while the bytes are copied, in one pass over the slot, so a durable
-checkpoint costs one read of memory and one write of the disk (the MAC's CPU runs in this
-background thread, at a low priority, never in the training step's stall). Atomic as ever: a
+archive, then rally's footer with its length, step and MAC (agent/checkpoint/auth.py). The digest
+the MAC signs (agent/checkpoint/digest.py) is computed while the bytes are copied, each 8 MiB
+leaf on one of the digest's threads while the next is written, so a durable checkpoint costs one
+read of memory and one write of the disk (the hashing runs in the background of training, never
+in the training step's stall). Atomic as ever: a
 locked temporary file in the same directory, fsync, rename over ``step_<step:012d>.pt``, fsync
 the directory, then keep-K pruning exactly as ``job.save`` prunes.
 
@@ -78,13 +79,19 @@ def persist(
         sums = Sums(step)
         if length:
             with mmap.mmap(source, length, prot=mmap.PROT_READ) as data, memoryview(data) as view:
-                for start in range(0, length, READ_CHUNK):
-                    if between_chunks():
-                        raise PersistCancelled()
-                    with view[start : start + READ_CHUNK] as chunk:
-                        sums.update(chunk)
-                        _write_all(fd, chunk)
-        _write_all(fd, sums.footer())
+                try:
+                    for start in range(0, length, READ_CHUNK):
+                        if between_chunks():
+                            raise PersistCancelled()
+                        with view[start : start + READ_CHUNK] as chunk:
+                            sums.update(chunk, borrowed=True)  # hashed on the digest's threads meanwhile
+                            _write_all(fd, chunk)
+                    footer = sums.footer()  # every leaf done before the mapping closes
+                finally:
+                    sums.tree.settle()
+        else:
+            footer = sums.footer()
+        _write_all(fd, footer)
         os.fsync(fd)
         os.replace(tmp, final)
     except OSError as exc:

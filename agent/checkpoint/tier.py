@@ -20,8 +20,12 @@ starts, handed to it as an inherited descriptor (no name on its command line, no
 another user could bind the name first), with the job's connection secret in its environment.
 :meth:`CheckpointTier.start` waits (bounded) for the holder to say it listens; a holder that
 cannot start leaves the tier off with one line (saves go to disk), never half on. A holder that
-dies later is noticed at once (one line), and the job's end does not count its in-memory steps
-as durable (:meth:`CheckpointTier.lost`).
+dies later is noticed at once (one line) and turns the tier off for every later round, as if it
+never ran: their workers get no holder in their environment (:meth:`CheckpointTier.env`), so
+``rally.job.save`` writes to disk (or, without a checkpoint directory, says once that checkpoints
+are off), and the rounds agree on a resume step from the disk alone (:meth:`memory_steps` is
+empty). The job's end does not count the dead holder's in-memory steps as durable
+(:meth:`CheckpointTier.lost`): a job whose newest step died with it does not exit 0.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any
 
 from rally.agent.checkpoint import client as ckpt_client
 from rally.agent.checkpoint import holder as ckpt_holder
-from rally.agent.checkpoint.client import SECRET_ENV, HolderAddress
+from rally.agent.checkpoint.client import HOLDER_LOST_ENV, SECRET_ENV, HolderAddress
 from rally.agent.checkpoint.shm import socket_address
 from rally.agent.display import console
 from rally.agent.helper_process import HelperProcess
@@ -127,7 +131,18 @@ class CheckpointTier:
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def off(self) -> bool:
+        """The holder died (its stdout ended, or it exited and the reader has not seen it yet): the
+        tier is off for good, and every call below does what :class:`NoTier`'s does."""
+        if not self.died and not self.stopping and self.process.poll() is not None:
+            self.died = True  # lost() must count it even if the reader has not seen the end yet
+        return self.died
+
     def env(self) -> dict[str, str]:
+        """The holder's address for the next round's workers; nothing once it died (they save to disk)."""
+        if self.off:
+            return {HOLDER_LOST_ENV: "1"}
         memory_only = {ckpt_client.MEMORY_ONLY_ENV: "1"} if self.checkpoint_dir is None else {}
         return {**self.address.env(), **memory_only}
 
@@ -178,9 +193,11 @@ class CheckpointTier:
             self._hear(line)
         if not self.stopping:  # end of file while the agent still needs it: the holder died
             self.died = True
+            after = "saves go to disk" if self.checkpoint_dir is not None else "checkpoints are off"
             said = (
                 f"the checkpoint holder of this node (pid {self.pid}) died: its in-memory checkpoints are lost "
-                f"and saves to memory fail (newest step on disk: {self.last_durable})"
+                f"(newest step on disk: {self.last_durable}); the memory tier is off from the next round on, "
+                f"{after}"
             )
             self.warn(said)
             self.events.emit("checkpoint_warning", line=said)
@@ -204,6 +221,9 @@ class CheckpointTier:
 
     # ------------------------------------------------------------------ the agent's calls
     def memory_steps(self) -> list[int]:
+        if self.off:  # its copies went with it: no round may agree on one of them
+            self.memory = []
+            return []
         reply = self._ask(REPLY_TIMEOUT, op="holdings")
         if reply is not None:
             self.memory = list(reply.get("memory", []))
@@ -212,6 +232,8 @@ class CheckpointTier:
     def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
         if self.last_durable is None and self.checkpoint_dir is not None:  # what earlier runs left (cached)
             self.last_durable = newest_checkpoint_step(self.checkpoint_dir)
+        if self.off:
+            return
         self._round, self._lease, self._renewed = r, lease, time.monotonic()
         self._ask(REPLY_TIMEOUT, op="round", round=r, resume=resume_step, lease=lease)
 
@@ -223,10 +245,13 @@ class CheckpointTier:
 
     def close_round(self, r: int) -> None:
         self._round = None
-        self._ask(REPLY_TIMEOUT, op="over", round=r)
+        if not self.off:
+            self._ask(REPLY_TIMEOUT, op="over", round=r)
 
     def flush(self, timeout: float) -> bool:
         """Wait until the newest copy is durable (or its write failed), at most ``timeout``; True if done."""
+        if self.off:  # nothing left to write: lost() says what died with it
+            return True
         reply = self._ask(timeout + 1.0, op="flush", timeout=timeout)
         return reply is not None and not reply.get("pending", True)
 

@@ -5,14 +5,16 @@ is (a flipped byte inside a tensor loads "fine"), on the torch version and on ti
 that each try to load the newest file could disagree on the step they resume from. A footer
 written at save time gives one verdict for every reader, the agent's crash-loop check included::
 
-    [ torch.save payload (N bytes) ][ footer: b"RALLYCK2" | N (u64) | step (u64) | crc32 (u32) | mac (32 B) | b"END2" ]
+    [ torch.save payload (N bytes) ][ footer: b"RALLYCK3" | N (u64) | step (u64) | mac (32 B) | b"END3" ]
 
-A file is intact only if it is a regular file, ends with that footer, is exactly N + 64 bytes
-long and its first N bytes have that CRC-32; it is **authentic** only if ``mac``, an HMAC-SHA256
-of the step and the N bytes under the job's checkpoint key (agent/checkpoint/auth.py), verifies:
-one pass over the bytes computes both. Files written before authentication end in the 24-byte
-footer ``b"RALLYCKP" | N | crc32 | b"END1"`` (no step, no MAC): intact, but unauthenticated, and
-loaded only from a directory only the job's user can write (rally.job.load_latest says so).
+A file is intact and **authentic** only if it is a regular file, ends with that footer, is exactly
+N + 60 bytes long and ``mac``, an HMAC-SHA256 under the job's checkpoint key
+(agent/checkpoint/auth.py) of the step and the digest of the N bytes (agent/checkpoint/digest.py:
+SHA-256 leaves hashed on a few threads, then a root), verifies. One pass over the bytes; no CRC,
+since a MAC over every byte rejects any damage a CRC would. Files written before authentication
+end in the 24-byte footer ``b"RALLYCKP" | N | crc32 | b"END1"`` (no step, no MAC): intact when
+the CRC-32 matches, but unauthenticated, and loaded only from a directory only the job's user can
+write (rally.job.load_latest says so).
 Anything else (truncated, zero length, garbage, unreadable, a directory, FIFO or symlink under a
 checkpoint's name, a file written by plain torch.save) is damaged and skipped. torch.load
 ignores the bytes after its zip archive, so an intact file still loads with plain ``torch.load(path)``.
@@ -41,14 +43,14 @@ from typing import Any, BinaryIO
 
 from rally.agent.checkpoint.shm import storage_bytes
 
-FOOTER = struct.Struct("<8sQQI32s4s")
-FOOTER_MAGIC, FOOTER_END = b"RALLYCK2", b"END2"
+FOOTER = struct.Struct("<8sQQ32s4s")
+FOOTER_MAGIC, FOOTER_END = b"RALLYCK3", b"END3"
 LEGACY_FOOTER = struct.Struct("<8sQI4s")
 """The footer before checkpoints were signed: intact, never authentic."""
 LEGACY_MAGIC, LEGACY_END = b"RALLYCKP", b"END1"
 MAC_KIND = "whole"
 READ_CHUNK = 8 << 20
-"""Bytes read at a time while checking a file's CRC (8 MiB: large reads, bounded memory)."""
+"""Bytes the persister copies at a time (8 MiB: large writes, bounded memory; one digest leaf)."""
 
 TEMP_RE = re.compile(r"^\.step_\d+\.pt\..*\.tmp$")
 _VERDICT_CACHE_LIMIT = 256
@@ -80,21 +82,29 @@ class Verified:
 
 
 class Sums:
-    """The CRC-32 and the HMAC of a payload, fed in one pass; :meth:`footer` seals it."""
+    """The digest of a payload (agent/checkpoint/digest.py), fed in pieces; :meth:`footer` signs it.
+
+    ``borrowed`` pieces (a mapping the caller keeps until :meth:`footer`) are still hashing on the
+    digest's threads when :meth:`update` returns: the persister writes the next piece meanwhile."""
 
     def __init__(self, step: int) -> None:
-        from rally.agent.checkpoint import auth
+        from rally.agent.checkpoint import auth, digest
 
-        self.step, self.crc, self.length = step, 0, 0
-        self.mac = auth.new_mac(auth.signing_key(), MAC_KIND, step)
+        self.step, self.key = step, auth.signing_key()
+        self.tree = digest.TreeDigest()
 
-    def update(self, view: Any) -> None:
-        self.crc = zlib.crc32(view, self.crc)
-        self.mac.update(view)
-        self.length += memoryview(view).nbytes
+    @property
+    def length(self) -> int:
+        return self.tree.length
+
+    def update(self, view: Any, *, borrowed: bool = False) -> None:
+        self.tree.update(view, borrowed=borrowed)
 
     def footer(self) -> bytes:
-        return FOOTER.pack(FOOTER_MAGIC, self.length, self.step, self.crc, self.mac.digest(), FOOTER_END)
+        from rally.agent.checkpoint import auth
+
+        mac = auth.seal(self.key, MAC_KIND, self.step, self.tree.root())
+        return FOOTER.pack(FOOTER_MAGIC, self.length, self.step, mac, FOOTER_END)
 
 
 class _ChecksumWriter:
@@ -226,24 +236,11 @@ def open_verified(path: Path) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def crc32_of(file: BinaryIO, length: int, short: str) -> int:
-    """The CRC-32 of the next ``length`` bytes of ``file``, read in chunks; DamagedCheckpoint(``short``)
-    if it ends first."""
-    actual, remaining = 0, length
-    while remaining:
-        chunk = file.read(min(READ_CHUNK, remaining))
-        if not chunk:
-            raise DamagedCheckpoint(short)
-        actual = zlib.crc32(chunk, actual)
-        remaining -= len(chunk)
-    return actual
-
-
 def open_mapped_verified(path: Path) -> tuple[int, Verified]:
     """Open ``path`` (never through a link), check it end to end through a read-only mapping;
     return the open fd and what the check found (signed by this job, or a legacy file).
 
-    One pass over the bytes (the CRC and the MAC together), and they stay in the page cache for
+    One pass over the bytes (the digest, on its threads; a legacy file's CRC), and they stay in the page cache for
     the reader that maps the same fd (``torch.load("/proc/self/fd/<fd>", mmap=True)``): a load
     reads the file once, and what it loads is what was checked. A file whose MAC does not verify
     is DamagedCheckpoint ("not signed with this job's key"). The caller closes the fd.
@@ -257,7 +254,7 @@ def open_mapped_verified(path: Path) -> tuple[int, Verified]:
 
 
 def _verify_mapped(fd: int) -> Verified:
-    from rally.agent.checkpoint import auth
+    from rally.agent.checkpoint import auth, digest
 
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
@@ -271,8 +268,8 @@ def _verify_mapped(fd: int) -> Verified:
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data:
             signed = size >= FOOTER.size and data[size - 4 : size] == FOOTER_END
             if signed:
-                magic, length, step, crc, mac, end = FOOTER.unpack_from(data, size - FOOTER.size)
-                footer_size = FOOTER.size
+                magic, length, step, mac, end = FOOTER.unpack_from(data, size - FOOTER.size)
+                footer_size, crc = FOOTER.size, None
             else:
                 magic, length, crc, end = LEGACY_FOOTER.unpack_from(data, size - LEGACY_FOOTER.size)
                 footer_size, step, mac = LEGACY_FOOTER.size, None, b""
@@ -280,30 +277,30 @@ def _verify_mapped(fd: int) -> Verified:
                 raise DamagedCheckpoint("no rally footer: truncated, or not written by rally.job.save")
             if length != size - footer_size:
                 raise DamagedCheckpoint(f"length {size - footer_size} bytes, the footer says {length}")
-            macs = [auth.new_mac(key, MAC_KIND, step) for key in auth.keys()] if signed else []
-            with memoryview(data) as view:
-                actual = 0
-                for start in range(0, length, READ_CHUNK):
-                    with view[start : min(start + READ_CHUNK, length)] as chunk:
-                        actual = zlib.crc32(chunk, actual)
-                        for m in macs:
-                            m.update(chunk)
+            with memoryview(data) as view, view[:length] as payload:
+                if signed:
+                    keys = auth.keys()  # NoKey before any hashing
+                    root = digest.of(payload)  # every leaf done: nothing holds the mapping after this
+                else:
+                    actual = zlib.crc32(payload)
     except (OSError, ValueError) as exc:
         raise DamagedCheckpoint(f"read error: {getattr(exc, 'strerror', None) or exc}") from None
     except auth.NoKey as exc:
         raise DamagedCheckpoint(str(exc)) from None
-    if actual != crc:
+    if signed:
+        if not any(auth.sealed(key, MAC_KIND, step, root, mac) for key in keys):
+            raise DamagedCheckpoint(
+                "not signed with this job's checkpoint key (damaged, or written by another user or under "
+                "another job token)"
+            )
+    elif actual != crc:
         raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
-    if signed and not auth.matches(macs, mac):
-        raise DamagedCheckpoint(
-            "not signed with this job's checkpoint key (written by another user, or under another RALLY_JOB_TOKEN)"
-        )
     return Verified(signed, step)
 
 
 def is_complete(path: Path) -> bool:
     """Whether ``path`` is a regular file ending in a footer whose length matches: written to the
-    end and renamed into place. Cheap (no CRC); the CRC is checked when it is loaded."""
+    end and renamed into place. Cheap (no digest); the MAC is checked when it is loaded."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
@@ -313,7 +310,7 @@ def is_complete(path: Path) -> bool:
         if not stat.S_ISREG(info.st_mode) or info.st_size < LEGACY_FOOTER.size:
             return False
         if info.st_size >= FOOTER.size:
-            magic, length, _, _, _, end = FOOTER.unpack(os.pread(fd, FOOTER.size, info.st_size - FOOTER.size))
+            magic, length, _, _, end = FOOTER.unpack(os.pread(fd, FOOTER.size, info.st_size - FOOTER.size))
             if (magic, end) == (FOOTER_MAGIC, FOOTER_END):
                 return length == info.st_size - FOOTER.size
         magic, length, _, end = LEGACY_FOOTER.unpack(

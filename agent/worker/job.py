@@ -184,9 +184,10 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
     Without rally's memory tier (torchrun, plain python) only global rank 0 writes, directly:
     ``torch.save`` into a temporary file in the same directory, a footer with the payload's
-    length and CRC-32 (see :mod:`rally.agent.worker.checkpoint_file`), flush and fsync, rename over
-    ``step_<step:012d>.pt``, fsync the directory. A crash at any moment, even SIGKILL or power
-    loss, leaves either the old set of checkpoints or the old set plus the new complete one.
+    length, the step and a MAC of every byte (see :mod:`rally.agent.worker.checkpoint_file`),
+    flush and fsync, rename over ``step_<step:012d>.pt``, fsync the directory. A crash at any
+    moment, even SIGKILL or power loss, leaves either the old set of checkpoints or the old set
+    plus the new complete one.
 
     The caller is expected to hold the same state on every rank (as DDP guarantees for model and
     optimizer), so one copy speaks for all. Call it from every rank at the same step anyway: that
@@ -212,6 +213,9 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     if ctx.checkpoint_dir is None and memory is not None:
         _save_in_memory_only(ctx, memory, state, step, keep)
         return None  # no file
+    if ctx.checkpoint_dir is None and memory_only.tier_lost():
+        memory_only.tell_off_once(ctx.is_rank0, _log)  # the holder died: no memory, no directory
+        return None
     directory = _require_dir(ctx)
     final = directory / f"step_{step:012d}.pt"
     if memory is not None and ctx.local_rank != 0:
@@ -240,13 +244,13 @@ def load_latest(
     copy until the script copies the tensors into its model); the others read it from disk.
     ``Checkpoint.source`` says which.
 
-    On disk a file is intact when its footer's length and CRC-32 match (see
+    On disk a file is intact when its footer's length and MAC match (see
     :mod:`rally.agent.worker.checkpoint_file`); a damaged newest file (truncated, garbage, empty,
     unreadable) is skipped with a warning and the next older one is tried. The verdict depends on
     the bytes alone, so every rank skips the same files and resumes from the same step, and the
     agent's crash-loop check (:func:`newest_checkpoint_step`) counts the same step. All ranks must
     see the same directory and should call this before the first collective. The file is mapped
-    (``torch.load(mmap=True)``) and read once, for its CRC; the tensors are read from the page cache
+    (``torch.load(mmap=True)``) and read once, for its MAC; the tensors are read from the page cache
     when the script copies them.
     ``weights_only=True`` (torch's safe loader) accepts tensors, numbers, strings and containers,
     which covers model and optimizer state dicts; pass ``False`` for trusted arbitrary pickles.
@@ -257,6 +261,9 @@ def load_latest(
     memory = _memory_tier(ctx)
     if ctx.checkpoint_dir is None and memory is not None and into is None:
         return _load_from_memory_only(ctx, memory, map_location, weights_only)
+    if ctx.checkpoint_dir is None and into is None and memory_only.tier_lost():
+        memory_only.tell_off_once(ctx.is_rank0, _log)
+        return None
     directory = _require_dir(ctx, sharded=into is not None)
     if into is not None:
         from rally.agent.checkpoint import dcp_storage  # imports torch.distributed.checkpoint
@@ -341,7 +348,7 @@ def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
 
     ``save`` returns before the disk write under rally's memory tier; this says which steps a
     lost node, a lost job or a new job would find. Cheap: it checks each file's footer and
-    length, not its CRC (``load_latest`` does that). ``directory`` defaults to the job's.
+    length, not its MAC (``load_latest`` does that). ``directory`` defaults to the job's.
     """
     found = _list_checkpoints(Path(directory) if directory is not None else _require_dir(context()))
     return [step for step, path in found if checkpoint_file.is_complete(path)]

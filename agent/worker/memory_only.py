@@ -4,7 +4,9 @@ A script written for rally (``job.load_latest()`` / ``job.save(state, step)``) m
 under ``rally`` with no extra flag. Without ``--checkpoint-dir`` the agent still runs its holder
 (agent/checkpoint/tier.py), and ``rally.job`` keeps each save there without ever writing it
 (``persist=False``): restarts within the job resume from memory, nothing survives the job's end,
-and rank 0 says so once, with the flag that makes checkpoints durable.
+and rank 0 says so once, with the flag that makes checkpoints durable. Should the holder die,
+the agent turns the tier off for the later rounds (RALLY_CKPT_HOLDER_LOST): their saves and loads
+then do nothing, and rank 0 says once that checkpoints are off.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rally.agent.checkpoint.client import WHOLE_STATE_KEY, MemoryTier
+from rally.agent.checkpoint.client import HOLDER_LOST_ENV, WHOLE_STATE_KEY, MemoryTier
 
 LINE = (
     "checkpoints are kept in this node's memory only, for restarts within this job; "
@@ -24,10 +26,29 @@ NO_ROOM = (
     "rally: this node has too little memory to keep checkpoints in memory and no checkpoint "
     "directory to write them to; run rally with --checkpoint-dir DIR"
 )
+OFF_LINE = (
+    "checkpoints are off: this node's checkpoint holder died in an earlier round and there is no "
+    "checkpoint directory; saves do nothing from now on (run rally with --checkpoint-dir DIR to keep them)"
+)
+"""Said once per worker process on rank 0 when the tier is off and there is no directory."""
 NO_DIRECTORY = "<memory>"
 """The directory part of a memory-only checkpoint's ``Checkpoint.path``: it has no file."""
 
 _told = False
+_told_off = False
+
+
+def tier_lost() -> bool:
+    """Whether the agent turned the memory tier off because its holder died (read afresh: forked workers)."""
+    return os.environ.get(HOLDER_LOST_ENV, "") == "1"
+
+
+def tell_off_once(speak: bool, log: Callable[[str], None]) -> None:
+    """Say :data:`OFF_LINE` the first time, if ``speak``."""
+    global _told_off
+    if speak and not _told_off:
+        log(OFF_LINE)
+    _told_off = True
 
 
 def tell_once(speak: bool, log: Callable[[str], None]) -> None:
