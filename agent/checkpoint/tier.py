@@ -135,6 +135,7 @@ class CheckpointTier:
     def off(self) -> bool:
         """The holder died (its stdout ended, or it exited and the reader has not seen it yet): the
         tier is off for good, and every call below does what :class:`NoTier`'s does."""
+        # wait: not_a_wait: Popen.poll returns at once
         if not self.died and not self.stopping and self.process.poll() is not None:
             self.died = True  # lost() must count it even if the reader has not seen the end yet
         return self.died
