@@ -181,6 +181,15 @@ class EtcdStore(KeyValueStore):
         found = self._just_read.take(names)
         if found is None:
             found, _ = self._read(names)
+        return self._open_found(names, found)
+
+    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        """Keys known to exist, read at once: `get_present` (one range, or none after a wait)."""
+        return self.get_present(names)
+
+    def _open_found(self, names: Sequence[str], found: dict[str, dict]) -> dict[str, bytes | UntrustedValue]:
+        """The checked values of those of `names` that were read (a value this job did not write is
+        its `UntrustedValue`, so one stranger's key hides none of the others)."""
         present: dict[str, bytes | UntrustedValue] = {}
         for name in names:
             if name in found:
@@ -189,10 +198,6 @@ class EtcdStore(KeyValueStore):
                 except UntrustedValue as exc:
                     present[name] = exc
         return present
-
-    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
-        """Keys known to exist, read at once: `get_present` (one range, or none after a wait)."""
-        return self.get_present(names)
 
     def _key_slices(self, names: Sequence[str]) -> LongWait:
         """The bounded wait of a `get` for keys not yet written (rendezvous/long_wait.py)."""
@@ -385,14 +390,7 @@ class EtcdStore(KeyValueStore):
         """The keys of `names` that exist, in one transaction of a range each (a few unrelated keys:
         the end records a node checks before it joins); each value checked on its own."""
         found, _ = self._read_keys(names)
-        present: dict[str, bytes | UntrustedValue] = {}
-        for name in names:
-            if name in found:
-                try:
-                    present[name] = self._open(name, found[name])
-                except UntrustedValue as exc:
-                    present[name] = exc
-        return present
+        return self._open_found(names, found)
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds).

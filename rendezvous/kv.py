@@ -146,14 +146,7 @@ class KeyValueStore(ABC):
         not write is its `UntrustedValue`): a `check` and a `get` each here, one request on etcd
         (`EtcdStore.read_present`). For a few keys that mostly do not exist (the end records a
         node checks before it joins), where `get_present` would wait."""
-        present: dict[str, bytes | UntrustedValue] = {}
-        for name in names:
-            if self.check(name):
-                try:
-                    present[name] = self.get(name)
-                except UntrustedValue as exc:
-                    present[name] = exc
-        return present
+        return self.read_each([name for name in names if self.check(name)])
 
     def get_if_present(self, name: str) -> bytes | None:
         """The checked value of `name`, or None when it does not exist (never a wait): a `check`
