@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -374,3 +375,30 @@ def small_disk(path: Path, size: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def form_one_round_at_once(nodes: Sequence[Any], timeout: float) -> None:
+    """Every in-process `Rendezvous` of `nodes` calls `next_round()` at the same moment, one thread
+    each (how the scale tests load a store); fails the test unless each got its own group rank."""
+    ranks: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Event()
+
+    def run(node: Any) -> None:
+        start.wait()
+        try:
+            rank = node.next_round().group_rank
+            with lock:
+                ranks.append(rank)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(node,), daemon=True) for node in nodes]
+    for t in threads:
+        t.start()
+    start.set()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors[:3]
+    assert sorted(ranks) == list(range(len(nodes))), "every node got its own group rank"

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from helpers import form_one_round_at_once
 from rally.rendezvous.etcd_client import EtcdClient, Member, b64
 from rally.rendezvous.etcd_store import EtcdStore
 from rally.rendezvous.kv import UntrustedValue
@@ -55,28 +56,8 @@ def requests_per_node(cluster: EtcdCluster, n: int) -> float:
         client = CountingClient(members[i % 3 :] + members[: i % 3], counts, lock)
         me = NodeInfo(node_id=f"node{i}", host=f"node{i}", addr="127.0.0.1", nproc=1)
         nodes.append(Rendezvous(EtcdStore(client, prefix, 60), settings, me))
-    ranks: list[int] = []
-    errors: list[BaseException] = []
-    start = threading.Event()
-
-    def run(node: Rendezvous) -> None:
-        start.wait()
-        try:
-            assignment = node.next_round()
-            with lock:
-                ranks.append(assignment.group_rank)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
     threading.stack_size(512 * 1024)
-    threads = [threading.Thread(target=run, args=(node,), daemon=True) for node in nodes]
-    for t in threads:
-        t.start()
-    start.set()
-    for t in threads:
-        t.join(150)
-    assert not errors, errors[:3]
-    assert sorted(ranks) == list(range(n)), "every node got its own group rank"
+    form_one_round_at_once(nodes, 150)
     return counts[0] / n
 
 

@@ -13,13 +13,13 @@ bench.simrdzv measures the time at 1,024 and 4,096 nodes (docs/benchmarks.md).
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 from collections.abc import Callable
 
 import pytest
 
 from etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from helpers import form_one_round_at_once
 from rally.rendezvous.etcd_client import EtcdClient, Member, b64
 from rally.rendezvous.etcd_store import EtcdStore
 from rally.rendezvous.kv import UntrustedValue
@@ -77,25 +77,7 @@ def form_round(server, connections: list, n: int) -> list[list[tuple[str, str]]]
         Rendezvous(store, settings, NodeInfo(node_id=f"node{i}:{i}", host=f"node{i}", addr="127.0.0.1", nproc=2))
         for i, store in enumerate(stores)
     ]
-    ranks: list[int] = []
-    errors: list[BaseException] = []
-    start = threading.Event()
-
-    def run(node: Rendezvous) -> None:
-        start.wait()
-        try:
-            ranks.append(node.next_round().group_rank)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(node,), daemon=True) for node in nodes]
-    for t in threads:
-        t.start()
-    start.set()
-    for t in threads:
-        t.join(40)
-    assert not errors, errors[:3]
-    assert sorted(ranks) == list(range(n)), "every node got its own group rank"
+    form_one_round_at_once(nodes, 40)
     return [store.calls for store in stores]
 
 
