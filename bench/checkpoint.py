@@ -227,12 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[method].append(run_once(method, root, rep, args.mb, args.keep))
     summary = {m: summarize(r) for m, r in runs.items()}
     text = table(summary, args.mb)
-    commit = common_commit()
-    header = (
-        f"Checkpoint benchmark, {started}, {os.cpu_count()} CPUs, rally at `{commit[:10]}`, "
-        f"`python -m bench.checkpoint {' '.join(argv or sys.argv[1:])}`; load average at the start "
-        f"{', '.join(f'{x:.1f}' for x in load_start)}, at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}"
-    )
+    commit = common.commit()
+    header = common.run_header("Checkpoint benchmark", "bench.checkpoint", argv or sys.argv[1:], started, load_start)
     print(header + "\n\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "checkpoint.md").write_text(header + "\n\n" + text + "\n")
@@ -240,12 +236,6 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"date": started, "commit": commit, "mb": args.mb, "runs": runs, "summary": summary}, indent=1)
     )
     return 0
-
-
-def common_commit() -> str:
-    from bench.run import git
-
-    return git("rev-parse", "HEAD").strip()
 
 
 if __name__ == "__main__":

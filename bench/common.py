@@ -445,3 +445,21 @@ def glog_line_time(text: str, pattern: str, reference: float) -> float | None:
     mo, d, h, mi, s, us = (int(x) for x in m.groups()[:6])
     day = dt.datetime.fromtimestamp(reference)
     return _nearest_day(day.replace(month=mo, day=d, hour=h, minute=mi, second=s, microsecond=us), reference)
+
+
+def commit() -> str:
+    """The commit of the rally tree being measured."""
+    from bench.run import git
+
+    return git("rev-parse", "HEAD").strip()
+
+
+def run_header(title: str, module: str, argv: list[str], started: str, load_start: tuple[float, ...]) -> str:
+    """The first line of a side-by-side bench's results file: when, where, which commit, the exact
+    command, and the load average at the start and the end (this machine is often shared)."""
+    load_end = os.getloadavg()
+    return (
+        f"{title}, {started}, {os.cpu_count()} CPUs, rally at `{commit()[:10]}`, "
+        f"`python -m {module} {' '.join(argv)}`; load average at the start "
+        f"{', '.join(f'{x:.1f}' for x in load_start)}, at the end {', '.join(f'{x:.1f}' for x in load_end)}"
+    )

@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # `python bench/goodput.py`
 import psutil
 
 from bench import common
-from bench.checkpoint import DLROVER_SHIM, common_commit, dlrover_python
+from bench.checkpoint import DLROVER_SHIM, dlrover_python
 from bench.common import REPO, RESULTS, Job
 from bench.scratch import scratch_dir
 
@@ -289,12 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     text = table(results, args.duration, args.kill_every)
     if phases := phase_table(results.get("rally", {}).get("phases", [])):
         text += f"\n\n{phases}"
-    header = (
-        f"Goodput benchmark, {started}, {os.cpu_count()} CPUs, rally at `{common_commit()[:10]}`, "
-        f"`python -m bench.goodput {' '.join(argv if argv is not None else sys.argv[1:])}`; load average at the "
-        f"start {', '.join(f'{x:.1f}' for x in load_start)}, at the end "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}"
-    )
+    args_given = argv if argv is not None else sys.argv[1:]
+    header = common.run_header("Goodput benchmark", "bench.goodput", args_given, started, load_start)
     print(header + "\n\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "goodput.md").write_text(header + "\n\n" + text + "\n")
