@@ -31,10 +31,10 @@ from typing import Any, Literal
 
 import psutil
 
+from rally.agent.base.spec import RESOURCE_INTERVAL_SECONDS
 from rally.agent.observe.gpu import DeviceReading, worker_usage
-from rally.agent.spec import RESOURCE_INTERVAL_SECONDS
-from rally.agent.worker import heartbeat_file
-from rally.agent.worker.heartbeat_file import HeartbeatRecord
+from rally.agent.worker_side import heartbeat_file
+from rally.agent.worker_side.heartbeat_file import HeartbeatRecord
 
 MEMORY_SHORT_FRACTION = 0.10  # the host counts as short of memory below 10% available
 MIB = 1024 * 1024
