@@ -28,6 +28,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from rally.agent.checkpoint.core import torch_internals
+
 _LEAVES = (str, int, float, bool, type(None), bytes)
 
 
@@ -81,8 +83,12 @@ def walk_structure(obj: Any, sig: list[Any], other: Callable[[Any], bool], memo:
 
 
 def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
-    """(what decides the archive's layout, the state's storages in walk order); None: ineligible."""
+    """(what decides the archive's layout, the state's storages in walk order); None: ineligible, or
+    a torch the replay was not checked against (agent/checkpoint/core/torch_internals.py)."""
     import torch
+
+    if not torch_internals.fast_paths():
+        return None
 
     tensor_types = (torch.Tensor, torch.nn.Parameter)
     sig: list[Any] = []

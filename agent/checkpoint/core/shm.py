@@ -36,6 +36,8 @@ import os
 import re
 from typing import Any
 
+from rally.agent.checkpoint.core.torch_internals import no_record_crc
+
 SOCKET_PREFIX = "rally-ckpt-"
 SLOTS_PER_KEY = 2
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -145,18 +147,6 @@ class _Sink:
 
     def flush(self) -> None:
         pass
-
-
-@contextlib.contextmanager
-def no_record_crc() -> Any:
-    from torch.utils.serialization import config
-
-    before = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
-        yield
-    finally:
-        config.save.compute_crc32 = before
 
 
 def archive_size(state: Any) -> int:

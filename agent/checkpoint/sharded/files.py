@@ -51,7 +51,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rally.agent.checkpoint.core import auth, digest
+from rally.agent.checkpoint.core import auth, digest, torch_internals
 from rally.agent.checkpoint.core.checkpoint_file import DamagedCheckpoint, fsync_dir, lock_file
 from rally.agent.checkpoint.core.shm import own_key, replica_key  # noqa: F401 - the sharded path names its slots through these
 
@@ -97,10 +97,7 @@ def holds_shards(state: Any) -> bool:
     """
     kinds = tuple(
         kind
-        for module, name in (
-            ("torch.distributed.tensor", "DTensor"),
-            ("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
-        )
+        for module, name in torch_internals.SHARDED_TYPES
         if (kind := getattr(sys.modules.get(module), name, None)) is not None
     )
     if not kinds:

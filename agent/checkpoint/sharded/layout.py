@@ -31,6 +31,7 @@ import io
 from collections import OrderedDict
 from typing import Any
 
+from rally.agent.checkpoint.core import torch_internals
 from rally.agent.checkpoint.core.layout import Layout, Recorder, bytes_of, walk_structure
 
 
@@ -51,8 +52,12 @@ def _local_kind(obj: Any) -> str | None:
 
 def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
     """(what decides DCP's two files but the tensors' bytes, the sources of those bytes in walk
-    order: a storage DCP writes itself, or a view whose clone it writes); None: ineligible."""
+    order: a storage DCP writes itself, or a view whose clone it writes); None: ineligible, or a torch
+    the replay was not checked against (agent/checkpoint/core/torch_internals.py)."""
     from torch.distributed.tensor import DTensor
+
+    if not torch_internals.fast_paths():
+        return None
 
     sig: list[Any] = []
     sources: list[Any] = []

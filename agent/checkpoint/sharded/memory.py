@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.layout import Recorder
-from rally.agent.checkpoint.core.shm import no_record_crc
+from rally.agent.checkpoint.core.torch_internals import StoragePrefix, no_record_crc
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import layout as dcp_layout
 from rally.agent.checkpoint.sharded import persist as dcp_persist
@@ -102,7 +102,7 @@ class _RankLocalWriter(FileSystemWriter):
         self.own_rank = rank
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.own_rank}_")) for plan in plans]
+        return [dataclasses.replace(plan, storage_data=StoragePrefix(f"__{self.own_rank}_")) for plan in plans]
 
 
 def data_name(rank: int) -> str:

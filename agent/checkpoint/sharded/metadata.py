@@ -23,6 +23,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from rally.agent.checkpoint.core import torch_internals
+
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_CLASSES = frozenset(
     {
@@ -39,11 +41,10 @@ _METADATA_CLASSES = frozenset(
 _OTHERS = frozenset(
     {
         ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
         ("pathlib", "PurePosixPath"),
         ("collections", "OrderedDict"),
+        *torch_internals.PICKLED,  # a layout by its name (torch.strided), an item's place in its file
     }
 )
 
@@ -87,7 +88,7 @@ class SafeMetadataReader(FileSystemReader):
     """torch's FileSystemReader, but its ``.metadata`` is read with :func:`load`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = torch_internals.metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = load(stream)
         storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()

@@ -10,29 +10,27 @@ An item DCP wrote is a ``torch.save`` archive of one compact tensor (DCP copies 
 does not fill its storage before writing it, see agent/checkpoint/sharded/layout.py), whose one
 storage record holds exactly the chunk's bytes; the chunk's dtype and sizes are in DCP's
 metadata. So for each tensor item this reader finds that record in the archive's zip directory
-(``torch._C.PyTorchFileReader`` over a view of the item: it reads the directory, not the data),
-views its bytes in the mapped slot as the chunk (``torch.frombuffer``: no copy) and lets DCP's
-planner copy it into the target: one copy. Whatever does not look exactly so (another record
-count or size, a transform, a byte order other than the machine's, a dtype torch cannot view)
-goes through DCP's own way, item by item. DCP's planner, metadata and file format are DCP's:
+(torch's own zip reader over a view of the item, agent/checkpoint/core/torch_internals.py: it
+reads the directory, not the data), views its bytes in the mapped slot as the chunk
+(``torch.frombuffer``: no copy) and lets DCP's planner copy it into the target: one copy.
+Whatever does not look exactly so (another record count or size, a transform, a byte order
+other than the machine's, a dtype torch cannot view, a torch the reader was not checked
+against) goes through DCP's own way, item by item. DCP's planner, metadata and file format are DCP's:
 this only reads faster what it wrote.
 """
 
 from __future__ import annotations
 
 import io
-import re
 import sys
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from rally.agent.checkpoint.core import torch_internals
 from rally.agent.checkpoint.sharded.metadata import SafeMetadataReader
-
-_STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
 
 
 class MemoryReader(SafeMetadataReader):
@@ -53,7 +51,9 @@ class MemoryReader(SafeMetadataReader):
             if view is None:
                 slow.append(req)
                 continue
-            view = narrow_tensor_by_index(view, req.storage_offsets, req.lengths)  # as DCP's reader does
+            view = torch_internals.narrow_tensor_by_index(
+                view, req.storage_offsets, req.lengths
+            )  # as DCP's reader does
             target = planner.resolve_tensor(req).detach()
             if target.size() != view.size():
                 raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {view.size()}")
@@ -78,13 +78,8 @@ class MemoryReader(SafeMetadataReader):
         if buffer is None:
             return None
         item = memoryview(buffer)[info.offset : info.offset + info.length]
-        try:
-            archive = torch._C.PyTorchFileReader(ViewFile(item))  # type: ignore[call-overload]  # any readable, seekable file
-            records = [name for name in archive.get_all_records() if _STORAGE_RECORD.search(name)]
-            if len(records) != 1:
-                return None
-            start = archive.get_record_offset(records[0])
-        except (RuntimeError, ValueError):
+        start = torch_internals.storage_record_offset(ViewFile(item))  # None where the fast paths are off
+        if start is None:
             return None
         count = 1
         for size in sizes:

@@ -29,12 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import (
-    FileSystem,
-    FileSystemWriter,
-    _StorageInfo,
-    _StoragePrefix,
-)
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -43,13 +38,14 @@ from torch.futures import Future
 from rally.agent.checkpoint.core import auth, digest, resume_prefetch
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.checkpoint_file import Checkpoint, DamagedCheckpoint
+from rally.agent.checkpoint.core.torch_internals import StorageInfo, StoragePrefix
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import memory as dcp_memory
 from rally.agent.checkpoint.sharded.metadata import SafeMetadataReader
 
 
 @dataclasses.dataclass
-class _Part(_StoragePrefix):
+class _Part(StoragePrefix):
     """The coordinator's word to one rank: DCP's file prefix for it, and the save's temporary directory."""
 
     temp: str
@@ -59,7 +55,7 @@ class _Part(_StoragePrefix):
 class _Checked:
     """One write result's storage info plus its whole file's size and digest, sent to the coordinator."""
 
-    info: _StorageInfo
+    info: StorageInfo
     file_size: int
     file_digest: str
 

@@ -1,0 +1,177 @@
+"""Every part of torch the checkpoint code uses that torch does not promise, in one module, behind one check.
+
+The memory tier's fast paths lean on torch's internals:
+
+- ``torch.utils.serialization.config.save.compute_crc32``, a process-wide flag: the zip records'
+  own CRC-32 left out of an archive written into a slot (:func:`no_record_crc`; rally's MAC
+  protects the durable file, agent/checkpoint/core/shm.py says why);
+- how ``torch.save`` writes: each storage's bytes in one write of a view of the storage itself,
+  and the same archive for the same structure, which the save fast paths record once and replay
+  (agent/checkpoint/core/layout.py, agent/checkpoint/sharded/layout.py);
+- ``torch._C.PyTorchFileReader``, torch's zip reader, to find the one storage record of a DCP item
+  (:func:`storage_record_offset`) and ``torch.distributed._shard._utils.narrow_tensor_by_index``, DCP's
+  own narrowing of a chunk: the sharded reload's one-copy reader (agent/checkpoint/sharded/reader.py).
+
+They were checked against the torch versions in :data:`CHECKED` (the oldest and the newest that
+``.ci/torch-matrix`` runs, and CI's pinned CPU wheel; tests/test_torch_internals.py keeps the two
+in step). On a torch outside :data:`OLDEST` .. :data:`NEWEST` (by minor release), or where one of
+the internals is missing, :func:`fast_paths` is False, says so once per process on stderr, and each
+fast path takes torch's public way instead: ``torch.save`` at every save with the records' CRCs
+computed, DCP's own reader item by item. Slower, never a crash nor a different checkpoint: the
+bytes a public ``torch.load`` or DCP's reader reads are what they would read anyway.
+
+The sharded path is built on DCP's ``FileSystemWriter`` and ``FileSystemReader`` and needs a few
+of their private names that are no fast path and have no public stand-in: the plan types
+``_StoragePrefix`` and ``_StorageInfo`` (DCP's reader unpickles them from the metadata by name),
+``_get_metadata_path``, and the private names DCP's metadata pickles (:data:`PICKLED`). They are
+reached through this module too (``StoragePrefix``, ``StorageInfo``, :func:`metadata_path`), so
+that it lists every private name of torch the checkpoint code touches.
+
+Imports no torch at module level: the holder and the agent import the checkpoint core without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+OLDEST = (2, 10)
+"""The oldest torch minor release the fast paths were checked against (.ci/torch-matrix's OLDEST)."""
+NEWEST = (2, 15)
+"""The newest (.ci/torch-matrix's NEWEST): a newer torch takes the public paths until it is checked."""
+CHECKED = ("2.10.0", "2.13.0", "2.15.0")
+"""The releases the fast paths' tests passed on (docs/contributing.md, "Supported torch versions")."""
+
+_STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
+
+
+def torch_version() -> str:
+    """The running torch's version (e.g. ``2.13.0+cpu``)."""
+    import torch
+
+    return str(torch.__version__)
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _missing() -> list[str]:
+    """The internals this torch lacks, by name."""
+    import torch
+    import torch.utils.serialization
+
+    missing = []
+    save_config = getattr(getattr(torch.utils.serialization, "config", None), "save", None)
+    if not hasattr(save_config, "compute_crc32"):
+        missing.append("torch.utils.serialization.config.save.compute_crc32")
+    if not hasattr(torch._C, "PyTorchFileReader"):
+        missing.append("torch._C.PyTorchFileReader")
+    if _narrow() is None:
+        missing.append("torch.distributed._shard._utils.narrow_tensor_by_index")
+    return missing
+
+
+def _narrow() -> Any:
+    try:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+    except ImportError:
+        return None
+    return narrow_tensor_by_index
+
+
+@cache
+def fast_paths() -> bool:
+    """Whether this torch is one the fast paths were checked against and has every internal they use.
+    False: one line on stderr (once per process), and every fast path takes torch's public way."""
+    version = torch_version()
+    minor = _minor(version)
+    if minor is None or not OLDEST <= minor <= NEWEST:
+        checked = f"{'.'.join(map(str, OLDEST))} to {'.'.join(map(str, NEWEST))}"
+        _warn(f"torch {version} is not one rally's checkpoint fast paths were checked against ({checked})")
+        return False
+    missing = _missing()
+    if missing:
+        _warn(f"torch {version} has no {', '.join(missing)}, which rally's checkpoint fast paths use")
+        return False
+    return True
+
+
+def _warn(why: str) -> None:
+    print(
+        f"rally: warning: {why}: checkpoints take torch's public, slower path (torch.save at every save, "
+        "DCP's own reader); upgrade rally, or use a torch it names in agent/checkpoint/core/torch_internals.py",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+@contextlib.contextmanager
+def no_record_crc() -> Iterator[None]:
+    """``torch.save`` inside leaves the zip records' CRC-32 out (a second pass over the bytes in the
+    training step's stall); computed as ever where the fast paths are off. The flag is process-wide:
+    restored on the way out."""
+    if not fast_paths():
+        yield
+        return
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
+def storage_record_offset(item: Any) -> int | None:
+    """Where the one storage record of the ``torch.save`` archive ``item`` (a readable, seekable file
+    over it) starts; None: another record count, an unreadable archive, or the fast paths are off."""
+    if not fast_paths():
+        return None
+    import torch
+
+    try:
+        archive = torch._C.PyTorchFileReader(item)  # any readable, seekable file
+        records = [name for name in archive.get_all_records() if _STORAGE_RECORD.search(name)]
+        if len(records) != 1:
+            return None
+        return int(archive.get_record_offset(records[0]))  # type: ignore[attr-defined]  # not in torch's stubs
+    except (RuntimeError, ValueError):
+        return None
+
+
+def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
+    """DCP's own narrowing of a chunk read for a request (its FileSystemReader's); only called
+    where :func:`fast_paths` is True."""
+    return _narrow()(tensor, offsets, sizes)
+
+
+def metadata_path(reader: Any, rank: Any) -> Any:
+    """Where DCP's ``FileSystemReader`` ``reader`` finds the ``.metadata`` (its private ``_get_metadata_path``)."""
+    return reader._get_metadata_path(rank)
+
+
+SHARDED_TYPES = (("torch.distributed.tensor", "DTensor"), ("torch.distributed._shard.sharded_tensor", "ShardedTensor"))
+"""Where a sharded state's tensors are defined (FSDP2 and tensor parallel; FSDP1's SHARDED_STATE_DICT,
+a private module): looked up among the modules already imported, a missing one is no kind."""
+
+PICKLED = frozenset(
+    {("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+)
+"""Private names of torch that DCP's ``.metadata`` pickle refers to (a layout by its name, an item's place)."""
+
+
+def __getattr__(name: str) -> Any:
+    """``StoragePrefix``, ``StorageInfo``: DCP's writer's private plan types, imported (with torch)
+    when a module that needs them asks."""
+    if name in ("StoragePrefix", "StorageInfo"):
+        from torch.distributed.checkpoint import filesystem
+
+        return getattr(filesystem, "_" + name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
