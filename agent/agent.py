@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rally.agent.agent_exit import AgentExit, store_failure_exit
+from rally.agent.agent_exit import store_failure_exit
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import Event, EventLoop
-from rally.agent.base.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
 from rally.agent.base.spec import JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.checkpoint.agent_side import NodeCheckpoints

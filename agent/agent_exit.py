@@ -1,25 +1,16 @@
-"""How the agent leaves: `AgentExit` carries the exit code (raised anywhere in the main loop, it
-ends the agent after its workers are stopped), and `store_failure_exit` maps a failed store call
-to one: a problem before the first round formed is bad input (exit 2), a store lost, silent or
-tampered with once the job ran is an infrastructure failure (exit 1). One mapping, so every store
-call of the main thread ends the same way."""
+"""How the agent leaves after a failed store call (`AgentExit` is agent/base/exit_codes.py's):
+`store_failure_exit` maps one to an exit: a problem before the first round formed is bad input
+(exit 2), a store lost, silent or tampered with once the job ran is an infrastructure failure
+(exit 1). One mapping, so every store call of the main thread ends the same way."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rally.agent.base.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, AgentExit
 from rally.agent.report import store_lost_line
 from rally.rendezvous.kv import StoreError, StoreTampered, UntrustedValue
 from rally.rendezvous.membership import RendezvousError
-
-
-class AgentExit(Exception):
-    """Leave the agent with this exit code (after workers are stopped)."""
-
-    def __init__(self, code: int, message: str = ""):
-        super().__init__(message)
-        self.code = code
 
 
 def store_failure_exit(exc: StoreError | RendezvousError, reached: bool, formed: bool, endpoint: Any) -> AgentExit:
