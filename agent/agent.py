@@ -31,7 +31,7 @@ from rally.agent.base.event_loop import Event, EventLoop
 from rally.agent.base.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
 from rally.agent.base.spec import JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
-from rally.agent.checkpoint.agent_side import NodeCheckpoints
+from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
 from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
 from rally.agent.decide import Exit, Reform, Restart, decide, exit_status
 from rally.agent.display import console
@@ -122,8 +122,9 @@ class Agent:
             announce=self.waits.announce,
             backend=lambda: "nccl" if self.observer.gpu is not None else "gloo",  # the backend its workers would use
         )  # fmt: skip
-        # the memory tier (agent/checkpoint/agent_side.py)
-        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn, spec.run_id, console.say)
+        # this node's checkpoints: the memory tier's holder (agent/checkpoint/node_checkpoints.py)
+        keep_alive = plan.settings.keep_alive_timeout
+        self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, spec.run_id, keep_alive, spec.shutdown_timeout)
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -141,7 +142,7 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
-            lost = self.ckpt.finish(self.spec.shutdown_timeout)  # the newest in-memory step made durable
+            lost = self.ckpt.exit()  # the newest in-memory step made durable, bounded by --shutdown-timeout
             processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
             for part in (self.live, self.template, self.guard, self.observer):
                 if part is not None:
@@ -260,7 +261,7 @@ class Agent:
             # quarantines since the last round, and the pre-flight (agent/checks/preflight.py)
             if (left_out := self.checks.round_formed(rnd, master)) is not None:
                 return left_out
-            self.ckpt.open_round(a, self.plan.settings.keep_alive_timeout)
+            self.ckpt.workers_starting(rnd, master)  # saves of this round accepted from now on
             self._start_workers(a, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rnd)
@@ -297,7 +298,7 @@ class Agent:
         self.observer.load_timeouts(self.store_call, self.store)
         sink = self.live.sink if self.live is not None else None
         self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
-        env = {**self.base_env, **self.ckpt.env()}  # the holder's address, none once it died (tier.py)
+        env = {**self.base_env, **self.ckpt.env()}  # the holder's address, none once it died
         self.group = WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         for stream in self.group.streams:
@@ -327,7 +328,7 @@ class Agent:
             if end is not None:
                 return end
             self.observer.after_check(a, group.workers, self.health)
-            self.ckpt.renew()  # the fence's lease: a frozen agent's workers cannot checkpoint
+            self.ckpt.watch(rnd)  # renews the fence's lease: a frozen agent's workers cannot checkpoint
             if not reported_success and group.all_succeeded():
                 reported_success = True
                 if a.group_world_size > 1:
@@ -355,7 +356,7 @@ class Agent:
         """Stop this round's workers, then apply `decide` (agent/decide.py): an exit code, or
         None to go round again."""
         a, group = rnd.a, self.group
-        self.ckpt.close_round(a)  # from now on a save of this round's workers is refused
+        self.ckpt.round_ending(rnd)  # from now on a save of this round's workers is refused
         stopping = time.monotonic()
         self._stop_workers(signal.SIGTERM)
         stop_seconds = round(time.monotonic() - stopping, 6)

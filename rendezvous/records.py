@@ -179,7 +179,7 @@ class NodeInfo(StoredRecord):
     prev_rank: int | None = None
     preferred_rank: int | None = None
     checkpoint_step: int | None = None  # the newest step this node saved, memory or disk (crash loops)
-    memory_steps: str = ""  # the steps its memory tier holds, "20,30" (agent/checkpoint/tier.py)
+    memory_steps: str = ""  # the steps its memory tier holds, "20,30" (agent/checkpoint/node_checkpoints.py)
     durable_step: int | None = None  # the newest intact checkpoint it sees on disk
 
     def held_in_memory(self) -> set[int]:

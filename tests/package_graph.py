@@ -22,7 +22,7 @@ PACKAGES = ("launcher", "agent", "rendezvous")
 
 
 def module_of(path: Path) -> str:
-    """`agent/checkpoint/tier.py` -> `rally.agent.checkpoint.tier` (a package's `__init__` is the package)."""
+    """`agent/checkpoint/holder.py` -> `rally.agent.checkpoint.holder` (a package's `__init__` is the package)."""
     parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

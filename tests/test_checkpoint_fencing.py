@@ -2,7 +2,7 @@
 the middle of its copy, then continued (SIGCONT) after the job moved on, must not overwrite or
 publish over the newer round's checkpoint, in memory or on disk.
 
-Real processes and signals: the agent's side of a real holder (CheckpointTier, as rally's agent
+Real processes and signals: the agent's side of a real holder (HolderProcess, as rally's agent
 runs it), a stale worker in a subprocess that stops itself with SIGSTOP once its slot is reserved
 (inside torch.save's pickling, before a byte of the copy is written), and the new round's worker
 in this process.
@@ -24,7 +24,7 @@ from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core import checkpoint_file
 from rally.agent.checkpoint.core.client import MemoryTier
 from rally.agent.checkpoint.core.shm import fd_path
-from rally.agent.checkpoint.tier import CheckpointTier
+from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.worker_side import job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,8 +73,8 @@ def test_a_frozen_worker_of_an_old_round_cannot_overwrite_or_publish_over_the_ne
 
     ckpt = tmp_path / "ckpt"
     warnings: list[str] = []
-    agent = CheckpointTier.start(str(ckpt), EventLog(tmp_path / "events.jsonl"), warnings.append)
-    assert isinstance(agent, CheckpointTier)
+    agent = HolderProcess.start(str(ckpt), EventLog(tmp_path / "events.jsonl"), warnings.append)
+    assert isinstance(agent, HolderProcess)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLY_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
     env |= {**agent.env(), "RALLY_ROUND": "0", job.CHECKPOINT_DIR_ENV: str(ckpt)}
     stale = None

@@ -15,15 +15,15 @@ from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core import layout
 from rally.agent.checkpoint.core.client import MemoryTier
 from rally.agent.checkpoint.core.shm import fd_path
-from rally.agent.checkpoint.tier import CheckpointTier
+from rally.agent.checkpoint.node_checkpoints import HolderProcess
 
 pytestmark = pytest.mark.torch
 
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[MemoryTier]:
-    agent = CheckpointTier.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "events.jsonl"), print)
-    assert isinstance(agent, CheckpointTier)
+    agent = HolderProcess.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "events.jsonl"), print)
+    assert isinstance(agent, HolderProcess)
     agent.open_round(0, None, 60.0)
     tier = MemoryTier(agent.address, 0)
     try:

@@ -1,6 +1,6 @@
 """Specification of the memory tier (issue 17): a real holder process, real shared memory, real files.
 
-The agent's side (`CheckpointTier`) starts the holder as rally's agent does; the worker's side
+The agent's side (`HolderProcess`) starts the holder as rally's agent does; the worker's side
 (`MemoryTier`, what `rally.job` uses) runs in this test process, or in a subprocess where the
 test must kill it. Nothing is mocked: the slots are memfds passed over the holder's socket, the
 durable checkpoints files on disk (a small tmpfs of the test's own where the disk must be full).
@@ -26,8 +26,8 @@ from rally.agent.checkpoint.core import checkpoint_file
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.client import CheckpointRefused, MemoryTier
 from rally.agent.checkpoint.core.shm import fd_path, holders_of
+from rally.agent.checkpoint.node_checkpoints import MEMORY_LIMIT_ENV, HolderProcess
 from rally.agent.checkpoint.slots import COMMITTED, SlotTable
-from rally.agent.checkpoint.tier import MEMORY_LIMIT_ENV, CheckpointTier
 from rally.agent.worker_side import job
 from rally.rendezvous.membership import resume_step
 from rally.rendezvous.records import NodeInfo
@@ -43,8 +43,8 @@ class Tier:
         self.warnings: list[str] = []
         self.checkpoint_dir = checkpoint_dir
         self.events = tmp / "events.jsonl"
-        self.agent = CheckpointTier.start(str(checkpoint_dir), EventLog(self.events), self.warnings.append)
-        assert isinstance(self.agent, CheckpointTier)
+        self.agent = HolderProcess.start(str(checkpoint_dir), EventLog(self.events), self.warnings.append)
+        assert isinstance(self.agent, HolderProcess)
         self.holder = self.agent.address
 
     def worker(self, r: int = 0) -> MemoryTier:
@@ -387,10 +387,10 @@ def test_a_worker_killed_mid_copy_leaves_the_previous_step_usable(tier: Tier) ->
 FAKE_AGENT = """
     import sys, time
     from pathlib import Path
-    from rally.agent.checkpoint.tier import CheckpointTier
+    from rally.agent.checkpoint.node_checkpoints import HolderProcess
     from rally.agent.checkpoint.core.client import MemoryTier
     from rally.agent.base.event_log import EventLog
-    tier = CheckpointTier.start(sys.argv[1], EventLog(Path(sys.argv[2])), print)
+    tier = HolderProcess.start(sys.argv[1], EventLog(Path(sys.argv[2])), print)
     tier.open_round(0, None, 60)
     MemoryTier(tier.address, 0).reserve("whole", 1, 1 << 20, False, 3)  # a slot: 1 MB of memfd
     print(tier.pid, flush=True)

@@ -66,20 +66,21 @@ def test_a_one_node_descriptor_does_not_read_the_file_its_memory_holds(tmp_path:
     import torch
 
     from rally.agent.base.event_log import EventLog
-    from rally.agent.checkpoint.agent_side import NodeCheckpoints
     from rally.agent.checkpoint.core.client import HolderAddress, MemoryTier
+    from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
     from rally.agent.rounds.holdings import RoundHoldings
 
     directory = tmp_path / "ckpt"
-    ckpt = NodeCheckpoints(str(directory), EventLog(tmp_path / "events.jsonl"), print)
+    ckpt = NodeCheckpoints(str(directory), EventLog(tmp_path / "events.jsonl"), warn=print)
+    assert ckpt.holder is not None
     try:
-        ckpt.tier.open_round(0, None, 60.0)
+        ckpt.holder.open_round(0, None, 60.0)
         address = HolderAddress.from_env(ckpt.env())
         assert address is not None
         worker = MemoryTier(address, 0)
         for step in (1, 2):
             assert worker.save({"w": torch.full((1000,), float(step))}, "whole", step, persist=True, keep=3)
-            assert ckpt.tier.flush(30)
+            assert ckpt.holder.flush(30)
         newest = directory / "step_000000000002.pt"
         assert newest.exists()
 
@@ -92,4 +93,4 @@ def test_a_one_node_descriptor_does_not_read_the_file_its_memory_holds(tmp_path:
         assert many.holdings() == (memory, 2) and many.progress() == 2
         assert _read(newest)  # another node may not hold step 2 in memory: the disk counts
     finally:
-        ckpt.tier.stop()
+        ckpt.holder.stop()

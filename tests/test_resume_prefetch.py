@@ -21,7 +21,7 @@ import pytest
 
 from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core.client import MemoryTier
-from rally.agent.checkpoint.tier import CheckpointTier
+from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.worker_side import job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,8 +37,8 @@ class Holder:
         import torch
 
         self.checkpoint_dir = tmp / "ckpt"
-        self.agent = CheckpointTier.start(str(self.checkpoint_dir), EventLog(tmp / "events.jsonl"), print)
-        assert isinstance(self.agent, CheckpointTier)
+        self.agent = HolderProcess.start(str(self.checkpoint_dir), EventLog(tmp / "events.jsonl"), print)
+        assert isinstance(self.agent, HolderProcess)
         self.id = self.agent.address
         self.agent.open_round(0, None, LEASE)
         for step in (1, 2) if whole else ():

@@ -24,18 +24,18 @@ from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core import torch_internals
 from rally.agent.checkpoint.core.client import MemoryTier
 from rally.agent.checkpoint.core.shm import fd_path
-from rally.agent.checkpoint.tier import CheckpointTier
+from rally.agent.checkpoint.node_checkpoints import HolderProcess
 
 pytestmark = pytest.mark.torch
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def holder(tmp_path: Path) -> Iterator[CheckpointTier]:
+def holder(tmp_path: Path) -> Iterator[HolderProcess]:
     """A real holder (its memory is freed with it, as every test's end checks)."""
     tmp = tmp_path
-    agent = CheckpointTier.start(str(tmp / "ckpt"), EventLog(tmp / "events.jsonl"), print)
-    assert isinstance(agent, CheckpointTier)
+    agent = HolderProcess.start(str(tmp / "ckpt"), EventLog(tmp / "events.jsonl"), print)
+    assert isinstance(agent, HolderProcess)
     agent.open_round(0, None, 60.0)
     try:
         yield agent
@@ -44,7 +44,7 @@ def holder(tmp_path: Path) -> Iterator[CheckpointTier]:
 
 
 @pytest.fixture
-def worker(holder: CheckpointTier) -> Iterator[MemoryTier]:
+def worker(holder: HolderProcess) -> Iterator[MemoryTier]:
     tier = MemoryTier(holder.address, 0)
     try:
         yield tier

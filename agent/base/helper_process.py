@@ -1,5 +1,5 @@
 """A helper child of the agent fed lines on a pipe: the orphan guard (agent/guard/client.py) and the
-checkpoint holder (agent/checkpoint/tier.py) are started, told things and stopped the same way.
+checkpoint holder (agent/checkpoint/node_checkpoints.py) are started, told things and stopped the same way.
 
 Why this shape: a helper runs by file path (it works from any installation, and no module on the
 user's path, an ``agent`` package say, can take its place), in a session of its own (a signal or a

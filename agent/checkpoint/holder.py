@@ -8,7 +8,7 @@ persisting is a byte copy with a MAC (agent/checkpoint/persist.py), and its rule
 
 It talks JSON lines on two channels:
 
-- **stdin/stdout, with the agent** (agent/checkpoint/tier.py): ``round`` (open a round: its agreed
+- **stdin/stdout, with the agent** (agent/checkpoint/node_checkpoints.py): ``round`` (open a round: its agreed
   resume step and the fence's lease), ``renew``, ``over``, ``holdings``, ``flush``; and it tells
   the agent ``saved``, ``durable`` and one-line ``warn``\\ ings. End of stdin means the agent is
   gone, however it died: the holder gives up any persist under way, deletes its shared memory
@@ -111,9 +111,9 @@ class Holder:
         deadline = time.monotonic() + timeout
         with self.table.cond:
             while self.table.pending() and (left := deadline - time.monotonic()) > 0:
-                # wait: bounded, said by agent/checkpoint/tier.py CheckpointTier._ask: the agent's flush at the job's
-                # end: up to --shutdown-timeout for the newest copy to be durable; the agent, which waits for the
-                # answer, says so
+                # wait: bounded, said by agent/checkpoint/node_checkpoints.py HolderProcess._ask: the agent's flush
+                # at the job's end: up to --shutdown-timeout for the newest copy to be durable; the agent, which
+                # waits for the answer, says so
                 self.table.cond.wait(left)
             return {"pending": self.table.pending(), "durable": dict(self.table.durable)}
 

@@ -17,8 +17,8 @@ disk, so every file counts, as before.
 
 from __future__ import annotations
 
-from rally.agent.checkpoint.agent_side import NodeCheckpoints
 from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
+from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
 
 
 class RoundHoldings:
@@ -31,7 +31,7 @@ class RoundHoldings:
 
     def holdings(self) -> tuple[list[int], int | None]:
         """(steps in this node's memory, the newest intact step on disk that can matter)."""
-        memory = self.ckpt.tier.memory_steps()
+        memory = self.ckpt.memory_steps()
         directory = self.ckpt.checkpoint_dir
         if directory is None:
             self._unused = memory, None

@@ -2,7 +2,7 @@
 
 A script written for rally (``job.load_latest()`` / ``job.save(state, step)``) must just work
 under ``rally`` with no extra flag. Without ``--checkpoint-dir`` the agent still runs its holder
-(agent/checkpoint/tier.py), and ``rally.job`` keeps each save there without ever writing it
+(agent/checkpoint/node_checkpoints.py), and ``rally.job`` keeps each save there without ever writing it
 (``persist=False``): restarts within the job resume from memory, nothing survives the job's end,
 and rank 0 says so once, with the flag that makes checkpoints durable. Should the holder die,
 the agent turns the tier off for the later rounds (RALLY_CKPT_HOLDER_LOST): their saves and loads

@@ -1,31 +1,45 @@
-"""The agent's side of the memory tier: start the holder, fence it by round, hear what it saved.
+"""This node's checkpoints as the agent sees them: one :class:`NodeCheckpoints`, the agent's only
+checkpoint object, and the handle of its memory tier's holder process (:class:`HolderProcess`).
 
-The agent (agent/agent.py) calls, in its own order of things::
+:class:`NodeCheckpoints` is a collaborator of the agent (agent/base/collaborator.py). agent/agent.py
+calls, in this order::
 
-    tier = CheckpointTier.start(checkpoint_dir, events, warn)    # at agent start (NoTier: none)
-    tier.env()                     # RALLY_CKPT_HOLDER for every worker
-    tier.memory_steps()            # this node's in-memory steps, for the round's descriptor
-    tier.open_round(r, resume, lease)    # before the round's workers start
-    tier.renew(r)                  # while they run (a frozen agent stops renewing: saves refused)
-    tier.close_round(r)            # before they are stopped: a late save is refused
-    tier.flush(seconds)            # at the job's end: make the newest copy durable, bounded
-    tier.stop()                    # frees the shared memory
+    ckpt = NodeCheckpoints(spec.checkpoint_dir, events, ...)   # Agent.__init__: starts the holder (or none)
+    ckpt.pid                      # any time: the holder's pid, a helper of the agent (never killed as the job's)
+    ckpt.memory_steps()           # at every rendezvous, through agent/rounds/holdings.py: the steps in
+                                  #   this node's memory (with the disk's newest intact step: the resume step)
+    ckpt.workers_starting(rnd, master)  # the round's workers about to start: saves of rnd's round
+                                  #   accepted from now on, fenced by a lease the agent renews
+    ckpt.env()                    # the same moment: the holder's address for every worker (none once it died)
+    ckpt.watch(rnd)               # each turn of the watch loop: renews the lease (a frozen agent's
+                                  #   workers cannot checkpoint)
+    ckpt.round_ending(rnd)        # before the round's workers are stopped: a late save is refused
+    ckpt.exit()                   # the agent exits, its workers stopped: the newest in-memory step made
+                                  #   durable (bounded by --shutdown-timeout), the memory freed; a line if
+                                  #   the newest saved step died with the holder (the job then exits 1)
+    ckpt.status_fields()          # any time: the last saved and durable steps (rally status, /metrics)
 
-A thread reads the holder's news: ``saved`` and ``durable`` steps go to events.jsonl
-(``checkpoint_saved``, ``checkpoint_durable``) and to :meth:`status_fields` (``rally status``,
-/metrics); a ``warn`` is one line on the console (shared memory too small, disk full).
+Without a memory tier (``RALLY_MEMORY_TIER=0``, or a holder that could not start) there is no
+holder (:attr:`NodeCheckpoints.holder` is None) and every call above does nothing: saves go to
+disk. A holder that dies later is noticed at once (one line) and is then as good as none for every
+later round: their workers get no holder in their environment, so ``rally.job.save`` writes to disk
+(or, without a checkpoint directory, says once that checkpoints are off), and the rounds agree on
+a resume step from the disk alone. The job's end does not count the dead holder's in-memory steps
+as durable: a job whose newest step died with it does not exit 0.
 
-The holder's socket is the agent's: created and bound here under a random name before the holder
-starts, handed to it as an inherited descriptor (no name on its command line, no moment when
-another user could bind the name first), with the job's connection secret in its environment.
-:meth:`CheckpointTier.start` waits (bounded) for the holder to say it listens; a holder that
-cannot start leaves the tier off with one line (saves go to disk), never half on. A holder that
-dies later is noticed at once (one line) and turns the tier off for every later round, as if it
-never ran: their workers get no holder in their environment (:meth:`CheckpointTier.env`), so
-``rally.job.save`` writes to disk (or, without a checkpoint directory, says once that checkpoints
-are off), and the rounds agree on a resume step from the disk alone (:meth:`memory_steps` is
-empty). The job's end does not count the dead holder's in-memory steps as durable
-(:meth:`CheckpointTier.lost`): a job whose newest step died with it does not exit 0.
+At the job's end the newest in-memory step is made durable first, within the grace period: a whole
+state by the holder's persister, a sharded (DCP) one by a helper process that writes the ranks'
+parts the stopped workers could not write any more and publishes the step
+(agent/checkpoint/sharded/flush.py): "saving at the breakpoint".
+
+The holder (:class:`HolderProcess`): a thread reads its news: ``saved`` and ``durable`` steps go
+to events.jsonl (``checkpoint_saved``, ``checkpoint_durable``) and to the status fields; a ``warn``
+is one line on the console (shared memory too small, disk full). Its socket is the agent's:
+created and bound here under a random name before the holder starts, handed to it as an inherited
+descriptor (no name on its command line, no moment when another user could bind the name first),
+with the job's connection secret in its environment. :meth:`HolderProcess.start` waits (bounded)
+for the holder to say it listens; a holder that cannot start leaves the node without a memory tier
+with one line (saves go to disk), never half on.
 """
 
 from __future__ import annotations
@@ -37,21 +51,26 @@ import secrets
 import select
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rally.agent.base.collaborator import AgentContext, Collaborator
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.helper_process import HelperProcess
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
 from rally.agent.checkpoint.core import client as ckpt_client
-from rally.agent.checkpoint.core.client import HOLDER_LOST_ENV, SECRET_ENV, HolderAddress
+from rally.agent.checkpoint.core.client import HOLDER_LOST_ENV, SECRET_ENV, CheckpointRefused, HolderAddress, MemoryTier
 from rally.agent.checkpoint.core.shm import socket_address
+from rally.agent.checkpoint.sharded import files as dcp_files
+from rally.agent.checkpoint.sharded import flush as dcp_flush
 from rally.agent.display import console
 from rally.rendezvous.long_wait import LongWait
+from rally.rendezvous.protocol import Round
 
 MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
 """Bytes the tier's copies may take on this node in all (default: half of what is available)."""
@@ -65,12 +84,145 @@ READY_TIMEOUT = 15.0
 """Seconds the agent waits for a starting holder to say it listens before it turns the tier off."""
 
 
+def fence_lease(keep_alive_timeout: float) -> float:
+    """How long a round's saves are accepted without the agent renewing: twice the keep-alive
+    timeout, at least 10 s (a frozen agent's workers stop checkpointing within it)."""
+    return max(10.0, 2 * keep_alive_timeout)
+
+
+class NodeCheckpoints(Collaborator):
+    """This node's checkpoints as the agent sees them: its memory tier's holder (or none) and what
+    the disk holds. The module docstring gives the order in which the agent calls it."""
+
+    def __init__(
+        self, checkpoint_dir: str | None, events: EventLog, run_id: str = "", keep_alive_timeout: float = 5.0,
+        shutdown_timeout: float = 30.0, warn: Callable[[str], None] = console.warn,
+        say: Callable[[str], None] = console.say,
+    ) -> None:  # fmt: skip
+        self.checkpoint_dir = checkpoint_dir
+        self.events, self.warn, self.say = events, warn, say
+        self.run_id = run_id
+        self.lease = fence_lease(keep_alive_timeout)
+        self.shutdown_timeout = shutdown_timeout  # the job's end: how long the newest step may take to be durable
+        self.round: int | None = None  # the last round opened: names a sharded step's temporary directory
+        self.holder = HolderProcess.start(checkpoint_dir, events, warn)  # None: no memory tier on this node
+
+    @classmethod
+    def for_agent(cls, ctx: AgentContext) -> NodeCheckpoints:
+        """Built from what a collaborator sees of its agent."""
+        spec = ctx.spec
+        keep_alive = ctx.plan.settings.keep_alive_timeout
+        return cls(spec.checkpoint_dir, ctx.events, spec.run_id, keep_alive, spec.shutdown_timeout)
+
+    @property
+    def pid(self) -> int | None:
+        """The holder's pid (a helper of the agent's: never killed as the job's), None without one."""
+        return self.holder.pid if self.holder is not None else None
+
+    def env(self) -> dict[str, str]:
+        """The holder's address for the next round's workers; nothing without one, a marker once it died."""
+        return self.holder.env() if self.holder is not None else {}
+
+    def memory_steps(self) -> list[int]:
+        """The steps this node's memory tier holds (none without a holder, or once it died)."""
+        return self.holder.memory_steps() if self.holder is not None else []
+
+    def workers_starting(self, rnd: Round, master: tuple[str, int]) -> None:
+        """Saves of round ``rnd`` are accepted from now on, while the agent renews its lease; its
+        workers resume from the round's agreed step."""
+        a = rnd.a
+        self.round = a.round
+        if self.holder is not None:
+            self.holder.open_round(a.round, a.resume_step, self.lease)
+
+    def watch(self, rnd: Round) -> None:
+        """Renew the round's lease (at most every RENEW_INTERVAL): a frozen agent's workers cannot checkpoint."""
+        if self.holder is not None:
+            self.holder.renew()
+
+    def round_ending(self, rnd: Round) -> None:
+        """From now on a save of this round's workers is refused."""
+        if self.holder is not None:
+            self.holder.close_round(rnd.a.round)
+
+    def status_fields(self) -> dict[str, object]:
+        """The last saved and durable steps, for `rally status`, the live view and /metrics."""
+        return self.holder.status_fields() if self.holder is not None else {}
+
+    def exit(self) -> str | None:
+        """The job is over: make the newest in-memory step durable (bounded: --shutdown-timeout), then
+        free the memory. One line when the newest saved step never reached disk because the holder
+        died (the agent then does not report success), else None."""
+        holder = self.holder
+        if holder is None:
+            return None
+        deadline = time.monotonic() + self.shutdown_timeout
+        holder.flush(self.shutdown_timeout)
+        try:
+            self._flush_sharded(holder, max(0.0, deadline - time.monotonic()))
+        finally:
+            holder.stop()
+        return holder.lost()
+
+    def _flush_sharded(self, holder: HolderProcess, seconds: float) -> None:
+        """Sharded steps in this node's memory newer than the newest on disk are written by
+        agent/checkpoint/sharded/flush.py (a helper: publishing needs torch), at most ``seconds``."""
+        if holder.died or self.checkpoint_dir is None or seconds <= 0:
+            return
+        address = holder.address
+        directory = Path(self.checkpoint_dir)
+        durable = dcp_files.newest_intact_step(directory)
+        client = MemoryTier(address, -1)
+        try:
+            held = client.held("dcp")
+        except CheckpointRefused:
+            return
+        finally:
+            client.close()
+        if not any(s > (durable if durable is not None else -1) for steps in held.values() for s in steps):
+            return
+        env = {
+            **os.environ,
+            **address.env(),  # the holder's address and the job's secret: in the environment, never in argv
+            "RALLY_ROUND": str(self.round or 0),
+            "TORCHELASTIC_RUN_ID": self.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+        }
+        command = [sys.executable, str(Path(dcp_flush.__file__).resolve()), str(directory), f"{seconds:.3f}"]
+        self.say(f"writing the newest sharded checkpoint held only in memory to {directory} (up to {seconds:.0f} s)")
+        try:
+            # wait: bounded, said by NodeCheckpoints._flush_sharded: the job's end: what is left of
+            # --shutdown-timeout, + 5 s
+            done = subprocess.run(
+                command, env=env, stdout=subprocess.PIPE, timeout=seconds + 5.0, check=False, start_new_session=True
+            )
+            result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as exc:
+            result = {
+                "warn": (
+                    f"the newest sharded checkpoint in memory was not made durable in {seconds:.0f} s "
+                    f"({type(exc).__name__})"
+                )
+            }
+        if "step" in result:
+            holder.last_durable = max(holder.last_durable or -1, int(result["step"]))
+            self.events.emit("checkpoint_durable", step=result["step"], path=result["path"], where="breakpoint")
+            self.say(
+                f"sharded checkpoint step {result['step']} was only in memory: written to {result['path']} before exit"
+            )
+        elif "warn" in result:
+            self.warn(str(result["warn"]))
+            self.events.emit("checkpoint_warning", line=result["warn"])
+
+
 def socket_name() -> str:
     """A fresh random name for the holder's socket (128 bits: nobody guesses it before it is bound)."""
     return secrets.token_hex(16)
 
 
-class CheckpointTier:
+class HolderProcess:
+    """The handle of this node's checkpoint holder (agent/checkpoint/holder.py): starts it, talks to it,
+    hears its news, stops it. Its calls do nothing once the holder died (:attr:`off`)."""
+
     def __init__(
         self, helper: HelperProcess, address: HolderAddress, checkpoint_dir: Path | None, events: EventLog,
         warn: Callable[[str], None],
@@ -95,16 +247,14 @@ class CheckpointTier:
         threading.Thread(target=self._read, daemon=True, name="rally-ckpt-tier").start()
 
     @classmethod
-    def start(
-        cls, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]
-    ) -> CheckpointTier | NoTier:
-        """Start the holder; a :class:`NoTier` (saves go to disk) when the tier is turned off, or
+    def start(cls, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]) -> HolderProcess | None:
+        """Start the holder; None (no memory tier: saves go to disk) when the tier is turned off, or
         (with one line) when the holder cannot start. Without a checkpoint directory the holder runs
         too: a script's checkpoints then live in memory only (rally.job saves them with
         ``persist=False``, and the holder refuses to persist), so restarts within the job resume
         from them and a script written for rally needs no flag."""
         if os.environ.get(MEMORY_TIER_ENV, "1") == "0":
-            return NoTier()
+            return None
         name, secret = socket_name(), secrets.token_hex(32)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -116,16 +266,16 @@ class CheckpointTier:
             )  # fmt: skip
         except OSError as exc:
             warn(f"the in-memory checkpoint tier is off: its socket could not be set up ({exc}); saves go to disk")
-            return NoTier()
+            return None
         finally:
             listener.close()  # the holder has its own descriptor of it
-        # wait: bounded, said by CheckpointTier.start: the starting holder's 'ready' line: READY_TIMEOUT in all, then
+        # wait: bounded, said by HolderProcess.start: the starting holder's 'ready' line: READY_TIMEOUT in all, then
         # the tier is off with one line
         trouble = _wait_ready(helper)
         if trouble:
             helper.stop(1.0)
             warn(f"the in-memory checkpoint tier is off: the checkpoint holder {trouble}; saves go to disk")
-            return NoTier()
+            return None
         directory = Path(checkpoint_dir) if checkpoint_dir else None
         return cls(helper, HolderAddress(name, helper.pid, secret), directory, events, warn)
 
@@ -136,7 +286,7 @@ class CheckpointTier:
     @property
     def off(self) -> bool:
         """The holder died (its stdout ended, or it exited and the reader has not seen it yet): the
-        tier is off for good, and every call below does what :class:`NoTier`'s does."""
+        tier is off for good, and every call below does what it would without a holder."""
         # wait: not_a_wait: Popen.poll returns at once
         if not self.died and not self.stopping and self.process.poll() is not None:
             self.died = True  # lost() must count it even if the reader has not seen the end yet
@@ -180,7 +330,7 @@ class CheckpointTier:
             long_wait = LongWait(what, wait, console.say)  # in slices, with a line every few seconds
             while True:
                 try:
-                    # wait: slice, said by CheckpointTier._ask: slices of one answer of the holder: REPLY_TIMEOUT (10
+                    # wait: slice, said by HolderProcess._ask: slices of one answer of the holder: REPLY_TIMEOUT (10
                     # s), the job-end flush --shutdown-timeout + 1 s
                     reply = self._replies.get(timeout=long_wait.slice())
                 except queue.Empty:
@@ -276,7 +426,7 @@ def _wait_ready(helper: HelperProcess) -> str | None:
     assert stdout is not None
     deadline = time.monotonic() + READY_TIMEOUT
     while (left := deadline - time.monotonic()) > 0:
-        # wait: slice, said by CheckpointTier.start: the rest of READY_TIMEOUT (15 s) for the holder's next line;
+        # wait: slice, said by HolderProcess.start: the rest of READY_TIMEOUT (15 s) for the holder's next line;
         # start says why the tier is off if it ends so
         if not select.select([stdout], [], [], left)[0]:
             break
@@ -293,38 +443,3 @@ def _wait_ready(helper: HelperProcess) -> str | None:
         if msg.get("ev") == "warn":
             return f"(pid {helper.pid}) could not start: {msg.get('line')}"
     return f"(pid {helper.pid}) did not start within {READY_TIMEOUT:g} s"
-
-
-class NoTier:
-    """No memory tier (no checkpoint directory, or turned off): every call does nothing."""
-
-    pid = None
-    last_saved = last_durable = None
-    died = False
-
-    def env(self) -> dict[str, str]:
-        return {}
-
-    def lost(self) -> str | None:
-        return None
-
-    def memory_steps(self) -> list[int]:
-        return []
-
-    def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
-        pass
-
-    def renew(self) -> None:
-        pass
-
-    def close_round(self, r: int) -> None:
-        pass
-
-    def flush(self, timeout: float) -> bool:
-        return True
-
-    def status_fields(self) -> dict[str, Any]:
-        return {}
-
-    def stop(self, timeout: float = 5.0) -> None:
-        pass
