@@ -8,7 +8,6 @@ round's resume step): one module, so the three agree on what a checkpoint file i
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from pathlib import Path
@@ -30,17 +29,10 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 
 def prune(directory: Path, keep: int, protect: Path) -> None:
-    """Keep ``protect`` (just written) and the ``keep - 1`` newest checkpoints older than it.
-
-    Files newer than the one just written are not this save's to judge: they belong to a
-    concurrent saver that is further along (whose own save prunes relative to its step), or
-    they are damaged files this job resumed past, which the save of their step replaces.
-    """
+    """Keep ``protect`` (just written) and the ``keep - 1`` newest checkpoints older than it
+    (agent/checkpoint/core/checkpoint_file.py's ``prune_older``, as for sharded steps)."""
     own_step = int(CHECKPOINT_RE.match(protect.name).group(1))  # type: ignore[union-attr]
-    older = [path for step, path in list_checkpoints(directory) if step < own_step]
-    for path in older[: max(0, len(older) - (keep - 1))]:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    checkpoint_file.prune_older(list_checkpoints(directory), keep, own_step, os.unlink)
 
 
 def newest_checkpoint_step(directory: str | os.PathLike[str], above: int | None = None) -> int | None:

@@ -76,20 +76,14 @@ def persist(
     try:
         sums = Sums(step)
         if length:
+
+            def before_chunk() -> None:
+                if between_chunks():
+                    raise PersistCancelled()
+
             with mmap.mmap(source, length, prot=mmap.PROT_READ) as data, memoryview(data) as view:
-                try:
-                    for start in range(0, length, READ_CHUNK):
-                        if between_chunks():
-                            raise PersistCancelled()
-                        with view[start : start + READ_CHUNK] as chunk:
-                            sums.update(chunk, borrowed=True)  # hashed on the digest's threads meanwhile
-                            _write_all(fd, chunk)
-                    footer = sums.footer()  # every leaf done before the mapping closes
-                finally:
-                    sums.tree.settle()
-        else:
-            footer = sums.footer()
-        _write_all(fd, footer)
+                checkpoint_file.write_digested(fd, view, sums.tree, READ_CHUNK, before_chunk)
+        _write_all(fd, sums.footer())
         os.fsync(fd)
         os.replace(tmp, final)
     except OSError as exc:

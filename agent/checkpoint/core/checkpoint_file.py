@@ -37,10 +37,12 @@ import stat
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from rally.agent.checkpoint.core.digest import TreeDigest
 from rally.agent.checkpoint.core.shm import storage_bytes
 
 FOOTER = struct.Struct("<8sQQ32s4s")
@@ -376,6 +378,42 @@ def unauthenticated_line(path: Path) -> str:
         f"checkpoint {path} was written before rally signed checkpoints: it is unauthenticated, loaded "
         "because only you can write its directory"
     )
+
+
+def write_digested(
+    fd: int, view: memoryview, tree: TreeDigest, chunk: int, before_chunk: Callable[[], None] | None = None
+) -> None:
+    """Write all of ``view`` (a slot's mapping, or bytes its caller keeps) to ``fd`` in ``chunk``-byte
+    pieces, each hashed into ``tree`` on the digest's threads while the next one is written: the
+    copy to disk of both persisters, a whole state's (agent/checkpoint/persist.py) and a rank's
+    sharded files (agent/checkpoint/sharded/persist.py). ``before_chunk`` runs before each piece (it
+    may wait while a save copies, or raise to give the write up). Every leaf is hashed when this
+    returns or raises: the caller may close the mapping, and ``tree.root()`` is ready."""
+    done = 0
+    try:
+        while done < view.nbytes:
+            if before_chunk is not None:
+                before_chunk()
+            with view[done : done + chunk] as piece:
+                n = os.write(fd, piece)
+                tree.update(piece[:n], borrowed=True)  # ``view`` outlives the hashing: settled below
+            done += n
+    finally:
+        tree.settle()
+
+
+def prune_older(steps: list[tuple[int, Path]], keep: int, own_step: int, remove: Callable[[Path], None]) -> None:
+    """Keep-K pruning, one rule for whole-state files and sharded directories: of ``steps`` (a
+    directory's checkpoints, oldest first), keep ``own_step`` (just written) and the ``keep - 1``
+    newest older ones; ``remove`` the rest (one already gone is no error).
+
+    Newer checkpoints are not this save's to judge: they belong to a concurrent saver that is
+    further along (whose own save prunes relative to its step), or they are damaged ones this job
+    resumed past, which the save of their step replaces."""
+    older = [path for step, path in steps if step < own_step]
+    for path in older[: max(0, len(older) - (keep - 1))]:
+        with contextlib.suppress(FileNotFoundError):
+            remove(path)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -35,7 +35,6 @@ This module needs only the standard library: the agent's crash-loop check uses i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -52,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from rally.agent.checkpoint.core import auth, digest, torch_internals
-from rally.agent.checkpoint.core.checkpoint_file import DamagedCheckpoint, fsync_dir, lock_file
+from rally.agent.checkpoint.core.checkpoint_file import DamagedCheckpoint, fsync_dir, lock_file, prune_older
 from rally.agent.checkpoint.core.shm import own_key, replica_key  # noqa: F401 - the sharded path names its slots through these
 
 MANIFEST = "rally.json"
@@ -232,13 +231,10 @@ def remove_dead_saves(directory: Path, only: str | None = None) -> None:
 def prune(directory: Path, keep: int, own_step: int) -> None:
     """Keep the checkpoint of ``own_step`` and the ``keep - 1`` newest older ones; delete the rest.
 
-    Newer directories are not this save's to judge (see :func:`rally.agent.worker_side.job._prune`). Each
+    The rule is the whole-state files' (agent/checkpoint/core/checkpoint_file.py's ``prune_older``). Each
     victim is first renamed to a temporary name, so a listing never shows a half-deleted step.
     """
-    older = [path for step, path in list_steps(directory) if step < own_step]
-    for path in older[: max(0, len(older) - (keep - 1))]:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(_aside(path), ignore_errors=True)
+    prune_older(list_steps(directory), keep, own_step, lambda path: shutil.rmtree(_aside(path), ignore_errors=True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from rally.agent.checkpoint.core import auth, digest
-from rally.agent.checkpoint.core.checkpoint_file import fsync_dir, lock_file
+from rally.agent.checkpoint.core.checkpoint_file import fsync_dir, lock_file, write_digested
 from rally.agent.checkpoint.sharded import files as dcp_files
 
 PUBLISH_TIMEOUT = 300.0
@@ -324,18 +324,9 @@ def write_file(path: Path, data: Any, pause: Callable[[], None] | None = None) -
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.part")  # two writers of one part never mix
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        done, tree = 0, digest.TreeDigest()
-        try:
-            while done < view.nbytes:
-                if pause is not None:
-                    pause()
-                chunk = view[done : done + WRITE_CHUNK]
-                n = os.write(fd, chunk)
-                tree.update(chunk[:n], borrowed=True)  # ``data`` outlives this call: root() waits below
-                done += n
-            root = tree.root()
-        finally:
-            tree.settle()
+        tree = digest.TreeDigest()
+        write_digested(fd, view, tree, WRITE_CHUNK, pause)
+        root = tree.root()
         os.fsync(fd)
     finally:
         os.close(fd)
