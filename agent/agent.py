@@ -167,7 +167,7 @@ class Agent:
             for store in (rnd.store, watcher, keeper):  # the job runs: a stranger's garbage ends nothing
                 if store.replaces_untrusted:
                     store.on_untrusted = self._untrusted_value
-            if self.spec.crash_loop_limit and rnd.a.stalled_restarts >= self.spec.crash_loop_limit:
+            if self.spec.crash_loop_limit and rnd.assignment.stalled_restarts >= self.spec.crash_loop_limit:
                 return self._stop_crash_loop(rnd)
             end = self._run_round(rnd, rnd.on(watcher), rnd.on(keeper))
             code = self._after_round(rnd, end)
@@ -209,7 +209,7 @@ class Agent:
 
     def _stop_crash_loop(self, rnd: Round) -> int:
         """K failures in a row without a newer checkpoint: stop instead of burning the budget."""
-        a, rdzv = rnd.a, rnd.rendezvous
+        a, rdzv = rnd.assignment, rnd.rendezvous
         detail = (
             f"crash loop: {a.stalled_restarts} restarts in a row made no progress (the newest "
             f"checkpoint is still step {a.checkpoint_step}); fix the cause, or raise --crash-loop-limit"
@@ -230,7 +230,7 @@ class Agent:
     # ================================================================ one round
     def _run_round(self, rnd: Round, watcher: Round, keeper: Round) -> RoundEnd:
         """`watcher` and `keeper`: the same round on the round threads' connections."""
-        a = rnd.a
+        a = rnd.assignment
         self.state, self.assignment = AgentState.ROUND_SETUP, a
         if self.live is None and LiveView.wanted(console.console()) and not self.spec.quiet:
             self.live = LiveView(console.console(), self._status_now)
@@ -270,7 +270,7 @@ class Agent:
 
     def _workers_store(self, rnd: Round) -> tuple[str, int] | RoundEnd:
         """Where this round's workers meet (MASTER_ADDR/PORT): node 0 provides it, the others wait."""
-        a = rnd.a
+        a = rnd.assignment
         if a.group_rank == 0 and self.plan.workers_use_rendezvous_store:
             # Every node stopped its old workers before it joined this round, so no worker of
             # an earlier attempt can write here any more: its keys go, rally's own stay.
@@ -312,7 +312,7 @@ class Agent:
 
     def _watch_workers(self, rnd: Round) -> RoundEnd:
         """Until the round ends: signals, the threads' news, exits, hangs, success, in that order."""
-        a, group = rnd.a, self.group
+        a, group = rnd.assignment, self.group
         assert group is not None
         self.exits.begin_round()
         reported_success = False
@@ -336,7 +336,7 @@ class Agent:
 
     def _on_events(self, rnd: Round) -> RoundEnd | None:
         """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py)."""
-        a = rnd.a
+        a = rnd.assignment
         for kind, value in self.loop.take_events():
             if kind is Event.ROUND_END and value[0] == a.round:
                 return value[1]
@@ -354,7 +354,7 @@ class Agent:
     def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:
         """Stop this round's workers, then apply `decide` (agent/decide.py): an exit code, or
         None to go round again."""
-        a, group = rnd.a, self.group
+        a, group = rnd.assignment, self.group
         self.ckpt.close_round(a)  # from now on a save of this round's workers is refused
         stopping = time.monotonic()
         self._stop_workers(signal.SIGTERM)
@@ -391,7 +391,7 @@ class Agent:
 
     def _exit(self, rnd: Round, end: RoundEnd, decision: Exit) -> int:
         """The job is over: close it for every node (unless it was closed already), say why."""
-        a = rnd.a
+        a = rnd.assignment
         if end.kind is EndKind.ABORTED:
             console.error(f"job ended: {end.detail}")
             return decision.code

@@ -73,7 +73,7 @@ class Preemption:
 
     def _wait_for_all_nodes(self, rnd: Round, deadline: float) -> None:
         self.store_call(rnd.preemption.note_checkpointed)
-        if rnd.a.group_rank == 0 and self.spec.requeue:
+        if rnd.assignment.group_rank == 0 and self.spec.requeue:
             remaining = max(0.01, deadline - time.monotonic())
             what = "waiting for every node's workers to checkpoint before requeueing (--preemption-grace)"
             if not self.store_call(
@@ -88,7 +88,7 @@ class Preemption:
         Without a round (a warning while waiting for one) node 0 is the preferred rank 0."""
         if not self.spec.requeue or self.requeue is None:
             return
-        a = rnd.a if rnd is not None else None
+        a = rnd.assignment if rnd is not None else None
         if a is not None and a.group_rank != 0:
             return
         if a is None and self.preferred_rank not in (0, None):

@@ -58,7 +58,7 @@ class WorkerExits:
 
     def check(self, rnd: Round, group: WorkerGroup, health: HealthMonitor) -> RoundEnd | None:
         """Note new exits; the round's end once a local failure decides it, else None."""
-        a = rnd.a
+        a = rnd.assignment
         for worker in group.workers:
             if worker.returncode is not None and worker.local_rank in health.watched:
                 self._note(rnd, worker, health)
@@ -87,7 +87,7 @@ class WorkerExits:
         health.forget(worker.local_rank)
         self.emit(
             "worker_exited",
-            round=rnd.a.round,
+            round=rnd.assignment.round,
             rank=worker.global_rank,
             pid=worker.pid,
             exit=worker.describe_exit(),
@@ -101,6 +101,6 @@ class WorkerExits:
         if silent is None:
             return self.store_call(lambda: rnd.channel.end(first))
         group_rank, silent_for = silent
-        host = rnd.a.watch_host if group_rank == rnd.a.watch_rank else ""
+        host = rnd.assignment.watch_host if group_rank == rnd.assignment.watch_rank else ""
         note = f"; {local.detail} after it (a consequence)"
         return self.store_call(lambda: rnd.channel.declare_lost(group_rank, host, silent_for, note))

@@ -65,13 +65,13 @@ class NodeChecks:
         return line
 
     def round_formed(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
-        self.store_call(lambda: self.quarantine.announce(rnd.store, rnd.a.round))
+        self.store_call(lambda: self.quarantine.announce(rnd.store, rnd.assignment.round))
         if self.preflight is None:
             return None
         return self.preflight.run(rnd, master)
 
     def after_round(self, rnd: Round, end: RoundEnd, hosts_store: bool) -> str | None:
-        if self.preflight is not None and (line := self.preflight.left_out_line(rnd.a, end)):
+        if self.preflight is not None and (line := self.preflight.left_out_line(rnd.assignment, end)):
             return line
         return self.store_call(lambda: self.quarantine.after_round(rnd, end, hosts_store))
 

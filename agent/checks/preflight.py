@@ -182,7 +182,7 @@ class Preflight:
     def due(self, rnd: Round) -> bool:
         """Every node decides the same from the store: not after a failure on the same nodes, nor
         when the round re-forms with the nodes a pre-flight just passed (those it left out gone)."""
-        a, rdzv = rnd.a, rnd.rendezvous
+        a, rdzv = rnd.assignment, rnd.rendezvous
         if a.group_world_size < 2:
             return False
         if self.spec.preflight_every_round or a.round == 0:
@@ -196,7 +196,7 @@ class Preflight:
         return not (end.kind in FAILURE_KINDS and before.members == now.members)
 
     def run(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
-        a = rnd.a
+        a = rnd.assignment
         if not self.store_call(lambda: self.due(rnd)):
             self.stop_template()  # the next probe, if any, starts plainly
             return None
@@ -265,7 +265,7 @@ class Preflight:
             return {"error": f"the probe exited with {code} and wrote no result (see {log_path})"}
 
     def _results(self, rnd: Round, wait: float) -> dict[int, dict | None]:
-        a, store = rnd.a, rnd.store
+        a, store = rnd.assignment, rnd.store
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
         what = f"pre-flight of round {a.round}: waiting for every node's probe results to judge them"
         # wait wait_in_slices: bounded, said by Preflight._results: node 0 waits VERDICT_WAIT_SECONDS (30 s) for the
@@ -282,7 +282,7 @@ class Preflight:
         return found
 
     def _judge(self, rnd: Round) -> dict:
-        a, store = rnd.a, rnd.store
+        a, store = rnd.assignment, rnd.store
         verdict = judge(self._results(rnd, VERDICT_WAIT_SECONDS), self.spec.preflight_factor, rnd.settings.min_nodes)
         verdict["round"] = a.round
         save_preflight(store, verdict)  # for `rally status`
@@ -300,8 +300,8 @@ class Preflight:
         return verdict
 
     def _read_verdict(self, rnd: Round) -> dict | None:
-        name = preflight_key(rnd.a.round, "verdict")
-        what = f"pre-flight of round {rnd.a.round}: waiting for node 0's verdict"
+        name = preflight_key(rnd.assignment.round, "verdict")
+        what = f"pre-flight of round {rnd.assignment.round}: waiting for node 0's verdict"
         bound = PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS
         # wait wait_in_slices: bounded, said by Preflight._read_verdict: PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS
         #   (50 s)
@@ -315,7 +315,7 @@ class Preflight:
         return verdict if isinstance(verdict, dict) and isinstance(verdict.get("nodes"), list) else None
 
     def _act(self, rnd: Round, verdict: dict, mine: dict, seconds: float) -> RoundEnd | None:
-        a = rnd.a
+        a = rnd.assignment
         left_out, kept = set(verdict.get("left_out") or []), set(verdict.get("kept_bad") or [])
         waited = (
             f" ({self.template_wait:.2f} s of it waiting for the worker template to load torch)"

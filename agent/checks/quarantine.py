@@ -93,7 +93,7 @@ class Quarantine:
 
         Only the culprit's own agent decides (it alone knows whether it hosts the store, which
         must stay); the others learn of it from the record when the next round forms (`announce`)."""
-        a, store, min_nodes = rnd.a, rnd.store, rnd.settings.min_nodes
+        a, store, min_nodes = rnd.assignment, rnd.store, rnd.settings.min_nodes
         host = end.node or (end.info or {}).get("host") or ""
         if not self.enabled or end.kind not in ROOT_CAUSE_KINDS or not host:
             return None

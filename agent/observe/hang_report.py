@@ -228,14 +228,14 @@ class HangReporter:
 
     def start_watching(self, rnd: Round) -> None:
         """Watch the round's stack requests in a thread (own store connection); the main loop answers."""
-        if self.cross_node(rnd.a):
+        if self.cross_node(rnd.assignment):
             threading.Thread(target=self._watch_requests, args=(rnd,), daemon=True).start()
 
     def _watch_requests(self, rnd: Round) -> None:
         try:
             # wait: background: a thread answering stack requests in slices
             if rnd.connect_again().stacks.wait_request():
-                self.loop.inbox.post(Event.DUMP_STACKS, rnd.a.round)
+                self.loop.inbox.post(Event.DUMP_STACKS, rnd.assignment.round)
         except StoreError:
             pass  # the store is gone: the keep-alive and round-end threads report that
 
@@ -244,7 +244,7 @@ class HangReporter:
 
         In a thread of its own, on a connection of its own: the round may be over because the
         store froze or this node was cut off, and a store call would then never return."""
-        if self.cross_node(rnd.a):
+        if self.cross_node(rnd.assignment):
 
             def release() -> None:
                 try:
@@ -256,10 +256,10 @@ class HangReporter:
 
     def answer(self, rnd: Round) -> None:
         """Another node found a hang: publish this node's snapshots (once per round)."""
-        if rnd.a.round in self.answered:
+        if rnd.assignment.round in self.answered:
             return
-        self.answered.add(rnd.a.round)
-        snapshots = [s.__dict__ for s in self.snapshot_workers(rnd.a)]
+        self.answered.add(rnd.assignment.round)
+        snapshots = [s.__dict__ for s in self.snapshot_workers(rnd.assignment)]
         self.store_call(lambda: rnd.stacks.publish(snapshots))
 
     def snapshot_workers(self, a: Assignment) -> list[Snapshot]:
@@ -312,7 +312,7 @@ class HangReporter:
     # ------------------------------------------------------------ the node that found the hang
     def report(self, rnd: Round, hang: Hang) -> RoundEnd:
         """Snapshot every rank on every node, name the culprit, and describe it as the round's end."""
-        a, group = rnd.a, self.group()
+        a, group = rnd.assignment, self.group()
         assert group is not None
         found = next(w for w in group.workers if w.local_rank == hang.local_rank)
         reason = f"rank {found.global_rank} on {self.host} {hang.reason}"

@@ -209,7 +209,7 @@ class Observer:
         """
         if self.timeouts is not None and self.timeouts.changed:
             save_timeouts(rnd.store, self.timeouts.to_json())
-        assignment = rnd.a
+        assignment = rnd.assignment
         if assignment.group_world_size <= 1:
             return
         summary: CentralValues | None
