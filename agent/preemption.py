@@ -12,39 +12,40 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
-from rally.agent.base.event_loop import EventLoop
+from rally.agent.base.collaborator import AgentContext
 from rally.agent.base.exit_codes import EXIT_PREEMPTED
-from rally.agent.base.spec import JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.display import console
 from rally.agent.guard import processes
+from rally.agent.rounds.workers import WorkerGroup
 from rally.rendezvous.long_wait import LongWait, wait_in_slices
 from rally.rendezvous.protocol import EndKind, Round, RoundEnd
 
 
-class Preemption:
-    """This node's part in a preemption; `requeue()`, when given, asks the scheduler to requeue."""
+class PreemptionContext(AgentContext, Protocol):
+    @property
+    def group(self) -> WorkerGroup | None:
+        """This round's workers on this node, None while none run."""
 
-    def __init__(
-        self,
-        spec: JobSpec,
-        host: str,
-        preferred_rank: int | None,
-        loop: EventLoop,
-        store_call: Callable[[Callable[[], Any]], Any],
-        requeue: Callable[[], str] | None,
-    ):
-        self.spec = spec
-        self.host = host
-        self.preferred_rank = preferred_rank
-        self.loop = loop
-        self.store_call = store_call
+
+class Preemption:
+    """This node's part in a preemption (the agent calls it when its state says a signal preempts);
+    `requeue()`, when given, asks the scheduler to requeue."""
+
+    def __init__(self, ctx: PreemptionContext, requeue: Callable[[], str] | None):
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.host = ctx.host
+        self.preferred_rank = ctx.node.preferred_rank
+        self.loop = ctx.loop
+        self.store_call = ctx.store_call
         self.requeue = requeue
 
-    def run(self, rnd: Round, group: Any, signum: int) -> RoundEnd:
+    def run(self, rnd: Round, signum: int) -> RoundEnd:
         """Warn the workers, wait for their checkpoints (bounded), requeue, end the round."""
+        group = self.ctx.group
         name = processes.signal_name(signum)
         grace = self.spec.preemption_grace
         console.say(
