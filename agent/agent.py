@@ -501,7 +501,8 @@ class Agent:
             return self.loop.run_blocking(fn, self._while_waiting, self.probe.interval if self.probe else None)
         except (RendezvousError, StoreError) as exc:
             formed = self.rdzv is not None and self.rdzv.last_round is not None
-            raise store_failure_exit(exc, self.rdzv is not None, formed, self.opened and self.opened.endpoint) from None
+            endpoint = self.opened.endpoint if self.opened else None
+            raise store_failure_exit(exc, self.rdzv is not None, formed, endpoint) from None
 
     def _while_waiting(self) -> None:
         if self.probe and (stalled := self.probe.stalled()):  # a frozen store never answers the call

@@ -31,7 +31,7 @@ from typing import Any
 from rally.agent.base.event_loop import Event
 from rally.agent.rounds.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
-from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundEnd
+from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundChannel, RoundEnd
 from rally.rendezvous.store import StoreError, UntrustedValue
 
 # How often a node refreshes its record for `rally status` (the status thread, never the keep-alive's).
@@ -119,7 +119,7 @@ class RoundThreads:
                 self.post(Event.STORE_LOST, exc)
 
     @staticmethod
-    def _valid_end(channel: Any) -> RoundEnd | None:
+    def _valid_end(channel: RoundChannel) -> RoundEnd | None:
         try:
             return channel.ended()
         except UntrustedValue:
