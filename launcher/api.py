@@ -81,7 +81,7 @@ def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: 
     name = getattr(fn, "__qualname__", fn)
     named = set(given)  # set by the caller or the environment: SLURM leaves them alone
 
-    def call(*args: Any, **kwargs: Any) -> dict[int, Any]:
+    def call(*args: object, **kwargs: object) -> dict[int, Any]:
         payload = payload_bytes(fn, {"fn": fn, "args": args, "kwargs": kwargs})
         run_dir = Path(tempfile.mkdtemp(prefix="rally_launch_", dir=chosen.log_dir))
         (run_dir / RESULTS).mkdir()
