@@ -62,7 +62,9 @@ class LaunchError(RuntimeError):
         self.exit_code = exit_code
 
 
-def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: Any) -> Callable[..., dict[int, Any]]:
+def launch(
+    config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: object
+) -> Callable[..., dict[int, Any]]:
     """Return a function that runs `fn(*args, **kwargs)` on every worker of a rally job and
     returns {global rank: return value} of this node's workers.
 
