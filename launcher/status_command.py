@@ -276,7 +276,7 @@ def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
     }
 
 
-def terminal_safe(value: Any) -> Any:
+def terminal_safe(value: object) -> Any:
     """A checked record (rendezvous/status_schema.py) with every string made printable."""
     if isinstance(value, dict):
         return {k: terminal_safe(v) for k, v in value.items()}
@@ -367,9 +367,9 @@ def _show_finished(run_dir: Path, run_id: str, as_json: bool, heading: str, wher
     return 0
 
 
-def preflight_lines(verdict: Any) -> list[str]:
+def preflight_lines(record: object) -> list[str]:
     """The last pre-flight check (agent/checks/preflight.py): each node's numbers, and who was left out."""
-    verdict = checked(verdict, VERDICT)
+    verdict = checked(record, VERDICT)
     if not verdict:
         return []
     lines = [printable(f"pre-flight of round {verdict.get('round')}: {verdict.get('summary', '')}", limit=1000)]

@@ -100,7 +100,7 @@ class AgentContext(Protocol):
     def hosts_store(self) -> bool:
         """This agent hosts the rendezvous store (its exit ends the store for every node)."""
 
-    def store_call(self, fn: Callable[[], T], waiting: bool = False, best_effort: bool = False) -> T:
+    def store_call(self, fn: Callable[[], T], waiting: bool = False) -> T:
         """Every store call of the main thread goes through here: a lost, silent or untrusted store
         ends the agent with one line. `waiting`: a long call, run while signals are handled."""
         ...

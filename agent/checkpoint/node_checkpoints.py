@@ -1,23 +1,24 @@
 """This node's checkpoints as the agent sees them: one :class:`NodeCheckpoints`, the agent's only
 checkpoint object, and the handle of its memory tier's holder process (:class:`HolderProcess`).
 
-:class:`NodeCheckpoints` is a collaborator of the agent (agent/base/collaborator.py). agent/agent.py
-calls, in this order::
+:class:`NodeCheckpoints` is a collaborator of the agent (agent/base/collaborator.py), registered in
+``Agent.collaborators``. agent/agent.py builds it, calls its hooks at the job's moments, and makes
+three calls of its own; in the order of a job::
 
-    ckpt = NodeCheckpoints(spec.checkpoint_dir, events, ...)   # Agent.__init__: starts the holder (or none)
+    ckpt = NodeCheckpoints.for_agent(agent)   # Agent.__init__: starts the holder (or none)
     ckpt.pid                      # any time: the holder's pid, a helper of the agent (never killed as the job's)
     ckpt.memory_steps()           # at every rendezvous, through agent/rounds/holdings.py: the steps in
                                   #   this node's memory (with the disk's newest intact step: the resume step)
-    ckpt.workers_starting(rnd, master)  # the round's workers about to start: saves of rnd's round
-                                  #   accepted from now on, fenced by a lease the agent renews
-    ckpt.env()                    # the same moment: the holder's address for every worker (none once it died)
-    ckpt.watch(rnd)               # each turn of the watch loop: renews the lease (a frozen agent's
+    ckpt.workers_starting(rnd, master)  # hook: the round's workers are about to start: saves of rnd's
+                                  #   round are accepted from now on, fenced by a lease the agent renews
+    ckpt.env()                    # right after: the holder's address for every worker (none once it died)
+    ckpt.watch(rnd)               # hook, each turn of the watch loop: renews the lease (a frozen agent's
                                   #   workers cannot checkpoint)
-    ckpt.round_ending(rnd)        # before the round's workers are stopped: a late save is refused
-    ckpt.exit()                   # the agent exits, its workers stopped: the newest in-memory step made
-                                  #   durable (bounded by --shutdown-timeout), the memory freed; a line if
-                                  #   the newest saved step died with the holder (the job then exits 1)
-    ckpt.status_fields()          # any time: the last saved and durable steps (rally status, /metrics)
+    ckpt.round_ending(rnd)        # hook, before the round's workers are stopped: a late save is refused
+    ckpt.exit()                   # hook, the agent exits, its workers stopped: the newest in-memory step
+                                  #   made durable (bounded by --shutdown-timeout), the memory freed; a line
+                                  #   if the newest saved step died with the holder (the job then exits 1)
+    ckpt.status_fields()          # hook, any time: the last saved and durable steps (rally status, /metrics)
 
 Without a memory tier (``RALLY_MEMORY_TIER=0``, or a holder that could not start) there is no
 holder (:attr:`NodeCheckpoints.holder` is None) and every call above does nothing: saves go to
@@ -91,8 +92,8 @@ def fence_lease(keep_alive_timeout: float) -> float:
 
 
 class NodeCheckpoints(Collaborator):
-    """This node's checkpoints as the agent sees them: its memory tier's holder (or none) and what
-    the disk holds. The module docstring gives the order in which the agent calls it."""
+    """This node's checkpoints as the agent sees them: its memory tier's holder (or none: ``holder``
+    is None) and what the disk holds. The module docstring gives the order in which the agent calls it."""
 
     def __init__(
         self, checkpoint_dir: str | None, events: EventLog, run_id: str = "", keep_alive_timeout: float = 5.0,
@@ -130,7 +131,7 @@ class NodeCheckpoints(Collaborator):
     def workers_starting(self, rnd: Round, master: tuple[str, int]) -> None:
         """Saves of round ``rnd`` are accepted from now on, while the agent renews its lease; its
         workers resume from the round's agreed step."""
-        a = rnd.a
+        a = rnd.assignment
         self.round = a.round
         if self.holder is not None:
             self.holder.open_round(a.round, a.resume_step, self.lease)
@@ -143,7 +144,7 @@ class NodeCheckpoints(Collaborator):
     def round_ending(self, rnd: Round) -> None:
         """From now on a save of this round's workers is refused."""
         if self.holder is not None:
-            self.holder.close_round(rnd.a.round)
+            self.holder.close_round(rnd.assignment.round)
 
     def status_fields(self) -> dict[str, object]:
         """The last saved and durable steps, for `rally status`, the live view and /metrics."""
