@@ -256,7 +256,10 @@ class EtcdJob:
         self.last_call_timeout = last_call_timeout
         self.agents: list[AgentProcess] = []
 
-    def start(self, name: str, finish_world: int, seconds: float, extra_conf: str = "") -> AgentProcess:
+    def start(
+        self, name: str, finish_world: int, seconds: float, extra_conf: str = "", options: tuple[str, ...] = ()
+    ) -> AgentProcess:
+        """`options`: more rally options (e.g. --no-preflight where the pre-flight would only slow a test down)."""
         conf = f"join_timeout=60,last_call_timeout={self.last_call_timeout:g},keep_alive_interval=0.2"
         conf += f",keep_alive_timeout={KEEP_ALIVE_TIMEOUT:g}"
         conf += f",{extra_conf}" if extra_conf else ""
@@ -264,7 +267,7 @@ class EtcdJob:
             "--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-backend", "etcd",
             "--rdzv-endpoint", self.endpoints, "--rdzv-id", self.run_id, "--local-addr", "127.0.0.1",
             "--rdzv-conf", conf, "--shutdown-timeout", "3", "--max-restarts", "3",
-            "--log-dir", str(self.tmp / f"logs-{name}"),
+            "--log-dir", str(self.tmp / f"logs-{name}"), *options,
             str(self.probe), str(self.steps_path), str(finish_world), str(seconds),
         ]  # fmt: skip
         agent = start_agent(name, self.tmp, args)
@@ -390,7 +393,7 @@ def test_a_node_lost_under_gloo_is_a_node_loss_no_restart_and_the_next_round_wai
     node's lease expires: the loss is still the root cause, no restart is spent, and the next round
     closes at once (a last call of 30 s would be waited out for a node known dead)."""
     job = etcd_job(etcd.endpoints(), "1:2", probe=GLOO_PROBE, last_call_timeout=30)
-    agents = [job.start(f"n{i}", finish_world=1, seconds=1) for i in range(2)]
+    agents = [job.start(f"n{i}", finish_world=1, seconds=1, options=("--no-preflight",)) for i in range(2)]
     assert eventually(lambda: job.stepping(ranks=2, at_least=10), 120), job.outputs()
     rank1_pid = next(s["pid"] for s in job.steps() if s["GROUP_RANK"] == "1")
     victim = next(a for a in agents if rank1_pid in {p.pid for p in a.descendants()})
@@ -411,6 +414,37 @@ def test_a_node_lost_under_gloo_is_a_node_loss_no_restart_and_the_next_round_wai
     assert changes == ["membership_change"], events
     exits = [e for e in events if e["event"] == "worker_exited" and e["round"] == 0]
     assert exits and exits[0]["returncode"] not in (0, None), "the survivor's worker really failed first"
+
+
+@needs_etcd
+@pytest.mark.timeout(180)
+def test_a_spare_on_etcd_waits_and_takes_a_lost_nodes_place_without_a_restart(etcd, etcd_job):
+    """A node beyond --nnodes' maximum waits for the running round to end, watching its members'
+    keep-alives (liveness.wait_round_end_or_dead): their signed beats on etcd, not a counter."""
+    job = etcd_job(etcd.endpoints(), "1:2", last_call_timeout=30)  # round 0 is both nodes, never one
+    plain = ("--no-preflight", "--no-preload")  # stdlib workers: nothing to check or preload
+    agents = [job.start(f"n{i}", finish_world=3, seconds=0, options=plain) for i in range(2)]  # never finishes
+    assert eventually(lambda: job.stepping(ranks=2, at_least=10), 90), job.outputs()
+    spare = job.start("spare", finish_world=3, seconds=0, options=plain)
+    assert eventually(lambda: "this node waits as its spare" in spare.output(), 30), job.outputs()
+    rank0_pid = next(s["pid"] for s in job.steps() if s["GROUP_RANK"] == "0")
+    victim = next(a for a in agents if rank0_pid not in {p.pid for p in a.descendants()})
+    time.sleep(1)  # the spare watches the members' keep-alives a while before the loss
+    assert spare.popen.poll() is None, job.outputs()
+    killed_at = kill_node(victim)
+
+    def both_ranks_again() -> float | None:
+        later = [s for s in job.steps() if s["RALLY_ROUND"] != "0" and s["t"] > killed_at]
+        return max(min(s["t"] for s in later if s["RANK"] == r) for r in "01") if {s["RANK"] for s in later} == {
+            "0", "1"} else None  # fmt: skip
+
+    assert eventually(both_ranks_again, 30), job.outputs()
+    back_after = (both_ranks_again() or 0) - killed_at
+    print(f"etcd, spare: both ranks training again {back_after:.2f} s after the kill (TTL {KEEP_ALIVE_TIMEOUT:g} s)")
+    later = [s for s in job.steps() if s["RALLY_ROUND"] != "0"]
+    assert {(s["WORLD_SIZE"], s["TORCHELASTIC_RESTART_COUNT"]) for s in later} == {("2", "0")}, job.outputs()
+    assert any(s["pid"] in {p.pid for p in spare.descendants()} for s in later), "the spare's worker is one of them"
+    assert back_after <= KEEP_ALIVE_TIMEOUT + 2, f"{back_after:.2f} s after the kill\n{job.outputs()}"
 
 
 @needs_etcd
