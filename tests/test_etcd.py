@@ -27,8 +27,9 @@ from helpers import eventually, free_port, read_events, run_rally, write_probe
 from rally.rendezvous.etcd_client import Member
 from rally.rendezvous.etcd_open import open_etcd_store
 from rally.rendezvous.etcd_store import EtcdStore
-from rally.rendezvous.liveness import silent_peer
+from rally.rendezvous.liveness import silent_peer, wait_round_end_or_dead
 from rally.rendezvous.membership import RendezvousSettings
+from rally.rendezvous.protocol import Rendezvous, RoundEnd
 from rally.rendezvous.records import NodeInfo
 from rally.rendezvous.round_channel import RoundChannel
 from rally.rendezvous.store import StoreTimeout, StoreUnavailable
@@ -196,6 +197,66 @@ def test_the_peer_check_tells_a_live_peer_from_one_whose_lease_ran_out(etcd):
     assert verdict is not None and verdict[0] == 1 and verdict[1] >= settings.keep_alive_timeout, verdict
     assert took < settings.keep_alive_timeout + 1.5, f"{took:.2f} s"
     assert eventually(lambda: channels[0].alive_count(1) is None, 5), "its lease expires: its key is gone"
+
+
+def beating_members(
+    store: EtcdStore, settings: RendezvousSettings, r: int
+) -> tuple[list[RoundChannel], threading.Event]:
+    """Round r's two members, each refreshing its lease-held alive key from a thread (as a node's
+    keep-alive thread does) until the event is set: then they are dead, as SIGKILLed nodes."""
+    members = [
+        RoundChannel(store.connect_again(), settings, NodeInfo(f"n{g}", "h", "127.0.0.1", 1), r, 2, g) for g in (0, 1)
+    ]
+    dead = threading.Event()
+
+    def beat(member: RoundChannel, lease: int) -> None:
+        beats = 0
+        while not dead.wait(settings.keep_alive_interval):
+            beats += 1
+            member.refresh_alive(beats, lease)
+
+    for member in members:
+        lease = member.hold_alive()
+        threading.Thread(target=beat, args=(member.on(store.connect_again()), lease), daemon=True).start()
+    return members, dead
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_a_spare_waits_on_the_members_leases_and_ends_a_round_whose_members_all_died(etcd):
+    """A node beyond --nnodes' maximum (or a relaunch) waits for the running round to end, watching its
+    members' keep-alives (liveness.wait_round_end_or_dead): on etcd their signed beats, then no key."""
+    settings = RendezvousSettings(1, 2, join_timeout=30, keep_alive_interval=0.2, keep_alive_timeout=2)
+    store = store_for(etcd)
+    spare = Rendezvous(store.connect_again(), settings, NodeInfo("spare", "h", "127.0.0.1", 1))
+
+    def spare_waits(r: int) -> tuple[threading.Thread, list[RoundEnd]]:
+        ended: list[RoundEnd] = []
+        running = RoundChannel(spare.store, settings, spare.me, r, 2)
+        deadline = time.monotonic() + 20
+        waiter = threading.Thread(
+            target=lambda: ended.append(wait_round_end_or_dead(spare, running, deadline)), daemon=True
+        )
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive(), f"round {r} runs: the spare waits ({ended})"
+        return waiter, ended
+
+    # a member is lost: the survivor's ring ends the round; the spare's wait returns that end
+    members, dead = beating_members(store, settings, 0)
+    waiter, ended = spare_waits(0)
+    dead.set()
+    members[0].declare_lost(1, "h", settings.keep_alive_timeout)
+    waiter.join(10)
+    assert ended and ended[0].kind == "node_lost" and "node 1 (h) was lost" in ended[0].detail, ended
+    # every member dies: the spare ends the round itself (a relaunch forms a new job)
+    members, dead = beating_members(store, settings, 1)
+    waiter, ended = spare_waits(1)
+    dead.set()
+    began = time.monotonic()
+    waiter.join(15)
+    assert ended and ended[0].kind == "node_lost" and "all 2 nodes of round 1" in ended[0].detail, ended
+    assert time.monotonic() - began < 2 * settings.keep_alive_timeout + 1.5
 
 
 @needs_etcd
@@ -414,37 +475,6 @@ def test_a_node_lost_under_gloo_is_a_node_loss_no_restart_and_the_next_round_wai
     assert changes == ["membership_change"], events
     exits = [e for e in events if e["event"] == "worker_exited" and e["round"] == 0]
     assert exits and exits[0]["returncode"] not in (0, None), "the survivor's worker really failed first"
-
-
-@needs_etcd
-@pytest.mark.timeout(180)
-def test_a_spare_on_etcd_waits_and_takes_a_lost_nodes_place_without_a_restart(etcd, etcd_job):
-    """A node beyond --nnodes' maximum waits for the running round to end, watching its members'
-    keep-alives (liveness.wait_round_end_or_dead): their signed beats on etcd, not a counter."""
-    job = etcd_job(etcd.endpoints(), "1:2", last_call_timeout=30)  # round 0 is both nodes, never one
-    plain = ("--no-preflight", "--no-preload")  # stdlib workers: nothing to check or preload
-    agents = [job.start(f"n{i}", finish_world=3, seconds=0, options=plain) for i in range(2)]  # never finishes
-    assert eventually(lambda: job.stepping(ranks=2, at_least=10), 90), job.outputs()
-    spare = job.start("spare", finish_world=3, seconds=0, options=plain)
-    assert eventually(lambda: "this node waits as its spare" in spare.output(), 30), job.outputs()
-    rank0_pid = next(s["pid"] for s in job.steps() if s["GROUP_RANK"] == "0")
-    victim = next(a for a in agents if rank0_pid not in {p.pid for p in a.descendants()})
-    time.sleep(1)  # the spare watches the members' keep-alives a while before the loss
-    assert spare.popen.poll() is None, job.outputs()
-    killed_at = kill_node(victim)
-
-    def both_ranks_again() -> float | None:
-        later = [s for s in job.steps() if s["RALLY_ROUND"] != "0" and s["t"] > killed_at]
-        return max(min(s["t"] for s in later if s["RANK"] == r) for r in "01") if {s["RANK"] for s in later} == {
-            "0", "1"} else None  # fmt: skip
-
-    assert eventually(both_ranks_again, 30), job.outputs()
-    back_after = (both_ranks_again() or 0) - killed_at
-    print(f"etcd, spare: both ranks training again {back_after:.2f} s after the kill (TTL {KEEP_ALIVE_TIMEOUT:g} s)")
-    later = [s for s in job.steps() if s["RALLY_ROUND"] != "0"]
-    assert {(s["WORLD_SIZE"], s["TORCHELASTIC_RESTART_COUNT"]) for s in later} == {("2", "0")}, job.outputs()
-    assert any(s["pid"] in {p.pid for p in spare.descendants()} for s in later), "the spare's worker is one of them"
-    assert back_after <= KEEP_ALIVE_TIMEOUT + 2, f"{back_after:.2f} s after the kill\n{job.outputs()}"
 
 
 @needs_etcd
