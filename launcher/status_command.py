@@ -21,8 +21,12 @@ against its writer's types (rendezvous/status_schema.py), every file opened with
 link or blocking and read up to a cap (agent/base/untrusted_files.py), every string escaped before
 it reaches the terminal (agent/display/untrusted_text.py) and rich markup in it never
 interpreted. A store that refuses the connection (the job has ended: its store went with it) is
-said at once, with where the job's run directory is, and torch is imported only to talk to a
-store that is there.
+said at once, with where the job's run directory is.
+
+It never imports torch for a c10d or etcd store: a c10d store is read through
+rendezvous/wire_store.py (c10d's wire protocol, standard library only), and the command is
+loaded without the run command's modules (launcher/entry.py). Only a FileStore, whose format
+is torch's, is read through torch.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import straggler_line, worker_table
 from rally.agent.observe import run_info
 from rally.launcher.validate import ConfigError
-from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
+from rally.rendezvous.kv import StoreReader
 from rally.rendezvous.protocol import job_prefix
 from rally.rendezvous.status_schema import MAX_ITEMS, VERDICT, checked
 from rally.rendezvous.store import StoreEndpoint
@@ -207,7 +211,9 @@ def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None
     try:
         if file_store:
             return BACKENDS["file"].locate(file_store)
-        return backend_named(backend).locate(endpoint or "", parse_rdzv_conf(rdzv_conf))
+        from rally.launcher.values import parse_rdzv_conf  # its import pulls in the run options' modules
+
+        return backend_named(backend).locate(endpoint or "", parse_rdzv_conf(rdzv_conf) if rdzv_conf else {})
     except (EndpointError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -223,19 +229,39 @@ def job_token() -> str:
 
 
 def read_status(where: StoreEndpoint, run_id: str, timeout: float, token: str) -> dict | None:
-    """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
+    """The job's status from its store (StoreUnavailable or NoStoreThere when it cannot be read)."""
     from rally.rendezvous.status import read_job_status
     from rally.rendezvous.store_connect import bounded
     from rally.rendezvous.token import Signer
 
-    _import_store_client()
-    store = open_endpoint(where, job_prefix(run_id), timeout, timeout, Signer(token, verify=bool(token))).store
+    signer = Signer(token, verify=bool(token))
     # Bounded as a whole: a store that freezes after the connect must not hang the command.
-    return bounded(lambda: read_job_status(store), timeout, f"reading job {run_id} from {where}")
+    return bounded(
+        lambda: read_job_status(open_reader(where, job_prefix(run_id), timeout, signer)),
+        timeout,
+        f"reading job {run_id} from {where}",
+    )
+
+
+def open_reader(where: StoreEndpoint, prefix: str, timeout: float, signer: Any) -> StoreReader:
+    """A reader of the job's keys: a c10d TCPStore through rendezvous/wire_store.py (no torch:
+    its import would be most of the command's time), once the endpoint has answered as a c10d
+    store; etcd through its own client (no torch either); a FileStore, whose format is torch's,
+    through torch."""
+    if where.etcd or where.file_path:
+        if where.file_path:
+            _import_store_client()
+        return open_endpoint(where, prefix, timeout, timeout, signer).store
+    from rally.rendezvous.store_connect import wait_for_store
+    from rally.rendezvous.wire_store import WireStore
+
+    describe = f"the rendezvous store at {where}"
+    wait_for_store(where.host, where.port, describe, timeout, timeout)  # NoStoreThere: one line
+    return WireStore(where.host, where.port, prefix, timeout, signer)
 
 
 def _import_store_client() -> None:
-    """torch, for its store client, without the warning it prints where NumPy is missing or of
+    """torch, for its FileStore, without the warning it prints where NumPy is missing or of
     another ABI ("Failed to initialize NumPy"): `rally status` never touches a tensor."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy")
