@@ -227,6 +227,34 @@ def status_limited(run_dir: Path, *extra: str, timeout: float = 30) -> Result:
     return run_rally(["status", run_dir, *extra], prefix=limited, cwd=Path("/"), env=env, timeout=timeout)
 
 
+# Same under load: who owns a directory decides, not timing.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(60)
+def test_a_run_index_another_user_made_is_neither_written_nor_believed(shared_dir, tmp_path):
+    """`$TMPDIR/rally-runs-<uid>` (agent/observe/run_info.py) in a shared temp directory: the other
+    user makes it first, with a link to a run they planted. The job links nothing there, and
+    `rally status` takes no run from it; in an index of the user's own, the run is found."""
+    from rally.agent.observe.run_info import index_run, run_dirs_of, run_index
+
+    require_stranger()
+    planted = stranger_plants_run(shared_dir, "")
+    index = run_index(shared_dir)
+    code = f"import os\nos.mkdir({str(index)!r}, 0o777)\nos.chmod({str(index)!r}, 0o777)\n"
+    code += f"os.symlink({str(planted)!r}, os.path.join({str(index)!r}, 'victim_planted'))\n"
+    done = run_as_stranger(code, timeout=30)
+    assert done.returncode == 0, done.stderr
+    mine = tmp_path / "logs" / "victim_mine"
+    mine.mkdir(parents=True)
+    (mine / "endpoint.json").write_text(json.dumps({"run_id": "victim", "endpoint": "127.0.0.1:1"}))
+    index_run(mine, base=shared_dir)
+    assert sorted(p.name for p in index.iterdir()) == ["victim_planted"]  # nothing of the job's there
+    assert run_dirs_of("victim", base=shared_dir) == []
+    own = tmp_path / "own"
+    own.mkdir()
+    index_run(mine, base=own)
+    assert run_dirs_of("victim", base=own) == [mine.resolve()]
+
+
 # Same under load: a FIFO blocks a plain open for ever, whatever the CPU does.
 @pytest.mark.same_under_load
 @pytest.mark.timeout(60)
