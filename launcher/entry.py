@@ -1,4 +1,4 @@
-"""The `rally` command's entry point, and how any of its click commands turns an error into one line.
+"""The `rally` command's entry point.
 
 `rally status` is what a user types while a job runs, often many times: it loads its own
 command only (launcher/status_command.py), never the run command's options, config and SLURM
@@ -7,14 +7,7 @@ modules (launcher/cli.py), which it does not need. Everything else goes to launc
 
 from __future__ import annotations
 
-import difflib
 import sys
-
-import click
-
-from rally.agent.base.exit_codes import EXIT_BAD_INPUT
-from rally.agent.display import console
-from rally.launcher.validate import ConfigError
 
 STATUS = "status"
 
@@ -23,33 +16,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `rally` and `python -m rally`."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == [STATUS]:
+        from rally.launcher.command_errors import run_click
         from rally.launcher.status_command import status_command
 
         sys.exit(run_click(status_command, args[1:], prog_name=f"rally {STATUS}"))
     from rally.launcher.cli import main as run_main
 
     run_main(args)
-
-
-def run_click(command: click.Command, args: list[str], prog_name: str = "rally") -> int:
-    """Run a click command; bad input is one line and exit 2 (EXIT_BAD_INPUT), never a traceback."""
-    try:
-        code = command.main(args, prog_name=prog_name, standalone_mode=False)
-    except ConfigError as exc:
-        console.plain_error(str(exc))
-        return EXIT_BAD_INPUT
-    except click.UsageError as exc:
-        message = exc.format_message()
-        if isinstance(exc, click.NoSuchOption):
-            message = f"no such option {exc.option_name}; see rally --help"
-            closest = difflib.get_close_matches(exc.option_name, list(exc.possibilities or ()), n=1, cutoff=0)
-            if closest:
-                message = f"no such option {exc.option_name}; did you mean {closest[0]}?"
-        console.plain_error(message)
-        return EXIT_BAD_INPUT
-    except click.ClickException as exc:
-        console.plain_error(exc.format_message())
-        return exc.exit_code
-    except click.exceptions.Abort:
-        return 130
-    return code if isinstance(code, int) else 0

@@ -48,7 +48,7 @@ from rich.table import Table
 from rally.agent.display import console
 from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import straggler_line, worker_table
-from rally.agent.observe import run_info
+from rally.agent.observe import job_view, run_info
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.kv import StoreReader
@@ -131,6 +131,11 @@ def status_command(
         backend, file_store = written.get("backend") or backend, written.get("file_store")
         if _report_outcome(run_dir) != "running":  # over: no store to ask
             return _show_finished(run_dir, str(run_id), as_json, f"job {run_id} has ended", str(found or file_store))
+        seen = job_view.read_job_view(run_dir, str(run_id))
+        if seen is not None:  # node 0 runs here: its view of the job, seconds old, without a store
+            view, age = seen
+            note = f"as of {age:.1f} s ago: node 0's view in {run_dir / job_view.VIEW_FILE} (the store was not asked)"
+            return _show_status(str(run_id), str(found or file_store), view, as_json, "view", age, note)
     else:
         found, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     where = _where(found, backend, file_store, rdzv_conf)
@@ -155,11 +160,21 @@ def status_command(
         raise click.ClickException(
             printable(f"no job with run id '{run_id}' at {where} (no agent has registered there)", limit=2000)
         )
+    return _show_status(str(run_id), str(where), status, as_json, "store")
+
+
+def _show_status(
+    run_id: str, where: str, status: dict, as_json: bool, source: str, age: float | None = None, note: str = ""
+) -> int:
+    """The running job's table (or --json), read from its store or, `age` seconds old, from node 0's view."""
     status["last_restart"] = last_restart(status["nodes"])
     if as_json:
-        click.echo(json.dumps(as_record(run_id, str(where), status, "store"), default=str))
+        record = as_record(run_id, where, status, source)
+        if age is not None:
+            record["age"] = round(age, 3)
+        click.echo(json.dumps(record, default=str))
         return 0
-    show_running(str(run_id), str(where), status)
+    show_running(run_id, where, status, note)
     return 0
 
 
@@ -293,7 +308,9 @@ def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
     return {
         "run_id": run_id,
         "endpoint": where,
-        "source": source,  # "store": the running job; "run_dir": what its agent left behind
+        # "store": the running job; "view": node 0's view of it in RUN_DIR, `age` seconds old;
+        # "run_dir": what its agent left behind
+        "source": source,
         "round": status.get("round"),
         "closed": closed,
         "last_restart": status.get("last_restart"),
@@ -311,7 +328,7 @@ def terminal_safe(value: Any) -> Any:
     return printable(value) if isinstance(value, str) else value
 
 
-def show_running(run_id: str, where: str, status: dict) -> None:
+def show_running(run_id: str, where: str, status: dict, note: str = "") -> None:
     # No markup, emoji or highlighting: nothing in a record is read as a rich instruction.
     out = Console(markup=False, emoji=False, highlight=False)
     if not out.is_terminal:
@@ -319,6 +336,8 @@ def show_running(run_id: str, where: str, status: dict) -> None:
     nodes = terminal_safe(status["nodes"])
     shown = {**status, "nodes": nodes, "round": "-" if status["round"] is None else status["round"]}
     out.print(status_table(printable(run_id), printable(where), shown, time.time()))
+    if note:
+        out.print(printable(note, limit=2000))
     for node in nodes:
         for w in node.get("workers") or []:
             if w.get("straggler") and _straggler_complete(w):
@@ -337,7 +356,10 @@ def show_running(run_id: str, where: str, status: dict) -> None:
     for line in preflight_lines(status.get("preflight")):
         out.print(line)
     if closed is not None:
-        console.say(printable(f"the job has ended ({closed.kind}): {closed.detail}", limit=1000))
+        kind, detail = (
+            (closed.get("kind"), closed.get("detail")) if isinstance(closed, dict) else (closed.kind, closed.detail)
+        )
+        console.say(printable(f"the job has ended ({kind}): {detail}", limit=1000))
 
 
 def _straggler_complete(worker: dict) -> bool:

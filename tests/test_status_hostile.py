@@ -255,6 +255,29 @@ def test_a_run_index_another_user_made_is_neither_written_nor_believed(shared_di
     assert run_dirs_of("victim", base=own) == [mine.resolve()]
 
 
+# Same under load: who owns the file decides, not timing.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(60)
+def test_a_job_view_another_user_planted_in_a_run_directory_is_not_shown(shared_dir):
+    """status.json (agent/observe/job_view.py) lets `rally status RUN_DIR` skip the store: one the
+    other user wrote, fresh, owner-only and of the run's id, is not the job's and is not shown."""
+    require_stranger()
+    view = {"version": 1, "run_id": "victim", "round": 0, "closed": None, "quarantined": {}, "preflight": None}
+    view["nodes"] = [node_record(host="planted-host", worker_pid=6666)]
+    code = (
+        f"import time\nview = {json.dumps(view)!r}\n"
+        "path = os.path.join(run, 'status.json')\n"
+        "fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)\n"
+        'os.write(fd, view.replace(\'"round": 0\', \'"written": %f, "round": 0\' % time.time()).encode())\n'
+    )
+    run = stranger_plants_run(shared_dir, code)
+    assert (run / "status.json").stat().st_uid == 65534 and b"written" in (run / "status.json").read_bytes()
+    done = status_limited(run, timeout=20)
+    assert done.returncode == 0, done.describe()
+    assert "planted-host" not in done.stdout and "6666" not in done.stdout, done.stdout
+    assert "nothing listens at" in done.stdout, done.stdout  # the store was asked instead: it is gone
+
+
 # Same under load: a FIFO blocks a plain open for ever, whatever the CPU does.
 @pytest.mark.same_under_load
 @pytest.mark.timeout(60)
@@ -483,6 +506,8 @@ def test_status_of_a_running_job_imports_no_torch_and_after_it_names_the_run_dir
                 return (cpu, done) if done.returncode == 0 and shown == pids else None
 
             cpu, done = wait_for(shows_both_workers, 30, what=f"`rally status {' '.join(form)}` showing both workers")
+            from_view = "node 0's view in " + str(run_dir / "status.json")  # RUN_DIR: no store asked
+            assert (from_view in done.stdout) == (form == [str(run_dir)]), done.stdout
             imported = imported_modules(done.stderr)
             assert "torch" not in imported and "numpy" not in imported, sorted(imported)
             assert cpu < 0.75, (form, cpu)  # measured 0.14 s (0.12 s wall idle); main: 1.7 s, torch's import
