@@ -271,6 +271,8 @@ def open_reader(where: StoreEndpoint, prefix: str, timeout: float, signer: Any) 
     from rally.rendezvous.wire_store import WireStore
 
     describe = f"the rendezvous store at {where}"
+    # wait: bounded, said by rendezvous/store_connect.py _connect: `timeout` (--timeout), with a line
+    # every few seconds while the port does not answer
     wait_for_store(where.host, where.port, describe, timeout, timeout)  # NoStoreThere: one line
     return WireStore(where.host, where.port, prefix, timeout, signer)
 

@@ -140,6 +140,7 @@ class WireStore:
         conn, parts, left = self._connected(), [], size
         try:
             while left:
+                # wait: short: the socket's timeout (`timeout`, the status command's) per receive
                 chunk = conn.recv(min(left, RECV_CHUNK))
                 if not chunk:
                     raise StoreUnavailable(f"{self.describe} closed the connection in the middle of an answer")
