@@ -70,8 +70,8 @@ def _missing() -> list[str]:
     save_config = getattr(getattr(torch.utils.serialization, "config", None), "save", None)
     if not hasattr(save_config, "compute_crc32"):
         missing.append("torch.utils.serialization.config.save.compute_crc32")
-    if not hasattr(torch._C, "PyTorchFileReader"):
-        missing.append("torch._C.PyTorchFileReader")
+    if not hasattr(getattr(torch._C, "PyTorchFileReader", None), "get_record_offset"):
+        missing.append("torch._C.PyTorchFileReader.get_record_offset")
     if _narrow() is None:
         missing.append("torch.distributed._shard._utils.narrow_tensor_by_index")
     return missing
