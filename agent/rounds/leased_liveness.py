@@ -35,9 +35,10 @@ def keep_alive_with_lease(
     Nothing else runs on this thread (the status record has a thread of its own, agent/rounds/threads.py).
 
     Store failures are posted as (Event.STORE_LOST, exc), as the counter-based keep-alive does.
-    The alive key's value counts the refreshes, so `RoundChannel.alive_count` moves as with a
-    counter (liveness.silent_peer judges peers the same way on both stores); `answered` is
-    called with the time each answered refresh was sent (the round's store watchdog).
+    The alive key's value (signed, as every value) counts the refreshes, so
+    `RoundChannel.alive_count` moves as with a counter, and is None once the lease expired
+    (liveness.silent_peer judges peers by both); `answered` is called with the time each
+    answered refresh was sent (the round's store watchdog).
     """
     s, a, channel = keeper.settings, keeper.assignment, keeper.channel
     interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)

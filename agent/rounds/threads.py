@@ -131,7 +131,8 @@ class RoundThreads:
         if self.keeper.store.leased_liveness:  # etcd: leases expire by themselves
             return keep_alive_with_lease(self.keeper, self.over, self.post, self._answered)
         interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
-        last_seen, last_change = -1, time.monotonic()
+        last_seen: int | None = -1  # a counter here (c10d): never None
+        last_change = time.monotonic()
         channel = self.keeper.channel
         try:
             while not self.over.is_set():
