@@ -50,7 +50,7 @@ def traced(self, *args, **kwargs):
 
 
 agent.Agent.__init__ = traced
-from rally.launcher.cli import main
+from rally.launcher.entry import main  # as `python -m rally`
 
 sys.argv[0] = "rally"
 main()

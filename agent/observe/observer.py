@@ -59,8 +59,8 @@ class Observer(Collaborator):
 
     def __init__(self, ctx: ObserverContext, timeouts: LearnedTimeouts | None = None):
         """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py),
-        kept in the store. Node 0 keeps the job's view for `rally status RUN_DIR` in the context's
-        run directory (agent/observe/job_view.py)."""
+        kept in the store. Node 0 keeps the job's view for `rally status RUN_DIR` in the agent's run
+        directory (agent/observe/job_view.py)."""
         self.ctx = ctx
         self.spec = ctx.spec
         self.run_dir: Path | None = ctx.run_dir
