@@ -33,11 +33,17 @@ Imports no torch at module level: the holder and the agent import the checkpoint
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where it is used
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 OLDEST = (2, 10)
 """The oldest torch minor release the fast paths were checked against (.ci/torch-matrix's OLDEST)."""
@@ -129,7 +135,7 @@ def no_record_crc() -> Iterator[None]:
         config.save.compute_crc32 = before
 
 
-def storage_record_offset(item: Any) -> int | None:
+def storage_record_offset(item: io.RawIOBase) -> int | None:
     """Where the one storage record of the ``torch.save`` archive ``item`` (a readable, seekable file
     over it) starts; None: another record count, an unreadable archive, or the fast paths are off."""
     if not fast_paths():
@@ -137,22 +143,22 @@ def storage_record_offset(item: Any) -> int | None:
     import torch
 
     try:
-        archive = torch._C.PyTorchFileReader(item)  # any readable, seekable file
+        archive = torch._C.PyTorchFileReader(item)  # type: ignore[call-overload]  # any readable, seekable file
         records = [name for name in archive.get_all_records() if _STORAGE_RECORD.search(name)]
         if len(records) != 1:
             return None
-        return int(archive.get_record_offset(records[0]))  # type: ignore[attr-defined]  # not in torch's stubs
+        return int(archive.get_record_offset(records[0]))
     except (RuntimeError, ValueError):
         return None
 
 
-def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
+def narrow_tensor_by_index(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """DCP's own narrowing of a chunk read for a request (its FileSystemReader's); only called
     where :func:`fast_paths` is True."""
     return _narrow()(tensor, offsets, sizes)
 
 
-def metadata_path(reader: Any, rank: Any) -> Any:
+def metadata_path(reader: FileSystemReader, rank: int | None) -> os.PathLike[str]:
     """Where DCP's ``FileSystemReader`` ``reader`` finds the ``.metadata`` (its private ``_get_metadata_path``)."""
     return reader._get_metadata_path(rank)
 
