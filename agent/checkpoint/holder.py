@@ -16,7 +16,8 @@ It talks JSON lines on two channels:
   the agent's process group (Ctrl-C, ``kill -- -PGID``) cannot take the copies away before the
   agent has made the newest one durable.
 - **an abstract Unix socket, with the workers** (agent/checkpoint/core/client.py; SOCK_SEQPACKET, one
-  request or answer per packet): ``reserve`` a slot, ``commit`` or ``abort`` it, ``resume``
+  request or answer per packet): ``reserve`` a slot, ``commit`` or ``abort`` it (``copied``: an
+  overlapped save's copy is done, its commit decided later), ``resume``
   (which step, and from where). A slot's memfd travels with the answer. The agent creates and
   binds the socket under a random name before this process starts and hands it over as an
   inherited descriptor (no name on any command line, and nobody can bind it first); the holder
@@ -187,6 +188,9 @@ class Holder:
                 return {"ok": True, "news": (str(msg["key"]), slot.step)}, []
             if op == "abort":
                 table.abort(conn_id, str(msg["key"]), int(msg["step"]))
+                return {"ok": True}, []
+            if op == "copied":
+                table.copied(conn_id, str(msg["key"]), int(msg["step"]))
                 return {"ok": True}, []
             if op == "held":
                 return {"ok": True, "held": table.held(str(msg["prefix"]))}, []

@@ -20,6 +20,10 @@ read in one place (agent/checkpoint/holder.py does the sockets and the persister
 - **Reloaded slots are never written again.** ``resume`` hands a worker the slot's memfd for
   ``torch.load(mmap=True)``; the next save that lands on that slot gets a fresh memfd (the old
   one's pages live as long as the worker keeps tensors from it, then the kernel frees them).
+- **Copied is not committed.** An overlapped save (agent/checkpoint/core/overlap.py) says ``copied``
+  when its background copy is done and commits only once its writer has checked that no tensor
+  changed meanwhile: till then the slot is written, not readable, but the persister need not
+  leave it the memory bandwidth.
 - **Memory is checked before it is taken.** A copy may take at most half of the memory still
   available to this node and its cgroup (and stay under RALLY_CKPT_MEMORY_LIMIT if set);
   otherwise that save goes to disk (the tier says so once), and a later save that fits is held
@@ -64,6 +68,7 @@ class Slot:
     keep: int = 3
     persisted: bool = False
     loaded: bool = False  # a worker mapped it: never write into this memfd again
+    copied: bool = False  # its writer's copy is done, its commit still to be decided (an overlapped save)
 
 
 @dataclass
@@ -235,7 +240,16 @@ class SlotTable:
         RELOAD_PAUSE_SECONDS after a resume (the restart the job is waiting for)."""
         with self.cond:
             reloading = time.monotonic() < self.resumed_at + RELOAD_PAUSE_SECONDS
-            return reloading or any(s.state == WRITING for k in self.keys.values() for s in k.slots)
+            return reloading or any(s.state == WRITING and not s.copied for k in self.keys.values() for s in k.slots)
+
+    def copied(self, conn: int, key: str, step: int) -> None:
+        """The writer's copy into the slot is done; it commits (or aborts) once it knows the copy is
+        intact (agent/checkpoint/core/overlap.py): the persister need not pause for it meanwhile."""
+        with self.cond:
+            try:
+                self._writing(conn, key, step).copied = True
+            except Refused:
+                return  # committed or aborted already
 
     def abort(self, conn: int, key: str, step: int) -> None:
         with self.cond:

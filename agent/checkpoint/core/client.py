@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rally.agent.checkpoint.core import layout
+from rally.agent.checkpoint.core.overlap import PendingCopy, in_place_version, overlap
 from rally.agent.checkpoint.core.shm import (
     ArchiveTooLarge,
     SlotMaps,
@@ -143,7 +144,7 @@ class MemoryTier:
                     return json.loads(data), fds
                 except (OSError, ValueError) as exc:
                     self.close()
-                    if attempt or message.get("op") in ("commit", "abort"):
+                    if attempt or message.get("op") in ("commit", "abort", "copied"):
                         raise CheckpointRefused(
                             f"rally: the checkpoint holder of this node is unreachable ({exc})"
                         ) from None
@@ -222,7 +223,8 @@ class MemoryTier:
             pass
 
     def save(self, state: Any, key: str, step: int, *, persist: bool | str, keep: int) -> bool:
-        """Copy ``state`` into a slot as ``step``; True once committed, False if disk-only.
+        """Copy ``state`` into a slot as ``step``; True once committed or handed to the copy thread
+        (agent/checkpoint/core/overlap.py), False if disk-only.
 
         A state laid out as the last one saved under ``key`` (a training loop's case) is copied
         tensor by tensor straight into the slot (agent/checkpoint/core/layout.py): the stall is a
@@ -233,20 +235,40 @@ class MemoryTier:
         length plus its pickle's length again as slack is reserved instead, and only a state
         that outgrew it pays for the exact pass and a second try.
         """
-        found = layout.signature(state)
+        overlap.settle()  # the previous save's copy, if still in flight: one copy at a time
+        views: list[tuple[int, Any]] = []
+        found = layout.signature(state, views)
         known = self._layouts.get(key)
         if found is not None and known is not None and known.signature == found[0]:
             target = self.reserve(key, step, _room(known.length, sum(s.nbytes() for s in found[1])), persist, keep)
             if target is None:
                 return False
+            later = set(overlap.background(found[1]))
             try:
-                length = known.write(found[1], target)
+                length = known.write(found[1], target, [i for i in range(len(found[1])) if i not in later])
             except BaseException:
                 self.abort(key, step)
                 raise
-            self.commit(key, step, length)
+            if not later:
+                self.commit(key, step, length)
+                return True
+            watched = [(tensor, in_place_version(tensor)) for i, tensor in views if i in later]
+            storages, background = found[1], sorted(later)
+            overlap.start(
+                PendingCopy(
+                    self, key, step, length, lambda: known.copy_data(storages, background, target), watched, state
+                )
+            )
             return True
         return self._save_archive(state, key, step, persist, keep, found)
+
+    def copied(self, key: str, step: int) -> None:
+        """Tell the holder that an overlapped save's copy is done (its commit is decided later):
+        its persister, which pauses while a worker copies, may go on. Best effort."""
+        try:
+            self.request(op="copied", key=key, step=step)
+        except CheckpointRefused:
+            pass
 
     def _save_archive(self, state: Any, key: str, step: int, persist: bool | str, keep: int, found: Any) -> bool:
         """The save through torch.save (a new layout), learning the layout when it is eligible."""

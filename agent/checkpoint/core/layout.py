@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _LEAVES = (str, int, float, bool, type(None), bytes)
@@ -80,8 +80,10 @@ def walk_structure(obj: Any, sig: list[Any], other: Callable[[Any], bool], memo:
     return other(obj)
 
 
-def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
-    """(what decides the archive's layout, the state's storages in walk order); None: ineligible."""
+def signature(state: Any, views: list[tuple[int, Any]] | None = None) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """(what decides the archive's layout, the state's storages in walk order); None: ineligible.
+    ``views``, if given, receives (storage index, tensor) of every tensor met: which tensors show
+    each storage (agent/checkpoint/core/overlap.py watches their in-place versions)."""
     import torch
 
     tensor_types = (torch.Tensor, torch.nn.Parameter)
@@ -108,6 +110,8 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
         elif storages[i].nbytes() != size:
             return False
         sig.append((kind, obj.dtype, tuple(obj.shape), obj.stride(), obj.storage_offset(), obj.requires_grad, i, size))
+        if views is not None:
+            views.append((i, obj))
         return True
 
     return (tuple(sig), storages) if walk_structure(state, sig, tensor, memo) else None
@@ -144,24 +148,33 @@ class Layout:
         self.offsets = offsets
         self.rest = rest
 
-    def write(self, sources: list[Any], target: Any) -> int:
+    def write(self, sources: list[Any], target: Any, which: Iterable[int] | None = None) -> int:
         """Write the archive of a state with this layout into ``target`` (a slot's mapping); its length.
         A source is a storage, or a contiguous tensor whose bytes were written as a storage of
-        their own (a view DCP would clone, see agent/checkpoint/sharded/layout.py)."""
-        import torch
-
+        their own (a view DCP would clone, see agent/checkpoint/sharded/layout.py). ``which``:
+        only these sources' data (the rest of the archive is written all the same); the others
+        are left to :meth:`copy_data` (an overlapped save's background copy)."""
         if len(target) < self.length:
             raise ValueError(f"rally: the slot of {len(target)} bytes is smaller than the archive ({self.length})")
+        if len(sources) != len(self.offsets):
+            raise ValueError(f"rally: {len(sources)} storages for a layout of {len(self.offsets)}")
         for pos, data in self.rest:
             target[pos : pos + len(data)] = data
+        self.copy_data(sources, range(len(sources)) if which is None else which, target)
+        return self.length
+
+    def copy_data(self, sources: list[Any], which: Iterable[int], target: Any) -> None:
+        """Copy the data of ``sources[i]`` for each ``i`` in ``which`` into its place in ``target``."""
+        import torch
+
         whole = torch.frombuffer(target, dtype=torch.uint8, count=self.length)
         try:
-            for source, pos in zip(sources, self.offsets, strict=True):
-                data = bytes_of(source)
+            for i in which:
+                data = bytes_of(sources[i])
+                pos = self.offsets[i]
                 whole[pos : pos + data.numel()].copy_(data)
         finally:
             del whole  # no export of the mapping outlives the save (SlotMaps may close it)
-        return self.length
 
 
 def bytes_of(source: Any) -> Any:
