@@ -7,8 +7,9 @@ Each run is a 2-worker job on this machine running bench/workers/ckpt.py (its do
 details): every rank holds the same ``--mb`` MB state, saves it 5 times 1.5 s apart, rank 1 is
 SIGKILLed, the launcher restarts both workers, and they reload the newest step. Per method:
 
-- **stall**: how long ``save`` keeps the training step waiting (rank 0), the median of the
-  steady-state saves (the 3rd to the 5th; the first two of the memory tiers allocate and map their
+- **stall**: how long ``save`` keeps the training loop waiting (rank 0): the call, plus for rally's
+  overlapped saves the wait of the next optimizer step's fence for the copy (the next step computes
+  ``--compute`` 0.1 s on every rank first, see the worker); the median of the steady-state saves (the 3rd to the 5th; the first two of the memory tiers allocate and map their
   shared memory, reported as "first saves"); the **ratio** is to a plain ``copy_`` of the same
   tensors into preallocated ones, measured in the same worker just before;
 - **saves dropped**: saves the method skipped (DLRover skips a save to memory while its agent
@@ -23,8 +24,8 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
   call. rally's restarted workers map their node's copy and fault its pages in while they start
   (agent/checkpoint/core/resume_prefetch.py, on every restart), so its reload is mostly the copy.
 
-rally (with its memory tier, and without: ``RALLY_MEMORY_TIER=0``, the disk path whose
-``load_latest`` is item 8's) and the two torch methods run under rally (``--checkpoint-dir`` only
+rally (with its memory tier, overlapped; the same not overlapped: ``RALLY_CKPT_OVERLAP=0``; and without
+the tier: ``RALLY_MEMORY_TIER=0``, the disk path whose ``load_latest`` is item 8's) and the two torch methods run under rally (``--checkpoint-dir`` only
 for rally's own);
 DLRover 0.6.1 runs under its ``dlrover-run`` (bench/shim/dlrover_run.py adds the argument torch
 2.13 needs) from the interpreter in ``RALLY_BENCH_DLROVER_PYTHON`` (default
@@ -56,6 +57,7 @@ METHODS = (
     "torch_save",
     "dcp_async",
     "rally_disk",
+    "rally_sync",
     "rally",
     "dlrover",
     "dcp_save_sharded",
@@ -66,7 +68,8 @@ LABELS = {
     "torch_save": "plain `torch.save` (rank 0)",
     "dcp_async": "`torch.distributed.checkpoint.async_save`",
     "rally_disk": "`rally.job.save`, memory tier off (torch.save + fsync, rank 0)",
-    "rally": "rally memory tier (`rally.job.save`)",
+    "rally_sync": "rally memory tier, not overlapped (`RALLY_CKPT_OVERLAP=0`)",
+    "rally": "rally memory tier (`rally.job.save`, overlapped with the next step)",
     "dlrover": "DLRover 0.6.1 flash checkpoint (StorageType.DISK)",
     "dcp_save_sharded": "sharded: `torch.distributed.checkpoint.save` (every rank)",
     "dcp_async_sharded": "sharded: `torch.distributed.checkpoint.async_save` (every rank)",
@@ -114,7 +117,13 @@ def run_once(method: str, root: Path, rep: int, mb: int, keep: bool) -> dict:
     run = root / f"{method}-{rep}"
     started = time.time()
     (run / "ckpt").mkdir(parents=True)
-    env = common.bench_env({"RALLY_MEMORY_TIER": "0"} if method == "rally_disk" else None)
+    env = common.bench_env(
+        {"RALLY_MEMORY_TIER": "0"}
+        if method == "rally_disk"
+        else {"RALLY_CKPT_OVERLAP": "0"}
+        if method == "rally_sync"
+        else None
+    )
     job = Job.start(method, command(method, run, mb), env, REPO, run)
     try:
         code = job.wait(RUN_TIMEOUT)

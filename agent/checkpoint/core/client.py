@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rally.agent.checkpoint.core import layout
-from rally.agent.checkpoint.core.overlap import PendingCopy, in_place_version, overlap
+from rally.agent.checkpoint.core.overlap import NoRoomInMemory, PendingCopy, in_place_version, overlap
 from rally.agent.checkpoint.core.shm import (
     ArchiveTooLarge,
     SlotMaps,
@@ -116,6 +116,7 @@ class MemoryTier:
         self.maps = SlotMaps()
         self._sizes: dict[str, tuple[int, int]] = {}  # key -> (bytes of tensors, archive length) at the last save
         self._layouts: dict[str, layout.Layout] = {}  # key -> the last archive's layout, for the fast path
+        self._inline = False  # an overlapped save found no room: the next save reserves before it returns
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -239,28 +240,52 @@ class MemoryTier:
         views: list[tuple[int, Any]] = []
         found = layout.signature(state, views)
         known = self._layouts.get(key)
-        if found is not None and known is not None and known.signature == found[0]:
-            target = self.reserve(key, step, _room(known.length, sum(s.nbytes() for s in found[1])), persist, keep)
+        if found is None or known is None or known.signature != found[0]:
+            return self._save_archive(state, key, step, persist, keep, found)
+        size = _room(known.length, sum(s.nbytes() for s in found[1]))
+        later = set(overlap.background(found[1])) if not self._inline else set()
+        if later:
+            self._save_overlapped(state, key, step, size, persist, keep, known, found[1], views, later)
+            return True
+        target = self.reserve(key, step, size, persist, keep)
+        if target is None:
+            return False
+        self._inline = False
+        try:
+            length = known.write(found[1], target)
+        except BaseException:
+            self.abort(key, step)
+            raise
+        self.commit(key, step, length)
+        return True
+
+    def _save_overlapped(
+        self, state: Any, key: str, step: int, size: int, persist: bool | str, keep: int, known: layout.Layout,
+        storages: list[Any], views: list[tuple[int, Any]], later: set[int],
+    ) -> None:  # fmt: skip
+        """The fast path with the storages ``later`` copied by the copy thread
+        (agent/checkpoint/core/overlap.py). The others are copied now into memory of this process's
+        own (they may change before the copy thread gets to them: buffers, small tensors), and the
+        holder's two round trips, reserve and commit, are the copy thread's too: the training
+        thread pays a walk of the state and the copy of what the optimizers do not own."""
+        sources = [s if i in later else layout.bytes_of(s).clone() for i, s in enumerate(storages)]
+        watched = [(tensor, in_place_version(tensor)) for i, tensor in views if i in later]
+
+        def copy() -> None:
+            target = self.reserve(key, step, size, persist, keep)
             if target is None:
-                return False
-            later = set(overlap.background(found[1]))
+                self._inline = True  # the next save reserves first: it can go to disk if memory is short
+                raise NoRoomInMemory(
+                    f"rally: warning: checkpoint step {step} was not kept: this node's memory is too short for it "
+                    "now; the next save is written to disk if it still is"
+                )
             try:
-                length = known.write(found[1], target, [i for i in range(len(found[1])) if i not in later])
+                known.write(sources, target)
             except BaseException:
                 self.abort(key, step)
                 raise
-            if not later:
-                self.commit(key, step, length)
-                return True
-            watched = [(tensor, in_place_version(tensor)) for i, tensor in views if i in later]
-            storages, background = found[1], sorted(later)
-            overlap.start(
-                PendingCopy(
-                    self, key, step, length, lambda: known.copy_data(storages, background, target), watched, state
-                )
-            )
-            return True
-        return self._save_archive(state, key, step, persist, keep, found)
+
+        overlap.start(PendingCopy(self, key, step, known.length, copy, watched, state))
 
     def copied(self, key: str, step: int) -> None:
         """Tell the holder that an overlapped save's copy is done (its commit is decided later):

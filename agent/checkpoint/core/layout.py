@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 _LEAVES = (str, int, float, bool, type(None), bytes)
@@ -148,7 +148,7 @@ class Layout:
         self.offsets = offsets
         self.rest = rest
 
-    def write(self, sources: list[Any], target: Any, which: Iterable[int] | None = None) -> int:
+    def write(self, sources: list[Any], target: Any, which: list[int] | range | None = None) -> int:
         """Write the archive of a state with this layout into ``target`` (a slot's mapping); its length.
         A source is a storage, or a contiguous tensor whose bytes were written as a storage of
         their own (a view DCP would clone, see agent/checkpoint/sharded/layout.py). ``which``:
@@ -163,16 +163,17 @@ class Layout:
         self.copy_data(sources, range(len(sources)) if which is None else which, target)
         return self.length
 
-    def copy_data(self, sources: list[Any], which: Iterable[int], target: Any) -> None:
+    def copy_data(self, sources: list[Any], which: list[int] | range, target: Any) -> None:
         """Copy the data of ``sources[i]`` for each ``i`` in ``which`` into its place in ``target``."""
         import torch
 
         whole = torch.frombuffer(target, dtype=torch.uint8, count=self.length)
         try:
-            for i in which:
-                data = bytes_of(sources[i])
-                pos = self.offsets[i]
-                whole[pos : pos + data.numel()].copy_(data)
+            data = [bytes_of(sources[i]) for i in which]
+            places = [whole[self.offsets[i] : self.offsets[i] + d.numel()] for i, d in zip(which, data, strict=True)]
+            if data:  # one call: the copies run without the GIL, however busy the training thread keeps it
+                torch._foreach_copy_(places, data)
+            del places
         finally:
             del whole  # no export of the mapping outlives the save (SlotMaps may close it)
 

@@ -52,7 +52,7 @@ from typing import Any
 
 OVERLAP_ENV = "RALLY_CKPT_OVERLAP"
 """``0``: saves copy everything before they return (no background copy, no fence)."""
-SMALL_BYTES = 1 << 20
+SMALL_BYTES = 1 << 16
 """Storages smaller than this are copied before ``save`` returns: microseconds, and never watched."""
 DISCARD_WARN_INTERVAL = 60.0
 """Seconds between two warning lines about discarded snapshots (the first is said at once)."""
@@ -69,6 +69,11 @@ def in_place_version(tensor: Any) -> int:
     return int(tensor._version)
 
 
+class NoRoomInMemory(RuntimeError):
+    """An overlapped save found no room in the node's memory: its copy thread cannot write it to
+    disk instead, so that step is not kept (said in one line) and the next save reserves first."""
+
+
 @dataclass
 class PendingCopy:
     """One save whose large tensors are being copied by the copy thread; settled on the saver's thread."""
@@ -81,10 +86,12 @@ class PendingCopy:
     watched: list[tuple[Any, int]]  # (tensor, its in-place version at the save)
     state: Any  # the saved object: to name a changed tensor in the warning
     thread: int = field(default_factory=threading.get_ident)
-    copied: threading.Event = field(default_factory=threading.Event)
+    copied: threading.Event = field(default_factory=threading.Event)  # the copy is done (or failed)
+    done: threading.Event = field(default_factory=threading.Event)  # committed or aborted
     error: BaseException | None = None
 
     def run(self) -> None:
+        """The copy thread's first part: reserve, copy, tell the holder it is copied."""
         try:
             self.copy()
         except BaseException as exc:  # said at settle, on the saver's thread
@@ -93,6 +100,20 @@ class PendingCopy:
             self.copied.set()
         if self.error is None:
             self.tier.copied(self.key, self.step)  # the holder's persister may use the memory bandwidth again
+
+    def finish(self, intact: bool) -> BaseException | None:
+        """The copy thread's second part, once the saver's thread has decided: commit or abort;
+        a refusal of the commit (this worker's round is over) is returned."""
+        try:
+            if intact:
+                self.tier.commit(self.key, self.step, self.length)
+            else:
+                self.tier.abort(self.key, self.step)
+            return None
+        except Exception as refused:  # CheckpointRefused: raised by the next save
+            return refused
+        finally:
+            self.done.set()
 
 
 class Overlap:
@@ -106,7 +127,8 @@ class Overlap:
         self.discarded = 0
         self.warned_at = -DISCARD_WARN_INTERVAL
         self.unwarned = 0
-        self._queue: queue.SimpleQueue[PendingCopy] = queue.SimpleQueue()
+        self.finishing: PendingCopy | None = None  # decided, its commit or abort on the copy thread
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread_pid = 0
         self._hook: Any = None
 
@@ -153,32 +175,41 @@ class Overlap:
             threading.Thread(target=self._copier, args=(self._queue,), name="rally-ckpt-copy", daemon=True).start()
             self._thread_pid = os.getpid()
         self.pending = pending
-        self._queue.put(pending)
+        self._queue.put(pending.run)
 
     @staticmethod
-    def _copier(jobs: queue.SimpleQueue[PendingCopy]) -> None:
+    def _copier(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
         while True:
-            # wait: background: the copy thread waits for the next overlapped save; a daemon, it ends with the process
-            jobs.get().run()
+            # wait: background: the copy thread waits for its next job (a copy, a commit); a daemon, it ends with
+            # the process
+            jobs.get()()
 
     # ------------------------------------------------------------------ settling
     def settle(self, *, raise_errors: bool = True) -> None:
-        """Wait for the copy in flight, then publish it or discard it (see the module's docstring).
-        On a thread other than the saver's only the wait: the saver's thread decides.
-        ``raise_errors``: raise a refusal or a copy's error here (a save, ``wait_saved``); a fence
-        keeps it for the next save instead of failing the optimizer's step."""
+        """Wait for the copy in flight, then decide: publish it or discard it (see the module's
+        docstring); the commit or abort itself is the copy thread's round trip. On a thread other
+        than the saver's only the wait: the saver's thread decides. ``raise_errors`` (a save,
+        ``wait_saved``): also wait for the decision to reach the holder, and raise a refusal or a
+        copy's error here; a fence keeps them for the next save instead of failing the
+        optimizer's step."""
         pending = self.pending
         if pending is not None:
             started = time.perf_counter()
-            # wait: short: a memory copy already under way (0.08 s for 400 MB); its thread never waits on anything
+            # wait: short: a memory copy already under way (0.08 s for 400 MB) and a round trip to the holder
             pending.copied.wait()
             self.fence_seconds += time.perf_counter() - started
             if threading.get_ident() == pending.thread:
                 self.pending = None
-                self._publish(pending)
-        if raise_errors and self.deferred is not None:
-            error, self.deferred = self.deferred, None
-            raise error
+                self._decide(pending)
+        if raise_errors:
+            finishing = self.finishing
+            if finishing is not None:
+                # wait: short: one round trip to the holder (a commit or an abort), usually long done
+                finishing.done.wait()
+                self.finishing = None
+            if self.deferred is not None:
+                error, self.deferred = self.deferred, None
+                raise error
 
     def settle_if_copied(self) -> None:
         """Settle a save whose copy is done, without waiting (``heartbeat``: once a step)."""
@@ -191,21 +222,28 @@ class Overlap:
         pending = self.pending
         if pending is not None:
             pending.thread = threading.get_ident()
-            self.settle(raise_errors=False)
-
-    def _publish(self, pending: PendingCopy) -> None:
-        changed = [tensor for tensor, version in pending.watched if in_place_version(tensor) != version]
-        if pending.error is not None or changed:
-            pending.tier.abort(pending.key, pending.step)
-            if pending.error is not None:
-                self.deferred = pending.error
-            else:
-                self._warn_discarded(pending, changed[0])
-            return
         try:
-            pending.tier.commit(pending.key, pending.step, pending.length)
-        except Exception as refused:  # CheckpointRefused (a round that is over): raised by the next save
-            self.deferred = refused
+            self.settle()
+        except Exception as error:  # nobody is left to raise it to
+            print(f"rally: warning: the last checkpoint was not kept: {error}", file=sys.stderr, flush=True)
+
+    def _decide(self, pending: PendingCopy) -> None:
+        changed = [tensor for tensor, version in pending.watched if in_place_version(tensor) != version]
+        intact = pending.error is None and not changed
+        if isinstance(pending.error, NoRoomInMemory):
+            print(pending.error, file=sys.stderr, flush=True)
+        elif pending.error is not None:
+            self.deferred = pending.error
+        elif changed:
+            self._warn_discarded(pending, changed[0])
+        self.finishing = pending
+
+        def finish() -> None:
+            refused = pending.finish(intact)
+            if refused is not None:
+                self.deferred = refused
+
+        self._queue.put(finish)
 
     def _warn_discarded(self, pending: PendingCopy, tensor: Any) -> None:
         self.discarded += 1
