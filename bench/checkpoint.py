@@ -9,8 +9,9 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
 
 - **stall**: how long ``save`` keeps the training loop waiting (rank 0): the call, plus for rally's
   overlapped saves the wait of the next optimizer step's fence for the copy (the next step computes
-  ``--compute`` 0.1 s on every rank first, see the worker); the median of the steady-state saves (the 3rd to the 5th; the first two of the memory tiers allocate and map their
-  shared memory, reported as "first saves"); the **ratio** is to a plain ``copy_`` of the same
+  0.1 s on every rank first, see the worker); the median of the steady-state saves (the 3rd to
+  the 5th; the first two of the memory tiers allocate and map their shared memory, reported as
+  "first saves"); the **ratio** is to a plain ``copy_`` of the same
   tensors into preallocated ones, measured in the same worker just before;
 - **saves dropped**: saves the method skipped (DLRover skips a save to memory while its agent
   still persists the previous one; those are left out of the stall and durability figures, and
@@ -24,9 +25,9 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
   call. rally's restarted workers map their node's copy and fault its pages in while they start
   (agent/checkpoint/core/resume_prefetch.py, on every restart), so its reload is mostly the copy.
 
-rally (with its memory tier, overlapped; the same not overlapped: ``RALLY_CKPT_OVERLAP=0``; and without
-the tier: ``RALLY_MEMORY_TIER=0``, the disk path whose ``load_latest`` is item 8's) and the two torch methods run under rally (``--checkpoint-dir`` only
-for rally's own);
+rally (with its memory tier, overlapped; the same not overlapped: ``RALLY_CKPT_OVERLAP=0``; and
+without the tier: ``RALLY_MEMORY_TIER=0``, the disk path whose ``load_latest`` is item 8's) and
+the two torch methods run under rally (``--checkpoint-dir`` only for rally's own);
 DLRover 0.6.1 runs under its ``dlrover-run`` (bench/shim/dlrover_run.py adds the argument torch
 2.13 needs) from the interpreter in ``RALLY_BENCH_DLROVER_PYTHON`` (default
 /work/venvs/dlrover/bin/python, a venv with ``dlrover[k8s,torch]==0.6.1`` and protobuf beside the
