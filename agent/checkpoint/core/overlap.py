@@ -177,12 +177,15 @@ class Overlap:
         self.pending = pending
         self._queue.put(pending.run)
 
-    @staticmethod
-    def _copier(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
+    def _copier(self, jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
         while True:
             # wait: background: the copy thread waits for its next job (a copy, a commit); a daemon, it ends with
             # the process
-            jobs.get()()
+            job = jobs.get()
+            try:
+                job()
+            except Exception as error:  # a bug must not end the thread the fences wait on: raised by the next save
+                self.deferred = error
 
     # ------------------------------------------------------------------ settling
     def settle(self, *, raise_errors: bool = True) -> None:
