@@ -11,7 +11,8 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
   overlapped saves the wait of the next optimizer step's fence for the copy (the next step computes
   0.1 s on every rank first, see the worker); the median of the steady-state saves (the 3rd to
   the 5th; the first two of the memory tiers allocate and map their shared memory, reported as
-  "first saves"); the **ratio** is to a plain ``copy_`` of the same
+  "first saves"), and **of it, the fence's wait** (the part of the copy the next step's compute
+  did not hide); the **ratio** is to a plain ``copy_`` of the same
   tensors into preallocated ones, measured in the same worker just before;
 - **saves dropped**: saves the method skipped (DLRover skips a save to memory while its agent
   still persists the previous one; those are left out of the stall and durability figures, and
@@ -171,6 +172,7 @@ def summarize(runs: list[dict]) -> dict:
         ]
 
     steady = [s for r in ok for s, _ in kept(r)]
+    fences = [f for r in ok for i, f in enumerate(r.get("fences", []), 1) if i > 2 and i not in r.get("dropped", [])]
     first = [s for r in ok for s in r["stalls"][:2]]
     copy = statistics.median(r["copy"] for r in ok)
     durable = [d for r in ok for _, d in kept(r) if d is not None]
@@ -180,6 +182,7 @@ def summarize(runs: list[dict]) -> dict:
     return {
         "stall": statistics.median(steady),
         "stall_range": (min(steady), max(steady)),
+        "fence": statistics.median(fences) if fences else None,
         "first": max(first),
         "copy": copy,
         "ratio": statistics.median(s / r["copy"] for r in ok for s, _ in kept(r)),
@@ -196,17 +199,19 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves "
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | of it, the fence's wait | ratio to a plain copy "
+        "| first saves "
         "| saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | "
         "left in /dev/shm after the job |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
         if "error" in s:
-            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | | | |")
+            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | | | | |")
             continue
         lines.append(
             f"| {LABELS[method]} | {s['stall']:.3f} s ({s['stall_range'][0]:.3f}–{s['stall_range'][1]:.3f}) | "
+            f"{'—' if s.get('fence') is None else format(s['fence'], '.3f') + ' s'} | "
             f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | {s['dropped']} | "
             f"{'—' if s['durable'] is None else format(s['durable'], '.2f') + ' s'} | "
             f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | "

@@ -162,7 +162,11 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
     Under rally (the agent runs a memory tier, see docs/architecture.md) the call returns as soon
     as the state is copied into node-local shared memory, which the agent's holder process owns:
-    a memory copy's time, not a disk write's. The holder then writes it to the checkpoint
+    a memory copy's time, not a disk write's. The tensors an optimizer owns (parameters, its
+    state) are copied on a thread while the next step computes, and every optimizer's ``step()``
+    waits for that copy first: change saved tensors outside an optimizer only after
+    :func:`wait_saved` (a change seen meanwhile discards that step's copy, with one warning line;
+    "Overlapped saves" in docs/checkpoints.md). The holder then writes it to the checkpoint
     directory in the background, in the same format, atomically, and keeps the newest ``keep``
     files, so training steps on while the disk works. A save while the previous one is still
     being written never waits for it. :func:`durable_steps` says which steps are on disk.

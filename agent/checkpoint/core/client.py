@@ -7,7 +7,9 @@ slot, copies its state into the slot and says it is complete::
     saved = tier.save(state, "whole", step, persist=True, keep=3)   # False: shm too small
     step, fd = tier.resume("whole")                  # the round's agreed step; a memfd if in memory
 
-``save`` returns once the copy is in shared memory; the holder persists it in the background.
+``save`` returns once the copy is in shared memory, or once the tensors an optimizer owns are
+handed to the copy thread (agent/checkpoint/core/overlap.py: the copy overlaps the next step, its
+reserve and commit are that thread's); the holder persists it in the background.
 Requests and answers are packets on the holder's abstract SOCK_SEQPACKET socket, a slot's memfd
 travelling with the answer (see agent/checkpoint/core/shm.py for the layout).
 
