@@ -199,8 +199,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | of it, the fence's wait | ratio to a plain copy "
-        "| first saves "
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | of it, the fence's wait "
+        "| ratio to a plain copy | first saves "
         "| saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | "
         "left in /dev/shm after the job |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
