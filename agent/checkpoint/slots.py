@@ -125,10 +125,6 @@ class SlotTable:
             sets = [{s for s, _ in k.committed()} for k in self.keys.values()]
         return sorted(set.intersection(*sets)) if sets else []
 
-    def newest_saved(self) -> int | None:
-        steps = self.memory_steps()
-        return steps[-1] if steps else None
-
     # ------------------------------------------------------------------ the workers' side
     def _fence(self, r: int) -> None:
         if self.round is None or r != self.round or not self.round_open:

@@ -350,13 +350,6 @@ class HealthMonitor:
             if isinstance(counter, Path) and _oom_kill_count(counter) > 0:
                 w.oom_counter, w.oom_kills_seen = counter, 0
 
-    def is_stopped(self, local_rank: int) -> bool:
-        w = self.watched.get(local_rank)
-        try:
-            return w is not None and psutil.Process(w.pid).status() == psutil.STATUS_STOPPED
-        except psutil.Error:
-            return False
-
     def explain_kill(self, local_rank: int) -> str | None:
         """Why a worker that died of SIGKILL (sent by nobody here) probably died, or None."""
         w = self.watched.get(local_rank)

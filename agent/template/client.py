@@ -1,6 +1,6 @@
 """Fast restarts: workers forked from a template process that has already imported torch.
 
-One template per node, started by the agent as ``python -u <path>/agent/bootstrap.py template``
+One template per node, started by the agent as ``python -u <path>/agent/worker_side/bootstrap.py template``
 (by file path, like every worker, so nothing named `agent` on the user's path can shadow
 rally's package). It imports the modules named by ``--preload`` once (default: torch) and
 then waits on a UNIX socket for the agent's requests. For each request it forks; the child

@@ -1,6 +1,6 @@
 """Runs a training script as `__main__`, after installing what rally needs in every worker.
 
-Started as `python -u <path>/agent/bootstrap.py {script|module|path} TARGET ARGS...` (by file
+Started as `python -u <path>/agent/worker_side/bootstrap.py {script|module|path} TARGET ARGS...` (by file
 path, not `-m`, so a user package that happens to be called `agent` cannot shadow it). Before
 the script runs it:
 
@@ -14,7 +14,7 @@ and then becomes exactly what `python script.py args` would be: sys.argv, sys.pa
 this file and of runpy are removed from the traceback). Only the standard library is
 imported here, so it costs nothing measurable.
 
-The same file is also the worker template (`python -u <path>/agent/bootstrap.py template`,
+The same file is also the worker template (`python -u <path>/agent/worker_side/bootstrap.py template`,
 see agent/template/client.py): a process that imports the heavy modules once and forks a worker
 per request. `serve_as_template` returns only in a forked child, already turned into a fresh
 worker (session, fds, cwd, environment, signals, RNGs), and the child then runs `run()` from

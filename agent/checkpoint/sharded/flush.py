@@ -4,7 +4,7 @@ When a job fails for good or is stopped, its workers are gone, and with them the
 write their shards to disk (agent/checkpoint/sharded/persist.py): the newest steps may exist only in
 the holders' memory. Each node's agent then runs this helper, bounded by the grace period::
 
-    python <rally>/agent/checkpoint/dcp_flush.py CKPT_DIR SECONDS
+    python <rally>/agent/checkpoint/sharded/flush.py CKPT_DIR SECONDS
         (RALLY_CKPT_HOLDER, RALLY_CKPT_HOLDER_PID, RALLY_CKPT_SECRET, RALLY_ROUND, TORCHELASTIC_RUN_ID set)
 
 It reads the sharded copies its node's holder keeps (own and replica, agent/checkpoint/sharded/memory.py)
