@@ -179,9 +179,7 @@ class Overlap:
 
     def _copier(self, jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
         while True:
-            # wait: background: the copy thread waits for its next job (a copy, a commit); a daemon, it ends with
-            # the process
-            job = jobs.get()
+            job = jobs.get()  # the next copy or commit; a daemon thread, it ends with the process
             try:
                 job()
             except Exception as error:  # a bug must not end the thread the fences wait on: raised by the next save
@@ -198,7 +196,8 @@ class Overlap:
         pending = self.pending
         if pending is not None:
             started = time.perf_counter()
-            # wait: short: a memory copy already under way (0.08 s for 400 MB) and a round trip to the holder
+            # wait: short: a memory copy under way (0.08 s for 400 MB) after the copy thread's reserve, a round trip
+            # to the holder (its socket times out after client.REPLY_TIMEOUT, and the copy ends with that error)
             pending.copied.wait()
             self.fence_seconds += time.perf_counter() - started
             if threading.get_ident() == pending.thread:
@@ -207,7 +206,8 @@ class Overlap:
         if raise_errors:
             finishing = self.finishing
             if finishing is not None:
-                # wait: short: one round trip to the holder (a commit or an abort), usually long done
+                # wait: short: one round trip to the holder (a commit or an abort), usually long done; its socket
+                # times out after client.REPLY_TIMEOUT
                 finishing.done.wait()
                 self.finishing = None
             if self.deferred is not None:
