@@ -104,7 +104,9 @@ class Agent:
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
         self.health_settings = HealthSettings.for_job(spec, console.say, self.events.emit)
         # stragglers, /metrics, GPUs (agent/observe/observer.py)
-        self.observer = Observer(spec, self.events, self.host, base_env, self.health_settings.learned)
+        self.observer = Observer(
+            spec, self.events, self.host, base_env, self.health_settings.learned, self.logs.run_dir
+        )
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None

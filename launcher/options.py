@@ -331,6 +331,11 @@ class Options:
         check=checks.negated,
         fills="prefix_output",
     )
+    torchrun_prefix: bool = option(
+        False,
+        "rally extras",
+        "Worker console lines as torchrun shows them: [role<local rank>]: on --tee'd streams, none on the others.",
+    )
     quiet: bool = option(
         False, "Logs and output", "Show only rally's own lines on the console, not the workers' output."
     )

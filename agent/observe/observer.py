@@ -18,6 +18,7 @@ from rally.agent.base.spec import JobSpec
 from rally.agent.display import console
 from rally.agent.observe import gpu as gpus
 from rally.agent.observe.gpu_reclaim import gpu_processes_of, wait_reclaimed
+from rally.agent.observe.job_view import write_job_view
 from rally.agent.observe.stragglers import CentralValues, StragglerWatch, job_step_times
 from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 
@@ -25,10 +26,20 @@ from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 class Observer:
     """Stragglers, /metrics and GPU health for one agent."""
 
-    def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str], timeouts: Any = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        events: EventLog,
+        host: str,
+        base_env: dict[str, str],
+        timeouts: Any = None,
+        run_dir: Path | None = None,
+    ):
         """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py),
-        kept in the store."""
+        kept in the store; `run_dir`: where node 0 keeps the job's view for `rally status RUN_DIR`
+        (agent/observe/job_view.py)."""
         self.spec = spec
+        self.run_dir = run_dir
         self.timeouts = timeouts
         self.node_checks: Any = (
             None  # quarantine and pre-flight (agent/checks/node_checks.py): the status record's "preflight"
@@ -195,22 +206,30 @@ class Observer:
         checks = self.node_checks.status_fields() if self.node_checks is not None else {}
         return {"gpu_problems": problems, "gpu_problems_total": total, "last_restart": self.last_restart, **checks}
 
+    def _keep_view(self, status: dict) -> None:
+        assert self.run_dir is not None
+        try:
+            write_job_view(self.run_dir, self.spec.run_id, status)
+        except OSError:
+            pass  # a full disk or a removed run directory: `rally status RUN_DIR` asks the store instead
+
     def note_restart(self, round_: int, end: Any) -> None:
         """Round `round_` ended with `end` (a failure or a membership change) and another follows:
         kept for the status record, so `rally status` can say why the last restart happened."""
         self.last_restart = {"round": round_, "kind": str(end.kind), "detail": end.detail}
 
     def exchange(self, rnd: Any) -> None:
-        """From the keep-alive thread, with the round (rendezvous.protocol.Round) on its connection:
-        make the straggler median the job's, not only this node's.
+        """From the status thread, with the round (rendezvous.protocol.Round) on its connection:
+        make the straggler median the job's, not only this node's, and keep the job's view.
 
-        Node 0 reads every node's status record of this round (one multi-get) and publishes the
-        middle of the sorted step times; every other node reads that one key.
+        Node 0 reads every node's status record of this round (one multi-get), writes what it
+        read into its run directory for `rally status RUN_DIR` (agent/observe/job_view.py) and
+        publishes the middle of the sorted step times; every other node reads that one key.
         """
         if self.timeouts is not None and self.timeouts.changed:
             save_timeouts(rnd.store, self.timeouts.to_json())
         assignment = rnd.a
-        if assignment.group_world_size <= 1:
+        if assignment.group_world_size <= 1 and self.run_dir is None:
             return
         summary: CentralValues | None
         if assignment.group_rank == 0:
@@ -220,6 +239,10 @@ class Observer:
                 status = read_job_status(rnd.store)
             except (ValueError, TypeError, KeyError, AttributeError):
                 return  # a record that is not JSON (store contents are not trusted): skip this time
+            if status is not None and self.run_dir is not None:
+                self._keep_view(status)
+            if assignment.group_world_size <= 1:
+                return
             times = job_step_times(status["nodes"] if status else [], assignment.round)
             summary = CentralValues.of(times)
             rnd.channel.publish_step_times(summary.to_json())
