@@ -22,7 +22,7 @@ import pytest
 
 from helpers import eventually
 from rally.agent.checkpoint.core.overlap import overlap
-from rally.agent.checkpoint.slots import SlotTable
+from rally.agent.checkpoint.slots import NewestBusy, SlotTable
 from rally.agent.worker_side import job
 from test_memory_tier import LEASE, REPO, Tier, load_slot
 
@@ -129,6 +129,21 @@ def test_the_next_optimizer_step_waits_for_the_copy_and_the_resume_is_the_saved_
 
 
 @pytest.mark.timeout(60)
+def test_a_first_save_through_torch_save_overlaps_the_next_step_too(tier: Tier) -> None:
+    """A restarted worker's first save learns the archive's layout through torch.save: its
+    optimizer's tensors are still left to the copy thread."""
+    training = Training()
+    training.step()
+    saved = clone(training.state(1))
+    assert tier.worker().save(training.state(1), "whole", 1, persist=False, keep=3)
+    assert overlap.pending is not None and overlap.pending.step == 1, "the first save did not overlap"
+    training.step()
+    job.wait_saved()
+    assert tier.agent.memory_steps() == [1]
+    assert bits_equal(resumed(tier, 1), saved)
+
+
+@pytest.mark.timeout(60)
 def test_an_in_place_change_outside_an_optimizer_discards_that_step_and_the_previous_one_resumes(
     tier: Tier, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -197,8 +212,26 @@ def test_a_copied_slot_no_longer_pauses_the_persister_but_is_not_readable_till_c
         table.release()
 
 
+def test_an_overlapped_save_skips_rather_than_write_over_the_newest_step_while_the_other_persists() -> None:
+    """Its slot stays written for a whole step: a worker killed then must still find the newest step."""
+    table = SlotTable(os.urandom(8).hex())
+    table.open_round(0, None, LEASE)
+    try:
+        table.reserve(1, "whole", 1, 4096, 0, "step_1.pt", 3)
+        table.commit(1, "whole", 1, 100, 0)
+        table.next_to_persist()  # the persister copies step 1 ...
+        table.reserve(1, "whole", 2, 4096, 0, "step_2.pt", 3, spare_newest=True)  # ... 2 takes the other slot
+        table.commit(1, "whole", 2, 100, 0)
+        with pytest.raises(NewestBusy):  # the only free slot now holds the newest step
+            table.reserve(1, "whole", 3, 4096, 0, "step_3.pt", 3, spare_newest=True)
+        assert table.memory_steps() == [1, 2]
+        table.reserve(1, "whole", 3, 4096, 0, "step_3.pt", 3)  # a synchronous save still may
+    finally:
+        table.release()
+
+
 KILLED_DURING_THE_COPY = """
-    import hashlib, os, signal, torch
+    import hashlib, os, signal, time, torch
     from rally import job
     from rally.agent.checkpoint.core.overlap import overlap
 
@@ -216,7 +249,10 @@ KILLED_DURING_THE_COPY = """
     for n in (1, 2):
         job.save(step(n), n)
         print(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest(), flush=True)
-    job.save(step(3), 3)  # step 3's optimizer step publishes step 2 first (its fence)
+    state = step(3)  # its optimizer step publishes step 2 first (the fence)
+    while 2 not in job.durable_steps():  # the persister idle: step 3 takes step 1's slot, not step 2's
+        time.sleep(0.01)
+    job.save(state, 3)
     pending = overlap.pending
     print("in flight" if pending is not None and pending.step == 3 and not pending.copied.is_set() else "copied",
           flush=True)
@@ -235,7 +271,7 @@ def test_a_worker_killed_during_a_background_copy_leaves_no_half_written_checkpo
     assert run.returncode == -signal.SIGKILL, run.stderr
     _, digest2, where = run.stdout.splitlines()
     assert where == "in flight", "killed after the copy ended: the test proves less than it says"
-    assert eventually(lambda: tier.agent.memory_steps()[-1:] == [2], 10), "step 3 was published, or step 2 lost"
+    assert eventually(lambda: tier.agent.memory_steps()[-1:] == [2], 10), f"step 3 published? {run.stderr}"
     assert tier.agent.flush(30)
     assert job.durable_steps(tier.checkpoint_dir)[-1:] == [2], "step 3, killed mid-copy, must never be on disk"
     state = resumed(tier, 2)

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rally.agent.checkpoint.persist import DiskFull, PersistCancelled, default_name, persist, valid_name
-from rally.agent.checkpoint.slots import Refused, ShmTooSmall, SlotTable
+from rally.agent.checkpoint.slots import NewestBusy, Refused, ShmTooSmall, SlotTable
 
 PERSIST_NICENESS = 10
 """The persister thread's nice value (the holder's answers to workers keep the normal priority)."""
@@ -181,6 +181,7 @@ class Holder:
                     int(msg["round"]),
                     name,
                     int(msg.get("keep", 3)),
+                    bool(msg.get("spare_newest", False)),
                 )
                 return {"ok": True, "slot": index}, [fd]
             if op == "commit":
@@ -201,6 +202,8 @@ class Holder:
                 newest, newest_index, newest_fd = table.resume(str(msg["key"]))
                 return {"ok": True, "step": newest, "slot": newest_index}, [] if newest_fd is None else [newest_fd]
             return {"ok": False, "error": f"rally: unknown memory-tier request {op!r}"}, []
+        except NewestBusy as exc:
+            return {"ok": False, "busy": True, "error": str(exc)}, []
         except ShmTooSmall as exc:
             if not self.told_disk_only:  # one line, at the first save that did not fit
                 self.told_disk_only = True

@@ -31,6 +31,7 @@ fill it, commit its length; or abort.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rally.agent.checkpoint.core import layout
-from rally.agent.checkpoint.core.overlap import NoRoomInMemory, PendingCopy, in_place_version, overlap
+from rally.agent.checkpoint.core.overlap import NoRoomInMemory, PendingCopy, SaveSkipped, in_place_version, overlap
 from rally.agent.checkpoint.core.shm import (
     ArchiveTooLarge,
     SlotMaps,
@@ -203,16 +204,21 @@ class MemoryTier:
                 os.close(fd)
             raise CheckpointRefused(answer.get("error", "rally: checkpoint refused"))
 
-    def reserve(self, key: str, step: int, size: int, persist: bool | str, keep: int) -> mmap.mmap | None:
+    def reserve(
+        self, key: str, step: int, size: int, persist: bool | str, keep: int, spare_newest: bool = False
+    ) -> mmap.mmap | None:
         """A writable mapping of a slot with room for ``size`` bytes; None when memory is too
         short for a copy (the caller saves to disk instead). ``persist``: False keeps the copy in
         memory only; True has the holder write it as ``step_<step>.pt`` (keep-K pruning); a
         relative file name has it written there (no pruning), e.g. one rank's shard."""
         answer, fds = self.request(
-            op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep
-        )
+            op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep,
+            spare_newest=spare_newest,
+        )  # fmt: skip
         if answer.get("disk_only"):
             return None
+        if answer.get("busy"):
+            raise SaveSkipped(answer.get("error", "rally: checkpoint skipped"))
         self._checked(answer, fds)
         return self.maps.mapping(f"{key}.{answer['slot']}", fds[0])
 
@@ -243,7 +249,7 @@ class MemoryTier:
         found = layout.signature(state, views)
         known = self._layouts.get(key)
         if found is None or known is None or known.signature != found[0]:
-            return self._save_archive(state, key, step, persist, keep, found)
+            return self._save_archive(state, key, step, persist, keep, found, views)
         size = _room(known.length, sum(s.nbytes() for s in found[1]))
         later = set(overlap.background(found[1])) if not self._inline else set()
         if later:
@@ -274,7 +280,7 @@ class MemoryTier:
         watched = [(tensor, in_place_version(tensor)) for i, tensor in views if i in later]
 
         def copy() -> None:
-            target = self.reserve(key, step, size, persist, keep)
+            target = self.reserve(key, step, size, persist, keep, spare_newest=True)  # SaveSkipped: see overlap.py
             if target is None:
                 self._inline = True  # the next save reserves first: it can go to disk if memory is short
                 raise NoRoomInMemory(
@@ -297,18 +303,26 @@ class MemoryTier:
         except CheckpointRefused:
             pass
 
-    def _save_archive(self, state: Any, key: str, step: int, persist: bool | str, keep: int, found: Any) -> bool:
-        """The save through torch.save (a new layout), learning the layout when it is eligible."""
+    def _save_archive(
+        self, state: Any, key: str, step: int, persist: bool | str, keep: int, found: Any,
+        views: list[tuple[int, Any]],
+    ) -> bool:  # fmt: skip
+        """The save through torch.save (a new layout), learning the layout when it is eligible.
+        The data of the storages an optimizer owns is left out of torch.save's writes and copied
+        into its place by the copy thread (agent/checkpoint/core/overlap.py), as on the fast path:
+        the first save after a restart overlaps the next step too."""
         tensors = storage_bytes(state)
         known = self._sizes.get(key)
         guess = _room(known[1], known[0]) if known and known[0] == tensors else None
+        later = set(overlap.background(found[1])) if found is not None and not self._inline else set()
         for size in (guess, None):
             if size is None:
                 size = _room(archive_size(state), tensors)  # the same room as a guess: the slot fits both
             target = self.reserve(key, step, size, persist, keep)
             if target is None:
                 return False
-            recorder = layout.Recorder(found[1]) if found is not None else None
+            self._inline = False
+            recorder = layout.Recorder(found[1], later) if found is not None else None
             try:
                 length = write_archive(state, target, recorder)
             except ArchiveTooLarge:
@@ -317,13 +331,22 @@ class MemoryTier:
             except BaseException:
                 self.abort(key, step)
                 raise
-            self.commit(key, step, length)
             self._sizes[key] = (tensors, length)
             learnt = recorder.layout(found[0], length) if recorder is not None else None
             if learnt is not None:
                 self._layouts[key] = learnt
             else:
                 self._layouts.pop(key, None)
+            if recorder is None or not recorder.deferred:
+                self.commit(key, step, length)
+                return True
+            placed = [(found[1][i], recorder.data[i]) for i in recorder.deferred]
+            watched = [(tensor, in_place_version(tensor)) for i, tensor in views if i in set(recorder.deferred)]
+            overlap.start(
+                PendingCopy(
+                    self, key, step, length, functools.partial(layout.copy_into, target, length, placed), watched, state
+                )
+            )
             return True
         raise AssertionError("unreachable: the exact size always fits")
 

@@ -118,19 +118,28 @@ def signature(state: Any, views: list[tuple[int, Any]] | None = None) -> tuple[t
 
 
 class Recorder:
-    """Watches the writes of one ``torch.save`` into a slot: which are storage data, which are not."""
+    """Watches the writes of one ``torch.save`` into a slot: which are storage data, which are not.
+    The data of the storages in ``defer`` is not to be written now (an overlapped save's copy
+    thread copies it once torch.save has placed it, agent/checkpoint/core/overlap.py)."""
 
-    def __init__(self, storages: list[Any]) -> None:
+    def __init__(self, storages: list[Any], defer: set[int] | frozenset[int] = frozenset()) -> None:
         self.by_address = {s.data_ptr(): (i, s.nbytes()) for i, s in enumerate(storages)}
         self.data: dict[int, int] = {}  # storage index -> offset in the archive
         self.rest: list[tuple[int, bytes]] = []
+        self.defer = defer
+        self.deferred: list[int] = []  # the indices whose data was left out, in the order written
 
-    def write(self, pos: int, view: memoryview) -> None:
+    def write(self, pos: int, view: memoryview) -> bool:
+        """Note one write at ``pos``; True: leave its bytes out (a deferred storage's data)."""
         found = self.by_address.get(buffer_address(view))
         if found is not None and found[1] == view.nbytes and found[0] not in self.data:
             self.data[found[0]] = pos
+            if found[0] in self.defer:
+                self.deferred.append(found[0])
+                return True
         else:
             self.rest.append((pos, bytes(view)))
+        return False
 
     def layout(self, sig: tuple[Any, ...], length: int) -> Layout | None:
         """The layout to replay, once every storage's data was seen written whole."""
@@ -165,17 +174,22 @@ class Layout:
 
     def copy_data(self, sources: list[Any], which: list[int] | range, target: Any) -> None:
         """Copy the data of ``sources[i]`` for each ``i`` in ``which`` into its place in ``target``."""
-        import torch
+        copy_into(target, self.length, [(sources[i], self.offsets[i]) for i in which])
 
-        whole = torch.frombuffer(target, dtype=torch.uint8, count=self.length)
-        try:
-            data = [bytes_of(sources[i]) for i in which]
-            places = [whole[self.offsets[i] : self.offsets[i] + d.numel()] for i, d in zip(which, data, strict=True)]
-            if data:  # one call: the copies run without the GIL, however busy the training thread keeps it
-                torch._foreach_copy_(places, data)
-            del places
-        finally:
-            del whole  # no export of the mapping outlives the save (SlotMaps may close it)
+
+def copy_into(target: Any, length: int, placed: list[tuple[Any, int]]) -> None:
+    """Copy each (source, offset) of ``placed`` into the first ``length`` bytes of ``target`` at its offset."""
+    import torch
+
+    whole = torch.frombuffer(target, dtype=torch.uint8, count=length)
+    try:
+        data = [bytes_of(source) for source, _ in placed]
+        places = [whole[pos : pos + d.numel()] for (_, pos), d in zip(placed, data, strict=True)]
+        if data:  # one call: the copies run without the GIL, however busy the training thread keeps it
+            torch._foreach_copy_(places, data)
+        del places
+    finally:
+        del whole  # no export of the mapping outlives the save (SlotMaps may close it)
 
 
 def bytes_of(source: Any) -> Any:

@@ -32,7 +32,10 @@ thread) are not detected: ``wait_saved()`` before them, or turn the overlap off
 (``RALLY_CKPT_OVERLAP=0``: every save copies everything before it returns, as before).
 
 **One copy in flight.** A save while the previous copy still runs waits for it first (a memory
-copy's time at most), then settles it: saves are never skipped.
+copy's time at most), then settles it. A save is skipped (silently, counted) only when the holder
+would have to write it over the newest step's slot because the other slot is being persisted: its
+slot stays written until the next step's fence, and a worker killed meanwhile must still find the
+newest step in memory.
 
 Imports no torch at module level: ``rally.job.heartbeat`` calls :func:`settle_if_copied`.
 """
@@ -72,6 +75,11 @@ def in_place_version(tensor: Any) -> int:
 class NoRoomInMemory(RuntimeError):
     """An overlapped save found no room in the node's memory: its copy thread cannot write it to
     disk instead, so that step is not kept (said in one line) and the next save reserves first."""
+
+
+class SaveSkipped(RuntimeError):
+    """The holder would have had to write over the newest step's slot (the other one is being
+    persisted): an overlapped save, whose slot stays written for a step, is skipped instead."""
 
 
 @dataclass
@@ -125,6 +133,7 @@ class Overlap:
         self.deferred: BaseException | None = None  # a refusal met at a fence: raised by the next save
         self.fence_seconds = 0.0  # time the fences and saves waited for copies (what a benchmark reports)
         self.discarded = 0
+        self.skipped = 0  # saves skipped to spare the newest step (SaveSkipped)
         self.warned_at = -DISCARD_WARN_INTERVAL
         self.unwarned = 0
         self.finishing: PendingCopy | None = None  # decided, its commit or abort on the copy thread
@@ -233,7 +242,9 @@ class Overlap:
     def _decide(self, pending: PendingCopy) -> None:
         changed = [tensor for tensor, version in pending.watched if in_place_version(tensor) != version]
         intact = pending.error is None and not changed
-        if isinstance(pending.error, NoRoomInMemory):
+        if isinstance(pending.error, SaveSkipped):
+            self.skipped += 1  # the newest step stays; the next save tries again
+        elif isinstance(pending.error, NoRoomInMemory):
             print(pending.error, file=sys.stderr, flush=True)
         elif pending.error is not None:
             self.deferred = pending.error
