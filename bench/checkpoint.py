@@ -15,8 +15,9 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
   did not hide); the **ratio** is to a plain ``copy_`` of the same
   tensors into preallocated ones, measured in the same worker just before;
 - **saves dropped**: saves the method skipped (DLRover skips a save to memory while its agent
-  still persists the previous one; those are left out of the stall and durability figures, and
-  the reload checks the newest step it did save);
+  still persists the previous one; rally skips an overlapped save that would have to overwrite the
+  newest step in memory while the other copy is persisted; those are left out of the stall and
+  durability figures, and the reload checks the newest step it did save);
 - **durable after**: from the call until the step is on disk (rally: ``job.durable_steps()``;
   DCP: its future; DLRover: the file), when that happens within the 1.5 s between saves;
 - **reload**: after the restart, from the call until the state is back in the model's tensors

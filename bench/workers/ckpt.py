@@ -87,10 +87,17 @@ def compute(seconds: float) -> None:
 
 
 def fence_seconds() -> float:
-    """How long rally's fences have waited for overlapped copies in this process (0 elsewhere)."""
+    """How long rally's fences have waited for overlapped copies in this process."""
     from rally.agent.checkpoint.core.overlap import overlap
 
     return overlap.fence_seconds
+
+
+def skipped_saves() -> int:
+    """rally's overlapped saves skipped so far (the holder's other copy was being persisted)."""
+    from rally.agent.checkpoint.core.overlap import overlap
+
+    return overlap.skipped
 
 
 def plain_copy_seconds(state: dict[str, torch.Tensor]) -> float:
@@ -225,12 +232,15 @@ def main() -> None:
             stalls.append(time.perf_counter() - start)
             compute(args.compute)  # the next step: its forward and backward, then its optimizer step
             if optimizer is not None:
-                waited = fence_seconds() if method.name.startswith("rally") else 0.0
+                rally = method.name.startswith("rally")
+                waited, skipped = (fence_seconds(), skipped_saves()) if rally else (0.0, 0)
                 optimizer.value = float(step + 1)
-                optimizer.step()
-                if method.name.startswith("rally"):
+                optimizer.step()  # rally's fence settles the save: its wait counts in the stall
+                if rally:
                     fences.append(fence_seconds() - waited)
                     stalls[-1] += fences[-1]
+                    if skipped_saves() > skipped:
+                        dropped.append(step)
             deadline = start + args.gap
             while not method.durable(step) and time.perf_counter() < deadline:
                 time.sleep(0.005)
