@@ -88,7 +88,7 @@ def dlrover_python() -> str | None:
     return path if Path(path).exists() else None
 
 
-def command(method: str, run: Path, mb: int) -> list[str]:
+def command(method: str, run: Path, mb: int, compute: float = 0.1) -> list[str]:
     work = [
         str(WORKER),
         "--method",
@@ -99,6 +99,8 @@ def command(method: str, run: Path, mb: int) -> list[str]:
         str(mb),
         "--out",
         str(run / "result.json"),
+        "--compute",
+        str(compute),
     ]
     if method == "dlrover":
         return [
@@ -116,7 +118,7 @@ def command(method: str, run: Path, mb: int) -> list[str]:
             "--log-dir", str(run / "logs"), *extra, *work]  # fmt: skip
 
 
-def run_once(method: str, root: Path, rep: int, mb: int, keep: bool) -> dict:
+def run_once(method: str, root: Path, rep: int, mb: int, keep: bool, compute: float = 0.1) -> dict:
     run = root / f"{method}-{rep}"
     started = time.time()
     (run / "ckpt").mkdir(parents=True)
@@ -127,7 +129,7 @@ def run_once(method: str, root: Path, rep: int, mb: int, keep: bool) -> dict:
         if method == "rally_sync"
         else None
     )
-    job = Job.start(method, command(method, run, mb), env, REPO, run)
+    job = Job.start(method, command(method, run, mb, compute), env, REPO, run)
     try:
         code = job.wait(RUN_TIMEOUT)
     finally:
@@ -228,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="runs per method (default 2)")
     parser.add_argument("--only", default=",".join(METHODS), help="methods to run, comma-separated")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument(
+        "--compute", type=float, default=0.1, help="seconds the step after each save computes (default 0.1)"
+    )
     args = parser.parse_args(argv)
     methods = [m for m in METHODS if m in args.only.split(",")]
     runs: dict[str, list[dict]] = {m: [] for m in methods}
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs[method].append({"error": "not installed (RALLY_BENCH_DLROVER_PYTHON)"})
                     continue
                 print(f"{time.strftime('%H:%M:%S')} {method} run {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
-                runs[method].append(run_once(method, root, rep, args.mb, args.keep))
+                runs[method].append(run_once(method, root, rep, args.mb, args.keep, args.compute))
     summary = {m: summarize(r) for m, r in runs.items()}
     text = table(summary, args.mb)
     commit = common.commit()
