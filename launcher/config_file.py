@@ -130,7 +130,7 @@ class FileMistakes(validate.Mistakes):
 
 
 def checked_entry(
-    path: str, line: int, raw_key: Any, value: Any, valid: list[str], lines: dict[str, tuple[int, str]]
+    path: str, line: int, raw_key: object, value: object, valid: list[str], lines: dict[str, tuple[int, str]]
 ) -> tuple[str, Any]:
     """One `key: value` of the file as (option name, typed value), or a ConfigError naming its line."""
     key = str(raw_key).replace("-", "_")
@@ -152,7 +152,7 @@ def checked_entry(
     return key, typed(value, key, str(raw_key), here)
 
 
-def typed(value: Any, name: str, key: str, here: str) -> Any:
+def typed(value: object, name: str, key: str, here: str) -> Any:
     """`value` as option `name`'s type takes it, or one line saying what the key (as written) needs."""
     kind = options.info(options.Options.__dataclass_fields__[name]).kind
     if value is None or isinstance(value, list):  # null: the default; a list: --preload's modules

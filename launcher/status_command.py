@@ -39,7 +39,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -55,6 +55,9 @@ from rally.rendezvous.kv import StoreReader
 from rally.rendezvous.protocol import job_prefix
 from rally.rendezvous.status_schema import MAX_ITEMS, VERDICT, checked
 from rally.rendezvous.store import StoreEndpoint
+
+if TYPE_CHECKING:  # imported where a store is opened: `rally status` loads no more than it needs
+    from rally.rendezvous.token import Signer
 
 # How long the first connect to a c10d store may take before the ordinary (retrying) connect
 # takes over; a refusal comes back at once and ends the command.
@@ -258,7 +261,7 @@ def read_status(where: StoreEndpoint, run_id: str, timeout: float, token: str) -
     )
 
 
-def open_reader(where: StoreEndpoint, prefix: str, timeout: float, signer: Any) -> StoreReader:
+def open_reader(where: StoreEndpoint, prefix: str, timeout: float, signer: Signer) -> StoreReader:
     """A reader of the job's keys: a c10d TCPStore through rendezvous/wire_store.py (no torch:
     its import would be most of the command's time), once the endpoint has answered as a c10d
     store; etcd through its own client (no torch either); a FileStore, whose format is torch's,
@@ -321,7 +324,7 @@ def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
     }
 
 
-def terminal_safe(value: Any) -> Any:
+def terminal_safe(value: object) -> Any:
     """A checked record (rendezvous/status_schema.py) with every string made printable."""
     if isinstance(value, dict):
         return {k: terminal_safe(v) for k, v in value.items()}
@@ -417,9 +420,9 @@ def _show_finished(run_dir: Path, run_id: str, as_json: bool, heading: str, wher
     return 0
 
 
-def preflight_lines(verdict: Any) -> list[str]:
+def preflight_lines(record: object) -> list[str]:
     """The last pre-flight check (agent/checks/preflight.py): each node's numbers, and who was left out."""
-    verdict = checked(verdict, VERDICT)
+    verdict = checked(record, VERDICT)
     if not verdict:
         return []
     lines = [printable(f"pre-flight of round {verdict.get('round')}: {verdict.get('summary', '')}", limit=1000)]

@@ -74,7 +74,7 @@ _QUOTE = reprlib.Repr()
 _QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 2, 4, 4, 80, 80
 
 
-def quoted(value: Any) -> str:
+def quoted(value: object) -> str:
     """`repr(value)` for a message, bounded whatever the value (a 4 MB string, a list nested
     to the limit): reprlib looks at no more of it than it shows."""
     return printable(_QUOTE.repr(value), limit=200)
@@ -106,7 +106,7 @@ def check_config_values(path: str, data: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------ individual values
-def seconds(value: Any, option: str, *, zero_ok: bool, minimum: float = 0.0) -> float:
+def seconds(value: str | float, option: str, *, zero_ok: bool, minimum: float = 0.0) -> float:
     """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``), at least ``minimum``, at most MAX_SECONDS."""
     try:
         number = float(value)
@@ -120,7 +120,7 @@ def seconds(value: Any, option: str, *, zero_ok: bool, minimum: float = 0.0) -> 
     return number
 
 
-def port(value: Any, option: str) -> int:
+def port(value: str | int, option: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
@@ -142,7 +142,7 @@ def handled_signals(signums: tuple[int, ...], option: str) -> tuple[int, ...]:
     return signums
 
 
-def writable_dir(value: Any, option: str) -> str:
+def writable_dir(value: object, option: str) -> str:
     """Create ``value`` (with parents) if needed and prove a file can be written there."""
     text = str(value)
     if not text.strip():
@@ -160,7 +160,7 @@ def writable_dir(value: Any, option: str) -> str:
     return text
 
 
-def private_dir(value: Any, option: str) -> str:
+def private_dir(value: object, option: str) -> str:
     """:func:`writable_dir`, but a directory it creates is 0700 (only the user may read its checkpoints)."""
     text = str(value)
     try:

@@ -16,7 +16,7 @@ import signal
 import threading
 from collections.abc import Callable
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 
 class Event(str, Enum):
@@ -29,6 +29,30 @@ class Event(str, Enum):
     WAKE = "wake"  # a call run by `run_blocking` has returned
 
 
+class ReadableStream(Protocol):
+    """A worker's pipe as the loop sees it (agent/rounds/output.py's OutputStream is one)."""
+
+    @property
+    def fd(self) -> int: ...
+
+    def on_readable(self) -> bool:
+        """Move what is available; False once the writer closed the pipe."""
+
+
+class ExitingProcess(Protocol):
+    @property
+    def pidfd(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
+class ExitWatched(Protocol):
+    """A worker whose exit the loop watches (agent/rounds/workers.py's Worker is one)."""
+
+    @property
+    def process(self) -> ExitingProcess: ...
+
+
 class Inbox:
     """Events from threads, delivered to the main loop through a pipe it selects on."""
 
@@ -38,7 +62,7 @@ class Inbox:
         os.set_blocking(self.write_fd, False)
         self.items: queue.SimpleQueue[tuple[Event, Any]] = queue.SimpleQueue()
 
-    def post(self, kind: Event, value: Any = None) -> None:
+    def post(self, kind: Event, value: object = None) -> None:
         self.items.put((kind, value))
         try:
             os.write(self.write_fd, b"x")
@@ -85,10 +109,10 @@ class EventLoop:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled | {signal.SIGUSR1, signal.SIGUSR2})
 
     # ---------------------------------------------------------------- what is watched
-    def watch_stream(self, stream: Any) -> None:
+    def watch_stream(self, stream: ReadableStream) -> None:
         self.selector.register(stream.fd, selectors.EVENT_READ, ("stream", stream))
 
-    def watch_exit(self, worker: Any) -> None:
+    def watch_exit(self, worker: ExitWatched) -> None:
         self.selector.register(worker.process.pidfd, selectors.EVENT_READ, ("exit", worker))
 
     def unwatch(self, fd: int) -> None:

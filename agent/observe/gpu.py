@@ -219,7 +219,7 @@ def open_monitor(
     return NvmlMonitor(nvml, handles), ""
 
 
-def _call(nvml: ModuleType, fn: Callable[..., Any], *args: Any) -> Any:
+def _call(nvml: ModuleType, fn: Callable[..., Any], *args: object) -> Any:
     """One NVML query; None where the GPU does not support it (NVML_ERROR_NOT_SUPPORTED, ...)."""
     try:
         return fn(*args)
@@ -234,7 +234,7 @@ def _same(nvml: ModuleType, a: Any, b: Any) -> bool:
         return False
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     if value is None:
         return ""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

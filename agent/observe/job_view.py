@@ -86,7 +86,7 @@ def read_job_view(run_dir: Path, run_id: str, now: float | None = None) -> tuple
     return status, max(age, 0.0)
 
 
-def _alive(pid: Any) -> bool:
+def _alive(pid: object) -> bool:
     """Whether process `pid` of this machine exists (of any user: EPERM is a process too)."""
     if not isinstance(pid, int) or pid <= 0:
         return False

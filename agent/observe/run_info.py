@@ -27,6 +27,7 @@ from typing import Any
 
 from rally.agent.base.untrusted_files import UntrustedFile, read_capped, read_json_object
 from rally.agent.display.untrusted_text import printable
+from rally.rendezvous.store import StoreEndpoint
 
 ENDPOINT_FILE = "endpoint.json"
 REPORT_FILE = "report.json"
@@ -46,7 +47,7 @@ RUN_INDEX_PREFIX = "rally-runs-"
 MAX_INDEXED_RUNS = 200
 
 
-def status_flags(endpoint: Any, run_id: str) -> list[str] | None:
+def status_flags(endpoint: StoreEndpoint, run_id: str) -> list[str] | None:
     """The flags `rally status` needs for this store (rendezvous.store.StoreEndpoint), or None
     for a FileStore, which only `rally status RUN_DIR` can name."""
     if endpoint.file_path:
@@ -58,7 +59,7 @@ def status_flags(endpoint: Any, run_id: str) -> list[str] | None:
     return ["--rdzv-endpoint", f"{host}:{endpoint.port}", "--rdzv-id", run_id]
 
 
-def announce(endpoint: Any, run_id: str, run_dir: Path) -> str:
+def announce(endpoint: StoreEndpoint, run_id: str, run_dir: Path) -> str:
     """Write RUN_DIR/endpoint.json and return the line that tells the user how to see the job."""
     flags = status_flags(endpoint, run_id)
     record = {

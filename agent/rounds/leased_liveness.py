@@ -35,11 +35,12 @@ def keep_alive_with_lease(
     Nothing else runs on this thread (the status record has a thread of its own, agent/rounds/threads.py).
 
     Store failures are posted as (Event.STORE_LOST, exc), as the counter-based keep-alive does.
-    The alive key's value counts the refreshes, so `RoundChannel.alive_count` moves as with a
-    counter (liveness.silent_peer judges peers the same way on both stores); `answered` is
-    called with the time each answered refresh was sent (the round's store watchdog).
+    The alive key's value (signed, as every value) counts the refreshes, so
+    `RoundChannel.alive_count` moves as with a counter, and is None once the lease expired
+    (liveness.silent_peer judges peers by both); `answered` is called with the time each
+    answered refresh was sent (the round's store watchdog).
     """
-    s, a, channel = keeper.settings, keeper.a, keeper.channel
+    s, a, channel = keeper.settings, keeper.assignment, keeper.channel
     interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
     try:
         lease = channel.hold_alive()
@@ -62,7 +63,7 @@ def keep_alive_with_lease(
 
 def _watch_next(ring: Round, round_over: threading.Event, post: Callable[[Event, Any], None]) -> None:
     """Wait for the next node's alive key to appear, then for it to vanish; then declare it lost."""
-    s, a, channel = ring.settings, ring.a, ring.channel
+    s, a, channel = ring.settings, ring.assignment, ring.channel
     watched = a.watch_rank
     assert watched is not None
     ttl = float(max(1, math.ceil(s.keep_alive_timeout)))

@@ -31,7 +31,7 @@ from typing import Any
 from rally.agent.base.event_loop import Event
 from rally.agent.rounds.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
-from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundEnd
+from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundChannel, RoundEnd
 from rally.rendezvous.store import StoreError, UntrustedValue
 
 # How often a node refreshes its record for `rally status` (the status thread, never the keep-alive's).
@@ -82,7 +82,7 @@ class RoundThreads:
         self.post = post
         self.watcher = watcher
         self.keeper = keeper
-        self.a = keeper.a
+        self.assignment = keeper.assignment
         self.read_timeout = read_timeout
         self.status_record = status_record
         self.exchange = exchange
@@ -113,13 +113,13 @@ class RoundThreads:
                     # wait: background: UNTRUSTED_END_POLL_SECONDS while the end key holds a stranger's value
                     if self.over.wait(UNTRUSTED_END_POLL_SECONDS):
                         return
-            self.post(Event.ROUND_END, (self.a.round, end))
+            self.post(Event.ROUND_END, (self.assignment.round, end))
         except StoreError as exc:
             if not self.over.is_set():
                 self.post(Event.STORE_LOST, exc)
 
     @staticmethod
-    def _valid_end(channel: Any) -> RoundEnd | None:
+    def _valid_end(channel: RoundChannel) -> RoundEnd | None:
         try:
             return channel.ended()
         except UntrustedValue:
@@ -127,11 +127,12 @@ class RoundThreads:
 
     def _keep_alive(self) -> None:
         """Send this node's keep-alives and watch the next node's (a ring)."""
-        a, s = self.a, self.keeper.settings
+        a, s = self.assignment, self.keeper.settings
         if self.keeper.store.leased_liveness:  # etcd: leases expire by themselves
             return keep_alive_with_lease(self.keeper, self.over, self.post, self._answered)
         interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
-        last_seen, last_change = -1, time.monotonic()
+        last_seen: int | None = -1  # a counter here (c10d): never None
+        last_change = time.monotonic()
         channel = self.keeper.channel
         try:
             while not self.over.is_set():
@@ -160,7 +161,7 @@ class RoundThreads:
             return  # the store is gone: the keep-alive thread reports it
         while not self.over.is_set():
             try:
-                rnd.status.publish(self.status_record(self.a))
+                rnd.status.publish(self.status_record(self.assignment))
                 self.exchange(rnd)
             except StoreError:
                 pass  # skipped this time; a lost store is the keep-alive thread's to report
@@ -181,7 +182,7 @@ class RoundThreads:
             now = time.monotonic()
             frozen, woke = now - woke - tick, now
             if frozen > limit:
-                self.post(Event.STORE_LOST, StoreSilent(frozen_line(frozen, self.a, self.keeper.settings)))
+                self.post(Event.STORE_LOST, StoreSilent(frozen_line(frozen, self.assignment, self.keeper.settings)))
                 return
             silent = now - self.last_answer
             if silent > limit:
@@ -223,7 +224,7 @@ def check_peers(post: Post, rnd: Round) -> None:
             verdict = silent_peer(rnd.connect_again().channel)
         except StoreError:
             verdict = None  # the store itself is in trouble; the local failure stands
-        post(Event.PEER_VERDICT, (rnd.a.round, verdict))
+        post(Event.PEER_VERDICT, (rnd.assignment.round, verdict))
 
     threading.Thread(target=run, daemon=True).start()
 

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rally.agent.checkpoint import checkpoint_dir
 from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step  # noqa: F401 - part of this module's API
@@ -53,6 +53,9 @@ from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.worker_side import heartbeat_file, memory_only
 from rally.agent.worker_side.preemption_flag import install_preemption_handler, on_preempt, preempted  # noqa: F401 - part of this module's API
+
+if TYPE_CHECKING:  # torch is the worker's, imported when used
+    from torch.serialization import MAP_LOCATION
 
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
@@ -232,7 +235,7 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
 
 def load_latest(
-    map_location: Any = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None
+    map_location: MAP_LOCATION = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None
 ) -> Checkpoint | None:
     """Load the newest checkpoint every rank can load, or return ``None`` when there is none; call it on every rank.
     ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded
@@ -320,21 +323,21 @@ def load_latest(
     return None
 
 
-def _from_memory(ctx: JobContext, directory: Path | None, step: int, state: Any) -> Checkpoint:
+def _from_memory(ctx: JobContext, directory: Path | None, step: int, state: object) -> Checkpoint:
     if ctx.is_rank0:
         _log(f"resuming from step {step} (from memory)")
     path = (directory or Path(memory_only.NO_DIRECTORY)) / f"step_{step:012d}.pt"
     return Checkpoint(step=step, state=state, path=path, source="memory")
 
 
-def _save_in_memory_only(ctx: JobContext, memory: ckpt_client.MemoryTier, state: Any, step: int, keep: int) -> None:
+def _save_in_memory_only(ctx: JobContext, memory: ckpt_client.MemoryTier, state: object, step: int, keep: int) -> None:
     memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
     if ctx.local_rank == 0 and not memory_only.save(memory, state, step, keep):  # local rank 0: the node's copy
         raise CheckpointDirNotSet(memory_only.NO_ROOM)
 
 
 def _load_from_memory_only(
-    ctx: JobContext, memory: ckpt_client.MemoryTier, map_location: Any, weights_only: bool
+    ctx: JobContext, memory: ckpt_client.MemoryTier, map_location: MAP_LOCATION, weights_only: bool
 ) -> Checkpoint | None:
     memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
     found = resume_prefetch.take(map_location) or memory_only.load(memory, map_location, weights_only)
