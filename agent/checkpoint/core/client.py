@@ -268,7 +268,7 @@ class MemoryTier:
         return True
 
     def _save_overlapped(
-        self, state: Any, key: str, step: int, size: int, persist: bool | str, keep: int, known: layout.Layout,
+        self, state: object, key: str, step: int, size: int, persist: bool | str, keep: int, known: layout.Layout,
         storages: list[Any], views: list[tuple[int, Any]], later: set[int],
     ) -> None:  # fmt: skip
         """The fast path with the storages ``later`` copied by the copy thread

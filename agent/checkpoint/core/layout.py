@@ -24,6 +24,7 @@ it is saved by ``torch.save`` every time, as before. ``data.pkl`` may differ in 
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -172,12 +173,12 @@ class Layout:
         self.copy_data(sources, range(len(sources)) if which is None else which, target)
         return self.length
 
-    def copy_data(self, sources: list[Any], which: list[int] | range, target: Any) -> None:
+    def copy_data(self, sources: list[Any], which: list[int] | range, target: mmap.mmap) -> None:
         """Copy the data of ``sources[i]`` for each ``i`` in ``which`` into its place in ``target``."""
         copy_into(target, self.length, [(sources[i], self.offsets[i]) for i in which])
 
 
-def copy_into(target: Any, length: int, placed: list[tuple[Any, int]]) -> None:
+def copy_into(target: mmap.mmap, length: int, placed: list[tuple[Any, int]]) -> None:
     """Copy each (source, offset) of ``placed`` into the first ``length`` bytes of ``target`` at its offset."""
     import torch
 

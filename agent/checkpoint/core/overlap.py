@@ -51,7 +51,10 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 OVERLAP_ENV = "RALLY_CKPT_OVERLAP"
 """``0``: saves copy everything before they return (no background copy, no fence)."""
@@ -66,7 +69,7 @@ def enabled() -> bool:
     return os.environ.get(OVERLAP_ENV, "1") != "0"
 
 
-def in_place_version(tensor: Any) -> int:
+def in_place_version(tensor: torch.Tensor) -> int:
     """torch's count of in-place writes to ``tensor``, shared by its detached views (``_version``);
     bumped once an in-place op on it has run. The one torch internal this module reads."""
     return int(tensor._version)
@@ -152,7 +155,9 @@ class Overlap:
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         atexit.register(self.settle_at_exit)
 
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _before_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> None:
         self.optimizers.add(optimizer)
         if self.pending is not None:
             self.settle(raise_errors=False)
@@ -259,7 +264,7 @@ class Overlap:
 
         self._queue.put(finish)
 
-    def _warn_discarded(self, pending: PendingCopy, tensor: Any) -> None:
+    def _warn_discarded(self, pending: PendingCopy, tensor: torch.Tensor) -> None:
         self.discarded += 1
         self.unwarned += 1
         now = time.monotonic()
@@ -276,7 +281,7 @@ class Overlap:
         self.warned_at, self.unwarned = now, 0
 
 
-def name_of(state: Any, tensor: Any) -> str:
+def name_of(state: object, tensor: torch.Tensor) -> str:
     """Where ``tensor`` sits in ``state``, as ``'model'/'w'`` (or "a tensor" if it is not found)."""
     for path, value in _leaves(state, ()):
         if value is tensor:
@@ -284,7 +289,7 @@ def name_of(state: Any, tensor: Any) -> str:
     return "a tensor"
 
 
-def _leaves(obj: Any, path: tuple[Any, ...]) -> Iterable[tuple[tuple[Any, ...], Any]]:
+def _leaves(obj: object, path: tuple[object, ...]) -> Iterable[tuple[tuple[object, ...], object]]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             yield from _leaves(v, (*path, k))
