@@ -8,6 +8,10 @@ The memory tier's fast paths lean on torch's internals:
 - how ``torch.save`` writes: each storage's bytes in one write of a view of the storage itself,
   and the same archive for the same structure, which the save fast paths record once and replay
   (agent/checkpoint/core/layout.py, agent/checkpoint/sharded/layout.py);
+- ``torch._foreach_copy_``: a replayed layout's tensors copied into the slot in one call that runs
+  without the GIL (:func:`copy_tensors`); ``Tensor._version``, torch's count of in-place writes,
+  which tells an overlapped save whose tensors changed while they were copied
+  (:func:`in_place_version`, agent/checkpoint/core/overlap.py);
 - ``torch._C.PyTorchFileReader``, torch's zip reader, to find the one storage record of a DCP item
   (:func:`storage_record_offset`) and ``torch.distributed._shard._utils.narrow_tensor_by_index``, DCP's
   own narrowing of a chunk: the sharded reload's one-copy reader (agent/checkpoint/sharded/reader.py).
@@ -17,7 +21,8 @@ They were checked against the torch versions in :data:`CHECKED` (the oldest and 
 in step). On a torch outside :data:`OLDEST` .. :data:`NEWEST` (by minor release), or where one of
 the internals is missing, :func:`fast_paths` is False, says so once per process on stderr, and each
 fast path takes torch's public way instead: ``torch.save`` at every save with the records' CRCs
-computed, DCP's own reader item by item. Slower, never a crash nor a different checkpoint: the
+computed, no overlapped copy (every save copies before it returns, as ``RALLY_CKPT_OVERLAP=0``),
+DCP's own reader item by item. Slower, never a crash nor a different checkpoint: the
 bytes a public ``torch.load`` or DCP's reader reads are what they would read anyway.
 
 The sharded path is built on DCP's ``FileSystemWriter`` and ``FileSystemReader`` and needs a few
@@ -78,6 +83,10 @@ def _missing() -> list[str]:
         missing.append("torch.utils.serialization.config.save.compute_crc32")
     if not hasattr(getattr(torch._C, "PyTorchFileReader", None), "get_record_offset"):
         missing.append("torch._C.PyTorchFileReader.get_record_offset")
+    if not hasattr(torch, "_foreach_copy_"):
+        missing.append("torch._foreach_copy_")
+    if not hasattr(torch.empty(0), "_version"):
+        missing.append("torch.Tensor._version")
     if _narrow() is None:
         missing.append("torch.distributed._shard._utils.narrow_tensor_by_index")
     return missing
@@ -150,6 +159,26 @@ def storage_record_offset(item: io.RawIOBase) -> int | None:
         return int(archive.get_record_offset(records[0]))
     except (RuntimeError, ValueError):
         return None
+
+
+def copy_tensors(places: list[torch.Tensor], data: list[torch.Tensor]) -> None:
+    """Copy each of ``data`` into its place in ``places``: one ``torch._foreach_copy_`` (the copies run
+    without the GIL, however busy the training thread keeps it), or ``copy_`` one by one where the
+    fast paths are off."""
+    import torch
+
+    if fast_paths():
+        torch._foreach_copy_(places, data)
+        return
+    for place, source in zip(places, data, strict=True):
+        place.copy_(source)
+
+
+def in_place_version(tensor: torch.Tensor) -> int:
+    """torch's count of in-place writes to ``tensor`` (``_version``), shared by its detached views and
+    bumped once an in-place op on it has run. Read only where :func:`fast_paths` is True: elsewhere
+    saves do not overlap the next step (agent/checkpoint/core/overlap.py's ``enabled``)."""
+    return int(tensor._version)
 
 
 def narrow_tensor_by_index(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
