@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from rally.agent.base.event_log import EventLog
-from rally.agent.checkpoint.core import torch_internals
+from rally.agent.checkpoint.core import overlap, torch_internals
 from rally.agent.checkpoint.core.client import MemoryTier
 from rally.agent.checkpoint.core.shm import fd_path
 from rally.agent.checkpoint.node_checkpoints import HolderProcess
@@ -120,6 +120,7 @@ def assert_same(a: dict, b: dict) -> None:
 @pytest.mark.timeout(120)
 def test_this_torch_takes_the_fast_paths(worker: MemoryTier, capfd: pytest.CaptureFixture[str]) -> None:
     assert torch_internals.fast_paths()
+    assert overlap.enabled()  # saves overlap the next step (their check reads torch's in-place counter)
     back, archive = whole_round_trip(worker, "fast")
     assert_same(back, state_at(2))
     assert "fast" in worker._layouts  # learnt at step 1, replayed at step 2
@@ -145,6 +146,7 @@ def test_an_unchecked_torch_takes_the_public_path_after_one_warning(
     assert_same(loaded, state_at(3))
     assert viewed == 0  # every tensor DCP's own way
     assert dcp_layout.signature(state_at(4)) is None  # the sharded save's replay is off too
+    assert not overlap.enabled()  # saves copy before they return: no check by torch's in-place counter
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("rally: warning")]
     assert len(warnings) == 1, warnings
     assert "torch 2.99.0+cpu is not one rally's checkpoint fast paths were checked against" in warnings[0]
