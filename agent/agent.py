@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 from rally.agent.agent_exit import store_failure_exit
 from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.event_log import EventLog
-from rally.agent.base.event_loop import Event, EventLoop
+from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
 from rally.agent.base.spec import JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
@@ -355,15 +355,16 @@ class Agent:
     def _on_events(self, rnd: Round) -> RoundEnd | None:
         """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py)."""
         a = rnd.assignment
-        for kind, value in self.loop.take_events():
-            if kind is Event.ROUND_END and value[0] == a.round:
-                return value[1]
-            if kind is Event.PEER_VERDICT and value[0] == a.round:
-                self.exits.peer_verdict(value[1])
-            if kind is Event.STORE_LOST and self.opened is not None:
-                raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.opened.endpoint))
-            if kind is Event.DUMP_STACKS and value == a.round:
-                self.hangs.answer(rnd)
+        for news in self.loop.take_events():
+            match news:
+                case RoundEnded(round=a.round, end=end):
+                    return end
+                case PeerVerdict(round=a.round, lost_peer=lost_peer):
+                    self.exits.peer_verdict(lost_peer)
+                case StoreLost(error=error) if self.opened is not None:
+                    raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(error, self.opened.endpoint))
+                case DumpStacks(round=a.round):
+                    self.hangs.answer(rnd)
         return None
 
     def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:

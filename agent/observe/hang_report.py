@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rally.agent.base.collaborator import AgentContext, Collaborator
-from rally.agent.base.event_loop import Event
+from rally.agent.base.event_loop import DumpStacks
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE
 from rally.agent.base.spec import STACK_SIGNAL
 from rally.agent.guard.processes import process_state
@@ -248,7 +248,7 @@ class HangReporter(Collaborator):
         try:
             # wait: background: a thread answering stack requests in slices
             if rnd.connect_again().stacks.wait_request():
-                self.ctx.loop.inbox.post(Event.DUMP_STACKS, rnd.assignment.round)
+                self.ctx.loop.inbox.post(DumpStacks(rnd.assignment.round))
         except StoreError:
             pass  # the store is gone: the keep-alive and round-end threads report that
 
