@@ -100,7 +100,7 @@ class OptionInfo:
 
 
 def option(
-    default: Any,
+    default: object,
     group: str,
     help: str,
     kind: type | None = None,
