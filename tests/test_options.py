@@ -325,3 +325,15 @@ def test_launch_reads_the_same_variables_as_the_command_converted_as_click_conve
     }
     with pytest.raises(ConfigError, match="RALLY_MAX_RESTARTS='x'"):
         from_environment({"RALLY_MAX_RESTARTS": "x"})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.same_under_load
+def test_an_infinite_count_from_rally_launch_is_one_line_not_an_overflow_traceback() -> None:
+    """float('inf') for a whole-number option (only rally.launch can pass it: click refuses it
+    first) is a mistake told in one line, as any other value of the wrong kind."""
+    from rally.launcher.config import ConfigError
+    from rally.launcher.options import Options
+
+    with pytest.raises(ConfigError, match=r"^--max-restarts inf: cannot convert float infinity to integer$"):
+        Options(max_restarts=float("inf")).parse("train.py", act=False)
