@@ -119,7 +119,7 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
     return value
 
 
-def click_option(name: str, default: Any, about: options.OptionInfo) -> click.Option:
+def click_option(name: str, default: object, about: options.OptionInfo) -> click.Option:
     """The click option of one field of the options model (launcher/options.py)."""
     kwargs: dict[str, Any] = {"default": default, "help": about.help}
     if about.kind is bool:

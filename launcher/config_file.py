@@ -56,23 +56,26 @@ class BoundedLoader(yaml.SafeLoader):
             )
         self.depth += 1
         try:
-            return super().compose_node(parent, index)
+            node = super().compose_node(parent, index)
         finally:
             self.depth -= 1
-
-    def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
-        node = super().compose_mapping_node(anchor)
-        for key, _ in node.value:
-            if not isinstance(key, yaml.ScalarNode) or len(key.value) > MAX_KEY:
-                what = (
-                    f"a key of {len(key.value)} characters"
-                    if isinstance(key, yaml.ScalarNode)
-                    else "a key that is not text"
-                )
-                raise yaml.composer.ComposerError(
-                    None, None, f"{what} is not an option name; write option: value", key.start_mark
-                )
+        if isinstance(node, yaml.MappingNode):
+            check_keys(node)
         return node
+
+
+def check_keys(node: yaml.MappingNode) -> None:
+    """A mapping's keys are text no longer than MAX_KEY (see BoundedLoader)."""
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or len(key.value) > MAX_KEY:
+            what = (
+                f"a key of {len(key.value)} characters"
+                if isinstance(key, yaml.ScalarNode)
+                else "a key that is not text"
+            )
+            raise yaml.composer.ComposerError(
+                None, None, f"{what} is not an option name; write option: value", key.start_mark
+            )
 
 
 def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
