@@ -56,8 +56,10 @@ def worker(holder: HolderProcess) -> Iterator[MemoryTier]:
 def fresh_check() -> Iterator[None]:
     """The check is made once per process: each case makes it again, under its own torch."""
     torch_internals.fast_paths.cache_clear()
+    torch_internals.sharded_reader.cache_clear()
     yield
     torch_internals.fast_paths.cache_clear()
+    torch_internals.sharded_reader.cache_clear()
 
 
 def unsupported(monkeypatch: pytest.MonkeyPatch) -> None:

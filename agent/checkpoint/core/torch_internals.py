@@ -87,8 +87,6 @@ def _missing() -> list[str]:
         missing.append("torch._foreach_copy_")
     if not hasattr(torch.empty(0), "_version"):
         missing.append("torch.Tensor._version")
-    if _narrow() is None:
-        missing.append("torch.distributed._shard._utils.narrow_tensor_by_index")
     return missing
 
 
@@ -144,10 +142,23 @@ def no_record_crc() -> Iterator[None]:
         config.save.compute_crc32 = before
 
 
+@cache
+def sharded_reader() -> bool:
+    """Whether the sharded reload's one-copy reader may run: :func:`fast_paths`, and DCP's narrowing
+    is there (checked apart: importing it costs ~10 ms, which a whole state's reload need not pay)."""
+    if not fast_paths():
+        return False
+    if _narrow() is None:
+        _warn(f"torch {torch_version()} has no torch.distributed._shard._utils.narrow_tensor_by_index, which "
+              "rally's sharded reload uses")  # fmt: skip
+        return False
+    return True
+
+
 def storage_record_offset(item: io.RawIOBase) -> int | None:
     """Where the one storage record of the ``torch.save`` archive ``item`` (a readable, seekable file
     over it) starts; None: another record count, an unreadable archive, or the fast paths are off."""
-    if not fast_paths():
+    if not sharded_reader():
         return None
     import torch
 
@@ -183,7 +194,7 @@ def in_place_version(tensor: torch.Tensor) -> int:
 
 def narrow_tensor_by_index(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """DCP's own narrowing of a chunk read for a request (its FileSystemReader's); only called
-    where :func:`fast_paths` is True."""
+    where :func:`sharded_reader` is True."""
     return _narrow()(tensor, offsets, sizes)
 
 
