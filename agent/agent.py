@@ -8,9 +8,9 @@
         stop the workers (signal, one grace period, SIGKILL of every descendant)
         succeeded -> exit 0;  failed and budget left -> next round;  else report, exit non-zero
 
-The agent is a state machine (agent/states.py): its state says what a signal means, and
+The agent is a state machine (agent/base/states.py): its state says what a signal means, and
 `_on_signals` is the only place a signal takes effect. Everything it waits for arrives on file
-descriptors watched by one selector in the main thread (agent/event_loop.py): pidfds, worker
+descriptors watched by one selector in the main thread (agent/base/event_loop.py): pidfds, worker
 output pipes, the signal wake-up fd, and the inbox its store-watching threads write to. Every
 store call of the main thread goes through `store_call`. What happens after a round is
 decided by a pure function (agent/decide.py) and applied here.
@@ -25,18 +25,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rally.agent import processes
 from rally.agent.agent_exit import AgentExit, store_failure_exit
+from rally.agent.base.event_log import EventLog
+from rally.agent.base.event_loop import Event, EventLoop
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
+from rally.agent.base.spec import JobSpec
+from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.checkpoint.agent_side import NodeCheckpoints
 from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
 from rally.agent.decide import Exit, Reform, Restart, decide, exit_status
 from rally.agent.display import console
-from rally.agent.event_loop import Event, EventLoop
-from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
+from rally.agent.guard import processes
 from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
-from rally.agent.hang_report import HangReporter
-from rally.agent.node_waits import NodeWaits, wait_for_readers
-from rally.agent.observe.event_log import EventLog
+from rally.agent.guard.stopping import stop_workers
+from rally.agent.observe.hang_report import HangReporter
 from rally.agent.observe.health import HealthMonitor, HealthSettings
 from rally.agent.observe.live import LiveView
 from rally.agent.observe.observer import Observer
@@ -44,14 +46,12 @@ from rally.agent.observe.run_info import announce
 from rally.agent.observe.status_record import node_status
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_lost_line
-from rally.agent.round_holdings import RoundHoldings
-from rally.agent.round_threads import RoundThreads, StoreProbe, left_behind_line
-from rally.agent.spec import JobSpec
-from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.agent.stopping import stop_workers
-from rally.agent.template import TemplateClient
+from rally.agent.rounds.holdings import RoundHoldings
+from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
+from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line
+from rally.agent.rounds.workers import LogLayout, WorkerGroup
+from rally.agent.template.client import TemplateClient
 from rally.agent.worker_exits import WorkerExits
-from rally.agent.workers import LogLayout, WorkerGroup
 from rally.rendezvous.backends import OpenedStore
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
@@ -98,7 +98,7 @@ class Agent:
         self.worker_store: Any = None
         self.rdzv: Rendezvous | None = None
         self.guard: GuardClient | None = None
-        self.template: TemplateClient | None = None  # workers are forked from it (agent/template.py)
+        self.template: TemplateClient | None = None  # workers are forked from it (agent/template/client.py)
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
@@ -109,7 +109,7 @@ class Agent:
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/observe/live.py)
-        self.hangs = HangReporter(  # who really hung, from every node (agent/hang_report.py)
+        self.hangs = HangReporter(  # who really hung, from every node (agent/observe/hang_report.py)
             self.host, spec.is_python, self.health_settings.stack_dump_wait, self.loop, self.store_call,
             group=lambda: self.group, heartbeat_count=lambda r: self.health.heartbeat_count(r), emit=self.events.emit,
         )  # fmt: skip
@@ -188,7 +188,7 @@ class Agent:
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
-        # the memory tier's steps and the disk's, read cheaply for the restart (agent/round_holdings.py)
+        # the memory tier's steps and the disk's, read cheaply for the restart (agent/rounds/holdings.py)
         held = RoundHoldings(self.ckpt, single_node=self.plan.settings.max_nodes == 1)
         settings = self.plan.settings
         self.rdzv = rdzv = Rendezvous(self.store, settings, self.node, console.say, held.progress, held.holdings)
@@ -286,6 +286,8 @@ class Agent:
             self.store_call(lambda: rnd.channel.publish_master(a.master_host, self.worker_store.port))
             return (a.master_host, self.worker_store.port)
         timeout = self.plan.settings.keep_alive_timeout * 4 + 30
+        # wait: slice, said by rendezvous/round_channel.py RoundChannel.wait_master: 1 s slices up to
+        # keep_alive_timeout*4+30
         return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
     def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
@@ -333,7 +335,7 @@ class Agent:
                 self.store_call(rnd.channel.report_success)
 
     def _on_events(self, rnd: Round) -> RoundEnd | None:
-        """What the round's threads posted (agent/round_threads.py, agent/hang_report.py)."""
+        """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py)."""
         a = rnd.a
         for kind, value in self.loop.take_events():
             if kind is Event.ROUND_END and value[0] == a.round:
@@ -416,6 +418,8 @@ class Agent:
     def _exit_barrier(self, rnd: Round) -> None:
         if self.store_server is not None:  # a signal ends the wait at once
             self.state = AgentState.EXIT_BARRIER
+            # wait: bounded, said by agent/rounds/node_waits.py wait_for_readers: EXIT_BARRIER_SECONDS (30), a signal
+            # ends it
             self.store_call(lambda: wait_for_readers(rnd, EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_now(self) -> dict | None:
@@ -424,13 +428,13 @@ class Agent:
 
     def _status_record(self, a: Assignment) -> dict:
         record = node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
-        # a long wait under way (agent/node_waits.py)
+        # a long wait under way (agent/rounds/node_waits.py)
         waiting = self.waits.fields(a.round, self.rdzv.waiting if self.rdzv else None)
         return {**record, **self.ckpt.status_fields(), **waiting}
 
     # ================================================================ signals
     def _on_signals(self, rnd: Round | None = None) -> RoundEnd | None:
-        """The one place a signal takes effect, as the agent's state says (agent/states.py).
+        """The one place a signal takes effect, as the agent's state says (agent/base/states.py).
         Exits raise AgentExit; a preemption returns the round's end; the rest stay pending."""
         signals = self.loop.take_signals()
         later: list[int] = []
@@ -476,6 +480,8 @@ class Agent:
                 return fn()
             self.loop.pump(0)
             self._on_signals()  # also those that arrived before: never lost between rounds
+            # wait: slice, said by the job: the call runs in a thread; the main loop keeps handling signals and the
+            # store probe
             return self.loop.run_blocking(fn, self._while_waiting, self.probe.interval if self.probe else None)
         except (RendezvousError, StoreError) as exc:
             if best_effort:

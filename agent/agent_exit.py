@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE
 from rally.agent.report import store_lost_line
 from rally.rendezvous.kv import StoreError, StoreTampered, UntrustedValue
 from rally.rendezvous.membership import RendezvousError

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rally.agent import processes
+from rally.agent.base.event_loop import EventLoop
+from rally.agent.base.exit_codes import EXIT_PREEMPTED
+from rally.agent.base.spec import JobSpec
+from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.display import console
-from rally.agent.event_loop import EventLoop
-from rally.agent.exit_codes import EXIT_PREEMPTED
-from rally.agent.spec import JobSpec
-from rally.agent.states import AgentState, SignalAction, signal_action
+from rally.agent.guard import processes
 from rally.rendezvous.long_wait import LongWait, wait_in_slices
 from rally.rendezvous.protocol import EndKind, Round, RoundEnd
 

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rally.agent.event_loop import EventLoop
+from rally.agent.base.event_loop import EventLoop
+from rally.agent.guard.stopping import read_what_is_left
 from rally.agent.observe.health import HealthMonitor
 from rally.agent.report import failure_end
-from rally.agent.round_threads import check_peers
-from rally.agent.stopping import read_what_is_left
-from rally.agent.workers import Worker, WorkerGroup
+from rally.agent.rounds.threads import check_peers
+from rally.agent.rounds.workers import Worker, WorkerGroup
 from rally.rendezvous.protocol import Round, RoundEnd
 
 

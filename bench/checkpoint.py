@@ -21,7 +21,7 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
   of the same run, since on a shared machine the load moves between runs. Each method's modules
   are imported when the worker starts, as a script imports at its top, not inside the timed
   call. rally's restarted workers map their node's copy and fault its pages in while they start
-  (agent/checkpoint/resume_prefetch.py, on every restart), so its reload is mostly the copy.
+  (agent/checkpoint/core/resume_prefetch.py, on every restart), so its reload is mostly the copy.
 
 rally (with its memory tier, and without: ``RALLY_MEMORY_TIER=0``, the disk path whose
 ``load_latest`` is item 8's) and the two torch methods run under rally (``--checkpoint-dir`` only

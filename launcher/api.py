@@ -39,8 +39,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT
 from rally.agent.display import console
-from rally.agent.exit_codes import EXIT_BAD_INPUT
 from rally.launcher.cli import in_this_process, launch_and_run, run
 from rally.launcher.config import ConfigError
 from rally.launcher.options import Options, by_name, from_environment

@@ -22,8 +22,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT
 from rally.agent.display import console
-from rally.agent.exit_codes import EXIT_BAD_INPUT
 from rally.launcher import __version__, options
 from rally.launcher.config import ConfigError, build_launch
 from rally.launcher.config_file import FileMistakes, load_config_file
@@ -258,7 +258,7 @@ def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  
     from rally.rendezvous.store import quiet_torch_logs
 
     if launch.checkpoint_token:  # the key, never the token, for the holder and the workers: in the environment
-        from rally.agent.checkpoint import auth
+        from rally.agent.checkpoint.core import auth
 
         os.environ[auth.KEY_ENV] = auth.derive(launch.checkpoint_token).hex()
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own

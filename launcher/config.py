@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rally.agent.spec import JobSpec
+from rally.agent.base.spec import JobSpec
 from rally.launcher import validate
 from rally.launcher.options import Options, RendezvousOptions
 from rally.launcher.secret_warnings import secret_warnings
@@ -43,7 +43,7 @@ class Launch:
     warnings: list[str] = field(default_factory=list)  # launcher/secret_warnings.py: one line each
     checkpoint_token: str = ""
     """The job token the user gave on the command line (--rdzv-conf token=/token_file=), which keys
-    checkpoints as RALLY_JOB_TOKEN does (agent/checkpoint/auth.py); never --standalone's random
+    checkpoints as RALLY_JOB_TOKEN does (agent/checkpoint/core/auth.py); never --standalone's random
     token or SLURM's per-job one: a resubmitted job must verify what the earlier one wrote."""
 
 

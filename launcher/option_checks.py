@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rally.agent.observe.learned_timeouts import LearningSettings
-from rally.agent.spec import JobSpec
+from rally.agent.base.spec import JobSpec, LearningSettings
 from rally.launcher import validate, values, worker_flags
 from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
@@ -161,7 +160,7 @@ def writable_dir(value: Any, p: Parsing) -> str:
 
 def signals(value: Any, p: Parsing) -> tuple[int, ...]:
     """`SIGTERM,USR1,10`: each read by job.to_signal, rally's one reading of a signal's name."""
-    from rally.agent.worker.job import to_signal
+    from rally.agent.worker_side.job import to_signal
 
     out = []
     for name in str(value).split(","):
@@ -315,11 +314,11 @@ def shutdown_timeout(value: Any, p: Parsing) -> float:
 
 def checkpoint_dir(value: Any, p: Parsing) -> str | None:
     """Created 0700; refused with one line if another user may plant checkpoints in it (unless
-    --checkpoint-dir-shared); a key to sign checkpoints with must exist (agent/checkpoint/auth.py)."""
+    --checkpoint-dir-shared); a key to sign checkpoints with must exist (agent/checkpoint/core/auth.py)."""
     if value is None:
         return None
     validate.private_dir(value, p.flag)
-    from rally.agent.checkpoint import auth
+    from rally.agent.checkpoint.core import auth
 
     path = Path(str(value)).resolve()
     problem = auth.directory_problem(path)

@@ -36,7 +36,7 @@ def imports_only_stdlib(script: str) -> bool:
 def parse_preload(
     text: str | None, no_preload: bool, no_python: bool, script: str | None = None, module: bool = False
 ) -> tuple[str, ...] | None:
-    """What the worker template imports (agent/template.py); None: no template, plain starts.
+    """What the worker template imports (agent/template/client.py); None: no template, plain starts.
 
     Default: torch, when the entry point is Python, torch is importable, and the script imports
     something beyond the standard library (a script that does not has nothing to preload).

@@ -172,6 +172,7 @@ def hostnames(nodelist: str) -> list[str]:
     """
     if shutil.which("scontrol"):
         try:
+            # wait: short: timeout=SCONTROL_TIMEOUT
             done = subprocess.run(
                 ["scontrol", "show", "hostnames", nodelist],
                 capture_output=True,
@@ -384,6 +385,7 @@ class SlurmJob:
 
     def requeue(self) -> str:
         """Requeue this job (node 0's agent calls it on a preemption signal with --requeue)."""
+        # wait: short: timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms
         done = subprocess.run(
             ["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S
         )

@@ -18,7 +18,7 @@ shown (each node's status record keeps the newest round end it went round again 
 What it reads, anyone who reaches a store without a job token, or writes into a shared --log-dir,
 may have written: so it reads as the agent reads its workers' files. Every record is checked
 against its writer's types (rendezvous/status_schema.py), every file opened without following a
-link or blocking and read up to a cap (agent/untrusted_files.py), every string escaped before
+link or blocking and read up to a cap (agent/base/untrusted_files.py), every string escaped before
 it reaches the terminal (agent/display/untrusted_text.py) and rich markup in it never
 interpreted. A store that refuses the connection (the job has ended: its store went with it) is
 said at once, with where the job's run directory is, and torch is imported only to talk to a
@@ -300,7 +300,7 @@ def show_running(run_id: str, where: str, status: dict) -> None:
         if node.get("gpu_problems"):
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]))
     for node in nodes:
-        if node.get("waiting"):  # what it waits for (rendezvous/waiting.py, agent/node_waits.py)
+        if node.get("waiting"):  # what it waits for (rendezvous/waiting.py, agent/rounds/node_waits.py)
             updated = node.get("updated")
             age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
             out.print(f"{node.get('host')}: {node['waiting']}{age}")

@@ -173,8 +173,8 @@ def private_dir(value: Any, option: str) -> str:
 
 def config_text(path: str) -> str:
     """The text of a --config file: a regular file only (a FIFO would hang the read, /dev/zero
-    fill memory), at most MAX_CONFIG_BYTES, read without blocking (agent/untrusted_files.py)."""
-    from rally.agent.untrusted_files import UntrustedFile, read_capped
+    fill memory), at most MAX_CONFIG_BYTES, read without blocking (agent/base/untrusted_files.py)."""
+    from rally.agent.base.untrusted_files import UntrustedFile, read_capped
 
     try:
         return read_capped(path, MAX_CONFIG_BYTES, whole=True, follow=True).decode("utf-8")

@@ -192,7 +192,7 @@ class Rendezvous:
             raise JobClosed(ended_line(self, end))
 
     def ping(self) -> None:
-        """One cheap call that only a store that answers completes (agent/round_threads.py)."""
+        """One cheap call that only a store that answers completes (agent/rounds/threads.py)."""
         self.store.check("probe")
 
     def clear_worker_keys(self) -> int:

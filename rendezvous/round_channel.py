@@ -84,7 +84,7 @@ class RoundChannel:
 
     @property
     def _leases(self) -> LeasedStore:
-        """The store's leases; only asked for when `store.leased_liveness` (agent/leased_liveness.py)."""
+        """The store's leases; only asked for when `store.leased_liveness` (agent/rounds/leased_liveness.py)."""
         assert isinstance(self.store, LeasedStore), f"{self.store.describe} has no leases"
         return self.store
 

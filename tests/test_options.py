@@ -146,9 +146,8 @@ def test_every_option_of_the_model_is_a_flag_in_both_spellings_with_its_variable
 
 @pytest.mark.timeout(30)
 def test_defaults_the_agent_also_needs_come_from_the_agents_own_types() -> None:
+    from rally.agent.base.spec import DEFAULT_FACTOR, JobSpec
     from rally.agent.observe.health import HealthSettings
-    from rally.agent.observe.stragglers import DEFAULT_FACTOR
-    from rally.agent.spec import JobSpec
     from rally.launcher.options import Options
     from rally.launcher.values import RDZV_CONF_DEFAULTS
     from rally.rendezvous.protocol import RendezvousSettings
@@ -225,7 +224,7 @@ def test_every_option_lands_in_the_agents_inputs_or_is_read_by_another_options_c
     the option whose check reads it; every such field is filled by exactly one option."""
     import dataclasses
 
-    from rally.agent.spec import JobSpec
+    from rally.agent.base.spec import JobSpec
     from rally.launcher import options
 
     filled: dict[tuple[type, str], str] = {}
@@ -245,7 +244,7 @@ def test_every_option_lands_in_the_agents_inputs_or_is_read_by_another_options_c
 @pytest.mark.same_under_load  # a parse, no process
 @pytest.mark.timeout(30)
 def test_parsing_fills_the_agents_job_from_the_options_alone(tmp_path: Path, monkeypatch) -> None:
-    from rally.agent.observe.learned_timeouts import LearningSettings
+    from rally.agent.base.spec import LearningSettings
     from rally.launcher.options import Options
 
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)

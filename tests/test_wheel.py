@@ -110,7 +110,8 @@ def test_the_installed_wheel_runs_a_job(built: Built, tmp_path: Path) -> None:
     )  # fmt: skip
     env = clean_env(PYTHONPATH=str(target))
     where = subprocess.run(
-        [sys.executable, "-c", "import rally, rally.agent.worker.job as j; print(rally.__file__); print(j.__file__)"],
+        [sys.executable, "-c", "import rally, rally.agent.worker_side.job as j; "
+         "print(rally.__file__); print(j.__file__)"],
         env=env, cwd=tmp_path, capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     assert all(line.startswith(str(target)) for line in where.stdout.split()), where.stdout

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rally.agent.checkpoint.shm import SLOTS_PER_KEY, memfd_name, valid_key
+from rally.agent.checkpoint.core.shm import SLOTS_PER_KEY, memfd_name, valid_key
 
 FREE, WRITING, COMMITTED = "free", "writing", "committed"
 PAGE = 4096
@@ -119,10 +119,6 @@ class SlotTable:
         with self.cond:
             sets = [{s for s, _ in k.committed()} for k in self.keys.values()]
         return sorted(set.intersection(*sets)) if sets else []
-
-    def newest_saved(self) -> int | None:
-        steps = self.memory_steps()
-        return steps[-1] if steps else None
 
     # ------------------------------------------------------------------ the workers' side
     def _fence(self, r: int) -> None:
@@ -278,7 +274,7 @@ class SlotTable:
 
     def held(self, prefix: str) -> dict[str, list[int]]:
         """Committed steps of every key starting with ``prefix`` (sharded states: a rank's own
-        copy and the ring peer's replica, see agent/checkpoint/dcp_memory.py)."""
+        copy and the ring peer's replica, see agent/checkpoint/sharded/memory.py)."""
         with self.cond:
             return {k: sorted(s for s, _ in ks.committed()) for k, ks in self.keys.items() if k.startswith(prefix)}
 

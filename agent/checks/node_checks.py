@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rally.agent.base.event_log import EventLog
+from rally.agent.base.spec import JobSpec
 from rally.agent.checks.quarantine import EXIT_QUARANTINED, Quarantine
 from rally.agent.display import console
-from rally.agent.observe.event_log import EventLog
-from rally.agent.spec import JobSpec
 from rally.rendezvous.protocol import Round, RoundEnd
 
 __all__ = ["EXIT_QUARANTINED", "NodeChecks"]
@@ -47,7 +47,7 @@ class NodeChecks:
         have more than one node (a single-node job has no node to keep out: quarantine makes no
         store call there). For the probe: `template` gives the agent's worker template (or None),
         `backend` the process-group backend the job's workers would use, `announce` says its
-        waits' lines (the console and this node's status record: agent/node_waits.py)."""
+        waits' lines (the console and this node's status record: agent/rounds/node_waits.py)."""
         self.store_call = store_call
         self.quarantine = Quarantine(spec, host, events, report, console.say, console.warn, multi_node)
         self.preflight: Any = None

@@ -131,7 +131,7 @@ class Preflight:
         backend: Callable[[], str],
         announce: Callable[[str], None] = console.say,
     ):
-        """`announce` hears every few seconds what a long wait waits for (agent/node_waits.py)."""
+        """`announce` hears every few seconds what a long wait waits for (agent/rounds/node_waits.py)."""
         self.spec, self.host, self.events, self.report = spec, host, events, report
         self.store_call, self.template, self.base_env, self.run_dir, self.backend = (
             store_call,
@@ -155,9 +155,8 @@ class Preflight:
         stopped after the first probe; a later one (after a membership change) starts plainly."""
         if self.template() is not None or not self.spec.preflight:
             return
-        from rally.agent.spec import BOOTSTRAP
-        from rally.agent.template import TemplateClient
-        from rally.agent.workers import shared_worker_env
+        from rally.agent.base.spec import BOOTSTRAP, shared_worker_env
+        from rally.agent.template.client import TemplateClient
 
         argv = [self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE]
         self.own_template = TemplateClient(
@@ -216,9 +215,8 @@ class Preflight:
 
     # ------------------------------------------------------------------ steps
     def _probe(self, a: Assignment, master: tuple[str, int]) -> dict:
-        from rally.agent import processes
-        from rally.agent.spec import BOOTSTRAP
-        from rally.agent.workers import shared_worker_env
+        from rally.agent.base.spec import BOOTSTRAP, shared_worker_env
+        from rally.agent.guard import processes
 
         out = self.run_dir / f"preflight_{a.round}.json"
         out.unlink(missing_ok=True)

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rally.agent.base.event_log import EventLog
+from rally.agent.base.spec import JobSpec
 from rally.agent.display import console
 from rally.agent.observe import gpu as gpus
-from rally.agent.observe.event_log import EventLog
 from rally.agent.observe.gpu_reclaim import gpu_processes_of, wait_reclaimed
 from rally.agent.observe.stragglers import CentralValues, StragglerWatch, job_step_times
-from rally.agent.spec import JobSpec
 from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 
 

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rally.agent.base.untrusted_files import UntrustedFile, read_capped, read_json_object
 from rally.agent.display.untrusted_text import printable
-from rally.agent.untrusted_files import UntrustedFile, read_capped, read_json_object
 
 ENDPOINT_FILE = "endpoint.json"
 REPORT_FILE = "report.json"
@@ -30,7 +30,7 @@ EVENTS_FILE = "events.jsonl"
 # events.jsonl events that start a new round of the same job (agent/agent.py `_after_round`).
 RESTART_EVENTS = ("restart", "membership_change")
 # What `rally status RUN_DIR` reads of each file at most (each opened without following a link
-# or blocking: agent/untrusted_files.py). The run directory may be in a shared --log-dir.
+# or blocking: agent/base/untrusted_files.py). The run directory may be in a shared --log-dir.
 MAX_ENDPOINT_BYTES = 64 * 1024
 MAX_REPORT_BYTES = 16 << 20
 MAX_EVENTS_BYTES = 4 << 20  # the tail of events.jsonl: the newest restart is near its end
@@ -103,7 +103,7 @@ def find_run_dir(path: Path) -> Path:
 
 def run_dirs_of(run_id: str, base: Path | None = None) -> list[Path]:
     """This user's run directories of `run_id` under the default --log-dir (`$TMPDIR/rally_*`,
-    agent/workers.py `LogLayout`), newest first: where to look once the job's store is gone.
+    agent/rounds/workers.py `LogLayout`), newest first: where to look once the job's store is gone.
     Only directories owned by this user count (anyone can make one under /tmp)."""
     base = Path(tempfile.gettempdir()) if base is None else base
     pattern = f"rally_*/{glob.escape(run_id.replace('/', '_'))}_*/{ENDPOINT_FILE}"

@@ -1,6 +1,6 @@
 """This node as `rally status`, the live view and /metrics see it: one JSON-able record.
 
-The keep-alive thread publishes it to the store every few seconds (agent/round_threads.py), the
+The keep-alive thread publishes it to the store every few seconds (agent/rounds/threads.py), the
 live view renders it (agent/observe/live.py), the observer turns it into metrics (agent/observe/metrics.py). It
 is built from a snapshot of the worker group without locks: a worker that exits meanwhile shows
 its old state until the next record, which is harmless for a display.

@@ -119,7 +119,7 @@ class Method:
         if self.name.startswith("dcp_async"):
             return self.pending is not None and self.pending.done()
         if self.name == "rally_sharded":
-            from rally.agent.checkpoint import dcp_files
+            from rally.agent.checkpoint.sharded import files as dcp_files
 
             return dcp_files.is_intact(self.dir / dcp_files.step_name(step))
         if self.name.startswith("rally"):
