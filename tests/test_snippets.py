@@ -136,8 +136,6 @@ def run_page(page: Path, directory: Path) -> list[Ran]:
             stdout, stderr = proc.communicate()
             ran.append(Ran(block, None, stdout, stderr))
             return ran
-        finally:
-            kill_group(proc.pid)  # whatever the block left running in its session
         ran.append(Ran(block, proc.returncode, stdout, stderr))
         if proc.returncode != 0:
             return ran
