@@ -100,7 +100,7 @@ class OptionInfo:
 
 
 def option(
-    default: Any,
+    default: object,
     group: str,
     help: str,
     kind: type | None = None,
@@ -331,6 +331,11 @@ class Options:
         check=checks.negated,
         fills="prefix_output",
     )
+    torchrun_prefix: bool = option(
+        False,
+        "rally extras",
+        "Worker console lines as torchrun shows them: [role<local rank>]: on --tee'd streams, none on the others.",
+    )
     quiet: bool = option(
         False, "Logs and output", "Show only rally's own lines on the console, not the workers' output."
     )
@@ -518,7 +523,7 @@ class Options:
             except ConfigError as exc:
                 origin = self.origins.get(getattr(exc, "option", f.name))  # a value another check read: its own
                 mistakes.append(f"{origin}: {exc}" if origin else str(exc))
-            except (TypeError, ValueError) as exc:  # a value of the wrong type, from rally.launch
+            except (TypeError, ValueError, OverflowError) as exc:  # a wrong type or inf, from rally.launch
                 mistakes.append(f"{flag(f.name)} {value!r}: {exc}")
             p.failed.add(f.name)
         if mistakes:

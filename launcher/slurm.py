@@ -24,9 +24,12 @@ import subprocess
 import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rally.rendezvous.backends import BACKENDS, HostPort
+
+if TYPE_CHECKING:
+    from rally.launcher.options import Options
 
 __all__ = [
     "DESCRIBE_KEYS",
@@ -354,7 +357,7 @@ class SlurmJob:
         """Where this step's rendezvous store lives: the first host, a port derived from the ids."""
         return HostPort(self.store_host, self.store_port)
 
-    def overrides(self, options: Any, given: Collection[str]) -> tuple[dict[str, Any], list[str]]:
+    def overrides(self, options: Options, given: Collection[str]) -> tuple[dict[str, Any], list[str]]:
         """What SLURM fills in of `options` (launcher.options.Options): only what the user left
         unset (`given` names the options set by a flag, a PET_/RALLY_ variable, the config file
         or a keyword argument). Returns the new values and the names taken, for `describe`."""

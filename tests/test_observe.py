@@ -321,7 +321,11 @@ def test_a_node_with_unhealthy_gpus_is_named_before_it_joins_a_round(tmp_path, c
             return [DeviceReading(0, "GPU-aaa"), DeviceReading(1, "GPU-bbb", ecc_uncorrected=3, xids=(79,))]
 
     log = EventLog(tmp_path / "events.jsonl")
-    observer = Observer(JobSpec("x.py"), log, "node7", {})
+
+    class Agent:  # what the observer reads of its agent (agent/base/collaborator.py's AgentContext) here
+        spec, events, host, base_env, run_dir = JobSpec("x.py"), log, "node7", {}, tmp_path
+
+    observer = Observer(Agent())  # type: ignore[arg-type]
     observer.gpu = Readings()  # type: ignore[assignment]
     observer.before_round()
     log.close()

@@ -5,8 +5,12 @@ values of the wrong type and mistyped flags are one line each, as a newcomer exp
 
 from __future__ import annotations
 
+import datetime
 import re
 import sys
+from collections.abc import Callable
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -267,6 +271,40 @@ def test_parsing_fills_the_agents_job_from_the_options_alone(tmp_path: Path, mon
     assert parsed.rendezvous.nnodes == (2, 2) and parsed.rendezvous.rdzv_conf["store_type"] == "tcp"
 
 
+class _Plain:
+    """A class defined in Python (the interpreter quotes its name without a module)."""
+
+
+# What rally.launch or a YAML file can hand a check: text, numbers, bytes, dates, containers, objects.
+RAW_VALUES = ["7", " 2 ", "2.5", "x", "", 3, 2.5, float("nan"), True, None, b"4", bytearray(b"5"), memoryview(b"6")]
+RAW_VALUES += [[1], {"a": 1}, (1,), 1j, datetime.date(2024, 1, 1), Path("/x"), _Plain(), Decimal("2.5"), Fraction(5, 2)]
+
+
+def outcome(convert: Callable[[object], object], value: object) -> str:
+    try:
+        return repr(convert(value))
+    except (TypeError, ValueError, OverflowError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.same_under_load  # conversions in this process
+@pytest.mark.timeout(30)
+def test_a_raw_value_is_read_as_int_and_float_read_it_and_refused_in_their_words() -> None:
+    """The checks take a raw value as `object` and narrow it (validate.whole_number, real_number):
+    what int() and float() read gives their number, anything else their own TypeError, which
+    Options.parse shows as `--flag value: ...` (so a message from rally.launch or a YAML date is
+    the one it was when the checks called int() and float() on an untyped value)."""
+    from rally.launcher import validate
+    from rally.launcher.options import Options
+    from rally.launcher.validate import ConfigError
+
+    for value in RAW_VALUES:
+        assert outcome(validate.whole_number, value) == outcome(int, value), value
+        assert outcome(validate.real_number, value) == outcome(float, value), value
+    with pytest.raises(ConfigError, match=r"^--max-restarts \[1\]: int\(\) argument must be .*not 'list'$"):
+        Options(max_restarts=[1]).parse("train.py", act=False)
+
+
 @pytest.mark.timeout(30)
 def test_launch_reads_the_same_variables_as_the_command_converted_as_click_converts_them() -> None:
     from rally.launcher.config import ConfigError
@@ -287,3 +325,15 @@ def test_launch_reads_the_same_variables_as_the_command_converted_as_click_conve
     }
     with pytest.raises(ConfigError, match="RALLY_MAX_RESTARTS='x'"):
         from_environment({"RALLY_MAX_RESTARTS": "x"})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.same_under_load
+def test_an_infinite_count_from_rally_launch_is_one_line_not_an_overflow_traceback() -> None:
+    """float('inf') for a whole-number option (only rally.launch can pass it: click refuses it
+    first) is a mistake told in one line, as any other value of the wrong kind."""
+    from rally.launcher.config import ConfigError
+    from rally.launcher.options import Options
+
+    with pytest.raises(ConfigError, match=r"^--max-restarts inf: cannot convert float infinity to integer$"):
+        Options(max_restarts=float("inf")).parse("train.py", act=False)

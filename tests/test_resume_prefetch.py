@@ -25,7 +25,7 @@ from rally.agent.checkpoint.tier import CheckpointTier
 from rally.agent.worker_side import job
 
 REPO = Path(__file__).resolve().parents[1]
-BOOTSTRAP = REPO / "agent" / "worker" / "bootstrap.py"
+BOOTSTRAP = REPO / "agent" / "worker_side" / "bootstrap.py"
 LEASE = 60.0
 ELEMENTS = 2_000_000  # 8 MB of float32: 2,000 pages to map
 

@@ -86,7 +86,7 @@ def test_the_wheel_carries_exactly_the_rally_package(built: Built) -> None:
     )
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(built.wheel) as wheel:
-        assert "rally = rally.launcher.cli:main" in wheel.read(entry_points).decode()
+        assert "rally = rally.launcher.entry:main" in wheel.read(entry_points).decode()
 
 
 @pytest.mark.timeout(300)

@@ -12,7 +12,6 @@ import json
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 
 class EventLog:
@@ -21,7 +20,7 @@ class EventLog:
         self.host = socket.gethostname()
         self._file = open(path, "a", buffering=1)  # lives as long as the agent
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, **fields: object) -> None:
         record = {"time": round(time.time(), 6), "event": event, "host": self.host, **fields}
         self._file.write(json.dumps(record, default=str) + "\n")
 

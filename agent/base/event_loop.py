@@ -15,18 +15,75 @@ import selectors
 import signal
 import threading
 from collections.abc import Callable
-from enum import Enum
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rally.rendezvous.records import RoundEnd
 
 
-class Event(str, Enum):
-    """What the agent's threads post to its inbox, and the value that comes with each."""
+@dataclass(frozen=True)
+class RoundEnded:
+    """The round's end key was set (agent/rounds/threads.py's end watcher)."""
 
-    ROUND_END = "round_end"  # (round, RoundEnd): the round's end key was set (round_threads.py)
-    PEER_VERDICT = "peer_verdict"  # (round, (group rank, silent s) | None): after a local failure
-    STORE_LOST = "store_lost"  # StoreError: a thread lost the store, or the store went silent
-    DUMP_STACKS = "dump_stacks"  # round: another node asks for this node's stacks (hang_report.py)
-    WAKE = "wake"  # a call run by `run_blocking` has returned
+    round: int
+    end: RoundEnd
+
+
+@dataclass(frozen=True)
+class PeerVerdict:
+    """The peer check's answer after a local failure: (group rank, seconds silent) of a lost peer, or None."""
+
+    round: int
+    lost_peer: tuple[int, float] | None
+
+
+@dataclass(frozen=True)
+class StoreLost:
+    """A thread lost the store, or the store went silent."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class DumpStacks:
+    """Another node asks for this node's stacks (agent/observe/hang_report.py)."""
+
+    round: int
+
+
+@dataclass(frozen=True)
+class Wake:
+    """A call run by `EventLoop.run_blocking` has returned."""
+
+
+# What the agent's threads post to its inbox: each kind a type with named fields, so the main
+# loop matches on them (agent/agent.py `_on_events`) instead of reading positions of a tuple.
+News = RoundEnded | PeerVerdict | StoreLost | DumpStacks | Wake
+Post = Callable[[News], None]
+
+
+class ReadableStream(Protocol):
+    """A worker's pipe as the loop sees it (agent/rounds/output.py's OutputStream is one)."""
+
+    @property
+    def fd(self) -> int: ...
+
+    def on_readable(self) -> bool:
+        """Move what is available; False once the writer closed the pipe."""
+
+
+class ExitingProcess(Protocol):
+    @property
+    def pidfd(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
+class ExitWatched(Protocol):
+    """A worker whose exit the loop watches (agent/rounds/workers.py's Worker is one)."""
+
+    @property
+    def process(self) -> ExitingProcess: ...
 
 
 class Inbox:
@@ -36,16 +93,16 @@ class Inbox:
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
-        self.items: queue.SimpleQueue[tuple[Event, Any]] = queue.SimpleQueue()
+        self.items: queue.SimpleQueue[News] = queue.SimpleQueue()
 
-    def post(self, kind: Event, value: Any = None) -> None:
-        self.items.put((kind, value))
+    def post(self, news: News) -> None:
+        self.items.put(news)
         try:
             os.write(self.write_fd, b"x")
         except BlockingIOError:
             pass  # the pipe is full: the main loop wakes anyway
 
-    def drain(self) -> list[tuple[Event, Any]]:
+    def drain(self) -> list[News]:
         try:
             while os.read(self.read_fd, 4096):
                 pass
@@ -73,7 +130,7 @@ class EventLoop:
         os.set_blocking(self.signal_w, False)
         self.selector.register(self.signal_r, selectors.EVENT_READ, ("signal", None))
         self.signals: list[int] = []
-        self.events: list[tuple[Event, Any]] = []
+        self.events: list[News] = []
 
     def install_signal_handlers(self, handled: set[int]) -> None:
         signal.set_wakeup_fd(self.signal_w, warn_on_full_buffer=False)
@@ -85,10 +142,10 @@ class EventLoop:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled | {signal.SIGUSR1, signal.SIGUSR2})
 
     # ---------------------------------------------------------------- what is watched
-    def watch_stream(self, stream: Any) -> None:
+    def watch_stream(self, stream: ReadableStream) -> None:
         self.selector.register(stream.fd, selectors.EVENT_READ, ("stream", stream))
 
-    def watch_exit(self, worker: Any) -> None:
+    def watch_exit(self, worker: ExitWatched) -> None:
         self.selector.register(worker.process.pidfd, selectors.EVENT_READ, ("exit", worker))
 
     def unwatch(self, fd: int) -> None:
@@ -135,7 +192,7 @@ class EventLoop:
         """Put signals back, in front, for whoever handles them next (none is ever dropped)."""
         self.signals[:0] = signums
 
-    def take_events(self) -> list[tuple[Event, Any]]:
+    def take_events(self) -> list[News]:
         out, self.events = self.events, []
         return out
 
@@ -151,13 +208,13 @@ class EventLoop:
             except BaseException as exc:  # re-raised in the main thread
                 box["error"] = exc
             done.set()
-            self.inbox.post(Event.WAKE)
+            self.inbox.post(Wake())
 
         threading.Thread(target=call, daemon=True).start()
         while not done.is_set():
             self.pump(interval)
             between()
-        self.events = [e for e in self.events if e[0] is not Event.WAKE]
+        self.events = [e for e in self.events if not isinstance(e, Wake)]
         if "error" in box:
             raise box["error"]
         return box.get("value")

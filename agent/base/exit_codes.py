@@ -6,3 +6,12 @@ EXIT_INFRASTRUCTURE = 1
 EXIT_BAD_INPUT = 2
 # The job was preempted (or hit its time limit) and stopped on purpose: retry later. EX_TEMPFAIL.
 EXIT_PREEMPTED = 75
+
+
+class AgentExit(Exception):
+    """Leave the agent with this exit code, after its workers are stopped: raised anywhere in the
+    main loop (a collaborator's hook too), with the one line that says why (or none)."""
+
+    def __init__(self, code: int, message: str = ""):
+        super().__init__(message)
+        self.code = code

@@ -12,15 +12,15 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO
 
 
 class HelperProcess:
     """``python <script> ARGS...`` with a pipe to its stdin; ``stdout`` as for subprocess.Popen."""
 
     def __init__(
-        self, script: str, *args: str, stdout: Any = subprocess.DEVNULL, pass_fds: tuple[int, ...] = (),
-        env: dict[str, str] | None = None,
+        self, script: str, *args: str, stdout: int | IO[bytes] | None = subprocess.DEVNULL,
+        pass_fds: tuple[int, ...] = (), env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         """``pass_fds``: descriptors the helper inherits (the holder's socket); ``env``: its environment
         (secrets go there, never into ARGS: a command line is every user's to read)."""

@@ -51,6 +51,9 @@ class JobSpec:
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
     prefix_output: bool = True
+    # --torchrun-prefix: console lines as torchrun shows them ("[role<local rank>]:" on --tee'd
+    # streams, nothing on the others) instead of rally's "[rank] " on every line
+    torchrun_prefix: bool = False
     quiet: bool = False  # --quiet: only rally's own lines on the console (log files unchanged)
     shutdown_timeout: float = 30.0
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -99,7 +102,8 @@ class JobSpec:
         return [self.python_exec, "-u", BOOTSTRAP, mode, self.entrypoint, *self.args]
 
     def uses_torchrun_logs(self) -> bool:
-        """--redirects or --tee given: console output then follows torchrun's format exactly."""
+        """--redirects or --tee given: streams go to files as torchrun's do (the console keeps
+        rally's prefix unless --torchrun-prefix asks for torchrun's)."""
         return any(self.redirects.values()) or any(self.tee.values())
 
     def shows_on_console(self, local_rank: int) -> bool:

@@ -16,7 +16,8 @@ It talks JSON lines on two channels:
   the agent's process group (Ctrl-C, ``kill -- -PGID``) cannot take the copies away before the
   agent has made the newest one durable.
 - **an abstract Unix socket, with the workers** (agent/checkpoint/core/client.py; SOCK_SEQPACKET, one
-  request or answer per packet): ``reserve`` a slot, ``commit`` or ``abort`` it, ``resume``
+  request or answer per packet): ``reserve`` a slot, ``commit`` or ``abort`` it (``copied``: an
+  overlapped save's copy is done, its commit decided later), ``resume``
   (which step, and from where). A slot's memfd travels with the answer. The agent creates and
   binds the socket under a random name before this process starts and hands it over as an
   inherited descriptor (no name on any command line, and nobody can bind it first); the holder
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rally.agent.checkpoint.persist import DiskFull, PersistCancelled, default_name, persist, valid_name
-from rally.agent.checkpoint.slots import Refused, ShmTooSmall, SlotTable
+from rally.agent.checkpoint.slots import NewestBusy, Refused, ShmTooSmall, SlotTable
 
 PERSIST_NICENESS = 10
 """The persister thread's nice value (the holder's answers to workers keep the normal priority)."""
@@ -180,6 +181,7 @@ class Holder:
                     int(msg["round"]),
                     name,
                     int(msg.get("keep", 3)),
+                    bool(msg.get("spare_newest", False)),
                 )
                 return {"ok": True, "slot": index}, [fd]
             if op == "commit":
@@ -187,6 +189,9 @@ class Holder:
                 return {"ok": True, "news": (str(msg["key"]), slot.step)}, []
             if op == "abort":
                 table.abort(conn_id, str(msg["key"]), int(msg["step"]))
+                return {"ok": True}, []
+            if op == "copied":
+                table.copied(conn_id, str(msg["key"]), int(msg["step"]))
                 return {"ok": True}, []
             if op == "held":
                 return {"ok": True, "held": table.held(str(msg["prefix"]))}, []
@@ -197,6 +202,8 @@ class Holder:
                 newest, newest_index, newest_fd = table.resume(str(msg["key"]))
                 return {"ok": True, "step": newest, "slot": newest_index}, [] if newest_fd is None else [newest_fd]
             return {"ok": False, "error": f"rally: unknown memory-tier request {op!r}"}, []
+        except NewestBusy as exc:
+            return {"ok": False, "busy": True, "error": str(exc)}, []
         except ShmTooSmall as exc:
             if not self.told_disk_only:  # one line, at the first save that did not fit
                 self.told_disk_only = True

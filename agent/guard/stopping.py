@@ -5,23 +5,58 @@ pipe open for ever)."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
-from rally.agent.base.event_loop import EventLoop
+from rally.agent.base.event_loop import EventLoop, ReadableStream
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.display import console
 from rally.agent.guard import processes
+from rally.agent.guard.client import GuardClient
+
+
+class StoppableWorker(Protocol):
+    """A worker as stopping sees it (agent/rounds/workers.py's Worker is one)."""
+
+    stopped: bool  # set here: its exit was asked for, not a failure
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def process(self) -> processes.ChildProcess: ...
+
+
+class StoppableGroup(Protocol):
+    """A round's workers as stopping sees them (agent/rounds/workers.py's WorkerGroup is one): a
+    protocol, so that guard/ does not depend on the room above it that starts them."""
+
+    @property
+    def workers(self) -> Sequence[StoppableWorker]: ...
+
+    @property
+    def streams(self) -> Sequence[OutputPipe]: ...
+
+    def running(self) -> Sequence[StoppableWorker]: ...
+
+    def close(self) -> None: ...
+
+
+class OutputPipe(ReadableStream, Protocol):
+    open: bool
+    last_read_at: float
+
 
 # How long to keep reading stopped workers' pipes to their end (a grandchild may hold them open).
 OUTPUT_DRAIN_SECONDS = 2.0
 
 
 def stop_workers(
-    group: Any,
+    group: StoppableGroup,
     signum: int,
     grace: float,
     loop: EventLoop,
-    guard: Any,
+    guard: GuardClient | None,
     helpers: frozenset[int],
     preemption_signals: tuple[int, ...] = (),
 ) -> None:
@@ -54,14 +89,14 @@ def stop_workers(
     group.close()
 
 
-def drain_streams(streams: list, loop: EventLoop, seconds: float) -> None:
+def drain_streams(streams: Sequence[OutputPipe], loop: EventLoop, seconds: float) -> None:
     """Keep reading until these pipes reach end-of-file, for at most `seconds`."""
     deadline = time.monotonic() + seconds
     while any(s.open for s in streams) and time.monotonic() < deadline:
         loop.pump(0.05)
 
 
-def read_what_is_left(streams: list, loop: EventLoop) -> None:
+def read_what_is_left(streams: Sequence[OutputPipe], loop: EventLoop) -> None:
     """Read whatever a dead worker left in its pipes, without waiting for end-of-file (a child
     of the worker may hold the pipe open for a long time)."""
     for stream in streams:

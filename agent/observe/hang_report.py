@@ -30,20 +30,18 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from rally.agent.base.event_loop import Event
+from rally.agent.base.collaborator import AgentContext, Collaborator
+from rally.agent.base.event_loop import DumpStacks
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE
 from rally.agent.base.spec import STACK_SIGNAL
 from rally.agent.guard.processes import process_state
+from rally.agent.observe.health import Hang, HealthMonitor
 from rally.rendezvous.protocol import Assignment, EndKind, Round, RoundEnd
 from rally.rendezvous.store import StoreError
-
-if TYPE_CHECKING:
-    from rally.agent.base.event_loop import EventLoop
-    from rally.agent.observe.health import Hang
 
 
 class StackSource(Protocol):
@@ -65,9 +63,13 @@ class StackSource(Protocol):
 
 
 class StderrLog(Protocol):
+    """A worker's output as this module reads it (agent/rounds/output.py's WorkerOutput is one)."""
+
     def stderr_mark(self) -> int: ...
 
     def stderr_since(self, mark: int) -> list[str]: ...
+
+    def last_output_at(self) -> float: ...
 
 
 class RoundWorkers(Protocol):
@@ -77,6 +79,18 @@ class RoundWorkers(Protocol):
     def workers(self) -> Sequence[StackSource]: ...
 
     def running(self) -> Sequence[StackSource]: ...
+
+
+class HangContext(AgentContext, Protocol):
+    """What the hang report needs of its agent beyond every collaborator's context."""
+
+    @property
+    def group(self) -> RoundWorkers | None:
+        """This round's workers on this node, None while none run."""
+
+    @property
+    def health(self) -> HealthMonitor:
+        """The health monitor of this round's workers (heartbeats, output, hang timeouts)."""
 
 
 # How long the node that found a hang waits for the other nodes' snapshots.
@@ -193,34 +207,33 @@ def name_culprit(snapshots: list[Snapshot], found_hung: Snapshot | None) -> tupl
     return ordered[0], ""
 
 
-class HangReporter:
-    """The agent's side: snapshot this node's workers, ask the others, write the root cause."""
+class HangReporter(Collaborator):
+    """The agent's side: find a hung worker, snapshot this node's workers, ask the others, write the
+    root cause; and answer the other nodes' requests (the agent's main loop calls `answer`)."""
 
-    def __init__(
-        self,
-        host: str,
-        is_python: bool,
-        stack_dump_wait: float,
-        loop: EventLoop,
-        store_call: Callable[..., Any],
-        group: Callable[[], RoundWorkers | None],
-        heartbeat_count: Callable[[int], int | None],
-        emit: Callable[..., None],
-        wait: float = HANG_REPORT_WAIT_SECONDS,
-    ):
-        """Everything comes from the agent, passed in: `store_call` runs a main-thread store
-        call (Agent.store_call), `group` this round's workers, `heartbeat_count` a local rank's
-        beats, `emit` an event log entry; each round's calls take that round (rendezvous.protocol.Round)."""
-        self.host = host
-        self.is_python = is_python
-        self.stack_dump_wait = stack_dump_wait
-        self.loop = loop
-        self.store_call = store_call
-        self.group = group
-        self.heartbeat_count = heartbeat_count
-        self.emit = emit
+    def __init__(self, ctx: HangContext, wait: float = HANG_REPORT_WAIT_SECONDS):
+        """`wait`: how long the node that found a hang waits for the other nodes' snapshots."""
+        self.ctx = ctx
+        self.host = ctx.host
         self.wait = wait
         self.answered: set[int] = set()
+
+    # ------------------------------------------------------------ hooks (agent/base/collaborator.py)
+    def round_formed(self, rnd: Round) -> None:
+        self.start_watching(rnd)
+
+    def watch(self, rnd: Round) -> RoundEnd | None:
+        """A worker hung (no heartbeat, no output): the round ends with the culprit named."""
+        group = self.ctx.group
+        assert group is not None  # the watch loop runs while the round's workers do
+        hangs = self.ctx.health.check({w.local_rank: w.output.last_output_at() for w in group.running()})
+        if not hangs:
+            return None
+        end = self.report(rnd, hangs[0])
+        return self.ctx.store_call(lambda: rnd.channel.end(end))
+
+    def watch_over(self, rnd: Round) -> None:
+        self.round_over(rnd)
 
     # ------------------------------------------------------------ every node
     def cross_node(self, a: Assignment) -> bool:
@@ -228,14 +241,14 @@ class HangReporter:
 
     def start_watching(self, rnd: Round) -> None:
         """Watch the round's stack requests in a thread (own store connection); the main loop answers."""
-        if self.cross_node(rnd.a):
+        if self.cross_node(rnd.assignment):
             threading.Thread(target=self._watch_requests, args=(rnd,), daemon=True).start()
 
     def _watch_requests(self, rnd: Round) -> None:
         try:
             # wait: background: a thread answering stack requests in slices
             if rnd.connect_again().stacks.wait_request():
-                self.loop.inbox.post(Event.DUMP_STACKS, rnd.a.round)
+                self.ctx.loop.inbox.post(DumpStacks(rnd.assignment.round))
         except StoreError:
             pass  # the store is gone: the keep-alive and round-end threads report that
 
@@ -244,7 +257,7 @@ class HangReporter:
 
         In a thread of its own, on a connection of its own: the round may be over because the
         store froze or this node was cut off, and a store call would then never return."""
-        if self.cross_node(rnd.a):
+        if self.cross_node(rnd.assignment):
 
             def release() -> None:
                 try:
@@ -256,15 +269,15 @@ class HangReporter:
 
     def answer(self, rnd: Round) -> None:
         """Another node found a hang: publish this node's snapshots (once per round)."""
-        if rnd.a.round in self.answered:
+        if rnd.assignment.round in self.answered:
             return
-        self.answered.add(rnd.a.round)
-        snapshots = [s.__dict__ for s in self.snapshot_workers(rnd.a)]
-        self.store_call(lambda: rnd.stacks.publish(snapshots))
+        self.answered.add(rnd.assignment.round)
+        snapshots = [s.__dict__ for s in self.snapshot_workers(rnd.assignment)]
+        self.ctx.store_call(lambda: rnd.stacks.publish(snapshots))
 
     def snapshot_workers(self, a: Assignment) -> list[Snapshot]:
         """State first (before SIGCONT or the dump signal touch it), then stacks and heartbeats."""
-        group = self.group()
+        group = self.ctx.group
         workers = group.running() if group is not None else []
         states = {w.local_rank: process_state(w.pid) for w in workers}
         stacks = self.collect_stacks(workers)
@@ -276,7 +289,7 @@ class HangReporter:
                 w.pid,
                 states[w.local_rank],
                 stacks.get(w.local_rank, []),
-                self.heartbeat_count(w.local_rank),
+                self.ctx.health.heartbeat_count(w.local_rank),
                 a.group_rank,
             )
             for w in workers
@@ -284,7 +297,7 @@ class HangReporter:
 
     def collect_stacks(self, workers: Sequence[StackSource]) -> dict[int, list[str]]:
         """Ask each worker's faulthandler for all its threads' stacks, all at once; bounded wait."""
-        if not self.is_python or not workers:
+        if not self.ctx.spec.is_python or not workers:
             return {}
         marks = {}
         for w in workers:
@@ -297,11 +310,11 @@ class HangReporter:
             except ProcessLookupError:
                 continue
         asked = [w for w in workers if w.local_rank in marks]
-        deadline = time.monotonic() + self.stack_dump_wait
+        deadline = time.monotonic() + self.ctx.health.settings.stack_dump_wait
         seen: dict[int, int] = {}
         quiet_since = time.monotonic()
         while asked and time.monotonic() < deadline:
-            self.loop.pump(0.05)
+            self.ctx.loop.pump(0.05)
             counts = {w.local_rank: len(w.output.stderr_since(marks[w.local_rank])) for w in asked}
             if counts != seen:
                 seen, quiet_since = counts, time.monotonic()
@@ -312,19 +325,19 @@ class HangReporter:
     # ------------------------------------------------------------ the node that found the hang
     def report(self, rnd: Round, hang: Hang) -> RoundEnd:
         """Snapshot every rank on every node, name the culprit, and describe it as the round's end."""
-        a, group = rnd.a, self.group()
+        a, group, store_call = rnd.assignment, self.ctx.group, self.ctx.store_call
         assert group is not None
         found = next(w for w in group.workers if w.local_rank == hang.local_rank)
         reason = f"rank {found.global_rank} on {self.host} {hang.reason}"
-        self.emit("worker_hung", round=a.round, rank=found.global_rank, pid=found.pid, reason=hang.reason)
-        asking = self.cross_node(a) and self.store_call(lambda: rnd.stacks.request(reason))
+        self.ctx.events.emit("worker_hung", round=a.round, rank=found.global_rank, pid=found.pid, reason=hang.reason)
+        asking = self.cross_node(a) and store_call(lambda: rnd.stacks.request(reason))
         mine = self.snapshot_workers(a)
         snapshots = list(mine)
         missing: list[int] = []
         if asking:
             self.answered.add(a.round)
-            self.store_call(lambda: rnd.stacks.publish([s.__dict__ for s in mine]))
-            gathered = self.store_call(lambda: rnd.stacks.gather(self.wait), waiting=True)
+            store_call(lambda: rnd.stacks.publish([s.__dict__ for s in mine]))
+            gathered = store_call(lambda: rnd.stacks.gather(self.wait), waiting=True)
             for g in range(a.group_world_size):
                 if g == a.group_rank:
                     continue

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import psutil
 
-from rally.agent.base.spec import RESOURCE_INTERVAL_SECONDS
+from rally.agent.base.spec import RESOURCE_INTERVAL_SECONDS, JobSpec
 from rally.agent.observe.gpu import DeviceReading, worker_usage
 from rally.agent.worker_side import heartbeat_file
 from rally.agent.worker_side.heartbeat_file import HeartbeatRecord
@@ -57,7 +57,7 @@ class HealthSettings:
     learned: Any = None  # --heartbeat-timeout auto: the agent's LearnedTimeouts (agent/observe/learned_timeouts.py)
 
     @classmethod
-    def for_job(cls, spec: Any, say: Callable[[str], None], emit: Callable[..., None]) -> HealthSettings:
+    def for_job(cls, spec: JobSpec, say: Callable[[str], None], emit: Callable[..., None]) -> HealthSettings:
         """The job's timeouts (`spec`: agent.spec.JobSpec); learned ones print with `say`, record with `emit`."""
         from rally.agent.observe.learned_timeouts import LearnedTimeouts
 

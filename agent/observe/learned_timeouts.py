@@ -127,5 +127,5 @@ class LearnedTimeouts:
             self.emit("timeouts_loaded", heartbeat=self.heartbeat, sections=dict(self.sections))
 
 
-def _seconds(value: Any) -> TypeGuard[float]:
+def _seconds(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9

@@ -15,9 +15,8 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-from rally.agent.base.event_loop import Event
+from rally.agent.base.event_loop import Post, StoreLost
 from rally.rendezvous.protocol import Round
 from rally.rendezvous.store import StoreError
 
@@ -28,18 +27,19 @@ WATCH_SLICE_SECONDS = 5.0
 def keep_alive_with_lease(
     keeper: Round,
     round_over: threading.Event,
-    post: Callable[[Event, Any], None],
+    post: Post,
     answered: Callable[[float], None] = lambda _sent_at: None,
 ) -> None:
     """Hold this node's alive key (refresh its lease) and watch the next node's, until the round is over.
     Nothing else runs on this thread (the status record has a thread of its own, agent/rounds/threads.py).
 
-    Store failures are posted as (Event.STORE_LOST, exc), as the counter-based keep-alive does.
-    The alive key's value counts the refreshes, so `RoundChannel.alive_count` moves as with a
-    counter (liveness.silent_peer judges peers the same way on both stores); `answered` is
-    called with the time each answered refresh was sent (the round's store watchdog).
+    Store failures are posted as StoreLost(exc), as the counter-based keep-alive does.
+    The alive key's value (signed, as every value) counts the refreshes, so
+    `RoundChannel.alive_count` moves as with a counter, and is None once the lease expired
+    (liveness.silent_peer judges peers by both); `answered` is called with the time each
+    answered refresh was sent (the round's store watchdog).
     """
-    s, a, channel = keeper.settings, keeper.a, keeper.channel
+    s, a, channel = keeper.settings, keeper.assignment, keeper.channel
     interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
     try:
         lease = channel.hold_alive()
@@ -57,12 +57,12 @@ def keep_alive_with_lease(
             round_over.wait(interval)
     except StoreError as exc:
         if not round_over.is_set():
-            post(Event.STORE_LOST, exc)
+            post(StoreLost(exc))
 
 
-def _watch_next(ring: Round, round_over: threading.Event, post: Callable[[Event, Any], None]) -> None:
+def _watch_next(ring: Round, round_over: threading.Event, post: Post) -> None:
     """Wait for the next node's alive key to appear, then for it to vanish; then declare it lost."""
-    s, a, channel = ring.settings, ring.a, ring.channel
+    s, a, channel = ring.settings, ring.assignment, ring.channel
     watched = a.watch_rank
     assert watched is not None
     ttl = float(max(1, math.ceil(s.keep_alive_timeout)))
@@ -79,4 +79,4 @@ def _watch_next(ring: Round, round_over: threading.Event, post: Callable[[Event,
         channel.declare_lost(watched, a.watch_host, silent_for)
     except StoreError as exc:
         if not round_over.is_set():
-            post(Event.STORE_LOST, exc)
+            post(StoreLost(exc))

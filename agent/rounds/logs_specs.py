@@ -13,9 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rally.agent.base.spec import STDERR, STDOUT, JobSpec
+
+if TYPE_CHECKING:  # torch's own class, or --logs-specs' (imported when used)
+    from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ def load(name: str, spec: JobSpec, log_dir: Path) -> Any:
     )
 
 
-def plans(logs_specs: Any, envs: dict[int, dict[str, str]]) -> tuple[dict[int, StreamPlan], dict[int, Path]]:
+def plans(logs_specs: LogsSpecs, envs: dict[int, dict[str, str]]) -> tuple[dict[int, StreamPlan], dict[int, Path]]:
     """Each worker's StreamPlan from `reify`, and the filtered-output files by stream bit.
 
     As under torchrun, the class owns TORCHELASTIC_ERROR_FILE: workers get it only where

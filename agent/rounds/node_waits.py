@@ -56,7 +56,7 @@ def wait_for_readers(rnd: Round, timeout: float) -> bool:
     job's end, so none loses the store mid-read; it says so on the console and in its status
     record (through the node's `Rendezvous`: the round's threads, which republish the record,
     have stopped by now). True once all have read it."""
-    r = rnd.a.round
+    r = rnd.assignment.round
     what = (
         f"round {r} ended the job: waiting for the other nodes to read that before this node, the store's host, exits"
     )

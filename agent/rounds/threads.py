@@ -1,10 +1,10 @@
 """The threads that watch the store while a round runs, and what they tell the agent's main loop.
 
 Each thread has its own store connection (a c10d client blocked in `wait` blocks every other
-call on its connection) and reports through `post(kind, value)`, the agent's inbox (the kinds
-are agent/base/event_loop.py's `Event`):
+call on its connection) and reports through `post(news)`, the agent's inbox (the kinds of news
+are agent/base/event_loop.py's `News`):
 
-* **end watcher**: waits on the round's end key -> (ROUND_END, (round, RoundEnd));
+* **end watcher**: waits on the round's end key -> RoundEnded(round, end);
 * **keep-alive**: bumps this node's counter every interval and watches the next member's
   counter (a ring): silent for `keep_alive_timeout` -> declares that node lost, which ends the
   round for everyone. It does nothing else: no store scan, nothing a stranger's writes can
@@ -15,10 +15,10 @@ are agent/base/event_loop.py's `Event`):
 * **store watchdog**: a c10d client call on a frozen store, or across a cut network, never
   returns (torch applies no timeout to `add`). When the keep-alive has not completed a store
   call for 3/4 of `min(keep_alive_timeout, read_timeout)`, this node is about to be declared
-  lost by the others, who re-form without it: -> (STORE_LOST, StoreSilent), and the agent
+  lost by the others, who re-form without it: -> StoreLost(StoreSilent(...)), and the agent
   stops its workers and exits before they re-form, so the job never runs twice (no split brain);
 * **peer check** (`check_peers`, started by agent/worker_exits.py on a local worker failure in a
-  multi-node round): is a peer gone? -> (PEER_VERDICT, (round, (group rank, silent s) | None)).
+  multi-node round): is a peer gone? -> PeerVerdict(round, (group rank, silent s) | None).
 """
 
 from __future__ import annotations
@@ -26,18 +26,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-from rally.agent.base.event_loop import Event
+from rally.agent.base.event_loop import PeerVerdict, Post, RoundEnded, StoreLost
 from rally.agent.rounds.leased_liveness import keep_alive_with_lease
 from rally.rendezvous.liveness import silent_peer
-from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundEnd
+from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundChannel, RoundEnd
 from rally.rendezvous.store import StoreError, UntrustedValue
 
 # How often a node refreshes its record for `rally status` (the status thread, never the keep-alive's).
 STATUS_INTERVAL_SECONDS = 2.0
 
-Post = Callable[[Event, Any], None]
 
 # How often the end watcher looks again while the round's end key holds a stranger's value.
 UNTRUSTED_END_POLL_SECONDS = 0.2
@@ -82,7 +80,7 @@ class RoundThreads:
         self.post = post
         self.watcher = watcher
         self.keeper = keeper
-        self.a = keeper.a
+        self.assignment = keeper.assignment
         self.read_timeout = read_timeout
         self.status_record = status_record
         self.exchange = exchange
@@ -113,13 +111,13 @@ class RoundThreads:
                     # wait: background: UNTRUSTED_END_POLL_SECONDS while the end key holds a stranger's value
                     if self.over.wait(UNTRUSTED_END_POLL_SECONDS):
                         return
-            self.post(Event.ROUND_END, (self.a.round, end))
+            self.post(RoundEnded(self.assignment.round, end))
         except StoreError as exc:
             if not self.over.is_set():
-                self.post(Event.STORE_LOST, exc)
+                self.post(StoreLost(exc))
 
     @staticmethod
-    def _valid_end(channel: Any) -> RoundEnd | None:
+    def _valid_end(channel: RoundChannel) -> RoundEnd | None:
         try:
             return channel.ended()
         except UntrustedValue:
@@ -127,11 +125,12 @@ class RoundThreads:
 
     def _keep_alive(self) -> None:
         """Send this node's keep-alives and watch the next node's (a ring)."""
-        a, s = self.a, self.keeper.settings
+        a, s = self.assignment, self.keeper.settings
         if self.keeper.store.leased_liveness:  # etcd: leases expire by themselves
             return keep_alive_with_lease(self.keeper, self.over, self.post, self._answered)
         interval = min(s.keep_alive_interval, s.keep_alive_timeout / 3)
-        last_seen, last_change = -1, time.monotonic()
+        last_seen: int | None = -1  # a counter here (c10d): never None
+        last_change = time.monotonic()
         channel = self.keeper.channel
         try:
             while not self.over.is_set():
@@ -149,7 +148,7 @@ class RoundThreads:
                 self.over.wait(interval)
         except StoreError as exc:
             if not self.over.is_set():
-                self.post(Event.STORE_LOST, exc)
+                self.post(StoreLost(exc))
 
     def _publish_status(self) -> None:
         """The status thread: this node's record and the straggler exchange, on a connection of
@@ -160,7 +159,7 @@ class RoundThreads:
             return  # the store is gone: the keep-alive thread reports it
         while not self.over.is_set():
             try:
-                rnd.status.publish(self.status_record(self.a))
+                rnd.status.publish(self.status_record(self.assignment))
                 self.exchange(rnd)
             except StoreError:
                 pass  # skipped this time; a lost store is the keep-alive thread's to report
@@ -181,18 +180,16 @@ class RoundThreads:
             now = time.monotonic()
             frozen, woke = now - woke - tick, now
             if frozen > limit:
-                self.post(Event.STORE_LOST, StoreSilent(frozen_line(frozen, self.a, self.keeper.settings)))
+                self.post(StoreLost(StoreSilent(frozen_line(frozen, self.assignment, self.keeper.settings))))
                 return
             silent = now - self.last_answer
             if silent > limit:
-                self.post(
-                    Event.STORE_LOST,
-                    StoreSilent(
-                        f"{self.keeper.store.describe} has not answered for {silent:.1f} s: this node is cut off "
-                        "from it (network) or the store is frozen. The other nodes re-form without this one, "
-                        "so its workers were stopped (the job never runs twice)"
-                    ),
+                line = (
+                    f"{self.keeper.store.describe} has not answered for {silent:.1f} s: this node is cut off "
+                    "from it (network) or the store is frozen. The other nodes re-form without this one, "
+                    "so its workers were stopped (the job never runs twice)"
                 )
+                self.post(StoreLost(StoreSilent(line)))
                 return
 
 
@@ -223,7 +220,7 @@ def check_peers(post: Post, rnd: Round) -> None:
             verdict = silent_peer(rnd.connect_again().channel)
         except StoreError:
             verdict = None  # the store itself is in trouble; the local failure stands
-        post(Event.PEER_VERDICT, (rnd.a.round, verdict))
+        post(PeerVerdict(rnd.assignment.round, verdict))
 
     threading.Thread(target=run, daemon=True).start()
 

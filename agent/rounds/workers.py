@@ -124,6 +124,18 @@ def virtual_device(local_rank: int, base_env: Mapping[str, str]) -> str:
     return visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
 
 
+def console_prefix(spec: JobSpec, teed: bool, torchrun_prefix: bytes, rally_prefix: bytes) -> bytes:
+    """What starts each console line of a worker stream: rally's "[rank] " (also on --tee'd
+    streams: --tee adds a file, it does not change the console); torchrun's "[role<local
+    rank>]:" on tee'd streams and nothing on the others when --torchrun-prefix asks for
+    torchrun's console; nothing with --no-prefix."""
+    if not spec.prefix_output:
+        return b""
+    if spec.torchrun_prefix:
+        return torchrun_prefix if teed else b""
+    return rally_prefix
+
+
 def _stream_plans(
     spec: JobSpec, logs: LogLayout, attempt: int, envs: dict[int, dict[str, str]]
 ) -> tuple[dict[int, StreamPlan], dict[int, Path]]:
@@ -229,7 +241,6 @@ class WorkerGroup:
             output = WorkerOutput()
             redirect, tee = plan.redirect, plan.tee
             shown = spec.shows_on_console(local_rank)
-            torchrun_style = spec.uses_torchrun_logs()
             tee_prefix = f"[{spec.role}{local_rank}]:".encode()
             rally_prefix = f"[{host}:{rank}] ".encode() if multi_node else f"[{rank}] ".encode()
             fds: dict[int, object] = {}
@@ -241,6 +252,7 @@ class WorkerGroup:
                     if bit == STDERR:
                         output.stderr_file = str(path)
                     continue
+                prefix = console_prefix(spec, bool(tee & bit), tee_prefix, rally_prefix)
                 read_end, write_end = os.pipe()
                 os.set_blocking(read_end, False)
                 fds[bit] = write_end
@@ -248,14 +260,8 @@ class WorkerGroup:
                     OutputStream(
                         fd=read_end,
                         console=console if shown else None,
-                        # As torchrun when its log flags are used: tee'd streams get
-                        # "[role0]:", the others go to the console untouched.
-                        prefix=tee_prefix
-                        if tee & bit
-                        else b""
-                        if torchrun_style or not spec.prefix_output
-                        else rally_prefix,
-                        whole_lines=bool(tee & bit) or (spec.prefix_output and not torchrun_style),
+                        prefix=prefix,
+                        whole_lines=bool(tee & bit) or bool(prefix),
                         file=open_for_writing(path) if tee & bit else None,
                         tail=output.stderr_tail if bit == STDERR else None,
                         duplicate=duplicates.get(bit) if tee & bit else None,  # as torchrun: tee'd streams only

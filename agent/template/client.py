@@ -49,9 +49,10 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any, TypeAlias
 
 from rally.agent.base import linux
+from rally.agent.base.spec import JobSpec
 from rally.agent.template import wire as template_wire
 from rally.agent.template.connection import (
     Connection,
@@ -61,6 +62,8 @@ from rally.agent.template.connection import (
     status_to_returncode,
 )
 from rally.agent.template.server import why_fork_is_unsafe  # noqa: F401 - re-exported for callers
+
+Stdio: TypeAlias = "int | IO[Any] | None"  # a worker's stdout or stderr, as subprocess.Popen takes it
 
 # Variables that differ from worker to worker or round to round (see workers.worker_env);
 # a difference in any other variable means the template's environment is not the worker's.
@@ -240,7 +243,7 @@ class TemplateClient:
     @classmethod
     def for_job(
         cls,
-        spec: Any,
+        spec: JobSpec,
         base_env: dict[str, str],
         warn: Callable[[str], None] | None = None,
         announce: Callable[[str], None] | None = None,
@@ -263,7 +266,7 @@ class TemplateClient:
     @classmethod
     def started_for_job(
         cls,
-        spec: Any,
+        spec: JobSpec,
         base_env: dict[str, str],
         warn: Callable[[str], None],
         announce: Callable[[str], None] | None = None,
@@ -318,7 +321,9 @@ class TemplateClient:
         return self.connection
 
     # ------------------------------------------------------------ spawning
-    def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None, stdout: Any, stderr: Any) -> Any:
+    def spawn(
+        self, argv: Sequence[str], env: dict[str, str], cwd: str | None, stdout: Stdio, stderr: Stdio
+    ) -> Any:  # a ChildProcess, or a ForkedChild with its interface
         from rally.agent.guard import processes
 
         request = bootstrap_request(argv, self.bootstrap)
@@ -369,8 +374,8 @@ class TemplateClient:
         request: tuple[str, str, list[str]],
         env: dict[str, str],
         cwd: str | None,
-        stdout: Any,
-        stderr: Any,
+        stdout: Stdio,
+        stderr: Stdio,
     ) -> ForkedChild:
         # wait: bounded, said by agent/template/connection.py Connection._await: READY_TIMEOUT (300 s: importing
         # torch on a loaded node)
@@ -400,7 +405,7 @@ class TemplateClient:
         return ForkedChild(connection, pid, pidfd, started)
 
 
-def _fileno(value: Any, default: int | None = None) -> int | None:
+def _fileno(value: Stdio, default: int | None = None) -> int | None:
     """The fd a Popen-style stdio argument stands for (None: inherit ours; closed: None)."""
     if value is None:
         value = default

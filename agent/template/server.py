@@ -14,8 +14,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
 
 from rally.agent.base import linux
 from rally.agent.template import wire as template_wire
@@ -58,7 +58,7 @@ def _open_fds() -> set[int]:
     return found
 
 
-def _worker_side_modules(environ: Any) -> list[str]:
+def _worker_side_modules(environ: Mapping[str, str]) -> list[str]:
     """rally's own modules that bootstrap.run imports in every worker of this environment before
     the script's first line: imported once here, they are not imported again by each forked
     worker on a restart's critical path (30-80 ms of it on a busy machine). The same modules
@@ -348,7 +348,7 @@ def _reopen_stdio(unbuffered: bool) -> None:
     """New sys.stdin/stdout/stderr on fds 0-2, built as the interpreter's create_stdio builds them."""
     import io
 
-    def make(fd: int, name: str, write: bool, like: Any) -> Any:
+    def make(fd: int, name: str, write: bool, like: TextIO | None) -> io.TextIOWrapper | None:
         try:
             os.fstat(fd)
         except OSError:

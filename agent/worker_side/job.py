@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rally.agent.checkpoint import checkpoint_dir
 from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step  # noqa: F401 - part of this module's API
@@ -49,9 +49,13 @@ from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.auth import UnsafeDirectory  # noqa: F401 - part of this module's API
 from rally.agent.checkpoint.core.checkpoint_file import Checkpoint  # part of this module's API (load_latest returns it)
 from rally.agent.checkpoint.core.client import WHOLE_STATE_KEY, CheckpointRefused  # noqa: F401 - part of this module's API
+from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.worker_side import heartbeat_file, memory_only
 from rally.agent.worker_side.preemption_flag import install_preemption_handler, on_preempt, preempted  # noqa: F401 - part of this module's API
+
+if TYPE_CHECKING:  # torch is the worker's, imported when used
+    from torch.serialization import MAP_LOCATION
 
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
@@ -161,7 +165,11 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
     Under rally (the agent runs a memory tier, see docs/architecture.md) the call returns as soon
     as the state is copied into node-local shared memory, which the agent's holder process owns:
-    a memory copy's time, not a disk write's. The holder then writes it to the checkpoint
+    a memory copy's time, not a disk write's. The tensors an optimizer owns (parameters, its
+    state) are copied on a thread while the next step computes, and every optimizer's ``step()``
+    waits for that copy first: change saved tensors outside an optimizer only after
+    :func:`wait_saved` (a change seen meanwhile discards that step's copy, with one warning line;
+    "Overlapped saves" in docs/checkpoints.md). The holder then writes it to the checkpoint
     directory in the background, in the same format, atomically, and keeps the newest ``keep``
     files, so training steps on while the disk works. A save while the previous one is still
     being written never waits for it. :func:`durable_steps` says which steps are on disk.
@@ -194,6 +202,7 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     """
     ctx = context()
     resume_prefetch.discard()  # a reload the script did not make: its mapping is let go
+    overlap.settle()  # the previous save, if its copy is in flight: published before anything else is saved
     if sharded if sharded is not None else dcp_files.holds_shards(state):
         from rally.agent.checkpoint.sharded import storage as dcp_storage  # imports torch.distributed.checkpoint
 
@@ -202,6 +211,8 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
     keep = _resolve_keep(keep)
     memory = _memory_tier(ctx)
+    if memory is not None:
+        overlap.install_fence()
     if ctx.checkpoint_dir is None and memory is not None:
         _save_in_memory_only(ctx, memory, state, step, keep)
         return None  # no file
@@ -224,7 +235,7 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
 
 def load_latest(
-    map_location: Any = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None
+    map_location: MAP_LOCATION = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None
 ) -> Checkpoint | None:
     """Load the newest checkpoint every rank can load, or return ``None`` when there is none; call it on every rank.
     ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded
@@ -251,6 +262,8 @@ def load_latest(
     """
     ctx = context()
     memory = _memory_tier(ctx)
+    if memory is not None:
+        overlap.install_fence()  # before the first step: the optimizers are known by the first save
     if ctx.checkpoint_dir is None and memory is not None and into is None:
         return _load_from_memory_only(ctx, memory, map_location, weights_only)
     if ctx.checkpoint_dir is None and into is None and memory_only.tier_lost():
@@ -310,21 +323,21 @@ def load_latest(
     return None
 
 
-def _from_memory(ctx: JobContext, directory: Path | None, step: int, state: Any) -> Checkpoint:
+def _from_memory(ctx: JobContext, directory: Path | None, step: int, state: object) -> Checkpoint:
     if ctx.is_rank0:
         _log(f"resuming from step {step} (from memory)")
     path = (directory or Path(memory_only.NO_DIRECTORY)) / f"step_{step:012d}.pt"
     return Checkpoint(step=step, state=state, path=path, source="memory")
 
 
-def _save_in_memory_only(ctx: JobContext, memory: ckpt_client.MemoryTier, state: Any, step: int, keep: int) -> None:
+def _save_in_memory_only(ctx: JobContext, memory: ckpt_client.MemoryTier, state: object, step: int, keep: int) -> None:
     memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
     if ctx.local_rank == 0 and not memory_only.save(memory, state, step, keep):  # local rank 0: the node's copy
         raise CheckpointDirNotSet(memory_only.NO_ROOM)
 
 
 def _load_from_memory_only(
-    ctx: JobContext, memory: ckpt_client.MemoryTier, map_location: Any, weights_only: bool
+    ctx: JobContext, memory: ckpt_client.MemoryTier, map_location: MAP_LOCATION, weights_only: bool
 ) -> Checkpoint | None:
     memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
     found = resume_prefetch.take(map_location) or memory_only.load(memory, map_location, weights_only)
@@ -333,6 +346,22 @@ def _load_from_memory_only(
             _log("no checkpoint, starting from scratch")
         return None
     return _from_memory(ctx, None, *found)
+
+
+def wait_saved() -> None:
+    """Wait until the last ``save`` is done with the state's tensors; call it before changing saved
+    tensors in place outside an optimizer's ``step()``.
+
+    Under rally's memory tier ``save`` returns before the tensors an optimizer owns are copied:
+    their copy runs while the next step's forward and backward compute, and every optimizer's
+    ``step()`` waits for it first (see "Overlapped saves" in docs/checkpoints.md). A script that
+    writes into those tensors some other way (``p.mul_(0.5)``, ``load_state_dict``, a manual
+    update) before the next ``optimizer.step()`` calls this first; otherwise that step's copy is
+    found torn and discarded (one warning line; the previous checkpoint stays). Returns at once
+    when no copy is in flight; costs nothing outside rally. Raises :class:`CheckpointRefused` when
+    the holder refused the save's commit (this worker's round is over).
+    """
+    overlap.settle()
 
 
 def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
@@ -393,6 +422,7 @@ def heartbeat(step: int | None = None) -> None:
     ``python script.py``) every call is a no-op. Never imports torch, never blocks.
     """
     _beat(step)
+    overlap.settle_if_copied()  # an overlapped save whose copy is done: published now, not at the next step
 
 
 @contextlib.contextmanager

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rally.agent.checkpoint.core.client import HOLDER_LOST_ENV, WHOLE_STATE_KEY, MemoryTier
+
+if TYPE_CHECKING:  # torch is the worker's, imported when used
+    from torch.serialization import MAP_LOCATION
 
 LINE = (
     "checkpoints are kept in this node's memory only, for restarts within this job; "
@@ -59,12 +62,12 @@ def tell_once(speak: bool, log: Callable[[str], None]) -> None:
     _told = True
 
 
-def save(memory: MemoryTier, state: Any, step: int, keep: int) -> bool:
+def save(memory: MemoryTier, state: object, step: int, keep: int) -> bool:
     """Copy ``state`` into the node's memory as ``step``, never to disk; False if there is no room."""
     return memory.save(state, WHOLE_STATE_KEY, step, persist=False, keep=keep)
 
 
-def load(memory: MemoryTier, map_location: Any, weights_only: bool) -> tuple[int, Any] | None:
+def load(memory: MemoryTier, map_location: MAP_LOCATION, weights_only: bool) -> tuple[int, Any] | None:
     """(step, state) of the step the round agreed on, mapped from the node's memory; None if none."""
     agreed, memfd = memory.resume(WHOLE_STATE_KEY)
     if memfd is None or agreed is None:

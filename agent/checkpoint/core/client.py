@@ -7,7 +7,9 @@ slot, copies its state into the slot and says it is complete::
     saved = tier.save(state, "whole", step, persist=True, keep=3)   # False: shm too small
     step, fd = tier.resume("whole")                  # the round's agreed step; a memfd if in memory
 
-``save`` returns once the copy is in shared memory; the holder persists it in the background.
+``save`` returns once the copy is in shared memory, or once the tensors an optimizer owns are
+handed to the copy thread (agent/checkpoint/core/overlap.py: the copy overlaps the next step, its
+reserve and commit are that thread's); the holder persists it in the background.
 Requests and answers are packets on the holder's abstract SOCK_SEQPACKET socket, a slot's memfd
 travelling with the answer (see agent/checkpoint/core/shm.py for the layout).
 
@@ -29,6 +31,7 @@ fill it, commit its length; or abort.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rally.agent.checkpoint.core import layout
+from rally.agent.checkpoint.core.overlap import NoRoomInMemory, PendingCopy, SaveSkipped, in_place_version, overlap
 from rally.agent.checkpoint.core.shm import (
     ArchiveTooLarge,
     SlotMaps,
@@ -115,6 +119,7 @@ class MemoryTier:
         self.maps = SlotMaps()
         self._sizes: dict[str, tuple[int, int]] = {}  # key -> (bytes of tensors, archive length) at the last save
         self._layouts: dict[str, layout.Layout] = {}  # key -> the last archive's layout, for the fast path
+        self._inline = False  # an overlapped save found no room: the next save reserves before it returns
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -143,7 +148,7 @@ class MemoryTier:
                     return json.loads(data), fds
                 except (OSError, ValueError) as exc:
                     self.close()
-                    if attempt or message.get("op") in ("commit", "abort"):
+                    if attempt or message.get("op") in ("commit", "abort", "copied"):
                         raise CheckpointRefused(
                             f"rally: the checkpoint holder of this node is unreachable ({exc})"
                         ) from None
@@ -199,16 +204,21 @@ class MemoryTier:
                 os.close(fd)
             raise CheckpointRefused(answer.get("error", "rally: checkpoint refused"))
 
-    def reserve(self, key: str, step: int, size: int, persist: bool | str, keep: int) -> mmap.mmap | None:
+    def reserve(
+        self, key: str, step: int, size: int, persist: bool | str, keep: int, spare_newest: bool = False
+    ) -> mmap.mmap | None:
         """A writable mapping of a slot with room for ``size`` bytes; None when memory is too
         short for a copy (the caller saves to disk instead). ``persist``: False keeps the copy in
         memory only; True has the holder write it as ``step_<step>.pt`` (keep-K pruning); a
         relative file name has it written there (no pruning), e.g. one rank's shard."""
         answer, fds = self.request(
-            op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep
-        )
+            op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep,
+            spare_newest=spare_newest,
+        )  # fmt: skip
         if answer.get("disk_only"):
             return None
+        if answer.get("busy"):
+            raise SaveSkipped(answer.get("error", "rally: checkpoint skipped"))
         self._checked(answer, fds)
         return self.maps.mapping(f"{key}.{answer['slot']}", fds[0])
 
@@ -222,7 +232,8 @@ class MemoryTier:
             pass
 
     def save(self, state: Any, key: str, step: int, *, persist: bool | str, keep: int) -> bool:
-        """Copy ``state`` into a slot as ``step``; True once committed, False if disk-only.
+        """Copy ``state`` into a slot as ``step``; True once committed or handed to the copy thread
+        (agent/checkpoint/core/overlap.py), False if disk-only.
 
         A state laid out as the last one saved under ``key`` (a training loop's case) is copied
         tensor by tensor straight into the slot (agent/checkpoint/core/layout.py): the stall is a
@@ -233,33 +244,85 @@ class MemoryTier:
         length plus its pickle's length again as slack is reserved instead, and only a state
         that outgrew it pays for the exact pass and a second try.
         """
-        found = layout.signature(state)
+        overlap.settle()  # the previous save's copy, if still in flight: one copy at a time
+        views: list[tuple[int, Any]] = []
+        found = layout.signature(state, views)
         known = self._layouts.get(key)
-        if found is not None and known is not None and known.signature == found[0]:
-            target = self.reserve(key, step, _room(known.length, sum(s.nbytes() for s in found[1])), persist, keep)
+        if found is None or known is None or known.signature != found[0]:
+            return self._save_archive(state, key, step, persist, keep, found, views)
+        size = _room(known.length, sum(s.nbytes() for s in found[1]))
+        later = set(overlap.background(found[1])) if not self._inline else set()
+        if later:
+            self._save_overlapped(state, key, step, size, persist, keep, known, found[1], views, later)
+            return True
+        target = self.reserve(key, step, size, persist, keep)
+        if target is None:
+            return False
+        self._inline = False
+        try:
+            length = known.write(found[1], target)
+        except BaseException:
+            self.abort(key, step)
+            raise
+        self.commit(key, step, length)
+        return True
+
+    def _save_overlapped(
+        self, state: object, key: str, step: int, size: int, persist: bool | str, keep: int, known: layout.Layout,
+        storages: list[Any], views: list[tuple[int, Any]], later: set[int],
+    ) -> None:  # fmt: skip
+        """The fast path with the storages ``later`` copied by the copy thread
+        (agent/checkpoint/core/overlap.py). The others are copied now into memory of this process's
+        own (they may change before the copy thread gets to them: buffers, small tensors), and the
+        holder's two round trips, reserve and commit, are the copy thread's too: the training
+        thread pays a walk of the state and the copy of what the optimizers do not own."""
+        sources = [s if i in later else layout.bytes_of(s).clone() for i, s in enumerate(storages)]
+        watched = [(tensor, in_place_version(tensor)) for i, tensor in views if i in later]
+
+        def copy() -> None:
+            target = self.reserve(key, step, size, persist, keep, spare_newest=True)  # SaveSkipped: see overlap.py
             if target is None:
-                return False
+                self._inline = True  # the next save reserves first: it can go to disk if memory is short
+                raise NoRoomInMemory(
+                    f"rally: warning: checkpoint step {step} was not kept: this node's memory is too short for it "
+                    "now; the next save is written to disk if it still is"
+                )
             try:
-                length = known.write(found[1], target)
+                known.write(sources, target)
             except BaseException:
                 self.abort(key, step)
                 raise
-            self.commit(key, step, length)
-            return True
-        return self._save_archive(state, key, step, persist, keep, found)
 
-    def _save_archive(self, state: Any, key: str, step: int, persist: bool | str, keep: int, found: Any) -> bool:
-        """The save through torch.save (a new layout), learning the layout when it is eligible."""
+        overlap.start(PendingCopy(self, key, step, known.length, copy, watched, state))
+
+    def copied(self, key: str, step: int) -> None:
+        """Tell the holder that an overlapped save's copy is done (its commit is decided later):
+        its persister, which pauses while a worker copies, may go on. Best effort."""
+        try:
+            self.request(op="copied", key=key, step=step)
+        except CheckpointRefused:
+            pass
+
+    def _save_archive(
+        self, state: Any, key: str, step: int, persist: bool | str, keep: int, found: Any,
+        views: list[tuple[int, Any]],
+    ) -> bool:  # fmt: skip
+        """The save through torch.save (a new layout), learning the layout when it is eligible.
+        The data of the storages an optimizer owns is left out of torch.save's writes and copied
+        into its place by the copy thread (agent/checkpoint/core/overlap.py), as on the fast path:
+        the first save after a restart overlaps the next step too."""
         tensors = storage_bytes(state)
         known = self._sizes.get(key)
         guess = _room(known[1], known[0]) if known and known[0] == tensors else None
+        later = set(overlap.background(found[1])) if found is not None and not self._inline else set()
         for size in (guess, None):
             if size is None:
                 size = _room(archive_size(state), tensors)  # the same room as a guess: the slot fits both
             target = self.reserve(key, step, size, persist, keep)
             if target is None:
                 return False
-            recorder = layout.Recorder(found[1]) if found is not None else None
+            self._inline = False
+            recorder = layout.Recorder(found[1], later) if found is not None else None
             try:
                 length = write_archive(state, target, recorder)
             except ArchiveTooLarge:
@@ -268,13 +331,22 @@ class MemoryTier:
             except BaseException:
                 self.abort(key, step)
                 raise
-            self.commit(key, step, length)
             self._sizes[key] = (tensors, length)
             learnt = recorder.layout(found[0], length) if recorder is not None else None
             if learnt is not None:
                 self._layouts[key] = learnt
             else:
                 self._layouts.pop(key, None)
+            if recorder is None or not recorder.deferred:
+                self.commit(key, step, length)
+                return True
+            placed = [(found[1][i], recorder.data[i]) for i in recorder.deferred]
+            watched = [(tensor, in_place_version(tensor)) for i, tensor in views if i in set(recorder.deferred)]
+            overlap.start(
+                PendingCopy(
+                    self, key, step, length, functools.partial(layout.copy_into, target, length, placed), watched, state
+                )
+            )
             return True
         raise AssertionError("unreachable: the exact size always fits")
 

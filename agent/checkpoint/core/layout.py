@@ -24,6 +24,7 @@ it is saved by ``torch.save`` every time, as before. ``data.pkl`` may differ in 
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -80,8 +81,10 @@ def walk_structure(obj: Any, sig: list[Any], other: Callable[[Any], bool], memo:
     return other(obj)
 
 
-def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
-    """(what decides the archive's layout, the state's storages in walk order); None: ineligible."""
+def signature(state: Any, views: list[tuple[int, Any]] | None = None) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """(what decides the archive's layout, the state's storages in walk order); None: ineligible.
+    ``views``, if given, receives (storage index, tensor) of every tensor met: which tensors show
+    each storage (agent/checkpoint/core/overlap.py watches their in-place versions)."""
     import torch
 
     tensor_types = (torch.Tensor, torch.nn.Parameter)
@@ -108,25 +111,36 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
         elif storages[i].nbytes() != size:
             return False
         sig.append((kind, obj.dtype, tuple(obj.shape), obj.stride(), obj.storage_offset(), obj.requires_grad, i, size))
+        if views is not None:
+            views.append((i, obj))
         return True
 
     return (tuple(sig), storages) if walk_structure(state, sig, tensor, memo) else None
 
 
 class Recorder:
-    """Watches the writes of one ``torch.save`` into a slot: which are storage data, which are not."""
+    """Watches the writes of one ``torch.save`` into a slot: which are storage data, which are not.
+    The data of the storages in ``defer`` is not to be written now (an overlapped save's copy
+    thread copies it once torch.save has placed it, agent/checkpoint/core/overlap.py)."""
 
-    def __init__(self, storages: list[Any]) -> None:
+    def __init__(self, storages: list[Any], defer: set[int] | frozenset[int] = frozenset()) -> None:
         self.by_address = {s.data_ptr(): (i, s.nbytes()) for i, s in enumerate(storages)}
         self.data: dict[int, int] = {}  # storage index -> offset in the archive
         self.rest: list[tuple[int, bytes]] = []
+        self.defer = defer
+        self.deferred: list[int] = []  # the indices whose data was left out, in the order written
 
-    def write(self, pos: int, view: memoryview) -> None:
+    def write(self, pos: int, view: memoryview) -> bool:
+        """Note one write at ``pos``; True: leave its bytes out (a deferred storage's data)."""
         found = self.by_address.get(buffer_address(view))
         if found is not None and found[1] == view.nbytes and found[0] not in self.data:
             self.data[found[0]] = pos
+            if found[0] in self.defer:
+                self.deferred.append(found[0])
+                return True
         else:
             self.rest.append((pos, bytes(view)))
+        return False
 
     def layout(self, sig: tuple[Any, ...], length: int) -> Layout | None:
         """The layout to replay, once every storage's data was seen written whole."""
@@ -144,24 +158,39 @@ class Layout:
         self.offsets = offsets
         self.rest = rest
 
-    def write(self, sources: list[Any], target: Any) -> int:
+    def write(self, sources: list[Any], target: Any, which: list[int] | range | None = None) -> int:
         """Write the archive of a state with this layout into ``target`` (a slot's mapping); its length.
         A source is a storage, or a contiguous tensor whose bytes were written as a storage of
-        their own (a view DCP would clone, see agent/checkpoint/sharded/layout.py)."""
-        import torch
-
+        their own (a view DCP would clone, see agent/checkpoint/sharded/layout.py). ``which``:
+        only these sources' data (the rest of the archive is written all the same); the others
+        are left to :meth:`copy_data` (an overlapped save's background copy)."""
         if len(target) < self.length:
             raise ValueError(f"rally: the slot of {len(target)} bytes is smaller than the archive ({self.length})")
+        if len(sources) != len(self.offsets):
+            raise ValueError(f"rally: {len(sources)} storages for a layout of {len(self.offsets)}")
         for pos, data in self.rest:
             target[pos : pos + len(data)] = data
-        whole = torch.frombuffer(target, dtype=torch.uint8, count=self.length)
-        try:
-            for source, pos in zip(sources, self.offsets, strict=True):
-                data = bytes_of(source)
-                whole[pos : pos + data.numel()].copy_(data)
-        finally:
-            del whole  # no export of the mapping outlives the save (SlotMaps may close it)
+        self.copy_data(sources, range(len(sources)) if which is None else which, target)
         return self.length
+
+    def copy_data(self, sources: list[Any], which: list[int] | range, target: mmap.mmap) -> None:
+        """Copy the data of ``sources[i]`` for each ``i`` in ``which`` into its place in ``target``."""
+        copy_into(target, self.length, [(sources[i], self.offsets[i]) for i in which])
+
+
+def copy_into(target: mmap.mmap, length: int, placed: list[tuple[Any, int]]) -> None:
+    """Copy each (source, offset) of ``placed`` into the first ``length`` bytes of ``target`` at its offset."""
+    import torch
+
+    whole = torch.frombuffer(target, dtype=torch.uint8, count=length)
+    try:
+        data = [bytes_of(source) for source, _ in placed]
+        places = [whole[pos : pos + d.numel()] for (_, pos), d in zip(placed, data, strict=True)]
+        if data:  # one call: the copies run without the GIL, however busy the training thread keeps it
+            torch._foreach_copy_(places, data)
+        del places
+    finally:
+        del whole  # no export of the mapping outlives the save (SlotMaps may close it)
 
 
 def bytes_of(source: Any) -> Any:

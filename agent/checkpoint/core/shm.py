@@ -128,9 +128,9 @@ class _Sink:
                 if self.pos + n > len(self.target):
                     self.overflowed = True
                     raise ArchiveTooLarge(f"rally: the archive outgrew its slot of {len(self.target)} bytes")
-                if self.recorder is not None:
-                    self.recorder.write(self.pos, view)
-                self.target[self.pos : self.pos + n] = view
+                deferred = self.recorder is not None and self.recorder.write(self.pos, view)
+                if not deferred:  # a deferred storage's data is copied later, into this very place
+                    self.target[self.pos : self.pos + n] = view
         self.pos += n
         self.end = max(self.end, self.pos)
         return n
