@@ -132,11 +132,13 @@ class CountingClient(EtcdClient):
         size = len(json.dumps(body))
         self.counter.record(path.rsplit("/", 1)[-1], key, size, 0, t, time.perf_counter() - wall, CLOSER.won)
 
-    def watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict[str, Any]]:
+    def watch(
+        self, request: dict[str, Any], deadline: float, also: tuple[dict[str, Any], ...] = ()
+    ) -> Iterator[dict[str, Any]]:
         """One request: the watch's set-up and the parsing of its events count as client CPU."""
         t, wall, cpu = time.monotonic(), time.perf_counter(), time.thread_time()
         try:
-            yield from super().watch(request, deadline)
+            yield from super().watch(request, deadline, also)
         finally:
             self.counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
             self._record("/watch", request, t, wall)

@@ -159,10 +159,10 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
         class CountingEtcdStore(EtcdStore):
             """Marks when the last node arrived and when the round was closed."""
 
-            def arrive(self, name: str) -> int:
-                index = super().arrive(name)
+            def arrive_holding(self, counter_name: str, value: str, also: str) -> tuple[int, int]:
+                arrival = super().arrive_holding(counter_name, value, also)
                 counter.event("last_join")
-                return index
+                return arrival
 
             def set_once(self, name: str, value: str) -> tuple[bool, str]:
                 outcome = super().set_once(name, value)

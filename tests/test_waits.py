@@ -262,8 +262,6 @@ WAITS: dict[tuple[str, str, str], Declaration] = {
         None,
         "timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms",
     ),
-    ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
-    ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
     ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (
         NW,
         None,
