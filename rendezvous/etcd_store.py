@@ -236,8 +236,9 @@ class EtcdStore(KeyValueStore):
 
     # ------------------------------------------------------------------ counters: a base value plus keys of their own
     def _own_key(self, name: str, mark: str) -> str:
-        """A fresh key `<name><mark><id>` for one increment or one appended piece."""
-        return f"{self.key(name)}{mark}{uuid.uuid4().hex}"
+        """A fresh key `<name><mark><id>` for one increment or one appended piece; the id starts with
+        the wall clock, so the keys sort about as they were made (`arrivals(..., by_key=True)`)."""
+        return f"{self.key(name)}{mark}{time.time_ns():016x}{uuid.uuid4().hex}"
 
     def _marked(self, name: str, first: str, end: str, **options: Any) -> dict:
         """A range request over the keys from `<name><first>` up to `<name><end>` (exclusive)."""
@@ -310,8 +311,10 @@ class EtcdStore(KeyValueStore):
         absent = {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         put = {"request_put": {"key": b64(own), "value": self._seal_raw(_signed_as(own), value)}}
         also_read = {"request_range": {"key": self._k(also)}}
+        # The increments alone, counted without their values (`arrivals` reads the same range).
+        count = self._marked(counter, INCREMENTS, APPENDED, count_only=True)
         won, responses, revision = self._txn_at(
-            [absent], [put, self._counter_range(counter), also_read], [{"request_range": {"key": b64(own)}}, also_read]
+            [absent], [put, count, also_read], [{"request_range": {"key": b64(own)}}, also_read]
         )
         seen = (responses[-1].get("response_range") or {}).get("kvs") or []
         if seen:
@@ -319,20 +322,23 @@ class EtcdStore(KeyValueStore):
         else:
             self._just_read.remember_absent(also, revision, fresh=True)
         if won:
-            return self._counted(counter, responses[1].get("response_range") or {}) - 1, revision
+            return int((responses[1].get("response_range") or {}).get("count", 0)) - 1, revision
         # Sent again after a lost reply: our key exists; count the increments created up to it.
         created = int(responses[0]["response_range"]["kvs"][0]["create_revision"])
-        earlier = self._marked(counter, "", APPENDED, max_create_revision=str(created), keys_only=True)
+        earlier = self._marked(counter, INCREMENTS, APPENDED, max_create_revision=str(created), keys_only=True)
         reply = self._call("/v3/kv/range", earlier["request_range"])
-        return self._counted(counter, reply, counted=len(reply.get("kvs") or [])) - 1, created
+        return len(reply.get("kvs") or []) - 1, created
 
-    def arrivals(self, counter: str, limit: int) -> tuple[int, list[tuple[int, bytes | UntrustedValue]]]:
+    def arrivals(
+        self, counter: str, limit: int, by_key: bool = False
+    ) -> tuple[int, list[tuple[int, bytes | UntrustedValue]]]:
         """How many increments `counter` has, and the first `limit` of them (all for 0) in the order
         they were made (create revision, payload checked; a value this job did not sign is its
-        UntrustedValue): one range, whatever the count."""
-        ordered = self._marked(
-            counter, INCREMENTS, APPENDED, sort_order="ASCEND", sort_target="CREATE", limit=str(limit)
-        )
+        UntrustedValue): one range, whatever the count. `by_key`: in key order (about the order
+        they were made, by the makers' clocks): etcd sorts by create revision only after reading
+        every value in the range, so a few of thousands (a progress line's hosts) are read this way."""
+        order = {} if by_key else {"sort_order": "ASCEND", "sort_target": "CREATE"}
+        ordered = self._marked(counter, INCREMENTS, APPENDED, limit=str(limit), **order)
         reply = self._call("/v3/kv/range", ordered["request_range"])
         found: list[tuple[int, bytes | UntrustedValue]] = []
         for kv in reply.get("kvs") or []:

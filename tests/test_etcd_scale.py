@@ -111,12 +111,12 @@ def test_an_arrival_sent_twice_keeps_its_first_place(etcd, monkeypatch):
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     prefix = f"test/{uuid.uuid4().hex}/"
     first, second = EtcdStore(EtcdClient(members), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
-    fixed = uuid.uuid4()
-    monkeypatch.setattr("rally.rendezvous.etcd_store.uuid.uuid4", lambda: fixed)
+    fixed = f"{prefix}0/joined\x00{uuid.uuid4().hex}"
+    monkeypatch.setattr(EtcdStore, "_own_key", lambda self, name, mark: fixed)
     assert first.arrive("0/joined") == 0
     monkeypatch.undo()
     assert second.arrive("0/joined") == 1
-    monkeypatch.setattr("rally.rendezvous.etcd_store.uuid.uuid4", lambda: fixed)
+    monkeypatch.setattr(EtcdStore, "_own_key", lambda self, name, mark: fixed)
     assert first.arrive("0/joined") == 0, "the same arrival again: its first place"
     monkeypatch.undo()
     assert second.counter("0/joined") == 2
