@@ -338,8 +338,9 @@ def child(args: argparse.Namespace) -> None:
         clients = [TCPStore("127.0.0.1", args.port, is_master=False, timeout=op_timeout) for _ in range(count)]
     etcd_clients = []
     if set(trials) & set(ETCD_IMPLS):
-        from bench.simetcd import etcd_clients as connect_etcd
+        from bench.simetcd import etcd3gw_clients, etcd_clients
 
+        connect_etcd = etcd3gw_clients if args.etcd_client == "etcd3gw" else etcd_clients
         etcd_clients = connect_etcd(args.etcd_port, count, counter)
     for trial, impl in enumerate(trials):
         own = etcd_clients if impl in ETCD_IMPLS else clients
@@ -409,6 +410,8 @@ def parent(args: argparse.Namespace) -> None:
                         *(["--profile"] if args.profile else []),
                         "--switch-interval",
                         str(args.switch_interval),
+                        "--etcd-client",
+                        args.etcd_client,
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -427,6 +430,7 @@ def parent(args: argparse.Namespace) -> None:
                 "timeout": args.timeout,
                 "stagger": args.stagger,
                 "switch_interval": args.switch_interval,
+                **({"etcd_client": args.etcd_client} if impl in ETCD_IMPLS else {}),
             }
             if stopped:
                 emit({**base_result, "converged": False, "skipped": True, "error": "an earlier trial did not converge"})
@@ -649,6 +653,12 @@ def main() -> None:
         type=float,
         default=SWITCH_INTERVAL,
         help=f"the children's sys.setswitchinterval (default {SWITCH_INTERVAL:g} s; 0: Python's own 0.005 s)",
+    )
+    parser.add_argument(
+        "--etcd-client",
+        choices=("rally", "etcd3gw"),
+        default="rally",
+        help="etcd trials: rally's own HTTP client, or etcd3gw's (pip install etcd3gw) under it (issue 28)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
