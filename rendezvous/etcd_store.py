@@ -39,6 +39,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 from rally.rendezvous.etcd_client import (
@@ -55,6 +56,8 @@ from rally.rendezvous.token import BadRecord, Signer
 
 # etcd refuses transactions with more operations than its --max-txn-ops (default 128).
 MAX_TXN_OPS = 128
+# How many of a `multi_set`'s transactions are sent at once (each on a connection of its own).
+PARALLEL_TXNS = 8
 # Many keys are read as one range over their span (`_read`), unless it holds more than SPAN_SLACK x
 # as many other keys.
 SPAN_MIN_KEYS, SPAN_SLACK = 4, 2
@@ -230,9 +233,18 @@ class EtcdStore(KeyValueStore):
         )
 
     def multi_set(self, items: dict[str, str]) -> None:
+        """Write every key: transactions of MAX_TXN_OPS puts, sent at once on connections of their
+        own when there are several (the closer's 1,024 assignments: etcd commits 8 transactions
+        sent together about as fast as one, and in a row they were a third of the close)."""
         puts = [{"request_put": {"key": self._k(k), "value": self._seal(k, v)}} for k, v in items.items()]
-        for start in range(0, len(puts), MAX_TXN_OPS):
-            self._txn([], puts[start : start + MAX_TXN_OPS], [])
+        chunks = [puts[start : start + MAX_TXN_OPS] for start in range(0, len(puts), MAX_TXN_OPS)]
+        if len(chunks) <= 1:
+            for chunk in chunks:
+                self._txn([], chunk, [])
+            return
+        with ThreadPoolExecutor(min(len(chunks), PARALLEL_TXNS)) as pool:
+            for _ in pool.map(lambda chunk: self.connect_again()._txn([], chunk, []), chunks):
+                pass
 
     # ------------------------------------------------------------------ counters: a base value plus keys of their own
     def _own_key(self, name: str, mark: str) -> str:
