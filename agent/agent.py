@@ -8,9 +8,9 @@
         stop the workers (signal, one grace period, SIGKILL of every descendant)
         succeeded -> exit 0;  failed and budget left -> next round;  else report, exit non-zero
 
-The agent is a state machine (agent/states.py): its state says what a signal means, and
+The agent is a state machine (agent/base/states.py): its state says what a signal means, and
 `_on_signals` is the only place a signal takes effect. Everything it waits for arrives on file
-descriptors watched by one selector in the main thread (agent/event_loop.py): pidfds, worker
+descriptors watched by one selector in the main thread (agent/base/event_loop.py): pidfds, worker
 output pipes, the signal wake-up fd, and the inbox its store-watching threads write to. Every
 store call of the main thread goes through `store_call`. What happens after a round is
 decided by a pure function (agent/decide.py) and applied here.
@@ -18,25 +18,30 @@ decided by a pure function (agent/decide.py) and applied here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
-from rally.agent import processes
-from rally.agent.agent_exit import AgentExit, store_failure_exit
+from rally.agent.agent_exit import store_failure_exit
+from rally.agent.base.collaborator import Collaborator
+from rally.agent.base.event_log import EventLog
+from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost
+from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
+from rally.agent.base.spec import JobSpec
+from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.checkpoint.agent_side import NodeCheckpoints
-from rally.agent.checks.node_checks import EXIT_QUARANTINED, NodeChecks
+from rally.agent.checks.node_checks import NodeChecks
 from rally.agent.decide import Exit, Reform, Restart, decide, exit_status
 from rally.agent.display import console
-from rally.agent.event_loop import Event, EventLoop
-from rally.agent.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
+from rally.agent.guard import processes
 from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
-from rally.agent.hang_report import HangReporter
-from rally.agent.node_waits import NodeWaits, wait_for_readers
-from rally.agent.observe.event_log import EventLog
+from rally.agent.guard.stopping import stop_workers
+from rally.agent.observe.hang_report import HangReporter
 from rally.agent.observe.health import HealthMonitor, HealthSettings
 from rally.agent.observe.live import LiveView
 from rally.agent.observe.observer import Observer
@@ -44,20 +49,23 @@ from rally.agent.observe.run_info import announce
 from rally.agent.observe.status_record import node_status
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_lost_line
-from rally.agent.round_holdings import RoundHoldings
-from rally.agent.round_threads import RoundThreads, StoreProbe, left_behind_line
-from rally.agent.spec import JobSpec
-from rally.agent.states import AgentState, SignalAction, signal_action
-from rally.agent.stopping import stop_workers
-from rally.agent.template import TemplateClient
+from rally.agent.rounds.holdings import RoundHoldings
+from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
+from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line
+from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup
+from rally.agent.template.client import TemplateClient
 from rally.agent.worker_exits import WorkerExits
-from rally.agent.workers import LogLayout, WorkerGroup
 from rally.rendezvous.backends import OpenedStore
 from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, Round, RoundEnd
 from rally.rendezvous.store import StoreError, host_tcp_store, listen_address
 from rally.rendezvous.waiting import plural
+
+if TYPE_CHECKING:  # torch is imported lazily
+    from torch.distributed import TCPStore
+
+T = TypeVar("T")
 
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
@@ -66,7 +74,11 @@ __all__ = ["Agent", "AgentExit", "EXIT_PREEMPTED"]
 
 
 class Agent:
-    """Runs this node's share of one job until it succeeds, fails for good, or is stopped."""
+    """Runs this node's share of one job until it succeeds, fails for good, or is stopped.
+
+    It is the context its collaborators are built with (agent/base/collaborator.py's AgentContext
+    and the protocols of their own rooms that extend it): they read the spec, the event log, the
+    store call, this round's workers and their health from it, not from parameters and callbacks."""
 
     def __init__(
         self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str], requeue: Callable[[], str] | None = None
@@ -86,44 +98,57 @@ class Agent:
         )
         self.state = AgentState.STARTING
         self.waits = NodeWaits(console.say)  # the line of a long wait, for the console and `rally status`
-        self.loop = EventLoop(
-            on_worker_exit=lambda w: self.health.note_exit(w.local_rank), on_child_signal=self._reap_orphans
-        )
-        self.preemption = Preemption(spec, self.host, plan.preferred_rank, self.loop, self.store_call, requeue)
+        self.loop = EventLoop(on_worker_exit=self._worker_exited, on_child_signal=self._reap_orphans)
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
         self.store: KeyValueStore | None = None
         self.untrusted_seen: set[str] = set()  # keys already named by _untrusted_value
-        self.store_server: Any = None
-        self.worker_store: Any = None
+        self.store_server: object | None = None  # kept referenced while the store should exist
+        self.worker_store: TCPStore | None = None  # this round's workers meet here (node 0, c10d)
         self.rdzv: Rendezvous | None = None
         self.guard: GuardClient | None = None
-        self.template: TemplateClient | None = None  # workers are forked from it (agent/template.py)
+        self.template: TemplateClient | None = None  # workers are forked from it (agent/template/client.py)
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
         self.health_settings = HealthSettings.for_job(spec, console.say, self.events.emit)
-        # stragglers, /metrics, GPUs (agent/observe/observer.py)
-        self.observer = Observer(spec, self.events, self.host, base_env, self.health_settings.learned)
-        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/observe/live.py)
-        self.hangs = HangReporter(  # who really hung, from every node (agent/hang_report.py)
-            self.host, spec.is_python, self.health_settings.stack_dump_wait, self.loop, self.store_call,
-            group=lambda: self.group, heartbeat_count=lambda r: self.health.heartbeat_count(r), emit=self.events.emit,
-        )  # fmt: skip
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
-        # what a worker's exit means for the round (agent/worker_exits.py)
-        self.exits = WorkerExits(self.loop, self.store_call, self.events.emit)
-        self.observer.node_checks = self.checks = NodeChecks(  # quarantine, pre-flight (agent/checks/node_checks.py)
-            spec, self.host, self.events, self.report, self.store_call, plan.settings.max_nodes > 1,
-            template=lambda: self.template, base_env=self.base_env, run_dir=self.logs.run_dir,
-            announce=self.waits.announce,
-            backend=lambda: "nccl" if self.observer.gpu is not None else "gloo",  # the backend its workers would use
-        )  # fmt: skip
-        # the memory tier (agent/checkpoint/agent_side.py)
+        # The agent's features, each built with this agent as its context (agent/base/collaborator.py).
+        self.observer = Observer(self, self.health_settings.learned)  # stragglers, /metrics, GPUs
+        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
+        self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/checks/node_checks.py)
+        self.exits = WorkerExits(self)  # what a worker's exit means for the round (agent/worker_exits.py)
+        self.hangs = HangReporter(self)  # who really hung, from every node (agent/observe/hang_report.py)
         self.ckpt = NodeCheckpoints(spec.checkpoint_dir, self.events, console.warn, spec.run_id, console.say)
+        self.preemption = Preemption(self, requeue)  # called by _on_signals, not at the moments below
+        # The one place a feature is registered: every hook runs in this order (`exit` in reverse).
+        self.collaborators: list[Collaborator] = [
+            self.checks, self.exits, self.hangs, self.observer, CheckpointHooks(self.ckpt, spec, plan)
+        ]  # fmt: skip
+
+    # ================================================================ the context (agent/base/collaborator.py)
+    @property
+    def run_dir(self) -> Path:
+        return self.logs.run_dir
+
+    @property
+    def hosts_store(self) -> bool:
+        return self.store_server is not None
+
+    @property
+    def backend(self) -> str:
+        """The process-group backend this node's workers would use."""
+        return "nccl" if self.observer.gpu is not None else "gloo"
+
+    def announce(self, line: str) -> None:
+        self.waits.announce(line)
+
+    def status_now(self) -> dict | None:
+        """This node's status record in the round it is in (None before the first)."""
+        return self._status_record(self.assignment) if self.assignment else None
 
     # ================================================================ entry point
     def run(self) -> int:
@@ -133,7 +158,8 @@ class Agent:
         # workers are forked from it; it preloads torch meanwhile, saying so should a fork wait for it
         self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn, self.waits.announce)
         try:
-            self._start_observer()
+            for part in self.collaborators:
+                part.start()
             code = self._run()
         except AgentExit as exc:
             if str(exc):
@@ -141,13 +167,15 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
-            lost = self.ckpt.finish(self.spec.shutdown_timeout)  # the newest in-memory step made durable
+            # the newest in-memory checkpoint made durable: a step lost with the holder is a line
+            lost = [line for part in reversed(self.collaborators) if (line := part.exit()) is not None]
             processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
-            for part in (self.live, self.template, self.guard, self.observer):
-                if part is not None:
-                    part.stop()
+            for helper in (self.live, self.template, self.guard):
+                if helper is not None:
+                    helper.stop()
         if lost and code == 0:  # a job whose newest checkpoint died with the holder has not succeeded
-            console.error(lost)
+            for line in lost:
+                console.error(line)
             code = 1
         self.report.exit_code = code
         if self.report.outcome == "running":
@@ -162,12 +190,13 @@ class Agent:
         rdzv, watcher, keeper = self._join_job()
         while True:
             self.state = AgentState.RENDEZVOUS
-            self.observer.before_round()
+            for part in self.collaborators:
+                part.before_round()  # the last round's workers have left the GPUs
             rnd: Round = self.store_call(rdzv.join_round, waiting=True)  # a signal pending since the last round ends it
             for store in (rnd.store, watcher, keeper):  # the job runs: a stranger's garbage ends nothing
                 if store.replaces_untrusted:
                     store.on_untrusted = self._untrusted_value
-            if self.spec.crash_loop_limit and rnd.a.stalled_restarts >= self.spec.crash_loop_limit:
+            if self.spec.crash_loop_limit and rnd.assignment.stalled_restarts >= self.spec.crash_loop_limit:
                 return self._stop_crash_loop(rnd)
             end = self._run_round(rnd, rnd.on(watcher), rnd.on(keeper))
             code = self._after_round(rnd, end)
@@ -188,28 +217,21 @@ class Agent:
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
-        # the memory tier's steps and the disk's, read cheaply for the restart (agent/round_holdings.py)
+        # the memory tier's steps and the disk's, read cheaply for the restart (agent/rounds/holdings.py)
         held = RoundHoldings(self.ckpt, single_node=self.plan.settings.max_nodes == 1)
         settings = self.plan.settings
         self.rdzv = rdzv = Rendezvous(self.store, settings, self.node, console.say, held.progress, held.holdings)
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (self.store_call(self.store.connect_again, waiting=True) for _ in range(3))
-        if line := self.checks.at_join(self.store):  # quarantined earlier in this job (agent/checks/quarantine.py)
-            raise AgentExit(EXIT_QUARANTINED, line)
+        for part in self.collaborators:
+            part.joined(self.store)  # a node quarantined earlier in this job leaves (agent/checks/quarantine.py)
         self.probe = StoreProbe(Rendezvous(prober, self.plan.settings, self.node), self.plan.read_timeout)
         self.store_call(rdzv.status.register, waiting=True)
         return rdzv, watcher, keeper  # the round threads' connections
 
-    def _start_observer(self) -> None:
-        """Stragglers, GPU health and /metrics (agent/observe/observer.py); a port in use is bad input."""
-        try:
-            self.observer.start(self._status_now, self.report)
-        except OSError as exc:
-            raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
-
     def _stop_crash_loop(self, rnd: Round) -> int:
         """K failures in a row without a newer checkpoint: stop instead of burning the budget."""
-        a, rdzv = rnd.a, rnd.rendezvous
+        a, rdzv = rnd.assignment, rnd.rendezvous
         detail = (
             f"crash loop: {a.stalled_restarts} restarts in a row made no progress (the newest "
             f"checkpoint is still step {a.checkpoint_step}); fix the cause, or raise --crash-loop-limit"
@@ -230,10 +252,10 @@ class Agent:
     # ================================================================ one round
     def _run_round(self, rnd: Round, watcher: Round, keeper: Round) -> RoundEnd:
         """`watcher` and `keeper`: the same round on the round threads' connections."""
-        a = rnd.a
+        a = rnd.assignment
         self.state, self.assignment = AgentState.ROUND_SETUP, a
         if self.live is None and LiveView.wanted(console.console()) and not self.spec.quiet:
-            self.live = LiveView(console.console(), self._status_now)
+            self.live = LiveView(console.console(), self.status_now)
             self.live.start()
         self.report.begin(a)
         self.events.emit(
@@ -252,25 +274,26 @@ class Agent:
         post, read_timeout = self.loop.inbox.post, self.plan.read_timeout
         threads = RoundThreads(post, watcher, keeper, read_timeout, self._status_record, self.observer.exchange)
         threads.start()  # keep-alives from the start: a spare judges a round dead by their absence
-        self.hangs.start_watching(rnd)
+        for part in self.collaborators:
+            part.round_formed(rnd)
         try:
             master = self._workers_store(rnd)
             if isinstance(master, RoundEnd):
                 return master
-            # quarantines since the last round, and the pre-flight (agent/checks/preflight.py)
-            if (left_out := self.checks.round_formed(rnd, master)) is not None:
-                return left_out
-            self.ckpt.open_round(a, self.plan.settings.keep_alive_timeout)
+            for part in self.collaborators:  # e.g. the pre-flight may leave a node out (agent/checks/preflight.py)
+                if (end := part.workers_starting(rnd, master)) is not None:
+                    return end
             self._start_workers(a, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rnd)
         finally:
             threads.stop()
-            self.hangs.round_over(rnd)
+            for part in self.collaborators:
+                part.watch_over(rnd)
 
     def _workers_store(self, rnd: Round) -> tuple[str, int] | RoundEnd:
         """Where this round's workers meet (MASTER_ADDR/PORT): node 0 provides it, the others wait."""
-        a = rnd.a
+        a = rnd.assignment
         if a.group_rank == 0 and self.plan.workers_use_rendezvous_store:
             # Every node stopped its old workers before it joined this round, so no worker of
             # an earlier attempt can write here any more: its keys go, rally's own stay.
@@ -282,20 +305,21 @@ class Agent:
         if a.group_rank == 0:
             self.worker_store = None  # the previous round's store closes here
             # listening where MASTER_ADDR says
-            self.worker_store = host_tcp_store(0, self.plan.read_timeout, listen_address(a.master_host))
-            self.store_call(lambda: rnd.channel.publish_master(a.master_host, self.worker_store.port))
-            return (a.master_host, self.worker_store.port)
+            self.worker_store = workers = host_tcp_store(0, self.plan.read_timeout, listen_address(a.master_host))
+            self.store_call(lambda: rnd.channel.publish_master(a.master_host, workers.port))
+            return (a.master_host, workers.port)
         timeout = self.plan.settings.keep_alive_timeout * 4 + 30
+        # wait: slice, said by rendezvous/round_channel.py RoundChannel.wait_master: 1 s slices up to
+        # keep_alive_timeout*4+30
         return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
     def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
-        # --heartbeat-timeout auto: learned before, by any node
-        self.observer.load_timeouts(self.store_call, self.store)
         sink = self.live.sink if self.live is not None else None
         self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
-        env = {**self.base_env, **self.ckpt.env()}  # the holder's address, none once it died (tier.py)
+        # the holder's address, none once it died (tier.py); not a hook: it adds to the workers' environment
+        env = {**self.base_env, **self.ckpt.env()}
         self.group = WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         for stream in self.group.streams:
@@ -309,23 +333,19 @@ class Agent:
             self.events.emit("worker_started", round=a.round, rank=rank, local_rank=local_rank, pid=worker.pid)
 
     def _watch_workers(self, rnd: Round) -> RoundEnd:
-        """Until the round ends: signals, the threads' news, exits, hangs, success, in that order."""
-        a, group = rnd.a, self.group
+        """Until the round ends: signals, the threads' news, the collaborators' watch (exits, hangs,
+        stragglers, the checkpoint lease, in the order registered), success, in that order."""
+        a, group = rnd.assignment, self.group
         assert group is not None
-        self.exits.begin_round()
         reported_success = False
         while True:
             self.loop.pump(self.health.next_due(time.monotonic()))
-            end = self._on_signals(rnd) or self._on_events(rnd) or self.exits.check(rnd, group, self.health)
-            hangs = end is None and self.health.check(
-                {w.local_rank: w.output.last_output_at() for w in group.running()}
-            )
-            if hangs:
-                end = self._end_round(rnd, self.hangs.report(rnd, hangs[0]))
+            end = self._on_signals(rnd) or self._on_events(rnd)
+            for part in self.collaborators if end is None else ():
+                if (end := part.watch(rnd)) is not None:
+                    break
             if end is not None:
                 return end
-            self.observer.after_check(a, group.workers, self.health)
-            self.ckpt.renew()  # the fence's lease: a frozen agent's workers cannot checkpoint
             if not reported_success and group.all_succeeded():
                 reported_success = True
                 if a.group_world_size > 1:
@@ -333,35 +353,34 @@ class Agent:
                 self.store_call(rnd.channel.report_success)
 
     def _on_events(self, rnd: Round) -> RoundEnd | None:
-        """What the round's threads posted (agent/round_threads.py, agent/hang_report.py)."""
-        a = rnd.a
-        for kind, value in self.loop.take_events():
-            if kind is Event.ROUND_END and value[0] == a.round:
-                return value[1]
-            if kind is Event.PEER_VERDICT and value[0] == a.round:
-                self.exits.peer_verdict(value[1])
-            if kind is Event.STORE_LOST and self.opened is not None:
-                raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(value, self.opened.endpoint))
-            if kind is Event.DUMP_STACKS and value == a.round:
-                self.hangs.answer(rnd)
+        """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py)."""
+        a = rnd.assignment
+        for news in self.loop.take_events():
+            match news:
+                case RoundEnded(round=a.round, end=end):
+                    return end
+                case PeerVerdict(round=a.round, lost_peer=lost_peer):
+                    self.exits.peer_verdict(lost_peer)
+                case StoreLost(error=error) if self.opened is not None:
+                    raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(error, self.opened.endpoint))
+                case DumpStacks(round=a.round):
+                    self.hangs.answer(rnd)
         return None
-
-    def _end_round(self, rnd: Round, end: RoundEnd) -> RoundEnd:
-        return self.store_call(lambda: rnd.channel.end(end))
 
     def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:
         """Stop this round's workers, then apply `decide` (agent/decide.py): an exit code, or
         None to go round again."""
-        a, group = rnd.a, self.group
-        self.ckpt.close_round(a)  # from now on a save of this round's workers is refused
+        a, group = rnd.assignment, self.group
+        for part in self.collaborators:
+            part.round_ending(rnd)  # e.g. from now on a save of this round's workers is refused
         stopping = time.monotonic()
         self._stop_workers(signal.SIGTERM)
         stop_seconds = round(time.monotonic() - stopping, 6)
         self.report.finish_attempt(group, end)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail, stop_seconds=stop_seconds)
         self.store_call(rnd.channel.acknowledge_end)
-        if line := self.checks.after_round(rnd, end, self.store_server is not None):  # quarantined, or left out
-            raise AgentExit(EXIT_QUARANTINED, line)
+        for part in self.collaborators:
+            part.round_ended(rnd, end)  # e.g. quarantined, or left out by the pre-flight: AgentExit
         decision = decide(end, a, self.spec.max_restarts)
         if end.is_failure:
             self.last_failure = end
@@ -371,7 +390,8 @@ class Agent:
             self.events.emit(
                 "restart", round=a.round, restart_count=decision.restart_count, kind=end.kind, cause=end.detail
             )
-            self.observer.note_restart(a.round, end)
+            for part in self.collaborators:
+                part.restarting(rnd, end)
             return None
         if isinstance(decision, Reform):
             lost_me = (
@@ -383,13 +403,14 @@ class Agent:
                 console.error("root cause: " + end.detail)
             console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
             self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
-            self.observer.note_restart(a.round, end)
+            for part in self.collaborators:
+                part.restarting(rnd, end)
             return None
         return self._exit(rnd, end, decision)
 
     def _exit(self, rnd: Round, end: RoundEnd, decision: Exit) -> int:
         """The job is over: close it for every node (unless it was closed already), say why."""
-        a = rnd.a
+        a = rnd.assignment
         if end.kind is EndKind.ABORTED:
             console.error(f"job ended: {end.detail}")
             return decision.code
@@ -416,21 +437,20 @@ class Agent:
     def _exit_barrier(self, rnd: Round) -> None:
         if self.store_server is not None:  # a signal ends the wait at once
             self.state = AgentState.EXIT_BARRIER
+            # wait: bounded, said by agent/rounds/node_waits.py wait_for_readers: EXIT_BARRIER_SECONDS (30), a signal
+            # ends it
             self.store_call(lambda: wait_for_readers(rnd, EXIT_BARRIER_SECONDS), waiting=True)
-
-    def _status_now(self) -> dict | None:
-        """This node's status record in the round it is in (None before the first)."""
-        return self._status_record(self.assignment) if self.assignment else None
 
     def _status_record(self, a: Assignment) -> dict:
         record = node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
-        # a long wait under way (agent/node_waits.py)
+        features = {key: value for part in self.collaborators for key, value in part.status_fields().items()}
+        # a long wait under way (agent/rounds/node_waits.py)
         waiting = self.waits.fields(a.round, self.rdzv.waiting if self.rdzv else None)
-        return {**record, **self.ckpt.status_fields(), **waiting}
+        return {**record, **features, **waiting}
 
     # ================================================================ signals
     def _on_signals(self, rnd: Round | None = None) -> RoundEnd | None:
-        """The one place a signal takes effect, as the agent's state says (agent/states.py).
+        """The one place a signal takes effect, as the agent's state says (agent/base/states.py).
         Exits raise AgentExit; a preemption returns the round's end; the rest stay pending."""
         signals = self.loop.take_signals()
         later: list[int] = []
@@ -447,7 +467,7 @@ class Agent:
             if action is SignalAction.PREEMPT and rnd is not None:
                 self.loop.keep_signals(later + signals[i + 1 :])
                 self.state = AgentState.PREEMPTING
-                return self.preemption.run(rnd, self.group, signum)
+                return self.preemption.run(rnd, signum)
             if action is not SignalAction.IGNORE:
                 later.append(signum)  # for the main loop (in a blocking call) or the next state
         self.loop.keep_signals(later)
@@ -463,25 +483,27 @@ class Agent:
         )
         self._stop_workers(signum)
         end = RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)
-        self.store_call(lambda: rnd.channel.leave(end), best_effort=True)
+        with contextlib.suppress(AgentExit):  # best effort: the others find this node gone anyway
+            self.store_call(lambda: rnd.channel.leave(end))
         raise AgentExit(128 + signum)
 
     # ================================================================ the store
-    def store_call(self, fn: Callable[[], Any], waiting: bool = False, best_effort: bool = False) -> Any:
+    def store_call(self, fn: Callable[[], T], waiting: bool = False) -> T:
         """Every store call of the main thread: a lost, silent or untrusted store ends the agent
-        with one line (or, `best_effort`, gives None). `waiting` runs the call in a thread while
-        the main loop handles signals and the probe watches for a frozen store."""
+        with one line. `waiting` runs the call in a thread while the main loop handles signals and
+        the probe watches for a frozen store."""
         try:
             if not waiting:
                 return fn()
             self.loop.pump(0)
             self._on_signals()  # also those that arrived before: never lost between rounds
+            # wait: slice, said by the job: the call runs in a thread; the main loop keeps handling signals and the
+            # store probe
             return self.loop.run_blocking(fn, self._while_waiting, self.probe.interval if self.probe else None)
         except (RendezvousError, StoreError) as exc:
-            if best_effort:
-                return None
             formed = self.rdzv is not None and self.rdzv.last_round is not None
-            raise store_failure_exit(exc, self.rdzv is not None, formed, self.opened and self.opened.endpoint) from None
+            endpoint = self.opened.endpoint if self.opened else None
+            raise store_failure_exit(exc, self.rdzv is not None, formed, endpoint) from None
 
     def _while_waiting(self) -> None:
         if self.probe and (stalled := self.probe.stalled()):  # a frozen store never answers the call
@@ -498,6 +520,10 @@ class Agent:
             )
             self.group = None
 
+    def _worker_exited(self, worker: Worker) -> None:
+        """Its pidfd turned readable: the health monitor stops judging it (no hang after an exit)."""
+        self.health.note_exit(worker.local_rank)
+
     def _reap_orphans(self) -> None:
         """SIGCHLD: an orphan re-parented to us (a subreaper) may have exited; reap it now."""
         processes.reap_zombies(self._helper_pids() | {w.pid for w in (self.group.workers if self.group else [])})
@@ -511,3 +537,29 @@ class Agent:
 def _every(workers: int) -> str:
     """ "all 4 workers", "the 1 worker": never "all 1 workers"."""
     return "the 1 worker" if workers == 1 else f"all {workers} workers"
+
+
+class CheckpointHooks(Collaborator):
+    """The memory tier's part at the agent's moments, until agent/checkpoint's agent-side class
+    implements Collaborator itself (issue 28: it is being merged into one class). Its other calls
+    (`env`, `pid`, the holdings a round agrees on) are no moments of the job: the agent makes them."""
+
+    def __init__(self, ckpt: NodeCheckpoints, spec: JobSpec, plan: RendezvousPlan):
+        self.ckpt, self.spec, self.plan = ckpt, spec, plan
+
+    def workers_starting(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
+        self.ckpt.open_round(rnd.assignment, self.plan.settings.keep_alive_timeout)  # saves fenced to this round
+        return None
+
+    def watch(self, rnd: Round) -> RoundEnd | None:
+        self.ckpt.renew()  # the fence's lease: a frozen agent's workers cannot checkpoint
+        return None
+
+    def round_ending(self, rnd: Round) -> None:
+        self.ckpt.close_round(rnd.assignment)  # from now on a save of this round's workers is refused
+
+    def exit(self) -> str | None:
+        return self.ckpt.finish(self.spec.shutdown_timeout)  # the newest in-memory step made durable
+
+    def status_fields(self) -> dict[str, object]:
+        return self.ckpt.status_fields()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rally.agent.exit_codes import EXIT_PREEMPTED
+from rally.agent.base.exit_codes import EXIT_PREEMPTED
 from rally.rendezvous.records import Assignment, EndKind, RoundEnd
 
 

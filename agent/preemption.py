@@ -12,39 +12,40 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
-from rally.agent import processes
+from rally.agent.base.collaborator import AgentContext
+from rally.agent.base.exit_codes import EXIT_PREEMPTED
+from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.display import console
-from rally.agent.event_loop import EventLoop
-from rally.agent.exit_codes import EXIT_PREEMPTED
-from rally.agent.spec import JobSpec
-from rally.agent.states import AgentState, SignalAction, signal_action
+from rally.agent.guard import processes
+from rally.agent.rounds.workers import WorkerGroup
 from rally.rendezvous.long_wait import LongWait, wait_in_slices
 from rally.rendezvous.protocol import EndKind, Round, RoundEnd
 
 
-class Preemption:
-    """This node's part in a preemption; `requeue()`, when given, asks the scheduler to requeue."""
+class PreemptionContext(AgentContext, Protocol):
+    @property
+    def group(self) -> WorkerGroup | None:
+        """This round's workers on this node, None while none run."""
 
-    def __init__(
-        self,
-        spec: JobSpec,
-        host: str,
-        preferred_rank: int | None,
-        loop: EventLoop,
-        store_call: Callable[[Callable[[], Any]], Any],
-        requeue: Callable[[], str] | None,
-    ):
-        self.spec = spec
-        self.host = host
-        self.preferred_rank = preferred_rank
-        self.loop = loop
-        self.store_call = store_call
+
+class Preemption:
+    """This node's part in a preemption (the agent calls it when its state says a signal preempts);
+    `requeue()`, when given, asks the scheduler to requeue."""
+
+    def __init__(self, ctx: PreemptionContext, requeue: Callable[[], str] | None):
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.host = ctx.host
+        self.preferred_rank = ctx.node.preferred_rank
+        self.loop = ctx.loop
+        self.store_call = ctx.store_call
         self.requeue = requeue
 
-    def run(self, rnd: Round, group: Any, signum: int) -> RoundEnd:
+    def run(self, rnd: Round, signum: int) -> RoundEnd:
         """Warn the workers, wait for their checkpoints (bounded), requeue, end the round."""
+        group = self.ctx.group
         name = processes.signal_name(signum)
         grace = self.spec.preemption_grace
         console.say(
@@ -73,7 +74,7 @@ class Preemption:
 
     def _wait_for_all_nodes(self, rnd: Round, deadline: float) -> None:
         self.store_call(rnd.preemption.note_checkpointed)
-        if rnd.a.group_rank == 0 and self.spec.requeue:
+        if rnd.assignment.group_rank == 0 and self.spec.requeue:
             remaining = max(0.01, deadline - time.monotonic())
             what = "waiting for every node's workers to checkpoint before requeueing (--preemption-grace)"
             if not self.store_call(
@@ -88,7 +89,7 @@ class Preemption:
         Without a round (a warning while waiting for one) node 0 is the preferred rank 0."""
         if not self.spec.requeue or self.requeue is None:
             return
-        a = rnd.a if rnd is not None else None
+        a = rnd.assignment if rnd is not None else None
         if a is not None and a.group_rank != 0:
             return
         if a is None and self.preferred_rank not in (0, None):

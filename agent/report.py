@@ -18,11 +18,11 @@ from pathlib import Path
 
 from rich.table import Table
 
+from rally.agent.base.untrusted_files import open_for_writing, read_json_object
 from rally.agent.display.worker_table import worker_table
-from rally.agent.processes import describe_exit, exit_status_for_shell
-from rally.agent.round_threads import StoreSilent
-from rally.agent.untrusted_files import open_for_writing, read_json_object
-from rally.agent.workers import Worker, WorkerGroup
+from rally.agent.guard.processes import describe_exit, exit_status_for_shell
+from rally.agent.rounds.threads import StoreSilent
+from rally.agent.rounds.workers import Worker, WorkerGroup
 from rally.rendezvous.backends import backend_of
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
 from rally.rendezvous.store import StoreEndpoint, UntrustedValue
@@ -36,7 +36,7 @@ MAX_ERROR_FILE_BYTES = 4 * 1024 * 1024
 def read_error_file(path: str) -> str | None:
     """The traceback that torch's `@record` wrote, or None when there is no usable file.
 
-    The worker writes this file, so it is read as hostile (agent/untrusted_files.py): a regular
+    The worker writes this file, so it is read as hostile (agent/base/untrusted_files.py): a regular
     file only, never a blocking open, at most MAX_ERROR_FILE_BYTES, and only the fields of
     torch's schema ({"message": {"message": str, "extraInfo": {"py_callstack": str}}} or
     {"message": str}) are used; anything else counts as no file."""
@@ -91,7 +91,7 @@ def explain(end: RoundEnd) -> str:
     info = end.info or {}
     if info.get("stacks"):
         lines += ["its Python stacks when it was found hung:", *("  " + line for line in info["stacks"])]
-    if info.get("others"):  # a hang report (agent/hang_report.py): every other rank in one line
+    if info.get("others"):  # a hang report (agent/observe/hang_report.py): every other rank in one line
         lines += ["the other ranks:", *("  " + line for line in info["others"])]
     elif info.get("traceback"):
         lines += ["traceback (from its error file):", info["traceback"].rstrip()]

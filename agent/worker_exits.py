@@ -11,16 +11,15 @@ consequence ("connection closed" a moment after a peer died).
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-from rally.agent.event_loop import EventLoop
+from rally.agent.base.collaborator import AgentContext, Collaborator
+from rally.agent.guard.stopping import read_what_is_left
 from rally.agent.observe.health import HealthMonitor
 from rally.agent.report import failure_end
-from rally.agent.round_threads import check_peers
-from rally.agent.stopping import read_what_is_left
-from rally.agent.workers import Worker, WorkerGroup
+from rally.agent.rounds.threads import check_peers
+from rally.agent.rounds.workers import Worker, WorkerGroup
 from rally.rendezvous.protocol import Round, RoundEnd
 
 
@@ -37,19 +36,36 @@ class HeldFailure:
         self.answered, self.silent = True, verdict
 
 
-class WorkerExits:
-    """The agent's judge of its workers' exits, for the whole job (`begin_round` each round)."""
+class ExitsContext(AgentContext, Protocol):
+    """What the judge of exits needs of its agent beyond every collaborator's context."""
 
-    def __init__(self, loop: EventLoop, store_call: Callable[..., Any], emit: Callable[..., None]):
-        """`store_call` runs a main-thread store call (Agent.store_call); `emit` writes an event."""
-        self.loop = loop
-        self.store_call = store_call
-        self.emit = emit
+    @property
+    def group(self) -> WorkerGroup | None: ...
+
+    @property
+    def health(self) -> HealthMonitor: ...
+
+
+class WorkerExits(Collaborator):
+    """The agent's judge of its workers' exits, for the whole job (the agent's main loop hands it
+    the peer check's answer: `peer_verdict`)."""
+
+    def __init__(self, ctx: ExitsContext):
+        self.ctx = ctx
+        self.loop = ctx.loop
+        self.store_call = ctx.store_call
+        self.emit = ctx.events.emit
         self.kill_causes: dict[int, str] = {}  # local rank -> why its worker was SIGKILLed
         self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
 
-    def begin_round(self) -> None:
+    # ------------------------------------------------------------ hooks (agent/base/collaborator.py)
+    def round_formed(self, rnd: Round) -> None:
         self.held = None
+
+    def watch(self, rnd: Round) -> RoundEnd | None:
+        group = self.ctx.group
+        assert group is not None  # the watch loop runs while the round's workers do
+        return self.check(rnd, group, self.ctx.health)
 
     def peer_verdict(self, verdict: tuple[int, float] | None) -> None:
         """The peer check's answer: (group rank, seconds silent) of a lost peer, or None."""
@@ -58,7 +74,7 @@ class WorkerExits:
 
     def check(self, rnd: Round, group: WorkerGroup, health: HealthMonitor) -> RoundEnd | None:
         """Note new exits; the round's end once a local failure decides it, else None."""
-        a = rnd.a
+        a = rnd.assignment
         for worker in group.workers:
             if worker.returncode is not None and worker.local_rank in health.watched:
                 self._note(rnd, worker, health)
@@ -87,7 +103,7 @@ class WorkerExits:
         health.forget(worker.local_rank)
         self.emit(
             "worker_exited",
-            round=rnd.a.round,
+            round=rnd.assignment.round,
             rank=worker.global_rank,
             pid=worker.pid,
             exit=worker.describe_exit(),
@@ -101,6 +117,6 @@ class WorkerExits:
         if silent is None:
             return self.store_call(lambda: rnd.channel.end(first))
         group_rank, silent_for = silent
-        host = rnd.a.watch_host if group_rank == rnd.a.watch_rank else ""
+        host = rnd.assignment.watch_host if group_rank == rnd.assignment.watch_rank else ""
         note = f"; {local.detail} after it (a consequence)"
         return self.store_call(lambda: rnd.channel.declare_lost(group_rank, host, silent_for, note))

@@ -7,13 +7,17 @@ Each run is a 2-worker job on this machine running bench/workers/ckpt.py (its do
 details): every rank holds the same ``--mb`` MB state, saves it 5 times 1.5 s apart, rank 1 is
 SIGKILLed, the launcher restarts both workers, and they reload the newest step. Per method:
 
-- **stall**: how long ``save`` keeps the training step waiting (rank 0), the median of the
-  steady-state saves (the 3rd to the 5th; the first two of the memory tiers allocate and map their
-  shared memory, reported as "first saves"); the **ratio** is to a plain ``copy_`` of the same
+- **stall**: how long ``save`` keeps the training loop waiting (rank 0): the call, plus for rally's
+  overlapped saves the wait of the next optimizer step's fence for the copy (the next step computes
+  0.1 s on every rank first, see the worker); the median of the steady-state saves (the 3rd to
+  the 5th; the first two of the memory tiers allocate and map their shared memory, reported as
+  "first saves"), and **of it, the fence's wait** (the part of the copy the next step's compute
+  did not hide); the **ratio** is to a plain ``copy_`` of the same
   tensors into preallocated ones, measured in the same worker just before;
 - **saves dropped**: saves the method skipped (DLRover skips a save to memory while its agent
-  still persists the previous one; those are left out of the stall and durability figures, and
-  the reload checks the newest step it did save);
+  still persists the previous one; rally skips an overlapped save that would have to overwrite the
+  newest step in memory while the other copy is persisted; those are left out of the stall and
+  durability figures, and the reload checks the newest step it did save);
 - **durable after**: from the call until the step is on disk (rally: ``job.durable_steps()``;
   DCP: its future; DLRover: the file), when that happens within the 1.5 s between saves;
 - **reload**: after the restart, from the call until the state is back in the model's tensors
@@ -21,11 +25,11 @@ SIGKILLed, the launcher restarts both workers, and they reload the newest step. 
   of the same run, since on a shared machine the load moves between runs. Each method's modules
   are imported when the worker starts, as a script imports at its top, not inside the timed
   call. rally's restarted workers map their node's copy and fault its pages in while they start
-  (agent/checkpoint/resume_prefetch.py, on every restart), so its reload is mostly the copy.
+  (agent/checkpoint/core/resume_prefetch.py, on every restart), so its reload is mostly the copy.
 
-rally (with its memory tier, and without: ``RALLY_MEMORY_TIER=0``, the disk path whose
-``load_latest`` is item 8's) and the two torch methods run under rally (``--checkpoint-dir`` only
-for rally's own);
+rally (with its memory tier, overlapped; the same not overlapped: ``RALLY_CKPT_OVERLAP=0``; and
+without the tier: ``RALLY_MEMORY_TIER=0``, the disk path whose ``load_latest`` is item 8's) and
+the two torch methods run under rally (``--checkpoint-dir`` only for rally's own);
 DLRover 0.6.1 runs under its ``dlrover-run`` (bench/shim/dlrover_run.py adds the argument torch
 2.13 needs) from the interpreter in ``RALLY_BENCH_DLROVER_PYTHON`` (default
 /work/venvs/dlrover/bin/python, a venv with ``dlrover[k8s,torch]==0.6.1`` and protobuf beside the
@@ -56,6 +60,7 @@ METHODS = (
     "torch_save",
     "dcp_async",
     "rally_disk",
+    "rally_sync",
     "rally",
     "dlrover",
     "dcp_save_sharded",
@@ -66,7 +71,8 @@ LABELS = {
     "torch_save": "plain `torch.save` (rank 0)",
     "dcp_async": "`torch.distributed.checkpoint.async_save`",
     "rally_disk": "`rally.job.save`, memory tier off (torch.save + fsync, rank 0)",
-    "rally": "rally memory tier (`rally.job.save`)",
+    "rally_sync": "rally memory tier, not overlapped (`RALLY_CKPT_OVERLAP=0`)",
+    "rally": "rally memory tier (`rally.job.save`, overlapped with the next step)",
     "dlrover": "DLRover 0.6.1 flash checkpoint (StorageType.DISK)",
     "dcp_save_sharded": "sharded: `torch.distributed.checkpoint.save` (every rank)",
     "dcp_async_sharded": "sharded: `torch.distributed.checkpoint.async_save` (every rank)",
@@ -82,7 +88,7 @@ def dlrover_python() -> str | None:
     return path if Path(path).exists() else None
 
 
-def command(method: str, run: Path, mb: int) -> list[str]:
+def command(method: str, run: Path, mb: int, compute: float = 0.1) -> list[str]:
     work = [
         str(WORKER),
         "--method",
@@ -93,6 +99,8 @@ def command(method: str, run: Path, mb: int) -> list[str]:
         str(mb),
         "--out",
         str(run / "result.json"),
+        "--compute",
+        str(compute),
     ]
     if method == "dlrover":
         return [
@@ -110,12 +118,18 @@ def command(method: str, run: Path, mb: int) -> list[str]:
             "--log-dir", str(run / "logs"), *extra, *work]  # fmt: skip
 
 
-def run_once(method: str, root: Path, rep: int, mb: int, keep: bool) -> dict:
+def run_once(method: str, root: Path, rep: int, mb: int, keep: bool, compute: float = 0.1) -> dict:
     run = root / f"{method}-{rep}"
     started = time.time()
     (run / "ckpt").mkdir(parents=True)
-    env = common.bench_env({"RALLY_MEMORY_TIER": "0"} if method == "rally_disk" else None)
-    job = Job.start(method, command(method, run, mb), env, REPO, run)
+    env = common.bench_env(
+        {"RALLY_MEMORY_TIER": "0"}
+        if method == "rally_disk"
+        else {"RALLY_CKPT_OVERLAP": "0"}
+        if method == "rally_sync"
+        else None
+    )
+    job = Job.start(method, command(method, run, mb, compute), env, REPO, run)
     try:
         code = job.wait(RUN_TIMEOUT)
     finally:
@@ -161,6 +175,7 @@ def summarize(runs: list[dict]) -> dict:
         ]
 
     steady = [s for r in ok for s, _ in kept(r)]
+    fences = [f for r in ok for i, f in enumerate(r.get("fences", []), 1) if i > 2 and i not in r.get("dropped", [])]
     first = [s for r in ok for s in r["stalls"][:2]]
     copy = statistics.median(r["copy"] for r in ok)
     durable = [d for r in ok for _, d in kept(r) if d is not None]
@@ -170,6 +185,7 @@ def summarize(runs: list[dict]) -> dict:
     return {
         "stall": statistics.median(steady),
         "stall_range": (min(steady), max(steady)),
+        "fence": statistics.median(fences) if fences else None,
         "first": max(first),
         "copy": copy,
         "ratio": statistics.median(s / r["copy"] for r in ok for s, _ in kept(r)),
@@ -186,17 +202,19 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(summary: dict[str, dict], mb: int) -> str:
     lines = [
-        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | ratio to a plain copy | first saves "
+        f"| {mb} MB state, 2 workers | stall per save (median, min–max) | of it, the fence's wait "
+        "| ratio to a plain copy | first saves "
         "| saves dropped | durable after | reload (median, min–max) | reload ÷ plain copy | reloaded from | "
         "left in /dev/shm after the job |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
         if "error" in s:
-            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | | | |")
+            lines.append(f"| {LABELS[method]} | {s['error'][:120]} | | | | | | | | | |")
             continue
         lines.append(
             f"| {LABELS[method]} | {s['stall']:.3f} s ({s['stall_range'][0]:.3f}–{s['stall_range'][1]:.3f}) | "
+            f"{'—' if s.get('fence') is None else format(s['fence'], '.3f') + ' s'} | "
             f"{s['ratio']:.2f}× (copy {s['copy']:.3f} s) | {s['first']:.3f} s | {s['dropped']} | "
             f"{'—' if s['durable'] is None else format(s['durable'], '.2f') + ' s'} | "
             f"{s['reload']:.3f} s ({s['reload_range'][0]:.3f}–{s['reload_range'][1]:.3f}) | "
@@ -212,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="runs per method (default 2)")
     parser.add_argument("--only", default=",".join(METHODS), help="methods to run, comma-separated")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument(
+        "--compute", type=float, default=0.1, help="seconds the step after each save computes (default 0.1)"
+    )
     args = parser.parse_args(argv)
     methods = [m for m in METHODS if m in args.only.split(",")]
     runs: dict[str, list[dict]] = {m: [] for m in methods}
@@ -224,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs[method].append({"error": "not installed (RALLY_BENCH_DLROVER_PYTHON)"})
                     continue
                 print(f"{time.strftime('%H:%M:%S')} {method} run {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
-                runs[method].append(run_once(method, root, rep, args.mb, args.keep))
+                runs[method].append(run_once(method, root, rep, args.mb, args.keep, args.compute))
     summary = {m: summarize(r) for m, r in runs.items()}
     text = table(summary, args.mb)
     commit = common.commit()

@@ -8,7 +8,7 @@ Each figure is the median of the repetitions, through rally's own code where ral
 - **sums**: one pass over the bytes in 8 MiB chunks: the CRC-32 alone (the legacy footer's), the
   CRC-32 plus an HMAC-SHA256 on one thread (the first signed format, for comparison), a keyed
   BLAKE2b on one thread (the alternative considered), and rally's digest + MAC
-  (``checkpoint_file.Sums``: SHA-256 leaves on agent/checkpoint/digest.py's threads, what
+  (``checkpoint_file.Sums``: SHA-256 leaves on agent/checkpoint/core/digest.py's threads, what
   ``job.save`` and the holder's persister compute);
 - **persist**: the holder's persister writing a slot (a memfd) to a signed file in a temporary
   directory (``persist.persist``: copy, digest, fsync, rename), in the background of training;
@@ -31,8 +31,8 @@ import time
 import zlib
 from pathlib import Path
 
-from rally.agent.checkpoint import digest, persist
-from rally.agent.worker import checkpoint_file
+from rally.agent.checkpoint import persist
+from rally.agent.checkpoint.core import checkpoint_file, digest
 
 CHUNK = checkpoint_file.READ_CHUNK
 

@@ -1,6 +1,6 @@
 """`python -m rally.launcher` is the same as the `rally` command."""
 
-from rally.launcher.cli import main
+from rally.launcher.entry import main
 
 if __name__ == "__main__":
     main()

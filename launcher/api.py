@@ -39,8 +39,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT
 from rally.agent.display import console
-from rally.agent.exit_codes import EXIT_BAD_INPUT
 from rally.launcher.cli import in_this_process, launch_and_run, run
 from rally.launcher.config import ConfigError
 from rally.launcher.options import Options, by_name, from_environment
@@ -62,7 +62,9 @@ class LaunchError(RuntimeError):
         self.exit_code = exit_code
 
 
-def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: Any) -> Callable[..., dict[int, Any]]:
+def launch(
+    config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: object
+) -> Callable[..., dict[int, Any]]:
     """Return a function that runs `fn(*args, **kwargs)` on every worker of a rally job and
     returns {global rank: return value} of this node's workers.
 
@@ -81,7 +83,7 @@ def launch(config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: 
     name = getattr(fn, "__qualname__", fn)
     named = set(given)  # set by the caller or the environment: SLURM leaves them alone
 
-    def call(*args: Any, **kwargs: Any) -> dict[int, Any]:
+    def call(*args: object, **kwargs: object) -> dict[int, Any]:
         payload = payload_bytes(fn, {"fn": fn, "args": args, "kwargs": kwargs})
         run_dir = Path(tempfile.mkdtemp(prefix="rally_launch_", dir=chosen.log_dir))
         (run_dir / RESULTS).mkdir()

@@ -11,7 +11,6 @@ RALLY_<NAME>) > the --config YAML file > SLURM (when inside a SLURM job) > defau
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import signal
 import sys
@@ -23,8 +22,8 @@ import click
 from click.core import ParameterSource
 
 from rally.agent.display import console
-from rally.agent.exit_codes import EXIT_BAD_INPUT
 from rally.launcher import __version__, options
+from rally.launcher.command_errors import run_click
 from rally.launcher.config import ConfigError, build_launch
 from rally.launcher.config_file import FileMistakes, load_config_file
 from rally.launcher.flag_prefixes import expand_prefixes
@@ -120,7 +119,7 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
     return value
 
 
-def click_option(name: str, default: Any, about: options.OptionInfo) -> click.Option:
+def click_option(name: str, default: object, about: options.OptionInfo) -> click.Option:
     """The click option of one field of the options model (launcher/options.py)."""
     kwargs: dict[str, Any] = {"default": default, "help": about.help}
     if about.kind is bool:
@@ -258,7 +257,7 @@ def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  
     from rally.rendezvous.store import quiet_torch_logs
 
     if launch.checkpoint_token:  # the key, never the token, for the holder and the workers: in the environment
-        from rally.agent.checkpoint import auth
+        from rally.agent.checkpoint.core import auth
 
         os.environ[auth.KEY_ENV] = auth.derive(launch.checkpoint_token).hex()
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own
@@ -306,26 +305,7 @@ def _run_command(args: list[str]) -> int:
     # `rally store ...` and `rally status ...` are subcommands; anything else (options first,
     # a script, `./store`, `-- store`) is the run command, exactly as before.
     command: click.Command = subcommands if args and args[0] in SUBCOMMANDS else run_command
-    try:
-        code = command.main(args, prog_name="rally", standalone_mode=False)
-    except ConfigError as exc:
-        console.plain_error(str(exc))
-        return EXIT_BAD_INPUT
-    except click.UsageError as exc:
-        message = exc.format_message()
-        if isinstance(exc, click.NoSuchOption):
-            message = f"no such option {exc.option_name}; see rally --help"
-            closest = difflib.get_close_matches(exc.option_name, list(exc.possibilities or ()), n=1, cutoff=0)
-            if closest:
-                message = f"no such option {exc.option_name}; did you mean {closest[0]}?"
-        console.plain_error(message)
-        return EXIT_BAD_INPUT
-    except click.ClickException as exc:
-        console.plain_error(exc.format_message())
-        return exc.exit_code
-    except click.exceptions.Abort:
-        return 130
-    return code if isinstance(code, int) else 0
+    return run_click(command, args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,9 +15,9 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from rally.agent.spec import JobSpec
+from rally.agent.base.spec import JobSpec
 from rally.launcher import validate
 from rally.launcher.options import Options, RendezvousOptions
 from rally.launcher.secret_warnings import secret_warnings
@@ -29,6 +29,9 @@ from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import RendezvousSettings
 from rally.rendezvous.store import StoreEndpoint, loopback_address
 from rally.rendezvous.token import TokenError, resolve_token
+
+if TYPE_CHECKING:  # imported only inside SLURM (launcher/cli.py)
+    from rally.launcher.slurm import SlurmJob
 
 __all__ = ["ConfigError", "Launch", "build_launch", "parse_rdzv_conf"]
 
@@ -43,11 +46,11 @@ class Launch:
     warnings: list[str] = field(default_factory=list)  # launcher/secret_warnings.py: one line each
     checkpoint_token: str = ""
     """The job token the user gave on the command line (--rdzv-conf token=/token_file=), which keys
-    checkpoints as RALLY_JOB_TOKEN does (agent/checkpoint/auth.py); never --standalone's random
+    checkpoints as RALLY_JOB_TOKEN does (agent/checkpoint/core/auth.py); never --standalone's random
     token or SLURM's per-job one: a resubmitted job must verify what the earlier one wrote."""
 
 
-def build_launch(o: Options, script: str | None, script_args: list[str], slurm_job: Any = None) -> Launch:
+def build_launch(o: Options, script: str | None, script_args: list[str], slurm_job: SlurmJob | None = None) -> Launch:
     """Check every option together and build the agent's inputs. `slurm_job` (launcher/slurm.py's
     SlurmJob, when rally runs inside SLURM) gives the preferred node rank and the job's token."""
     check_entry_point(o, script)
@@ -71,10 +74,10 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
         )
     # Node rank 0 of a static job is, by definition, reachable at the master address.
     static_master = endpoint.host if backend_named(endpoint.backend).static_ranks and endpoint.host_here else None
-    if spec.uses_torchrun_logs() and spec.prefix_output:
+    if any(spec.tee.values()) and spec.prefix_output and not spec.torchrun_prefix:
         notes.append(
-            f"--tee/--redirects: console lines follow torchrun's format ([{spec.role}0]: on tee'd streams, "
-            "no prefix on the others) instead of rally's [rank]"
+            f"--tee: console lines keep rally's [rank] prefix; --torchrun-prefix shows torchrun's ([{spec.role}0]: "
+            "on tee'd streams, none on the others)"
         )
     plan = RendezvousPlan(
         endpoint=endpoint,
@@ -105,7 +108,7 @@ def check_entry_point(o: Options, script: str | None) -> None:
 
 
 def plan_rendezvous(
-    r: RendezvousOptions, run_id: str, slurm_job: Any
+    r: RendezvousOptions, run_id: str, slurm_job: SlurmJob | None
 ) -> tuple[StoreEndpoint, RendezvousSettings, int | None]:
     """The store (planned by its backend, rendezvous/backends.py), the membership rules and this
     node's preferred rank."""

@@ -56,23 +56,26 @@ class BoundedLoader(yaml.SafeLoader):
             )
         self.depth += 1
         try:
-            return super().compose_node(parent, index)
+            node = super().compose_node(parent, index)
         finally:
             self.depth -= 1
-
-    def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
-        node = super().compose_mapping_node(anchor)
-        for key, _ in node.value:
-            if not isinstance(key, yaml.ScalarNode) or len(key.value) > MAX_KEY:
-                what = (
-                    f"a key of {len(key.value)} characters"
-                    if isinstance(key, yaml.ScalarNode)
-                    else "a key that is not text"
-                )
-                raise yaml.composer.ComposerError(
-                    None, None, f"{what} is not an option name; write option: value", key.start_mark
-                )
+        if isinstance(node, yaml.MappingNode):
+            check_keys(node)
         return node
+
+
+def check_keys(node: yaml.MappingNode) -> None:
+    """A mapping's keys are text no longer than MAX_KEY (see BoundedLoader)."""
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or len(key.value) > MAX_KEY:
+            what = (
+                f"a key of {len(key.value)} characters"
+                if isinstance(key, yaml.ScalarNode)
+                else "a key that is not text"
+            )
+            raise yaml.composer.ComposerError(
+                None, None, f"{what} is not an option name; write option: value", key.start_mark
+            )
 
 
 def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -130,7 +133,7 @@ class FileMistakes(validate.Mistakes):
 
 
 def checked_entry(
-    path: str, line: int, raw_key: Any, value: Any, valid: list[str], lines: dict[str, tuple[int, str]]
+    path: str, line: int, raw_key: object, value: object, valid: list[str], lines: dict[str, tuple[int, str]]
 ) -> tuple[str, Any]:
     """One `key: value` of the file as (option name, typed value), or a ConfigError naming its line."""
     key = str(raw_key).replace("-", "_")
@@ -152,7 +155,7 @@ def checked_entry(
     return key, typed(value, key, str(raw_key), here)
 
 
-def typed(value: Any, name: str, key: str, here: str) -> Any:
+def typed(value: object, name: str, key: str, here: str) -> Any:
     """`value` as option `name`'s type takes it, or one line saying what the key (as written) needs."""
     kind = options.info(options.Options.__dataclass_fields__[name]).kind
     if value is None or isinstance(value, list):  # null: the default; a list: --preload's modules

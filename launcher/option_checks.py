@@ -19,10 +19,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from rally.agent.observe.learned_timeouts import LearningSettings
-from rally.agent.spec import JobSpec
+from rally.agent.base.spec import JobSpec, LearningSettings
 from rally.launcher import validate, values, worker_flags
 from rally.launcher.preload import parse_preload
 from rally.launcher.validate import ConfigError
@@ -37,11 +36,37 @@ class Unavailable(Exception):
     """An option this check needs failed its own check (that mistake is told): skip this one."""
 
 
+class RawOptions(Protocol):
+    """The raw values the checks read besides their own: launcher.options.Options, which imports
+    this module (so it is named here by what is read of it, not imported)."""
+
+    @property
+    def nnodes(self) -> object: ...
+    @property
+    def rdzv_backend(self) -> object: ...
+    @property
+    def rdzv_endpoint(self) -> object: ...
+    @property
+    def rdzv_id(self) -> object: ...
+    @property
+    def master_port(self) -> object: ...
+    @property
+    def no_preload(self) -> object: ...
+    @property
+    def no_python(self) -> object: ...
+    @property
+    def module(self) -> object: ...
+    @property
+    def checkpoint_dir_shared(self) -> object: ...
+    @property
+    def no_preflight(self) -> object: ...
+
+
 @dataclass
 class Parsing:
     """What a check sees besides its value (see the module docstring)."""
 
-    options: Any  # launcher.options.Options (which imports this module): every raw value
+    options: RawOptions  # every raw value (another option's: through `other`)
     script: str | None = None
     flag: str = ""
     done: dict[str, Any] = field(default_factory=dict)
@@ -70,19 +95,27 @@ class Parsing:
         return values.visible_gpu_count()
 
 
-Check = Callable[[Any, Parsing], Any]
+# A raw value comes from click, a YAML file, the environment or rally.launch: not yet checked, so
+# `object`, which each check narrows (launcher/validate.py's whole_number and real_number, or str()).
+Check = Callable[[object, Parsing], Any]
 
 
 # ------------------------------------------------------------------ shapes many options share
-def as_is(value: Any, p: Parsing) -> Any:
+def given_text(value: object) -> str | None:
+    """A raw value as text for a check that parses text; None for one not given (None, '', or
+    another false value, which those checks read as their default)."""
+    return str(value) if value else None
+
+
+def as_is(value: object, p: Parsing) -> object:
     return value
 
 
-def as_bool(value: Any, p: Parsing) -> bool:
+def as_bool(value: object, p: Parsing) -> bool:
     return bool(value)
 
 
-def negated(value: Any, p: Parsing) -> bool:
+def negated(value: object, p: Parsing) -> bool:
     """--no-prefix fills JobSpec.prefix_output."""
     return not value
 
@@ -90,7 +123,7 @@ def negated(value: Any, p: Parsing) -> bool:
 def seconds(zero_ok: bool, minimum: float = 0.0, unset: float | None = None) -> Check:
     """A number of seconds (validate.seconds); None (not given) is `unset`."""
 
-    def check(value: Any, p: Parsing) -> float | None:
+    def check(value: object, p: Parsing) -> float | None:
         return unset if value is None else validate.seconds(value, p.flag, zero_ok=zero_ok, minimum=minimum)
 
     return check
@@ -101,17 +134,17 @@ def always_seconds(zero_ok: bool) -> Check:
     return lambda value, p: validate.seconds(value, p.flag, zero_ok=zero_ok)
 
 
-def positive_seconds(value: Any, p: Parsing) -> float | None:
+def positive_seconds(value: object, p: Parsing) -> float | None:
     """A timeout that is off unless given; given, above 0 (and finite, as every timeout)."""
     if value is None:
         return None
-    if float(value) <= 0:
+    if validate.real_number(value) <= 0:
         raise ConfigError(f"{p.flag} {value}: must be a positive number of seconds")
     return validate.seconds(value, p.flag, zero_ok=False)
 
 
-def not_negative(value: Any, p: Parsing) -> int:
-    number = int(value)
+def not_negative(value: object, p: Parsing) -> int:
+    number = validate.whole_number(value)
     if number < 0:
         raise ConfigError(f"{p.flag} {number}: cannot be negative")
     return number
@@ -120,9 +153,9 @@ def not_negative(value: Any, p: Parsing) -> int:
 def count(least: int) -> Check:
     """A whole number, at least `least`."""
 
-    def check(value: Any, p: Parsing) -> int:
+    def check(value: object, p: Parsing) -> int:
         try:
-            number = int(value)
+            number = validate.whole_number(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{p.flag} {value!r}: expected a whole number, at least {least}") from None
         if number < least:
@@ -135,9 +168,9 @@ def count(least: int) -> Check:
 def factor(example: str) -> Check:
     """A finite number above 1."""
 
-    def check(value: Any, p: Parsing) -> float:
+    def check(value: object, p: Parsing) -> float:
         try:
-            number = float(value)
+            number = validate.real_number(value)
         except (TypeError, ValueError):
             number = math.nan
         if not math.isfinite(number) or number <= 1:
@@ -151,17 +184,17 @@ def optional(check: Check) -> Check:
     return lambda value, p: None if value is None else check(value, p)
 
 
-def port(value: Any, p: Parsing) -> int:
+def port(value: object, p: Parsing) -> int:
     return validate.port(value, p.flag)
 
 
-def writable_dir(value: Any, p: Parsing) -> str:
+def writable_dir(value: object, p: Parsing) -> str:
     return validate.writable_dir(value, p.flag)
 
 
-def signals(value: Any, p: Parsing) -> tuple[int, ...]:
+def signals(value: object, p: Parsing) -> tuple[int, ...]:
     """`SIGTERM,USR1,10`: each read by job.to_signal, rally's one reading of a signal's name."""
-    from rally.agent.worker.job import to_signal
+    from rally.agent.worker_side.job import to_signal
 
     out = []
     for name in str(value).split(","):
@@ -179,22 +212,22 @@ def signals(value: Any, p: Parsing) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------ the job's size
-def nnodes(value: Any, p: Parsing) -> tuple[int, int]:
+def nnodes(value: object, p: Parsing) -> tuple[int, int]:
     """`N` or `MIN:MAX` with 0 < MIN <= MAX <= MAX_NODES."""
-    low, high = values.parse_nnodes(value)
+    low, high = values.parse_nnodes(str(value))
     if high > validate.MAX_NODES:
         raise ConfigError(f"--nnodes {high}: at most {validate.MAX_NODES} nodes")
     return low, high
 
 
-def nproc_per_node(value: Any, p: Parsing) -> int:
-    nproc = values.parse_nproc(value)
+def nproc_per_node(value: object, p: Parsing) -> int:
+    nproc = values.parse_nproc(str(value))
     if nproc > validate.MAX_NPROC_PER_NODE:
         raise ConfigError(f"--nproc-per-node {nproc}: at most {validate.MAX_NPROC_PER_NODE} workers per node")
     return nproc
 
 
-def node_rank(value: Any, p: Parsing) -> int | None:
+def node_rank(value: object, p: Parsing) -> int | None:
     if value is None:
         return None
     rank = not_negative(value, p)
@@ -205,7 +238,7 @@ def node_rank(value: Any, p: Parsing) -> int | None:
 
 
 # ------------------------------------------------------------------ rendezvous
-def standalone(value: Any, p: Parsing) -> bool:
+def standalone(value: object, p: Parsing) -> bool:
     """--standalone runs one node on a private store (as torchrun's does): the rendezvous flags it
     replaces are named in one note, never dropped in silence."""
     o = p.options
@@ -223,7 +256,7 @@ def standalone(value: Any, p: Parsing) -> bool:
     return True
 
 
-def backend(value: Any, p: Parsing) -> str:
+def backend(value: object, p: Parsing) -> str:
     try:
         backend_named(str(value))
     except EndpointError as exc:
@@ -239,7 +272,7 @@ def private_store(p: Parsing) -> bool:
     return static and not o.rdzv_endpoint and o.master_port is None and p.parsed("nnodes")[1] == 1
 
 
-def run_id(value: Any, p: Parsing) -> str:
+def run_id(value: object, p: Parsing) -> str:
     """--rdzv-id: the id every node shares; a private store's job gets a random one."""
     if not str(value).strip():
         raise ConfigError("--rdzv-id is empty; give the id every node of the job shares, e.g. --rdzv-id job42")
@@ -248,62 +281,64 @@ def run_id(value: Any, p: Parsing) -> str:
     return str(value)
 
 
-def rdzv_conf(value: Any, p: Parsing) -> dict[str, Any]:
-    conf = values.parse_rdzv_conf(value)
+def rdzv_conf(value: object, p: Parsing) -> dict[str, Any]:
+    conf = values.parse_rdzv_conf(given_text(value) or "")
     validate.check_rdzv_conf(conf)
     return conf
 
 
 # ------------------------------------------------------------------ workers and their output
-def std_map(value: Any, p: Parsing) -> dict[int, int]:
+def std_map(value: object, p: Parsing) -> dict[int, int]:
     """torchrun's -r/-t, expanded for every local rank."""
-    return values.parse_std_map(value, p.flag, p.parsed("nproc_per_node"))
+    return values.parse_std_map(str(value), p.flag, p.parsed("nproc_per_node"))
 
 
-def ranks_filter(value: Any, p: Parsing) -> frozenset[int] | None:
-    return values.parse_ranks_filter(value)
+def ranks_filter(value: object, p: Parsing) -> frozenset[int] | None:
+    return values.parse_ranks_filter(str(value))
 
 
-def comma_list(value: Any, p: Parsing) -> tuple[str, ...]:
-    return worker_flags.comma_separated_list(value)
+def comma_list(value: object, p: Parsing) -> tuple[str, ...]:
+    return worker_flags.comma_separated_list(given_text(value))
 
 
-def virtual_local_rank(value: Any, p: Parsing) -> bool:
+def virtual_local_rank(value: object, p: Parsing) -> bool:
     worker_flags.check_virtual_local_rank(bool(value), p.parsed("nproc_per_node"))
     return bool(value)
 
 
-def logs_specs(value: Any, p: Parsing) -> str | None:
-    worker_flags.logs_specs_note(value)
-    return value or None
+def logs_specs(value: object, p: Parsing) -> str | None:
+    name = given_text(value)
+    worker_flags.logs_specs_note(name)
+    return name
 
 
-def event_log_handler(value: Any, p: Parsing) -> str:
-    if note := worker_flags.event_log_note(value):
+def event_log_handler(value: object, p: Parsing) -> str:
+    if note := worker_flags.event_log_note(given_text(value)):
         p.notes.append(note)
     return str(value)
 
 
-def numa_binding(value: Any, p: Parsing) -> str | None:
+def numa_binding(value: object, p: Parsing) -> str | None:
     """Bound only where GPUs exist; every worker's CPUs worked out now, so a node where torch
     cannot is one line at launch."""
     if value is None:
         return None
-    if note := worker_flags.numa_note(value, p.gpus):
+    mode = str(value)
+    if note := worker_flags.numa_note(mode, p.gpus):
         p.notes.append(note)
     if not p.gpus:
         return None
-    worker_flags.check_numa_binding(value, p.parsed("nproc_per_node"))
-    return str(value)
+    worker_flags.check_numa_binding(mode, p.parsed("nproc_per_node"))
+    return mode
 
 
-def preload(value: Any, p: Parsing) -> tuple[str, ...] | None:
+def preload(value: object, p: Parsing) -> tuple[str, ...] | None:
     """--preload, given --no-preload, --no-python, -m and the script (launcher/preload.py)."""
     o = p.options
     return parse_preload(value, bool(o.no_preload), bool(o.no_python), p.script, bool(o.module))
 
 
-def shutdown_timeout(value: Any, p: Parsing) -> float:
+def shutdown_timeout(value: object, p: Parsing) -> float:
     """--shutdown-timeout, else torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else JobSpec's default."""
     if value is not None:
         return validate.seconds(value, p.flag, zero_ok=True)
@@ -313,13 +348,13 @@ def shutdown_timeout(value: Any, p: Parsing) -> float:
     return JobSpec.shutdown_timeout
 
 
-def checkpoint_dir(value: Any, p: Parsing) -> str | None:
+def checkpoint_dir(value: object, p: Parsing) -> str | None:
     """Created 0700; refused with one line if another user may plant checkpoints in it (unless
-    --checkpoint-dir-shared); a key to sign checkpoints with must exist (agent/checkpoint/auth.py)."""
+    --checkpoint-dir-shared); a key to sign checkpoints with must exist (agent/checkpoint/core/auth.py)."""
     if value is None:
         return None
     validate.private_dir(value, p.flag)
-    from rally.agent.checkpoint import auth
+    from rally.agent.checkpoint.core import auth
 
     path = Path(str(value)).resolve()
     problem = auth.directory_problem(path)
@@ -333,7 +368,7 @@ def checkpoint_dir(value: Any, p: Parsing) -> str | None:
 
 
 # ------------------------------------------------------------------ health
-def heartbeat_timeout(value: Any, p: Parsing) -> tuple[float | None, LearningSettings | None]:
+def heartbeat_timeout(value: object, p: Parsing) -> tuple[float | None, LearningSettings | None]:
     """Seconds, or `auto` (learned, tuned by --timeout-safety-factor, --timeout-samples and
     --timeout-floor); a typo says what it takes."""
     if value is None:
@@ -352,37 +387,37 @@ def heartbeat_timeout(value: Any, p: Parsing) -> tuple[float | None, LearningSet
     )
 
 
-def preflight(value: Any, p: Parsing) -> bool:
+def preflight(value: object, p: Parsing) -> bool:
     """On when asked, and by default for multi-node jobs unless --no-preflight."""
     if value and p.options.no_preflight:
         raise ConfigError("--preflight and --no-preflight contradict each other; give one of them")
     return bool(value) or (p.parsed("nnodes")[1] > 1 and not p.options.no_preflight)
 
 
-def straggler_factor(value: Any, p: Parsing) -> float:
-    number = float(value)
+def straggler_factor(value: object, p: Parsing) -> float:
+    number = validate.real_number(value)
     if not math.isfinite(number) or number <= 1:
         raise ConfigError(f"{p.flag} {value}: must be a number above 1 (1.5: 50% slower than the others' median)")
     return number
 
 
-def straggler_window(value: Any, p: Parsing) -> int:
-    window = int(value)
+def straggler_window(value: object, p: Parsing) -> int:
+    window = validate.whole_number(value)
     if window < 2:
         raise ConfigError(f"{p.flag} {value}: must be at least 2 steps")
     return window
 
 
-def metrics_port(value: Any, p: Parsing) -> int | None:
+def metrics_port(value: object, p: Parsing) -> int | None:
     if value is None:
         return None
-    number = int(value)
+    number = validate.whole_number(value)
     if not 0 <= number <= 65535:
         raise ConfigError(f"{p.flag} {value}: must be a port number 0-65535 (0: any free port)")
     return number
 
 
-def metrics_addr(value: Any, p: Parsing) -> str:
+def metrics_addr(value: object, p: Parsing) -> str:
     return str(value or "0.0.0.0").strip("[]")
 
 

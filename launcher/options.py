@@ -8,7 +8,7 @@ these fields alone come:
 * the keys of a `--config` YAML file (either spelling) and the type each value must have
   (launcher/config_file.py);
 * the keyword arguments of `rally.launch(...)` (launcher/api.py builds `Options` directly);
-* the agent's `JobSpec` (agent/spec.py) and the rendezvous flags (`RendezvousOptions`), built by
+* the agent's `JobSpec` (agent/base/spec.py) and the rendezvous flags (`RendezvousOptions`), built by
   `Options.parse()` from what each option fills: there is no other path into them.
 
 Adding a flag is one field below and, when the agent needs it, one field of `JobSpec`:
@@ -33,8 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rally.agent.observe.learned_timeouts import LearningSettings
-from rally.agent.spec import JobSpec
+from rally.agent.base.spec import JobSpec, LearningSettings
 from rally.launcher import option_checks as checks
 from rally.launcher import validate
 from rally.launcher.option_checks import Check, Parsing, Unavailable
@@ -101,7 +100,7 @@ class OptionInfo:
 
 
 def option(
-    default: Any,
+    default: object,
     group: str,
     help: str,
     kind: type | None = None,
@@ -136,7 +135,7 @@ def option(
 
 
 def spec_default(name: str) -> Any:
-    """The agent's own default for a JobSpec field (one place for it: agent/spec.py)."""
+    """The agent's own default for a JobSpec field (one place for it: agent/base/spec.py)."""
     return JobSpec.__dataclass_fields__[name].default
 
 
@@ -331,6 +330,11 @@ class Options:
         "Do not prefix worker output lines with their rank.",
         check=checks.negated,
         fills="prefix_output",
+    )
+    torchrun_prefix: bool = option(
+        False,
+        "rally extras",
+        "Worker console lines as torchrun shows them: [role<local rank>]: on --tee'd streams, none on the others.",
     )
     quiet: bool = option(
         False, "Logs and output", "Show only rally's own lines on the console, not the workers' output."

@@ -34,9 +34,10 @@ def imports_only_stdlib(script: str) -> bool:
 
 
 def parse_preload(
-    text: str | None, no_preload: bool, no_python: bool, script: str | None = None, module: bool = False
+    value: object, no_preload: bool, no_python: bool, script: str | None = None, module: bool = False
 ) -> tuple[str, ...] | None:
-    """What the worker template imports (agent/template.py); None: no template, plain starts.
+    """What the worker template imports (agent/template/client.py); None: no template, plain starts.
+    `value` is --preload as given: `A,B`, a list (YAML, rally.launch), or None (not given).
 
     Default: torch, when the entry point is Python, torch is importable, and the script imports
     something beyond the standard library (a script that does not has nothing to preload).
@@ -44,13 +45,13 @@ def parse_preload(
     """
     if no_preload or no_python:
         return None
-    if text is None:
+    if value is None:
         import importlib.util
 
         if script and not module and imports_only_stdlib(script):
             return None
         return ("torch",) if importlib.util.find_spec("torch") is not None else None
-    items = text if isinstance(text, (list, tuple)) else str(text).split(",")  # a YAML list or A,B
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")  # a YAML list or A,B
     names = tuple(str(n).strip() for n in items if str(n).strip())
     for name in names:
         if not all(part.isidentifier() for part in name.split(".")):

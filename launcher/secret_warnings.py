@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from rally.rendezvous.store import StoreEndpoint
 from rally.rendezvous.token import ENV_TOKEN
 
 ARGV_SECRET = (
@@ -28,7 +29,7 @@ ARGV_SECRET = (
 )
 
 
-def secret_warnings(conf: dict[str, Any], endpoint: Any, token: str, max_nodes: int) -> list[str]:
+def secret_warnings(conf: dict[str, Any], endpoint: StoreEndpoint, token: str, max_nodes: int) -> list[str]:
     """Every warning for this launch (`endpoint`: rendezvous.store.StoreEndpoint), in order."""
     lines = []
     if conf.get("token"):
@@ -60,7 +61,7 @@ def loose_file_line(path: str, what: str) -> str | None:
     return None
 
 
-def no_token_line(endpoint: Any) -> str:
+def no_token_line(endpoint: StoreEndpoint) -> str:
     """What anyone who reaches the store can do to a job without a token, and how to set one."""
     who = f"anyone who can write to {endpoint}" if endpoint.etcd else f"anyone who can reach {endpoint}"
     return (

@@ -24,9 +24,12 @@ import subprocess
 import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rally.rendezvous.backends import BACKENDS, HostPort
+
+if TYPE_CHECKING:
+    from rally.launcher.options import Options
 
 __all__ = [
     "DESCRIBE_KEYS",
@@ -172,6 +175,7 @@ def hostnames(nodelist: str) -> list[str]:
     """
     if shutil.which("scontrol"):
         try:
+            # wait: short: timeout=SCONTROL_TIMEOUT
             done = subprocess.run(
                 ["scontrol", "show", "hostnames", nodelist],
                 capture_output=True,
@@ -353,7 +357,7 @@ class SlurmJob:
         """Where this step's rendezvous store lives: the first host, a port derived from the ids."""
         return HostPort(self.store_host, self.store_port)
 
-    def overrides(self, options: Any, given: Collection[str]) -> tuple[dict[str, Any], list[str]]:
+    def overrides(self, options: Options, given: Collection[str]) -> tuple[dict[str, Any], list[str]]:
         """What SLURM fills in of `options` (launcher.options.Options): only what the user left
         unset (`given` names the options set by a flag, a PET_/RALLY_ variable, the config file
         or a keyword argument). Returns the new values and the names taken, for `describe`."""
@@ -384,6 +388,7 @@ class SlurmJob:
 
     def requeue(self) -> str:
         """Requeue this job (node 0's agent calls it on a preemption signal with --requeue)."""
+        # wait: short: timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms
         done = subprocess.run(
             ["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S
         )

@@ -18,11 +18,15 @@ shown (each node's status record keeps the newest round end it went round again 
 What it reads, anyone who reaches a store without a job token, or writes into a shared --log-dir,
 may have written: so it reads as the agent reads its workers' files. Every record is checked
 against its writer's types (rendezvous/status_schema.py), every file opened without following a
-link or blocking and read up to a cap (agent/untrusted_files.py), every string escaped before
+link or blocking and read up to a cap (agent/base/untrusted_files.py), every string escaped before
 it reaches the terminal (agent/display/untrusted_text.py) and rich markup in it never
 interpreted. A store that refuses the connection (the job has ended: its store went with it) is
-said at once, with where the job's run directory is, and torch is imported only to talk to a
-store that is there.
+said at once, with where the job's run directory is.
+
+It never imports torch for a c10d or etcd store: a c10d store is read through
+rendezvous/wire_store.py (c10d's wire protocol, standard library only), and the command is
+loaded without the run command's modules (launcher/entry.py). Only a FileStore, whose format
+is torch's, is read through torch.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -44,13 +48,16 @@ from rich.table import Table
 from rally.agent.display import console
 from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import straggler_line, worker_table
-from rally.agent.observe import run_info
+from rally.agent.observe import job_view, run_info
 from rally.launcher.validate import ConfigError
-from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
+from rally.rendezvous.kv import StoreReader
 from rally.rendezvous.protocol import job_prefix
 from rally.rendezvous.status_schema import MAX_ITEMS, VERDICT, checked
 from rally.rendezvous.store import StoreEndpoint
+
+if TYPE_CHECKING:  # imported where a store is opened: `rally status` loads no more than it needs
+    from rally.rendezvous.token import Signer
 
 # How long the first connect to a c10d store may take before the ordinary (retrying) connect
 # takes over; a refusal comes back at once and ends the command.
@@ -127,6 +134,11 @@ def status_command(
         backend, file_store = written.get("backend") or backend, written.get("file_store")
         if _report_outcome(run_dir) != "running":  # over: no store to ask
             return _show_finished(run_dir, str(run_id), as_json, f"job {run_id} has ended", str(found or file_store))
+        seen = job_view.read_job_view(run_dir, str(run_id))
+        if seen is not None:  # node 0 runs here: its view of the job, seconds old, without a store
+            view, age = seen
+            note = f"as of {age:.1f} s ago: node 0's view in {run_dir / job_view.VIEW_FILE} (the store was not asked)"
+            return _show_status(str(run_id), str(found or file_store), view, as_json, "view", age, note)
     else:
         found, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     where = _where(found, backend, file_store, rdzv_conf)
@@ -151,11 +163,21 @@ def status_command(
         raise click.ClickException(
             printable(f"no job with run id '{run_id}' at {where} (no agent has registered there)", limit=2000)
         )
+    return _show_status(str(run_id), str(where), status, as_json, "store")
+
+
+def _show_status(
+    run_id: str, where: str, status: dict, as_json: bool, source: str, age: float | None = None, note: str = ""
+) -> int:
+    """The running job's table (or --json), read from its store or, `age` seconds old, from node 0's view."""
     status["last_restart"] = last_restart(status["nodes"])
     if as_json:
-        click.echo(json.dumps(as_record(run_id, str(where), status, "store"), default=str))
+        record = as_record(run_id, where, status, source)
+        if age is not None:
+            record["age"] = round(age, 3)
+        click.echo(json.dumps(record, default=str))
         return 0
-    show_running(str(run_id), str(where), status)
+    show_running(run_id, where, status, note)
     return 0
 
 
@@ -207,7 +229,9 @@ def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None
     try:
         if file_store:
             return BACKENDS["file"].locate(file_store)
-        return backend_named(backend).locate(endpoint or "", parse_rdzv_conf(rdzv_conf))
+        from rally.launcher.values import parse_rdzv_conf  # its import pulls in the run options' modules
+
+        return backend_named(backend).locate(endpoint or "", parse_rdzv_conf(rdzv_conf) if rdzv_conf else {})
     except (EndpointError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -223,19 +247,41 @@ def job_token() -> str:
 
 
 def read_status(where: StoreEndpoint, run_id: str, timeout: float, token: str) -> dict | None:
-    """The job's status from its store (StoreUnavailable when the store cannot be reached)."""
+    """The job's status from its store (StoreUnavailable or NoStoreThere when it cannot be read)."""
     from rally.rendezvous.status import read_job_status
     from rally.rendezvous.store_connect import bounded
     from rally.rendezvous.token import Signer
 
-    _import_store_client()
-    store = open_endpoint(where, job_prefix(run_id), timeout, timeout, Signer(token, verify=bool(token))).store
+    signer = Signer(token, verify=bool(token))
     # Bounded as a whole: a store that freezes after the connect must not hang the command.
-    return bounded(lambda: read_job_status(store), timeout, f"reading job {run_id} from {where}")
+    return bounded(
+        lambda: read_job_status(open_reader(where, job_prefix(run_id), timeout, signer)),
+        timeout,
+        f"reading job {run_id} from {where}",
+    )
+
+
+def open_reader(where: StoreEndpoint, prefix: str, timeout: float, signer: Signer) -> StoreReader:
+    """A reader of the job's keys: a c10d TCPStore through rendezvous/wire_store.py (no torch:
+    its import would be most of the command's time), once the endpoint has answered as a c10d
+    store; etcd through its own client (no torch either); a FileStore, whose format is torch's,
+    through torch."""
+    if where.etcd or where.file_path:
+        if where.file_path:
+            _import_store_client()
+        return open_endpoint(where, prefix, timeout, timeout, signer).store
+    from rally.rendezvous.store_connect import wait_for_store
+    from rally.rendezvous.wire_store import WireStore
+
+    describe = f"the rendezvous store at {where}"
+    # wait: bounded, said by rendezvous/store_connect.py _connect: `timeout` (--timeout), with a line
+    # every few seconds while the port does not answer
+    wait_for_store(where.host, where.port, describe, timeout, timeout)  # NoStoreThere: one line
+    return WireStore(where.host, where.port, prefix, timeout, signer)
 
 
 def _import_store_client() -> None:
-    """torch, for its store client, without the warning it prints where NumPy is missing or of
+    """torch, for its FileStore, without the warning it prints where NumPy is missing or of
     another ABI ("Failed to initialize NumPy"): `rally status` never touches a tensor."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy")
@@ -267,7 +313,9 @@ def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
     return {
         "run_id": run_id,
         "endpoint": where,
-        "source": source,  # "store": the running job; "run_dir": what its agent left behind
+        # "store": the running job; "view": node 0's view of it in RUN_DIR, `age` seconds old;
+        # "run_dir": what its agent left behind
+        "source": source,
         "round": status.get("round"),
         "closed": closed,
         "last_restart": status.get("last_restart"),
@@ -276,7 +324,7 @@ def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
     }
 
 
-def terminal_safe(value: Any) -> Any:
+def terminal_safe(value: object) -> Any:
     """A checked record (rendezvous/status_schema.py) with every string made printable."""
     if isinstance(value, dict):
         return {k: terminal_safe(v) for k, v in value.items()}
@@ -285,7 +333,7 @@ def terminal_safe(value: Any) -> Any:
     return printable(value) if isinstance(value, str) else value
 
 
-def show_running(run_id: str, where: str, status: dict) -> None:
+def show_running(run_id: str, where: str, status: dict, note: str = "") -> None:
     # No markup, emoji or highlighting: nothing in a record is read as a rich instruction.
     out = Console(markup=False, emoji=False, highlight=False)
     if not out.is_terminal:
@@ -293,6 +341,8 @@ def show_running(run_id: str, where: str, status: dict) -> None:
     nodes = terminal_safe(status["nodes"])
     shown = {**status, "nodes": nodes, "round": "-" if status["round"] is None else status["round"]}
     out.print(status_table(printable(run_id), printable(where), shown, time.time()))
+    if note:
+        out.print(printable(note, limit=2000))
     for node in nodes:
         for w in node.get("workers") or []:
             if w.get("straggler") and _straggler_complete(w):
@@ -300,7 +350,7 @@ def show_running(run_id: str, where: str, status: dict) -> None:
         if node.get("gpu_problems"):
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]))
     for node in nodes:
-        if node.get("waiting"):  # what it waits for (rendezvous/waiting.py, agent/node_waits.py)
+        if node.get("waiting"):  # what it waits for (rendezvous/waiting.py, agent/rounds/node_waits.py)
             updated = node.get("updated")
             age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
             out.print(f"{node.get('host')}: {node['waiting']}{age}")
@@ -311,7 +361,10 @@ def show_running(run_id: str, where: str, status: dict) -> None:
     for line in preflight_lines(status.get("preflight")):
         out.print(line)
     if closed is not None:
-        console.say(printable(f"the job has ended ({closed.kind}): {closed.detail}", limit=1000))
+        kind, detail = (
+            (closed.get("kind"), closed.get("detail")) if isinstance(closed, dict) else (closed.kind, closed.detail)
+        )
+        console.say(printable(f"the job has ended ({kind}): {detail}", limit=1000))
 
 
 def _straggler_complete(worker: dict) -> bool:
@@ -367,9 +420,9 @@ def _show_finished(run_dir: Path, run_id: str, as_json: bool, heading: str, wher
     return 0
 
 
-def preflight_lines(verdict: Any) -> list[str]:
+def preflight_lines(record: object) -> list[str]:
     """The last pre-flight check (agent/checks/preflight.py): each node's numbers, and who was left out."""
-    verdict = checked(verdict, VERDICT)
+    verdict = checked(record, VERDICT)
     if not verdict:
         return []
     lines = [printable(f"pre-flight of round {verdict.get('round')}: {verdict.get('summary', '')}", limit=1000)]

@@ -17,7 +17,7 @@ import signal
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat, SupportsIndex, SupportsInt
 
 from rally.agent.display.untrusted_text import printable
 
@@ -74,7 +74,7 @@ _QUOTE = reprlib.Repr()
 _QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 2, 4, 4, 80, 80
 
 
-def quoted(value: Any) -> str:
+def quoted(value: object) -> str:
     """`repr(value)` for a message, bounded whatever the value (a 4 MB string, a list nested
     to the limit): reprlib looks at no more of it than it shows."""
     return printable(_QUOTE.repr(value), limit=200)
@@ -106,10 +106,38 @@ def check_config_values(path: str, data: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------ individual values
-def seconds(value: Any, option: str, *, zero_ok: bool, minimum: float = 0.0) -> float:
+def whole_number(value: object) -> int:
+    """``int(value)`` of a raw value, which may be anything (rally.launch passes what it is given):
+    text, bytes, or a number (anything with ``__int__`` or ``__index__``); for any other value, the
+    TypeError int() raises, in its words."""
+    if isinstance(value, (str, bytes, bytearray, memoryview, SupportsInt, SupportsIndex)):
+        return int(value)
+    raise TypeError(f"int() argument must be a string, a bytes-like object or a real number, not {type_name(value)}")
+
+
+def real_number(value: object) -> float:
+    """``float(value)`` of a raw value, as :func:`whole_number` (``__float__`` or ``__index__``)."""
+    if isinstance(value, (str, bytes, bytearray, memoryview, SupportsFloat, SupportsIndex)):
+        return float(value)
+    raise TypeError(f"float() argument must be a string or a real number, not {type_name(value)}")
+
+
+HEAP_TYPE = 1 << 9
+"""Py_TPFLAGS_HEAPTYPE: a type created at run time (a class statement), which the interpreter's messages
+quote by its bare name; one compiled into an extension module they quote as its C name, `datetime.date`."""
+
+
+def type_name(value: object) -> str:
+    """A value's type as int() and float() quote it: `'list'`, `'datetime.date'` (a YAML date), `'PosixPath'`."""
+    kind = type(value)
+    bare = kind.__module__ == "builtins" or kind.__flags__ & HEAP_TYPE
+    return repr(kind.__name__ if bare else f"{kind.__module__}.{kind.__name__}")
+
+
+def seconds(value: object, option: str, *, zero_ok: bool, minimum: float = 0.0) -> float:
     """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``), at least ``minimum``, at most MAX_SECONDS."""
     try:
-        number = float(value)
+        number = real_number(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{option} {quoted(value)}: expected a number of seconds, e.g. {option} 30") from None
     if math.isnan(number) or math.isinf(number) or number > MAX_SECONDS or number < 0 or (number == 0 and not zero_ok):
@@ -120,9 +148,9 @@ def seconds(value: Any, option: str, *, zero_ok: bool, minimum: float = 0.0) -> 
     return number
 
 
-def port(value: Any, option: str) -> int:
+def port(value: object, option: str) -> int:
     try:
-        number = int(value)
+        number = whole_number(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{option} {quoted(value)}: expected a port number from 0 to 65535") from None
     if not 0 <= number <= 65535:
@@ -142,7 +170,7 @@ def handled_signals(signums: tuple[int, ...], option: str) -> tuple[int, ...]:
     return signums
 
 
-def writable_dir(value: Any, option: str) -> str:
+def writable_dir(value: object, option: str) -> str:
     """Create ``value`` (with parents) if needed and prove a file can be written there."""
     text = str(value)
     if not text.strip():
@@ -160,7 +188,7 @@ def writable_dir(value: Any, option: str) -> str:
     return text
 
 
-def private_dir(value: Any, option: str) -> str:
+def private_dir(value: object, option: str) -> str:
     """:func:`writable_dir`, but a directory it creates is 0700 (only the user may read its checkpoints)."""
     text = str(value)
     try:
@@ -173,8 +201,8 @@ def private_dir(value: Any, option: str) -> str:
 
 def config_text(path: str) -> str:
     """The text of a --config file: a regular file only (a FIFO would hang the read, /dev/zero
-    fill memory), at most MAX_CONFIG_BYTES, read without blocking (agent/untrusted_files.py)."""
-    from rally.agent.untrusted_files import UntrustedFile, read_capped
+    fill memory), at most MAX_CONFIG_BYTES, read without blocking (agent/base/untrusted_files.py)."""
+    from rally.agent.base.untrusted_files import UntrustedFile, read_capped
 
     try:
         return read_capped(path, MAX_CONFIG_BYTES, whole=True, follow=True).decode("utf-8")

@@ -8,11 +8,11 @@ logs go, its CPUs), torchrun 2.13's newer ones: what their checks (launcher/opti
   is a literal comma (torchrun's `comma_separated_list`).
 * `--logs-specs NAME`: torchrun loads a `LogsSpecs` class from the `torchrun.logs_specs`
   entry-point group; rally checks here that it exists (a typo is an error) and the agent
-  writes where the class says, every attempt (agent/logs_specs.py).
+  writes where the class says, every attempt (agent/rounds/logs_specs.py).
 * `--event-log-handler`: accepted; rally writes its events to `events.jsonl` in the run
   directory whatever the handler, and says so when one other than `null` is named.
 * `--numa-binding MODE`: torch's modes; each worker is bound to the CPUs torch picks near its
-  GPU (agent/numa.py). On a node without GPUs there is nothing to bind near; one line says so.
+  GPU (agent/base/numa.py). On a node without GPUs there is nothing to bind near; one line says so.
 * `--nproc-per-node xpu`: one worker per Intel XPU (torch.xpu), an error when there is none.
 """
 
@@ -56,13 +56,14 @@ def logs_specs_note(name: str | None) -> str | None:
         return None
     from importlib.metadata import entry_points
 
+    # wait: not_a_wait: entry points, not select(2)
     found = entry_points(group="torchrun.logs_specs").select(name=name)
     if not found:
         raise ConfigError(
             f"--logs-specs '{name}': no entry point of that name in the 'torchrun.logs_specs' group; install "
             "the package that provides it, or drop the flag"
         )
-    return None  # applied every attempt: agent/logs_specs.py
+    return None  # applied every attempt: agent/rounds/logs_specs.py
 
 
 def event_log_note(handler: str | None) -> str | None:
@@ -78,12 +79,12 @@ def numa_note(mode: str | None, gpus: int) -> str | None:
         raise ConfigError(f"--numa-binding '{mode}' is not one of {', '.join(NUMA_MODES)}")
     if gpus == 0:
         return f"--numa-binding {mode}: no GPU on this node to bind workers near; workers keep every CPU"
-    return None  # applied per worker: agent/numa.py
+    return None  # applied per worker: agent/base/numa.py
 
 
 def check_numa_binding(mode: str, nproc: int) -> None:
     """Work out every worker's CPUs now, so a node where torch cannot is one line at launch."""
-    from rally.agent.numa import NumaBindingError, cpus_near_gpu
+    from rally.agent.base.numa import NumaBindingError, cpus_near_gpu
 
     for local_rank in range(nproc):
         try:

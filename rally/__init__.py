@@ -20,7 +20,7 @@ from typing import Any
 from rally.launcher import __version__  # noqa: F401 - written once, in launcher/__init__.py
 
 _LAZY = {
-    "job": ("rally.agent.worker.job", None),
+    "job": ("rally.agent.worker_side.job", None),
     "run": ("rally.launcher.api", "run"),
     "launch": ("rally.launcher.api", "launch"),
     "LaunchError": ("rally.launcher.api", "LaunchError"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from rally.rendezvous.token import Signer
 
@@ -43,6 +43,24 @@ class StoreTampered(UntrustedValue):
 
 class EndpointError(ValueError):
     """A store endpoint that cannot work; the message is one line for the user."""
+
+
+class StoreReader(Protocol):
+    """What reading a job's status needs of a store (rendezvous/status.py): every
+    `KeyValueStore`, and the torch-free c10d reader of `rally status` (rendezvous/wire_store.py)."""
+
+    prefix: str
+    signer: Signer
+
+    def key(self, name: str) -> str: ...
+
+    def check(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> bytes: ...
+
+    def get_unsigned(self, name: str) -> bytes: ...
+
+    def counter(self, name: str, limit: int | None = None) -> int: ...
 
 
 class KeyValueStore(ABC):

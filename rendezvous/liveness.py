@@ -29,9 +29,9 @@ class Rendezvous(RendezvousView, Protocol):
 
 
 def silent_peer(channel: RoundChannel) -> tuple[int, float] | None:
-    """After a local failure: wait until every other member's keep-alive counter moves
-    (they are alive: the failure is this node's own) or one stays still for
-    `keep_alive_timeout` (that node is gone: the failure here is a consequence).
+    """After a local failure: wait until every other member's keep-alives move (they are alive:
+    the failure is this node's own) or one stays still for `keep_alive_timeout`, or its lease
+    expires (leased stores: that node is gone, and the failure here is a consequence).
 
     Returns (the silent node's group rank, seconds it was silent), or None when every
     peer is alive or the round ended meanwhile. Bounded by keep_alive_timeout.
@@ -44,8 +44,12 @@ def silent_peer(channel: RoundChannel) -> tuple[int, float] | None:
     while peers:
         if channel.ended_within(interval):
             return None
-        peers = [g for g in peers if channel.alive_count(g) == start[g]]
+        now = {g: channel.alive_count(g) for g in peers}
         silent_for = time.monotonic() - began
+        expired = [g for g in peers if start[g] is not None and now[g] is None]
+        if expired:  # its alive key held beats, and etcd deleted it: the lease ran out unrefreshed
+            return expired[0], max(silent_for, s.keep_alive_timeout)
+        peers = [g for g in peers if now[g] is None or now[g] == start[g]]
         if peers and silent_for > s.keep_alive_timeout:
             return peers[0], silent_for
     return None

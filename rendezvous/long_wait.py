@@ -4,12 +4,12 @@ still last, every few seconds, and never past its bound.
 The rendezvous' own waits tick `waiting.WaitProgress` in their loops (rendezvous/protocol.py).
 This is the same throttle for the other long waits, which are one blocking call with a bound: a
 store key (rendezvous/etcd_store.py), the store's host before it exits (agent/agent.py), the
-pre-flight probe (agent/checks/preflight.py), the worker template (agent/template_connection.py),
+pre-flight probe (agent/checks/preflight.py), the worker template (agent/template/connection.py),
 the job's last checkpoint flush (agent/checkpoint/tier.py). The call is made in slices of at most
 `WAIT_PROGRESS_SECONDS`; after each slice that did not end the wait, `tick()` says (once per
 interval) `<what>: up to N s more`, or answers False once the bound is reached. Where the line
 goes is the caller's `announce`: the console, and for a node's waits also its status record
-(agent/node_waits.py), so `rally status` shows it.
+(agent/rounds/node_waits.py), so `rally status` shows it.
 """
 
 from __future__ import annotations

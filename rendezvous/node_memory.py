@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rally.rendezvous.kv import KeyValueStore, UntrustedValue
+from rally.rendezvous.kv import KeyValueStore, StoreReader, UntrustedValue
 from rally.rendezvous.protocol import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
 
 
-def _read(store: KeyValueStore, name: str) -> dict[str, Any] | None:
+def _read(store: StoreReader, name: str) -> dict[str, Any] | None:
     if not store.check(name):
         return None
     try:
@@ -49,7 +49,7 @@ def save_timeouts(store: KeyValueStore, values: dict[str, Any]) -> None:
     store.set(LEARNED_TIMEOUTS, json.dumps(merged))
 
 
-def load_node_failures(store: KeyValueStore) -> dict[str, Any]:
+def load_node_failures(store: StoreReader) -> dict[str, Any]:
     """{"failures": {host: [[round, unix time], ...]}, "quarantined": {host: reason}, "preflight": the
     last pre-flight verdict (agent/checks/preflight.py) or None}; empty when none."""
     failures = (_read(store, NODE_FAILURES) or {}).get("failures")

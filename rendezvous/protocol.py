@@ -203,7 +203,7 @@ class Rendezvous:
             raise JobClosed(ended_line(self, end))
 
     def ping(self) -> None:
-        """One cheap call that only a store that answers completes (agent/round_threads.py)."""
+        """One cheap call that only a store that answers completes (agent/rounds/threads.py)."""
         self.store.check("probe")
 
     def clear_worker_keys(self) -> int:
@@ -372,19 +372,19 @@ class Round:
     barrier: `preemption`). The agent holds one per round instead of the rendezvous and the
     assignment apart; a thread that watches the round takes one of its own (`connect_again`)."""
 
-    def __init__(self, rendezvous: Rendezvous, a: Assignment):
+    def __init__(self, rendezvous: Rendezvous, assignment: Assignment):
         self.rendezvous = rendezvous
-        self.a = a
+        self.assignment = assignment
         self.store = rendezvous.store
         self.settings = rendezvous.settings
         self.status = rendezvous.status
-        self.channel = RoundChannel.of(rendezvous.store, rendezvous.settings, rendezvous.me, a)
-        self.stacks = StackExchange(rendezvous.store, rendezvous.me, a)
-        self.preemption = PreemptionBarrier(rendezvous.store, rendezvous.me, a)
+        self.channel = RoundChannel.of(rendezvous.store, rendezvous.settings, rendezvous.me, assignment)
+        self.stacks = StackExchange(rendezvous.store, rendezvous.me, assignment)
+        self.preemption = PreemptionBarrier(rendezvous.store, rendezvous.me, assignment)
 
     def on(self, store: Store) -> Round:
         """The same round on another connection (quiet: its waits print nothing)."""
-        return Round(Rendezvous(store, self.settings, self.rendezvous.me), self.a)
+        return Round(Rendezvous(store, self.settings, self.rendezvous.me), self.assignment)
 
     def connect_again(self) -> Round:
         return self.on(self.store.connect_again())
@@ -392,7 +392,7 @@ class Round:
     def wait_master(self, timeout: float) -> tuple[str, int] | RoundEnd:
         """The workers' store address (node 0's), or the round's end if it ended first; the wait
         says what it waits for every few seconds, as the rendezvous' own waits do."""
-        return self.channel.wait_master(timeout, self.a.master_host, self.rendezvous.waiting)
+        return self.channel.wait_master(timeout, self.assignment.master_host, self.rendezvous.waiting)
 
 
 __all__ = [

@@ -109,6 +109,10 @@ def _check_value(key: str, what: str, name: str, value: Any, kind: str) -> None:
 
 
 _FIELD_NAMES: dict[type, tuple[frozenset[str], frozenset[str]]] = {}
+_FIELD_KINDS: dict[type, dict[str, str]] = {}
+# A field's annotation (as written: this module postpones annotations) -> the check its value gets.
+# EndKind travels as its string value and is checked as a member by RoundEnd.check.
+KIND_OF_ANNOTATION = {"int": "int", "int | None": "int?", "str": "str", "EndKind": "str", "dict": "dict"}
 
 
 def _names(cls: type) -> tuple[frozenset[str], frozenset[str]]:
@@ -122,11 +126,18 @@ def _names(cls: type) -> tuple[frozenset[str], frozenset[str]]:
     return known
 
 
+def _kinds(cls: type) -> dict[str, str]:
+    """Each field's check, read from its annotation once per class (no second list to keep)."""
+    known = _FIELD_KINDS.get(cls)
+    if known is None:
+        known = _FIELD_KINDS[cls] = {f.name: KIND_OF_ANNOTATION[str(f.type)] for f in fields(cls)}
+    return known
+
+
 class StoredRecord:
     """A dataclass that travels through the store as JSON, checked field by field on the way in."""
 
     WHAT = "record"
-    KINDS: dict[str, str] = {}
 
     def to_json(self) -> str:
         # Fields are flat (no nested records): asdict's deep copy cost the closer of 1024 nodes 0.1 s.
@@ -145,8 +156,9 @@ class StoredRecord:
         names, required = _names(cls)
         if set(data) - names or required - set(data):
             raise _bad(key, cls.WHAT, _field_problem(set(data) - names, required - set(data)))
+        kinds = _kinds(cls)
         for name, value in data.items():
-            _check_value(key, cls.WHAT, name, value, cls.KINDS[name])
+            _check_value(key, cls.WHAT, name, value, kinds[name])
         record = cls(**data)
         record.check(key)
         return record
@@ -160,17 +172,6 @@ class NodeInfo(StoredRecord):
     """What a node tells the round about itself."""
 
     WHAT = "node descriptor"
-    KINDS = {
-        "node_id": "str",
-        "host": "str",
-        "addr": "str",
-        "nproc": "int",
-        "prev_rank": "int?",
-        "preferred_rank": "int?",
-        "checkpoint_step": "int?",
-        "memory_steps": "str",
-        "durable_step": "int?",
-    }
 
     node_id: str
     host: str
@@ -199,22 +200,6 @@ class Assignment(StoredRecord):
     """One node's place in a formed round: all it needs to start its workers."""
 
     WHAT = "assignment"
-    KINDS = {
-        "round": "int",
-        "group_rank": "int",
-        "group_world_size": "int",
-        "rank_offset": "int",
-        "world_size": "int",
-        "restart_count": "int",
-        "membership_changes": "int",
-        "watch_rank": "int?",
-        "watch_host": "str",
-        "master_host": "str",
-        "stalled_restarts": "int",
-        "checkpoint_step": "int?",
-        "node_id": "str",
-        "resume_step": "int?",
-    }
 
     round: int
     group_rank: int
@@ -269,7 +254,6 @@ class RoundEnd(StoredRecord):
     """Why a round ended. `kind` decides what happens next; `detail` is for people."""
 
     WHAT = "round end"
-    KINDS = {"kind": "str", "detail": "str", "node": "str", "info": "dict"}
 
     kind: EndKind
     detail: str
@@ -301,15 +285,6 @@ class RoundRecord(StoredRecord):
     """The `<r>/closed` record: who is in round r and the job-wide counts entering it."""
 
     WHAT = "round record"
-    KINDS = {
-        "members": "int",
-        "restart_count": "int",
-        "membership_changes": "int",
-        "stalled_restarts": "int",
-        "checkpoint_step": "int?",
-        "attempt": "int",
-        "resume_step": "int?",
-    }
 
     members: int
     restart_count: int
@@ -331,7 +306,6 @@ class SuccessRecord(StoredRecord):
     every member has one (a counter would let anyone who reaches the store fake the job's end)."""
 
     WHAT = "success record"
-    KINDS = {"node_id": "str", "group_rank": "int"}
 
     node_id: str
     group_rank: int

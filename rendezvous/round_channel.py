@@ -20,7 +20,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 from rally.rendezvous.arrival import CURRENT_ROUND
-from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.kv import KeyValueStore, UntrustedValue
 from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
 from rally.rendezvous.records import MAX_COUNT, Assignment, EndKind, NodeInfo, RoundEnd, SuccessRecord, parse_master
 from rally.rendezvous.waiting import WaitProgress
@@ -84,7 +84,7 @@ class RoundChannel:
 
     @property
     def _leases(self) -> LeasedStore:
-        """The store's leases; only asked for when `store.leased_liveness` (agent/leased_liveness.py)."""
+        """The store's leases; only asked for when `store.leased_liveness` (agent/rounds/leased_liveness.py)."""
         assert isinstance(self.store, LeasedStore), f"{self.store.describe} has no leases"
         return self.store
 
@@ -155,8 +155,21 @@ class RoundChannel:
     def keep_alive(self) -> None:
         self.store.add(self._key(f"alive/{self._mine()}"), 1)
 
-    def alive_count(self, group_rank: int) -> int:
-        return self.store.counter(self._key(f"alive/{group_rank}"), MAX_COUNT)
+    def alive_count(self, group_rank: int) -> int | None:
+        """Member g's keep-alives so far: it is alive while this moves. On a leased store (etcd)
+        the beats its alive key holds, None while it holds none: not yet created, or its lease
+        expired (the node is gone: etcd deleted the key). A c10d counter is never None."""
+        name = self._key(f"alive/{group_rank}")
+        if not self.store.leased_liveness:
+            return self.store.counter(name, MAX_COUNT)
+        value = self.store.get_if_present(name)  # signed, as every value rally writes there
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            key = self.store.key(name)
+            raise UntrustedValue(f"store key '{key}' holds {value[:40]!r}, not a keep-alive count") from None
 
     # Lease-backed liveness, for stores whose keys expire by themselves (`store.leased_liveness`,
     # etcd): the alive key lives as long as its lease is refreshed; its watcher waits for the

@@ -1,4 +1,4 @@
-"""The hang-stack exchange of one round (agent/hang_report.py): a node that found a hung worker
+"""The hang-stack exchange of one round (agent/observe/hang_report.py): a node that found a hung worker
 asks every node for its workers' stacks, and names the culprit from all of them.
 
 Keys, under `<r>/`:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rally.rendezvous.kv import KeyValueStore as Store
+from rally.rendezvous.kv import StoreReader as Store
 from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.node_memory import load_node_failures
 from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED

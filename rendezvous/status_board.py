@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any
 
-from rally.rendezvous.kv import KeyValueStore, UntrustedValue
+from rally.rendezvous.kv import KeyValueStore, StoreReader, UntrustedValue
 from rally.rendezvous.records import NodeInfo
 from rally.rendezvous.token import BadRecord
 
@@ -65,7 +65,7 @@ def signed_line(store: KeyValueStore, name: str, text: str) -> str:
     return store.signer.seal(store.key(name), text).hex() + "\n"
 
 
-def listed_nodes(store: KeyValueStore) -> list[str]:
+def listed_nodes(store: StoreReader) -> list[str]:
     """The node ids on `status/nodes` whose line verifies, each once, in order, at most
     MAX_LISTED_NODES: a stranger's appends (garbage, or 1.5 MB of lines) cost one read of the
     list and an HMAC each, never a store call per line."""

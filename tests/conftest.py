@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.checkpoint.shm import holders_of
+from rally.agent.checkpoint.core.shm import holders_of
 
 pytest_plugins = ["slurm_cluster", "ddp_reference", "fsdp_reference"]
 
@@ -41,7 +41,7 @@ def _rally_files_in_dev_shm() -> list[str]:
 
 
 def _rally_shared_memory() -> list[str]:
-    """Memory-tier copies (memfds, agent/checkpoint/shm.py) held by processes of this test session."""
+    """Memory-tier copies (memfds, agent/checkpoint/core/shm.py) held by processes of this test session."""
     mine = f"{SESSION_MARKER}={os.getpid()}".encode()
     found = []
     for pid, names in holders_of().items():

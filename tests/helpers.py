@@ -62,7 +62,7 @@ def clean_env(**extra: str | None) -> dict[str, str]:
     return env
 
 
-# ---- hook for the worker template (agent/template.py, tests/test_template.py) ---------------
+# ---- hook for the worker template (agent/template/client.py, tests/test_template.py) ---------------
 # RALLY_TEST_START_MODE=plain     every rally these helpers start runs with --no-preload:
 #                                 each worker is a fresh `python` process;
 # RALLY_TEST_START_MODE=template  workers are forked from the per-node template (--preload torch);

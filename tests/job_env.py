@@ -1,4 +1,4 @@
-"""The set-up of tests that call `rally.job` (agent/worker/job.py) in this process or in helper
+"""The set-up of tests that call `rally.job` (agent/worker_side/job.py) in this process or in helper
 processes of their own, outside any launcher: tests/test_job_helper.py, test_faults_checkpoint.py
 and test_faults_sharded_checkpoint.py share it, so a variable the job module starts reading is
 cleared in one place for all of them.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.worker import job
+from rally.agent.worker_side import job
 
 # What a launcher (torchrun, rally) or rally's agent sets for a worker and `rally.job` reads.
 JOB_ENV = [

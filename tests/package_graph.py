@@ -3,10 +3,11 @@
 dependency), the same graph folded to packages, and its circles. tests/test_layout.py and
 tests/test_import_graph.py check the house's rules against it.
 
-Run it to see the package graph and its circles (issue 28's "before" picture of agent/):
+Run it to see the package graph and its circles:
 
     python tests/package_graph.py            # packages, their arrows, the circles
     python tests/package_graph.py --modules  # the module-level circles too
+    python tests/package_graph.py --rooms    # agent/'s rooms as docs/architecture.md shows them
 """
 
 from __future__ import annotations
@@ -158,5 +159,47 @@ def describe(show_modules: bool = False) -> str:
     return "\n".join(lines)
 
 
+# The agent's rooms from the bottom up. A package may import packages on its own row or a row
+# before it, never after (tests/test_import_graph.py); docs/architecture.md shows `rooms_table()`.
+AGENT_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("rally.agent.base", "rally.agent.display"),
+    ("rally.agent.checkpoint.core",),
+    ("rally.agent.checkpoint.sharded",),
+    ("rally.agent.checkpoint", "rally.agent.guard"),
+    ("rally.agent.template",),
+    ("rally.agent.worker_side",),
+    ("rally.agent.observe",),
+    ("rally.agent.rounds", "rally.agent.checks"),
+    ("rally.agent",),
+)
+
+
+def agent_layer(package: str) -> int:
+    return next(i for i, row in enumerate(AGENT_LAYERS) if package in row)
+
+
+def first_sentence(package: str) -> str:
+    """What the package's `__init__` docstring says it holds: its first sentence."""
+    init = REPO / Path(*package.split(".")[1:]) / "__init__.py"
+    doc = " ".join((ast.get_docstring(ast.parse(init.read_text())) or "").split())
+    return doc.split(". ")[0].rstrip(".")
+
+
+def rooms_table() -> str:
+    """agent/'s rooms, bottom row first: what each holds (its docstring) and what it imports (the
+    code). Generated, so that docs/architecture.md cannot drift from the code."""
+    graph = package_graph()
+    rows = ["| layer | package | holds | imports |", "|---|---|---|---|"]
+    for level, row in enumerate(AGENT_LAYERS):
+        for package in row:
+            folder = "/".join(package.split(".")[1:]) + "/"
+            imports = sorted("/".join(t.split(".")[1:]) + "/" for t in graph[package])
+            rows.append(f"| {level} | `{folder}` | {first_sentence(package)} | {', '.join(imports) or '-'} |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
-    print(describe(show_modules="--modules" in sys.argv[1:]))
+    if "--rooms" in sys.argv[1:]:
+        print(rooms_table())
+    else:
+        print(describe(show_modules="--modules" in sys.argv[1:]))

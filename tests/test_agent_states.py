@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from rally.agent.states import AgentState, SignalAction, signal_action
+from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.rendezvous.membership import assignments_for, counts_entering, newest_step
 from rally.rendezvous.preemption_barrier import PreemptionBarrier
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousSettings, Round, RoundEnd

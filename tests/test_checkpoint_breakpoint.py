@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import clean_env, read_events, run_rally, write_probe
-from rally.agent.checkpoint import dcp_files
+from rally.agent.checkpoint.sharded import files as dcp_files
 
 SCRIPT = """
 import os, signal, sys, time
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from rally import job
-from rally.agent.checkpoint import dcp_persist
+from rally.agent.checkpoint.sharded import persist as dcp_persist
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -47,7 +47,9 @@ print(f"rank {rank} saved 2", flush=True)
 if rank == 0:
     os.kill(os.getpid(), signal.SIGKILL)
 time.sleep(60)
-""".replace("from rally import job", "from rally import job\nfrom rally.agent.checkpoint import dcp_files")
+""".replace(
+    "from rally import job", "from rally import job\nfrom rally.agent.checkpoint.sharded import files as dcp_files"
+)
 
 LOAD = """
 import sys, torch, torch.distributed.checkpoint as dcp

@@ -1,4 +1,4 @@
-"""The digest a checkpoint's MAC signs (agent/checkpoint/digest.py) and the whole-state footer over it.
+"""The digest a checkpoint's MAC signs (agent/checkpoint/core/digest.py) and the whole-state footer over it.
 
 No torch: the persister writes a slot (a memfd) of arbitrary bytes as the holder does, and
 checkpoint_file verifies the result. The bytes span several leaves, so the threads' part is used.
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.checkpoint import digest, persist
-from rally.agent.worker import checkpoint_file
+from rally.agent.checkpoint import persist
+from rally.agent.checkpoint.core import checkpoint_file, digest
 
 PAYLOAD = os.urandom(3 * digest.LEAF) + b"tail of a partial leaf"  # every leaf different
 

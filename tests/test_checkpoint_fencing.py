@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 
 from helpers import kill_group, wait_for
-from rally.agent.checkpoint.client import MemoryTier
-from rally.agent.checkpoint.shm import fd_path
+from rally.agent.base.event_log import EventLog
+from rally.agent.checkpoint.core import checkpoint_file
+from rally.agent.checkpoint.core.client import MemoryTier
+from rally.agent.checkpoint.core.shm import fd_path
 from rally.agent.checkpoint.tier import CheckpointTier
-from rally.agent.observe.event_log import EventLog
-from rally.agent.worker import checkpoint_file, job
+from rally.agent.worker_side import job
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0
@@ -32,7 +33,7 @@ LEASE = 60.0
 STALE_WORKER = """
     import os, signal
     from rally import job
-    from rally.agent.checkpoint.client import CheckpointRefused
+    from rally.agent.checkpoint.core.client import CheckpointRefused
 
     class Freeze:
         \"\"\"Stops this worker inside job.save, its slot reserved and mapped, nothing copied yet.\"\"\"

@@ -1,4 +1,4 @@
-"""The memory tier's save fast path (agent/checkpoint/layout.py): a state laid out as the last one
+"""The memory tier's save fast path (agent/checkpoint/core/layout.py): a state laid out as the last one
 saved is copied tensor by tensor into the slot, and what torch.load reads back is exactly what a
 full torch.save would have given. A real holder process and real slots; the copies are read back
 from the holder with torch.load, as a restarted worker reads them."""
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.checkpoint import layout
-from rally.agent.checkpoint.client import MemoryTier
-from rally.agent.checkpoint.shm import fd_path
+from rally.agent.base.event_log import EventLog
+from rally.agent.checkpoint.core import layout
+from rally.agent.checkpoint.core.client import MemoryTier
+from rally.agent.checkpoint.core.shm import fd_path
 from rally.agent.checkpoint.tier import CheckpointTier
-from rally.agent.observe.event_log import EventLog
 
 pytestmark = pytest.mark.torch
 

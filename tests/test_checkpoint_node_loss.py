@@ -17,7 +17,7 @@ import pytest
 from agents import AgentProcess, c10d_args, start_agent, stop_all
 from ddp_reference import EVERY, STEPS, TRAIN
 from helpers import eventually, free_port, is_alive
-from rally.agent.worker import job
+from rally.agent.worker_side import job
 
 pytestmark = pytest.mark.torch
 

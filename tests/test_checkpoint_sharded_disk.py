@@ -15,7 +15,7 @@ import pytest
 
 from fsdp_reference import EVERY, TRAIN, digests
 from helpers import clean_env, run_rally
-from rally.agent.checkpoint import dcp_files
+from rally.agent.checkpoint.sharded import files as dcp_files
 
 STEPS = 12  # of the reference's 24
 

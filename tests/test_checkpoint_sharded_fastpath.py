@@ -1,7 +1,7 @@
 """Sharded saves at memory speed (issue 17, item 1 for item 3's states): after the first save of a
 layout, ``job.save`` of DTensors copies the shards straight into the memory slot
-(agent/checkpoint/dcp_layout.py), and a rank whose disk writer falls behind gives up a step
-still waiting in a slot the next save needs (agent/checkpoint/dcp_persist.py) instead of
+(agent/checkpoint/sharded/layout.py), and a rank whose disk writer falls behind gives up a step
+still waiting in a slot the next save needs (agent/checkpoint/sharded/persist.py) instead of
 stalling the training step. The rule tested: a step given up by one rank is published by none,
 every published step holds every rank's part intact, the newest step is never the one given up,
 and both the memory copy and the disk copy of the newest step load back bit-identical.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import clean_env, run_rally
-from rally.agent.checkpoint import dcp_files
+from rally.agent.checkpoint.sharded import files as dcp_files
 
 STEPS = 8
 
@@ -32,7 +32,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from rally import job
-from rally.agent.checkpoint import dcp_files, dcp_memory, dcp_persist
+from rally.agent.checkpoint.sharded import files as dcp_files
+from rally.agent.checkpoint.sharded import memory as dcp_memory
+from rally.agent.checkpoint.sharded import persist as dcp_persist
 
 STEPS, SLOW, DIR = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(1)
@@ -110,7 +112,7 @@ def test_a_step_one_rank_gives_up_is_published_by_none_and_the_newest_survives(t
 def test_rank_zero_stops_waiting_for_a_part_another_rank_gave_up(tmp_path: Path) -> None:
     """Rank 0's writer does not wait (PUBLISH_TIMEOUT, minutes) for a part that rank 1 marked given up,
     and publishes nothing of that step; a rank other than 0 writes nothing of a step rank 0 gave up."""
-    from rally.agent.checkpoint import dcp_persist
+    from rally.agent.checkpoint.sharded import persist as dcp_persist
 
     temp = tmp_path / dcp_persist.temp_name(5)
     temp.mkdir()

@@ -1,4 +1,4 @@
-"""The sharded fast path takes FSDP2's uneven shards (agent/checkpoint/dcp_layout.py).
+"""The sharded fast path takes FSDP2's uneven shards (agent/checkpoint/sharded/layout.py).
 
 ``fully_shard`` keeps each parameter's shard in a storage padded to the largest rank's shard, so
 the last rank's shard of an uneven dimension is a slice of it, and a rank may hold an empty
@@ -8,7 +8,7 @@ itself writes for the same state, after the values changed since the layout was 
 data file byte for byte; the metadata but for the id DCP gives every save).
 
 The reload reads such files out of memory with one copy per shard
-(agent/checkpoint/dcp_reader.py): it must load what DCP's own reader loads.
+(agent/checkpoint/sharded/reader.py): it must load what DCP's own reader loads.
 
 One real process (world size 1, gloo, a 1-rank mesh) runs DCP's own rank-local save and load and
 rally's replay and reader side by side on the same states and prints what it found.
@@ -32,8 +32,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from rally.agent.checkpoint import dcp_layout, dcp_memory
-from rally.agent.checkpoint.layout import Recorder
+from rally.agent.checkpoint.sharded import layout as dcp_layout
+from rally.agent.checkpoint.sharded import memory as dcp_memory
+from rally.agent.checkpoint.core.layout import Recorder
 
 warnings.simplefilter("ignore")
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
@@ -75,7 +76,7 @@ if learnt:
     learnt.write_data(again[1], memoryview(replayed))
 dcp_meta, dcp_data = dcp_memory._rank_local_files(state, 0)
 
-# The reload's fast reader (agent/checkpoint/dcp_reader.py) against DCP's own, into fresh states.
+# The reload's fast reader (agent/checkpoint/sharded/reader.py) against DCP's own, into fresh states.
 def sharded(local, shape, stride):
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 

@@ -23,12 +23,14 @@ from pathlib import Path
 import pytest
 
 from helpers import eventually, run_rally
-from rally.agent.checkpoint import client as ckpt_client
-from rally.agent.checkpoint import dcp_files, dcp_persist, persist
-from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
+from rally.agent.base.event_log import EventLog
+from rally.agent.checkpoint import persist
+from rally.agent.checkpoint.core import checkpoint_file
+from rally.agent.checkpoint.core import client as ckpt_client
+from rally.agent.checkpoint.core.client import CheckpointRefused, MemoryTier
+from rally.agent.checkpoint.sharded import files as dcp_files
+from rally.agent.checkpoint.sharded import persist as dcp_persist
 from rally.agent.checkpoint.tier import CheckpointTier, NoTier
-from rally.agent.observe.event_log import EventLog
-from rally.agent.worker import checkpoint_file
 from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,7 +206,7 @@ def test_the_agent_notices_its_holder_dying_and_never_counts_its_memory_steps_as
 
 HOLDER_DIES = """
 import time, psutil
-from rally.agent.checkpoint import client
+from rally.agent.checkpoint.core import client
 tier = client.tier()
 slot = tier.reserve("whole", 7, 4096, False, 3)  # step 7, in memory only
 slot[:4] = b"abcd"
@@ -293,7 +295,7 @@ def test_a_holder_killed_mid_job_turns_the_tier_off_and_the_job_goes_on_from_dis
 def test_without_a_checkpoint_dir_a_round_after_the_holders_death_says_once_that_checkpoints_are_off(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rally.agent.worker import job, memory_only
+    from rally.agent.worker_side import job, memory_only
 
     for name in (ckpt_client.HOLDER_ENV, ckpt_client.HOLDER_PID_ENV, ckpt_client.SECRET_ENV, "RALLY_CHECKPOINT_DIR"):
         monkeypatch.delenv(name, raising=False)
@@ -350,7 +352,7 @@ import json, os, sys, tempfile
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 from rally import job
-from rally.agent.checkpoint.client import CheckpointRefused
+from rally.agent.checkpoint.core.client import CheckpointRefused
 try:
     found = job.load_latest(into={"w": torch.zeros(4)})
     print(json.dumps({"step": found.step if found else None}))
@@ -392,7 +394,7 @@ def test_dcp_metadata_is_read_with_an_allow_list_of_dcps_own_classes(tmp_path: P
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from rally.agent.checkpoint import dcp_metadata
+    from rally.agent.checkpoint.sharded import metadata as dcp_metadata
 
     dcp.save(
         {"w": torch.zeros(3, dtype=torch.bfloat16), "n": 1}, storage_writer=FileSystemWriter(tmp_path), no_dist=True

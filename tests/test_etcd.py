@@ -16,16 +16,22 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from agents import AgentProcess, start_agent, stop_all
 from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
-from helpers import eventually, free_port, run_rally, write_probe
+from helpers import eventually, free_port, read_events, run_rally, write_probe
 from rally.rendezvous.etcd_client import Member
 from rally.rendezvous.etcd_open import open_etcd_store
 from rally.rendezvous.etcd_store import EtcdStore
+from rally.rendezvous.liveness import silent_peer, wait_round_end_or_dead
+from rally.rendezvous.membership import RendezvousSettings
+from rally.rendezvous.protocol import Rendezvous, RoundEnd
+from rally.rendezvous.records import NodeInfo
+from rally.rendezvous.round_channel import RoundChannel
 from rally.rendezvous.store import StoreTimeout, StoreUnavailable
 from test_bad_input import assert_one_line_only, rally_fails, the_error_line
 
@@ -161,6 +167,100 @@ def test_a_lease_keeps_its_key_while_refreshed_and_the_key_vanishes_when_it_expi
 
 @needs_etcd
 @pytest.mark.timeout(60)
+def test_the_peer_check_tells_a_live_peer_from_one_whose_lease_ran_out(etcd):
+    """After a local worker failure the agent asks whether a peer is gone (liveness.silent_peer):
+    on etcd a peer's alive key holds its signed beat count and vanishes when its lease expires."""
+    settings = RendezvousSettings(1, 2, keep_alive_interval=0.2, keep_alive_timeout=2)
+    store = store_for(etcd)
+    channels = [
+        RoundChannel(store.connect_again(), settings, NodeInfo(f"n{g}", "h", "127.0.0.1", 1), 0, 2, g) for g in (0, 1)
+    ]
+    leases = [channel.hold_alive() for channel in channels]
+    stop = threading.Event()
+
+    def beat() -> None:  # node 1's keep-alive thread, on a connection of its own
+        mine, beats = channels[1].on(store.connect_again()), 0
+        while not stop.wait(settings.keep_alive_interval):
+            beats += 1
+            mine.refresh_alive(beats, leases[1])
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    began = time.monotonic()
+    assert silent_peer(channels[0]) is None, "node 1 refreshes its lease: alive"
+    assert time.monotonic() - began < 1.0
+    stop.set()
+    beater.join(5)
+    began = time.monotonic()
+    verdict = silent_peer(channels[0])  # node 1 died: its beats stop, then etcd deletes its key
+    took = time.monotonic() - began
+    assert verdict is not None and verdict[0] == 1 and verdict[1] >= settings.keep_alive_timeout, verdict
+    assert took < settings.keep_alive_timeout + 1.5, f"{took:.2f} s"
+    assert eventually(lambda: channels[0].alive_count(1) is None, 5), "its lease expires: its key is gone"
+
+
+def beating_members(
+    store: EtcdStore, settings: RendezvousSettings, r: int
+) -> tuple[list[RoundChannel], threading.Event]:
+    """Round r's two members, each refreshing its lease-held alive key from a thread (as a node's
+    keep-alive thread does) until the event is set: then they are dead, as SIGKILLed nodes."""
+    members = [
+        RoundChannel(store.connect_again(), settings, NodeInfo(f"n{g}", "h", "127.0.0.1", 1), r, 2, g) for g in (0, 1)
+    ]
+    dead = threading.Event()
+
+    def beat(member: RoundChannel, lease: int) -> None:
+        beats = 0
+        while not dead.wait(settings.keep_alive_interval):
+            beats += 1
+            member.refresh_alive(beats, lease)
+
+    for member in members:
+        lease = member.hold_alive()
+        threading.Thread(target=beat, args=(member.on(store.connect_again()), lease), daemon=True).start()
+    return members, dead
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_a_spare_waits_on_the_members_leases_and_ends_a_round_whose_members_all_died(etcd):
+    """A node beyond --nnodes' maximum (or a relaunch) waits for the running round to end, watching its
+    members' keep-alives (liveness.wait_round_end_or_dead): on etcd their signed beats, then no key."""
+    settings = RendezvousSettings(1, 2, join_timeout=30, keep_alive_interval=0.2, keep_alive_timeout=2)
+    store = store_for(etcd)
+    spare = Rendezvous(store.connect_again(), settings, NodeInfo("spare", "h", "127.0.0.1", 1))
+
+    def spare_waits(r: int) -> tuple[threading.Thread, list[RoundEnd]]:
+        ended: list[RoundEnd] = []
+        running = RoundChannel(spare.store, settings, spare.me, r, 2)
+        deadline = time.monotonic() + 20
+        waiter = threading.Thread(
+            target=lambda: ended.append(wait_round_end_or_dead(spare, running, deadline)), daemon=True
+        )
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive(), f"round {r} runs: the spare waits ({ended})"
+        return waiter, ended
+
+    # a member is lost: the survivor's ring ends the round; the spare's wait returns that end
+    members, dead = beating_members(store, settings, 0)
+    waiter, ended = spare_waits(0)
+    dead.set()
+    members[0].declare_lost(1, "h", settings.keep_alive_timeout)
+    waiter.join(10)
+    assert ended and ended[0].kind == "node_lost" and "node 1 (h) was lost" in ended[0].detail, ended
+    # every member dies: the spare ends the round itself (a relaunch forms a new job)
+    members, dead = beating_members(store, settings, 1)
+    waiter, ended = spare_waits(1)
+    dead.set()
+    began = time.monotonic()
+    waiter.join(15)
+    assert ended and ended[0].kind == "node_lost" and "all 2 nodes of round 1" in ended[0].detail, ended
+    assert time.monotonic() - began < 2 * settings.keep_alive_timeout + 1.5
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
 def test_the_store_fails_over_past_a_dead_endpoint(etcd):
     dead = Member("127.0.0.1", free_port())
     members = [dead, *(Member("127.0.0.1", m.client_port) for m in etcd.members)]
@@ -197,23 +297,38 @@ with open(out, "a") as f:
 """
 
 
-class EtcdJob:
-    """Agents of one job on the etcd cluster, each standing in for a node, and their workers' steps."""
+# PROBE with a gloo all_reduce every step: a peer's death fails this worker ("connection closed")
+# before the peer's lease can expire, as a DDP job's would.
+GLOO_PROBE = PROBE.replace(
+    "started, step = time.time(), 0",
+    "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\nstarted, step = time.time(), 0",
+).replace("        step += 1\n", "        step += 1\n        dist.all_reduce(torch.ones(1))\n")
 
-    def __init__(self, tmp: Path, endpoints: str, nnodes: str):
+
+class EtcdJob:
+    """Agents of one job on the etcd cluster, each standing in for a node, and their workers' steps.
+    `last_call_timeout`: 1 s unless a test needs to see that a round does not wait for it."""
+
+    def __init__(self, tmp: Path, endpoints: str, nnodes: str, probe: str = PROBE, last_call_timeout: float = 1):
         self.tmp, self.endpoints, self.nnodes = tmp, endpoints, nnodes
         self.run_id = f"job-{uuid.uuid4().hex[:8]}"
         self.steps_path = tmp / "steps.jsonl"
-        self.probe = write_probe(tmp / "probe.py", PROBE)
+        self.probe = write_probe(tmp / "probe.py", probe)
+        self.last_call_timeout = last_call_timeout
         self.agents: list[AgentProcess] = []
 
-    def start(self, name: str, finish_world: int, seconds: float, extra_conf: str = "") -> AgentProcess:
-        conf = f"join_timeout=60,last_call_timeout=1,keep_alive_interval=0.2,keep_alive_timeout={KEEP_ALIVE_TIMEOUT:g}"
+    def start(
+        self, name: str, finish_world: int, seconds: float, extra_conf: str = "", options: tuple[str, ...] = ()
+    ) -> AgentProcess:
+        """`options`: more rally options (e.g. --no-preflight where the pre-flight would only slow a test down)."""
+        conf = f"join_timeout=60,last_call_timeout={self.last_call_timeout:g},keep_alive_interval=0.2"
+        conf += f",keep_alive_timeout={KEEP_ALIVE_TIMEOUT:g}"
         conf += f",{extra_conf}" if extra_conf else ""
         args = [
             "--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-backend", "etcd",
             "--rdzv-endpoint", self.endpoints, "--rdzv-id", self.run_id, "--local-addr", "127.0.0.1",
             "--rdzv-conf", conf, "--shutdown-timeout", "3", "--max-restarts", "3",
+            "--log-dir", str(self.tmp / f"logs-{name}"), *options,
             str(self.probe), str(self.steps_path), str(finish_world), str(seconds),
         ]  # fmt: skip
         agent = start_agent(name, self.tmp, args)
@@ -240,8 +355,8 @@ class EtcdJob:
 def etcd_job(tmp_path: Path):
     jobs: list[EtcdJob] = []
 
-    def make(endpoints: str, nnodes: str) -> EtcdJob:
-        jobs.append(EtcdJob(tmp_path, endpoints, nnodes))
+    def make(endpoints: str, nnodes: str, **options: Any) -> EtcdJob:
+        jobs.append(EtcdJob(tmp_path, endpoints, nnodes, **options))
         return jobs[-1]
 
     yield make
@@ -330,6 +445,36 @@ def test_a_node_sigkilled_is_lost_by_lease_expiry_and_the_survivor_trains_again_
     text = survivor.output()
     assert "sent no keep-alive" in text and "re-forming the job" in text, text
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in victim.descendants())
+
+
+@needs_etcd
+@pytest.mark.timeout(180)
+def test_a_node_lost_under_gloo_is_a_node_loss_no_restart_and_the_next_round_waits_no_last_call(etcd, etcd_job):
+    """The survivor's worker fails first (gloo: "connection closed by peer"), seconds before the dead
+    node's lease expires: the loss is still the root cause, no restart is spent, and the next round
+    closes at once (a last call of 30 s would be waited out for a node known dead)."""
+    job = etcd_job(etcd.endpoints(), "1:2", probe=GLOO_PROBE, last_call_timeout=30)
+    agents = [job.start(f"n{i}", finish_world=1, seconds=1, options=("--no-preflight",)) for i in range(2)]
+    assert eventually(lambda: job.stepping(ranks=2, at_least=10), 120), job.outputs()
+    rank1_pid = next(s["pid"] for s in job.steps() if s["GROUP_RANK"] == "1")
+    victim = next(a for a in agents if rank1_pid in {p.pid for p in a.descendants()})
+    survivor = next(a for a in agents if a is not victim)
+    killed_at = kill_node(victim)
+    assert survivor.wait(90) == 0, job.outputs()
+    again = [s for s in job.steps() if s["WORLD_SIZE"] == "1"]
+    back_after = min(s["t"] for s in again) - killed_at
+    print(f"etcd, gloo: the survivor trained again {back_after:.2f} s after the kill (TTL {KEEP_ALIVE_TIMEOUT:g} s)")
+    assert {s["TORCHELASTIC_RESTART_COUNT"] for s in again} == {"0"}, job.outputs()
+    assert back_after <= KEEP_ALIVE_TIMEOUT + 2, f"{back_after:.2f} s after the kill\n{job.outputs()}"
+    text = survivor.output()
+    cause = [line for line in text.splitlines() if "root cause" in line]
+    assert cause and "node 1" in cause[0] and "was lost" in cause[0], text
+    assert not any("root cause: rank" in line for line in cause), "the gloo failure it caused is not blamed"
+    events = read_events(job.tmp / f"logs-{survivor.name}")
+    changes = [e["event"] for e in events if e["event"] in ("restart", "membership_change")]
+    assert changes == ["membership_change"], events
+    exits = [e for e in events if e["event"] == "worker_exited" and e["round"] == 0]
+    assert exits and exits[0]["returncode"] not in (0, None), "the survivor's worker really failed first"
 
 
 @needs_etcd

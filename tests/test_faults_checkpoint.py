@@ -16,7 +16,7 @@ import pytest
 
 from helpers import run_rally, write_probe
 from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
-from rally.agent.worker import job
+from rally.agent.worker_side import job
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -63,7 +63,15 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     agents = [
         cluster.agent(
             f"n{i}",
-            [*job_args(store.port, "1:2"), "--max-restarts", "0", "--log-dir", str(tmp_path / f"logs{i}"), str(script)],
+            # a last call of 30 s: the next round must not wait for a node known dead
+            [
+                *job_args(store.port, "1:2", extra="last_call_timeout=30"),
+                "--max-restarts",
+                "0",
+                "--log-dir",
+                str(tmp_path / f"logs{i}"),
+                str(script),
+            ],  # fmt: skip
         )
         for i in range(2)
     ]
@@ -99,6 +107,7 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     events = read_events(logs)
     exits = [e for e in events if e["event"] == "worker_exited" and e["round"] == 0]
     assert exits and exits[0]["returncode"] not in (0, None) and not exits[0]["exit"].startswith("SIG"), events
+    assert [e["event"] for e in events if e["event"] in ("restart", "membership_change")] == ["membership_change"]
 
 
 # ------------------------------------------------------------------ 2. the store freezes

@@ -32,8 +32,8 @@ from helpers import (  # noqa: F401 - procs is a fixture
     start_rally,
     write_probe,
 )
-from rally.agent.checkpoint.shm import holders_of
-from rally.agent.worker import job
+from rally.agent.checkpoint.core.shm import holders_of
+from rally.agent.worker_side import job
 
 KILL_AT = 17
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
-from rally.agent.checkpoint import dcp_files
-from rally.agent.worker import job
+from rally.agent.checkpoint.sharded import files as dcp_files
+from rally.agent.worker_side import job
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -107,7 +107,7 @@ SAVER_KILLED_BEFORE_PUBLISHING = """
     import sys
     import torch
     from rally import job
-    from rally.agent.checkpoint import dcp_files
+    from rally.agent.checkpoint.sharded import files as dcp_files
 
     job.save({"w": torch.full((1000,), 1.0)}, 1, sharded=True)
 
@@ -227,7 +227,7 @@ def test_a_full_disk_fails_the_sharded_save_in_one_line_and_keeps_the_last_good_
 
 
 def test_the_resume_plan_takes_the_newest_step_every_rank_has_in_some_nodes_memory() -> None:
-    from rally.agent.checkpoint.dcp_memory import plan
+    from rally.agent.checkpoint.sharded.memory import plan
 
     # 2 nodes x 1 rank: node 0 (rank 0) holds its own steps 4, 6 and node 1's replica of 6.
     held = [{"dcp0of2": [4, 6], "dcpr1of2": [4, 6]}, {"dcp1of2": [4, 6], "dcpr0of2": [4, 6]}]
@@ -254,7 +254,7 @@ def test_the_resume_plan_takes_the_newest_step_every_rank_has_in_some_nodes_memo
 def _rank_part(rank: int, value: float) -> tuple:
     import torch
 
-    from rally.agent.checkpoint.dcp_memory import _rank_local_files
+    from rally.agent.checkpoint.sharded.memory import _rank_local_files
 
     state = {f"own{rank}": torch.full((5,), value + rank), "common": torch.arange(3.0) * value}
     return _rank_local_files(state, rank)
@@ -267,7 +267,7 @@ def test_background_parts_of_every_rank_are_published_as_one_dcp_checkpoint(tmp_
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from rally.agent.checkpoint import dcp_persist
+    from rally.agent.checkpoint.sharded import persist as dcp_persist
 
     parts = [_rank_part(rank, 2.0) for rank in (0, 1)]
     writers = [
@@ -290,7 +290,7 @@ def test_background_parts_of_every_rank_are_published_as_one_dcp_checkpoint(tmp_
 def test_a_step_whose_other_rank_never_writes_is_not_published_and_a_later_step_cleans_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rally.agent.checkpoint import dcp_persist
+    from rally.agent.checkpoint.sharded import persist as dcp_persist
 
     monkeypatch.setattr(dcp_persist, "PUBLISH_TIMEOUT", 0.5)
     persister = dcp_persist.Persister()

@@ -14,6 +14,7 @@ Run beside a CPU hog too (RALLY_TEST_CPU_HOG=1, see conftest.py).
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -109,9 +110,10 @@ def test_rally_status_against_a_frozen_store_fails_within_its_timeout(
         timeout=40,
     )
     assert result.returncode == 2, result.describe()
-    assert len(result.stderr.strip().splitlines()) == 1 and "did not answer within 2 s" in result.stderr, (
-        result.describe()
-    )
+    # one line naming the timeout: the socket's own ("did not answer") or the call's bound ("did not
+    # finish"), whichever of the two 2 s clocks runs out first on a loaded machine
+    line = result.stderr.strip()
+    assert "\n" not in line and re.search(r"did not (answer|finish) within 2 s", line), result.describe()
     assert result.elapsed < 2 + 25, result.describe()  # --timeout, plus start-up on a loaded machine
 
 

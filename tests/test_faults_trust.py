@@ -399,7 +399,7 @@ def test_a_deleted_round_end_is_tampering_and_a_moved_round_counter_is_corrected
     a.store.raw.add("rally/job/current", 40)  # a late joiner must still find round 1
     late = _node(server, "late", replace(s))
     joined = late.join_round()
-    assert joined.a.round == 1
+    assert joined.assignment.round == 1
     joined.channel.end(RoundEnd("worker_failed", "y", "late"))
     late.store.raw.delete_key("rally/job/1/end")
     with pytest.raises(StoreTampered, match=r"'rally/job/1/end' is missing"):

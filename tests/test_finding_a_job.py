@@ -74,12 +74,18 @@ def test_the_printed_status_command_and_the_run_directory_find_the_job_and_its_l
             status(printed_flags, Path("/")).stdout + agent.output()
         )
 
-        # The run directory (and the log dir holding only it) name the same job.
-        for where in (run_dir, tmp_path / "logs"):
+        # The run directory (and the log dir holding only it) name the same job: node 0 runs
+        # here, so its view of the job (agent/observe/job_view.py), refreshed every 2 s, answers.
+        def json_of_round_1(where: Path) -> dict | None:
             done = status([str(where), "--json"], Path("/"))
             assert done.returncode == 0, done.stderr
             record = json.loads(done.stdout)
-            assert record["source"] == "store" and record["round"] == 1 and len(record["nodes"]) == 1
+            return record if record["round"] == 1 and record["nodes"][0]["round"] == 1 else None
+
+        for where in (run_dir, tmp_path / "logs"):
+            record = eventually(lambda where=where: json_of_round_1(where), 30)
+            assert record, status([str(where), "--json"], Path("/")).stdout
+            assert record["source"] == "view" and 0 <= record["age"] < 10 and len(record["nodes"]) == 1
             assert record["last_restart"]["kind"] == "worker_failed" and record["last_restart"]["round"] == 0
             assert "exit code 3" in record["last_restart"]["detail"], record
             workers = record["nodes"][0]["workers"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
-from rally.agent.worker import heartbeat_file, job, memory_only
+from rally.agent.worker_side import heartbeat_file, job, memory_only
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -358,7 +358,7 @@ def test_without_the_handler_the_preemption_signal_kills_as_usual() -> None:
 def test_importing_the_helper_does_not_import_torch() -> None:
     result = run_python("""
         import sys
-        import rally.agent.worker.job
+        import rally.agent.worker_side.job
         from rally import job
         job.context(); job.heartbeat(); job.preempted()
         print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))

@@ -128,3 +128,30 @@ def test_no_import_circles() -> None:
 
 def test_the_circle_check_finds_a_circle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Paths named as examples, or as files a command writes, not as files of the repository.
+NAMED_BUT_NOT_FILES = {
+    "agent/x.py", "agent/m.py", "agent/checkpoint/x.py",  # tests/test_waits.py's examples of its own syntax
+    "rendezvous/redis_store.py",  # docs/architecture.md's example of adding a backend
+}  # fmt: skip
+REPO_PATH = r"(?<![\w./-])(?:agent|launcher|rendezvous|tests|bench|docs|examples|slurm)/[\w/.-]*\.(?:py|md|sh|yml)"
+
+
+@pytest.mark.timeout(30)
+def test_every_path_the_code_and_docs_name_exists() -> None:
+    """A docstring or page that names a file by its path before a move sends its reader nowhere:
+    every repository path named in code, docs and scripts is a file that exists (outputs of
+    benchmarks under bench/results/ excepted: a run writes them)."""
+    import re
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True, timeout=30)
+    stale = sorted(
+        f"{name}: {path}"
+        for name in tracked.stdout.split()
+        if name.endswith((".py", ".md", ".sh", ".yml")) and (REPO / name).is_file()
+        for path in set(re.findall(REPO_PATH, (REPO / name).read_text(errors="replace")))
+        if not (REPO / path).exists() and path not in NAMED_BUT_NOT_FILES and not path.startswith("bench/results/")
+    )
+    assert stale == []

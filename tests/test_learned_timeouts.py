@@ -12,7 +12,7 @@ import pytest
 from agents import write_script
 from helpers import read_events, run_rally
 from rally.agent.observe.learned_timeouts import LearnedTimeouts, LearningSettings
-from rally.agent.worker import heartbeat_file
+from rally.agent.worker_side import heartbeat_file
 from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 from rally.rendezvous.store import Store, connect_tcp_store, host_tcp_store
 from rally.rendezvous.token import Signer

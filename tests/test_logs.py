@@ -3,7 +3,9 @@
 torchrun's layout and flags:
     --log-dir D   per-rank files  D/<run-id>_<suffix>/attempt_<n>/<local_rank>/{stdout,stderr}.log
     --redirects B streams (1 stdout, 2 stderr, 3 both) go to those files only
-    --tee B       streams go to the files AND to the console, lines prefixed "[<role><local_rank>]:"
+    --tee B       streams go to the files AND to the console (rally's prefix "[<rank>] " on the
+                  console; with --torchrun-prefix, torchrun's "[<role><local_rank>]:" on tee'd
+                  streams and none on the others)
     --local-ranks-filter R,...   only these local ranks reach the console; files are unaffected
 rally's default (no flags): every console line is a whole line prefixed "[<rank>] ", so the
 lines of concurrent workers never mix; --no-prefix passes the bytes through raw.
@@ -70,14 +72,19 @@ def test_redirects_3_puts_each_stream_in_its_file_and_nothing_on_the_console(tmp
 
 
 @pytest.mark.timeout(120)
-def test_tee_3_writes_the_files_and_shows_lines_prefixed_with_role_and_local_rank(tmp_path: Path) -> None:
+def test_tee_3_writes_the_files_and_keeps_rally_s_prefix_on_the_console(tmp_path: Path) -> None:
+    """--tee adds the files; the console is rally's as without it (issue 29: it turned into
+    torchrun's "[default0]:"), and one line says how to get torchrun's."""
     logs = tmp_path / "logs"
     result = run_two_streams(tmp_path, "--log-dir", str(logs), "--tee", "3")
     attempt = run_dir(logs) / "attempt_0"
+    notes = [line for line in result.stderr.splitlines() if "--tee:" in line]
+    assert len(notes) == 1 and "--torchrun-prefix" in notes[0] and "[default0]:" in notes[0], result.describe()
+    assert "[default" not in "\n".join(worker_lines(result.stdout + result.stderr)), result.describe()
     for rank in (0, 1):
         assert (attempt / str(rank) / "stdout.log").read_text() == expected_stdout(rank)
         assert (attempt / str(rank) / "stderr.log").read_text() == expected_stderr(rank)
-        prefix = f"[default{rank}]:"
+        prefix = f"[{rank}] "
         assert [line for line in result.stdout.splitlines() if line.startswith(prefix)] == [
             prefix + line for line in expected_stdout(rank).splitlines()
         ]
@@ -87,9 +94,13 @@ def test_tee_3_writes_the_files_and_shows_lines_prefixed_with_role_and_local_ran
 
 
 @pytest.mark.timeout(120)
-def test_tee_prefix_uses_the_role_name(tmp_path: Path) -> None:
+def test_torchrun_prefix_shows_torchrun_s_console_with_the_role_name(tmp_path: Path) -> None:
+    """Asked for (--torchrun-prefix), the console is torchrun's: "[role<local rank>]:" on the
+    tee'd stream, the other stream untouched."""
     logs = tmp_path / "logs"
-    result = run_two_streams(tmp_path, "--log-dir", str(logs), "--role", "trainer", "--tee", "1")
+    flags = ("--log-dir", str(logs), "--role", "trainer", "--tee", "1", "--torchrun-prefix")
+    result = run_two_streams(tmp_path, *flags)
+    assert "--tee:" not in result.stderr, result.describe()  # asked for: no note
     attempt = run_dir(logs) / "attempt_0"
     for rank in (0, 1):
         prefix = f"[trainer{rank}]:"
@@ -99,6 +110,7 @@ def test_tee_prefix_uses_the_role_name(tmp_path: Path) -> None:
         assert (attempt / str(rank) / "stdout.log").read_text() == expected_stdout(rank)
         assert not (attempt / str(rank) / "stderr.log").exists(), "--tee 1 copies stdout only"
         assert f"err one from rank {rank}" in result.stderr, "stderr still reaches the console"
+        assert f"\nerr one from rank {rank}\n" in "\n" + result.stderr, "unprefixed, as torchrun shows it"
 
 
 @pytest.mark.timeout(120)

@@ -21,13 +21,14 @@ import pytest
 
 from helpers import eventually
 from helpers import small_disk as mount_small_disk
-from rally.agent.checkpoint import client as ckpt_client
-from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
-from rally.agent.checkpoint.shm import fd_path, holders_of
+from rally.agent.base.event_log import EventLog
+from rally.agent.checkpoint.core import checkpoint_file
+from rally.agent.checkpoint.core import client as ckpt_client
+from rally.agent.checkpoint.core.client import CheckpointRefused, MemoryTier
+from rally.agent.checkpoint.core.shm import fd_path, holders_of
 from rally.agent.checkpoint.slots import COMMITTED, SlotTable
 from rally.agent.checkpoint.tier import MEMORY_LIMIT_ENV, CheckpointTier
-from rally.agent.observe.event_log import EventLog
-from rally.agent.worker import checkpoint_file, job
+from rally.agent.worker_side import job
 from rally.rendezvous.membership import resume_step
 from rally.rendezvous.records import NodeInfo
 
@@ -387,8 +388,8 @@ FAKE_AGENT = """
     import sys, time
     from pathlib import Path
     from rally.agent.checkpoint.tier import CheckpointTier
-    from rally.agent.checkpoint.client import MemoryTier
-    from rally.agent.observe.event_log import EventLog
+    from rally.agent.checkpoint.core.client import MemoryTier
+    from rally.agent.base.event_log import EventLog
     tier = CheckpointTier.start(sys.argv[1], EventLog(Path(sys.argv[2])), print)
     tier.open_round(0, None, 60)
     MemoryTier(tier.address, 0).reserve("whole", 1, 1 << 20, False, 3)  # a slot: 1 MB of memfd

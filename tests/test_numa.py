@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent import processes
-from rally.agent.numa import AFFINITY_VARIABLE, NumaBindingError, cpus_near_gpu, format_cpus, parse_cpus
-from rally.agent.worker import bootstrap
+from rally.agent.base.numa import AFFINITY_VARIABLE, NumaBindingError, cpus_near_gpu, format_cpus, parse_cpus
+from rally.agent.guard import processes
+from rally.agent.worker_side import bootstrap
 
 REPORT_AFFINITY = """
 import json, os, sys, threading

@@ -24,7 +24,7 @@ from helpers import read_events, read_jsonl, run_rally
 from rally.agent.observe import gpu
 from rally.agent.observe.gpu import DeviceReading
 from rally.agent.observe.stragglers import CentralValues, StepClock, StragglerWatch, job_step_times
-from rally.agent.worker import heartbeat_file, job
+from rally.agent.worker_side import heartbeat_file, job
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
@@ -68,7 +68,7 @@ def test_heartbeat_with_a_step_and_sections_reach_the_file_from_another_process(
         """
         import json, os, sys
         from rally import job
-        from rally.agent.worker import heartbeat_file
+        from rally.agent.worker_side import heartbeat_file
         path = os.environ["RALLY_HEARTBEAT_FILE"]
         seen = {}
         job.heartbeat()                                   # the no-argument form still works
@@ -312,16 +312,20 @@ def test_without_a_driver_gpu_health_is_skipped_with_nvmls_reason():
 @pytest.mark.timeout(30)
 def test_a_node_with_unhealthy_gpus_is_named_before_it_joins_a_round(tmp_path, capsys):
     """The observer's check before each rendezvous, fed by readings in NVML's shape (no GPU here)."""
-    from rally.agent.observe.event_log import EventLog
+    from rally.agent.base.event_log import EventLog
+    from rally.agent.base.spec import JobSpec
     from rally.agent.observe.observer import Observer
-    from rally.agent.spec import JobSpec
 
     class Readings:  # what NvmlMonitor.read returns on a node whose GPU 1 has failed
         def read(self) -> list[DeviceReading]:
             return [DeviceReading(0, "GPU-aaa"), DeviceReading(1, "GPU-bbb", ecc_uncorrected=3, xids=(79,))]
 
     log = EventLog(tmp_path / "events.jsonl")
-    observer = Observer(JobSpec("x.py"), log, "node7", {})
+
+    class Agent:  # what the observer reads of its agent (agent/base/collaborator.py's AgentContext) here
+        spec, events, host, base_env, run_dir = JobSpec("x.py"), log, "node7", {}, tmp_path
+
+    observer = Observer(Agent())  # type: ignore[arg-type]
     observer.gpu = Readings()  # type: ignore[assignment]
     observer.before_round()
     log.close()

@@ -5,8 +5,12 @@ values of the wrong type and mistyped flags are one line each, as a newcomer exp
 
 from __future__ import annotations
 
+import datetime
 import re
 import sys
+from collections.abc import Callable
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -146,9 +150,8 @@ def test_every_option_of_the_model_is_a_flag_in_both_spellings_with_its_variable
 
 @pytest.mark.timeout(30)
 def test_defaults_the_agent_also_needs_come_from_the_agents_own_types() -> None:
+    from rally.agent.base.spec import DEFAULT_FACTOR, JobSpec
     from rally.agent.observe.health import HealthSettings
-    from rally.agent.observe.stragglers import DEFAULT_FACTOR
-    from rally.agent.spec import JobSpec
     from rally.launcher.options import Options
     from rally.launcher.values import RDZV_CONF_DEFAULTS
     from rally.rendezvous.protocol import RendezvousSettings
@@ -225,7 +228,7 @@ def test_every_option_lands_in_the_agents_inputs_or_is_read_by_another_options_c
     the option whose check reads it; every such field is filled by exactly one option."""
     import dataclasses
 
-    from rally.agent.spec import JobSpec
+    from rally.agent.base.spec import JobSpec
     from rally.launcher import options
 
     filled: dict[tuple[type, str], str] = {}
@@ -245,7 +248,7 @@ def test_every_option_lands_in_the_agents_inputs_or_is_read_by_another_options_c
 @pytest.mark.same_under_load  # a parse, no process
 @pytest.mark.timeout(30)
 def test_parsing_fills_the_agents_job_from_the_options_alone(tmp_path: Path, monkeypatch) -> None:
-    from rally.agent.observe.learned_timeouts import LearningSettings
+    from rally.agent.base.spec import LearningSettings
     from rally.launcher.options import Options
 
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
@@ -266,6 +269,40 @@ def test_parsing_fills_the_agents_job_from_the_options_alone(tmp_path: Path, mon
     assert spec.heartbeat_timeout is None and spec.timeout_learning == LearningSettings(samples=3)
     assert spec.duplicate_stdout_filters == ("a,b", "c") and spec.preload is None  # a stdlib-only script
     assert parsed.rendezvous.nnodes == (2, 2) and parsed.rendezvous.rdzv_conf["store_type"] == "tcp"
+
+
+class _Plain:
+    """A class defined in Python (the interpreter quotes its name without a module)."""
+
+
+# What rally.launch or a YAML file can hand a check: text, numbers, bytes, dates, containers, objects.
+RAW_VALUES = ["7", " 2 ", "2.5", "x", "", 3, 2.5, float("nan"), True, None, b"4", bytearray(b"5"), memoryview(b"6")]
+RAW_VALUES += [[1], {"a": 1}, (1,), 1j, datetime.date(2024, 1, 1), Path("/x"), _Plain(), Decimal("2.5"), Fraction(5, 2)]
+
+
+def outcome(convert: Callable[[object], object], value: object) -> str:
+    try:
+        return repr(convert(value))
+    except (TypeError, ValueError, OverflowError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.same_under_load  # conversions in this process
+@pytest.mark.timeout(30)
+def test_a_raw_value_is_read_as_int_and_float_read_it_and_refused_in_their_words() -> None:
+    """The checks take a raw value as `object` and narrow it (validate.whole_number, real_number):
+    what int() and float() read gives their number, anything else their own TypeError, which
+    Options.parse shows as `--flag value: ...` (so a message from rally.launch or a YAML date is
+    the one it was when the checks called int() and float() on an untyped value)."""
+    from rally.launcher import validate
+    from rally.launcher.options import Options
+    from rally.launcher.validate import ConfigError
+
+    for value in RAW_VALUES:
+        assert outcome(validate.whole_number, value) == outcome(int, value), value
+        assert outcome(validate.real_number, value) == outcome(float, value), value
+    with pytest.raises(ConfigError, match=r"^--max-restarts \[1\]: int\(\) argument must be .*not 'list'$"):
+        Options(max_restarts=[1]).parse("train.py", act=False)
 
 
 @pytest.mark.timeout(30)

@@ -158,7 +158,7 @@ def test_first_failure_is_the_root_cause_and_crash_loop_counts(server):
     seen = []
     for r in range(5):
         rnd = n.join_round()
-        a = rnd.a
+        a = rnd.assignment
         assert a.round == r
         seen.append((a.restart_count, a.stalled_restarts, a.checkpoint_step))
         first = rnd.channel.first_failure(RoundEnd("worker_failed", f"first {r}", "a"))

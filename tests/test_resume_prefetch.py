@@ -1,4 +1,4 @@
-"""A restarted worker finds its resume step mapped before it asks (agent/checkpoint/resume_prefetch.py).
+"""A restarted worker finds its resume step mapped before it asks (agent/checkpoint/core/resume_prefetch.py).
 
 A real holder (started as the agent starts it) holds the copies; the worker is a real process
 started through rally's bootstrap, as every worker is, with the environment the agent gives a
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.checkpoint.client import MemoryTier
+from rally.agent.base.event_log import EventLog
+from rally.agent.checkpoint.core.client import MemoryTier
 from rally.agent.checkpoint.tier import CheckpointTier
-from rally.agent.observe.event_log import EventLog
-from rally.agent.worker import job
+from rally.agent.worker_side import job
 
 REPO = Path(__file__).resolve().parents[1]
-BOOTSTRAP = REPO / "agent" / "worker" / "bootstrap.py"
+BOOTSTRAP = REPO / "agent" / "worker_side" / "bootstrap.py"
 LEASE = 60.0
 ELEMENTS = 2_000_000  # 8 MB of float32: 2,000 pages to map
 
@@ -98,7 +98,7 @@ def test_a_restarted_worker_finds_its_resume_step_mapped_before_it_asks(holder: 
         + """
     import json, torch
     from rally import job
-    from rally.agent.checkpoint import resume_prefetch
+    from rally.agent.checkpoint.core import resume_prefetch
     assert resume_prefetch._thread is not None, "no prefetch on a restart under the memory tier"
     resume_prefetch._thread.join(60)
     before = sum(mapped_kb().values())  # what the thread mapped while "the script was starting"
@@ -120,7 +120,7 @@ def test_a_restarted_worker_finds_its_resume_step_mapped_before_it_asks(holder: 
 
 NO_PREFETCH = """
     import json
-    from rally.agent.checkpoint import resume_prefetch
+    from rally.agent.checkpoint.core import resume_prefetch
     print(json.dumps({"thread": resume_prefetch._thread is not None}))
 """
 
@@ -143,7 +143,7 @@ def test_a_state_the_safe_loader_refuses_is_loaded_the_ordinary_way(tmp_path: Pa
             """
     import json, pickle, torch
     from rally import job
-    from rally.agent.checkpoint import resume_prefetch
+    from rally.agent.checkpoint.core import resume_prefetch
     resume_prefetch._thread.join(60)
     prepared = resume_prefetch._ready is not None
     try:
@@ -170,7 +170,7 @@ def test_a_script_that_saves_before_it_loads_lets_go_of_the_prepared_copy(holder
         + """
     import gc, json, torch
     from rally import job
-    from rally.agent.checkpoint import resume_prefetch
+    from rally.agent.checkpoint.core import resume_prefetch
     resume_prefetch._thread.join(60)
     prepared = {inode for inode, kb in mapped_kb().items() if kb}
     before = sum(mapped_kb().values())
@@ -206,7 +206,7 @@ def test_a_sharded_rank_finds_its_own_newest_copy_mapped_before_it_asks(tmp_path
             MAPPED_KB
             + """
     import json
-    from rally.agent.checkpoint import resume_prefetch
+    from rally.agent.checkpoint.core import resume_prefetch
     resume_prefetch._thread.join(60)
     kb = sum(mapped_kb("dcp1of2").values())  # the mapping of this rank's copy
     view = resume_prefetch.take_slot("dcp1of2", 4)

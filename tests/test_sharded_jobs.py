@@ -25,7 +25,7 @@ import pytest
 from agents import AgentProcess, c10d_args, start_agent, stop_all
 from fsdp_reference import EVERY, STEPS, TRAIN, digests
 from helpers import eventually, free_port, is_alive
-from rally.agent.checkpoint import dcp_files
+from rally.agent.checkpoint.sharded import files as dcp_files
 
 pytestmark = pytest.mark.torch
 

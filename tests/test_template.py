@@ -49,9 +49,9 @@ from helpers import (
     wait_for,
     write_probe,
 )
-from rally.agent import processes
-from rally.agent.spec import BOOTSTRAP
-from rally.agent.template import ForkedChild, TemplateClient, template_command
+from rally.agent.base.spec import BOOTSTRAP
+from rally.agent.guard import processes
+from rally.agent.template.client import ForkedChild, TemplateClient, template_command
 
 TORCH_CPU_DEFAULT_SEED = 67280421310721  # what a new torch.Generator() starts from
 
@@ -362,7 +362,7 @@ def test_an_environment_the_template_was_not_started_with_means_a_plain_start(
 SIGNAL_STATE = """
 import json, os, signal
 # Not SigCgt: glibc catches signal 33 (SIGSETXID) once a process has had a thread, and the
-# template has (OpenBLAS, see agent/template.py); this probe imports nothing that starts one.
+# template has (OpenBLAS, see agent/template/client.py); this probe imports nothing that starts one.
 status = {l.split(":")[0]: l.split()[1] for l in open("/proc/self/status") if l.startswith(("SigIgn", "SigBlk"))}
 handlers = {int(s): getattr(signal.getsignal(s), "name", None) or getattr(signal.getsignal(s), "__qualname__", "?")
             for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)}
@@ -398,11 +398,11 @@ def test_signals_the_agent_ignores_or_blocks_at_spawn_time_are_inherited_as_by_a
 def test_a_preload_that_hangs_means_plain_starts_not_a_hung_agent(
     workdir: Path, base_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rally.agent.template_connection
+    import rally.agent.template.connection
 
     write_probe(workdir / "sleepy.py", "import time\ntime.sleep(600)\n")
     write_probe(workdir / "hello.py", "print('hello')\n")
-    monkeypatch.setattr(rally.agent.template_connection, "READY_TIMEOUT", 2.0)
+    monkeypatch.setattr(rally.agent.template.connection, "READY_TIMEOUT", 2.0)
     warnings: list[str] = []
     argv = worker_argv("script", "hello.py")
     client = TemplateClient(sys.executable, BOOTSTRAP, argv, ("sleepy",), base_env, str(workdir), warnings.append)
@@ -434,7 +434,7 @@ def test_template_command_line_has_room_for_the_workers_exactly() -> None:
 def test_cuda_or_threads_in_the_template_make_forking_unsafe() -> None:
     code = """
         import sys, threading, time, types
-        from rally.agent.template import why_fork_is_unsafe
+        from rally.agent.template.client import why_fork_is_unsafe
         print(why_fork_is_unsafe())
         sys.modules["torch"] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
         print(why_fork_is_unsafe())

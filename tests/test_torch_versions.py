@@ -71,7 +71,7 @@ def test_a_torch_without_numa_binding_is_one_line_at_launch(tmp_path):
     Run on any torch by hiding the module in a fresh interpreter."""
     code = (
         "import sys; sys.modules['torch.numa'] = None; sys.modules['torch.numa.binding'] = None\n"
-        "from rally.agent.numa import NumaBindingError, cpus_near_gpu\n"
+        "from rally.agent.base.numa import NumaBindingError, cpus_near_gpu\n"
         "try:\n    cpus_near_gpu('node', 0)\nexcept NumaBindingError as exc:\n    print(exc)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=tmp_path)

@@ -35,9 +35,9 @@ from helpers import (
     write_probe,
 )
 from live_rally import LiveRally
-from rally.agent.node_waits import NodeWaits
-from rally.agent.spec import BOOTSTRAP
-from rally.agent.template import ForkedChild, TemplateClient
+from rally.agent.base.spec import BOOTSTRAP
+from rally.agent.rounds.node_waits import NodeWaits
+from rally.agent.template.client import ForkedChild, TemplateClient
 from rally.rendezvous.etcd_client import Member
 from rally.rendezvous.etcd_open import open_etcd_store
 from rally.rendezvous.long_wait import wait_in_slices

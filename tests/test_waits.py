@@ -26,9 +26,9 @@ WHO is a function of the same module (`Class.method`), one of another (`agent/x.
 comment lines. A wait that is long and silent today is in KNOWN_SILENT too, with why it may stay so;
 the last test keeps that list honest in both directions.
 
-WAITS below still lists, by (module, function, call), the waits of modules that were being
-reworked when the declarations moved into the code (issue 28); move each into its module as a
-comment when you touch it. A new wait fails the first test with its place and what to write.
+WAITS below still lists, by (module, function, call), the waits of rendezvous modules that were
+being reworked when the declarations moved into the code (issue 28); move each into its module as
+a comment when you touch it. A new wait fails the first test with its place and what to write.
 """
 
 from __future__ import annotations
@@ -61,176 +61,11 @@ MARKER = re.compile(
 Declaration = tuple[str, tuple[str, str] | str | None, str]  # (kind, says or None, why)
 # (module, function, the call's text up to its first "("): (kind, says or None, why)
 WAITS: dict[tuple[str, str, str], Declaration] = {
-    # launcher
-    ("launcher/slurm.py", "hostnames", "subprocess.run"): (S, None, "timeout=SCONTROL_TIMEOUT"),
     ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (
         SL,
         ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
         "a spare",
     ),
-    ("launcher/worker_flags.py", "logs_specs_note", "entry_points(group='torchrun.logs_specs').select"): (
-        NW,
-        None,
-        "entry points, not select(2)",
-    ),
-    # agent: the main loop and its store calls
-    ("agent/agent.py", "Agent._workers_store", "rnd.wait_master"): (
-        SL,
-        ("rendezvous/round_channel.py", "RoundChannel.wait_master"),
-        "1 s slices up to keep_alive_timeout*4+30",
-    ),
-    ("agent/agent.py", "Agent._exit_barrier", "wait_for_readers"): (
-        B,
-        ("agent/node_waits.py", "wait_for_readers"),
-        "EXIT_BARRIER_SECONDS (30), a signal ends it",
-    ),
-    ("agent/agent.py", "Agent.store_call", "self.loop.run_blocking"): (
-        SL,
-        "job",
-        "the call runs in a thread; the main loop keeps handling signals and the store probe",
-    ),
-    ("agent/worker/checkpoint_file.py", "_lock", "fcntl.flock"): (
-        S,
-        None,
-        "blocking only on a temp file whose writer holds it for one write",
-    ),
-    ("agent/template.py", "ForkedChild.poll", "self.connection.popen.wait"): (AK, None, "after popen.kill()"),
-    ("agent/template.py", "ForkedChild._reap_after_template_death", "os.waitid"): (NW, None, "WNOHANG"),
-    ("agent/template.py", "ForkedChild._reap_after_template_death", "time.sleep"): (S, None, "10 ms, 2 s deadline"),
-    ("agent/template.py", "ForkedChild.wait", "self.poll"): (NW, None, "ForkedChild.poll"),
-    ("agent/template.py", "TemplateClient._fork", "connection.wait_ready"): (
-        B,
-        ("agent/template_connection.py", "Connection._await"),
-        "READY_TIMEOUT (300 s: importing torch on a loaded node)",
-    ),
-    # agent: the checkpoint memory tier (the holder process, the agent's side, the worker's side)
-    ("agent/checkpoint/client.py", "MemoryTier._connect", "time.sleep"): (
-        S,
-        None,
-        "20 ms between tries for a holder still binding its socket, CONNECT_TIMEOUT (10 s) in all",
-    ),
-    ("agent/checkpoint/holder.py", "Holder.flush", "self.table.cond.wait"): (
-        B,
-        ("agent/checkpoint/tier.py", "CheckpointTier._ask"),
-        "the agent's flush at the job's end: up to --shutdown-timeout for the newest copy to be durable; the "
-        "agent, which waits for the answer, says so",
-    ),
-    ("agent/checkpoint/holder.py", "Holder.serve", "self.listener.accept"): (
-        BG,
-        None,
-        "the holder's accept loop: it waits for workers while the job runs",
-    ),
-    ("agent/checkpoint/holder.py", "Holder.worker", "conn.recv"): (
-        BG,
-        None,
-        "one thread per worker connection, waiting for its next request; ends when the worker closes it or dies",
-    ),
-    ("agent/checkpoint/holder.py", "Holder.persister", "table.cond.wait"): (
-        BG,
-        None,
-        "the idle persister, in IDLE_SLICE_SECONDS (1 s) slices",
-    ),
-    ("agent/checkpoint/holder.py", "Holder.between_chunks", "self.table.cond.wait"): (
-        S,
-        None,
-        "50 ms slices, MAX_PAUSE_SECONDS (5 s) in all",
-    ),
-    ("agent/checkpoint/holder.py", "main", "persister.join"): (S, None, "timeout=5 as the holder stops"),
-    ("agent/checkpoint/holder.py", "Holder.greeted", "conn.recv"): (
-        BG,
-        None,
-        "a connection's own thread waits for its hello with the job's secret: HELLO_TIMEOUT (10 s) on the "
-        "socket, then it is closed",
-    ),
-    ("agent/checkpoint/tier.py", "CheckpointTier.start", "_wait_ready"): (
-        B,
-        ("agent/checkpoint/tier.py", "CheckpointTier.start"),
-        "the starting holder's 'ready' line: READY_TIMEOUT in all, then the tier is off with one line",
-    ),
-    ("agent/checkpoint/tier.py", "_wait_ready", "select.select"): (
-        SL,
-        ("agent/checkpoint/tier.py", "CheckpointTier.start"),
-        "the rest of READY_TIMEOUT (15 s) for the holder's next line; start says why the tier is off if it ends so",
-    ),
-    ("agent/checkpoint/tier.py", "_wait_ready", "helper.process.wait"): (
-        NW,
-        None,
-        "the holder's stdout ended: it has exited, the wait only reads its exit code",
-    ),
-    ("agent/checkpoint/tier.py", "CheckpointTier._ask", "self._replies.get"): (
-        SL,
-        ("agent/checkpoint/tier.py", "CheckpointTier._ask"),
-        "slices of one answer of the holder: REPLY_TIMEOUT (10 s), the job-end flush --shutdown-timeout + 1 s",
-    ),
-    ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded", "subprocess.run"): (
-        B,
-        ("agent/checkpoint/agent_side.py", "NodeCheckpoints.flush_sharded"),
-        "the job's end: what is left of --shutdown-timeout, + 5 s",
-    ),
-    ("agent/checkpoint/dcp_flush.py", "publish_newest", "time.sleep"): (
-        S,
-        None,
-        "POLL_INTERVAL (20 ms) between looks, the time given in all",
-    ),
-    ("agent/checkpoint/resume_prefetch.py", "_torch_imported", "time.sleep"): (
-        BG,
-        None,
-        "the prefetch thread waiting for the script's own import of torch: 10 ms slices, REPLY_TIMEOUT (60 s) in "
-        "all; nobody waits on it (load_latest waits JOIN_SECONDS at most)",
-    ),
-    ("agent/checkpoint/resume_prefetch.py", "_finished", "thread.join"): (
-        S,
-        None,
-        "JOIN_SECONDS (5 s) for the prefetch thread; then load_latest takes the ordinary path",
-    ),
-    # a worker's sharded checkpoints (torch.distributed.checkpoint, in the worker's process)
-    ("agent/checkpoint/dcp_memory.py", "_exchange", "dist.recv"): (
-        SL,
-        "job",
-        "the ring peer's replica, inside the job: the process group's timeout, the agent's hang checks",
-    ),
-    ("agent/checkpoint/dcp_memory.py", "_exchange", "work.wait"): (
-        SL,
-        "job",
-        "the matching send, inside the job: the process group's timeout",
-    ),
-    ("agent/checkpoint/dcp_memory.py", "load", "dist.recv"): (
-        SL,
-        "job",
-        "a copy served from another rank's memory at resume: the process group's timeout",
-    ),
-    ("agent/checkpoint/dcp_persist.py", "Persister.submit", "self.cond.wait"): (
-        SL,
-        "job",
-        "a save while MAX_PENDING (2) steps wait for this worker's own disk write, in POLL_SLICE (1 s) slices",
-    ),
-    ("agent/checkpoint/dcp_persist.py", "Persister.wait", "self.cond.wait"): (SL, None, "the caller's timeout (tests)"),
-    ("agent/checkpoint/dcp_persist.py", "Persister.claim", "self.cond.wait"): (
-        S,
-        None,
-        "the writer's copy of one slot out to its buffer (one memory copy), in POLL_SLICE slices",
-    ),
-    ("agent/checkpoint/dcp_persist.py", "Persister._step_aside", "self.cond.wait"): (
-        S,
-        None,
-        "the writer pauses while a save copies into its slot (one memory copy), in POLL_SLICE slices",
-    ),
-    ("agent/checkpoint/dcp_persist.py", "persist_part", "_wait_for_parts"): (
-        BG,
-        None,
-        "the worker's background writer: rank 0 waits for every rank's part, PUBLISH_TIMEOUT (300 s)",
-    ),
-    ("agent/checkpoint/dcp_persist.py", "_wait_for_parts", "time.sleep"): (
-        S,
-        None,
-        "POLL_INTERVAL (20 ms) between looks, PUBLISH_TIMEOUT in all",
-    ),
-    ("agent/checkpoint/dcp_storage.py", "PublishingWriter.write_data", "super().write_data(plan, planner).wait"): (
-        NW,
-        None,
-        "torch's FileSystemWriter writes before it returns: the future is already done",
-    ),
-    # rendezvous
     ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (
         SL,
         ("rendezvous/protocol.py", "Rendezvous._join"),
@@ -255,12 +90,6 @@ WAITS: dict[tuple[str, str, str], Declaration] = {
         SL,
         None,
         "1 s slices up to the caller's deadline",
-    ),
-    # the launcher, the rendezvous protocol and the arrival order (merged from later branches)
-    ("launcher/slurm.py", "SlurmJob.requeue", "subprocess.run"): (
-        S,
-        None,
-        "timeout=REQUEUE_TIMEOUT_S on scontrol; SLURM answers in ms",
     ),
     ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (
         NW,

@@ -86,7 +86,7 @@ def test_the_wheel_carries_exactly_the_rally_package(built: Built) -> None:
     )
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(built.wheel) as wheel:
-        assert "rally = rally.launcher.cli:main" in wheel.read(entry_points).decode()
+        assert "rally = rally.launcher.entry:main" in wheel.read(entry_points).decode()
 
 
 @pytest.mark.timeout(300)
@@ -110,7 +110,8 @@ def test_the_installed_wheel_runs_a_job(built: Built, tmp_path: Path) -> None:
     )  # fmt: skip
     env = clean_env(PYTHONPATH=str(target))
     where = subprocess.run(
-        [sys.executable, "-c", "import rally, rally.agent.worker.job as j; print(rally.__file__); print(j.__file__)"],
+        [sys.executable, "-c", "import rally, rally.agent.worker_side.job as j; "
+         "print(rally.__file__); print(j.__file__)"],
         env=env, cwd=tmp_path, capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     assert all(line.startswith(str(target)) for line in where.stdout.split()), where.stdout

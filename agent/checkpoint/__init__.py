@@ -1,4 +1,4 @@
-"""The checkpoint tier: a holder process of the agent keeps each rank's newest copies in
-memory and makes them durable in the background; the agent's end (start, fence by round, resume
-step), the worker's end (`rally.job.save`/`load_latest`), and sharded states through
-torch.distributed.checkpoint with a replica on the next node."""
+"""The checkpoint room: a holder process of the agent keeps each rank's newest copies in memory
+and makes them durable in the background. Layered inside: `core` (formats, MAC, the memory
+tier's layout and the worker's client), `sharded` (DCP) on top of it, and here what joins the
+two: the holder, its slots and persister, the checkpoint directory, and the agent's side."""

@@ -14,7 +14,7 @@ agent/agent.py calls, in its order of things::
 At the job's end (success, failure for good, a stop) the newest in-memory step is made durable
 first, within the grace period: a whole state by the holder's persister, a sharded (DCP) one by
 a helper process that writes the ranks' parts the stopped workers could not write any more and
-publishes the step (agent/checkpoint/dcp_flush.py): "saving at the breakpoint".
+publishes the step (agent/checkpoint/sharded/flush.py): "saving at the breakpoint".
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rally.agent.checkpoint import dcp_files, dcp_flush
-from rally.agent.checkpoint.client import CheckpointRefused, MemoryTier
+from rally.agent.base.event_log import EventLog
+from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
+from rally.agent.checkpoint.core.client import CheckpointRefused, MemoryTier
+from rally.agent.checkpoint.sharded import files as dcp_files
+from rally.agent.checkpoint.sharded import flush as dcp_flush
 from rally.agent.checkpoint.tier import CheckpointTier
-from rally.agent.observe.event_log import EventLog
-from rally.agent.worker.job import newest_checkpoint_step
 from rally.rendezvous.records import Assignment
 
 
@@ -99,7 +100,7 @@ class NodeCheckpoints:
 
     def flush_sharded(self, seconds: float) -> None:
         """Sharded steps in this node's memory newer than the newest on disk are written by
-        agent/checkpoint/dcp_flush.py (a helper: publishing needs torch), at most ``seconds``."""
+        agent/checkpoint/sharded/flush.py (a helper: publishing needs torch), at most ``seconds``."""
         address = getattr(self.tier, "address", None)
         if address is None or self.tier.died or self.checkpoint_dir is None or seconds <= 0:
             return
@@ -123,6 +124,8 @@ class NodeCheckpoints:
         command = [sys.executable, str(Path(dcp_flush.__file__).resolve()), str(directory), f"{seconds:.3f}"]
         self.say(f"writing the newest sharded checkpoint held only in memory to {directory} (up to {seconds:.0f} s)")
         try:
+            # wait: bounded, said by NodeCheckpoints.flush_sharded: the job's end: what is left of
+            # --shutdown-timeout, + 5 s
             done = subprocess.run(
                 command, env=env, stdout=subprocess.PIPE, timeout=seconds + 5.0, check=False, start_new_session=True
             )

@@ -3,7 +3,7 @@
 Why a process of its own: the copies must outlive the worker that made them (a restarted worker
 reloads them in milliseconds), must never be owned by a worker (a dying worker cannot take them
 along, and a stale one cannot keep writing), and persisting them must not cost the agent's main
-loop anything. The holder imports no torch: slots hold torch.save's bytes (agent/checkpoint/shm.py),
+loop anything. The holder imports no torch: slots hold torch.save's bytes (agent/checkpoint/core/shm.py),
 persisting is a byte copy with a MAC (agent/checkpoint/persist.py), and its rules are agent/checkpoint/slots.py.
 
 It talks JSON lines on two channels:
@@ -15,8 +15,9 @@ It talks JSON lines on two channels:
   and exits. It starts in a session of its own and ignores the terminal's signals, so a signal to
   the agent's process group (Ctrl-C, ``kill -- -PGID``) cannot take the copies away before the
   agent has made the newest one durable.
-- **an abstract Unix socket, with the workers** (agent/checkpoint/client.py; SOCK_SEQPACKET, one
-  request or answer per packet): ``reserve`` a slot, ``commit`` or ``abort`` it, ``resume``
+- **an abstract Unix socket, with the workers** (agent/checkpoint/core/client.py; SOCK_SEQPACKET, one
+  request or answer per packet): ``reserve`` a slot, ``commit`` or ``abort`` it (``copied``: an
+  overlapped save's copy is done, its commit decided later), ``resume``
   (which step, and from where). A slot's memfd travels with the answer. The agent creates and
   binds the socket under a random name before this process starts and hands it over as an
   inherited descriptor (no name on any command line, and nobody can bind it first); the holder
@@ -26,7 +27,7 @@ It talks JSON lines on two channels:
   job of the same user, is turned away. A ``reserve`` larger than the node's whole memory is
   refused as a bad request; one that does not fit now goes to disk for that save only (nothing latches).
 
-The copies are memfds (agent/checkpoint/shm.py): when the holder ends, however, the kernel frees them
+The copies are memfds (agent/checkpoint/core/shm.py): when the holder ends, however, the kernel frees them
 as soon as no worker maps them any more. Nothing of the tier is a file.
 
 Run by file path, like the orphan guard: ``python <rally>/agent/checkpoint/holder.py SOCKET_FD TAG CKPT_DIR [LIMIT]``
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rally.agent.checkpoint.persist import DiskFull, PersistCancelled, default_name, persist, valid_name
-from rally.agent.checkpoint.slots import Refused, ShmTooSmall, SlotTable
+from rally.agent.checkpoint.slots import NewestBusy, Refused, ShmTooSmall, SlotTable
 
 PERSIST_NICENESS = 10
 """The persister thread's nice value (the holder's answers to workers keep the normal priority)."""
@@ -61,7 +62,7 @@ IDLE_SLICE_SECONDS = 1.0
 
 
 SECRET_ENV = "RALLY_CKPT_SECRET"
-"""The job's connection secret (agent/checkpoint/client.py's SECRET_ENV; not imported: the holder stays small)."""
+"""The job's connection secret (agent/checkpoint/core/client.py's SECRET_ENV; not imported: the holder stays small)."""
 HELLO_TIMEOUT = 10.0
 """Seconds a new connection has to say ``hello`` before it is closed."""
 
@@ -111,6 +112,9 @@ class Holder:
         deadline = time.monotonic() + timeout
         with self.table.cond:
             while self.table.pending() and (left := deadline - time.monotonic()) > 0:
+                # wait: bounded, said by agent/checkpoint/tier.py CheckpointTier._ask: the agent's flush at the job's
+                # end: up to --shutdown-timeout for the newest copy to be durable; the agent, which waits for the
+                # answer, says so
                 self.table.cond.wait(left)
             return {"pending": self.table.pending(), "durable": dict(self.table.durable)}
 
@@ -119,6 +123,7 @@ class Holder:
         conn_id = 0
         while True:
             try:
+                # wait: background: the holder's accept loop: it waits for workers while the job runs
                 conn, _ = self.listener.accept()
             except OSError:
                 return
@@ -131,6 +136,8 @@ class Holder:
             if struct.unpack("3i", creds)[1] != os.geteuid() or not self.greeted(conn):
                 return
             conn.settimeout(None)
+            # wait: background: one thread per worker connection, waiting for its next request; ends when the worker
+            # closes it or dies
             while packet := conn.recv(MAX_LINE):
                 answer, fds = self.answer(packet, conn_id)
                 news = answer.pop("news", None)
@@ -147,6 +154,8 @@ class Holder:
         """Whether the connection's first packet is ``hello`` with the job's secret (answered ok)."""
         conn.settimeout(HELLO_TIMEOUT)
         try:
+            # wait: background: a connection's own thread waits for its hello with the job's secret: HELLO_TIMEOUT
+            # (10 s) on the socket, then it is closed
             hello = json.loads(conn.recv(MAX_LINE))
             secret = hello.get("secret") if hello.get("op") == "hello" else None
         except (ValueError, AttributeError):
@@ -172,6 +181,7 @@ class Holder:
                     int(msg["round"]),
                     name,
                     int(msg.get("keep", 3)),
+                    bool(msg.get("spare_newest", False)),
                 )
                 return {"ok": True, "slot": index}, [fd]
             if op == "commit":
@@ -179,6 +189,9 @@ class Holder:
                 return {"ok": True, "news": (str(msg["key"]), slot.step)}, []
             if op == "abort":
                 table.abort(conn_id, str(msg["key"]), int(msg["step"]))
+                return {"ok": True}, []
+            if op == "copied":
+                table.copied(conn_id, str(msg["key"]), int(msg["step"]))
                 return {"ok": True}, []
             if op == "held":
                 return {"ok": True, "held": table.held(str(msg["prefix"]))}, []
@@ -189,6 +202,8 @@ class Holder:
                 newest, newest_index, newest_fd = table.resume(str(msg["key"]))
                 return {"ok": True, "step": newest, "slot": newest_index}, [] if newest_fd is None else [newest_fd]
             return {"ok": False, "error": f"rally: unknown memory-tier request {op!r}"}, []
+        except NewestBusy as exc:
+            return {"ok": False, "busy": True, "error": str(exc)}, []
         except ShmTooSmall as exc:
             if not self.told_disk_only:  # one line, at the first save that did not fit
                 self.told_disk_only = True
@@ -227,6 +242,7 @@ class Holder:
         while True:
             with table.cond:
                 while not self.stopping and (job := table.next_to_persist()) is None:
+                    # wait: background: the idle persister, in IDLE_SLICE_SECONDS (1 s) slices
                     table.cond.wait(IDLE_SLICE_SECONDS)  # woken by a commit or stop; the slice only re-checks
                 if self.stopping:
                     return
@@ -275,6 +291,7 @@ class Holder:
         deadline = time.monotonic() + MAX_PAUSE_SECONDS
         with self.table.cond:
             while self.table.copying() and not self.stopping and (left := deadline - time.monotonic()) > 0:
+                # wait: short: 50 ms slices, MAX_PAUSE_SECONDS (5 s) in all
                 self.table.cond.wait(min(left, 0.05))  # a reload's pause ends by time, not by a notify
             return self.stopping
 
@@ -314,6 +331,7 @@ def main(argv: list[str]) -> int:
                 continue  # not from our agent; ignore
     finally:
         holder.stop()
+        # wait: short: timeout=5 as the holder stops
         persister.join(timeout=5)
         holder.table.release()
     return 0

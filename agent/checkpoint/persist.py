@@ -1,8 +1,8 @@
 """Make one in-memory copy durable: the holder's persister copies a slot into --checkpoint-dir.
 
-The file it writes is exactly what ``job.save`` writes (agent/worker/checkpoint_file.py): the torch.save
-archive, then rally's footer with its length, step and MAC (agent/checkpoint/auth.py). The digest
-the MAC signs (agent/checkpoint/digest.py) is computed while the bytes are copied, each 8 MiB
+The file it writes is exactly what ``job.save`` writes (agent/checkpoint/core/checkpoint_file.py): the torch.save
+archive, then rally's footer with its length, step and MAC (agent/checkpoint/core/auth.py). The digest
+the MAC signs (agent/checkpoint/core/digest.py) is computed while the bytes are copied, each 8 MiB
 leaf on one of the digest's threads while the next is written, so a durable checkpoint costs one
 read of memory and one write of the disk (the hashing runs in the background of training, never
 in the training step's stall). Atomic as ever: a
@@ -24,9 +24,9 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from rally.agent.checkpoint import auth
-from rally.agent.worker import checkpoint_file
-from rally.agent.worker.checkpoint_file import FOOTER, READ_CHUNK, Sums
+from rally.agent.checkpoint import checkpoint_dir
+from rally.agent.checkpoint.core import auth, checkpoint_file
+from rally.agent.checkpoint.core.checkpoint_file import FOOTER, READ_CHUNK, Sums
 
 
 class DiskFull(OSError):
@@ -60,8 +60,6 @@ def persist(
     ``between_chunks`` is called before each chunk (8 MiB); it may wait (the holder pauses the
     copy to disk while a worker copies into a slot) and returns True to give the persist up.
     """
-    from rally.agent.worker.job import prune  # no torch: job imports it only inside save/load
-
     final = directory / (name or default_name(step))
     auth.make_private_dir(directory)
     level = directory
@@ -108,7 +106,7 @@ def persist(
         os.close(fd)  # releases the temp file's lock after the rename, as job.save does
     checkpoint_file.fsync_dir(directory)
     if final.name == default_name(step):
-        prune(directory, keep, protect=final)
+        checkpoint_dir.prune(directory, keep, protect=final)
     return final
 
 

@@ -20,6 +20,14 @@ read in one place (agent/checkpoint/holder.py does the sockets and the persister
 - **Reloaded slots are never written again.** ``resume`` hands a worker the slot's memfd for
   ``torch.load(mmap=True)``; the next save that lands on that slot gets a fresh memfd (the old
   one's pages live as long as the worker keeps tensors from it, then the kernel frees them).
+- **An overlapped save spares the newest step.** Its slot stays written for a whole training step
+  (till the next optimizer step's fence decides its commit), so it asks not to take the newest
+  committed step's slot: while the other slot is being persisted it is skipped instead, and a
+  worker killed meanwhile still finds the newest step.
+- **Copied is not committed.** An overlapped save (agent/checkpoint/core/overlap.py) says ``copied``
+  when its background copy is done and commits only once its writer has checked that no tensor
+  changed meanwhile: till then the slot is written, not readable, but the persister need not
+  leave it the memory bandwidth.
 - **Memory is checked before it is taken.** A copy may take at most half of the memory still
   available to this node and its cgroup (and stay under RALLY_CKPT_MEMORY_LIMIT if set);
   otherwise that save goes to disk (the tier says so once), and a later save that fits is held
@@ -36,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rally.agent.checkpoint.shm import SLOTS_PER_KEY, memfd_name, valid_key
+from rally.agent.checkpoint.core.shm import SLOTS_PER_KEY, memfd_name, valid_key
 
 FREE, WRITING, COMMITTED = "free", "writing", "committed"
 PAGE = 4096
@@ -46,6 +54,10 @@ RELOAD_PAUSE_SECONDS = 1.0
 
 class Refused(Exception):
     """A request the holder turns down; the message is one line for the worker to raise."""
+
+
+class NewestBusy(Refused):
+    """The only slot free holds the newest committed step, and the writer asked to spare it."""
 
 
 class ShmTooSmall(Exception):
@@ -64,6 +76,7 @@ class Slot:
     keep: int = 3
     persisted: bool = False
     loaded: bool = False  # a worker mapped it: never write into this memfd again
+    copied: bool = False  # its writer's copy is done, its commit still to be decided (an overlapped save)
 
 
 @dataclass
@@ -120,10 +133,6 @@ class SlotTable:
             sets = [{s for s, _ in k.committed()} for k in self.keys.values()]
         return sorted(set.intersection(*sets)) if sets else []
 
-    def newest_saved(self) -> int | None:
-        steps = self.memory_steps()
-        return steps[-1] if steps else None
-
     # ------------------------------------------------------------------ the workers' side
     def _fence(self, r: int) -> None:
         if self.round is None or r != self.round or not self.round_open:
@@ -137,9 +146,11 @@ class SlotTable:
             )
 
     def reserve(
-        self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int
-    ) -> tuple[int, int]:
-        """(index, memfd) of a slot for ``step`` of ``key`` with room for ``size`` bytes, marked being written."""
+        self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int,
+        spare_newest: bool = False,
+    ) -> tuple[int, int]:  # fmt: skip
+        """(index, memfd) of a slot for ``step`` of ``key`` with room for ``size`` bytes, marked being written.
+        ``spare_newest``: rather :class:`NewestBusy` than the newest committed step's slot."""
         if not valid_key(key) or step < 0 or size <= 0:
             raise Refused(f"rally: checkpoint refused: bad request for key {key!r}, step {step}, {size} bytes")
         total = total_memory()
@@ -150,7 +161,7 @@ class SlotTable:
         with self.cond:
             self._fence(r)
             keyslots = self.keys.setdefault(key, KeySlots())
-            index = self._choose(keyslots)
+            index = self._choose(keyslots, spare_newest)
             slot = keyslots.slots[index]
             if slot.fd is None or slot.loaded or slot.size < size or slot.size > 2 * size:
                 self._allocate(key, index, size, slot)
@@ -160,12 +171,14 @@ class SlotTable:
             keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, slot.fd, conn, persist_name, keep)
             return index, slot.fd  # type: ignore[return-value]
 
-    def _choose(self, keyslots: KeySlots) -> int:
+    def _choose(self, keyslots: KeySlots, spare_newest: bool = False) -> int:
         candidates = [i for i, s in enumerate(keyslots.slots) if i != keyslots.persisting and s.state != WRITING]
         if not candidates:
             raise Refused("rally: checkpoint refused: another copy of this state is still being written")
         newest = keyslots.committed()[:1]
         preferred = [i for i in candidates if not newest or i != newest[0][1]]
+        if spare_newest and not preferred:
+            raise NewestBusy("rally: checkpoint skipped: the other copy is being written to disk")
         return (preferred or candidates)[0]
 
     def _allocate(self, key: str, index: int, size: int, slot: Slot) -> None:
@@ -235,7 +248,16 @@ class SlotTable:
         RELOAD_PAUSE_SECONDS after a resume (the restart the job is waiting for)."""
         with self.cond:
             reloading = time.monotonic() < self.resumed_at + RELOAD_PAUSE_SECONDS
-            return reloading or any(s.state == WRITING for k in self.keys.values() for s in k.slots)
+            return reloading or any(s.state == WRITING and not s.copied for k in self.keys.values() for s in k.slots)
+
+    def copied(self, conn: int, key: str, step: int) -> None:
+        """The writer's copy into the slot is done; it commits (or aborts) once it knows the copy is
+        intact (agent/checkpoint/core/overlap.py): the persister need not pause for it meanwhile."""
+        with self.cond:
+            try:
+                self._writing(conn, key, step).copied = True
+            except Refused:
+                return  # committed or aborted already
 
     def abort(self, conn: int, key: str, step: int) -> None:
         with self.cond:
@@ -278,7 +300,7 @@ class SlotTable:
 
     def held(self, prefix: str) -> dict[str, list[int]]:
         """Committed steps of every key starting with ``prefix`` (sharded states: a rank's own
-        copy and the ring peer's replica, see agent/checkpoint/dcp_memory.py)."""
+        copy and the ring peer's replica, see agent/checkpoint/sharded/memory.py)."""
         with self.cond:
             return {k: sorted(s for s, _ in ks.committed()) for k, ks in self.keys.items() if k.startswith(prefix)}
 

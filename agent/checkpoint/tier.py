@@ -43,14 +43,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rally.agent.checkpoint import client as ckpt_client
+from rally.agent.base.event_log import EventLog
+from rally.agent.base.helper_process import HelperProcess
 from rally.agent.checkpoint import holder as ckpt_holder
-from rally.agent.checkpoint.client import HOLDER_LOST_ENV, SECRET_ENV, HolderAddress
-from rally.agent.checkpoint.shm import socket_address
+from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
+from rally.agent.checkpoint.core import client as ckpt_client
+from rally.agent.checkpoint.core.client import HOLDER_LOST_ENV, SECRET_ENV, HolderAddress
+from rally.agent.checkpoint.core.shm import socket_address
 from rally.agent.display import console
-from rally.agent.helper_process import HelperProcess
-from rally.agent.observe.event_log import EventLog
-from rally.agent.worker.job import newest_checkpoint_step
 from rally.rendezvous.long_wait import LongWait
 
 MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
@@ -119,6 +119,8 @@ class CheckpointTier:
             return NoTier()
         finally:
             listener.close()  # the holder has its own descriptor of it
+        # wait: bounded, said by CheckpointTier.start: the starting holder's 'ready' line: READY_TIMEOUT in all, then
+        # the tier is off with one line
         trouble = _wait_ready(helper)
         if trouble:
             helper.stop(1.0)
@@ -178,6 +180,8 @@ class CheckpointTier:
             long_wait = LongWait(what, wait, console.say)  # in slices, with a line every few seconds
             while True:
                 try:
+                    # wait: slice, said by CheckpointTier._ask: slices of one answer of the holder: REPLY_TIMEOUT (10
+                    # s), the job-end flush --shutdown-timeout + 1 s
                     reply = self._replies.get(timeout=long_wait.slice())
                 except queue.Empty:
                     if long_wait.tick():
@@ -272,10 +276,13 @@ def _wait_ready(helper: HelperProcess) -> str | None:
     assert stdout is not None
     deadline = time.monotonic() + READY_TIMEOUT
     while (left := deadline - time.monotonic()) > 0:
+        # wait: slice, said by CheckpointTier.start: the rest of READY_TIMEOUT (15 s) for the holder's next line;
+        # start says why the tier is off if it ends so
         if not select.select([stdout], [], [], left)[0]:
             break
         line = stdout.readline()
         if not line:
+            # wait: not_a_wait: the holder's stdout ended: it has exited, the wait only reads its exit code
             return f"(pid {helper.pid}) exited as it started (exit code {helper.process.wait()})"
         try:
             msg = json.loads(line)

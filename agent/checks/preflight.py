@@ -24,11 +24,12 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from rally.agent.base.collaborator import AgentContext
 from rally.agent.display import console
+from rally.agent.template.client import TemplateClient
 from rally.rendezvous.long_wait import wait_in_slices
 from rally.rendezvous.node_memory import save_preflight
 from rally.rendezvous.protocol import FAILURE_KINDS, Assignment, EndKind, Round, RoundEnd, preflight_key
@@ -104,6 +105,19 @@ def judge(results: dict[int, dict | None], factor: float, min_nodes: int) -> dic
     }
 
 
+class PreflightContext(AgentContext, Protocol):
+    """What the pre-flight (and so agent/checks/node_checks.py) needs of its agent beyond every
+    collaborator's context."""
+
+    @property
+    def template(self) -> TemplateClient | None:
+        """The agent's worker template (the probe is forked from it), None without one."""
+
+    @property
+    def backend(self) -> str:
+        """The process-group backend the job's workers would use (nccl with GPUs, else gloo)."""
+
+
 def _numbers(r: dict, compute: float | None, link: float | None) -> str:
     parts = []
     if r.get("compute") is not None:
@@ -118,32 +132,19 @@ def _numbers(r: dict, compute: float | None, link: float | None) -> str:
 class Preflight:
     """One agent's pre-flight: probe, publish, (node 0) judge, act on the verdict."""
 
-    def __init__(
-        self,
-        spec: Any,
-        host: str,
-        events: Any,
-        report: Any,
-        store_call: Callable[..., Any],
-        template: Callable[[], Any],
-        base_env: dict[str, str],
-        run_dir: Path,
-        backend: Callable[[], str],
-        announce: Callable[[str], None] = console.say,
-    ):
-        """`announce` hears every few seconds what a long wait waits for (agent/node_waits.py)."""
-        self.spec, self.host, self.events, self.report = spec, host, events, report
-        self.store_call, self.template, self.base_env, self.run_dir, self.backend = (
-            store_call,
-            template,
-            base_env,
-            run_dir,
-            backend,
-        )
-        self.announce = announce
+    def __init__(self, ctx: PreflightContext):
+        """Its long waits say every few seconds what they wait for through `ctx.announce`
+        (agent/rounds/node_waits.py)."""
+        self.ctx = ctx
+        self.spec, self.host, self.events, self.report = ctx.spec, ctx.host, ctx.events, ctx.report
+        self.store_call, self.base_env, self.run_dir, self.announce = (
+            ctx.store_call, ctx.base_env, ctx.run_dir, ctx.announce
+        )  # fmt: skip
         self.last: dict | None = None  # this node's numbers and the verdict's summary, for its status record
         self.left_out: dict[int, str] = {}  # round -> the line this node leaves with
-        self.own_template: Any = None  # preloads torch for the first probe when the job has no worker template
+        self.own_template: TemplateClient | None = (
+            None  # preloads torch for the first probe when the job has no worker template
+        )
         self.template_wait = (
             0.0  # of the last probe: waiting for the template's preload, which the workers wait for too
         )
@@ -153,11 +154,9 @@ class Preflight:
         to fork the probe from: start one now, so torch loads while the rendezvous runs (a plain
         probe would import it after the round formed: 2 s here, 7 s on a busy machine). It is
         stopped after the first probe; a later one (after a membership change) starts plainly."""
-        if self.template() is not None or not self.spec.preflight:
+        if self.ctx.template is not None or not self.spec.preflight:
             return
-        from rally.agent.spec import BOOTSTRAP
-        from rally.agent.template import TemplateClient
-        from rally.agent.workers import shared_worker_env
+        from rally.agent.base.spec import BOOTSTRAP, shared_worker_env
 
         argv = [self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE]
         self.own_template = TemplateClient(
@@ -183,7 +182,7 @@ class Preflight:
     def due(self, rnd: Round) -> bool:
         """Every node decides the same from the store: not after a failure on the same nodes, nor
         when the round re-forms with the nodes a pre-flight just passed (those it left out gone)."""
-        a, rdzv = rnd.a, rnd.rendezvous
+        a, rdzv = rnd.assignment, rnd.rendezvous
         if a.group_world_size < 2:
             return False
         if self.spec.preflight_every_round or a.round == 0:
@@ -197,13 +196,14 @@ class Preflight:
         return not (end.kind in FAILURE_KINDS and before.members == now.members)
 
     def run(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
-        a = rnd.a
+        a = rnd.assignment
         if not self.store_call(lambda: self.due(rnd)):
             self.stop_template()  # the next probe, if any, starts plainly
             return None
         started = time.monotonic()
         result = {"host": self.host, **self._probe(a, master)}
         self.store_call(lambda: rnd.store.set(preflight_key(a.round, f"result/{a.group_rank}"), json.dumps(result)))
+        verdict: dict | None
         if a.group_rank == 0:
             verdict = self.store_call(lambda: self._judge(rnd), waiting=True)
         else:
@@ -216,9 +216,8 @@ class Preflight:
 
     # ------------------------------------------------------------------ steps
     def _probe(self, a: Assignment, master: tuple[str, int]) -> dict:
-        from rally.agent import processes
-        from rally.agent.spec import BOOTSTRAP
-        from rally.agent.workers import shared_worker_env
+        from rally.agent.base.spec import BOOTSTRAP, shared_worker_env
+        from rally.agent.guard import processes
 
         out = self.run_dir / f"preflight_{a.round}.json"
         out.unlink(missing_ok=True)
@@ -231,9 +230,9 @@ class Preflight:
             "RALLY_PREFLIGHT_OUT": str(out),
             "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{a.round}/",
             "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
-            "RALLY_PREFLIGHT_BACKEND": self.backend(),
+            "RALLY_PREFLIGHT_BACKEND": self.ctx.backend,
         }
-        template = self.template() or self.own_template
+        template = self.ctx.template or self.own_template
         launch = template.spawn if template is not None else processes.spawn
         asked = time.monotonic()
         with open(
@@ -267,7 +266,7 @@ class Preflight:
             return {"error": f"the probe exited with {code} and wrote no result (see {log_path})"}
 
     def _results(self, rnd: Round, wait: float) -> dict[int, dict | None]:
-        a, store = rnd.a, rnd.store
+        a, store = rnd.assignment, rnd.store
         names = [preflight_key(a.round, f"result/{g}") for g in range(a.group_world_size)]
         what = f"pre-flight of round {a.round}: waiting for every node's probe results to judge them"
         # wait wait_in_slices: bounded, said by Preflight._results: node 0 waits VERDICT_WAIT_SECONDS (30 s) for the
@@ -284,7 +283,7 @@ class Preflight:
         return found
 
     def _judge(self, rnd: Round) -> dict:
-        a, store = rnd.a, rnd.store
+        a, store = rnd.assignment, rnd.store
         verdict = judge(self._results(rnd, VERDICT_WAIT_SECONDS), self.spec.preflight_factor, rnd.settings.min_nodes)
         verdict["round"] = a.round
         save_preflight(store, verdict)  # for `rally status`
@@ -302,8 +301,8 @@ class Preflight:
         return verdict
 
     def _read_verdict(self, rnd: Round) -> dict | None:
-        name = preflight_key(rnd.a.round, "verdict")
-        what = f"pre-flight of round {rnd.a.round}: waiting for node 0's verdict"
+        name = preflight_key(rnd.assignment.round, "verdict")
+        what = f"pre-flight of round {rnd.assignment.round}: waiting for node 0's verdict"
         bound = PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS
         # wait wait_in_slices: bounded, said by Preflight._read_verdict: PROBE_TIMEOUT_SECONDS + VERDICT_WAIT_SECONDS
         #   (50 s)
@@ -317,7 +316,7 @@ class Preflight:
         return verdict if isinstance(verdict, dict) and isinstance(verdict.get("nodes"), list) else None
 
     def _act(self, rnd: Round, verdict: dict, mine: dict, seconds: float) -> RoundEnd | None:
-        a = rnd.a
+        a = rnd.assignment
         left_out, kept = set(verdict.get("left_out") or []), set(verdict.get("kept_bad") or [])
         waited = (
             f" ({self.template_wait:.2f} s of it waiting for the worker template to load torch)"

@@ -13,7 +13,7 @@ It measures, and writes as JSON to RALLY_PREFLIGHT_OUT:
   with a bad link is slow with every partner; its partners are fast with someone else. With two
   nodes there is one pair and nobody can be told apart, so `link` is left out of the judgement.
 
-Started by file path like agent/worker/bootstrap.py: nothing of rally is imported here.
+Started by file path like agent/worker_side/bootstrap.py: nothing of rally is imported here.
 """
 
 from __future__ import annotations

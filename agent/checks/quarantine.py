@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
+from rally.agent.base.collaborator import AgentContext
+from rally.agent.display import console
+from rally.rendezvous.kv import KeyValueStore
 from rally.rendezvous.node_memory import add_quarantined, load_node_failures, load_quarantined, save_failures
 from rally.rendezvous.protocol import EndKind, Round, RoundEnd
 
@@ -59,26 +61,18 @@ def excluded_line(host: str, reason: str, env: dict[str, str]) -> str:
 class Quarantine:
     """One agent's part: record each round's root cause, leave when its own node is quarantined."""
 
-    def __init__(
-        self,
-        spec: Any,
-        host: str,
-        events: Any,
-        report: Any,
-        say: Callable[[str], None],
-        warn: Callable[[str], None],
-        multi_node: bool = True,
-    ):
-        self.spec = spec
-        self.enabled = bool(spec.quarantine_after) and multi_node
-        self.host = host
-        self.events = events
-        self.report = report
-        self.say = say
-        self.warn = warn
+    def __init__(self, ctx: AgentContext):
+        """Off for a single-node job (it has no node to keep out: no store call there)."""
+        self.spec = ctx.spec
+        self.enabled = bool(ctx.spec.quarantine_after) and ctx.plan.settings.max_nodes > 1
+        self.host = ctx.host
+        self.events = ctx.events
+        self.report = ctx.report
+        self.say = console.say
+        self.warn = console.warn
         self.announced: set[str] = set()
 
-    def at_join(self, store: Any) -> str | None:
+    def at_join(self, store: KeyValueStore) -> str | None:
         """Started again on a quarantined node: the line to leave with, else None."""
         if not self.enabled:
             return None
@@ -93,7 +87,7 @@ class Quarantine:
 
         Only the culprit's own agent decides (it alone knows whether it hosts the store, which
         must stay); the others learn of it from the record when the next round forms (`announce`)."""
-        a, store, min_nodes = rnd.a, rnd.store, rnd.settings.min_nodes
+        a, store, min_nodes = rnd.assignment, rnd.store, rnd.settings.min_nodes
         host = end.node or (end.info or {}).get("host") or ""
         if not self.enabled or end.kind not in ROOT_CAUSE_KINDS or not host:
             return None
@@ -123,7 +117,7 @@ class Quarantine:
         self.events.emit("node_quarantined", round=a.round, node=host, failures=count, reason=reason)
         return excluded_line(host, reason, dict(os.environ))
 
-    def announce(self, store: Any, r: int) -> None:
+    def announce(self, store: KeyValueStore, r: int) -> None:
         """When a round forms: say which nodes were quarantined since the last one."""
         if not self.enabled:
             return

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 
-from rally.agent import processes
-from rally.agent.guard import orphan_guard
+from rally.agent.base.helper_process import HelperProcess
+from rally.agent.guard import orphan_guard, processes
 from rally.agent.guard.job_cgroup import FREEZER, PIDS, V2, JobCgroup, remove_abandoned
 from rally.agent.guard.orphan_guard import SWEEP_SECONDS, TOKEN_VARIABLE
-from rally.agent.helper_process import HelperProcess
 
 __all__ = ["GuardClient", "TOKEN_VARIABLE"]
 

@@ -42,7 +42,7 @@ a root process that leaves the cgroup, its session and the token within SEEN_INT
 agent's death (or whose parent chain left the agent before the guard's last look). Then it removes
 the cleanup paths and the cgroup, and exits.
 It imports nothing heavy and ignores the terminal's and SLURM's signals, so it outlives the
-agent long enough to do its one job. Run by file path (`python <rally>/agent/orphan_guard.py`),
+agent long enough to do its one job. Run by file path (`python <rally>/agent/guard/orphan_guard.py`),
 so it works from any installation and nothing on the user's path can stand in for it.
 """
 
@@ -222,12 +222,6 @@ def proven(table: dict[int, Row], agent: int, sessions: set[int], roots: tuple[i
 def descendants(root: int) -> dict[int, str]:
     """Every process below `root` (but this one), with its start time, from /proc."""
     return proven(processes(), root, set())
-
-
-def marked_processes(token: str) -> list[int]:
-    """Pids whose environment carries RALLY_AGENT_TOKEN=token (processes we may read)."""
-    needle = f"{TOKEN_VARIABLE}={token}".encode()
-    return [int(name) for name in os.listdir("/proc") if name.isdigit() and _marked(int(name), needle)]
 
 
 def _marked(pid: int, needle: bytes) -> bool:

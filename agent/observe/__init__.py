@@ -1,2 +1,2 @@
-"""What the agent learns about its workers (exits, heartbeats, resources, GPUs,
-stragglers) and where it shows it: events.jsonl, the status record, the live view, /metrics."""
+"""What the agent learns about its workers (exits, heartbeats, hangs and who really hung,
+resources, GPUs, stragglers) and where it shows it: the status record, the live view, /metrics."""

@@ -115,7 +115,7 @@ def worker_usage(devices: Iterable[DeviceReading], pids: set[int]) -> WorkerGpu:
 class NvmlMonitor:
     """An initialised NVML with one handle per GPU and an event set for critical XIDs."""
 
-    def __init__(self, nvml: ModuleType, handles: list[Any]):
+    def __init__(self, nvml: ModuleType, handles: list[object]):  # NVML's device handles: opaque
         self.nvml = nvml
         self.handles = handles
         self.events = None
@@ -158,7 +158,7 @@ class NvmlMonitor:
             seen.setdefault(index, []).append(int(event.eventData))
         return seen
 
-    def _read_device(self, index: int, handle: Any, xids: tuple[int, ...]) -> DeviceReading:
+    def _read_device(self, index: int, handle: object, xids: tuple[int, ...]) -> DeviceReading:
         nvml = self.nvml
         memory = _call(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
         utilization = _call(nvml, nvml.nvmlDeviceGetUtilizationRates, handle)
@@ -219,7 +219,7 @@ def open_monitor(
     return NvmlMonitor(nvml, handles), ""
 
 
-def _call(nvml: ModuleType, fn: Callable[..., Any], *args: Any) -> Any:
+def _call(nvml: ModuleType, fn: Callable[..., Any], *args: object) -> Any:
     """One NVML query; None where the GPU does not support it (NVML_ERROR_NOT_SUPPORTED, ...)."""
     try:
         return fn(*args)
@@ -227,14 +227,15 @@ def _call(nvml: ModuleType, fn: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
-def _same(nvml: ModuleType, a: Any, b: Any) -> bool:
+def _same(nvml: ModuleType, a: object, b: object) -> bool:
+    """Two NVML device handles (opaque: only NVML reads them) name the same GPU."""
     try:
         return _text(nvml.nvmlDeviceGetUUID(a)) == _text(nvml.nvmlDeviceGetUUID(b))
     except nvml.NVMLError:
         return False
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     if value is None:
         return ""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -31,10 +31,10 @@ from typing import Any, Literal
 
 import psutil
 
+from rally.agent.base.spec import RESOURCE_INTERVAL_SECONDS, JobSpec
 from rally.agent.observe.gpu import DeviceReading, worker_usage
-from rally.agent.spec import RESOURCE_INTERVAL_SECONDS
-from rally.agent.worker import heartbeat_file
-from rally.agent.worker.heartbeat_file import HeartbeatRecord
+from rally.agent.worker_side import heartbeat_file
+from rally.agent.worker_side.heartbeat_file import HeartbeatRecord
 
 MEMORY_SHORT_FRACTION = 0.10  # the host counts as short of memory below 10% available
 MIB = 1024 * 1024
@@ -57,7 +57,7 @@ class HealthSettings:
     learned: Any = None  # --heartbeat-timeout auto: the agent's LearnedTimeouts (agent/observe/learned_timeouts.py)
 
     @classmethod
-    def for_job(cls, spec: Any, say: Callable[[str], None], emit: Callable[..., None]) -> HealthSettings:
+    def for_job(cls, spec: JobSpec, say: Callable[[str], None], emit: Callable[..., None]) -> HealthSettings:
         """The job's timeouts (`spec`: agent.spec.JobSpec); learned ones print with `say`, record with `emit`."""
         from rally.agent.observe.learned_timeouts import LearnedTimeouts
 
@@ -349,13 +349,6 @@ class HealthMonitor:
             counter = _memory_cgroup_counter(w.pid)  # cgroup v2 only: v1 reads False by now
             if isinstance(counter, Path) and _oom_kill_count(counter) > 0:
                 w.oom_counter, w.oom_kills_seen = counter, 0
-
-    def is_stopped(self, local_rank: int) -> bool:
-        w = self.watched.get(local_rank)
-        try:
-            return w is not None and psutil.Process(w.pid).status() == psutil.STATUS_STOPPED
-        except psutil.Error:
-            return False
 
     def explain_kill(self, local_rank: int) -> str | None:
         """Why a worker that died of SIGKILL (sent by nobody here) probably died, or None."""

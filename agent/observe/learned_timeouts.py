@@ -4,7 +4,7 @@ Too short a `--heartbeat-timeout` kills a healthy job at its first slow step; to
 node-hour per hang. NVIDIA's ft_launcher (fault_tolerance/timeouts_calc.py) measures instead: the
 longest gap between heartbeats times a safety factor. rally does the same:
 
-* the worker measures (agent/worker/heartbeat_file.py): each beat records the longest interval so far,
+* the worker measures (agent/worker_side/heartbeat_file.py): each beat records the longest interval so far,
   counted from the later of the previous beat and the last section change (the clock the agent
   judges a hang by); each top-level `job.section(name)` without a timeout of its own records, on
   exit, how often that name completed and its longest duration;
@@ -23,25 +23,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from rally.agent.worker.heartbeat_file import HeartbeatRecord
+from rally.agent.base.spec import LearningSettings
+from rally.agent.worker_side.heartbeat_file import HeartbeatRecord
 
 # A learned timeout is raised (and printed) only when the new value is this much above it, so a
 # job whose longest step creeps up by milliseconds does not print a line per step.
 CHANGE_FRACTION = 0.1
 # Sections are learned from their first completion (see the module docstring).
 SECTION_SAMPLES = 1
-
-
-@dataclass(frozen=True)
-class LearningSettings:
-    """`--timeout-safety-factor`, `--timeout-samples`, `--timeout-floor`."""
-
-    factor: float = 5.0
-    samples: int = 20
-    floor: float = 30.0
 
 
 class LearnedTimeouts:
@@ -136,5 +127,5 @@ class LearnedTimeouts:
             self.emit("timeouts_loaded", heartbeat=self.heartbeat, sections=dict(self.sections))
 
 
-def _seconds(value: Any) -> TypeGuard[float]:
+def _seconds(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9

@@ -24,7 +24,7 @@ REFRESH_PER_SECOND = 2
 class ConsoleSink:
     """A binary stream look-alike that prints whole lines through a rich console.
 
-    A progress redraw (a piece ending in '\r', see agent/output.py) cannot overwrite a line
+    A progress redraw (a piece ending in '\r', see agent/rounds/output.py) cannot overwrite a line
     above the live table, so the latest redraw of each worker is shown below the table
     instead (`progress`, keyed by the worker's prefix) until that worker ends the line.
     """

@@ -172,7 +172,7 @@ class AgentCollector(Collector):
         yield from (family for family in (cpu, *gauges.values()) if family.samples)
 
 
-def _preflight(last: Any) -> Iterator[Metric]:
+def _preflight(last: object) -> Iterator[Metric]:
     """The status record's "preflight" (agent/checks/preflight.py): this node's numbers, and who was left out."""
     if not isinstance(last, dict):
         return

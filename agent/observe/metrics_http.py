@@ -145,7 +145,8 @@ class BoundedHttpServer:
             environ["HTTP_" + name.strip().upper().replace("-", "_")] = value.strip()
         answer: list[Any] = []
 
-        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: object = None) -> None:
+            # exc_info: WSGI's sys.exc_info() of an app failing mid-response; unused, the status says it
             answer[:] = [status, headers]
 
         try:

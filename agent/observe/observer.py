@@ -1,42 +1,74 @@
 """What the agent tells about a running job beyond "alive or hung": stragglers, metrics, GPU health.
 
-The agent (agent/agent.py) owns one :class:`Observer` and calls it at a few points: when it
-starts and stops, before it joins each round, after each health check, when it builds its
-status record, and from its keep-alive thread. Everything else lives in the modules this one
+The agent (agent/agent.py) owns one :class:`Observer`, a collaborator (agent/base/collaborator.py):
+its hooks run when the agent starts and exits, before it joins each round, before the workers
+start, on each turn of the watch loop and before a restart; the agent also calls it when it builds
+its status record, and from its keep-alive thread (`exchange`). Everything else lives in the modules this one
 ties together: agent/observe/stragglers.py (step times, who is slow), agent/observe/metrics.py (/metrics for
 Prometheus) and agent/observe/gpu.py (NVML).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from rally.agent.base.collaborator import AgentContext, Collaborator, JobRecord
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT, AgentExit
 from rally.agent.display import console
 from rally.agent.observe import gpu as gpus
-from rally.agent.observe.event_log import EventLog
 from rally.agent.observe.gpu_reclaim import gpu_processes_of, wait_reclaimed
+from rally.agent.observe.hang_report import RoundWorkers, StackSource
+from rally.agent.observe.health import HealthMonitor
+from rally.agent.observe.job_view import write_job_view
+from rally.agent.observe.learned_timeouts import LearnedTimeouts
 from rally.agent.observe.stragglers import CentralValues, StragglerWatch, job_step_times
-from rally.agent.spec import JobSpec
 from rally.rendezvous.node_memory import load_timeouts, save_timeouts
+from rally.rendezvous.protocol import Assignment, Round, RoundEnd
 
 
-class Observer:
+class EndedRound(Protocol):
+    @property
+    def end(self) -> dict | None:
+        """How the round ended (its RoundEnd as a dict), None while it runs."""
+
+
+class RoundsRecord(JobRecord, Protocol):
+    """The agent's report.json with its rounds (agent/report.py's JobReport is one)."""
+
+    @property
+    def attempts(self) -> Sequence[EndedRound]: ...
+
+
+class ObserverContext(AgentContext, Protocol):
+    """What the observer needs of its agent beyond every collaborator's context."""
+
+    @property
+    def report(self) -> RoundsRecord: ...
+
+    @property
+    def group(self) -> RoundWorkers | None: ...
+
+    @property
+    def health(self) -> HealthMonitor: ...
+
+
+class Observer(Collaborator):
     """Stragglers, /metrics and GPU health for one agent."""
 
-    def __init__(self, spec: JobSpec, events: EventLog, host: str, base_env: dict[str, str], timeouts: Any = None):
+    def __init__(self, ctx: ObserverContext, timeouts: LearnedTimeouts | None = None):
         """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py),
-        kept in the store."""
-        self.spec = spec
+        kept in the store. Node 0 keeps the job's view for `rally status RUN_DIR` in the agent's run
+        directory (agent/observe/job_view.py)."""
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.run_dir: Path | None = ctx.run_dir
         self.timeouts = timeouts
-        self.node_checks: Any = (
-            None  # quarantine and pre-flight (agent/checks/node_checks.py): the status record's "preflight"
-        )
-        self.events = events
-        self.host = host
-        self.base_env = base_env
-        self.stragglers = StragglerWatch(spec.straggler_factor, spec.straggler_window)
+        self.events = ctx.events
+        self.host = ctx.host
+        self.base_env = ctx.base_env
+        self.stragglers = StragglerWatch(ctx.spec.straggler_factor, ctx.spec.straggler_window)
         self.metrics: Any = None
         self.gpu: gpus.NvmlMonitor | None = None
         self.gpu_skipped: str | None = None
@@ -49,11 +81,34 @@ class Observer:
         )  # this round's workers and their processes seen on GPUs (agent/observe/gpu_reclaim.py)
         self.gpu_baseline: dict[int, int] = {}  # bytes in use per GPU before the round's workers started
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self, snapshot: Callable[[], dict | None], report: Any) -> None:
-        """Open NVML and start /metrics (OSError with one line if the port cannot be bound).
+    # ------------------------------------------------------------------ hooks (agent/base/collaborator.py)
+    def start(self) -> None:
+        """Open NVML and start /metrics; a port that cannot be bound is bad input (exit 2, one line)."""
+        try:
+            self._start()
+        except OSError as exc:
+            raise AgentExit(EXIT_BAD_INPUT, str(exc)) from None
 
-        `snapshot` returns the agent's status record; `report` is its JobReport (round ends)."""
+    def workers_starting(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
+        self.load_timeouts()
+        return None
+
+    def watch(self, rnd: Round) -> RoundEnd | None:
+        group = self.ctx.group
+        assert group is not None  # the watch loop runs while the round's workers do
+        self.after_check(rnd.assignment, group.workers, self.ctx.health)
+        return None
+
+    def restarting(self, rnd: Round, end: RoundEnd) -> None:
+        self.note_restart(rnd.assignment.round, end)
+
+    def exit(self) -> str | None:
+        self.stop()
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _start(self) -> None:
+        """Open NVML and start /metrics (OSError with one line if the port cannot be bound)."""
         self.gpu, reason = gpus.open_monitor()
         if self.gpu is None:
             self.gpu_skipped = reason
@@ -63,9 +118,10 @@ class Observer:
         if self.spec.metrics_port is not None:
             from rally.agent.observe import metrics
 
-            ends = lambda: metrics.round_end_kinds(report.attempts)  # noqa: E731
+            report = self.ctx.report
+            ends = lambda: metrics.round_end_kinds(list(report.attempts))  # noqa: E731
             self.metrics = metrics.serve(
-                self.spec.metrics_port, snapshot, ends, self.spec.run_id, self.spec.metrics_addr
+                self.spec.metrics_port, self.ctx.status_now, ends, self.spec.run_id, self.spec.metrics_addr
             )
             console.say(f"Prometheus metrics at {self.metrics.url}")
 
@@ -132,13 +188,14 @@ class Observer:
             console.error(f"node {self.host} has unhealthy GPUs before joining the next round: {'; '.join(problems)}")
             self.events.emit("gpu_unhealthy", node=self.host, problems=problems)
 
-    def load_timeouts(self, store_call: Callable[[Callable[[], Any]], Any], store: Any) -> None:
+    def load_timeouts(self) -> None:
         """Before workers start: take the timeouts this job learned before (a restart, a newcomer)."""
+        store = self.ctx.store
         if self.timeouts is not None and store is not None:
-            self.timeouts.merge(store_call(lambda: load_timeouts(store)), "the store")
+            self.timeouts.merge(self.ctx.store_call(lambda: load_timeouts(store)), "the store")
 
     # ------------------------------------------------------------------ stragglers
-    def after_check(self, assignment: Any, workers: list[Any], health: Any) -> None:
+    def after_check(self, assignment: Assignment, workers: Sequence[StackSource], health: HealthMonitor) -> None:
         """Feed the heartbeat files' steps to the straggler watch; name and clear stragglers."""
         if self.gpu is not None:  # whom to wait for before the next round (agent/observe/gpu_reclaim.py)
             self.worker_pids |= {w.pid for w in workers} | gpu_processes_of(
@@ -175,7 +232,7 @@ class Observer:
             console.say(f"rank {rank} on {self.host} is no longer a straggler")
             self.events.emit("straggler_cleared", round=assignment.round, rank=rank, node=self.host)
 
-    def worker_fields(self, worker: Any, health: Any) -> dict:
+    def worker_fields(self, worker: StackSource, health: HealthMonitor) -> dict:
         """Extra fields of one worker in the status record: step, step time, straggler, section."""
         record = health.records().get(worker.local_rank)
         straggler = self.stragglers.stragglers.get(worker.global_rank)
@@ -192,25 +249,32 @@ class Observer:
     def node_fields(self) -> dict:
         problems = self.gpu_problems()
         total = None if problems is None else len(self.gpu_problems_seen)
-        checks = self.node_checks.status_fields() if self.node_checks is not None else {}
-        return {"gpu_problems": problems, "gpu_problems_total": total, "last_restart": self.last_restart, **checks}
+        return {"gpu_problems": problems, "gpu_problems_total": total, "last_restart": self.last_restart}
 
-    def note_restart(self, round_: int, end: Any) -> None:
+    def _keep_view(self, status: dict) -> None:
+        assert self.run_dir is not None
+        try:
+            write_job_view(self.run_dir, self.spec.run_id, status)
+        except OSError:
+            pass  # a full disk or a removed run directory: `rally status RUN_DIR` asks the store instead
+
+    def note_restart(self, round_: int, end: RoundEnd) -> None:
         """Round `round_` ended with `end` (a failure or a membership change) and another follows:
         kept for the status record, so `rally status` can say why the last restart happened."""
         self.last_restart = {"round": round_, "kind": str(end.kind), "detail": end.detail}
 
-    def exchange(self, rnd: Any) -> None:
-        """From the keep-alive thread, with the round (rendezvous.protocol.Round) on its connection:
-        make the straggler median the job's, not only this node's.
+    def exchange(self, rnd: Round) -> None:
+        """From the status thread, with the round (rendezvous.protocol.Round) on its connection:
+        make the straggler median the job's, not only this node's, and keep the job's view.
 
-        Node 0 reads every node's status record of this round (one multi-get) and publishes the
-        middle of the sorted step times; every other node reads that one key.
+        Node 0 reads every node's status record of this round (one multi-get), writes what it
+        read into its run directory for `rally status RUN_DIR` (agent/observe/job_view.py) and
+        publishes the middle of the sorted step times; every other node reads that one key.
         """
         if self.timeouts is not None and self.timeouts.changed:
             save_timeouts(rnd.store, self.timeouts.to_json())
-        assignment = rnd.a
-        if assignment.group_world_size <= 1:
+        assignment = rnd.assignment
+        if assignment.group_world_size <= 1 and self.run_dir is None:
             return
         summary: CentralValues | None
         if assignment.group_rank == 0:
@@ -220,6 +284,10 @@ class Observer:
                 status = read_job_status(rnd.store)
             except (ValueError, TypeError, KeyError, AttributeError):
                 return  # a record that is not JSON (store contents are not trusted): skip this time
+            if status is not None and self.run_dir is not None:
+                self._keep_view(status)
+            if assignment.group_world_size <= 1:
+                return
             times = job_step_times(status["nodes"] if status else [], assignment.round)
             summary = CentralValues.of(times)
             rnd.channel.publish_step_times(summary.to_json())

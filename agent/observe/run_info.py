@@ -7,7 +7,10 @@ directory (`<log-dir>/<run-id>_<suffix>/`, beside report.json and events.jsonl),
 `rally status RUN_DIR` reads them back: the run directory is the one name a user already has.
 
 When the job is over (a standalone store ends with its agent), `rally status RUN_DIR` falls back
-to what the agent wrote there: report.json's outcome and events.jsonl's last restart.
+to what the agent wrote there: report.json's outcome and events.jsonl's last restart. And the
+command printed at start, `rally status --rdzv-endpoint ... --rdzv-id ID`, then names the run
+directory: it finds it by the run id under the default --log-dir, and in this user's index of run
+directories (`$TMPDIR/rally-runs-<uid>/`, a link per run, whatever --log-dir it used).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import itertools
 import json
 import os
 import shlex
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from rally.agent.base.untrusted_files import UntrustedFile, read_capped, read_json_object
 from rally.agent.display.untrusted_text import printable
-from rally.agent.untrusted_files import UntrustedFile, read_capped, read_json_object
+from rally.rendezvous.store import StoreEndpoint
 
 ENDPOINT_FILE = "endpoint.json"
 REPORT_FILE = "report.json"
@@ -30,16 +35,19 @@ EVENTS_FILE = "events.jsonl"
 # events.jsonl events that start a new round of the same job (agent/agent.py `_after_round`).
 RESTART_EVENTS = ("restart", "membership_change")
 # What `rally status RUN_DIR` reads of each file at most (each opened without following a link
-# or blocking: agent/untrusted_files.py). The run directory may be in a shared --log-dir.
+# or blocking: agent/base/untrusted_files.py). The run directory may be in a shared --log-dir.
 MAX_ENDPOINT_BYTES = 64 * 1024
 MAX_REPORT_BYTES = 16 << 20
 MAX_EVENTS_BYTES = 4 << 20  # the tail of events.jsonl: the newest restart is near its end
 MAX_EVENT_LINE = 64 * 1024
 MAX_TEXT = 1000  # a restart's kind and detail, as kept
 MAX_RUNS_LISTED = 1000  # run folders looked at in a --log-dir
+# This user's index of run directories (a link each, newest kept): `$TMPDIR/rally-runs-<uid>`.
+RUN_INDEX_PREFIX = "rally-runs-"
+MAX_INDEXED_RUNS = 200
 
 
-def status_flags(endpoint: Any, run_id: str) -> list[str] | None:
+def status_flags(endpoint: StoreEndpoint, run_id: str) -> list[str] | None:
     """The flags `rally status` needs for this store (rendezvous.store.StoreEndpoint), or None
     for a FileStore, which only `rally status RUN_DIR` can name."""
     if endpoint.file_path:
@@ -51,7 +59,7 @@ def status_flags(endpoint: Any, run_id: str) -> list[str] | None:
     return ["--rdzv-endpoint", f"{host}:{endpoint.port}", "--rdzv-id", run_id]
 
 
-def announce(endpoint: Any, run_id: str, run_dir: Path) -> str:
+def announce(endpoint: StoreEndpoint, run_id: str, run_dir: Path) -> str:
     """Write RUN_DIR/endpoint.json and return the line that tells the user how to see the job."""
     flags = status_flags(endpoint, run_id)
     record = {
@@ -65,6 +73,7 @@ def announce(endpoint: Any, run_id: str, run_dir: Path) -> str:
     tmp = run_dir / f".{ENDPOINT_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, run_dir / ENDPOINT_FILE)
+    index_run(run_dir)
     by_dir = f"rally status {shlex.quote(str(run_dir.resolve()))}"
     if flags is None:
         return f"see this job with: {by_dir}"
@@ -101,21 +110,61 @@ def find_run_dir(path: Path) -> Path:
     )
 
 
+def run_index(base: Path | None = None) -> Path:
+    """This user's index of run directories (under `base`, the temp directory by default)."""
+    return (Path(tempfile.gettempdir()) if base is None else base) / f"{RUN_INDEX_PREFIX}{os.geteuid()}"
+
+
+def index_run(run_dir: Path, base: Path | None = None) -> None:
+    """Link `run_dir` from this user's index (see `run_dirs_of`), keeping the newest
+    MAX_INDEXED_RUNS links. The index is a directory only this user may use (mode 0700, theirs):
+    one someone else made, or one another user can write in, is left alone and nothing is
+    linked. Best effort: a run is still found by its RUN_DIR without it."""
+    index = run_index(base)
+    try:
+        index.mkdir(mode=0o700, exist_ok=True)
+        if not _private_dir(index):
+            return
+        temporary = index / f".{run_dir.name}.{os.getpid()}.tmp"
+        os.symlink(run_dir.resolve(), temporary)
+        os.replace(temporary, index / run_dir.name)
+        links = sorted(index.iterdir(), key=lambda p: _mtime(p), reverse=True)
+        for old in links[MAX_INDEXED_RUNS:]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        return
+
+
+def _private_dir(path: Path) -> bool:
+    """A directory (not a link to one) of this user's that no one else may write in or read."""
+    found = path.lstat()
+    return stat.S_ISDIR(found.st_mode) and found.st_uid == os.geteuid() and not found.st_mode & 0o077
+
+
 def run_dirs_of(run_id: str, base: Path | None = None) -> list[Path]:
-    """This user's run directories of `run_id` under the default --log-dir (`$TMPDIR/rally_*`,
-    agent/workers.py `LogLayout`), newest first: where to look once the job's store is gone.
-    Only directories owned by this user count (anyone can make one under /tmp)."""
+    """This user's run directories of `run_id`, newest first: where to look once the job's store
+    is gone. Found under the default --log-dir (`$TMPDIR/rally_*`, agent/rounds/workers.py
+    `LogLayout`) and through this user's index (`index_run`: any --log-dir). Only directories
+    owned by this user count (anyone can make one under /tmp), each once."""
     base = Path(tempfile.gettempdir()) if base is None else base
-    pattern = f"rally_*/{glob.escape(run_id.replace('/', '_'))}_*/{ENDPOINT_FILE}"
-    found = []
-    for path in itertools.islice(base.glob(pattern), MAX_RUNS_LISTED):
+    name = f"{glob.escape(run_id.replace('/', '_'))}_*"
+    candidates = list(itertools.islice(base.glob(f"rally_*/{name}/{ENDPOINT_FILE}"), MAX_RUNS_LISTED))
+    index = run_index(base)
+    try:
+        if _private_dir(index):  # its links are this user's own
+            candidates += itertools.islice(index.glob(f"{name}/{ENDPOINT_FILE}"), MAX_RUNS_LISTED)
+    except OSError:
+        pass
+    found: dict[Path, float] = {}
+    for path in candidates:
         try:
-            mine = all(p.lstat().st_uid == os.geteuid() for p in (path, path.parent))
-            if mine and read_endpoint(path.parent).get("run_id") == run_id:
-                found.append((path.lstat().st_mtime, path.parent))
+            run_dir = path.parent.resolve()
+            mine = all(p.lstat().st_uid == os.geteuid() for p in (path, run_dir))
+            if mine and read_endpoint(run_dir).get("run_id") == run_id:
+                found[run_dir] = path.lstat().st_mtime
         except (OSError, RunDirError):
             continue
-    return [run_dir for _, run_dir in sorted(found, reverse=True)]
+    return sorted(found, key=lambda run_dir: found[run_dir], reverse=True)
 
 
 def read_endpoint(run_dir: Path) -> dict:

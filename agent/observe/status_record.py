@@ -1,6 +1,6 @@
 """This node as `rally status`, the live view and /metrics see it: one JSON-able record.
 
-The keep-alive thread publishes it to the store every few seconds (agent/round_threads.py), the
+The keep-alive thread publishes it to the store every few seconds (agent/rounds/threads.py), the
 live view renders it (agent/observe/live.py), the observer turns it into metrics (agent/observe/metrics.py). It
 is built from a snapshot of the worker group without locks: a worker that exits meanwhile shows
 its old state until the next record, which is harmless for a display.
@@ -9,12 +9,30 @@ its old state until the next record, which is harmless for a display.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
+from rally.agent.observe.hang_report import StackSource
+from rally.agent.observe.health import HealthMonitor
+from rally.agent.observe.observer import Observer
 from rally.rendezvous.protocol import Assignment
 
 
-def node_status(host: str, node_id: str, a: Assignment, group: Any, health: Any, observer: Any) -> dict:
+class ShownWorker(StackSource, Protocol):
+    def state(self) -> str:
+        """Its process state as `rally status` shows it (running, exited 1, ...)."""
+
+
+class ShownWorkers(Protocol):
+    """This round's workers as the status record shows them (agent/rounds/workers.py's WorkerGroup is one)."""
+
+    @property
+    def workers(self) -> Sequence[ShownWorker]: ...
+
+
+def node_status(
+    host: str, node_id: str, a: Assignment, group: ShownWorkers | None, health: HealthMonitor, observer: Observer
+) -> dict:
     """`group` is the round's WorkerGroup (or None between rounds), `health` its HealthMonitor,
     `observer` adds step times, stragglers and GPUs (agent/observe/observer.py)."""
     workers = []

@@ -32,8 +32,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-DEFAULT_FACTOR = 1.5
-DEFAULT_WINDOW = 10
+from rally.agent.base.spec import DEFAULT_FACTOR, DEFAULT_WINDOW
 
 
 class StepClock:

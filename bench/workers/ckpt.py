@@ -2,17 +2,22 @@
 
     <launcher> --nproc-per-node 2 bench/workers/ckpt.py --method rally --dir D --mb 400 --out R.json
 
-Every rank holds the same state (DDP's case): ``--mb`` MB of float32 in 100 tensors. Attempt 0
-measures, on rank 0, a plain copy of the state into preallocated tensors (``copy_``, warm), then
-``--saves`` saves, one per "step" (a barrier, then the save, then ``--gap`` seconds of sleep, as
-if training), and the stall of each: the time from the call to its return. Then rank 1 SIGKILLs
+Every rank holds the same state (DDP's case): ``--mb`` MB of float32 in 100 tensors, the
+parameters of an optimizer whose step overwrites every one in place (an optimizer step's memory
+traffic). Attempt 0 measures, on rank 0, a plain copy of the state into preallocated tensors
+(``copy_``, warm), then ``--saves`` saves, one per "step": a barrier, the save, then the next
+step: ``--compute`` seconds of matrix products on every rank (its forward and backward), the
+optimizer's step, and sleep until ``--gap`` seconds after the save. The **stall** of a save is
+the time from the call to its return, plus, for rally's overlapped saves, the time the next
+optimizer step's fence waited for the copy (agent/checkpoint/core/overlap.py). Then rank 1 SIGKILLs
 itself, the launcher restarts both workers, and attempt 1 measures the reload: the time to get
 the newest state back into the model's tensors (load + ``copy_``, or DCP's in-place load), and
 checks its values are those of the last step saved. Rank 0 writes its figures to ``--out``.
 
 Methods: ``torch_save`` (rank 0, torch.save to a file), ``dcp_async`` (every rank,
 torch.distributed.checkpoint.async_save; durable when its future resolves), ``rally``
-(rally.job.save/load_latest, the memory tier), ``rally_disk`` (the same, run with the tier
+(rally.job.save/load_latest, the memory tier, overlapped), ``rally_sync`` (the same with
+RALLY_CKPT_OVERLAP=0: the whole copy before save returns), ``rally_disk`` (the tier
 off), ``dlrover`` (DLRover's DdpCheckpointer,
 StorageType.DISK: shared memory, persisted by its agent; run under dlrover-run).
 
@@ -56,6 +61,43 @@ def sharded_state(mb: int, step: int) -> dict[str, torch.Tensor]:
 def local(v: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, or the tensor itself."""
     return v.to_local() if hasattr(v, "to_local") else v
+
+
+class Overwrite(torch.optim.Optimizer):
+    """An optimizer whose step writes ``value`` into every parameter in place: an optimizer step's
+    memory traffic, and the values the reload checks."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {})
+        self.value = 0.0
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.fill_(self.value)
+
+
+def compute(seconds: float) -> None:
+    """The next step's forward and backward: matrix products for ``seconds`` (one thread)."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        torch.mm(a, b)
+
+
+def fence_seconds() -> float:
+    """How long rally's fences have waited for overlapped copies in this process."""
+    from rally.agent.checkpoint.core.overlap import overlap
+
+    return overlap.fence_seconds
+
+
+def skipped_saves() -> int:
+    """rally's overlapped saves skipped so far (the holder's other copy was being persisted)."""
+    from rally.agent.checkpoint.core.overlap import overlap
+
+    return overlap.skipped
 
 
 def plain_copy_seconds(state: dict[str, torch.Tensor]) -> float:
@@ -119,7 +161,7 @@ class Method:
         if self.name.startswith("dcp_async"):
             return self.pending is not None and self.pending.done()
         if self.name == "rally_sharded":
-            from rally.agent.checkpoint import dcp_files
+            from rally.agent.checkpoint.sharded import files as dcp_files
 
             return dcp_files.is_intact(self.dir / dcp_files.step_name(step))
         if self.name.startswith("rally"):
@@ -157,6 +199,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=400)
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--gap", type=float, default=1.5)
+    parser.add_argument("--compute", type=float, default=0.1, help="seconds of the next step's compute")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -169,16 +212,35 @@ def main() -> None:
     if attempt == 0:
         state = build(args.mb, 0)
         copy = plain_copy_seconds(state)
-        stalls, durable_after, dropped = [], [], []
+        stalls, durable_after, dropped, fences = [], [], [], []
+        optimizer = None
+        if not method.sharded:  # the state is the parameters of an optimizer, saved as a state_dict's detached views
+            params = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in state.items()}
+            state = {k: p.detach() for k, p in params.items()}
+            optimizer = Overwrite(list(params.values()))
         for step in range(1, args.saves + 1):
-            for v in state.values():
-                local(v).fill_(float(step))  # the "training step"
-            local(state["p0"])[0] = step
+            if optimizer is None:
+                for v in state.values():
+                    local(v).fill_(float(step))  # the "training step" of the sharded state
+            elif step == 1:
+                optimizer.value = 1.0
+                optimizer.step()
             dist.barrier()
             start = time.perf_counter()
             if not method.save(state, step):
                 dropped.append(step)
             stalls.append(time.perf_counter() - start)
+            compute(args.compute)  # the next step: its forward and backward, then its optimizer step
+            if optimizer is not None:
+                rally = method.name.startswith("rally")
+                waited, skipped = (fence_seconds(), skipped_saves()) if rally else (0.0, 0)
+                optimizer.value = float(step + 1)
+                optimizer.step()  # rally's fence settles the save: its wait counts in the stall
+                if rally:
+                    fences.append(fence_seconds() - waited)
+                    stalls[-1] += fences[-1]
+                    if skipped_saves() > skipped:
+                        dropped.append(step)
             deadline = start + args.gap
             while not method.durable(step) and time.perf_counter() < deadline:
                 time.sleep(0.005)
@@ -188,7 +250,15 @@ def main() -> None:
             method.pending.result()
         if rank == 0:
             args.out.write_text(
-                json.dumps({"copy": copy, "stalls": stalls, "durable_after": durable_after, "dropped": dropped})
+                json.dumps(
+                    {
+                        "copy": copy,
+                        "stalls": stalls,
+                        "fences": fences,
+                        "durable_after": durable_after,
+                        "dropped": dropped,
+                    }
+                )
             )
         dist.barrier()
         if rank == 1:

@@ -3,16 +3,19 @@
     <launcher> --nproc-per-node 2 bench/workers/goodput.py --method rally --dir D --until EPOCH --events E
 
 Every rank holds the same state, 25 float32 tensors of 2000 x 2000 (400 MB, the size of
-25 x Linear(2000, 2000)), and steps in lockstep with the other rank: each step overwrites every
-tensor in place (an optimizer step's memory traffic: the state after step s is ``s + i`` in
-tensor i, so a resumed state is checked exactly), computes matrix products until the step has
-taken ``--step-seconds`` (0.1 s), and all-reduces a small tensor, as DDP's gradient exchange would
-(so a killed peer fails the survivor, as in real training). Rank 0's all-reduce also carries
+25 x Linear(2000, 2000)): the parameters of an optimizer, saved as a state_dict's detached views.
+It steps in lockstep with the other rank: each step computes matrix products for
+``--step-seconds`` (0.1 s: its forward and backward), then the optimizer's step overwrites every
+parameter in place (an optimizer step's memory traffic: the state after step s is ``s + i`` in
+tensor i, so a resumed state is checked exactly), and all-reduces a small tensor, as DDP's
+gradient exchange would (so a killed peer fails the survivor, as in real training). Rank 0's all-reduce also carries
 "the deadline has passed", so both ranks stop after the same step.
 
 Checkpoints follow Young's interval for a failure every ``--mtbf`` seconds: every
 ``round(sqrt(2 x stall x mtbf) / step time)`` steps, with the stall and the step time measured as
-the run goes (the first save is at step 1, to measure it). Methods:
+the run goes (the first save is at step 1, to measure it). A save's stall is the time in the call
+plus, for rally (whose copy overlaps the next step, agent/checkpoint/core/overlap.py), the time
+the next optimizer step's fence waited for that copy. Methods:
 
 - ``rally``: ``rally.job.save(state, step)`` / ``load_latest()`` (the memory tier, persisted in
   the background to ``--checkpoint-dir``);
@@ -116,10 +119,26 @@ class Checkpoints:
         return None
 
 
-def fill(state: dict[str, torch.Tensor], step: int) -> None:
-    """The state after ``step``: tensor i holds ``step + i`` everywhere (overwritten in place)."""
-    for i, tensor in enumerate(state.values()):
-        tensor.fill_(float(step + i))
+class Overwrite(torch.optim.Optimizer):
+    """An optimizer whose step leaves parameter i holding ``step + i`` everywhere (in place)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, {})
+        self.to_step = 0
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        for i, p in enumerate(self.param_groups[0]["params"]):
+            p.fill_(float(self.to_step + i))
+
+
+def fence_seconds(method: str) -> float:
+    """How long rally's fences have waited for overlapped copies in this process (0 elsewhere)."""
+    if method != "rally":
+        return 0.0
+    from rally.agent.checkpoint.core.overlap import overlap
+
+    return overlap.fence_seconds
 
 
 def check(state: dict[str, torch.Tensor], step: int) -> None:
@@ -153,7 +172,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
         args.pid_file.write_text(str(os.getpid()))
-    state = {f"layer{i}.weight": torch.empty(SIDE, SIDE) for i in range(TENSORS)}
+    params = [torch.nn.Parameter(torch.empty(SIDE, SIDE), requires_grad=False) for _ in range(TENSORS)]
+    optimizer = Overwrite(params)
+    state = {f"layer{i}.weight": p.detach() for i, p in enumerate(params)}  # what model.state_dict() holds
     ckpt = Checkpoints(args.method, args.dir)
     began = time.perf_counter()
     loaded = ckpt.load() if args.method != "none" else None
@@ -165,17 +186,28 @@ def main() -> None:
         check(state, step)
         events("resumed", step=step, seconds=time.perf_counter() - began)
     else:
-        fill(state, 0)
+        optimizer.to_step = 0
+        optimizer.step()
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     flag = torch.zeros(1)
     stalls: list[float] = []
     step_times: list[float] = []
     next_save = step + 1
+    saved: tuple[int, float, float] | None = None  # the last save: (step, seconds in the call, fences before)
     while True:
         step += 1
         t0 = time.perf_counter()
-        fill(state, step)
         busy_until(t0 + args.step_seconds, a, b)
+        optimizer.to_step = step
+        optimizer.step()  # rally's fence: waits for the last save's copy if it still runs
+        if saved is not None:  # its stall is known now: the call and the fence's wait
+            stalls.append(saved[1] + fence_seconds(args.method) - saved[2])
+            events("save", step=saved[0], seconds=stalls[-1])
+            per_step = statistics.median(step_times[-50:])
+            interval = max(1, round(math.sqrt(2 * statistics.median(stalls) * args.mtbf) / per_step))
+            next_save = saved[0] + interval
+            events("interval", steps=interval)
+            saved = None
         flag[0] = 1.0 if dist.get_rank() == 0 and time.time() >= args.until else 0.0
         dist.all_reduce(flag)
         took = time.perf_counter() - t0
@@ -184,14 +216,10 @@ def main() -> None:
         if flag[0] > 0:
             break
         if args.method != "none" and step >= next_save:
+            fenced = fence_seconds(args.method)
             t1 = time.perf_counter()
             ckpt.save(state, step)
-            stalls.append(time.perf_counter() - t1)
-            events("save", step=step, seconds=stalls[-1])
-            per_step = statistics.median(step_times[-50:])
-            interval = math.sqrt(2 * statistics.median(stalls) * args.mtbf) / per_step
-            next_save = step + max(1, round(interval))
-            events("interval", steps=max(1, round(interval)))
+            saved = (step, time.perf_counter() - t1, fenced)
     dist.destroy_process_group()
 
 

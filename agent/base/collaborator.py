@@ -1,0 +1,162 @@
+"""One way to wire a feature into the agent: a `Collaborator` with hooks at the moments of a job,
+handed one `AgentContext` when it is built.
+
+A feature of the agent (quarantine and pre-flight, stragglers and GPUs, the hang report, the
+judge of worker exits, the checkpoint tier...) is one class: it subclasses `Collaborator`,
+overrides the hooks it needs (the others do nothing) and is registered in one list,
+`Agent.collaborators` (agent/agent.py). The agent calls every registered collaborator's hook at
+each moment, in the list's order (at `exit`, in reverse: the last registered stops first):
+
+    start()                        once, before the store is opened
+    joined(store)                  once, the store open, before this node registers
+    before_round()                 before this node joins each round
+    round_formed(rnd)              the round formed and its threads run; workers' store not known yet
+    workers_starting(rnd, master)  the workers' store is known, no worker started yet
+    watch(rnd)                     each turn of the watch loop while the workers run
+    watch_over(rnd)                the watch loop is over, however it ended (also on an exit)
+    round_ending(rnd)              the round ended; its workers are about to be stopped
+    round_ended(rnd, end)          its workers stopped and the end acknowledged
+    restarting(rnd, end)           another round follows (a restart or a membership change)
+    exit()                         the agent exits, its workers stopped
+    status_fields()                any time: this feature's fields of the node's status record
+
+A hook that may end the round returns the round's end (`workers_starting`, `watch`): the first
+collaborator to return one ends it and the later ones are not asked. A hook that makes this node
+leave the job raises `AgentExit` (agent/base/exit_codes.py) with the exit code and its one line.
+
+What a collaborator needs of its agent it reads from the context it was given, instead of taking
+a dozen parameters and callbacks: the `AgentContext` protocol below, which the agent itself
+satisfies (mypy checks that where the agent builds the collaborator). A collaborator that needs
+more of the agent (this round's workers, their health) declares a protocol of its own extending
+`AgentContext`, in its own room, with the types its room can import (agent/observe/hang_report.py's
+`HangContext`); so a feature in a lower room never imports the agent above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from rally.agent.base.event_log import EventLog
+from rally.agent.base.event_loop import EventLoop
+from rally.agent.base.spec import JobSpec
+from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.plan import RendezvousPlan
+from rally.rendezvous.protocol import NodeInfo, Round, RoundEnd
+
+T = TypeVar("T")
+
+
+class JobRecord(Protocol):
+    """The agent's report.json as a collaborator may change it (agent/report.py's JobReport is one)."""
+
+    outcome: str  # "running" until something decides it: "quarantined", "left out by pre-flight", ...
+    quarantined: dict[str, str]  # host -> why
+
+
+class AgentContext(Protocol):
+    """What a collaborator sees of its agent (agent/agent.py's Agent is one).
+
+    Read-only properties, so that the agent's own attributes, of its own (narrower) types, satisfy
+    them; `store` is None until the store is opened."""
+
+    @property
+    def spec(self) -> JobSpec: ...
+
+    @property
+    def plan(self) -> RendezvousPlan: ...
+
+    @property
+    def node(self) -> NodeInfo:
+        """This node in the rendezvous (its id, host, address, preferred rank)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def base_env(self) -> dict[str, str]:
+        """The environment every worker of this agent starts from."""
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's log directory (events.jsonl, report.json, the workers' logs)."""
+
+    @property
+    def events(self) -> EventLog: ...
+
+    @property
+    def loop(self) -> EventLoop:
+        """The main thread's selector: signals, pidfds, worker output, the threads' inbox."""
+
+    @property
+    def report(self) -> JobRecord: ...
+
+    @property
+    def store(self) -> KeyValueStore | None:
+        """The rendezvous store of the main thread, None until it is opened."""
+
+    @property
+    def hosts_store(self) -> bool:
+        """This agent hosts the rendezvous store (its exit ends the store for every node)."""
+
+    def store_call(self, fn: Callable[[], T], waiting: bool = False) -> T:
+        """Every store call of the main thread goes through here: a lost, silent or untrusted store
+        ends the agent with one line. `waiting`: a long call, run while signals are handled."""
+        ...
+
+    def announce(self, line: str) -> None:
+        """Say what a long wait waits for: the console, and this node's status record."""
+
+    def status_now(self) -> dict | None:
+        """This node's status record in the round it is in (None before the first)."""
+
+
+class Collaborator:
+    """A feature of the agent: override the hooks you need (see the module docstring for when each
+    runs). Every hook runs in the agent's main thread."""
+
+    def start(self) -> None:
+        """The agent starts: its signal handlers, guard and template are up; the store is not open."""
+
+    def joined(self, store: KeyValueStore) -> None:
+        """The store is open and the rendezvous made; this node is not registered yet."""
+
+    def before_round(self) -> None:
+        """Before this node joins a round (the first one too); the last round's workers are gone."""
+
+    def round_formed(self, rnd: Round) -> None:
+        """A round formed with this node in it; its store threads run, its workers' store is not known."""
+
+    def workers_starting(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
+        """The workers' store (MASTER_ADDR, MASTER_PORT) is known and no worker has started: the round's
+        end (already ended in the store, e.g. by `store_call(lambda: rnd.channel.end(...))`) to end it
+        before its workers start, else None."""
+        return None
+
+    def watch(self, rnd: Round) -> RoundEnd | None:
+        """One turn of the watch loop, after signals and the threads' news: the round's end (ended in
+        the store) to end it, else None. Cheap: it runs on every wake-up of the loop."""
+        return None
+
+    def watch_over(self, rnd: Round) -> None:
+        """The watch loop is over, whichever way: the round's end, an end before the workers started,
+        or an AgentExit on its way out. The workers may still run."""
+
+    def round_ending(self, rnd: Round) -> None:
+        """The round has an end and nobody exits: its workers are stopped right after this."""
+
+    def round_ended(self, rnd: Round, end: RoundEnd) -> None:
+        """The round's workers are stopped, its end acknowledged, nothing decided yet."""
+
+    def restarting(self, rnd: Round, end: RoundEnd) -> None:
+        """Round `rnd` ended with `end` and another round follows (a restart or a re-form)."""
+
+    def exit(self) -> str | None:
+        """The agent exits (any way), its workers stopped. A line when the job, though its workers
+        succeeded, must not exit 0 (the agent says it and exits 1), else None."""
+        return None
+
+    def status_fields(self) -> dict[str, object]:
+        """This feature's fields of the node's status record (`rally status`, the live view, /metrics)."""
+        return {}

@@ -1,0 +1,28 @@
+"""`<log-dir>/events.jsonl`: one JSON object per lifecycle event, for tools and post-mortems.
+
+Each line has `time` (Unix seconds), `event`, `host` and the event's own fields. Events:
+round_formed, workers_starting (the round's workers are about to be forked), worker_started,
+worker_exited, worker_hung, round_ended (with `stop_seconds`, the time its workers took to stop),
+restart, membership_change, preempted, job_end. The file is appended and flushed per event, so it survives a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+
+class EventLog:
+    def __init__(self, path: Path):
+        self.path = path
+        self.host = socket.gethostname()
+        self._file = open(path, "a", buffering=1)  # lives as long as the agent
+
+    def emit(self, event: str, **fields: object) -> None:
+        record = {"time": round(time.time(), 6), "event": event, "host": self.host, **fields}
+        self._file.write(json.dumps(record, default=str) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

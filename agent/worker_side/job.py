@@ -1,0 +1,501 @@
+"""Helpers for training scripts run by rally (or torchrun): job context, checkpoints, heartbeat, preemption.
+
+Import it as ``from rally import job``. Importing is cheap and never imports torch: the agent's
+template process and scripts that only need :func:`context` or :func:`heartbeat` should not pay
+two seconds for it. Torch is imported inside :func:`save` and :func:`load_latest`.
+
+Environment (all optional; outside a launcher the job is rank 0 of 1)::
+
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    GROUP_RANK, GROUP_WORLD_SIZE                   torchrun's names, set by rally and torchrun
+    TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID
+    RALLY_CHECKPOINT_DIR     where save/load_latest keep checkpoints (rally's --checkpoint-dir);
+                             one directory that every rank sees (a shared file system on several
+                             nodes). Under rally without it, checkpoints live in the memory tier only
+    RALLY_CHECKPOINT_KEEP    how many checkpoints save() keeps (default 3)
+    RALLY_CKPT_HOLDER, RALLY_ROUND   the agent's checkpoint holder and this worker's round: save()
+                             copies into the node's memory, the holder writes the disk
+    RALLY_HEARTBEAT_FILE     per-worker heartbeat file created by the agent (see heartbeat_file)
+    RALLY_PREEMPT_SIGNALS    comma-separated signal names rally forwards before a kill, e.g. SIGUSR1,SIGTERM
+
+Typical loop::
+
+    ckpt = job.load_latest()
+    start = ckpt.step if ckpt else 0
+    for step in range(start + 1, steps + 1):
+        with job.section("step", timeout=600):
+            train_one_step(step)
+        job.heartbeat(step)
+        if step % 100 == 0 or job.preempted():
+            job.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rally.agent.checkpoint import checkpoint_dir
+from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step  # noqa: F401 - part of this module's API
+from rally.agent.checkpoint.core import auth, checkpoint_file, resume_prefetch
+from rally.agent.checkpoint.core import client as ckpt_client
+from rally.agent.checkpoint.core.auth import UnsafeDirectory  # noqa: F401 - part of this module's API
+from rally.agent.checkpoint.core.checkpoint_file import Checkpoint  # part of this module's API (load_latest returns it)
+from rally.agent.checkpoint.core.client import WHOLE_STATE_KEY, CheckpointRefused  # noqa: F401 - part of this module's API
+from rally.agent.checkpoint.core.overlap import overlap
+from rally.agent.checkpoint.sharded import files as dcp_files
+from rally.agent.worker_side import heartbeat_file, memory_only
+from rally.agent.worker_side.preemption_flag import install_preemption_handler, on_preempt, preempted  # noqa: F401 - part of this module's API
+
+if TYPE_CHECKING:  # torch is the worker's, imported when used
+    from torch.serialization import MAP_LOCATION
+
+CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
+CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
+HEARTBEAT_FILE_ENV = "RALLY_HEARTBEAT_FILE"
+PREEMPT_SIGNALS_ENV = "RALLY_PREEMPT_SIGNALS"
+
+DEFAULT_CHECKPOINT_KEEP = 3
+"""Checkpoints kept by :func:`save` when neither ``keep`` nor RALLY_CHECKPOINT_KEEP says otherwise.
+More than one, so that a newest file damaged after it was written still leaves a fallback."""
+
+# ---------------------------------------------------------------------------------------------
+# Context
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Where this worker sits in the job, read from the launcher's environment by :func:`context`."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+    restart_count: int
+    max_restarts: int
+    run_id: str
+    checkpoint_dir: Path | None
+    preempt_signals: tuple[signal.Signals, ...] = ()
+
+    @property
+    def is_rank0(self) -> bool:
+        """True on the one worker (global rank 0) that writes checkpoints and prints progress."""
+        return self.rank == 0
+
+
+def context() -> JobContext:
+    """Read the job context from the environment; defaults describe a single process (rank 0 of 1).
+
+    Read afresh on each call (a few microseconds), so a forked worker sees its own environment.
+    Raises ``ValueError`` with a one-line reason when a variable is malformed.
+    """
+    ckpt_dir = os.environ.get(CHECKPOINT_DIR_ENV, "")
+    return JobContext(
+        rank=_env_int("RANK", 0),
+        local_rank=_env_int("LOCAL_RANK", 0),
+        world_size=_env_int("WORLD_SIZE", 1),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        group_rank=_env_int("GROUP_RANK", 0),
+        group_world_size=_env_int("GROUP_WORLD_SIZE", 1),
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_env_int("TORCHELASTIC_MAX_RESTARTS", 0),
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+        checkpoint_dir=Path(ckpt_dir) if ckpt_dir else None,
+        preempt_signals=parse_signals(os.environ.get(PREEMPT_SIGNALS_ENV, "")),
+    )
+
+
+def to_signal(item: str) -> signal.Signals:
+    """``"SIGUSR1"``, ``"usr1"`` or ``"10"`` as a signal: rally's one reading of a signal's name
+    (flags, config, RALLY_PREEMPT_SIGNALS). KeyError or ValueError when there is no such signal."""
+    name = item.strip().upper()
+    return (
+        signal.Signals(int(name))
+        if name.isdigit()
+        else signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    )
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """Parse ``"SIGUSR1,TERM,12"`` into signals; the format of RALLY_PREEMPT_SIGNALS."""
+    signals: list[signal.Signals] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            signals.append(to_signal(item))
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"rally: unknown signal {item!r} in {PREEMPT_SIGNALS_ENV}; use names like SIGUSR1,SIGTERM"
+            ) from None
+    return tuple(signals)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"rally: environment variable {name} must be an integer, got {value!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+class CheckpointDirNotSet(RuntimeError):
+    """save/load_latest were called without a checkpoint directory."""
+
+
+def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None = None) -> Path | None:
+    """Checkpoint ``state`` as ``step``; return the path it is (or will be) durable at on rank 0, else ``None``.
+    A DTensor (FSDP2) state, or ``sharded=True``: every rank saves its shards
+    (:func:`rally.agent.checkpoint.sharded.storage.save`).
+
+    Under rally (the agent runs a memory tier, see docs/architecture.md) the call returns as soon
+    as the state is copied into node-local shared memory, which the agent's holder process owns:
+    a memory copy's time, not a disk write's. The tensors an optimizer owns (parameters, its
+    state) are copied on a thread while the next step computes, and every optimizer's ``step()``
+    waits for that copy first: change saved tensors outside an optimizer only after
+    :func:`wait_saved` (a change seen meanwhile discards that step's copy, with one warning line;
+    "Overlapped saves" in docs/checkpoints.md). The holder then writes it to the checkpoint
+    directory in the background, in the same format, atomically, and keeps the newest ``keep``
+    files, so training steps on while the disk works. A save while the previous one is still
+    being written never waits for it. :func:`durable_steps` says which steps are on disk.
+    Local rank 0 of each node makes the node's copy (so a restarted worker on any surviving node
+    reloads from memory); only global rank 0's copy is written to disk. A save from a worker of a
+    round that is over is refused (:class:`CheckpointRefused`). Should /dev/shm be too small, the
+    agent says so once and every save is written straight to disk, as below.
+
+    Under rally without a checkpoint directory (no ``--checkpoint-dir``) the copy stays in the
+    memory tier only: restarts within the job resume from it, nothing is written, and rank 0 says
+    so once. Returns ``None`` then.
+
+    Without rally's memory tier (torchrun, plain python) only global rank 0 writes, directly:
+    ``torch.save`` into a temporary file in the same directory, a footer with the payload's
+    length, the step and a MAC of every byte (see :mod:`rally.agent.checkpoint.core.checkpoint_file`),
+    flush and fsync, rename over ``step_<step:012d>.pt``, fsync the directory. A crash at any
+    moment, even SIGKILL or power loss, leaves either the old set of checkpoints or the old set
+    plus the new complete one.
+
+    The caller is expected to hold the same state on every rank (as DDP guarantees for model and
+    optimizer), so one copy speaks for all. Call it from every rank at the same step anyway: that
+    is harmless and keeps the script free of rank checks.
+
+    Several savers may share a directory (a straggler from an earlier round, two jobs, threads):
+    each locks its temporary file while writing, and a temporary file is deleted by the next
+    ``save`` only once its writer is dead. After the new checkpoint is durable, older checkpoints
+    are deleted but for the newest ``keep - 1`` of them (``keep`` defaults to RALLY_CHECKPOINT_KEEP,
+    else 3), so a single saver keeps the newest ``keep``; files newer than the one just written
+    (a concurrent saver's, or damaged ones this job resumed past) are left alone.
+    """
+    ctx = context()
+    resume_prefetch.discard()  # a reload the script did not make: its mapping is let go
+    overlap.settle()  # the previous save, if its copy is in flight: published before anything else is saved
+    if sharded if sharded is not None else dcp_files.holds_shards(state):
+        from rally.agent.checkpoint.sharded import storage as dcp_storage  # imports torch.distributed.checkpoint
+
+        return dcp_storage.save(state, _require_dir(ctx, sharded=True), step, _resolve_keep(keep))
+    if step < 0:
+        raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
+    keep = _resolve_keep(keep)
+    memory = _memory_tier(ctx)
+    if memory is not None:
+        overlap.install_fence()
+    if ctx.checkpoint_dir is None and memory is not None:
+        _save_in_memory_only(ctx, memory, state, step, keep)
+        return None  # no file
+    if ctx.checkpoint_dir is None and memory_only.tier_lost():
+        memory_only.tell_off_once(ctx.is_rank0, _log)  # the holder died: no memory, no directory
+        return None
+    directory = _require_dir(ctx)
+    final = directory / f"step_{step:012d}.pt"
+    if memory is not None and ctx.local_rank != 0:
+        return None  # local rank 0 holds this node's copy
+    if memory is not None and memory.save(state, WHOLE_STATE_KEY, step, persist=ctx.is_rank0, keep=keep):
+        return final if ctx.is_rank0 else None
+    if not ctx.is_rank0:
+        return None
+    auth.make_private_dir(directory)
+    checkpoint_file.remove_dead_writers_temps(directory)
+    checkpoint_file.write(state, final, step)
+    checkpoint_dir.prune(directory, keep, protect=final)
+    return final
+
+
+def load_latest(
+    map_location: MAP_LOCATION = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None
+) -> Checkpoint | None:
+    """Load the newest checkpoint every rank can load, or return ``None`` when there is none; call it on every rank.
+    ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded
+    (:func:`rally.agent.checkpoint.sharded.storage.load_newest`).
+
+    Under rally's memory tier every rank resumes from the step the round agreed on: the newest
+    step that every node holds in memory or that is intact on disk. A worker restarted on a
+    surviving node maps it straight from the node's shared memory (``torch.load(mmap=True)``, no
+    copy until the script copies the tensors into its model); the others read it from disk.
+    ``Checkpoint.source`` says which.
+
+    On disk a file is intact when its footer's length and MAC match (see
+    :mod:`rally.agent.checkpoint.core.checkpoint_file`); a damaged newest file (truncated, garbage, empty,
+    unreadable) is skipped with a warning and the next older one is tried. The verdict depends on
+    the bytes alone, so every rank skips the same files and resumes from the same step, and the
+    agent's crash-loop check (:func:`newest_checkpoint_step`) counts the same step. All ranks must
+    see the same directory and should call this before the first collective. The file is mapped
+    (``torch.load(mmap=True)``) and read once, for its MAC; the tensors are read from the page cache
+    when the script copies them.
+    ``weights_only=True`` (torch's safe loader) accepts tensors, numbers, strings and containers,
+    which covers model and optimizer state dicts; pass ``False`` for trusted arbitrary pickles.
+    An intact file that torch cannot load is not skipped: the error is raised, the same on every
+    rank. Rank 0 logs one line: where it resumes from, or that it starts from scratch.
+    """
+    ctx = context()
+    memory = _memory_tier(ctx)
+    if memory is not None:
+        overlap.install_fence()  # before the first step: the optimizers are known by the first save
+    if ctx.checkpoint_dir is None and memory is not None and into is None:
+        return _load_from_memory_only(ctx, memory, map_location, weights_only)
+    if ctx.checkpoint_dir is None and into is None and memory_only.tier_lost():
+        memory_only.tell_off_once(ctx.is_rank0, _log)
+        return None
+    directory = _require_dir(ctx, sharded=into is not None)
+    if into is not None:
+        from rally.agent.checkpoint.sharded import storage as dcp_storage  # imports torch.distributed.checkpoint
+
+        return dcp_storage.load_newest(into, directory)
+
+    import torch
+
+    agreed = None
+    prepared = resume_prefetch.take(map_location) if memory is not None else None
+    if prepared is not None:  # mapped while the script started (agent/checkpoint/core/resume_prefetch.py)
+        return _from_memory(ctx, directory, *prepared)
+    if memory is not None:
+        agreed, memfd = memory.resume(WHOLE_STATE_KEY)
+        if memfd is not None and agreed is not None:
+            try:
+                state = torch.load(
+                    f"/proc/self/fd/{memfd}", map_location=map_location, weights_only=weights_only, mmap=True
+                )
+            finally:
+                os.close(memfd)  # the mapping keeps the copy
+            return _from_memory(ctx, directory, agreed, state)
+
+    for step, path in reversed(checkpoint_dir.list_checkpoints(directory)):
+        if agreed is not None and step > agreed:
+            continue  # newer than what every rank can load: not this round's step
+        try:
+            fd, verified = checkpoint_file.open_mapped_verified(path)
+        except FileNotFoundError:
+            continue  # pruned by a saver between listing and opening; an older one is still there
+        except checkpoint_file.DamagedCheckpoint as damage:
+            if ctx.local_rank == 0:
+                _log(f"warning: checkpoint {path} is damaged ({damage}); trying an older one")
+            continue
+        refused = checkpoint_file.refusal(path, verified)
+        if refused is not None:
+            os.close(fd)
+            if ctx.local_rank == 0:
+                _log(f"warning: checkpoint {path} is not loaded ({refused}); trying an older one")
+            continue
+        if not verified.signed and ctx.is_rank0:
+            _log(checkpoint_file.unauthenticated_line(path))
+        try:
+            state = torch.load(f"/proc/self/fd/{fd}", map_location=map_location, weights_only=weights_only, mmap=True)
+        finally:
+            os.close(fd)
+        if ctx.is_rank0:
+            _log(f"resuming from step {step} ({path})")
+        return Checkpoint(step=step, state=state, path=path)
+    if ctx.is_rank0:
+        _log("no checkpoint, starting from scratch")
+    return None
+
+
+def _from_memory(ctx: JobContext, directory: Path | None, step: int, state: object) -> Checkpoint:
+    if ctx.is_rank0:
+        _log(f"resuming from step {step} (from memory)")
+    path = (directory or Path(memory_only.NO_DIRECTORY)) / f"step_{step:012d}.pt"
+    return Checkpoint(step=step, state=state, path=path, source="memory")
+
+
+def _save_in_memory_only(ctx: JobContext, memory: ckpt_client.MemoryTier, state: object, step: int, keep: int) -> None:
+    memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
+    if ctx.local_rank == 0 and not memory_only.save(memory, state, step, keep):  # local rank 0: the node's copy
+        raise CheckpointDirNotSet(memory_only.NO_ROOM)
+
+
+def _load_from_memory_only(
+    ctx: JobContext, memory: ckpt_client.MemoryTier, map_location: MAP_LOCATION, weights_only: bool
+) -> Checkpoint | None:
+    memory_only.tell_once(ctx.is_rank0 and ctx.restart_count == 0, _log)
+    found = resume_prefetch.take(map_location) or memory_only.load(memory, map_location, weights_only)
+    if found is None:
+        if ctx.is_rank0:
+            _log("no checkpoint, starting from scratch")
+        return None
+    return _from_memory(ctx, None, *found)
+
+
+def wait_saved() -> None:
+    """Wait until the last ``save`` is done with the state's tensors; call it before changing saved
+    tensors in place outside an optimizer's ``step()``.
+
+    Under rally's memory tier ``save`` returns before the tensors an optimizer owns are copied:
+    their copy runs while the next step's forward and backward compute, and every optimizer's
+    ``step()`` waits for it first (see "Overlapped saves" in docs/checkpoints.md). A script that
+    writes into those tensors some other way (``p.mul_(0.5)``, ``load_state_dict``, a manual
+    update) before the next ``optimizer.step()`` calls this first; otherwise that step's copy is
+    found torn and discarded (one warning line; the previous checkpoint stays). Returns at once
+    when no copy is in flight; costs nothing outside rally. Raises :class:`CheckpointRefused` when
+    the holder refused the save's commit (this worker's round is over).
+    """
+    overlap.settle()
+
+
+def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
+    """The steps whose checkpoint files are complete on disk, oldest first.
+
+    ``save`` returns before the disk write under rally's memory tier; this says which steps a
+    lost node, a lost job or a new job would find. Cheap: it checks each file's footer and
+    length, not its MAC (``load_latest`` does that). ``directory`` defaults to the job's.
+    """
+    found = checkpoint_dir.list_checkpoints(Path(directory) if directory is not None else _require_dir(context()))
+    return [step for step, path in found if checkpoint_file.is_complete(path)]
+
+
+def _memory_tier(ctx: JobContext) -> ckpt_client.MemoryTier | None:
+    """The node's memory tier as this script may use it. A script that names its own checkpoint
+    directory (RALLY_CHECKPOINT_DIR) under an agent given no --checkpoint-dir saves to disk as
+    without the tier: that agent's holder persists nothing, and the script's directory is its own."""
+    memory = ckpt_client.tier()
+    if memory is not None and ctx.checkpoint_dir is not None and not ckpt_client.persists():
+        return None
+    return memory
+
+
+def _require_dir(ctx: JobContext, sharded: bool = False) -> Path:
+    """The job's checkpoint directory, once it is known that no other user can plant a checkpoint
+    there (or the user consented, RALLY_CHECKPOINT_DIR_SHARED=1): UnsafeDirectory otherwise."""
+    if ctx.checkpoint_dir is None:
+        what = "sharded checkpoints need" if sharded else "no checkpoint directory: checkpoints need"
+        raise CheckpointDirNotSet(
+            f"rally: {what} a directory that every rank can see: run under rally with "
+            f"--checkpoint-dir DIR (under torchrun or plain python, set {CHECKPOINT_DIR_ENV}=DIR)"
+        )
+    auth.check_directory(ctx.checkpoint_dir)
+    return ctx.checkpoint_dir
+
+
+def _resolve_keep(keep: int | None) -> int:
+    if keep is None:
+        keep = _env_int(CHECKPOINT_KEEP_ENV, DEFAULT_CHECKPOINT_KEEP)
+    if keep < 1:
+        raise ValueError(f"rally: checkpoints to keep must be >= 1, got {keep} (keep= or {CHECKPOINT_KEEP_ENV})")
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# Heartbeat and sections
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Tell the agent this worker is making progress; call it once per step. Costs about a microsecond.
+
+    ``step`` (optional, an int >= 0) is the training step just finished: the agent turns the steps
+    and their times into per-rank step times and names a rank that is persistently slower than the
+    others (a straggler, see --straggler-factor). ``heartbeat()`` without a step works as before.
+
+    The first call maps RALLY_HEARTBEAT_FILE (see :mod:`rally.agent.worker_side.heartbeat_file`); later calls write a
+    counter, ``time.monotonic_ns()`` and the step into it. Without that variable (torchrun, a plain
+    ``python script.py``) every call is a no-op. Never imports torch, never blocks.
+    """
+    _beat(step)
+    overlap.settle_if_copied()  # an overlapped save whose copy is done: published now, not at the next step
+
+
+@contextlib.contextmanager
+def section(name: str, timeout: float | None = None) -> Iterator[None]:
+    """Mark a named part of the work (``"setup"``, ``"step"``, ``"checkpoint"``) with its own timeout.
+
+    Inside a section with a ``timeout`` (seconds), the agent's --startup-timeout,
+    --heartbeat-timeout and --silence-timeout are suspended and the section's own deadline holds
+    instead: a checkpoint save that takes 5 minutes is not a hang, and one that is still running
+    after ``timeout`` seconds is reported as "hung in section 'checkpoint' for 612 s", with the
+    worker's stacks, and the job restarts as for any hang. Without a ``timeout`` the section only
+    names where the worker is, and a hang report says which section it was in.
+
+    Sections nest: an inner section without a timeout is named ``outer/inner`` and keeps the outer
+    deadline; an inner one with a timeout has its own. Entering or leaving a section counts as a
+    sign of life for --startup-timeout and --heartbeat-timeout. Use it from the training loop's
+    thread only. Outside rally (no RALLY_HEARTBEAT_FILE) it does nothing.
+    """
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(
+            f"rally: section {name!r}: timeout must be a positive number of seconds or None, got {timeout!r}"
+        )
+    writer = _heartbeat_writer()
+    if writer is None:
+        yield
+        return
+    outer = _sections[-1] if _sections else None
+    if timeout is None and outer is not None:
+        current = (f"{outer[0]}/{name}", outer[1], outer[2])  # keeps the outer deadline
+    else:
+        current = (name, time.monotonic_ns(), int(timeout * 1e9) if timeout else 0)
+    _sections.append(current)
+    writer.set_section(*current)
+    try:
+        yield
+    finally:
+        _sections.pop()
+        writer.set_section(*(outer or ("", 0, 0)))
+        if outer is None and timeout is None:  # what --heartbeat-timeout auto learns a deadline from
+            writer.section_done(name, current[1])
+
+
+def _heartbeat_writer() -> heartbeat_file.HeartbeatWriter | None:
+    """The writer for RALLY_HEARTBEAT_FILE, opened once; None when the variable is unset.
+
+    Lazy so that a process forked from the agent's template (which imported this module before the
+    worker's environment existed) reads the worker's own RALLY_HEARTBEAT_FILE.
+    """
+    global _writer, _writer_resolved
+    if not _writer_resolved:
+        path = os.environ.get(HEARTBEAT_FILE_ENV, "")
+        _writer = heartbeat_file.HeartbeatWriter(path) if path else None
+        _writer_resolved = True
+    return _writer
+
+
+def _first_beat(step: int | None = None) -> None:
+    """Decide once, at the first heartbeat, whether beats go to a file or nowhere."""
+    global _beat
+    writer = _heartbeat_writer()
+    _beat = writer.beat if writer is not None else _no_beat
+    _beat(step)
+
+
+def _no_beat(step: int | None = None) -> None:
+    pass
+
+
+_writer: heartbeat_file.HeartbeatWriter | None = None
+_writer_resolved = False
+_sections: list[tuple[str, int, int]] = []  # (name, entered_ns, timeout_ns), innermost last
+_beat: Callable[[int | None], None] = _first_beat
+
+
+def _log(message: str) -> None:
+    print(f"rally: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,66 @@
+"""The worker's side of preemption: a flag and callbacks that a preemption signal sets and runs
+instead of killing the worker (the agent forwards the scheduler's warning signal, agent/preemption.py).
+Part of ``rally.job`` (agent/worker_side/job.py re-exports :func:`preempted`, :func:`on_preempt` and
+:func:`install_preemption_handler`); a module of its own because it holds the process's signal state."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+
+_preempted = False
+_preempt_callbacks: list[Callable[[int], object]] = []
+_in_callbacks = False
+
+
+def preempted() -> bool:
+    """True once a preemption signal (see :func:`install_preemption_handler`) has arrived.
+
+    Check it in the training loop: save a checkpoint and exit when it turns true, because the
+    scheduler will kill the job soon.
+    """
+    return _preempted
+
+
+def on_preempt(callback: Callable[[int], object]) -> None:
+    """Call ``callback(signum)`` each time a preemption signal arrives.
+
+    Callbacks run like any Python signal handler: in the main thread, between two bytecodes of
+    whatever it was doing (possibly in the middle of a training step or inside a collective).
+    So keep them short and do not start collectives or write checkpoints from them; set a flag or
+    log a line, and let the loop act on :func:`preempted`. An exception from a callback is printed
+    to stderr and swallowed, so it cannot kill training at a random point. A signal that arrives
+    while callbacks are running sets the flag but does not run them again re-entrantly.
+    Callbacks registered after a signal are not called for that past signal.
+    """
+    _preempt_callbacks.append(callback)
+
+
+def install_preemption_handler(signums: Iterable[int]) -> None:
+    """Catch ``signums`` so that they mark the worker preempted instead of killing it.
+
+    Called by rally's worker bootstrap before the training script runs, with the signals from
+    RALLY_PREEMPT_SIGNALS (``context().preempt_signals``), so a forwarded SIGUSR1 never kills a
+    worker whose script ignores preemption. Must run in the main thread (a Python rule).
+    """
+    for signum in signums:
+        signal.signal(signum, _handle_preemption)
+
+
+def _handle_preemption(signum: int, frame: object) -> None:
+    global _preempted, _in_callbacks
+    _preempted = True
+    if _in_callbacks:
+        return
+    _in_callbacks = True
+    try:
+        for callback in list(_preempt_callbacks):
+            try:
+                callback(signum)
+            except Exception:
+                print(f"rally: preemption callback {callback!r} failed:", file=sys.stderr, flush=True)
+                traceback.print_exc(file=sys.stderr)
+    finally:
+        _in_callbacks = False
