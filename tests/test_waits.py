@@ -91,8 +91,6 @@ WAITS: dict[tuple[str, str, str], Declaration] = {
         None,
         "1 s slices up to the caller's deadline",
     ),
-    ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
-    ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
     ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (
         NW,
         None,
