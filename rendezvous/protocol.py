@@ -135,6 +135,7 @@ class Rendezvous:
         self.last_rank: int | None = None
         self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
         self._ahead: dict[str, bytes | UntrustedValue | None] = {}  # `_read_ahead`: until the node joins
+        # wait: not_a_wait: prints a wait's progress line; not a wait
         self.waiting = WaitProgress(lambda line: announce_wait(self, line), progress_interval(settings.max_nodes))
 
     # ----------------------------------------------------------------- checked reads
@@ -235,6 +236,7 @@ class Rendezvous:
                 self.last_round = r
                 self.last_rank = assignment.group_rank
                 return assignment
+            # wait: slice, said by Rendezvous._wait_as_spare: a spare
             self._wait_as_spare(r, time.monotonic() + self.settings.join_timeout)
             r += 1
             deadline = time.monotonic() + self.settings.join_timeout
@@ -285,6 +287,7 @@ class Rendezvous:
                     continue
             self.waiting.tick(partial(arrival.forming_line, self, r, count, deadline, quorum_seen_at))
             self.store.also_watch(f"{r}/assign/0/{mine.slot}")  # the first closer's assignment for this node
+            # wait: slice, said by Rendezvous._join: slices of WAIT_SLICE_SECONDS up to join_timeout
             closed = self.store.try_wait([closed_key(r)], min(max(remaining, 0.001), self.waiting.interval))
         name = f"{r}/assign/{record.attempt}/{mine.slot}"  # nobody waits for it: one request reads it or its absence
         value = self.store.get_if_present(name)
@@ -313,6 +316,7 @@ class Rendezvous:
         won = not defer and self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)[0]
         if not won:
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
+            # wait: slice, said by Rendezvous._try_close: last call
             closed = self.store.try_wait([closed_key(r)], wait)
             return (attempt, True) if closed else (attempt + 1, False)
         arrived = arrival.valid_arrivals(self, r)
@@ -352,6 +356,7 @@ class Rendezvous:
                 raise RendezvousError(f"round {r} was full and did not form within join_timeout ({s.join_timeout:g} s)")
             line = f"waiting for round {r} to form (it is full without this node); join_timeout in {left:.0f} s"
             self.waiting.tick(partial(str, line))
+            # wait: slice, said by Rendezvous._wait_as_spare: WAIT_SLICE_SECONDS
             self.store.try_wait([f"{r}/closed"], min(left, self.waiting.interval))
             self.raise_if_closed()
         members = record.members
@@ -361,6 +366,7 @@ class Rendezvous:
             running.end(RoundEnd(EndKind.NODE_JOINED, f"{self.me.host} joined the job", self.me.host))
         elif running.ended() is None:
             self.on_status(spare_notice(self, members))
+        # wait: slice, said by Rendezvous._wait_as_spare: a spare waits out a running round
         end = wait_round_end_or_dead(self, running, deadline)
         if end.kind in FINAL_KINDS:
             raise JobClosed(ended_line(self, end))
@@ -392,6 +398,7 @@ class Round:
     def wait_master(self, timeout: float) -> tuple[str, int] | RoundEnd:
         """The workers' store address (node 0's), or the round's end if it ended first; the wait
         says what it waits for every few seconds, as the rendezvous' own waits do."""
+        # wait: slice: 1 s slices up to the caller's deadline
         return self.channel.wait_master(timeout, self.assignment.master_host, self.rendezvous.waiting)
 
 
