@@ -252,7 +252,7 @@ class EtcdStore(KeyValueStore):
         the wall clock, so the keys sort about as they were made (`arrivals(..., by_key=True)`)."""
         return f"{self.key(name)}{mark}{time.time_ns():016x}{uuid.uuid4().hex}"
 
-    def _marked(self, name: str, first: str, end: str, **options: Any) -> dict:
+    def _marked(self, name: str, first: str, end: str, **options: object) -> dict:
         """A range request over the keys from `<name><first>` up to `<name><end>` (exclusive)."""
         return {
             "request_range": {"key": b64(self.key(name) + first), "range_end": b64(self.key(name) + end), **options}
