@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from rally.agent.agent_exit import store_failure_exit
 from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost
@@ -48,7 +47,7 @@ from rally.agent.observe.observer import Observer
 from rally.agent.observe.run_info import announce
 from rally.agent.observe.status_record import node_status
 from rally.agent.preemption import Preemption
-from rally.agent.report import JobReport, explain, store_lost_line
+from rally.agent.report import JobReport, explain, store_failure_exit, store_lost_line
 from rally.agent.rounds.holdings import RoundHoldings
 from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
 from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line

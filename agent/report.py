@@ -4,7 +4,8 @@ When a worker fails, its agent builds a `failure_info` (node, rank, pid, exit co
 name, the traceback from torch's `@record` error file, else the last lines of its stderr) and
 publishes it as the round's end reason. Because the first reason to reach the store wins,
 every node reports the same root cause. Each agent also keeps a record of every attempt and
-writes it as `report.json` in its log directory.
+writes it as `report.json` in its log directory. And how the agent leaves after a failed store
+call (`store_failure_exit`): the same root cause, told once, with the exit code it means.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from pathlib import Path
 
 from rich.table import Table
 
+from rally.agent.base.exit_codes import EXIT_BAD_INPUT, EXIT_INFRASTRUCTURE, AgentExit
 from rally.agent.base.untrusted_files import open_for_writing, read_json_object
 from rally.agent.display.worker_table import worker_table
 from rally.agent.guard.processes import describe_exit, exit_status_for_shell
 from rally.agent.rounds.threads import StoreSilent
 from rally.agent.rounds.workers import Worker, WorkerGroup
 from rally.rendezvous.backends import backend_of
+from rally.rendezvous.kv import StoreError, StoreTampered
+from rally.rendezvous.membership import RendezvousError
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
 from rally.rendezvous.store import StoreEndpoint, UntrustedValue
 
@@ -198,3 +202,19 @@ def store_lost_line(exc: BaseException, endpoint: StoreEndpoint) -> str:
     if isinstance(exc, (StoreSilent, UntrustedValue)):
         return str(exc)
     return backend_of(endpoint).lost_line(exc, endpoint)
+
+
+def store_failure_exit(
+    exc: StoreError | RendezvousError, reached: bool, formed: bool, endpoint: StoreEndpoint | None
+) -> AgentExit:
+    """How the agent leaves after a failed store call of its main thread, one mapping for all of
+    them: a problem before the first round formed is bad input (exit 2); a store lost, silent or
+    tampered with once the job ran is an infrastructure failure (exit 1). `reached`: the store
+    answered once; `formed`: a round formed; `endpoint`: the store as bound (its lost-store line
+    names it)."""
+    if isinstance(exc, (RendezvousError, UntrustedValue)):
+        tampered = isinstance(exc, StoreTampered)  # a record deleted: never a setup problem
+        return AgentExit(EXIT_BAD_INPUT if not formed and not tampered else EXIT_INFRASTRUCTURE, str(exc))
+    if not reached or endpoint is None:  # never reached: a wrong or dead endpoint is a setup problem
+        return AgentExit(EXIT_BAD_INPUT, str(exc))
+    return AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(exc, endpoint))

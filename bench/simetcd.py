@@ -132,11 +132,14 @@ class CountingClient(EtcdClient):
         size = len(json.dumps(body))
         self.counter.record(path.rsplit("/", 1)[-1], key, size, 0, t, time.perf_counter() - wall, CLOSER.won)
 
-    def watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict[str, Any]]:
+    def watch(
+        self, request: dict[str, Any], deadline: float, also: tuple[dict[str, Any], ...] = ()
+    ) -> Iterator[dict[str, Any]]:
         """One request: the watch's set-up and the parsing of its events count as client CPU."""
         t, wall, cpu = time.monotonic(), time.perf_counter(), time.thread_time()
         try:
-            yield from super().watch(request, deadline)
+            # (`also` only when given: the same harness runs against main's client, which has none)
+            yield from super().watch(request, deadline, also) if also else super().watch(request, deadline)
         finally:
             self.counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
             self._record("/watch", request, t, wall)
@@ -147,4 +150,87 @@ def etcd_clients(port: int, count: int, counter: Any) -> list[CountingClient]:
     clients = [CountingClient([Member("127.0.0.1", port)], counter) for _ in range(count)]
     for client in clients:
         EtcdClient.call(client, "/v3/kv/range", {"key": "AA==", "count_only": True}, 30)  # not counted
+    return clients
+
+
+class Etcd3gwClient(CountingClient):
+    """rally's client with etcd3gw (https://opendev.org/openstack/etcd3gw, on `requests`) as the
+    transport, for issue 28's evaluation (docs/etcd.md, "Why this etcd client"): every request
+    goes through `Etcd3Client.post` and every watch through `etcd3gw.watch.Watcher` (a streaming
+    `requests` response read by a thread pool of its own), counted as rally's are. rally's
+    fail-over and authentication stay around it: etcd3gw has neither (one host per client, no
+    `/v3/auth/authenticate`), nor several watches on one stream (`also` is opened as watches of
+    their own)."""
+
+    def __init__(self, members: list[Member] | tuple[Member, ...], counter: Any, start_at: int = 0):
+        super().__init__(members, counter, start_at)
+        from etcd3gw.client import Etcd3Client
+
+        member = self.members[self._current]
+        # api_path given: no `/version` request per client to find it
+        self.gw = Etcd3Client(host=member.host, port=member.port, api_path="/v3/", timeout=30)
+
+    def fork(self) -> Etcd3gwClient:
+        return Etcd3gwClient(self.members, self.counter, self._current)
+
+    def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        from etcd3gw import exceptions
+
+        from rally.rendezvous.etcd_client import _TryElsewhere
+
+        try:
+            return self.gw.post(self.gw.get_url(path.removeprefix("/v3")), data=json.dumps(body))
+        except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError) as exc:
+            raise _TryElsewhere(str(exc)) from exc
+
+    def _raw_watch(self, request: dict[str, Any], deadline: float, also: tuple[dict[str, Any], ...] = ()):
+        import queue
+
+        from etcd3gw.watch import Watcher
+
+        events: queue.Queue = queue.Queue()
+        watchers = []
+        for one in (request, *also):
+            options = {"range_end": base64.b64decode(one["range_end"])} if "range_end" in one else {}
+            watchers.append(
+                Watcher(
+                    self.gw,
+                    base64.b64decode(one["key"]),
+                    events.put,
+                    start_revision=int(one["start_revision"]) if "start_revision" in one else None,
+                    filters=one.get("filters"),
+                    **options,
+                )
+            )
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    event = events.get(timeout=left)
+                except queue.Empty:
+                    return
+                kv = dict(event["kv"])  # etcd3gw hands keys and values out decoded: back to the gateway's base64
+                kv["key"] = base64.b64encode(kv["key"]).decode()
+                if "value" in kv:
+                    kv["value"] = base64.b64encode(kv["value"]).decode()
+                yield {**event, "kv": kv}
+        finally:
+            for watcher in watchers:
+                watcher.stop()
+
+    def watch(self, request: dict[str, Any], deadline: float, also: tuple[dict[str, Any], ...] = ()):
+        t, wall, cpu = time.monotonic(), time.perf_counter(), time.thread_time()
+        try:
+            yield from self._raw_watch(request, deadline, also)
+        finally:
+            self.counter.bump(time.perf_counter() - wall, time.thread_time() - cpu)
+            self._record("/watch", request, t, wall)
+            for _ in also:  # each is a watch request (and a connection) of its own here
+                self.counter.bump()
+
+
+def etcd3gw_clients(port: int, count: int, counter: Any) -> list[Etcd3gwClient]:
+    """`etcd_clients` with etcd3gw as the transport (one `requests` session per node)."""
+    clients = [Etcd3gwClient([Member("127.0.0.1", port)], counter) for _ in range(count)]
+    for client in clients:
+        client.gw.post(client.gw.get_url("/kv/range"), data=json.dumps({"key": "AA==", "count_only": True}))
     return clients

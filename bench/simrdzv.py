@@ -1,6 +1,6 @@
 """Simulated rendezvous: N nodes as threads spread over a few processes, one TCPStore.
 
-    python -m bench.simrdzv --nodes N [--trials floor,rally,etcd,torch] [--procs P] [--timeout S] [--profile]
+    python -m bench.simrdzv --nodes N [--trials floor,rally,etcd,etcdfloor,torch] [--procs P] [--timeout S] [--profile]
 
 Prints one JSON line per trial: {"impl", "nodes", "converged", "done", "elapsed", "store_ops", ...}.
 
@@ -27,6 +27,9 @@ start-up skew between real nodes would; `elapsed` then includes S.
 connection, opened before the clock starts), and besides the requests per node each trial
 reports the mean wall time of a request, the Python client's own CPU time per request (the
 calling thread's `time.thread_time`) and the etcd member's CPU time per request.
+
+`etcdfloor` is the same for etcd: every node makes ETCD_FLOOR_OPS (3, as many requests as a rally
+node makes on etcd) puts of a descriptor-sized value on the same member and nothing else.
 
 `floor` is the harness's own floor: every node does 16 store `add`s (about as many store
 calls as one rally node makes per round) and nothing else, i.e. how fast this machine can
@@ -76,7 +79,12 @@ FLOOR_OPS = 16
 # cost 3 to 30 s after the close, in the harness, not the store (docs/benchmarks.md). Threads here
 # give the GIL up at every store call, so a long interval only stops the forced switches.
 SWITCH_INTERVAL = 0.5
-IMPLS = ("floor", "rally", "etcd", "torch")
+IMPLS = ("floor", "rally", "etcd", "etcdfloor", "torch")
+ETCD_IMPLS = ("etcd", "etcdfloor")
+# etcdfloor: every node makes as many etcd requests as a rally node on etcd does (3), each a put of a
+# descriptor-sized value (writes are the dearer kind): how fast this machine serves N etcd clients.
+ETCD_FLOOR_OPS = 3
+ETCD_FLOOR_VALUE = "x" * 700
 
 
 def raise_fd_limit(needed: int) -> int:
@@ -159,10 +167,10 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
         class CountingEtcdStore(EtcdStore):
             """Marks when the last node arrived and when the round was closed."""
 
-            def arrive(self, name: str) -> int:
-                index = super().arrive(name)
+            def arrive_holding(self, counter_name: str, value: str, also: str) -> tuple[int, int]:
+                arrival = super().arrive_holding(counter_name, value, also)
                 counter.event("last_join")
-                return index
+                return arrival
 
             def set_once(self, name: str, value: str) -> tuple[bool, str]:
                 outcome = super().set_once(name, value)
@@ -179,6 +187,18 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
             me = NodeInfo(node_id=f"node{i:05d}:{i}:sim", host=f"node{i:05d}", addr="127.0.0.1", nproc=8)
             rdzv = Rendezvous(store, settings, me)
             nodes.append(lambda r=rdzv: r.next_round().group_rank)
+    elif impl == "etcdfloor":
+        from rally.rendezvous.etcd_client import b64
+
+        for j, client in enumerate(clients):
+            key = b64(f"floor{trial}/{first + j}")
+
+            def puts(client=client, key=key) -> int:
+                for _ in range(ETCD_FLOOR_OPS):
+                    client.call("/v3/kv/put", {"key": key, "value": b64(ETCD_FLOOR_VALUE)}, timeout + 30)
+                return 0
+
+            nodes.append(puts)
     elif impl == "torch":
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -314,15 +334,17 @@ def child(args: argparse.Namespace) -> None:
     if args.profile:
         counter.log = []
     clients = []
-    if set(trials) - {"etcd"}:
+    if set(trials) - set(ETCD_IMPLS):
         clients = [TCPStore("127.0.0.1", args.port, is_master=False, timeout=op_timeout) for _ in range(count)]
     etcd_clients = []
-    if "etcd" in trials:
-        from bench.simetcd import etcd_clients as connect_etcd
+    if set(trials) & set(ETCD_IMPLS):
+        from bench.simetcd import etcd3gw_clients, etcd_clients
 
+        connect_etcd = etcd3gw_clients if args.etcd_client == "etcd3gw" else etcd_clients
         etcd_clients = connect_etcd(args.etcd_port, count, counter)
     for trial, impl in enumerate(trials):
-        nodes = build_nodes(impl, trial, n, first, etcd_clients if impl == "etcd" else clients, counter, args.timeout)
+        own = etcd_clients if impl in ETCD_IMPLS else clients
+        nodes = build_nodes(impl, trial, n, first, own, counter, args.timeout)
         if run_trial(nodes, first, counter, n, args.stagger)["stop"]:
             break
     time.sleep(args.timeout + 60)  # the parent kills us
@@ -333,7 +355,7 @@ def child(args: argparse.Namespace) -> None:
 def parent(args: argparse.Namespace) -> None:
     n, procs = args.nodes, max(1, min(args.procs, args.nodes))
     trials = args.trials.split(",")
-    needed = 3 * n + 512 if "etcd" in trials else n + 512  # etcd: a connection and a watch per node
+    needed = 3 * n + 512 if set(trials) & set(ETCD_IMPLS) else n + 512  # etcd: a connection and a watch per node
     fd_limit = raise_fd_limit(needed)
     if fd_limit < needed - 448:
         for impl in trials:
@@ -355,7 +377,7 @@ def parent(args: argparse.Namespace) -> None:
     t_setup = time.monotonic()
     etcd = None
     try:
-        if "etcd" in trials:
+        if set(trials) & set(ETCD_IMPLS):
             from bench.simetcd import LocalEtcd, two_free_ports
 
             etcd = LocalEtcd(*two_free_ports())
@@ -388,6 +410,8 @@ def parent(args: argparse.Namespace) -> None:
                         *(["--profile"] if args.profile else []),
                         "--switch-interval",
                         str(args.switch_interval),
+                        "--etcd-client",
+                        args.etcd_client,
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -406,6 +430,7 @@ def parent(args: argparse.Namespace) -> None:
                 "timeout": args.timeout,
                 "stagger": args.stagger,
                 "switch_interval": args.switch_interval,
+                **({"etcd_client": args.etcd_client} if impl in ETCD_IMPLS else {}),
             }
             if stopped:
                 emit({**base_result, "converged": False, "skipped": True, "error": "an earlier trial did not converge"})
@@ -417,7 +442,7 @@ def parent(args: argparse.Namespace) -> None:
                 stopped = True
                 continue
             setup = time.monotonic() - t_setup
-            etcd_cpu = etcd.cpu_seconds() if etcd and impl == "etcd" else None
+            etcd_cpu = etcd.cpu_seconds() if etcd and impl in ETCD_IMPLS else None
             probe = QueueProbe(server.port, args.timeout) if args.profile else None
             cpu_before = cpu_seconds(children) if args.profile else (0.0, 0.0)
             t0 = time.monotonic()
@@ -451,7 +476,8 @@ def parent(args: argparse.Namespace) -> None:
             store_cpu = etcd.cpu_seconds() - etcd_cpu if etcd_cpu is not None else None
             finished = [d for d in done_at if d is not None]
             unique = len({r for r in ranks if r is not None})
-            converged = complete and len(finished) == n and not errors and unique == (1 if impl == "floor" else n)
+            ranked = n if impl not in ("floor", "etcdfloor") else 1  # floors rank nobody: all answer 0
+            converged = complete and len(finished) == n and not errors and unique == ranked
             emit(
                 {
                     **base_result,
@@ -627,6 +653,12 @@ def main() -> None:
         type=float,
         default=SWITCH_INTERVAL,
         help=f"the children's sys.setswitchinterval (default {SWITCH_INTERVAL:g} s; 0: Python's own 0.005 s)",
+    )
+    parser.add_argument(
+        "--etcd-client",
+        choices=("rally", "etcd3gw"),
+        default="rally",
+        help="etcd trials: rally's own HTTP client, or etcd3gw's (pip install etcd3gw) under it (issue 28)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)

@@ -198,7 +198,7 @@ def run_command(
 
 
 def version_line() -> str:
-    """``rally 0.1.0 (torch 2.13.0+cpu, Python 3.11.2)``: what a bug report needs, without importing torch."""
+    """`rally 0.1.0 (torch 2.13.0+cpu, Python 3.11.2)`: what a bug report needs, without importing torch."""
     from importlib import metadata
 
     try:

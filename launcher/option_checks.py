@@ -1,5 +1,5 @@
 """The checks the options of launcher/options.py name, all of one signature:
-``check(value, p: Parsing) -> parsed value``, raising `ConfigError` (one line, exit 2).
+`check(value, p: Parsing) -> parsed value`, raising `ConfigError` (one line, exit 2).
 
 `p.flag` is the option's flag for messages; `p.options` the raw value of every option, for a
 check that reads another's (--preflight reads --no-preflight); `p.parsed(name)` an option checked

@@ -505,8 +505,8 @@ class Options:
     def parse(self, script: str | None = None, args: tuple[str, ...] | list[str] = (), act: bool = True) -> Parsed:
         """Every option's value checked and parsed by its field's `check`, and the agent's JobSpec
         (running `script` with `args`) and the rendezvous flags filled from them. Bad values raise
-        one ConfigError (:class:`Mistakes`: all of them), each prefixed with the file and line it
-        came from. ``act=False`` skips the late checks, which act (they make a directory): for a
+        one ConfigError (`Mistakes`: all of them), each prefixed with the file and line it
+        came from. `act=False` skips the late checks, which act (they make a directory): for a
         launch known to fail already."""
         p = Parsing(self, script)
         mistakes: list[str] = []  # every value is checked: all mistakes are told in one run

@@ -1,17 +1,17 @@
 """Everything rally knows about SLURM, read from one environment.
 
-Under SLURM the user starts one ``rally`` per node with ``srun``; each copy must
+Under SLURM the user starts one `rally` per node with `srun`; each copy must
 then agree, without talking to the others, on the run id, the number of nodes,
 its own node rank and where the rendezvous store lives. SLURM already knows all
-of that, so :class:`SlurmJob` maps its environment variables onto one small,
-immutable object (the shape of submitit's ``JobEnvironment``), and the launcher
-asks it instead of reading ``SLURM_*`` variables in several places: what SLURM
-fills in of the options (:meth:`SlurmJob.overrides`), where the store is
-(:attr:`SlurmJob.store_address`, for the agent and ``rally status`` alike), and
-requeueing the job (:meth:`SlurmJob.requeue`).
+of that, so `SlurmJob` maps its environment variables onto one small,
+immutable object (the shape of submitit's `JobEnvironment`), and the launcher
+asks it instead of reading `SLURM_*` variables in several places: what SLURM
+fills in of the options (`SlurmJob.overrides`), where the store is
+(`SlurmJob.store_address`, for the agent and `rally status` alike), and
+requeueing the job (`SlurmJob.requeue`).
 
 This module imports nothing heavy and never talks to the controller, except
-that :func:`hostnames` asks ``scontrol`` to expand a host list when it can.
+that `hostnames` asks `scontrol` to expand a host list when it can.
 """
 
 from __future__ import annotations
@@ -43,21 +43,21 @@ __all__ = [
     "hostnames",
 ]
 
-#: How long ``scontrol show hostnames`` may take before the parser is used instead.
+#: How long `scontrol show hostnames` may take before the parser is used instead.
 #: It is a local string operation; anything slower means a broken SLURM client
 #: (for example one that is waiting on a configless DNS lookup).
 SCONTROL_TIMEOUT_S: float = 5.0
 
-#: How long ``scontrol requeue`` may take (it talks to the controller, which may be busy).
+#: How long `scontrol requeue` may take (it talks to the controller, which may be busy).
 REQUEUE_TIMEOUT_S: float = 30.0
 
-#: The store port is chosen from ``STORE_PORT_BASE .. STORE_PORT_BASE + STORE_PORT_SPAN - 1``
+#: The store port is chosen from `STORE_PORT_BASE .. STORE_PORT_BASE + STORE_PORT_SPAN - 1`
 #: (15000-28999). Why this range: it lies below Linux's default ephemeral range
 #: (32768-60999), so an outgoing connection on the store host can never already
 #: hold the port; it stays below torch's own defaults (29400 for torchrun's
 #: rendezvous, 29500 for MASTER_PORT), so a job that also uses those does not
 #: collide with itself; and it is above the ports of common services. It is a
-#: fixed, documented choice: reading ``ip_local_port_range`` would make the
+#: fixed, documented choice: reading `ip_local_port_range` would make the
 #: port depend on each node's settings, and every node must compute the same one.
 STORE_PORT_BASE: int = 15000
 STORE_PORT_SPAN: int = 14000
@@ -73,7 +73,7 @@ _PORT_STRIDE = 8653
 # the user's job and are treated like "no step".
 _SPECIAL_STEP_MIN = 0xFFFFFFF0
 
-#: Names accepted by :meth:`SlurmJob.describe`: the torchrun options that SLURM can fill in.
+#: Names accepted by `SlurmJob.describe`: the torchrun options that SLURM can fill in.
 DESCRIBE_KEYS: frozenset[str] = frozenset({"nnodes", "node_rank", "rdzv_id", "rdzv_endpoint", "nproc_per_node"})
 
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
@@ -83,19 +83,19 @@ _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Expand a SLURM compressed host list, e.g. ``node[01-03,07],gpu1``.
+    """Expand a SLURM compressed host list, e.g. `node[01-03,07],gpu1`.
 
-    Rules (the ones ``scontrol show hostnames`` follows):
+    Rules (the ones `scontrol show hostnames` follows):
 
     * Hosts are separated by commas (or whitespace) outside brackets; commas
       inside brackets separate ranges.
-    * A bracket holds ranges ``N`` or ``N-M``; zero padding is kept, with the
-      width of the lower bound (``[08-10]`` gives ``08 09 10``).
+    * A bracket holds ranges `N` or `N-M`; zero padding is kept, with the
+      width of the lower bound (`[08-10]` gives `08 09 10`).
     * Several bracket groups in one name give every combination, the leftmost
-      group varying slowest: ``a[1-2]-b[3,5]`` gives ``a1-b3 a1-b5 a2-b3 a2-b5``.
+      group varying slowest: `a[1-2]-b[3,5]` gives `a1-b3 a1-b5 a2-b3 a2-b5`.
     * Order and duplicates are kept as written; empty entries are skipped.
 
-    Raises :class:`ValueError` with the offending part named when the list is
+    Raises `ValueError` with the offending part named when the list is
     malformed (unbalanced or nested brackets, empty or non-numeric ranges,
     reversed ranges).
     """
@@ -144,7 +144,7 @@ def _expand_one(token: str, text: str) -> list[str]:
 
 
 def _expand_ranges(body: str, token: str, text: str) -> list[str]:
-    """Expand the inside of one bracket, e.g. ``01-03,7``."""
+    """Expand the inside of one bracket, e.g. `01-03,7`."""
     where = f"bad SLURM host list {text!r}: in {token!r}"
     if not body.strip():
         raise ValueError(f"{where}: empty brackets")
@@ -165,13 +165,13 @@ def _expand_ranges(body: str, token: str, text: str) -> list[str]:
 
 
 def hostnames(nodelist: str) -> list[str]:
-    """Expand ``nodelist``, asking ``scontrol show hostnames`` first.
+    """Expand `nodelist`, asking `scontrol show hostnames` first.
 
     scontrol is the authority: it is SLURM's own parser, so it agrees with the
-    controller even on syntax a site may rely on and :func:`expand_hostlist`
+    controller even on syntax a site may rely on and `expand_hostlist`
     does not know. The parser covers the cases where scontrol is not there or
     cannot run: containers without SLURM's client tools, login-less images,
-    a client without a readable ``slurm.conf``.
+    a client without a readable `slurm.conf`.
     """
     if shutil.which("scontrol"):
         try:
@@ -196,9 +196,9 @@ def hostnames(nodelist: str) -> list[str]:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of ``nodelist``: where SLURM jobs conventionally put the store.
+    """The first host of `nodelist`: where SLURM jobs conventionally put the store.
 
-    Uses :func:`hostnames` (scontrol when it works, else the parser).
+    Uses `hostnames` (scontrol when it works, else the parser).
     """
     names = hostnames(nodelist)
     if not names:
@@ -213,15 +213,15 @@ def first_host(nodelist: str) -> str:
 class SlurmJob:
     """What SLURM says about the job step this process runs in.
 
-    Guarantees: every node of one ``srun`` step builds an equal object except
-    for ``node_rank`` and the per-node counts (GPUs, CPUs), so ``run_id``,
-    ``store_host`` and ``store_port`` agree everywhere without communication.
-    Two steps of one job get different ``run_id`` and ``store_port`` values, so
+    Guarantees: every node of one `srun` step builds an equal object except
+    for `node_rank` and the per-node counts (GPUs, CPUs), so `run_id`,
+    `store_host` and `store_port` agree everywhere without communication.
+    Two steps of one job get different `run_id` and `store_port` values, so
     they never join each other's rendezvous.
     """
 
     job_id: str
-    #: The ``srun`` step number; None in a batch shell (and SLURM's special steps).
+    #: The `srun` step number; None in a batch shell (and SLURM's special steps).
     step_id: int | None
     #: How often SLURM has requeued the job (SLURM_RESTART_COUNT, 0 at first).
     restart_count: int
@@ -233,7 +233,7 @@ class SlurmJob:
     hosts: tuple[str, ...]
     #: GPUs SLURM gave this node, or None when no variable says anything about GPUs.
     gpus_on_node: int | None
-    #: The variable ``gpus_on_node`` came from (for messages), or None.
+    #: The variable `gpus_on_node` came from (for messages), or None.
     gpus_source: str | None
     #: SLURM_CPUS_ON_NODE, or None when unset.
     cpus_on_node: int | None
@@ -245,22 +245,22 @@ class SlurmJob:
         *,
         expand: Callable[[str], list[str]] = hostnames,
     ) -> SlurmJob | None:
-        """Read the job from ``environ``; None when rally is not running on a SLURM node.
+        """Read the job from `environ`; None when rally is not running on a SLURM node.
 
         What counts as "inside SLURM":
 
-        * an ``srun`` task (SLURM_JOB_ID and SLURM_STEP_ID): a job step, the
+        * an `srun` task (SLURM_JOB_ID and SLURM_STEP_ID): a job step, the
           normal way to run rally on several nodes;
         * a batch shell (SLURM_JOB_ID and SLURM_NODEID but no step id): rally
-          runs on the job's first node, ``step_id`` is None and ``nnodes`` is
+          runs on the job's first node, `step_id` is None and `nnodes` is
           the job's node count. Only this node runs rally unless it is started
-          through ``srun``; :meth:`describe` says so when the job has more nodes.
-        * an ``salloc`` shell is *not* inside SLURM: it runs on the submit
+          through `srun`; `describe` says so when the job has more nodes.
+        * an `salloc` shell is *not* inside SLURM: it runs on the submit
           host, which is not one of the allocated nodes (no SLURM_NODEID), so
-          its first "host" would be wrong. None is returned; use ``srun``.
+          its first "host" would be wrong. None is returned; use `srun`.
 
-        ``expand`` turns a compressed node list into names (default
-        :func:`hostnames`; tests pass :func:`expand_hostlist`). Raises
+        `expand` turns a compressed node list into names (default
+        `hostnames`; tests pass `expand_hostlist`). Raises
         ValueError, naming the variable, when the environment is inconsistent.
         """
         job_id = _first(environ, "SLURM_JOB_ID", "SLURM_JOBID")
@@ -309,12 +309,12 @@ class SlurmJob:
 
     @property
     def in_step(self) -> bool:
-        """True inside an ``srun`` step, False in a batch shell."""
+        """True inside an `srun` step, False in a batch shell."""
         return self.step_id is not None
 
     @property
     def run_id(self) -> str:
-        """The rendezvous id: ``"<job>.<step>"`` in a step (``"1234.0"``), else ``"<job>"``.
+        """The rendezvous id: `"<job>.<step>"` in a step (`"1234.0"`), else `"<job>"`.
 
         The step is part of it so that two steps of one job (run one after the
         other, or side by side on different nodes) never share a rendezvous.
@@ -330,14 +330,14 @@ class SlurmJob:
     def store_port(self) -> int:
         """A port that every node of the step computes alike, from job id and step id.
 
-        See :data:`STORE_PORT_BASE` for why the range is 15000-28999.
+        See `STORE_PORT_BASE` for why the range is 15000-28999.
         """
         key = int(self.job_id) if self.job_id.isdigit() else zlib.crc32(self.job_id.encode())
         step_key = 0 if self.step_id is None else self.step_id + 1
         return STORE_PORT_BASE + (key * _PORT_STRIDE + step_key) % STORE_PORT_SPAN
 
     def nproc_auto_with_source(self) -> tuple[int, str]:
-        """Workers per node for ``--nproc-per-node auto``, and where the number came from.
+        """Workers per node for `--nproc-per-node auto`, and where the number came from.
 
         One per GPU when SLURM gave this node GPUs; else SLURM_CPUS_ON_NODE
         (what the step may use, not what the machine has); else os.cpu_count().
@@ -349,7 +349,7 @@ class SlurmJob:
         return os.cpu_count() or 1, "os.cpu_count()"
 
     def nproc_auto(self) -> int:
-        """Workers per node for ``--nproc-per-node auto`` (see :meth:`nproc_auto_with_source`)."""
+        """Workers per node for `--nproc-per-node auto` (see `nproc_auto_with_source`)."""
         return self.nproc_auto_with_source()[0]
 
     @property
@@ -399,9 +399,9 @@ class SlurmJob:
     def describe(self, taken: Iterable[str]) -> str:
         """One line for the launcher to print: what SLURM supplied and what was used.
 
-        ``taken`` names the settings the launcher took from SLURM (the others
-        came from flags or a config file), from :data:`DESCRIBE_KEYS`; dashes
-        are accepted for underscores. Example::
+        `taken` names the settings the launcher took from SLURM (the others
+        came from flags or a config file), from `DESCRIBE_KEYS`; dashes
+        are accepted for underscores. Example:
 
             SLURM job 1234.0: 2 nodes (node[1-2]), this is node 0, store node1:17234, nproc 2 from SLURM_CPUS_ON_NODE
         """
@@ -433,7 +433,7 @@ class SlurmJob:
 
 
 def _first(environ: Mapping[str, str], *names: str) -> str | None:
-    """The value of the first of ``names`` that is set and not blank."""
+    """The value of the first of `names` that is set and not blank."""
     for name in names:
         value = environ.get(name, "").strip()
         if value:
@@ -442,7 +442,7 @@ def _first(environ: Mapping[str, str], *names: str) -> str | None:
 
 
 def _int(environ: Mapping[str, str], *names: str) -> int | None:
-    """Like :func:`_first`, parsed as an int; ValueError names the variable."""
+    """Like `_first`, parsed as an int; ValueError names the variable."""
     for name in names:
         value = environ.get(name, "").strip()
         if value:
@@ -456,10 +456,10 @@ def _int(environ: Mapping[str, str], *names: str) -> int | None:
 def _gpus(environ: Mapping[str, str]) -> tuple[int | None, str | None]:
     """GPUs on this node and the variable that said so, or (None, None).
 
-    SLURM_GPUS_ON_NODE is SLURM's own count. Without it (older SLURM, ``--gres``
-    instead of ``--gpus``) the number of devices listed in CUDA_VISIBLE_DEVICES,
+    SLURM_GPUS_ON_NODE is SLURM's own count. Without it (older SLURM, `--gres`
+    instead of `--gpus`) the number of devices listed in CUDA_VISIBLE_DEVICES,
     SLURM_STEP_GPUS or SLURM_JOB_GPUS is used. CUDA's "none" markers (empty,
-    ``NoDevFiles``, ``-1``) count as 0.
+    `NoDevFiles`, `-1`) count as 0.
     """
     count = _int(environ, "SLURM_GPUS_ON_NODE")
     if count is not None:

@@ -107,8 +107,8 @@ def check_config_values(path: str, data: Mapping[str, Any]) -> None:
 
 # ------------------------------------------------------------------ individual values
 def whole_number(value: object) -> int:
-    """``int(value)`` of a raw value, which may be anything (rally.launch passes what it is given):
-    text, bytes, or a number (anything with ``__int__`` or ``__index__``); for any other value, the
+    """`int(value)` of a raw value, which may be anything (rally.launch passes what it is given):
+    text, bytes, or a number (anything with `__int__` or `__index__`); for any other value, the
     TypeError int() raises, in its words."""
     if isinstance(value, (str, bytes, bytearray, memoryview, SupportsInt, SupportsIndex)):
         return int(value)
@@ -116,7 +116,7 @@ def whole_number(value: object) -> int:
 
 
 def real_number(value: object) -> float:
-    """``float(value)`` of a raw value, as :func:`whole_number` (``__float__`` or ``__index__``)."""
+    """`float(value)` of a raw value, as `whole_number` (`__float__` or `__index__`)."""
     if isinstance(value, (str, bytes, bytearray, memoryview, SupportsFloat, SupportsIndex)):
         return float(value)
     raise TypeError(f"float() argument must be a string or a real number, not {type_name(value)}")
@@ -135,7 +135,7 @@ def type_name(value: object) -> str:
 
 
 def seconds(value: object, option: str, *, zero_ok: bool, minimum: float = 0.0) -> float:
-    """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``), at least ``minimum``, at most MAX_SECONDS."""
+    """A finite number of seconds, > 0 (or >= 0 with `zero_ok`), at least `minimum`, at most MAX_SECONDS."""
     try:
         number = real_number(value)
     except (TypeError, ValueError):
@@ -171,7 +171,7 @@ def handled_signals(signums: tuple[int, ...], option: str) -> tuple[int, ...]:
 
 
 def writable_dir(value: object, option: str) -> str:
-    """Create ``value`` (with parents) if needed and prove a file can be written there."""
+    """Create `value` (with parents) if needed and prove a file can be written there."""
     text = str(value)
     if not text.strip():
         raise ConfigError(f"{option} is empty; give a directory, or leave the option out")
@@ -189,7 +189,7 @@ def writable_dir(value: object, option: str) -> str:
 
 
 def private_dir(value: object, option: str) -> str:
-    """:func:`writable_dir`, but a directory it creates is 0700 (only the user may read its checkpoints)."""
+    """`writable_dir`, but a directory it creates is 0700 (only the user may read its checkpoints)."""
     text = str(value)
     try:
         if text.strip() and not os.path.lexists(text):
@@ -227,7 +227,7 @@ def names_fit(path: Path, option: str) -> None:
 def runnable_program(script: str) -> None:
     """--no-python: the program is an executable file, or a command found on PATH. A bare name is
     looked up on PATH only, as a shell does (and as the worker's exec will): one in the working
-    directory is named with its ``./`` instead of failing later with a traceback."""
+    directory is named with its `./` instead of failing later with a traceback."""
     path = Path(script)
     if os.sep not in script and path.exists() and not shutil.which(script):
         raise ConfigError(

@@ -1,14 +1,14 @@
 """rally: a torchrun-compatible launcher and elastic agent.
 
-The package is installed as ``rally`` (distribution ``torch-rally``) and nothing else, so a
-user's own ``agent.py``, ``launcher/`` or ``job.py`` is never shadowed by rally's modules:
+The package is installed as `rally` (distribution `torch-rally`) and nothing else, so a
+user's own `agent.py`, `launcher/` or `job.py` is never shadowed by rally's modules:
 
-* ``from rally import job`` -- the worker-side helper (checkpoints, heartbeat, preemption);
+* `from rally import job` -- the worker-side helper (checkpoints, heartbeat, preemption);
   cheap to import, never imports torch;
-* ``rally.run(argv) -> int`` -- the ``rally`` command as a function that returns its exit code;
-* ``rally.launch(fn, ...)`` -- run a Python callable on every worker and return per-rank results.
+* `rally.run(argv) -> int` -- the `rally` command as a function that returns its exit code;
+* `rally.launch(fn, ...)` -- run a Python callable on every worker and return per-rank results.
 
-Attributes are loaded on first use, so ``from rally import job`` in a worker imports only the
+Attributes are loaded on first use, so `from rally import job` in a worker imports only the
 standard library.
 """
 

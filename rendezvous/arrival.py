@@ -7,14 +7,22 @@ compare_set, so exactly one node ever holds a slot, whatever happens to the coun
 who decrements it cannot give two nodes one index; one who pushes it past MAX, or nodes that died
 between their `add` and their claim, cannot make a node a spare while slots are free).
 
-These two functions are the whole arrival mechanism of the c10d protocol: a backend that orders
-arrivals another way (etcd create revisions) replaces them, and nothing else.
+A store that orders arrivals itself (`OrderedArrivals`: etcd, by create revision) takes the
+other way here: a node's descriptor is its increment of the counter, written in the same request
+that counts it in and reads the round's record, so a node's place cannot be moved either and an
+arrival is one request instead of two (and the `check` of the round's record that follows costs
+none). Its assignment key is named by that increment's create revision, its `slot`.
+
+`claim_arrival_slot`, `valid_arrivals`, `wait_for_more` and `joined_hosts` are the whole arrival
+mechanism: the protocol (rendezvous/protocol.py) asks them, whichever way the store orders.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from itertools import chain
+from typing import Protocol, runtime_checkable
 
 from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.records import MAX_COUNT, NodeInfo
@@ -35,18 +43,65 @@ def joined_counter(r: int) -> str:
     return f"{r}/joined"
 
 
-def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> tuple[int, int] | None:
-    """Claim this node's arrival slot in round r (its descriptor, written once); its index and the
-    arrival counter as this node's arrival left it (how many had arrived: the protocol's first look
-    at the round, with no read of its own), or None when all MAX slots hold other nodes (this
-    node is late: a spare).
+def closed_key(r: int) -> str:
+    """Round r's record (first wins): written by its closer, waited for by every node."""
+    return f"{r}/closed"
+
+
+@runtime_checkable
+class OrderedArrivals(Protocol):
+    """A store that orders a counter's increments itself and lets each hold a value (etcd:
+    `EtcdStore.arrive_holding`, `arrivals`, `wait_arrival`)."""
+
+    def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int]: ...
+
+    def arrivals(self, counter: str, limit: int) -> tuple[int, list[tuple[int, bytes | UntrustedValue]]]: ...
+
+    def wait_arrival(self, counter: str, after: int, timeout: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A node's arrival in a round: `slot` names its assignment key (`<r>/assign/<attempt>/<slot>`),
+    `place` is its 0-based place in the arrival order, `arrived` the count its arrival left."""
+
+    slot: int
+    place: int
+    arrived: int
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """What the closer found: the arrival count (at most MAX), the valid descriptors in arrival
+    order with their slots, and `newest`, what `wait_for_more` waits past."""
+
+    count: int
+    slots: list[int]
+    nodes: list[NodeInfo]
+    newest: int
+
+
+def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> Arrival | None:
+    """Claim this node's arrival slot in round r (its descriptor, written once), or None when all MAX
+    slots hold other nodes (this node is late: a spare). `arrived` is the arrival counter as this
+    node's arrival left it (how many had arrived: the protocol's first look at the round, with no
+    read of its own).
 
     O(1) store calls when nobody interferes: the counter's hint is free. A taken hint (the counter
     was moved back) tries the next slots; a hint at or past MAX is checked with one wait on every
-    slot, and free slots are claimed from 0.
+    slot, and free slots are claimed from 0. An `OrderedArrivals` store: one request.
     """
     s = rdzv.settings
+    if isinstance(rdzv.store, OrderedArrivals):
+        place, slot = rdzv.store.arrive_holding(joined_counter(r), me.to_json(), closed_key(r))
+        if place < s.max_nodes:
+            return Arrival(slot, place, place + 1)
+        # Past MAX: late, unless arrivals before it were not valid nodes (a stranger's keys, skipped
+        # as on c10d): its place among the valid ones decides (one range, only for these nodes).
+        before = valid_arrivals(rdzv, r)
+        return Arrival(slot, before.slots.index(slot), before.count) if slot in before.slots else None
     hint = rdzv.store.arrive(joined_counter(r))
+    # wait: short: 0.01 s: are all slots taken
     if hint >= s.max_nodes and rdzv.store.try_wait([node_slot(r, i) for i in range(s.max_nodes)], 0.01):
         return None  # really full
     start = hint if 0 <= hint < s.max_nodes else 0
@@ -57,20 +112,26 @@ def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> tuple[int, int
             rdzv.on_status(f"skipping arrival slot {idx}: {exc}")
             continue
         if won:
-            return idx, hint + 1
+            return Arrival(idx, idx, hint + 1)
     return None
 
 
-def valid_arrivals(rdzv: Rendezvous, r: int, count: int) -> tuple[list[int], list[NodeInfo]]:
-    """The claimed slots of round r whose descriptors pass every check, in slot order.
+def valid_arrivals(rdzv: Rendezvous, r: int) -> Arrived:
+    """The claimed slots of round r whose descriptors pass every check, in arrival order.
 
-    `count` (the counter, at most MAX) says how many to expect: the closer waits a third of
+    The counter (at most MAX) says how many to expect: the closer waits a third of
     `close_timeout` for them (a node counts itself in just before it claims), then takes the
-    slots that exist, and any claimed beyond `count` (the counter was moved back). The
-    descriptors are read together: one request (c10d: multi_get, etcd: a range), not one per node.
+    slots that exist, and any claimed beyond the count (the counter was moved back). The
+    descriptors are read together: one request (c10d: multi_get), not one per node. An
+    `OrderedArrivals` store: the first MAX valid increments, from one range of them all (count
+    and descriptor are one write there, so there is nothing to wait for).
     """
     s = rdzv.settings
+    if isinstance(rdzv.store, OrderedArrivals):
+        return _valid_in_order(rdzv, rdzv.store, r)
+    count = min(rdzv.store.counter(joined_counter(r), MAX_COUNT), s.max_nodes)
     names = [node_slot(r, i) for i in range(count)]
+    # wait: slice: close_timeout / 3
     everything = rdzv.store.try_wait(names, s.close_timeout / 3)
     beyond = count
     while beyond < s.max_nodes and rdzv.store.check(node_slot(r, beyond)):
@@ -89,20 +150,53 @@ def valid_arrivals(rdzv: Rendezvous, r: int, count: int) -> tuple[list[int], lis
                 indices.append(int(name.rsplit("/", 1)[1]))
         except UntrustedValue as exc:
             rdzv.on_status(f"ignoring a node descriptor: {exc}")
-    return indices, nodes
+    return Arrived(count, indices, nodes, max(indices, default=-1))
+
+
+def _valid_in_order(rdzv: Rendezvous, store: OrderedArrivals, r: int) -> Arrived:
+    """`valid_arrivals` on a store that orders arrivals: the first MAX valid of them all, one range."""
+    total, found = store.arrivals(joined_counter(r), 0)  # all: a stranger's keys take no place
+    slots: list[int] = []
+    nodes: list[NodeInfo] = []
+    for slot, value in found:
+        if len(nodes) == rdzv.settings.max_nodes:
+            break
+        try:
+            if isinstance(value, UntrustedValue):
+                raise value
+            nodes.append(NodeInfo.load(value, rdzv.store.key(f"{joined_counter(r)} (arrival {slot})")))
+            slots.append(slot)
+        except UntrustedValue as exc:
+            rdzv.on_status(f"ignoring a node descriptor: {exc}")
+    newest = max((slot for slot, _ in found), default=0)
+    return Arrived(min(total, rdzv.settings.max_nodes), slots, nodes, newest)
+
+
+def wait_for_more(rdzv: Rendezvous, r: int, arrived: Arrived, timeout: float) -> bool:
+    """Wait up to `timeout` for a node to arrive after those `arrived` holds (too few were valid)."""
+    if isinstance(rdzv.store, OrderedArrivals):
+        # wait: slice: the closer's close_timeout
+        return rdzv.store.wait_arrival(joined_counter(r), arrived.newest, timeout)
+    # wait: slice: the closer's close_timeout
+    return rdzv.store.try_wait([node_slot(r, arrived.newest + 1)], timeout)
 
 
 def joined_hosts(rdzv: Rendezvous, r: int, count: int, limit: int) -> list[str]:
     """The hosts of the first `limit` claimed slots (for a progress line; unchecked slots skipped),
     read together: every waiting node prints one every few seconds, and at thousands of nodes one
     request each is what the store can take."""
-    names = [node_slot(r, i) for i in range(min(count, limit))]
+    if isinstance(rdzv.store, OrderedArrivals):
+        where = rdzv.store.key(joined_counter(r))
+        found = [(where, value) for _, value in rdzv.store.arrivals(joined_counter(r), min(count, limit))[1]]
+    else:
+        names = [node_slot(r, i) for i in range(min(count, limit))]
+        found = [(rdzv.store.key(name), value) for name, value in rdzv.store.get_present(names).items()]
     hosts = []
-    for name, value in rdzv.store.get_present(names).items():
+    for key, value in found:
         try:
             if isinstance(value, UntrustedValue):
                 raise value
-            hosts.append(NodeInfo.load(value, rdzv.store.key(name)).host)
+            hosts.append(NodeInfo.load(value, key).host)
         except UntrustedValue:
             continue
     return hosts

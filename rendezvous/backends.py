@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -57,7 +58,7 @@ class StoreRequest:
     master_port: int | None = None
     is_host: bool | None = None  # --rdzv-conf is_host
     store_type: str = "tcp"  # --rdzv-conf store_type
-    conf: Any = None  # the whole --rdzv-conf (dict): the etcd backends read TLS and users from it
+    conf: Mapping[str, Any] | None = None  # the whole --rdzv-conf (dict): the etcd backends read TLS and users from it
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Backend(Protocol):
     def plan(self, request: StoreRequest) -> StoreEndpoint:
         """Where this node finds the store, or EndpointError."""
 
-    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Mapping[str, Any] | None = None) -> StoreEndpoint:
         """Where a client elsewhere (`rally status`) finds a running job's store."""
 
     def open(
@@ -209,7 +210,7 @@ class C10dBackend(Backend):
             raise EndpointError(f"--rdzv-endpoint {endpoint}: port 0 only works on the store's own host")
         return StoreEndpoint(host, port, host_here=host_here, backend=self.name)
 
-    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Mapping[str, Any] | None = None) -> StoreEndpoint:
         host, port = _host_port(endpoint, DEFAULT_C10D_PORT)
         resolvable(host, "--rdzv-endpoint")
         return StoreEndpoint(host, port, host_here=False, backend=self.name)
@@ -241,7 +242,7 @@ class StaticBackend(C10dBackend):
         resolvable(host, "--rdzv-endpoint" if request.endpoint else "--master-addr")
         return StoreEndpoint(host, port, host_here=node_rank == 0, backend=self.name)
 
-    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Mapping[str, Any] | None = None) -> StoreEndpoint:
         host, port = _host_port(endpoint, DEFAULT_MASTER_PORT)
         resolvable(host, "--rdzv-endpoint")
         return StoreEndpoint(host, port, host_here=False, backend=self.name)
@@ -263,7 +264,7 @@ class FileBackend(Backend):
             )
         return self.locate(request.endpoint or "localhost:0")
 
-    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Mapping[str, Any] | None = None) -> StoreEndpoint:
         from pathlib import Path
 
         text = str(endpoint)
@@ -305,7 +306,7 @@ class EtcdBackend(Backend):
             )
         return endpoint
 
-    def locate(self, endpoint: str | HostPort, conf: Any = None) -> StoreEndpoint:
+    def locate(self, endpoint: str | HostPort, conf: Mapping[str, Any] | None = None) -> StoreEndpoint:
         members, scheme = parse_etcd_endpoints(str(endpoint))
         access = etcd_access(conf or {}, scheme)
         return StoreEndpoint("", 0, host_here=False, etcd=members, backend=self.name, etcd_access=access)

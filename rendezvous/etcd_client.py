@@ -213,8 +213,12 @@ class EtcdClient:
         self._current = (self._current + 1) % len(self.members)
 
     # ------------------------------------------------------------------ watches
-    def watch(self, request: dict[str, Any], deadline: float) -> Generator[dict[str, Any], None, None]:
-        """Open a watch on the current member and yield its events until `deadline`.
+    def watch(
+        self, request: dict[str, Any], deadline: float, also: tuple[dict[str, Any], ...] = ()
+    ) -> Generator[dict[str, Any], None, None]:
+        """Open a watch on the current member and yield its events until `deadline`; `also`: more
+        watches on the same stream (one HTTP request: the gateway passes each JSON object of the
+        body on as a request of its own), whose events come mixed with the first's.
 
         Returns (ends the iteration) at the deadline. Raises `EtcdUnavailable` when the member
         cannot serve the watch or the stream breaks; the caller re-reads the key (which fails
@@ -229,7 +233,7 @@ class EtcdClient:
                 connection = HttpConnection(
                     member.host, member.port, self.access, _left(deadline, REQUEST_TIMEOUT_SECONDS)
                 )
-                body = json.dumps({"create_request": request}).encode()
+                body = b"\n".join(json.dumps({"create_request": r}).encode() for r in (request, *also))
                 status, lines = connection.stream(
                     "/v3/watch",
                     body,

@@ -15,6 +15,7 @@ Every problem is one line saying which key is wrong and how to fix it (EndpointE
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ ETCD_CONF_KEYS = (
 ALIASES = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
 
 
-def etcd_access(conf: dict[str, Any], endpoint_scheme: str | None) -> EtcdAccess:
+def etcd_access(conf: Mapping[str, Any], endpoint_scheme: str | None) -> EtcdAccess:
     """The checked TLS and user settings (files readable, certificates loadable)."""
     given = {ALIASES.get(k, k): v for k, v in conf.items() if k in ETCD_CONF_KEYS and v is not None}
     for alias, name in ALIASES.items():

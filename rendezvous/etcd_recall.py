@@ -27,10 +27,12 @@ class JustRead(threading.local):
         self.kvs: dict[str, dict] = {}
         self.checked: tuple[str, dict] | None = None
         self.absent: tuple[str, int, float] | None = None
+        self.fresh_absence: str | None = None  # a key the previous request found absent (`absent_now`)
+        self.expected: str | None = None  # a key the next wait watches too (`EtcdStore.also_watch`)
 
     def forget(self) -> None:
         """A new request ends what `recall` hands out (an absence stays: it cannot go stale)."""
-        self.kvs, self.checked = {}, None
+        self.kvs, self.checked, self.fresh_absence = {}, None, None
 
     def remember(self, kvs: dict[str, dict], checked: tuple[str, dict] | None = None) -> None:
         self.kvs, self.checked = kvs, checked
@@ -59,9 +61,17 @@ class JustRead(threading.local):
             return None
         return {n: self.kvs.pop(n) for n in names}
 
-    def remember_absent(self, name: str, revision: int) -> None:
-        """`name` did not exist at `revision`: a wait on it right after can watch from there."""
+    def remember_absent(self, name: str, revision: int, fresh: bool = False) -> None:
+        """`name` did not exist at `revision`: a wait on it right after can watch from there;
+        `fresh`: the key was read on the side of another request (an arrival), so the `check` that
+        follows it before any other request is answered from it too (`absent_now`)."""
         self.absent = (name, revision, time.monotonic())
+        self.fresh_absence = name if fresh else None
+
+    def absent_now(self, name: str) -> bool:
+        """Whether the previous request found `name` absent on the side (used once, like `recall`)."""
+        fresh, self.fresh_absence = self.fresh_absence, None
+        return fresh == name
 
     def absent_since(self, name: str) -> int | None:
         """The revision a recent `check` found `name` absent at (used once), or None."""

@@ -39,6 +39,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 from rally.rendezvous.etcd_client import (
@@ -55,6 +56,8 @@ from rally.rendezvous.token import BadRecord, Signer
 
 # etcd refuses transactions with more operations than its --max-txn-ops (default 128).
 MAX_TXN_OPS = 128
+# How many of a `multi_set`'s transactions are sent at once (each on a connection of its own).
+PARALLEL_TXNS = 8
 # Many keys are read as one range over their span (`_read`), unless it holds more than SPAN_SLACK x
 # as many other keys.
 SPAN_MIN_KEYS, SPAN_SLACK = 4, 2
@@ -64,6 +67,12 @@ SPAN_MIN_KEYS, SPAN_SLACK = 4, 2
 INCREMENTS = "\x00"
 APPENDED = "\x01"
 APPENDED_END = "\x02"
+
+
+def _signed_as(own: str) -> str:
+    """The name an arrival's value (`EtcdStore.arrive_holding`) is signed for: its key with the
+    increment mark as `#` (a signed record names its key before a NUL, rendezvous/token.py)."""
+    return own.replace(INCREMENTS, "#")
 
 
 class EtcdStore(KeyValueStore):
@@ -109,18 +118,31 @@ class EtcdStore(KeyValueStore):
         return (kvs[0] if kvs else None), int(reply["header"]["revision"])
 
     def _txn(self, compare: list[dict], success: list[dict], failure: list[dict]) -> tuple[bool, list[dict]]:
+        won, responses, _ = self._txn_at(compare, success, failure)
+        return won, responses
+
+    def _txn_at(self, compare: list[dict], success: list[dict], failure: list[dict]) -> tuple[bool, list[dict], int]:
+        """A transaction: (whether the compares held, the responses, the revision it ran at)."""
         reply = self._call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
-        return bool(reply.get("succeeded")), reply.get("responses") or []
+        return bool(reply.get("succeeded")), reply.get("responses") or [], int(reply["header"]["revision"])
 
     # ------------------------------------------------------------------ signed values
     def _seal(self, name: str, value: str | bytes) -> str:
         """The value as stored: signed with the job token (rendezvous/token.py), base64 for the gateway."""
-        return b64(self.signer.seal(self.key(name), value))
+        return self._seal_raw(self.key(name), value)
+
+    def _seal_raw(self, key: str, value: str | bytes) -> str:
+        """`_seal` for a key named in full (prefix included)."""
+        return b64(self.signer.seal(key, value))
 
     def _open(self, name: str, kv: dict) -> bytes:
         """A stored value's payload, or UntrustedValue naming the key (a stranger wrote it)."""
+        return self._open_raw(self.key(name), kv)
+
+    def _open_raw(self, key: str, kv: dict) -> bytes:
+        """`_open` for a key named in full (prefix included)."""
         try:
-            return self.signer.open(self.key(name), unb64(kv.get("value")))
+            return self.signer.open(key, unb64(kv.get("value")))
         except BadRecord as exc:
             raise UntrustedValue(str(exc)) from None
 
@@ -155,6 +177,8 @@ class EtcdStore(KeyValueStore):
         """Whether the key exists (the value read with it serves a `get` right after; see `JustRead.recall`)."""
         if self._just_read.recall(name, for_check=True) is not None:
             return True
+        if self._just_read.absent_now(name):  # the request just made found it absent (`arrive_holding`)
+            return False
         kv, revision = self._range(name)
         if kv is not None:
             self._just_read.remember({}, (name, kv))
@@ -209,16 +233,26 @@ class EtcdStore(KeyValueStore):
         )
 
     def multi_set(self, items: dict[str, str]) -> None:
+        """Write every key: transactions of MAX_TXN_OPS puts, sent at once on connections of their
+        own when there are several (the closer's 1,024 assignments: etcd commits 8 transactions
+        sent together about as fast as one, and in a row they were a third of the close)."""
         puts = [{"request_put": {"key": self._k(k), "value": self._seal(k, v)}} for k, v in items.items()]
-        for start in range(0, len(puts), MAX_TXN_OPS):
-            self._txn([], puts[start : start + MAX_TXN_OPS], [])
+        chunks = [puts[start : start + MAX_TXN_OPS] for start in range(0, len(puts), MAX_TXN_OPS)]
+        if len(chunks) <= 1:
+            for chunk in chunks:
+                self._txn([], chunk, [])
+            return
+        with ThreadPoolExecutor(min(len(chunks), PARALLEL_TXNS)) as pool:
+            for _ in pool.map(lambda chunk: self.connect_again()._txn([], chunk, []), chunks):
+                pass
 
     # ------------------------------------------------------------------ counters: a base value plus keys of their own
     def _own_key(self, name: str, mark: str) -> str:
-        """A fresh key `<name><mark><id>` for one increment or one appended piece."""
-        return f"{self.key(name)}{mark}{uuid.uuid4().hex}"
+        """A fresh key `<name><mark><id>` for one increment or one appended piece; the id starts with
+        the wall clock, so the keys sort about as they were made (`arrivals(..., by_key=True)`)."""
+        return f"{self.key(name)}{mark}{time.time_ns():016x}{uuid.uuid4().hex}"
 
-    def _marked(self, name: str, first: str, end: str, **options: Any) -> dict:
+    def _marked(self, name: str, first: str, end: str, **options: object) -> dict:
         """A range request over the keys from `<name><first>` up to `<name><end>` (exclusive)."""
         return {
             "request_range": {"key": b64(self.key(name) + first), "range_end": b64(self.key(name) + end), **options}
@@ -275,6 +309,68 @@ class EtcdStore(KeyValueStore):
         reply = self._call("/v3/kv/range", earlier)
         return self._counted(name, reply, counted=len(reply.get("kvs") or []))
 
+    # ------------------------------------------------------------------ arrivals in etcd's own order
+    def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int]:
+        """Count this caller in to `counter` with an increment key that holds `value`, signed
+        (`<counter>\\x00<id>`), and read the key `also`: one transaction. Return (this caller's
+        0-based place: how many increments existed before it, its key's create revision).
+
+        etcd orders the arrivals (create revisions), so nobody can move a place, and the slot is
+        the increment itself: no second request to claim one. What `also` held (the round's
+        record) serves the `check` and `wait` that follow, as a `check` of its own would.
+        """
+        own = self._own_key(counter, INCREMENTS)
+        absent = {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        put = {"request_put": {"key": b64(own), "value": self._seal_raw(_signed_as(own), value)}}
+        also_read = {"request_range": {"key": self._k(also)}}
+        # The increments alone, counted without their values (`arrivals` reads the same range).
+        count = self._marked(counter, INCREMENTS, APPENDED, count_only=True)
+        won, responses, revision = self._txn_at(
+            [absent], [put, count, also_read], [{"request_range": {"key": b64(own)}}, also_read]
+        )
+        seen = (responses[-1].get("response_range") or {}).get("kvs") or []
+        if seen:
+            self._just_read.remember({also: seen[0]})
+        else:
+            self._just_read.remember_absent(also, revision, fresh=True)
+        if won:
+            return int((responses[1].get("response_range") or {}).get("count", 0)) - 1, revision
+        # Sent again after a lost reply: our key exists; count the increments created up to it.
+        created = int(responses[0]["response_range"]["kvs"][0]["create_revision"])
+        earlier = self._marked(counter, INCREMENTS, APPENDED, max_create_revision=str(created), keys_only=True)
+        reply = self._call("/v3/kv/range", earlier["request_range"])
+        return len(reply.get("kvs") or []) - 1, created
+
+    def arrivals(
+        self, counter: str, limit: int, by_key: bool = False
+    ) -> tuple[int, list[tuple[int, bytes | UntrustedValue]]]:
+        """How many increments `counter` has, and the first `limit` of them (all for 0) in the order
+        they were made (create revision, payload checked; a value this job did not sign is its
+        UntrustedValue): one range, whatever the count. `by_key`: in key order (about the order
+        they were made, by the makers' clocks): etcd sorts by create revision only after reading
+        every value in the range, so a few of thousands (a progress line's hosts) are read this way."""
+        order = {} if by_key else {"sort_order": "ASCEND", "sort_target": "CREATE"}
+        ordered = self._marked(counter, INCREMENTS, APPENDED, limit=str(limit), **order)
+        reply = self._call("/v3/kv/range", ordered["request_range"])
+        found: list[tuple[int, bytes | UntrustedValue]] = []
+        for kv in reply.get("kvs") or []:
+            key = unb64(kv.get("key")).decode(errors="replace")
+            try:
+                found.append((int(kv["create_revision"]), self._open_raw(_signed_as(key), kv)))
+            except UntrustedValue as exc:
+                found.append((int(kv["create_revision"]), exc))
+        return int(reply.get("count", 0)), found
+
+    def wait_arrival(self, counter: str, after: int, timeout: float) -> bool:
+        """True once an increment of `counter` newer than revision `after` exists; False after `timeout`."""
+        request = {
+            "key": b64(self.key(counter) + INCREMENTS),
+            "range_end": b64(self.key(counter) + APPENDED),
+            "start_revision": str(after + 1),
+            "filters": ["NODELETE"],
+        }
+        return any(True for _ in self._watch(request, time.monotonic() + timeout))
+
     def _add_to_base(self, name: str, amount: int) -> int:
         """Add to the counter's base value (compare-and-swap on mod_revision); return the total."""
         kv, _ = self._range(name)
@@ -296,7 +392,11 @@ class EtcdStore(KeyValueStore):
 
     def counter(self, name: str, limit: int | None = None) -> int:
         """A counter's value, checked to be a number in 0..limit (as `Store.counter` checks)."""
-        value = self._counted(name, self._call("/v3/kv/range", self._counter_range(name)["request_range"]))
+        return self._in_range(
+            name, self._counted(name, self._call("/v3/kv/range", self._counter_range(name)["request_range"])), limit
+        )
+
+    def _in_range(self, name: str, value: int, limit: int | None) -> int:
         if value < 0 or (limit is not None and value > limit):
             bound = "" if limit is None else f" (at most {limit})"
             raise UntrustedValue(
@@ -341,7 +441,8 @@ class EtcdStore(KeyValueStore):
         sealed = self._seal(name, value)
         put = {"request_put": {"key": self._k(name), "value": sealed}}
         won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
-        if won:
+        if won:  # written once: a read of it right after (the closer's, of the round's record) needs no request
+            self._just_read.remember({name: {"key": self._k(name), "value": sealed}})
             return True, value
         kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
         if not kvs:
@@ -392,6 +493,16 @@ class EtcdStore(KeyValueStore):
         found, _ = self._read_keys(names)
         return self._open_found(names, found)
 
+    def counter_and_present(
+        self, counter: str, limit: int, names: Sequence[str]
+    ) -> tuple[int, dict[str, bytes | UntrustedValue]]:
+        """`counter(counter, limit)` and `read_present(names)` in one transaction (a joining node's first look)."""
+        reads = [self._counter_range(counter), *({"request_range": {"key": self._k(n)}} for n in names)]
+        _, responses = self._txn([], reads, [])
+        ranges = [r.get("response_range") or {} for r in responses]
+        found = {n: r["kvs"][0] for n, r in zip(names, ranges[1:], strict=True) if r.get("kvs")}
+        return self._in_range(counter, self._counted(counter, ranges[0]), limit), self._open_found(names, found)
+
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds).
 
@@ -405,6 +516,7 @@ class EtcdStore(KeyValueStore):
         pending = list(names)
         found: dict[str, dict] = {}  # what the reads and events saw: it serves the `get`s that follow
         absent_at = self._just_read.absent_since(pending[0]) if len(pending) == 1 else None
+        expected, self._just_read.expected = self._just_read.expected, None  # `also_watch`
         while True:
             if absent_at is not None:  # a check just found it absent: watch from there
                 revision, absent_at = absent_at, None
@@ -425,9 +537,14 @@ class EtcdStore(KeyValueStore):
             request: dict[str, Any] = {"key": b64(first), "start_revision": str(revision + 1)}
             if len(by_key) > 1:
                 request["range_end"] = b64(last + b"\0")
-            for event in self._watch(request, deadline):
+            also = () if expected is None else ({"key": self._k(expected), "start_revision": str(revision + 1)},)
+            for event in self._watch(request, deadline, also):
                 kv = event.get("kv") or {}
-                name = by_key.pop(unb64(kv.get("key")), None) if event.get("type", "PUT") == "PUT" else None
+                key = unb64(kv.get("key"))
+                if expected is not None and key == self.key(expected).encode() and event.get("type", "PUT") == "PUT":
+                    found[expected] = kv
+                    continue
+                name = by_key.pop(key, None) if event.get("type", "PUT") == "PUT" else None
                 if name is not None:
                     found[name] = kv
                 if not by_key:
@@ -451,10 +568,20 @@ class EtcdStore(KeyValueStore):
                 return True
         return False
 
-    def _watch(self, request: dict[str, Any], deadline: float) -> Generator[dict, None, None]:
-        """The events of one watch until the deadline passes or the caller stops; a broken stream
-        just ends: the caller reads again (which fails over, or reports the cluster gone)."""
-        events = self.client.watch(request, deadline)
+    def also_watch(self, name: str) -> None:
+        """The next `wait` of this thread watches `name` too, on the same stream, and keeps its value
+        for the read that follows (a node's assignment, written just before the round's record
+        it waits for): no request of its own after the wait. An event that comes after the
+        awaited keys is not waited for; the read then asks etcd."""
+        self._just_read.expected = name
+
+    def _watch(
+        self, request: dict[str, Any], deadline: float, also: tuple[dict[str, Any], ...] = ()
+    ) -> Generator[dict, None, None]:
+        """The events of one watch (and of the watches `also`, on the same stream) until the deadline
+        passes or the caller stops; a broken stream just ends: the caller reads again (which fails
+        over, or reports the cluster gone)."""
+        events = self.client.watch(request, deadline, also)
         try:
             yield from events
         except EtcdUnavailable:

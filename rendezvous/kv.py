@@ -166,12 +166,25 @@ class KeyValueStore(ABC):
         node checks before it joins), where `get_present` would wait."""
         return self.read_each([name for name in names if self.check(name)])
 
+    def counter_and_present(
+        self, counter: str, limit: int, names: Sequence[str]
+    ) -> tuple[int, dict[str, bytes | UntrustedValue]]:
+        """`counter(counter, limit)` and `read_present(names)`: a joining node's first look at the
+        job (the `current` hint and the end records), one request where the store can (etcd)."""
+        return self.counter(counter, limit), self.read_present(names)
+
     def get_if_present(self, name: str) -> bytes | None:
         """The checked value of `name`, or None when it does not exist (never a wait): a `check`
         and a `get` here, one request where the store can (`Store.get_if_present`). Only for keys
         nobody waits for while they are absent (a node's assignment): on c10d the request wakes
         such waiters (see `Store.get_if_present`)."""
         return self.get(name) if self.check(name) else None
+
+    def also_watch(self, name: str) -> None:
+        """A hint: `name` (a key written just before the one the next wait is for) will be read right
+        after that wait. A store that can watch it on the same stream keeps its value then (etcd:
+        `EtcdStore.also_watch`); here, nothing."""
+        return None
 
     def try_wait(self, names: Sequence[str], timeout: float) -> bool:
         """`wait`, answering False instead of raising when the time is up."""

@@ -63,7 +63,7 @@ def load_node_failures(store: StoreReader) -> dict[str, Any]:
     }
 
 
-def _entry(e: Any) -> bool:
+def _entry(e: object) -> bool:
     return (
         isinstance(e, list) and len(e) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)
     )

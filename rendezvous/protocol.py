@@ -47,7 +47,7 @@ from functools import partial
 from typing import Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
-from rally.rendezvous.arrival import CURRENT_ROUND, joined_counter, node_slot
+from rally.rendezvous.arrival import CURRENT_ROUND, closed_key, joined_counter
 from rally.rendezvous.kv import KeyValueStore as Store
 from rally.rendezvous.kv import StoreTimeout, UntrustedValue
 from rally.rendezvous.liveness import wait_round_end_or_dead
@@ -135,6 +135,7 @@ class Rendezvous:
         self.last_rank: int | None = None
         self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
         self._ahead: dict[str, bytes | UntrustedValue | None] = {}  # `_read_ahead`: until the node joins
+        # wait: not_a_wait: prints a wait's progress line; not a wait
         self.waiting = WaitProgress(lambda line: announce_wait(self, line), progress_interval(settings.max_nodes))
 
     # ----------------------------------------------------------------- checked reads
@@ -144,6 +145,17 @@ class Rendezvous:
         names = [JOB_CLOSED, *ends]
         present = self.store.read_present(names)
         self._ahead = {name: present.get(name) for name in names}
+
+    def _first_look(self) -> int:
+        """The `current` hint and the end records a first join checks (the job's, round 0's, and
+        when the hint is past 0 the rounds' around it), read ahead: one request on etcd when the
+        job is in its first round (`counter_and_present`), one more when it is not."""
+        names = [JOB_CLOSED, end_key(0)]
+        hint, present = self.store.counter_and_present(CURRENT_ROUND, MAX_COUNT, names)
+        self._ahead = {name: present.get(name) for name in names}
+        if hint > 0:
+            self._read_ahead([end_key(hint - 1), end_key(hint)])
+        return hint
 
     def _end_record(self, name: str) -> RoundEnd | None:
         if name in self._ahead:  # read a moment ago with the others (`_read_ahead`)
@@ -157,7 +169,7 @@ class Rendezvous:
     def round_record(self, r: int, closed: bool = False) -> RoundRecord | None:
         """Round r's record, None while it forms; `closed`: a wait just saw it, so one `get` reads
         it (after the close every waiter reads it: one request each, not a `check` and a `get`)."""
-        name = f"{r}/closed"
+        name = closed_key(r)
         if not closed and not self.store.check(name):
             return None
         return RoundRecord.load(self.store.get(name), self.store.key(name)).check_members(
@@ -210,9 +222,7 @@ class Rendezvous:
         deadline = time.monotonic() + self.settings.join_timeout
         try:  # the end records read ahead serve these first checks only, never a later read
             if self.last_round is None:
-                hint = self.store.counter(CURRENT_ROUND, MAX_COUNT)
-                self._read_ahead([end_key(hint - 1), end_key(hint)] if hint > 0 else [end_key(0)])
-                r = arrival.current_round(self, hint)
+                r = arrival.current_round(self, self._first_look())
             else:
                 r = self.last_round + 1
                 self._read_ahead([end_key(r - 1)])
@@ -226,6 +236,7 @@ class Rendezvous:
                 self.last_round = r
                 self.last_rank = assignment.group_rank
                 return assignment
+            # wait: slice, said by Rendezvous._wait_as_spare: a spare
             self._wait_as_spare(r, time.monotonic() + self.settings.join_timeout)
             r += 1
             deadline = time.monotonic() + self.settings.join_timeout
@@ -239,19 +250,18 @@ class Rendezvous:
             **asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress(),
             "memory_steps": ",".join(map(str, memory)), "durable_step": durable,
         })  # fmt: skip
-        claimed = arrival.claim_arrival_slot(self, r, me)
-        if claimed is None:
+        mine = arrival.claim_arrival_slot(self, r, me)
+        if mine is None:
             return None
-        idx, arrived = claimed
         quorum_seen_at: float | None = None
         attempt, closed = 0, False  # closed: a wait saw the round's record, so one `get` reads it
         # The first pass takes the counter as this node's own arrival left it (the last arrival, the
         # one that closes, reads nothing before it does); later passes read it again.
-        count, first = min(max(arrived, idx + 1), s.max_nodes), True  # a hint: the closer counts
+        count, first = min(max(mine.arrived, mine.place + 1), s.max_nodes), True  # a hint: the closer counts
         self.waiting.begin()
         while (record := self.round_record(r, closed)) is None:
             if not first:
-                count = min(max(self._count(joined_counter(r)), idx + 1), s.max_nodes)
+                count = min(max(self._count(joined_counter(r)), mine.place + 1), s.max_nodes)
             first = False
             now = time.monotonic()
             if now > deadline:
@@ -260,24 +270,31 @@ class Rendezvous:
                     f"{count} of at least {s.min_nodes} nodes joined round {r}, and it did not form; start "
                     "the missing nodes or raise join_timeout (--rdzv-conf join_timeout=SECONDS)"
                 )
-            if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(r)):
-                attempt, closed = self._try_close(r, attempt, deadline, defer=attempt == 0 and idx + 1 < count)
-                continue
-            remaining = deadline - now
             if count >= s.min_nodes:
                 quorum_seen_at = quorum_seen_at or now
+            # The last call runs out for a full count too: arrivals that are not valid nodes (a
+            # stranger's) can make the count MAX with fewer valid descriptors than that.
+            over = quorum_seen_at is not None and now >= quorum_seen_at + s.last_call_timeout
+            if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(r)):
+                defer = attempt == 0 and mine.place + 1 < count
+                attempt, closed = self._try_close(r, attempt, deadline, last_call_over=over, defer=defer)
+                continue
+            remaining = deadline - now
+            if quorum_seen_at is not None:
                 remaining = min(remaining, quorum_seen_at + s.last_call_timeout - now)
                 if remaining <= 0:
                     attempt, closed = self._try_close(r, attempt, deadline, last_call_over=True)
                     continue
             self.waiting.tick(partial(arrival.forming_line, self, r, count, deadline, quorum_seen_at))
-            closed = self.store.try_wait([f"{r}/closed"], min(max(remaining, 0.001), self.waiting.interval))
-        mine = f"{r}/assign/{record.attempt}/{idx}"  # nobody waits for it: one request reads it or its absence
-        value = self.store.get_if_present(mine)
+            self.store.also_watch(f"{r}/assign/0/{mine.slot}")  # the first closer's assignment for this node
+            # wait: slice, said by Rendezvous._join: slices of WAIT_SLICE_SECONDS up to join_timeout
+            closed = self.store.try_wait([closed_key(r)], min(max(remaining, 0.001), self.waiting.interval))
+        name = f"{r}/assign/{record.attempt}/{mine.slot}"  # nobody waits for it: one request reads it or its absence
+        value = self.store.get_if_present(name)
         if value is None:  # the closer did not count this node in (it claimed its slot too late)
             return None
-        return Assignment.load(value, self.store.key(mine)).check_for(
-            self.store.key(mine), r, self.me, s.max_nodes, record.members
+        return Assignment.load(value, self.store.key(name)).check_for(
+            self.store.key(name), r, self.me, s.max_nodes, record.members
         )
 
     def _expected(self, r: int) -> int:
@@ -299,22 +316,24 @@ class Rendezvous:
         won = not defer and self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)[0]
         if not won:
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
-            closed = self.store.try_wait([f"{r}/closed"], wait)
+            # wait: slice, said by Rendezvous._try_close: last call
+            closed = self.store.try_wait([closed_key(r)], wait)
             return (attempt, True) if closed else (attempt + 1, False)
-        count = min(self._count(joined_counter(r)), s.max_nodes)
-        indices, nodes = arrival.valid_arrivals(self, r, count)
+        arrived = arrival.valid_arrivals(self, r)
+        count, nodes = arrived.count, arrived.nodes
         required = s.min_nodes if last_call_over else max(s.min_nodes, min(self._expected(r), s.max_nodes))
         if len(nodes) < required:
             if len(nodes) < s.min_nodes:
                 self.on_status(f"round {r}: {len(nodes)} valid node descriptors of {count} arrivals, below the minimum "
                                f"of {s.min_nodes} nodes; waiting for more")  # fmt: skip
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
-            self.store.try_wait([node_slot(r, max(indices, default=-1) + 1)], wait)
+            # wait: slice, said by Rendezvous._try_close: close_timeout, then the next attempt
+            arrival.wait_for_more(self, r, arrived, wait)
             return attempt + 1, False
-        self._write_round(r, attempt, indices, nodes)
+        self._write_round(r, attempt, arrived.slots, nodes)
         return attempt, True  # this close, or one that won before it
 
-    def _write_round(self, r: int, attempt: int, indices: list[int], nodes: list[NodeInfo]) -> None:
+    def _write_round(self, r: int, attempt: int, slots: list[int], nodes: list[NodeInfo]) -> None:
         step = newest_step(nodes)
         previous, end = (self.round_record(r - 1), self.round_end(r - 1)) if r > 0 else (None, None)
         for name, found in ((f"{r - 1}/closed", previous), (f"{r - 1}/end", end)):
@@ -323,8 +342,8 @@ class Rendezvous:
         counts = counts_entering(previous, end, step)
         record = RoundRecord(len(nodes), *counts, step, attempt, resume_step(nodes))
         mine = assignments_for(r, nodes, record)
-        self.store.multi_set({f"{r}/assign/{attempt}/{idx}": a.to_json() for idx, a in zip(indices, mine, strict=True)})
-        self.store.set_once(f"{r}/closed", record.to_json())
+        self.store.multi_set({f"{r}/assign/{attempt}/{slot}": a.to_json() for slot, a in zip(slots, mine, strict=True)})
+        self.store.set_once(closed_key(r), record.to_json())
 
     def _wait_as_spare(self, r: int, deadline: float) -> None:
         """Late for round r: register as waiting, ask a running job below MAX to re-form, wait (until `deadline`)."""
@@ -337,6 +356,7 @@ class Rendezvous:
                 raise RendezvousError(f"round {r} was full and did not form within join_timeout ({s.join_timeout:g} s)")
             line = f"waiting for round {r} to form (it is full without this node); join_timeout in {left:.0f} s"
             self.waiting.tick(partial(str, line))
+            # wait: slice, said by Rendezvous._wait_as_spare: WAIT_SLICE_SECONDS
             self.store.try_wait([f"{r}/closed"], min(left, self.waiting.interval))
             self.raise_if_closed()
         members = record.members
@@ -346,6 +366,7 @@ class Rendezvous:
             running.end(RoundEnd(EndKind.NODE_JOINED, f"{self.me.host} joined the job", self.me.host))
         elif running.ended() is None:
             self.on_status(spare_notice(self, members))
+        # wait: slice, said by Rendezvous._wait_as_spare: a spare waits out a running round
         end = wait_round_end_or_dead(self, running, deadline)
         if end.kind in FINAL_KINDS:
             raise JobClosed(ended_line(self, end))
@@ -377,6 +398,7 @@ class Round:
     def wait_master(self, timeout: float) -> tuple[str, int] | RoundEnd:
         """The workers' store address (node 0's), or the round's end if it ended first; the wait
         says what it waits for every few seconds, as the rendezvous' own waits do."""
+        # wait: slice: 1 s slices up to the caller's deadline
         return self.channel.wait_master(timeout, self.assignment.master_host, self.rendezvous.waiting)
 
 

@@ -14,7 +14,7 @@ import json
 from collections.abc import Set as AbstractSet
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from rally.rendezvous.kv import StoreTampered, UntrustedValue
 
@@ -82,7 +82,7 @@ def _field_problem(unknown: AbstractSet[str], missing: AbstractSet[str]) -> str:
     return "; ".join(parts)
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """A value for a message, bounded: a container by its kind (its repr may be huge or too deep)."""
     if isinstance(value, dict):
         return "a JSON object"
@@ -91,7 +91,7 @@ def _shown(value: Any) -> str:
     return repr(value)[:60]
 
 
-def _check_value(key: str, what: str, name: str, value: Any, kind: str) -> None:
+def _check_value(key: str, what: str, name: str, value: object, kind: str) -> None:
     """`kind`: "int", "int?", "str", "dict" — int means a non-negative int (never a bool)."""
     optional = kind.endswith("?")
     base = kind.rstrip("?")

@@ -40,10 +40,12 @@ class Number:
 class ListOf:
     """A list of `item`s (each checked; those that fail are left out), at most MAX_ITEMS."""
 
-    item: Any
+    item: Shape
 
 
-Schema = dict[str, Any]  # field name -> Text, Whole, Number, ListOf(...) or a nested Schema
+# What a value must look like: one of the kinds above, a ListOf, or a nested Schema.
+Shape = type[Text] | type[Whole] | type[Number] | ListOf | dict[str, "Shape"]
+Schema = dict[str, Shape]  # field name -> its Shape
 
 STRAGGLER: Schema = {"step_time": Number, "median": Number, "scope": Text}
 WORKER: Schema = {
@@ -94,7 +96,7 @@ NODE: Schema = {
 VERDICT: Schema = {"round": Whole, "summary": Text, "nodes": ListOf({"host": Text, "line": Text})}
 
 
-def checked(value: Any, kind: Any) -> Any:
+def checked(value: object, kind: Shape) -> Any:
     """`value` if it has the shape `kind` (cleaned: see the module docstring), else None."""
     if isinstance(kind, dict):
         if not isinstance(value, dict):
@@ -116,7 +118,7 @@ def checked(value: Any, kind: Any) -> Any:
     return value if abs(value) <= MAX_MAGNITUDE else None  # NaN and infinities compare False
 
 
-def checked_node(record: Any) -> dict | None:
+def checked_node(record: object) -> dict | None:
     """A node's status record as `rally status` may show it, or None when it is none (not an
     object, or without a list of workers)."""
     if not isinstance(record, dict) or not isinstance(record.get("workers"), list):

@@ -39,9 +39,11 @@ class CountingClient(EtcdClient):
         self._count()
         return super().call(path, body, budget)
 
-    def watch(self, request: dict[str, Any], deadline: float) -> Iterator[dict[str, Any]]:
+    def watch(
+        self, request: dict[str, Any], deadline: float, also: tuple[dict[str, Any], ...] = ()
+    ) -> Iterator[dict[str, Any]]:
         self._count()
-        return super().watch(request, deadline)
+        return super().watch(request, deadline, also)
 
 
 def requests_per_node(cluster: EtcdCluster, n: int) -> float:
@@ -68,7 +70,9 @@ def test_requests_per_node_do_not_grow_with_the_number_of_nodes(etcd):
     at_256 = requests_per_node(etcd, 256)
     print(f"etcd requests per node: {at_32:.1f} at 32 nodes, {at_256:.1f} at 256 nodes")
     assert at_256 <= 1.5 * at_32, f"{at_256:.1f} requests per node at 256 nodes against {at_32:.1f} at 32"
-    assert at_32 <= 11, f"{at_32:.1f} requests per node at 32 nodes (9 since the closer alone closes; c10d: about 13)"
+    # 3 since issue 31 (a first look, an arrival that also reads the round's record, a watch that also
+    # brings the node's assignment), the closer's few more shared; 7 before, 9 before the closer alone closed
+    assert at_32 <= 4, f"{at_32:.1f} requests per node at 32 nodes (3 and the closer's share)"
 
 
 @needs_etcd
@@ -107,12 +111,12 @@ def test_an_arrival_sent_twice_keeps_its_first_place(etcd, monkeypatch):
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     prefix = f"test/{uuid.uuid4().hex}/"
     first, second = EtcdStore(EtcdClient(members), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
-    fixed = uuid.uuid4()
-    monkeypatch.setattr("rally.rendezvous.etcd_store.uuid.uuid4", lambda: fixed)
+    fixed = f"{prefix}0/joined\x00{uuid.uuid4().hex}"
+    monkeypatch.setattr(EtcdStore, "_own_key", lambda self, name, mark: fixed)
     assert first.arrive("0/joined") == 0
     monkeypatch.undo()
     assert second.arrive("0/joined") == 1
-    monkeypatch.setattr("rally.rendezvous.etcd_store.uuid.uuid4", lambda: fixed)
+    monkeypatch.setattr(EtcdStore, "_own_key", lambda self, name, mark: fixed)
     assert first.arrive("0/joined") == 0, "the same arrival again: its first place"
     monkeypatch.undo()
     assert second.counter("0/joined") == 2
@@ -192,3 +196,83 @@ def test_a_wait_right_after_a_check_that_found_nothing_is_only_a_watch(etcd):
     threading.Timer(0.3, writer.set, args=("1/closed", "later")).start()
     assert store.try_wait(["1/closed"], 10) and store.get_str("1/closed") == "later"
     assert not store.try_wait(["2/closed"], 0.3), "no check before: a read, then a watch that times out"
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_an_arrival_is_one_request_that_holds_the_descriptor_and_reads_the_round_record(etcd):
+    """Issue 31: a node's arrival on etcd counts it in, writes its signed descriptor and reads the
+    round's record in one transaction (before: a count, then a slot claim, then a check); the
+    check of the record that follows and the wait after it are served from that read (the wait
+    is only a watch). A place etcd gives cannot be moved, and the closer reads the descriptors
+    in arrival order in one range."""
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    counts, lock = [0], threading.Lock()
+    prefix = f"test/{uuid.uuid4().hex}/"
+    store = EtcdStore(CountingClient(members, counts, lock), prefix, 10)
+    writer = EtcdStore(EtcdClient(members), prefix, 10)
+    places = [writer.arrive_holding("0/joined", f"node {i}", "0/closed") for i in range(3)]
+    assert [place for place, _ in places] == [0, 1, 2]
+    place, slot = store.arrive_holding("0/joined", "this node", "0/closed")
+    assert counts[0] == 1 and place == 3 and slot > places[-1][1]
+    assert not store.check("0/closed") and counts[0] == 1, "the arrival read the round's record"
+    threading.Timer(0.3, writer.set, args=("0/closed", "the record")).start()
+    assert store.try_wait(["0/closed"], 10) and counts[0] == 2, "one watch from the arrival's revision"
+    assert store.get_str("0/closed") == "the record" and counts[0] == 2
+    total, found = store.arrivals("0/joined", 10)
+    assert total == 4 and [value for _, value in found] == [b"node 0", b"node 1", b"node 2", b"this node"]
+    assert [s for s, _ in found] == [s for _, s in places] + [slot]
+    writer.set("1/closed", "closed before")
+    assert store.arrive_holding("1/joined", "late", "1/closed")[0] == 0
+    assert store.check("1/closed") and store.get_str("1/closed") == "closed before", "served from the arrival"
+
+
+@needs_etcd
+@pytest.mark.timeout(60)
+def test_an_arrival_sent_again_after_a_lost_reply_keeps_its_place_and_slot(etcd):
+    from rally.rendezvous.etcd_client import _TryElsewhere
+
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    lost = [1]
+
+    class LosesAReply(EtcdClient):
+        def _post(self, path, body, timeout):
+            reply = super()._post(path, body, timeout)
+            if path.endswith("/txn") and lost[0]:
+                lost[0] = 0
+                raise _TryElsewhere("the reply was lost (simulated)")
+            return reply
+
+    prefix = f"test/{uuid.uuid4().hex}/"
+    other = EtcdStore(EtcdClient(members), prefix, 10)
+    other.arrive_holding("0/joined", "first", "0/closed")
+    store = EtcdStore(LosesAReply(members), prefix, 10)
+    place, slot = store.arrive_holding("0/joined", "second", "0/closed")
+    other.arrive_holding("0/joined", "third", "0/closed")
+    assert lost == [0] and place == 1
+    total, found = other.arrivals("0/joined", 10)
+    assert total == 3 and found[1] == (slot, b"second"), "one key, the place and slot of the first send"
+
+
+@needs_etcd
+@pytest.mark.timeout(120)
+def test_a_forged_arrival_is_skipped_with_one_line_and_the_round_forms_without_it(etcd):
+    """A stranger's key among the arrivals (unsigned, or a descriptor signed for another key) is
+    not a node: the closer says so in one line and assigns the genuine nodes."""
+    members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
+    prefix = f"test/{uuid.uuid4().hex}/"
+    writer = EtcdStore(EtcdClient(members), prefix, 10)
+    writer.client.call("/v3/kv/put", {"key": b64(prefix + "0/joined\x00forged"), "value": b64("garbage")}, 10)
+    n, lines = 3, []
+    settings = RendezvousSettings(min_nodes=n, max_nodes=n + 1, join_timeout=60, last_call_timeout=1)
+    nodes = [
+        Rendezvous(
+            EtcdStore(EtcdClient(members), prefix, 30),
+            settings,
+            NodeInfo(node_id=f"node{i}", host=f"node{i}", addr="127.0.0.1", nproc=1),
+            on_status=lines.append,
+        )
+        for i in range(n)
+    ]
+    form_one_round_at_once(nodes, 90)
+    assert any("ignoring a node descriptor" in line and "0/joined" in line for line in lines), lines

@@ -10,7 +10,9 @@ A fenced block is marked on the line before it:
 
 Each page runs in a fresh directory holding the README's `train.py` and the page's own `file`
 blocks, with the installed `rally` first on PATH; its `run` blocks run in order and must exit 0
-without a traceback. A `bash`, `sh`, `python` or `yaml` block without a marker fails
+without a traceback. The pages run side by side (PAGES_AT_ONCE at a time, each in its own
+directory and sessions), so the suite waits for the slowest page, not for the sum of them.
+A `bash`, `sh`, `python` or `yaml` block without a marker fails
 `test_every_block_a_user_would_copy_is_marked`: output belongs in `text` blocks.
 """
 
@@ -20,12 +22,14 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from helpers import clean_env
+from helpers import clean_env, kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -89,36 +93,76 @@ def test_every_block_a_user_would_copy_is_marked() -> None:
 
 
 RUNNABLE = [page for page in PAGES if any(b.kind == "run" for b in blocks_of(page))]
+# Pages run side by side, this many at a time: each page's run blocks are rally jobs that spend
+# much of their time waiting (the store, the workers' start, the exit barrier), so on two cores
+# three pages overlap what one page alone leaves idle; more would only queue for the CPUs.
+PAGES_AT_ONCE = 3
 
 
-@pytest.mark.torch
-@pytest.mark.timeout(PAGE_TIMEOUT + 30)
-@pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(REPO)) for p in RUNNABLE])
-def test_the_snippets_of_a_page_run_as_written(page: Path, tmp_path: Path) -> None:
-    (tmp_path / "train.py").write_text(readme_train_py())
+@dataclass
+class Ran:
+    """A run block as it ran: what it printed, or that it did not finish within PAGE_TIMEOUT."""
+
+    block: Block
+    returncode: int | None  # None: killed after PAGE_TIMEOUT
+    stdout: str
+    stderr: str
+
+
+def run_page(page: Path, directory: Path) -> list[Ran]:
+    """The page's run blocks, in order, in `directory` (holding the README's train.py and the
+    page's file blocks), up to the first that fails or does not finish."""
+    (directory / "train.py").write_text(readme_train_py())
     blocks = blocks_of(page)
     for block in blocks:
         if block.kind == "file":
-            (tmp_path / block.arg).write_text(block.body)
+            (directory / block.arg).write_text(block.body)
     env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    ran: list[Ran] = []
     for block in (b for b in blocks if b.kind == "run"):
         argv = (
             [sys.executable, "-c", block.body]
             if block.lang == "python"
             else ["bash", "-euo", "pipefail", "-c", block.body]
         )
+        proc = subprocess.Popen(
+            argv, cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            errors="replace", start_new_session=True,
+        )  # fmt: skip
         try:
-            done = subprocess.run(
-                argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired as late:
-            printed = "\n".join(
-                out.decode(errors="replace") if isinstance(out, bytes) else out or ""
-                for out in (late.stdout, late.stderr)
-            )[-4000:]
+            stdout, stderr = proc.communicate(timeout=PAGE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            stdout, stderr = proc.communicate()
+            ran.append(Ran(block, None, stdout, stderr))
+            return ran
+        ran.append(Ran(block, proc.returncode, stdout, stderr))
+        if proc.returncode != 0:
+            return ran
+    return ran
+
+
+@pytest.fixture(scope="module")
+def page_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Future[list[Ran]]]]:
+    """Every runnable page started at once (PAGES_AT_ONCE at a time), each in a fresh directory of
+    its own; each page's test waits for its own."""
+    with ThreadPoolExecutor(max_workers=PAGES_AT_ONCE, thread_name_prefix="snippets") as pool:
+        futures = {page: pool.submit(run_page, page, tmp_path_factory.mktemp("page")) for page in RUNNABLE}
+        yield futures
+        for future in futures.values():
+            future.cancel()
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(PAGE_TIMEOUT * len(RUNNABLE) + 30)  # the pages ahead of this one in the pool come first
+@pytest.mark.parametrize("page", RUNNABLE, ids=[str(p.relative_to(REPO)) for p in RUNNABLE])
+def test_the_snippets_of_a_page_run_as_written(page: Path, page_runs: dict[Path, Future[list[Ran]]]) -> None:
+    for ran in page_runs[page].result():
+        block = ran.block
+        if ran.returncode is None:
+            printed = f"{ran.stdout}\n{ran.stderr}"[-4000:]
             pytest.fail(f"{block.where()} did not finish within {PAGE_TIMEOUT:g} s:\n{block.body}\n{printed}")
-        shown = f"{block.where()}:\n{block.body}\nexit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        assert done.returncode == 0, shown
-        assert "Traceback" not in done.stderr, shown
-        assert block.arg in done.stdout + done.stderr, f"expected {block.arg!r} in the output of {shown}"
+        shown = f"{block.where()}:\n{block.body}\nexit {ran.returncode}\n{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}"
+        assert ran.returncode == 0, shown
+        assert "Traceback" not in ran.stderr, shown
+        assert block.arg in ran.stdout + ran.stderr, f"expected {block.arg!r} in the output of {shown}"

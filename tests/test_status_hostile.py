@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -115,14 +116,20 @@ def stranger_publishes(port: int, run_id: str, *payloads: bytes | str) -> None:
     sealed node id, hex: without a job token anyone can make one) and writes each payload as a
     node's record (str: a Python expression the stranger evaluates, for a payload too large for
     an argv)."""
+    stranger_publishes_jobs(port, {run_id: payloads})
+
+
+def stranger_publishes_jobs(port: int, jobs: dict[str, tuple[bytes | str, ...]]) -> None:
+    """`stranger_publishes` for several jobs {run id: payloads}, in one process of the stranger's."""
     code = STORE_CLIENT
-    nodes = f"rally/{run_id}/status/nodes"
-    for i, payload in enumerate(payloads, start=1):
-        expression = payload if isinstance(payload, str) else repr(payload)
-        code += (
-            f"append({port}, {nodes!r}, sealed({nodes!r}, b'n{i}').hex().encode() + b'\\n')\n"
-            f"put({port}, 'rally/{run_id}/status/node/n{i}', {expression})\n"
-        )
+    for run_id, payloads in jobs.items():
+        nodes = f"rally/{run_id}/status/nodes"
+        for i, payload in enumerate(payloads, start=1):
+            expression = payload if isinstance(payload, str) else repr(payload)
+            code += (
+                f"append({port}, {nodes!r}, sealed({nodes!r}, b'n{i}').hex().encode() + b'\\n')\n"
+                f"put({port}, 'rally/{run_id}/status/node/n{i}', {expression})\n"
+            )
     done = run_as_stranger(code, timeout=30)
     assert done.returncode == 0, done.stderr
 
@@ -132,26 +139,7 @@ def status_of(port: int, run_id: str, *extra: str) -> Result:
 
 
 ESC_HOST = "node-a\x1b]0;owned\x07\x1b[2J"  # retitle the window, clear the screen
-
-
-# Same under load: what is printed depends on the record, not on timing.
-@pytest.mark.same_under_load
-@pytest.mark.timeout(90)
-def test_escape_sequences_in_a_stranger_s_record_reach_the_terminal_escaped(store):
-    require_stranger()
-    restart = {"round": 3, "kind": "worker_failed", "detail": "rank 0\x1b[1A\x1b[2Kall fine"}  # overwrite a line
-    record = node_record(host=ESC_HOST, worker_state="\x1b[31mrunning", last_restart=restart)
-    stranger_publishes(store, "esc", json.dumps(record).encode())
-    done = status_of(store, "esc")
-    assert done.returncode == 0, done.describe()
-    no_traceback(done)
-    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout, done.describe()
-    assert "node-a\\x1b]0;owned" in done.stdout and "\\x1b[31mrunning" in done.stdout, done.stdout
-    assert "rank 0\\x1b[1A\\x1b[2Kall fine" in done.stdout, done.stdout
-    as_json = status_of(store, "esc", "--json")  # for scripts: the exact text, JSON-escaped
-    assert as_json.returncode == 0 and "\x1b" not in as_json.stdout, as_json.describe()
-    assert json.loads(as_json.stdout)["nodes"][0]["host"] == ESC_HOST, as_json.stdout
-
+ESC_RESTART = {"round": 3, "kind": "worker_failed", "detail": "rank 0\x1b[1A\x1b[2Kall fine"}  # overwrite a line
 
 # One shape each of what crashed `rally status` with a traceback (issue 27, item 13): the
 # records a stranger writes, and what the table must still show.
@@ -166,17 +154,57 @@ CRASHING_SHAPES = {
     "nulls_for_the_node_order": ([node_record(), node_record(group_rank=None, host=None, worker_pid=4343)], "4343"),
 }
 
+# What the stranger writes for each job of the tests below (run id -> payloads), and the `rally
+# status` runs that read it back (name -> run id, extra flags).
+STRANGER_JOBS: dict[str, tuple[bytes | str, ...]] = {
+    "esc": (json.dumps(node_record(host=ESC_HOST, worker_state="\x1b[31mrunning", last_restart=ESC_RESTART)).encode(),),
+    **{
+        shape.replace("_", "-"): tuple(json.dumps(r).encode() for r in records)
+        for shape, (records, _) in CRASHING_SHAPES.items()
+    },
+    "deep": ("b'[' * 100000 + b']' * 100000",),
+}
+STATUS_RUNS = {
+    **{run_id: (run_id, ()) for run_id in STRANGER_JOBS},
+    "esc --json": ("esc", ("--json",)),
+}
+STATUSES_AT_ONCE = 3  # each `rally status` here imports torch (seconds of CPU): three overlap on two cores
+
+
+@pytest.fixture(scope="module")
+def strangers_statuses(store: int) -> dict[str, Result]:
+    """Every record the tests below need, written by the stranger into the store, then every
+    `rally status` that reads one back, run side by side (STATUSES_AT_ONCE at a time): what each
+    prints depends on the records only, never on timing. {name in STATUS_RUNS: what it printed}."""
+    require_stranger()
+    stranger_publishes_jobs(store, STRANGER_JOBS)
+    with ThreadPoolExecutor(max_workers=STATUSES_AT_ONCE, thread_name_prefix="status") as pool:
+        runs = {name: pool.submit(status_of, store, run_id, *extra) for name, (run_id, extra) in STATUS_RUNS.items()}
+        return {name: run.result() for name, run in runs.items()}
+
+
+# Same under load: what is printed depends on the record, not on timing.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(180)
+def test_escape_sequences_in_a_stranger_s_record_reach_the_terminal_escaped(strangers_statuses):
+    done = strangers_statuses["esc"]
+    assert done.returncode == 0, done.describe()
+    no_traceback(done)
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout, done.describe()
+    assert "node-a\\x1b]0;owned" in done.stdout and "\\x1b[31mrunning" in done.stdout, done.stdout
+    assert "rank 0\\x1b[1A\\x1b[2Kall fine" in done.stdout, done.stdout
+    as_json = strangers_statuses["esc --json"]  # for scripts: the exact text, JSON-escaped
+    assert as_json.returncode == 0 and "\x1b" not in as_json.stdout, as_json.describe()
+    assert json.loads(as_json.stdout)["nodes"][0]["host"] == ESC_HOST, as_json.stdout
+
 
 # Same under load: the record's shape decides, not timing.
 @pytest.mark.same_under_load
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("shape", sorted(CRASHING_SHAPES))
-def test_a_stranger_s_record_of_the_wrong_shape_is_shown_safely_never_a_traceback(store, shape):
-    require_stranger()
-    records, shown = CRASHING_SHAPES[shape]
-    run_id = shape.replace("_", "-")
-    stranger_publishes(store, run_id, *(json.dumps(r).encode() for r in records))
-    done = status_of(store, run_id)
+def test_a_stranger_s_record_of_the_wrong_shape_is_shown_safely_never_a_traceback(strangers_statuses, shape):
+    _, shown = CRASHING_SHAPES[shape]
+    done = strangers_statuses[shape.replace("_", "-")]
     assert done.returncode == 0, done.describe()
     no_traceback(done)
     assert shown in done.stdout and "no restart so far" in done.stdout, done.describe()
@@ -184,11 +212,9 @@ def test_a_stranger_s_record_of_the_wrong_shape_is_shown_safely_never_a_tracebac
 
 # Same under load: the record's depth decides, not timing.
 @pytest.mark.same_under_load
-@pytest.mark.timeout(90)
-def test_a_record_nested_100_000_deep_in_the_store_is_left_out_not_a_recursion_error(store):
-    require_stranger()
-    stranger_publishes(store, "deep", "b'[' * 100000 + b']' * 100000")
-    done = status_of(store, "deep")
+@pytest.mark.timeout(180)
+def test_a_record_nested_100_000_deep_in_the_store_is_left_out_not_a_recursion_error(strangers_statuses):
+    done = strangers_statuses["deep"]
     assert done.returncode == 0, done.describe()
     no_traceback(done)
     assert "job deep at 127.0.0.1" in done.stdout, done.stdout

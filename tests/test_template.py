@@ -30,6 +30,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,17 @@ def start(
     finally:
         child.close()
     return code, out_path.read_text(), err_path.read_text()
+
+
+def start_both(
+    template: TemplateClient, argv: list[str], env: dict[str, str], cwd: Path, tag: str
+) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
+    """`start` plainly and from the template at the same time, for a probe whose own children
+    import torch (seconds of CPU each): the two runs overlap instead of queueing. (plain, forked)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="plain-start") as pool:
+        plain = pool.submit(start, "plain", template, argv, env, cwd, f"{tag}-plain")
+        forked = start("template", template, argv, env, cwd, f"{tag}-template")
+        return plain.result(), forked
 
 
 def normalised(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -337,8 +349,7 @@ def test_multiprocessing_and_dataloader_workers_work_in_a_forked_worker(
 ) -> None:
     write_probe(workdir / "mp_probe.py", MULTIPROCESSING)
     argv = worker_argv("script", "mp_probe.py")
-    plain = start("plain", template, argv, {**base_env, "RANK": "0"}, workdir, "mp-plain")
-    forked = start("template", template, argv, {**base_env, "RANK": "0"}, workdir, "mp-template")
+    plain, forked = start_both(template, argv, {**base_env, "RANK": "0"}, workdir, "mp")
     assert plain == forked, f"forked {forked!r} != plain {plain!r}"
     squares = [x * x for x in range(6)]
     assert json.loads(forked[1]) == {"spawn": squares, "fork": squares, "forkserver": squares, "loader_draws": 4}

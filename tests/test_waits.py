@@ -26,9 +26,8 @@ WHO is a function of the same module (`Class.method`), one of another (`agent/x.
 comment lines. A wait that is long and silent today is in KNOWN_SILENT too, with why it may stay so;
 the last test keeps that list honest in both directions.
 
-WAITS below still lists, by (module, function, call), the waits of rendezvous modules that were
-being reworked when the declarations moved into the code (issue 28); move each into its module as
-a comment when you touch it. A new wait fails the first test with its place and what to write.
+There is no list of waits here (issue 28): the code is the list. A new wait fails the first test
+with its place and what to write above it.
 """
 
 from __future__ import annotations
@@ -59,48 +58,8 @@ MARKER = re.compile(
     r"(?:,\s*said by (?P<says>the job|\S+\.py \S+|\S+))?:\s*(?P<why>.*)"
 )
 Declaration = tuple[str, tuple[str, str] | str | None, str]  # (kind, says or None, why)
-# (module, function, the call's text up to its first "("): (kind, says or None, why)
-WAITS: dict[tuple[str, str, str], Declaration] = {
-    ("rendezvous/protocol.py", "Rendezvous.next_round", "self._wait_as_spare"): (
-        SL,
-        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
-        "a spare",
-    ),
-    ("rendezvous/protocol.py", "Rendezvous._join", "self.store.try_wait"): (
-        SL,
-        ("rendezvous/protocol.py", "Rendezvous._join"),
-        "slices of WAIT_SLICE_SECONDS up to join_timeout",
-    ),
-    ("rendezvous/protocol.py", "Rendezvous._try_close", "self.store.try_wait"): (
-        SL,
-        ("rendezvous/protocol.py", "Rendezvous._try_close"),
-        "last call",
-    ),
-    ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "self.store.try_wait"): (
-        SL,
-        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
-        "WAIT_SLICE_SECONDS",
-    ),
-    ("rendezvous/protocol.py", "Rendezvous._wait_as_spare", "wait_round_end_or_dead"): (
-        SL,
-        ("rendezvous/protocol.py", "Rendezvous._wait_as_spare"),
-        "a spare waits out a running round",
-    ),
-    ("rendezvous/protocol.py", "Round.wait_master", "self.channel.wait_master"): (
-        SL,
-        None,
-        "1 s slices up to the caller's deadline",
-    ),
-    ("rendezvous/arrival.py", "claim_arrival_slot", "rdzv.store.try_wait"): (S, None, "0.01 s: are all slots taken"),
-    ("rendezvous/arrival.py", "valid_arrivals", "rdzv.store.try_wait"): (SL, None, "close_timeout / 3"),
-    ("rendezvous/protocol.py", "Rendezvous.__init__", "announce_wait"): (
-        NW,
-        None,
-        "prints a wait's progress line; not a wait",
-    ),
-}
-# Long waits with no progress line yet (each also in WAITS, with its bound). Give one its line,
-# then name it in WAITS' `says` and drop it here; the last test says when.
+# Long waits with no progress line yet (each also declared at its call, with its bound). Give one
+# its line, then name it in the declaration's `said by` and drop it here; the last test says when.
 # None is left (issue 19): every long wait says what it waits for and until when.
 KNOWN_SILENT: dict[tuple[str, str, str], str] = {}
 # Calls whose callee applies its own bound (a default timeout or slices of one).
@@ -247,9 +206,9 @@ def declared_in_code(
 
 @cache
 def all_waits() -> dict[tuple[str, str, str], Declaration]:
-    """Every wait's declaration: those written in the code, then those still listed in WAITS."""
+    """Every wait's declaration, as written above it in the code."""
     declared, _ = declared_in_code(find_waits())
-    return {**WAITS, **declared}
+    return declared
 
 
 def _function(module: str, qualname: str) -> ast.AST | None:
@@ -297,18 +256,14 @@ def test_every_blocking_call_in_the_code_declares_its_bound():
     new = [
         f"{m}:{lines[0]} in {f or '<module>'}: {head}(...)"
         for (m, f, head), lines in found.items()
-        if (m, f, head) not in declared and (m, f, head) not in WAITS
+        if (m, f, head) not in declared
     ]
-    twice = [key for key in declared if key in WAITS]
-    gone = [key for key in WAITS if key not in found]
     assert not new, (
         "blocking calls that do not say what bounds them - give each a bound and, if it can last more than a "
         "few seconds, a progress line, then write above the call `# wait: KIND[, said by WHO]: why` "
         "(tests/test_waits.py says how):\n" + "\n".join(new)
     )
     assert not problems, "\n".join(problems)
-    assert not twice, f"declared in the code and in tests/test_waits.py WAITS (drop them from WAITS): {twice}"
-    assert not gone, f"listed in WAITS but no longer in the code (remove them): {gone}"
 
 
 @pytest.mark.timeout(60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ PROBE = """
 
 
 def launch(tmp_path: Path, name: str, torchrun: bool) -> tuple[dict[str, list[str]], dict[str, dict]]:
-    probe = write_probe(tmp_path / "probe.py", PROBE)
+    """One run of PROBE (written by the caller, once: the two launchers may run at the same time)."""
+    probe = tmp_path / "probe.py"
     out, logs = tmp_path / f"{name}_out", tmp_path / f"{name}_logs"
     out.mkdir()
     args = [
@@ -44,7 +46,15 @@ def launch(tmp_path: Path, name: str, torchrun: bool) -> tuple[dict[str, list[st
 @pytest.mark.torch
 @pytest.mark.timeout(240)
 def test_duplicate_filters_and_virtual_local_rank_match_torchrun(tmp_path: Path) -> None:
-    r_filtered, r_envs = launch(tmp_path, "rally", torchrun=False)
+    write_probe(tmp_path / "probe.py", PROBE)
+    # Older torchruns (before these flags, e.g. 2.8; .ci/torch-matrix) have nothing to compare with.
+    compare = torchrun_knows("--virtual-local-rank", "--duplicate-stdout-filters", "--duplicate-stderr-filters")
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrun") as pool:
+        # torchrun's run beside rally's (each its own --standalone port, logs and outputs): the
+        # two are compared after both ended, so they need not wait for each other.
+        under_torchrun = pool.submit(launch, tmp_path, "torchrun", True) if compare else None
+        r_filtered, r_envs = launch(tmp_path, "rally", torchrun=False)
+        t_filtered, t_envs = under_torchrun.result() if under_torchrun else (None, None)
     assert r_filtered["filtered_stdout.log"] == [
         "[default0]:a,b here 0",
         "[default0]:apple pie 0",
@@ -56,9 +66,7 @@ def test_duplicate_filters_and_virtual_local_rank_match_torchrun(tmp_path: Path)
         "env_0": {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "5"},
         "env_1": {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "7"},
     }
-    # Older torchruns (before these flags, e.g. 2.8; .ci/torch-matrix) have nothing to compare with.
-    if torchrun_knows("--virtual-local-rank", "--duplicate-stdout-filters", "--duplicate-stderr-filters"):
-        t_filtered, t_envs = launch(tmp_path, "torchrun", torchrun=True)
+    if compare:
         assert r_filtered == t_filtered and r_envs == t_envs
 
 
@@ -149,20 +157,28 @@ def test_a_custom_logs_specs_class_decides_where_logs_go_as_under_torchrun(tmp_p
     site = tmp_path / "site"
     _install_flat_logs(site)
     probe = write_probe(tmp_path / "probe.py", LOGS_PROBE)
-    files, consoles = {}, {}
-    for name, torchrun in (("rally", False), ("torchrun", True)):
+
+    def run(name: str, torchrun: bool) -> tuple[dict[str, list[str]], list[str]]:
+        """The log files FlatLogs placed ({path: words}) and the tee'd console lines of one launcher."""
         logs = tmp_path / f"{name}_logs"
         args = ["--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--logs-specs", "flat", str(probe)]
         argv = [sys.executable, "-m", "torch.distributed.run", *args] if torchrun else None
         env = clean_env(PYTHONPATH=str(site), RALLY_NO_PRELOAD="1", RALLY_PRELOAD=None)
         result = run_rally(args, cwd=tmp_path, env=env, argv=argv, timeout=120)
         assert result.returncode == 0, result.describe()
-        files[name] = {
+        placed = {
             str(p.relative_to(logs / "flat")): p.read_text().split()
             for p in (logs / "flat").rglob("*.*")
             if p.suffix != ".json"
         }
-        consoles[name] = [line for line in result.stdout.splitlines() if "out of" in line]
+        return placed, [line for line in result.stdout.splitlines() if "out of" in line]
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrun") as pool:  # side by side, as above
+        under_torchrun = pool.submit(run, "torchrun", True)
+        under_rally = run("rally", False)
+        runs = {"rally": under_rally, "torchrun": under_torchrun.result()}
+    files = {name: placed for name, (placed, _) in runs.items()}
+    consoles = {name: lines for name, (_, lines) in runs.items()}
     assert (
         files["rally"]
         == files["torchrun"]

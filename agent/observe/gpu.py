@@ -1,14 +1,14 @@
-"""GPU health through NVML (nvidia-ml-py's ``pynvml``): memory, utilisation, XID and ECC errors.
+"""GPU health through NVML (nvidia-ml-py's `pynvml`): memory, utilisation, XID and ECC errors.
 
-Why NVML and not ``nvidia-smi``: one library call per device instead of a process per sample
+Why NVML and not `nvidia-smi`: one library call per device instead of a process per sample
 (tens of milliseconds, at every resource interval), and it sees what nvidia-smi's CSV does not
 carry: XID events as they happen, uncorrected ECC counts, retired pages and row remapping.
 
-The package is optional (``pip install 'torch-rally[gpu]'``). Without it, without a driver, or
-without a GPU, :func:`open_monitor` returns no monitor and a reason in one line, and nothing
-else changes. The judgement is kept apart from NVML: :func:`device_problems` and
-:func:`worker_usage` are pure functions over :class:`DeviceReading` values, so they are tested
-on machines without GPUs; only :class:`NvmlMonitor` talks to the library.
+The package is optional (`pip install 'torch-rally[gpu]'`). Without it, without a driver, or
+without a GPU, `open_monitor` returns no monitor and a reason in one line, and nothing
+else changes. The judgement is kept apart from NVML: `device_problems` and
+`worker_usage` are pure functions over `DeviceReading` values, so they are tested
+on machines without GPUs; only `NvmlMonitor` talks to the library.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def node_problems(devices: Iterable[DeviceReading]) -> list[str]:
 
 
 def worker_usage(devices: Iterable[DeviceReading], pids: set[int]) -> WorkerGpu:
-    """GPU memory and utilisation of a worker whose process tree is ``pids``.
+    """GPU memory and utilisation of a worker whose process tree is `pids`.
 
     A DataLoader child or a compile worker may hold CUDA memory too, so the whole tree counts.
     Utilisation is the worker's own SM share where NVML samples it per process, else the

@@ -2,7 +2,7 @@
 
 prometheus-client's WSGI app renders the text format, served from one thread that drops idle and
 slow clients (agent/observe/metrics_http.py). Nothing is pushed or updated on a
-timer: at each scrape :class:`AgentCollector` builds the metrics from the same status record
+timer: at each scrape `AgentCollector` builds the metrics from the same status record
 that the live view and `rally status` show (agent/agent.py `_status_record`), plus the round
 ends this node has seen (its report). So a scrape costs nothing between scrapes, and the numbers
 can never disagree with the other views.

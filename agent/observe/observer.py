@@ -1,6 +1,6 @@
 """What the agent tells about a running job beyond "alive or hung": stragglers, metrics, GPU health.
 
-The agent (agent/agent.py) owns one :class:`Observer`, a collaborator (agent/base/collaborator.py):
+The agent (agent/agent.py) owns one `Observer`, a collaborator (agent/base/collaborator.py):
 its hooks run when the agent starts and exits, before it joins each round, before the workers
 start, on each turn of the watch loop and before a restart; the agent also calls it when it builds
 its status record, and from its keep-alive thread (`exchange`). Everything else lives in the modules this one

@@ -1,19 +1,19 @@
 """Stragglers: ranks whose steps are persistently slower than the other ranks' steps.
 
-Where the numbers come from: a worker that calls ``rally.job.heartbeat(step=N)`` writes the step
+Where the numbers come from: a worker that calls `rally.job.heartbeat(step=N)` writes the step
 and the CLOCK_MONOTONIC time of the beat into its heartbeat file. Each read of the file is an
 exact (step, time) pair, however rarely the agent reads, so a rank's step time over a window is
-``(t_new - t_old) / (step_new - step_old)`` across at least ``window`` steps.
+`(t_new - t_old) / (step_new - step_old)` across at least `window` steps.
 
-Who is slow: a rank whose step time exceeds ``factor`` times the median step time of the *other*
-ranks of the job (``--straggler-factor``, 1.5) is slow; it is named a straggler once it has stayed
-slow for a further ``window`` steps (``--straggler-window``, 10), so one long step (a garbage
+Who is slow: a rank whose step time exceeds `factor` times the median step time of the *other*
+ranks of the job (`--straggler-factor`, 1.5) is slow; it is named a straggler once it has stayed
+slow for a further `window` steps (`--straggler-window`, 10), so one long step (a garbage
 collection, a checkpoint) never names anyone. It is cleared as soon as it is no longer slow.
 
 The job, not the node: every node publishes its ranks' step times in its status record (the
 record `rally status` reads). Node 0's agent reads all records of the round every status interval,
-and publishes the middle of the sorted step times (:class:`CentralValues`, a handful of numbers
-whatever the job's size) under ``<round>/step_times``; every other node reads that one key.
+and publishes the middle of the sorted step times (`CentralValues`, a handful of numbers
+whatever the job's size) under `<round>/step_times`; every other node reads that one key.
 From it each node computes, for each of its ranks, the exact median of all *other* ranks of the
 job. Until node 0 has published (the first seconds of a round), a node compares its ranks with
 its own other ranks only, and says so ("scope": "node").

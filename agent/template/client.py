@@ -1,10 +1,10 @@
 """Fast restarts: workers forked from a template process that has already imported torch.
 
-One template per node, started by the agent as ``python -u <path>/agent/worker_side/bootstrap.py template``
+One template per node, started by the agent as `python -u <path>/agent/worker_side/bootstrap.py template`
 (by file path, like every worker, so nothing named `agent` on the user's path can shadow
-rally's package). It imports the modules named by ``--preload`` once (default: torch) and
+rally's package). It imports the modules named by `--preload` once (default: torch) and
 then waits on a UNIX socket for the agent's requests. For each request it forks; the child
-turns itself into exactly what ``python -u bootstrap.py script train.py ARGS`` would have
+turns itself into exactly what `python -u bootstrap.py script train.py ARGS` would have
 been, then returns to bootstrap.py's top level, which runs the script the same way for both
 paths (see bootstrap.py). A worker reaches the script in milliseconds instead of seconds.
 
@@ -23,7 +23,7 @@ What the child resets, in this order (`_become_worker`):
   line in /proc/PID/cmdline and `sys.orig_argv` (so `ps` and psutil show the worker's argv);
 * every RNG a fresh process seeds from entropy: Python's `random` (already reseeded by the
   interpreter at fork), numpy's global RandomState, torch's default CPU generator (a fresh
-  ``import torch`` seeds it from entropy; ``torch.initial_seed()`` differs per process), the
+  `import torch` seeds it from entropy; `torch.initial_seed()` differs per process), the
   `multiprocessing` auth key, and `multiprocessing`'s notion of the start directory.
 
 The template stays single-threaded and never touches CUDA: before each fork it checks
@@ -34,7 +34,7 @@ it to one thread; OpenBLAS stops that pool in its own pthread_atfork handler, so
 makes one throw-away fork after preloading and the pool is gone (children restart it on first
 use, with the same size a fresh process would pick).
 
-The template reaps its children and reports ``(pid, wait status)`` to the agent; the agent's
+The template reaps its children and reports `(pid, wait status)` to the agent; the agent's
 `ForkedChild` behaves like `processes.ChildProcess` (pidfd, poll, wait, returncode, times).
 
 The code is in four modules: `template_wire` (the messages both sides exchange),

@@ -2,8 +2,8 @@
 
 Why a file and not a pipe or the store: a heartbeat must cost the training loop microseconds and
 must never block, even when the agent is busy or gone. The worker maps the file once and each beat
-is a single ``struct.pack_into`` into shared memory; no system call, no lock, no torch. The agent
-reads the record whenever it likes and compares the timestamp with its own ``time.monotonic_ns()``
+is a single `struct.pack_into` into shared memory; no system call, no lock, no torch. The agent
+reads the record whenever it likes and compares the timestamp with its own `time.monotonic_ns()`
 (CLOCK_MONOTONIC is one clock for the whole machine, so both processes see the same time).
 
 This module is the one definition of the layout; both sides import it (standard library only).
@@ -33,7 +33,7 @@ Layout (little-endian, 224 bytes, fixed size, every field 8-byte aligned)::
     offset 176 48 bytes name         the section that completed last, UTF-8, NUL-padded
 
 A reader may see the count of one beat and the time of the next, or half of a section change
-(each group is one ``pack_into``, but a reader's ``read`` is not atomic against it). That is
+(each group is one `pack_into`, but a reader's `read` is not atomic against it). That is
 harmless for the beat, which only answers "how long ago"; a hang judged from a section is
 confirmed by a second read before anyone is killed (see agent/observe/health.py).
 """
@@ -93,7 +93,7 @@ class HeartbeatRecord:
 
 
 def create(path: str | os.PathLike[str]) -> Path:
-    """Create (or replace) an empty heartbeat file at ``path`` for one worker; called by the agent.
+    """Create (or replace) an empty heartbeat file at `path` for one worker; called by the agent.
 
     The file is written beside its final name and renamed into place, so it gets a fresh inode:
     a worker of a previous round that still has the old file mapped keeps writing to the old,
@@ -143,7 +143,7 @@ def read_record(path: str | os.PathLike[str]) -> HeartbeatRecord:
 
 
 def read(path: str | os.PathLike[str]) -> tuple[int, int]:
-    """Return ``(count, monotonic_ns)`` of the last beat; ``(0, 0)`` if the worker never beat."""
+    """Return `(count, monotonic_ns)` of the last beat; `(0, 0)` if the worker never beat."""
     record = read_record(path)
     return record.count, record.ns
 
@@ -157,9 +157,9 @@ def encode_section_name(name: str, limit: int = SECTION_NAME_BYTES) -> bytes:
 
 
 class HeartbeatWriter:
-    """The worker's side: maps the file once, then each :meth:`beat` is one write to shared memory.
+    """The worker's side: maps the file once, then each `beat` is one write to shared memory.
 
-    Not thread-safe and not meant to be: one training loop beats. After a ``fork`` the child shares
+    Not thread-safe and not meant to be: one training loop beats. After a `fork` the child shares
     the mapping, so only the worker process itself should beat (not e.g. data-loader children).
     """
 
@@ -198,7 +198,7 @@ class HeartbeatWriter:
         self._alive_ns = now
 
     def set_section(self, name: str, entered_ns: int, timeout_ns: int) -> None:
-        """Record that the worker is now in section ``name`` ("" = none), entered at ``entered_ns``."""
+        """Record that the worker is now in section `name` ("" = none), entered at `entered_ns`."""
         now = time.monotonic_ns()
         SECTION.pack_into(self._map, SECTION_OFFSET, now, entered_ns, timeout_ns, 0, encode_section_name(name))
         if self._alive_ns:
@@ -218,7 +218,7 @@ class HeartbeatWriter:
         )
 
     def close(self) -> None:
-        """Unmap the file; further beats raise ``ValueError``."""
+        """Unmap the file; further beats raise `ValueError`."""
         self._map.close()
 
 

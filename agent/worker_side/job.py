@@ -1,8 +1,8 @@
 """Helpers for training scripts run by rally (or torchrun): job context, checkpoints, heartbeat, preemption.
 
-Import it as ``from rally import job``. Importing is cheap and never imports torch: the agent's
-template process and scripts that only need :func:`context` or :func:`heartbeat` should not pay
-two seconds for it. Torch is imported inside :func:`save` and :func:`load_latest`.
+Import it as `from rally import job`. Importing is cheap and never imports torch: the agent's
+template process and scripts that only need `context` or `heartbeat` should not pay
+two seconds for it. Torch is imported inside `save` and `load_latest`.
 
 Environment (all optional; outside a launcher the job is rank 0 of 1)::
 
@@ -18,7 +18,7 @@ Environment (all optional; outside a launcher the job is rank 0 of 1)::
     RALLY_HEARTBEAT_FILE     per-worker heartbeat file created by the agent (see heartbeat_file)
     RALLY_PREEMPT_SIGNALS    comma-separated signal names rally forwards before a kill, e.g. SIGUSR1,SIGTERM
 
-Typical loop::
+Typical loop:
 
     ckpt = job.load_latest()
     start = ckpt.step if ckpt else 0
@@ -63,7 +63,7 @@ HEARTBEAT_FILE_ENV = "RALLY_HEARTBEAT_FILE"
 PREEMPT_SIGNALS_ENV = "RALLY_PREEMPT_SIGNALS"
 
 DEFAULT_CHECKPOINT_KEEP = 3
-"""Checkpoints kept by :func:`save` when neither ``keep`` nor RALLY_CHECKPOINT_KEEP says otherwise.
+"""Checkpoints kept by `save` when neither `keep` nor RALLY_CHECKPOINT_KEEP says otherwise.
 More than one, so that a newest file damaged after it was written still leaves a fallback."""
 
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ More than one, so that a newest file damaged after it was written still leaves a
 
 @dataclass(frozen=True)
 class JobContext:
-    """Where this worker sits in the job, read from the launcher's environment by :func:`context`."""
+    """Where this worker sits in the job, read from the launcher's environment by `context`."""
 
     rank: int
     local_rank: int
@@ -96,7 +96,7 @@ def context() -> JobContext:
     """Read the job context from the environment; defaults describe a single process (rank 0 of 1).
 
     Read afresh on each call (a few microseconds), so a forked worker sees its own environment.
-    Raises ``ValueError`` with a one-line reason when a variable is malformed.
+    Raises `ValueError` with a one-line reason when a variable is malformed.
     """
     ckpt_dir = os.environ.get(CHECKPOINT_DIR_ENV, "")
     return JobContext(
@@ -115,7 +115,7 @@ def context() -> JobContext:
 
 
 def to_signal(item: str) -> signal.Signals:
-    """``"SIGUSR1"``, ``"usr1"`` or ``"10"`` as a signal: rally's one reading of a signal's name
+    """`"SIGUSR1"`, `"usr1"` or `"10"` as a signal: rally's one reading of a signal's name
     (flags, config, RALLY_PREEMPT_SIGNALS). KeyError or ValueError when there is no such signal."""
     name = item.strip().upper()
     return (
@@ -126,7 +126,7 @@ def to_signal(item: str) -> signal.Signals:
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """Parse ``"SIGUSR1,TERM,12"`` into signals; the format of RALLY_PREEMPT_SIGNALS."""
+    """Parse `"SIGUSR1,TERM,12"` into signals; the format of RALLY_PREEMPT_SIGNALS."""
     signals: list[signal.Signals] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -159,33 +159,33 @@ class CheckpointDirNotSet(RuntimeError):
 
 
 def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None = None) -> Path | None:
-    """Checkpoint ``state`` as ``step``; return the path it is (or will be) durable at on rank 0, else ``None``.
-    A DTensor (FSDP2) state, or ``sharded=True``: every rank saves its shards
-    (:func:`rally.agent.checkpoint.sharded.storage.save`).
+    """Checkpoint `state` as `step`; return the path it is (or will be) durable at on rank 0, else `None`.
+    A DTensor (FSDP2) state, or `sharded=True`: every rank saves its shards
+    (`rally.agent.checkpoint.sharded.storage.save`).
 
     Under rally (the agent runs a memory tier, see docs/architecture.md) the call returns as soon
     as the state is copied into node-local shared memory, which the agent's holder process owns:
     a memory copy's time, not a disk write's. The tensors an optimizer owns (parameters, its
-    state) are copied on a thread while the next step computes, and every optimizer's ``step()``
+    state) are copied on a thread while the next step computes, and every optimizer's `step()`
     waits for that copy first: change saved tensors outside an optimizer only after
-    :func:`wait_saved` (a change seen meanwhile discards that step's copy, with one warning line;
+    `wait_saved` (a change seen meanwhile discards that step's copy, with one warning line;
     "Overlapped saves" in docs/checkpoints.md). The holder then writes it to the checkpoint
-    directory in the background, in the same format, atomically, and keeps the newest ``keep``
+    directory in the background, in the same format, atomically, and keeps the newest `keep`
     files, so training steps on while the disk works. A save while the previous one is still
-    being written never waits for it. :func:`durable_steps` says which steps are on disk.
+    being written never waits for it. `durable_steps` says which steps are on disk.
     Local rank 0 of each node makes the node's copy (so a restarted worker on any surviving node
     reloads from memory); only global rank 0's copy is written to disk. A save from a worker of a
-    round that is over is refused (:class:`CheckpointRefused`). Should /dev/shm be too small, the
+    round that is over is refused (`CheckpointRefused`). Should /dev/shm be too small, the
     agent says so once and every save is written straight to disk, as below.
 
-    Under rally without a checkpoint directory (no ``--checkpoint-dir``) the copy stays in the
+    Under rally without a checkpoint directory (no `--checkpoint-dir`) the copy stays in the
     memory tier only: restarts within the job resume from it, nothing is written, and rank 0 says
-    so once. Returns ``None`` then.
+    so once. Returns `None` then.
 
     Without rally's memory tier (torchrun, plain python) only global rank 0 writes, directly:
-    ``torch.save`` into a temporary file in the same directory, a footer with the payload's
-    length, the step and a MAC of every byte (see :mod:`rally.agent.checkpoint.core.checkpoint_file`),
-    flush and fsync, rename over ``step_<step:012d>.pt``, fsync the directory. A crash at any
+    `torch.save` into a temporary file in the same directory, a footer with the payload's
+    length, the step and a MAC of every byte (see `rally.agent.checkpoint.core.checkpoint_file`),
+    flush and fsync, rename over `step_<step:012d>.pt`, fsync the directory. A crash at any
     moment, even SIGKILL or power loss, leaves either the old set of checkpoints or the old set
     plus the new complete one.
 
@@ -195,9 +195,9 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
     Several savers may share a directory (a straggler from an earlier round, two jobs, threads):
     each locks its temporary file while writing, and a temporary file is deleted by the next
-    ``save`` only once its writer is dead. After the new checkpoint is durable, older checkpoints
-    are deleted but for the newest ``keep - 1`` of them (``keep`` defaults to RALLY_CHECKPOINT_KEEP,
-    else 3), so a single saver keeps the newest ``keep``; files newer than the one just written
+    `save` only once its writer is dead. After the new checkpoint is durable, older checkpoints
+    are deleted but for the newest `keep - 1` of them (`keep` defaults to RALLY_CHECKPOINT_KEEP,
+    else 3), so a single saver keeps the newest `keep`; files newer than the one just written
     (a concurrent saver's, or damaged ones this job resumed past) are left alone.
     """
     ctx = context()
@@ -237,26 +237,26 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 def load_latest(
     map_location: MAP_LOCATION = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None
 ) -> Checkpoint | None:
-    """Load the newest checkpoint every rank can load, or return ``None`` when there is none; call it on every rank.
-    ``into`` (FSDP2: ``get_state_dict(model, opt)``): loaded in place, resharded
-    (:func:`rally.agent.checkpoint.sharded.storage.load_newest`).
+    """Load the newest checkpoint every rank can load, or return `None` when there is none; call it on every rank.
+    `into` (FSDP2: `get_state_dict(model, opt)`): loaded in place, resharded
+    (`rally.agent.checkpoint.sharded.storage.load_newest`).
 
     Under rally's memory tier every rank resumes from the step the round agreed on: the newest
     step that every node holds in memory or that is intact on disk. A worker restarted on a
-    surviving node maps it straight from the node's shared memory (``torch.load(mmap=True)``, no
+    surviving node maps it straight from the node's shared memory (`torch.load(mmap=True)`, no
     copy until the script copies the tensors into its model); the others read it from disk.
-    ``Checkpoint.source`` says which.
+    `Checkpoint.source` says which.
 
     On disk a file is intact when its footer's length and MAC match (see
-    :mod:`rally.agent.checkpoint.core.checkpoint_file`); a damaged newest file (truncated, garbage, empty,
+    `rally.agent.checkpoint.core.checkpoint_file`); a damaged newest file (truncated, garbage, empty,
     unreadable) is skipped with a warning and the next older one is tried. The verdict depends on
     the bytes alone, so every rank skips the same files and resumes from the same step, and the
-    agent's crash-loop check (:func:`newest_checkpoint_step`) counts the same step. All ranks must
+    agent's crash-loop check (`newest_checkpoint_step`) counts the same step. All ranks must
     see the same directory and should call this before the first collective. The file is mapped
-    (``torch.load(mmap=True)``) and read once, for its MAC; the tensors are read from the page cache
+    (`torch.load(mmap=True)`) and read once, for its MAC; the tensors are read from the page cache
     when the script copies them.
-    ``weights_only=True`` (torch's safe loader) accepts tensors, numbers, strings and containers,
-    which covers model and optimizer state dicts; pass ``False`` for trusted arbitrary pickles.
+    `weights_only=True` (torch's safe loader) accepts tensors, numbers, strings and containers,
+    which covers model and optimizer state dicts; pass `False` for trusted arbitrary pickles.
     An intact file that torch cannot load is not skipped: the error is raised, the same on every
     rank. Rank 0 logs one line: where it resumes from, or that it starts from scratch.
     """
@@ -349,16 +349,16 @@ def _load_from_memory_only(
 
 
 def wait_saved() -> None:
-    """Wait until the last ``save`` is done with the state's tensors; call it before changing saved
-    tensors in place outside an optimizer's ``step()``.
+    """Wait until the last `save` is done with the state's tensors; call it before changing saved
+    tensors in place outside an optimizer's `step()`.
 
-    Under rally's memory tier ``save`` returns before the tensors an optimizer owns are copied:
+    Under rally's memory tier `save` returns before the tensors an optimizer owns are copied:
     their copy runs while the next step's forward and backward compute, and every optimizer's
-    ``step()`` waits for it first (see "Overlapped saves" in docs/checkpoints.md). A script that
-    writes into those tensors some other way (``p.mul_(0.5)``, ``load_state_dict``, a manual
-    update) before the next ``optimizer.step()`` calls this first; otherwise that step's copy is
+    `step()` waits for it first (see "Overlapped saves" in docs/checkpoints.md). A script that
+    writes into those tensors some other way (`p.mul_(0.5)`, `load_state_dict`, a manual
+    update) before the next `optimizer.step()` calls this first; otherwise that step's copy is
     found torn and discarded (one warning line; the previous checkpoint stays). Returns at once
-    when no copy is in flight; costs nothing outside rally. Raises :class:`CheckpointRefused` when
+    when no copy is in flight; costs nothing outside rally. Raises `CheckpointRefused` when
     the holder refused the save's commit (this worker's round is over).
     """
     overlap.settle()
@@ -367,9 +367,9 @@ def wait_saved() -> None:
 def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
     """The steps whose checkpoint files are complete on disk, oldest first.
 
-    ``save`` returns before the disk write under rally's memory tier; this says which steps a
+    `save` returns before the disk write under rally's memory tier; this says which steps a
     lost node, a lost job or a new job would find. Cheap: it checks each file's footer and
-    length, not its MAC (``load_latest`` does that). ``directory`` defaults to the job's.
+    length, not its MAC (`load_latest` does that). `directory` defaults to the job's.
     """
     found = checkpoint_dir.list_checkpoints(Path(directory) if directory is not None else _require_dir(context()))
     return [step for step, path in found if checkpoint_file.is_complete(path)]
@@ -413,13 +413,13 @@ def _resolve_keep(keep: int | None) -> int:
 def heartbeat(step: int | None = None) -> None:
     """Tell the agent this worker is making progress; call it once per step. Costs about a microsecond.
 
-    ``step`` (optional, an int >= 0) is the training step just finished: the agent turns the steps
+    `step` (optional, an int >= 0) is the training step just finished: the agent turns the steps
     and their times into per-rank step times and names a rank that is persistently slower than the
-    others (a straggler, see --straggler-factor). ``heartbeat()`` without a step works as before.
+    others (a straggler, see --straggler-factor). `heartbeat()` without a step works as before.
 
-    The first call maps RALLY_HEARTBEAT_FILE (see :mod:`rally.agent.worker_side.heartbeat_file`); later calls write a
-    counter, ``time.monotonic_ns()`` and the step into it. Without that variable (torchrun, a plain
-    ``python script.py``) every call is a no-op. Never imports torch, never blocks.
+    The first call maps RALLY_HEARTBEAT_FILE (see `rally.agent.worker_side.heartbeat_file`); later calls write a
+    counter, `time.monotonic_ns()` and the step into it. Without that variable (torchrun, a plain
+    `python script.py`) every call is a no-op. Never imports torch, never blocks.
     """
     _beat(step)
     overlap.settle_if_copied()  # an overlapped save whose copy is done: published now, not at the next step
@@ -427,16 +427,16 @@ def heartbeat(step: int | None = None) -> None:
 
 @contextlib.contextmanager
 def section(name: str, timeout: float | None = None) -> Iterator[None]:
-    """Mark a named part of the work (``"setup"``, ``"step"``, ``"checkpoint"``) with its own timeout.
+    """Mark a named part of the work (`"setup"`, `"step"`, `"checkpoint"`) with its own timeout.
 
-    Inside a section with a ``timeout`` (seconds), the agent's --startup-timeout,
+    Inside a section with a `timeout` (seconds), the agent's --startup-timeout,
     --heartbeat-timeout and --silence-timeout are suspended and the section's own deadline holds
     instead: a checkpoint save that takes 5 minutes is not a hang, and one that is still running
-    after ``timeout`` seconds is reported as "hung in section 'checkpoint' for 612 s", with the
-    worker's stacks, and the job restarts as for any hang. Without a ``timeout`` the section only
+    after `timeout` seconds is reported as "hung in section 'checkpoint' for 612 s", with the
+    worker's stacks, and the job restarts as for any hang. Without a `timeout` the section only
     names where the worker is, and a hang report says which section it was in.
 
-    Sections nest: an inner section without a timeout is named ``outer/inner`` and keeps the outer
+    Sections nest: an inner section without a timeout is named `outer/inner` and keeps the outer
     deadline; an inner one with a timeout has its own. Entering or leaving a section counts as a
     sign of life for --startup-timeout and --heartbeat-timeout. Use it from the training loop's
     thread only. Outside rally (no RALLY_HEARTBEAT_FILE) it does nothing.

@@ -1,7 +1,7 @@
 """The worker's side of preemption: a flag and callbacks that a preemption signal sets and runs
 instead of killing the worker (the agent forwards the scheduler's warning signal, agent/preemption.py).
-Part of ``rally.job`` (agent/worker_side/job.py re-exports :func:`preempted`, :func:`on_preempt` and
-:func:`install_preemption_handler`); a module of its own because it holds the process's signal state."""
+Part of `rally.job` (agent/worker_side/job.py re-exports `preempted`, `on_preempt` and
+`install_preemption_handler`); a module of its own because it holds the process's signal state."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ _in_callbacks = False
 
 
 def preempted() -> bool:
-    """True once a preemption signal (see :func:`install_preemption_handler`) has arrived.
+    """True once a preemption signal (see `install_preemption_handler`) has arrived.
 
     Check it in the training loop: save a checkpoint and exit when it turns true, because the
     scheduler will kill the job soon.
@@ -25,12 +25,12 @@ def preempted() -> bool:
 
 
 def on_preempt(callback: Callable[[int], object]) -> None:
-    """Call ``callback(signum)`` each time a preemption signal arrives.
+    """Call `callback(signum)` each time a preemption signal arrives.
 
     Callbacks run like any Python signal handler: in the main thread, between two bytecodes of
     whatever it was doing (possibly in the middle of a training step or inside a collective).
     So keep them short and do not start collectives or write checkpoints from them; set a flag or
-    log a line, and let the loop act on :func:`preempted`. An exception from a callback is printed
+    log a line, and let the loop act on `preempted`. An exception from a callback is printed
     to stderr and swallowed, so it cannot kill training at a random point. A signal that arrives
     while callbacks are running sets the flag but does not run them again re-entrantly.
     Callbacks registered after a signal are not called for that past signal.
@@ -39,10 +39,10 @@ def on_preempt(callback: Callable[[int], object]) -> None:
 
 
 def install_preemption_handler(signums: Iterable[int]) -> None:
-    """Catch ``signums`` so that they mark the worker preempted instead of killing it.
+    """Catch `signums` so that they mark the worker preempted instead of killing it.
 
     Called by rally's worker bootstrap before the training script runs, with the signals from
-    RALLY_PREEMPT_SIGNALS (``context().preempt_signals``), so a forwarded SIGUSR1 never kills a
+    RALLY_PREEMPT_SIGNALS (`context().preempt_signals`), so a forwarded SIGUSR1 never kills a
     worker whose script ignores preemption. Must run in the main thread (a Python rule).
     """
     for signum in signums:
