@@ -28,9 +28,9 @@ from rally.agent.checkpoint import persist
 from rally.agent.checkpoint.core import checkpoint_file
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.client import CheckpointRefused, MemoryTier
+from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import persist as dcp_persist
-from rally.agent.checkpoint.tier import CheckpointTier, NoTier
 from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,10 +49,10 @@ def open_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[tuple[CheckpointTier, list[str]]]:
+def agent(tmp_path: Path) -> Iterator[tuple[HolderProcess, list[str]]]:
     warnings: list[str] = []
-    tier = CheckpointTier.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "events.jsonl"), warnings.append)
-    assert isinstance(tier, CheckpointTier), warnings
+    tier = HolderProcess.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "events.jsonl"), warnings.append)
+    assert isinstance(tier, HolderProcess), warnings
     tier.open_round(0, None, LEASE)
     try:
         yield tier, warnings
@@ -60,7 +60,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[CheckpointTier, list[str]]]:
         tier.stop()
 
 
-def worker_of(tier: CheckpointTier, monkeypatch: pytest.MonkeyPatch, **changed: str) -> MemoryTier:
+def worker_of(tier: HolderProcess, monkeypatch: pytest.MonkeyPatch, **changed: str) -> MemoryTier:
     """A worker's client made as a worker makes it: from the environment the agent gives it."""
     for name, value in {**tier.env(), "RALLY_ROUND": "0", **changed}.items():
         monkeypatch.setenv(name, value)
@@ -115,7 +115,7 @@ def start_fake_holder(marker: Path) -> tuple[contextlib.AbstractContextManager, 
 
 @pytest.mark.timeout(30)
 def test_the_holders_socket_is_named_on_no_command_line_and_another_user_cannot_bind_it(
-    agent: tuple[CheckpointTier, list[str]],
+    agent: tuple[HolderProcess, list[str]],
 ) -> None:
     require_stranger()
     tier, _ = agent
@@ -168,25 +168,21 @@ def test_a_worker_refuses_a_checkpoint_socket_served_by_another_user(
 def test_a_holder_that_cannot_bind_its_socket_leaves_the_tier_off_with_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rally.agent.checkpoint import tier as tier_module
+    from rally.agent.checkpoint import node_checkpoints
 
     attacker, name = start_fake_holder(tmp_path / "unused")
     with attacker as proc:  # the stranger holds the name first
         assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
-        monkeypatch.setattr(tier_module, "socket_name", lambda: name, raising=False)
+        monkeypatch.setattr(node_checkpoints, "socket_name", lambda: name, raising=False)
         warnings: list[str] = []
-        started = CheckpointTier.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "e.jsonl"), warnings.append)
-        try:
-            assert isinstance(started, NoTier), "the tier is half on: a holder without its socket"
-            assert len(warnings) == 1 and "tier is off" in warnings[0] and "Address already in use" in warnings[0]
-            assert started.env() == {}
-        finally:
-            started.stop()
+        started = HolderProcess.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "e.jsonl"), warnings.append)
+        assert started is None, "the tier is half on: a holder without its socket"
+        assert len(warnings) == 1 and "tier is off" in warnings[0] and "Address already in use" in warnings[0]
 
 
 @pytest.mark.timeout(30)
 def test_the_agent_notices_its_holder_dying_and_never_counts_its_memory_steps_as_durable(
-    agent: tuple[CheckpointTier, list[str]], monkeypatch: pytest.MonkeyPatch
+    agent: tuple[HolderProcess, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier, warnings = agent
     worker = worker_of(tier, monkeypatch)
@@ -634,7 +630,7 @@ print("planted")
 
 @pytest.mark.timeout(30)
 def test_a_same_user_process_without_the_jobs_secret_is_turned_away(
-    agent: tuple[CheckpointTier, list[str]], monkeypatch: pytest.MonkeyPatch
+    agent: tuple[HolderProcess, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier, _ = agent
     owner = worker_of(tier, monkeypatch)
@@ -651,7 +647,7 @@ def test_a_same_user_process_without_the_jobs_secret_is_turned_away(
 
 @pytest.mark.timeout(30)
 def test_a_huge_reserve_is_refused_and_never_latches_the_job_to_disk_only(
-    agent: tuple[CheckpointTier, list[str]], monkeypatch: pytest.MonkeyPatch
+    agent: tuple[HolderProcess, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier, warnings = agent
     worker = worker_of(tier, monkeypatch)
