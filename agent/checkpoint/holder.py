@@ -83,7 +83,7 @@ class Holder:
         self.listener.listen(64)  # here, not in the agent: the workers' SO_PEERCRED then names this process
 
     # ------------------------------------------------------------------ to the agent
-    def emit(self, **message: Any) -> None:
+    def emit(self, **message: object) -> None:
         with self.out_lock:
             try:
                 self.out.write((json.dumps(message) + "\n").encode())

@@ -317,7 +317,7 @@ class HolderProcess:
     def _send(self, message: dict[str, Any]) -> bool:
         return self.helper.send(json.dumps(message))
 
-    def _ask(self, wait: float, **message: Any) -> dict[str, Any] | None:
+    def _ask(self, wait: float, **message: object) -> dict[str, Any] | None:
         with self._lock:
             self._next_id += 1
             ident = self._next_id

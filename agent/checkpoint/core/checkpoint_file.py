@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from rally.agent.checkpoint.core.digest import TreeDigest
+from rally.agent.checkpoint.core.digest import BytesLike, TreeDigest
 from rally.agent.checkpoint.core.shm import storage_bytes
 
 FOOTER = struct.Struct("<8sQQ32s4s")
@@ -99,7 +99,7 @@ class Sums:
     def length(self) -> int:
         return self.tree.length
 
-    def update(self, view: Any, *, borrowed: bool = False) -> None:
+    def update(self, view: BytesLike, *, borrowed: bool = False) -> None:
         self.tree.update(view, borrowed=borrowed)
 
     def footer(self) -> bytes:
@@ -116,7 +116,7 @@ class _ChecksumWriter:
         self.file = file
         self.sums = sums
 
-    def write(self, data: Any) -> int:
+    def write(self, data: BytesLike) -> int:
         view = memoryview(data)
         self.sums.update(view)
         return self.file.write(view)

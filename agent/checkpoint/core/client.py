@@ -130,7 +130,7 @@ class MemoryTier:
             return None
         return cls(holder, int(os.environ.get("RALLY_ROUND", "0") or 0))
 
-    def request(self, **message: Any) -> tuple[dict[str, Any], list[int]]:
+    def request(self, **message: object) -> tuple[dict[str, Any], list[int]]:
         """One request, its answer and the memfds that came with it; reconnects once if the
         connection broke (not for commit/abort: a new connection owns no slot)."""
         with self._lock:

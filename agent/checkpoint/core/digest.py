@@ -23,7 +23,15 @@ import os
 import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+# What a digest reads and a writer writes: any bytes-like object (memoryview of a slot, a mapping):
+# the buffer protocol to the type checker, its common classes at run time.
+if TYPE_CHECKING:
+    from typing_extensions import Buffer as BytesLike
+else:
+    BytesLike = bytes | bytearray | memoryview
+
 
 LEAF = 8 << 20
 """Bytes per leaf (8 MiB: few tasks per GiB, and any checkpoint above a few MiB spreads over threads)."""
@@ -76,7 +84,7 @@ class TreeDigest:
         self._open: Any = None  # hashlib object of the leaf being filled, or None at a boundary
         self._filled = 0
 
-    def update(self, data: Any, *, borrowed: bool = False) -> None:
+    def update(self, data: BytesLike, *, borrowed: bool = False) -> None:
         """Add ``data``. ``borrowed``: the caller keeps ``data`` alive and unchanged until :meth:`root`
         (a mapping), so its leaves may still be hashing when this returns; otherwise they are done."""
         with memoryview(data) as whole, whole.cast("B") as view:
@@ -117,7 +125,7 @@ class TreeDigest:
         return hashlib.sha256(_TAG + struct.pack("<QQ", self.length, LEAF) + b"".join(leaves)).digest()
 
 
-def of(data: Any) -> bytes:
+def of(data: BytesLike) -> bytes:
     """The root of ``data`` (bytes, a mapping) hashed at once, its leaves on the pool."""
     tree = TreeDigest()
     tree.update(data, borrowed=True)

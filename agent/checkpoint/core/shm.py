@@ -36,6 +36,7 @@ import os
 import re
 from typing import Any
 
+from rally.agent.checkpoint.core.digest import BytesLike
 from rally.agent.checkpoint.core.torch_internals import no_record_crc
 
 SOCKET_PREFIX = "rally-ckpt-"
@@ -90,7 +91,7 @@ class ArchiveTooLarge(ValueError):
     """The archive did not fit the slot reserved for it (the state grew since it was sized)."""
 
 
-def storages_of(state: Any) -> list[Any]:
+def storages_of(state: object) -> list[Any]:
     """The distinct storages, with bytes, of the tensors in ``state`` (dicts, lists, tuples)."""
     found: dict[int, Any] = {}
     stack = [state]
@@ -107,7 +108,7 @@ def storages_of(state: Any) -> list[Any]:
     return list(found.values())
 
 
-def storage_bytes(state: Any) -> int:
+def storage_bytes(state: object) -> int:
     """The bytes of the tensors in ``state`` (each storage once): cheap, to tell whether a state
     has the same sizes as the last one saved."""
     return sum(storage.nbytes() for storage in storages_of(state))
@@ -123,7 +124,7 @@ class _Sink:
         self.end = 0
         self.overflowed = False
 
-    def write(self, data: Any) -> int:
+    def write(self, data: BytesLike) -> int:
         with memoryview(data) as raw, raw.cast("B") as view:
             n = view.nbytes
             if self.target is not None:
@@ -149,7 +150,7 @@ class _Sink:
         pass
 
 
-def archive_size(state: Any) -> int:
+def archive_size(state: object) -> int:
     """The exact length of the archive torch.save writes for ``state``: a pass that copies nothing."""
     import torch
 

@@ -88,7 +88,7 @@ def list_steps(directory: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), directory / name) for name in names if (m := STEP_RE.match(name)))
 
 
-def holds_shards(state: Any) -> bool:
+def holds_shards(state: object) -> bool:
     """Whether ``state`` holds a DTensor or ShardedTensor (FSDP2, tensor parallel, FSDP1's SHARDED_STATE_DICT).
 
     Only modules already imported are asked (no torch import here): a script that never imported

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from typing import Any
 
 from rally.agent.checkpoint.core import torch_internals
+from rally.agent.checkpoint.core.digest import BytesLike
 from rally.agent.checkpoint.core.layout import Layout, Recorder, bytes_of, walk_structure
 
 
@@ -168,7 +169,7 @@ class RecordingBytes(io.BytesIO):
         super().__init__()
         self.recorder = recorder
 
-    def write(self, data: Any) -> int:
+    def write(self, data: BytesLike) -> int:
         if self.recorder is not None:
             with memoryview(data) as raw, raw.cast("B") as view:
                 self.recorder.write(self.tell(), view)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from rally.agent.checkpoint.core import torch_internals
+from rally.agent.checkpoint.core.digest import BytesLike
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_CLASSES = frozenset(
@@ -80,7 +81,7 @@ def load(file: IO[bytes] | io.IOBase) -> Metadata:
     return found
 
 
-def loads(data: Any) -> Metadata:
+def loads(data: BytesLike) -> Metadata:
     return load(io.BytesIO(bytes(data)))
 
 

@@ -57,6 +57,7 @@ from typing import Any
 
 from rally.agent.checkpoint.core import auth, digest
 from rally.agent.checkpoint.core.checkpoint_file import fsync_dir, lock_file, write_digested
+from rally.agent.checkpoint.core.digest import BytesLike
 from rally.agent.checkpoint.sharded import files as dcp_files
 
 PUBLISH_TIMEOUT = 300.0
@@ -123,7 +124,7 @@ class Persister:
         self._saving = 0  # saves copying into their slot right now (the writer pauses)
         self.skipped: list[int] = []  # steps given up (tests, and the log)
 
-    def submit(self, directory: Path, step: int, keep: int, rank: int, world: int, meta: Any, data: Any) -> None:
+    def submit(self, directory: Path, step: int, keep: int, rank: int, world: int, meta: object, data: object) -> None:
         """Queue ``step``'s files; ``data`` is bytes of its own, or a :class:`_FromSlot`.
 
         Own bytes: at most MAX_PENDING steps wait (a save beyond that waits for the oldest). A
@@ -315,7 +316,7 @@ def _remove_dead_older(directory: Path, step: int) -> None:
             dcp_files.remove_dead_saves(directory, only=name)
 
 
-def write_file(path: Path, data: Any, pause: Callable[[], None] | None = None) -> tuple[int, str]:
+def write_file(path: Path, data: BytesLike, pause: Callable[[], None] | None = None) -> tuple[int, str]:
     """``data`` into ``path`` durably (a random temporary name created 0600 exclusively, never
     through a link; fsync, rename); its (size, digest hex: agent/checkpoint/core/digest.py, each leaf
     hashed on the digest's threads while the next chunk is written). ``pause`` is called between

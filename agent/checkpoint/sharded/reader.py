@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from rally.agent.checkpoint.core import torch_internals
+from rally.agent.checkpoint.core.digest import BytesLike
 from rally.agent.checkpoint.sharded.metadata import SafeMetadataReader
 
 
@@ -126,7 +127,7 @@ class ViewFile(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: BytesLike) -> int:
         target = memoryview(buffer).cast("B")
         n = max(0, min(target.nbytes, self.view.nbytes - self.pos))
         target[:n] = self.view[self.pos : self.pos + n]

@@ -38,6 +38,7 @@ from torch.futures import Future
 from rally.agent.checkpoint.core import auth, digest, resume_prefetch
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.checkpoint_file import Checkpoint, DamagedCheckpoint
+from rally.agent.checkpoint.core.digest import BytesLike
 from rally.agent.checkpoint.core.torch_internals import StorageInfo, StoragePrefix
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import memory as dcp_memory
@@ -70,7 +71,7 @@ class _DigestStream(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: Any) -> int:
+    def write(self, data: BytesLike) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)  # buffered: writes all of it or raises
         self.tree.update(view)
