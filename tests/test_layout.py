@@ -170,3 +170,19 @@ def test_few_parameters_are_typed_bare_any() -> None:
 
     found = bare_any_parameters()
     assert len(found) <= MAX_BARE_ANY_PARAMETERS, "\n".join(found)
+
+
+@pytest.mark.timeout(30)
+def test_docstrings_use_one_markup() -> None:
+    """Markdown's backticks only (the docs site renders docstrings as Markdown): no reST roles
+    (:func:`x`) and no double backticks, which once lived beside them in three styles."""
+    import re
+
+    rst = re.compile(r"``|:(?:func|class|mod|meth|attr|data|exc|obj):`")
+    found = sorted(
+        f"{path.relative_to(REPO)}:{i}"
+        for path in modules()
+        for i, line in enumerate(path.read_text().splitlines(), start=1)
+        if rst.search(line)
+    )
+    assert found == []

@@ -2,7 +2,7 @@
 checkpoint holder (agent/checkpoint/node_checkpoints.py) are started, told things and stopped the same way.
 
 Why this shape: a helper runs by file path (it works from any installation, and no module on the
-user's path, an ``agent`` package say, can take its place), in a session of its own (a signal or a
+user's path, an `agent` package say, can take its place), in a session of its own (a signal or a
 SIGKILL to the agent's process group must not reach it), and reads its stdin: the end of that
 pipe is how it learns the agent is gone, however the agent died.
 """
@@ -16,13 +16,13 @@ from typing import IO
 
 
 class HelperProcess:
-    """``python <script> ARGS...`` with a pipe to its stdin; ``stdout`` as for subprocess.Popen."""
+    """`python <script> ARGS...` with a pipe to its stdin; `stdout` as for subprocess.Popen."""
 
     def __init__(
         self, script: str, *args: str, stdout: int | IO[bytes] | None = subprocess.DEVNULL,
         pass_fds: tuple[int, ...] = (), env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
-        """``pass_fds``: descriptors the helper inherits (the holder's socket); ``env``: its environment
+        """`pass_fds`: descriptors the helper inherits (the holder's socket); `env`: its environment
         (secrets go there, never into ARGS: a command line is every user's to read)."""
         self.process: subprocess.Popen[bytes] = subprocess.Popen(
             [sys.executable, str(Path(script).resolve()), *args],
@@ -48,7 +48,7 @@ class HelperProcess:
             return False
 
     def stop(self, timeout: float) -> None:
-        """Close the pipe (the helper's signal to finish) and wait for it; killed if not ended within ``timeout``."""
+        """Close the pipe (the helper's signal to finish) and wait for it; killed if not ended within `timeout`."""
         try:
             assert self.process.stdin is not None
             self.process.stdin.close()

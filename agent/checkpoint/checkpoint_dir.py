@@ -1,7 +1,7 @@
 """A directory of whole-state checkpoints (`step_<N>.pt`): which steps it holds, which is the newest
 intact one, and pruning to the newest few.
 
-The worker's ``rally.job.save`` prunes after each write, the holder's persister after each
+The worker's `rally.job.save` prunes after each write, the holder's persister after each
 background write, and the agent asks for the newest intact step (its crash-loop check and the
 round's resume step): one module, so the three agree on what a checkpoint file is called.
 """
@@ -19,7 +19,7 @@ CHECKPOINT_RE = re.compile(r"^step_(\d+)\.pt$")
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``directory``, oldest first. Temporary files never match."""
+    """Complete checkpoints in `directory`, oldest first. Temporary files never match."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -29,8 +29,8 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 
 def prune(directory: Path, keep: int, protect: Path) -> None:
-    """Keep ``protect`` (just written) and the ``keep - 1`` newest checkpoints older than it
-    (agent/checkpoint/core/checkpoint_file.py's ``prune_older``, as for sharded steps)."""
+    """Keep `protect` (just written) and the `keep - 1` newest checkpoints older than it
+    (agent/checkpoint/core/checkpoint_file.py's `prune_older`, as for sharded steps)."""
     own_step = int(CHECKPOINT_RE.match(protect.name).group(1))  # type: ignore[union-attr]
     checkpoint_file.prune_older(list_checkpoints(directory), keep, own_step, os.unlink)
 
@@ -39,12 +39,12 @@ def newest_checkpoint_step(directory: str | os.PathLike[str], above: int | None 
     """The step of the newest intact checkpoint in `directory` (None if there is none).
 
     The agent uses this to tell a crash loop (restarts that make no progress) from a job that
-    fails now and then but keeps moving forward; sharded checkpoints (``step_*.dcp``) count alike.
-    Damaged files are skipped exactly as :func:`rally.job.load_latest` skips them, so the step counted is
+    fails now and then but keeps moving forward; sharded checkpoints (`step_*.dcp`) count alike.
+    Damaged files are skipped exactly as `rally.job.load_latest` skips them, so the step counted is
     the step the workers resume from; an unreadable directory counts as no checkpoint.
 
-    ``above``: only steps newer than it count (None if none of them is intact). Checking a file
-    reads all of it (a CRC over 400 MB is ~0.5 s), so a caller that holds step ``above`` in memory
+    `above`: only steps newer than it count (None if none of them is intact). Checking a file
+    reads all of it (a CRC over 400 MB is ~0.5 s), so a caller that holds step `above` in memory
     anyway (agent/rounds/holdings.py) does not read the older files on a restart's critical path.
     """
     try:

@@ -8,30 +8,30 @@ persisting is a byte copy with a MAC (agent/checkpoint/persist.py), and its rule
 
 It talks JSON lines on two channels:
 
-- **stdin/stdout, with the agent** (agent/checkpoint/node_checkpoints.py): ``round`` (open a round: its agreed
-  resume step and the fence's lease), ``renew``, ``over``, ``holdings``, ``flush``; and it tells
-  the agent ``saved``, ``durable`` and one-line ``warn``\\ ings. End of stdin means the agent is
+- **stdin/stdout, with the agent** (agent/checkpoint/node_checkpoints.py): `round` (open a round: its agreed
+  resume step and the fence's lease), `renew`, `over`, `holdings`, `flush`; and it tells
+  the agent `saved`, `durable` and one-line `warn`\\ ings. End of stdin means the agent is
   gone, however it died: the holder gives up any persist under way, deletes its shared memory
   and exits. It starts in a session of its own and ignores the terminal's signals, so a signal to
-  the agent's process group (Ctrl-C, ``kill -- -PGID``) cannot take the copies away before the
+  the agent's process group (Ctrl-C, `kill -- -PGID`) cannot take the copies away before the
   agent has made the newest one durable.
 - **an abstract Unix socket, with the workers** (agent/checkpoint/core/client.py; SOCK_SEQPACKET, one
-  request or answer per packet): ``reserve`` a slot, ``commit`` or ``abort`` it (``copied``: an
-  overlapped save's copy is done, its commit decided later), ``resume``
+  request or answer per packet): `reserve` a slot, `commit` or `abort` it (`copied`: an
+  overlapped save's copy is done, its commit decided later), `resume`
   (which step, and from where). A slot's memfd travels with the answer. The agent creates and
   binds the socket under a random name before this process starts and hands it over as an
   inherited descriptor (no name on any command line, and nobody can bind it first); the holder
   listens on it, so the workers' SO_PEERCRED names this process. A connection is served only
-  if its peer has this user's uid and its first packet is ``hello`` with the job's secret
+  if its peer has this user's uid and its first packet is `hello` with the job's secret
   (RALLY_CKPT_SECRET, read from the environment and dropped from it): another user, or another
-  job of the same user, is turned away. A ``reserve`` larger than the node's whole memory is
+  job of the same user, is turned away. A `reserve` larger than the node's whole memory is
   refused as a bad request; one that does not fit now goes to disk for that save only (nothing latches).
 
 The copies are memfds (agent/checkpoint/core/shm.py): when the holder ends, however, the kernel frees them
 as soon as no worker maps them any more. Nothing of the tier is a file.
 
-Run by file path, like the orphan guard: ``python <rally>/agent/checkpoint/holder.py SOCKET_FD TAG CKPT_DIR [LIMIT]``
-(TAG names the memfds; not a secret). It says ``{"ev": "ready"}`` once it listens.
+Run by file path, like the orphan guard: `python <rally>/agent/checkpoint/holder.py SOCKET_FD TAG CKPT_DIR [LIMIT]`
+(TAG names the memfds; not a secret). It says `{"ev": "ready"}` once it listens.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ IDLE_SLICE_SECONDS = 1.0
 SECRET_ENV = "RALLY_CKPT_SECRET"
 """The job's connection secret (agent/checkpoint/core/client.py's SECRET_ENV; not imported: the holder stays small)."""
 HELLO_TIMEOUT = 10.0
-"""Seconds a new connection has to say ``hello`` before it is closed."""
+"""Seconds a new connection has to say `hello` before it is closed."""
 
 
 class Holder:
@@ -151,7 +151,7 @@ class Holder:
             conn.close()
 
     def greeted(self, conn: socket.socket) -> bool:
-        """Whether the connection's first packet is ``hello`` with the job's secret (answered ok)."""
+        """Whether the connection's first packet is `hello` with the job's secret (answered ok)."""
         conn.settimeout(HELLO_TIMEOUT)
         try:
             # wait: background: a connection's own thread waits for its hello with the job's secret: HELLO_TIMEOUT
@@ -217,7 +217,7 @@ class Holder:
             return {"ok": False, "error": f"rally: memory tier: {exc.strerror or exc}"}, []
 
     def persist_name(self, persist: Any, step: int) -> str | None:
-        """``persist`` of a reserve: false (memory only), true (``step_<step>.pt``, keep-K) or a
+        """`persist` of a reserve: false (memory only), true (`step_<step>.pt`, keep-K) or a
         relative file name in the checkpoint directory (e.g. a rank's shard). A job without a
         checkpoint directory keeps its copies in memory only: a request to persist is refused."""
         if persist and self.checkpoint_dir is None:

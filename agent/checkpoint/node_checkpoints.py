@@ -1,9 +1,9 @@
-"""This node's checkpoints as the agent sees them: one :class:`NodeCheckpoints`, the agent's only
-checkpoint object, and the handle of its memory tier's holder process (:class:`HolderProcess`).
+"""This node's checkpoints as the agent sees them: one `NodeCheckpoints`, the agent's only
+checkpoint object, and the handle of its memory tier's holder process (`HolderProcess`).
 
-:class:`NodeCheckpoints` is a collaborator of the agent (agent/base/collaborator.py), registered in
-``Agent.collaborators``. agent/agent.py builds it, calls its hooks at the job's moments, and makes
-three calls of its own; in the order of a job::
+`NodeCheckpoints` is a collaborator of the agent (agent/base/collaborator.py), registered in
+`Agent.collaborators`. agent/agent.py builds it, calls its hooks at the job's moments, and makes
+three calls of its own; in the order of a job:
 
     ckpt = NodeCheckpoints.for_agent(agent)   # Agent.__init__: starts the holder (or none)
     ckpt.pid                      # any time: the holder's pid, a helper of the agent (never killed as the job's)
@@ -20,10 +20,10 @@ three calls of its own; in the order of a job::
                                   #   if the newest saved step died with the holder (the job then exits 1)
     ckpt.status_fields()          # hook, any time: the last saved and durable steps (rally status, /metrics)
 
-Without a memory tier (``RALLY_MEMORY_TIER=0``, or a holder that could not start) there is no
-holder (:attr:`NodeCheckpoints.holder` is None) and every call above does nothing: saves go to
+Without a memory tier (`RALLY_MEMORY_TIER=0`, or a holder that could not start) there is no
+holder (`NodeCheckpoints.holder` is None) and every call above does nothing: saves go to
 disk. A holder that dies later is noticed at once (one line) and is then as good as none for every
-later round: their workers get no holder in their environment, so ``rally.job.save`` writes to disk
+later round: their workers get no holder in their environment, so `rally.job.save` writes to disk
 (or, without a checkpoint directory, says once that checkpoints are off), and the rounds agree on
 a resume step from the disk alone. The job's end does not count the dead holder's in-memory steps
 as durable: a job whose newest step died with it does not exit 0.
@@ -33,12 +33,12 @@ state by the holder's persister, a sharded (DCP) one by a helper process that wr
 parts the stopped workers could not write any more and publishes the step
 (agent/checkpoint/sharded/flush.py): "saving at the breakpoint".
 
-The holder (:class:`HolderProcess`): a thread reads its news: ``saved`` and ``durable`` steps go
-to events.jsonl (``checkpoint_saved``, ``checkpoint_durable``) and to the status fields; a ``warn``
+The holder (`HolderProcess`): a thread reads its news: `saved` and `durable` steps go
+to events.jsonl (`checkpoint_saved`, `checkpoint_durable`) and to the status fields; a `warn`
 is one line on the console (shared memory too small, disk full). Its socket is the agent's:
 created and bound here under a random name before the holder starts, handed to it as an inherited
 descriptor (no name on its command line, no moment when another user could bind the name first),
-with the job's connection secret in its environment. :meth:`HolderProcess.start` waits (bounded)
+with the job's connection secret in its environment. `HolderProcess.start` waits (bounded)
 for the holder to say it listens; a holder that cannot start leaves the node without a memory tier
 with one line (saves go to disk), never half on.
 """
@@ -92,7 +92,7 @@ def fence_lease(keep_alive_timeout: float) -> float:
 
 
 class NodeCheckpoints(Collaborator):
-    """This node's checkpoints as the agent sees them: its memory tier's holder (or none: ``holder``
+    """This node's checkpoints as the agent sees them: its memory tier's holder (or none: `holder`
     is None) and what the disk holds. The module docstring gives the order in which the agent calls it."""
 
     def __init__(
@@ -129,7 +129,7 @@ class NodeCheckpoints(Collaborator):
         return self.holder.memory_steps() if self.holder is not None else []
 
     def workers_starting(self, rnd: Round, master: tuple[str, int]) -> None:
-        """Saves of round ``rnd`` are accepted from now on, while the agent renews its lease; its
+        """Saves of round `rnd` are accepted from now on, while the agent renews its lease; its
         workers resume from the round's agreed step."""
         a = rnd.assignment
         self.round = a.round
@@ -167,7 +167,7 @@ class NodeCheckpoints(Collaborator):
 
     def _flush_sharded(self, holder: HolderProcess, seconds: float) -> None:
         """Sharded steps in this node's memory newer than the newest on disk are written by
-        agent/checkpoint/sharded/flush.py (a helper: publishing needs torch), at most ``seconds``."""
+        agent/checkpoint/sharded/flush.py (a helper: publishing needs torch), at most `seconds`."""
         if holder.died or self.checkpoint_dir is None or seconds <= 0:
             return
         address = holder.address
@@ -222,7 +222,7 @@ def socket_name() -> str:
 
 class HolderProcess:
     """The handle of this node's checkpoint holder (agent/checkpoint/holder.py): starts it, talks to it,
-    hears its news, stops it. Its calls do nothing once the holder died (:attr:`off`)."""
+    hears its news, stops it. Its calls do nothing once the holder died (`off`)."""
 
     def __init__(
         self, helper: HelperProcess, address: HolderAddress, checkpoint_dir: Path | None, events: EventLog,
@@ -252,7 +252,7 @@ class HolderProcess:
         """Start the holder; None (no memory tier: saves go to disk) when the tier is turned off, or
         (with one line) when the holder cannot start. Without a checkpoint directory the holder runs
         too: a script's checkpoints then live in memory only (rally.job saves them with
-        ``persist=False``, and the holder refuses to persist), so restarts within the job resume
+        `persist=False`, and the holder refuses to persist), so restarts within the job resume
         from them and a script written for rally needs no flag."""
         if os.environ.get(MEMORY_TIER_ENV, "1") == "0":
             return None
@@ -405,7 +405,7 @@ class HolderProcess:
             self._ask(REPLY_TIMEOUT, op="over", round=r)
 
     def flush(self, timeout: float) -> bool:
-        """Wait until the newest copy is durable (or its write failed), at most ``timeout``; True if done."""
+        """Wait until the newest copy is durable (or its write failed), at most `timeout`; True if done."""
         if self.off:  # nothing left to write: lost() says what died with it
             return True
         reply = self._ask(timeout + 1.0, op="flush", timeout=timeout)

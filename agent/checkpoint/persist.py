@@ -1,15 +1,15 @@
 """Make one in-memory copy durable: the holder's persister copies a slot into --checkpoint-dir.
 
-The file it writes is exactly what ``job.save`` writes (agent/checkpoint/core/checkpoint_file.py): the torch.save
+The file it writes is exactly what `job.save` writes (agent/checkpoint/core/checkpoint_file.py): the torch.save
 archive, then rally's footer with its length, step and MAC (agent/checkpoint/core/auth.py). The digest
 the MAC signs (agent/checkpoint/core/digest.py) is computed while the bytes are copied, each 8 MiB
 leaf on one of the digest's threads while the next is written, so a durable checkpoint costs one
 read of memory and one write of the disk (the hashing runs in the background of training, never
 in the training step's stall). Atomic as ever: a
-locked temporary file in the same directory, fsync, rename over ``step_<step:012d>.pt``, fsync
-the directory, then keep-K pruning exactly as ``job.save`` prunes.
+locked temporary file in the same directory, fsync, rename over `step_<step:012d>.pt`, fsync
+the directory, then keep-K pruning exactly as `job.save` prunes.
 
-A full disk is a :class:`DiskFull` whose message is one line naming the directory, the step,
+A full disk is a `DiskFull` whose message is one line naming the directory, the step,
 the bytes needed and the bytes free; the temporary file is removed, nothing else is touched
 (the in-memory copy and the previous durable checkpoint stay).
 """
@@ -41,12 +41,12 @@ _NAME_RE = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
 def default_name(step: int) -> str:
-    """The file ``job.save`` writes for ``step``; the only name keep-K pruning applies to."""
+    """The file `job.save` writes for `step`; the only name keep-K pruning applies to."""
     return f"step_{step:012d}.pt"
 
 
 def valid_name(name: str) -> bool:
-    """A relative path inside the checkpoint directory (no ``..``, no leading ``/``)."""
+    """A relative path inside the checkpoint directory (no `..`, no leading `/`)."""
     return bool(_NAME_RE.match(name)) and len(name) <= 255
 
 
@@ -54,10 +54,10 @@ def persist(
     source: int, length: int, directory: Path, step: int, keep: int,
     between_chunks: Callable[[], bool] = lambda: False, name: str | None = None,
 ) -> Path:  # fmt: skip
-    """Copy the first ``length`` bytes of the memfd ``source`` (a slot) to ``directory/name`` (by
-    default ``step_<step>.pt``, pruned to the newest ``keep``; other names are not pruned).
+    """Copy the first `length` bytes of the memfd `source` (a slot) to `directory/name` (by
+    default `step_<step>.pt`, pruned to the newest `keep`; other names are not pruned).
 
-    ``between_chunks`` is called before each chunk (8 MiB); it may wait (the holder pauses the
+    `between_chunks` is called before each chunk (8 MiB); it may wait (the holder pauses the
     copy to disk while a worker copies into a slot) and returns True to give the persist up.
     """
     final = directory / (name or default_name(step))

@@ -8,23 +8,23 @@ read in one place (agent/checkpoint/holder.py does the sockets and the persister
   committed step stays readable while the next copy is written (unless the other slot is busy
   persisting: then the older of the two in-memory steps is the one being made durable and the
   save overwrites the newest), and no more than two copies per key ever exist.
-- **Commit.** A slot counts only once its writer said ``commit`` on the same connection; a writer
+- **Commit.** A slot counts only once its writer said `commit` on the same connection; a writer
   that dies mid-copy leaves a slot that is never read, and the previous step stays usable.
-- **Fencing by round.** The agent opens each round (``round``), renews a lease while its workers
-  run, and closes it (``over``) before it stops them. A reserve or commit from another round, a
+- **Fencing by round.** The agent opens each round (`round`), renews a lease while its workers
+  run, and closes it (`over`) before it stops them. A reserve or commit from another round, a
   closed round or after the lease ran out (a frozen agent) is refused: a worker of a round that
   is over cannot checkpoint.
 - **Fenced slots are never written again.** A copy under way when its round closes is void, and
   its memfd is not reused: the fenced writer (a frozen worker that runs on later) may still copy
   into its mapping, which must not land in the newer round's copy.
-- **Reloaded slots are never written again.** ``resume`` hands a worker the slot's memfd for
-  ``torch.load(mmap=True)``; the next save that lands on that slot gets a fresh memfd (the old
+- **Reloaded slots are never written again.** `resume` hands a worker the slot's memfd for
+  `torch.load(mmap=True)`; the next save that lands on that slot gets a fresh memfd (the old
   one's pages live as long as the worker keeps tensors from it, then the kernel frees them).
 - **An overlapped save spares the newest step.** Its slot stays written for a whole training step
   (till the next optimizer step's fence decides its commit), so it asks not to take the newest
   committed step's slot: while the other slot is being persisted it is skipped instead, and a
   worker killed meanwhile still finds the newest step.
-- **Copied is not committed.** An overlapped save (agent/checkpoint/core/overlap.py) says ``copied``
+- **Copied is not committed.** An overlapped save (agent/checkpoint/core/overlap.py) says `copied`
   when its background copy is done and commits only once its writer has checked that no tensor
   changed meanwhile: till then the slot is written, not readable, but the persister need not
   leave it the memory bandwidth.
@@ -149,8 +149,8 @@ class SlotTable:
         self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int,
         spare_newest: bool = False,
     ) -> tuple[int, int]:  # fmt: skip
-        """(index, memfd) of a slot for ``step`` of ``key`` with room for ``size`` bytes, marked being written.
-        ``spare_newest``: rather :class:`NewestBusy` than the newest committed step's slot."""
+        """(index, memfd) of a slot for `step` of `key` with room for `size` bytes, marked being written.
+        `spare_newest`: rather `NewestBusy` than the newest committed step's slot."""
         if not valid_key(key) or step < 0 or size <= 0:
             raise Refused(f"rally: checkpoint refused: bad request for key {key!r}, step {step}, {size} bytes")
         total = total_memory()
@@ -182,7 +182,7 @@ class SlotTable:
         return (preferred or candidates)[0]
 
     def _allocate(self, key: str, index: int, size: int, slot: Slot) -> None:
-        """A fresh memfd of ``size`` bytes for the slot (the old one let go), its pages taken now."""
+        """A fresh memfd of `size` bytes for the slot (the old one let go), its pages taken now."""
         held = sum(s.size for k in self.keys.values() for s in k.slots) - slot.size
         free = available_memory()
         allowed = [
@@ -284,7 +284,7 @@ class SlotTable:
                         self.cond.notify_all()
 
     def resume(self, key: str) -> tuple[int | None, int | None, int | None]:
-        """(the round's agreed step, the slot index and memfd holding it for ``key``); the last two
+        """(the round's agreed step, the slot index and memfd holding it for `key`); the last two
         None when this node does not hold it (read the disk)."""
         with self.cond:
             self.resumed_at = time.monotonic()
@@ -299,13 +299,13 @@ class SlotTable:
             return step, None, None
 
     def held(self, prefix: str) -> dict[str, list[int]]:
-        """Committed steps of every key starting with ``prefix`` (sharded states: a rank's own
+        """Committed steps of every key starting with `prefix` (sharded states: a rank's own
         copy and the ring peer's replica, see agent/checkpoint/sharded/memory.py)."""
         with self.cond:
             return {k: sorted(s for s, _ in ks.committed()) for k, ks in self.keys.items() if k.startswith(prefix)}
 
     def committed_slot(self, key: str, step: int) -> tuple[int, int] | None:
-        """(the memfd holding committed ``step`` of ``key``, its length); None: not in memory here.
+        """(the memfd holding committed `step` of `key`, its length); None: not in memory here.
         The slot is marked loaded, so the next save into it gets a fresh memfd."""
         with self.cond:
             keyslots = self.keys.get(key)

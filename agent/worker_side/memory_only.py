@@ -1,9 +1,9 @@
 """Checkpoints under rally without a checkpoint directory: in the memory tier only.
 
-A script written for rally (``job.load_latest()`` / ``job.save(state, step)``) must just work
-under ``rally`` with no extra flag. Without ``--checkpoint-dir`` the agent still runs its holder
-(agent/checkpoint/node_checkpoints.py), and ``rally.job`` keeps each save there without ever writing it
-(``persist=False``): restarts within the job resume from memory, nothing survives the job's end,
+A script written for rally (`job.load_latest()` / `job.save(state, step)`) must just work
+under `rally` with no extra flag. Without `--checkpoint-dir` the agent still runs its holder
+(agent/checkpoint/node_checkpoints.py), and `rally.job` keeps each save there without ever writing it
+(`persist=False`): restarts within the job resume from memory, nothing survives the job's end,
 and rank 0 says so once, with the flag that makes checkpoints durable. Should the holder die,
 the agent turns the tier off for the later rounds (RALLY_CKPT_HOLDER_LOST): their saves and loads
 then do nothing, and rank 0 says once that checkpoints are off.
@@ -35,7 +35,7 @@ OFF_LINE = (
 )
 """Said once per worker process on rank 0 when the tier is off and there is no directory."""
 NO_DIRECTORY = "<memory>"
-"""The directory part of a memory-only checkpoint's ``Checkpoint.path``: it has no file."""
+"""The directory part of a memory-only checkpoint's `Checkpoint.path`: it has no file."""
 
 _told = False
 _told_off = False
@@ -47,7 +47,7 @@ def tier_lost() -> bool:
 
 
 def tell_off_once(speak: bool, log: Callable[[str], None]) -> None:
-    """Say :data:`OFF_LINE` the first time, if ``speak``."""
+    """Say `OFF_LINE` the first time, if `speak`."""
     global _told_off
     if speak and not _told_off:
         log(OFF_LINE)
@@ -55,7 +55,7 @@ def tell_off_once(speak: bool, log: Callable[[str], None]) -> None:
 
 
 def tell_once(speak: bool, log: Callable[[str], None]) -> None:
-    """Say :data:`LINE` the first time this process checkpoints, if ``speak``."""
+    """Say `LINE` the first time this process checkpoints, if `speak`."""
     global _told
     if speak and not _told:
         log(LINE)
@@ -63,7 +63,7 @@ def tell_once(speak: bool, log: Callable[[str], None]) -> None:
 
 
 def save(memory: MemoryTier, state: object, step: int, keep: int) -> bool:
-    """Copy ``state`` into the node's memory as ``step``, never to disk; False if there is no room."""
+    """Copy `state` into the node's memory as `step`, never to disk; False if there is no room."""
     return memory.save(state, WHOLE_STATE_KEY, step, persist=False, keep=keep)
 
 

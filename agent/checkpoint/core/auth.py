@@ -1,14 +1,14 @@
 """Who may have written a checkpoint: an HMAC under a key only the job's user holds, and where it may lie.
 
-Why: a checkpoint is unpickled (DCP's ``.metadata``) or becomes the job's weights (``torch.load``
-with ``weights_only`` stops code, not chosen tensors). A CRC is recomputed by anyone, so it says
+Why: a checkpoint is unpickled (DCP's `.metadata`) or becomes the job's weights (`torch.load`
+with `weights_only` stops code, not chosen tensors). A CRC is recomputed by anyone, so it says
 "whole", never "ours". Every manifest and footer rally writes therefore carries an HMAC-SHA256
 under the **checkpoint key**, and nothing is loaded whose MAC does not verify:
 
-- the key is derived from the job token the user gave: ``--rdzv-conf token=`` / ``token_file=``
+- the key is derived from the job token the user gave: `--rdzv-conf token=` / `token_file=`
   (the launcher, launcher/cli.py, puts the derived key, never the token, in RALLY_CKPT_KEY for the
   agent, its holder and its workers), else RALLY_JOB_TOKEN, else the per-user secret
-  ``~/.rally/secret`` (rendezvous/token.py, 0600 in a 0700 directory). Each is the same on every
+  `~/.rally/secret` (rendezvous/token.py, 0600 in a 0700 directory). Each is the same on every
   launch, so a requeued or resubmitted job verifies what the earlier one wrote, and nodes that
   share a token file but no home directory verify each other's checkpoints (--standalone's random
   token and SLURM's per-job one never key checkpoints). A file signed under any of these keys is
@@ -17,10 +17,10 @@ under the **checkpoint key**, and nothing is loaded whose MAC does not verify:
   data itself (whole-state files: the digest of every byte, agent/checkpoint/core/digest.py; sharded:
   the manifest, which lists every file's digest).
 
-Checkpoints written before this (footer ``END1``, manifest ``rally-dcp-1``) carry no MAC: they
-load only from a directory only the job's user can write (:func:`directory_problem`), with one
+Checkpoints written before this (footer `END1`, manifest `rally-dcp-1`) carry no MAC: they
+load only from a directory only the job's user can write (`directory_problem`), with one
 line saying they are unauthenticated. A directory another user can write, or that another user
-owns, is refused unless the user consented (``--checkpoint-dir-shared``, RALLY_CHECKPOINT_DIR_SHARED=1):
+owns, is refused unless the user consented (`--checkpoint-dir-shared`, RALLY_CHECKPOINT_DIR_SHARED=1):
 then signed checkpoints still load, legacy ones never.
 
 Standard library only: the agent, the holder and the flush helper use it without torch.
@@ -87,7 +87,7 @@ _cached: tuple[tuple[str, str], list[bytes]] | None = None
 
 
 def keys() -> list[bytes]:
-    """:func:`job_keys` of this process's environment, read once per environment."""
+    """`job_keys` of this process's environment, read once per environment."""
     global _cached
     stamp = (os.environ.get(KEY_ENV, ""), os.environ.get("RALLY_JOB_TOKEN", ""))
     if _cached is None or _cached[0] != stamp:
@@ -100,7 +100,7 @@ def signing_key() -> bytes:
 
 
 def new_mac(key: bytes, kind: str, step: int) -> hmac.HMAC:
-    """A streaming HMAC-SHA256 bound to what is signed (``kind``) and its step."""
+    """A streaming HMAC-SHA256 bound to what is signed (`kind`) and its step."""
     return hmac.new(key, f"rally/{kind}/{step}\0".encode(), hashlib.sha256)
 
 
@@ -111,19 +111,19 @@ def sign(kind: str, step: int, payload: bytes, key: bytes | None = None) -> str:
 
 
 def verify(kind: str, step: int, payload: bytes, mac_hex: str) -> bool:
-    """Whether ``mac_hex`` is the MAC of ``payload`` under one of this job's keys."""
+    """Whether `mac_hex` is the MAC of `payload` under one of this job's keys."""
     return any(hmac.compare_digest(sign(kind, step, payload, key), mac_hex) for key in keys())
 
 
 def seal(key: bytes, kind: str, step: int, root: bytes) -> bytes:
-    """The MAC of a checkpoint whose bytes have the digest ``root`` (agent/checkpoint/core/digest.py)."""
+    """The MAC of a checkpoint whose bytes have the digest `root` (agent/checkpoint/core/digest.py)."""
     mac = new_mac(key, kind, step)
     mac.update(root)
     return mac.digest()
 
 
 def sealed(key: bytes, kind: str, step: int, root: bytes, mac: bytes) -> bool:
-    """Whether ``mac`` is :func:`seal` of ``root`` under ``key`` (compared in constant time)."""
+    """Whether `mac` is `seal` of `root` under `key` (compared in constant time)."""
     return hmac.compare_digest(seal(key, kind, step, root), mac)
 
 
@@ -132,7 +132,7 @@ def sealed(key: bytes, kind: str, step: int, root: bytes, mac: bytes) -> bool:
 
 
 def directory_problem(directory: Path) -> str | None:
-    """Why ``directory`` may be written by another user (one clause), or None: only we can write it.
+    """Why `directory` may be written by another user (one clause), or None: only we can write it.
     A directory that does not exist yet is ours to create (0700). Symlinks are judged by their target."""
     try:
         info = os.stat(directory)
@@ -163,7 +163,7 @@ def refusal_line(directory: Path, problem: str) -> str:
 
 
 def check_directory(directory: Path) -> bool:
-    """Raise UnsafeDirectory unless ``directory`` is private or the user consented; True: private."""
+    """Raise UnsafeDirectory unless `directory` is private or the user consented; True: private."""
     problem = directory_problem(directory)
     if problem is None:
         return True
@@ -173,7 +173,7 @@ def check_directory(directory: Path) -> bool:
 
 
 def make_private_dir(path: Path) -> None:
-    """Create ``path`` if needed, the directory itself 0700 (its missing parents as umask says);
+    """Create `path` if needed, the directory itself 0700 (its missing parents as umask says);
     an existing one must be a directory (the user's own link to one is followed: it is their choice)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     if not path.is_dir():
@@ -181,7 +181,7 @@ def make_private_dir(path: Path) -> None:
 
 
 def private_subdir(path: Path) -> None:
-    """Create ``path`` 0700 exclusively, or accept an existing one (another rank was first) only if
+    """Create `path` 0700 exclusively, or accept an existing one (another rank was first) only if
     it is a real directory (not a link) of our uid that nobody else may write; it is made 0700.
     Raises PermissionError naming the problem."""
     try:

@@ -1,25 +1,25 @@
 """The on-disk format of rally.job checkpoints: torch.save's bytes, then a footer that proves them whole.
 
-Why a footer: whether ``torch.load`` manages to read a damaged file depends on where the damage
+Why a footer: whether `torch.load` manages to read a damaged file depends on where the damage
 is (a flipped byte inside a tensor loads "fine"), on the torch version and on timing, so ranks
 that each try to load the newest file could disagree on the step they resume from. A footer
-written at save time gives one verdict for every reader, the agent's crash-loop check included::
+written at save time gives one verdict for every reader, the agent's crash-loop check included:
 
     [ torch.save payload (N bytes) ][ footer: b"RALLYCK3" | N (u64) | step (u64) | mac (32 B) | b"END3" ]
 
 A file is intact and **authentic** only if it is a regular file, ends with that footer, is exactly
-N + 60 bytes long and ``mac``, an HMAC-SHA256 under the job's checkpoint key
+N + 60 bytes long and `mac`, an HMAC-SHA256 under the job's checkpoint key
 (agent/checkpoint/core/auth.py) of the step and the digest of the N bytes (agent/checkpoint/core/digest.py:
 SHA-256 leaves hashed on a few threads, then a root), verifies. One pass over the bytes; no CRC,
 since a MAC over every byte rejects any damage a CRC would. Files written before authentication
-end in the 24-byte footer ``b"RALLYCKP" | N | crc32 | b"END1"`` (no step, no MAC): intact when
+end in the 24-byte footer `b"RALLYCKP" | N | crc32 | b"END1"` (no step, no MAC): intact when
 the CRC-32 matches, but unauthenticated, and loaded only from a directory only the job's user can
 write (rally.job.load_latest says so).
 Anything else (truncated, zero length, garbage, unreadable, a directory, FIFO or symlink under a
 checkpoint's name, a file written by plain torch.save) is damaged and skipped. torch.load
-ignores the bytes after its zip archive, so an intact file still loads with plain ``torch.load(path)``.
+ignores the bytes after its zip archive, so an intact file still loads with plain `torch.load(path)`.
 
-Concurrent writers in one directory: each writer holds an exclusive ``flock`` on its temporary
+Concurrent writers in one directory: each writer holds an exclusive `flock` on its temporary
 file from creation until the rename, and a temporary file is deleted only by whoever can take
 that lock, i.e. only when its writer is dead. Where the file system has no locks, nothing is
 deleted (safe, at the cost of leftovers).
@@ -64,19 +64,19 @@ class DamagedCheckpoint(Exception):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint found by ``rally.job.load_latest``: the step it was saved at, its state, its
+    """A checkpoint found by `rally.job.load_latest`: the step it was saved at, its state, its
     file on disk (where it is or will be durable) and where it was read from. Defined here, not in
     job.py, so that dcp_storage (which job.py imports when asked) need not import job.py."""
 
     step: int
     state: Any
     path: Path
-    source: str = "disk"  # "memory": mapped from the node's shared memory; "disk": from ``path``
+    source: str = "disk"  # "memory": mapped from the node's shared memory; "disk": from `path`
 
 
 @dataclass(frozen=True)
 class Verified:
-    """What a check of a file found: ``signed`` by this job's key (False: a legacy, unauthenticated
+    """What a check of a file found: `signed` by this job's key (False: a legacy, unauthenticated
     file), and the step its footer signs (None for a legacy file)."""
 
     signed: bool
@@ -84,10 +84,10 @@ class Verified:
 
 
 class Sums:
-    """The digest of a payload (agent/checkpoint/core/digest.py), fed in pieces; :meth:`footer` signs it.
+    """The digest of a payload (agent/checkpoint/core/digest.py), fed in pieces; `footer` signs it.
 
-    ``borrowed`` pieces (a mapping the caller keeps until :meth:`footer`) are still hashing on the
-    digest's threads when :meth:`update` returns: the persister writes the next piece meanwhile."""
+    `borrowed` pieces (a mapping the caller keeps until `footer`) are still hashing on the
+    digest's threads when `update` returns: the persister writes the next piece meanwhile."""
 
     def __init__(self, step: int) -> None:
         from rally.agent.checkpoint.core import auth, digest
@@ -110,7 +110,7 @@ class Sums:
 
 
 class _ChecksumWriter:
-    """A write-only file wrapper that feeds the bytes torch.save writes to a :class:`Sums`."""
+    """A write-only file wrapper that feeds the bytes torch.save writes to a `Sums`."""
 
     def __init__(self, file: BinaryIO, sums: Sums) -> None:
         self.file = file
@@ -126,7 +126,7 @@ class _ChecksumWriter:
 
 
 def write(state: Any, final: Path, step: int) -> None:
-    """Write ``state`` durably to ``final`` (atomic rename), signed as ``step``; a crash leaves ``final`` as it was."""
+    """Write `state` durably to `final` (atomic rename), signed as `step`; a crash leaves `final` as it was."""
     import torch
 
     directory = final.parent
@@ -173,7 +173,7 @@ def _disk_full_line(final: Path, needed: int) -> str:
 
 
 def locked_temp(final: Path) -> tuple[int, str]:
-    """A new temporary file next to ``final``, created and locked by this process.
+    """A new temporary file next to `final`, created and locked by this process.
 
     Between creation and the lock a cleaner may take the lock and delete the file; that is
     seen (the name no longer points at our file) and another one is made.
@@ -222,7 +222,7 @@ def remove_dead_writers_temps(directory: Path) -> None:
 
 
 def _open_for_check(path: Path) -> int:
-    """A read-only fd of ``path`` that never blocks (a FIFO in its place); FileNotFoundError as
+    """A read-only fd of `path` that never blocks (a FIFO in its place); FileNotFoundError as
     is, any other failure to open is damage."""
     try:
         return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # no FIFO blocks, no link
@@ -233,18 +233,18 @@ def _open_for_check(path: Path) -> int:
 
 
 def open_verified(path: Path) -> BinaryIO:
-    """Open ``path`` and check it end to end (a legacy file passes as intact); return it positioned
-    at 0, or raise DamagedCheckpoint. For tests and tools: loaders use :func:`open_mapped_verified`."""
+    """Open `path` and check it end to end (a legacy file passes as intact); return it positioned
+    at 0, or raise DamagedCheckpoint. For tests and tools: loaders use `open_mapped_verified`."""
     fd, _ = open_mapped_verified(path)
     return os.fdopen(fd, "rb")
 
 
 def open_mapped_verified(path: Path) -> tuple[int, Verified]:
-    """Open ``path`` (never through a link), check it end to end through a read-only mapping;
+    """Open `path` (never through a link), check it end to end through a read-only mapping;
     return the open fd and what the check found (signed by this job, or a legacy file).
 
     One pass over the bytes (the digest, on its threads; a legacy file's CRC), and they stay in the page cache for
-    the reader that maps the same fd (``torch.load("/proc/self/fd/<fd>", mmap=True)``): a load
+    the reader that maps the same fd (`torch.load("/proc/self/fd/<fd>", mmap=True)`): a load
     reads the file once, and what it loads is what was checked. A file whose MAC does not verify
     is DamagedCheckpoint ("not signed with this job's key"). The caller closes the fd.
     """
@@ -302,7 +302,7 @@ def _verify_mapped(fd: int) -> Verified:
 
 
 def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a regular file ending in a footer whose length matches: written to the
+    """Whether `path` is a regular file ending in a footer whose length matches: written to the
     end and renamed into place. Cheap (no digest); the MAC is checked when it is loaded."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
@@ -330,7 +330,7 @@ _verdicts: dict[tuple[str, int, int, int, int, int], bool] = {}
 
 
 def is_intact(path: Path) -> bool:
-    """Whether ``path`` passes :func:`open_verified`, remembered per file version.
+    """Whether `path` passes `open_verified`, remembered per file version.
 
     The agent asks at every rendezvous round; a checkpoint never changes after its rename (a
     rewrite is a new inode or a new ctime), so each version is read once.
@@ -357,7 +357,7 @@ _NAME_STEP = re.compile(r"^step_(\d+)\.pt$")
 
 
 def refusal(path: Path, verified: Verified) -> str | None:
-    """Why an intact ``path`` must not be loaded (one clause), or None. A signed file must sign
+    """Why an intact `path` must not be loaded (one clause), or None. A signed file must sign
     the step its name says (a genuine older file renamed to a newer step is refused); a legacy
     (unsigned) file loads only from a directory only this user can write."""
     from rally.agent.checkpoint.core import auth
@@ -383,12 +383,12 @@ def unauthenticated_line(path: Path) -> str:
 def write_digested(
     fd: int, view: memoryview, tree: TreeDigest, chunk: int, before_chunk: Callable[[], None] | None = None
 ) -> None:
-    """Write all of ``view`` (a slot's mapping, or bytes its caller keeps) to ``fd`` in ``chunk``-byte
-    pieces, each hashed into ``tree`` on the digest's threads while the next one is written: the
+    """Write all of `view` (a slot's mapping, or bytes its caller keeps) to `fd` in `chunk`-byte
+    pieces, each hashed into `tree` on the digest's threads while the next one is written: the
     copy to disk of both persisters, a whole state's (agent/checkpoint/persist.py) and a rank's
-    sharded files (agent/checkpoint/sharded/persist.py). ``before_chunk`` runs before each piece (it
+    sharded files (agent/checkpoint/sharded/persist.py). `before_chunk` runs before each piece (it
     may wait while a save copies, or raise to give the write up). Every leaf is hashed when this
-    returns or raises: the caller may close the mapping, and ``tree.root()`` is ready."""
+    returns or raises: the caller may close the mapping, and `tree.root()` is ready."""
     done = 0
     try:
         while done < view.nbytes:
@@ -396,16 +396,16 @@ def write_digested(
                 before_chunk()
             with view[done : done + chunk] as piece:
                 n = os.write(fd, piece)
-                tree.update(piece[:n], borrowed=True)  # ``view`` outlives the hashing: settled below
+                tree.update(piece[:n], borrowed=True)  # `view` outlives the hashing: settled below
             done += n
     finally:
         tree.settle()
 
 
 def prune_older(steps: list[tuple[int, Path]], keep: int, own_step: int, remove: Callable[[Path], None]) -> None:
-    """Keep-K pruning, one rule for whole-state files and sharded directories: of ``steps`` (a
-    directory's checkpoints, oldest first), keep ``own_step`` (just written) and the ``keep - 1``
-    newest older ones; ``remove`` the rest (one already gone is no error).
+    """Keep-K pruning, one rule for whole-state files and sharded directories: of `steps` (a
+    directory's checkpoints, oldest first), keep `own_step` (just written) and the `keep - 1`
+    newest older ones; `remove` the rest (one already gone is no error).
 
     Newer checkpoints are not this save's to judge: they belong to a concurrent saver that is
     further along (whose own save prunes relative to its step), or they are damaged ones this job

@@ -1,13 +1,13 @@
-"""The worker's end of the memory tier: what ``rally.job.save`` and ``load_latest`` use under rally.
+"""The worker's end of the memory tier: what `rally.job.save` and `load_latest` use under rally.
 
 The agent's holder (agent/checkpoint/holder.py) owns the shared memory; a worker only asks it for a
-slot, copies its state into the slot and says it is complete::
+slot, copies its state into the slot and says it is complete:
 
     tier = MemoryTier.from_env()                     # None outside rally, or without a holder
     saved = tier.save(state, "whole", step, persist=True, keep=3)   # False: shm too small
     step, fd = tier.resume("whole")                  # the round's agreed step; a memfd if in memory
 
-``save`` returns once the copy is in shared memory, or once the tensors an optimizer owns are
+`save` returns once the copy is in shared memory, or once the tensors an optimizer owns are
 handed to the copy thread (agent/checkpoint/core/overlap.py: the copy overlaps the next step, its
 reserve and commit are that thread's); the holder persists it in the background.
 Requests and answers are packets on the holder's abstract SOCK_SEQPACKET socket, a slot's memfd
@@ -16,16 +16,16 @@ travelling with the answer (see agent/checkpoint/core/shm.py for the layout).
 Who answers is checked before anything is sent: the socket's name is random and bound by the
 agent before the holder starts (nobody can take it first), and the peer must be the holder the
 agent started (SO_PEERCRED: its pid, RALLY_CKPT_HOLDER_PID, and this process's uid), else
-:class:`CheckpointRefused`. The first packet on every connection is ``hello`` with the job's
+`CheckpointRefused`. The first packet on every connection is `hello` with the job's
 connection secret (RALLY_CKPT_SECRET): a process of the same user that is not one of this job's
 workers (another job's) is turned away by the holder.
 A save the holder refuses (this worker's round is over, a bad request) raises
-:class:`CheckpointRefused` with the holder's one line. Requests go over one Unix-socket
+`CheckpointRefused` with the holder's one line. Requests go over one Unix-socket
 connection per worker process, kept open between saves (so the holder knows the writer is alive:
 a worker killed mid-copy closes it, and the half-written slot is dropped).
 
-For other state layouts (per-rank shards, DCP storage) ``reserve``/``commit``/``abort`` are the
-same steps one by one: reserve a slot of ``size`` bytes for a key (a writable mapping of it),
+For other state layouts (per-rank shards, DCP storage) `reserve`/`commit`/`abort` are the
+same steps one by one: reserve a slot of `size` bytes for a key (a writable mapping of it),
 fill it, commit its length; or abort.
 """
 
@@ -55,7 +55,7 @@ from rally.agent.checkpoint.core.shm import (
 )
 
 WHOLE_STATE_KEY = "whole"
-"""The key of a state every rank holds alike (DDP), saved once per node by ``rally.job.save``."""
+"""The key of a state every rank holds alike (DDP), saved once per node by `rally.job.save`."""
 HOLDER_ENV = "RALLY_CKPT_HOLDER"
 """The holder's socket's name (random); set by the agent in every worker's environment when the tier runs."""
 HOLDER_PID_ENV = "RALLY_CKPT_HOLDER_PID"
@@ -207,9 +207,9 @@ class MemoryTier:
     def reserve(
         self, key: str, step: int, size: int, persist: bool | str, keep: int, spare_newest: bool = False
     ) -> mmap.mmap | None:
-        """A writable mapping of a slot with room for ``size`` bytes; None when memory is too
-        short for a copy (the caller saves to disk instead). ``persist``: False keeps the copy in
-        memory only; True has the holder write it as ``step_<step>.pt`` (keep-K pruning); a
+        """A writable mapping of a slot with room for `size` bytes; None when memory is too
+        short for a copy (the caller saves to disk instead). `persist`: False keeps the copy in
+        memory only; True has the holder write it as `step_<step>.pt` (keep-K pruning); a
         relative file name has it written there (no pruning), e.g. one rank's shard."""
         answer, fds = self.request(
             op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep,
@@ -232,10 +232,10 @@ class MemoryTier:
             pass
 
     def save(self, state: Any, key: str, step: int, *, persist: bool | str, keep: int) -> bool:
-        """Copy ``state`` into a slot as ``step``; True once committed or handed to the copy thread
+        """Copy `state` into a slot as `step`; True once committed or handed to the copy thread
         (agent/checkpoint/core/overlap.py), False if disk-only.
 
-        A state laid out as the last one saved under ``key`` (a training loop's case) is copied
+        A state laid out as the last one saved under `key` (a training loop's case) is copied
         tensor by tensor straight into the slot (agent/checkpoint/core/layout.py): the stall is a
         plain copy. Otherwise torch.save writes the archive into the slot, and its layout is
         learnt for the next save. The slot must be as large as torch.save's archive. Finding its
@@ -271,7 +271,7 @@ class MemoryTier:
         self, state: object, key: str, step: int, size: int, persist: bool | str, keep: int, known: layout.Layout,
         storages: list[Any], views: list[tuple[int, Any]], later: set[int],
     ) -> None:  # fmt: skip
-        """The fast path with the storages ``later`` copied by the copy thread
+        """The fast path with the storages `later` copied by the copy thread
         (agent/checkpoint/core/overlap.py). The others are copied now into memory of this process's
         own (they may change before the copy thread gets to them: buffers, small tensors), and the
         holder's two round trips, reserve and commit, are the copy thread's too: the training
@@ -353,21 +353,21 @@ class MemoryTier:
     def resume(self, key: str) -> tuple[int | None, int | None]:
         """(the step every rank of the round resumes from, None: no agreement, read the disk;
         a memfd holding it on this node, None: not in memory here). The caller closes the memfd,
-        e.g. after ``torch.load(fd_path(fd), mmap=True)``: its mapping keeps the memory."""
+        e.g. after `torch.load(fd_path(fd), mmap=True)`: its mapping keeps the memory."""
         answer, fds = self.request(op="resume", key=key)
         self._checked(answer, fds)
         return answer.get("step"), fds[0] if fds else None
 
     def held(self, prefix: str) -> dict[str, list[int]]:
-        """Committed steps in this node's memory of every key starting with ``prefix``."""
+        """Committed steps in this node's memory of every key starting with `prefix`."""
         answer, fds = self.request(op="held", prefix=prefix)
         self._checked(answer, fds)
         return {str(k): [int(s) for s in v] for k, v in answer["held"].items()}
 
     def mapped_slot(self, key: str, step: int) -> memoryview | None:
-        """Committed ``step`` of ``key`` on this node, mapped (None: not held here). Mapped, not
+        """Committed `step` of `key` on this node, mapped (None: not held here). Mapped, not
         copied: the holder never writes a slot it handed out again. Private and writable, so
-        ``torch.frombuffer`` views it without a warning; nothing writes to it."""
+        `torch.frombuffer` views it without a warning; nothing writes to it."""
         found = self.slot(key, step)
         if found is None:
             return None
@@ -379,7 +379,7 @@ class MemoryTier:
         return memoryview(mapped)
 
     def slot(self, key: str, step: int) -> tuple[int, int] | None:
-        """(a memfd holding committed ``step`` of ``key`` on this node, its length), or None.
+        """(a memfd holding committed `step` of `key` on this node, its length), or None.
         The caller closes the memfd."""
         answer, fds = self.request(op="slot", key=key, step=step)
         self._checked(answer, fds)
@@ -387,7 +387,7 @@ class MemoryTier:
 
 
 def _room(length: int, tensors: int) -> int:
-    """The slot size asked for an archive of ``length`` bytes, ``tensors`` of them tensor data:
+    """The slot size asked for an archive of `length` bytes, `tensors` of them tensor data:
     room for the pickled rest to double, plus 64 KiB. Asked alike for exact and cached sizes, so
     a slot sized at the first save is reused by every later save of a same-size state."""
     return length + max(length - tensors, 0) + (64 << 10)

@@ -1,11 +1,11 @@
 """The digest a checkpoint's MAC signs: SHA-256 of fixed-size leaves, on several threads, then a root.
 
 Why a tree: one SHA-256 (or HMAC) over a whole checkpoint runs on one core, 1-3 s per GiB, in
-the disk path's reload and in the time until a step is durable. Cut into :data:`LEAF`-byte leaves,
+the disk path's reload and in the time until a step is durable. Cut into `LEAF`-byte leaves,
 the leaves are hashed on a few threads at once (hashlib releases the GIL for large buffers), and
 the root is one SHA-256 over the length, the leaf size and the leaves' digests, in order. The
 root binds every byte (SHA-256 resists collisions, so no other bytes give the same leaves), and
-the MAC is then computed over the root alone (agent/checkpoint/core/auth.py, :func:`auth.seal`): the
+the MAC is then computed over the root alone (agent/checkpoint/core/auth.py, `auth.seal`): the
 expensive pass is made once however many keys a verifier tries. SHA-256 rather than BLAKE2b:
 CPUs with SHA instructions (x86 SHA-NI, ARMv8) hash SHA-256 faster than BLAKE2b's software, and
 OpenSSL picks them up; measured here (bench/checkpoint_mac.py) BLAKE2b was the slower of the two.
@@ -64,7 +64,7 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 def _leaf(chunk: memoryview) -> bytes:
     """One leaf's digest; the view is released here, before the future says done, so the caller
-    may close the mapping under it as soon as :meth:`TreeDigest.root` returns."""
+    may close the mapping under it as soon as `TreeDigest.root` returns."""
     try:
         return hashlib.sha256(chunk).digest()
     finally:
@@ -72,9 +72,9 @@ def _leaf(chunk: memoryview) -> bytes:
 
 
 class TreeDigest:
-    """Feed the bytes in any pieces (:meth:`update`); :meth:`root` gives the digest of all of them.
+    """Feed the bytes in any pieces (`update`); `root` gives the digest of all of them.
 
-    Leaves start at multiples of :data:`LEAF`. A leaf that lies whole inside one piece is hashed
+    Leaves start at multiples of `LEAF`. A leaf that lies whole inside one piece is hashed
     on the pool; a leaf split between pieces is hashed here, piece by piece.
     """
 
@@ -85,7 +85,7 @@ class TreeDigest:
         self._filled = 0
 
     def update(self, data: BytesLike, *, borrowed: bool = False) -> None:
-        """Add ``data``. ``borrowed``: the caller keeps ``data`` alive and unchanged until :meth:`root`
+        """Add `data`. `borrowed`: the caller keeps `data` alive and unchanged until `root`
         (a mapping), so its leaves may still be hashing when this returns; otherwise they are done."""
         with memoryview(data) as whole, whole.cast("B") as view:
             pending: list[Future[bytes]] = []
@@ -126,7 +126,7 @@ class TreeDigest:
 
 
 def of(data: BytesLike) -> bytes:
-    """The root of ``data`` (bytes, a mapping) hashed at once, its leaves on the pool."""
+    """The root of `data` (bytes, a mapping) hashed at once, its leaves on the pool."""
     tree = TreeDigest()
     tree.update(data, borrowed=True)
     return tree.root()

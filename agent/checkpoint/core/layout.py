@@ -1,23 +1,23 @@
 """The save fast path: when a state has the layout of the last one saved, copy only its tensors.
 
 A training loop saves the same state again and again: the same keys, the same tensor shapes, new
-values. ``torch.save`` would pickle the whole structure each time and write every zip header
+values. `torch.save` would pickle the whole structure each time and write every zip header
 again; the archive's bytes differ only where the tensors' data lies. So the first save of a
-layout goes through ``torch.save`` (agent/checkpoint/core/shm.py's ``write_archive``) with a
-:class:`Recorder` watching its writes: every write that is a storage's data is noted as (where in
-the archive, which storage), every other write (zip headers, ``data.pkl``, the central directory:
-a few KB) is kept as bytes. The next save whose :func:`signature` is equal is then a
-:class:`Layout` replayed: the kept bytes written at their offsets and each storage ``copy_``-ed
+layout goes through `torch.save` (agent/checkpoint/core/shm.py's `write_archive`) with a
+`Recorder` watching its writes: every write that is a storage's data is noted as (where in
+the archive, which storage), every other write (zip headers, `data.pkl`, the central directory:
+a few KB) is kept as bytes. The next save whose `signature` is equal is then a
+`Layout` replayed: the kept bytes written at their offsets and each storage `copy_`-ed
 straight into its place in the slot's mapping. That is the plain copy the stall is measured
 against, and nothing else: no pickling, no zip writer, no allocation.
 
-Why equal signatures give an equal archive, as ``torch.load`` reads it: the signature holds the
+Why equal signatures give an equal archive, as `torch.load` reads it: the signature holds the
 structure (container types, lengths, keys), every leaf's value, and per tensor its type, dtype,
-shape, strides, offset, ``requires_grad`` and which storage it views (so sharing is kept), as
+shape, strides, offset, `requires_grad` and which storage it views (so sharing is kept), as
 well as which objects are the same object (pickle's memo). Any other kind of leaf, a tensor off
 the CPU, with attributes, conjugate/negative bits, quantization, nesting or an empty
 storage makes the state ineligible:
-it is saved by ``torch.save`` every time, as before. ``data.pkl`` may differ in memo details
+it is saved by `torch.save` every time, as before. `data.pkl` may differ in memo details
 (two equal strings that are one object or two); what it unpickles to does not.
 """
 
@@ -55,9 +55,9 @@ def buffer_address(view: memoryview) -> int:
 
 
 def walk_structure(obj: Any, sig: list[Any], other: Callable[[Any], bool], memo: dict[int, int] | None = None) -> bool:
-    """Append to ``sig`` the structure of ``obj``: container types, lengths and keys, and every
-    plain leaf's value; ``other(obj)`` describes anything else (False: the state is ineligible).
-    With ``memo``, an object met again is noted as the same one (pickle's memo). Both fast paths
+    """Append to `sig` the structure of `obj`: container types, lengths and keys, and every
+    plain leaf's value; `other(obj)` describes anything else (False: the state is ineligible).
+    With `memo`, an object met again is noted as the same one (pickle's memo). Both fast paths
     (this module's and dcp_layout's) describe their states so; they differ in their tensors."""
     kind = type(obj)
     if kind in _LEAVES:
@@ -86,7 +86,7 @@ def walk_structure(obj: Any, sig: list[Any], other: Callable[[Any], bool], memo:
 def signature(state: Any, views: list[tuple[int, Any]] | None = None) -> tuple[tuple[Any, ...], list[Any]] | None:
     """(what decides the archive's layout, the state's storages in walk order); None: ineligible, or
     a torch the replay was not checked against (agent/checkpoint/core/torch_internals.py).
-    ``views``, if given, receives (storage index, tensor) of every tensor met: which tensors show
+    `views`, if given, receives (storage index, tensor) of every tensor met: which tensors show
     each storage (agent/checkpoint/core/overlap.py watches their in-place versions)."""
     import torch
 
@@ -125,8 +125,8 @@ def signature(state: Any, views: list[tuple[int, Any]] | None = None) -> tuple[t
 
 
 class Recorder:
-    """Watches the writes of one ``torch.save`` into a slot: which are storage data, which are not.
-    The data of the storages in ``defer`` is not to be written now (an overlapped save's copy
+    """Watches the writes of one `torch.save` into a slot: which are storage data, which are not.
+    The data of the storages in `defer` is not to be written now (an overlapped save's copy
     thread copies it once torch.save has placed it, agent/checkpoint/core/overlap.py)."""
 
     def __init__(self, storages: list[Any], defer: set[int] | frozenset[int] = frozenset()) -> None:
@@ -137,7 +137,7 @@ class Recorder:
         self.deferred: list[int] = []  # the indices whose data was left out, in the order written
 
     def write(self, pos: int, view: memoryview) -> bool:
-        """Note one write at ``pos``; True: leave its bytes out (a deferred storage's data)."""
+        """Note one write at `pos`; True: leave its bytes out (a deferred storage's data)."""
         found = self.by_address.get(buffer_address(view))
         if found is not None and found[1] == view.nbytes and found[0] not in self.data:
             self.data[found[0]] = pos
@@ -165,11 +165,11 @@ class Layout:
         self.rest = rest
 
     def write(self, sources: list[Any], target: Any, which: list[int] | range | None = None) -> int:
-        """Write the archive of a state with this layout into ``target`` (a slot's mapping); its length.
+        """Write the archive of a state with this layout into `target` (a slot's mapping); its length.
         A source is a storage, or a contiguous tensor whose bytes were written as a storage of
-        their own (a view DCP would clone, see agent/checkpoint/sharded/layout.py). ``which``:
+        their own (a view DCP would clone, see agent/checkpoint/sharded/layout.py). `which`:
         only these sources' data (the rest of the archive is written all the same); the others
-        are left to :meth:`copy_data` (an overlapped save's background copy)."""
+        are left to `copy_data` (an overlapped save's background copy)."""
         if len(target) < self.length:
             raise ValueError(f"rally: the slot of {len(target)} bytes is smaller than the archive ({self.length})")
         if len(sources) != len(self.offsets):
@@ -180,12 +180,12 @@ class Layout:
         return self.length
 
     def copy_data(self, sources: list[Any], which: list[int] | range, target: mmap.mmap) -> None:
-        """Copy the data of ``sources[i]`` for each ``i`` in ``which`` into its place in ``target``."""
+        """Copy the data of `sources[i]` for each `i` in `which` into its place in `target`."""
         copy_into(target, self.length, [(sources[i], self.offsets[i]) for i in which])
 
 
 def copy_into(target: mmap.mmap, length: int, placed: list[tuple[Any, int]]) -> None:
-    """Copy each (source, offset) of ``placed`` into the first ``length`` bytes of ``target`` at its offset."""
+    """Copy each (source, offset) of `placed` into the first `length` bytes of `target` at its offset."""
     import torch
 
     whole = torch.frombuffer(target, dtype=torch.uint8, count=length)

@@ -1,35 +1,35 @@
-"""Saves that overlap the next step: ``rally.job.save`` returns before an optimizer's tensors are copied.
+"""Saves that overlap the next step: `rally.job.save` returns before an optimizer's tensors are copied.
 
 What a training step does to a saved state, in order: the forward reads the parameters (and may
 change buffers in place: BatchNorm's running statistics), the backward writes gradients, and only
 the optimizer's step changes the parameters and the optimizer's own state. So the tensors an
-optimizer owns (the parameters in its ``param_groups`` and its ``state``) stay as they were saved
-until the next ``optimizer.step()``, and their copy into the node's memory can run on a thread
+optimizer owns (the parameters in its `param_groups` and its `state`) stay as they were saved
+until the next `optimizer.step()`, and their copy into the node's memory can run on a thread
 while the next forward and backward compute (CheckFreq's pipelined snapshot, FAST '21). What
-``save`` still copies before it returns: every tensor no known optimizer owns (buffers, an EMA
-copy, plain tensors), every small one (under :data:`SMALL_BYTES`), and the archive's structure
+`save` still copies before it returns: every tensor no known optimizer owns (buffers, an EMA
+copy, plain tensors), every small one (under `SMALL_BYTES`), and the archive's structure
 (its plain values are part of the layout's signature, agent/checkpoint/core/layout.py, so they
 are the saved step's by construction).
 
-**The fence.** A global optimizer step pre-hook (``register_optimizer_step_pre_hook``, installed at
-the first save or ``load_latest``) waits for the copy before any optimizer steps, so no optimizer
+**The fence.** A global optimizer step pre-hook (`register_optimizer_step_pre_hook`, installed at
+the first save or `load_latest`) waits for the copy before any optimizer steps, so no optimizer
 changes a tensor while it is being copied. It also notes the optimizer: the tensors of the
 optimizers seen stepping are the ones copied in the background. A script that changes saved
-tensors in place outside an optimizer calls ``rally.job.wait_saved()`` first.
+tensors in place outside an optimizer calls `rally.job.wait_saved()` first.
 
 **A torn snapshot is never published.** Each background tensor's in-place version counter
-(:func:`in_place_version`; a state_dict's detached views share their parameter's) is read at the
+(`in_place_version`; a state_dict's detached views share their parameter's) is read at the
 save and again when the save is *settled*: any change (an in-place op outside an optimizer,
-without ``wait_saved()``) and that step's copy is aborted, never committed: the holder keeps the
+without `wait_saved()`) and that step's copy is aborted, never committed: the holder keeps the
 previous checkpoint, and one warning line says what to do. The check runs on the thread that
 saved, at a point between its ops, never on the copy thread: torch bumps the counter after an
 in-place kernel has run, so only there is a write that began during the copy sure to be
 counted. A save is settled (checked, then committed or aborted) by the next optimizer step's fence,
-the next save, ``wait_saved()``, a ``heartbeat()`` once its copy is done, or the interpreter's
+the next save, `wait_saved()`, a `heartbeat()` once its copy is done, or the interpreter's
 exit; until then the holder does not count it, and a worker killed before that loses only that
-step (the previous one resumes). Writes the counter cannot see (through ``.data``, numpy, another
-thread) are not detected: ``wait_saved()`` before them, or turn the overlap off
-(``RALLY_CKPT_OVERLAP=0``: every save copies everything before it returns, as before).
+step (the previous one resumes). Writes the counter cannot see (through `.data`, numpy, another
+thread) are not detected: `wait_saved()` before them, or turn the overlap off
+(`RALLY_CKPT_OVERLAP=0`: every save copies everything before it returns, as before).
 
 **One copy in flight.** A save while the previous copy still runs waits for it first (a memory
 copy's time at most), then settles it. A save is skipped (silently, counted) only when the holder
@@ -37,7 +37,7 @@ would have to write it over the newest step's slot because the other slot is bei
 slot stays written until the next step's fence, and a worker killed meanwhile must still find the
 newest step in memory.
 
-Imports no torch at module level: ``rally.job.heartbeat`` calls :func:`settle_if_copied`.
+Imports no torch at module level: `rally.job.heartbeat` calls `settle_if_copied`.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ if TYPE_CHECKING:
     import torch
 
 OVERLAP_ENV = "RALLY_CKPT_OVERLAP"
-"""``0``: saves copy everything before they return (no background copy, no fence)."""
+"""`0`: saves copy everything before they return (no background copy, no fence)."""
 SMALL_BYTES = 1 << 16
-"""Storages smaller than this are copied before ``save`` returns: microseconds, and never watched."""
+"""Storages smaller than this are copied before `save` returns: microseconds, and never watched."""
 DISCARD_WARN_INTERVAL = 60.0
 """Seconds between two warning lines about discarded snapshots (the first is said at once)."""
 
@@ -174,7 +174,7 @@ class Overlap:
         return found
 
     def background(self, storages: list[Any]) -> list[int]:
-        """The indices of ``storages`` to copy in the background: large, and changed by an optimizer only."""
+        """The indices of `storages` to copy in the background: large, and changed by an optimizer only."""
         if not self.optimizers or not enabled():
             return []
         owned = self.optimizer_storages()
@@ -182,7 +182,7 @@ class Overlap:
 
     # ------------------------------------------------------------------ the copy
     def start(self, pending: PendingCopy) -> None:
-        """Hand ``pending`` to the copy thread (started once per process, again after a fork)."""
+        """Hand `pending` to the copy thread (started once per process, again after a fork)."""
         if self._thread_pid != os.getpid():
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._copier, args=(self._queue,), name="rally-ckpt-copy", daemon=True).start()
@@ -202,8 +202,8 @@ class Overlap:
     def settle(self, *, raise_errors: bool = True) -> None:
         """Wait for the copy in flight, then decide: publish it or discard it (see the module's
         docstring); the commit or abort itself is the copy thread's round trip. On a thread other
-        than the saver's only the wait: the saver's thread decides. ``raise_errors`` (a save,
-        ``wait_saved``): also wait for the decision to reach the holder, and raise a refusal or a
+        than the saver's only the wait: the saver's thread decides. `raise_errors` (a save,
+        `wait_saved`): also wait for the decision to reach the holder, and raise a refusal or a
         copy's error here; a fence keeps them for the next save instead of failing the
         optimizer's step."""
         pending = self.pending
@@ -228,7 +228,7 @@ class Overlap:
                 raise error
 
     def settle_if_copied(self) -> None:
-        """Settle a save whose copy is done, without waiting (``heartbeat``: once a step)."""
+        """Settle a save whose copy is done, without waiting (`heartbeat`: once a step)."""
         pending = self.pending
         if pending is not None and pending.copied.is_set() and threading.get_ident() == pending.thread:
             self.settle(raise_errors=False)
@@ -281,7 +281,7 @@ class Overlap:
 
 
 def name_of(state: object, tensor: torch.Tensor) -> str:
-    """Where ``tensor`` sits in ``state``, as ``'model'/'w'`` (or "a tensor" if it is not found)."""
+    """Where `tensor` sits in `state`, as `'model'/'w'` (or "a tensor" if it is not found)."""
     for path, value in _leaves(state, ()):
         if value is tensor:
             return "/".join(repr(part) for part in path) or "the state"

@@ -1,10 +1,10 @@
 """Reload from memory before the script asks: map the round's resume step while the script starts.
 
 A restarted worker spends its first moments on things that do not need the checkpoint (imports,
-CUDA and NCCL set-up, ``init_process_group``, building the model), then calls
-``job.load_latest()`` and copies the state into its model. Reading a 400 MB copy out of shared
+CUDA and NCCL set-up, `init_process_group`, building the model), then calls
+`job.load_latest()` and copies the state into its model. Reading a 400 MB copy out of shared
 memory costs a plain copy (~20 ms here), plus the kernel's work of mapping its 100,000 pages into
-the worker (~35 ms of page faults), plus ``torch.load``'s unpickling (~7 ms) and the holder's
+the worker (~35 ms of page faults), plus `torch.load`'s unpickling (~7 ms) and the holder's
 answer. The step to resume from is fixed before the worker starts (the agent opens the round with
 it, see agent/checkpoint/slots.py), so all but the copy can be done early:
 
@@ -14,29 +14,29 @@ it, see agent/checkpoint/slots.py), so all but the copy can be done early:
     job.save()        -> discard()            # a script that saves without loading lets go of it
 
 so the call costs nothing but the copy into the model that follows it. The thread runs only on a
-restart (``TORCHELASTIC_RESTART_COUNT`` > 0) under the memory tier, and does more than a request
+restart (`TORCHELASTIC_RESTART_COUNT` > 0) under the memory tier, and does more than a request
 or two to the holder only when this node holds a copy to resume from; a fresh node or a first
 start costs nothing.
 
-A sharded job (``job.save`` of DTensors) agrees on its step inside ``load_latest`` (every rank's
+A sharded job (`job.save` of DTensors) agrees on its step inside `load_latest` (every rank's
 holdings are gathered, agent/checkpoint/sharded/storage.py), so the thread prepares what is likely:
-it maps and faults in this rank's own newest copy, which ``dcp_storage`` takes
-(:func:`take_slot`) when the agreed step is that one.
+it maps and faults in this rank's own newest copy, which `dcp_storage` takes
+(`take_slot`) when the agreed step is that one.
 
 The thread never imports a module the script may be importing at the same moment (two threads
 importing one package's modules in different orders can deadlock, and it could be the script's
 thread that fails): the sharded part needs no torch, the whole-state part waits until the
-script's own ``import torch`` has finished.
+script's own `import torch` has finished.
 
 Why the prepared answer stays right until the call: a worker belongs to one round, whose resume
-step the holder never changes, and the ``resume`` request marks the slot reloaded, so it is never
+step the holder never changes, and the `resume` request marks the slot reloaded, so it is never
 written again (agent/checkpoint/slots.py): the mapping holds exactly that step until the worker
-lets go of it. It is given once, and only to a ``load_latest`` that loads to the CPU (the default);
+lets go of it. It is given once, and only to a `load_latest` that loads to the CPU (the default);
 anything else, or any failure of the thread (e.g. a type the script allows with
-``torch.serialization.add_safe_globals`` only later), and ``load_latest`` takes its ordinary path,
-which reports what is wrong. ``RALLY_RESUME_PREFETCH=0`` turns it off.
+`torch.serialization.add_safe_globals` only later), and `load_latest` takes its ordinary path,
+which reports what is wrong. `RALLY_RESUME_PREFETCH=0` turns it off.
 
-Faulting in: ``madvise(MADV_POPULATE_READ)`` over the mapping torch made (Linux 5.14+), else a
+Faulting in: `madvise(MADV_POPULATE_READ)` over the mapping torch made (Linux 5.14+), else a
 read of one byte per page. Both only map the holder's pages (reads of a private mapping share
 them): no copy, no extra memory.
 """
@@ -57,7 +57,7 @@ PREFETCH_ENV = "RALLY_RESUME_PREFETCH"
 MADV_POPULATE_READ = 22  # linux/mman.h; not in Python's mmap module before 3.13
 PAGE = os.sysconf("SC_PAGE_SIZE")
 JOIN_SECONDS = 5.0
-"""How long ``load_latest`` waits for the thread (its work is one answer of the holder and ~50 ms per 400 MB)."""
+"""How long `load_latest` waits for the thread (its work is one answer of the holder and ~50 ms per 400 MB)."""
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -110,7 +110,7 @@ def _prepare() -> None:
 
 def _torch_imported(timeout: float) -> bool:
     """Wait until the script's own import of torch has finished; False if it does not within
-    ``timeout``. This thread never imports it first: two threads importing one package's modules
+    `timeout`. This thread never imports it first: two threads importing one package's modules
     in different orders can deadlock, and the script's thread would be the one to fail."""
     deadline = time.monotonic() + timeout
     while True:
@@ -125,8 +125,8 @@ def _torch_imported(timeout: float) -> bool:
 
 
 def _prepare_sharded(tier: client.MemoryTier) -> None:
-    """A sharded job (``job.save`` of DTensors): map and fault in this rank's own newest copy.
-    Which step the ranks resume from is decided in ``load_latest`` (agent/checkpoint/sharded/storage.py);
+    """A sharded job (`job.save` of DTensors): map and fault in this rank's own newest copy.
+    Which step the ranks resume from is decided in `load_latest` (agent/checkpoint/sharded/storage.py);
     it is the newest every rank holds, so this rank's newest is the likely one. Imports no torch."""
     global _slot_ready
     held = tier.held("dcp")
@@ -144,7 +144,7 @@ def _prepare_sharded(tier: client.MemoryTier) -> None:
 
 
 def fault_in(storages: list[Any]) -> None:
-    """Map every page of ``storages`` into this process now (torch.load put them in one mapping)."""
+    """Map every page of `storages` into this process now (torch.load put them in one mapping)."""
     if not storages:
         return
     start = min(s.data_ptr() for s in storages)
@@ -157,7 +157,7 @@ def fault_in(storages: list[Any]) -> None:
 
 
 def populate(address: int, length: int) -> bool:
-    """``madvise(MADV_POPULATE_READ)`` over the pages of [address, address + length): mapped
+    """`madvise(MADV_POPULATE_READ)` over the pages of [address, address + length): mapped
     readable, shared with the holder's memfd (no copy even in a private mapping); False where the
     kernel has no such advice (before 5.14)."""
     start = address // PAGE * PAGE
@@ -167,8 +167,8 @@ def populate(address: int, length: int) -> bool:
 
 
 def take(map_location: Any) -> tuple[int, Any] | None:
-    """(the round's resume step, its state) if prepared and ``map_location`` is the CPU; else None
-    (load it the ordinary way). Given once: a second ``load_latest`` loads anew."""
+    """(the round's resume step, its state) if prepared and `map_location` is the CPU; else None
+    (load it the ordinary way). Given once: a second `load_latest` loads anew."""
     global _ready
     if not _finished():
         return None
@@ -178,7 +178,7 @@ def take(map_location: Any) -> tuple[int, Any] | None:
 
 
 def take_slot(key: str, step: int) -> memoryview | None:
-    """This rank's sharded copy of ``step`` under ``key``, mapped and faulted in while the script
+    """This rank's sharded copy of `step` under `key`, mapped and faulted in while the script
     started; None if another was prepared or none (map it then). Given once."""
     global _slot_ready
     if not _finished():

@@ -1,27 +1,27 @@
 """The memory tier's shared-memory layout: what a node's checkpoint copies are and how a worker fills one.
 
-A copy lives in a **memfd** (``memfd_create``), not in a file under /dev/shm: shared memory that
+A copy lives in a **memfd** (`memfd_create`), not in a file under /dev/shm: shared memory that
 has no name, so nothing can be left behind. The kernel frees it when the last process holding it
 (the holder, a worker's mapping) is gone, however they died: SIGKILL of the agent, of its whole
 process group, of the holder itself. And it is not bound by /dev/shm's size (a container's
 64 MB default), only by the node's memory, which the holder checks before it allocates.
 
 Each agent's holder (agent/checkpoint/holder.py) keeps two slots per key: at most two copies per rank.
-A key names whose copy it is (``whole`` for a DDP state saved by local rank 0, ``rank<N>`` for a
-rank's own shard). The workers reach the holder at the abstract Unix socket ``\\0rally-ckpt-<agent
-token>`` (no file either) and receive a slot's memfd with each answer (SCM_RIGHTS).
+A key names whose copy it is (`whole` for a DDP state saved by local rank 0, `rank<N>` for a
+rank's own shard). The workers reach the holder at the abstract Unix socket `\\0rally-ckpt-<agent
+token>` (no file either) and receive a slot's memfd with each answer (SCM_RIGHTS).
 
-A slot holds exactly the bytes ``torch.save`` writes for the state: the zip archive that
-``torch.load`` reads (per-record CRC-32 left out, see below). So a reload is
-``torch.load("/proc/self/fd/<memfd>", mmap=True)``: no format of our own, no copy until the script
+A slot holds exactly the bytes `torch.save` writes for the state: the zip archive that
+`torch.load` reads (per-record CRC-32 left out, see below). So a reload is
+`torch.load("/proc/self/fd/<memfd>", mmap=True)`: no format of our own, no copy until the script
 copies the tensors into its model; and persisting is a byte copy with rally's footer appended
-(agent/checkpoint/core/checkpoint_file.py): the file on disk is what ``job.save`` always wrote.
+(agent/checkpoint/core/checkpoint_file.py): the file on disk is what `job.save` always wrote.
 
-Why ``torch.save`` into a preallocated mapping: the holder allocates a slot's pages once
-(``posix_fallocate``) and a worker maps it once (MAP_POPULATE) and reuses the mapping for every
+Why `torch.save` into a preallocated mapping: the holder allocates a slot's pages once
+(`posix_fallocate`) and a worker maps it once (MAP_POPULATE) and reuses the mapping for every
 save into that slot; writing the archive into it is one memcpy per tensor. Measured here for
-400 MB: 0.023 s against 0.021 s for ``copy_`` into preallocated tensors. The zip records' own
-CRC-32 is not computed (``compute_crc32=False``): it would be a second pass over the bytes inside
+400 MB: 0.023 s against 0.021 s for `copy_` into preallocated tensors. The zip records' own
+CRC-32 is not computed (`compute_crc32=False`): it would be a second pass over the bytes inside
 the training step's stall; rally's footer MAC, computed by the persister while it copies,
 protects the durable file instead.
 
@@ -50,7 +50,7 @@ def socket_address(token: str) -> str:
 
 
 def memfd_name(token: str, key: str, slot: int) -> str:
-    """What /proc/<pid>/fd shows for a slot (``memfd:rally-ckpt-<token>-<key>.<slot>``)."""
+    """What /proc/<pid>/fd shows for a slot (`memfd:rally-ckpt-<token>-<key>.<slot>`)."""
     return f"{SOCKET_PREFIX}{token}-{key}.{slot}"
 
 
@@ -59,7 +59,7 @@ def valid_key(key: str) -> bool:
 
 
 def fd_path(fd: int) -> str:
-    """A path that opens (and maps) the memfd this process holds as ``fd``."""
+    """A path that opens (and maps) the memfd this process holds as `fd`."""
     return f"/proc/self/fd/{fd}"
 
 
@@ -92,7 +92,7 @@ class ArchiveTooLarge(ValueError):
 
 
 def storages_of(state: object) -> list[Any]:
-    """The distinct storages, with bytes, of the tensors in ``state`` (dicts, lists, tuples)."""
+    """The distinct storages, with bytes, of the tensors in `state` (dicts, lists, tuples)."""
     found: dict[int, Any] = {}
     stack = [state]
     while stack:
@@ -109,7 +109,7 @@ def storages_of(state: object) -> list[Any]:
 
 
 def storage_bytes(state: object) -> int:
-    """The bytes of the tensors in ``state`` (each storage once): cheap, to tell whether a state
+    """The bytes of the tensors in `state` (each storage once): cheap, to tell whether a state
     has the same sizes as the last one saved."""
     return sum(storage.nbytes() for storage in storages_of(state))
 
@@ -151,7 +151,7 @@ class _Sink:
 
 
 def archive_size(state: object) -> int:
-    """The exact length of the archive torch.save writes for ``state``: a pass that copies nothing."""
+    """The exact length of the archive torch.save writes for `state`: a pass that copies nothing."""
     import torch
 
     sink = _Sink(None)
@@ -161,8 +161,8 @@ def archive_size(state: object) -> int:
 
 
 def write_archive(state: Any, target: mmap.mmap, recorder: Any = None) -> int:
-    """torch.save ``state`` into ``target`` (a slot's mapping); return the archive's length.
-    ``recorder`` (agent/checkpoint/core/layout.py) learns the archive's layout on the way."""
+    """torch.save `state` into `target` (a slot's mapping); return the archive's length.
+    `recorder` (agent/checkpoint/core/layout.py) learns the archive's layout on the way."""
     import torch
 
     sink = _Sink(target, recorder)
@@ -183,7 +183,7 @@ class SlotMaps:
         self._maps: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}
 
     def mapping(self, slot: str, fd: int) -> mmap.mmap:
-        """Slot ``slot``'s memfd ``fd`` mapped read-write (``fd`` is closed: the mapping keeps the memory).
+        """Slot `slot`'s memfd `fd` mapped read-write (`fd` is closed: the mapping keeps the memory).
 
         When the holder replaced the slot (a new memfd), the old mapping is closed, which frees
         the old memory once the holder has let go of it too.
@@ -206,10 +206,10 @@ class SlotMaps:
 
 
 def own_key(rank: int, world: int) -> str:
-    """The holder's key for rank ``rank``'s own copy (the world size in it: a copy serves only its layout)."""
+    """The holder's key for rank `rank`'s own copy (the world size in it: a copy serves only its layout)."""
     return f"dcp{rank}of{world}"
 
 
 def replica_key(rank: int, world: int) -> str:
-    """The holder's key for the replica of rank ``rank``'s copy, kept on the next node."""
+    """The holder's key for the replica of rank `rank`'s copy, kept on the next node."""
     return f"dcpr{rank}of{world}"

@@ -2,34 +2,34 @@
 
 The memory tier's fast paths lean on torch's internals:
 
-- ``torch.utils.serialization.config.save.compute_crc32``, a process-wide flag: the zip records'
-  own CRC-32 left out of an archive written into a slot (:func:`no_record_crc`; rally's MAC
+- `torch.utils.serialization.config.save.compute_crc32`, a process-wide flag: the zip records'
+  own CRC-32 left out of an archive written into a slot (`no_record_crc`; rally's MAC
   protects the durable file, agent/checkpoint/core/shm.py says why);
-- how ``torch.save`` writes: each storage's bytes in one write of a view of the storage itself,
+- how `torch.save` writes: each storage's bytes in one write of a view of the storage itself,
   and the same archive for the same structure, which the save fast paths record once and replay
   (agent/checkpoint/core/layout.py, agent/checkpoint/sharded/layout.py);
-- ``torch._foreach_copy_``: a replayed layout's tensors copied into the slot in one call that runs
-  without the GIL (:func:`copy_tensors`); ``Tensor._version``, torch's count of in-place writes,
+- `torch._foreach_copy_`: a replayed layout's tensors copied into the slot in one call that runs
+  without the GIL (`copy_tensors`); `Tensor._version`, torch's count of in-place writes,
   which tells an overlapped save whose tensors changed while they were copied
-  (:func:`in_place_version`, agent/checkpoint/core/overlap.py);
-- ``torch._C.PyTorchFileReader``, torch's zip reader, to find the one storage record of a DCP item
-  (:func:`storage_record_offset`) and ``torch.distributed._shard._utils.narrow_tensor_by_index``, DCP's
+  (`in_place_version`, agent/checkpoint/core/overlap.py);
+- `torch._C.PyTorchFileReader`, torch's zip reader, to find the one storage record of a DCP item
+  (`storage_record_offset`) and `torch.distributed._shard._utils.narrow_tensor_by_index`, DCP's
   own narrowing of a chunk: the sharded reload's one-copy reader (agent/checkpoint/sharded/reader.py).
 
-They were checked against the torch versions in :data:`CHECKED` (the oldest and the newest that
-``.ci/torch-matrix`` runs, and CI's pinned CPU wheel; tests/test_torch_internals.py keeps the two
-in step). On a torch outside :data:`OLDEST` .. :data:`NEWEST` (by minor release), or where one of
-the internals is missing, :func:`fast_paths` is False, says so once per process on stderr, and each
-fast path takes torch's public way instead: ``torch.save`` at every save with the records' CRCs
-computed, no overlapped copy (every save copies before it returns, as ``RALLY_CKPT_OVERLAP=0``),
+They were checked against the torch versions in `CHECKED` (the oldest and the newest that
+`.ci/torch-matrix` runs, and CI's pinned CPU wheel; tests/test_torch_internals.py keeps the two
+in step). On a torch outside `OLDEST` .. `NEWEST` (by minor release), or where one of
+the internals is missing, `fast_paths` is False, says so once per process on stderr, and each
+fast path takes torch's public way instead: `torch.save` at every save with the records' CRCs
+computed, no overlapped copy (every save copies before it returns, as `RALLY_CKPT_OVERLAP=0`),
 DCP's own reader item by item. Slower, never a crash nor a different checkpoint: the
-bytes a public ``torch.load`` or DCP's reader reads are what they would read anyway.
+bytes a public `torch.load` or DCP's reader reads are what they would read anyway.
 
-The sharded path is built on DCP's ``FileSystemWriter`` and ``FileSystemReader`` and needs a few
+The sharded path is built on DCP's `FileSystemWriter` and `FileSystemReader` and needs a few
 of their private names that are no fast path and have no public stand-in: the plan types
-``_StoragePrefix`` and ``_StorageInfo`` (DCP's reader unpickles them from the metadata by name),
-``_get_metadata_path``, and the private names DCP's metadata pickles (:data:`PICKLED`). They are
-reached through this module too (``StoragePrefix``, ``StorageInfo``, :func:`metadata_path`), so
+`_StoragePrefix` and `_StorageInfo` (DCP's reader unpickles them from the metadata by name),
+`_get_metadata_path`, and the private names DCP's metadata pickles (`PICKLED`). They are
+reached through this module too (`StoragePrefix`, `StorageInfo`, `metadata_path`), so
 that it lists every private name of torch the checkpoint code touches.
 
 Imports no torch at module level: the holder and the agent import the checkpoint core without it.
@@ -61,7 +61,7 @@ _STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
 
 
 def torch_version() -> str:
-    """The running torch's version (e.g. ``2.13.0+cpu``)."""
+    """The running torch's version (e.g. `2.13.0+cpu`)."""
     import torch
 
     return str(torch.__version__)
@@ -126,7 +126,7 @@ def _warn(why: str) -> None:
 
 @contextlib.contextmanager
 def no_record_crc() -> Iterator[None]:
-    """``torch.save`` inside leaves the zip records' CRC-32 out (a second pass over the bytes in the
+    """`torch.save` inside leaves the zip records' CRC-32 out (a second pass over the bytes in the
     training step's stall); computed as ever where the fast paths are off. The flag is process-wide:
     restored on the way out."""
     if not fast_paths():
@@ -144,7 +144,7 @@ def no_record_crc() -> Iterator[None]:
 
 @cache
 def sharded_reader() -> bool:
-    """Whether the sharded reload's one-copy reader may run: :func:`fast_paths`, and DCP's narrowing
+    """Whether the sharded reload's one-copy reader may run: `fast_paths`, and DCP's narrowing
     is there (checked apart: importing it costs ~10 ms, which a whole state's reload need not pay)."""
     if not fast_paths():
         return False
@@ -156,7 +156,7 @@ def sharded_reader() -> bool:
 
 
 def storage_record_offset(item: io.RawIOBase) -> int | None:
-    """Where the one storage record of the ``torch.save`` archive ``item`` (a readable, seekable file
+    """Where the one storage record of the `torch.save` archive `item` (a readable, seekable file
     over it) starts; None: another record count, an unreadable archive, or the fast paths are off."""
     if not sharded_reader():
         return None
@@ -173,8 +173,8 @@ def storage_record_offset(item: io.RawIOBase) -> int | None:
 
 
 def copy_tensors(places: list[torch.Tensor], data: list[torch.Tensor]) -> None:
-    """Copy each of ``data`` into its place in ``places``: one ``torch._foreach_copy_`` (the copies run
-    without the GIL, however busy the training thread keeps it), or ``copy_`` one by one where the
+    """Copy each of `data` into its place in `places`: one `torch._foreach_copy_` (the copies run
+    without the GIL, however busy the training thread keeps it), or `copy_` one by one where the
     fast paths are off."""
     import torch
 
@@ -186,20 +186,20 @@ def copy_tensors(places: list[torch.Tensor], data: list[torch.Tensor]) -> None:
 
 
 def in_place_version(tensor: torch.Tensor) -> int:
-    """torch's count of in-place writes to ``tensor`` (``_version``), shared by its detached views and
-    bumped once an in-place op on it has run. Read only where :func:`fast_paths` is True: elsewhere
-    saves do not overlap the next step (agent/checkpoint/core/overlap.py's ``enabled``)."""
+    """torch's count of in-place writes to `tensor` (`_version`), shared by its detached views and
+    bumped once an in-place op on it has run. Read only where `fast_paths` is True: elsewhere
+    saves do not overlap the next step (agent/checkpoint/core/overlap.py's `enabled`)."""
     return int(tensor._version)
 
 
 def narrow_tensor_by_index(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """DCP's own narrowing of a chunk read for a request (its FileSystemReader's); only called
-    where :func:`sharded_reader` is True."""
+    where `sharded_reader` is True."""
     return _narrow()(tensor, offsets, sizes)
 
 
 def metadata_path(reader: FileSystemReader, rank: int | None) -> os.PathLike[str]:
-    """Where DCP's ``FileSystemReader`` ``reader`` finds the ``.metadata`` (its private ``_get_metadata_path``)."""
+    """Where DCP's `FileSystemReader` `reader` finds the `.metadata` (its private `_get_metadata_path`)."""
     return reader._get_metadata_path(rank)
 
 
@@ -210,11 +210,11 @@ a private module): looked up among the modules already imported, a missing one i
 PICKLED = frozenset(
     {("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 )
-"""Private names of torch that DCP's ``.metadata`` pickle refers to (a layout by its name, an item's place)."""
+"""Private names of torch that DCP's `.metadata` pickle refers to (a layout by its name, an item's place)."""
 
 
 def __getattr__(name: str) -> Any:
-    """``StoragePrefix``, ``StorageInfo``: DCP's writer's private plan types, imported (with torch)
+    """`StoragePrefix`, `StorageInfo`: DCP's writer's private plan types, imported (with torch)
     when a module that needs them asks."""
     if name in ("StoragePrefix", "StorageInfo"):
         from torch.distributed.checkpoint import filesystem

@@ -1,7 +1,7 @@
 """Sharded checkpoints on disk: torch.distributed.checkpoint (DCP) directories that rally publishes whole.
 
 A sharded checkpoint is a plain DCP directory, written by torch's own planner and file format
-(see :mod:`rally.agent.checkpoint.sharded.storage`), plus one file of rally's, written last::
+(see `rally.agent.checkpoint.sharded.storage`), plus one file of rally's, written last:
 
     step_000000000120.dcp/            published: what load_latest and the crash-loop guard see
         __0_0.distcp  __1_0.distcp    one file per rank: the shards that rank held (torch.save'd)
@@ -17,16 +17,16 @@ the coordinator write the metadata and the manifest, fsync them, and rename the 
 step's name. A crash at any moment leaves the previous steps as they were and, at worst, a
 temporary directory that the next save deletes once its lock is free (its coordinator died).
 
-Why a manifest: as for single-file checkpoints (:mod:`rally.agent.checkpoint.core.checkpoint_file`), whether a
+Why a manifest: as for single-file checkpoints (`rally.agent.checkpoint.core.checkpoint_file`), whether a
 damaged shard loads depends on where the damage is; sizes and digests give every reader (each
-rank, the agent) one verdict from the bytes alone. ``torch.distributed.checkpoint.load`` ignores
-``rally.json``, so a published directory is also an ordinary DCP checkpoint.
+rank, the agent) one verdict from the bytes alone. `torch.distributed.checkpoint.load` ignores
+`rally.json`, so a published directory is also an ordinary DCP checkpoint.
 
-Why an HMAC: a CRC says "whole", not "ours", and ``.metadata`` is a pickle. The manifest's
-``mac`` (agent/checkpoint/core/auth.py) covers the step and every file's digest (agent/checkpoint/core/digest.py:
+Why an HMAC: a CRC says "whole", not "ours", and `.metadata` is a pickle. The manifest's
+`mac` (agent/checkpoint/core/auth.py) covers the step and every file's digest (agent/checkpoint/core/digest.py:
 SHA-256 leaves on a few threads, then a root; no CRC beside it, the MAC'd digest rejects any
 damage), so a directory verifies only if the job's key signed exactly these bytes as this step.
-Manifests written before (``rally-dcp-1``: CRCs only) are unauthenticated: loaded only from a directory only the job's
+Manifests written before (`rally-dcp-1`: CRCs only) are unauthenticated: loaded only from a directory only the job's
 user can write. Nothing here follows a symlink: the step directory and its files must be what
 they are (lstat), and files are opened with O_NOFOLLOW.
 
@@ -71,16 +71,16 @@ SLOT_HEADER = struct.Struct("<8sQQQ")
 """A sharded copy in the memory tier: magic, metadata length, world size, rank (agent/checkpoint/sharded/memory.py)."""
 SLOT_MAGIC = b"RALLYDCP"
 KEY_RE = re.compile(r"^dcp(r?)(\d+)of(\d+)$")
-"""The holder's keys of sharded copies: ``dcp<rank>of<world>`` (own), ``dcpr<rank>of<world>`` (replica)."""
+"""The holder's keys of sharded copies: `dcp<rank>of<world>` (own), `dcpr<rank>of<world>` (replica)."""
 
 
 def step_name(step: int) -> str:
-    """The published directory's name for ``step``: ``step_<12 digits>.dcp``."""
+    """The published directory's name for `step`: `step_<12 digits>.dcp`."""
     return f"step_{step:012d}{SUFFIX}"
 
 
 def list_steps(directory: Path) -> list[tuple[int, Path]]:
-    """Published sharded checkpoints in ``directory``, oldest first; temporary ones never match."""
+    """Published sharded checkpoints in `directory`, oldest first; temporary ones never match."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -89,7 +89,7 @@ def list_steps(directory: Path) -> list[tuple[int, Path]]:
 
 
 def holds_shards(state: object) -> bool:
-    """Whether ``state`` holds a DTensor or ShardedTensor (FSDP2, tensor parallel, FSDP1's SHARDED_STATE_DICT).
+    """Whether `state` holds a DTensor or ShardedTensor (FSDP2, tensor parallel, FSDP1's SHARDED_STATE_DICT).
 
     Only modules already imported are asked (no torch import here): a script that never imported
     DTensor holds none.
@@ -140,7 +140,7 @@ class TempDir:
             os.close(self._fd)
 
     def publish(self, files: dict[str, FileSums]) -> Path:
-        """Publish this directory as its step (see :func:`publish_dir`); return the new path."""
+        """Publish this directory as its step (see `publish_dir`); return the new path."""
         self.path = publish_dir(self.parent, self.path, self.step, files)
         return self.path
 
@@ -164,9 +164,9 @@ def _signed_part(manifest: dict[str, Any]) -> bytes:
 
 
 def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, FileSums]) -> Path:
-    """Write the signed manifest into ``temp``, make everything durable, rename it to the step's name.
+    """Write the signed manifest into `temp`, make everything durable, rename it to the step's name.
 
-    ``files`` maps each file of the checkpoint (shards and ``.metadata``) to (size, digest hex).
+    `files` maps each file of the checkpoint (shards and `.metadata`) to (size, digest hex).
     An existing directory of the same step (a damaged one this job resumed past) is moved
     aside first and deleted after, so the name never points at a half-written directory.
     """
@@ -195,7 +195,7 @@ def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, FileSum
 
 
 def _aside(path: Path) -> Path:
-    """Rename ``path`` to an unlocked temporary name (so it vanishes from listings at once)."""
+    """Rename `path` to an unlocked temporary name (so it vanishes from listings at once)."""
     trash = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
     os.rename(path, trash)
     return trash
@@ -203,7 +203,7 @@ def _aside(path: Path) -> Path:
 
 def remove_dead_saves(directory: Path, only: str | None = None) -> None:
     """Delete temporary directories whose save died (nobody holds their lock); never a live save's.
-    ``only``: look at that one name (agent/checkpoint/sharded/persist.py picks older steps' directories)."""
+    `only`: look at that one name (agent/checkpoint/sharded/persist.py picks older steps' directories)."""
     try:
         names = [only] if only is not None else os.listdir(directory)
     except FileNotFoundError:
@@ -229,9 +229,9 @@ def remove_dead_saves(directory: Path, only: str | None = None) -> None:
 
 
 def prune(directory: Path, keep: int, own_step: int) -> None:
-    """Keep the checkpoint of ``own_step`` and the ``keep - 1`` newest older ones; delete the rest.
+    """Keep the checkpoint of `own_step` and the `keep - 1` newest older ones; delete the rest.
 
-    The rule is the whole-state files' (agent/checkpoint/core/checkpoint_file.py's ``prune_older``). Each
+    The rule is the whole-state files' (agent/checkpoint/core/checkpoint_file.py's `prune_older`). Each
     victim is first renamed to a temporary name, so a listing never shows a half-deleted step.
     """
     prune_older(list_steps(directory), keep, own_step, lambda path: shutil.rmtree(_aside(path), ignore_errors=True))
@@ -249,7 +249,7 @@ class Manifest:
 
 
 def read_manifest(path: Path) -> Manifest:
-    """The manifest of the step directory ``path``, its MAC checked (a legacy one only from a
+    """The manifest of the step directory `path`, its MAC checked (a legacy one only from a
     directory only this user can write), and each file there with its size. DamagedCheckpoint
     naming the first problem. Cheap: one small read and an lstat per file."""
     step_named = STEP_RE.match(path.name)
@@ -311,12 +311,12 @@ def read_manifest(path: Path) -> Manifest:
 
 def manifest_files(path: Path) -> dict[str, FileCheck]:
     """The manifest's files, (size, CRC-32 of a legacy manifest, digest of a signed one), checked
-    as :func:`read_manifest` checks them."""
+    as `read_manifest` checks them."""
     return read_manifest(path).files
 
 
 def check_checksums(path: Path, files: dict[str, FileCheck], names: Iterable[str]) -> None:
-    """Read ``names`` (files of the manifest) end to end, never through a link, and compare their
+    """Read `names` (files of the manifest) end to end, never through a link, and compare their
     digests (signed manifests; the leaves on the digest's threads) or CRC-32s (legacy ones)."""
     for name in names:
         size, expected_crc, expected_digest = files[name]
@@ -347,7 +347,7 @@ def check_checksums(path: Path, files: dict[str, FileCheck], names: Iterable[str
 
 def verify(path: Path, share: int = 0, shares: int = 1) -> bool:
     """Check a published directory: its manifest's MAC, every file's size, and the digest (a
-    legacy manifest: the CRC-32) of every ``shares``-th file from ``share`` on (ranks split the reading, then agree; see
+    legacy manifest: the CRC-32) of every `shares`-th file from `share` on (ranks split the reading, then agree; see
     dcp_storage). True: signed by the job's key; False: a legacy directory (unauthenticated, from a
     directory only this user can write). Raises DamagedCheckpoint."""
     try:
@@ -367,7 +367,7 @@ _verdicts: dict[tuple[object, ...], bool] = {}
 
 
 def is_intact(path: Path) -> bool:
-    """Whether ``path`` passes a full :func:`verify`, remembered per version of the directory and of
+    """Whether `path` passes a full `verify`, remembered per version of the directory and of
     each file in it (the agent asks every round; published files never change unless damaged)."""
     try:
         key = (

@@ -2,7 +2,7 @@
 
 When a job fails for good or is stopped, its workers are gone, and with them the threads that
 write their shards to disk (agent/checkpoint/sharded/persist.py): the newest steps may exist only in
-the holders' memory. Each node's agent then runs this helper, bounded by the grace period::
+the holders' memory. Each node's agent then runs this helper, bounded by the grace period:
 
     python <rally>/agent/checkpoint/sharded/flush.py CKPT_DIR SECONDS
         (RALLY_CKPT_HOLDER, RALLY_CKPT_HOLDER_PID, RALLY_CKPT_SECRET, RALLY_ROUND, TORCHELASTIC_RUN_ID set)
@@ -22,8 +22,8 @@ holder its agent started (agent/checkpoint/core/client.py checks the peer's pid 
 the ranks' metadata with a restricted unpickler (agent/checkpoint/sharded/metadata.py): no class
 outside DCP's metadata is ever built from those bytes.
 
-Prints one JSON line: ``{"step": N, "path": P}`` when it published, ``{"written": [...]}`` when it
-only wrote parts, ``{"warn": line}`` when it could not.
+Prints one JSON line: `{"step": N, "path": P}` when it published, `{"written": [...]}` when it
+only wrote parts, `{"warn": line}` when it could not.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ complete step is published instead."""
 
 
 def held_steps(tier: MemoryTier, durable: int | None) -> dict[tuple[int, int], dict[int, str]]:
-    """{(step, world): {rank: the key of a copy on this node}} for steps newer than ``durable``;
+    """{(step, world): {rank: the key of a copy on this node}} for steps newer than `durable`;
     a rank's own copy is preferred to a replica of it."""
     found: dict[tuple[int, int], dict[int, str]] = {}
     for key, steps in sorted(tier.held("dcp").items(), key=lambda kv: kv[0].startswith("dcpr")):
@@ -60,7 +60,7 @@ def held_steps(tier: MemoryTier, durable: int | None) -> dict[tuple[int, int], d
 
 
 def write_parts(tier: MemoryTier, directory: Path, step: int, world: int, keys: dict[int, str]) -> list[int]:
-    """Write this node's parts of ``step`` into its temporary directory; the ranks written."""
+    """Write this node's parts of `step` into its temporary directory; the ranks written."""
     from rally.agent.checkpoint.core import auth
     from rally.agent.checkpoint.sharded.persist import temp_name, write_file
 
@@ -105,8 +105,8 @@ def complete(temp: Path, world: int) -> dict[int, dict[str, list[Any]]] | None:
 def publish_newest(
     directory: Path, candidates: list[tuple[int, int]], keep: int, seconds: float
 ) -> tuple[int, Path] | None:
-    """Publish the newest of ``candidates`` (step, world) whose parts are all there, waiting for
-    the newest at most WAIT_NEWEST_SHARE of ``seconds`` and for any at most ``seconds``."""
+    """Publish the newest of `candidates` (step, world) whose parts are all there, waiting for
+    the newest at most WAIT_NEWEST_SHARE of `seconds` and for any at most `seconds`."""
     from rally.agent.checkpoint.sharded.persist import POLL_INTERVAL, lock_dir, publish, temp_name
 
     start = time.monotonic()

@@ -1,28 +1,28 @@
 """The sharded save's fast path: when a rank's state has the layout of its last save, copy only its shards.
 
 A training loop saves the same sharded state again and again. DCP's rank-local save
-(agent/checkpoint/sharded/memory.py) would plan it, ``torch.save`` every tensor into a growing
+(agent/checkpoint/sharded/memory.py) would plan it, `torch.save` every tensor into a growing
 in-memory file and then copy that file into the shared-memory slot: two passes over the data
 plus the planner, several times a plain copy. But for the same keys, the same DTensor layouts
 and the same non-tensor values, DCP's two files differ between saves only where the tensors'
-bytes lie. So the first save of a layout is DCP's own, with a :class:`rally.agent.checkpoint.core.layout.Recorder`
+bytes lie. So the first save of a layout is DCP's own, with a `rally.agent.checkpoint.core.layout.Recorder`
 watching the data file's writes (which are a storage's bytes, where; the rest, a few KB of
-zip headers and pickles, kept as bytes), and the next save with an equal :func:`signature`
-writes the kept bytes and ``copy_``-es each shard straight into its place in the slot: the
+zip headers and pickles, kept as bytes), and the next save with an equal `signature`
+writes the kept bytes and `copy_`-es each shard straight into its place in the slot: the
 plain copy the stall is measured against, and nothing else.
 
 Why equal signatures give equal files: DCP's plan for a rank depends on the flattened keys, each
-tensor's dtype, shape, ``requires_grad`` and, for a DTensor, its mesh, placements and global
+tensor's dtype, shape, `requires_grad` and, for a DTensor, its mesh, placements and global
 shape (which decide the chunk's offsets), and on the non-tensor values (pickled into the file);
 the signature holds all of them. Eligible: every tensor on the CPU, plain or a DTensor's local
-shard, contiguous, and no storage filled by two tensors. DCP hands ``torch.save`` a storage that
+shard, contiguous, and no storage filled by two tensors. DCP hands `torch.save` a storage that
 a tensor fills as it is; a tensor that does not fill its storage (FSDP2's uneven last shard is a
 slice of a padded one) it copies first, into a storage nobody else knows. So the save that
-teaches a layout gives DCP a compact copy of such a view, made here (:func:`compacted`), and the
-recorder sees every storage written whole exactly once (else :meth:`Recorder.layout` gives None
+teaches a layout gives DCP a compact copy of such a view, made here (`compacted`), and the
+recorder sees every storage written whole exactly once (else `Recorder.layout` gives None
 and every save takes DCP's way, as before); the replay copies the view's bytes. A tensor with no
-bytes (an empty shard) has nothing to copy. Per-record CRC-32s are left out (``compute_crc32=False``, as
-for whole states: ``torch.load`` does not check them); rally's manifest has the files' digests.
+bytes (an empty shard) has nothing to copy. Per-record CRC-32s are left out (`compute_crc32=False`, as
+for whole states: `torch.load` does not check them); rally's manifest has the files' digests.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from rally.agent.checkpoint.core.layout import Layout, Recorder, bytes_of, walk_
 
 
 def _local_kind(obj: Any) -> str | None:
-    """How DCP writes a (local) tensor: ``whole`` (its storage itself), ``view`` (a clone DCP makes
+    """How DCP writes a (local) tensor: `whole` (its storage itself), `view` (a clone DCP makes
     of a tensor that does not fill its storage, e.g. FSDP2's uneven last shard, a slice of its
-    padded storage), ``empty`` (no bytes); None: not eligible for the fast path."""
+    padded storage), `empty` (no bytes); None: not eligible for the fast path."""
     import torch
 
     if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu" or obj.layout != torch.strided:
@@ -115,11 +115,11 @@ def signature(state: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
 
 
 def compacted(state: Any, sources: list[Any]) -> tuple[Any, list[Any] | None]:
-    """For the save that teaches a layout: ``state`` with every view among ``sources`` replaced
+    """For the save that teaches a layout: `state` with every view among `sources` replaced
     by a compact copy made here, and the storages the recorder is to watch (that copy's in the
     view's place). DCP would copy a view itself, into a storage no recorder knows; written from
-    ours, every source is seen. (``state`` as it is, and None, when the walk disagrees with
-    ``sources``: that save teaches nothing.)"""
+    ours, every source is seen. (`state` as it is, and None, when the walk disagrees with
+    `sources`: that save teaches nothing.)"""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -186,12 +186,12 @@ class FilesLayout:
         self.signature, self.meta, self.data = sig, meta, data
 
     def write_data(self, storages: list[Any], target: memoryview) -> int:
-        """The data file of a state with this layout into ``target``; its length."""
+        """The data file of a state with this layout into `target`; its length."""
         return self.data.write(storages, target)
 
 
 def learn(sig: tuple[Any, ...] | None, recorder: Recorder | None, meta: memoryview, length: int) -> FilesLayout | None:
-    """The layout the first save of ``sig`` taught, or None when it cannot be replayed."""
+    """The layout the first save of `sig` taught, or None when it cannot be replayed."""
     if sig is None or recorder is None:
         return None
     data = recorder.layout(sig, length)

@@ -1,21 +1,21 @@
 """Sharded states in the memory tier: each rank's shards as a rank-local DCP checkpoint in its node's
 shared memory, with a replica in the next node's (a ring over the round's nodes), as in Gemini.
 
-Why rank-local: torch.distributed.checkpoint can save one rank's view alone (``no_dist``: its
-shards plus the replicated values, with a ``.metadata`` that lists only its chunks) and load it
+Why rank-local: torch.distributed.checkpoint can save one rank's view alone (`no_dist`: its
+shards plus the replicated values, with a `.metadata` that lists only its chunks) and load it
 back into the same layout without any collective. That is exactly a restarted worker's case, so
-the copy in memory is DCP's own two files (``__<rank>_0.distcp`` and ``.metadata``, made by DCP's
+the copy in memory is DCP's own two files (`__<rank>_0.distcp` and `.metadata`, made by DCP's
 planner and writer into memory) in one slot of the agent's holder (agent/checkpoint/core/client.py)::
 
     [ b"RALLYDCP" | metadata length u64 | world size u64 | rank u64 ][ .metadata ][ __<rank>_0.distcp ]
 
-Keys: ``dcp<rank>of<world>`` for a rank's own copy, ``dcpr<rank>of<world>`` for the replica of
-rank ``rank`` that the same local rank of the previous node sent over (one point-to-point
+Keys: `dcp<rank>of<world>` for a rank's own copy, `dcpr<rank>of<world>` for the replica of
+rank `rank` that the same local rank of the previous node sent over (one point-to-point
 exchange per save, over the job's own process group). The same two files are then written to
 disk in the background (agent/checkpoint/sharded/persist.py) and published as one DCP directory, which is what
 a change of world size reshards from.
 
-Resuming (:func:`load`): every rank tells the others which copies its node holds (one
+Resuming (`load`): every rank tells the others which copies its node holds (one
 all_gather_object); the newest step for which every rank of an unchanged world size has a copy
 on some live node, own or replica, wins over the disk if it is not older. A rank whose copy is on
 another node gets it from there (send/recv). Rank 0 logs where the step came from and why.
@@ -91,8 +91,8 @@ class _MemoryFileSystem(FileSystem):
 
 
 class _RankLocalWriter(FileSystemWriter):
-    """DCP's writer for one rank saving alone (``no_dist``), naming its file as DCP's own
-    rank-local layout does (``__<rank>_0.distcp``), into memory."""
+    """DCP's writer for one rank saving alone (`no_dist`), naming its file as DCP's own
+    rank-local layout does (`__<rank>_0.distcp`), into memory."""
 
     fs: _MemoryFileSystem  # torch's writer declares a FileSystem; this one keeps the files in memory
 
@@ -111,7 +111,7 @@ def data_name(rank: int) -> str:
 
 
 def _rank_local_files(state: dict[str, Any], rank: int, recorder: Recorder | None = None) -> tuple[memoryview, ...]:
-    """This rank's view of ``state`` as DCP's (metadata, data) files, made in memory by DCP itself
+    """This rank's view of `state` as DCP's (metadata, data) files, made in memory by DCP itself
     (no per-record CRC-32 in the data file: rally's manifest has the files' own)."""
     writer = _RankLocalWriter(rank, recorder)
     with _rank_local(), no_record_crc():
@@ -129,11 +129,11 @@ def _rank_local() -> Iterator[None]:
 
 
 def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> bool:
-    """Copy this rank's shards of ``step`` into its node's memory and a replica into the next
+    """Copy this rank's shards of `step` into its node's memory and a replica into the next
     node's, then hand the same files to the background persister (agent/checkpoint/sharded/persist.py).
-    False, doing nothing, when the ranks did not agree on the memory path (see :func:`agreed`).
+    False, doing nothing, when the ranks did not agree on the memory path (see `agreed`).
 
-    A state laid out as at this rank's last save takes the fast path (:func:`_save_fast`):
+    A state laid out as at this rank's last save takes the fast path (`_save_fast`):
     its shards copied straight into the slot."""
     tier = ckpt_client.tier()
     if not agreed()[0] or tier is None:
@@ -285,7 +285,7 @@ def _replicate(tier: ckpt_client.MemoryTier, parts: list[Any], step: int, keep: 
 
 
 def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
-    """Send ``send`` to ``to`` while receiving ``recv`` from ``source`` (no deadlock in a ring)."""
+    """Send `send` to `to` while receiving `recv` from `source` (no deadlock in a ring)."""
     work = dist.isend(send, to)
     # wait: slice, said by the job: the ring peer's replica, inside the job: the process group's timeout, the agent's
     # hang checks
@@ -344,9 +344,9 @@ def plan(holdings: list[dict[str, list[int]]], world: int, local: int) -> tuple[
 
 
 def load(state: dict[str, Any], step: int, providers: dict[int, int], prepared: memoryview | None = None) -> list[int]:
-    """Load this rank's copy of ``step`` into ``state`` in place (a collective: every rank calls it,
-    with the same plan); return the ranks whose copy came from another node. ``prepared``: this
-    rank's own copy of ``step``, already mapped (agent/checkpoint/core/resume_prefetch.py)."""
+    """Load this rank's copy of `step` into `state` in place (a collective: every rank calls it,
+    with the same plan); return the ranks whose copy came from another node. `prepared`: this
+    rank's own copy of `step`, already mapped (agent/checkpoint/core/resume_prefetch.py)."""
     tier = ckpt_client.tier()
     assert tier is not None
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,12 +1,12 @@
-"""DCP's ``.metadata`` read with a restricted unpickler: only the classes DCP's metadata holds.
+"""DCP's `.metadata` read with a restricted unpickler: only the classes DCP's metadata holds.
 
 torch.distributed.checkpoint stores its index of chunks as a plain pickle, and its
-``FileSystemReader`` reads it with ``pickle.load``: whoever writes those bytes runs code in the
+`FileSystemReader` reads it with `pickle.load`: whoever writes those bytes runs code in the
 reader. rally reads them from a node's memory (agent/checkpoint/sharded/memory.py), from the ranks'
 parts at publication (agent/checkpoint/sharded/persist.py, dcp_flush.py) and from published steps
-(agent/checkpoint/sharded/storage.py). Everywhere, the bytes go through :func:`loads`, whose
-unpickler builds only DCP's metadata dataclasses, ``torch.Size``, torch dtypes and layouts and a
-path: anything else (``os.system``, ``builtins.eval``, any other class) is refused with one line.
+(agent/checkpoint/sharded/storage.py). Everywhere, the bytes go through `loads`, whose
+unpickler builds only DCP's metadata dataclasses, `torch.Size`, torch dtypes and layouts and a
+path: anything else (`os.system`, `builtins.eval`, any other class) is refused with one line.
 On disk the bytes are also authenticated first (the manifest's HMAC, agent/checkpoint/sharded/files.py):
 the unpickler is the second wall, not the only one.
 
@@ -69,7 +69,7 @@ class _Restricted(pickle.Unpickler):
 
 
 def load(file: IO[bytes] | io.IOBase) -> Metadata:
-    """DCP's Metadata from ``file``; UnsafeMetadata for anything else."""
+    """DCP's Metadata from `file`; UnsafeMetadata for anything else."""
     try:
         found = _Restricted(file).load()
     except UnsafeMetadata:
@@ -86,7 +86,7 @@ def loads(data: BytesLike) -> Metadata:
 
 
 class SafeMetadataReader(FileSystemReader):
-    """torch's FileSystemReader, but its ``.metadata`` is read with :func:`load`."""
+    """torch's FileSystemReader, but its `.metadata` is read with `load`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = torch_internals.metadata_path(self, kwargs.get("rank"))

@@ -3,16 +3,16 @@ publishes the step once every rank's part is on disk. No collective, so training
 
 Why no collective: the disk write must not stall the training step, and a thread that used the
 job's process group would race the training loop's collectives (or die with
-``destroy_process_group``). The rank-local copy that agent/checkpoint/sharded/memory.py already made for the
-memory tier is exactly DCP's "no collectives" layout (``__<rank>_0.distcp`` and its rank's
-``.metadata``), so each rank's thread only writes bytes it has::
+`destroy_process_group`). The rank-local copy that agent/checkpoint/sharded/memory.py already made for the
+memory tier is exactly DCP's "no collectives" layout (`__<rank>_0.distcp` and its rank's
+`.metadata`), so each rank's thread only writes bytes it has:
 
     .step_N.dcp.<tag>.tmp/               made (0700) by whichever rank comes first, locked by rank 0
         __<r>_0.distcp                   rank r's shards (DCP's file, fsynced, renamed into place)
         __<r>.metadata                   rank r's own DCP metadata
         __<r>.rally.json                 rank r's part is complete: its two files' sizes and digests
 
-The ``<tag>`` is an HMAC of the run, the round and the step under the job's checkpoint key
+The `<tag>` is an HMAC of the run, the round and the step under the job's checkpoint key
 (agent/checkpoint/core/auth.py): every rank of the round computes the same name without talking, and
 nobody without the key can predict it. A rank creates it exclusively (mode 0700) or, when
 another rank was first, accepts it only as a real directory of this user's that nobody else may
@@ -20,9 +20,9 @@ write (never a link); every file in it is created 0600 under a random temporary 
 O_EXCL and O_NOFOLLOW, then renamed into place.
 
 Rank 0's thread waits (bounded, PUBLISH_TIMEOUT) for every rank's marker, merges the ranks'
-metadata into DCP's global ``.metadata`` (the union of their chunks: what DCP's coordinator
+metadata into DCP's global `.metadata` (the union of their chunks: what DCP's coordinator
 builds when it saves with collectives), writes rally's manifest and renames the directory to
-``step_N.dcp`` (agent/checkpoint/sharded/files.py): the same published checkpoint as a synchronous save, which
+`step_N.dcp` (agent/checkpoint/sharded/files.py): the same published checkpoint as a synchronous save, which
 any world size loads and reshards. A rank that dies before its marker leaves the step
 unpublished; its memory copy and the previous durable step stay, and the temporary directory is
 deleted by a later publication.
@@ -30,10 +30,10 @@ deleted by a later publication.
 One thread per worker process, steps in order. A step saved by the fast path
 (agent/checkpoint/sharded/layout.py) waits in its shared-memory slot: the thread copies it into a buffer
 of its own (reused) before writing, and a save that needs that slot again while the step still
-waits gives the step up instead of waiting for the disk (:meth:`Persister.claim`), marking it
-``__<r>.skipped`` so that rank 0 publishes none of it; a step is published only once every rank
+waits gives the step up instead of waiting for the disk (`Persister.claim`), marking it
+`__<r>.skipped` so that rank 0 publishes none of it; a step is published only once every rank
 wrote its part. Other steps (DCP's own files, at the first save of a layout) hold their own bytes:
-at most ``MAX_PENDING`` of them wait (a save beyond that waits for the oldest). The thread is
+at most `MAX_PENDING` of them wait (a save beyond that waits for the oldest). The thread is
 not a daemon: a worker that returns from its script finishes writing its last step before the
 process exits.
 """
@@ -83,7 +83,7 @@ def temp_name(step: int) -> str:
 
 
 def _touch_private(path: Path) -> None:
-    """Create the marker ``path`` 0600 (never through a link); an existing one is fine."""
+    """Create the marker `path` 0600 (never through a link); an existing one is fine."""
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
 
@@ -102,7 +102,7 @@ class _Skipped(Exception):
 @dataclasses.dataclass
 class _FromSlot:
     """A step's data still in this rank's shared-memory slot (the save's fast path): the writer
-    copies it into its own buffer before the next save may write that slot again. ``data`` is a
+    copies it into its own buffer before the next save may write that slot again. `data` is a
     view of the slot's mapping: while it lives the mapping cannot be closed (a slot the holder
     replaced stays readable until the step is copied out)."""
 
@@ -125,10 +125,10 @@ class Persister:
         self.skipped: list[int] = []  # steps given up (tests, and the log)
 
     def submit(self, directory: Path, step: int, keep: int, rank: int, world: int, meta: object, data: object) -> None:
-        """Queue ``step``'s files; ``data`` is bytes of its own, or a :class:`_FromSlot`.
+        """Queue `step`'s files; `data` is bytes of its own, or a `_FromSlot`.
 
         Own bytes: at most MAX_PENDING steps wait (a save beyond that waits for the oldest). A
-        slot: never waits here, see :meth:`claim`."""
+        slot: never waits here, see `claim`."""
         with self.cond:
             while not isinstance(data, _FromSlot) and len(self.pending) + self._busy >= MAX_PENDING:
                 # wait: slice, said by the job: a save while MAX_PENDING (2) steps wait for this worker's own disk
@@ -141,10 +141,10 @@ class Persister:
             self.cond.notify_all()
 
     def claim(self, mapping: Any) -> None:
-        """Before a save writes ``mapping`` (a slot) again: a step still waiting in it for the disk is
+        """Before a save writes `mapping` (a slot) again: a step still waiting in it for the disk is
         given up, and one being copied out of it is waited for (one memory copy at most).
 
-        The step given up is marked in its temporary directory (``__<rank>.skipped``), so rank 0
+        The step given up is marked in its temporary directory (`__<rank>.skipped`), so rank 0
         stops waiting for this rank's part and publishes none of it: a step is published only
         when every rank wrote it, and the newest step is never the one given up.
         """
@@ -270,7 +270,7 @@ def persist_part(
     data: Any,
     pause: Callable[[], None] | None = None,
 ) -> None:
-    """Write this rank's part of ``step``; on rank 0 also wait for the others and publish."""
+    """Write this rank's part of `step`; on rank 0 also wait for the others and publish."""
     auth.make_private_dir(directory)
     temp = directory / temp_name(step)
     auth.private_subdir(temp)  # exclusively, or ours already (another rank's): never a link, never another user's
@@ -317,9 +317,9 @@ def _remove_dead_older(directory: Path, step: int) -> None:
 
 
 def write_file(path: Path, data: BytesLike, pause: Callable[[], None] | None = None) -> tuple[int, str]:
-    """``data`` into ``path`` durably (a random temporary name created 0600 exclusively, never
+    """`data` into `path` durably (a random temporary name created 0600 exclusively, never
     through a link; fsync, rename); its (size, digest hex: agent/checkpoint/core/digest.py, each leaf
-    hashed on the digest's threads while the next chunk is written). ``pause`` is called between
+    hashed on the digest's threads while the next chunk is written). `pause` is called between
     chunks (the writer steps aside while a save copies)."""
     view = memoryview(data).cast("B")
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.part")  # two writers of one part never mix
@@ -359,7 +359,7 @@ def _wait_for_parts(temp: Path, world: int) -> dict[int, dict[str, list[Any]]]:
 def publish(
     directory: Path, temp: Path, step: int, keep: int, world: int, parts: dict[int, dict[str, list[Any]]]
 ) -> None:
-    """Merge the ranks' metadata (read with the restricted unpickler) into DCP's global ``.metadata``,
+    """Merge the ranks' metadata (read with the restricted unpickler) into DCP's global `.metadata`,
     then publish like a synchronous save: a signed manifest."""
     from rally.agent.checkpoint.sharded import metadata as dcp_metadata  # torch: only the publisher needs it
 
@@ -383,7 +383,7 @@ def publish(
 
 
 def merge_metadata(ranks: list[Any]) -> Any:
-    """DCP's global Metadata from the ranks' own (``no_dist``) ones: every fqn's chunks, each once,
+    """DCP's global Metadata from the ranks' own (`no_dist`) ones: every fqn's chunks, each once,
     and where each chunk lives. Replicated values (saved by every rank) are taken from the lowest rank."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 

@@ -1,18 +1,18 @@
 """Reading a rank's DCP files out of memory with one copy per shard: the sharded reload's fast path.
 
-DCP's ``FileSystemReader`` reads each tensor item by handing ``torch.load`` a view of the data
-file: ``torch.load`` parses the item's zip archive, unpickles it with the safe loader, and reads
+DCP's `FileSystemReader` reads each tensor item by handing `torch.load` a view of the data
+file: `torch.load` parses the item's zip archive, unpickles it with the safe loader, and reads
 the tensor's bytes into a new storage; then DCP copies that into the target. For a 400 MB rank
 with 100 tensors that is two copies and a hundred unpicklings: slower, from memory, than the
 same load from the page cache should be.
 
-An item DCP wrote is a ``torch.save`` archive of one compact tensor (DCP copies a tensor that
+An item DCP wrote is a `torch.save` archive of one compact tensor (DCP copies a tensor that
 does not fill its storage before writing it, see agent/checkpoint/sharded/layout.py), whose one
 storage record holds exactly the chunk's bytes; the chunk's dtype and sizes are in DCP's
 metadata. So for each tensor item this reader finds that record in the archive's zip directory
 (torch's own zip reader over a view of the item, agent/checkpoint/core/torch_internals.py: it
 reads the directory, not the data), views its bytes in the mapped slot as the chunk
-(``torch.frombuffer``: no copy) and lets DCP's planner copy it into the target: one copy.
+(`torch.frombuffer`: no copy) and lets DCP's planner copy it into the target: one copy.
 Whatever does not look exactly so (another record count or size, a transform, a byte order
 other than the machine's, a dtype torch cannot view, a torch the reader was not checked
 against) goes through DCP's own way, item by item. DCP's planner, metadata and file format are DCP's:
@@ -35,8 +35,8 @@ from rally.agent.checkpoint.sharded.metadata import SafeMetadataReader
 
 
 class MemoryReader(SafeMetadataReader):
-    """DCP's reader over a rank's files held in memory (``files``: name -> buffer), fast for tensors;
-    its ``.metadata`` read with the restricted unpickler (agent/checkpoint/sharded/metadata.py)."""
+    """DCP's reader over a rank's files held in memory (`files`: name -> buffer), fast for tensors;
+    its `.metadata` read with the restricted unpickler (agent/checkpoint/sharded/metadata.py)."""
 
     def __init__(self, files: dict[str, Any], fs: Any) -> None:
         super().__init__("/rally-memory")

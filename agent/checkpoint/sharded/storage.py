@@ -1,13 +1,13 @@
-"""Sharded ``job.save`` / ``job.load_latest``: torch.distributed.checkpoint's own planner and format,
+"""Sharded `job.save` / `job.load_latest`: torch.distributed.checkpoint's own planner and format,
 written through a storage writer that publishes a step only when every rank's part is durable.
 
 Why DCP and not a format of rally's: DCP already knows how to split DTensors and FSDP2 shards
 into chunks, deduplicate replicated tensors, and reshard on load when the world size changed
-(elastic ``--nnodes MIN:MAX``). rally adds what DCP's FileSystemWriter leaves open: it writes
+(elastic `--nnodes MIN:MAX`). rally adds what DCP's FileSystemWriter leaves open: it writes
 into a fresh directory and tolerates a crash by leaving a half-written checkpoint under the
-final name. :class:`PublishingWriter` is that writer with the directory chosen by the
+final name. `PublishingWriter` is that writer with the directory chosen by the
 coordinator, a digest of every file computed while it is written, and publication by rename
-(:mod:`rally.agent.checkpoint.sharded.files`). Loading is torch's own FileSystemReader, after every rank agreed
+(`rally.agent.checkpoint.sharded.files`). Loading is torch's own FileSystemReader, after every rank agreed
 that the directory is intact (each checks the sizes and a share of the checksums, then one
 all-reduce), so all ranks resume from the same step.
 
@@ -107,10 +107,10 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class PublishingWriter(FileSystemWriter):
-    """torch's FileSystemWriter (one ``__<rank>_0.distcp`` per rank, fsynced), into a temporary
-    directory made and locked by the coordinator, published by rename in :meth:`finish`.
+    """torch's FileSystemWriter (one `__<rank>_0.distcp` per rank, fsynced), into a temporary
+    directory made and locked by the coordinator, published by rename in `finish`.
 
-    DCP calls ``finish`` on the coordinator only after gathering every rank's write results, and
+    DCP calls `finish` on the coordinator only after gathering every rank's write results, and
     not at all when any rank failed, so a published directory always holds every rank's part.
     """
 
@@ -168,12 +168,12 @@ class ShardedSaveFailed(RuntimeError):
 
 
 def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
-    """Save ``state`` as step ``step`` on every rank (a collective when torch.distributed is up).
+    """Save `state` as step `step` on every rank (a collective when torch.distributed is up).
 
-    torch.distributed.checkpoint's own planner and file format, one ``__<rank>_0.distcp`` file per
-    rank in a temporary directory that global rank 0 renames to ``step_<step:012d>.dcp`` only once
-    every rank's file, DCP's ``.metadata`` and rally's manifest (sizes, digests) are durable. Keeps
-    the newest ``keep`` sharded checkpoints, as job.save keeps whole-state files.
+    torch.distributed.checkpoint's own planner and file format, one `__<rank>_0.distcp` file per
+    rank in a temporary directory that global rank 0 renames to `step_<step:012d>.dcp` only once
+    every rank's file, DCP's `.metadata` and rally's manifest (sizes, digests) are durable. Keeps
+    the newest `keep` sharded checkpoints, as job.save keeps whole-state files.
     """
     if step < 0:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
@@ -208,7 +208,7 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
 
 
 def _os_error_within(error: BaseException) -> BaseException:
-    """The OSError behind ``error``, if any: torch.save turns a failed write (ENOSPC) into
+    """The OSError behind `error`, if any: torch.save turns a failed write (ENOSPC) into
     "unexpected pos 704 vs 598", with the OSError only in its context."""
     seen: BaseException | None = error
     while seen is not None:
@@ -219,7 +219,7 @@ def _os_error_within(error: BaseException) -> BaseException:
 
 
 def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
-    """Load the newest intact sharded checkpoint into ``state`` in place (job.load_latest(into=state)).
+    """Load the newest intact sharded checkpoint into `state` in place (job.load_latest(into=state)).
 
     Every rank walks the same list (rank 0's) and skips the same damaged directories: each rank
     checks every file's size and the digest of its share of the files, and a directory is used
