@@ -75,6 +75,7 @@ def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_nod
         assert event["rank"] == 1 and event["node"] == socket.gethostname() and event["node_rank"] in (0, 1)
         assert event["scope"] == "job" and event["factor"] == 1.5
         assert 0.14 < event["step_time"] < 0.4 and 0.03 < event["median"] < 0.1, event  # loaded machines are slow
+
         # The node's status record is republished every STATUS_INTERVAL (2 s): the console may name
         # the straggler before the record a fast `rally status` reads does.
         def named_in_status() -> bool:
