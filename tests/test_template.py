@@ -473,7 +473,10 @@ with open(os.path.join(out, f"round{count}_rank{rank}.json"), "w") as f:
     json.dump(record, f)
 fail_until = int(os.environ.get("PROBE_FAIL_UNTIL", "0"))
 if int(count) < fail_until:
-    if rank == "1":
+    if rank == "1":  # after rank 0 wrote its record: no test may depend on which worker starts first
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(out, f"round{count}_rank0.json")) and time.monotonic() < deadline:
+            time.sleep(0.01)
         sys.exit(3)
     time.sleep(60)
 time.sleep(float(os.environ.get("PROBE_SLEEP_ROUND" + count, "0")))
