@@ -184,3 +184,21 @@ def etcd(etcd_cluster: EtcdCluster) -> EtcdCluster:
             etcd_cluster.restart(member)
     etcd_cluster.wait_healthy()
     return etcd_cluster
+
+
+def losing_one_txn_reply() -> type:
+    """An EtcdClient class whose first transaction's reply is lost after etcd applied it: the
+    client tries again elsewhere, as after a member died mid-request."""
+    from rally.rendezvous.etcd_client import EtcdClient, _TryElsewhere
+
+    class LosesAReply(EtcdClient):
+        lost = True
+
+        def _post(self, path, body, timeout):  # type: ignore[no-untyped-def]
+            reply = super()._post(path, body, timeout)
+            if path.endswith("/txn") and LosesAReply.lost:
+                LosesAReply.lost = False
+                raise _TryElsewhere("the reply was lost (simulated)")
+            return reply
+
+    return LosesAReply

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from etcd_cluster import EtcdCluster, etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
 from helpers import form_one_round_at_once
 from rally.rendezvous.etcd_client import EtcdClient, Member, b64
 from rally.rendezvous.etcd_store import EtcdStore
@@ -230,18 +230,8 @@ def test_an_arrival_is_one_request_that_holds_the_descriptor_and_reads_the_round
 @needs_etcd
 @pytest.mark.timeout(60)
 def test_an_arrival_sent_again_after_a_lost_reply_keeps_its_place_and_slot(etcd):
-    from rally.rendezvous.etcd_client import _TryElsewhere
-
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
-    lost = [1]
-
-    class LosesAReply(EtcdClient):
-        def _post(self, path, body, timeout):
-            reply = super()._post(path, body, timeout)
-            if path.endswith("/txn") and lost[0]:
-                lost[0] = 0
-                raise _TryElsewhere("the reply was lost (simulated)")
-            return reply
+    LosesAReply = losing_one_txn_reply()  # the first transaction's reply is lost after etcd applied it
 
     prefix = f"test/{uuid.uuid4().hex}/"
     other = EtcdStore(EtcdClient(members), prefix, 10)
@@ -249,7 +239,7 @@ def test_an_arrival_sent_again_after_a_lost_reply_keeps_its_place_and_slot(etcd)
     store = EtcdStore(LosesAReply(members), prefix, 10)
     place, slot = store.arrive_holding("0/joined", "second", "0/closed")
     other.arrive_holding("0/joined", "third", "0/closed")
-    assert lost == [0] and place == 1
+    assert not LosesAReply.lost and place == 1
     total, found = other.arrivals("0/joined", 10)
     assert total == 3 and found[1] == (slot, b"second"), "one key, the place and slot of the first send"
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 
-from etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from etcd_cluster import etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
 from helpers import form_one_round_at_once
 from rally.rendezvous.etcd_client import EtcdClient, Member, b64
 from rally.rendezvous.etcd_store import EtcdStore
@@ -161,21 +161,11 @@ def test_a_first_wins_write_sent_again_after_a_lost_reply_still_wins(etcd):
     it; the client sends it again (etcd_client.py). A slot claim sent again finds its own value
     standing: it won (as on c10d). Before, the node took it for another's claim and claimed a
     second slot: at 4,096 simulated nodes one node held two slots and another was left out."""
-    from rally.rendezvous.etcd_client import _TryElsewhere
-
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
-    lost = [1]  # the first transaction's reply is lost after etcd applied it
-
-    class LosesAReply(EtcdClient):
-        def _post(self, path, body, timeout):
-            reply = super()._post(path, body, timeout)
-            if path.endswith("/txn") and lost[0]:
-                lost[0] = 0
-                raise _TryElsewhere("the reply was lost (simulated)")
-            return reply
+    LosesAReply = losing_one_txn_reply()  # the first transaction's reply is lost after etcd applied it
 
     prefix = f"test/{uuid.uuid4().hex}/"
     store, other = EtcdStore(LosesAReply(members), prefix, 10), EtcdStore(EtcdClient(members), prefix, 10)
     assert store.set_once("0/node/0", "this node") == (True, "this node")
-    assert lost == [0], "the reply was lost once and the transaction sent again"
+    assert not LosesAReply.lost, "the reply was lost once and the transaction sent again"
     assert other.set_once("0/node/0", "another node") == (False, "this node")

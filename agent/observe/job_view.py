@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from rally.agent.base.untrusted_files import open_regular
 from rally.rendezvous.status_schema import MAX_ITEMS, Number, Text, Whole, checked, checked_node
 
@@ -87,16 +89,8 @@ def read_job_view(run_dir: Path, run_id: str, now: float | None = None) -> tuple
 
 
 def _alive(pid: object) -> bool:
-    """Whether process `pid` of this machine exists (of any user: EPERM is a process too)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether process `pid` of this machine exists (of any user: psutil counts EPERM as one)."""
+    return isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid)
 
 
 def _own_json(path: Path) -> dict | None:
