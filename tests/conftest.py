@@ -103,3 +103,23 @@ def pytest_configure(config: pytest.Config) -> None:
         "schema, a signature check, the addresses a store binds, a wait for what never comes, bounded by a "
         "clock): .ci/run's CPU-hog pass leaves it out (-m 'not same_under_load'); a comment above each says why",
     )
+
+
+# The SLURM tests share one dev cluster of 3 nodes (tests/slurm_cluster.py): under pytest-xdist
+# they run in one worker, one job at a time, as in a single session.
+_SLURM_MODULES = {"test_slurm_cluster", "test_slurm_jobs"}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's; without it, never called
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (.ci/run's main pass: `-n 2`) each test module runs whole in one
+    worker, so a module-scoped fixture (one store, one job, one built wheel) is still made once;
+    the SLURM modules share one worker (the one cluster). Modules with more tests go first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "slurm" if Path(path).stem in _SLURM_MODULES else path
+
+    return ByModule(config, log)

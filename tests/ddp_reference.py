@@ -5,7 +5,8 @@ resumed from memory, from disk, on two nodes) and tests/test_checkpoint_node_los
 lost, a spare in its place) each prove that a job ends with the parameters of an
 uninterrupted run of examples/train.py: 2 workers, STEPS steps, a checkpoint every EVERY. That
 run is the same for all of them (deterministic: fixed seeds, gloo, one intra-op thread per
-worker), so the session makes it once (two torch workers fewer per module).
+worker), so the test run makes it once (two torch workers fewer per module; tests/once_per_run.py: once
+for all pytest-xdist workers too).
 
 Loaded from tests/conftest.py (``pytest_plugins``), so every module shares the one fixture.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import clean_env, run_rally
+from once_per_run import once_per_run
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
@@ -34,12 +36,16 @@ def params_hash(text: str) -> str:
 @pytest.fixture(scope="session")
 def ddp_clean_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final parameters' sha256 of an uninterrupted 2-worker run of examples/train.py."""
-    tmp = tmp_path_factory.mktemp("ddp-clean")
-    args = [
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--checkpoint-dir", str(tmp / "ckpt"),
-        str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
-    ]  # fmt: skip
-    result = run_rally(args, cwd=tmp, env=clean_env(), timeout=240)
-    assert result.returncode == 0, result.describe()
-    assert f"step {STEPS} loss" in result.stdout, result.describe()
-    return params_hash(result.stdout)
+
+    def run() -> str:
+        tmp = tmp_path_factory.mktemp("ddp-clean")
+        args = [
+            "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--checkpoint-dir", str(tmp / "ckpt"),
+            str(TRAIN), "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+        ]  # fmt: skip
+        result = run_rally(args, cwd=tmp, env=clean_env(), timeout=240)
+        assert result.returncode == 0, result.describe()
+        assert f"step {STEPS} loss" in result.stdout, result.describe()
+        return params_hash(result.stdout)
+
+    return str(once_per_run(tmp_path_factory, "ddp-clean-hash", run))

@@ -125,6 +125,9 @@ print("second attempt ran", flush=True)
 """
 
 
+# Same under load: the FIFOs are in place before the worker exits, whenever the agent comes to its
+# next attempt's files; what it does with them is a check of the file's type, not a race.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("logs", [["--redirects", "3"], ["--tee", "3"]], ids=["redirects", "tee"])
 def test_fifos_planted_where_the_agent_writes_next_do_not_wedge_it(tmp_path: Path, logs: list[str]) -> None:
@@ -207,6 +210,9 @@ def test_sigkill_of_the_agent_alone_kills_descendants_without_the_token(
     assert eventually(lambda: not any(p.exists() for p in made), 15), f"the job's cgroup was left behind: {made}"
 
 
+# Same under load: the kernel kills a cgroup's members (cgroup.kill, or frozen then killed) however
+# busy the CPU is; the daemon that left the session is in the cgroup before the kill.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["v2", "freezer", "pids"])
 def test_the_job_cgroup_kills_a_tree_that_left_its_session_and_environment(kind: str) -> None:
@@ -228,6 +234,9 @@ def test_the_job_cgroup_kills_a_tree_that_left_its_session_and_environment(kind:
         assert group.remove()
 
 
+# Same under load: the guard removes the paths when its pipe closes, and the test waits for the
+# guard's exit: an order of events, not a deadline.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 def test_the_guard_removes_its_cleanup_paths_once_the_agent_is_gone(tmp_path: Path) -> None:
     """The hook later parts of the job (shared memory, say) use: paths handed to the guard go when
@@ -249,6 +258,8 @@ def test_the_guard_removes_its_cleanup_paths_once_the_agent_is_gone(tmp_path: Pa
     assert kept.exists() and not dropped.exists() and not directory.exists()
 
 
+# Same under load: which cgroups are abandoned is decided from their names and members, no clock.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 def test_an_empty_cgroup_whose_guard_is_gone_is_removed_by_the_next_agent() -> None:
     """A guard SIGKILLed with its agent (a node crash in a test) cannot remove its cgroup; the next
@@ -263,8 +274,10 @@ def test_an_empty_cgroup_whose_guard_is_gone_is_removed_by_the_next_agent() -> N
     try:
         from rally.agent.guard.job_cgroup import remove_abandoned
 
-        assert remove_abandoned(live) == [abandoned.path]
-        assert not abandoned.path.exists() and live.path.exists()
+        removed = remove_abandoned(live)
+        # an agent starting meanwhile (in a second pytest-xdist worker, say) may remove it first
+        assert abandoned.path in removed or not abandoned.path.exists(), removed
+        assert not abandoned.path.exists() and live.path.exists() and live.path not in removed, removed
     finally:
         abandoned.remove()
         live.remove()

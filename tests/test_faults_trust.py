@@ -192,6 +192,8 @@ def test_an_arrival_counter_pushed_past_max_makes_no_node_a_spare(cluster, tmp_p
     assert [r["world"] for r in cluster.records()] == [1]
 
 
+# Same under load: the spare waits for a slot that never comes; join_timeout is a clock deadline.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(180)
 def test_a_spare_of_a_full_job_gives_up_at_join_timeout_saying_what_it_waited_for(cluster, tmp_path):
     store = cluster.store()
