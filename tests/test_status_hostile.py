@@ -531,7 +531,8 @@ def test_status_of_a_running_job_imports_no_torch_and_after_it_names_the_run_dir
             def shows_both_workers(form=form, view_expected=view_expected):
                 cpu, done = child_cpu_seconds(["status", *form], env)
                 shown = set(re.findall(r"│ [01]\s+│ (\d+)\s+│ running", done.stdout))
-                from_view = "node 0's view in " + str(run_dir / "status.json") in done.stdout
+                # rich wraps the line at COLUMNS before a long path (pytest-xdist's tmp paths are longer)
+                from_view = "node 0's view in " + str(run_dir / "status.json") in " ".join(done.stdout.split())
                 return (cpu, done) if done.returncode == 0 and shown == pids and from_view == view_expected else None
 
             what = f"`rally status {' '.join(form)}` showing both workers" + (
