@@ -46,7 +46,7 @@ if os.fork() == 0:
     if os.fork() == 0:  # the orphan: its parent exits at once, so this process adopts it
         os.setsid()
         os.write(w, str(os.getpid()).encode())
-        time.sleep(60)
+        time.sleep(30)
         os._exit(0)
     os._exit(0)
 os.wait()
@@ -78,7 +78,7 @@ def test_the_incremental_look_proves_what_a_full_scan_does(tmp_path: Path) -> No
         text=True,
         start_new_session=True,
     )
-    stranger = None
+    stranger, found = None, {}
     try:
         assert agent.stdout is not None and agent.stdin is not None
         assert agent.stdout.readline().strip() == "looked"
@@ -96,6 +96,11 @@ def test_the_incremental_look_proves_what_a_full_scan_does(tmp_path: Path) -> No
             if process is not None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(10)
+        if found.get("orphan"):  # a session of its own: the agent's group kill does not reach it
+            try:
+                os.kill(found["orphan"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # the agent script killed it already
     assert found["parent"] == agent.pid, "the orphan should have been adopted by the subreaper"
     assert str(found["orphan"]) in found["seen"], found
     assert found["stranger_seen"] == [], found
