@@ -101,7 +101,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "same_under_load: in a fault module, a case whose fault a busy CPU cannot change (bad input, a "
         "schema, a signature check, the addresses a store binds, a wait for what never comes, bounded by a "
-        "clock, a fault the test places at a fixed point, what the kernel does at once): .ci/run's CPU-hog pass leaves it out (-m 'not same_under_load'); a comment above each says why",
+        "clock, a fault the test places at a fixed point, what the kernel does at once): .ci/run's CPU-hog "
+        "pass leaves it out (-m 'not same_under_load'); a comment above each says why",
     )
 
 
