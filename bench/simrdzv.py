@@ -162,12 +162,13 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
     elif impl == "etcd":
         from bench.simetcd import CLOSER
         from rally.rendezvous.etcd_store import EtcdStore
+        from rally.rendezvous.kv import Seen
         from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
 
         class CountingEtcdStore(EtcdStore):
             """Marks when the last node arrived and when the round was closed."""
 
-            def arrive_holding(self, counter_name: str, value: str, also: str) -> tuple[int, int]:
+            def arrive_holding(self, counter_name: str, value: str, also: str) -> tuple[int, int, Seen]:
                 arrival = super().arrive_holding(counter_name, value, also)
                 counter.event("last_join")
                 return arrival
