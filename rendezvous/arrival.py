@@ -21,6 +21,7 @@ mechanism: the protocol (rendezvous/protocol.py) asks them, whichever way the st
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol, runtime_checkable
@@ -55,6 +56,10 @@ class OrderedArrivals(Protocol):
     `EtcdStore.arrive_holding`, `arrivals`, `wait_arrival`)."""
 
     def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int, Seen]: ...
+
+    def arrive_if_fresh(
+        self, counter: str, value: str, also: str, hint: str, limit: int, ends: Sequence[str]
+    ) -> tuple[tuple[int, int, Seen] | None, int, dict[str, Checked]]: ...
 
     def arrivals(self, counter: str, limit: int) -> tuple[int, list[tuple[int, Checked]]]: ...
 
@@ -97,13 +102,7 @@ def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> Arrival | None
     """
     s = rdzv.settings
     if isinstance(rdzv.store, OrderedArrivals):
-        place, slot, seen = rdzv.store.arrive_holding(joined_counter(r), me.to_json(), closed_key(r))
-        if place < s.max_nodes:
-            return Arrival(slot, place, place + 1, seen)
-        # Past MAX: late, unless arrivals before it were not valid nodes (a stranger's keys, skipped
-        # as on c10d): its place among the valid ones decides (one range, only for these nodes).
-        before = valid_arrivals(rdzv, r)
-        return Arrival(slot, before.slots.index(slot), before.count, seen) if slot in before.slots else None
+        return _placed(rdzv, r, *rdzv.store.arrive_holding(joined_counter(r), me.to_json(), closed_key(r)))
     hint = rdzv.store.arrive(joined_counter(r))
     # wait: short: 0.01 s: are all slots taken
     if hint >= s.max_nodes and rdzv.store.try_wait([node_slot(r, i) for i in range(s.max_nodes)], 0.01):
@@ -118,6 +117,32 @@ def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> Arrival | None
         if won:
             return Arrival(idx, idx, hint + 1)
     return None
+
+
+def _placed(rdzv: Rendezvous, r: int, place: int, slot: int, seen: Seen) -> Arrival | None:
+    """An `OrderedArrivals` arrival at `place`: this node's, or None when it is late (a spare)."""
+    if place < rdzv.settings.max_nodes:
+        return Arrival(slot, place, place + 1, seen)
+    # Past MAX: late, unless arrivals before it were not valid nodes (a stranger's keys, skipped
+    # as on c10d): its place among the valid ones decides (one range, only for these nodes).
+    before = valid_arrivals(rdzv, r)
+    return Arrival(slot, before.slots.index(slot), before.count, seen) if slot in before.slots else None
+
+
+def first_look(
+    rdzv: Rendezvous, me: NodeInfo, ends: list[str]
+) -> tuple[tuple[Arrival | None] | None, int, dict[str, Checked]]:
+    """A node's first look at the job: the `current` hint and the checked end records `ends` that
+    exist. On an `OrderedArrivals` store, when the job is fresh (the hint and every end record
+    absent: its first round), the same request is this node's arrival in round 0 (`arrive_if_fresh`):
+    then the first item is (its `Arrival`, or None: late, a spare), else None."""
+    if isinstance(rdzv.store, OrderedArrivals):
+        arrived, hint, present = rdzv.store.arrive_if_fresh(
+            joined_counter(0), me.to_json(), closed_key(0), CURRENT_ROUND, MAX_COUNT, ends
+        )
+        return ((_placed(rdzv, 0, *arrived),) if arrived is not None else None), hint, present
+    hint, present = rdzv.store.counter_and_present(CURRENT_ROUND, MAX_COUNT, ends)
+    return None, hint, present
 
 
 def valid_arrivals(rdzv: Rendezvous, r: int) -> Arrived:

@@ -329,23 +329,68 @@ class EtcdStore(KeyValueStore):
         it (`wait_and_read(..., since=...)` watches from there without a read of its own).
         """
         own = self._own_key(counter, INCREMENTS)
-        absent = {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        put = {"request_put": {"key": b64(own), "value": self._seal_raw(_signed_as(own), value)}}
-        also_read = {"request_range": {"key": self._k(also)}}
-        # The increments alone, counted without their values (`arrivals` reads the same range).
-        count = self._marked(counter, INCREMENTS, APPENDED, count_only=True)
+        put, count, also_read = self._arrival_ops(own, counter, value, also)
         won, responses, revision = self._txn_at(
-            [absent], [put, count, also_read], [{"request_range": {"key": b64(own)}}, also_read]
+            [self._absent_own(own)], [put, count, also_read], [{"request_range": {"key": b64(own)}}, also_read]
         )
-        kvs = (responses[-1].get("response_range") or {}).get("kvs") or []
-        seen = Seen(self._open_found([also], {also: kvs[0]} if kvs else {}), revision)
+        seen = self._seen(also, responses[-1], revision)
         if won:
             return int((responses[1].get("response_range") or {}).get("count", 0)) - 1, revision, seen
-        # Sent again after a lost reply: our key exists; count the increments created up to it.
-        created = int(responses[0]["response_range"]["kvs"][0]["create_revision"])
+        return (*self._resent_arrival(counter, responses[0]), seen)
+
+    def arrive_if_fresh(
+        self, counter: str, value: str, also: str, hint: str, limit: int, ends: Sequence[str]
+    ) -> tuple[tuple[int, int, Seen] | None, int, dict[str, Checked]]:
+        """`arrive_holding` if the job is fresh (the counter `hint` and every key of `ends` absent:
+        a new job's first round), else `counter_and_present(hint, limit, ends)` instead: one
+        transaction either way. Return (the arrival or None, the hint's value, the checked values
+        of those of `ends` that exist).
+        A new job's nodes join in two requests this way (this and the watch), not three."""
+        own = self._own_key(counter, INCREMENTS)
+        put, count, also_read = self._arrival_ops(own, counter, value, also)
+        hint_range = self._counter_range(hint)
+        fresh = [
+            {**hint_range["request_range"], "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
+            *({"key": self._k(n), "target": "CREATE", "result": "EQUAL", "create_revision": "0"} for n in ends),
+        ]
+        fresh[0].pop("limit")
+        look = [hint_range, *({"request_range": {"key": self._k(n)}} for n in ends)]
+        own_read = {"request_range": {"key": b64(own)}}
+        won, responses, revision = self._txn_at(
+            [self._absent_own(own), *fresh], [put, count, also_read], [*look, own_read, also_read]
+        )
+        seen = self._seen(also, responses[-1], revision)
+        if won:
+            return (int((responses[1].get("response_range") or {}).get("count", 0)) - 1, revision, seen), 0, {}
+        if (responses[-2].get("response_range") or {}).get("kvs"):  # sent again after a lost reply: arrived
+            return (*self._resent_arrival(counter, responses[-2]), seen), 0, {}
+        ranges = [r.get("response_range") or {} for r in responses]
+        found = {n: r["kvs"][0] for n, r in zip(ends, ranges[1 : 1 + len(ends)], strict=True) if r.get("kvs")}
+        return None, self._in_range(hint, self._counted(hint, ranges[0]), limit), self._open_found(ends, found)
+
+    def _arrival_ops(self, own: str, counter: str, value: str, also: str) -> tuple[dict, dict, dict]:
+        """An arrival's operations: the put of its increment key `own` (its value signed), the count
+        of the increments (without their values: `arrivals` reads the same range), a read of `also`."""
+        put = {"request_put": {"key": b64(own), "value": self._seal_raw(_signed_as(own), value)}}
+        count = self._marked(counter, INCREMENTS, APPENDED, count_only=True)
+        return put, count, {"request_range": {"key": self._k(also)}}
+
+    @staticmethod
+    def _absent_own(own: str) -> dict:
+        return {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+    def _seen(self, name: str, response: dict, revision: int) -> Seen:
+        """What a read of `name` in a transaction saw, at the transaction's revision."""
+        kvs = (response.get("response_range") or {}).get("kvs") or []
+        return Seen(self._open_found([name], {name: kvs[0]} if kvs else {}), revision)
+
+    def _resent_arrival(self, counter: str, own_read: dict) -> tuple[int, int]:
+        """An arrival sent again after a lost reply: its key exists; (its place: the increments
+        created up to it, less one; its create revision)."""
+        created = int(own_read["response_range"]["kvs"][0]["create_revision"])
         earlier = self._marked(counter, INCREMENTS, APPENDED, max_create_revision=str(created), keys_only=True)
         reply = self._call("/v3/kv/range", earlier["request_range"])
-        return len(reply.get("kvs") or []) - 1, created, seen
+        return len(reply.get("kvs") or []) - 1, created
 
     def arrivals(self, counter: str, limit: int, by_key: bool = False) -> tuple[int, list[tuple[int, Checked]]]:
         """How many increments `counter` has, and the first `limit` of them (all for 0) in the order

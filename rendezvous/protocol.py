@@ -47,7 +47,7 @@ from functools import partial
 from typing import Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
-from rally.rendezvous.arrival import CURRENT_ROUND, closed_key, joined_counter
+from rally.rendezvous.arrival import CURRENT_ROUND, Arrival, closed_key, joined_counter
 from rally.rendezvous.kv import Checked, Seen, StoreTimeout, UntrustedValue
 from rally.rendezvous.kv import KeyValueStore as Store
 from rally.rendezvous.liveness import wait_round_end_or_dead
@@ -146,16 +146,20 @@ class Rendezvous:
         present = self.store.read_present(names)
         self._ahead = {name: present.get(name) for name in names}
 
-    def _first_look(self) -> int:
-        """The `current` hint and the end records a first join checks (the job's, round 0's, and
-        when the hint is past 0 the rounds' around it), read ahead: one request on etcd when the
-        job is in its first round (`counter_and_present`), one more when it is not."""
+    def _first_look(self, me: NodeInfo) -> tuple[int, tuple[Arrival | None] | None]:
+        """The round a first join takes part in, from the `current` hint and the end records (the
+        job's, round 0's, and when the hint is past 0 the rounds' around it), read ahead: one request
+        on etcd when the job is in its first round (`counter_and_present`), one more when it is not.
+        On etcd a fresh job's first look is this node's arrival in round 0 too (`arrival.first_look`):
+        then the second item holds it."""
         names = [JOB_CLOSED, end_key(0)]
-        hint, present = self.store.counter_and_present(CURRENT_ROUND, MAX_COUNT, names)
+        arrived, hint, present = arrival.first_look(self, me, names)
         self._ahead = {name: present.get(name) for name in names}
+        if arrived is not None:
+            return 0, arrived
         if hint > 0:
             self._read_ahead([end_key(hint - 1), end_key(hint)])
-        return hint
+        return arrival.current_round(self, hint), None
 
     def _end_record(self, name: str) -> RoundEnd | None:
         # read a moment ago with the others (`_read_ahead`), else now
@@ -229,9 +233,11 @@ class Rendezvous:
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
+        arrived: tuple[Arrival | None] | None = None  # this node's arrival, when its first look made it
+        me = self._node_info()
         try:  # the end records read ahead serve these first checks only, never a later read
             if self.last_round is None:
-                r = arrival.current_round(self, self._first_look())
+                r, arrived = self._first_look(me)
             else:
                 r = self.last_round + 1
                 self._read_ahead([end_key(r - 1)])
@@ -240,7 +246,8 @@ class Rendezvous:
         finally:
             self._ahead = {}
         while True:
-            assignment = self._join(r, deadline)
+            assignment = self._join(r, deadline, me, arrived)
+            arrived = None
             if assignment is not None:
                 self.last_round = r
                 self.last_rank = assignment.group_rank
@@ -248,18 +255,26 @@ class Rendezvous:
             # wait: slice, said by Rendezvous._wait_as_spare: a spare
             self._wait_as_spare(r, time.monotonic() + self.settings.join_timeout)
             r += 1
+            me = self._node_info()
             deadline = time.monotonic() + self.settings.join_timeout
             self.raise_if_closed()
             self._raise_if_final(r - 1)
 
-    def _join(self, r: int, deadline: float) -> Assignment | None:
-        s = self.settings
+    def _node_info(self) -> NodeInfo:
+        """This node's descriptor for the round it joins now: its rank and what it holds."""
         memory, durable = self.holdings()
-        me = NodeInfo(**{
+        return NodeInfo(**{
             **asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress(),
             "memory_steps": ",".join(map(str, memory)), "durable_step": durable,
         })  # fmt: skip
-        mine = arrival.claim_arrival_slot(self, r, me)
+
+    def _join(
+        self, r: int, deadline: float, me: NodeInfo, arrived: tuple[Arrival | None] | None = None
+    ) -> Assignment | None:
+        """Take part in forming round r as `me` (`arrived`: this node's arrival, already made by its
+        first look); its assignment, or None when it came too late (a spare)."""
+        s = self.settings
+        (mine,) = arrived if arrived is not None else (arrival.claim_arrival_slot(self, r, me),)
         if mine is None:
             return None
         quorum_seen_at: float | None = None
@@ -369,7 +384,16 @@ class Rendezvous:
         mine = assignments_for(r, nodes, record)
         self.store.multi_set({f"{r}/assign/{attempt}/{slot}": a.to_json() for slot, a in zip(slots, mine, strict=True)})
         _, standing = self.store.set_once(closed_key(r), record.to_json())
-        return Seen({closed_key(r): standing.encode()}) if standing else self._look_again(r, None)
+        if not standing:
+            return self._look_again(r, None)
+        # This node's own assignment, as it wrote it: the closer reads nothing back (another
+        # attempt's record that stands names other keys, which are read then).
+        own = {
+            f"{r}/assign/{attempt}/{slot}": a.to_json().encode()
+            for slot, node, a in zip(slots, nodes, mine, strict=True)
+            if node.node_id == self.me.node_id
+        }
+        return Seen({closed_key(r): standing.encode(), **own})
 
     def _wait_as_spare(self, r: int, deadline: float) -> None:
         """Late for round r: register as waiting, ask a running job below MAX to re-form, wait (until `deadline`)."""

@@ -97,7 +97,8 @@ def test_the_closer_and_the_woken_waiters_make_as_many_calls_at_48_nodes_as_at_8
         (closer,) = [calls for calls in nodes if ("compare_set", "0/closed") in calls]
         reads = [method for method, key in closer if key.startswith("0/node/") and method != "compare_set"]
         assert reads == ["wait", "multi_get"], f"{n} nodes: the closer read the descriptors with {reads}"
-        assert [m for m, key in closer if key.startswith("0/assign/")] == ["multi_set", "compare_set"], closer
+        # its own assignment is the one it wrote: not read back
+        assert [m for m, key in closer if key.startswith("0/assign/")] == ["multi_set"], closer
         waiters = [calls for calls in nodes if calls is not closer]
         assert all(after_the_close(calls) == ["multi_get", "compare_set"] for calls in waiters), (
             f"{n} nodes: after the close a waiter reads the record (the wait's one multi_get) and its assignment "
