@@ -31,7 +31,9 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
   round's record read by `arrive_holding`), the wait takes what that read found and watches from
   its revision, without a read of its own. So a node joins in three requests: its first look
   (`counter_and_present`), its arrival (`arrive_holding`), one watch that returns the round's
-  record and its assignment. Nothing is cached between calls: a value flows back as a return value;
+  record and its assignment; in a fresh job's first round in two, the first look being the
+  arrival too (`arrive_if_fresh`). Nothing is cached between calls: a value flows back as a
+  return value;
 * liveness (`leased_liveness`): a node's keep-alive key is attached to a lease with TTL =
   keep_alive_timeout. The node refreshes the lease; if the node dies, etcd deletes the key by
   itself and the node that watches it (`wait_deleted`) sees the deletion.
