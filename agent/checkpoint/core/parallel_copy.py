@@ -100,7 +100,7 @@ class Helpers:
     @staticmethod
     def _serve(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
         while True:
-            # wait: background: an idle helper thread, woken by the next copy
+            # an idle helper thread blocks here until the next copy (a daemon: it ends with the process)
             jobs.get()()
 
 
@@ -131,7 +131,7 @@ def copy(places: list[torch.Tensor], data: list[torch.Tensor]) -> None:
         jobs.put(lambda part=part: copy_part(part))  # type: ignore[misc]
     copy_part(parts[0])
     for _ in parts[1:]:
-        # wait: short: the other parts of the same copy, each about as long as the calling thread's own part
+        # the other parts of the same copy, each about as long as the calling thread's own part
         done.acquire()
     if errors:
         raise errors[0]
