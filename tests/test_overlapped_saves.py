@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -164,6 +165,33 @@ def test_a_copy_is_split_into_parts_of_equal_bytes_in_order() -> None:
         for d, s in zip(dst, src, strict=True):
             d.copy_(s)
     assert all(p.equal(d) for p, d in zip(places, data, strict=True)), "a part's place is not its data's"
+
+
+@pytest.mark.same_under_load
+@pytest.mark.timeout(20)
+def test_a_forked_child_copies_on_helper_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork (a DataLoader's worker) keeps none of the parent's helper threads, and a lock the
+    parent held at that moment: the child's copy must neither hang nor hand its parts to nobody."""
+    monkeypatch.setattr(parallel_copy, "SPLIT_BYTES", 0)
+    monkeypatch.setenv(parallel_copy.COPY_THREADS_ENV, "2")
+    data = [torch.arange(1000, dtype=torch.uint8)]
+    parallel_copy.copy([torch.zeros(1000, dtype=torch.uint8)], data)  # the parent's helpers run
+    with parallel_copy._helpers._lock:  # held by another thread of the parent at the fork
+        pid = os.fork()
+        if pid == 0:
+            place = torch.zeros(1000, dtype=torch.uint8)
+            parallel_copy.copy([place], data)
+            os._exit(0 if place.equal(data[0]) else 3)
+    pidfd = os.pidfd_open(pid)
+    try:
+        finished = select.select([pidfd], [], [], 10)[0]
+    finally:
+        os.close(pidfd)
+    if not finished:
+        os.kill(pid, signal.SIGKILL)  # hung on the parent's lock: ended here, by its pid
+    _, status = os.waitpid(pid, 0)
+    assert finished, "the forked child's copy hung"
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.timeout(60)

@@ -88,7 +88,7 @@ class Helpers:
     def ensure(self, count: int) -> queue.SimpleQueue[Callable[[], None]]:
         """At least `count` helper threads running in this process; their job queue."""
         with self._lock:
-            if self._pid != os.getpid():  # a fork keeps no thread: start afresh
+            if self._pid != os.getpid():  # a fork keeps no thread: start afresh (see after_fork)
                 self._pid, self._jobs, self._started = os.getpid(), queue.SimpleQueue(), 0
             while self._started < count:
                 threading.Thread(
@@ -96,6 +96,12 @@ class Helpers:
                 ).start()
                 self._started += 1
             return self._jobs
+
+    def after_fork(self) -> None:
+        """In a forked child (a DataLoader's worker, say): none of the parent's threads, and a
+        lock one of them may have held at the fork is not this process's to wait for."""
+        self._lock = threading.Lock()
+        self._started = 0
 
     @staticmethod
     def _serve(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
@@ -105,6 +111,7 @@ class Helpers:
 
 
 _helpers = Helpers()
+os.register_at_fork(after_in_child=_helpers.after_fork)
 
 
 def copy(places: list[torch.Tensor], data: list[torch.Tensor]) -> None:
