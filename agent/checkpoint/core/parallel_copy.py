@@ -2,7 +2,7 @@
 
 A save's copy into the memory tier is a plain memory copy (agent/checkpoint/core/layout.py), and
 one core copies at most ~5-6 GB/s on this kind of machine (400 MB in 0.07 s) while the memory
-takes more: two threads copy the same 400 MB in ~0.055 s alone. For an overlapped save
+takes more: two threads copied the same 400 MB in 0.058 s (one: 0.076 s) at a load of 3. For an overlapped save
 (agent/checkpoint/core/overlap.py) it matters more: the copy shares the cores with the training
 step it overlaps, and the kernel's scheduler gives each runnable thread an equal share, so one
 copy thread among two busy ranks gets two thirds of a core and outlasts a 0.1 s step, which the
@@ -16,7 +16,10 @@ their number (1: the copy on the calling thread alone, as before); by default 2,
 process allowed a single CPU. Copies smaller than `SPLIT_BYTES` are not split.
 
 What it costs: the helper threads' CPU time is taken from whatever else runs on the node's
-cores at the same time (on a node whose cores all compute, from the training step).
+cores at the same time (on a node whose cores all compute, from the training step). The
+benchmarks' steps (bench/workers/ckpt.py, bench/workers/goodput.py) compute for a fixed time,
+not a fixed amount of work, so what the copy takes from their compute does not show there as
+a longer step (on a GPU node, whose step leaves most CPU cores idle, it costs little).
 """
 
 from __future__ import annotations
