@@ -5,7 +5,7 @@ checkpoint object, and the handle of its memory tier's holder process (`HolderPr
 `Agent.collaborators`. agent/agent.py builds it, calls its hooks at the job's moments, and makes
 three calls of its own; in the order of a job:
 
-    ckpt = NodeCheckpoints.for_agent(agent)   # Agent.__init__: starts the holder (or none)
+    ckpt = NodeCheckpoints.for_agent(agent)   # Agent.__init__: starts the holder (or none), waited for at its first use
     ckpt.pid                      # any time: the holder's pid, a helper of the agent (never killed as the job's)
     ckpt.memory_steps()           # at every rendezvous, through agent/rounds/holdings.py: the steps in
                                   #   this node's memory (with the disk's newest intact step: the resume step)
@@ -38,9 +38,10 @@ to events.jsonl (`checkpoint_saved`, `checkpoint_durable`) and to the status fie
 is one line on the console (shared memory too small, disk full). Its socket is the agent's:
 created and bound here under a random name before the holder starts, handed to it as an inherited
 descriptor (no name on its command line, no moment when another user could bind the name first),
-with the job's connection secret in its environment. `HolderProcess.start` waits (bounded)
-for the holder to say it listens; a holder that cannot start leaves the node without a memory tier
-with one line (saves go to disk), never half on.
+with the job's connection secret in its environment. The agent waits (bounded) for the holder to
+say it listens where it first uses it (`StartingHolder`: its start overlaps the agent's); a holder
+that cannot start leaves the node without a memory tier with one line (saves go to disk), never
+half on.
 """
 
 from __future__ import annotations
@@ -106,7 +107,18 @@ class NodeCheckpoints(Collaborator):
         self.lease = fence_lease(keep_alive_timeout)
         self.shutdown_timeout = shutdown_timeout  # the job's end: how long the newest step may take to be durable
         self.round: int | None = None  # the last round opened: names a sharded step's temporary directory
-        self.holder = HolderProcess.start(checkpoint_dir, events, warn)  # None: no memory tier on this node
+        self._starting = HolderProcess.spawn(checkpoint_dir, events, warn)  # None: no memory tier on this node
+        self._holder: HolderProcess | None = None
+        self._ready_lock = threading.Lock()
+
+    @property
+    def holder(self) -> HolderProcess | None:
+        """The holder, waited for at its first use (`StartingHolder`); None: no memory tier on this node."""
+        if self._starting is not None:
+            with self._ready_lock:  # the status thread may ask while the main thread waits
+                if self._starting is not None:
+                    self._holder, self._starting = self._starting.ready(), None
+        return self._holder
 
     @classmethod
     def for_agent(cls, ctx: AgentContext) -> NodeCheckpoints:
@@ -118,7 +130,10 @@ class NodeCheckpoints(Collaborator):
     @property
     def pid(self) -> int | None:
         """The holder's pid (a helper of the agent's: never killed as the job's), None without one."""
-        return self.holder.pid if self.holder is not None else None
+        starting = self._starting  # its pid is known before it is ready: no wait here
+        if starting is not None:
+            return starting.pid
+        return self._holder.pid if self._holder is not None else None
 
     def env(self) -> dict[str, str]:
         """The holder's address for the next round's workers; nothing without one, a marker once it died."""
@@ -249,8 +264,15 @@ class HolderProcess:
 
     @classmethod
     def start(cls, checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]) -> HolderProcess | None:
-        """Start the holder; None (no memory tier: saves go to disk) when the tier is turned off, or
-        (with one line) when the holder cannot start. Without a checkpoint directory the holder runs
+        """Start the holder and wait until it listens (`spawn`, then `StartingHolder.ready`)."""
+        starting = cls.spawn(checkpoint_dir, events, warn)
+        return starting.ready() if starting is not None else None
+
+    @staticmethod
+    def spawn(checkpoint_dir: str | None, events: EventLog, warn: Callable[[str], None]) -> StartingHolder | None:
+        """Start the holder without waiting for it (`StartingHolder.ready` does); None (no memory
+        tier: saves go to disk) when the tier is turned off, or (with one line) when its socket
+        cannot be set up. Without a checkpoint directory the holder runs
         too: a script's checkpoints then live in memory only (rally.job saves them with
         `persist=False`, and the holder refuses to persist), so restarts within the job resume
         from them and a script written for rally needs no flag."""
@@ -270,15 +292,7 @@ class HolderProcess:
             return None
         finally:
             listener.close()  # the holder has its own descriptor of it
-        # wait: bounded, said by HolderProcess.start: the starting holder's 'ready' line: READY_TIMEOUT in all, then
-        # the tier is off with one line
-        trouble = _wait_ready(helper)
-        if trouble:
-            helper.stop(1.0)
-            warn(f"the in-memory checkpoint tier is off: the checkpoint holder {trouble}; saves go to disk")
-            return None
-        directory = Path(checkpoint_dir) if checkpoint_dir else None
-        return cls(helper, HolderAddress(name, helper.pid, secret), directory, events, warn)
+        return StartingHolder(helper, HolderAddress(name, helper.pid, secret), checkpoint_dir, events, warn)
 
     @property
     def pid(self) -> int:
@@ -421,13 +435,44 @@ class HolderProcess:
         self.helper.stop(timeout)
 
 
+class StartingHolder:
+    """A holder started but not yet waited for: the agent starts it first thing and waits for its
+    'ready' line only where it first needs it (the first rendezvous asks for its steps), so the
+    holder's start-up (~0.1 s) overlaps the agent's own (torch's import, the store) instead of
+    adding to the job's start."""
+
+    def __init__(
+        self, helper: HelperProcess, address: HolderAddress, checkpoint_dir: str | None, events: EventLog,
+        warn: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        self.helper, self.address, self.checkpoint_dir = helper, address, checkpoint_dir
+        self.events, self.warn = events, warn
+
+    @property
+    def pid(self) -> int:
+        return self.helper.pid
+
+    def ready(self) -> HolderProcess | None:
+        """The holder once it says it listens; None (one line: the tier is off, saves go to disk)
+        when it exits or says nothing within READY_TIMEOUT."""
+        # wait: bounded, said by StartingHolder.ready: the starting holder's 'ready' line: READY_TIMEOUT in all,
+        # then the tier is off with one line
+        trouble = _wait_ready(self.helper)
+        if trouble:
+            self.helper.stop(1.0)
+            self.warn(f"the in-memory checkpoint tier is off: the checkpoint holder {trouble}; saves go to disk")
+            return None
+        directory = Path(self.checkpoint_dir) if self.checkpoint_dir else None
+        return HolderProcess(self.helper, self.address, directory, self.events, self.warn)
+
+
 def _wait_ready(helper: HelperProcess) -> str | None:
     """None once the starting holder says it listens; else what went wrong, as a clause."""
     stdout = helper.process.stdout
     assert stdout is not None
     deadline = time.monotonic() + READY_TIMEOUT
     while (left := deadline - time.monotonic()) > 0:
-        # wait: slice, said by HolderProcess.start: the rest of READY_TIMEOUT (15 s) for the holder's next line;
+        # wait: slice, said by StartingHolder.ready: the rest of READY_TIMEOUT (15 s) for the holder's next line;
         # start says why the tier is off if it ends so
         if not select.select([stdout], [], [], left)[0]:
             break

@@ -34,10 +34,12 @@ may hold it by the time the guard acts. Proof is one of:
 
 Every SEEN_INTERVAL seconds while the agent lives the guard notes the agent's descendants and the
 members of the workers' sessions (with a cgroup too: a root worker can leave the cgroup by
-writing to the hierarchy, and shed its session and the token). When the pipe reaches end-of-file
-the agent is gone (however it died), and the guard SIGKILLs the job's cgroup, then every process
-proven the job's as above, their descendants, and every process whose environment carries the
-token, scanning again until none is left (a process may fork while being killed). What escapes:
+writing to the hierarchy, and shed its session and the token). After the first, a look reads
+only /proc's listing and the entries of the processes started since the last one (mostly none
+while a job trains: `Orders._look_at_new` says why that finds the same). When the pipe reaches
+end-of-file the agent is gone (however it died), and the guard SIGKILLs the job's cgroup, then
+every process proven the job's as above, their descendants, and every process whose environment
+carries the token, scanning again until none is left (a process may fork while being killed). What escapes:
 a root process that leaves the cgroup, its session and the token within SEEN_INTERVAL of the
 agent's death (or whose parent chain left the agent before the guard's last look). Then it removes
 the cleanup paths and the cgroup, and exits.
@@ -54,7 +56,6 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 if __package__:  # imported by the agent (guard/client.py)
     from rally.agent.guard.job_cgroup import JobCgroup
@@ -117,6 +118,7 @@ class Orders:
     workers: dict[int, Worker] = field(default_factory=dict)
     cleanup: list[str] = field(default_factory=list)
     seen: dict[int, str] = field(default_factory=dict)  # pid -> its start time: proven the job's
+    listed: frozenset[int] = frozenset()  # the process ids in /proc at the last look
 
     def apply(self, word: bytes) -> None:
         text = word.decode(errors="replace")
@@ -152,13 +154,49 @@ class Orders:
 
     def look(self, agent: int) -> None:
         """Note what is provably the job's now (see the module's docstring); forget exited workers,
-        keeping the members of their sessions (an id is not handed out while a process uses it)."""
-        table = processes()
-        for pgid in [p for p, w in self.workers.items() if not w.alive()]:
+        keeping the members of their sessions (an id is not handed out while a process uses it).
+        Reads every process's /proc entry only at the first look and when a worker exited; else
+        only those of the processes started since the last look (`_look_at_new`)."""
+        exited = [p for p, w in self.workers.items() if not w.alive()]
+        listed = process_ids()
+        if exited or not self.listed:
+            self._look_at_all(agent, listed, exited)
+        elif not listed <= self.listed:
+            self._look_at_new(agent, listed)
+
+    def _look_at_all(self, agent: int, listed: frozenset[int], exited: list[int]) -> None:
+        table = processes(listed)
+        self.listed = listed
+        for pgid in exited:
             self.seen.update(members(table, {pgid}))
             self.forget(pgid)
         kept = {pid: start for pid, start in self.seen.items() if pid in table and table[pid].start == start}
         self.seen = kept | proven(table, agent, self.live_sessions())
+
+    def _look_at_new(self, agent: int, listed: frozenset[int]) -> None:
+        """Add the processes started since the last look that are the job's: those in a live
+        worker's session, and those whose parent is the agent or the job's. A process listed last
+        time keeps what it was: not the job's then, it cannot have become so (the agent is a
+        subreaper: its descendants stay below it, and no process joins a session but by a fork
+        inside it), and the job's then, it still is (its id is not handed out again before the
+        kernel went round all of pid_max). A new process whose parent this look cannot place (its
+        parent started after the listing, or died as it was read) is looked at again next time."""
+        new = listed - self.listed
+        rows = {pid: row for pid in new if (row := _row(pid)) is not None}
+        self.seen = {pid: start for pid, start in self.seen.items() if pid in listed and pid not in new}
+        sessions = self.live_sessions()
+        found = {pid: row.start for pid, row in rows.items() if row.session in sessions or row.pgrp in sessions}
+        grew = True
+        while grew:  # a new process's parent may itself be new
+            grew = False
+            for pid, row in rows.items():
+                if pid not in found and (row.ppid == agent or row.ppid in self.seen or row.ppid in found):
+                    found[pid], grew = row.start, True
+        found.pop(os.getpid(), None)
+        self.seen |= found
+        known = self.listed | rows.keys() | {0}  # 0: a parent outside this pid namespace
+        unplaced = {pid for pid, row in rows.items() if row.ppid not in known}
+        self.listed = listed - (unplaced - found.keys())
 
     def pidfds(self) -> list[int]:
         return [w.pidfd for w in self.workers.values() if w.pidfd >= 0]
@@ -186,16 +224,27 @@ def pidfd_open(pid: int) -> int:
         return -1
 
 
-def processes() -> dict[int, Row]:
-    """Every process this guard can see in /proc."""
+def process_ids() -> frozenset[int]:
+    """The id of every process this guard can see in /proc (one directory listing)."""
+    return frozenset(int(name) for name in os.listdir("/proc") if name.isdigit())
+
+
+def processes(pids: frozenset[int] | None = None) -> dict[int, Row]:
+    """Every process this guard can see in /proc (of `pids`, a listing just taken, when given)."""
     table: dict[int, Row] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = _stat_fields(int(name))
-            if fields:
-                state, ppid, pgrp, session = fields[0], int(fields[1]), int(fields[2]), int(fields[3])
-                table[int(name)] = Row(ppid, pgrp, session, fields[19], state in ("Z", "X"))
+    for pid in process_ids() if pids is None else pids:
+        row = _row(pid)
+        if row is not None:
+            table[pid] = row
     return table
+
+
+def _row(pid: int) -> Row | None:
+    fields = _stat_fields(pid)
+    if not fields or len(fields) < 20:
+        return None
+    state, ppid, pgrp, session = fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+    return Row(ppid, pgrp, session, fields[19], state in ("Z", "X"))
 
 
 def members(table: dict[int, Row], sessions: set[int]) -> dict[int, str]:
@@ -312,11 +361,19 @@ def _remove(path: str) -> None:
 
 
 def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat from the state on (index 0: state, 1: ppid, 2: pgrp, 3: session, 19: start time)."""
+    """/proc/PID/stat from the state on (index 0: state, 1: ppid, 2: pgrp, 3: session, 19: start time).
+    Read with os.read: a first look reads every process's, and pathlib's text layers cost 3x that."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        data = os.read(fd, 4096)  # ~300 bytes, returned whole
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data.rpartition(b")")[2].decode("ascii", "replace").split()
 
 
 def start_time(pid: int) -> str | None:
