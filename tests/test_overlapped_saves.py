@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,6 +167,27 @@ def test_a_copy_is_split_into_parts_of_equal_bytes_in_order() -> None:
         for d, s in zip(dst, src, strict=True):
             d.copy_(s)
     assert all(p.equal(d) for p, d in zip(places, data, strict=True)), "a part's place is not its data's"
+
+
+@pytest.mark.same_under_load
+@pytest.mark.timeout(20)
+def test_a_split_copy_returns_only_once_every_part_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calling thread's part done first must not let the copy return: the save would be
+    committed (and the optimizer step) while a helper still copies."""
+    monkeypatch.setattr(parallel_copy, "SPLIT_BYTES", 0)
+    monkeypatch.setenv(parallel_copy.COPY_THREADS_ENV, "2")
+    calling, copy_tensors = threading.get_ident(), parallel_copy.torch_internals.copy_tensors
+
+    def helpers_slow(places: list[Any], data: list[Any]) -> None:
+        if threading.get_ident() != calling:
+            time.sleep(0.2)
+        copy_tensors(places, data)
+
+    monkeypatch.setattr(parallel_copy.torch_internals, "copy_tensors", helpers_slow)
+    data = [torch.arange(1000, dtype=torch.uint8)]
+    place = torch.zeros(1000, dtype=torch.uint8)
+    parallel_copy.copy([place], data)
+    assert place.equal(data[0]), "copy returned before a helper's part was copied"
 
 
 @pytest.mark.same_under_load

@@ -5,6 +5,7 @@ down), and only a worker already killed by its signal is touched (agent/base/lin
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -54,7 +55,7 @@ def test_a_process_that_handles_its_stop_signal_is_not_touched() -> None:
     try:
         child.send_signal(signal.SIGTERM)
         assert child.stdout is not None and child.stdout.readline() == "handled\n"
-        assert linux.release_memory(pidfd) is False, "the kernel freed the memory of a process still running"
+        assert linux.release_memory(pidfd) == errno.EINVAL, "the kernel freed the memory of a process still running"
         assert child.stdin is not None
         child.stdin.write("check\n")
         child.stdin.flush()
@@ -70,7 +71,8 @@ def test_a_killed_process_has_its_memory_freed_from_here_and_still_exits() -> No
     child, pidfd = _start("plain")
     try:
         child.send_signal(signal.SIGTERM)  # its default action: the process is dying from here on
-        assert linux.release_memory(pidfd), "refused: a process killed by its signal is the one case allowed"
+        # freed, or its own exit was quicker (ESRCH); never refused (EINVAL) as a running process is
+        assert linux.release_memory(pidfd) in (0, errno.ESRCH)
         assert child.wait(10) == -signal.SIGTERM
     finally:
         _end(child, pidfd)

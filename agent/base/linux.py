@@ -7,6 +7,7 @@ every worker and so must not import anything heavy.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 import select
@@ -38,17 +39,19 @@ _PROCESS_MRELEASE = {"x86_64": 448, "aarch64": 448}.get(platform.machine())
 MRELEASE_AVAILABLE = _PROCESS_MRELEASE is not None
 
 
-def release_memory(pidfd: int) -> bool:
+def release_memory(pidfd: int) -> int:
     """Free a dying process's private memory from this thread (process_mrelease(2)), while the
     process frees the rest itself: its own exit unmaps one mapping after the other on one core,
     and a stopped worker's address space (hundreds of MB to GB of tensors) is the longest part
-    of a restart's stop. Only a process already killed by a signal is touched (the kernel
-    refuses any other: EINVAL); shared mappings (the checkpoint tier's slots) are left to its
-    own exit. Blocks for as long as the freeing takes. False where the call is not available
-    or was refused."""
+    of a restart's stop. Only a process already killed by a signal is touched: the kernel refuses
+    any other (EINVAL); shared mappings (the checkpoint tier's slots) are left to its own exit.
+    Blocks for as long as the freeing takes. 0 once done, else the errno (ESRCH: it had already
+    exited; ENOSYS where the call is not available)."""
     if _PROCESS_MRELEASE is None:
-        return False
-    return _libc.syscall(_PROCESS_MRELEASE, pidfd, 0) == 0
+        return errno.ENOSYS
+    if _libc.syscall(_PROCESS_MRELEASE, pidfd, 0) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def release_memory_soon(pidfd: int) -> None:

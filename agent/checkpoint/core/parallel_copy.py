@@ -140,7 +140,7 @@ def copy(places: list[torch.Tensor], data: list[torch.Tensor]) -> None:
     for part in parts[1:]:
         jobs.put(lambda part=part: copy_part(part))  # type: ignore[misc]
     copy_part(parts[0])
-    for _ in parts[1:]:
+    for _ in parts:  # every part releases once, the calling thread's own included
         # the other parts of the same copy, each about as long as the calling thread's own part
         done.acquire()
     if errors:
