@@ -62,6 +62,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -162,15 +163,24 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
     elif impl == "etcd":
         from bench.simetcd import CLOSER
         from rally.rendezvous.etcd_store import EtcdStore
+        from rally.rendezvous.kv import Checked, Seen
         from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
 
         class CountingEtcdStore(EtcdStore):
             """Marks when the last node arrived and when the round was closed."""
 
-            def arrive_holding(self, counter_name: str, value: str, also: str) -> tuple[int, int]:
+            def arrive_holding(self, counter_name: str, value: str, also: str) -> tuple[int, int, Seen]:
                 arrival = super().arrive_holding(counter_name, value, also)
                 counter.event("last_join")
                 return arrival
+
+            def arrive_if_fresh(
+                self, counter_name: str, value: str, also: str, hint: str, limit: int, ends: Sequence[str]
+            ) -> tuple[tuple[int, int, Seen] | None, int, dict[str, Checked]]:
+                outcome = super().arrive_if_fresh(counter_name, value, also, hint, limit, ends)
+                if outcome[0] is not None:
+                    counter.event("last_join")
+                return outcome
 
             def set_once(self, name: str, value: str) -> tuple[bool, str]:
                 outcome = super().set_once(name, value)

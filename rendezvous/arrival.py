@@ -10,8 +10,9 @@ between their `add` and their claim, cannot make a node a spare while slots are 
 A store that orders arrivals itself (`OrderedArrivals`: etcd, by create revision) takes the
 other way here: a node's descriptor is its increment of the counter, written in the same request
 that counts it in and reads the round's record, so a node's place cannot be moved either and an
-arrival is one request instead of two (and the `check` of the round's record that follows costs
-none). Its assignment key is named by that increment's create revision, its `slot`.
+arrival is one request instead of two (and what it read of the round's record, `Arrival.seen`,
+is the protocol's first look at it: no read of its own, and the wait after it starts from there).
+Its assignment key is named by that increment's create revision, its `slot`.
 
 `claim_arrival_slot`, `valid_arrivals`, `wait_for_more` and `joined_hosts` are the whole arrival
 mechanism: the protocol (rendezvous/protocol.py) asks them, whichever way the store orders.
@@ -20,11 +21,12 @@ mechanism: the protocol (rendezvous/protocol.py) asks them, whichever way the st
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol, runtime_checkable
 
-from rally.rendezvous.kv import UntrustedValue
+from rally.rendezvous.kv import Checked, Seen, UntrustedValue
 from rally.rendezvous.records import MAX_COUNT, NodeInfo
 from rally.rendezvous.waiting import HOSTS_SHOWN, forming_text
 from rally.rendezvous.waiting import RendezvousView as Rendezvous
@@ -53,9 +55,13 @@ class OrderedArrivals(Protocol):
     """A store that orders a counter's increments itself and lets each hold a value (etcd:
     `EtcdStore.arrive_holding`, `arrivals`, `wait_arrival`)."""
 
-    def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int]: ...
+    def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int, Seen]: ...
 
-    def arrivals(self, counter: str, limit: int) -> tuple[int, list[tuple[int, bytes | UntrustedValue]]]: ...
+    def arrive_if_fresh(
+        self, counter: str, value: str, also: str, hint: str, limit: int, ends: Sequence[str]
+    ) -> tuple[tuple[int, int, Seen] | None, int, dict[str, Checked]]: ...
+
+    def arrivals(self, counter: str, limit: int) -> tuple[int, list[tuple[int, Checked]]]: ...
 
     def wait_arrival(self, counter: str, after: int, timeout: float) -> bool: ...
 
@@ -63,11 +69,14 @@ class OrderedArrivals(Protocol):
 @dataclass(frozen=True)
 class Arrival:
     """A node's arrival in a round: `slot` names its assignment key (`<r>/assign/<attempt>/<slot>`),
-    `place` is its 0-based place in the arrival order, `arrived` the count its arrival left."""
+    `place` is its 0-based place in the arrival order, `arrived` the count its arrival left, `seen`
+    what the arrival read of the round's record where the store reads it in the same request
+    (`OrderedArrivals`), else None."""
 
     slot: int
     place: int
     arrived: int
+    seen: Seen | None = None
 
 
 @dataclass(frozen=True)
@@ -93,13 +102,7 @@ def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> Arrival | None
     """
     s = rdzv.settings
     if isinstance(rdzv.store, OrderedArrivals):
-        place, slot = rdzv.store.arrive_holding(joined_counter(r), me.to_json(), closed_key(r))
-        if place < s.max_nodes:
-            return Arrival(slot, place, place + 1)
-        # Past MAX: late, unless arrivals before it were not valid nodes (a stranger's keys, skipped
-        # as on c10d): its place among the valid ones decides (one range, only for these nodes).
-        before = valid_arrivals(rdzv, r)
-        return Arrival(slot, before.slots.index(slot), before.count) if slot in before.slots else None
+        return _placed(rdzv, r, *rdzv.store.arrive_holding(joined_counter(r), me.to_json(), closed_key(r)))
     hint = rdzv.store.arrive(joined_counter(r))
     # wait: short: 0.01 s: are all slots taken
     if hint >= s.max_nodes and rdzv.store.try_wait([node_slot(r, i) for i in range(s.max_nodes)], 0.01):
@@ -116,13 +119,40 @@ def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> Arrival | None
     return None
 
 
+def _placed(rdzv: Rendezvous, r: int, place: int, slot: int, seen: Seen) -> Arrival | None:
+    """An `OrderedArrivals` arrival at `place`: this node's, or None when it is late (a spare)."""
+    if place < rdzv.settings.max_nodes:
+        return Arrival(slot, place, place + 1, seen)
+    # Past MAX: late, unless arrivals before it were not valid nodes (a stranger's keys, skipped
+    # as on c10d): its place among the valid ones decides (one range, only for these nodes).
+    before = valid_arrivals(rdzv, r)
+    return Arrival(slot, before.slots.index(slot), before.count, seen) if slot in before.slots else None
+
+
+def first_look(
+    rdzv: Rendezvous, me: NodeInfo, ends: list[str]
+) -> tuple[tuple[Arrival | None] | None, int, dict[str, Checked]]:
+    """A node's first look at the job: the `current` hint and the checked end records `ends` that
+    exist. On an `OrderedArrivals` store, when the job is fresh (the hint and every end record
+    absent: its first round), the same request is this node's arrival in round 0 (`arrive_if_fresh`):
+    then the first item is (its `Arrival`, or None: late, a spare), else None."""
+    if isinstance(rdzv.store, OrderedArrivals):
+        arrived, hint, present = rdzv.store.arrive_if_fresh(
+            joined_counter(0), me.to_json(), closed_key(0), CURRENT_ROUND, MAX_COUNT, ends
+        )
+        return ((_placed(rdzv, 0, *arrived),) if arrived is not None else None), hint, present
+    hint, present = rdzv.store.counter_and_present(CURRENT_ROUND, MAX_COUNT, ends)
+    return None, hint, present
+
+
 def valid_arrivals(rdzv: Rendezvous, r: int) -> Arrived:
     """The claimed slots of round r whose descriptors pass every check, in arrival order.
 
     The counter (at most MAX) says how many to expect: the closer waits a third of
     `close_timeout` for them (a node counts itself in just before it claims), then takes the
     slots that exist, and any claimed beyond the count (the counter was moved back). The
-    descriptors are read together: one request (c10d: multi_get), not one per node. An
+    descriptors are read together, by the wait that saw them: one request (c10d: multi_get),
+    not one per node. An
     `OrderedArrivals` store: the first MAX valid increments, from one range of them all (count
     and descriptor are one write there, so there is nothing to wait for).
     """
@@ -132,13 +162,20 @@ def valid_arrivals(rdzv: Rendezvous, r: int) -> Arrived:
     count = min(rdzv.store.counter(joined_counter(r), MAX_COUNT), s.max_nodes)
     names = [node_slot(r, i) for i in range(count)]
     # wait: slice: close_timeout / 3
-    everything = rdzv.store.try_wait(names, s.close_timeout / 3)
-    beyond = count
-    while beyond < s.max_nodes and rdzv.store.check(node_slot(r, beyond)):
-        names.append(node_slot(r, beyond))
-        beyond += 1
-    # Every slot the wait and the checks saw exists: one read of them all (c10d: one multi_get).
-    present = rdzv.store.read_each(names) if everything else rdzv.store.get_present(names)
+    everything = rdzv.store.wait_and_read(names, s.close_timeout / 3)
+    present = dict(rdzv.store.get_present(names) if everything is None else everything)
+    # Slots claimed beyond the count (it was moved back), until the first free one; nodes wait for
+    # slots (`claim_arrival_slot`), so each is read as a key with waiters (`get_if_present`).
+    while len(names) < s.max_nodes:
+        name = node_slot(r, len(names))
+        try:
+            value: Checked | None = rdzv.store.get_if_present(name)
+        except UntrustedValue as exc:
+            value = exc
+        if value is None:
+            break
+        names.append(name)
+        present[name] = value
     indices, nodes = [], []
     for name in names:
         value = present.get(name)

@@ -18,13 +18,22 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
 * every value rally writes is signed with the job token as on c10d (`rendezvous/token.py`):
   a stranger's value is rejected with one line naming the key. Counters and appended lists
   are unsigned, as on c10d; etcd's own authentication keeps strangers out altogether;
-* `wait`: read which keys are missing (many keys: one range over the span they cover, or
-  transactions of up to 128 reads); watch the missing ones from the revision just read (no
-  polling, and nothing that happens in between can be missed). A wait for one key right after
-  a `check` that found it absent watches from that check's revision, without a read of its own.
-  The protocol reads a key as check-then-get or wait-then-get: the `get` is served from the
-  read just made (rendezvous/etcd_recall.py), so it costs no request; `get_present` reads many keys at once
-  (the closer's node descriptors) the same way;
+* reads return what they read: `get_if_present` is one range (whoever waits for the key),
+  `read_present` one transaction of a range per key, `get_present` one range over the span of
+  many keys (the closer's node descriptors), `counter_and_present` a counter and keys in one
+  transaction;
+* `wait` / `wait_and_read`: read which keys are missing (many keys: one range over the span they
+  cover, or transactions of up to 128 reads); watch the missing ones from the revision just read
+  (no polling, and nothing that happens in between can be missed). `wait_and_read` returns the
+  values the read and the watch's events carried, so no read follows it; keys passed as `also`
+  are watched on the same stream and returned when they come (a node's assignment, written just
+  before the round's record it waits for). Given `since`, a read just made (`read_now`, or the
+  round's record read by `arrive_holding`), the wait takes what that read found and watches from
+  its revision, without a read of its own. So a node joins in three requests: its first look
+  (`counter_and_present`), its arrival (`arrive_holding`), one watch that returns the round's
+  record and its assignment; in a fresh job's first round in two, the first look being the
+  arrival too (`arrive_if_fresh`). Nothing is cached between calls: a value flows back as a
+  return value;
 * liveness (`leased_liveness`): a node's keep-alive key is attached to a lease with TTL =
   keep_alive_timeout. The node refreshes the lease; if the node dies, etcd deletes the key by
   itself and the node that watches it (`wait_deleted`) sees the deletion.
@@ -49,8 +58,7 @@ from rally.rendezvous.etcd_client import (
     b64,
     unb64,
 )
-from rally.rendezvous.etcd_recall import JustRead
-from rally.rendezvous.kv import KeyValueStore, StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.kv import Checked, KeyValueStore, Seen, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.long_wait import LongWait
 from rally.rendezvous.token import BadRecord, Signer
 
@@ -97,13 +105,11 @@ class EtcdStore(KeyValueStore):
         self.op_timeout = op_timeout
         self.signer = signer or Signer()
         self.describe = f"etcd at {client.describe()}"
-        self._just_read = JustRead()  # what this thread's previous request read (rendezvous/etcd_recall.py)
 
     def _k(self, name: str) -> str:
         return b64(self.key(name))
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._just_read.forget()  # a new request ends what `recall` hands out
         try:
             return self.client.call(path, body, self.op_timeout)
         except EtcdUnavailable as exc:
@@ -154,15 +160,18 @@ class EtcdStore(KeyValueStore):
     def get(self, name: str) -> bytes:
         """The key's value; blocks up to the operation timeout until it exists (as c10d's get),
         in slices that say what they wait for (rally reads a key it has seen: a `get` waits only
-        for a key deleted in between)."""
+        for a key deleted in between). One range when the key exists."""
         wait: LongWait | None = None
         while True:
-            kv = self._just_read.recall(name) or self._range(name)[0]
+            kv, revision = self._range(name)
             if kv is not None:
                 return self._open(name, kv)
             wait = wait or self._key_slices([name])
             # wait: slice, said by EtcdStore.get: slices of op_timeout (read_timeout) for a key not yet written
-            if not self.try_wait([name], wait.slice()) and not wait.tick():
+            found = self._wait_kvs([name], wait.slice(), absent_at=revision)
+            if found is not None:
+                return self._open(name, found[name])
+            if not wait.tick():
                 raise StoreTimeout(
                     f"timed out after {self.op_timeout:g} s waiting for {self.key(name)} in {self.describe}"
                 )
@@ -174,47 +183,47 @@ class EtcdStore(KeyValueStore):
             raise UntrustedValue(f"store key '{self.key(name)}' holds bytes that are not text") from None
 
     def check(self, name: str) -> bool:
-        """Whether the key exists (the value read with it serves a `get` right after; see `JustRead.recall`)."""
-        if self._just_read.recall(name, for_check=True) is not None:
-            return True
-        if self._just_read.absent_now(name):  # the request just made found it absent (`arrive_holding`)
-            return False
-        kv, revision = self._range(name)
-        if kv is not None:
-            self._just_read.remember({}, (name, kv))
-        else:
-            self._just_read.remember_absent(name, revision)
-        return kv is not None
+        """Whether the key exists: one range."""
+        return self._range(name)[0] is not None
+
+    def get_if_present(self, name: str, *, nobody_waits: bool = False) -> bytes | None:
+        """The checked value of `name`, or None when absent: one range, whoever waits for the key."""
+        kv, _ = self._range(name)
+        return None if kv is None else self._open(name, kv)
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
-        """Every key's value, read at once (`_read`); waits for missing keys in slices that say what they wait for."""
-        found, _ = self._read(names)
+        """Every key's value, read at once (`_read`); waits for missing keys in slices that say what
+        they wait for, and takes their values from the wait (no read after it)."""
+        found, read_at = self._read(names)
+        revision: int | None = read_at
         missing = [n for n in names if n not in found]
         wait = self._key_slices(missing) if missing else None
-        # A wait that ends remembers what it saw: the `get`s below cost no request.
-        # wait: slice, said by EtcdStore.multi_get: slices of op_timeout (read_timeout)
-        while wait and not self.try_wait(missing, wait.slice()):
+        while wait:
+            # wait: slice, said by EtcdStore.multi_get: slices of op_timeout (read_timeout)
+            seen = self._wait_kvs(missing, wait.slice(), absent_at=revision)
+            revision = None
+            if seen is not None:
+                found.update(seen)
+                break
             if not wait.tick():
                 missed = self.key(missing[0])
                 raise StoreTimeout(f"timed out after {self.op_timeout:g} s waiting for {missed} in {self.describe}")
-        return [self._open(n, found[n]) if n in found else self.get(n) for n in names]
+        return [self._open(n, found[n]) for n in names]
 
-    def get_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+    def get_present(self, names: Sequence[str]) -> dict[str, Checked]:
         """The keys of `names` that exist, read at once: one range over their span (or
-        transactions of MAX_TXN_OPS reads), none when a `wait` for all of them just read them."""
-        found = self._just_read.take(names)
-        if found is None:
-            found, _ = self._read(names)
+        transactions of MAX_TXN_OPS reads)."""
+        found, _ = self._read(names)
         return self._open_found(names, found)
 
-    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
-        """Keys known to exist, read at once: `get_present` (one range, or none after a wait)."""
+    def read_each(self, names: Sequence[str]) -> dict[str, Checked]:
+        """Keys known to exist, read at once: `get_present` (one range)."""
         return self.get_present(names)
 
-    def _open_found(self, names: Sequence[str], found: dict[str, dict]) -> dict[str, bytes | UntrustedValue]:
+    def _open_found(self, names: Sequence[str], found: dict[str, dict]) -> dict[str, Checked]:
         """The checked values of those of `names` that were read (a value this job did not write is
         its `UntrustedValue`, so one stranger's key hides none of the others)."""
-        present: dict[str, bytes | UntrustedValue] = {}
+        present: dict[str, Checked] = {}
         for name in names:
             if name in found:
                 try:
@@ -310,40 +319,82 @@ class EtcdStore(KeyValueStore):
         return self._counted(name, reply, counted=len(reply.get("kvs") or []))
 
     # ------------------------------------------------------------------ arrivals in etcd's own order
-    def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int]:
+    def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int, Seen]:
         """Count this caller in to `counter` with an increment key that holds `value`, signed
         (`<counter>\\x00<id>`), and read the key `also`: one transaction. Return (this caller's
-        0-based place: how many increments existed before it, its key's create revision).
+        0-based place: how many increments existed before it, its key's create revision, what
+        the read of `also` saw).
 
         etcd orders the arrivals (create revisions), so nobody can move a place, and the slot is
         the increment itself: no second request to claim one. What `also` held (the round's
-        record) serves the `check` and `wait` that follow, as a `check` of its own would.
+        record), or the revision it was absent at, serves as the read that precedes the wait for
+        it (`wait_and_read(..., since=...)` watches from there without a read of its own).
         """
         own = self._own_key(counter, INCREMENTS)
-        absent = {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        put = {"request_put": {"key": b64(own), "value": self._seal_raw(_signed_as(own), value)}}
-        also_read = {"request_range": {"key": self._k(also)}}
-        # The increments alone, counted without their values (`arrivals` reads the same range).
-        count = self._marked(counter, INCREMENTS, APPENDED, count_only=True)
+        put, count, also_read = self._arrival_ops(own, counter, value, also)
         won, responses, revision = self._txn_at(
-            [absent], [put, count, also_read], [{"request_range": {"key": b64(own)}}, also_read]
+            [self._absent_own(own)], [put, count, also_read], [{"request_range": {"key": b64(own)}}, also_read]
         )
-        seen = (responses[-1].get("response_range") or {}).get("kvs") or []
-        if seen:
-            self._just_read.remember({also: seen[0]})
-        else:
-            self._just_read.remember_absent(also, revision, fresh=True)
+        seen = self._seen(also, responses[-1], revision)
         if won:
-            return int((responses[1].get("response_range") or {}).get("count", 0)) - 1, revision
-        # Sent again after a lost reply: our key exists; count the increments created up to it.
-        created = int(responses[0]["response_range"]["kvs"][0]["create_revision"])
+            return int((responses[1].get("response_range") or {}).get("count", 0)) - 1, revision, seen
+        return (*self._resent_arrival(counter, responses[0]), seen)
+
+    def arrive_if_fresh(
+        self, counter: str, value: str, also: str, hint: str, limit: int, ends: Sequence[str]
+    ) -> tuple[tuple[int, int, Seen] | None, int, dict[str, Checked]]:
+        """`arrive_holding` if the job is fresh (the counter `hint` and every key of `ends` absent:
+        a new job's first round), else `counter_and_present(hint, limit, ends)` instead: one
+        transaction either way. Return (the arrival or None, the hint's value, the checked values
+        of those of `ends` that exist).
+        A new job's nodes join in two requests this way (this and the watch), not three."""
+        own = self._own_key(counter, INCREMENTS)
+        put, count, also_read = self._arrival_ops(own, counter, value, also)
+        hint_range = self._counter_range(hint)
+        fresh = [
+            {**hint_range["request_range"], "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
+            *({"key": self._k(n), "target": "CREATE", "result": "EQUAL", "create_revision": "0"} for n in ends),
+        ]
+        fresh[0].pop("limit")
+        look = [hint_range, *({"request_range": {"key": self._k(n)}} for n in ends)]
+        own_read = {"request_range": {"key": b64(own)}}
+        won, responses, revision = self._txn_at(
+            [self._absent_own(own), *fresh], [put, count, also_read], [*look, own_read, also_read]
+        )
+        seen = self._seen(also, responses[-1], revision)
+        if won:
+            return (int((responses[1].get("response_range") or {}).get("count", 0)) - 1, revision, seen), 0, {}
+        if (responses[-2].get("response_range") or {}).get("kvs"):  # sent again after a lost reply: arrived
+            return (*self._resent_arrival(counter, responses[-2]), seen), 0, {}
+        ranges = [r.get("response_range") or {} for r in responses]
+        found = {n: r["kvs"][0] for n, r in zip(ends, ranges[1 : 1 + len(ends)], strict=True) if r.get("kvs")}
+        return None, self._in_range(hint, self._counted(hint, ranges[0]), limit), self._open_found(ends, found)
+
+    def _arrival_ops(self, own: str, counter: str, value: str, also: str) -> tuple[dict, dict, dict]:
+        """An arrival's operations: the put of its increment key `own` (its value signed), the count
+        of the increments (without their values: `arrivals` reads the same range), a read of `also`."""
+        put = {"request_put": {"key": b64(own), "value": self._seal_raw(_signed_as(own), value)}}
+        count = self._marked(counter, INCREMENTS, APPENDED, count_only=True)
+        return put, count, {"request_range": {"key": self._k(also)}}
+
+    @staticmethod
+    def _absent_own(own: str) -> dict:
+        return {"key": b64(own), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+    def _seen(self, name: str, response: dict, revision: int) -> Seen:
+        """What a read of `name` in a transaction saw, at the transaction's revision."""
+        kvs = (response.get("response_range") or {}).get("kvs") or []
+        return Seen(self._open_found([name], {name: kvs[0]} if kvs else {}), revision)
+
+    def _resent_arrival(self, counter: str, own_read: dict) -> tuple[int, int]:
+        """An arrival sent again after a lost reply: its key exists; (its place: the increments
+        created up to it, less one; its create revision)."""
+        created = int(own_read["response_range"]["kvs"][0]["create_revision"])
         earlier = self._marked(counter, INCREMENTS, APPENDED, max_create_revision=str(created), keys_only=True)
         reply = self._call("/v3/kv/range", earlier["request_range"])
         return len(reply.get("kvs") or []) - 1, created
 
-    def arrivals(
-        self, counter: str, limit: int, by_key: bool = False
-    ) -> tuple[int, list[tuple[int, bytes | UntrustedValue]]]:
+    def arrivals(self, counter: str, limit: int, by_key: bool = False) -> tuple[int, list[tuple[int, Checked]]]:
         """How many increments `counter` has, and the first `limit` of them (all for 0) in the order
         they were made (create revision, payload checked; a value this job did not sign is its
         UntrustedValue): one range, whatever the count. `by_key`: in key order (about the order
@@ -352,7 +403,7 @@ class EtcdStore(KeyValueStore):
         order = {} if by_key else {"sort_order": "ASCEND", "sort_target": "CREATE"}
         ordered = self._marked(counter, INCREMENTS, APPENDED, limit=str(limit), **order)
         reply = self._call("/v3/kv/range", ordered["request_range"])
-        found: list[tuple[int, bytes | UntrustedValue]] = []
+        found: list[tuple[int, Checked]] = []
         for kv in reply.get("kvs") or []:
             key = unb64(kv.get("key")).decode(errors="replace")
             try:
@@ -412,11 +463,14 @@ class EtcdStore(KeyValueStore):
         absent = {"key": self._k(name), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         self._txn([absent], [{"request_put": {"key": self._k(name), "value": ""}}, piece], [piece])
 
-    def get_unsigned(self, name: str) -> bytes:
-        """A list key written by `append` (unsigned, as on c10d): the pieces in the order written."""
+    def get_unsigned(self, name: str) -> bytes | None:
+        """A list key written by `append` (unsigned, as on c10d): the pieces in the order written,
+        None when nobody appended. One transaction."""
         ordered = self._marked(name, APPENDED, APPENDED_END, sort_order="ASCEND", sort_target="CREATE")
         _, responses = self._txn([], [{"request_range": {"key": self._k(name)}}, ordered], [])
         parts = [(r.get("response_range") or {}).get("kvs") or [] for r in responses]
+        if not parts or not parts[0]:
+            return None
         return b"".join(unb64(kv.get("value")) for kvs in parts for kv in kvs)
 
     def compare_set(self, name: str, expected: str, desired: str) -> bytes:
@@ -441,8 +495,7 @@ class EtcdStore(KeyValueStore):
         sealed = self._seal(name, value)
         put = {"request_put": {"key": self._k(name), "value": sealed}}
         won, responses = self._txn([compare], [put], [{"request_range": {"key": self._k(name)}}])
-        if won:  # written once: a read of it right after (the closer's, of the round's record) needs no request
-            self._just_read.remember({name: {"key": self._k(name), "value": sealed}})
+        if won:
             return True, value
         kvs = (responses[0].get("response_range") or {}).get("kvs") if responses else None
         if not kvs:
@@ -487,15 +540,18 @@ class EtcdStore(KeyValueStore):
             revision = revision or int(reply["header"]["revision"])
         return found, revision or 0
 
-    def read_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+    def read_present(self, names: Sequence[str]) -> dict[str, Checked]:
         """The keys of `names` that exist, in one transaction of a range each (a few unrelated keys:
         the end records a node checks before it joins); each value checked on its own."""
-        found, _ = self._read_keys(names)
-        return self._open_found(names, found)
+        return self.read_now(names).values
 
-    def counter_and_present(
-        self, counter: str, limit: int, names: Sequence[str]
-    ) -> tuple[int, dict[str, bytes | UntrustedValue]]:
+    def read_now(self, names: Sequence[str]) -> Seen:
+        """`read_present` and the revision it read at: a wait right after for the keys it found
+        absent watches from there (`wait_and_read`'s `since`), without a read of its own."""
+        found, revision = self._read_keys(names)
+        return Seen(self._open_found(names, found), revision)
+
+    def counter_and_present(self, counter: str, limit: int, names: Sequence[str]) -> tuple[int, dict[str, Checked]]:
         """`counter(counter, limit)` and `read_present(names)` in one transaction (a joining node's first look)."""
         reads = [self._counter_range(counter), *({"request_range": {"key": self._k(n)}} for n in names)]
         _, responses = self._txn([], reads, [])
@@ -504,21 +560,47 @@ class EtcdStore(KeyValueStore):
         return self._in_range(counter, self._counted(counter, ranges[0]), limit), self._open_found(names, found)
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
-        """Block until every key exists (raises StoreTimeout after `timeout` seconds).
+        """Block until every key exists (raises StoreTimeout after `timeout` seconds): `_wait_kvs`."""
+        # wait: slice: the caller's timeout
+        if self._wait_kvs(names, timeout) is None:
+            raise StoreTimeout(f"timed out after {timeout:g} s waiting for {self.key(names[0])} in {self.describe}")
+
+    def wait_and_read(
+        self, names: Sequence[str], timeout: float, *, also: Sequence[str] = (), since: Seen | None = None
+    ) -> dict[str, Checked] | None:
+        """The checked values of `names` once all exist (None after `timeout` s), as the wait read
+        them (`_wait_kvs`: a range or the watch's events, no read after it), with those of `also`
+        that the same watch saw. `since`: a read just made (`read_now`, `arrive_holding`); what it
+        found is taken as it is and the wait for the rest watches from its revision, without a read."""
+        values = {n: v for n, v in (since.values if since else {}).items() if n in names}
+        pending = [n for n in names if n not in values]
+        absent_at = since.at if since is not None else None
+        # wait: slice: the caller's timeout
+        found = self._wait_kvs(pending, timeout, also, absent_at) if pending else {}
+        if found is None:
+            return None
+        return {**values, **self._open_found([*pending, *also], found)}
+
+    def _wait_kvs(
+        self, names: Sequence[str], timeout: float, also: Sequence[str] = (), absent_at: int | None = None
+    ) -> dict[str, dict] | None:
+        """The kvs of every key of `names` once all exist (and of those of `also` the watch saw
+        on the way), None after `timeout` seconds.
 
         Reads which keys are missing (`_read`: the closer's wait for N node descriptors is one
-        request), or takes the revision a `check` just found the one key absent at; then opens
-        one watch, from that revision, over the key range that spans the missing keys: each put
-        of a missing key arrives as an event carrying the key as written, so the keys that come
-        later cost no further read. A broken watch means: read again, watch again.
+        request), or takes `absent_at`, a revision a read just found them all absent at; then
+        opens one watch, from that revision, over the key range that spans the missing keys (and
+        a watch of each key of `also` on the same stream): each put of a missing key arrives as an
+        event carrying the key as written, so the keys that come later cost no further read. A
+        broken watch means: read again, watch again. An `also` key written before that revision,
+        or after the awaited keys, is not in the answer: the caller reads it then.
         """
         deadline = time.monotonic() + timeout
         pending = list(names)
-        found: dict[str, dict] = {}  # what the reads and events saw: it serves the `get`s that follow
-        absent_at = self._just_read.absent_since(pending[0]) if len(pending) == 1 else None
-        expected, self._just_read.expected = self._just_read.expected, None  # `also_watch`
+        found: dict[str, dict] = {}
+        watched_also = {self.key(n).encode(): n for n in also if n not in names}
         while True:
-            if absent_at is not None:  # a check just found it absent: watch from there
+            if absent_at is not None:  # a read just found them absent: watch from there
                 revision, absent_at = absent_at, None
             elif len(pending) == 1:
                 kv, revision = self._range(pending[0])
@@ -530,31 +612,29 @@ class EtcdStore(KeyValueStore):
                 found.update(read)
                 pending = [n for n in pending if n not in found]
             if not pending:
-                self._just_read.remember(found)
-                return
+                return found
             by_key = {self.key(n).encode(): n for n in pending}
             first, last = min(by_key), max(by_key)
             request: dict[str, Any] = {"key": b64(first), "start_revision": str(revision + 1)}
             if len(by_key) > 1:
                 request["range_end"] = b64(last + b"\0")
-            also = () if expected is None else ({"key": self._k(expected), "start_revision": str(revision + 1)},)
-            for event in self._watch(request, deadline, also):
+            side = tuple({"key": b64(key), "start_revision": str(revision + 1)} for key in watched_also)
+            for event in self._watch(request, deadline, side):
                 kv = event.get("kv") or {}
                 key = unb64(kv.get("key"))
-                if expected is not None and key == self.key(expected).encode() and event.get("type", "PUT") == "PUT":
-                    found[expected] = kv
+                if event.get("type", "PUT") != "PUT":
                     continue
-                name = by_key.pop(key, None) if event.get("type", "PUT") == "PUT" else None
+                if key in watched_also:
+                    found[watched_also[key]] = kv
+                    continue
+                name = by_key.pop(key, None)
                 if name is not None:
                     found[name] = kv
                 if not by_key:
-                    self._just_read.remember(found)
-                    return
+                    return found
             pending = list(by_key.values())
             if time.monotonic() >= deadline:
-                raise StoreTimeout(
-                    f"timed out after {timeout:g} s waiting for {self.key(pending[0])} in {self.describe}"
-                )
+                return None
 
     def wait_deleted(self, name: str, timeout: float) -> bool:
         """True once `name` is absent (deleted, or its lease expired); False after `timeout` s."""
@@ -567,13 +647,6 @@ class EtcdStore(KeyValueStore):
             if any(event.get("type") == "DELETE" for event in self._watch(request, deadline)):
                 return True
         return False
-
-    def also_watch(self, name: str) -> None:
-        """The next `wait` of this thread watches `name` too, on the same stream, and keeps its value
-        for the read that follows (a node's assignment, written just before the round's record
-        it waits for): no request of its own after the wait. An event that comes after the
-        awaited keys is not waited for; the read then asks etcd."""
-        self._just_read.expected = name
 
     def _watch(
         self, request: dict[str, Any], deadline: float, also: tuple[dict[str, Any], ...] = ()

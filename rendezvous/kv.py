@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from rally.rendezvous.token import Signer
@@ -45,6 +46,37 @@ class EndpointError(ValueError):
     """A store endpoint that cannot work; the message is one line for the user."""
 
 
+# A key's checked value, or why it is not one: a value this job did not write is its UntrustedValue,
+# so in a read of many keys one stranger's key hides none of the others.
+Checked = bytes | UntrustedValue
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What one read found: `values`, the checked value of each key that exists, by name; `at`,
+    where the store can say it, the point of the store's history the read saw (etcd: the
+    revision), so that a wait for a key it found absent starts there without reading again
+    (`KeyValueStore.wait_and_read`'s `since`). None on c10d, which has no such point."""
+
+    values: dict[str, Checked] = field(default_factory=dict)
+    at: int | None = None
+
+
+def opened(value: Checked) -> bytes:
+    """A checked value's payload: raises its UntrustedValue when it is one."""
+    if isinstance(value, UntrustedValue):
+        raise value
+    return value
+
+
+def opened_text(value: Checked, key: str) -> str:
+    """`opened` as text (`key`, the store key, named when the bytes are not text), as `get_str` reads."""
+    try:
+        return opened(value).decode()
+    except UnicodeDecodeError:
+        raise UntrustedValue(f"store key '{key}' holds bytes that are not text") from None
+
+
 class StoreReader(Protocol):
     """What reading a job's status needs of a store (rendezvous/status.py): every
     `KeyValueStore`, and the torch-free c10d reader of `rally status` (rendezvous/wire_store.py)."""
@@ -54,11 +86,9 @@ class StoreReader(Protocol):
 
     def key(self, name: str) -> str: ...
 
-    def check(self, name: str) -> bool: ...
+    def get_if_present(self, name: str, *, nobody_waits: bool = False) -> bytes | None: ...
 
-    def get(self, name: str) -> bytes: ...
-
-    def get_unsigned(self, name: str) -> bytes: ...
+    def get_unsigned(self, name: str) -> bytes | None: ...
 
     def counter(self, name: str, limit: int | None = None) -> int: ...
 
@@ -70,6 +100,12 @@ class KeyValueStore(ABC):
     refused store `StoreUnavailable` (with `describe`, what messages call the store, in the
     text), a value this job did not write `UntrustedValue` naming the key. `get` and
     `multi_get` block until their keys exist, as a c10d store's do.
+
+    Every read returns what it read: a key that may not exist is read with `get_if_present`
+    (or `read_present` for several), a wait that is followed by a read is `wait_and_read`. The
+    protocol never pairs a `check` with a `get` itself: where a store needs two requests for such
+    a read (c10d, for a key somebody waits for), the pair is inside the store and its docstring
+    says so, and a store that reads in one request (etcd) does.
     """
 
     prefix: str
@@ -98,10 +134,12 @@ class KeyValueStore(ABC):
     def get_str(self, name: str) -> str: ...
 
     @abstractmethod
-    def get_unsigned(self, name: str) -> bytes: ...
+    def get_unsigned(self, name: str) -> bytes | None:
+        """The raw bytes of a list key written by `append` (unsigned), None when nobody appended."""
 
     @abstractmethod
-    def check(self, name: str) -> bool: ...
+    def check(self, name: str) -> bool:
+        """Whether the key exists (only for that: a value that is wanted is read with `get_if_present`)."""
 
     @abstractmethod
     def add(self, name: str, amount: int) -> int: ...
@@ -126,6 +164,24 @@ class KeyValueStore(ABC):
         """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
 
     @abstractmethod
+    def get_if_present(self, name: str, *, nobody_waits: bool = False) -> bytes | None:
+        """The checked value of `name`, or None when it does not exist (never a wait; a value this
+        job did not write raises UntrustedValue). `nobody_waits`: no node waits for the key while
+        it is absent (a node's assignment), which lets c10d read it in one request
+        (`Store.get_if_present`); etcd reads any key in one."""
+
+    @abstractmethod
+    def wait_and_read(
+        self, names: Sequence[str], timeout: float, *, also: Sequence[str] = (), since: Seen | None = None
+    ) -> dict[str, Checked] | None:
+        """Block until every key of `names` exists, then their checked values by name; None after
+        `timeout` seconds. `also`: keys written just before `names` whose values the store returns
+        too where it reads them on the side (etcd: on the same watch; c10d: never), so a read of
+        them after the wait can be skipped. `since`: a read just made that found `names` absent
+        (`read_now`, `Arrival.seen`): a store that can wait from the point it saw (etcd) does so
+        without reading again."""
+
+    @abstractmethod
     def connect_again(self) -> KeyValueStore:
         """A second connection to the same store, for a thread that blocks in `wait`."""
 
@@ -135,23 +191,20 @@ class KeyValueStore(ABC):
         (etcd_store.EtcdStore.add)."""
         return self.add(name, 1) - 1
 
-    def get_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+    def get_present(self, names: Sequence[str]) -> dict[str, Checked]:
         """The checked values of those of `names` that exist, by name: how the closer reads every
-        node descriptor. A value this job did not write is its `UntrustedValue`, so one
-        stranger's key hides none of the others. One wait that finds them all (else a `check`
-        each), then `read_each` (one `multi_get` on c10d); a store that reads many keys in one
-        request overrides this (etcd: one range, `EtcdStore.get_present`).
+        node descriptor when its wait for all of them ran out. One wait that finds them all (else
+        `read_present`); a store that reads many keys in one request overrides this (etcd: one
+        range, `EtcdStore.get_present`).
         """
         # wait: short: PRESENT_PROBE_SECONDS (0.01 s)
-        if self.try_wait(names, PRESENT_PROBE_SECONDS):
-            return self.read_each(names)
-        return self.read_each([name for name in names if self.check(name)])
+        found = self.wait_and_read(names, PRESENT_PROBE_SECONDS)
+        return self.read_present(names) if found is None else found
 
-    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
-        """The checked values of `names`, which all exist, each on its own (a value this job did not
-        write is its `UntrustedValue`): one `get` per key here; one request where the store reads
-        many keys at once (c10d: `multi_get`, `Store.read_each`)."""
-        values: dict[str, bytes | UntrustedValue] = {}
+    def read_each(self, names: Sequence[str]) -> dict[str, Checked]:
+        """The checked values of `names`, which all exist, each on its own: one `get` per key here;
+        one request where the store reads many keys at once (c10d: `multi_get`, `Store.read_each`)."""
+        values: dict[str, Checked] = {}
         for name in names:
             try:
                 values[name] = self.get(name)
@@ -159,32 +212,22 @@ class KeyValueStore(ABC):
                 values[name] = exc
         return values
 
-    def read_present(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
-        """The checked values of those of `names` that exist now (never a wait; a value this job did
-        not write is its `UntrustedValue`): a `check` and a `get` each here, one request on etcd
-        (`EtcdStore.read_present`). For a few keys that mostly do not exist (the end records a
+    def read_present(self, names: Sequence[str]) -> dict[str, Checked]:
+        """The checked values of those of `names` that exist now (never a wait): a `check` each and
+        one `read_each` of those found here (c10d: N checks and one `multi_get`), one request on
+        etcd (`EtcdStore.read_present`). For a few keys that mostly do not exist (the end records a
         node checks before it joins), where `get_present` would wait."""
         return self.read_each([name for name in names if self.check(name)])
 
-    def counter_and_present(
-        self, counter: str, limit: int, names: Sequence[str]
-    ) -> tuple[int, dict[str, bytes | UntrustedValue]]:
+    def read_now(self, names: Sequence[str]) -> Seen:
+        """`read_present`, with the point of the store's history it read at where the store has one
+        (etcd), so that a `wait_and_read` for the keys it found absent starts there (`since`)."""
+        return Seen(self.read_present(names))
+
+    def counter_and_present(self, counter: str, limit: int, names: Sequence[str]) -> tuple[int, dict[str, Checked]]:
         """`counter(counter, limit)` and `read_present(names)`: a joining node's first look at the
         job (the `current` hint and the end records), one request where the store can (etcd)."""
         return self.counter(counter, limit), self.read_present(names)
-
-    def get_if_present(self, name: str) -> bytes | None:
-        """The checked value of `name`, or None when it does not exist (never a wait): a `check`
-        and a `get` here, one request where the store can (`Store.get_if_present`). Only for keys
-        nobody waits for while they are absent (a node's assignment): on c10d the request wakes
-        such waiters (see `Store.get_if_present`)."""
-        return self.get(name) if self.check(name) else None
-
-    def also_watch(self, name: str) -> None:
-        """A hint: `name` (a key written just before the one the next wait is for) will be read right
-        after that wait. A store that can watch it on the same stream keeps its value then (etcd:
-        `EtcdStore.also_watch`); here, nothing."""
-        return None
 
     def try_wait(self, names: Sequence[str], timeout: float) -> bool:
         """`wait`, answering False instead of raising when the time is up."""

@@ -21,10 +21,11 @@ from rally.rendezvous.protocol import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT
 
 
 def _read(store: StoreReader, name: str) -> dict[str, Any] | None:
-    if not store.check(name):
-        return None
     try:
-        value = json.loads(store.get(name))
+        raw = store.get_if_present(name)
+        if raw is None:
+            return None
+        value = json.loads(raw)
     except (ValueError, UntrustedValue, RecursionError):  # RecursionError: JSON nested 100 000 deep
         return None
     return value if isinstance(value, dict) else None

@@ -47,9 +47,9 @@ from functools import partial
 from typing import Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
-from rally.rendezvous.arrival import CURRENT_ROUND, closed_key, joined_counter
+from rally.rendezvous.arrival import CURRENT_ROUND, Arrival, closed_key, joined_counter
+from rally.rendezvous.kv import Checked, Seen, StoreTimeout, UntrustedValue
 from rally.rendezvous.kv import KeyValueStore as Store
-from rally.rendezvous.kv import StoreTimeout, UntrustedValue
 from rally.rendezvous.liveness import wait_round_end_or_dead
 from rally.rendezvous.membership import (
     JobClosed,
@@ -134,7 +134,7 @@ class Rendezvous:
         self.last_round: int | None = None
         self.last_rank: int | None = None
         self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
-        self._ahead: dict[str, bytes | UntrustedValue | None] = {}  # `_read_ahead`: until the node joins
+        self._ahead: dict[str, Checked | None] = {}  # `_read_ahead`: until the node joins
         # wait: not_a_wait: prints a wait's progress line; not a wait
         self.waiting = WaitProgress(lambda line: announce_wait(self, line), progress_interval(settings.max_nodes))
 
@@ -146,35 +146,48 @@ class Rendezvous:
         present = self.store.read_present(names)
         self._ahead = {name: present.get(name) for name in names}
 
-    def _first_look(self) -> int:
-        """The `current` hint and the end records a first join checks (the job's, round 0's, and
-        when the hint is past 0 the rounds' around it), read ahead: one request on etcd when the
-        job is in its first round (`counter_and_present`), one more when it is not."""
+    def _first_look(self, me: NodeInfo) -> tuple[int, tuple[Arrival | None] | None]:
+        """The round a first join takes part in, from the `current` hint and the end records (the
+        job's, round 0's, and when the hint is past 0 the rounds' around it), read ahead: one request
+        on etcd when the job is in its first round (`counter_and_present`), one more when it is not.
+        On etcd a fresh job's first look is this node's arrival in round 0 too (`arrival.first_look`):
+        then the second item holds it."""
         names = [JOB_CLOSED, end_key(0)]
-        hint, present = self.store.counter_and_present(CURRENT_ROUND, MAX_COUNT, names)
+        arrived, hint, present = arrival.first_look(self, me, names)
         self._ahead = {name: present.get(name) for name in names}
+        if arrived is not None:
+            return 0, arrived
         if hint > 0:
             self._read_ahead([end_key(hint - 1), end_key(hint)])
-        return hint
+        return arrival.current_round(self, hint), None
 
     def _end_record(self, name: str) -> RoundEnd | None:
-        if name in self._ahead:  # read a moment ago with the others (`_read_ahead`)
-            value = self._ahead[name]
-        else:
-            value = self.store.get(name) if self.store.check(name) else None
+        # read a moment ago with the others (`_read_ahead`), else now
+        value = self._ahead[name] if name in self._ahead else self.store.get_if_present(name)
         if isinstance(value, UntrustedValue):
             raise value
         return None if value is None else RoundEnd.load(value, self.store.key(name))
 
-    def round_record(self, r: int, closed: bool = False) -> RoundRecord | None:
-        """Round r's record, None while it forms; `closed`: a wait just saw it, so one `get` reads
-        it (after the close every waiter reads it: one request each, not a `check` and a `get`)."""
+    def round_record(self, r: int) -> RoundRecord | None:
+        """Round r's record, None while it forms (a key nodes wait for: `get_if_present` as such)."""
+        value = self.store.get_if_present(closed_key(r))
+        return self._record_in(r, Seen({} if value is None else {closed_key(r): value}))
+
+    def _record_in(self, r: int, seen: Seen) -> RoundRecord | None:
+        """Round r's record as a read or a wait just saw it (`seen`), None when it saw none."""
         name = closed_key(r)
-        if not closed and not self.store.check(name):
+        value = seen.values.get(name)
+        if value is None:
             return None
-        return RoundRecord.load(self.store.get(name), self.store.key(name)).check_members(
-            self.store.key(name), self.settings.max_nodes
-        )
+        if isinstance(value, UntrustedValue):
+            raise value
+        key = self.store.key(name)
+        return RoundRecord.load(value, key).check_members(key, self.settings.max_nodes)
+
+    def _look_again(self, r: int, found: dict[str, Checked] | None) -> Seen:
+        """What a wait for round r's record found, or (it ran out) a fresh read of the record, whose
+        point in the store's history the next wait starts from (`read_now`)."""
+        return Seen(found) if found is not None else self.store.read_now([closed_key(r)])
 
     def _count(self, name: str, limit: int = MAX_COUNT) -> int:
         return self.store.counter(name, limit)
@@ -220,9 +233,11 @@ class Rendezvous:
     def next_round(self) -> Assignment:
         """Join the next round and block until it forms; return this node's assignment."""
         deadline = time.monotonic() + self.settings.join_timeout
+        arrived: tuple[Arrival | None] | None = None  # this node's arrival, when its first look made it
+        me = self._node_info()
         try:  # the end records read ahead serve these first checks only, never a later read
             if self.last_round is None:
-                r = arrival.current_round(self, self._first_look())
+                r, arrived = self._first_look(me)
             else:
                 r = self.last_round + 1
                 self._read_ahead([end_key(r - 1)])
@@ -231,7 +246,8 @@ class Rendezvous:
         finally:
             self._ahead = {}
         while True:
-            assignment = self._join(r, deadline)
+            assignment = self._join(r, deadline, me, arrived)
+            arrived = None
             if assignment is not None:
                 self.last_round = r
                 self.last_rank = assignment.group_rank
@@ -239,27 +255,38 @@ class Rendezvous:
             # wait: slice, said by Rendezvous._wait_as_spare: a spare
             self._wait_as_spare(r, time.monotonic() + self.settings.join_timeout)
             r += 1
+            me = self._node_info()
             deadline = time.monotonic() + self.settings.join_timeout
             self.raise_if_closed()
             self._raise_if_final(r - 1)
 
-    def _join(self, r: int, deadline: float) -> Assignment | None:
-        s = self.settings
+    def _node_info(self) -> NodeInfo:
+        """This node's descriptor for the round it joins now: its rank and what it holds."""
         memory, durable = self.holdings()
-        me = NodeInfo(**{
+        return NodeInfo(**{
             **asdict(self.me), "prev_rank": self.last_rank, "checkpoint_step": self.progress(),
             "memory_steps": ",".join(map(str, memory)), "durable_step": durable,
         })  # fmt: skip
-        mine = arrival.claim_arrival_slot(self, r, me)
+
+    def _join(
+        self, r: int, deadline: float, me: NodeInfo, arrived: tuple[Arrival | None] | None = None
+    ) -> Assignment | None:
+        """Take part in forming round r as `me` (`arrived`: this node's arrival, already made by its
+        first look); its assignment, or None when it came too late (a spare)."""
+        s = self.settings
+        (mine,) = arrived if arrived is not None else (arrival.claim_arrival_slot(self, r, me),)
         if mine is None:
             return None
         quorum_seen_at: float | None = None
-        attempt, closed = 0, False  # closed: a wait saw the round's record, so one `get` reads it
+        attempt = 0
+        # What the last read of the round's record saw (the arrival's own read where the store makes
+        # one, else a read now); every wait after returns what it saw: no read after a wait.
+        seen = mine.seen if mine.seen is not None else self.store.read_now([closed_key(r)])
         # The first pass takes the counter as this node's own arrival left it (the last arrival, the
         # one that closes, reads nothing before it does); later passes read it again.
         count, first = min(max(mine.arrived, mine.place + 1), s.max_nodes), True  # a hint: the closer counts
         self.waiting.begin()
-        while (record := self.round_record(r, closed)) is None:
+        while (record := self._record_in(r, seen)) is None:
             if not first:
                 count = min(max(self._count(joined_counter(r)), mine.place + 1), s.max_nodes)
             first = False
@@ -277,22 +304,34 @@ class Rendezvous:
             over = quorum_seen_at is not None and now >= quorum_seen_at + s.last_call_timeout
             if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(r)):
                 defer = attempt == 0 and mine.place + 1 < count
-                attempt, closed = self._try_close(r, attempt, deadline, last_call_over=over, defer=defer)
+                attempt, seen = self._try_close(r, attempt, deadline, seen, last_call_over=over, defer=defer)
                 continue
             remaining = deadline - now
             if quorum_seen_at is not None:
                 remaining = min(remaining, quorum_seen_at + s.last_call_timeout - now)
                 if remaining <= 0:
-                    attempt, closed = self._try_close(r, attempt, deadline, last_call_over=True)
+                    attempt, seen = self._try_close(r, attempt, deadline, seen, last_call_over=True)
                     continue
             self.waiting.tick(partial(arrival.forming_line, self, r, count, deadline, quorum_seen_at))
-            self.store.also_watch(f"{r}/assign/0/{mine.slot}")  # the first closer's assignment for this node
+            # The first closer's assignment for this node is written just before the record: a store
+            # that watches both on one stream (etcd) returns it with the record.
             # wait: slice, said by Rendezvous._join: slices of WAIT_SLICE_SECONDS up to join_timeout
-            closed = self.store.try_wait([closed_key(r)], min(max(remaining, 0.001), self.waiting.interval))
-        name = f"{r}/assign/{record.attempt}/{mine.slot}"  # nobody waits for it: one request reads it or its absence
-        value = self.store.get_if_present(name)
+            found = self.store.wait_and_read(
+                [closed_key(r)],
+                min(max(remaining, 0.001), self.waiting.interval),
+                also=[f"{r}/assign/0/{mine.slot}"],
+                since=seen,
+            )
+            seen = self._look_again(r, found)
+        name = f"{r}/assign/{record.attempt}/{mine.slot}"
+        # Read on the side of the wait (etcd), else one request for it or its absence: nobody waits for it.
+        value = seen.values.get(name)
+        if value is None:
+            value = self.store.get_if_present(name, nobody_waits=True)
         if value is None:  # the closer did not count this node in (it claimed its slot too late)
             return None
+        if isinstance(value, UntrustedValue):
+            raise value
         return Assignment.load(value, self.store.key(name)).check_for(
             self.store.key(name), r, self.me, s.max_nodes, record.members
         )
@@ -307,18 +346,19 @@ class Rendezvous:
         return max(1, min(self.settings.max_nodes, previous.members - lost + waiting))
 
     def _try_close(
-        self, r: int, attempt: int, deadline: float, last_call_over: bool = False, defer: bool = False
-    ) -> tuple[int, bool]:
+        self, r: int, attempt: int, deadline: float, seen: Seen, last_call_over: bool = False, defer: bool = False
+    ) -> tuple[int, Seen]:
         """Close round r as `attempt`'s closer if nobody has and the valid descriptors (not the counter that woke
         us) meet the rule (`defer`: the completing arrival closes, this node only waits); return the next attempt
-        and whether the round is closed (by this node, or another's close that the wait saw)."""
+        and what was seen of the round's record (this node's close, another's that the wait saw, or a read);
+        `seen`: the last read of it, which such a wait starts from."""
         s = self.settings
         won = not defer and self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)[0]
         if not won:
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             # wait: slice, said by Rendezvous._try_close: last call
-            closed = self.store.try_wait([closed_key(r)], wait)
-            return (attempt, True) if closed else (attempt + 1, False)
+            found = self.store.wait_and_read([closed_key(r)], wait, since=seen)
+            return (attempt, Seen(found)) if found is not None else (attempt + 1, self._look_again(r, None))
         arrived = arrival.valid_arrivals(self, r)
         count, nodes = arrived.count, arrived.nodes
         required = s.min_nodes if last_call_over else max(s.min_nodes, min(self._expected(r), s.max_nodes))
@@ -329,11 +369,11 @@ class Rendezvous:
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             # wait: slice, said by Rendezvous._try_close: close_timeout, then the next attempt
             arrival.wait_for_more(self, r, arrived, wait)
-            return attempt + 1, False
-        self._write_round(r, attempt, arrived.slots, nodes)
-        return attempt, True  # this close, or one that won before it
+            return attempt + 1, self._look_again(r, None)
+        return attempt, self._write_round(r, attempt, arrived.slots, nodes)  # this close, or one that won before it
 
-    def _write_round(self, r: int, attempt: int, slots: list[int], nodes: list[NodeInfo]) -> None:
+    def _write_round(self, r: int, attempt: int, slots: list[int], nodes: list[NodeInfo]) -> Seen:
+        """Write round r's assignments, then its record (first wins); return the record that stands."""
         step = newest_step(nodes)
         previous, end = (self.round_record(r - 1), self.round_end(r - 1)) if r > 0 else (None, None)
         for name, found in ((f"{r - 1}/closed", previous), (f"{r - 1}/end", end)):
@@ -343,22 +383,34 @@ class Rendezvous:
         record = RoundRecord(len(nodes), *counts, step, attempt, resume_step(nodes))
         mine = assignments_for(r, nodes, record)
         self.store.multi_set({f"{r}/assign/{attempt}/{slot}": a.to_json() for slot, a in zip(slots, mine, strict=True)})
-        self.store.set_once(closed_key(r), record.to_json())
+        _, standing = self.store.set_once(closed_key(r), record.to_json())
+        if not standing:
+            return self._look_again(r, None)
+        # This node's own assignment, as it wrote it: the closer reads nothing back (another
+        # attempt's record that stands names other keys, which are read then).
+        own = {
+            f"{r}/assign/{attempt}/{slot}": a.to_json().encode()
+            for slot, node, a in zip(slots, nodes, mine, strict=True)
+            if node.node_id == self.me.node_id
+        }
+        return Seen({closed_key(r): standing.encode(), **own})
 
     def _wait_as_spare(self, r: int, deadline: float) -> None:
         """Late for round r: register as waiting, ask a running job below MAX to re-form, wait (until `deadline`)."""
         s = self.settings
         self.store.add(f"{r}/waiting", 1)
         self.waiting.begin()
-        while (record := self.round_record(r)) is None:
+        seen = self._look_again(r, None)
+        while (record := self._record_in(r, seen)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousError(f"round {r} was full and did not form within join_timeout ({s.join_timeout:g} s)")
             line = f"waiting for round {r} to form (it is full without this node); join_timeout in {left:.0f} s"
             self.waiting.tick(partial(str, line))
             # wait: slice, said by Rendezvous._wait_as_spare: WAIT_SLICE_SECONDS
-            self.store.try_wait([f"{r}/closed"], min(left, self.waiting.interval))
+            found = self.store.wait_and_read([closed_key(r)], min(left, self.waiting.interval), since=seen)
             self.raise_if_closed()
+            seen = self._look_again(r, found)
         members = record.members
         running = RoundChannel(self.store, s, self.me, r, members)
         if running.ended() is None and members < s.max_nodes:

@@ -20,7 +20,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 from rally.rendezvous.arrival import CURRENT_ROUND
-from rally.rendezvous.kv import KeyValueStore, UntrustedValue
+from rally.rendezvous.kv import KeyValueStore, UntrustedValue, opened, opened_text
 from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
 from rally.rendezvous.records import MAX_COUNT, Assignment, EndKind, NodeInfo, RoundEnd, SuccessRecord, parse_master
 from rally.rendezvous.waiting import WaitProgress
@@ -105,9 +105,8 @@ class RoundChannel:
     def ended(self) -> RoundEnd | None:
         """The round's end record, None while it runs."""
         name = end_key(self.r)
-        if not self.store.check(name):
-            return None
-        return RoundEnd.load(self.store.get(name), self.store.key(name))
+        value = self.store.get_if_present(name)
+        return None if value is None else RoundEnd.load(value, self.store.key(name))
 
     def ended_within(self, timeout: float) -> bool:
         # wait: slice: the caller's slice
@@ -115,12 +114,11 @@ class RoundChannel:
 
     def wait_end(self, slice_seconds: float = WAIT_SLICE_SECONDS) -> RoundEnd:
         """Block until the round ends (event-driven: a store wait on its end key)."""
+        name = end_key(self.r)
         # wait: slice, said by the job: slices while the round runs
-        while not self.store.try_wait([end_key(self.r)], slice_seconds):
+        while (found := self.store.wait_and_read([name], slice_seconds)) is None:
             pass
-        end = self.ended()
-        assert end is not None  # the wait above saw the key
-        return end
+        return RoundEnd.load(opened(found[name]), self.store.key(name))
 
     def first_failure(self, end: RoundEnd) -> RoundEnd:
         """Record a worker failure the moment it is seen; the first one job-wide stands. (A node
@@ -136,10 +134,11 @@ class RoundChannel:
         self.store.set(self._key(f"succeeded/{mine}"), SuccessRecord(self.me.node_id, mine).to_json())
         names = [self._key(f"succeeded/{g}") for g in range(self.members)]
         # wait: short: 0.01 s: have all members reported
-        if not self.store.try_wait(names, 0.01):
+        found = self.store.wait_and_read(names, 0.01)
+        if found is None:
             return None
         for g, name in enumerate(names):
-            SuccessRecord.load(self.store.get(name), self.store.key(name)).check_for(self.store.key(name), g)
+            SuccessRecord.load(opened(found[name]), self.store.key(name)).check_for(self.store.key(name), g)
         return self.end(RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
 
     def acknowledge_end(self) -> None:
@@ -231,8 +230,9 @@ class RoundChannel:
                 )
             )
             # wait: slice: 1 s slices up to the caller's deadline
-            if self.store.try_wait([name], min(1.0, max(deadline - time.monotonic(), 0.01))):
-                return parse_master(self.store.get_str(name), self.store.key(name), master_host)
+            found = self.store.wait_and_read([name], min(1.0, max(deadline - time.monotonic(), 0.01)))
+            if found is not None:
+                return parse_master(opened_text(found[name], self.store.key(name)), self.store.key(name), master_host)
             end = self.ended()
             if end is not None:
                 return end
@@ -245,4 +245,5 @@ class RoundChannel:
 
     def step_times(self) -> str | None:
         name = self._key("step_times")
-        return self.store.get_str(name) if self.store.check(name) else None
+        value = self.store.get_if_present(name)
+        return None if value is None else opened_text(value, self.store.key(name))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.kv import KeyValueStore, opened, opened_text
 from rally.rendezvous.membership import WAIT_SLICE_SECONDS
 from rally.rendezvous.records import Assignment, NodeInfo
 
@@ -43,9 +43,9 @@ class StackExchange:
     def wait_request(self, slice_seconds: float = WAIT_SLICE_SECONDS) -> bool:
         """Block until the dump key is set; True if it is a request (not the round's end)."""
         # wait: background: slices
-        while not self.store.try_wait([self.dump], slice_seconds):
+        while (found := self.store.wait_and_read([self.dump], slice_seconds)) is None:
             pass
-        return self.store.get_str(self.dump) != STACKS_ROUND_OVER
+        return opened_text(found[self.dump], self.store.key(self.dump)) != STACKS_ROUND_OVER
 
     def publish(self, snapshots: list[dict]) -> None:
         self.store.set(self._stacks(self.group_rank), json.dumps(snapshots))
@@ -54,12 +54,14 @@ class StackExchange:
         """Every node's published snapshots, waiting up to `timeout` for all; missing nodes left out."""
         names = [self._stacks(g) for g in range(self.members)]
         # wait: short: HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named
-        self.store.try_wait(names, timeout)
+        present = self.store.wait_and_read(names, timeout)
+        if present is None:  # some never came: those that did
+            present = self.store.read_present(names)
         found: dict[int, list[dict]] = {}
         for g, name in enumerate(names):
-            if self.store.check(name):
+            if name in present:
                 try:
-                    found[g] = [s for s in json.loads(self.store.get(name)) if isinstance(s, dict)]
+                    found[g] = [s for s in json.loads(opened(present[name])) if isinstance(s, dict)]
                 except (ValueError, TypeError):
                     continue
         return found

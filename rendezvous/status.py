@@ -16,7 +16,7 @@ from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.node_memory import load_node_failures
 from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED
 from rally.rendezvous.records import MAX_COUNT, RoundEnd
-from rally.rendezvous.status_board import STATUS_NODES, listed_nodes, status_key
+from rally.rendezvous.status_board import listed_nodes, status_key
 from rally.rendezvous.status_schema import MAX_RECORD_BYTES, checked_node
 
 
@@ -28,11 +28,12 @@ def read_job_status(store: Store) -> dict | None:
     the newest round a node's record reports (the store's round counter runs one ahead once a
     round has ended), the counter only while no node has published a record.
     """
-    if not store.check(STATUS_NODES):
-        return None
     # signed lines only, each once, at most status_board.MAX_LISTED_NODES: a stranger's appends
     # drive no store call per line
-    names = [status_key(n) for n in listed_nodes(store)]
+    listed = listed_nodes(store)
+    if listed is None:
+        return None
+    names = [status_key(n) for n in listed]
     records = []
     for name in names:
         record = checked_node(_json(store, name))
@@ -59,7 +60,7 @@ def _counter(store: Store) -> int | None:
 def _json(store: Store, name: str) -> Any:
     """The JSON value at `name`, or None for anything else (absent, unsigned, too large, too deep)."""
     try:
-        raw = store.get(name) if store.check(name) else None
+        raw = store.get_if_present(name)
         return json.loads(raw) if raw is not None and len(raw) <= MAX_RECORD_BYTES else None
     except (UntrustedValue, ValueError, RecursionError):  # RecursionError: "[[[[..." 100 000 deep
         return None
@@ -67,10 +68,10 @@ def _json(store: Store, name: str) -> Any:
 
 def _job_end(store: Store) -> RoundEnd | None:
     """The job's end, when one was recorded that this job could have written."""
-    if not store.check(JOB_CLOSED):
-        return None
     try:
-        raw = store.get(JOB_CLOSED)
+        raw = store.get_if_present(JOB_CLOSED)
+        if raw is None:
+            return None
         return RoundEnd.load(raw, store.key(JOB_CLOSED)) if len(raw) <= MAX_RECORD_BYTES else None
     except (UntrustedValue, ValueError, RecursionError):
         return None

@@ -53,7 +53,8 @@ class StatusBoard:
     def job_started(self) -> dict | None:
         """Who started the job and when (the first node's signed record), for a clash line."""
         try:
-            started = json.loads(self.store.get(JOB_STARTED)) if self.store.check(JOB_STARTED) else None
+            value = self.store.get_if_present(JOB_STARTED)
+            started = None if value is None else json.loads(value)
         except (UntrustedValue, ValueError):
             return None
         return started if isinstance(started, dict) else None
@@ -65,14 +66,15 @@ def signed_line(store: KeyValueStore, name: str, text: str) -> str:
     return store.signer.seal(store.key(name), text).hex() + "\n"
 
 
-def listed_nodes(store: StoreReader) -> list[str]:
+def listed_nodes(store: StoreReader) -> list[str] | None:
     """The node ids on `status/nodes` whose line verifies, each once, in order, at most
-    MAX_LISTED_NODES: a stranger's appends (garbage, or 1.5 MB of lines) cost one read of the
-    list and an HMAC each, never a store call per line."""
-    if not store.check(STATUS_NODES):
-        return []
+    MAX_LISTED_NODES (None: no node ever registered): a stranger's appends (garbage, or 1.5 MB of
+    lines) cost one read of the list and an HMAC each, never a store call per line."""
+    listed = store.get_unsigned(STATUS_NODES)
+    if listed is None:
+        return None
     key, found = store.key(STATUS_NODES), dict[str, None]()
-    for line in store.get_unsigned(STATUS_NODES).split(b"\n"):
+    for line in listed.split(b"\n"):
         if not line or len(line) > MAX_LINE_BYTES:
             continue
         try:

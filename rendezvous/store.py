@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from rally.rendezvous.kv import KeyValueStore, StoreError, StoreTampered, StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.kv import (
+    Checked,
+    KeyValueStore,
+    Seen,
+    StoreError,
+    StoreTampered,
+    StoreTimeout,
+    StoreUnavailable,
+    UntrustedValue,
+)
 from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
 from rally.rendezvous.token import BadRecord, Signer
 
@@ -169,9 +178,10 @@ class Store(KeyValueStore):
     def check(self, name: str) -> bool:
         return bool(self._call(self.raw.check, [self.key(name)]))
 
-    def get_unsigned(self, name: str) -> bytes:
-        """The raw bytes of a key written by `append` (which cannot be signed)."""
-        return self._call(self.raw.get, self.key(name))
+    def get_unsigned(self, name: str) -> bytes | None:
+        """The raw bytes of a key written by `append` (which cannot be signed), None when nobody
+        appended: a `check` and a `get`, two requests (a c10d `get` of an absent key blocks)."""
+        return self._call(self.raw.get, self.key(name)) if self.check(name) else None
 
     def append(self, name: str, value: str) -> None:
         """Append to a list key (unsigned: only `rally status` reads it, and checks each record)."""
@@ -198,23 +208,39 @@ class Store(KeyValueStore):
                 expected = current
         raise UntrustedValue(f"store key '{self.key(name)}' is rewritten with garbage again and again (a stranger)")
 
-    def get_if_present(self, name: str) -> bytes | None:
-        """The checked value of `name`, or None when absent, in one request instead of a `check`
-        and a `get`: c10d's `compare_set` with an expected value no rally writer ever stores
-        (ABSENT: not a sealed value) changes nothing and answers the key's value, or ABSENT
-        itself when there is no key. torch's server wakes a key's waiters on every compare_set,
-        set or not, so this is only for keys nobody waits for while they are absent (a node's
-        assignment; never `closed` or `end`). A stranger who stores ABSENT makes the key look
-        absent, which deleting it would do as well."""
-        current = self._call(self.raw.compare_set, self.key(name), ABSENT, ABSENT)
-        return None if current == ABSENT else self._open(name, current)
+    def get_if_present(self, name: str, *, nobody_waits: bool = False) -> bytes | None:
+        """The checked value of `name`, or None when absent.
 
-    def read_each(self, names: Sequence[str]) -> dict[str, bytes | UntrustedValue]:
+        `nobody_waits` (a node's assignment): one request, c10d's `compare_set` with an expected
+        value no rally writer ever stores (ABSENT: not a sealed value), which changes nothing and
+        answers the key's value, or ABSENT itself when there is no key. A stranger who stores
+        ABSENT makes the key look absent, which deleting it would do as well.
+        Otherwise two requests, a `check` and a `get`: torch's libuv server (the default) wakes a
+        key's waiters on every compare_set, set or not, so on a key somebody may wait for
+        (`closed`, `end`, the stacks' `dump`) the compare_set would end their waits with the key
+        still absent.
+        """
+        if nobody_waits:
+            current = self._call(self.raw.compare_set, self.key(name), ABSENT, ABSENT)
+            return None if current == ABSENT else self._open(name, current)
+        return self.get(name) if self.check(name) else None
+
+    def wait_and_read(
+        self, names: Sequence[str], timeout: float, *, also: Sequence[str] = (), since: Seen | None = None
+    ) -> dict[str, Checked] | None:
+        """A `wait` for every key, then one `multi_get` of them (`read_each`): two requests. `also`
+        and `since` change nothing here (a c10d wait returns no values and has no revisions)."""
+        # wait: slice: the caller's timeout
+        if not self.try_wait(names, timeout):
+            return None
+        return self.read_each(names)
+
+    def read_each(self, names: Sequence[str]) -> dict[str, Checked]:
         """The checked values of `names` (all of which exist) in one `multi_get`: the closer's read
         of every node descriptor is one request, not one per node. Each value is checked on its
         own, so a stranger's value is its `UntrustedValue` and hides none of the others."""
         raw = self._call(self.raw.multi_get, [self.key(n) for n in names]) if names else []
-        values: dict[str, bytes | UntrustedValue] = {}
+        values: dict[str, Checked] = {}
         for name, sealed in zip(names, raw, strict=True):
             try:
                 values[name] = self._open(name, sealed)
@@ -462,20 +488,23 @@ def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: floa
     if store.raw.check([SERVICE_MARKER_KEY]):
         return
     deadline = time.monotonic() + wait
-    # wait: short: a marker the job's host writes at once
-    while not store.try_wait([HOST_MARKER_NAME], min(MARKER_SLICE_SECONDS, max(0.01, deadline - time.monotonic()))):
+    while True:
+        left = max(0.01, min(MARKER_SLICE_SECONDS, deadline - time.monotonic()))
+        # wait: short: a marker the job's host writes at once
+        found = store.wait_and_read([HOST_MARKER_NAME], left)
+        if found is not None:
+            break
         if other := _other_jobs_store(store):
             raise StoreUnavailable(_stranger_port_message(endpoint, port, f"it is the store of another job ({other})"))
         if time.monotonic() >= deadline:
             raise StoreUnavailable(
                 _stranger_port_message(endpoint, port, "it is not this job's store (another job, or another program)")
             )
-    try:
-        store.get(HOST_MARKER_NAME)
-    except UntrustedValue as exc:
+    marker = found[HOST_MARKER_NAME]
+    if isinstance(marker, UntrustedValue):
         raise StoreUnavailable(
-            _stranger_port_message(endpoint, port, f"its host did not sign with this job's token ({exc})")
-        ) from None
+            _stranger_port_message(endpoint, port, f"its host did not sign with this job's token ({marker})")
+        )
 
 
 def _other_jobs_store(store: Store) -> str | None:

@@ -40,7 +40,7 @@ RECV_CHUNK = 1 << 16
 
 class WireStore:
     """A read-only connection to a c10d TCPStore, every key under `prefix`: what
-    rendezvous/status.py's `read_job_status` calls (`check`, `get`, `get_unsigned`, `counter`,
+    rendezvous/status.py's `read_job_status` calls (`get_if_present`, `get_unsigned`, `counter`,
     `key`, `signer`), as `rendezvous.store.Store` answers them."""
 
     def __init__(self, host: str, port: int, prefix: str, timeout: float, signer: Signer | None = None):
@@ -60,12 +60,19 @@ class WireStore:
         answer = self._ask(bytes([QUERY_CHECK]) + struct.pack("<Q", 1) + self._wire_key(name), 1)
         return answer[0] == CHECK_READY
 
-    def get_unsigned(self, name: str) -> bytes:
-        """The raw bytes of `name`, which must exist (check first: a GET of a missing key is
-        answered only once it exists), at most MAX_VALUE_BYTES of them (an append-list is read
+    def get_unsigned(self, name: str) -> bytes | None:
+        """The raw bytes of `name`, None when absent (a `check`, then a GET: a GET of a missing key
+        is answered only once it exists), at most MAX_VALUE_BYTES of them (an append-list is read
         from its start)."""
+        if not self.check(name):
+            return None
         value, _whole = self._get(name)
         return value
+
+    def get_if_present(self, name: str, *, nobody_waits: bool = False) -> bytes | None:
+        """The checked payload of `name`, None when absent: a `check` and a `get`, two requests (a
+        status reader writes nothing, not even `Store.get_if_present`'s no-op compare_set)."""
+        return self.get(name) if self.check(name) else None
 
     def get(self, name: str) -> bytes:
         """The checked payload of `name` (it must exist); UntrustedValue when this job's key does
@@ -98,7 +105,7 @@ class WireStore:
             if not self.check(name):
                 raise
             raise UntrustedValue(
-                f"store key '{self.key(name)}' holds {self.get_unsigned(name)[:40]!r}, not a counter "
+                f"store key '{self.key(name)}' holds {(self.get_unsigned(name) or b'')[:40]!r}, not a counter "
                 "(garbage written by a stranger)"
             ) from None
         if value < 0 or (limit is not None and value > limit):

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 
 from helpers import eventually
+from rally.agent.checkpoint.core import parallel_copy
 from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.slots import NewestBusy, SlotTable
 from rally.agent.worker_side import job
@@ -126,6 +130,91 @@ def test_the_next_optimizer_step_waits_for_the_copy_and_the_resume_is_the_saved_
     assert tier.agent.memory_steps() == [2, 3]
     assert not bits_equal(training.state(3), saved[3]), "the optimizer changed nothing: the test proves nothing"
     assert bits_equal(resumed(tier, 3), saved[3])
+
+
+@pytest.mark.timeout(60)
+def test_a_copy_split_over_helper_threads_resumes_the_saved_step_bit_for_bit(
+    tier: Tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The background copy cut into parts (agent/checkpoint/core/parallel_copy.py: here every
+    copy, in 3 parts where 3 CPUs are allowed), the optimizer stepping at once after the save."""
+    monkeypatch.setattr(parallel_copy, "SPLIT_BYTES", 0)
+    monkeypatch.setenv(parallel_copy.COPY_THREADS_ENV, "3")
+    assert parallel_copy.copy_threads() >= 2, "a single CPU: nothing is split"
+    training = Training()
+    worker, saved = saved_twice(tier, training)
+    training.forward_backward()
+    saved[3] = clone(training.state(3))
+    assert worker.save(training.state(3), "whole", 3, persist=False, keep=3)
+    assert overlap.pending is not None and overlap.pending.step == 3, "the save did not overlap"
+    training.opt.step()  # every parameter and moment changed in place right after the save
+    job.wait_saved()
+    assert parallel_copy._helpers._started >= 1, "no helper thread copied a part"
+    assert not bits_equal(training.state(3), saved[3]), "the optimizer changed nothing: the test proves nothing"
+    assert bits_equal(resumed(tier, 3), saved[3])
+    assert bits_equal(resumed(tier, 2, r=2), saved[2])
+
+
+@pytest.mark.same_under_load
+@pytest.mark.timeout(20)
+def test_a_copy_is_split_into_parts_of_equal_bytes_in_order() -> None:
+    data = [torch.arange(n, dtype=torch.uint8) for n in (10, 1, 0, 29)]  # 40 bytes
+    places = [torch.zeros(d.numel(), dtype=torch.uint8) for d in data]
+    parts = parallel_copy.split(places, data, 3)
+    assert [sum(t.numel() for t in part[1]) for part in parts] == [14, 14, 12]
+    assert torch.cat([t for part in parts for t in part[1]]).equal(torch.cat(data))
+    for dst, src in parts:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+    assert all(p.equal(d) for p, d in zip(places, data, strict=True)), "a part's place is not its data's"
+
+
+@pytest.mark.same_under_load
+@pytest.mark.timeout(20)
+def test_a_split_copy_returns_only_once_every_part_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calling thread's part done first must not let the copy return: the save would be
+    committed (and the optimizer step) while a helper still copies."""
+    monkeypatch.setattr(parallel_copy, "SPLIT_BYTES", 0)
+    monkeypatch.setenv(parallel_copy.COPY_THREADS_ENV, "2")
+    calling, copy_tensors = threading.get_ident(), parallel_copy.torch_internals.copy_tensors
+
+    def helpers_slow(places: list[Any], data: list[Any]) -> None:
+        if threading.get_ident() != calling:
+            time.sleep(0.2)
+        copy_tensors(places, data)
+
+    monkeypatch.setattr(parallel_copy.torch_internals, "copy_tensors", helpers_slow)
+    data = [torch.arange(1000, dtype=torch.uint8)]
+    place = torch.zeros(1000, dtype=torch.uint8)
+    parallel_copy.copy([place], data)
+    assert place.equal(data[0]), "copy returned before a helper's part was copied"
+
+
+@pytest.mark.same_under_load
+@pytest.mark.timeout(20)
+def test_a_forked_child_copies_on_helper_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork (a DataLoader's worker) keeps none of the parent's helper threads, and a lock the
+    parent held at that moment: the child's copy must neither hang nor hand its parts to nobody."""
+    monkeypatch.setattr(parallel_copy, "SPLIT_BYTES", 0)
+    monkeypatch.setenv(parallel_copy.COPY_THREADS_ENV, "2")
+    data = [torch.arange(1000, dtype=torch.uint8)]
+    parallel_copy.copy([torch.zeros(1000, dtype=torch.uint8)], data)  # the parent's helpers run
+    with parallel_copy._helpers._lock:  # held by another thread of the parent at the fork
+        pid = os.fork()
+        if pid == 0:
+            place = torch.zeros(1000, dtype=torch.uint8)
+            parallel_copy.copy([place], data)
+            os._exit(0 if place.equal(data[0]) else 3)
+    pidfd = os.pidfd_open(pid)
+    try:
+        finished = select.select([pidfd], [], [], 10)[0]
+    finally:
+        os.close(pidfd)
+    if not finished:
+        os.kill(pid, signal.SIGKILL)  # hung on the parent's lock: ended here, by its pid
+    _, status = os.waitpid(pid, 0)
+    assert finished, "the forked child's copy hung"
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.timeout(60)

@@ -435,6 +435,43 @@ def test_a_preload_that_hangs_means_plain_starts_not_a_hung_agent(
         client.stop()
 
 
+PREIMPORTED = """
+import gc, json, sys
+job = sys.modules.get("rally.agent.worker_side.job")
+# Imported before the fork: in the template's permanent generation (gc.freeze), which gc.get_objects() leaves out.
+print(json.dumps({"imported": job is not None,
+                  "in_the_template": job is not None and not any(o is job.__dict__ for o in gc.get_objects())}))
+"""
+
+
+# Imported before the fork or after it: no CPU load changes which.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(120)
+def test_the_preemption_handler_module_is_imported_in_the_template_not_in_each_worker(
+    workdir: Path, base_env: dict[str, str]
+) -> None:
+    """RALLY_PREEMPT_SIGNALS is set by default: the bootstrap installs the handler from
+    rally.agent.worker_side.job before the script's first line, 40-60 ms of imports in every
+    forked worker of a restart on a busy machine unless the template imported it first."""
+    env = {**base_env, "RALLY_PREEMPT_SIGNALS": "SIGUSR1,SIGUSR2"}
+    warnings: list[str] = []
+    script = workdir / "preimported.py"
+    write_probe(script, PREIMPORTED)
+    client = TemplateClient(
+        sys.executable, BOOTSTRAP, worker_argv("script", str(script)), (), env, str(workdir), warnings.append
+    )
+    client.warnings = warnings  # type: ignore[attr-defined]
+    client.start()
+    try:
+        code, out, err = start(
+            "template", client, worker_argv("script", str(script)), {**env, "RANK": "0"}, workdir, "preimported"
+        )
+    finally:
+        client.stop()
+    assert code == 0, err
+    assert json.loads(out) == {"imported": True, "in_the_template": True}
+
+
 def test_template_command_line_has_room_for_the_workers_exactly() -> None:
     worker = worker_argv("script", "train.py", "--lr", "0.1")
     padded = template_command(sys.executable, BOOTSTRAP, worker)

@@ -273,10 +273,12 @@ class Preflight:
         #   slowest node's numbers
         # wait store.try_wait: slice, said by Preflight._results: one slice
         wait_in_slices(lambda t: store.try_wait(names, t), wait, what, self.announce)
+        present = store.read_present(names)  # one request on etcd; a slow node's result may be absent
         found: dict[int, dict | None] = {}
         for g, name in enumerate(names):
+            raw = present.get(name)
             try:
-                value = json.loads(store.get(name)) if store.check(name) else None
+                value = json.loads(raw) if isinstance(raw, bytes) else None
             except ValueError:
                 value = None
             found[g] = value if isinstance(value, dict) else None

@@ -4,10 +4,12 @@ pipe open for ever)."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from rally.agent.base import linux
 from rally.agent.base.event_loop import EventLoop, ReadableStream
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.display import console
@@ -47,6 +49,8 @@ class OutputPipe(ReadableStream, Protocol):
     last_read_at: float
 
 
+# Signals whose default action ends the process: after one, the kernel lets another process free its memory.
+FATAL_BY_DEFAULT = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 # How long to keep reading stopped workers' pipes to their end (a grandchild may hold them open).
 OUTPUT_DRAIN_SECONDS = 2.0
 
@@ -69,6 +73,9 @@ def stop_workers(
     for worker in running:
         worker.stopped = True
         processes.stop_group(worker.pid, signum)  # with SIGCONT: a stopped worker must not sit out the grace
+        if signum in FATAL_BY_DEFAULT and worker.process.pidfd >= 0:
+            # Its memory freed from here too, while it frees the rest (a worker that handles the signal is refused)
+            linux.release_memory_soon(worker.process.pidfd)
     deadline = time.monotonic() + grace
     pending = len(loop.signals)
     while group.running() and time.monotonic() < deadline:

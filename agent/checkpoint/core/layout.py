@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from rally.agent.checkpoint.core import torch_internals
+from rally.agent.checkpoint.core import parallel_copy, torch_internals
 
 _LEAVES = (str, int, float, bool, type(None), bytes)
 
@@ -192,8 +192,8 @@ def copy_into(target: mmap.mmap, length: int, placed: list[tuple[Any, int]]) -> 
     try:
         data = [bytes_of(source) for source, _ in placed]
         places = [whole[pos : pos + d.numel()] for (_, pos), d in zip(placed, data, strict=True)]
-        if data:  # one call: the copies run without the GIL, however busy the training thread keeps it
-            torch_internals.copy_tensors(places, data)
+        if data:  # on a few threads, each part one call without the GIL (agent/checkpoint/core/parallel_copy.py)
+            parallel_copy.copy(places, data)
         del places
     finally:
         del whole  # no export of the mapping outlives the save (SlotMaps may close it)

@@ -35,7 +35,10 @@ thread) are not detected: `wait_saved()` before them, or turn the overlap off
 copy's time at most), then settles it. A save is skipped (silently, counted) only when the holder
 would have to write it over the newest step's slot because the other slot is being persisted: its
 slot stays written until the next step's fence, and a worker killed meanwhile must still find the
-newest step in memory.
+newest step in memory. Not a wait (a disk write's time in the loop's stall) nor an overwrite of the
+newest step (with a save every step a copy is open nearly all the time, so a failure would fall
+back to the older copy being persisted): a skip costs at most a persist's time of steps
+("Overlapped saves" in docs/checkpoints.md). The copy itself runs on `parallel_copy`'s threads.
 
 Imports no torch at module level: `rally.job.heartbeat` calls `settle_if_copied`.
 """
