@@ -159,7 +159,7 @@ def analyze(events: list[dict[str, Any]], kills: list[float], launched: float, u
         "step_time": step_time,
         "first_step_after": first_step,
         "saves": len(saves),
-        "stall": statistics.median(e["seconds"] for e in saves) if saves else None,
+        "stall": statistics.median(e.get("stall", e["seconds"]) for e in saves) if saves else None,
         "save_seconds": sum(e["seconds"] for e in saves),
         "interval": statistics.median(intervals) if intervals else None,
         "kills": len(kills),

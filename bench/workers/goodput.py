@@ -12,10 +12,13 @@ gradient exchange would (so a killed peer fails the survivor, as in real trainin
 "the deadline has passed", so both ranks stop after the same step.
 
 Checkpoints follow Young's interval for a failure every ``--mtbf`` seconds: every
-``round(sqrt(2 x stall x mtbf) / step time)`` steps, with the stall and the step time measured as
-the run goes (the first save is at step 1, to measure it). A save's stall is the time in the call
-plus, for rally (whose copy overlaps the next step, agent/checkpoint/core/overlap.py), the time
-the next optimizer step's fence waited for that copy. Methods:
+``round(sqrt(2 x cost x mtbf) / step time)`` steps, with the cost and the step time measured as
+the run goes (the first save after CLEAN_STEPS steps, which give the baseline step time). A save's
+**stall** is the time in the call plus, for rally (whose copy overlaps the next step,
+agent/checkpoint/core/overlap.py), the time the next optimizer step's fence waited for that copy;
+its **cost** is the stall plus how much longer than the baseline the steps until the next save
+took (its copy and its background persist compete with the steps for the cores: for an
+overlapped save that is most of it, and an interval from the stall alone saves far too often). Methods:
 
 - ``rally``: ``rally.job.save(state, step)`` / ``load_latest()`` (the memory tier, persisted in
   the background to ``--checkpoint-dir``);
@@ -132,6 +135,28 @@ class Overwrite(torch.optim.Optimizer):
             p.fill_(float(self.to_step + i))
 
 
+# Steps without a save at the start of every attempt: the baseline a save's cost is measured against.
+CLEAN_STEPS = 10
+
+
+def cost_of(saved: dict) -> float:
+    """A save's cost to the run: the stall (the call, and the next optimizer step's wait for an
+    overlapped copy) plus how much the steps until the next save ran longer than the baseline."""
+    return saved["call"] + (saved["fence"] or 0.0) + saved["excess"]
+
+
+def young_interval(costs: list[float], mtbf: float, per_step: float) -> int:
+    """Young's optimal interval in steps, sqrt(2 x a save's cost x the time between failures)."""
+    return max(1, round(math.sqrt(2 * statistics.median(costs) * mtbf) / per_step))
+
+
+def finish(events: Events, saved: dict, costs: list[float], interval: int) -> None:
+    """Record a save once the next one is made (or the run ends): its stall and its whole cost."""
+    costs.append(cost_of(saved))
+    events("save", step=saved["step"], seconds=costs[-1], stall=saved["call"] + (saved["fence"] or 0.0))
+    events("interval", steps=interval)
+
+
 def fence_seconds(method: str) -> float:
     """How long rally's fences have waited for overlapped copies in this process (0 elsewhere)."""
     if method != "rally":
@@ -190,36 +215,45 @@ def main() -> None:
         optimizer.step()
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     flag = torch.zeros(1)
-    stalls: list[float] = []
+    costs: list[float] = []  # finished saves' costs (see `young_interval`)
+    clean: list[float] = []  # step times before the first save of this attempt: the baseline
     step_times: list[float] = []
-    next_save = step + 1
-    saved: tuple[int, float, float] | None = None  # the last save: (step, seconds in the call, fences before)
+    next_save = step + CLEAN_STEPS
+    saved: dict | None = None  # the last save: step, stall (the call and the fence's wait), excess so far
+    interval = 1
     while True:
         step += 1
         t0 = time.perf_counter()
         busy_until(t0 + args.step_seconds, a, b)
         optimizer.to_step = step
+        fenced = fence_seconds(args.method)
         optimizer.step()  # rally's fence: waits for the last save's copy if it still runs
-        if saved is not None:  # its stall is known now: the call and the fence's wait
-            stalls.append(saved[1] + fence_seconds(args.method) - saved[2])
-            events("save", step=saved[0], seconds=stalls[-1])
-            per_step = statistics.median(step_times[-50:])
-            interval = max(1, round(math.sqrt(2 * statistics.median(stalls) * args.mtbf) / per_step))
-            next_save = saved[0] + interval
-            events("interval", steps=interval)
-            saved = None
+        fence_wait = fence_seconds(args.method) - fenced
+        if saved is not None and saved["fence"] is None:
+            saved["fence"] = fence_wait
         flag[0] = 1.0 if dist.get_rank() == 0 and time.time() >= args.until else 0.0
         dist.all_reduce(flag)
         took = time.perf_counter() - t0
         step_times.append(took)
         events("step", step=step, seconds=took)
+        if saved is None:
+            clean.append(took)
+        else:
+            # What the save costs the steps after it beyond the fence's wait: its copy and its
+            # persist compete with the step for the cores (for an overlapped save, most of its cost).
+            saved["excess"] += max(0.0, took - fence_wait - statistics.median(clean[-50:]))
+            interval = young_interval([*costs, cost_of(saved)], args.mtbf, statistics.median(clean[-50:]))
+            next_save = saved["step"] + interval
         if flag[0] > 0:
             break
         if args.method != "none" and step >= next_save:
-            fenced = fence_seconds(args.method)
+            if saved is not None:
+                finish(events, saved, costs, interval)
             t1 = time.perf_counter()
             ckpt.save(state, step)
-            saved = (step, time.perf_counter() - t1, fenced)
+            saved = {"step": step, "call": time.perf_counter() - t1, "fence": None, "excess": 0.0}
+    if saved is not None:
+        finish(events, saved, costs, interval)
     dist.destroy_process_group()
 
 
