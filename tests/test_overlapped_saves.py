@@ -115,14 +115,21 @@ def saved_twice(tier: Tier, training: Training) -> tuple[Any, dict[int, Any]]:
     return worker, saved
 
 
-@pytest.mark.timeout(60)
-def test_the_next_optimizer_step_waits_for_the_copy_and_the_resume_is_the_saved_step_bit_for_bit(tier: Tier) -> None:
+def overlapped_third_save(tier: Tier) -> tuple[Training, dict]:
+    """Steps 1 and 2 saved, then step 3 saved with its copy still running in the background:
+    the training and what each step held when it was saved."""
     training = Training()
     worker, saved = saved_twice(tier, training)
     training.forward_backward()
     saved[3] = clone(training.state(3))
     assert worker.save(training.state(3), "whole", 3, persist=False, keep=3)
     assert overlap.pending is not None and overlap.pending.step == 3, "the save did not overlap"
+    return training, saved
+
+
+@pytest.mark.timeout(60)
+def test_the_next_optimizer_step_waits_for_the_copy_and_the_resume_is_the_saved_step_bit_for_bit(tier: Tier) -> None:
+    training, saved = overlapped_third_save(tier)
     assert len(overlap.pending.watched) == 3, "the weight and its two Adam moments: copied in the background"
     training.opt.step()  # at once: every parameter and moment changed in place, the fence waits first
     assert overlap.pending is None, "the optimizer stepped before the copy was settled"
@@ -141,12 +148,7 @@ def test_a_copy_split_over_helper_threads_resumes_the_saved_step_bit_for_bit(
     monkeypatch.setattr(parallel_copy, "SPLIT_BYTES", 0)
     monkeypatch.setenv(parallel_copy.COPY_THREADS_ENV, "3")
     assert parallel_copy.copy_threads() >= 2, "a single CPU: nothing is split"
-    training = Training()
-    worker, saved = saved_twice(tier, training)
-    training.forward_backward()
-    saved[3] = clone(training.state(3))
-    assert worker.save(training.state(3), "whole", 3, persist=False, keep=3)
-    assert overlap.pending is not None and overlap.pending.step == 3, "the save did not overlap"
+    training, saved = overlapped_third_save(tier)
     training.opt.step()  # every parameter and moment changed in place right after the save
     job.wait_saved()
     assert parallel_copy._helpers._started >= 1, "no helper thread copied a part"
