@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +32,45 @@ class ByteSink(Protocol):
     def write(self, data: bytes, /) -> int: ...
 
     def flush(self) -> None: ...
+
+
+class WholeWrites:
+    """A console stream that writes every byte it is given, or raises.
+
+    Under PYTHONUNBUFFERED=1 (set by many training images and sbatch scripts, and by `python -u`),
+    sys.stdout.buffer is a raw FileIO, and a raw write to a pipe returns early, with a short
+    count, when a signal (a worker's SIGCHLD) arrives while the pipe is full: the rest of the
+    line was lost and the next line written after its first bytes. This loops until all is
+    written, and waits for the pipe to drain if something else made it non-blocking (O_NONBLOCK
+    belongs to the pipe, which every process holding it shares)."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream = stream
+
+    def write(self, data: bytes, /) -> int:
+        view = memoryview(data)
+        while view:
+            try:
+                count = self.stream.write(view)
+            except BlockingIOError as exc:  # a buffered stream took this much, then was full
+                count = exc.characters_written
+                self._wait_until_writable()
+            if count is None:  # a raw non-blocking stream, full: nothing taken
+                self._wait_until_writable()
+                continue
+            view = view[count:]
+        return len(data)
+
+    def flush(self) -> None:
+        while True:
+            try:
+                self.stream.flush()
+                return
+            except BlockingIOError:
+                self._wait_until_writable()
+
+    def _wait_until_writable(self) -> None:
+        select.select([], [self.stream], [])
 
 
 TAIL_LINES = 400  # enough for the stack dumps of a hung worker with a few threads

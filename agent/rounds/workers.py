@@ -25,7 +25,7 @@ from rally.agent.guard.processes import ChildProcess, describe_exit, process_sta
 from rally.agent.observe.health import heartbeat_path
 from rally.agent.rounds import logs_specs
 from rally.agent.rounds.logs_specs import StreamPlan
-from rally.agent.rounds.output import ByteSink, OutputStream, WorkerOutput
+from rally.agent.rounds.output import ByteSink, OutputStream, WholeWrites, WorkerOutput
 from rally.rendezvous.protocol import Assignment
 
 
@@ -203,8 +203,8 @@ class WorkerGroup:
     ) -> WorkerGroup:
         """Start this node's workers. `launch` has `processes.spawn`'s signature: a plain start by
         default, or the worker template's `TemplateClient.spawn` (agent/template/client.py)."""
-        console_out = console_out or sys.stdout.buffer
-        console_err = console_err or sys.stderr.buffer
+        console_out = console_out or WholeWrites(sys.stdout.buffer)
+        console_err = console_err or WholeWrites(sys.stderr.buffer)
         group = cls()
         host = socket.gethostname()
         duplicates: dict[int, tuple[BinaryIO, tuple[bytes, ...]]] = {}
