@@ -3,8 +3,8 @@
 Under PYTHONUNBUFFERED=1 (common in training images, sbatch scripts and `python -u`) the agent's
 sys.stdout.buffer is a raw FileIO. A raw write to a full pipe returns early, with a short count,
 when a signal arrives (the agent gets a SIGCHLD per worker exit); a caller that ignores the count
-loses the rest. These tests write through a real pipe with a slow reader while a real interval
-timer delivers signals, first showing the raw stream does come back short there, then that the
+loses the rest. These tests write through a real pipe with a slow reader while real signals
+arrive, first showing the raw stream does come back short there, then that the
 agent's console writer (`WholeWrites`) loses and repeats nothing; and the same through a pipe
 another process made non-blocking.
 """
@@ -57,16 +57,25 @@ def slow_pipe(nonblocking: bool = False) -> Iterator[tuple[io.FileIO, bytearray]
 
 @contextmanager
 def signals_every_half_millisecond() -> Iterator[list[int]]:
-    """A real SIGALRM every 0.5 ms with a Python handler (as the agent's SIGCHLD handler is), so
-    blocked pipe writes are interrupted; yields the list the handler counts into."""
+    """A real SIGUSR1 to this (main) thread every 0.5 ms with a Python handler (as the agent's
+    SIGCHLD handler is), so blocked pipe writes are interrupted; yields the list the handler
+    counts into. Not SIGALRM: pytest-timeout's own timer uses it."""
     delivered: list[int] = []
-    previous = signal.signal(signal.SIGALRM, lambda signum, frame: delivered.append(signum))
-    signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: delivered.append(signum))
+    target, stop = threading.get_ident(), threading.Event()
+
+    def send() -> None:
+        while not stop.wait(0.0005):
+            signal.pthread_kill(target, signal.SIGUSR1)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
     try:
         yield delivered
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-        signal.signal(signal.SIGALRM, previous)
+        stop.set()
+        sender.join(timeout=10)
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def write_under_signals(
