@@ -26,6 +26,7 @@ from rally.agent.checkpoint.core import checkpoint_file
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.client import CheckpointRefused, MemoryTier
 from rally.agent.checkpoint.core.shm import fd_path, holders_of
+from rally.agent.checkpoint.holder import DEFAULT_PERSIST_SHARE, PERSIST_SHARE_ENV
 from rally.agent.checkpoint.node_checkpoints import MEMORY_LIMIT_ENV, HolderProcess
 from rally.agent.checkpoint.slots import COMMITTED, SlotTable
 from rally.agent.worker_side import job
@@ -231,6 +232,78 @@ def test_a_save_while_the_previous_persists_takes_the_other_slot_and_keeps_the_n
     assert table.next_to_persist()[2].step == 4  # the newest is next; 2 and 3 were superseded
     assert {s.state for s in table.keys["whole"].slots} == {COMMITTED}
     table.release()
+
+
+# --- how often the disk copy runs (issue 30) ---------------------------------------------------
+
+
+def durable_events(tier: Tier) -> list[dict]:
+    import json
+
+    lines = tier.events.read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == "checkpoint_durable"]
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(90)
+def test_the_disk_copy_rests_in_proportion_to_its_cpu_and_the_jobs_end_writes_the_newest_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RALLY_CKPT_PERSIST_SHARE=0.001: after a copy that took c s of the holder's CPU, no other
+    for 999 c (a 20 MB state: tens of seconds). Saves go on into memory meanwhile; the flush of the
+    job's end writes the newest at once, and only the newest."""
+    monkeypatch.setenv(PERSIST_SHARE_ENV, "0.001")
+    tier = Tier(tmp_path, tmp_path / "ckpt")
+    tier.agent.open_round(0, None, LEASE)
+    try:
+        worker = tier.worker()
+        assert worker.save(state(1, 5_000_000), "whole", 1, persist=True, keep=3)
+        assert eventually(lambda: tier.agent.last_durable == 1, 30)
+        first = eventually(lambda: durable_events(tier), 10)[0]
+        assert first["step"] == 1 and first["cpu"] > 0
+        assert first["rest"] == pytest.approx(first["cpu"] * 999, rel=0.01)
+        assert first["rest"] > 5, f"a 20 MB copy took {first['cpu']} s of CPU: too little to show a rest"
+        for step in (2, 3, 4, 5):
+            assert worker.save(state(step, 5_000_000), "whole", step, persist=True, keep=3)
+        time.sleep(1.0)
+        assert tier.agent.last_saved == 5 and tier.agent.last_durable == 1, "the persister wrote while resting"
+        assert job.durable_steps(tier.checkpoint_dir) == [1]
+        began = time.monotonic()
+        assert tier.agent.flush(30)
+        assert time.monotonic() - began < first["rest"] / 2, "the job's end waited out the rest"
+        assert job.durable_steps(tier.checkpoint_dir) == [1, 5]  # the newest only: 2-4 were superseded
+    finally:
+        tier.agent.stop()
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_a_persist_share_of_one_writes_every_save_as_it_comes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PERSIST_SHARE_ENV, "1")
+    tier = Tier(tmp_path, tmp_path / "ckpt")
+    tier.agent.open_round(0, None, LEASE)
+    try:
+        worker = tier.worker()
+        for step in (1, 2, 3):
+            assert worker.save(state(step, 5_000_000), "whole", step, persist=True, keep=3)
+            assert eventually(lambda: tier.agent.last_durable == step, 20), f"step {step} was not written unasked"
+        assert [e["rest"] for e in durable_events(tier)] == [0, 0, 0]
+    finally:
+        tier.agent.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["0", "often", "1.5", "-0.1"])
+def test_a_bad_persist_share_is_one_line_and_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    monkeypatch.setenv(PERSIST_SHARE_ENV, bad)
+    tier = Tier(tmp_path, tmp_path / "ckpt")
+    try:
+        assert eventually(lambda: tier.warnings, 10) == [
+            f"{PERSIST_SHARE_ENV}={bad!r} is not a share of the time in (0, 1] (1: write every save to disk at "
+            f"once); using {DEFAULT_PERSIST_SHARE}"
+        ]
+    finally:
+        tier.agent.stop()
 
 
 # --- fencing by round (issue 18, item 12) ---------------------------------------------------

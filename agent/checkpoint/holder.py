@@ -59,6 +59,17 @@ MAX_LINE = 64 * 1024
 """A request longer than this is not one of ours: the connection is closed."""
 IDLE_SLICE_SECONDS = 1.0
 """The idle persister's wait for work, one slice at a time (a commit or a stop wakes it at once)."""
+PERSIST_SHARE_ENV = "RALLY_CKPT_PERSIST_SHARE"
+DEFAULT_PERSIST_SHARE = 0.01
+"""The share of one core's time the disk copy may take (RALLY_CKPT_PERSIST_SHARE, in (0, 1]): after
+a copy that took c seconds of the holder's CPU the persister rests c x (1 / share - 1) before the
+next. The memory tier already covers a worker's failure; the disk copy is for the loss of the node
+or of the job, and on a node whose cores all compute it takes its CPU from the steps (a read, a
+digest and a write of the whole state), so writing every save would cost the training far more
+than it protects. CPU time, not wall time: waiting for the disk (an fsync) costs the steps
+nothing. A small state (a few ms of CPU) is still written nearly every save; a 400 MB one (about
+half a second) about once a minute. The job's end, however it ends, still makes the newest copy
+durable at once (`flush`)."""
 
 
 SECRET_ENV = "RALLY_CKPT_SECRET"
@@ -70,7 +81,7 @@ HELLO_TIMEOUT = 10.0
 class Holder:
     def __init__(
         self, listener: socket.socket, secret: str, tag: str, checkpoint_dir: Path | None, memory_limit: int | None,
-        out: BinaryIO,
+        out: BinaryIO, persist_share: float = DEFAULT_PERSIST_SHARE,
     ) -> None:  # fmt: skip
         self.secret = secret.encode()
         self.table = SlotTable(tag, memory_limit)
@@ -79,6 +90,9 @@ class Holder:
         self.out_lock = threading.Lock()
         self.stopping = False
         self.told_disk_only = False
+        self.persist_share = persist_share
+        self.persist_after = 0.0  # monotonic time before which the persister rests (see DEFAULT_PERSIST_SHARE)
+        self.flushing = 0  # flushes waiting: the persister does not rest while the job's end waits for it
         self.listener = listener
         self.listener.listen(64)  # here, not in the agent: the workers' SO_PEERCRED then names this process
 
@@ -111,11 +125,16 @@ class Holder:
         """Wait (bounded) until the newest copy of every key is durable or failed to be."""
         deadline = time.monotonic() + timeout
         with self.table.cond:
-            while self.table.pending() and (left := deadline - time.monotonic()) > 0:
-                # wait: bounded, said by agent/checkpoint/node_checkpoints.py HolderProcess._ask: the agent's flush
-                # at the job's end: up to --shutdown-timeout for the newest copy to be durable; the agent, which
-                # waits for the answer, says so
-                self.table.cond.wait(left)
+            self.flushing += 1
+            self.table.cond.notify_all()  # a resting persister starts now
+            try:
+                while self.table.pending() and (left := deadline - time.monotonic()) > 0:
+                    # wait: bounded, said by agent/checkpoint/node_checkpoints.py HolderProcess._ask: the agent's
+                    # flush at the job's end: up to --shutdown-timeout for the newest copy to be durable; the
+                    # agent, which waits for the answer, says so
+                    self.table.cond.wait(left)
+            finally:
+                self.flushing -= 1
             return {"pending": self.table.pending(), "durable": dict(self.table.durable)}
 
     # ------------------------------------------------------------------ the workers
@@ -232,21 +251,29 @@ class Holder:
 
     # ------------------------------------------------------------------ to the disk
     def persister(self) -> None:
-        """Copy the newest committed slot to disk, one at a time, at a low CPU priority: on a busy
-        node the training step (whose stall is a copy) comes first, the disk write second."""
+        """Copy the newest committed slot to disk, one at a time, at a low CPU priority, resting
+        between copies in proportion to them (DEFAULT_PERSIST_SHARE): on a busy node the training
+        step (whose stall is a copy) comes first, the disk write second."""
         table = self.table
+        job: tuple[str, int, Any] | None = None
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PERSIST_NICENESS)  # this thread only
         except OSError:
             pass
         while True:
             with table.cond:
-                while not self.stopping and (job := table.next_to_persist()) is None:
-                    # wait: background: the idle persister, in IDLE_SLICE_SECONDS (1 s) slices
-                    table.cond.wait(IDLE_SLICE_SECONDS)  # woken by a commit or stop; the slice only re-checks
+                while not self.stopping:
+                    now = time.monotonic()
+                    if (now >= self.persist_after or self.flushing) and (job := table.next_to_persist()) is not None:
+                        break
+                    resting = self.persist_after - now
+                    # wait: background: the idle or resting persister, in IDLE_SLICE_SECONDS (1 s) slices at most
+                    # (a commit, a flush or a stop wakes it at once; the slice only re-checks)
+                    table.cond.wait(min(IDLE_SLICE_SECONDS, resting) if resting > 0 else IDLE_SLICE_SECONDS)
                 if self.stopping:
                     return
             assert job is not None  # the wait above ends with a job or with stopping
+            cpu_before = time.process_time()  # every thread of the holder: the digest's too
             key, index, slot = job
             assert slot.fd is not None  # a committed slot keeps its memfd until it is freed
             assert self.checkpoint_dir is not None  # persist_name refuses a slot to persist without one
@@ -262,7 +289,6 @@ class Holder:
                     slot.persist_name,
                 )
                 ok = True
-                self.emit(ev="durable", key=key, step=slot.step, path=str(path))
             except DiskFull as exc:
                 self.emit(ev="warn", line=str(exc))
             except PersistCancelled:
@@ -282,6 +308,11 @@ class Holder:
                 )
             with table.cond:
                 table.persisted(key, index, ok)
+                cpu = time.process_time() - cpu_before
+                rest = cpu * (1 / self.persist_share - 1)  # DEFAULT_PERSIST_SHARE
+                self.persist_after = time.monotonic() + rest
+            if ok:
+                self.emit(ev="durable", key=key, step=slot.step, path=str(path), cpu=round(cpu, 4), rest=round(rest, 3))
 
     def between_chunks(self) -> bool:
         """Pause the disk copy while a worker copies into a slot or reloads from one (bounded):
@@ -305,6 +336,22 @@ class Holder:
             pass
 
 
+def persist_share(raw: str) -> tuple[float, str | None]:
+    """RALLY_CKPT_PERSIST_SHARE's value, and the line to say when it is not one."""
+    if not raw:
+        return DEFAULT_PERSIST_SHARE, None
+    try:
+        share = float(raw)
+    except ValueError:
+        share = 0.0
+    if 0 < share <= 1:
+        return share, None
+    return DEFAULT_PERSIST_SHARE, (
+        f"{PERSIST_SHARE_ENV}={raw!r} is not a share of the time in (0, 1] (1: write every save to disk at "
+        f"once); using {DEFAULT_PERSIST_SHARE}"
+    )
+
+
 def main(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_IGN)
@@ -315,12 +362,15 @@ def main(argv: list[str]) -> int:
     if not secret:
         print(json.dumps({"ev": "warn", "line": f"the checkpoint holder was started without {SECRET_ENV}"}), flush=True)
         return 2
-    holder = Holder(listener, secret, tag, checkpoint_dir, limit, sys.stdout.buffer)
+    share, bad_share = persist_share(os.environ.get(PERSIST_SHARE_ENV, ""))
+    holder = Holder(listener, secret, tag, checkpoint_dir, limit, sys.stdout.buffer, share)
     persister = threading.Thread(target=holder.persister, daemon=True)
     try:
         threading.Thread(target=holder.serve, daemon=True).start()
         persister.start()
         holder.emit(ev="ready")
+        if bad_share:  # after `ready`: a warning before it means the holder could not start
+            holder.emit(ev="warn", line=bad_share)
         for line in sys.stdin.buffer:  # returns at end of file: the agent stopped us or died
             try:
                 msg = json.loads(line)

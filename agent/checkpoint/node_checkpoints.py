@@ -384,7 +384,9 @@ class HolderProcess:
             self.events.emit("checkpoint_saved", step=msg["step"], key=msg.get("key"), where="memory")
         elif msg.get("ev") == "durable":
             self.last_durable = max(self.last_durable or -1, msg["step"])
-            self.events.emit("checkpoint_durable", step=msg["step"], path=msg.get("path"))
+            self.events.emit(  # cpu: the holder's CPU seconds for the copy; rest: seconds until it writes again
+                "checkpoint_durable", step=msg["step"], path=msg.get("path"), cpu=msg.get("cpu"), rest=msg.get("rest")
+            )
         elif msg.get("ev") == "warn":
             self.warn(str(msg.get("line", "")))
             self.events.emit("checkpoint_warning", line=msg.get("line"))
