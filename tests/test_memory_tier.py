@@ -278,7 +278,9 @@ def test_the_disk_copy_rests_in_proportion_to_its_cpu_and_the_jobs_end_writes_th
 
 @pytest.mark.torch
 @pytest.mark.timeout(60)
-def test_a_persist_share_of_one_writes_every_save_as_it_comes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_persist_share_of_one_writes_every_save_as_it_comes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(PERSIST_SHARE_ENV, "1")
     tier = Tier(tmp_path, tmp_path / "ckpt")
     tier.agent.open_round(0, None, LEASE)
@@ -286,7 +288,7 @@ def test_a_persist_share_of_one_writes_every_save_as_it_comes(tmp_path: Path, mo
         worker = tier.worker()
         for step in (1, 2, 3):
             assert worker.save(state(step, 5_000_000), "whole", step, persist=True, keep=3)
-            assert eventually(lambda: tier.agent.last_durable == step, 20), f"step {step} was not written unasked"
+            assert eventually(lambda s=step: tier.agent.last_durable == s, 20), f"step {step} was not written unasked"
         assert [e["rest"] for e in durable_events(tier)] == [0, 0, 0]
     finally:
         tier.agent.stop()
@@ -294,7 +296,9 @@ def test_a_persist_share_of_one_writes_every_save_as_it_comes(tmp_path: Path, mo
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bad", ["0", "often", "1.5", "-0.1"])
-def test_a_bad_persist_share_is_one_line_and_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+def test_a_bad_persist_share_is_one_line_and_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
     monkeypatch.setenv(PERSIST_SHARE_ENV, bad)
     tier = Tier(tmp_path, tmp_path / "ckpt")
     try:
