@@ -278,9 +278,7 @@ def test_the_disk_copy_rests_in_proportion_to_its_cpu_and_the_jobs_end_writes_th
 
 @pytest.mark.torch
 @pytest.mark.timeout(60)
-def test_a_persist_share_of_one_writes_every_save_as_it_comes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_persist_share_of_one_writes_every_save_as_it_comes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PERSIST_SHARE_ENV, "1")
     tier = Tier(tmp_path, tmp_path / "ckpt")
     tier.agent.open_round(0, None, LEASE)
