@@ -472,6 +472,39 @@ def test_the_preemption_handler_module_is_imported_in_the_template_not_in_each_w
     assert json.loads(out) == {"imported": True, "in_the_template": True}
 
 
+WARMED = """
+import os, sys, time
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"attempt {attempt}: dynamo {'torch._dynamo' in sys.modules}", flush=True)
+import torch
+if attempt == "0":
+    time.sleep(4)  # the template idles meanwhile (WARM_AFTER_IDLE_SECONDS)
+    sys.exit(3)
+started = time.perf_counter()
+torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1).zero_grad()
+print(f"optimizer's first use {time.perf_counter() - started:.3f} s", flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_the_idle_template_imports_torch_dynamo_so_a_restarted_worker_finds_it_imported(tmp_path: Path) -> None:
+    """torch imports torch._dynamo at an optimizer's first use (0.7-0.9 s here, in every worker
+    start): the template imports it once it idles after the first round's forks, not before
+    them (a script without an optimizer would wait for it), and the next round's workers have it."""
+    write_probe(tmp_path / "warmed.py", WARMED)
+    result = run_rally(
+        ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "warmed.py"],
+        cwd=tmp_path,
+        env=rally_env(tmp_path),
+        timeout=110,
+    )
+    assert result.returncode == 0, result.describe()
+    assert "[0] attempt 0: dynamo False" in result.stdout, result.describe()
+    assert "[0] attempt 1: dynamo True" in result.stdout, result.describe()
+    assert "warning" not in result.stderr, result.describe()
+
+
 def test_template_command_line_has_room_for_the_workers_exactly() -> None:
     worker = worker_argv("script", "train.py", "--lr", "0.1")
     padded = template_command(sys.executable, BOOTSTRAP, worker)
