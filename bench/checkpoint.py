@@ -34,6 +34,10 @@ DLRover 0.6.1 runs under its ``dlrover-run`` (bench/shim/dlrover_run.py adds the
 2.13 needs) from the interpreter in ``RALLY_BENCH_DLROVER_PYTHON`` (default
 /work/venvs/dlrover/bin/python, a venv with ``dlrover[k8s,torch]==0.6.1`` and protobuf beside the
 pinned torch); without it, its row says so. Methods alternate order between repetitions.
+rally's rows write every save to disk as it comes (``RALLY_CKPT_PERSIST_SHARE=1``), as DLRover's
+disk saves and the torch methods do, so that "durable after" compares the same thing and the
+stalls include the disk copy's competition; by default rally's holder writes to disk at most 1%
+of a core's time (bench/goodput.py runs the default).
 Writes bench/results/checkpoint.json and checkpoint.md.
 """
 
@@ -122,12 +126,13 @@ def run_once(method: str, root: Path, rep: int, mb: int, keep: bool, compute: fl
     run = root / f"{method}-{rep}"
     started = time.time()
     (run / "ckpt").mkdir(parents=True)
+    every_save_to_disk = {"RALLY_CKPT_PERSIST_SHARE": "1"}  # as DLRover's DISK saves: see the docstring
     env = common.bench_env(
         {"RALLY_MEMORY_TIER": "0"}
         if method == "rally_disk"
-        else {"RALLY_CKPT_OVERLAP": "0"}
+        else {"RALLY_CKPT_OVERLAP": "0", **every_save_to_disk}
         if method == "rally_sync"
-        else None
+        else every_save_to_disk
     )
     job = Job.start(method, command(method, run, mb, compute), env, REPO, run)
     try:
