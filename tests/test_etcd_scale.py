@@ -70,10 +70,12 @@ def test_requests_per_node_do_not_grow_with_the_number_of_nodes(etcd):
     at_256 = requests_per_node(etcd, 256)
     print(f"etcd requests per node: {at_32:.1f} at 32 nodes, {at_256:.1f} at 256 nodes")
     assert at_256 <= 1.5 * at_32, f"{at_256:.1f} requests per node at 256 nodes against {at_32:.1f} at 32"
-    # 2 in a fresh job's first round (a first look that is also the arrival and reads the round's
-    # record, a watch that also brings the node's assignment), the closer's few more shared; 3 before
+    # 2 or 3 in a fresh job's first round (a first look that is also the arrival and reads the round's
+    # record; a watch that also brings the node's assignment when it was written before the round's
+    # record reached the watch, else one read of it after: 17 of 32 nodes and 6 of 256 in one run, by
+    # timing), the closer's few more shared: 2.1-2.7 at 32 nodes and 2.0-2.4 at 256 here. 3 before
     # the first look was the arrival, 7 before issue 31, 9 before the closer alone closed
-    assert at_32 <= 2.6, f"{at_32:.1f} requests per node at 32 nodes (2 and the closer's share)"
+    assert at_32 <= 3.6, f"{at_32:.1f} requests per node at 32 nodes (at most 3, and the closer's share)"
 
 
 @needs_etcd

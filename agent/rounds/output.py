@@ -54,9 +54,9 @@ class WholeWrites:
                 count = self.stream.write(view)
             except BlockingIOError as exc:  # a buffered stream took this much, then was full
                 count = exc.characters_written
-                self._wait_until_writable()
+                self._writable()
             if count is None:  # a raw non-blocking stream, full: nothing taken
-                self._wait_until_writable()
+                self._writable()
                 continue
             view = view[count:]
         return len(data)
@@ -67,10 +67,13 @@ class WholeWrites:
                 self.stream.flush()
                 return
             except BlockingIOError:
-                self._wait_until_writable()
+                self._writable()
 
-    def _wait_until_writable(self) -> None:
-        select.select([], [self.stream], [])
+    def _writable(self) -> None:
+        """Return once the pipe takes bytes again, or after a second (the write is then retried:
+        a console nobody reads holds rally's output back, as a blocking write would)."""
+        # wait: short: 1 s, then the caller tries its write again
+        select.select([], [self.stream], [], 1.0)
 
 
 TAIL_LINES = 400  # enough for the stack dumps of a hung worker with a few threads
