@@ -14,7 +14,9 @@ checkpoint and no failure, run under torchrun and under rally (the better of the
 no launcher's own start-up is taken as the ideal).
 
 Rows: rally (``rally.job.save``, the memory tier persisted to ``--checkpoint-dir`` in the
-background), torchrun + ``torch.save`` (rank 0, fsync, atomic rename) and DLRover 0.6.1's flash
+background), torchrun + ``torch.save`` (rank 0, fsync, atomic rename; with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as in bench/restart.py: with its default its restarted
+gloo ranks read the killed attempt's addresses and fail or hang) and DLRover 0.6.1's flash
 checkpoint under its ``dlrover-run`` (bench/shim/dlrover_run.py; from the interpreter in
 ``RALLY_BENCH_DLROVER_PYTHON``, as bench/checkpoint.py; without it, its row says so). Where the
 time went, as seconds of the run: **saves** (the steps' stall in ``save``), **restarts** (each
@@ -107,7 +109,10 @@ def run_once(name: str, root: Path, duration: float, kill_every: float) -> dict[
     (run / "ckpt").mkdir(parents=True)
     launched = time.time()
     until = launched + duration
-    job = Job.start(name, command(name, run, until, kill_every), common.bench_env(), REPO, run)
+    # torchrun's restarts need a fresh store per round in torch 2.13 (as in bench/restart.py): with
+    # its default the restarted gloo ranks read the killed attempt's addresses (research notes 1.6)
+    extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if name.endswith("torchrun") else None
+    job = Job.start(name, command(name, run, until, kill_every), common.bench_env(extra), REPO, run)
     kills: list[float] = []
     killed: set[int] = set()
     try:
