@@ -505,7 +505,7 @@ attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 print(f"attempt {attempt}: dynamo {'torch._dynamo' in sys.modules}", flush=True)
 import torch
 if attempt == "0":
-    time.sleep(4)  # the template idles meanwhile (WARM_AFTER_IDLE_SECONDS)
+    time.sleep(12)  # the template idles meanwhile (WARM_AFTER_IDLE_SECONDS, 10 s)
     sys.exit(3)
 started = time.perf_counter()
 torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1).zero_grad()

@@ -73,9 +73,11 @@ def _worker_side_modules(environ: Mapping[str, str]) -> list[str]:
     return modules
 
 
-WARM_AFTER_IDLE_SECONDS = 2.0
+WARM_AFTER_IDLE_SECONDS = 10.0
 """How long the template waits, once it has forked workers and nobody asks for more, before it
-imports WARM_LATER (the first round's forks come in a burst; a restart comes much later)."""
+imports what `_warm_later` names (the first round's forks come in a burst; a restart of a job
+that trains comes much later). Not sooner: the import takes about a second of a core, which the
+workers' own start-up (imports, the process group, a first step) needs more."""
 
 
 def _warm_later(preloaded: list[str]) -> list[str]:
