@@ -188,11 +188,10 @@ class _Template:
             sys.path[0] = saved
         return preloaded, failed
 
-    def _warm(self) -> None:
-        """Import `warm_later` now (see _warm_later) as if preloaded: fds the import opened stay
-        open in the children, native thread pools it started are stopped before the next fork.
-        A failure is ignored: a worker that needs the module imports it, and says so if it fails."""
-        names, self.warm_later = self.warm_later, []
+    def _import_late(self, names: list[str]) -> None:
+        """Import `names` after start-up as if preloaded: fds the imports opened stay open in the
+        children, native thread pools they started are stopped before the next fork. A failure is
+        ignored: a worker that needs the module imports it, and says so if it fails."""
         before = _open_fds()
         self._preload(names, None)
         self.keep_fds |= _open_fds() - before
@@ -221,7 +220,8 @@ class _Template:
             # workers and has modules to warm, WARM_AFTER_IDLE_SECONDS of quiet first)
             ready = self.poller.poll(idle_then_warm)
             if not ready and self.warm_later:
-                self._warm()
+                names, self.warm_later = self.warm_later, []
+                self._import_late(names)  # see _warm_later
             for fd, _events in ready:
                 if fd == self.wake_r:
                     self._drain_wakeups()
@@ -273,7 +273,7 @@ class _Template:
         # own): imported here at the first fork, so no later worker imports them (30 ms each).
         wanted = [name for name in _worker_side_modules(request.get("env", {})) if name not in sys.modules]
         if wanted:
-            self._preload(wanted, None)  # a failure shows in the worker, as it would
+            self._import_late(wanted)  # a failure shows in the worker, as it would
         reason = why_fork_is_unsafe()
         if reason is not None:
             for fd in fds:
