@@ -229,7 +229,6 @@ def main() -> None:
     flag = torch.zeros(1)
     costs: list[float] = []  # finished saves' costs (see `young_interval`)
     clean: list[float] = []  # step times before the first save of this attempt: the baseline
-    step_times: list[float] = []
     next_save = step + CLEAN_STEPS
     saved: dict | None = None  # the last save: step, stall (the call and the fence's wait), excess so far
     interval = 1
@@ -246,15 +245,15 @@ def main() -> None:
         flag[0] = 1.0 if dist.get_rank() == 0 and time.time() >= args.until else 0.0
         dist.all_reduce(flag)
         took = time.perf_counter() - t0
-        step_times.append(took)
         events("step", step=step, seconds=took)
         if saved is None:
             clean.append(took)
         else:
             # What the save costs the steps after it beyond the fence's wait: its copy and its
             # persist compete with the step for the cores (for an overlapped save, most of its cost).
-            saved["excess"] += took - fence_wait - baseline(clean)
-            interval = young_interval([*costs, cost_of(saved)], args.mtbf, baseline(clean))
+            clean_step = baseline(clean)
+            saved["excess"] += took - fence_wait - clean_step
+            interval = young_interval([*costs, cost_of(saved)], args.mtbf, clean_step)
             next_save = saved["step"] + interval
         if flag[0] > 0:
             break
