@@ -109,33 +109,19 @@ def test_the_console_writer_delivers_every_byte_once_in_order_through_interrupte
 
 
 @pytest.mark.timeout(60)
-def test_the_console_writer_waits_out_a_pipe_someone_made_non_blocking() -> None:
-    """O_NONBLOCK belongs to the pipe, shared by every process that holds it: a raw write then
-    returns None when full, which the writer waits out instead of dropping."""
+@pytest.mark.parametrize("buffered", [False, True], ids=["raw", "buffered"])
+def test_the_console_writer_waits_out_a_pipe_someone_made_non_blocking(buffered: bool) -> None:
+    """O_NONBLOCK belongs to the pipe, shared by every process that holds it: when it is full a
+    raw write returns None, and a BufferedWriter (the console without PYTHONUNBUFFERED) raises
+    BlockingIOError with the count it took; the writer waits either out instead of dropping."""
 
     def write_and_flush(stream: io.FileIO) -> int:
-        sink = WholeWrites(stream)
+        sink = WholeWrites(io.BufferedWriter(stream) if buffered else stream)
         count = sink.write(PAYLOAD)
         sink.flush()
         return count
 
     count, received, _ = write_under_signals(write_and_flush, nonblocking=True)
-    assert count == len(PAYLOAD)
-    assert received == PAYLOAD
-
-
-@pytest.mark.timeout(60)
-def test_the_console_writer_waits_out_a_buffered_stream_on_a_non_blocking_pipe() -> None:
-    """Without PYTHONUNBUFFERED the console is a BufferedWriter, which raises BlockingIOError
-    with the count it took."""
-
-    def buffered_write(stream: io.FileIO) -> int:
-        sink = WholeWrites(io.BufferedWriter(stream))
-        count = sink.write(PAYLOAD)
-        sink.flush()
-        return count
-
-    count, received, _ = write_under_signals(buffered_write, nonblocking=True)
     assert count == len(PAYLOAD)
     assert received == PAYLOAD
 
