@@ -19,9 +19,11 @@ decided by a pure function (agent/decide.py) and applied here.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +33,7 @@ from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
-from rally.agent.base.spec import JobSpec
+from rally.agent.base.spec import STACK_SIGNAL, JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
 from rally.agent.checks.node_checks import NodeChecks
@@ -152,6 +154,9 @@ class Agent:
     # ================================================================ entry point
     def run(self) -> int:
         processes.become_subreaper()
+        # The signal that asks a worker for its stacks asks the agent too (`kill -SIGRTMIN+2 PID`):
+        # an agent that seems stuck shows where, every thread of it, on its stderr.
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
         self.loop.install_signal_handlers({*self.spec.signals_to_handle, *self.spec.preemption_signals})
         self.guard = GuardClient(self.token)
         # workers are forked from it; it preloads torch meanwhile, saying so should a fork wait for it
