@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers import clean_env, rally_argv
+from helpers import Result, clean_env, kill_group, start_rally
 
 # What the agent dumps its stacks on (agent/base/spec.py STACK_SIGNAL; the agent registers faulthandler there).
 STACK_SIGNAL = signal.SIGRTMIN + 2
@@ -37,6 +37,28 @@ START_BOUND = 90.0
 SHORT = "print('done')\n"
 # Runs long enough for its helpers to be attacked; says when it runs.
 ATTACKED = "import time\nprint('up', flush=True)\ntime.sleep(1.5)\nprint('done', flush=True)\n"
+
+
+def run_or_dump_stacks(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> Result:
+    """`run_rally`, except that a rally still running after `timeout` first dumps its agent's stacks
+    (they end its stderr, in the Result), then is killed: the Result's returncode is then -9."""
+    started = time.monotonic()
+    proc = start_rally(args, cwd=cwd, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal(proc.pid, STACK_SIGNAL)
+        try:
+            stdout, stderr = proc.communicate(timeout=2)  # the dump takes milliseconds
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            stdout, stderr = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            kill_group(proc.pid)
+            # wait: after_kill: the group was SIGKILLed
+            proc.wait()
+    return Result(list(proc.args), proc.returncode, stdout, stderr, time.monotonic() - started)
 
 
 def helpers_of(agent: int) -> dict[str, list[int]]:
@@ -95,8 +117,8 @@ class Soak:
         (work / "job.py").write_text(script)
         out, err = open(work / "out", "w+"), open(work / "err", "w+")
         started = time.monotonic()
-        argv = rally_argv(["--standalone", "--nproc-per-node", "2", "--log-dir", str(work / "logs"), "job.py"])
-        proc = subprocess.Popen(argv, cwd=work, env=clean_env(), stdout=out, stderr=err, start_new_session=True)
+        args = ["--standalone", "--nproc-per-node", "2", "--log-dir", str(work / "logs"), "job.py"]
+        proc = start_rally(args, cwd=work, env=clean_env(), stdout=out, stderr=err)
         done_at: float | None = None  # when the workers said they were done
         attacked, late = "", False
         try:
@@ -162,7 +184,9 @@ def run_jobs_beside_attacks(root: Path, seconds: float, late: float, short_loops
     """Loops of short jobs and of attacked jobs side by side for `seconds`; every job they ran."""
     seed = int(time.time()) if seed is None else seed
     soak = Soak(root, time.monotonic() + seconds, late)
-    threads = [threading.Thread(target=soak.loop, args=(f"short{i}", SHORT, None, seed + i)) for i in range(short_loops)]
+    threads = [
+        threading.Thread(target=soak.loop, args=(f"short{i}", SHORT, None, seed + i)) for i in range(short_loops)
+    ]
     threads += [
         threading.Thread(target=soak.loop, args=(f"attacked{i}", ATTACKED, every_attack(), seed + 100 + i))
         for i in range(attacked_loops)
@@ -171,7 +195,7 @@ def run_jobs_beside_attacks(root: Path, seconds: float, late: float, short_loops
         thread.start()
     try:
         for thread in threads:
-            # wait: bounded: each loop starts no job after `seconds`, and every job ends within late + 1 s of its workers
+            # wait: bounded: no loop starts a job after `seconds`; every job ends within late + 1 s of its workers
             thread.join()
     finally:
         soak.release()

@@ -5,6 +5,7 @@ runs by file path, so it imports none of this."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from rally.agent.base.helper_process import HelperProcess
 from rally.agent.guard import orphan_guard, processes
@@ -38,9 +39,11 @@ def job_cgroup(token: str, guard_pid: int = 0) -> JobCgroup | None:
 class GuardClient:
     """The agent's side: start the guard, tell it about worker groups, stop it at exit."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, warn: Callable[[str], None] | None = None):
+        """`warn` hears the one line of a guard that stopped reading or had to be killed at the end."""
         self.token = token
-        self.helper = HelperProcess(orphan_guard.__file__)  # by file path, in a session of its own
+        # by file path, in a session of its own
+        self.helper = HelperProcess(orphan_guard.__file__, name="the orphan guard", warn=warn)
         self.process = self.helper.process
         self._tell(f"token {token}\n")
         # Every process the agent starts from now on (workers, the template) joins the cgroup
