@@ -51,8 +51,8 @@ from rally.agent.display.worker_table import straggler_line, worker_table
 from rally.agent.observe import job_view, run_info
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
+from rally.rendezvous.keys import job_prefix
 from rally.rendezvous.kv import StoreReader
-from rally.rendezvous.protocol import job_prefix
 from rally.rendezvous.status_schema import MAX_ITEMS, VERDICT, checked
 from rally.rendezvous.store import StoreEndpoint
 

@@ -1,6 +1,6 @@
 """What the job remembers across rounds and restarts about its nodes and its timing, in the store.
 
-JSON records under keys named in rendezvous/protocol.py: the hang timeouts learned with
+JSON records under keys named in rendezvous/keys.py: the hang timeouts learned with
 `--heartbeat-timeout auto` (`LEARNED_TIMEOUTS`, agent/observe/learned_timeouts.py), the root-cause
 failures per host (`NODE_FAILURES`), the quarantined hosts (`QUARANTINED`, agent/checks/quarantine.py)
 and the last pre-flight verdict (`PREFLIGHT_VERDICT`, agent/checks/preflight.py). Each is read-merge-
@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rally.rendezvous.keys import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
 from rally.rendezvous.kv import KeyValueStore, StoreReader, UntrustedValue
-from rally.rendezvous.protocol import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
 
 
 def _read(store: StoreReader, name: str) -> dict[str, Any] | None:

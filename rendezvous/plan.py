@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rally.rendezvous.backends import OpenedStore, backend_of
-from rally.rendezvous.protocol import RendezvousSettings, job_prefix
+from rally.rendezvous.keys import job_prefix
+from rally.rendezvous.protocol import RendezvousSettings
 from rally.rendezvous.store import StoreEndpoint
 from rally.rendezvous.store_connect import reporting_progress
 from rally.rendezvous.token import Signer

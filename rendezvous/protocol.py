@@ -47,7 +47,8 @@ from functools import partial
 from typing import Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
-from rally.rendezvous.arrival import CURRENT_ROUND, Arrival, closed_key, joined_counter
+from rally.rendezvous.arrival import Arrival, closed_key, joined_counter
+from rally.rendezvous.keys import CURRENT_ROUND, JOB_CLOSED, RALLY_PREFIX
 from rally.rendezvous.kv import Checked, Seen, StoreTimeout, UntrustedValue
 from rally.rendezvous.kv import KeyValueStore as Store
 from rally.rendezvous.liveness import wait_round_end_or_dead
@@ -78,23 +79,6 @@ from rally.rendezvous.round_channel import RoundChannel, end_key, lost_counter
 from rally.rendezvous.stack_exchange import STACKS_ROUND_OVER, StackExchange
 from rally.rendezvous.status_board import JOB_STARTED, STATUS_NODES, StatusBoard, status_key
 from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, progress_interval, spare_notice
-
-RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
-
-
-def job_prefix(run_id: str) -> str:
-    """Every key of the job `run_id` lives under this prefix (the store is shared by jobs)."""
-    return f"{RALLY_PREFIX}{run_id}/"
-
-
-# Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
-JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
-# (The status board's keys, STATUS_NODES, JOB_STARTED and status_key, are rendezvous/status_board.py's.)
-# Kept for the job's whole life, read and written through rendezvous/node_memory.py:
-LEARNED_TIMEOUTS = "job/timeouts"  # --heartbeat-timeout auto: JSON, merged by maximum
-NODE_FAILURES = "job/node_failures"  # root-cause failures by host (JSON; every node writes the same entries)
-QUARANTINED = "job/quarantined"  # host -> why (JSON; written by the quarantined node's own agent)
-PREFLIGHT_VERDICT = "job/preflight"  # the last pre-flight verdict, for `rally status` (JSON; node 0)
 
 
 def preflight_key(r: int, part: str) -> str:

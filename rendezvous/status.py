@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rally.rendezvous.keys import CURRENT_ROUND, JOB_CLOSED
 from rally.rendezvous.kv import StoreReader as Store
 from rally.rendezvous.kv import UntrustedValue
 from rally.rendezvous.node_memory import load_node_failures
-from rally.rendezvous.protocol import CURRENT_ROUND, JOB_CLOSED
 from rally.rendezvous.records import MAX_COUNT, RoundEnd
 from rally.rendezvous.status_board import listed_nodes, status_key
 from rally.rendezvous.status_schema import MAX_RECORD_BYTES, checked_node

@@ -16,8 +16,8 @@ from rally.rendezvous.backends import (
     backend_named,
     open_endpoint,
 )
+from rally.rendezvous.keys import job_prefix
 from rally.rendezvous.kv import KeyValueStore
-from rally.rendezvous.protocol import job_prefix
 from rally.rendezvous.store import quiet_torch_logs
 from rally.rendezvous.token import Signer
 
