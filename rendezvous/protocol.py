@@ -31,11 +31,11 @@ Running and ending (rendezvous/round_channel.py, one `RoundChannel` per round): 
 
 What else the nodes agree on has a module of its own, each naming its own keys: the hang-stack
 exchange (rendezvous/stack_exchange.py), the preemption barrier (rendezvous/preemption_barrier.py)
-and the status board (rendezvous/status_board.py). A node that took part in a round holds it as
+and the status board (rendezvous/status/board.py). A node that took part in a round holds it as
 one `Round`: its assignment and those parts, bound to the round, on one store connection.
 
-Values are signed (rendezvous/token.py); counters are only hints and wake-ups. Every wait is
-bounded by `join_timeout` and says every few seconds what it waits for (rendezvous/waiting.py).
+Values are signed (rendezvous/base/token.py); counters are only hints and wake-ups. Every wait is
+bounded by `join_timeout` and says every few seconds what it waits for (rendezvous/status/waiting.py).
 """
 
 from __future__ import annotations
@@ -48,11 +48,10 @@ from typing import Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
 from rally.rendezvous.arrival import Arrival, closed_key, joined_counter
-from rally.rendezvous.keys import CURRENT_ROUND, JOB_CLOSED, RALLY_PREFIX
-from rally.rendezvous.kv import Checked, Seen, StoreTimeout, UntrustedValue
-from rally.rendezvous.kv import KeyValueStore as Store
-from rally.rendezvous.liveness import wait_round_end_or_dead
-from rally.rendezvous.membership import (
+from rally.rendezvous.base.keys import CURRENT_ROUND, JOB_CLOSED, RALLY_PREFIX
+from rally.rendezvous.base.kv import Checked, Seen, StoreTimeout, UntrustedValue
+from rally.rendezvous.base.kv import KeyValueStore as Store
+from rally.rendezvous.base.membership import (
     JobClosed,
     RendezvousError,
     RendezvousSettings,
@@ -62,8 +61,7 @@ from rally.rendezvous.membership import (
     newest_step,
     resume_step,
 )
-from rally.rendezvous.preemption_barrier import PreemptionBarrier
-from rally.rendezvous.records import (
+from rally.rendezvous.base.records import (
     FAILURE_KINDS,
     FINAL_KINDS,
     MAX_COUNT,
@@ -75,10 +73,12 @@ from rally.rendezvous.records import (
     RoundRecord,
     tampered,
 )
+from rally.rendezvous.liveness import wait_round_end_or_dead
+from rally.rendezvous.preemption_barrier import PreemptionBarrier
 from rally.rendezvous.round_channel import RoundChannel, end_key, lost_counter
 from rally.rendezvous.stack_exchange import STACKS_ROUND_OVER, StackExchange
-from rally.rendezvous.status_board import JOB_STARTED, STATUS_NODES, StatusBoard, status_key
-from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, progress_interval, spare_notice
+from rally.rendezvous.status.board import JOB_STARTED, STATUS_NODES, StatusBoard, status_key
+from rally.rendezvous.status.waiting import WaitProgress, announce_wait, ended_line, progress_interval, spare_notice
 
 
 def preflight_key(r: int, part: str) -> str:
@@ -117,7 +117,7 @@ class Rendezvous:
         self.me = me
         self.last_round: int | None = None
         self.last_rank: int | None = None
-        self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
+        self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status/board.py)
         self._ahead: dict[str, Checked | None] = {}  # `_read_ahead`: until the node joins
         # wait: not_a_wait: prints a wait's progress line; not a wait
         self.waiting = WaitProgress(lambda line: announce_wait(self, line), progress_interval(settings.max_nodes))

@@ -189,7 +189,7 @@ def etcd(etcd_cluster: EtcdCluster) -> EtcdCluster:
 def losing_one_txn_reply() -> type:
     """An EtcdClient class whose first transaction's reply is lost after etcd applied it: the
     client tries again elsewhere, as after a member died mid-request."""
-    from rally.rendezvous.etcd_client import EtcdClient, _TryElsewhere
+    from rally.rendezvous.etcd.client import EtcdClient, _TryElsewhere
 
     class LosesAReply(EtcdClient):
         lost = True

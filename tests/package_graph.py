@@ -7,7 +7,9 @@ Run it to see the package graph and its circles:
 
     python tests/package_graph.py            # packages, their arrows, the circles
     python tests/package_graph.py --modules  # the module-level circles too
+    python tests/package_graph.py rendezvous # one package's rooms only (agent, rendezvous, launcher)
     python tests/package_graph.py --rooms    # agent/'s rooms as docs/architecture.md shows them
+    python tests/package_graph.py --rooms rendezvous  # rendezvous/'s rooms, likewise
 """
 
 from __future__ import annotations
@@ -136,11 +138,17 @@ def cycles(graph: dict[str, frozenset[str]] | dict[str, set[str]]) -> list[list[
     return found
 
 
-def describe(show_modules: bool = False) -> str:
+def within(graph: dict[str, frozenset[str]], top: str) -> dict[str, frozenset[str]]:
+    """The part of `graph` inside package `top` (e.g. rally.rendezvous): its packages, the arrows between them."""
+    inside = {p for p in graph if p == top or p.startswith(top + ".")}
+    return {p: frozenset(t & inside) for p, t in graph.items() if p in inside}
+
+
+def describe(show_modules: bool = False, top: str = "rally") -> str:
     """The package graph (each package, the packages it imports), its circles and the arrows that
-    make them; with `show_modules` the module-level circles as well."""
-    graph = package_graph()
-    lines = [f"rally's package graph ({len(graph)} packages, {len(modules())} modules):"]
+    make them; with `show_modules` the module-level circles as well. `top` keeps one package's rooms."""
+    graph = package_graph() if top == "rally" else within(package_graph(), top)
+    lines = [f"{top}'s package graph ({len(graph)} packages, {len(modules())} modules in rally):"]
     lines += [f"  {p} -> {', '.join(sorted(t)) or '(nothing)'}" for p, t in sorted(graph.items())]
     circles = cycles(graph)
     lines.append(f"package circles: {len(circles)}")
@@ -174,8 +182,24 @@ AGENT_LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 
+# The rendezvous' rooms from the bottom up, kept the same way: the store interface and what every
+# room stands on; what nodes say about themselves; the stores; the round protocol and the registry.
+RENDEZVOUS_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("rally.rendezvous.base",),
+    ("rally.rendezvous.status",),
+    ("rally.rendezvous.c10d",),
+    ("rally.rendezvous.etcd",),
+    ("rally.rendezvous",),
+)
+LAYERS_OF = {"agent": AGENT_LAYERS, "rendezvous": RENDEZVOUS_LAYERS}
+
+
+def layer_in(layers: tuple[tuple[str, ...], ...], package: str) -> int:
+    return next(i for i, row in enumerate(layers) if package in row)
+
+
 def agent_layer(package: str) -> int:
-    return next(i for i, row in enumerate(AGENT_LAYERS) if package in row)
+    return layer_in(AGENT_LAYERS, package)
 
 
 def first_sentence(package: str) -> str:
@@ -185,21 +209,31 @@ def first_sentence(package: str) -> str:
     return doc.split(". ")[0].rstrip(".")
 
 
-def rooms_table() -> str:
-    """agent/'s rooms, bottom row first: what each holds (its docstring) and what it imports (the
-    code). Generated, so that docs/architecture.md cannot drift from the code."""
+def folder_of(package: str, top: str) -> str:
+    """`rally.rendezvous.c10d` -> `rendezvous/c10d/` inside `top`'s table, `rendezvous/` in another's
+    (another package's rooms are its own table's business)."""
+    parts = package.split(".")[1:]
+    inside = package == top or package.startswith(top + ".")
+    return "/".join(parts if inside else parts[:1]) + "/"
+
+
+def rooms_table(layers: tuple[tuple[str, ...], ...] = AGENT_LAYERS) -> str:
+    """A package's rooms (agent/'s unless told), bottom row first: what each holds (its docstring)
+    and what it imports (the code). Generated, so that docs/architecture.md cannot drift from the code."""
     graph = package_graph()
+    top = layers[-1][0]
     rows = ["| layer | package | holds | imports |", "|---|---|---|---|"]
-    for level, row in enumerate(AGENT_LAYERS):
+    for level, row in enumerate(layers):
         for package in row:
             folder = "/".join(package.split(".")[1:]) + "/"
-            imports = sorted("/".join(t.split(".")[1:]) + "/" for t in graph[package])
+            imports = sorted({folder_of(t, top) for t in graph[package]})
             rows.append(f"| {level} | `{folder}` | {first_sentence(package)} | {', '.join(imports) or '-'} |")
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
+    named = [a for a in sys.argv[1:] if not a.startswith("--")]
     if "--rooms" in sys.argv[1:]:
-        print(rooms_table())
+        print(rooms_table(LAYERS_OF[named[0]] if named else AGENT_LAYERS))
     else:
-        print(describe(show_modules="--modules" in sys.argv[1:]))
+        print(describe(show_modules="--modules" in sys.argv[1:], top=f"rally.{named[0]}" if named else "rally"))

@@ -3,9 +3,9 @@
 The stranger of tests/stranger.py runs with the standard library only (no torch, no rally), so
 this is c10d's wire protocol spoken over a plain socket, as a real attacker would speak it: a
 query is one byte, a key or value a little-endian uint64 length and its bytes (the same from
-torch 2.4 to 2.15, on both server back ends; rendezvous/store_connect.py speaks the first two
+torch 2.4 to 2.15, on both server back ends; rendezvous/c10d/connect.py speaks the first two
 queries too), every key under torch's client prefix "/". Values are wrapped as rally wraps them
-(rendezvous/token.py): without a job token a store's readers accept an envelope whose HMAC is
+(rendezvous/base/token.py): without a job token a store's readers accept an envelope whose HMAC is
 keyed with the empty token, which anyone can make.
 
     run_as_stranger(STORE_CLIENT + f"put({port}, 'rally/job/status/node/x', b'...')", timeout=10)
@@ -25,7 +25,7 @@ def _text(data):
 
 
 def sealed(key, payload, token=b""):
-    """A value as an agent without a job token writes it (rendezvous/token.py Signer.seal)."""
+    """A value as an agent without a job token writes it (rendezvous/base/token.py Signer.seal)."""
     mac = hmac.new(token, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
     return b"rally2." + mac + b"." + key.encode() + b"\0" + payload
 

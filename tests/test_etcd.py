@@ -24,15 +24,15 @@ import pytest
 from agents import AgentProcess, start_agent, stop_all
 from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
 from helpers import eventually, free_port, read_events, run_rally, write_probe
-from rally.rendezvous.etcd_client import Member
-from rally.rendezvous.etcd_open import open_etcd_store
-from rally.rendezvous.etcd_store import EtcdStore
+from rally.rendezvous.base.membership import RendezvousSettings
+from rally.rendezvous.base.records import NodeInfo
+from rally.rendezvous.c10d.store import StoreTimeout, StoreUnavailable
+from rally.rendezvous.etcd.client import Member
+from rally.rendezvous.etcd.open import open_etcd_store
+from rally.rendezvous.etcd.store import EtcdStore
 from rally.rendezvous.liveness import silent_peer, wait_round_end_or_dead
-from rally.rendezvous.membership import RendezvousSettings
 from rally.rendezvous.protocol import Rendezvous, RoundEnd
-from rally.rendezvous.records import NodeInfo
 from rally.rendezvous.round_channel import RoundChannel
-from rally.rendezvous.store import StoreTimeout, StoreUnavailable
 from test_bad_input import assert_one_line_only, rally_fails, the_error_line
 
 # The lease TTL in the job tests (rally's default keep_alive_timeout): well above an etcd leader

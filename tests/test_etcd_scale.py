@@ -18,9 +18,9 @@ import pytest
 
 from etcd_cluster import EtcdCluster, etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
 from helpers import form_one_round_at_once
-from rally.rendezvous.etcd_client import EtcdClient, Member, b64
-from rally.rendezvous.etcd_store import EtcdStore
-from rally.rendezvous.kv import UntrustedValue
+from rally.rendezvous.base.kv import UntrustedValue
+from rally.rendezvous.etcd.client import EtcdClient, Member, b64
+from rally.rendezvous.etcd.store import EtcdStore
 from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
 
 
@@ -150,7 +150,7 @@ def test_a_fresh_jobs_first_look_is_its_arrival_and_a_running_jobs_only_a_look(e
 @needs_etcd
 @pytest.mark.timeout(60)
 def test_an_arrival_sent_twice_keeps_its_first_place(etcd, monkeypatch):
-    """A request whose reply was lost is sent again (etcd_client.py): the arrival's own key
+    """A request whose reply was lost is sent again (etcd/client.py): the arrival's own key
     already exists then, and the index is the one it got the first time, not a new one."""
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     prefix = f"test/{uuid.uuid4().hex}/"

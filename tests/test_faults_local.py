@@ -291,7 +291,7 @@ def test_a_token_on_argv_and_loose_secret_files_get_one_warning_line_each(tmp_pa
 @pytest.mark.same_under_load  # file modes and owners, read once
 @pytest.mark.timeout(30)
 def test_the_per_user_secret_is_refused_when_linked_or_foreign_and_loose_modes_are_named(tmp_path, monkeypatch):
-    from rally.rendezvous.token import TokenError, resolve_token
+    from rally.rendezvous.base.token import TokenError, resolve_token
 
     monkeypatch.delenv("RALLY_JOB_TOKEN", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -30,7 +30,7 @@ from helpers import (
     write_probe,
 )
 from live_rally import LiveRally
-from rally.rendezvous.store import HOST_MARKER_WAIT_SECONDS
+from rally.rendezvous.c10d.store import HOST_MARKER_WAIT_SECONDS
 
 
 # Same under load: a check of the command line, before anything starts.

@@ -15,7 +15,7 @@ from package_graph import cycles, module_graph, rally_imports
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("launcher", "agent", "rendezvous")
 LARGE_MODULE_LINES = 800
-# Methods of rendezvous.store.Store (and EtcdStore) that take a key name first.
+# Methods of rendezvous.c10d.store.Store (and EtcdStore) that take a key name first.
 KEYED_STORE_CALLS = {
     "set", "get", "get_str", "get_unsigned", "add", "check", "counter", "append", "set_once",
     "compare_set", "try_wait", "wait_deleted", "set_leased", "delete_key", "multi_set", "key",
@@ -25,9 +25,9 @@ KEYED_STORE_CALLS = {
 # preemption barrier, the status board; the store implementations below it name their own few.
 PROTOCOL = {
     "rendezvous/protocol.py", "rendezvous/arrival.py", "rendezvous/round_channel.py", "rendezvous/stack_exchange.py",
-    "rendezvous/preemption_barrier.py", "rendezvous/status_board.py",
+    "rendezvous/preemption_barrier.py", "rendezvous/status/board.py",
 }  # fmt: skip
-KEY_OWNERS = PROTOCOL | {"rendezvous/store.py", "rendezvous/etcd_store.py", "rendezvous/etcd_client.py"}
+KEY_OWNERS = PROTOCOL | {"rendezvous/c10d/store.py", "rendezvous/etcd/store.py", "rendezvous/etcd/client.py"}
 
 
 def modules() -> list[Path]:

@@ -30,8 +30,8 @@ from rally.agent.checkpoint.holder import DEFAULT_PERSIST_SHARE, PERSIST_SHARE_E
 from rally.agent.checkpoint.node_checkpoints import MEMORY_LIMIT_ENV, HolderProcess
 from rally.agent.checkpoint.slots import COMMITTED, SlotTable
 from rally.agent.worker_side import job
-from rally.rendezvous.membership import resume_step
-from rally.rendezvous.records import NodeInfo
+from rally.rendezvous.base.membership import resume_step
+from rally.rendezvous.base.records import NodeInfo
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0

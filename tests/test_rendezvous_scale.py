@@ -23,12 +23,12 @@ import pytest
 
 from etcd_cluster import etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
 from helpers import form_one_round_at_once
-from rally.rendezvous.etcd_client import EtcdClient, Member, b64
-from rally.rendezvous.etcd_store import EtcdStore
-from rally.rendezvous.kv import UntrustedValue
+from rally.rendezvous.base.kv import UntrustedValue
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import Store, connect_tcp_store, host_tcp_store
+from rally.rendezvous.etcd.client import EtcdClient, Member, b64
+from rally.rendezvous.etcd.store import EtcdStore
 from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
-from rally.rendezvous.store import Store, connect_tcp_store, host_tcp_store
-from rally.rendezvous.token import Signer
 
 pytestmark = pytest.mark.timeout(60)
 # Each TCPStore client reverse-resolves its peer: one short attempt where a resolver drops queries.
@@ -192,7 +192,7 @@ def test_read_present_on_etcd_is_one_transaction(etcd):
 @needs_etcd
 def test_a_first_wins_write_sent_again_after_a_lost_reply_still_wins(etcd):
     """Under load an etcd request can outlast the client's per-request timeout after etcd applied
-    it; the client sends it again (etcd_client.py). A slot claim sent again finds its own value
+    it; the client sends it again (etcd/client.py). A slot claim sent again finds its own value
     standing: it won (as on c10d). Before, the node took it for another's claim and claimed a
     second slot: at 4,096 simulated nodes one node held two slots and another was left out."""
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]

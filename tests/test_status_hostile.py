@@ -64,7 +64,7 @@ def no_traceback(done: Result) -> None:
 def store() -> Iterator[int]:
     """A job's TCPStore on loopback, as `rally store` serves one (launcher/store_command.py), hosted
     here: agents, strangers and `rally status` reach it. Its port."""
-    from rally.rendezvous.store import SERVICE_MARKER_KEY, host_tcp_store
+    from rally.rendezvous.c10d.store import SERVICE_MARKER_KEY, host_tcp_store
 
     server = host_tcp_store(0, 30, loopback_only=True)
     server.set(SERVICE_MARKER_KEY, "rally store")
@@ -488,7 +488,7 @@ FAKE_NUMPY = 'raise ModuleNotFoundError("No module named numpy", name="numpy")\n
 @pytest.mark.timeout(120)
 def test_status_with_a_store_imports_no_torch_and_prints_no_numpy_warning(store, tmp_path):
     """Where NumPy is missing (or of another ABI), torch warns at import; `rally status` reads a
-    c10d store without torch (rendezvous/wire_store.py), so there is nothing to warn about."""
+    c10d store without torch (rendezvous/c10d/wire.py), so there is nothing to warn about."""
     require_stranger()
     stranger_publishes(store, "costs", json.dumps(node_record()).encode())
     (tmp_path / "numpy").mkdir()

@@ -38,14 +38,14 @@ from live_rally import LiveRally
 from rally.agent.base.spec import BOOTSTRAP
 from rally.agent.rounds.node_waits import NodeWaits
 from rally.agent.template.client import ForkedChild, TemplateClient
-from rally.rendezvous.etcd_client import Member
-from rally.rendezvous.etcd_open import open_etcd_store
-from rally.rendezvous.long_wait import wait_in_slices
-from rally.rendezvous.membership import RendezvousSettings
+from rally.rendezvous.base.membership import RendezvousSettings
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import Store, StoreError, StoreTimeout, connect_tcp_store
+from rally.rendezvous.etcd.client import Member
+from rally.rendezvous.etcd.open import open_etcd_store
 from rally.rendezvous.protocol import Assignment, NodeInfo, Rendezvous, Round, RoundChannel
-from rally.rendezvous.store import Store, StoreError, StoreTimeout, connect_tcp_store
-from rally.rendezvous.token import Signer
-from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
+from rally.rendezvous.status.long_wait import wait_in_slices
+from rally.rendezvous.status.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
 
 TOKEN = "wait-lines-token"
 RUN_ID = "testjob"

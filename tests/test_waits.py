@@ -46,8 +46,8 @@ SHORT_SECONDS = 10.0
 # Names of calls that can block. `join` and `get` only count with a timeout or block keyword or
 # on a thread (str.join and dict.get are everywhere); see `_blocking`.
 WAIT_NAMES = {"sleep", "communicate", "select", "poll", "recv", "recv_into", "accept", "flock", "run_blocking"}
-# `tick` is a wait's throttled progress line (rendezvous/waiting.py WaitProgress, rendezvous/long_wait.py
-# LongWait), `wait_in_slices` a wait made in slices that ticks (rendezvous/long_wait.py).
+# `tick` is a wait's throttled progress line (rendezvous/status/waiting.py WaitProgress, rendezvous/status/long_wait.py
+# LongWait), `wait_in_slices` a wait made in slices that ticks (rendezvous/status/long_wait.py).
 ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error", "progress", "tick", "wait_in_slices"}
 
 S, B, SL, BG, AK, NW = "short", "bounded", "slice", "background", "after_kill", "not_a_wait"

@@ -20,7 +20,7 @@ CURRENT_ROUND = "current"  # counter: the round a late joiner starts from
 # Keys outside the rounds; `rally status`'s reader reads them.
 JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
 # (The status board's keys, STATUS_NODES, JOB_STARTED and status_key, are the status board's.)
-# Kept for the job's whole life, read and written through the job's notes (node_memory.py):
+# Kept for the job's whole life, read and written through the job's notes (rendezvous/status/job_notes.py):
 LEARNED_TIMEOUTS = "job/timeouts"  # --heartbeat-timeout auto: JSON, merged by maximum
 NODE_FAILURES = "job/node_failures"  # root-cause failures by host (JSON; every node writes the same entries)
 QUARANTINED = "job/quarantined"  # host -> why (JSON; written by the quarantined node's own agent)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from rally.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdUnavailable, Member, b64
-from rally.rendezvous.etcd_http import EtcdAccess
-from rally.rendezvous.etcd_store import EtcdStore
-from rally.rendezvous.kv import StoreUnavailable
-from rally.rendezvous.store_connect import current_progress
-from rally.rendezvous.token import Signer
+from rally.rendezvous.base.kv import StoreUnavailable
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.connect import current_progress
+from rally.rendezvous.etcd.client import EtcdClient, EtcdError, EtcdUnavailable, Member, b64
+from rally.rendezvous.etcd.http import EtcdAccess
+from rally.rendezvous.etcd.store import EtcdStore
 
 # How long rally tries the endpoints at start before giving up with one clear line: etcd is
 # infrastructure that must already be running, so an unreachable cluster is reported fast.
@@ -31,7 +31,7 @@ def open_etcd_store(
     progress: Callable[[str], None] | None = None,
 ) -> EtcdStore:
     """Connect to the cluster (any member will do) and check that it serves reads. `progress`
-    (default: the caller's `store_connect.reporting_progress`, the agent's console) hears what a
+    (default: the caller's `c10d.connect.reporting_progress`, the agent's console) hears what a
     long `get` waits for.
 
     Raises StoreUnavailable with one line naming every endpoint when none answers within

@@ -1,9 +1,9 @@
 """What `rally status` and the straggler exchange read: the job's round, end and node records.
 
-Nodes publish their records on the status board (rendezvous/status_board.py); this reader trusts none of
+Nodes publish their records on the status board (rendezvous/status/board.py); this reader trusts none of
 them: a record that is not this job's JSON object (not signed for its key, larger than
 MAX_RECORD_BYTES, nested past the parser's depth) is left out, and every field of the others is
-checked against its writer's types (rendezvous/status_schema.py), so a stranger's writes never break it.
+checked against its writer's types (rendezvous/status/schema.py), so a stranger's writes never break it.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rally.rendezvous.keys import CURRENT_ROUND, JOB_CLOSED
-from rally.rendezvous.kv import StoreReader as Store
-from rally.rendezvous.kv import UntrustedValue
-from rally.rendezvous.node_memory import load_node_failures
-from rally.rendezvous.records import MAX_COUNT, RoundEnd
-from rally.rendezvous.status_board import listed_nodes, status_key
-from rally.rendezvous.status_schema import MAX_RECORD_BYTES, checked_node
+from rally.rendezvous.base.keys import CURRENT_ROUND, JOB_CLOSED
+from rally.rendezvous.base.kv import StoreReader as Store
+from rally.rendezvous.base.kv import UntrustedValue
+from rally.rendezvous.base.records import MAX_COUNT, RoundEnd
+from rally.rendezvous.status.board import listed_nodes, status_key
+from rally.rendezvous.status.job_notes import load_node_failures
+from rally.rendezvous.status.schema import MAX_RECORD_BYTES, checked_node
 
 
 def read_job_status(store: Store) -> dict | None:
@@ -28,7 +28,7 @@ def read_job_status(store: Store) -> dict | None:
     the newest round a node's record reports (the store's round counter runs one ahead once a
     round has ended), the counter only while no node has published a record.
     """
-    # signed lines only, each once, at most status_board.MAX_LISTED_NODES: a stranger's appends
+    # signed lines only, each once, at most board.MAX_LISTED_NODES: a stranger's appends
     # drive no store call per line
     listed = listed_nodes(store)
     if listed is None:
@@ -40,7 +40,7 @@ def read_job_status(store: Store) -> dict | None:
         if record is not None:
             records.append(record)
     rounds = [r["round"] for r in records if r.get("round") is not None]
-    health = load_node_failures(store)  # quarantine and pre-flight (rendezvous/node_memory.py)
+    health = load_node_failures(store)  # quarantine and pre-flight (rendezvous/status/job_notes.py)
     return {
         "round": max(rounds) if rounds else _counter(store),
         "closed": _job_end(store),

@@ -2,7 +2,7 @@
 
 rally talks to etcd through the gateway that every etcd member serves next to gRPC on its
 client port (`POST /v3/kv/range`, `/v3/kv/txn`, `/v3/watch`, `/v3/lease/...`; keys and values in
-base64). That needs nothing beyond the standard library (the connection: rendezvous/etcd_http.py,
+base64). That needs nothing beyond the standard library (the connection: rendezvous/etcd/http.py,
 plain or TLS): no gRPC stack and no third-party client to keep maintained. With an etcd user,
 the client authenticates once and sends the token with every request.
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from rally.rendezvous.etcd_http import EtcdAccess, HttpConnection, HttpError
+from rally.rendezvous.etcd.http import EtcdAccess, HttpConnection, HttpError
 
 # One HTTP request (connect + reply) to one member; a slower member is skipped for the next one.
 REQUEST_TIMEOUT_SECONDS = 5.0

@@ -1,7 +1,7 @@
 """The records the rendezvous keeps in the store, and the checks every one passes when read.
 
 Store contents are untrusted: anyone who can reach the store can write any key (the job token,
-rendezvous/token.py, rejects values this job did not sign, but a job without a token has only
+rendezvous/base/token.py, rejects values this job did not sign, but a job without a token has only
 these checks). Every record is parsed by `load`, which accepts exactly the fields of its class,
 with the right types and in range; anything else is `UntrustedValue`, one line that names the
 key. Nothing read from the store reaches a worker's environment unchecked: a wrong world size
@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import TypeVar
 
-from rally.rendezvous.kv import StoreTampered, UntrustedValue
+from rally.rendezvous.base.kv import StoreTampered, UntrustedValue
 
 T = TypeVar("T", bound="StoredRecord")
 

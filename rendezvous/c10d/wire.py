@@ -4,17 +4,17 @@
 (GET) and a counter (ADD of 0). torch's client would cost its import (1.5 s of CPU, and a NumPy
 warning where NumPy is missing) for three queries, so this module speaks them itself, with the
 standard library. The wire protocol is c10d's (TCPStoreBackend.hpp, the same from torch 2.4 to
-2.15 on both server back ends; rendezvous/store_connect.py asks VALIDATE and GETNUMKEYS the same
+2.15 on both server back ends; rendezvous/c10d/connect.py asks VALIDATE and GETNUMKEYS the same
 way): a query is one byte, a key a little-endian uint64 length and its bytes under torch's client
 prefix "/", an answer a fixed-size value or a length and its bytes.
 
 What it reads is judged as torch's client would leave it to rally to judge: values are opened
-by the job's `Signer` (rendezvous/token.py), so a record the job's key does not verify is an
-`UntrustedValue`, exactly as on `rendezvous.store.Store`. Beyond torch's client, nothing here
+by the job's `Signer` (rendezvous/base/token.py), so a record the job's key does not verify is an
+`UntrustedValue`, exactly as on `rendezvous.c10d.store.Store`. Beyond torch's client, nothing here
 trusts the peer: every socket call has a timeout, an answer longer than MAX_VALUE_BYTES is not
 read into memory (a value is cut, the connection dropped and opened again for the next query),
 and an answer of the wrong shape is `StoreUnavailable` with one line. Writes are not offered:
-the agent, which writes, runs torch's client anyway (rendezvous/store.py).
+the agent, which writes, runs torch's client anyway (rendezvous/c10d/store.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import socket
 import struct
 
-from rally.rendezvous.kv import StoreUnavailable, UntrustedValue
-from rally.rendezvous.token import BadRecord, Signer
+from rally.rendezvous.base.kv import StoreUnavailable, UntrustedValue
+from rally.rendezvous.base.token import BadRecord, Signer
 
 # c10d's query codes (TCPStoreBackend.hpp `QueryType`) and its first message's magic number.
 QUERY_VALIDATE, QUERY_GET, QUERY_ADD, QUERY_CHECK = 0, 3, 4, 5
@@ -32,7 +32,7 @@ CHECK_READY = 0  # `CheckResponseType::READY`
 # torch's TCPStore client puts every key under this prefix (TCPStore::keyPrefix_).
 CLIENT_KEY_PREFIX = b"/"
 # The most of one value read into memory. Every record `rally status` parses is at most 1 MiB
-# (status_schema.MAX_RECORD_BYTES); the one list it reads whole (`status/nodes`: 4096 signed
+# (status/schema.py `MAX_RECORD_BYTES`); the one list it reads whole (`status/nodes`: 4096 signed
 # lines of ~150 bytes) is well under this, and a longer one is read up to here.
 MAX_VALUE_BYTES = 16 << 20
 RECV_CHUNK = 1 << 16
@@ -40,12 +40,12 @@ RECV_CHUNK = 1 << 16
 
 class WireStore:
     """A read-only connection to a c10d TCPStore, every key under `prefix`: what
-    rendezvous/status.py's `read_job_status` calls (`get_if_present`, `get_unsigned`, `counter`,
-    `key`, `signer`), as `rendezvous.store.Store` answers them."""
+    rendezvous/status/reader.py's `read_job_status` calls (`get_if_present`, `get_unsigned`, `counter`,
+    `key`, `signer`), as `rendezvous.c10d.store.Store` answers them."""
 
     def __init__(self, host: str, port: int, prefix: str, timeout: float, signer: Signer | None = None):
         """`timeout` bounds every connect, send and receive (not the whole session: the caller
-        bounds that, as `rally status` does with store_connect.bounded)."""
+        bounds that, as `rally status` does with connect.bounded)."""
         self.host, self.port, self.prefix, self.timeout = host, port, prefix, timeout
         self.signer = signer or Signer()
         self.describe = f"the rendezvous store at {host}:{port}"

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rally.rendezvous.kv import KeyValueStore
-from rally.rendezvous.membership import RendezvousError, RendezvousSettings
-from rally.rendezvous.records import NodeInfo, RoundEnd
-from rally.rendezvous.status_board import StatusBoard
+from rally.rendezvous.base.kv import KeyValueStore
+from rally.rendezvous.base.membership import RendezvousError, RendezvousSettings
+from rally.rendezvous.base.records import NodeInfo, RoundEnd
+from rally.rendezvous.status.board import StatusBoard
 
 # How often a waiting node prints (and publishes) what it waits for; the first line comes after
 # one interval, so a rendezvous that forms at once prints nothing.

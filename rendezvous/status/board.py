@@ -1,5 +1,5 @@
 """The status board: what each node publishes for `rally status`, the live view's peers and a
-clash line (rendezvous/status.py reads it all back, trusting none of it).
+clash line (rendezvous/status/reader.py reads it all back, trusting none of it).
 
 Keys, outside the rounds:
 
@@ -16,9 +16,9 @@ import json
 import time
 from typing import Any
 
-from rally.rendezvous.kv import KeyValueStore, StoreReader, UntrustedValue
-from rally.rendezvous.records import NodeInfo
-from rally.rendezvous.token import BadRecord
+from rally.rendezvous.base.kv import KeyValueStore, StoreReader, UntrustedValue
+from rally.rendezvous.base.records import NodeInfo
+from rally.rendezvous.base.token import BadRecord
 
 STATUS_NODES = "status/nodes"
 JOB_STARTED = "job/started"
@@ -61,7 +61,7 @@ class StatusBoard:
 
 
 def signed_line(store: KeyValueStore, name: str, text: str) -> str:
-    """One line of an append-list: `text` in the store's signed envelope (rendezvous/token.py,
+    """One line of an append-list: `text` in the store's signed envelope (rendezvous/base/token.py,
     bound to the list's key), hex-encoded so it holds no newline."""
     return store.signer.seal(store.key(name), text).hex() + "\n"
 

@@ -3,7 +3,7 @@ still last, every few seconds, and never past its bound.
 
 The rendezvous' own waits tick `waiting.WaitProgress` in their loops (rendezvous/protocol.py).
 This is the same throttle for the other long waits, which are one blocking call with a bound: a
-store key (rendezvous/etcd_store.py), the store's host before it exits (agent/agent.py), the
+store key (rendezvous/etcd/store.py), the store's host before it exits (agent/agent.py), the
 pre-flight probe (agent/checks/preflight.py), the worker template (agent/template/connection.py),
 the job's last checkpoint flush (agent/checkpoint/node_checkpoints.py). The call is made in slices of at most
 `WAIT_PROGRESS_SECONDS`; after each slice that did not end the wait, `tick()` says (once per
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
+from rally.rendezvous.status.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
 
 T = TypeVar("T")
 

@@ -2,8 +2,8 @@
 
 `rendezvous/protocol.py` needs from a store only what `KeyValueStore` declares: plain and
 signed keys, first-wins keys, counters, waits, a second connection for a thread that blocks.
-A c10d store (`rendezvous/store.Store`: TCPStore, FileStore) and etcd
-(`rendezvous/etcd_store.EtcdStore`) implement it; a new backend implements it too and
+A c10d store (`rendezvous/c10d/store.Store`: TCPStore, FileStore) and etcd
+(`rendezvous/etcd/store.EtcdStore`) implement it; a new backend implements it too and
 registers in `rendezvous/backends.py`. What is common to every store (`try_wait`) is written
 here once.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from rally.rendezvous.token import Signer
+from rally.rendezvous.base.token import Signer
 
 # `get_present` first waits this long for all its keys: one call when they exist (as they do
 # after the closer's own wait), a short pause when some never will.
@@ -78,8 +78,8 @@ def opened_text(value: Checked, key: str) -> str:
 
 
 class StoreReader(Protocol):
-    """What reading a job's status needs of a store (rendezvous/status.py): every
-    `KeyValueStore`, and the torch-free c10d reader of `rally status` (rendezvous/wire_store.py)."""
+    """What reading a job's status needs of a store (rendezvous/status/reader.py): every
+    `KeyValueStore`, and the torch-free c10d reader of `rally status` (rendezvous/c10d/wire.py)."""
 
     prefix: str
     signer: Signer
@@ -110,7 +110,7 @@ class KeyValueStore(ABC):
 
     prefix: str
     describe: str
-    signer: Signer  # signs what this connection writes, checks what it reads (rendezvous/token.py)
+    signer: Signer  # signs what this connection writes, checks what it reads (rendezvous/base/token.py)
     # None: a value this job did not write raises UntrustedValue. Set (by a running job's agent,
     # on a store whose `replaces_untrusted` is True: c10d): such a value in a counter or a
     # first-wins key is replaced and this is called with one line naming the key, so a stranger's
@@ -188,7 +188,7 @@ class KeyValueStore(ABC):
     def arrive(self, name: str) -> int:
         """This caller's 0-based place in the arrival order of `name`: `add` one to a counter. On
         etcd an increment by one is a key of its own, one request whoever else arrives at once
-        (etcd_store.EtcdStore.add)."""
+        (etcd/store.py, `EtcdStore.add`)."""
         return self.add(name, 1) - 1
 
     def get_present(self, names: Sequence[str]) -> dict[str, Checked]:

@@ -92,7 +92,7 @@ NODE: Schema = {
     "checkpoint_durable_step": Whole,
     "waiting": Text,
 }
-# The job's last pre-flight verdict (rendezvous/node_memory.py), as far as `rally status` shows it.
+# The job's last pre-flight verdict (rendezvous/status/job_notes.py), as far as `rally status` shows it.
 VERDICT: Schema = {"round": Whole, "summary": Text, "nodes": ListOf({"host": Text, "line": Text})}
 
 

@@ -1,6 +1,6 @@
 """The rendezvous store on an etcd cluster: rally's round protocol without a single point of failure.
 
-`EtcdStore` implements `rally.rendezvous.kv.KeyValueStore` (the interface the round protocol in
+`EtcdStore` implements `rally.rendezvous.base.kv.KeyValueStore` (the interface the round protocol in
 `protocol.py` uses) and raises the same `StoreTimeout` / `StoreUnavailable`, so the protocol
 runs unchanged on it. Each operation maps onto etcd v3 as follows:
 
@@ -15,7 +15,7 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
   O(N) retries per node under contention, O(N^2) requests in all). Other amounts are a
   compare-and-swap on the base value; a read is one range over the base key and its increments;
 * `append`: one key per piece, `<name>\\x01<id>`, read back in create-revision order;
-* every value rally writes is signed with the job token as on c10d (`rendezvous/token.py`):
+* every value rally writes is signed with the job token as on c10d (`rendezvous/base/token.py`):
   a stranger's value is rejected with one line naming the key. Counters and appended lists
   are unsigned, as on c10d; etcd's own authentication keeps strangers out altogether;
 * reads return what they read: `get_if_present` is one range (whoever waits for the key),
@@ -51,16 +51,16 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from rally.rendezvous.etcd_client import (
+from rally.rendezvous.base.kv import Checked, KeyValueStore, Seen, StoreTimeout, StoreUnavailable, UntrustedValue
+from rally.rendezvous.base.token import BadRecord, Signer
+from rally.rendezvous.etcd.client import (
     EtcdClient,
     EtcdError,
     EtcdUnavailable,
     b64,
     unb64,
 )
-from rally.rendezvous.kv import Checked, KeyValueStore, Seen, StoreTimeout, StoreUnavailable, UntrustedValue
-from rally.rendezvous.long_wait import LongWait
-from rally.rendezvous.token import BadRecord, Signer
+from rally.rendezvous.status.long_wait import LongWait
 
 # etcd refuses transactions with more operations than its --max-txn-ops (default 128).
 MAX_TXN_OPS = 128
@@ -79,7 +79,7 @@ APPENDED_END = "\x02"
 
 def _signed_as(own: str) -> str:
     """The name an arrival's value (`EtcdStore.arrive_holding`) is signed for: its key with the
-    increment mark as `#` (a signed record names its key before a NUL, rendezvous/token.py)."""
+    increment mark as `#` (a signed record names its key before a NUL, rendezvous/base/token.py)."""
     return own.replace(INCREMENTS, "#")
 
 
@@ -97,7 +97,7 @@ class EtcdStore(KeyValueStore):
         progress: Callable[[str], None] | None = None,
     ):
         """`op_timeout` bounds one operation, fail-over between members included; `signer`
-        signs every value with the job token, as on c10d (rendezvous/token.py); `progress` hears
+        signs every value with the job token, as on c10d (rendezvous/base/token.py); `progress` hears
         every few seconds what a `get` of a key not yet written waits for."""
         self.client = client
         self.progress = progress
@@ -134,7 +134,7 @@ class EtcdStore(KeyValueStore):
 
     # ------------------------------------------------------------------ signed values
     def _seal(self, name: str, value: str | bytes) -> str:
-        """The value as stored: signed with the job token (rendezvous/token.py), base64 for the gateway."""
+        """The value as stored: signed with the job token (rendezvous/base/token.py), base64 for the gateway."""
         return self._seal_raw(self.key(name), value)
 
     def _seal_raw(self, key: str, value: str | bytes) -> str:
@@ -233,7 +233,7 @@ class EtcdStore(KeyValueStore):
         return present
 
     def _key_slices(self, names: Sequence[str]) -> LongWait:
-        """The bounded wait of a `get` for keys not yet written (rendezvous/long_wait.py)."""
+        """The bounded wait of a `get` for keys not yet written (rendezvous/status/long_wait.py)."""
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
         return LongWait(
             f"waiting for store key {self.key(names[0])}{more} in {self.describe}",
@@ -502,7 +502,7 @@ class EtcdStore(KeyValueStore):
             return False, ""
         if kvs[0].get("value") == sealed:
             # This very value stands: our own write, applied, whose reply was lost and which the client
-            # sent again (etcd_client.py). It won, as on c10d (`Store.set_once`); else a node whose slot
+            # sent again (etcd/client.py). It won, as on c10d (`Store.set_once`); else a node whose slot
             # claim timed out under load claimed a second slot and left another node out of the round.
             return True, value
         try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from rally.rendezvous.kv import (
+from rally.rendezvous.base.kv import (
     Checked,
     KeyValueStore,
     Seen,
@@ -32,8 +32,8 @@ from rally.rendezvous.kv import (
     StoreUnavailable,
     UntrustedValue,
 )
-from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
-from rally.rendezvous.token import BadRecord, Signer
+from rally.rendezvous.base.token import BadRecord, Signer
+from rally.rendezvous.c10d.connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
     from torch.distributed import Store as TorchStore
@@ -124,7 +124,7 @@ class Store(KeyValueStore):
             raise UntrustedValue(str(exc)) from None
 
     def set(self, name: str, value: str | bytes) -> None:
-        """Write a signed value (see rendezvous/token.py); `get` checks the signature."""
+        """Write a signed value (see rendezvous/base/token.py); `get` checks the signature."""
         self._call(self.raw.set, self.key(name), self._seal(name, value))
 
     def get(self, name: str) -> bytes:
@@ -370,10 +370,10 @@ def connect_tcp_store(
 ) -> TorchStore:
     """Connect a TCPStore client: wait up to `connect_timeout` for the port to accept (saying so
     through `progress` every few seconds), then give the store `op_timeout` to answer; torch's
-    own constructor is not bounded once connected (rendezvous/store_connect.py)."""
+    own constructor is not bounded once connected (rendezvous/c10d/connect.py)."""
     describe = describe or f"the store at {host}:{port}"
     try:
-        # wait: bounded, said by rendezvous/store_connect.py _connect: connect_timeout, with a line every
+        # wait: bounded, said by rendezvous/c10d/connect.py _connect: connect_timeout, with a line every
         #   PROGRESS_SECONDS
         wait_for_store(host, port, describe, connect_timeout, op_timeout, progress)
         from torch.distributed import TCPStore  # after the check: a dead endpoint fails without it
@@ -397,9 +397,9 @@ class StoreEndpoint:
     port: int
     host_here: bool
     file_path: str | None = None
-    etcd: tuple = ()  # etcd client endpoints (etcd_client.Member) for the etcd backends
+    etcd: tuple = ()  # etcd client endpoints (etcd/client.py `Member`) for the etcd backends
     backend: str = "c10d"  # the registry entry that opens it (rendezvous/backends.py)
-    etcd_access: Any = None  # etcd_http.EtcdAccess: TLS and an etcd user (None: plain HTTP)
+    etcd_access: Any = None  # etcd/http.py `EtcdAccess`: TLS and an etcd user (None: plain HTTP)
 
     def __str__(self) -> str:
         if self.etcd:

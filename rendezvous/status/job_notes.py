@@ -1,13 +1,13 @@
 """What the job remembers across rounds and restarts about its nodes and its timing, in the store.
 
-JSON records under keys named in rendezvous/keys.py: the hang timeouts learned with
+JSON records under keys named in rendezvous/base/keys.py: the hang timeouts learned with
 `--heartbeat-timeout auto` (`LEARNED_TIMEOUTS`, agent/observe/learned_timeouts.py), the root-cause
 failures per host (`NODE_FAILURES`), the quarantined hosts (`QUARANTINED`, agent/checks/quarantine.py)
 and the last pre-flight verdict (`PREFLIGHT_VERDICT`, agent/checks/preflight.py). Each is read-merge-
 written, and each has writers that cannot undo each other: every node writes the same failure
 entry for a round (a lost update loses nothing), only a quarantined node's own agent adds itself,
 only node 0 writes a verdict; two timeouts written at the same instant may lose one, which its
-node repeats at its next change. Every value is signed like every other (rendezvous/token.py) and checked
+node repeats at its next change. Every value is signed like every other (rendezvous/base/token.py) and checked
 on read; a value that is not this job's JSON reads as nothing.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rally.rendezvous.keys import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
-from rally.rendezvous.kv import KeyValueStore, StoreReader, UntrustedValue
+from rally.rendezvous.base.keys import LEARNED_TIMEOUTS, NODE_FAILURES, PREFLIGHT_VERDICT, QUARANTINED
+from rally.rendezvous.base.kv import KeyValueStore, StoreReader, UntrustedValue
 
 
 def _read(store: StoreReader, name: str) -> dict[str, Any] | None:

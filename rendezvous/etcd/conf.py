@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rally.rendezvous.etcd_http import EtcdAccess
-from rally.rendezvous.kv import EndpointError
+from rally.rendezvous.base.kv import EndpointError
+from rally.rendezvous.etcd.http import EtcdAccess
 
 # --rdzv-conf keys for the etcd backends (all text); aliases map torch's etcd-v2 names.
 ETCD_CONF_KEYS = (

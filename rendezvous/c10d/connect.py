@@ -62,7 +62,7 @@ def reporting_progress(progress: Callable[[str], None] | None) -> Iterator[None]
 
 def current_progress() -> Callable[[str], None] | None:
     """Where this thread's `reporting_progress` block reports (None outside one). A store opened
-    in the block keeps it for its own long waits (rendezvous/etcd_store.py)."""
+    in the block keeps it for its own long waits (rendezvous/etcd/store.py)."""
     return getattr(_reporter, "progress", None)
 
 

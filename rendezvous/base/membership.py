@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rally.rendezvous.records import Assignment, NodeInfo, RoundEnd, RoundRecord
+from rally.rendezvous.base.records import Assignment, NodeInfo, RoundEnd, RoundRecord
 
 # Long waits are cut into slices this long so a closed job or a stop request is noticed.
 WAIT_SLICE_SECONDS = 30.0
