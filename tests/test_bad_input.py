@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import rally
-from helpers import Result, clean_env, free_port, run_rally, write_probe
+from support.helpers import Result, clean_env, free_port, run_rally, write_probe
 
 # rally's own lines; off a terminal, messages from a running agent carry a timestamp.
 RALLY_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3} )?rally: ")

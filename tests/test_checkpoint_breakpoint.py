@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, read_events, run_rally, write_probe
 from rally.agent.checkpoint.sharded import files as dcp_files
+from support.helpers import clean_env, read_events, run_rally, write_probe
 
 SCRIPT = """
 import os, signal, sys, time

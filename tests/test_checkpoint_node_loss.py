@@ -4,7 +4,7 @@ agents on 127.0.0.1; the node that does not host the store is SIGKILLed with eve
 once a checkpoint is durable. The round resumes from the step every node can load (the survivor
 from its memory, the spare, which holds no copy, from disk), and the final parameters are those of
 an uninterrupted two-rank run (examples/train.py prints their sha256): the session's one run of the
-same job (tests/ddp_reference.py), so this file starts no torch workers for a reference of its own.
+same job (tests/support/ddp_reference.py), so this file starts no torch workers for a reference of its own.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, c10d_args, start_agent, stop_all
-from ddp_reference import EVERY, STEPS, TRAIN
-from helpers import eventually, free_port, is_alive
 from rally.agent.worker_side import job
+from support.agents import AgentProcess, c10d_args, start_agent, stop_all
+from support.ddp_reference import EVERY, STEPS, TRAIN
+from support.helpers import eventually, free_port, is_alive
 
 pytestmark = pytest.mark.torch
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally
 from rally.agent.checkpoint.sharded import files as dcp_files
+from support.helpers import clean_env, run_rally
 
 STEPS = 8
 

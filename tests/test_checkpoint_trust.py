@@ -1,6 +1,6 @@
 """Issue 27, the checkpoint tier as a security boundary (items 1, 2, 3, 4, 5 and 11).
 
-The attacker is a real other user (tests/stranger.py: uid 65534, standard library only) wherever
+The attacker is a real other user (tests/support/stranger.py: uid 65534, standard library only) wherever
 the finding is about another user; item 11 is the same user's other job. Everything is real: the
 agent's holder process, its socket, memfds, files on disk. Where a case needs torch (DCP's
 metadata, torch.save'd states) one worker subprocess does the loading.
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import eventually, run_rally
 from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint import persist
 from rally.agent.checkpoint.core import checkpoint_file
@@ -31,7 +30,8 @@ from rally.agent.checkpoint.core.client import CheckpointRefused, MemoryTier
 from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import persist as dcp_persist
-from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
+from support.helpers import eventually, run_rally
+from support.stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0
@@ -220,7 +220,7 @@ print("worker done", flush=True)
 
 @pytest.mark.timeout(90)
 def test_a_job_whose_holder_died_with_its_newest_step_does_not_exit_0(tmp_path: Path) -> None:
-    from helpers import clean_env, run_rally
+    from support.helpers import clean_env, run_rally
 
     script = tmp_path / "train.py"
     script.write_text(HOLDER_DIES)
@@ -263,7 +263,7 @@ print("worker done", flush=True)
 @pytest.mark.torch
 @pytest.mark.timeout(120)
 def test_a_holder_killed_mid_job_turns_the_tier_off_and_the_job_goes_on_from_disk(tmp_path: Path) -> None:
-    from helpers import clean_env, run_rally
+    from support.helpers import clean_env, run_rally
 
     script = tmp_path / "train.py"
     script.write_text(HOLDER_DIES_MID_JOB)
@@ -322,7 +322,7 @@ print("token in env: " + str(any(v == "tok-" + "shared-by-the-nodes" for v in os
 def test_nodes_sharing_only_a_token_file_verify_each_others_checkpoints(tmp_path: Path) -> None:
     """Two launches with different homes (no shared ~/.rally/secret) and one --rdzv-conf token_file:
     what the first wrote (through its holder) the second loads, as a multi-node job's nodes would."""
-    from helpers import clean_env, run_rally
+    from support.helpers import clean_env, run_rally
 
     script, ckpt, token = tmp_path / "train.py", tmp_path / "ckpt", tmp_path / "token"
     script.write_text(SAVE_OR_LOAD)

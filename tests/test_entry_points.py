@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally, write_probe
+from support.helpers import clean_env, run_rally, write_probe
 
 # Looks like rally's (and python's) own options; must reach the script untouched.
 SCRIPT_ARGS = ["--lr", "0.1", "--nnodes", "5", "--nproc-per-node", "7", "-m", "--help", "--", "two words", ""]

@@ -1,6 +1,6 @@
 """rally's round protocol on etcd costs each node a constant number of requests, whatever N is
 (issue 22): N simulated nodes (threads, each with its own EtcdStore and HTTP connection) form
-one round on the real 3-member cluster of tests/etcd_cluster.py, every request counted.
+one round on the real 3-member cluster of tests/support/etcd_cluster.py, every request counted.
 
 On main the arrival index was a compare-and-swap on one counter: under contention every node
 retried once per other node's success, 25 requests per node at 32 nodes and 89 at 256.
@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from etcd_cluster import EtcdCluster, etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
-from helpers import form_one_round_at_once
 from rally.rendezvous.base.kv import UntrustedValue
 from rally.rendezvous.etcd.client import EtcdClient, Member, b64
 from rally.rendezvous.etcd.store import EtcdStore
 from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
+from support.etcd_cluster import EtcdCluster, etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
+from support.helpers import form_one_round_at_once
 
 
 class CountingClient(EtcdClient):

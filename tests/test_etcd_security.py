@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from agents import start_agent, stop_all
-from etcd_cluster import ETCD
-from helpers import eventually, free_port, run_rally, write_probe
 from rally.rendezvous.etcd.client import Member
 from rally.rendezvous.etcd.http import EtcdAccess
 from rally.rendezvous.etcd.open import open_etcd_store
+from support.agents import start_agent, stop_all
+from support.etcd_cluster import ETCD
+from support.helpers import eventually, free_port, run_rally, write_probe
 from test_bad_input import assert_one_line_only, rally_fails, the_error_line
 from test_etcd import PROBE
 

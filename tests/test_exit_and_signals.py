@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import (
+from support.helpers import (
     ProcessTracker,
     clean_env,
     describe_pids,

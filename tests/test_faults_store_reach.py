@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import (
+from support.helpers import (
     ProcessTracker,
     clean_env,
     free_port,
@@ -35,7 +35,7 @@ from helpers import (
     wait_for,
     write_probe,
 )
-from live_rally import LiveRally
+from support.live_rally import LiveRally
 
 ONE_LINE_WORKER = "print('worker ran', flush=True)\n"
 

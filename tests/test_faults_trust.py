@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
-from helpers import eventually, run_rally
+from support.agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
+from support.helpers import eventually, run_rally
 from test_faults_membership import PLAIN_WORKER
 
 TOKEN = "the-job-secret"
@@ -294,7 +294,7 @@ def test_a_frozen_agent_says_it_was_left_behind_not_that_the_store_froze(cluster
 @pytest.mark.timeout(60)
 def test_an_empty_job_token_variable_is_one_line_not_no_token(tmp_path):
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
-    from helpers import clean_env
+    from support.helpers import clean_env
 
     result = run_rally(
         ["--standalone", "--nproc-per-node", "1", str(script)],

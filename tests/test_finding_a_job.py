@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import Result, clean_env, eventually, free_port, run_rally
+from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.helpers import Result, clean_env, eventually, free_port, run_rally
 
 # Rank 1 of the first attempt fails with exit code 3; after the restart every rank runs until
 # the file `stop` appears.

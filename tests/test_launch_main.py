@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Result, clean_env, run_rally, write_probe
+from support.helpers import Result, clean_env, run_rally, write_probe
 
 MAIN_FUNCTION = """
     import os, rally

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from package_graph import cycles, module_graph, rally_imports
+from support.package_graph import cycles, module_graph, rally_imports
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("launcher", "agent", "rendezvous")
@@ -114,8 +114,8 @@ def test_every_test_starts_rally_through_the_one_launch_helper() -> None:
     is the only place a test spells out how rally is started."""
     spelled = [
         str(p.relative_to(REPO))
-        for p in sorted((REPO / "tests").glob("*.py"))
-        if p.name not in ("helpers.py", "test_layout.py")
+        for p in sorted((REPO / "tests").rglob("*.py"))
+        if p.relative_to(REPO).as_posix() not in ("tests/support/helpers.py", "tests/test_layout.py")
         and ('"-m", "rally"' in p.read_text() or "rally_argv(" in p.read_text())
     ]
     assert spelled == []
@@ -164,9 +164,9 @@ MAX_BARE_ANY_PARAMETERS = 40
 
 @pytest.mark.timeout(30)
 def test_few_parameters_are_typed_bare_any() -> None:
-    """`python tests/bare_any.py -v` lists them: type a new parameter, or use `object` for a value
+    """`python tests/support/bare_any.py -v` lists them: type a new parameter, or use `object` for a value
     not checked yet, instead of `Any`."""
-    from bare_any import bare_any_parameters
+    from support.bare_any import bare_any_parameters
 
     found = bare_any_parameters()
     assert len(found) <= MAX_BARE_ANY_PARAMETERS, "\n".join(found)

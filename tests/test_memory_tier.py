@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import eventually
-from helpers import small_disk as mount_small_disk
 from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core import checkpoint_file
 from rally.agent.checkpoint.core import client as ckpt_client
@@ -32,6 +30,8 @@ from rally.agent.checkpoint.slots import COMMITTED, SlotTable
 from rally.agent.worker_side import job
 from rally.rendezvous.base.membership import resume_step
 from rally.rendezvous.base.records import NodeInfo
+from support.helpers import eventually
+from support.helpers import small_disk as mount_small_disk
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0
@@ -378,7 +378,7 @@ def test_too_little_shared_memory_is_one_line_and_saves_go_to_disk(
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MB tmpfs of this test's own (tests/helpers.py)."""
+    """A 2 MB tmpfs of this test's own (tests/support/helpers.py)."""
     with mount_small_disk(tmp_path / "small-disk", "2m") as mount:
         yield mount
 

@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rally
-from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import OnTerminal, Result, clean_env, eventually, free_port, read_events, run_rally
+from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.helpers import OnTerminal, Result, clean_env, eventually, free_port, read_events, run_rally
 
 # Each rank steps at its own pace (STEP_SECONDS_<rank>, default 0.05 s) until the file `stop`
 # appears; with FAIL_ON_FILE set, rank 1 of the first attempt exits 3 once the file `fail` appears.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally, write_probe
+from support.helpers import clean_env, run_rally, write_probe
 from test_bad_input import assert_one_line_only, rally_fails
 
 

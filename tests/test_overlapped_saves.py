@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from helpers import eventually
 from rally.agent.checkpoint.core import parallel_copy
 from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.slots import NewestBusy, SlotTable
 from rally.agent.worker_side import job
+from support.helpers import eventually
 from test_memory_tier import LEASE, REPO, Tier, load_slot
 
 torch = pytest.importorskip("torch")

@@ -21,14 +21,14 @@ from datetime import timedelta
 
 import pytest
 
-from etcd_cluster import etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
-from helpers import form_one_round_at_once
 from rally.rendezvous.base.kv import UntrustedValue
 from rally.rendezvous.base.token import Signer
 from rally.rendezvous.c10d.store import Store, connect_tcp_store, host_tcp_store
 from rally.rendezvous.etcd.client import EtcdClient, Member, b64
 from rally.rendezvous.etcd.store import EtcdStore
 from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
+from support.etcd_cluster import etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
+from support.helpers import form_one_round_at_once
 
 pytestmark = pytest.mark.timeout(60)
 # Each TCPStore client reverse-resolves its peer: one short attempt where a resolver drops queries.

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, kill_group
+from support.helpers import clean_env, kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

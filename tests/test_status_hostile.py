@@ -1,9 +1,9 @@
 """`rally status` and job files as a security boundary (issue 27, items 13 and 14), and `rally
 status` as a newcomer meets it (issue 29).
 
-Another local user (uid 65534, standard library only: tests/stranger.py) writes what `rally
+Another local user (uid 65534, standard library only: tests/support/stranger.py) writes what `rally
 status` reads: node records into a job's store (a store without a job token takes anyone's
-record: tests/stranger_store.py), or a whole run directory into a shared log directory. Then the
+record: tests/support/stranger_store.py), or a whole run directory into a shared log directory. Then the
 job's user runs `rally status`, a real process, and must get the table or one line, escaped,
 never a traceback, a hang, a memory blow-up or the stranger's escape sequences on the terminal:
 
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import pytest
 
-from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import Result, clean_env, free_port, kill_group, run_rally, start_rally, wait_for
-from stranger import require_stranger, run_as_stranger
-from stranger_store import STORE_CLIENT
+from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.helpers import Result, clean_env, free_port, kill_group, run_rally, start_rally, wait_for
+from support.stranger import require_stranger, run_as_stranger
+from support.stranger_store import STORE_CLIENT
 
 # A limit on the address space of a `rally status` that reads files only: a reader that follows
 # a link to /dev/zero then fails with a MemoryError at once instead of taking the machine's memory.

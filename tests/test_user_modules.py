@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import rally
-from helpers import REPO, clean_env, run_rally, write_probe
+from support.helpers import REPO, clean_env, run_rally, write_probe
 
 USER_NAMES = ("agent", "launcher", "rendezvous", "job", "bootstrap")
 

@@ -20,21 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
-from etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
-from helpers import (
-    ProcessTracker,
-    Result,
-    clean_env,
-    eventually,
-    free_port,
-    procs,  # noqa: F401 - a fixture
-    run_rally,
-    start_rally,
-    wait_for,
-    write_probe,
-)
-from live_rally import LiveRally
 from rally.agent.base.spec import BOOTSTRAP
 from rally.agent.rounds.node_waits import NodeWaits
 from rally.agent.template.client import ForkedChild, TemplateClient
@@ -46,6 +31,21 @@ from rally.rendezvous.etcd.open import open_etcd_store
 from rally.rendezvous.protocol import Assignment, NodeInfo, Rendezvous, Round, RoundChannel
 from rally.rendezvous.status.long_wait import wait_in_slices
 from rally.rendezvous.status.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
+from support.agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
+from support.etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from support.helpers import (
+    ProcessTracker,
+    Result,
+    clean_env,
+    eventually,
+    free_port,
+    procs,  # noqa: F401 - a fixture
+    run_rally,
+    start_rally,
+    wait_for,
+    write_probe,
+)
+from support.live_rally import LiveRally
 
 TOKEN = "wait-lines-token"
 RUN_ID = "testjob"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally
+from support.helpers import clean_env, run_rally
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_ROOTS = {

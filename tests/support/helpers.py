@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 # Variables a launcher sets for its workers, or that configure rally itself. A test that runs

@@ -1,6 +1,6 @@
 """A stranger's hands on a c10d store: what any local user can write to a job's TCPStore.
 
-The stranger of tests/stranger.py runs with the standard library only (no torch, no rally), so
+The stranger of tests/support/stranger.py runs with the standard library only (no torch, no rally), so
 this is c10d's wire protocol spoken over a plain socket, as a real attacker would speak it: a
 query is one byte, a key or value a little-endian uint64 length and its bytes (the same from
 torch 2.4 to 2.15, on both server back ends; rendezvous/c10d/connect.py speaks the first two

@@ -2,7 +2,7 @@
 several worker processes (.ci/run's main pass: `-n 2`).
 
 Each xdist worker is a pytest session of its own, so a plain session fixture would be made once
-per worker: the uninterrupted reference runs (tests/ddp_reference.py, tests/fsdp_reference.py)
+per worker: the uninterrupted reference runs (tests/support/ddp_reference.py, tests/support/fsdp_reference.py)
 are two-worker torch jobs of tens of seconds, which the run should pay once. The first worker
 to ask makes the value under an exclusive lock on a file in the directory that all workers'
 temporary directories share, and writes it as JSON; the others wait on the lock and read it.

@@ -6,9 +6,9 @@ tests/test_sharded_jobs.py (memory tier, node losses) and tests/test_checkpoint_
 uninterrupted run: at every save and after a resume each rank prints the sha256 of the full model
 and optimizer state. That run is the same for both (deterministic: fixed seeds, gloo, one
 intra-op thread per worker; how a step is saved does not change the training), so the session
-makes it once (two torch workers fewer; tests/once_per_run.py: once for all pytest-xdist workers too).
+makes it once (two torch workers fewer; tests/support/once_per_run.py: once for all pytest-xdist workers too).
 
-Loaded from tests/conftest.py (``pytest_plugins``), as tests/ddp_reference.py.
+Loaded from tests/conftest.py (``pytest_plugins``), as tests/support/ddp_reference.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, finish, start_rally
-from once_per_run import once_per_run
+from support.helpers import clean_env, finish, start_rally
+from support.once_per_run import once_per_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_fsdp.py"
 STEPS, EVERY = 24, 2
 LINE = re.compile(r"\b(start|saved|final) step (\d+) world (\d+) digest ([0-9a-f]{64})$")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helpers import write_probe
+from support.helpers import write_probe
 
 KINDS = ("child", "session", "daemon", "worker")
 

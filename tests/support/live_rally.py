@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import ProcessTracker, start_rally, wait_for
+from support.helpers import ProcessTracker, start_rally, wait_for
 
 
 class LiveRally:

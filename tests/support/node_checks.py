@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, start_agent
+from support.agents import AgentProcess, start_agent
 
 # Run the rest of argv with this host name, in a UTS namespace of its own (root only).
 _SET_HOSTNAME = "import os, socket, sys; socket.sethostname(sys.argv[1]); os.execvp(sys.argv[2], sys.argv[2:])"

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import clean_env, eventually, read_jsonl, start_rally
+from support.helpers import clean_env, eventually, read_jsonl, start_rally
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_script(directory: Path, name: str, body: str) -> Path:

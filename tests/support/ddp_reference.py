@@ -5,7 +5,7 @@ resumed from memory, from disk, on two nodes) and tests/test_checkpoint_node_los
 lost, a spare in its place) each prove that a job ends with the parameters of an
 uninterrupted run of examples/train.py: 2 workers, STEPS steps, a checkpoint every EVERY. That
 run is the same for all of them (deterministic: fixed seeds, gloo, one intra-op thread per
-worker), so the test run makes it once (two torch workers fewer per module; tests/once_per_run.py: once
+worker), so the test run makes it once (two torch workers fewer per module; tests/support/once_per_run.py: once
 for all pytest-xdist workers too).
 
 Loaded from tests/conftest.py (``pytest_plugins``), so every module shares the one fixture.
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally
-from once_per_run import once_per_run
+from support.helpers import clean_env, run_rally
+from support.once_per_run import once_per_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train.py"
 STEPS, EVERY = 30, 5
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port
+from support.helpers import free_port
 
 ETCD = shutil.which("etcd")
 needs_etcd = pytest.mark.skipif(

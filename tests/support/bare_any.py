@@ -2,8 +2,8 @@
 the AST: a parameter (also *args and **kwargs) annotated exactly `Any`. `Callable[..., Any]`,
 `dict[str, Any]` and a return type of `Any` do not count.
 
-    python tests/bare_any.py        # the count, then the count per top-level room
-    python tests/bare_any.py -v     # and every one, as path:line function(parameter)
+    python tests/support/bare_any.py        # the count, then the count per top-level room
+    python tests/support/bare_any.py -v     # and every one, as path:line function(parameter)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("launcher", "agent", "rendezvous")
 
 

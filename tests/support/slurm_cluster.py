@@ -8,7 +8,7 @@ no ``ip``, no network namespaces, packages not installable.
 
 Load it as a plugin, so that every test module shares the one session fixture::
 
-    pytest_plugins = ["slurm_cluster"]      # in tests/conftest.py (or a test module)
+    pytest_plugins = ["support.slurm_cluster"]    # in tests/conftest.py (or a test module)
 
 The session holds a lease on the cluster (``devcluster.sh up --for-pid``) and
 returns it at the end (``devcluster.sh release``), which takes the cluster down
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "slurm" / "devcluster.sh"
 ENV_FILE = Path("/run/rally-devcluster/cluster.env")
 

@@ -5,11 +5,11 @@ tests/test_import_graph.py check the house's rules against it.
 
 Run it to see the package graph and its circles:
 
-    python tests/package_graph.py            # packages, their arrows, the circles
-    python tests/package_graph.py --modules  # the module-level circles too
-    python tests/package_graph.py rendezvous # one package's rooms only (agent, rendezvous, launcher)
-    python tests/package_graph.py --rooms    # agent/'s rooms as docs/architecture.md shows them
-    python tests/package_graph.py --rooms rendezvous  # rendezvous/'s rooms, likewise
+    python tests/support/package_graph.py            # packages, their arrows, the circles
+    python tests/support/package_graph.py --modules  # the module-level circles too
+    python tests/support/package_graph.py rendezvous # one package's rooms only (agent, rendezvous, launcher)
+    python tests/support/package_graph.py --rooms    # agent/'s rooms as docs/architecture.md shows them
+    python tests/support/package_graph.py --rooms rendezvous  # rendezvous/'s rooms, likewise
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("launcher", "agent", "rendezvous")
 
 

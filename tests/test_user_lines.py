@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
+from rally.rendezvous.c10d.store import HOST_MARKER_WAIT_SECONDS
+from support.helpers import (
     ProcessTracker,
     clean_env,
     free_port,
@@ -29,8 +30,7 @@ from helpers import (
     run_rally,
     write_probe,
 )
-from live_rally import LiveRally
-from rally.rendezvous.c10d.store import HOST_MARKER_WAIT_SECONDS
+from support.live_rally import LiveRally
 
 
 # Same under load: a check of the command line, before anything starts.
