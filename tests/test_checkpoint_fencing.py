@@ -1,4 +1,4 @@
-"""Fencing by round, end to end (issue 17): a worker of an old round that was frozen (SIGSTOP) in
+"""Fencing by round, end to end: a worker of an old round that was frozen (SIGSTOP) in
 the middle of its copy, then continued (SIGCONT) after the job moved on, must not overwrite or
 publish over the newer round's checkpoint, in memory or on disk.
 

@@ -1,4 +1,4 @@
-"""Issue 17, Must show: an FSDP2 job resumes bit-identical after a SIGKILL of one rank from disk
+"""An FSDP2 job resumes bit-identical after a SIGKILL of one rank from disk
 too, with the memory tier off (RALLY_MEMORY_TIER=0: every sharded save is DCP's synchronous save
 published by rally). tests/test_sharded_jobs.py covers the memory tier; the workload is the same
 examples/train_fsdp.py, whose ranks print the sha256 of the full state at every save and resume,

@@ -1,7 +1,7 @@
-"""Issue 27, the checkpoint tier as a security boundary (items 1, 2, 3, 4, 5 and 11).
+"""The checkpoint tier as a security boundary (holder, metadata, planted files, file modes, another job).
 
 The attacker is a real other user (tests/support/stranger.py: uid 65534, standard library only) wherever
-the finding is about another user; item 11 is the same user's other job. Everything is real: the
+the finding is about another user; the last cases are the same user's other job. Everything is real: the
 agent's holder process, its socket, memfds, files on disk. Where a case needs torch (DCP's
 metadata, torch.save'd states) one worker subprocess does the loading.
 """
@@ -110,7 +110,7 @@ def start_fake_holder(marker: Path) -> tuple[contextlib.AbstractContextManager, 
     return stranger_process(code), name
 
 
-# --- item 1: the holder cannot be squatted, and the worker checks who answers ----------------
+# --- the holder cannot be squatted, and the worker checks who answers ----------------
 
 
 @pytest.mark.timeout(30)
@@ -341,7 +341,7 @@ def test_nodes_sharing_only_a_token_file_verify_each_others_checkpoints(tmp_path
     assert "token in env: False" in saved.stdout and "token in env: False" in loaded.stdout  # the key, not the token
 
 
-# --- item 2: no code from a squatter's DCP metadata --------------------------------------------
+# --- no code from a squatter's DCP metadata --------------------------------------------
 
 SHARDED_RESUME = """
 import json, os, sys, tempfile
@@ -408,7 +408,7 @@ def test_dcp_metadata_is_read_with_an_allow_list_of_dcps_own_classes(tmp_path: P
     assert not marker.exists()
 
 
-# --- item 3: planted checkpoints --------------------------------------------------------------
+# --- planted checkpoints --------------------------------------------------------------
 
 PLANTED_LOAD = """
 import json, os, sys
@@ -565,7 +565,7 @@ def test_the_launcher_refuses_a_checkpoint_dir_others_can_write_unless_told_it_i
     assert accepted.returncode == 0 and "ran" in accepted.stdout, accepted.stderr[-2000:]
 
 
-# --- items 4 and 5: private sharded files, unpredictable temp names, no links followed ---------
+# --- private sharded files, unpredictable temp names, no links followed ---------
 
 
 def write_part(directory: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -625,7 +625,7 @@ print("planted")
     assert (shared / "trap").stat().st_uid == STRANGER_UID
 
 
-# --- item 11: another job of the same user ------------------------------------------------------
+# --- another job of the same user ------------------------------------------------------
 
 
 @pytest.mark.timeout(30)

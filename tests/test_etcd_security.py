@@ -1,5 +1,5 @@
-"""etcd as sites run it: TLS with client certificates and etcd users (issue 19 item 8; the
-signed values of issue 18 item 10 are in tests/test_faults_etcd.py).
+"""etcd as sites run it: TLS with client certificates and etcd users (the
+signed values are in tests/test_faults_etcd.py).
 
 The secure member is a real etcd started by the test with `https://` client URLs,
 `--client-cert-auth` and authentication enabled (a root user and a `rally` user whose role may
@@ -154,7 +154,7 @@ def job_args(endpoints: str, run_id: str, conf: str, probe: Path, steps: Path, s
     ]  # fmt: skip
 
 
-# ---------------------------------------------------------------- TLS and etcd users (issue 19, item 8)
+# ---------------------------------------------------------------- TLS and etcd users
 @needs_etcdctl
 @pytest.mark.timeout(240)
 def test_a_job_runs_on_etcd_with_tls_client_certificates_and_an_etcd_user(secure_etcd, tmp_path):

@@ -1,4 +1,4 @@
-"""A stranger on etcd (issue 18 item 10, in the fault matrix): values are signed with the job
+"""A stranger on etcd (in the fault matrix): values are signed with the job
 token there as on c10d, so an unsigned round end written mid-run is rejected with one line naming
 the key instead of ending the job "succeeded". Runs on the real 3-member cluster of
 tests/support/etcd_cluster.py; with RALLY_TEST_CPU_HOG=1 beside a busy loop per core (tests/conftest.py).

@@ -1,4 +1,4 @@
-"""Fault matrix: a hostile or buggy worker, and what the job started, cannot steer or outlive the agent (issue 18).
+"""Fault matrix: a hostile or buggy worker, and what the job started, cannot steer or outlive the agent.
 
     heartbeat file replaced by a FIFO          -> the agent keeps watching; SIGTERM stops it at once
     a FIFO at TORCHELASTIC_ERROR_FILE          -> the failure is reported (stderr tail), exit 1

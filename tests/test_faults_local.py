@@ -1,5 +1,5 @@
-"""Fault matrix: another user of the node against the job's local surfaces (issue 27, items 6-10,
-12, 15): the store's lists and keep-alives, the orphan guard, /metrics, the standalone store and
+"""Fault matrix: another user of the node against the job's local surfaces:
+the store's lists and keep-alives, the orphan guard, /metrics, the standalone store and
 the job's secrets. The attacker is a real other uid (tests/support/stranger.py) wherever it is one; it
 speaks c10d's wire protocol with the standard library (tests/support/stranger_store.py).
 

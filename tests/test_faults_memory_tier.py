@@ -1,4 +1,4 @@
-"""Fault matrix, memory tier (issue 17): a DDP job under rally loses nothing to a SIGKILL, from
+"""Fault matrix, memory tier: a DDP job under rally loses nothing to a SIGKILL, from
 memory or from disk, and the agent's death frees the node's copies.
 
 Each rally run starts two workers that import torch (examples/train.py, forked from the agent's

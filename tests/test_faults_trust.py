@@ -1,4 +1,4 @@
-"""Nothing outside the job steers it (issue 18, the store's side): a stranger who can reach the
+"""Nothing outside the job steers it (the store's side): a stranger who can reach the
 rendezvous store's port bumps, decrements and deletes keys; two unrelated jobs share a port; an
 agent is frozen; the token comes in every documented way. Real agents, a real `rally store`, a
 real stranger (a TCPStore client without the job's token).

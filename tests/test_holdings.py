@@ -1,4 +1,4 @@
-"""rally's share of a restart: what the agent reads on the way to the next round (issue 30, item 2).
+"""rally's share of a restart: what the agent reads on the way to the next round.
 
 The newest checkpoint on disk after a failure is always one the agent has not checked yet (its
 holder wrote it during the failed round), and checking it reads all of it (a CRC: ~0.5 s for a

@@ -1,5 +1,5 @@
-"""The house's arrows, read from the code (issue 20): launcher -> agent -> rendezvous, never back;
-the display package is a leaf; no circle between packages (issue 28; tests/test_layout.py checks that
+"""The house's arrows, read from the code: launcher -> agent -> rendezvous, never back;
+the display package is a leaf; no circle between packages (tests/test_layout.py checks that
 no module circle exists). Every import counts, also those inside functions (a lazy import is still a
 dependency) and under TYPE_CHECKING (a module that needs another's type to be read depends on it).
 The graph is tests/support/package_graph.py's: `python tests/support/package_graph.py` prints it."""

@@ -392,7 +392,7 @@ MEMORY_ONLY = """
 def test_a_script_without_checkpoint_dir_keeps_its_checkpoints_in_memory_and_resumes_from_them(
     tmp_path: Path,
 ) -> None:
-    """Issue 29: a script written for rally works under `rally` with no flag. Its saves go to the
+    """A script written for rally works under `rally` with no flag. Its saves go to the
     memory tier only (no file anywhere), a restart resumes from memory, and one line says where
     checkpoints are kept and how to make them durable."""
     from support.helpers import clean_env, run_rally

@@ -1,5 +1,5 @@
 """The code's shape, kept by tests: very large modules flagged, one owner of the store's keys, leaf modules
-that stay leaves, and an agent main loop that fits on one screen (issue 13)."""
+that stay leaves, and an agent main loop that fits on one screen."""
 
 from __future__ import annotations
 
@@ -122,6 +122,26 @@ def test_every_test_starts_rally_through_the_one_launch_helper() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_tests_say_what_they_check_not_which_issue_asked() -> None:
+    """A test's name and text say the behaviour it pins; an issue number sends the reader to a
+    tracker the repository does not carry. Support code lives in tests/support/, not beside the tests."""
+    import re
+
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    numbered = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in tests
+        for i, line in enumerate(p.read_text().splitlines(), start=1)
+        if re.search(r"\b[Ii]ssues? \d", line)
+    ]
+    assert numbered == []
+    beside = [
+        p.name for p in (REPO / "tests").glob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py"
+    ]
+    assert beside == [], "support code goes in tests/support/"
+
+
+@pytest.mark.timeout(30)
 def test_no_import_circles() -> None:
     assert cycles(module_graph()) == []
 
@@ -157,7 +177,7 @@ def test_every_path_the_code_and_docs_name_exists() -> None:
     assert stale == []
 
 
-# Issue 28: parameters typed bare `Any` hide the coupling between rooms from mypy. What is left
+# Parameters typed bare `Any` hide the coupling between rooms from mypy. What is left
 # is honest (a torch object under a module that must not import torch, DCP's own signatures).
 MAX_BARE_ANY_PARAMETERS = 40
 

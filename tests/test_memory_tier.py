@@ -1,4 +1,4 @@
-"""Specification of the memory tier (issue 17): a real holder process, real shared memory, real files.
+"""Specification of the memory tier: a real holder process, real shared memory, real files.
 
 The agent's side (`HolderProcess`) starts the holder as rally's agent does; the worker's side
 (`MemoryTier`, what `rally.job` uses) runs in this test process, or in a subprocess where the
@@ -234,7 +234,7 @@ def test_a_save_while_the_previous_persists_takes_the_other_slot_and_keeps_the_n
     table.release()
 
 
-# --- how often the disk copy runs (issue 30) ---------------------------------------------------
+# --- how often the disk copy runs ---------------------------------------------------
 
 
 def durable_events(tier: Tier) -> list[dict]:
@@ -308,7 +308,7 @@ def test_a_bad_persist_share_is_one_line_and_the_default(
         tier.agent.stop()
 
 
-# --- fencing by round (issue 18, item 12) ---------------------------------------------------
+# --- fencing by round ---------------------------------------------------
 
 
 @pytest.mark.torch
@@ -498,7 +498,7 @@ def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free
 ) -> None:
     import torch
 
-    monkeypatch.delenv(ckpt_client.HOLDER_ENV, raising=False)  # the disk path: no memory tier (issue 19, item 9),
+    monkeypatch.delenv(ckpt_client.HOLDER_ENV, raising=False)  # the disk path: no memory tier,
     monkeypatch.setattr(ckpt_client, "_tier_resolved", False)  # whatever an earlier test of this process resolved
     with mount_small_disk(tmp_path / "disk", "1m") as disk:
         monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(disk / "ckpt"))

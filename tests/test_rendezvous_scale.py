@@ -1,4 +1,4 @@
-"""Rendezvous at thousands of nodes (issue 31): nothing on the critical path grows with N.
+"""Rendezvous at thousands of nodes: nothing on the critical path grows with N.
 
 N nodes (threads, each with its own TCPStore connection) form one round on a real TCPStore,
 every store call counted by node. On main the closer read each node descriptor with a `get` of
@@ -126,7 +126,7 @@ def test_get_if_present_of_a_key_nobody_waits_for_is_one_request_that_creates_no
 
 
 def test_get_if_present_of_a_key_somebody_waits_for_wakes_no_waiter(server, connections):
-    """Issue 28: torch's libuv server (the default) wakes a key's waiters on every compare_set, set
+    """Torch's libuv server (the default) wakes a key's waiters on every compare_set, set
     or not, so the one-request read would end a wait for `closed` or `end` with the key still
     absent. By default `get_if_present` is a check and a get (two requests) and wakes nobody."""
     prefix = f"rally/{uuid.uuid4().hex}/"

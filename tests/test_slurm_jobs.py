@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from support.ddp_reference import params_hash
 from support.helpers import start_rally, wait_for
 
 if TYPE_CHECKING:  # the fixture comes from the slurm_cluster plugin (tests/conftest.py)
@@ -307,12 +308,6 @@ def test_elastic_job_on_three_nodes_goes_on_with_two_when_a_node_dies(jobs: Jobs
 
 
 # ------------------------------------------------------------------- d: preempt, requeue, resume
-
-
-def params_hash(text: str) -> str:
-    found = re.findall(r"params sha256 ([0-9a-f]{64})", text)
-    assert len(found) == 1, f"expected one final hash in:\n{text[-3000:]}"
-    return found[0]
 
 
 def checkpoint_steps(directory: Path) -> list[int]:

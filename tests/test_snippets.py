@@ -1,5 +1,5 @@
 """Every command and script of the README and the documentation pages that a user would copy
-runs here, as written, so no snippet can drift from the code (issue 29).
+runs here, as written, so no snippet can drift from the code.
 
 A fenced block is marked on the line before it:
 

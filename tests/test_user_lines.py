@@ -1,4 +1,4 @@
-"""Specification: the first hour's rough edges of issue 29, as a new user meets them.
+"""Specification: what a new user meets first, each told in one line.
 
     rally --no-python w.sh (w.sh in the working directory)  -> one line "did you mean ./w.sh", exit 2
     Ctrl-C while workers ignore it                          -> a line with the grace and "Ctrl-C again";

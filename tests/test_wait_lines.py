@@ -1,4 +1,4 @@
-"""Long waits say what they wait for and until when, for real (issue 19; tests/test_waits.py reads
+"""Long waits say what they wait for and until when, for real (tests/test_waits.py reads
 the code, these run the waits): a wait in slices, a worker template slow to import its preload,
 a node whose node 0 never publishes its workers' store, the store's host waiting for the others
 to read the job's end, and an etcd key never written. Each line comes after one interval

@@ -1,4 +1,4 @@
-"""Packaging (issue 29): `python -m build` makes an sdist and a wheel from a clean checkout, the
+"""Packaging: `python -m build` makes an sdist and a wheel from a clean checkout, the
 wheel carries exactly the `rally` package, and what it installs runs.
 
 The checkout is the repository's tracked files (`git ls-files`, links kept as links) copied to a

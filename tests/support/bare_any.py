@@ -1,4 +1,4 @@
-"""Parameters typed bare `Any` in launcher/, agent/ and rendezvous/ (issue 28: at most 40), read from
+"""Parameters typed bare `Any` in launcher/, agent/ and rendezvous/ (at most 40), read from
 the AST: a parameter (also *args and **kwargs) annotated exactly `Any`. `Callable[..., Any]`,
 `dict[str, Any]` and a return type of `Any` do not count.
 

@@ -27,10 +27,11 @@ STEPS, EVERY = 30, 5
 
 
 def params_hash(text: str) -> str:
-    """The sha256 of the final parameters that rank 0 of examples/train.py prints last."""
-    match = re.search(r"params sha256 ([0-9a-f]{64})", text)
-    assert match, text[-3000:]
-    return match.group(1)
+    """The sha256 of the final parameters that rank 0 of examples/train.py prints last: exactly
+    one in a job's output (a job that printed two finished twice)."""
+    found = re.findall(r"params sha256 ([0-9a-f]{64})", text)
+    assert len(found) == 1, f"expected one final hash in:\n{text[-3000:]}"
+    return found[0]
 
 
 @pytest.fixture(scope="session")

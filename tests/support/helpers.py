@@ -211,6 +211,31 @@ class OnTerminal:
         os.close(self.controller)
 
 
+def rally_status(
+    args: Sequence[str], cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 60
+) -> Result:
+    """`rally status ARGS` as a user runs it, in a terminal 200 columns wide (so no line wraps):
+    `env` is the whole environment (default: `clean_env()`), `cwd` the working directory (default: this one)."""
+    return run_rally(
+        ["status", *args], cwd=cwd or Path.cwd(), env={**(env or clean_env()), "COLUMNS": "200"}, timeout=timeout
+    )
+
+
+def run_probe(
+    tmp_path: Path, args: Sequence[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 90
+) -> Result:
+    """`rally --standalone --nproc-per-node NPROC ARGS` in `tmp_path`, with PROBE_OUT=tmp_path/out
+    (made here) where the probe scripts of the tests write what each worker saw."""
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    return run_rally(
+        ["--standalone", "--nproc-per-node", str(nproc), *args],
+        cwd=tmp_path,
+        env={**(env or clean_env()), "PROBE_OUT": str(out)},
+        timeout=timeout,
+    )
+
+
 def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
