@@ -33,11 +33,11 @@ EXIT_QUARANTINED = 3
 ROOT_CAUSE_KINDS = (EndKind.WORKER_FAILED, EndKind.WORKER_HUNG, EndKind.NODE_LOST)
 
 
-def record_failure(record: dict[str, Any], host: str, r: int, now: float) -> None:
-    """Add round r's failure to `host`'s entries (each round counts once)."""
+def record_failure(record: dict[str, Any], host: str, round_no: int, now: float) -> None:
+    """Add round `round_no`'s failure to `host`'s entries (each round counts once)."""
     entries = record["failures"].setdefault(host, [])
-    if not any(int(e[0]) == r for e in entries if isinstance(e, list) and e):
-        entries.append([r, now])
+    if not any(int(e[0]) == round_no for e in entries if isinstance(e, list) and e):
+        entries.append([round_no, now])
 
 
 def recent_failures(record: dict[str, Any], host: str, window: float, now: float) -> int:
@@ -117,7 +117,7 @@ class Quarantine:
         self.events.emit("node_quarantined", round=a.round, node=host, failures=count, reason=reason)
         return excluded_line(host, reason, dict(os.environ))
 
-    def announce(self, store: KeyValueStore, r: int) -> None:
+    def announce(self, store: KeyValueStore, round_no: int) -> None:
         """When a round forms: say which nodes were quarantined since the last one."""
         if not self.enabled:
             return
@@ -126,4 +126,4 @@ class Quarantine:
                 self.announced.add(host)
                 self.report.quarantined[host] = reason
                 self.say(f"node {host} is quarantined ({reason}); the job goes on without it")
-                self.events.emit("node_quarantined", round=r, node=host, reason=reason)
+                self.events.emit("node_quarantined", round=round_no, node=host, reason=reason)
