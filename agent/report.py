@@ -26,10 +26,10 @@ from rally.agent.guard.processes import describe_exit, exit_status_for_shell
 from rally.agent.rounds.threads import StoreSilent
 from rally.agent.rounds.workers import Worker, WorkerGroup
 from rally.rendezvous.backends import backend_of
-from rally.rendezvous.kv import StoreError, StoreTampered
-from rally.rendezvous.membership import RendezvousError
+from rally.rendezvous.base.kv import StoreError, StoreTampered
+from rally.rendezvous.base.membership import RendezvousError
+from rally.rendezvous.c10d.store import StoreEndpoint, UntrustedValue
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
-from rally.rendezvous.store import StoreEndpoint, UntrustedValue
 
 STDERR_LINES_IN_REPORT = 20
 MAX_TRACEBACK_CHARS = 16_000
@@ -132,7 +132,7 @@ class JobReport:
     attempts: list[AttemptRecord] = field(default_factory=list)
     outcome: str = "running"
     exit_code: int | None = None
-    quarantined: dict[str, str] = field(default_factory=dict)  # host -> why (agent/checks/quarantine.py)
+    notes: dict[str, object] = field(default_factory=dict)  # a feature's own keys (agent/checks/quarantine.py's)
 
     def begin(self, assignment: Assignment) -> None:
         self.attempts.append(
@@ -174,7 +174,7 @@ class JobReport:
             "outcome": self.outcome,
             "exit_code": self.exit_code,
             "attempts": [asdict(a) for a in self.attempts],
-            "quarantined": self.quarantined,
+            **self.notes,
         }
         tmp = self.path.with_suffix(".json.tmp")
         with open_for_writing(tmp) as f:  # the run directory is the workers' to write in too

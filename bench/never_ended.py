@@ -1,4 +1,4 @@
-"""The long soak of issue 38's "job that never ended": short jobs beside jobs whose helper processes
+"""The long soak of "the job that never ended": short jobs beside jobs whose helper processes
 (the checkpoint holder, the orphan guard, the worker template) are SIGSTOPped, SIGKILLed and
 starved, for as long as asked. tests/test_job_end_bounded.py runs the same soak for 20 s in CI.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from never_ended import run_jobs_beside_attacks  # noqa: E402 - tests/ is put on the path just above
+from support.never_ended import run_jobs_beside_attacks  # noqa: E402 - tests/ is put on the path just above
 
 
 def main() -> int:

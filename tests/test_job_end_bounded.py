@@ -1,5 +1,4 @@
-"""Fault matrix: every step after the workers' exit is bounded and says what it waits for (issue 38,
-"a job that never ended").
+"""Fault matrix: every step after the workers' exit is bounded and says what it waits for ("a job that never ended").
 
     the store frozen as the workers finish        -> one line naming the store, exit 1, within read_timeout
     the checkpoint holder SIGSTOPped (no --checkpoint-dir)
@@ -27,18 +26,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import Store, connect_tcp_store
+from rally.rendezvous.protocol import NodeInfo, RendezvousSettings, RoundChannel
+from support.helpers import (
     ProcessTracker,
     Result,
     clean_env,
     procs,  # noqa: F401 - a fixture
     write_probe,
 )
-from live_rally import LiveRally
-from never_ended import HELPERS, run_jobs_beside_attacks, run_or_dump_stacks
-from rally.rendezvous.protocol import NodeInfo, RendezvousSettings, RoundChannel
-from rally.rendezvous.store import Store, connect_tcp_store
-from rally.rendezvous.token import Signer
+from support.live_rally import LiveRally
+from support.never_ended import HELPERS, run_jobs_beside_attacks, run_or_dump_stacks
 
 
 def _store_port(store: LiveRally) -> int:
@@ -51,7 +50,7 @@ def _store_port(store: LiveRally) -> int:
 def stuttering_store(tmp_path: Path, procs: ProcessTracker) -> Iterator[int]:
     """A `rally store` that is stopped 60 ms out of every 61 (SIGSTOP, SIGCONT): a store whose answers
     come late, as an agent's own store does on a loaded machine (tests/test_job_end_bounded.py's
-    docstring; the CI run of issue 38). Yields its port."""
+    a CI run where a finished job never ended). Yields its port."""
     store = LiveRally(["store", "--port", "0"], tmp_path, clean_env(), procs)
     port = _store_port(store)
     over = threading.Event()

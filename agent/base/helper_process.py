@@ -6,7 +6,7 @@ user's path, an `agent` package say, can take its place), in a session of its ow
 SIGKILL to the agent's process group must not reach it), and reads its stdin: the end of that
 pipe is how it learns the agent is gone, however the agent died.
 
-The agent never blocks on a helper (issue 38, a job that never ended): its lines go into a
+The agent never blocks on a helper: its lines go into a
 non-blocking pipe, so a helper that stopped reading (SIGSTOPped, starved, stuck) costs a dropped
 line and, once, a warning, never the agent's main loop; stopping one is bounded and says so when
 the helper had to be killed.
