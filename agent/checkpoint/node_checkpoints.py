@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import secrets
 import select
 import socket
@@ -78,6 +79,24 @@ from rally.rendezvous.status.long_wait import LongWait
 
 MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
 """Bytes the tier's copies may take on this node in all (default: half of what is available)."""
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
+
+
+def memory_limit_bytes(text: str) -> int | None:
+    """RALLY_CKPT_MEMORY_LIMIT as bytes: a number of bytes, or with a binary suffix (512M, 1G, 1.5TiB);
+    None when unset. Anything else is a ValueError with the line to show (the launcher: exit 2)."""
+    if not text.strip():
+        return None
+    match = _SIZE.fullmatch(text)
+    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match else 0
+    if not match or not 0 < size < 1 << 62:
+        raise ValueError(
+            f"{MEMORY_LIMIT_ENV}={text[:40]!r}: expected the bytes the in-memory checkpoints may take on this "
+            "node, e.g. 8G, 512M or 1073741824"
+        )
+    return size
+
 MEMORY_TIER_ENV = "RALLY_MEMORY_TIER"
 """Set to 0 to turn the memory tier off: every save then goes straight to disk."""
 REPLY_TIMEOUT = 10.0
@@ -302,7 +321,7 @@ class HolderProcess:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             listener.bind(socket_address(name))
-            limit = os.environ.get(MEMORY_LIMIT_ENV, "")
+            limit = str(memory_limit_bytes(os.environ.get(MEMORY_LIMIT_ENV, "")) or "")  # checked at launch
             helper = HelperProcess(
                 ckpt_holder.__file__, str(listener.fileno()), secrets.token_hex(4), checkpoint_dir or "", limit,
                 stdout=subprocess.PIPE, pass_fds=(listener.fileno(),), env={**os.environ, SECRET_ENV: secret},
