@@ -97,6 +97,7 @@ def memory_limit_bytes(text: str) -> int | None:
         )
     return size
 
+
 MEMORY_TIER_ENV = "RALLY_MEMORY_TIER"
 """Set to 0 to turn the memory tier off: every save then goes straight to disk."""
 REPLY_TIMEOUT = 10.0
