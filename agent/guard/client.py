@@ -20,7 +20,7 @@ CGROUP_VARIABLE = "RALLY_JOB_CGROUP"
 CGROUP_CHOICES = {"auto": (V2, FREEZER, PIDS), V2: (V2,), FREEZER: (FREEZER,), PIDS: (PIDS,), "off": ()}
 
 
-def job_cgroup(token: str, guard_pid: int = 0) -> JobCgroup | None:
+def job_cgroup(guard_pid: int = 0) -> JobCgroup | None:
     """The job's own cgroup, of the kind RALLY_JOB_CGROUP asks for (an unknown value: auto).
 
     Under SLURM, auto means v2 only: SLURM's v1 plugins track a step by the members of its own
@@ -30,7 +30,8 @@ def job_cgroup(token: str, guard_pid: int = 0) -> JobCgroup | None:
     kinds = CGROUP_CHOICES.get(choice, CGROUP_CHOICES["auto"])
     if choice not in (FREEZER, PIDS) and os.environ.get("SLURM_JOB_ID"):
         kinds = tuple(k for k in kinds if k == V2)
-    group = JobCgroup.create(f"rally-{guard_pid}-{token}", kinds) if kinds else None
+    # A name, not a secret: every user reads it in /proc/PID/cgroup, so it carries no part of the token.
+    group = JobCgroup.create(f"rally-{guard_pid}-{os.urandom(6).hex()}", kinds) if kinds else None
     if group is not None:
         remove_abandoned(group)
     return group
@@ -48,7 +49,7 @@ class GuardClient:
         self._tell(f"token {token}\n")
         # Every process the agent starts from now on (workers, the template) joins the cgroup
         # between fork and exec; everything they start inherits it.
-        self.cgroup = job_cgroup(token, self.process.pid)
+        self.cgroup = job_cgroup(self.process.pid)
         if self.cgroup is not None:
             self._tell(f"cgroup {self.cgroup.to_line()}\n")
         processes.set_job_cgroup(self.cgroup.procs_file if self.cgroup is not None else None)
