@@ -1,4 +1,4 @@
-"""The documentation renders as written (issue 40): the mistakes below turn into literal text on
+"""The documentation renders as written: the mistakes below turn into literal text on
 the site without making `mkdocs build --strict` fail, so they are caught here.
 
 - A list that follows a paragraph (or a code block) without a blank line is not a list in

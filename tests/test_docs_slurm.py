@@ -1,4 +1,4 @@
-"""docs/slurm.md shows the sbatch scripts of slurm/ as they are (issue 40): each is included in a
+"""docs/slurm.md shows the sbatch scripts of slurm/ as they are: each is included in a
 code block with pymdownx.snippets (`--8<-- "slurm/NAME"`), so the page cannot drift from the
 files, and each is valid bash. The templates themselves run on a real SLURM cluster in
 tests/test_slurm_jobs.py; train.sbatch asks for GPUs, so `bash -n` is all it gets here."""

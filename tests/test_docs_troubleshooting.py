@@ -1,4 +1,4 @@
-"""Every one-line error rally prints that a user can meet is on docs/troubleshooting.md (issue 40),
+"""Every one-line error rally prints that a user can meet is on docs/troubleshooting.md,
 so the page cannot fall behind the code.
 
 The errors are found in the code itself: every call that turns text into an error a user sees

@@ -7,7 +7,7 @@ A fenced block is marked on the line before it:
     <!-- snippet: run -->           the block runs there (bash with -euo pipefail, or python)
     <!-- snippet: run TEXT -->      ... and TEXT must be in what it printed (stdout or stderr)
     <!-- snippet: skip REASON -->   it cannot run in a test (another machine, the network, minutes)
-    <!-- snippet: output -->        a `text` block: what the run block before it printed (issue 40)
+    <!-- snippet: output -->        a `text` block: what the run block before it printed
 
 An `output` block is real output, so it cannot drift: each of its lines must be a line that the
 run block before it printed (stdout or stderr), compared after `shown_as` (the time stamp at the

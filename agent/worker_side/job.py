@@ -6,7 +6,6 @@ two seconds for it. Torch is imported inside `save` and `load_latest`.
 
 Environment (all optional; outside a launcher the job is rank 0 of 1):
 
-```text
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
     GROUP_RANK, GROUP_WORLD_SIZE                   torchrun's names, set by rally and torchrun
     TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID
@@ -18,7 +17,6 @@ Environment (all optional; outside a launcher the job is rank 0 of 1):
                              copies into the node's memory, the holder writes the disk
     RALLY_HEARTBEAT_FILE     per-worker heartbeat file created by the agent (see heartbeat_file)
     RALLY_PREEMPT_SIGNALS    comma-separated signal names rally forwards before a kill, e.g. SIGUSR1,SIGTERM
-```
 
 Typical loop:
 
