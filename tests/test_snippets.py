@@ -220,4 +220,5 @@ def test_the_snippets_of_a_page_run_as_written(page: Path, page_runs: dict[Path,
             ran = ran_by_line[run.line]
             missing = missing_lines(block.body, ran.stdout + ran.stderr)
             printed = f"{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}"
-            assert not missing, f"{block.where()} shows lines the run did not print:\n" + "\n".join(missing) + f"\n\nit printed:\n{printed}"
+            lines = "\n".join(missing)
+            assert not missing, f"{block.where()} shows lines the run did not print:\n{lines}\n\nit printed:\n{printed}"
