@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from test_docs_render import CODE_COLUMNS
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((REPO / "slurm").glob("*.sbatch"))
 
@@ -26,8 +28,8 @@ def test_the_slurm_page_includes_every_sbatch_script() -> None:
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_each_sbatch_script_is_valid_bash_with_lines_that_fit_the_page(script: Path) -> None:
     subprocess.run(["bash", "-n", str(script)], check=True, timeout=20)
-    long = [n for n, line in enumerate(script.read_text().splitlines(), 1) if len(line) > 100]
-    assert not long, f"{script.name}: lines over 100 columns (cut off on the page): {long}"
+    long = [n for n, line in enumerate(script.read_text().splitlines(), 1) if len(line) > CODE_COLUMNS]
+    assert not long, f"{script.name}: lines over {CODE_COLUMNS} columns (cut off on the page): {long}"
 
 
 @pytest.mark.timeout(30)
