@@ -135,3 +135,34 @@ def test_the_built_site_shows_no_markup_as_text(tmp_path: Path) -> None:
             if re.search(r"\n\s*(?:[-*+]|\d{1,3}\.)\s", text) or text.rstrip().endswith("::"):
                 problems.append(f"{built.parent.relative_to(site)}/: ...{text[-100:]!r}")
     assert not problems, "\n".join(problems)
+
+
+# Pages written to show before they tell: no paragraph (or list item) runs longer than this many
+# source lines, so a reader finds the point without wading. Older pages are not held to it yet.
+SHORT_PARAGRAPH_PAGES = ["slurm.md", "troubleshooting.md", "migrating.md", "api.md"]
+PARAGRAPH_LINES = 6
+
+
+def long_paragraphs(page: Path) -> list[str]:
+    """`page:line: N lines` for each paragraph or list item longer than PARAGRAPH_LINES."""
+    found, run, fence = [], [], False
+    for i, line in enumerate([*page.read_text().split("\n"), ""]):
+        if FENCE.match(line):
+            fence, run = not fence, []
+            continue
+        if fence:
+            continue
+        item = LIST_ITEM.match(line)
+        if not line.strip() or item or line.lstrip().startswith(("|", "#", "<!--", ":::", "!!!")):
+            if len(run) > PARAGRAPH_LINES:
+                found.append(f"{page.name}:{run[0] + 1}: {len(run)} lines")
+            run = [i] if item else []
+            continue
+        run.append(i)
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_paragraphs_are_short_on_the_pages_that_show() -> None:
+    found = [p for name in SHORT_PARAGRAPH_PAGES for p in long_paragraphs(REPO / "docs" / name)]
+    assert not found, f"paragraphs over {PARAGRAPH_LINES} lines (split them, or make a list):\n" + "\n".join(found)
