@@ -43,6 +43,9 @@ Examples:
 A script named like a command (store, status) runs as `rally ./store` or `rally -- store`.
 
 Precedence: flags > PET_*/RALLY_* environment > --config file > defaults.
+
+\b
+Each error line rally prints, with its cause and fix: docs/troubleshooting.md
 """
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,3 +135,14 @@ def test_every_entry_has_an_anchor_and_the_index_links_them() -> None:
     index = text.split("\n## ", 1)[0]
     unlinked = sorted(a for a in anchors if f"(#{a})" not in index)
     assert not unlinked, f"entries the index at the top does not link: {unlinked}"
+
+
+@pytest.mark.timeout(60)
+def test_rally_help_points_at_the_page() -> None:
+    """`rally --help` names the page, which exists: an error's next stop is one command away."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rally", "--help"], capture_output=True, text=True, timeout=50, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    assert "docs/troubleshooting.md" in done.stdout
+    assert PAGE.exists()
