@@ -3,6 +3,8 @@ the site without making `mkdocs build --strict` fail, so they are caught here.
 
 - A list that follows a paragraph (or a code block) without a blank line is not a list in
   Python-Markdown: its items run into the paragraph above as literal "- **Events**" text.
+- A code block in a list item needs 4 spaces of indent; with 2 it ends the list, and the rest
+  of the item and the items after it become a paragraph and a new list.
 - A line ending in `::` is reStructuredText's code-block marker; Markdown shows it as is.
 - A line of a block a user copies (bash, python, yaml) longer than CODE_COLUMNS is cut off at
   the code box's edge on a laptop screen; output (`text` blocks) wraps instead, by extra.css.
@@ -52,6 +54,11 @@ def source_problems(page: Path) -> list[str]:
             continue
         if fence:
             fence_lang, paragraph_start = fence.group(2), None
+            if 0 < len(line) - len(line.lstrip()) < 4:
+                problems.append(
+                    f"{where}:{i + 1}: a code block indented by fewer than 4 spaces breaks the list it is in; "
+                    "indent it (and what follows it in the item) by 4"
+                )
             continue
         if not line.strip():
             paragraph_start, after_fence, in_directive = None, False, False
@@ -93,12 +100,14 @@ def test_the_checks_find_each_mistake(tmp_path: Path) -> None:
         "```text\nout\n```\n- an item right after a code block\n": "right after a code block",
         "- an item\n\n  ```text\n  out\n  ```\n\n  More of it.\n- **Events**: the next item\n": "runs into",
         "Environment (all optional)::\n\n    X=1\n": "'::'",
+        "- an item:\n\n  ```text\n  out\n  ```\n": "fewer than 4 spaces",
         "<!-- snippet: skip x -->\n```bash\n" + "x" * (CODE_COLUMNS + 1) + "\n```\n": "a bash line",
     }
     fine = [
         "Some text:\n\n- a list\n- after a blank line\n",
         "- an item\n  still the item\n- the next item\n  - nested\n",
         "```text\n" + "x" * 300 + "\n```\n",
+        "- an item:\n\n    ```text\n    out\n    ```\n\n    More of it.\n",
         "::: rally.job\n    options:\n      members:\n        - save\n",
     ]
     for text, expected in cases.items():
