@@ -114,6 +114,15 @@ def fence_lease(keep_alive_timeout: float) -> float:
     return max(10.0, 2 * keep_alive_timeout)
 
 
+def _limit_argument(text: str) -> str:
+    """The holder's memory limit argument: bytes, or "" for its default. The launcher refuses a bad
+    value (exit 2); one that reaches here anyway is passed on, and the holder cannot start (one line)."""
+    try:
+        return str(memory_limit_bytes(text) or "")
+    except ValueError:
+        return text
+
+
 class NodeCheckpoints(Collaborator):
     """This node's checkpoints as the agent sees them: its memory tier's holder (or none: `holder`
     is None) and what the disk holds. The module docstring gives the order in which the agent calls it."""
@@ -322,7 +331,7 @@ class HolderProcess:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             listener.bind(socket_address(name))
-            limit = str(memory_limit_bytes(os.environ.get(MEMORY_LIMIT_ENV, "")) or "")  # checked at launch
+            limit = _limit_argument(os.environ.get(MEMORY_LIMIT_ENV, ""))
             helper = HelperProcess(
                 ckpt_holder.__file__, str(listener.fileno()), secrets.token_hex(4), checkpoint_dir or "", limit,
                 stdout=subprocess.PIPE, pass_fds=(listener.fileno(),), env={**os.environ, SECRET_ENV: secret},
