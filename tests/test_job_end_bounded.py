@@ -137,8 +137,11 @@ STOP_HOLDER_AND_FINISH = """
         os.kill(int(os.environ["RALLY_CKPT_HOLDER_PID"]), signal.SIGSTOP)
     print("done", flush=True)
 """
-# 64 MB: the holder is stopped while it still persists (or just before), after it told the agent of the save.
-SAVE_A_STEP = "import time, torch; from rally import job; job.save({'w': torch.zeros(1 << 24)}, 7); time.sleep(0.3)"
+# 64 MB: the holder is stopped while it still persists (or just before), once the agent heard of the save.
+SAVE_A_STEP = """import glob, time, torch; from rally import job
+    job.save({'w': torch.zeros(1 << 24)}, 7)
+    while not any('checkpoint_saved' in open(f).read() for f in glob.glob('logs/*/events.jsonl')):
+        time.sleep(0.01)"""
 
 
 def _standalone(tmp_path: Path, body: str, *flags: str, timeout: float = 45) -> Result:
@@ -165,7 +168,8 @@ def test_a_stopped_checkpoint_holder_is_one_line_naming_the_step_that_never_reac
     """Before: the agent waited ~46 s for the stopped holder, killed it, and exited 0 with step 7 in
     memory only (silently lost). Now: one line naming the step, exit 1, without waiting for it."""
     ck = tmp_path / "ck"
-    result = _standalone(tmp_path, STOP_HOLDER_AND_FINISH.format(save=SAVE_A_STEP), "--checkpoint-dir", str(ck))
+    flags = ("--checkpoint-dir", str(ck), "--log-dir", "logs")
+    result = _standalone(tmp_path, STOP_HOLDER_AND_FINISH.format(save=SAVE_A_STEP), *flags)
     if result.returncode == 0:  # only if the holder wrote it before it was stopped
         assert list(ck.glob("step_7*")), f"exit 0 with step 7 in memory only\n{result.describe()}"
     else:

@@ -221,6 +221,12 @@ class NodeCheckpoints(Collaborator):
         deadline = time.monotonic() + self.shutdown_timeout
         if not holder.flush(self.shutdown_timeout):
             holder.unflushed = True  # lost() says which step did not reach the disk
+            if holder.last_saved is None and holder.checkpoint_dir is not None and not holder.died:
+                self.warn(  # it never told of a save: one it took in its last moments may not be on disk
+                    f"the checkpoint holder (pid {holder.pid}) did not make its copies durable at the job's end "
+                    f"({holder.unanswered or 'the flush ran out of time'}); a step saved just before may be missing "
+                    f"from {holder.checkpoint_dir}"
+                )
         try:
             self._flush_sharded(holder, max(0.0, deadline - time.monotonic()))
         finally:
