@@ -418,7 +418,7 @@ def metrics_port(value: object, p: Parsing) -> int | None:
 
 
 def metrics_addr(value: object, p: Parsing) -> str:
-    return str(value or "0.0.0.0").strip("[]")
+    return str(value or "127.0.0.1").strip("[]")
 
 
 def python_exec() -> str:

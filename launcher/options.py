@@ -409,8 +409,8 @@ class Options:
     metrics_addr: str = option(
         spec_default("metrics_addr"),
         "Health",
-        "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps "
-        "it on this host).",
+        "Address the metrics endpoint listens on (default 127.0.0.1, this host only; 0.0.0.0, or one "
+        "interface's address, lets a Prometheus on another machine scrape it).",
         metavar="ADDR",
         check=checks.metrics_addr,
     )

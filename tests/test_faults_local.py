@@ -252,6 +252,81 @@ def test_metrics_keep_serving_and_start_no_thread_under_400_half_open_connection
         server.close()
 
 
+CONNECT_CLOSE_FLOOD = """
+import socket, struct, time
+port = {port}
+end = time.monotonic() + {seconds}
+rounds = 0
+while time.monotonic() < end:
+    held = []
+    for _ in range(100):  # more than MAX_CLIENTS (64): the server drops the oldest to make room
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: a reset
+            s.send(b"GET /metrics HTTP/1.1\\r\\n")  # half a request head: readable, never complete
+            held.append(s)
+        except OSError:
+            pass
+    for s in held:
+        s.close()
+    rounds += 1
+print("rounds", rounds, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_connect_close_flood_on_metrics_never_ends_its_server() -> None:
+    """Another user connects 100 clients at a time to /metrics, sends half a request head on each
+    and resets them all, for 4 s. Before: a client the server had dropped to make room, still in
+    the same select()'s answer, was read again: KeyError in `_read`, a traceback on the job's
+    console, and the port closed for the rest of the job. Now: no exception leaves the server's
+    thread and scrapes are answered during and after the flood."""
+    import threading
+    import urllib.request
+
+    from rally.agent.observe import metrics
+
+    require_stranger()
+    failures: list[str] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: failures.append(f"{args.thread.name}: {args.exc_type.__name__}")
+    server = metrics.serve(0, lambda: None, lambda: [], "flood", "127.0.0.1")
+    try:
+        with stranger_process(CONNECT_CLOSE_FLOOD.format(port=server.port, seconds=4)) as attacker:
+            assert attacker.stdout is not None
+            assert attacker.stdout.readline().startswith("rounds"), attacker.stderr.read()
+        for _ in range(3):
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as response:
+                assert b"rally_build_info" in response.read()
+        assert server.server.thread.is_alive()
+        assert failures == [], failures
+    finally:
+        threading.excepthook = hook
+        server.close()
+
+
+@pytest.mark.same_under_load  # a default, read once
+@pytest.mark.timeout(30)
+def test_metrics_listen_on_loopback_unless_opened() -> None:
+    """/metrics said the job's hosts, ranks and restarts to the whole network by default (0.0.0.0).
+    Now the option's default and the server's are loopback; --metrics-addr opens it."""
+    from rally.agent.observe import metrics
+    from rally.launcher.options import Options
+
+    assert Options.of({}).metrics_addr == "127.0.0.1"
+    server = metrics.serve(0, lambda: None, lambda: [], "loopback")
+    try:
+        assert server.server.sock.getsockname()[0] == "127.0.0.1"
+        assert server.url == f"http://127.0.0.1:{server.port}/metrics"
+    finally:
+        server.close()
+    opened = metrics.serve(0, lambda: None, lambda: [], "opened", "0.0.0.0")
+    try:
+        assert opened.server.sock.getsockname()[0] == "0.0.0.0"
+    finally:
+        opened.close()
+
+
 # ------------------------------------------------------------------ 8, 12. secrets and a job without a token
 def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **options: str):
     """build_launch for a 2-node job on `options` (the checks rally runs at start, in-process)."""
