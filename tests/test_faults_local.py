@@ -8,6 +8,7 @@ docs/security.md "Local surfaces" lists what these tests prove.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -33,7 +34,7 @@ from helpers import (  # noqa: F401
 from live_rally import LiveRally
 from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
 from stranger_store import STORE_CLIENT
-from test_faults_trust import RANKS_WORKER, TOKEN
+from test_faults_trust import FAST, RANKS_WORKER, TOKEN, _node, server  # noqa: F401 - server is a fixture
 
 # Raw writes besides tests/stranger_store.py's enveloped `put`: what any TCPStore client can send.
 RAW_PUT = r"""
@@ -421,7 +422,7 @@ def test_a_multi_node_job_without_a_token_says_at_start_what_a_stranger_can_do(t
 # own: a stranger who lists the keys finds it, here it is left out), and the round's end before
 # the job writes it.
 JOB_KEYS = (
-    "0/alive/0 0/end 0/acked current 0/master 0/closed 0/assign/0/0 0/node/0 0/joined 0/closer/0 "
+    "0/alive/0 0/end 0/acked/0 current 0/master 0/closed 0/assign/0/0 0/node/0 0/joined 0/closer/0 "
     "job/started host status/nodes"
 ).split()
 
@@ -454,3 +455,51 @@ def test_a_strangers_garbage_in_every_key_of_a_standalone_store_ends_nothing(
     assert "Traceback" not in rally.text()
     warned = [line for line in rally.text().splitlines() if "rally: warning: store key" in line]
     assert warned and len(warned) == len({line.split("'")[1] for line in warned}), warned  # one line per key
+
+
+# ------------------------------------------------------------------ barriers that decide
+def _member(group_rank: int, members: int = 2):
+    from rally.rendezvous.records import Assignment
+
+    return Assignment(
+        round=0, group_rank=group_rank, group_world_size=members, rank_offset=group_rank, world_size=members,
+        restart_count=0, membership_changes=0, watch_rank=None, watch_host="", master_host="a.addr",
+    )  # fmt: skip
+
+
+# Same under load: the forged keys are written between two calls; a signature check decides.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(60)
+def test_forged_barrier_keys_open_neither_the_preemption_nor_the_exit_barrier(server) -> None:
+    """Another user who reaches the store (no token) sets `0/preempt_all_done`, `0/all_acked` and
+    the counters, and writes rally-format records for node 1 under the empty key, after node 0 did
+    its part. Before: the flag's existence opened the preemption barrier (node 0 requeued while node
+    1 was still saving) and the exit barrier. Now both wait for node 1's own signed record, a forged
+    one is one line naming its key, and node 1's genuine records open them."""
+    from rally.rendezvous.preemption_barrier import PreemptionBarrier
+    from rally.rendezvous.protocol import RendezvousSettings
+    from rally.rendezvous.round_channel import RoundChannel
+
+    require_stranger()
+    settings = RendezvousSettings(**{**FAST, "max_nodes": 2})
+    a, b = _node(server, "a", settings), _node(server, "b", settings)
+    lines: list[str] = []
+    a.store.on_untrusted = lines.append
+    node0 = PreemptionBarrier(a.store, a.me, _member(0)), RoundChannel.of(a.store, settings, a.me, _member(0))
+    node1 = PreemptionBarrier(b.store, b.me, _member(1)), RoundChannel.of(b.store, settings, b.me, _member(1))
+    node0[0].note_checkpointed()
+    node0[1].acknowledge_end()
+    record = json.dumps({"node_id": "b:id", "group_rank": 1}).encode()
+    as_stranger(
+        "".join(f"raw_put({server.port}, 'rally/job/0/{key}', b'1')\n" for key in FLAGS_AND_COUNTERS)
+        + "".join(f"put({server.port}, 'rally/job/0/{key}/1', {record!r})\n" for key in ("preempt_done", "acked"))
+    )
+    assert not node0[0].wait_all_checkpointed(1.0), "a stranger's keys opened the preemption barrier"
+    assert not node0[1].wait_all_acknowledged(1.0), "a stranger's keys opened the exit barrier"
+    assert any("'rally/job/0/preempt_done/1'" in line and "different job token" in line for line in lines), lines
+    node1[0].note_checkpointed()
+    node1[1].acknowledge_end()
+    assert node0[0].wait_all_checkpointed(5) and node0[1].wait_all_acknowledged(5)
+
+
+FLAGS_AND_COUNTERS = ("preempt_all_done", "preempt_done", "all_acked", "acked")
