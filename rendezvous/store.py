@@ -32,7 +32,14 @@ from rally.rendezvous.kv import (
     StoreUnavailable,
     UntrustedValue,
 )
-from rally.rendezvous.store_connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
+from rally.rendezvous.port_owner import Listener, listener_owners
+from rally.rendezvous.store_connect import (
+    CONSTRUCTOR_SLACK_SECONDS,
+    NoStoreThere,
+    bounded,
+    current_progress,
+    wait_for_store,
+)
 from rally.rendezvous.token import BadRecord, Signer
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
@@ -40,8 +47,11 @@ if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must
     from torch.distributed import TCPStore
 
 
-# The key a `rally store` process writes, so an agent on the same host can tell it from a stranger.
+# The key a `rally store` process writes, so an agent on the same host can tell it from a stranger:
+# plain, it is joined only when the port's listener is the agent's own user's or root's; signed
+# with the job token (`rally store` run with RALLY_JOB_TOKEN), it proves the store is the job's.
 SERVICE_MARKER_KEY = "rally/store-service"
+SERVICE_MARKER_VALUE = "rally store"
 # The key (under the job's prefix) the agent that hosts the job's store writes, signed.
 HOST_MARKER_NAME = "host"
 # How long an agent that found the endpoint's port taken waits for the hosting agent's marker.
@@ -479,14 +489,70 @@ def open_tcp_store(
     if server is not None:
         store.set(HOST_MARKER_NAME, "hosted by an agent of this job")
     elif port_taken:
-        _check_same_job(store, endpoint, port, wait)
+        joined = _check_same_job(store, endpoint, port, wait)
+        if (say := current_progress()) is not None:
+            say(joined)
     return store, server
 
 
-def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: float) -> None:
-    """The port was taken: accept a `rally store` service or this job's own host, nothing else."""
-    if store.raw.check([SERVICE_MARKER_KEY]):
-        return
+def _service_marker(store: Store) -> str | None:
+    """What the `rally store` marker at the store says: None (none there), "plain" (anyone could
+    have written it), "signed" (signed with this job's token: the store is the job's)."""
+    if not store.raw.check([SERVICE_MARKER_KEY]):
+        return None
+    if not store.signer.has_token:
+        return "plain"
+    try:
+        value = store.raw.get(SERVICE_MARKER_KEY)
+        store.signer.open(SERVICE_MARKER_KEY, value)
+    except BadRecord:
+        return "plain"
+    return "signed"
+
+
+def _owned_here(owners: list[Listener]) -> bool:
+    """The port's listener was opened by this process's user or by root."""
+    return bool(owners) and all(owner.uid in (0, os.geteuid()) for owner in owners)
+
+
+def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: float) -> str:
+    """The port was taken: join a `rally store` service or this job's own host, nothing else, and
+    only when its listening socket is this user's or root's (the kernel's socket tables say who
+    opened it, rendezvous/port_owner.py) or the store proves it is the job's with a marker signed
+    with the job token. The line that says which store this agent joined."""
+    owners = listener_owners(endpoint.host, port)
+    ours = _owned_here(owners)
+    who = ", ".join(str(owner) for owner in owners) or "a socket this host's tables do not show"
+    where = f"{endpoint.host}:{port}"
+    service = _service_marker(store)
+    if service == "signed":
+        return f"joined the `rally store` at {where}, listening at {who}: its marker is signed with this job's token"
+    if service == "plain" and ours:
+        return f"joined the `rally store` service at {where}, listening at {who} (this user's or root's)"
+    if service == "plain":
+        raise StoreUnavailable(
+            _stranger_port_message(
+                endpoint,
+                port,
+                f"it listens as another user ({who}) and its `rally store` marker is not signed with this job's "
+                "token (run `rally store` as this user, or with RALLY_JOB_TOKEN set to the job's token)",
+            )
+        )
+    if not ours and not store.signer.has_token:
+        raise StoreUnavailable(
+            _stranger_port_message(
+                endpoint,
+                port,
+                f"it listens as another user ({who}); without a job token no store proves it is this job's",
+            )
+        )
+    # wait: short: HOST_MARKER_WAIT_SECONDS (10 s) at most, in MARKER_SLICE_SECONDS slices
+    _wait_for_host_marker(store, endpoint, port, wait)
+    return f"joined the rendezvous store at {where} hosted by another agent of this job, listening at {who}"
+
+
+def _wait_for_host_marker(store: Store, endpoint: StoreEndpoint, port: int, wait: float) -> None:
+    """The job's hosting agent signs its marker at once; anything else is not this job's store."""
     deadline = time.monotonic() + wait
     while True:
         left = max(0.01, min(MARKER_SLICE_SECONDS, deadline - time.monotonic()))

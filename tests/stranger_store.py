@@ -60,3 +60,41 @@ def append(port, key, data):
     conn.sendall(bytes([APPEND]) + _text(b"/" + key.encode()) + _text(data))
     done(conn)
 '''
+
+
+STORE_PROXY = r'''
+import socket, sys, threading
+
+def _pump(src, dst):
+    try:
+        while True:
+            data = src.recv(65536)
+            if not data:
+                break
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def proxy(target_port, listen_port=0):
+    """Listen on 127.0.0.1 (first: the port is then this user's) and relay every connection to the
+    store at `target_port`: a stranger in the middle, who sees every record and could drop any."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", listen_port))
+    server.listen(64)
+    print("listening", server.getsockname()[1], flush=True)
+    while True:
+        client, _ = server.accept()
+        upstream = socket.create_connection(("127.0.0.1", target_port), timeout=10)
+        upstream.settimeout(None)
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+'''
+"""A stranger's c10d store, standard library only: `proxy(port)` relays to a real store (the test's
+torch TCPStore) from a socket the stranger listens on; it prints `listening PORT` first."""

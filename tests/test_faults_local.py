@@ -33,7 +33,7 @@ from helpers import (  # noqa: F401
 )
 from live_rally import LiveRally
 from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
-from stranger_store import STORE_CLIENT
+from stranger_store import STORE_CLIENT, STORE_PROXY
 from test_faults_trust import FAST, RANKS_WORKER, TOKEN, _node, server  # noqa: F401 - server is a fixture
 
 # Raw writes besides tests/stranger_store.py's enveloped `put`: what any TCPStore client can send.
@@ -503,3 +503,45 @@ def test_forged_barrier_keys_open_neither_the_preemption_nor_the_exit_barrier(se
 
 
 FLAGS_AND_COUNTERS = ("preempt_all_done", "preempt_done", "all_acked", "acked")
+
+
+# ------------------------------------------------------------------ a stranger's store on the endpoint's port
+ONE_LINE = "print('the job ran', flush=True)\n"
+
+
+@pytest.mark.same_under_load  # who owns a socket, and what a marker is signed with
+@pytest.mark.timeout(180)
+def test_a_store_another_user_listens_on_first_is_joined_only_when_it_proves_it_is_the_jobs(tmp_path: Path) -> None:
+    """Another user listens on the endpoint's port first and relays to a store holding the constant
+    `rally store` marker (unsigned). Before: the root agent, with a job token, joined it without a
+    line and ran the job through the stranger. Now: the listener's owner (uid 65534, from
+    /proc/net/tcp) is neither the job's user nor root, so the unsigned marker is not enough: one
+    line, exit 2, nothing run. A marker signed with the job's token proves the store is the job's:
+    the agent joins, one line naming the store and its listener."""
+    from rally.rendezvous.store import SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE, host_tcp_store
+    from rally.rendezvous.token import Signer
+
+    require_stranger()
+    real = host_tcp_store(0, 30, loopback_only=True)
+    real.set(SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE)  # what `rally store` writes without a token
+    script = write_script(tmp_path, "one.py", ONE_LINE)
+    env = clean_env(RALLY_JOB_TOKEN=TOKEN)
+    with stranger_process(STORE_PROXY + f"proxy({real.port})\n") as relay:
+        assert relay.stdout is not None
+        said = relay.stdout.readline().split()
+        assert said[:1] == ["listening"], relay.stderr.read() if relay.poll() is not None else said
+        port = int(said[1])
+        refused = run_rally([*job_args(port, "1"), str(script)], cwd=tmp_path, env=env, timeout=120)
+        assert refused.returncode == 2, refused.describe()
+        errors = [line for line in refused.stderr.splitlines() if "rally: error" in line]
+        assert len(errors) == 1 and f"uid {STRANGER_UID}" in errors[0], refused.describe()
+        assert "not signed with this job's token" in errors[0] and "will not join" in errors[0], errors
+        assert "the job ran" not in refused.stdout and "Traceback" not in refused.stderr, refused.describe()
+        real.set(SERVICE_MARKER_KEY, Signer(TOKEN).seal(SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE))
+        joined = run_rally([*job_args(port, "1"), str(script)], cwd=tmp_path, env=env, timeout=120)
+        assert joined.returncode == 0 and "the job ran" in joined.stdout, joined.describe()
+        text = joined.stdout + joined.stderr
+        line = [x for x in text.splitlines() if "joined the `rally store`" in x]
+        assert len(line) == 1 and f"127.0.0.1:{port}" in line[0] and f"uid {STRANGER_UID}" in line[0], text
+        assert "signed with this job's token" in line[0], line
+    del real
