@@ -8,7 +8,13 @@ that torch does not already ship. This module hides three awkward corners of the
 * a client blocked in `wait` blocks every other call on the same connection, so each
   thread that waits gets its own connection (`Store.connect_again`);
 * the C++ side logs a warning with a stack trace for every timed-out wait, which is a normal
-  event in a rendezvous; the agent silences it with TORCH_CPP_LOG_LEVEL (see `quiet_torch_logs`).
+  event in a rendezvous; the agent silences it with TORCH_CPP_LOG_LEVEL (see `quiet_torch_logs`);
+* a store that is not one (a hostile service on the port) must cost one line, never a traceback
+  or a hang: torch's client turns a reply that claims a 1 TiB value into `std::bad_alloc`
+  (MemoryError here), and waits for ever for the answer to a wait's CANCEL_WAIT. Every error of
+  torch's client is `StoreUnavailable` with one line (`Store._call`), and the calls that wait on
+  the server (wait, get, multi_get: torch's get waits first) run in a thread bounded by their
+  timeout plus `op_timeout` (`Store._bounded_call`).
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ ABSENT = b"\x00rally: no such key\x00"
 REPAIR_ATTEMPTS = 3
 # The slices of that wait: between them, a store hosted by another job is recognised by its marker.
 MARKER_SLICE_SECONDS = 0.25
+# A Store's `op_timeout` when its maker does not say (torch's own default, 300 s).
+DEFAULT_OP_TIMEOUT = 300.0
 # Where every job's keys live (rendezvous/protocol.py's job_prefix: rally/<run id>/).
 RALLY_KEY_ROOT = "rally/"
 
@@ -106,7 +114,28 @@ class Store(KeyValueStore):
     _reconnect: Callable[[], TorchStore]
     signer: Signer = field(default_factory=Signer)
     on_untrusted: Callable[[str], None] | None = None  # see KeyValueStore; copied by connect_again
+    op_timeout: float = DEFAULT_OP_TIMEOUT  # the client's own timeout: how long an answer may take
     replaces_untrusted: ClassVar[bool] = True
+
+    def _bounded_call(self, fn: Callable, args: tuple, waits: float) -> Any:
+        """A call that waits on the server for up to `waits` seconds (torch's wait, get, multi_get):
+        in a thread, given `waits` + `op_timeout` in all. torch's client sends CANCEL_WAIT when its
+        wait times out and then waits for ever for the answer, so a store that never gives it would
+        hang the agent; past the bound this connection is dropped for a fresh one and the call is
+        StoreUnavailable with one line."""
+        bound = waits + self.op_timeout
+        try:
+            # wait: bounded, said by the caller: the call's own timeout + op_timeout, then StoreUnavailable
+            return bounded(lambda: self._call(fn, *args), bound, f"a request to {self.describe}")
+        except NoStoreThere:
+            try:
+                self.raw = self._reconnect()  # the stuck call keeps the old connection (and its lock)
+            except Exception:  # the store is gone too: the line below says what matters
+                pass
+            raise StoreUnavailable(
+                f"{self.describe} did not answer a wait (or its cancel) within {bound:g} s: what listens there is a "
+                "stalled or hostile store"
+            ) from None
 
     def _call(self, fn: Callable, *args):
         from torch.distributed import DistNetworkError, DistStoreError
@@ -123,6 +152,15 @@ class Store(KeyValueStore):
             if "timeout" in str(exc).lower():
                 raise StoreTimeout(_first_line(exc)) from exc
             raise StoreUnavailable(f"{self.describe} failed: {_first_line(exc)}") from exc
+        except MemoryError:  # torch's std::bad_alloc: a reply that claims a value too large to hold
+            raise StoreUnavailable(
+                f"{self.describe} sent a reply no store sends (a value too large to hold in memory): what listens "
+                "there is not a c10d store, or a hostile one"
+            ) from None
+        except Exception as exc:  # anything else torch's client or its bindings raise on a strange reply
+            raise StoreUnavailable(
+                f"{self.describe} sent a reply no store sends ({type(exc).__name__}: {_first_line(exc)[:200]})"
+            ) from exc
 
     def _seal(self, name: str, value: str | bytes) -> bytes:
         return self.signer.seal(self.key(name), value)
@@ -138,7 +176,7 @@ class Store(KeyValueStore):
         self._call(self.raw.set, self.key(name), self._seal(name, value))
 
     def get(self, name: str) -> bytes:
-        return self._open(name, self._call(self.raw.get, self.key(name)))
+        return self._open(name, self._bounded_call(self.raw.get, (self.key(name),), self.op_timeout))
 
     def get_str(self, name: str) -> str:
         try:
@@ -249,7 +287,7 @@ class Store(KeyValueStore):
         """The checked values of `names` (all of which exist) in one `multi_get`: the closer's read
         of every node descriptor is one request, not one per node. Each value is checked on its
         own, so a stranger's value is its `UntrustedValue` and hides none of the others."""
-        raw = self._call(self.raw.multi_get, [self.key(n) for n in names]) if names else []
+        raw = self._bounded_call(self.raw.multi_get, ([self.key(n) for n in names],), self.op_timeout) if names else []
         values: dict[str, Checked] = {}
         for name, sealed in zip(names, raw, strict=True):
             try:
@@ -259,7 +297,7 @@ class Store(KeyValueStore):
         return values
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
-        raw = self._call(self.raw.multi_get, [self.key(n) for n in names])
+        raw = self._bounded_call(self.raw.multi_get, ([self.key(n) for n in names],), self.op_timeout)
         return [self._open(n, value) for n, value in zip(names, raw, strict=True)]
 
     def multi_set(self, items: dict[str, str]) -> None:
@@ -268,7 +306,7 @@ class Store(KeyValueStore):
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
-        self._call(self.raw.wait, [self.key(n) for n in names], _seconds(timeout))
+        self._bounded_call(self.raw.wait, ([self.key(n) for n in names], _seconds(timeout)), timeout)
 
     def connect_again(self) -> Store:
         """A second connection to the same store, for a thread that blocks in `wait`."""
@@ -276,7 +314,7 @@ class Store(KeyValueStore):
             raw = self._reconnect()
         except Exception as exc:  # torch raises several unrelated types here
             raise StoreUnavailable(f"{self.describe} is gone ({_first_line(exc)})") from exc
-        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer, self.on_untrusted)
+        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer, self.on_untrusted, self.op_timeout)
 
     def delete_keys_outside(self, keep_prefix: str) -> int:
         """Delete every key of the whole store that does not start with `keep_prefix`; return
@@ -429,7 +467,7 @@ def open_file_store(path: str, prefix: str, op_timeout: float, signer: Signer) -
 
     describe = f"the rendezvous file store at {path}"
     try:
-        return Store(reconnect_file(), prefix, describe, reconnect_file, signer)
+        return Store(reconnect_file(), prefix, describe, reconnect_file, signer, op_timeout=op_timeout)
     except Exception as exc:
         raise StoreUnavailable(f"cannot open {describe}: {_first_line(exc)}") from exc
 
@@ -485,7 +523,7 @@ def open_tcp_store(
             f"could not reach {describe} within {connect_timeout:g} s ({_first_line(exc)}); "
             "check --rdzv-endpoint and that the store's host is up"
         ) from exc
-    store = Store(raw, prefix, describe, reconnect, signer)
+    store = Store(raw, prefix, describe, reconnect, signer, op_timeout=op_timeout)
     if server is not None:
         store.set(HOST_MARKER_NAME, "hosted by an agent of this job")
     elif port_taken:
@@ -498,12 +536,12 @@ def open_tcp_store(
 def _service_marker(store: Store) -> str | None:
     """What the `rally store` marker at the store says: None (none there), "plain" (anyone could
     have written it), "signed" (signed with this job's token: the store is the job's)."""
-    if not store.raw.check([SERVICE_MARKER_KEY]):
+    if not store._call(store.raw.check, [SERVICE_MARKER_KEY]):
         return None
     if not store.signer.has_token:
         return "plain"
     try:
-        value = store.raw.get(SERVICE_MARKER_KEY)
+        value = store._bounded_call(store.raw.get, (SERVICE_MARKER_KEY,), store.op_timeout)
         store.signer.open(SERVICE_MARKER_KEY, value)
     except BadRecord:
         return "plain"

@@ -98,3 +98,107 @@ def proxy(target_port, listen_port=0):
 '''
 """A stranger's c10d store, standard library only: `proxy(port)` relays to a real store (the test's
 torch TCPStore) from a socket the stranger listens on; it prints `listening PORT` first."""
+
+
+HOSTILE_C10D = r'''
+import socket, struct, sys, threading
+
+VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY, APPEND, MULTI_GET, MULTI_SET = range(12)
+CANCEL_WAIT, PING = 12, 13
+
+
+def _exactly(conn, size):
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def _blob(conn):
+    (size,) = struct.unpack("<Q", _exactly(conn, 8))
+    return _exactly(conn, size)
+
+
+def _client(conn, mode, values):
+    """Speak c10d as torch's server does, but `mode`: "silent-wait" never answers a WAIT or its
+    CANCEL_WAIT; "huge-value" answers every read with a value it says is 1 TiB long."""
+    try:
+        while True:
+            query = _exactly(conn, 1)[0]
+            if query == VALIDATE or query == PING:
+                nonce = _exactly(conn, 4)
+                if query == PING:
+                    conn.sendall(nonce)
+            elif query == GETNUMKEYS:
+                conn.sendall(struct.pack("<q", len(values)))
+            elif query == SET:
+                key = _blob(conn)
+                values[key] = _blob(conn)
+            elif query == APPEND:
+                key = _blob(conn)
+                values[key] = values.get(key, b"") + _blob(conn)
+            elif query == MULTI_SET:
+                (count,) = struct.unpack("<Q", _exactly(conn, 8))
+                for _ in range(count):
+                    key = _blob(conn)
+                    values[key] = _blob(conn)
+            elif query == DELETE_KEY:
+                conn.sendall(struct.pack("<q", int(values.pop(_blob(conn), None) is not None)))
+            elif query == COMPARE_SET:
+                key, expected, desired = _blob(conn), _blob(conn), _blob(conn)
+                current = values.get(key)
+                if current is None and expected == b"" or current == expected:
+                    values[key] = current = desired
+                answer = current if current is not None else expected
+                conn.sendall(struct.pack("<Q", len(answer)) + answer)
+            elif query == ADD:
+                key = _blob(conn)
+                (amount,) = struct.unpack("<q", _exactly(conn, 8))
+                total = int(values.get(key, b"0")) + amount
+                values[key] = str(total).encode()
+                conn.sendall(struct.pack("<q", total))
+            elif query == CHECK:
+                (count,) = struct.unpack("<Q", _exactly(conn, 8))
+                keys = [_blob(conn) for _ in range(count)]
+                conn.sendall(bytes([0 if all(k in values for k in keys) else 1]))
+            elif query == WAIT:
+                (count,) = struct.unpack("<Q", _exactly(conn, 8))
+                for _ in range(count):
+                    _blob(conn)
+                if mode != "silent-wait":
+                    conn.sendall(bytes([0]))  # STOP_WAITING: every key is there
+            elif query == CANCEL_WAIT:
+                pass  # never answered: the client waits for WAIT_CANCELED
+            elif query in (GET, MULTI_GET):
+                count = struct.unpack("<Q", _exactly(conn, 8))[0] if query == MULTI_GET else 1
+                keys = [_blob(conn) for _ in range(count)]
+                for key in keys:
+                    if mode == "huge-value":
+                        conn.sendall(struct.pack("<Q", 1 << 40) + b"x" * 1024)
+                    else:
+                        value = values.get(key, b"")
+                        conn.sendall(struct.pack("<Q", len(value)) + value)
+            else:
+                print("a query this store does not speak:", query, file=sys.stderr, flush=True)
+                return
+    except (EOFError, OSError):
+        pass
+    finally:
+        conn.close()
+
+
+def hostile_store(mode):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    print("listening", server.getsockname()[1], flush=True)
+    values = {}
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=_client, args=(conn, mode, values), daemon=True).start()
+'''
+"""A hostile c10d store, standard library only: `hostile_store(mode)` answers torch's client as a
+store does, until the query its `mode` is about (see `_client`); it prints `listening PORT` first."""
