@@ -6,7 +6,7 @@ agent's `--rdzv-endpoint` at it: the job then survives the loss of any compute n
 
 An agent on the same host that finds the endpoint's port taken joins it only when the store's
 listening socket is its own user's or root's, or when the store's marker is signed with the job's
-token: run with RALLY_JOB_TOKEN set, `rally store` signs it (rendezvous/store.py).
+token: run with RALLY_JOB_TOKEN set, `rally store` signs it (rendezvous/c10d/store.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def _timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> floa
 )
 def store_command(port: int, timeout: float) -> int:
     """A rendezvous store alone, to outlive any compute node (until SIGINT/SIGTERM)."""
-    from rally.rendezvous.store import SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE, host_tcp_store, quiet_torch_logs
-    from rally.rendezvous.token import Signer, TokenError, env_token
+    from rally.rendezvous.base.token import Signer, TokenError, env_token
+    from rally.rendezvous.c10d.store import SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE, host_tcp_store, quiet_torch_logs
 
     try:
         token = env_token()

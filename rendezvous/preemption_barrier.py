@@ -9,8 +9,8 @@ token or not, could set the flag and make node 0 requeue while other nodes were 
 
 from __future__ import annotations
 
-from rally.rendezvous.kv import KeyValueStore
-from rally.rendezvous.records import Assignment, BarrierMark, NodeInfo
+from rally.rendezvous.base.kv import KeyValueStore
+from rally.rendezvous.base.records import Assignment, BarrierMark, NodeInfo
 from rally.rendezvous.round_channel import wait_all_marked
 
 REQUEUED = "job/requeued"
@@ -19,11 +19,11 @@ REQUEUED = "job/requeued"
 class PreemptionBarrier:
     """Round `a.round`'s barrier after a preemption signal, as this node takes part in it."""
 
-    def __init__(self, store: KeyValueStore, me: NodeInfo, a: Assignment):
+    def __init__(self, store: KeyValueStore, me: NodeInfo, assignment: Assignment):
         self.store = store
         self.me = me
-        self.group_rank = a.group_rank
-        self.done = [f"{a.round}/preempt_done/{g}" for g in range(a.group_world_size)]
+        self.group_rank = assignment.group_rank
+        self.done = [f"{assignment.round}/preempt_done/{g}" for g in range(assignment.group_world_size)]
 
     def note_checkpointed(self) -> None:
         """This node's workers are done checkpointing after a preemption signal: its signed record."""

@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from typing import Protocol, runtime_checkable
 
-from rally.rendezvous.arrival import CURRENT_ROUND
-from rally.rendezvous.kv import KeyValueStore, UntrustedValue, opened, opened_text
-from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
-from rally.rendezvous.records import (
+from rally.rendezvous.base.keys import CURRENT_ROUND
+from rally.rendezvous.base.kv import KeyValueStore, UntrustedValue, opened, opened_text
+from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
+from rally.rendezvous.base.records import (
     MAX_COUNT,
     Assignment,
     BarrierMark,
@@ -33,7 +33,7 @@ from rally.rendezvous.records import (
     SuccessRecord,
     parse_master,
 )
-from rally.rendezvous.waiting import WaitProgress
+from rally.rendezvous.status.waiting import WaitProgress
 
 
 @runtime_checkable
@@ -66,8 +66,8 @@ def wait_all_marked(store: KeyValueStore, names: list[str], timeout: float) -> b
         if found is None:
             return False
         try:
-            for g, name in enumerate(names):
-                BarrierMark.load(opened(found[name]), store.key(name)).check_for(store.key(name), g)
+            for member, name in enumerate(names):
+                BarrierMark.load(opened(found[name]), store.key(name)).check_for(store.key(name), member)
             return True
         except UntrustedValue as exc:
             if store.on_untrusted is not None:
@@ -79,14 +79,14 @@ def wait_all_marked(store: KeyValueStore, names: list[str], timeout: float) -> b
         time.sleep(min(MARK_RECHECK_SECONDS, left))
 
 
-def end_key(r: int) -> str:
-    """Round r's end record (first wins): forming reads the previous rounds' ends too."""
-    return f"{r}/end"
+def end_key(round_no: int) -> str:
+    """Round `round_no`'s end record (first wins): forming reads the previous rounds' ends too."""
+    return f"{round_no}/end"
 
 
-def lost_counter(r: int) -> str:
-    """Round r's count of nodes that will not come back (the next round's closer reads it)."""
-    return f"{r}/lost"
+def lost_counter(round_no: int) -> str:
+    """Round `round_no`'s count of nodes that will not come back (the next round's closer reads it)."""
+    return f"{round_no}/lost"
 
 
 class RoundChannel:
@@ -99,21 +99,23 @@ class RoundChannel:
         store: KeyValueStore,
         settings: RendezvousSettings,
         me: NodeInfo,
-        r: int,
+        round_no: int,
         members: int,
         group_rank: int | None = None,
     ):
         self.store = store
         self.settings = settings
         self.me = me
-        self.r = r
+        self.r = round_no
         self.members = members
         self.group_rank = group_rank
 
     @classmethod
-    def of(cls, store: KeyValueStore, settings: RendezvousSettings, me: NodeInfo, a: Assignment) -> RoundChannel:
-        """The channel of the round `a` assigned this node to."""
-        return cls(store, settings, me, a.round, a.group_world_size, a.group_rank)
+    def of(
+        cls, store: KeyValueStore, settings: RendezvousSettings, me: NodeInfo, assignment: Assignment
+    ) -> RoundChannel:
+        """The channel of the round `assignment` assigned this node to."""
+        return cls(store, settings, me, assignment.round, assignment.group_world_size, assignment.group_rank)
 
     def on(self, store: KeyValueStore) -> RoundChannel:
         """The same round on another connection (for a thread of its own)."""
