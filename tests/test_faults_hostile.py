@@ -12,6 +12,8 @@
     SIGKILL of the agent, `setsid -f env -i`   -> the job's cgroup finds what shed the token
     a c10d store claiming a 1 TiB value, or
     never answering a wait or its cancel       -> one line naming the store, exit 1, within its bound
+    an etcd gateway answering too deep, a list,
+    wrong types, 1 TiB, a never-ending reply   -> one line naming it, exit 2 (1 once the job has begun)
 
 Run beside a CPU hog too (RALLY_TEST_CPU_HOG=1, see conftest.py).
 """
@@ -43,7 +45,7 @@ from support.helpers import (  # noqa: F401
 )
 from support.live_rally import LiveRally
 from support.stranger import require_stranger, stranger_process
-from support.stranger_store import HOSTILE_C10D
+from support.stranger_store import HOSTILE_C10D, HOSTILE_ETCD
 
 STANDALONE = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0"]
 
@@ -311,6 +313,33 @@ def test_a_hostile_c10d_store_is_one_line_and_exit_1_never_a_traceback_or_a_hang
         args += ["--rdzv-conf", "is_host=false,read_timeout=2,join_timeout=20", "probe.py"]
         result = run_rally(args, cwd=tmp_path, env=clean_env(), timeout=90)
     assert result.returncode == 1, result.describe()
+    errors = [line for line in result.stderr.splitlines() if "rally: error" in line]
+    assert len(errors) == 1 and f"127.0.0.1:{said[1]}" in errors[0], result.describe()
+    assert "Traceback" not in result.stderr and "worker ran" not in result.stdout, result.describe()
+    assert result.elapsed < 60, result.describe()
+
+
+# ------------------------------------------------------------------ a hostile etcd gateway
+# Same under load: the gateway's reply is fixed; a size cap or the open's deadline decides.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", ["nested-object", "list", "wrong-types", "huge-length", "endless-chunked"])
+def test_a_hostile_etcd_gateway_is_one_line_and_exit_2_never_a_traceback(tmp_path: Path, shape: str) -> None:
+    """What answers on the etcd endpoint replies with JSON nested past the parser, a list, fields
+    of the wrong types (past the first request's check: the store's own reads), a 1 TiB
+    Content-Length, or a chunked reply that never ends. Before: RecursionError, AttributeError,
+    ValueError or MemoryError tracebacks in the agent within a second. Now: one line, exit 2 when
+    the first request fails (etcd cannot be used), 1 when a later one does (the store was lost)."""
+    require_stranger()
+    write_probe(tmp_path / "probe.py", "print('worker ran', flush=True)\n")
+    with stranger_process(HOSTILE_ETCD + f"hostile_etcd({shape!r})\n") as gateway:
+        assert gateway.stdout is not None
+        said = gateway.stdout.readline().split()
+        assert said[:1] == ["listening"], gateway.stderr.read() if gateway.poll() is not None else said
+        args = ["--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{said[1]}"]
+        args += ["--rdzv-id", "hostile", "--rdzv-conf", "read_timeout=3,join_timeout=10", "--nproc-per-node", "1"]
+        result = run_rally([*args, "--no-preflight", "probe.py"], cwd=tmp_path, env=clean_env(), timeout=90)
+    assert result.returncode == (1 if shape == "wrong-types" else 2), result.describe()
     errors = [line for line in result.stderr.splitlines() if "rally: error" in line]
     assert len(errors) == 1 and f"127.0.0.1:{said[1]}" in errors[0], result.describe()
     assert "Traceback" not in result.stderr and "worker ran" not in result.stdout, result.describe()

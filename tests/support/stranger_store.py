@@ -202,3 +202,64 @@ def hostile_store(mode):
 '''
 """A hostile c10d store, standard library only: `hostile_store(mode)` answers torch's client as a
 store does, until the query its `mode` is about (see `_client`); it prints `listening PORT` first."""
+
+
+HOSTILE_ETCD = r'''
+import json, socket, sys, threading
+
+NESTED = b"[" * 100000 + b"]" * 100000
+SHAPES = {
+    "nested": NESTED,
+    "nested-object": b'{"header": {"revision": "1"}, "kvs": ' + NESTED + b"}",
+    "list": b"[1, 2, 3]",
+    "string": b'"a string"',
+    "wrong-types": json.dumps({"header": {"revision": "x"}, "kvs": [{"key": 5, "value": ["v"]}], "count": {}}).encode(),
+}
+
+
+def _answer(conn, shape):
+    reader = conn.makefile("rb")
+    try:
+        while True:
+            length = 0
+            line = reader.readline(65536)
+            if not line:
+                return
+            while line not in (b"\r\n", b"\n", b""):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+                line = reader.readline(65536)
+            reader.read(length)
+            if shape == "huge-length":
+                head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                conn.sendall(head + b"Content-Length: 1099511627776\r\n\r\n{")
+                threading.Event().wait()  # and nothing more
+            elif shape == "endless-chunked":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+                chunk = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+                while True:
+                    conn.sendall(chunk)
+            else:
+                body = SHAPES[shape]
+                head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                conn.sendall(head + body)
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def hostile_etcd(shape):
+    """An etcd gateway's port that answers every request with the reply `shape` names."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    print("listening", server.getsockname()[1], flush=True)
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=_answer, args=(conn, shape), daemon=True).start()
+'''
+"""A hostile etcd gateway, standard library only: `hostile_etcd(shape)` answers every POST with one
+reply shape (nested past any parser, a list, a string, fields of the wrong types, a 1 TiB
+Content-Length, a chunked reply that never ends); it prints `listening PORT` first."""
