@@ -209,7 +209,9 @@ class Store(KeyValueStore):
         """The raw value of `name` over a fresh connection, or None when the store is gone."""
         try:
             self.raw = self._reconnect()
-            return self.raw.get(self.key(name)) if self.raw.check([self.key(name)]) else None
+            if not self.raw.check([self.key(name)]):
+                return None
+            return self._bounded_call(self.raw.get, (self.key(name),), self.op_timeout)
         except Exception:  # the store is really gone: the caller re-raises
             return None
 
