@@ -122,7 +122,8 @@ class Store(KeyValueStore):
         in a thread, given `waits` + `op_timeout` in all. torch's client sends CANCEL_WAIT when its
         wait times out and then waits for ever for the answer, so a store that never gives it would
         hang the agent; past the bound this connection is dropped for a fresh one and the call is
-        StoreUnavailable with one line."""
+        StoreUnavailable with one line. (A store that answers nothing at all is said sooner by the
+        agent's probe on a connection of its own, at read_timeout: agent/rounds/threads.py.)"""
         bound = waits + self.op_timeout
         try:
             # wait: bounded, said by the caller: the call's own timeout + op_timeout, then StoreUnavailable
@@ -231,7 +232,7 @@ class Store(KeyValueStore):
     def get_unsigned(self, name: str) -> bytes | None:
         """The raw bytes of a key written by `append` (which cannot be signed), None when nobody
         appended: a `check` and a `get`, two requests (a c10d `get` of an absent key blocks)."""
-        return self._call(self.raw.get, self.key(name)) if self.check(name) else None
+        return self._bounded_call(self.raw.get, (self.key(name),), self.op_timeout) if self.check(name) else None
 
     def append(self, name: str, value: str) -> None:
         """Append to a list key (unsigned: only `rally status` reads it, and checks each record)."""
