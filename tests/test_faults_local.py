@@ -25,8 +25,10 @@ from support.helpers import (  # noqa: F401
     clean_env,
     describe_pids,
     eventually,
+    kill_group,
     procs,
     run_rally,
+    start_rally,
     survivors,
     wait_for,
     write_probe,
@@ -516,9 +518,9 @@ def test_a_store_another_user_listens_on_first_is_joined_only_when_it_proves_it_
     `rally store` marker (unsigned). Before: the root agent, with a job token, joined it without a
     line and ran the job through the stranger. Now: the listener's owner (uid 65534, from
     /proc/net/tcp) is neither the job's user nor root, so the unsigned marker is not enough: one
-    line, exit 2, nothing run. A marker signed with the job's token proves the store is the job's:
-    the agent joins, one line naming the store and its listener."""
-    from rally.rendezvous.base.token import Signer
+    line, exit 2, nothing run. A marker signed with the job's token (`rally store` run with
+    RALLY_JOB_TOKEN signs it) proves the store is the job's: the agent joins through the same relay,
+    one line naming the store and its listener."""
     from rally.rendezvous.c10d.store import SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE, host_tcp_store
 
     require_stranger()
@@ -537,11 +539,22 @@ def test_a_store_another_user_listens_on_first_is_joined_only_when_it_proves_it_
         assert len(errors) == 1 and f"uid {STRANGER_UID}" in errors[0], refused.describe()
         assert "not signed with this job's token" in errors[0] and "will not join" in errors[0], errors
         assert "the job ran" not in refused.stdout and "Traceback" not in refused.stderr, refused.describe()
-        real.set(SERVICE_MARKER_KEY, Signer(TOKEN).seal(SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE))
-        joined = run_rally([*job_args(port, "1"), str(script)], cwd=tmp_path, env=env, timeout=120)
-        assert joined.returncode == 0 and "the job ran" in joined.stdout, joined.describe()
-        text = joined.stdout + joined.stderr
-        line = [x for x in text.splitlines() if "joined the `rally store`" in x]
-        assert len(line) == 1 and f"127.0.0.1:{port}" in line[0] and f"uid {STRANGER_UID}" in line[0], text
-        assert "signed with this job's token" in line[0], line
     del real
+    log = tmp_path / "store.log"
+    with open(log, "w") as out:
+        signed = start_rally(["store", "--port", "0"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        found = eventually(lambda: re.search(r"listening on port (\d+)", log.read_text()), 60)
+        assert found, log.read_text()
+        with stranger_process(STORE_PROXY + f"proxy({found.group(1)})\n") as relay:
+            assert relay.stdout is not None
+            port = int(relay.stdout.readline().split()[1])
+            joined = run_rally([*job_args(port, "1"), str(script)], cwd=tmp_path, env=env, timeout=120)
+    finally:
+        kill_group(signed.pid)
+        signed.wait(timeout=10)
+    assert joined.returncode == 0 and "the job ran" in joined.stdout, joined.describe()
+    text = joined.stdout + joined.stderr
+    line = [x for x in text.splitlines() if "joined the `rally store`" in x]
+    assert len(line) == 1 and f"127.0.0.1:{port}" in line[0] and f"uid {STRANGER_UID}" in line[0], text
+    assert "signed with this job's token" in line[0], line
