@@ -51,7 +51,7 @@ from rally.agent.checkpoint.core.checkpoint_file import Checkpoint  # part of th
 from rally.agent.checkpoint.core.client import WHOLE_STATE_KEY, CheckpointRefused  # noqa: F401 - part of this module's API
 from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.sharded import files as dcp_files
-from rally.agent.worker_side import heartbeat_file, memory_only
+from rally.agent.worker_side import heartbeat_file, memory_only, process_memory
 from rally.agent.worker_side.preemption_flag import install_preemption_handler, on_preempt, preempted  # noqa: F401 - part of this module's API
 
 if TYPE_CHECKING:  # torch is the worker's, imported when used
@@ -182,7 +182,16 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     memory tier only: restarts within the job resume from it, nothing is written, and rank 0 says
     so once. Returns `None` then.
 
-    Without rally's memory tier (torchrun, plain python) only global rank 0 writes, directly:
+    With neither rally's memory tier nor a directory (torchrun or plain python without
+    RALLY_CHECKPOINT_DIR) each rank keeps its newest save in its own memory, as a copy, for as
+    long as the process lives, and rank 0 says so once; nothing is written, and a new process
+    (torchrun's restart) starts from scratch on every rank alike. Not a default directory: that
+    would write where nobody chose, and on nodes without a shared working directory rank 0 would
+    resume from a step the others cannot see (agent/worker_side/process_memory.py). Returns `None`.
+    A sharded state is not kept then (one line says so).
+
+    Without rally's memory tier but with a directory (torchrun, plain python, RALLY_CHECKPOINT_DIR
+    set) only global rank 0 writes, directly:
     `torch.save` into a temporary file in the same directory, a footer with the payload's
     length, the step and a MAC of every byte (see `rally.agent.checkpoint.core.checkpoint_file`),
     flush and fsync, rename over `step_<step:012d>.pt`, fsync the directory. A crash at any
@@ -203,7 +212,10 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     ctx = context()
     resume_prefetch.discard()  # a reload the script did not make: its mapping is let go
     overlap.settle()  # the previous save, if its copy is in flight: published before anything else is saved
-    if sharded if sharded is not None else dcp_files.holds_shards(state):
+    is_sharded = sharded if sharded is not None else dcp_files.holds_shards(state)
+    if ctx.checkpoint_dir is None and _memory_tier(ctx) is None and not memory_only.tier_lost():
+        return _save_in_process(ctx, state, step, is_sharded)  # torchrun, plain python: no agent, no directory
+    if is_sharded:
         from rally.agent.checkpoint.sharded import storage as dcp_storage  # imports torch.distributed.checkpoint
 
         return dcp_storage.save(state, _require_dir(ctx, sharded=True), step, _resolve_keep(keep))
@@ -259,9 +271,14 @@ def load_latest(
     which covers model and optimizer state dicts; pass `False` for trusted arbitrary pickles.
     An intact file that torch cannot load is not skipped: the error is raised, the same on every
     rank. Rank 0 logs one line: where it resumes from, or that it starts from scratch.
+    With neither rally's memory tier nor a directory (torchrun or plain python without
+    RALLY_CHECKPOINT_DIR): this process's newest `save` (`Checkpoint.source` "process memory"),
+    else `None`, and rank 0 says once that checkpoints live in the process only (see `save`).
     """
     ctx = context()
     memory = _memory_tier(ctx)
+    if ctx.checkpoint_dir is None and memory is None and not memory_only.tier_lost():
+        return _load_in_process(ctx, map_location, weights_only, into)  # torchrun, plain python: no agent, no directory
     if memory is not None:
         overlap.install_fence()  # before the first step: the optimizers are known by the first save
     if ctx.checkpoint_dir is None and memory is not None and into is None:
@@ -346,6 +363,38 @@ def _load_from_memory_only(
             _log("no checkpoint, starting from scratch")
         return None
     return _from_memory(ctx, None, *found)
+
+
+def _save_in_process(ctx: JobContext, state: object, step: int, sharded: bool) -> None:
+    """Neither an agent's memory tier nor a directory: the newest save stays in this process
+    (agent/worker_side/process_memory.py says why this and not a default directory)."""
+    if sharded:
+        process_memory.tell_once(process_memory.SHARDED_LINE, ctx.is_rank0, _log)
+        return None
+    if step < 0:
+        raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
+    process_memory.tell_once(process_memory.LINE, ctx.is_rank0, _log)
+    process_memory.save(state, step)
+    return None
+
+
+def _load_in_process(
+    ctx: JobContext, map_location: MAP_LOCATION, weights_only: bool, into: dict[str, Any] | None
+) -> Checkpoint | None:
+    if into is not None:
+        process_memory.tell_once(process_memory.SHARDED_LINE, ctx.is_rank0, _log)
+        return None
+    process_memory.tell_once(process_memory.LINE, ctx.is_rank0, _log)
+    found = process_memory.load(map_location, weights_only)
+    if found is None:
+        if ctx.is_rank0:
+            _log("no checkpoint, starting from scratch")
+        return None
+    step, state = found
+    if ctx.is_rank0:
+        _log(f"resuming from step {step} (from this process's memory)")
+    path = Path(memory_only.NO_DIRECTORY) / f"step_{step:012d}.pt"
+    return Checkpoint(step=step, state=state, path=path, source=process_memory.SOURCE)
 
 
 def wait_saved() -> None:
