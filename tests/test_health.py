@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import OnTerminal, clean_env, eventually, free_port, read_events, run_rally
+from helpers import OnTerminal, ProcessTracker, clean_env, eventually, free_port, procs, read_events, run_rally  # noqa: F401
+from live_rally import LiveRally
 
 HEARTBEATS_THEN_HANG = """
 import os, sys, time
@@ -69,6 +70,10 @@ def test_worker_that_stops_heartbeating_is_caught_with_its_stack_and_the_job_res
     assert code == 0, out
     assert re.search(r"rank 1 .* is hung: it sent no heartbeat for 1\.\d s", out), out
     assert "stuck_in_allreduce" in out  # the stack names the function it is stuck in
+    # printed once (in the root cause; main also echoed the dump among the worker's output), and
+    # without the frames of rally's bootstrap and runpy below the script's own
+    assert len(re.findall(r'File "[^"]*w\.py", line \d+ in stuck_in_allreduce', out)) == 1, out
+    assert "bootstrap.py" not in out and "runpy.py" not in out, out
     hung = [a["end"] for a in _report(tmp_path)["attempts"] if a["end"]["kind"] == "worker_hung"]
     assert hung and any("stuck_in_allreduce" in line for line in hung[0]["info"]["stacks"])
     events = read_events(tmp_path / "logs")
@@ -246,3 +251,125 @@ def test_on_a_terminal_a_live_table_of_the_workers_is_shown(tmp_path):
     text = terminal.text()
     assert "rally · node 0 · round 0" in text, text[-2000:]
     assert re.search(r"┃ rank\s+┃ pid\s+┃ state", text) and "heartbeat" in text, text[-2000:]
+
+
+# --- hangs caught with no flag at all (agent/observe/hang_watch.py) ----------------------------
+
+DEFAULT_REPORT_AFTER = 60  # JobSpec.hang_report_after: the tests below pass no flag, so this is the default
+
+RANK_1_STOPS_IN_STEP_3 = """
+import os, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from rally import job
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def stuck_reading(path):
+    while not path.exists(): time.sleep(0.1)
+
+for step in range(10):
+    if rank == 1 and step == 3:
+        print("stuck now", flush=True)
+        stuck_reading(Path(sys.argv[1]))
+    dist.all_reduce(torch.ones(1))
+    job.heartbeat(step)
+    time.sleep(0.05)
+print("finished", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _status_command(text: str) -> list[str]:
+    """`rally status --rdzv-endpoint ... --rdzv-id ...` as the job printed it at start."""
+    found = re.search(r"rally status (--rdzv-endpoint \S+ --rdzv-id \S+)", text)
+    assert found, text
+    return ["status", *found.group(1).split()]
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_with_no_hang_flag_a_rank_its_peers_wait_for_in_a_collective_is_reported_and_the_job_goes_on(
+    tmp_path: Path, procs: ProcessTracker
+) -> None:
+    """The quickstart's command, no hang flag: rank 1 stops in step 3 while rank 0 waits for it in
+    all_reduce. Within the default bound (plus a look) rally names rank 1 with its file, line and
+    stacks (printed once, without rally's bootstrap frames) on the console, in `rally status`, in
+    events.jsonl and in report.json, and stops nothing: once rank 1 goes on, the job finishes and
+    says the hang is over. On main nothing was said until gloo's own timeout (30 min)."""
+    script = write_script(tmp_path, "w.py", RANK_1_STOPS_IN_STEP_3)
+    release = tmp_path / "release"
+    job = LiveRally(
+        ["--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(script), str(release)],
+        tmp_path, clean_env(COLUMNS="250"), procs,
+    )  # fmt: skip
+    stuck_at = job.wait_line("[1] stuck now", 120)
+    reported_at = job.wait_line("looks hung", DEFAULT_REPORT_AFTER + 60)
+    # the bound, plus one look (stacks within 2 s) and the load of a shared 2-core machine
+    assert DEFAULT_REPORT_AFTER <= reported_at - stuck_at + 1 < DEFAULT_REPORT_AFTER + 20, job.text()[-3000:]
+    text = job.text()
+    line = next(line for line in text.splitlines() if "looks hung" in line)
+    assert "rank 1 (local rank 1" in line and "rank 0 waits in (all_reduce" in line, line
+    assert "it is in stuck_reading (w.py:12)" in line, line
+    assert len(re.findall(r'File "[^"]*w\.py", line 12 in stuck_reading', text)) == 1, text[-3000:]
+    assert "bootstrap.py" not in text and "runpy.py" not in text, text[-3000:]
+
+    def status_with_the_hang() -> str | None:
+        done = run_rally(_status_command(text), cwd=tmp_path, env=clean_env(COLUMNS="250"), timeout=60)
+        assert done.returncode == 0, done.describe()
+        return done.stdout if "hang: rank 1 (local rank 1" in done.stdout else None
+
+    # the node's record reaches the store with its next keep-alive, every few seconds
+    shown = eventually(status_with_the_hang, 30, interval=1)
+    assert shown and "stuck_reading (w.py:12)" in shown, shown
+    (reported,) = [e for e in read_events(tmp_path / "logs") if e["event"] == "hang_reported"]
+    assert reported["rank"] == 1 and reported["where"] == "stuck_reading (w.py:12)", reported
+    assert any("in stuck_reading" in line for line in reported["stacks"]), reported
+    (report_path,) = (tmp_path / "logs").glob("*/report.json")
+    assert [h["rank"] for h in json.loads(report_path.read_text())["hangs"]] == [1]
+
+    release.touch()  # rank 1 goes on: nothing was stopped, the job finishes
+    job.wait_line("the hang reported", 60)
+    code, _ = job.wait_exit(120)
+    assert code == 0, job.text()[-3000:]
+    assert "[0] finished" in job.text() and "[1] finished" in job.text()
+    events = [e["event"] for e in read_events(tmp_path / "logs")]
+    assert "worker_hung" not in events and "restart" not in events and "hang_over" in events, events
+
+
+EVERY_RANK_LOADS_DATA = """
+import time
+import torch
+import torch.distributed as dist
+from rally import job
+
+dist.init_process_group("gloo")
+for step in range(3):
+    dist.all_reduce(torch.ones(1))
+    job.heartbeat(step)
+
+def loading_the_dataset():
+    time.sleep(SECONDS)  # every rank, quiet and outside any collective: a long data-loading phase
+
+loading_the_dataset()
+for step in range(3, 6):
+    dist.all_reduce(torch.ones(1))
+    job.heartbeat(step)
+print("finished", flush=True)
+dist.destroy_process_group()
+""".replace("SECONDS", str(DEFAULT_REPORT_AFTER + 25))
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_a_long_quiet_phase_on_every_rank_with_no_collective_waiting_is_not_reported(tmp_path: Path) -> None:
+    """Every rank sleeps 85 s ("loading data"), longer than the default bound, with nobody waiting
+    in a collective: no report, nothing stopped, the job finishes."""
+    code, out, _ = _run(tmp_path, EVERY_RANK_LOADS_DATA, "--nproc-per-node", "2", timeout=260)
+    assert code == 0, out
+    assert "looks hung" not in out and "is hung" not in out, out
+    assert out.count("] finished") == 2, out
+    events = [e["event"] for e in read_events(tmp_path / "logs")]
+    assert "hang_reported" not in events and "worker_hung" not in events, events

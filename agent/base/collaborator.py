@@ -53,6 +53,10 @@ class JobRecord(Protocol):
 
     outcome: str  # "running" until something decides it: "quarantined", "left out by pre-flight", ...
     quarantined: dict[str, str]  # host -> why
+    hangs: list[dict]  # hangs reported while the job went on (agent/observe/hang_watch.py)
+
+    def write(self) -> None:
+        """Write report.json now."""
 
 
 class AgentContext(Protocol):

@@ -9,6 +9,7 @@ tearing it; rich does all the terminal work.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 
 from rich.console import Console, Group
@@ -16,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from rally.agent.display.worker_table import straggler_line, worker_table
+from rally.agent.display.worker_table import hang_line, straggler_line, worker_table
 
 REFRESH_PER_SECOND = 2
 
@@ -90,5 +91,7 @@ def render_workers(record: dict) -> Table:
         f"restarts {record.get('restart_count', 0)} · world {record.get('world_size', '?')}"
     )
     stragglers = [w for w in record.get("workers", []) if w.get("straggler")]
-    caption = "\n".join(straggler_line(w, record.get("host")) for w in stragglers) or None
+    lines = [straggler_line(w, record.get("host")) for w in stragglers]
+    hang = hang_line(record, time.time())
+    caption = "\n".join([*lines, *([hang] if hang else [])]) or None
     return worker_table([record], title, caption=caption)

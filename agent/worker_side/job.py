@@ -214,7 +214,8 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     overlap.settle()  # the previous save, if its copy is in flight: published before anything else is saved
     is_sharded = sharded if sharded is not None else dcp_files.holds_shards(state)
     if ctx.checkpoint_dir is None and _memory_tier(ctx) is None and not memory_only.tier_lost():
-        return _save_in_process(ctx, state, step, is_sharded)  # torchrun, plain python: no agent, no directory
+        _save_in_process(ctx, state, step, is_sharded)  # torchrun, plain python: no agent, no directory
+        return None
     if is_sharded:
         from rally.agent.checkpoint.sharded import storage as dcp_storage  # imports torch.distributed.checkpoint
 
@@ -370,12 +371,11 @@ def _save_in_process(ctx: JobContext, state: object, step: int, sharded: bool) -
     (agent/worker_side/process_memory.py says why this and not a default directory)."""
     if sharded:
         process_memory.tell_once(process_memory.SHARDED_LINE, ctx.is_rank0, _log)
-        return None
+        return
     if step < 0:
         raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
     process_memory.tell_once(process_memory.LINE, ctx.is_rank0, _log)
     process_memory.save(state, step)
-    return None
 
 
 def _load_in_process(
