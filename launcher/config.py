@@ -24,11 +24,11 @@ from rally.launcher.secret_warnings import secret_warnings
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
-from rally.rendezvous.etcd_conf import ETCD_CONF_KEYS
+from rally.rendezvous.base.token import TokenError, resolve_token
+from rally.rendezvous.c10d.store import StoreEndpoint, loopback_address
+from rally.rendezvous.etcd.conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import RendezvousSettings
-from rally.rendezvous.store import StoreEndpoint, loopback_address
-from rally.rendezvous.token import TokenError, resolve_token
 
 if TYPE_CHECKING:  # imported only inside SLURM (launcher/cli.py)
     from rally.launcher.slurm import SlurmJob

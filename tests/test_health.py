@@ -11,9 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import OnTerminal, ProcessTracker, clean_env, eventually, free_port, procs, read_events, run_rally  # noqa: F401
-from live_rally import LiveRally
+from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.helpers import (  # noqa: F401 - procs is a fixture
+    OnTerminal,
+    ProcessTracker,
+    clean_env,
+    eventually,
+    free_port,
+    procs,
+    read_events,
+    run_rally,
+)
+from support.live_rally import LiveRally
 
 HEARTBEATS_THEN_HANG = """
 import os, sys, time

@@ -42,8 +42,8 @@ from rally.agent.display import console
 from rally.agent.guard.processes import process_state
 from rally.agent.observe.hang_watch import HangWatch, Reported, stuck_rank
 from rally.agent.observe.health import Hang, HealthMonitor
+from rally.rendezvous.c10d.store import StoreError
 from rally.rendezvous.protocol import Assignment, EndKind, Round, RoundEnd
-from rally.rendezvous.store import StoreError
 
 
 class StackSource(Protocol):
