@@ -161,7 +161,7 @@ def test_with_no_hang_flag_the_node_waiting_in_a_collective_names_the_rank_on_an
     first = next(line for line in report.splitlines() if "looks hung" in line)
     assert "rank 1 (local rank 0" in first and "outside the collective that rank 0 waits in (all_reduce" in first, first
     assert "it is in stuck_reading_data (hang.py:" in first, first
-    assert "line 13 in stuck_reading_data" in report and "rank 0 (node 0" in report, report
+    assert "line 12 in stuck_reading_data" in report and "rank 0 (node 0" in report, report
     assert DEFAULT_REPORT_AFTER - 1 < detected < DEFAULT_REPORT_AFTER + 40, detected
     print(f"MEASURED quiet hang across nodes: reported {detected:.1f} s after it got stuck (no flag)")
 

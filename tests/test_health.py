@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rally.agent.observe.hang_report import Snapshot
+from rally.agent.observe.hang_watch import CONFIRM_SECONDS, HangWatch, stuck_rank
 from support.agents import c10d_args, start_agent, stop_all, write_script
 from support.helpers import (  # noqa: F401 - procs is a fixture
     OnTerminal,
@@ -382,3 +384,40 @@ def test_a_long_quiet_phase_on_every_rank_with_no_collective_waiting_is_not_repo
     assert out.count("] finished") == 2, out
     events = [e["event"] for e in read_events(tmp_path / "logs")]
     assert "hang_reported" not in events and "worker_hung" not in events, events
+
+
+def _seen(rank: int, frame: str, quiet: float, cpu: float, state: str = "sleeping", section: str = "") -> Snapshot:
+    stack = ["Current thread 0x1 (most recent call first):", f'  File "{frame}", line 7 in step']
+    return Snapshot(rank, rank, "vm", 100 + rank, state, stack, 3, 0, quiet, section, cpu)
+
+
+IN_ALL_REDUCE = "/site-packages/torch/distributed/distributed_c10d.py"
+
+
+@pytest.mark.timeout(10)
+def test_the_default_watch_wants_a_waiter_a_quiet_rank_outside_and_a_second_look_that_sees_the_same() -> None:
+    """The rule of agent/observe/hang_watch.py, case by case: one look is never enough (a healthy job
+    can be caught with rank 0 in all_reduce while a rank that never prints computes); a rank that
+    moved or used CPU between the looks, sits in a section, or has nobody waiting for it is not hung."""
+    after = 60.0
+    waiter, culprit = _seen(0, IN_ALL_REDUCE, 61, 10.0), _seen(1, "/job/train.py", 61, 20.0)
+    assert stuck_rank([waiter, culprit], after) == (culprit, [waiter])
+    # nobody in a collective (data loading on every rank), a culprit in a section, or quiet too short
+    assert stuck_rank([_seen(0, "/job/load.py", 90, 1), _seen(1, "/job/load.py", 90, 1)], after) is None
+    assert stuck_rank([waiter, _seen(1, "/job/train.py", 61, 20.0, section="eval")], after) is None
+    assert stuck_rank([waiter, _seen(1, "/job/train.py", 59, 20.0)], after) is None
+    assert stuck_rank([_seen(0, IN_ALL_REDUCE, 29, 10.0), culprit], after) is None  # the waiter just got there
+    # a stopped process is a culprit even inside a collective
+    stopped = _seen(1, IN_ALL_REDUCE, 61, 20.0, state="stopped (SIGSTOP)")
+    assert stuck_rank([waiter, stopped], after) == (stopped, [waiter])
+
+    def looks(*second: tuple[Snapshot, list[Snapshot]] | None) -> list[bool]:
+        watch = HangWatch(after)
+        verdicts = [watch.judge(stuck_rank([waiter, culprit], after), 1000.0)]
+        return verdicts + [watch.judge(found, 1000.0 + CONFIRM_SECONDS) for found in second]
+
+    assert looks((culprit, [waiter])) == [False, True]  # the same, idle: reported at the second look
+    busy = _seen(1, "/job/train.py", 66, 20.0 + CONFIRM_SECONDS)  # a core's worth of CPU in between
+    moved = _seen(1, "/job/other.py", 66, 20.0)
+    assert looks((busy, [waiter])) == [False, False] and looks((moved, [waiter])) == [False, False]
+    assert looks(None) == [False, False]

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from rally.agent.base.collaborator import AgentContext, Collaborator
@@ -120,6 +121,15 @@ def without_own_frames(stack: list[str]) -> list[str]:
     return [line for line in stack if not _OWN_FRAME.match(line)]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds the process has used (/proc/PID/stat), None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def is_suspect_state(state: str) -> bool:
     return state.startswith("stopped") or state.startswith("uninterruptible")
 
@@ -166,6 +176,7 @@ class Snapshot:
     node: int = -1  # the agent's group rank
     quiet: float | None = None  # seconds since its last sign of progress (agent/observe/health.py quiet_for)
     section: str = ""  # the job.section it is in
+    cpu: float | None = None  # CPU seconds (user + system) the process had used when the snapshot was taken
 
     @classmethod
     def from_dict(cls, data: dict) -> Snapshot | None:
@@ -181,6 +192,7 @@ class Snapshot:
                 int(data.get("node", -1)),
                 None if data.get("quiet") is None else float(data["quiet"]),
                 str(data.get("section") or ""),
+                None if data.get("cpu") is None else float(data["cpu"]),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -312,6 +324,7 @@ class HangReporter(Collaborator):
         states = {w.local_rank: process_state(w.pid) for w in workers}
         now = time.monotonic()
         quiet = {w.local_rank: self.ctx.health.quiet_for(w.local_rank, w.output.last_output_at(), now) for w in workers}
+        cpu = {w.local_rank: cpu_seconds(w.pid) for w in workers}
         stacks = self.collect_stacks(workers)
         return [
             Snapshot(
@@ -325,6 +338,7 @@ class HangReporter(Collaborator):
                 a.group_rank,
                 round(quiet[w.local_rank], 1),
                 self.ctx.health.section(w.local_rank),
+                cpu[w.local_rank],
             )
             for w in workers
         ]
@@ -422,8 +436,8 @@ class HangReporter(Collaborator):
             reason = f"a rank on {self.host} waits in a collective with no progress for {watch.after:g} s"
             _, snapshots, missing = self.every_node(rnd, reason, ask=True, mine=mine)
         found = stuck_rank(snapshots, watch.after)
-        if found is None:
-            return
+        if not watch.judge(found, time.monotonic()) or found is None:
+            return  # nothing, or a suspect that the next look (CONFIRM_SECONDS on) must see again
         culprit, waiting = found
         self.report_quietly(rnd, culprit, waiting, snapshots, missing)
 

@@ -15,9 +15,16 @@ reports only when both hold:
   its stack) and has been quiet for at least half of `after`, while the culprit is outside one, or
   its process is stopped or in uninterruptible sleep.
 
+* and it still holds CONFIRM_SECONDS later: the same rank, stuck at the same frames, the others
+  still waiting, and the rank used almost no CPU meanwhile (under IDLE_SHARE of a core). One
+  snapshot can catch a healthy job at an unlucky instant (a rank that never prints computing its
+  forward while rank 0 sits in an all_reduce); a hung rank stays put and idle.
+
 Evidence comes from the stacks the hang report already gathers (agent/observe/hang_report.py),
 taken silently (into a file of the agent's, not the worker's stderr): at most once per `after`
-seconds per node, and only while some worker on the node has been quiet that long.
+seconds per node (twice when the first look found a suspect), and only while some worker on the
+node has been quiet that long. A rank stuck in a busy loop is not reported by this watch (it is
+not idle); --heartbeat-timeout or --silence-timeout catch it.
 
 Why 60 s: it is 10x shorter than NCCL's default collective timeout (10 min) and 30x shorter than
 gloo's (30 min), so the report comes long before the job dies of the timeout or a user gives up
@@ -35,16 +42,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+# The second look, this long after a first one found a suspect.
+CONFIRM_SECONDS = 5.0
+# A suspect that used more than this share of a core between the two looks is working, not hung.
+IDLE_SHARE = 0.25
+
 
 class Seen(Protocol):
     """A rank as the watch judges it (agent/observe/hang_report.py's Snapshot is one)."""
 
     rank: int
+    host: str
     state: str
     stack: list[str]
     beats: int | None
     quiet: float | None
     section: str
+    cpu: float | None
 
     @property
     def in_collective(self) -> bool: ...
@@ -79,6 +93,32 @@ def stuck_rank(snapshots: Sequence[S], after: float) -> tuple[S, list[S]] | None
     return culprit, sorted(waiting, key=lambda s: s.rank)
 
 
+@dataclass(frozen=True)
+class Suspect:
+    """What the first look saw of the rank it suspects, for the second to compare with."""
+
+    rank: int
+    host: str
+    stack: tuple[str, ...]
+    waiting: tuple[int, ...]
+    cpu: float | None
+    at: float  # monotonic time of the first look
+
+    @classmethod
+    def of(cls, culprit: Seen, waiting: Sequence[Seen], now: float) -> Suspect:
+        return cls(culprit.rank, culprit.host, tuple(culprit.stack), tuple(s.rank for s in waiting), culprit.cpu, now)
+
+    def confirmed_by(self, culprit: Seen, waiting: Sequence[Seen], now: float) -> bool:
+        """The second look saw the same: same rank at the same frames, the same ranks waiting, and idle."""
+        if (culprit.rank, culprit.host, tuple(culprit.stack)) != (self.rank, self.host, self.stack):
+            return False
+        if not set(self.waiting) <= {s.rank for s in waiting}:
+            return False
+        if self.cpu is None or culprit.cpu is None:
+            return True  # no CPU reading (the process went away meanwhile): the frames decide
+        return culprit.cpu - self.cpu <= IDLE_SHARE * max(now - self.at, CONFIRM_SECONDS)
+
+
 @dataclass
 class Reported:
     """A hang this node reported and nobody has taken back yet."""
@@ -98,16 +138,35 @@ class HangWatch:
         self.after = after
         self.next_look_at = 0.0
         self.reported: Reported | None = None
+        self.suspect: Suspect | None = None  # found by a first look, to be confirmed by a second
 
     @property
     def on(self) -> bool:
         return self.after > 0
 
     def due(self, quiet: dict[int, float], now: float) -> bool:
-        """Whether to look now: some local worker quiet for `after`, no report standing, not looked lately."""
-        if not self.on or self.reported is not None or now < self.next_look_at:
+        """Whether to look now: some local worker quiet for `after`, no report standing, not looked lately
+        (or a suspect to confirm, CONFIRM_SECONDS after the first look)."""
+        if not self.on or self.reported is not None:
             return False
-        return max(quiet.values(), default=0.0) >= self.after
+        if self.suspect is not None:
+            return now >= self.suspect.at + CONFIRM_SECONDS
+        return now >= self.next_look_at and max(quiet.values(), default=0.0) >= self.after
+
+    def judge(self, found: tuple[Seen, Sequence[Seen]] | None, now: float) -> bool:
+        """After a look: True when it confirms the suspect of the look before (report it now)."""
+        suspect, self.suspect = self.suspect, None
+        if found is None:
+            self.looked(now)
+            return False
+        culprit, waiting = found
+        if suspect is not None and suspect.confirmed_by(culprit, waiting, now):
+            return True
+        if suspect is not None:  # it moved, or worked: not hung; the next look after a whole bound
+            self.looked(now)
+            return False
+        self.suspect = Suspect.of(culprit, waiting, now)
+        return False
 
     def looked(self, now: float) -> None:
         self.next_look_at = now + self.after
