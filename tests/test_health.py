@@ -421,3 +421,22 @@ def test_the_default_watch_wants_a_waiter_a_quiet_rank_outside_and_a_second_look
     moved = _seen(1, "/job/other.py", 66, 20.0)
     assert looks((busy, [waiter])) == [False, False] and looks((moved, [waiter])) == [False, False]
     assert looks(None) == [False, False]
+
+
+@pytest.mark.timeout(10)
+def test_the_live_view_shows_a_reported_hang_under_the_workers_table() -> None:
+    """The live view renders the node's status record (agent/observe/live.py): a hang the default
+    watch reported (the record's `hang`, from HangReporter.status_fields) is a line under the table."""
+    from rich.console import Console
+
+    from rally.agent.observe.live import LiveView
+
+    detail = "rank 1 (local rank 1, pid 7413) on vm looks hung: no progress for 66 s"
+    record = {
+        "host": "vm", "group_rank": 0, "round": 0, "world_size": 2,
+        "workers": [{"rank": r, "local_rank": r, "pid": 7412 + r, "state": "running"} for r in (0, 1)],
+        "hang": {"rank": 1, "host": "vm", "detail": detail, "time": time.time() - 12},
+    }  # fmt: skip
+    console = Console(width=250, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(LiveView(console, lambda: record).render())
+    assert f"hang: {detail} (reported 12 s ago)" in console.export_text()

@@ -77,11 +77,14 @@ class LiveView:
         self.live.stop()
 
     def render(self) -> Group:
-        """The table, then each worker's latest progress redraw (see ConsoleSink)."""
+        """The table, a hang the node reported (agent/observe/hang_watch.py: as wide as the terminal, not
+        the table), then each worker's latest progress redraw (see ConsoleSink)."""
+        record = self.snapshot() or {}
         progress = [
             Text.from_ansi(line, no_wrap=True, overflow="ellipsis") for line in list(self.sink.progress.values())
         ]
-        return Group(render_workers(self.snapshot() or {}), *progress)
+        hang = hang_line(record, time.time())
+        return Group(render_workers(record), *([Text(hang, style="bold yellow")] if hang else []), *progress)
 
 
 def render_workers(record: dict) -> Table:
@@ -91,7 +94,5 @@ def render_workers(record: dict) -> Table:
         f"restarts {record.get('restart_count', 0)} · world {record.get('world_size', '?')}"
     )
     stragglers = [w for w in record.get("workers", []) if w.get("straggler")]
-    lines = [straggler_line(w, record.get("host")) for w in stragglers]
-    hang = hang_line(record, time.time())
-    caption = "\n".join([*lines, *([hang] if hang else [])]) or None
+    caption = "\n".join(straggler_line(w, record.get("host")) for w in stragglers) or None
     return worker_table([record], title, caption=caption)
