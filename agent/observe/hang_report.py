@@ -6,8 +6,8 @@ report blames, while the rank that never reached the collective is never shown. 
 node finds a hung worker, it asks every node for a snapshot of all its workers before any of
 them is killed:
 
-    this node:   set <r>/dump (a request)          every other agent watches that key
-    every node:  snapshot its workers -> <r>/stacks/<group_rank>
+    this node:   set <r>/dump/<n> (request n)      every other agent watches requests in order
+    every node:  snapshot its workers -> <r>/stacks/<n>/<group_rank>
     this node:   wait for all of them (bounded by `HANG_REPORT_WAIT_SECONDS`), name the culprit
 
 A snapshot is the process state from /proc (taken before anything is sent to the process), the
