@@ -28,12 +28,12 @@ STACKS_ROUND_OVER = "over"
 class StackExchange:
     """Round `a.round`'s stack requests and answers, for this node (member `a.group_rank`)."""
 
-    def __init__(self, store: KeyValueStore, me: NodeInfo, a: Assignment):
+    def __init__(self, store: KeyValueStore, me: NodeInfo, assignment: Assignment):
         self.store = store
         self.me = me
-        self.r = a.round
-        self.group_rank = a.group_rank
-        self.members = a.group_world_size
+        self.r = assignment.round
+        self.group_rank = assignment.group_rank
+        self.members = assignment.group_world_size
         self.counter = f"{self.r}/dumps"
         self.over = f"{self.r}/dumps_over"
 

@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rally.agent.base.collaborator import AgentContext, Collaborator
-from rally.agent.base.event_loop import DumpStacks
+from rally.agent.base.event_loop import DumpStacks, News
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE
 from rally.agent.base.spec import STACK_SIGNAL
 from rally.agent.display import console
 from rally.agent.guard.processes import process_state
 from rally.agent.observe.hang_watch import HangWatch, Reported, stuck_rank
-from rally.agent.observe.health import Hang, HealthMonitor
+from rally.agent.observe.health import Hang, HealthSource
 from rally.rendezvous.c10d.store import StoreError
 from rally.rendezvous.protocol import Assignment, EndKind, Round, RoundEnd
 
@@ -90,10 +90,6 @@ class HangContext(AgentContext, Protocol):
     @property
     def group(self) -> RoundWorkers | None:
         """This round's workers on this node, None while none run."""
-
-    @property
-    def health(self) -> HealthMonitor:
-        """The health monitor of this round's workers (heartbeats, output, hang timeouts)."""
 
 
 # How long the node that found a hang waits for the other nodes' snapshots.
@@ -239,9 +235,13 @@ class HangReporter(Collaborator):
     """The agent's side: find a hung worker, snapshot this node's workers, ask the others, write the
     root cause; and answer the other nodes' requests (the agent's main loop calls `answer`)."""
 
-    def __init__(self, ctx: HangContext, wait: float = HANG_REPORT_WAIT_SECONDS):
-        """`wait`: how long the node that found a hang waits for the other nodes' snapshots."""
+    wants = (DumpStacks,)
+
+    def __init__(self, ctx: HangContext, health: HealthSource, wait: float = HANG_REPORT_WAIT_SECONDS):
+        """`health`: who keeps this round's health monitor (heartbeats, output, hang timeouts: the
+        observer); `wait`: how long the node that found a hang waits for the other nodes' snapshots."""
         self.ctx = ctx
+        self.health = health
         self.host = ctx.host
         self.wait = wait
         self.answered: set[tuple[int, int]] = set()  # (round, request) answered
@@ -256,7 +256,7 @@ class HangReporter(Collaborator):
         group = self.ctx.group
         assert group is not None  # the watch loop runs while the round's workers do
         last_output = {w.local_rank: w.output.last_output_at() for w in group.running()}
-        hangs = self.ctx.health.check(last_output)
+        hangs = self.health.health.check(last_output)
         if not hangs:
             self.watch_quietly(rnd, last_output)
             return None
@@ -275,8 +275,8 @@ class HangReporter(Collaborator):
         return {"hang": {"rank": found.rank, "host": found.host, "detail": found.detail, "time": found.wall}}
 
     # ------------------------------------------------------------ every node
-    def cross_node(self, a: Assignment) -> bool:
-        return a.group_world_size > 1
+    def cross_node(self, assignment: Assignment) -> bool:
+        return assignment.group_world_size > 1
 
     def start_watching(self, rnd: Round) -> None:
         """Watch the round's stack requests in a thread (own store connection); the main loop answers."""
@@ -309,6 +309,10 @@ class HangReporter(Collaborator):
 
             threading.Thread(target=release, daemon=True).start()
 
+    def on_news(self, rnd: Round, news: News) -> None:
+        if isinstance(news, DumpStacks) and news.round == rnd.assignment.round:
+            self.answer(rnd, news.request)
+
     def answer(self, rnd: Round, request: int = 0) -> None:
         """Another node found a hang (or a rank that looks stuck): publish this node's snapshots (once per request)."""
         if (rnd.assignment.round, request) in self.answered:
@@ -317,13 +321,14 @@ class HangReporter(Collaborator):
         snapshots = [s.__dict__ for s in self.snapshot_workers(rnd.assignment)]
         self.ctx.store_call(lambda: rnd.stacks.publish(request, snapshots))
 
-    def snapshot_workers(self, a: Assignment) -> list[Snapshot]:
+    def snapshot_workers(self, assignment: Assignment) -> list[Snapshot]:
         """State first (before SIGCONT or the dump signal touch it), then stacks and heartbeats."""
         group = self.ctx.group
         workers = group.running() if group is not None else []
         states = {w.local_rank: process_state(w.pid) for w in workers}
         now = time.monotonic()
-        quiet = {w.local_rank: self.ctx.health.quiet_for(w.local_rank, w.output.last_output_at(), now) for w in workers}
+        health = self.health.health
+        quiet = {w.local_rank: health.quiet_for(w.local_rank, w.output.last_output_at(), now) for w in workers}
         cpu = {w.local_rank: cpu_seconds(w.pid) for w in workers}
         stacks = self.collect_stacks(workers)
         return [
@@ -334,10 +339,10 @@ class HangReporter(Collaborator):
                 w.pid,
                 states[w.local_rank],
                 stacks.get(w.local_rank, []),
-                self.ctx.health.heartbeat_count(w.local_rank),
-                a.group_rank,
+                self.health.health.heartbeat_count(w.local_rank),
+                assignment.group_rank,
                 round(quiet[w.local_rank], 1),
-                self.ctx.health.section(w.local_rank),
+                self.health.health.section(w.local_rank),
                 cpu[w.local_rank],
             )
             for w in workers
@@ -358,7 +363,7 @@ class HangReporter(Collaborator):
             except ProcessLookupError:
                 continue
         asked = [w for w in workers if w.local_rank in marks]
-        deadline = time.monotonic() + self.ctx.health.settings.stack_dump_wait
+        deadline = time.monotonic() + self.health.health.settings.stack_dump_wait
         seen: dict[int, int] = {}
         quiet_since = time.monotonic()
         while asked and time.monotonic() < deadline:
@@ -414,7 +419,7 @@ class HangReporter(Collaborator):
         if not watch.on or not last_output:
             return
         now = time.monotonic()
-        quiet = {rank: self.ctx.health.quiet_for(rank, at, now) for rank, at in last_output.items()}
+        quiet = {rank: self.health.health.quiet_for(rank, at, now) for rank, at in last_output.items()}
         over = watch.progressed(quiet, now)
         if over is not None:
             ago = now - over.at
@@ -481,13 +486,15 @@ class HangReporter(Collaborator):
             "time": now,
         }
         self.ctx.events.emit("hang_reported", **record)
-        self.ctx.report.hangs.append(record)
+        hangs = self.ctx.report.notes.setdefault("hangs", [])  # report.json's `hangs`
+        if isinstance(hangs, list):
+            hangs.append(record)
         self.ctx.report.write()
         self.hang_watch.reported = Reported(culprit.rank, culprit.host, detail, time.monotonic(), now)
 
     def _describe(
         self,
-        a: Assignment,
+        assignment: Assignment,
         hang: Hang,
         found: StackSource,
         snapshots: list[Snapshot],
@@ -496,11 +503,13 @@ class HangReporter(Collaborator):
     ) -> RoundEnd:
         host = self.host
         if named is None:  # the hung worker exited while it was being looked at
-            culprit = Snapshot(found.global_rank, found.local_rank, host, found.pid, "exited", [], None, a.group_rank)
+            culprit = Snapshot(
+                found.global_rank, found.local_rank, host, found.pid, "exited", [], None, assignment.group_rank
+            )
             why = ""
         else:
             culprit, why = named
-        is_found = culprit.node == a.group_rank and culprit.local_rank == found.local_rank
+        is_found = culprit.node == assignment.group_rank and culprit.local_rank == found.local_rank
         detail = f"rank {culprit.rank} (local rank {culprit.local_rank}, pid {culprit.pid}) on {culprit.host} is hung: "
         if is_found and not why:
             detail += f"it {hang.reason}"
