@@ -74,11 +74,6 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
         )
     # Node rank 0 of a static job is, by definition, reachable at the master address.
     static_master = endpoint.host if backend_named(endpoint.backend).static_ranks and endpoint.host_here else None
-    if any(spec.tee.values()) and spec.prefix_output and not spec.torchrun_prefix:
-        notes.append(
-            f"--tee: console lines keep rally's [rank] prefix; --torchrun-prefix shows torchrun's ([{spec.role}0]: "
-            "on tee'd streams, none on the others)"
-        )
     plan = RendezvousPlan(
         endpoint=endpoint,
         settings=settings,

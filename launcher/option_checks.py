@@ -60,6 +60,8 @@ class RawOptions(Protocol):
     def checkpoint_dir_shared(self) -> object: ...
     @property
     def no_preflight(self) -> object: ...
+    @property
+    def torchrun_prefix(self) -> object: ...
 
 
 @dataclass
@@ -115,9 +117,22 @@ def as_bool(value: object, p: Parsing) -> bool:
     return bool(value)
 
 
-def negated(value: object, p: Parsing) -> bool:
-    """--no-prefix fills JobSpec.prefix_output."""
-    return not value
+def no_prefix(value: object, p: Parsing) -> bool:
+    """--no-prefix (or the deprecated --torchrun-prefix, which meant the same console) fills
+    JobSpec.prefix_output."""
+    return not (value or p.options.torchrun_prefix)
+
+
+def deprecated_torchrun_prefix(value: object, p: Parsing) -> bool:
+    """--torchrun-prefix asked for torchrun's header on --tee'd lines and nothing on the other
+    streams. The header is now the default, so it is kept only as --no-prefix under its old name:
+    scripts and config files that give it still run and print exactly what they printed."""
+    if value:
+        p.notes.append(
+            "--torchrun-prefix is deprecated: --tee'd lines carry torchrun's prefix by default; "
+            "it now means --no-prefix (no [rank] on the other streams)"
+        )
+    return bool(value)
 
 
 def seconds(zero_ok: bool, minimum: float = 0.0, unset: float | None = None) -> Check:
@@ -419,6 +434,12 @@ def metrics_port(value: object, p: Parsing) -> int | None:
 
 def metrics_addr(value: object, p: Parsing) -> str:
     return str(value or "0.0.0.0").strip("[]")
+
+
+def log_line_prefix_template() -> str | None:
+    """JobSpec.log_line_prefix_template: $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, which torchrun
+    reads (torch/distributed/run.py) instead of a flag; empty is unset, as there."""
+    return os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
 
 
 def python_exec() -> str:

@@ -80,6 +80,7 @@ NOT_AN_OPTION = {
     "args": "the script's arguments",
     "python_exec": "$PYTHON_EXEC (option_checks.python_exec)",
     "cwd": "the working directory (the agent's own)",
+    "log_line_prefix_template": "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (option_checks.log_line_prefix_template)",
 }
 
 
@@ -327,14 +328,16 @@ class Options:
     no_prefix: bool = option(
         False,
         "rally extras",
-        "Do not prefix worker output lines with their rank.",
-        check=checks.negated,
+        "No [rank] prefix on the worker streams torchrun does not tee (--tee'd lines keep torchrun's [role0]:).",
+        check=checks.no_prefix,
         fills="prefix_output",
     )
     torchrun_prefix: bool = option(
         False,
         "rally extras",
-        "Worker console lines as torchrun shows them: [role<local rank>]: on --tee'd streams, none on the others.",
+        "Deprecated: --tee'd lines carry torchrun's prefix by default; this now means --no-prefix.",
+        check=checks.deprecated_torchrun_prefix,
+        read_by="no_prefix",
     )
     quiet: bool = option(
         False, "Logs and output", "Show only rally's own lines on the console, not the workers' output."
@@ -529,7 +532,13 @@ class Options:
         if mistakes:
             raise Mistakes(mistakes)
         spec, rendezvous = filled(p.done)
-        job = JobSpec(entrypoint=script or "", args=tuple(args), python_exec=checks.python_exec(), **spec)
+        job = JobSpec(
+            entrypoint=script or "",
+            args=tuple(args),
+            python_exec=checks.python_exec(),
+            log_line_prefix_template=checks.log_line_prefix_template(),
+            **spec,
+        )
         return Parsed(job, RendezvousOptions(**rendezvous), p.notes)
 
     @classmethod

@@ -50,10 +50,12 @@ class JobSpec:
     redirects: dict[int, int] = field(default_factory=dict)
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
+    # rally's "[rank] " on the worker streams torchrun does not tee (--no-prefix: none); --tee'd
+    # lines always carry torchrun's header (agent/rounds/workers.py's tee_prefix)
     prefix_output: bool = True
-    # --torchrun-prefix: console lines as torchrun shows them ("[role<local rank>]:" on --tee'd
-    # streams, nothing on the others) instead of rally's "[rank] " on every line
-    torchrun_prefix: bool = False
+    # $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, read as torchrun reads it: the header of --tee'd
+    # lines from ${role_name}, ${rank}, ${local_rank} (None: torchrun's "[<role><local rank>]:")
+    log_line_prefix_template: str | None = None
     quiet: bool = False  # --quiet: only rally's own lines on the console (log files unchanged)
     shutdown_timeout: float = 30.0
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -102,8 +104,8 @@ class JobSpec:
         return [self.python_exec, "-u", BOOTSTRAP, mode, self.entrypoint, *self.args]
 
     def uses_torchrun_logs(self) -> bool:
-        """--redirects or --tee given: streams go to files as torchrun's do (the console keeps
-        rally's prefix unless --torchrun-prefix asks for torchrun's)."""
+        """--redirects or --tee given: streams go to files as torchrun's do (tee'd console lines
+        with torchrun's header)."""
         return any(self.redirects.values()) or any(self.tee.values())
 
     def shows_on_console(self, local_rank: int) -> bool:
