@@ -59,7 +59,7 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     notes = list(parsed.notes)
     conf = r.rdzv_conf
     endpoint, settings, preferred_rank = plan_rendezvous(r, spec.run_id, slurm_job)
-    warnings: list[str] = []
+    warnings = list(parsed.warnings)
     try:
         token = resolve_token(
             conf["token"], conf["token_file"], r.standalone, slurm_job.job_id if slurm_job else None, warnings

@@ -74,6 +74,7 @@ class Parsing:
     done: dict[str, Any] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # told as `rally: warning:` lines; the job runs
 
     def parsed(self, name: str) -> Any:
         """The checked value of an option declared before this one."""
@@ -297,7 +298,7 @@ def run_id(value: object, p: Parsing) -> str:
 
 
 def rdzv_conf(value: object, p: Parsing) -> dict[str, Any]:
-    conf = values.parse_rdzv_conf(given_text(value) or "")
+    conf = values.parse_rdzv_conf(given_text(value) or "", p.warnings)
     validate.check_rdzv_conf(conf)
     return conf
 

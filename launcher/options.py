@@ -72,6 +72,7 @@ class Parsed:
     spec: JobSpec
     rendezvous: RendezvousOptions
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)
 
 
 # JobSpec's fields that no option fills, and where they come from instead.
@@ -539,7 +540,7 @@ class Options:
             log_line_prefix_template=checks.log_line_prefix_template(),
             **spec,
         )
-        return Parsed(job, RendezvousOptions(**rendezvous), p.notes)
+        return Parsed(job, RendezvousOptions(**rendezvous), p.notes, p.warnings)
 
     @classmethod
     def of(cls, given: Mapping[str, Any], where: str = "rally.launch") -> Options:

@@ -114,20 +114,39 @@ def parse_nproc(text: str) -> int:
     return number
 
 
-def parse_rdzv_conf(text: str) -> dict[str, Any]:
+def unquoted(text: str) -> str:
+    """`text` stripped of blanks and of quote characters at either end."""
+    return text.strip().strip("'\"").strip()
+
+
+def parse_rdzv_conf(text: str, warnings: list[str] | None = None) -> dict[str, Any]:
+    """torchrun's `K=V,...` (torch's _parse_rendezvous_config splits it the same way), checked.
+
+    Quote characters at either end of a key or a value are taken off, and so are quotes around
+    the whole value (its first key and last value then carry them): shells, YAML-to-argv tools
+    and PyTorch's own launcher test pass `'join_timeout=5,timeout=5'` with the quotes in it.
+    torchrun keeps them, so its backend then sees keys it does not know, which it ignores; rally
+    uses the keys as written. A key rally does not know is ignored as torchrun ignores it, with
+    one line in `warnings` naming the closest known key (a typo then costs a warning, not the
+    job); a value a known key cannot take is an error."""
     conf = dict(RDZV_CONF_DEFAULTS)
-    if not text:
-        return conf
-    for item in str(text).split(","):
+    text = str(text or "")
+    given: set[str] = set()
+    for item in text.split(","):
         if not item.strip():
             continue
         if "=" not in item:
             raise ConfigError(
                 f"--rdzv-conf '{item}' is not KEY=VALUE; e.g. --rdzv-conf join_timeout=60,last_call_timeout=5"
             )
-        key, value = (s.strip() for s in item.split("=", 1))
+        key, value = (unquoted(s) for s in item.split("=", 1))
         if key not in RDZV_CONF_DEFAULTS:
-            raise ConfigError(f"--rdzv-conf: unknown key '{key}'{suggest(key, RDZV_CONF_DEFAULTS)}")
+            if warnings is not None:
+                warnings.append(
+                    f"--rdzv-conf: unknown key '{key}', ignored as torchrun ignores it{suggest(key, RDZV_CONF_DEFAULTS)}"
+                )
+            continue
+        given.add(key)
         if key == "is_host":
             if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                 raise ConfigError(f"--rdzv-conf is_host={value}: use true or false")
@@ -154,10 +173,7 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
                 raise ConfigError(f"--rdzv-conf {key}={value}: must be positive")
             conf[key] = number
     if conf["timeout"] is not None:  # torch's name for the same wait; two different values are a mistake
-        if (
-            "join_timeout" in {i.split("=", 1)[0].strip() for i in str(text).split(",")}
-            and conf["join_timeout"] != conf["timeout"]
-        ):
+        if "join_timeout" in given and conf["join_timeout"] != conf["timeout"]:
             raise ConfigError(
                 f"--rdzv-conf: timeout={conf['timeout']:g} and join_timeout={conf['join_timeout']:g} name the same "
                 "wait (how long the job may take to form); give one of them"
