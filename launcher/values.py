@@ -142,9 +142,8 @@ def parse_rdzv_conf(text: str, warnings: list[str] | None = None) -> dict[str, A
         key, value = (unquoted(s) for s in item.split("=", 1))
         if key not in RDZV_CONF_DEFAULTS:
             if warnings is not None:
-                warnings.append(
-                    f"--rdzv-conf: unknown key '{key}', ignored as torchrun ignores it{suggest(key, RDZV_CONF_DEFAULTS)}"
-                )
+                closest = suggest(key, RDZV_CONF_DEFAULTS)
+                warnings.append(f"--rdzv-conf: unknown key '{key}', ignored as torchrun ignores it{closest}")
             continue
         given.add(key)
         if key == "is_host":
