@@ -67,30 +67,56 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+def gpu_driver_present() -> bool:
+    """A GPU driver is installed (NVIDIA's /dev/nvidiactl or nvidia-smi, AMD's /dev/kfd). Without
+    one torch finds no GPU, whatever CUDA_VISIBLE_DEVICES lists: saying so costs no torch import."""
+    return Path("/dev/nvidiactl").exists() or Path("/dev/kfd").exists() or shutil.which("nvidia-smi") is not None
+
+
 def visible_gpu_count() -> int:
-    """GPUs this process may use, without importing torch when the answer is obvious."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    if not shutil.which("nvidia-smi") and not Path("/dev/nvidiactl").exists():
+    """GPUs this process may use, counted as torchrun counts them (torch.cuda.device_count() when
+    torch.cuda.is_available()): only devices that exist, which CUDA_VISIBLE_DEVICES narrows but
+    never adds to. torch is imported only on a node with a GPU driver."""
+    if not gpu_driver_present():
         return 0
     try:
         import torch
 
-        return torch.cuda.device_count()
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # a broken driver means no usable GPU
         return 0
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: taskset, cgroup cpusets), as torch's
+    cpu_count, which torchrun's `cpu` and `auto` use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def accelerator_count() -> int:
+    """`auto`'s devices, as torch.accelerator counts them: CUDA (or ROCm) GPUs, else XPUs (asked of
+    torch only where a GPU's device files are), else none."""
+    gpus = visible_gpu_count()
+    if gpus or not Path("/dev/dri").exists():
+        return gpus
+    from rally.launcher.worker_flags import xpu_count
+
+    return xpu_count()
+
+
 def parse_nproc(text: str) -> int:
-    """int, `cpu`, `gpu` (error without GPUs), or `auto` (GPUs if any, else CPUs)."""
+    """int, `cpu`, `gpu` (error without GPUs), `xpu` (error without XPUs), or `auto` (the
+    accelerators if any, else CPUs): torchrun's determine_local_world_size."""
     value = str(text).strip().lower()
     if value == "cpu":
-        return os.cpu_count() or 1
+        return usable_cpus()
     if value == "gpu":
         count = visible_gpu_count()
         if count == 0:
-            raise ConfigError("--nproc-per-node gpu: no GPU is visible on this node; use a number, 'cpu' or 'auto'")
+            raise ConfigError(
+                "--nproc-per-node gpu: Cuda is not available (torch finds no GPU on this node, whatever "
+                "CUDA_VISIBLE_DEVICES lists); use a number, 'cpu' or 'auto'"
+            )
         return count
     if value == "xpu":
         from rally.launcher.worker_flags import xpu_count
@@ -102,7 +128,7 @@ def parse_nproc(text: str) -> int:
             )
         return count
     if value == "auto":
-        return visible_gpu_count() or os.cpu_count() or 1
+        return accelerator_count() or usable_cpus()
     try:
         number = int(value)
     except ValueError:

@@ -156,3 +156,24 @@ def test_torch_sees_itself_launched_by_torchelastic(tmp_path: Path) -> None:
     result = run_rally(["--standalone", "--nproc-per-node", "1", probe], cwd=tmp_path)
     assert result.returncode == 0, result.describe()
     assert re.search(r"^\[0\] is_torchelastic_launched True$", result.stdout, re.MULTILINE), result.describe()
+
+
+@pytest.mark.timeout(120)
+def test_nproc_auto_and_gpu_count_only_devices_that_exist_whatever_cuda_visible_devices_lists(tmp_path: Path) -> None:
+    """As torchrun's determine_local_world_size: on a node without GPUs, `auto` starts one worker
+    per CPU torch counts (torch._utils.cpu_count), and `gpu` is an error ("Cuda is not
+    available"), even when CUDA_VISIBLE_DEVICES names more devices than that."""
+    import torch
+    from torch._utils import cpu_count
+
+    if torch.cuda.is_available():
+        pytest.skip("the case is a node without GPUs")
+    cpus = cpu_count()
+    assert cpus
+    env = clean_env(CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(cpus + 1)))
+    envs = dump_env(tmp_path, "out", ["--standalone", "--nproc-per-node", "auto"], env=env)
+    assert sorted(envs) == list(range(cpus)) and envs[0]["WORLD_SIZE"] == str(cpus)
+    result = run_rally(["--standalone", "--nproc-per-node", "gpu", "--no-python", "true"], cwd=tmp_path, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
+    errors = [line for line in result.stderr_lines if "rally: error:" in line]
+    assert len(errors) == 1 and "gpu: Cuda is not available" in errors[0], result.describe()
