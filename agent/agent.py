@@ -55,11 +55,11 @@ from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup
 from rally.agent.template.client import TemplateClient
 from rally.agent.worker_exits import WorkerExits
 from rally.rendezvous.backends import OpenedStore
-from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.base.kv import KeyValueStore
+from rally.rendezvous.c10d.store import StoreError, host_tcp_store, listen_address
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, Round, RoundEnd
-from rally.rendezvous.store import StoreError, host_tcp_store, listen_address
-from rally.rendezvous.waiting import plural
+from rally.rendezvous.status.waiting import plural
 
 if TYPE_CHECKING:  # torch is imported lazily
     from torch.distributed import TCPStore
@@ -203,7 +203,7 @@ class Agent:
                 return code
 
     def _untrusted_value(self, line: str) -> None:
-        """A value this job did not write was replaced or ignored (rendezvous/kv.py): one line per key."""
+        """A value this job did not write was replaced or ignored (rendezvous/base/kv.py): one line per key."""
         key = line.split("'")[1] if line.count("'") >= 2 else line
         if key not in self.untrusted_seen:
             self.untrusted_seen.add(key)
@@ -312,14 +312,14 @@ class Agent:
         # keep_alive_timeout*4+30
         return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
-    def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
-        multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
+    def _start_workers(self, assignment: Assignment, master: tuple[str, int]) -> None:
+        multi_node = assignment.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
         sink = self.live.sink if self.live is not None else None
-        self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
+        self.events.emit("workers_starting", round=assignment.round)  # the restart's breakdown (bench/goodput.py)
         # the holder's address, none once it died (node_checkpoints.py); not a hook: it adds to the workers' environment
         env = {**self.base_env, **self.ckpt.env()}
-        self.group = WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch)
+        self.group = WorkerGroup.start(self.spec, env, assignment, master, self.logs, multi_node, sink, sink, launch)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         for stream in self.group.streams:
             self.loop.watch_stream(stream)
@@ -329,7 +329,7 @@ class Agent:
                 self.guard.guard_group(worker.pid)
             self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
             rank, local_rank = worker.global_rank, worker.local_rank
-            self.events.emit("worker_started", round=a.round, rank=rank, local_rank=local_rank, pid=worker.pid)
+            self.events.emit("worker_started", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid)
 
     def _watch_workers(self, rnd: Round) -> RoundEnd:
         """Until the round ends: signals, the threads' news, the collaborators' watch (exits, hangs,
@@ -440,11 +440,11 @@ class Agent:
             # ends it
             self.store_call(lambda: wait_for_readers(rnd, EXIT_BARRIER_SECONDS), waiting=True)
 
-    def _status_record(self, a: Assignment) -> dict:
-        record = node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
+    def _status_record(self, assignment: Assignment) -> dict:
+        record = node_status(self.host, self.node.node_id, assignment, self.group, self.health, self.observer)
         features = {key: value for part in self.collaborators for key, value in part.status_fields().items()}
         # a long wait under way (agent/rounds/node_waits.py)
-        waiting = self.waits.fields(a.round, self.rdzv.waiting if self.rdzv else None)
+        waiting = self.waits.fields(assignment.round, self.rdzv.waiting if self.rdzv else None)
         return {**record, **features, **waiting}
 
     # ================================================================ signals

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rally.agent.base.spec import JobSpec, LearningSettings
+from rally.launcher import __version__, validate
 from rally.launcher import option_checks as checks
-from rally.launcher import validate
 from rally.launcher.option_checks import Check, Parsing, Unavailable
 from rally.launcher.validate import ConfigError, Mistakes
 from rally.launcher.worker_flags import NUMA_MODES
@@ -80,6 +80,7 @@ NOT_AN_OPTION = {
     "entrypoint": "the SCRIPT argument",
     "args": "the script's arguments",
     "python_exec": "$PYTHON_EXEC (option_checks.python_exec)",
+    "rally_version": "launcher/__init__.py's __version__",
     "cwd": "the working directory (the agent's own)",
     "log_line_prefix_template": "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (option_checks.log_line_prefix_template)",
 }
@@ -538,6 +539,7 @@ class Options:
             args=tuple(args),
             python_exec=checks.python_exec(),
             log_line_prefix_template=checks.log_line_prefix_template(),
+            rally_version=__version__,
             **spec,
         )
         return Parsed(job, RendezvousOptions(**rendezvous), p.notes, p.warnings)
@@ -566,8 +568,8 @@ def option_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(Options) if METADATA_KEY in f.metadata]
 
 
-def info(f: dataclasses.Field) -> OptionInfo:
-    return f.metadata[METADATA_KEY]
+def info(option_field: dataclasses.Field) -> OptionInfo:
+    return option_field.metadata[METADATA_KEY]
 
 
 def names() -> list[str]:

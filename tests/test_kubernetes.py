@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, start_agent, stop_all, write_script
-from helpers import free_port
+from support.agents import AgentProcess, start_agent, stop_all, write_script
+from support.helpers import free_port
 
 # Each worker appends its view of the job; rank 3 fails once, in the run where no marker exists.
 PROBE = """

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, console_lines, run_rally, write_probe
+from support.helpers import clean_env, console_lines, run_rally, write_probe
 
 # Each rank writes a distinctive stdout and stderr; the last stdout line has no newline.
 TWO_STREAMS = """
