@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import psutil
 
@@ -162,6 +162,14 @@ def _oom_kill_count(counter: Path | None | bool) -> int:
     except (OSError, ValueError):
         pass
     return 0
+
+
+class HealthSource(Protocol):
+    """Who keeps the health monitor of this round's workers (agent/observe/observer.py's Observer):
+    a feature that judges the workers reads it from there, rebuilt each round."""
+
+    @property
+    def health(self) -> HealthMonitor: ...
 
 
 class HealthMonitor:
