@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.event_log import EventLog
-from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost
+from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost, WorkerSaid
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
 from rally.agent.base.spec import JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
@@ -50,8 +50,9 @@ from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_failure_exit, store_lost_line
 from rally.agent.rounds.holdings import RoundHoldings
 from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
+from rally.agent.rounds.reentry import PARK_SECONDS, ReentryBudget, ReentryHub, soft_failure_end
 from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line
-from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup
+from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup, worker_env
 from rally.agent.template.client import TemplateClient
 from rally.agent.worker_exits import WorkerExits
 from rally.rendezvous.backends import OpenedStore
@@ -98,6 +99,11 @@ class Agent:
         self.state = AgentState.STARTING
         self.waits = NodeWaits(console.say)  # the line of a long wait, for the console and `rally status`
         self.loop = EventLoop(on_worker_exit=self._worker_exited, on_child_signal=self._reap_orphans)
+        # workers inside rally.job.run connect here; a failure then re-enters them (docs/restartable.md)
+        self.reentry = ReentryHub(self.loop.inbox.post)
+        self.reentry_budget = ReentryBudget()
+        self.parked = False  # this node's workers wait in rally.job.run for the next round
+        self.base_env.update(self.reentry.env())
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
         self.store: KeyValueStore | None = None
@@ -172,6 +178,7 @@ class Agent:
             for helper in (self.live, self.template, self.guard):
                 if helper is not None:
                     helper.stop()
+            self.reentry.stop()
         if lost and code == 0:  # a job whose newest checkpoint died with the holder has not succeeded
             for line in lost:
                 console.error(line)
@@ -282,13 +289,94 @@ class Agent:
             for part in self.collaborators:  # e.g. the pre-flight may leave a node out (agent/checks/preflight.py)
                 if (end := part.workers_starting(rnd, master)) is not None:
                     return end
-            self._start_workers(a, master)
+            if self.parked:
+                self._reenter_workers(a, master)
+            else:
+                self._start_workers(a, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rnd)
         finally:
             threads.stop()
             for part in self.collaborators:
                 part.watch_over(rnd)
+
+    def _park(self, rnd: Round) -> bool:
+        """Every worker of this node leaves its training function and tears torch.distributed down,
+        staying alive in rally.job.run for the next round (docs/restartable.md). False, with one
+        line when the script uses job.run, when the round's workers must be restarted whole instead."""
+        group, a = self.group, rnd.assignment
+        if group is None or not any(self.reentry.linked(w.pid) for w in group.workers):
+            return False  # a script that does not call rally.job.run: whole restarts, as always
+        why = self._reentry_refusal(group)
+        if why is None:
+            started = time.monotonic()
+            for worker in group.workers:
+                self.reentry.send(worker.pid, "abort", round=a.round)
+            why = self._wait_parked(group, started + PARK_SECONDS)
+            if why is None:
+                seconds = round(time.monotonic() - started, 6)
+                self.events.emit("workers_parked", round=a.round, seconds=seconds)
+                self.reentry_budget.spent(max(self.ckpt.memory_steps(), default=None))
+                return True
+        console.say(f"restarting the worker processes instead of re-entering them: {why}")
+        self.events.emit("reentry_refused", round=a.round, reason=why)
+        return False
+
+    def _reentry_refusal(self, group: WorkerGroup) -> str | None:
+        for worker in group.workers:
+            if worker.returncode is not None:
+                return f"rank {worker.global_rank} exited ({worker.describe_exit()})"
+            if not self.reentry.linked(worker.pid):
+                return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
+        return self.reentry_budget.refusal(max(self.ckpt.memory_steps(), default=None))
+
+    def _wait_parked(self, group: WorkerGroup, deadline: float) -> str | None:
+        """Until every worker said "parked" (None), or why not: one exited, failed its teardown, or is late."""
+        waiting = {w.pid: w for w in group.workers}
+        kept: list = []
+        try:
+            while waiting:
+                now = time.monotonic()
+                if now >= deadline:
+                    late = ", ".join(str(w.global_rank) for w in waiting.values())
+                    return f"rank {late} did not leave the training function within {PARK_SECONDS:g} s"
+                self.loop.pump(deadline - now)
+                for news in self.loop.take_events():
+                    match news:
+                        case WorkerSaid(pid=pid, message={"op": "parked"} as said) if pid in waiting:
+                            worker = waiting.pop(pid)
+                            if not said.get("ok"):
+                                why = said.get("why")
+                                return f"rank {worker.global_rank} could not tear torch.distributed down: {why}"
+                        case WorkerSaid() | RoundEnded() | PeerVerdict() | DumpStacks():
+                            pass  # of the round that ended: a consequence of its abort
+                        case _:
+                            kept.append(news)
+                for worker in group.workers:
+                    if worker.returncode is not None:
+                        return f"rank {worker.global_rank} exited ({worker.describe_exit()}) while leaving the function"
+            return None
+        finally:
+            self.loop.events.extend(kept)  # e.g. a lost store: the main loop acts on it next
+
+    def _reenter_workers(self, a: Assignment, master: tuple[str, int]) -> None:
+        """The parked workers enter their training function again with this round's environment
+        (ranks, WORLD_SIZE, MASTER_ADDR/PORT, RALLY_ROUND, ...): what a fresh worker would get."""
+        group = self.group
+        assert group is not None
+        self.events.emit("workers_starting", round=a.round, in_process=True)
+        env = {**self.base_env, **self.ckpt.env()}
+        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
+        for worker in group.workers:
+            worker.global_rank = a.rank_offset + worker.local_rank
+            worker_vars = worker_env(self.spec, env, a, master, worker.local_rank, worker.error_file)
+            if worker.heartbeat_file:
+                worker_vars["RALLY_HEARTBEAT_FILE"] = worker.heartbeat_file
+            self.reentry.send(worker.pid, "enter", round=a.round, env=worker_vars)
+            self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, time.monotonic())
+            rank, local_rank = worker.global_rank, worker.local_rank
+            self.events.emit("worker_reentered", round=a.round, rank=rank, local_rank=local_rank, pid=worker.pid)
+        self.parked = False
 
     def _workers_store(self, rnd: Round) -> tuple[str, int] | RoundEnd:
         """Where this round's workers meet (MASTER_ADDR/PORT): node 0 provides it, the others wait."""
@@ -364,7 +452,21 @@ class Agent:
                     raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(error, self.opened.endpoint))
                 case DumpStacks(round=a.round):
                     self.hangs.answer(rnd)
+                case WorkerSaid(pid=pid, message={"op": "failed"} as message):
+                    if (raised := self._soft_failure(rnd, pid, message)) is not None:
+                        return raised
         return None
+
+    def _soft_failure(self, rnd: Round, pid: int, message: dict) -> RoundEnd | None:
+        """An exception escaped a worker's training function (rally.job.run): the root cause,
+        unless the round already ended (then it is a consequence of the abort)."""
+        worker = next((w for w in self.group.workers if w.pid == pid), None) if self.group else None
+        if worker is None or worker.returncode is not None:
+            return None
+        end = soft_failure_end(self.host, worker.global_rank, worker.local_rank, pid, message)
+        rank = worker.global_rank
+        self.events.emit("worker_raised", round=rnd.assignment.round, rank=rank, pid=pid, cause=end.detail)
+        return self.store_call(lambda: rnd.channel.end(end))
 
     def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:
         """Stop this round's workers, then apply `decide` (agent/decide.py): an exit code, or
@@ -372,22 +474,30 @@ class Agent:
         a, group = rnd.assignment, self.group
         for part in self.collaborators:
             part.round_ending(rnd)  # e.g. from now on a save of this round's workers is refused
+        decision = decide(end, a, self.spec.max_restarts)
         stopping = time.monotonic()
-        self._stop_workers(signal.SIGTERM)
+        self.parked = isinstance(decision, Restart | Reform) and self._park(rnd)
+        if not self.parked:
+            self._stop_workers(signal.SIGTERM)
         stop_seconds = round(time.monotonic() - stopping, 6)
-        self.report.finish_attempt(group, end)
+        self.report.finish_attempt(group, end, "in-process" if self.parked else None)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail, stop_seconds=stop_seconds)
         self.store_call(rnd.channel.acknowledge_end)
         for part in self.collaborators:
             part.round_ended(rnd, end)  # e.g. quarantined, or left out by the pre-flight: AgentExit
-        decision = decide(end, a, self.spec.max_restarts)
         if end.is_failure:
             self.last_failure = end
             console.error("root cause: " + explain(end))
         if isinstance(decision, Restart):
-            console.say(f"restarting all workers (restart {decision.restart_count} of {self.spec.max_restarts})")
+            how = "re-entering the training function in every worker" if self.parked else "restarting all workers"
+            console.say(f"{how} (restart {decision.restart_count} of {self.spec.max_restarts})")
             self.events.emit(
-                "restart", round=a.round, restart_count=decision.restart_count, kind=end.kind, cause=end.detail
+                "restart",
+                round=a.round,
+                restart_count=decision.restart_count,
+                kind=end.kind,
+                cause=end.detail,
+                in_process=self.parked,
             )
             for part in self.collaborators:
                 part.restarting(rnd, end)
@@ -401,7 +511,9 @@ class Agent:
             if end.kind is EndKind.NODE_LOST:
                 console.error("root cause: " + end.detail)
             console.say(f"re-forming the job: {end.detail} (does not count as a restart)")
-            self.events.emit("membership_change", round=a.round, kind=end.kind, detail=end.detail)
+            self.events.emit(
+                "membership_change", round=a.round, kind=end.kind, detail=end.detail, in_process=self.parked
+            )
             for part in self.collaborators:
                 part.restarting(rnd, end)
             return None
