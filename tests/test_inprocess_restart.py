@@ -1,0 +1,129 @@
+"""In-process restarts (`rally.job.run`, docs/restartable.md): a failure re-enters the training
+function in the workers' own processes instead of restarting them.
+
+Real rally, real workers (two ranks on gloo, a tiny DDP model), the node's memory tier. Each
+fault is compared with an uninterrupted run of the same script: the final parameters must be
+bit-identical, and the survivors' pids unchanged (a whole restart, what rally did before
+job.run existed, gives the same parameters but new pids, so these tests fail without re-entry).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import clean_env, read_events, run_rally
+
+pytestmark = pytest.mark.torch
+
+TRAIN = textwrap.dedent(
+    """
+    import hashlib, json, os, time
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from rally import job
+
+    OUT = Path(os.environ["OUT"])
+    FAULT = os.environ.get("FAULT", "")
+    OWN_INIT = os.environ.get("OWN_INIT") == "1"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)  # built once, before job.run: it survives every re-entry
+    data = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    if not OWN_INIT:
+        dist.init_process_group("gloo")  # rally makes it again before each later entry
+    entries = 0
+
+    def train(steps):
+        global entries
+        entries += 1
+        if OWN_INIT:
+            dist.init_process_group("gloo")
+        ctx = job.context()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)  # holds the group: built per entry
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        ckpt = job.load_latest()
+        start = 0
+        if ckpt is not None:
+            model.load_state_dict(ckpt.state["model"])
+            opt.load_state_dict(ckpt.state["opt"])
+            start = ckpt.step
+        for step in range(start + 1, steps + 1):
+            x = data[(step * 4) % 64 : (step * 4) % 64 + 4]
+            opt.zero_grad()
+            ddp(x).pow(2).sum().backward()
+            opt.step()
+            job.heartbeat(step)
+            line = [step, entries, os.getpid(), time.monotonic(), ctx.world_size, os.environ["MASTER_PORT"]]
+            with open(OUT / f"steps.{ctx.rank}", "a") as f:
+                f.write(" ".join(map(str, line)) + "\\n")
+            if step % 3 == 0:
+                job.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
+            kind, _, rest = FAULT.partition(":")
+            at, _, who = rest.partition(":")
+            if kind and step == int(at) and ctx.rank == int(who) and not (OUT / "fault.done").exists():
+                (OUT / "fault.done").write_text(str(time.monotonic()))
+                raise ValueError(f"injected at step {step}")
+        params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+        result = {"digest": hashlib.sha256(params).hexdigest(), "entries": entries, "pid": os.getpid()}
+        (OUT / f"result.{ctx.rank}").write_text(json.dumps(result))
+        if OWN_INIT:
+            dist.destroy_process_group()
+
+    job.run(train, 12)
+    """
+)
+
+
+def _run(tmp: Path, name: str, **env: str) -> tuple[subprocess.CompletedProcess | object, Path, Path]:
+    out, logs = tmp / name, tmp / f"{name}-logs"
+    out.mkdir()
+    script = tmp / "train.py"
+    script.write_text(TRAIN)
+    argv = ["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs), str(script)]
+    result = run_rally(argv, cwd=tmp, env=clean_env(OUT=str(out), **env), timeout=150)
+    assert result.returncode == 0, result.describe()
+    return result, out, logs
+
+
+def _steps(out: Path, rank: int) -> list[list[str]]:
+    return [line.split() for line in (out / f"steps.{rank}").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def clean_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
+    _, out, _ = _run(tmp_path_factory.mktemp("clean"), "clean")
+    return json.loads((out / "result.0").read_text())["digest"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("own_init", [False, True], ids=["rally-initialises", "function-initialises"])
+def test_an_exception_re_enters_the_function_in_the_same_processes(
+    tmp_path: Path, clean_digest: str, own_init: bool
+) -> None:
+    result, out, logs = _run(tmp_path, "fault", FAULT="exception:5:1", OWN_INIT="1" if own_init else "0")
+    for rank in (0, 1):
+        done = json.loads((out / f"result.{rank}").read_text())
+        assert done["digest"] == clean_digest, f"rank {rank} did not resume bit-identically\n{result.describe()}"
+        assert done["entries"] == 2, result.describe()  # entered again, not restarted
+        steps = _steps(out, rank)
+        assert {line[2] for line in steps} == {str(done["pid"])}, "a survivor's pid changed"
+        first, second = [s for s in steps if s[1] == "1"], [s for s in steps if s[1] == "2"]
+        assert second[0][0] == "4", "the second entry did not resume from the step-3 checkpoint"
+        assert first[-1][5] != second[0][5], "the second entry reused the old round's MASTER_PORT"
+    # the exception, with its rank and traceback, is the root cause
+    assert "root cause: rank 1 (local rank 1, pid" in result.stderr, result.describe()
+    assert "raised ValueError: injected at step 5" in result.stderr
+    assert 'raise ValueError(f"injected at step {step}")' in result.stderr
+    assert "re-entering the training function in every worker (restart 1 of 2)" in result.stderr
+    events = read_events(logs)
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert [e["in_process"] for e in restarts] == [True], restarts
+    assert any(e["event"] == "worker_raised" and e["rank"] == 1 for e in events)
+    report = json.loads(next(logs.glob("*/report.json")).read_text())
+    assert report["attempts"][0]["recovery"] == "in-process"
+    assert report["attempts"][0]["end"]["info"]["traceback"].rstrip().endswith("ValueError: injected at step 5")
