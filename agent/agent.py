@@ -312,6 +312,7 @@ class Agent:
             started = time.monotonic()
             for worker in group.workers:
                 self.reentry.send(worker.pid, "abort", round=a.round)
+            # wait: short: PARK_SECONDS (10), then the workers are restarted whole
             why = self._wait_parked(group, started + PARK_SECONDS)
             if why is None:
                 seconds = round(time.monotonic() - started, 6)

@@ -58,8 +58,7 @@ class ReentryHub:
         if sock is None:
             return False
         try:
-            sock.settimeout(SEND_SECONDS)
-            # wait: short: SEND_SECONDS (2), one packet into a local socket's buffer
+            sock.settimeout(SEND_SECONDS)  # one packet into a local socket's buffer
             sock.send(wire.encode(op, **fields))
             return True
         except OSError:
@@ -73,7 +72,8 @@ class ReentryHub:
 
     def stop(self) -> None:
         os.write(self.stop_w, b"x")
-        self.thread.join(2.0)  # wait: short: 2 s, the thread returns at its next select
+        # wait: short: 2 s, the thread returns at its next select
+        self.thread.join(2.0)
         with self.lock:
             for sock in self.links.values():
                 sock.close()
@@ -94,6 +94,7 @@ class ReentryHub:
                     return
                 if key.fileobj is self.listener:
                     try:
+                        # wait: not_a_wait: the selector said a connection is waiting
                         conn, _ = self.listener.accept()
                     except OSError:
                         continue
@@ -112,6 +113,7 @@ class ReentryHub:
                     continue
                 conn = link
                 try:
+                    # wait: not_a_wait: the selector said it is readable
                     data = conn.recv(wire.MAX_MESSAGE)
                 except OSError:
                     data = b""

@@ -187,9 +187,11 @@ def run(train: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
             del exc  # its traceback holds the function's frames (the model's activations, the old group)
         finally:
             link.in_train = False
+        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         link.wait_for("abort")
         why = teardown(opened_since)
         link.send("parked", ok=why is None, why=why or "")
+        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         enter = link.wait_for("enter")
         _apply(enter.get("env") or {})
         if backend is not None:
@@ -237,7 +239,8 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
 
     thread = threading.Thread(target=work, name="rally-teardown", daemon=True)
     thread.start()
-    thread.join(TEARDOWN_SECONDS)  # wait: short: TEARDOWN_SECONDS (10)
+    # wait: short: TEARDOWN_SECONDS (10)
+    thread.join(TEARDOWN_SECONDS)
     if thread.is_alive():
         return f"tearing torch.distributed down took more than {TEARDOWN_SECONDS:g} s"
     return errors[0] if errors else None
