@@ -310,7 +310,7 @@ class Agent:
         why = self._reentry_refusal(group)
         if why is None:
             started = time.monotonic()
-            for worker in group.workers:
+            for worker in group.running():
                 self.reentry.send(worker.pid, "abort", round=a.round)
             # wait: short: PARK_SECONDS (10), then the workers are restarted whole
             why = self._wait_parked(group, started + PARK_SECONDS)
@@ -324,16 +324,16 @@ class Agent:
         return False
 
     def _reentry_refusal(self, group: WorkerGroup) -> str | None:
-        for worker in group.workers:
-            if worker.returncode is not None:
-                return f"rank {worker.global_rank} exited ({worker.describe_exit()})"
+        """Why this node's workers must be restarted whole; a dead worker is no reason (it is replaced)."""
+        for worker in group.running():
             if not self.reentry.linked(worker.pid):
                 return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
         return self.reentry_budget.refusal(max(self.ckpt.memory_steps(), default=None))
 
     def _wait_parked(self, group: WorkerGroup, deadline: float) -> str | None:
         """Until every worker said "parked" (None), or why not: one exited, failed its teardown, or is late."""
-        waiting = {w.pid: w for w in group.workers}
+        waiting = {w.pid: w for w in group.running()}
+        dead = {w.pid for w in group.workers if w.returncode is not None}
         kept: list = []
         try:
             while waiting:
@@ -354,7 +354,7 @@ class Agent:
                         case _:
                             kept.append(news)
                 for worker in group.workers:
-                    if worker.returncode is not None:
+                    if worker.returncode is not None and worker.pid not in dead:
                         return f"rank {worker.global_rank} exited ({worker.describe_exit()}) while leaving the function"
             return None
         finally:
@@ -368,7 +368,14 @@ class Agent:
         self.events.emit("workers_starting", round=a.round, in_process=True)
         env = {**self.base_env, **self.ckpt.env()}
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
+        dead = {w.local_rank for w in group.workers if w.returncode is not None}
+        if dead:  # a dead rank's place: a new process runs the script up to job.run and joins
+            fresh = self._launch(a, master, dead)
+            group.replace(fresh)
+            self._watch_started(a, fresh)
         for worker in group.workers:
+            if worker.local_rank in dead:
+                continue
             worker.global_rank = a.rank_offset + worker.local_rank
             worker_vars = worker_env(self.spec, env, a, master, worker.local_rank, worker.error_file)
             if worker.heartbeat_file:
@@ -402,17 +409,24 @@ class Agent:
         return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
     def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
+        self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
+        self.group = self._launch(a, master)
+        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
+        self._watch_started(a, self.group)
+
+    def _launch(self, a: Assignment, master: tuple[str, int], local_ranks: set[int] | None = None) -> WorkerGroup:
         multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
         sink = self.live.sink if self.live is not None else None
-        self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
         # the holder's address, none once it died (node_checkpoints.py); not a hook: it adds to the workers' environment
         env = {**self.base_env, **self.ckpt.env()}
-        self.group = WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch)
-        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
-        for stream in self.group.streams:
+        return WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch, local_ranks)
+
+    def _watch_started(self, a: Assignment, group: WorkerGroup) -> None:
+        """Watch new workers' output, exits and heartbeats; the orphan guard learns their groups."""
+        for stream in group.streams:
             self.loop.watch_stream(stream)
-        for worker in self.group.workers:
+        for worker in group.workers:
             self.loop.watch_exit(worker)
             if self.guard is not None:
                 self.guard.guard_group(worker.pid)

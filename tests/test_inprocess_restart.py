@@ -67,6 +67,8 @@ TRAIN = textwrap.dedent(
             at, _, who = rest.partition(":")
             if kind and step == int(at) and ctx.rank == int(who) and not (OUT / "fault.done").exists():
                 (OUT / "fault.done").write_text(str(time.monotonic()))
+                if kind == "sigkill":
+                    os.kill(os.getpid(), 9)
                 raise ValueError(f"injected at step {step}")
         params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
         result = {"digest": hashlib.sha256(params).hexdigest(), "entries": entries, "pid": os.getpid()}
@@ -127,3 +129,20 @@ def test_an_exception_re_enters_the_function_in_the_same_processes(
     report = json.loads(next(logs.glob("*/report.json")).read_text())
     assert report["attempts"][0]["recovery"] == "in-process"
     assert report["attempts"][0]["end"]["info"]["traceback"].rstrip().endswith("ValueError: injected at step 5")
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_replaced_and_the_survivor_re_enters(tmp_path: Path, clean_digest: str) -> None:
+    result, out, logs = _run(tmp_path, "fault", FAULT="sigkill:5:1")
+    survivor = json.loads((out / "result.0").read_text())
+    replaced = json.loads((out / "result.1").read_text())
+    assert survivor["digest"] == replaced["digest"] == clean_digest, result.describe()
+    assert survivor["entries"] == 2, result.describe()  # rank 0 stayed in its process and entered again
+    assert {line[2] for line in _steps(out, 0)} == {str(survivor["pid"])}, "the survivor's pid changed"
+    killed = {line[2] for line in _steps(out, 1)} - {str(replaced["pid"])}
+    assert len(killed) == 1 and replaced["entries"] == 1, "rank 1 was not replaced by a new process"
+    assert "failed with SIGKILL" in result.stderr and "re-entering the training function" in result.stderr
+    events = read_events(logs)
+    assert [e["in_process"] for e in events if e["event"] == "restart"] == [True]
+    started = [e for e in events if e["event"] == "worker_started" and e["round"] == 1]
+    assert [(e["rank"], e["pid"]) for e in started] == [(1, replaced["pid"])], started
