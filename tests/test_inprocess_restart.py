@@ -146,3 +146,59 @@ def test_a_killed_rank_is_replaced_and_the_survivor_re_enters(tmp_path: Path, cl
     assert [e["in_process"] for e in events if e["event"] == "restart"] == [True]
     started = [e for e in events if e["event"] == "worker_started" and e["round"] == 1]
     assert [(e["rank"], e["pid"]) for e in started] == [(1, replaced["pid"])], started
+
+
+LEAK = textwrap.dedent(
+    """
+    import os, threading
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from rally import job
+
+    OUT = Path(os.environ["OUT"])
+    ENTRIES = int(os.environ["ENTRIES"])
+    dist.init_process_group("gloo")
+    entries = 0
+
+    def train():
+        global entries
+        entries += 1
+        ctx = job.context()
+        fds = len(os.listdir("/proc/self/fd"))
+        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open(OUT / f"entries.{ctx.rank}", "a") as f:
+            f.write(f"{entries} {fds} {threading.active_count()} {rss}\\n")
+        x = torch.ones(1 << 16)
+        for _ in range(3):
+            dist.all_reduce(x)
+        job.save({"x": x}, entries)  # progress: each re-entry follows a newer checkpoint
+        job.wait_saved()
+        dist.barrier()
+        if entries < ENTRIES and ctx.rank == 1:
+            raise ValueError(f"entry {entries}")
+        dist.barrier()
+
+    job.run(train)
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_fifty_re_entries_leak_no_descriptors_threads_or_memory(tmp_path: Path) -> None:
+    entries = 50
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    script = tmp_path / "leak.py"
+    script.write_text(LEAK)
+    argv = ["--nproc-per-node", "2", "--max-restarts", str(entries), "--log-dir", str(logs), str(script)]
+    result = run_rally(argv, cwd=tmp_path, env=clean_env(OUT=str(out), ENTRIES=str(entries)), timeout=280)
+    assert result.returncode == 0, result.describe()
+    for rank in (0, 1):
+        rows = [list(map(int, line.split())) for line in (out / f"entries.{rank}").read_text().splitlines()]
+        assert [row[0] for row in rows] == list(range(1, entries + 1)), f"rank {rank} was restarted, not re-entered"
+        fifth, last = rows[4], rows[-1]
+        assert last[1] <= fifth[1], f"rank {rank}: open descriptors grew from {fifth[1]} to {last[1]}"
+        assert last[2] <= fifth[2], f"rank {rank}: threads grew from {fifth[2]} to {last[2]}"
+        # RSS: the allocator's arenas move by a few pages; a leak of anything per entry is more
+        assert last[3] <= fifth[3] + (4 << 20), f"rank {rank}: RSS grew from {fifth[3]} to {last[3]}"
