@@ -475,8 +475,14 @@ class Agent:
     def _soft_failure(self, rnd: Round, pid: int, message: dict) -> RoundEnd | None:
         """An exception escaped a worker's training function (rally.job.run): the root cause,
         unless the round already ended (then it is a consequence of the abort)."""
-        worker = next((w for w in self.group.workers if w.pid == pid), None) if self.group else None
-        if worker is None or worker.returncode is not None:
+        group = self.group
+        worker = next((w for w in group.workers if w.pid == pid), None) if group else None
+        if group is None or worker is None or worker.returncode is not None:
+            return None
+        # A rank that died first caused it (its peers' collectives fail with "connection reset"): the
+        # dead rank's exit is the root cause, judged by WorkerExits in this same turn of the watch.
+        # wait: not_a_wait: WNOHANG
+        if any(w.process.poll() is not None for w in group.workers if w is not worker):
             return None
         end = soft_failure_end(self.host, worker.global_rank, worker.local_rank, pid, message)
         rank = worker.global_rank

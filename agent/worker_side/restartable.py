@@ -229,10 +229,9 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
     def work() -> None:
         try:
             _settle_saves()
-            gc.collect()  # the last entry's DDP module and its reducer (cycles) let go of the group
+            _close_connections(opened_since)  # first: peers blocked on us are released while we tear down
             _destroy_process_groups()
-            gc.collect()  # the groups' last references go now: their connections close, peers are released
-            _close_connections(opened_since)
+            gc.collect()  # the last entry's objects that held a group (a DDP module's cycles) go now
             _free_device_memory()
         except Exception as exc:  # reported to the agent, which restarts this process whole
             errors.append(f"{type(exc).__name__}: {exc}")
