@@ -56,11 +56,11 @@ from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup, worker_en
 from rally.agent.template.client import TemplateClient
 from rally.agent.worker_exits import WorkerExits
 from rally.rendezvous.backends import OpenedStore
-from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.base.kv import KeyValueStore
+from rally.rendezvous.c10d.store import StoreError, host_tcp_store, listen_address
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, Round, RoundEnd
-from rally.rendezvous.store import StoreError, host_tcp_store, listen_address
-from rally.rendezvous.waiting import plural
+from rally.rendezvous.status.waiting import plural
 
 if TYPE_CHECKING:  # torch is imported lazily
     from torch.distributed import TCPStore
@@ -210,7 +210,7 @@ class Agent:
                 return code
 
     def _untrusted_value(self, line: str) -> None:
-        """A value this job did not write was replaced or ignored (rendezvous/kv.py): one line per key."""
+        """A value this job did not write was replaced or ignored (rendezvous/base/kv.py): one line per key."""
         key = line.split("'")[1] if line.count("'") >= 2 else line
         if key not in self.untrusted_seen:
             self.untrusted_seen.add(key)
@@ -360,30 +360,32 @@ class Agent:
         finally:
             self.loop.events.extend(kept)  # e.g. a lost store: the main loop acts on it next
 
-    def _reenter_workers(self, a: Assignment, master: tuple[str, int]) -> None:
+    def _reenter_workers(self, assignment: Assignment, master: tuple[str, int]) -> None:
         """The parked workers enter their training function again with this round's environment
         (ranks, WORLD_SIZE, MASTER_ADDR/PORT, RALLY_ROUND, ...): what a fresh worker would get."""
         group = self.group
         assert group is not None
-        self.events.emit("workers_starting", round=a.round, in_process=True)
+        self.events.emit("workers_starting", round=assignment.round, in_process=True)
         env = {**self.base_env, **self.ckpt.env()}
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         dead = {w.local_rank for w in group.workers if w.returncode is not None}
         if dead:  # a dead rank's place: a new process runs the script up to job.run and joins
-            fresh = self._launch(a, master, dead)
+            fresh = self._launch(assignment, master, dead)
             group.replace(fresh)
-            self._watch_started(a, fresh)
+            self._watch_started(assignment, fresh)
         for worker in group.workers:
             if worker.local_rank in dead:
                 continue
-            worker.global_rank = a.rank_offset + worker.local_rank
-            worker_vars = worker_env(self.spec, env, a, master, worker.local_rank, worker.error_file)
+            worker.global_rank = assignment.rank_offset + worker.local_rank
+            worker_vars = worker_env(self.spec, env, assignment, master, worker.local_rank, worker.error_file)
             if worker.heartbeat_file:
                 worker_vars["RALLY_HEARTBEAT_FILE"] = worker.heartbeat_file
-            self.reentry.send(worker.pid, "enter", round=a.round, env=worker_vars)
+            self.reentry.send(worker.pid, "enter", round=assignment.round, env=worker_vars)
             self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, time.monotonic())
             rank, local_rank = worker.global_rank, worker.local_rank
-            self.events.emit("worker_reentered", round=a.round, rank=rank, local_rank=local_rank, pid=worker.pid)
+            self.events.emit(
+                "worker_reentered", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid
+            )
         self.parked = False
 
     def _workers_store(self, rnd: Round) -> tuple[str, int] | RoundEnd:
@@ -408,21 +410,25 @@ class Agent:
         # keep_alive_timeout*4+30
         return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
-    def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
-        self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
-        self.group = self._launch(a, master)
+    def _start_workers(self, assignment: Assignment, master: tuple[str, int]) -> None:
+        self.events.emit("workers_starting", round=assignment.round)  # the restart's breakdown (bench/goodput.py)
+        self.group = self._launch(assignment, master)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
-        self._watch_started(a, self.group)
+        self._watch_started(assignment, self.group)
 
-    def _launch(self, a: Assignment, master: tuple[str, int], local_ranks: set[int] | None = None) -> WorkerGroup:
-        multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
+    def _launch(
+        self, assignment: Assignment, master: tuple[str, int], local_ranks: set[int] | None = None
+    ) -> WorkerGroup:
+        multi_node = assignment.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
         sink = self.live.sink if self.live is not None else None
         # the holder's address, none once it died (node_checkpoints.py); not a hook: it adds to the workers' environment
         env = {**self.base_env, **self.ckpt.env()}
-        return WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch, local_ranks)
+        return WorkerGroup.start(
+            self.spec, env, assignment, master, self.logs, multi_node, sink, sink, launch, local_ranks
+        )
 
-    def _watch_started(self, a: Assignment, group: WorkerGroup) -> None:
+    def _watch_started(self, assignment: Assignment, group: WorkerGroup) -> None:
         """Watch new workers' output, exits and heartbeats; the orphan guard learns their groups."""
         for stream in group.streams:
             self.loop.watch_stream(stream)
@@ -432,7 +438,7 @@ class Agent:
                 self.guard.guard_group(worker.pid)
             self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
             rank, local_rank = worker.global_rank, worker.local_rank
-            self.events.emit("worker_started", round=a.round, rank=rank, local_rank=local_rank, pid=worker.pid)
+            self.events.emit("worker_started", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid)
 
     def _watch_workers(self, rnd: Round) -> RoundEnd:
         """Until the round ends: signals, the threads' news, the collaborators' watch (exits, hangs,
@@ -573,11 +579,11 @@ class Agent:
             # ends it
             self.store_call(lambda: wait_for_readers(rnd, EXIT_BARRIER_SECONDS), waiting=True)
 
-    def _status_record(self, a: Assignment) -> dict:
-        record = node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
+    def _status_record(self, assignment: Assignment) -> dict:
+        record = node_status(self.host, self.node.node_id, assignment, self.group, self.health, self.observer)
         features = {key: value for part in self.collaborators for key, value in part.status_fields().items()}
         # a long wait under way (agent/rounds/node_waits.py)
-        waiting = self.waits.fields(a.round, self.rdzv.waiting if self.rdzv else None)
+        waiting = self.waits.fields(assignment.round, self.rdzv.waiting if self.rdzv else None)
         return {**record, **features, **waiting}
 
     # ================================================================ signals

@@ -19,11 +19,19 @@ from __future__ import annotations
 import time
 from typing import Protocol, runtime_checkable
 
-from rally.rendezvous.arrival import CURRENT_ROUND
-from rally.rendezvous.kv import KeyValueStore, UntrustedValue, opened, opened_text
-from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
-from rally.rendezvous.records import MAX_COUNT, Assignment, EndKind, NodeInfo, RoundEnd, SuccessRecord, parse_master
-from rally.rendezvous.waiting import WaitProgress
+from rally.rendezvous.base.keys import CURRENT_ROUND
+from rally.rendezvous.base.kv import KeyValueStore, UntrustedValue, opened, opened_text
+from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
+from rally.rendezvous.base.records import (
+    MAX_COUNT,
+    Assignment,
+    EndKind,
+    NodeInfo,
+    RoundEnd,
+    SuccessRecord,
+    parse_master,
+)
+from rally.rendezvous.status.waiting import WaitProgress
 
 
 @runtime_checkable
@@ -39,14 +47,14 @@ class LeasedStore(Protocol):
     def wait_deleted(self, name: str, timeout: float) -> bool: ...
 
 
-def end_key(r: int) -> str:
-    """Round r's end record (first wins): forming reads the previous rounds' ends too."""
-    return f"{r}/end"
+def end_key(round_no: int) -> str:
+    """Round `round_no`'s end record (first wins): forming reads the previous rounds' ends too."""
+    return f"{round_no}/end"
 
 
-def lost_counter(r: int) -> str:
-    """Round r's count of nodes that will not come back (the next round's closer reads it)."""
-    return f"{r}/lost"
+def lost_counter(round_no: int) -> str:
+    """Round `round_no`'s count of nodes that will not come back (the next round's closer reads it)."""
+    return f"{round_no}/lost"
 
 
 class RoundChannel:
@@ -59,21 +67,23 @@ class RoundChannel:
         store: KeyValueStore,
         settings: RendezvousSettings,
         me: NodeInfo,
-        r: int,
+        round_no: int,
         members: int,
         group_rank: int | None = None,
     ):
         self.store = store
         self.settings = settings
         self.me = me
-        self.r = r
+        self.r = round_no
         self.members = members
         self.group_rank = group_rank
 
     @classmethod
-    def of(cls, store: KeyValueStore, settings: RendezvousSettings, me: NodeInfo, a: Assignment) -> RoundChannel:
-        """The channel of the round `a` assigned this node to."""
-        return cls(store, settings, me, a.round, a.group_world_size, a.group_rank)
+    def of(
+        cls, store: KeyValueStore, settings: RendezvousSettings, me: NodeInfo, assignment: Assignment
+    ) -> RoundChannel:
+        """The channel of the round `assignment` assigned this node to."""
+        return cls(store, settings, me, assignment.round, assignment.group_world_size, assignment.group_rank)
 
     def on(self, store: KeyValueStore) -> RoundChannel:
         """The same round on another connection (for a thread of its own)."""

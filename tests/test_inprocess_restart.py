@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, read_events, run_rally
+from support.helpers import clean_env, read_events, run_rally
 
 pytestmark = pytest.mark.torch
 

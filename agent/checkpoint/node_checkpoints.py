@@ -71,8 +71,8 @@ from rally.agent.checkpoint.core.shm import socket_address
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import flush as dcp_flush
 from rally.agent.display import console
-from rally.rendezvous.long_wait import LongWait
 from rally.rendezvous.protocol import Round
+from rally.rendezvous.status.long_wait import LongWait
 
 MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
 """Bytes the tier's copies may take on this node in all (default: half of what is available)."""
@@ -401,13 +401,13 @@ class HolderProcess:
             self.memory = list(reply.get("memory", []))
         return self.memory
 
-    def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
+    def open_round(self, round_no: int, resume_step: int | None, lease: float) -> None:
         if self.last_durable is None and self.checkpoint_dir is not None:  # what earlier runs left (cached)
             self.last_durable = newest_checkpoint_step(self.checkpoint_dir)
         if self.off:
             return
-        self._round, self._lease, self._renewed = r, lease, time.monotonic()
-        self._ask(REPLY_TIMEOUT, op="round", round=r, resume=resume_step, lease=lease)
+        self._round, self._lease, self._renewed = round_no, lease, time.monotonic()
+        self._ask(REPLY_TIMEOUT, op="round", round=round_no, resume=resume_step, lease=lease)
 
     def renew(self) -> None:
         now = time.monotonic()
@@ -415,10 +415,10 @@ class HolderProcess:
             self._renewed = now
             self._send({"op": "renew", "round": self._round, "lease": self._lease})
 
-    def close_round(self, r: int) -> None:
+    def close_round(self, round_no: int) -> None:
         self._round = None
         if not self.off:
-            self._ask(REPLY_TIMEOUT, op="over", round=r)
+            self._ask(REPLY_TIMEOUT, op="over", round=round_no)
 
     def flush(self, timeout: float) -> bool:
         """Wait until the newest copy is durable (or its write failed), at most `timeout`; True if done."""

@@ -30,9 +30,9 @@ from typing import Any, Protocol
 from rally.agent.base.collaborator import AgentContext
 from rally.agent.display import console
 from rally.agent.template.client import TemplateClient
-from rally.rendezvous.long_wait import wait_in_slices
-from rally.rendezvous.node_memory import save_preflight
 from rally.rendezvous.protocol import FAILURE_KINDS, Assignment, EndKind, Round, RoundEnd, preflight_key
+from rally.rendezvous.status.job_notes import save_preflight
+from rally.rendezvous.status.long_wait import wait_in_slices
 
 PROBE = str(Path(__file__).with_name("preflight_probe.py"))
 # The probe's collective timeout; the probe, and every wait for the others' numbers, ends by then.
@@ -118,14 +118,14 @@ class PreflightContext(AgentContext, Protocol):
         """The process-group backend the job's workers would use (nccl with GPUs, else gloo)."""
 
 
-def _numbers(r: dict, compute: float | None, link: float | None) -> str:
+def _numbers(result: dict, compute: float | None, link: float | None) -> str:
     parts = []
-    if r.get("compute") is not None:
-        parts.append(f"compute {r['compute']:.3f} s" + (f" (median {compute:.3f} s)" if compute else ""))
-    if r.get("link") is not None:
-        parts.append(f"link {r['link'] * 1000:.1f} ms" + (f" (median {link * 1000:.1f} ms)" if link else ""))
-    if r.get("allreduce") is not None:
-        parts.append(f"all-reduce {r['allreduce'] * 1000:.1f} ms")
+    if result.get("compute") is not None:
+        parts.append(f"compute {result['compute']:.3f} s" + (f" (median {compute:.3f} s)" if compute else ""))
+    if result.get("link") is not None:
+        parts.append(f"link {result['link'] * 1000:.1f} ms" + (f" (median {link * 1000:.1f} ms)" if link else ""))
+    if result.get("allreduce") is not None:
+        parts.append(f"all-reduce {result['allreduce'] * 1000:.1f} ms")
     return ", ".join(parts) or "no numbers"
 
 
@@ -215,20 +215,20 @@ class Preflight:
         return self._act(rnd, verdict, result, seconds)
 
     # ------------------------------------------------------------------ steps
-    def _probe(self, a: Assignment, master: tuple[str, int]) -> dict:
+    def _probe(self, assignment: Assignment, master: tuple[str, int]) -> dict:
         from rally.agent.base.spec import BOOTSTRAP, shared_worker_env
         from rally.agent.guard import processes
 
-        out = self.run_dir / f"preflight_{a.round}.json"
+        out = self.run_dir / f"preflight_{assignment.round}.json"
         out.unlink(missing_ok=True)
         env = {
             **shared_worker_env(self.spec, self.base_env),
-            "RANK": str(a.group_rank),
-            "WORLD_SIZE": str(a.group_world_size),
+            "RANK": str(assignment.group_rank),
+            "WORLD_SIZE": str(assignment.group_world_size),
             "MASTER_ADDR": master[0],
             "MASTER_PORT": str(master[1]),
             "RALLY_PREFLIGHT_OUT": str(out),
-            "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{a.round}/",
+            "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{assignment.round}/",
             "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
             "RALLY_PREFLIGHT_BACKEND": self.ctx.backend,
         }
@@ -236,13 +236,14 @@ class Preflight:
         launch = template.spawn if template is not None else processes.spawn
         asked = time.monotonic()
         with open(
-            self.run_dir / f"preflight_{a.round}.log", "wb"
+            self.run_dir / f"preflight_{assignment.round}.log", "wb"
         ) as log:  # a template still loading torch is waited for here
             child = launch([self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE], env, None, log, log)
         self.template_wait = time.monotonic() - asked
         try:
             what = (
-                f"pre-flight of round {a.round}: waiting for the probe (pid {child.pid}: compute, all-reduce, links) "
+                f"pre-flight of round {assignment.round}: waiting for the probe "
+                f"(pid {child.pid}: compute, all-reduce, links) "
                 "to finish"
             )
             code = self.store_call(
@@ -262,7 +263,7 @@ class Preflight:
         try:
             return json.loads(out.read_text())
         except (OSError, ValueError):
-            log_path = f"{self.run_dir}/preflight_{a.round}.log"
+            log_path = f"{self.run_dir}/preflight_{assignment.round}.log"
             return {"error": f"the probe exited with {code} and wrote no result (see {log_path})"}
 
     def _results(self, rnd: Round, wait: float) -> dict[int, dict | None]:
@@ -363,5 +364,5 @@ class Preflight:
         # wait: slice: 5 s slices for the round's end after a node was left out
         return self.store_call(lambda: rnd.channel.wait_end(5.0), waiting=True)
 
-    def left_out_line(self, a: Assignment, end: RoundEnd) -> str | None:
-        return self.left_out.pop(a.round, None)
+    def left_out_line(self, assignment: Assignment, end: RoundEnd) -> str | None:
+        return self.left_out.pop(assignment.round, None)

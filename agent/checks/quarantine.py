@@ -3,7 +3,7 @@
 A node with a bad link, bad memory or a flaky GPU is the root cause of one failure after another;
 without quarantine it joins every round and fails the job again each time. Every agent sees the
 same round end (the first failure job-wide stands, rendezvous/protocol.py), so each one adds it to
-the job's record of root causes by host (`rendezvous/node_memory.py`, keyed by round, so writing
+the job's record of root causes by host (`rendezvous/status/job_notes.py`, keyed by round, so writing
 it twice counts once). A host named as the root cause of K failures within the window is
 quarantined, while the job can run without it (the round's other members are at least MIN):
 
@@ -11,7 +11,7 @@ quarantined, while the job can run without it (the round's other members are at 
   with one line, exit code `EXIT_QUARANTINED`; under SLURM the line names the node as SLURM does,
   so the user can exclude it when the job is requeued. Started again, it leaves at join;
 * the other agents say so in a line and in their report.json (`quarantined`); `rally status`
-  lists it (rendezvous/status.py).
+  lists it (rendezvous/status/reader.py).
 
 Worker failures and hangs count, and node losses where the lost node's host is known.
 """
@@ -24,20 +24,20 @@ from typing import Any
 
 from rally.agent.base.collaborator import AgentContext
 from rally.agent.display import console
-from rally.rendezvous.kv import KeyValueStore
-from rally.rendezvous.node_memory import add_quarantined, load_node_failures, load_quarantined, save_failures
+from rally.rendezvous.base.kv import KeyValueStore
 from rally.rendezvous.protocol import EndKind, Round, RoundEnd
+from rally.rendezvous.status.job_notes import add_quarantined, load_node_failures, load_quarantined, save_failures
 
 # Exit code of an agent whose node is quarantined: neither success nor a job failure.
 EXIT_QUARANTINED = 3
 ROOT_CAUSE_KINDS = (EndKind.WORKER_FAILED, EndKind.WORKER_HUNG, EndKind.NODE_LOST)
 
 
-def record_failure(record: dict[str, Any], host: str, r: int, now: float) -> None:
-    """Add round r's failure to `host`'s entries (each round counts once)."""
+def record_failure(record: dict[str, Any], host: str, round_no: int, now: float) -> None:
+    """Add round `round_no`'s failure to `host`'s entries (each round counts once)."""
     entries = record["failures"].setdefault(host, [])
-    if not any(int(e[0]) == r for e in entries if isinstance(e, list) and e):
-        entries.append([r, now])
+    if not any(int(e[0]) == round_no for e in entries if isinstance(e, list) and e):
+        entries.append([round_no, now])
 
 
 def recent_failures(record: dict[str, Any], host: str, window: float, now: float) -> int:
@@ -117,7 +117,7 @@ class Quarantine:
         self.events.emit("node_quarantined", round=a.round, node=host, failures=count, reason=reason)
         return excluded_line(host, reason, dict(os.environ))
 
-    def announce(self, store: KeyValueStore, r: int) -> None:
+    def announce(self, store: KeyValueStore, round_no: int) -> None:
         """When a round forms: say which nodes were quarantined since the last one."""
         if not self.enabled:
             return
@@ -126,4 +126,4 @@ class Quarantine:
                 self.announced.add(host)
                 self.report.quarantined[host] = reason
                 self.say(f"node {host} is quarantined ({reason}); the job goes on without it")
-                self.events.emit("node_quarantined", round=r, node=host, reason=reason)
+                self.events.emit("node_quarantined", round=round_no, node=host, reason=reason)

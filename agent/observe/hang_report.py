@@ -40,8 +40,8 @@ from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE
 from rally.agent.base.spec import STACK_SIGNAL
 from rally.agent.guard.processes import process_state
 from rally.agent.observe.health import Hang, HealthMonitor
+from rally.rendezvous.c10d.store import StoreError
 from rally.rendezvous.protocol import Assignment, EndKind, Round, RoundEnd
-from rally.rendezvous.store import StoreError
 
 
 class StackSource(Protocol):
@@ -236,8 +236,8 @@ class HangReporter(Collaborator):
         self.round_over(rnd)
 
     # ------------------------------------------------------------ every node
-    def cross_node(self, a: Assignment) -> bool:
-        return a.group_world_size > 1
+    def cross_node(self, assignment: Assignment) -> bool:
+        return assignment.group_world_size > 1
 
     def start_watching(self, rnd: Round) -> None:
         """Watch the round's stack requests in a thread (own store connection); the main loop answers."""
@@ -275,7 +275,7 @@ class HangReporter(Collaborator):
         snapshots = [s.__dict__ for s in self.snapshot_workers(rnd.assignment)]
         self.ctx.store_call(lambda: rnd.stacks.publish(snapshots))
 
-    def snapshot_workers(self, a: Assignment) -> list[Snapshot]:
+    def snapshot_workers(self, assignment: Assignment) -> list[Snapshot]:
         """State first (before SIGCONT or the dump signal touch it), then stacks and heartbeats."""
         group = self.ctx.group
         workers = group.running() if group is not None else []
@@ -290,7 +290,7 @@ class HangReporter(Collaborator):
                 states[w.local_rank],
                 stacks.get(w.local_rank, []),
                 self.ctx.health.heartbeat_count(w.local_rank),
-                a.group_rank,
+                assignment.group_rank,
             )
             for w in workers
         ]
@@ -350,7 +350,7 @@ class HangReporter(Collaborator):
 
     def _describe(
         self,
-        a: Assignment,
+        assignment: Assignment,
         hang: Hang,
         found: StackSource,
         snapshots: list[Snapshot],
@@ -359,11 +359,13 @@ class HangReporter(Collaborator):
     ) -> RoundEnd:
         host = self.host
         if named is None:  # the hung worker exited while it was being looked at
-            culprit = Snapshot(found.global_rank, found.local_rank, host, found.pid, "exited", [], None, a.group_rank)
+            culprit = Snapshot(
+                found.global_rank, found.local_rank, host, found.pid, "exited", [], None, assignment.group_rank
+            )
             why = ""
         else:
             culprit, why = named
-        is_found = culprit.node == a.group_rank and culprit.local_rank == found.local_rank
+        is_found = culprit.node == assignment.group_rank and culprit.local_rank == found.local_rank
         detail = f"rank {culprit.rank} (local rank {culprit.local_rank}, pid {culprit.pid}) on {culprit.host} is hung: "
         if is_found and not why:
             detail += f"it {hang.reason}"

@@ -24,8 +24,8 @@ from rally.agent.observe.health import HealthMonitor
 from rally.agent.observe.job_view import write_job_view
 from rally.agent.observe.learned_timeouts import LearnedTimeouts
 from rally.agent.observe.stragglers import CentralValues, StragglerWatch, job_step_times
-from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 from rally.rendezvous.protocol import Assignment, Round, RoundEnd
+from rally.rendezvous.status.job_notes import load_timeouts, save_timeouts
 
 
 class EndedRound(Protocol):
@@ -71,7 +71,6 @@ class Observer(Collaborator):
         self.stragglers = StragglerWatch(ctx.spec.straggler_factor, ctx.spec.straggler_window)
         self.metrics: Any = None
         self.gpu: gpus.NvmlMonitor | None = None
-        self.gpu_skipped: str | None = None
         self.gpu_devices: list[gpus.DeviceReading] | None = None
         self.gpu_xid_problems: list[str] = []  # XIDs are events: remembered once seen
         self.gpu_problems_seen: set[str] = set()  # every distinct problem so far (rally_gpu_problems_total)
@@ -111,7 +110,6 @@ class Observer(Collaborator):
         """Open NVML and start /metrics (OSError with one line if the port cannot be bound)."""
         self.gpu, reason = gpus.open_monitor()
         if self.gpu is None:
-            self.gpu_skipped = reason
             self.events.emit("gpu_health_skipped", reason=reason)
             if self._gpus_expected():
                 console.warn(f"GPU health checks skipped: {reason}")
@@ -121,7 +119,12 @@ class Observer(Collaborator):
             report = self.ctx.report
             ends = lambda: metrics.round_end_kinds(list(report.attempts))  # noqa: E731
             self.metrics = metrics.serve(
-                self.spec.metrics_port, self.ctx.status_now, ends, self.spec.run_id, self.spec.metrics_addr
+                self.spec.metrics_port,
+                self.ctx.status_now,
+                ends,
+                self.spec.run_id,
+                self.spec.metrics_addr,
+                self.spec.rally_version,
             )
             console.say(f"Prometheus metrics at {self.metrics.url}")
 
@@ -278,7 +281,7 @@ class Observer(Collaborator):
             return
         summary: CentralValues | None
         if assignment.group_rank == 0:
-            from rally.rendezvous.status import read_job_status
+            from rally.rendezvous.status.reader import read_job_status
 
             try:
                 status = read_job_status(rnd.store)

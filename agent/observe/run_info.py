@@ -27,7 +27,7 @@ from typing import Any
 
 from rally.agent.base.untrusted_files import UntrustedFile, read_capped, read_json_object
 from rally.agent.display.untrusted_text import printable
-from rally.rendezvous.store import StoreEndpoint
+from rally.rendezvous.c10d.store import StoreEndpoint
 
 ENDPOINT_FILE = "endpoint.json"
 REPORT_FILE = "report.json"
@@ -48,7 +48,7 @@ MAX_INDEXED_RUNS = 200
 
 
 def status_flags(endpoint: StoreEndpoint, run_id: str) -> list[str] | None:
-    """The flags `rally status` needs for this store (rendezvous.store.StoreEndpoint), or None
+    """The flags `rally status` needs for this store (rendezvous.c10d.store.StoreEndpoint), or None
     for a FileStore, which only `rally status RUN_DIR` can name."""
     if endpoint.file_path:
         return None

@@ -31,7 +31,12 @@ class ShownWorkers(Protocol):
 
 
 def node_status(
-    host: str, node_id: str, a: Assignment, group: ShownWorkers | None, health: HealthMonitor, observer: Observer
+    host: str,
+    node_id: str,
+    assignment: Assignment,
+    group: ShownWorkers | None,
+    health: HealthMonitor,
+    observer: Observer,
 ) -> dict:
     """`group` is the round's WorkerGroup (or None between rounds), `health` its HealthMonitor,
     `observer` adds step times, stragglers and GPUs (agent/observe/observer.py)."""
@@ -55,11 +60,11 @@ def node_status(
     return {
         "host": host,
         "node_id": node_id,
-        "group_rank": a.group_rank,
-        "round": a.round,
-        "restart_count": a.restart_count,
-        "world_size": a.world_size,
-        "group_world_size": a.group_world_size,
+        "group_rank": assignment.group_rank,
+        "round": assignment.round,
+        "restart_count": assignment.restart_count,
+        "world_size": assignment.world_size,
+        "group_world_size": assignment.group_world_size,
         "updated": time.time(),
         "workers": workers,
         **observer.node_fields(),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from rally.agent.base import reentry_wire as wire
 from rally.agent.base.event_loop import News, WorkerSaid
-from rally.rendezvous.records import EndKind, RoundEnd
+from rally.rendezvous.base.records import EndKind, RoundEnd
 
 # An in-process restart this soon after the previous one, with no newer checkpoint step
 # between them, is a loop the function cannot get out of: the next one restarts the processes.

@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 from rally.agent.base.event_loop import PeerVerdict, Post, RoundEnded, StoreLost
 from rally.agent.rounds.leased_liveness import keep_alive_with_lease
+from rally.rendezvous.c10d.store import StoreError, UntrustedValue
 from rally.rendezvous.liveness import silent_peer
 from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundChannel, RoundEnd
-from rally.rendezvous.store import StoreError, UntrustedValue
 
 # How often a node refreshes its record for `rally status` (the status thread, never the keep-alive's).
 STATUS_INTERVAL_SECONDS = 2.0
@@ -193,19 +193,21 @@ class RoundThreads:
                 return
 
 
-def frozen_line(frozen: float, a: Assignment, settings: RendezvousSettings) -> str:
+def frozen_line(frozen: float, assignment: Assignment, settings: RendezvousSettings) -> str:
     return (
-        f"this node (node {a.group_rank} of round {a.round}) was frozen for {frozen:.1f} s (SIGSTOP, a paused VM or "
+        f"this node (node {assignment.group_rank} of round {assignment.round}) "
+        f"was frozen for {frozen:.1f} s (SIGSTOP, a paused VM or "
         f"a stalled machine), longer than the keep-alive timeout allows ({settings.keep_alive_timeout:g} s): it was "
         "left behind, and the other nodes re-form without it; its workers were stopped (the job never runs twice). "
         "Start it again to rejoin the job"
     )
 
 
-def left_behind_line(a: Assignment, end: RoundEnd) -> str:
+def left_behind_line(assignment: Assignment, end: RoundEnd) -> str:
     """The round ended because the others lost this very node: it was frozen or cut off."""
     return (
-        f"this node (node {a.group_rank} of round {a.round}) was left behind: the other nodes declared it lost "
+        f"this node (node {assignment.group_rank} of round {assignment.round}) "
+        f"was left behind: the other nodes declared it lost "
         f"({end.detail}), so it was frozen (SIGSTOP, a paused VM, a stalled machine) or cut off, and they re-formed "
         "without it; its workers were stopped (the job never runs twice). Start it again to rejoin the job"
     )
