@@ -50,7 +50,7 @@ from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_failure_exit, store_lost_line
 from rally.agent.rounds.holdings import RoundHoldings
 from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
-from rally.agent.rounds.reentry import PARK_SECONDS, ReentryBudget, ReentryHub, soft_failure_end
+from rally.agent.rounds.reentry import PARK_GRACE_SECONDS, PARK_SECONDS, ReentryBudget, ReentryHub, soft_failure_end
 from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line
 from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup, worker_env
 from rally.agent.template.client import TemplateClient
@@ -300,10 +300,12 @@ class Agent:
             for part in self.collaborators:
                 part.watch_over(rnd)
 
-    def _park(self, rnd: Round) -> bool:
+    def _park(self, rnd: Round, culprit: object = None) -> bool:
         """Every worker of this node leaves its training function and tears torch.distributed down,
-        staying alive in rally.job.run for the next round (docs/restartable.md). False, with one
-        line when the script uses job.run, when the round's workers must be restarted whole instead."""
+        staying alive in rally.job.run for the next round (docs/restartable.md). A worker that does
+        not within PARK_SECONDS is killed (the round's culprit first: its peers blocked on it are
+        released when its connections close, and get PARK_GRACE_SECONDS more) and replaced. False,
+        with one line when the script uses job.run, when the workers must be restarted whole instead."""
         group, a = self.group, rnd.assignment
         if group is None or not any(self.reentry.linked(w.pid) for w in group.workers):
             return False  # a script that does not call rally.job.run: whole restarts, as always
@@ -312,13 +314,25 @@ class Agent:
             started = time.monotonic()
             for worker in group.running():
                 self.reentry.send(worker.pid, "abort", round=a.round)
-            # wait: short: PARK_SECONDS (10), then the workers are restarted whole
-            why = self._wait_parked(group, started + PARK_SECONDS)
-            if why is None:
+            # wait: short: PARK_SECONDS (10), then the ranks still inside are killed and replaced
+            unparked = self._wait_parked(group.running(), started + PARK_SECONDS)
+            first = [(w, why) for w, why in unparked if w.global_rank == culprit]
+            if first and len(unparked) > 1:  # the hung culprit holds the others in a collective
+                worker, reason = first[0]
+                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
+                self._kill_worker(worker)
+                late = [w for w, why in unparked if w is not worker and w.returncode is None]
+                # wait: short: PARK_GRACE_SECONDS (2) for the ranks its death released
+                unparked = self._wait_parked(late, time.monotonic() + PARK_GRACE_SECONDS)
+            for worker, reason in unparked:
+                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
+                self._kill_worker(worker)
+            if any(w.returncode is None for w in group.workers):
                 seconds = round(time.monotonic() - started, 6)
-                self.events.emit("workers_parked", round=a.round, seconds=seconds)
+                self.events.emit("workers_parked", round=a.round, seconds=seconds, replaced=len(unparked))
                 self.reentry_budget.spent(max(self.ckpt.memory_steps(), default=None))
                 return True
+            why = "no worker of this node is left to re-enter"
         console.say(f"restarting the worker processes instead of re-entering them: {why}")
         self.events.emit("reentry_refused", round=a.round, reason=why)
         return False
@@ -330,35 +344,44 @@ class Agent:
                 return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
         return self.reentry_budget.refusal(max(self.ckpt.memory_steps(), default=None))
 
-    def _wait_parked(self, group: WorkerGroup, deadline: float) -> str | None:
-        """Until every worker said "parked" (None), or why not: one exited, failed its teardown, or is late."""
-        waiting = {w.pid: w for w in group.running()}
-        dead = {w.pid for w in group.workers if w.returncode is not None}
+    def _wait_parked(self, workers: list[Worker], deadline: float) -> list[tuple[Worker, str]]:
+        """Until each of `workers` said "parked" or the deadline; those that did not (still inside
+        the function, or their teardown failed: their state is in doubt), with why."""
+        waiting = {w.pid: w for w in workers}
+        unparked: list[tuple[Worker, str]] = []
         kept: list = []
         try:
             while waiting:
                 now = time.monotonic()
                 if now >= deadline:
-                    late = ", ".join(str(w.global_rank) for w in waiting.values())
-                    return f"rank {late} did not leave the training function within {PARK_SECONDS:g} s"
+                    late = f"did not leave the training function within {PARK_SECONDS:g} s"
+                    return unparked + [(worker, late) for worker in waiting.values()]
                 self.loop.pump(deadline - now)
                 for news in self.loop.take_events():
                     match news:
                         case WorkerSaid(pid=pid, message={"op": "parked"} as said) if pid in waiting:
                             worker = waiting.pop(pid)
                             if not said.get("ok"):
-                                why = said.get("why")
-                                return f"rank {worker.global_rank} could not tear torch.distributed down: {why}"
+                                why = f"could not tear torch.distributed down ({said.get('why')})"
+                                unparked.append((worker, why))
                         case WorkerSaid() | RoundEnded() | PeerVerdict() | DumpStacks():
                             pass  # of the round that ended: a consequence of its abort
                         case _:
                             kept.append(news)
-                for worker in group.workers:
-                    if worker.returncode is not None and worker.pid not in dead:
-                        return f"rank {worker.global_rank} exited ({worker.describe_exit()}) while leaving the function"
-            return None
+                for pid, worker in list(waiting.items()):
+                    if worker.returncode is not None:  # died while leaving: replaced like any dead rank
+                        del waiting[pid]
+            return unparked
         finally:
             self.loop.events.extend(kept)  # e.g. a lost store: the main loop acts on it next
+
+    def _kill_worker(self, worker: Worker) -> None:
+        """SIGKILL a worker that cannot be re-entered (its process group: what it started goes too)."""
+        worker.stopped = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        # wait: short: KILL_WAIT_SECONDS (5) after the SIGKILL above
+        worker.process.wait(timeout=processes.KILL_WAIT_SECONDS)
 
     def _reenter_workers(self, assignment: Assignment, master: tuple[str, int]) -> None:
         """The parked workers enter their training function again with this round's environment
@@ -503,7 +526,7 @@ class Agent:
             part.round_ending(rnd)  # e.g. from now on a save of this round's workers is refused
         decision = decide(end, a, self.spec.max_restarts)
         stopping = time.monotonic()
-        self.parked = isinstance(decision, Restart | Reform) and self._park(rnd)
+        self.parked = isinstance(decision, Restart | Reform) and self._park(rnd, end.info.get("rank"))
         if not self.parked:
             self._stop_workers(signal.SIGTERM)
         stop_seconds = round(time.monotonic() - stopping, 6)

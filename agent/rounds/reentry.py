@@ -27,6 +27,8 @@ BURST_SECONDS = 10.0
 # How long the agent waits for every worker to leave the function and tear torch.distributed
 # down before it restarts them whole (a worker stuck in C code that never returns to Python).
 PARK_SECONDS = 10.0
+# After the round's culprit was killed for not leaving, the ranks its death released have this long.
+PARK_GRACE_SECONDS = 2.0
 SEND_SECONDS = 2.0
 
 
