@@ -69,6 +69,8 @@ TRAIN = textwrap.dedent(
                 (OUT / "fault.done").write_text(str(time.monotonic()))
                 if kind == "sigkill":
                     os.kill(os.getpid(), 9)
+                while kind == "hang":  # in Python: the agent's interrupt raises at the next bytecode
+                    time.sleep(1)
                 raise ValueError(f"injected at step {step}")
         params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
         result = {"digest": hashlib.sha256(params).hexdigest(), "entries": entries, "pid": os.getpid()}
@@ -81,12 +83,12 @@ TRAIN = textwrap.dedent(
 )
 
 
-def _run(tmp: Path, name: str, **env: str) -> tuple[subprocess.CompletedProcess | object, Path, Path]:
+def _run(tmp: Path, name: str, *flags: str, **env: str) -> tuple[subprocess.CompletedProcess | object, Path, Path]:
     out, logs = tmp / name, tmp / f"{name}-logs"
     out.mkdir()
     script = tmp / "train.py"
     script.write_text(TRAIN)
-    argv = ["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs), str(script)]
+    argv = ["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs), *flags, str(script)]
     result = run_rally(argv, cwd=tmp, env=clean_env(OUT=str(out), **env), timeout=150)
     assert result.returncode == 0, result.describe()
     return result, out, logs
@@ -146,6 +148,20 @@ def test_a_killed_rank_is_replaced_and_the_survivor_re_enters(tmp_path: Path, cl
     assert [e["in_process"] for e in events if e["event"] == "restart"] == [True]
     started = [e for e in events if e["event"] == "worker_started" and e["round"] == 1]
     assert [(e["rank"], e["pid"]) for e in started] == [(1, replaced["pid"])], started
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_rank_is_interrupted_and_every_rank_re_enters(tmp_path: Path, clean_digest: str) -> None:
+    # 8 s: a worker's exit after its last heartbeat (torch's finalisation) must not look like a hang
+    result, out, logs = _run(tmp_path, "fault", "--heartbeat-timeout", "8", FAULT="hang:5:1")
+    for rank in (0, 1):
+        done = json.loads((out / f"result.{rank}").read_text())
+        assert done["digest"] == clean_digest, result.describe()
+        assert done["entries"] == 2, result.describe()
+        assert {line[2] for line in _steps(out, rank)} == {str(done["pid"])}, "a pid changed"
+    assert "is hung" in result.stderr and "re-entering the training function" in result.stderr, result.describe()
+    events = read_events(logs)
+    assert [(e["kind"], e["in_process"]) for e in events if e["event"] == "restart"] == [("worker_hung", True)]
 
 
 LEAK = textwrap.dedent(
