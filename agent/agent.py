@@ -31,6 +31,7 @@ from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost, WorkerSaid
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
+from rally.agent.base.reentry_wire import SPARE_ENV
 from rally.agent.base.spec import JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
@@ -50,7 +51,15 @@ from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_failure_exit, store_lost_line
 from rally.agent.rounds.holdings import RoundHoldings
 from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
-from rally.agent.rounds.reentry import PARK_GRACE_SECONDS, PARK_SECONDS, ReentryBudget, ReentryHub, soft_failure_end
+from rally.agent.rounds.reentry import (
+    DEATH_WAIT_SECONDS,
+    PARK_GRACE_SECONDS,
+    PARK_SECONDS,
+    ReentryBudget,
+    ReentryHub,
+    lost_peer,
+    soft_failure_end,
+)
 from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line
 from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup, worker_env
 from rally.agent.template.client import TemplateClient
@@ -103,6 +112,9 @@ class Agent:
         self.reentry = ReentryHub(self.loop.inbox.post)
         self.reentry_budget = ReentryBudget()
         self.parked = False  # this node's workers wait in rally.job.run for the next round
+        self.spares: list[Worker] = []  # --warm-spares: processes waiting in rally.job.run for a rank's place
+        self.spares_started = 0
+        self.spare_streams: list = []
         self.base_env.update(self.reentry.env())
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
@@ -172,6 +184,7 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
+            self._stop_spares()
             # the newest in-memory checkpoint made durable: a step lost with the holder is a line
             lost = [line for part in reversed(self.collaborators) if (line := part.exit()) is not None]
             processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
@@ -314,7 +327,7 @@ class Agent:
             started = time.monotonic()
             for worker in group.running():
                 self.reentry.send(worker.pid, "abort", round=a.round)
-            # wait: short: PARK_SECONDS (10), then the ranks still inside are killed and replaced
+            # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
             unparked = self._wait_parked(group.running(), started + PARK_SECONDS)
             first = [(w, why) for w, why in unparked if w.global_rank == culprit]
             if first and len(unparked) > 1:  # the hung culprit holds the others in a collective
@@ -322,7 +335,7 @@ class Agent:
                 console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
                 self._kill_worker(worker)
                 late = [w for w, why in unparked if w is not worker and w.returncode is None]
-                # wait: short: PARK_GRACE_SECONDS (2) for the ranks its death released
+                # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
                 unparked = self._wait_parked(late, time.monotonic() + PARK_GRACE_SECONDS)
             for worker, reason in unparked:
                 console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
@@ -392,7 +405,17 @@ class Agent:
         env = {**self.base_env, **self.ckpt.env()}
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         dead = {w.local_rank for w in group.workers if w.returncode is not None}
-        if dead:  # a dead rank's place: a new process runs the script up to job.run and joins
+        promoted: list[Worker] = []
+        for local_rank in sorted(dead):  # a warm spare takes the place: it ran the script up to job.run
+            spare = self._promote_spare(local_rank)
+            if spare is not None:
+                ours = {id(s) for s in spare.output.streams}
+                self.spare_streams = [s for s in self.spare_streams if id(s) not in ours]
+                group.replace(WorkerGroup(workers=[spare], streams=list(spare.output.streams)))
+                promoted.append(spare)
+                dead.discard(local_rank)
+                self.events.emit("spare_promoted", round=assignment.round, local_rank=local_rank, pid=spare.pid)
+        if dead:  # no spare: a new process runs the script up to job.run and joins
             fresh = self._launch(assignment, master, dead)
             group.replace(fresh)
             self._watch_started(assignment, fresh)
@@ -409,7 +432,11 @@ class Agent:
             self.events.emit(
                 "worker_reentered", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid
             )
+            if any(worker is spare for spare in promoted):  # its output now carries its rank
+                for stream in worker.output.streams:
+                    stream.prefix = f"[{rank}] ".encode() if stream.prefix else b""
         self.parked = False
+        self._refill_spares(assignment, master)
 
     def _workers_store(self, rnd: Round) -> tuple[str, int] | RoundEnd:
         """Where this round's workers meet (MASTER_ADDR/PORT): node 0 provides it, the others wait."""
@@ -438,6 +465,50 @@ class Agent:
         self.group = self._launch(assignment, master)
         self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         self._watch_started(assignment, self.group)
+        self._refill_spares(assignment, master)
+
+    def _refill_spares(self, assignment: Assignment, master: tuple[str, int]) -> None:
+        """--warm-spares: start spares until N live ones wait (each runs the script up to rally.job.run,
+        in the background: the round does not wait for them)."""
+        self.spares = [s for s in self.spares if s.returncode is None]
+        while len(self.spares) < self.spec.warm_spares:
+            place = self.spec.nproc_per_node + self.spares_started  # its own log directory, never a rank's
+            self.spares_started += 1
+            env = {**self.base_env, **self.ckpt.env(), SPARE_ENV: "1"}
+            multi_node = assignment.group_world_size > 1 or self.plan.settings.max_nodes > 1
+            launch = self.template.spawn if self.template is not None else processes.spawn
+            sink = self.live.sink if self.live is not None else None
+            spare = WorkerGroup.start(
+                self.spec, env, assignment, master, self.logs, multi_node, sink, sink, launch, {place}
+            )
+            for stream in spare.streams:
+                stream.prefix = b"[spare] " if stream.prefix else b""
+                self.loop.watch_stream(stream)
+            for worker in spare.workers:
+                self.loop.watch_exit(worker)
+                if self.guard is not None:
+                    self.guard.guard_group(worker.pid)
+                self.events.emit("spare_started", round=assignment.round, pid=worker.pid)
+            self.spares.extend(spare.workers)
+            self.spare_streams.extend(spare.streams)
+            if not spare.workers:
+                break  # never loop on a start that started nothing
+
+    def _promote_spare(self, local_rank: int) -> Worker | None:
+        """A live spare inside rally.job.run takes `local_rank`'s place, or None when none is ready."""
+        for spare in self.spares:
+            if spare.returncode is None and self.reentry.linked(spare.pid):
+                self.spares.remove(spare)
+                spare.local_rank = local_rank
+                return spare
+        return None
+
+    def _stop_spares(self) -> None:
+        spares = [s for s in self.spares if s.returncode is None]
+        if spares:
+            group = WorkerGroup(workers=spares, streams=self.spare_streams)
+            stop_workers(group, signal.SIGTERM, 5.0, self.loop, self.guard, self._helper_pids(), ())
+        self.spares = []
 
     def _launch(
         self, assignment: Assignment, master: tuple[str, int], local_ranks: set[int] | None = None
@@ -510,8 +581,16 @@ class Agent:
             return None
         # A rank that died first caused it (its peers' collectives fail with "connection reset"): the
         # dead rank's exit is the root cause, judged by WorkerExits in this same turn of the watch.
+        # Its sockets close before it is a zombie, so a lost connection waits a moment for that exit.
+        others = [w for w in group.workers if w is not worker]
+        deadline = time.monotonic() + (DEATH_WAIT_SECONDS if lost_peer(message) else 0.0)
+        for other in others:
+            left = max(0.0, deadline - time.monotonic())
+            # wait: short: DEATH_WAIT_SECONDS (1) in all, a dying rank's exit after its sockets closed
+            if other.returncode is None and other.process.wait(timeout=left) is not None:
+                return None
         # wait: not_a_wait: WNOHANG
-        if any(w.process.poll() is not None for w in group.workers if w is not worker):
+        if any(w.process.poll() is not None for w in others):
             return None
         end = soft_failure_end(self.host, worker.global_rank, worker.local_rank, pid, message)
         rank = worker.global_rank

@@ -219,8 +219,7 @@ class WorkerGroup:
                 local_rank,
                 str(logs.rank_dir(assignment.round, local_rank) / "error.json"),
             )
-            for local_rank in range(spec.nproc_per_node)
-            if local_ranks is None or local_rank in local_ranks
+            for local_rank in (range(spec.nproc_per_node) if local_ranks is None else sorted(local_ranks))
         }
         stream_plans, filtered_paths = _stream_plans(spec, logs, assignment.round, envs)
         for bit, name, filters in (
