@@ -168,6 +168,7 @@ def run(train: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     if link is None:
         return train(*args, **kwargs)
     if os.environ.get(wire.SPARE_ENV) == "1":  # a warm spare: wait for a dead rank's place
+        threading.Thread(target=_warm_up, name="rally-spare-warm-up", daemon=True).start()
         link.send("spare")
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         enter = link.wait_for("enter")
@@ -363,3 +364,13 @@ def _deferred_init() -> None:
     assert _deferred is not None
     args, kwargs = _deferred
     dist.init_process_group(*args, **kwargs)  # the spare's env var is gone: the real one runs
+
+
+def _warm_up() -> None:
+    """While a spare waits: import what torch imports at an optimizer's first use (torch._dynamo,
+    most of a second), so the rank it becomes does not pay it at its first step."""
+    if "torch" in sys.modules:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # a torch without it: nothing to warm
+            pass
