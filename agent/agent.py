@@ -578,7 +578,7 @@ class Agent:
         if group is None or worker is None or worker.returncode is not None:
             return None
         # A rank that died first caused it (its peers' collectives fail with "connection reset"): the
-        # dead rank's exit is the root cause, judged by WorkerExits in this same turn of the watch.
+        # dead rank's exit is the root cause, judged by the exits feature in this same turn of the watch.
         # Its sockets close before it is a zombie, so a lost connection waits a moment for that exit.
         others = [w for w in group.workers if w is not worker]
         deadline = time.monotonic() + (DEATH_WAIT_SECONDS if lost_peer(message) else 0.0)
