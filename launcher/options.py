@@ -508,6 +508,13 @@ class Options:
         "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).",
         check=checks.not_negative,
     )
+    warm_spares: int = option(
+        spec_default("warm_spares"),
+        "rally extras",
+        "Keep N extra processes per node that ran the script up to rally.job.run; one takes a dead rank's "
+        "place in an in-process restart (docs/restartable.md).",
+        check=checks.not_negative,
+    )
     no_slurm: bool = option(
         False, "rally extras", "Ignore the SLURM environment even inside a SLURM job.", read_by=THE_COMMAND
     )

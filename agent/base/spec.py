@@ -84,6 +84,7 @@ class JobSpec:
     checkpoint_dir: str | None = None
     checkpoint_dir_shared: bool = False  # --checkpoint-dir-shared: other users may write it (signed checkpoints only)
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
+    warm_spares: int = 0  # extra processes per node waiting in rally.job.run to take a dead rank's place
     python_exec: str = sys.executable
     cwd: str | None = None
     # Modules the worker template imports once (agent/template/client.py); workers are then forked
