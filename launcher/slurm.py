@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rally.rendezvous.backends import BACKENDS, HostPort
+from rally.rendezvous.backends import HostPort, registered
 
 if TYPE_CHECKING:
     from rally.launcher.options import Options
@@ -366,7 +366,7 @@ class SlurmJob:
         if "nnodes" not in given:
             changes["nnodes"] = str(self.nnodes)
             taken += ["nnodes", "node_rank"]
-        chosen = BACKENDS.get(str(options.rdzv_backend).lower())
+        chosen = registered(str(options.rdzv_backend))
         rendezvous_set = (
             any(name in given for name in ("rdzv_endpoint", "master_addr", "master_port"))
             or chosen is not None

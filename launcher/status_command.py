@@ -50,7 +50,7 @@ from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import straggler_line, worker_table
 from rally.agent.observe import job_view, run_info
 from rally.launcher.validate import ConfigError
-from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
+from rally.rendezvous.backends import BACKENDS, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.base.keys import job_prefix
 from rally.rendezvous.base.kv import StoreReader
 from rally.rendezvous.c10d.store import StoreEndpoint
@@ -83,8 +83,8 @@ PROBE_SECONDS = 2.0
     "backend",
     default="c10d",
     show_default=True,
-    type=click.Choice(list(SELECTABLE), case_sensitive=False),
-    help="etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
+    help="c10d, etcd, etcd-v2, static, or an installed package's (rally.rendezvous_backends); "
+    "etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
 )
 @click.option(
     "--rdzv-conf",

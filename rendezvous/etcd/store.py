@@ -49,7 +49,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Any
 
 from rally.rendezvous.base.kv import Checked, KeyValueStore, Seen, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.base.token import BadRecord, Signer
@@ -85,8 +85,6 @@ def _signed_as(own: str) -> str:
 
 class EtcdStore(KeyValueStore):
     """One client of an etcd cluster with every key under `prefix` (see the module docstring)."""
-
-    leased_liveness: ClassVar[bool] = True  # keep-alives are leases that expire by themselves
 
     def __init__(
         self,
