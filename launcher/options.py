@@ -80,6 +80,7 @@ NOT_AN_OPTION = {
     "args": "the script's arguments",
     "python_exec": "$PYTHON_EXEC (option_checks.python_exec)",
     "rally_version": "launcher/__init__.py's __version__",
+    "scheduler": "the scheduler's own environment (launcher/schedulers/)",
     "cwd": "the working directory (the agent's own)",
 }
 

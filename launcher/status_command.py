@@ -5,7 +5,7 @@ CPU, memory, heartbeat age, step and step time, stragglers, GPU problems), refre
 of seconds by its keep-alive thread.
 
 Inside a SLURM job (a batch shell, or `srun --overlap --jobid ID rally status`), the endpoint
-and the run id are computed from SLURM exactly as the agent computes them (launcher/slurm.py),
+and the run id are computed from SLURM exactly as the agent computes them (launcher/schedulers/slurm.py),
 for the step that runs rally: `--slurm-step`, 0 by default, the first `srun` of the job, which
 is what the templates in slurm/ run. The current step's own id is not used: `rally status` run
 through `srun` is a step of its own. The store host is the first host of the job's node list.
@@ -31,7 +31,6 @@ is torch's, is read through torch.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -435,11 +434,10 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
     """What is missing of endpoint and run id, taken from SLURM as the agent of `step` takes it."""
     if endpoint and run_id:
         return endpoint, run_id
-    from rally.launcher.slurm import SlurmJob
+    from rally.launcher.schedulers.slurm import SlurmJob
 
-    job_env = {k: v for k, v in os.environ.items() if k not in ("SLURM_STEP_ID", "SLURM_STEPID")}
     try:
-        job = SlurmJob.from_env(job_env)
+        job = SlurmJob.of_step(os.environ, step)
     except ValueError as exc:
         raise click.UsageError(
             f"cannot read the SLURM environment: {exc}; give --rdzv-endpoint and --rdzv-id"
@@ -448,7 +446,6 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
         raise click.UsageError(
             "give --rdzv-endpoint HOST:PORT and --rdzv-id ID (only inside a SLURM job step are they taken from SLURM)"
         )
-    job = dataclasses.replace(job, step_id=step)
     return endpoint or job.store_address, run_id or job.run_id
 
 
