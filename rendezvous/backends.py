@@ -389,16 +389,21 @@ def selectable() -> tuple[str, ...]:
 
 
 def registered(name: str) -> Backend | None:
-    """The backend registered as `name` (installed packages' included), None when there is none."""
-    load_installed()
-    return BACKENDS.get(str(name).lower())
+    """The backend registered as `name` (installed packages' included), None when there is none.
+    The installed packages are looked for only for a name rally does not know (the scan of every
+    installed distribution's entry points costs tens of milliseconds at each start)."""
+    key = str(name).lower()
+    if key not in BACKENDS:
+        load_installed()
+    return BACKENDS.get(key)
 
 
 def backend_named(name: str, store_type: str = "tcp") -> Backend:
     """The backend `--rdzv-backend NAME` (with `--rdzv-conf store_type`) means, or EndpointError."""
     key = str(name).lower()
-    choices = selectable()
-    if key not in choices:
+    known = registered(key)
+    if known is None or not known.selectable:
+        choices = selectable()
         broken = (_installed or {}).get(key)
         if broken:
             raise EndpointError(f"--rdzv-backend '{key}': its package could not be loaded ({broken})")
