@@ -155,6 +155,23 @@ class Ran:
     stderr: str
 
 
+INSTALLS_TORCH = re.compile(r"^\s*pip3? install\b.*\btorch\b(?!-rally)", re.MULTILINE)
+
+
+@pytest.mark.timeout(30)
+def test_no_copy_block_holds_alternatives_to_install_torch() -> None:
+    """A block is copied whole and every line of it runs: alternatives (the CPU build, the CUDA build,
+    a pinned version) each get a block of their own. Getting started had all three in one block, and
+    pasting it installed three torches in turn and ended on the last (2.10.0)."""
+    crowded = [
+        f"{block.where()}: {len(INSTALLS_TORCH.findall(block.body))} torch installs in one block"
+        for page in PAGES
+        for block in blocks_of(page)
+        if block.lang in COPYABLE and len(INSTALLS_TORCH.findall(block.body)) > 1
+    ]
+    assert not crowded, "\n".join(crowded)
+
+
 def run_page(page: Path, directory: Path) -> list[Ran]:
     """The page's run blocks, in order, in `directory` (holding the README's train.py and the
     page's file blocks), up to the first that fails or does not finish."""

@@ -51,7 +51,7 @@ from rally.agent.checkpoint.core.checkpoint_file import Checkpoint  # part of th
 from rally.agent.checkpoint.core.client import WHOLE_STATE_KEY, CheckpointRefused  # noqa: F401 - part of this module's API
 from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.sharded import files as dcp_files
-from rally.agent.worker_side import heartbeat_file, memory_only
+from rally.agent.worker_side import heartbeat_file, memory_only, process_memory
 from rally.agent.worker_side.preemption_flag import install_preemption_handler, on_preempt, preempted  # noqa: F401 - part of this module's API
 
 if TYPE_CHECKING:  # torch is the worker's, imported when used
@@ -184,9 +184,9 @@ def _env_int(name: str, default: int) -> int:
 class CheckpointDirNotSet(RuntimeError):
     """`save` or `load_latest` needed a checkpoint directory and there is none.
 
-    Under rally without `--checkpoint-dir`, checkpoints live in the node's memory and no directory
-    is needed; outside rally (torchrun, plain python) set `RALLY_CHECKPOINT_DIR`. See
-    [Troubleshooting](troubleshooting.md#checkpoint-dir-not-set).
+    Whole states never need one (the node's memory under rally, the process's memory under torchrun
+    or plain python); a sharded (DTensor) state under rally does, and so does a node with no room
+    in memory. See [Troubleshooting](troubleshooting.md#checkpoint-dir-not-set).
     """
 
 
@@ -201,10 +201,17 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     The tensors an optimizer owns are copied while the next step computes, and each optimizer's
     `step()` waits for that copy: change saved tensors some other way only after `wait_saved`.
 
-    Without rally's memory tier (torchrun, plain python) global rank 0 writes the file itself:
-    `torch.save` to a temporary file with a footer (length, step, a MAC of every byte), fsync,
-    rename over `step_<step>.pt`. A crash at any moment leaves the old set of checkpoints, or the
-    old set plus the new complete one.
+    Without rally's memory tier (torchrun, plain python) and with `RALLY_CHECKPOINT_DIR`, global
+    rank 0 writes the file itself: `torch.save` to a temporary file with a footer (length, step, a
+    MAC of every byte), fsync, rename over `step_<step>.pt`. A crash at any moment leaves the old
+    set of checkpoints, or the old set plus the new complete one.
+
+    Without the memory tier and without `RALLY_CHECKPOINT_DIR`, each rank keeps a copy of its
+    newest save in its own memory for as long as the process lives, and rank 0 says so once;
+    nothing is written, and a new process (torchrun's restart) starts from scratch on every rank
+    alike. Not a default directory: that would write where nobody chose, and on nodes without a
+    shared working directory rank 0 would resume from a step the others cannot see. A sharded
+    state is not kept then (one line says so).
 
     Call it on every rank at the same step: the state is expected to be the same on every rank (as
     DDP keeps it), so one copy speaks for all and the script needs no rank check. A DTensor (FSDP2)
@@ -224,10 +231,11 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 
     Returns:
         On global rank 0, the path the checkpoint is (or will be) durable at; None on the other
-        ranks, and under rally without a checkpoint directory.
+        ranks, and without a checkpoint directory.
 
     Raises:
-        CheckpointDirNotSet: Outside rally without `RALLY_CHECKPOINT_DIR`.
+        CheckpointDirNotSet: A sharded state under rally without `--checkpoint-dir`, or no room in
+            the node's memory and no directory.
         CheckpointRefused: The save came from a worker of a round that is over, or the memory tier's
             holder is not this node's.
         ValueError: `step` < 0 or `keep` < 1.
@@ -241,7 +249,11 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
     ctx = context()
     resume_prefetch.discard()  # a reload the script did not make: its mapping is let go
     overlap.settle()  # the previous save, if its copy is in flight: published before anything else is saved
-    if sharded if sharded is not None else dcp_files.holds_shards(state):
+    is_sharded = sharded if sharded is not None else dcp_files.holds_shards(state)
+    if ctx.checkpoint_dir is None and _memory_tier(ctx) is None and not memory_only.tier_lost():
+        _save_in_process(ctx, state, step, is_sharded)  # torchrun, plain python: no agent, no directory
+        return None
+    if is_sharded:
         from rally.agent.checkpoint.sharded import storage as dcp_storage  # imports torch.distributed.checkpoint
 
         return dcp_storage.save(state, _require_dir(ctx, sharded=True), step, _resolve_keep(keep))
@@ -282,7 +294,9 @@ def load_latest(
     A worker restarted on a surviving node maps it from the node's memory (no copy until the script
     copies the tensors); the others read it from disk. On disk a file is intact when its footer's
     length and MAC match: a damaged newest file is skipped with a warning and the next older one is
-    tried, the same on every rank. Rank 0 says in one line where it resumes from.
+    tried, the same on every rank. Rank 0 says in one line where it resumes from. Without the
+    memory tier and without `RALLY_CHECKPOINT_DIR` (torchrun, plain python): this process's newest
+    `save` (`source` "process memory"), else None.
 
     Args:
         map_location: Where tensors go, as for `torch.load` (default "cpu").
@@ -292,10 +306,10 @@ def load_latest(
             (`get_state_dict(model, opt)`).
 
     Returns:
-        A `Checkpoint` (`step`, `state`, `path`, `source`: "memory" or "disk"), or None.
+        A `Checkpoint` (`step`, `state`, `path`, `source`: "memory", "disk" or "process memory"), or None.
 
     Raises:
-        CheckpointDirNotSet: Outside rally without `RALLY_CHECKPOINT_DIR`.
+        CheckpointDirNotSet: `into` (a sharded state) under rally without `--checkpoint-dir`.
         CheckpointRefused: The memory tier's holder is not this node's.
 
     Examples:
@@ -307,6 +321,8 @@ def load_latest(
     """
     ctx = context()
     memory = _memory_tier(ctx)
+    if ctx.checkpoint_dir is None and memory is None and not memory_only.tier_lost():
+        return _load_in_process(ctx, map_location, weights_only, into)  # torchrun, plain python: no agent, no directory
     if memory is not None:
         overlap.install_fence()  # before the first step: the optimizers are known by the first save
     if ctx.checkpoint_dir is None and memory is not None and into is None:
@@ -391,6 +407,37 @@ def _load_from_memory_only(
             _log("no checkpoint, starting from scratch")
         return None
     return _from_memory(ctx, None, *found)
+
+
+def _save_in_process(ctx: JobContext, state: object, step: int, sharded: bool) -> None:
+    """Neither an agent's memory tier nor a directory: the newest save stays in this process
+    (agent/worker_side/process_memory.py says why this and not a default directory)."""
+    if sharded:
+        process_memory.tell_once(process_memory.SHARDED_LINE, ctx.is_rank0, _log)
+        return
+    if step < 0:
+        raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
+    process_memory.tell_once(process_memory.LINE, ctx.is_rank0, _log)
+    process_memory.save(state, step)
+
+
+def _load_in_process(
+    ctx: JobContext, map_location: MAP_LOCATION, weights_only: bool, into: dict[str, Any] | None
+) -> Checkpoint | None:
+    if into is not None:
+        process_memory.tell_once(process_memory.SHARDED_LINE, ctx.is_rank0, _log)
+        return None
+    process_memory.tell_once(process_memory.LINE, ctx.is_rank0, _log)
+    found = process_memory.load(map_location, weights_only)
+    if found is None:
+        if ctx.is_rank0:
+            _log("no checkpoint, starting from scratch")
+        return None
+    step, state = found
+    if ctx.is_rank0:
+        _log(f"resuming from step {step} (from this process's memory)")
+    path = Path(memory_only.NO_DIRECTORY) / f"step_{step:012d}.pt"
+    return Checkpoint(step=step, state=state, path=path, source=process_memory.SOURCE)
 
 
 def wait_saved() -> None:
