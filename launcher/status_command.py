@@ -49,6 +49,7 @@ from rally.agent.display import console
 from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import hang_line, straggler_line, worker_table
 from rally.agent.observe import job_view, run_info
+from rally.launcher.schedulers.slurm import inside_a_job
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import BACKENDS, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.base.keys import job_prefix
@@ -140,7 +141,7 @@ def status_command(
             view, age = seen
             note = f"as of {age:.1f} s ago: node 0's view in {run_dir / job_view.VIEW_FILE} (the store was not asked)"
             return _show_status(str(run_id), str(found or file_store), view, as_json, "view", age, note)
-    elif endpoint is None and run_id is None and not os.environ.get("SLURM_JOB_ID"):
+    elif endpoint is None and run_id is None and not inside_a_job(os.environ):
         return _list_runs(as_json)  # nothing named and not in a SLURM job: this user's recent runs
     else:
         found, run_id = fill_from_slurm(endpoint, run_id, slurm_step)

@@ -222,6 +222,11 @@ def first_host(nodelist: str) -> str:
 # ------------------------------------------------------------------- the job
 
 
+def inside_a_job(environ: Mapping[str, str]) -> bool:
+    """This process runs inside a SLURM job (a step, a batch shell or an salloc shell)."""
+    return bool(environ.get("SLURM_JOB_ID"))
+
+
 @dataclass(frozen=True)
 class SlurmJob:
     """What SLURM says about the job step this process runs in.
