@@ -23,13 +23,13 @@ from click.core import ParameterSource
 
 from rally.agent.display import console
 from rally.launcher import __version__, options
+from rally.launcher.checks.validate import Mistakes, mistakes_of
 from rally.launcher.command_errors import run_click
 from rally.launcher.config import ConfigError, build_launch
 from rally.launcher.config_file import FileMistakes, load_config_file
 from rally.launcher.flag_prefixes import expand_prefixes
 from rally.launcher.options import GROUPS, Options
 from rally.launcher.schedulers import Scheduler, detect
-from rally.launcher.validate import Mistakes, mistakes_of
 
 if TYPE_CHECKING:
     from rally.launcher.schedulers.slurm import SlurmJob

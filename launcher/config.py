@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rally.agent.base.spec import JobSpec
-from rally.launcher import validate
+from rally.launcher.checks import validate
+from rally.launcher.checks.validate import ConfigError
+from rally.launcher.checks.values import parse_rdzv_conf
 from rally.launcher.options import Options, RendezvousOptions
 from rally.launcher.secret_warnings import secret_warnings
-from rally.launcher.validate import ConfigError
-from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
 from rally.rendezvous.base.token import TokenError, resolve_token
 from rally.rendezvous.c10d.store import StoreEndpoint, loopback_address

@@ -49,8 +49,8 @@ from rally.agent.display import console
 from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import hang_line, straggler_line, worker_table
 from rally.agent.observe import job_view, run_info
+from rally.launcher.checks.validate import ConfigError
 from rally.launcher.schedulers.slurm import inside_a_job
-from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import BACKENDS, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.base.keys import job_prefix
 from rally.rendezvous.base.kv import StoreReader
@@ -267,7 +267,7 @@ def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None
     try:
         if file_store:
             return BACKENDS["file"].locate(file_store)
-        from rally.launcher.values import parse_rdzv_conf  # its import pulls in the run options' modules
+        from rally.launcher.checks.values import parse_rdzv_conf  # its import pulls in the run options' modules
 
         return backend_named(backend).locate(endpoint or "", parse_rdzv_conf(rdzv_conf) if rdzv_conf else {})
     except (EndpointError, ConfigError) as exc:
