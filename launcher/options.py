@@ -424,8 +424,8 @@ class Options:
     metrics_addr: str = option(
         spec_default("metrics_addr"),
         "Health",
-        "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps "
-        "it on this host).",
+        "Address the metrics endpoint listens on (default 127.0.0.1, this host only; 0.0.0.0, or one "
+        "interface's address, lets a Prometheus on another machine scrape it).",
         metavar="ADDR",
         check=checks.metrics_addr,
     )
@@ -508,6 +508,13 @@ class Options:
         spec_default("crash_loop_limit"),
         "rally extras",
         "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).",
+        check=checks.not_negative,
+    )
+    warm_spares: int = option(
+        spec_default("warm_spares"),
+        "rally extras",
+        "Keep N extra processes per node that ran the script up to rally.job.run; one takes a dead rank's "
+        "place in an in-process restart (docs/restartable.md).",
         check=checks.not_negative,
     )
     no_slurm: bool = option(

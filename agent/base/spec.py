@@ -95,10 +95,11 @@ class JobSpec:
     straggler_factor: float = DEFAULT_FACTOR  # --straggler-factor: slower than this x the others' median step time
     straggler_window: int = DEFAULT_WINDOW  # --straggler-window: steps a step time is averaged over (and must persist)
     metrics_port: int | None = None  # --metrics-port: serve Prometheus /metrics (0: a free port)
-    metrics_addr: str = "0.0.0.0"  # --metrics-addr: the address /metrics listens on (every interface)
+    metrics_addr: str = "127.0.0.1"  # --metrics-addr: the address /metrics listens on (loopback; 0.0.0.0 opens it)
     checkpoint_dir: str | None = None
     checkpoint_dir_shared: bool = False  # --checkpoint-dir-shared: other users may write it (signed checkpoints only)
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
+    warm_spares: int = 0  # extra processes per node waiting in rally.job.run to take a dead rank's place
     python_exec: str = sys.executable
     cwd: str | None = None
     # Modules the worker template imports once (agent/template/client.py); workers are then forked

@@ -434,7 +434,7 @@ def metrics_port(value: object, parsing: Parsing) -> int | None:
 
 
 def metrics_addr(value: object, parsing: Parsing) -> str:
-    return str(value or "0.0.0.0").strip("[]")
+    return str(value or "127.0.0.1").strip("[]")
 
 
 def log_line_prefix_template() -> str | None:
