@@ -169,7 +169,7 @@ class Agent:
         # an agent that seems stuck shows where, every thread of it, on its stderr.
         faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
         self.loop.install_signal_handlers({*self.spec.signals_to_handle, *self.spec.preemption_signals})
-        self.guard = GuardClient(self.token, console.warn)
+        self.guard = GuardClient(self.token, v2_only=self.spec.scheduler.tracks_cgroups, warn=console.warn)
         # workers are forked from it; it preloads torch meanwhile, saying so should a fork wait for it
         self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn, self.waits.announce)
         try:
