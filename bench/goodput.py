@@ -229,7 +229,8 @@ def analyze(
             (e for e in events if e["e"] == "resumed" and stepping and e.get("en") == stepping.get("en")), None
         )
         if before and stepping is not None:
-            redone += max(e["step"] for e in before if e.get("en") == ended) - (resumed["step"] if resumed else 0)
+            # every step the ended entry made (one may finish after the fault) is done again from the load
+            redone += max(e["step"] for e in steps if e.get("en") == ended) - (resumed["step"] if resumed else 0)
         survivors = (0, 1) if kind == "exception" else (0,)
         kept = []
         for rank in survivors:
