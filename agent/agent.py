@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.event_log import EventLog
-from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost, WorkerSaid
+from rally.agent.base.event_loop import EventLoop, RoundEnded, StoreLost, WorkerSaid
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
+from rally.agent.base.reentry_wire import SPARE_ENV
 from rally.agent.base.spec import JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
@@ -41,16 +42,21 @@ from rally.agent.guard import processes
 from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
 from rally.agent.guard.stopping import stop_workers
 from rally.agent.observe.hang_report import HangReporter
-from rally.agent.observe.health import HealthMonitor, HealthSettings
 from rally.agent.observe.live import LiveView
 from rally.agent.observe.observer import Observer
 from rally.agent.observe.run_info import announce
-from rally.agent.observe.status_record import node_status
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_failure_exit, store_lost_line
-from rally.agent.rounds.holdings import RoundHoldings
 from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
-from rally.agent.rounds.reentry import PARK_GRACE_SECONDS, PARK_SECONDS, ReentryBudget, ReentryHub, soft_failure_end
+from rally.agent.rounds.reentry import (
+    DEATH_WAIT_SECONDS,
+    PARK_GRACE_SECONDS,
+    PARK_SECONDS,
+    ReentryBudget,
+    ReentryHub,
+    lost_peer,
+    soft_failure_end,
+)
 from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line
 from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup, worker_env
 from rally.agent.template.client import TemplateClient
@@ -103,6 +109,9 @@ class Agent:
         self.reentry = ReentryHub(self.loop.inbox.post)
         self.reentry_budget = ReentryBudget()
         self.parked = False  # this node's workers wait in rally.job.run for the next round
+        self.spares: list[Worker] = []  # --warm-spares: processes waiting in rally.job.run for a rank's place
+        self.spares_started = 0
+        self.spare_streams: list = []
         self.base_env.update(self.reentry.env())
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
@@ -116,23 +125,21 @@ class Agent:
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
-        self.health_settings = HealthSettings.for_job(spec, console.say, self.events.emit)
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/observe/live.py)
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
-        # The agent's features, each built with this agent as its context (agent/base/collaborator.py).
-        self.observer = Observer(self, self.health_settings.learned)  # stragglers, /metrics, GPUs
-        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
-        self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/checks/node_checks.py)
-        self.exits = WorkerExits(self)  # what a worker's exit means for the round (agent/worker_exits.py)
-        self.hangs = HangReporter(self)  # who really hung, from every node (agent/observe/hang_report.py)
-        self.ckpt = NodeCheckpoints.for_agent(self)  # the memory tier's holder, the disk's steps
-        self.preemption = Preemption(self, requeue)  # called by _on_signals, not at the moments below
-        # The one place a feature is registered: every hook runs in this order (`exit` in reverse).
+        # The agent's features, each built with this agent as its context (agent/base/collaborator.py),
+        # and the one place a feature is named: every hook runs in the list's order (`exit` in reverse).
+        observer = Observer(self)  # the workers' health, stragglers, /metrics, GPUs, the status record
         self.collaborators: list[Collaborator] = [
-            self.checks, self.exits, self.hangs, self.observer, self.ckpt
-        ]  # fmt: skip
+            NodeChecks(self, observer.backend),  # quarantine, pre-flight (agent/checks/node_checks.py)
+            WorkerExits(self, observer),  # what a worker's exit means for the round (agent/worker_exits.py)
+            HangReporter(self, observer),  # who really hung, from every node (agent/observe/hang_report.py)
+            observer,
+            NodeCheckpoints.for_agent(self),  # the memory tier's holder, the disk's steps
+            Preemption(self, requeue),  # a preemption signal: checkpoint, stop, requeue (agent/preemption.py)
+        ]
 
     # ================================================================ the context (agent/base/collaborator.py)
     @property
@@ -142,11 +149,6 @@ class Agent:
     @property
     def hosts_store(self) -> bool:
         return self.store_server is not None
-
-    @property
-    def backend(self) -> str:
-        """The process-group backend this node's workers would use."""
-        return "nccl" if self.observer.gpu is not None else "gloo"
 
     def announce(self, line: str) -> None:
         self.waits.announce(line)
@@ -172,6 +174,7 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
+            self._stop_spares()
             # the newest in-memory checkpoint made durable: a step lost with the holder is a line
             lost = [line for part in reversed(self.collaborators) if (line := part.exit()) is not None]
             processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
@@ -223,10 +226,10 @@ class Agent:
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
-        # the memory tier's steps and the disk's, read cheaply for the restart (agent/rounds/holdings.py)
-        held = RoundHoldings(self.ckpt, single_node=self.plan.settings.max_nodes == 1)
-        settings = self.plan.settings
-        self.rdzv = rdzv = Rendezvous(self.store, settings, self.node, console.say, held.progress, held.holdings)
+        # what this node tells each round about its checkpoints (agent/checkpoint/holdings.py)
+        held = next((h for part in self.collaborators if (h := part.round_holdings()) is not None), None)
+        told = (held.progress, held.holdings) if held is not None else ()
+        self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, console.say, *told)
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (self.store_call(self.store.connect_again, waiting=True) for _ in range(3))
         for part in self.collaborators:
@@ -278,7 +281,7 @@ class Agent:
             f"restart {a.restart_count}/{self.spec.max_restarts}"
         )
         post, read_timeout = self.loop.inbox.post, self.plan.read_timeout
-        threads = RoundThreads(post, watcher, keeper, read_timeout, self._status_record, self.observer.exchange)
+        threads = RoundThreads(post, watcher, keeper, read_timeout, self._status_record, self._in_status_thread)
         threads.start()  # keep-alives from the start: a spare judges a round dead by their absence
         for part in self.collaborators:
             part.round_formed(rnd)
@@ -290,126 +293,15 @@ class Agent:
                 if (end := part.workers_starting(rnd, master)) is not None:
                     return end
             if self.parked:
-                self._reenter_workers(a, master)
+                self._reenter_workers(rnd, master)
             else:
-                self._start_workers(a, master)
+                self._start_workers(rnd, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rnd)
         finally:
             threads.stop()
             for part in self.collaborators:
                 part.watch_over(rnd)
-
-    def _park(self, rnd: Round, culprit: object = None) -> bool:
-        """Every worker of this node leaves its training function and tears torch.distributed down,
-        staying alive in rally.job.run for the next round (docs/restartable.md). A worker that does
-        not within PARK_SECONDS is killed (the round's culprit first: its peers blocked on it are
-        released when its connections close, and get PARK_GRACE_SECONDS more) and replaced. False,
-        with one line when the script uses job.run, when the workers must be restarted whole instead."""
-        group, a = self.group, rnd.assignment
-        if group is None or not any(self.reentry.linked(w.pid) for w in group.workers):
-            return False  # a script that does not call rally.job.run: whole restarts, as always
-        why = self._reentry_refusal(group)
-        if why is None:
-            started = time.monotonic()
-            for worker in group.running():
-                self.reentry.send(worker.pid, "abort", round=a.round)
-            # wait: short: PARK_SECONDS (10), then the ranks still inside are killed and replaced
-            unparked = self._wait_parked(group.running(), started + PARK_SECONDS)
-            first = [(w, why) for w, why in unparked if w.global_rank == culprit]
-            if first and len(unparked) > 1:  # the hung culprit holds the others in a collective
-                worker, reason = first[0]
-                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
-                self._kill_worker(worker)
-                late = [w for w, why in unparked if w is not worker and w.returncode is None]
-                # wait: short: PARK_GRACE_SECONDS (2) for the ranks its death released
-                unparked = self._wait_parked(late, time.monotonic() + PARK_GRACE_SECONDS)
-            for worker, reason in unparked:
-                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
-                self._kill_worker(worker)
-            if any(w.returncode is None for w in group.workers):
-                seconds = round(time.monotonic() - started, 6)
-                self.events.emit("workers_parked", round=a.round, seconds=seconds, replaced=len(unparked))
-                self.reentry_budget.spent(max(self.ckpt.memory_steps(), default=None))
-                return True
-            why = "no worker of this node is left to re-enter"
-        console.say(f"restarting the worker processes instead of re-entering them: {why}")
-        self.events.emit("reentry_refused", round=a.round, reason=why)
-        return False
-
-    def _reentry_refusal(self, group: WorkerGroup) -> str | None:
-        """Why this node's workers must be restarted whole; a dead worker is no reason (it is replaced)."""
-        for worker in group.running():
-            if not self.reentry.linked(worker.pid):
-                return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
-        return self.reentry_budget.refusal(max(self.ckpt.memory_steps(), default=None))
-
-    def _wait_parked(self, workers: list[Worker], deadline: float) -> list[tuple[Worker, str]]:
-        """Until each of `workers` said "parked" or the deadline; those that did not (still inside
-        the function, or their teardown failed: their state is in doubt), with why."""
-        waiting = {w.pid: w for w in workers}
-        unparked: list[tuple[Worker, str]] = []
-        kept: list = []
-        try:
-            while waiting:
-                now = time.monotonic()
-                if now >= deadline:
-                    late = f"did not leave the training function within {PARK_SECONDS:g} s"
-                    return unparked + [(worker, late) for worker in waiting.values()]
-                self.loop.pump(deadline - now)
-                for news in self.loop.take_events():
-                    match news:
-                        case WorkerSaid(pid=pid, message={"op": "parked"} as said) if pid in waiting:
-                            worker = waiting.pop(pid)
-                            if not said.get("ok"):
-                                why = f"could not tear torch.distributed down ({said.get('why')})"
-                                unparked.append((worker, why))
-                        case WorkerSaid() | RoundEnded() | PeerVerdict() | DumpStacks():
-                            pass  # of the round that ended: a consequence of its abort
-                        case _:
-                            kept.append(news)
-                for pid, worker in list(waiting.items()):
-                    if worker.returncode is not None:  # died while leaving: replaced like any dead rank
-                        del waiting[pid]
-            return unparked
-        finally:
-            self.loop.events.extend(kept)  # e.g. a lost store: the main loop acts on it next
-
-    def _kill_worker(self, worker: Worker) -> None:
-        """SIGKILL a worker that cannot be re-entered (its process group: what it started goes too)."""
-        worker.stopped = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(worker.pid, signal.SIGKILL)
-        # wait: short: KILL_WAIT_SECONDS (5) after the SIGKILL above
-        worker.process.wait(timeout=processes.KILL_WAIT_SECONDS)
-
-    def _reenter_workers(self, assignment: Assignment, master: tuple[str, int]) -> None:
-        """The parked workers enter their training function again with this round's environment
-        (ranks, WORLD_SIZE, MASTER_ADDR/PORT, RALLY_ROUND, ...): what a fresh worker would get."""
-        group = self.group
-        assert group is not None
-        self.events.emit("workers_starting", round=assignment.round, in_process=True)
-        env = {**self.base_env, **self.ckpt.env()}
-        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
-        dead = {w.local_rank for w in group.workers if w.returncode is not None}
-        if dead:  # a dead rank's place: a new process runs the script up to job.run and joins
-            fresh = self._launch(assignment, master, dead)
-            group.replace(fresh)
-            self._watch_started(assignment, fresh)
-        for worker in group.workers:
-            if worker.local_rank in dead:
-                continue
-            worker.global_rank = assignment.rank_offset + worker.local_rank
-            worker_vars = worker_env(self.spec, env, assignment, master, worker.local_rank, worker.error_file)
-            if worker.heartbeat_file:
-                worker_vars["RALLY_HEARTBEAT_FILE"] = worker.heartbeat_file
-            self.reentry.send(worker.pid, "enter", round=assignment.round, env=worker_vars)
-            self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, time.monotonic())
-            rank, local_rank = worker.global_rank, worker.local_rank
-            self.events.emit(
-                "worker_reentered", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid
-            )
-        self.parked = False
 
     def _workers_store(self, rnd: Round) -> tuple[str, int] | RoundEnd:
         """Where this round's workers meet (MASTER_ADDR/PORT): node 0 provides it, the others wait."""
@@ -433,35 +325,207 @@ class Agent:
         # keep_alive_timeout*4+30
         return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
-    def _start_workers(self, assignment: Assignment, master: tuple[str, int]) -> None:
+    def _start_workers(self, rnd: Round, master: tuple[str, int]) -> None:
+        assignment = rnd.assignment
         self.events.emit("workers_starting", round=assignment.round)  # the restart's breakdown (bench/goodput.py)
         self.group = self._launch(assignment, master)
-        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
         self._watch_started(assignment, self.group)
+        for part in self.collaborators:
+            part.workers_started(rnd, self.group.workers)  # e.g. the health monitor watches them
+        self._refill_spares(assignment, master)
+
+    def _worker_env(self) -> dict[str, str]:
+        """What the features add to the workers' environment (the holder's address, none once it died)."""
+        return {**self.base_env, **{k: v for part in self.collaborators for k, v in part.worker_env().items()}}
 
     def _launch(
-        self, assignment: Assignment, master: tuple[str, int], local_ranks: set[int] | None = None
+        self, assignment: Assignment, master: tuple[str, int], local_ranks: set[int] | None = None, **extra: str
     ) -> WorkerGroup:
         multi_node = assignment.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
         sink = self.live.sink if self.live is not None else None
-        # the holder's address, none once it died (node_checkpoints.py); not a hook: it adds to the workers' environment
-        env = {**self.base_env, **self.ckpt.env()}
-        return WorkerGroup.start(
-            self.spec, env, assignment, master, self.logs, multi_node, sink, sink, launch, local_ranks
-        )
+        env, logs, spec = {**self._worker_env(), **extra}, self.logs, self.spec
+        return WorkerGroup.start(spec, env, assignment, master, logs, multi_node, sink, sink, launch, local_ranks)
 
     def _watch_started(self, assignment: Assignment, group: WorkerGroup) -> None:
-        """Watch new workers' output, exits and heartbeats; the orphan guard learns their groups."""
+        """Watch new workers' output and exits; the orphan guard learns their process groups."""
         for stream in group.streams:
             self.loop.watch_stream(stream)
         for worker in group.workers:
             self.loop.watch_exit(worker)
             if self.guard is not None:
                 self.guard.guard_group(worker.pid)
-            self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
             rank, local_rank = worker.global_rank, worker.local_rank
             self.events.emit("worker_started", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid)
+
+    def _refill_spares(self, assignment: Assignment, master: tuple[str, int]) -> None:
+        """--warm-spares: start spares until N live ones wait (each runs the script up to rally.job.run,
+        in the background: the round does not wait for them)."""
+        self.spares = [s for s in self.spares if s.returncode is None]
+        while len(self.spares) < self.spec.warm_spares:
+            place = self.spec.nproc_per_node + self.spares_started  # its own log directory, never a rank's
+            self.spares_started += 1
+            spare = self._launch(assignment, master, {place}, **{SPARE_ENV: "1"})
+            for stream in spare.streams:
+                stream.prefix = b"[spare] " if stream.prefix else b""
+                self.loop.watch_stream(stream)
+            for worker in spare.workers:
+                self.loop.watch_exit(worker)
+                if self.guard is not None:
+                    self.guard.guard_group(worker.pid)
+                self.events.emit("spare_started", round=assignment.round, pid=worker.pid)
+            self.spares.extend(spare.workers)
+            self.spare_streams.extend(spare.streams)
+            if not spare.workers:
+                break  # never loop on a start that started nothing
+
+    def _promote_spare(self, local_rank: int) -> Worker | None:
+        """A live spare inside rally.job.run takes `local_rank`'s place, or None when none is ready."""
+        for spare in self.spares:
+            if spare.returncode is None and self.reentry.linked(spare.pid):
+                self.spares.remove(spare)
+                spare.local_rank = local_rank
+                return spare
+        return None
+
+    def _stop_spares(self) -> None:
+        spares = [s for s in self.spares if s.returncode is None]
+        if spares:
+            group = WorkerGroup(workers=spares, streams=self.spare_streams)
+            stop_workers(group, signal.SIGTERM, 5.0, self.loop, self.guard, self._helper_pids(), ())
+        self.spares = []
+
+    def _park(self, rnd: Round, culprit: object = None) -> bool:
+        """Every worker of this node leaves its training function and tears torch.distributed down,
+        staying alive in rally.job.run for the next round (docs/restartable.md). A worker that does
+        not within PARK_SECONDS is killed (the round's culprit first: its peers blocked on it are
+        released when its connections close, and get PARK_GRACE_SECONDS more) and replaced. False,
+        with one line when the script uses job.run, when the workers must be restarted whole instead."""
+        group, a = self.group, rnd.assignment
+        if group is None or not any(self.reentry.linked(w.pid) for w in group.workers):
+            return False  # a script that does not call rally.job.run: whole restarts, as always
+        why = self._reentry_refusal(group)
+        if why is None:
+            started = time.monotonic()
+            for worker in group.running():
+                self.reentry.send(worker.pid, "abort", round=a.round)
+            # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
+            unparked = self._wait_parked(group.running(), started + PARK_SECONDS)
+            first = [(w, why) for w, why in unparked if w.global_rank == culprit]
+            if first and len(unparked) > 1:  # the hung culprit holds the others in a collective
+                worker, reason = first[0]
+                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
+                self._kill_worker(worker)
+                late = [w for w, why in unparked if w is not worker and w.returncode is None]
+                # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
+                unparked = self._wait_parked(late, time.monotonic() + PARK_GRACE_SECONDS)
+            for worker, reason in unparked:
+                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
+                self._kill_worker(worker)
+            if any(w.returncode is None for w in group.workers):
+                seconds = round(time.monotonic() - started, 6)
+                self.events.emit("workers_parked", round=a.round, seconds=seconds, replaced=len(unparked))
+                self.reentry_budget.spent(self._saved_step())
+                return True
+            why = "no worker of this node is left to re-enter"
+        console.say(f"restarting the worker processes instead of re-entering them: {why}")
+        self.events.emit("reentry_refused", round=a.round, reason=why)
+        return False
+
+    def _reentry_refusal(self, group: WorkerGroup) -> str | None:
+        """Why this node's workers must be restarted whole; a dead worker is no reason (it is replaced)."""
+        for worker in group.running():
+            if not self.reentry.linked(worker.pid):
+                return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
+        return self.reentry_budget.refusal(self._saved_step())
+
+    def _wait_parked(self, workers: list[Worker], deadline: float) -> list[tuple[Worker, str]]:
+        """Until each of `workers` said "parked" or the deadline; those that did not (still inside
+        the function, or their teardown failed: their state is in doubt), with why."""
+        waiting = {w.pid: w for w in workers}
+        unparked: list[tuple[Worker, str]] = []
+        kept: list = []
+        try:
+            while waiting:
+                now = time.monotonic()
+                if now >= deadline:
+                    late = f"did not leave the training function within {PARK_SECONDS:g} s"
+                    return unparked + [(worker, late) for worker in waiting.values()]
+                self.loop.pump(deadline - now)
+                for news in self.loop.take_events():
+                    match news:
+                        case WorkerSaid(pid=pid, message={"op": "parked"} as said) if pid in waiting:
+                            worker = waiting.pop(pid)
+                            if not said.get("ok"):
+                                why = f"could not tear torch.distributed down ({said.get('why')})"
+                                unparked.append((worker, why))
+                        case StoreLost():
+                            kept.append(news)
+                        case _:
+                            pass  # of the round that ended (its end, a consequence of its abort)
+                for pid, worker in list(waiting.items()):
+                    if worker.returncode is not None:  # died while leaving: replaced like any dead rank
+                        del waiting[pid]
+            return unparked
+        finally:
+            self.loop.events.extend(kept)  # e.g. a lost store: the main loop acts on it next
+
+    def _kill_worker(self, worker: Worker) -> None:
+        """SIGKILL a worker that cannot be re-entered (its process group: what it started goes too)."""
+        worker.stopped = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        # wait: short: KILL_WAIT_SECONDS (5) after the SIGKILL above
+        worker.process.wait(timeout=processes.KILL_WAIT_SECONDS)
+
+    def _reenter_workers(self, rnd: Round, master: tuple[str, int]) -> None:
+        """The parked workers enter their training function again with this round's environment
+        (ranks, WORLD_SIZE, MASTER_ADDR/PORT, RALLY_ROUND, ...): what a fresh worker would get."""
+        group, assignment = self.group, rnd.assignment
+        assert group is not None
+        self.events.emit("workers_starting", round=assignment.round, in_process=True)
+        env = self._worker_env()
+        dead = {w.local_rank for w in group.workers if w.returncode is not None}
+        promoted: list[Worker] = []
+        for local_rank in sorted(dead):  # a warm spare takes the place: it ran the script up to job.run
+            spare = self._promote_spare(local_rank)
+            if spare is not None:
+                ours = {id(s) for s in spare.output.streams}
+                self.spare_streams = [s for s in self.spare_streams if id(s) not in ours]
+                group.replace(WorkerGroup(workers=[spare], streams=list(spare.output.streams)))
+                promoted.append(spare)
+                dead.discard(local_rank)
+                self.events.emit("spare_promoted", round=assignment.round, local_rank=local_rank, pid=spare.pid)
+        if dead:  # no spare: a new process runs the script up to job.run and joins
+            fresh = self._launch(assignment, master, dead)
+            group.replace(fresh)
+            self._watch_started(assignment, fresh)
+        for worker in group.workers:
+            if worker.local_rank in dead:
+                continue
+            worker.global_rank = assignment.rank_offset + worker.local_rank
+            worker_vars = worker_env(self.spec, env, assignment, master, worker.local_rank, worker.error_file)
+            if worker.heartbeat_file:
+                worker_vars["RALLY_HEARTBEAT_FILE"] = worker.heartbeat_file
+            self.reentry.send(worker.pid, "enter", round=assignment.round, env=worker_vars)
+            rank, local_rank = worker.global_rank, worker.local_rank
+            self.events.emit(
+                "worker_reentered", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid
+            )
+            if any(worker is spare for spare in promoted):  # its output now carries its rank
+                for stream in worker.output.streams:
+                    stream.prefix = f"[{rank}] ".encode() if stream.prefix else b""
+        for part in self.collaborators:
+            part.workers_started(rnd, group.workers)  # e.g. the health monitor watches them again
+        self.parked = False
+        self._refill_spares(assignment, master)
+
+    def _saved_step(self) -> int | None:
+        """The newest step saved this job (the checkpoint feature's status field), for the re-entry budget."""
+        steps = [
+            v for part in self.collaborators if isinstance(v := part.status_fields().get("checkpoint_saved_step"), int)
+        ]
+        return max(steps, default=None)
 
     def _watch_workers(self, rnd: Round) -> RoundEnd:
         """Until the round ends: signals, the threads' news, the collaborators' watch (exits, hangs,
@@ -470,7 +534,9 @@ class Agent:
         assert group is not None
         reported_success = False
         while True:
-            self.loop.pump(self.health.next_due(time.monotonic()))
+            now = time.monotonic()
+            due = [d for part in self.collaborators if (d := part.next_due(now)) is not None]
+            self.loop.pump(min(due) if due else None)
             end = self._on_signals(rnd) or self._on_events(rnd)
             for part in self.collaborators if end is None else ():
                 if (end := part.watch(rnd)) is not None:
@@ -484,21 +550,24 @@ class Agent:
                 self.store_call(rnd.channel.report_success)
 
     def _on_events(self, rnd: Round) -> RoundEnd | None:
-        """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py)."""
+        """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py):
+        the round's end and a lost store here, the rest of this round's to the features that want it."""
         a = rnd.assignment
         for news in self.loop.take_events():
             match news:
                 case RoundEnded(round=a.round, end=end):
                     return end
-                case PeerVerdict(round=a.round, lost_peer=lost_peer):
-                    self.exits.peer_verdict(lost_peer)
                 case StoreLost(error=error) if self.opened is not None:
                     raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(error, self.opened.endpoint))
-                case DumpStacks(round=a.round):
-                    self.hangs.answer(rnd)
                 case WorkerSaid(pid=pid, message={"op": "failed"} as message):
                     if (raised := self._soft_failure(rnd, pid, message)) is not None:
                         return raised
+                case WorkerSaid():
+                    pass
+                case _ if getattr(news, "round", a.round) == a.round:
+                    for part in self.collaborators:
+                        if isinstance(news, part.wants):
+                            part.on_news(rnd, news)
         return None
 
     def _soft_failure(self, rnd: Round, pid: int, message: dict) -> RoundEnd | None:
@@ -509,9 +578,17 @@ class Agent:
         if group is None or worker is None or worker.returncode is not None:
             return None
         # A rank that died first caused it (its peers' collectives fail with "connection reset"): the
-        # dead rank's exit is the root cause, judged by WorkerExits in this same turn of the watch.
+        # dead rank's exit is the root cause, judged by the exits feature in this same turn of the watch.
+        # Its sockets close before it is a zombie, so a lost connection waits a moment for that exit.
+        others = [w for w in group.workers if w is not worker]
+        deadline = time.monotonic() + (DEATH_WAIT_SECONDS if lost_peer(message) else 0.0)
+        for other in others:
+            left = max(0.0, deadline - time.monotonic())
+            # wait: short: DEATH_WAIT_SECONDS (1) in all, a dying rank's exit after its sockets closed
+            if other.returncode is None and other.process.wait(timeout=left) is not None:
+                return None
         # wait: not_a_wait: WNOHANG
-        if any(w.process.poll() is not None for w in group.workers if w is not worker):
+        if any(w.process.poll() is not None for w in others):
             return None
         end = soft_failure_end(self.host, worker.global_rank, worker.local_rank, pid, message)
         rank = worker.global_rank
@@ -603,11 +680,16 @@ class Agent:
             self.store_call(lambda: wait_for_readers(rnd, EXIT_BARRIER_SECONDS), waiting=True)
 
     def _status_record(self, assignment: Assignment) -> dict:
-        record = node_status(self.host, self.node.node_id, assignment, self.group, self.health, self.observer)
+        """The node's status record: the features' fields (the observer's record of the node and its
+        workers among them) and a long wait under way (agent/rounds/node_waits.py)."""
         features = {key: value for part in self.collaborators for key, value in part.status_fields().items()}
-        # a long wait under way (agent/rounds/node_waits.py)
         waiting = self.waits.fields(assignment.round, self.rdzv.waiting if self.rdzv else None)
-        return {**record, **features, **waiting}
+        return {**features, **waiting}
+
+    def _in_status_thread(self, rnd: Round) -> None:
+        """After each status record the round's status thread publishes (agent/rounds/threads.py)."""
+        for part in self.collaborators:
+            part.in_status_thread(rnd)
 
     # ================================================================ signals
     def _on_signals(self, rnd: Round | None = None) -> RoundEnd | None:
@@ -619,7 +701,8 @@ class Agent:
             action = signal_action(self.state, signum, self.spec.preemption_signals)
             name = processes.signal_name(signum)
             if action is SignalAction.EXIT_PREEMPTED:
-                self.preemption.requeue_once(None)
+                for part in self.collaborators:
+                    part.on_preemption(None, signum)  # e.g. node 0 asks the scheduler to requeue
                 raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for {self.state.waiting_for}")
             if action is SignalAction.EXIT:
                 raise AgentExit(128 + signum, f"stopped by {name} while waiting for {self.state.waiting_for}")
@@ -628,7 +711,8 @@ class Agent:
             if action is SignalAction.PREEMPT and rnd is not None:
                 self.loop.keep_signals(later + signals[i + 1 :])
                 self.state = AgentState.PREEMPTING
-                return self.preemption.run(rnd, signum)
+                ends = (part.on_preemption(rnd, signum) for part in self.collaborators)
+                return next((end for end in ends if end is not None), None)
             if action is not SignalAction.IGNORE:
                 later.append(signum)  # for the main loop (in a blocking call) or the next state
         self.loop.keep_signals(later)
@@ -642,10 +726,19 @@ class Agent:
             f"received {name}: forwarding it to the workers and stopping; they get up to "
             f"{self.spec.shutdown_timeout:g} s to exit (--shutdown-timeout), then SIGKILL; {again} kills them now"
         )
+        group = self.group
         self._stop_workers(signum)
         end = RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)
+        # report.json lists the workers as they were stopped, as after any other round's end
+        self.report.outcome = f"stopped by {name}"
+        self.report.finish_attempt(group, end)
         with contextlib.suppress(AgentExit):  # best effort: the others find this node gone anyway
             self.store_call(lambda: rnd.channel.leave(end))
+        stopped = len(group.workers) if group is not None else 0
+        console.say(  # the closing line: the user's own Ctrl-C is no error, but they should know how it ended
+            f"stopped by {name}: {_every(stopped)} on this node stopped; exit code {128 + signum}; "
+            f"report: {self.report.path}"
+        )
         raise AgentExit(128 + signum)
 
     # ================================================================ the store
@@ -682,8 +775,9 @@ class Agent:
             self.group = None
 
     def _worker_exited(self, worker: Worker) -> None:
-        """Its pidfd turned readable: the health monitor stops judging it (no hang after an exit)."""
-        self.health.note_exit(worker.local_rank)
+        """Its pidfd turned readable: e.g. the health monitor stops judging it (no hang after an exit)."""
+        for part in self.collaborators:
+            part.worker_exited(worker)
 
     def _reap_orphans(self) -> None:
         """SIGCHLD: an orphan re-parented to us (a subreaper) may have exited; reap it now."""
@@ -691,8 +785,8 @@ class Agent:
 
     def _helper_pids(self) -> frozenset[int]:
         template = self.template.helper_pids() if self.template is not None else set()
-        holder = {self.ckpt.pid} if self.ckpt.pid is not None else set()
-        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | holder)
+        features = {pid for part in self.collaborators for pid in part.helper_pids()}
+        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | features)
 
 
 def _every(workers: int) -> str:

@@ -134,7 +134,7 @@ class JobReport:
     attempts: list[AttemptRecord] = field(default_factory=list)
     outcome: str = "running"
     exit_code: int | None = None
-    quarantined: dict[str, str] = field(default_factory=dict)  # host -> why (agent/checks/quarantine.py)
+    notes: dict[str, object] = field(default_factory=dict)  # a feature's own keys (agent/checks/quarantine.py's)
 
     def begin(self, assignment: Assignment) -> None:
         self.attempts.append(
@@ -178,7 +178,7 @@ class JobReport:
             "outcome": self.outcome,
             "exit_code": self.exit_code,
             "attempts": [asdict(a) for a in self.attempts],
-            "quarantined": self.quarantined,
+            **self.notes,
         }
         tmp = self.path.with_suffix(".json.tmp")
         with open_for_writing(tmp) as f:  # the run directory is the workers' to write in too

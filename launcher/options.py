@@ -372,6 +372,14 @@ class Options:
         float,
         check=checks.seconds(False),
     )
+    hang_report_after: float = option(
+        spec_default("hang_report_after"),
+        "Health",
+        "Report a rank that has made no progress (heartbeat, output, section) for this many seconds while other "
+        "ranks wait for it in a collective, with its stacks; the job goes on (--heartbeat-timeout or "
+        f"--silence-timeout stop it). Default {spec_default('hang_report_after'):g}; 0: off.",
+        check=checks.always_seconds(True),
+    )
     resource_interval: float = option(
         spec_default("resource_interval"),
         "Health",
@@ -494,6 +502,13 @@ class Options:
         spec_default("crash_loop_limit"),
         "rally extras",
         "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).",
+        check=checks.not_negative,
+    )
+    warm_spares: int = option(
+        spec_default("warm_spares"),
+        "rally extras",
+        "Keep N extra processes per node that ran the script up to rally.job.run; one takes a dead rank's "
+        "place in an in-process restart (docs/restartable.md).",
         check=checks.not_negative,
     )
     no_slurm: bool = option(

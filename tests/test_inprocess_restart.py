@@ -218,3 +218,18 @@ def test_fifty_re_entries_leak_no_descriptors_threads_or_memory(tmp_path: Path) 
         assert last[2] <= fifth[2], f"rank {rank}: threads grew from {fifth[2]} to {last[2]}"
         # RSS: the allocator's arenas move by a few pages; a leak of anything per entry is more
         assert last[3] <= fifth[3] + (4 << 20), f"rank {rank}: RSS grew from {fifth[3]} to {last[3]}"
+
+
+@pytest.mark.timeout(300)
+def test_a_warm_spare_takes_a_killed_ranks_place(tmp_path: Path, clean_digest: str) -> None:
+    result, out, logs = _run(tmp_path, "fault", "--warm-spares", "1", FAULT="sigkill:5:1")
+    survivor = json.loads((out / "result.0").read_text())
+    promoted = json.loads((out / "result.1").read_text())
+    assert survivor["digest"] == promoted["digest"] == clean_digest, result.describe()
+    assert survivor["entries"] == 2, result.describe()
+    events = read_events(logs)
+    spares = [e["pid"] for e in events if e["event"] == "spare_started"]
+    assert promoted["pid"] == spares[0], f"rank 1 is pid {promoted['pid']}, not the spare started first ({spares})"
+    assert [e["pid"] for e in events if e["event"] == "spare_promoted"] == [spares[0]]
+    assert len(spares) == 2, "no new spare was started after the first one took a rank's place"
+    assert not [e for e in events if e["event"] == "worker_started" and e["round"] == 1], "a worker was forked anyway"

@@ -23,6 +23,7 @@ from typing import Any
 SOCKET_ENV = "RALLY_REENTRY_SOCKET"
 AGENT_PID_ENV = "RALLY_REENTRY_AGENT_PID"
 SIGNAL_ENV = "RALLY_REENTRY_SIGNAL"
+SPARE_ENV = "RALLY_REENTRY_SPARE"  # "1": a warm spare; its script's init_process_group waits for its rank
 
 # The signal the worker's own control thread sends its main thread to leave the training
 # function: its handler raises at the next bytecode, which also cuts a sleep or a select short
@@ -32,7 +33,7 @@ INTERRUPT_SIGNAL = signal.SIGRTMIN + 4
 MAX_MESSAGE = 1 << 20  # a traceback of a deep recursion fits; anything longer is cut by the sender
 
 
-def encode(op: str, **fields: Any) -> bytes:
+def encode(op: str, **fields: object) -> bytes:
     data = json.dumps({"op": op, **fields}).encode()
     if len(data) > MAX_MESSAGE and "traceback" in fields:  # keep the end of a traceback: the raise is there
         fields["traceback"] = "...\n" + str(fields["traceback"])[-(MAX_MESSAGE // 2) :]

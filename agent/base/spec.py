@@ -70,6 +70,9 @@ class JobSpec:
     preflight_factor: float = 2.0  # --preflight-factor
     preflight_every_round: bool = False  # --preflight-every-round
     silence_timeout: float | None = None
+    # --hang-report-after: report (never stop) a rank stuck while others wait for it in a collective; 0: off
+    # (agent/observe/hang_watch.py, which says why 60 s)
+    hang_report_after: float = 60.0
     resource_interval: float = RESOURCE_INTERVAL_SECONDS
     startup_timeout: float | None = None  # --startup-timeout: the first heartbeat is due within this
     straggler_factor: float = DEFAULT_FACTOR  # --straggler-factor: slower than this x the others' median step time
@@ -79,6 +82,7 @@ class JobSpec:
     checkpoint_dir: str | None = None
     checkpoint_dir_shared: bool = False  # --checkpoint-dir-shared: other users may write it (signed checkpoints only)
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
+    warm_spares: int = 0  # extra processes per node waiting in rally.job.run to take a dead rank's place
     python_exec: str = sys.executable
     cwd: str | None = None
     # Modules the worker template imports once (agent/template/client.py); workers are then forked

@@ -24,6 +24,7 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -113,10 +114,6 @@ class PreflightContext(AgentContext, Protocol):
     def template(self) -> TemplateClient | None:
         """The agent's worker template (the probe is forked from it), None without one."""
 
-    @property
-    def backend(self) -> str:
-        """The process-group backend the job's workers would use (nccl with GPUs, else gloo)."""
-
 
 def _numbers(result: dict, compute: float | None, link: float | None) -> str:
     parts = []
@@ -132,10 +129,11 @@ def _numbers(result: dict, compute: float | None, link: float | None) -> str:
 class Preflight:
     """One agent's pre-flight: probe, publish, (node 0) judge, act on the verdict."""
 
-    def __init__(self, ctx: PreflightContext):
+    def __init__(self, ctx: PreflightContext, backend: Callable[[], str]):
         """Its long waits say every few seconds what they wait for through `ctx.announce`
         (agent/rounds/node_waits.py)."""
         self.ctx = ctx
+        self.backend = backend  # the process-group backend the job's workers would use (nccl with GPUs, else gloo)
         self.spec, self.host, self.events, self.report = ctx.spec, ctx.host, ctx.events, ctx.report
         self.store_call, self.base_env, self.run_dir, self.announce = (
             ctx.store_call, ctx.base_env, ctx.run_dir, ctx.announce
@@ -230,7 +228,7 @@ class Preflight:
             "RALLY_PREFLIGHT_OUT": str(out),
             "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{assignment.round}/",
             "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
-            "RALLY_PREFLIGHT_BACKEND": self.ctx.backend,
+            "RALLY_PREFLIGHT_BACKEND": self.backend(),
         }
         template = self.ctx.template or self.own_template
         launch = template.spawn if template is not None else processes.spawn

@@ -68,6 +68,9 @@ class Quarantine:
         self.host = ctx.host
         self.events = ctx.events
         self.report = ctx.report
+        # report.json's `quarantined`: host -> why, every node this one saw quarantined in the job
+        self.quarantined: dict[str, str] = {}
+        self.report.notes["quarantined"] = self.quarantined
         self.say = console.say
         self.warn = console.warn
         self.announced: set[str] = set()
@@ -112,7 +115,7 @@ class Quarantine:
             return None
         add_quarantined(store, host, reason)
         rnd.channel.count_lost(1)  # the next round need not wait for this node
-        self.report.quarantined[host] = reason
+        self.quarantined[host] = reason
         self.report.outcome = "quarantined"
         self.events.emit("node_quarantined", round=a.round, node=host, failures=count, reason=reason)
         return excluded_line(host, reason, dict(os.environ))
@@ -124,6 +127,6 @@ class Quarantine:
         for host, reason in load_quarantined(store).items():
             if host not in self.announced and host != self.host:
                 self.announced.add(host)
-                self.report.quarantined[host] = reason
+                self.quarantined[host] = reason
                 self.say(f"node {host} is quarantined ({reason}); the job goes on without it")
                 self.events.emit("node_quarantined", round=round_no, node=host, reason=reason)

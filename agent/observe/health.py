@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import psutil
 
@@ -164,6 +164,14 @@ def _oom_kill_count(counter: Path | None | bool) -> int:
     return 0
 
 
+class HealthSource(Protocol):
+    """Who keeps the health monitor of this round's workers (agent/observe/observer.py's Observer):
+    a feature that judges the workers reads it from there, rebuilt each round."""
+
+    @property
+    def health(self) -> HealthMonitor: ...
+
+
 class HealthMonitor:
     """Hang checks and resource samples for one round's workers on this node."""
 
@@ -289,6 +297,20 @@ class HealthMonitor:
             if silent > timeout:
                 return Hang(watched.local_rank, f"sent no heartbeat for {silent:.1f} s ({flag}){where}", silent)
         return self._silence_hang(watched, now, max(last_output_at or 0.0, alive_at), where)
+
+    def quiet_for(self, local_rank: int, last_output_at: float | None, now: float) -> float:
+        """Seconds since the worker last showed progress: a new heartbeat, a line of output, a section
+        entered or left (`job.section`), or its start. 0 for a worker not watched."""
+        w = self.watched.get(local_rank)
+        if w is None:
+            return 0.0
+        signs = [w.started_at, w.last_beat_at or 0.0, w.record.section_changed_ns / 1e9, last_output_at or 0.0]
+        return max(0.0, now - max(signs))
+
+    def section(self, local_rank: int) -> str:
+        """The section the worker was in at the last read of its heartbeat file ("" for none)."""
+        w = self.watched.get(local_rank)
+        return w.record.section if w is not None else ""
 
     def _still_in(self, watched: _Watched, record: HeartbeatRecord) -> bool:
         """Confirm a section hang with a second read: a read that raced a section change

@@ -14,7 +14,6 @@ from typing import Protocol
 
 from rally.agent.observe.hang_report import StackSource
 from rally.agent.observe.health import HealthMonitor
-from rally.agent.observe.observer import Observer
 from rally.rendezvous.protocol import Assignment
 
 
@@ -30,13 +29,21 @@ class ShownWorkers(Protocol):
     def workers(self) -> Sequence[ShownWorker]: ...
 
 
+class Observations(Protocol):
+    """What the observer adds to the record (agent/observe/observer.py's Observer is one)."""
+
+    def worker_fields(self, worker: StackSource, health: HealthMonitor) -> dict: ...
+
+    def node_fields(self) -> dict: ...
+
+
 def node_status(
     host: str,
     node_id: str,
     assignment: Assignment,
     group: ShownWorkers | None,
     health: HealthMonitor,
-    observer: Observer,
+    observer: Observations,
 ) -> dict:
     """`group` is the round's WorkerGroup (or None between rounds), `health` its HealthMonitor,
     `observer` adds step times, stragglers and GPUs (agent/observe/observer.py)."""

@@ -30,6 +30,10 @@ PARK_SECONDS = 10.0
 # After the round's culprit was killed for not leaving, the ranks its death released have this long.
 PARK_GRACE_SECONDS = 2.0
 SEND_SECONDS = 2.0
+# A soft failure that says a peer's connection was lost waits this long for a local rank's exit
+# (a killed rank's sockets close before it becomes a zombie): then that death is the root cause.
+DEATH_WAIT_SECONDS = 1.0
+LOST_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "remote process exited", "Broken pipe")
 
 
 class ReentryHub:
@@ -175,3 +179,10 @@ def soft_failure_end(host: str, rank: int, local_rank: int, pid: int, message: d
         "soft": True,  # in rally.job.run: the process is alive and may be re-entered
     }
     return RoundEnd(EndKind.WORKER_FAILED, detail, host, info)
+
+
+def lost_peer(message: dict) -> bool:
+    """Whether a worker's exception says a peer's connection was lost (gloo's, NCCL's words): a
+    consequence of another rank's death rather than a fault of its own."""
+    text = f"{message.get('message') or ''} {message.get('traceback') or ''}"
+    return any(sign in text for sign in LOST_PEER_SIGNS)

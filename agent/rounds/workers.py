@@ -46,6 +46,11 @@ class Worker:
         return self.process.pid
 
     @property
+    def started_at(self) -> float:
+        """When its process started (time.monotonic())."""
+        return self.process.started_at
+
+    @property
     def returncode(self) -> int | None:
         return self.process.returncode
 
@@ -116,6 +121,14 @@ def worker_env(
         env["LOCAL_RANK"] = "0"
         env["CUDA_VISIBLE_DEVICES"] = virtual_device(local_rank, base_env)
     return env
+
+
+def stack_file(rank_dir: Path) -> str:
+    """An empty file, this user's only, for the worker's stack dumps (agent/worker_side/bootstrap.py)."""
+    path = rank_dir / "stacks"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    open_for_writing(path).close()
+    return str(path)
 
 
 def virtual_device(local_rank: int, base_env: Mapping[str, str]) -> str:
@@ -219,8 +232,7 @@ class WorkerGroup:
                 local_rank,
                 str(logs.rank_dir(assignment.round, local_rank) / "error.json"),
             )
-            for local_rank in range(spec.nproc_per_node)
-            if local_ranks is None or local_rank in local_ranks
+            for local_rank in (range(spec.nproc_per_node) if local_ranks is None else sorted(local_ranks))
         }
         stream_plans, filtered_paths = _stream_plans(spec, logs, assignment.round, envs)
         for bit, name, filters in (
@@ -242,6 +254,8 @@ class WorkerGroup:
             if heartbeat:
                 env["RALLY_HEARTBEAT_FILE"] = heartbeat
             output = WorkerOutput()
+            if spec.is_python:
+                output.stack_file = env["RALLY_STACK_FILE"] = stack_file(rank_dir)
             redirect, tee = plan.redirect, plan.tee
             shown = spec.shows_on_console(local_rank)
             tee_prefix = f"[{spec.role}{local_rank}]:".encode()

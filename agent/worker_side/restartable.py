@@ -135,7 +135,7 @@ class _Link:
             raise RoundAborted("rally ended this round; the function is entered again in the next one")
 
     # ------------------------------------------------------------ the main thread
-    def send(self, op: str, **fields: Any) -> None:
+    def send(self, op: str, **fields: object) -> None:
         try:
             self.sock.send(wire.encode(op, **fields))
         except OSError:
@@ -167,6 +167,15 @@ def run(train: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     link = _Link.from_env()
     if link is None:
         return train(*args, **kwargs)
+    if os.environ.get(wire.SPARE_ENV) == "1":  # a warm spare: wait for a dead rank's place
+        threading.Thread(target=_warm_up, name="rally-spare-warm-up", daemon=True).start()
+        link.send("spare")
+        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+        enter = link.wait_for("enter")
+        _apply(enter.get("env") or {})
+        os.environ.pop(wire.SPARE_ENV, None)
+        if _deferred is not None:
+            _deferred_init()
     backend = _rally_owned_backend()  # the script initialised torch.distributed: rally does it again
     entry = 0
     while True:
@@ -315,7 +324,53 @@ def _apply(env: dict[str, str]) -> None:
         if isinstance(key, str) and isinstance(value, str):
             os.environ[key] = value
     from rally.agent.checkpoint.core import client as ckpt_client
+    from rally.agent.checkpoint.core import resume_prefetch
 
+    resume_prefetch.discard()  # prepared for an earlier round (a spare's start): this round asks afresh
     tier = ckpt_client.tier()
     if tier is not None:  # saves and the resume are fenced by the round the holder has open
         tier.round = int(os.environ.get("RALLY_ROUND", "0") or 0)
+
+
+_deferred: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+
+
+def defer_init_in_spare() -> None:
+    """In a warm spare (started by the bootstrap before its script): the script's
+    `init_process_group` at its top only records its arguments, since the spare has no rank yet;
+    `run` makes the group with them once the spare takes a rank's place."""
+    if os.environ.get(wire.SPARE_ENV) != "1":
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    real = distributed_c10d.init_process_group
+
+    def deferred(*args: Any, **kwargs: Any) -> None:
+        global _deferred
+        if os.environ.get(wire.SPARE_ENV) != "1":  # promoted: the real thing
+            real(*args, **kwargs)
+            return
+        _deferred = (args, kwargs)
+
+    deferred._rally_real = real  # type: ignore[attr-defined]  # for _deferred_init
+    dist.init_process_group = deferred
+    distributed_c10d.init_process_group = deferred
+
+
+def _deferred_init() -> None:
+    import torch.distributed as dist
+
+    assert _deferred is not None
+    args, kwargs = _deferred
+    dist.init_process_group(*args, **kwargs)  # the spare's env var is gone: the real one runs
+
+
+def _warm_up() -> None:
+    """While a spare waits: import what torch imports at an optimizer's first use (torch._dynamo,
+    most of a second), so the rank it becomes does not pay it at its first step."""
+    if "torch" in sys.modules:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # a torch without it: nothing to warm
+            pass
