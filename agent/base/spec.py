@@ -51,10 +51,12 @@ class JobSpec:
     redirects: dict[int, int] = field(default_factory=dict)
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
+    # rally's "[rank] " on the worker streams torchrun does not tee (--no-prefix: none); --tee'd
+    # lines always carry torchrun's header (agent/rounds/workers.py's tee_prefix)
     prefix_output: bool = True
-    # --torchrun-prefix: console lines as torchrun shows them ("[role<local rank>]:" on --tee'd
-    # streams, nothing on the others) instead of rally's "[rank] " on every line
-    torchrun_prefix: bool = False
+    # $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, read as torchrun reads it: the header of --tee'd
+    # lines from ${role_name}, ${rank}, ${local_rank} (None: torchrun's "[<role><local rank>]:")
+    log_line_prefix_template: str | None = None
     quiet: bool = False  # --quiet: only rally's own lines on the console (log files unchanged)
     shutdown_timeout: float = 30.0
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)

@@ -298,6 +298,10 @@ def host_tcp_store(port: int, timeout: float, bind: str | None = None, *, loopba
     if bind is not None:
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # As libuv (torch's own store socket) does: a port whose last job's connections are in
+        # TIME_WAIT can be bound again at once (a restarted pod's master, on its fixed port);
+        # on Linux this never lets two listeners share a port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((bind, port))
             sock.listen(512)
