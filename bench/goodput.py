@@ -110,12 +110,12 @@ def nvrx_paths() -> str | None:
 
 
 def has_warm_spares() -> bool:
-    """Whether this rally has ``--warm-spares`` (rally's own --help says)."""
+    """Whether this rally has ``--warm-spares`` (an unknown option is exit 2 before --version)."""
     import subprocess
 
-    # wait: rally --help prints and exits; bounded by the timeout
-    out = subprocess.run([*common.launcher_cmd("rally"), "--help"], capture_output=True, text=True, timeout=60)
-    return "--warm-spares" in out.stdout
+    # wait: rally --version prints and exits; bounded by the timeout
+    cmd = [*common.launcher_cmd("rally"), "--warm-spares=1", "--version"]
+    return subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
 
 
 MAX_RESTARTS = "100"
