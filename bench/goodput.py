@@ -209,8 +209,8 @@ def analyze(
 ) -> dict[str, Any]:
     """Progress and where the time went, from rank 0's events, every entry's and the faults' times.
 
-    An entry of the training function is rank 0's ``en`` (pid.n): a fault ends the entry whose
-    step came last before it, and every rank steps again at rank 0's first step of another entry
+    An entry of the training function is rank 0's ``en`` (pid.n): a fault ends the entry rank 0
+    entered last before it, and every rank steps again at rank 0's first step of another entry
     (the ranks step in lockstep: rank 0's step ends with an all-reduce of every rank's)."""
     entered = [e for e in events if e["e"] == "entered"]
     events = [e for e in events if e.get("rank", 0) == 0]  # rank 0's view (every rank logs its start)
@@ -219,8 +219,9 @@ def analyze(
     step_time = statistics.median(e["seconds"] for e in steps) if steps else 0.0
     per_fault, launcher_share, redone = [], [], 0
     for at, kind in faults:
-        before = [e for e in steps if e["t"] < at]
-        ended = before[-1].get("en") if before else None
+        # The entry rank 0 was in: its last `entered` before the fault (its last step may be logged
+        # after the fault: rank 1 raises before rank 0's all-reduce of the step before returns).
+        ended = next((e["en"] for e in reversed(entered) if e["rank"] == 0 and e["t"] < at), None)
         stepping = next((e for e in steps if e["t"] > at and e.get("en") != ended), None)
         start = next((e for e in events if e["e"] == "start" and e["at"] > at), None)
         if start is not None and (stepping is None or start["at"] < stepping["t"]):
@@ -228,9 +229,10 @@ def analyze(
         resumed = next(
             (e for e in events if e["e"] == "resumed" and stepping and e.get("en") == stepping.get("en")), None
         )
-        if before and stepping is not None:
+        last = max((e["step"] for e in steps if e.get("en") == ended), default=None)
+        if last is not None and stepping is not None:
             # every step the ended entry made (one may finish after the fault) is done again from the load
-            redone += max(e["step"] for e in steps if e.get("en") == ended) - (resumed["step"] if resumed else 0)
+            redone += last - (resumed["step"] if resumed else 0)
         survivors = (0, 1) if kind == "exception" else (0,)
         kept = []
         for rank in survivors:

@@ -69,3 +69,13 @@ def test_bad_input_is_one_line_and_exit_2() -> None:
             ["ideal_torchrun", "ideal_rally", "rally_run", "rally_run_spare", "rally", "torchrun", "nvrx", "dlrover"]
         )
     ]
+
+
+@pytest.mark.timeout(30)
+def test_the_ended_entrys_first_step_logged_after_the_fault_is_not_stepping_again() -> None:
+    """Rank 1 raises at its second step while rank 0 is still in the first step's all-reduce: rank
+    0's step 1 is logged after the fault and belongs to the entry the fault ended."""
+    events = [entered(1.0, 0, 100, 1), entered(1.0, 1, 101, 1), step(1.25, 1, "100.1")]
+    events += [entered(1.5, 0, 100, 2), entered(1.5, 1, 101, 2), step(1.7, 1, "100.2")]
+    r = analyze(events, [(1.2, "exception")], launched=0.0, until=10.0)
+    assert r["faults"][0]["stepping"] == pytest.approx(0.5)
