@@ -161,7 +161,7 @@ class Agent:
     def run(self) -> int:
         processes.become_subreaper()
         self.loop.install_signal_handlers({*self.spec.signals_to_handle, *self.spec.preemption_signals})
-        self.guard = GuardClient(self.token)
+        self.guard = GuardClient(self.token, v2_only=self.spec.scheduler.tracks_cgroups)
         # workers are forked from it; it preloads torch meanwhile, saying so should a fork wait for it
         self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn, self.waits.announce)
         try:

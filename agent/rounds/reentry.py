@@ -15,15 +15,17 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rally.agent.base import reentry_wire as wire
 from rally.agent.base.event_loop import News, WorkerSaid
 from rally.rendezvous.base.records import EndKind, RoundEnd
 
-# An in-process restart this soon after the previous one, with no newer checkpoint step
-# between them, is a loop the function cannot get out of: the next one restarts the processes.
+# BURST_LIMIT in-process restarts in a row, each this soon after the previous one with no newer
+# checkpoint step between them, are a loop the function cannot get out of: the next one restarts
+# the processes. (One alone proves nothing: the holder's news of a save may lag the failure.)
 BURST_SECONDS = 10.0
+BURST_LIMIT = 3
 # How long the agent waits for every worker to leave the function and tear torch.distributed
 # down before it restarts them whole (a worker stuck in C code that never returns to Python).
 PARK_SECONDS = 10.0
@@ -137,27 +139,33 @@ class ReentryHub:
 
 @dataclass
 class ReentryBudget:
-    """When a failure may be recovered in-process: not twice within BURST_SECONDS without a newer
-    checkpoint step between (a loop the function cannot leave), and never after a teardown failed."""
+    """When a failure may be recovered in-process: not after BURST_LIMIT in-process restarts in a
+    row that each came within BURST_SECONDS of the one before with no newer checkpoint step."""
 
     last: tuple[float, int | None] | None = None  # (time, checkpoint step) of the last in-process restart
     count: int = 0
-    reasons: list[str] = field(default_factory=list)
+    stalled: int = 0  # in-process restarts in a row that came fast and without progress
+
+    def _fast_and_stalled(self, checkpoint_step: int | None, now: float) -> bool:
+        if self.last is None:
+            return False
+        at, step = self.last
+        return now - at < BURST_SECONDS and (checkpoint_step is None or step == checkpoint_step)
 
     def refusal(self, checkpoint_step: int | None, now: float | None = None) -> str | None:
         """Why the next restart must restart the processes, or None when it may be in-process."""
         now = time.monotonic() if now is None else now
-        if self.last is not None:
-            at, step = self.last
-            if now - at < BURST_SECONDS and (checkpoint_step is None or step == checkpoint_step):
-                return (
-                    f"the last in-process restart was {now - at:.1f} s ago and no newer checkpoint "
-                    f"was saved since (under {BURST_SECONDS:g} s)"
-                )
+        if self._fast_and_stalled(checkpoint_step, now) and self.stalled + 1 >= BURST_LIMIT:
+            return (
+                f"{BURST_LIMIT} in-process restarts in a row, each within {BURST_SECONDS:g} s of the last, "
+                "saved no newer checkpoint"
+            )
         return None
 
     def spent(self, checkpoint_step: int | None, now: float | None = None) -> None:
-        self.last = (time.monotonic() if now is None else now, checkpoint_step)
+        now = time.monotonic() if now is None else now
+        self.stalled = self.stalled + 1 if self._fast_and_stalled(checkpoint_step, now) else 0
+        self.last = (now, checkpoint_step)
         self.count += 1
 
 

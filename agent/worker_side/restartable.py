@@ -160,7 +160,7 @@ def socket_peer(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def run(train: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
     """Call `train(*args, **kwargs)`; under rally, call it again in this process after a failure
     anywhere in the job (an exception, a dead rank, a hang), with the next round's environment.
     Returns what the last entry returned. See the module docstring and docs/restartable.md."""
@@ -332,7 +332,7 @@ def _apply(env: dict[str, str]) -> None:
         tier.round = int(os.environ.get("RALLY_ROUND", "0") or 0)
 
 
-_deferred: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+_deferred: tuple[tuple[object, ...], dict[str, object]] | None = None
 
 
 def defer_init_in_spare() -> None:
@@ -344,9 +344,9 @@ def defer_init_in_spare() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    real = distributed_c10d.init_process_group
+    real: Callable[..., None] = distributed_c10d.init_process_group
 
-    def deferred(*args: Any, **kwargs: Any) -> None:
+    def deferred(*args: object, **kwargs: object) -> None:
         global _deferred
         if os.environ.get(wire.SPARE_ENV) != "1":  # promoted: the real thing
             real(*args, **kwargs)
@@ -363,7 +363,8 @@ def _deferred_init() -> None:
 
     assert _deferred is not None
     args, kwargs = _deferred
-    dist.init_process_group(*args, **kwargs)  # the spare's env var is gone: the real one runs
+    init: Callable[..., None] = dist.init_process_group
+    init(*args, **kwargs)  # the spare's env var is gone: the real one runs
 
 
 def _warm_up() -> None:
