@@ -32,6 +32,21 @@ Rank 0 appends one JSON line per event to ``--events``: ``start`` (the script's 
 ``import torch``; every rank writes this one, with its ``rank``), ``resumed`` (the step loaded,
 and how long the load took), ``step`` (every step, with its duration) and ``save`` (the stall).
 Rank 1 writes its pid to ``--pid-file`` so the driver can kill it.
+
+**Set-up** (``--setup-seconds``): before the training function, once per process, a sleep that
+stands for the model's and the data's construction. A sleep, not real work: on a shared 2-core
+machine real work's length would swing with the load and compete with the other rank's, while a
+sleep costs exactly the same in every row, so the rows differ by what each launcher makes the job
+pay again after a fault (a whole restart pays it again, an in-process re-entry does not).
+
+**Re-entry** (``--reenter``): ``none`` calls the training function once (a failure ends the
+process and the launcher restarts every rank); ``rally`` hands it to ``rally.job.run`` (re-entered
+in the surviving processes); ``nvrx`` wraps it in NVIDIA's ``inprocess.Wrapper`` (its sources from
+``RALLY_BENCH_NVRX_SRC``, settings in NVRX_SETTINGS). Each entry of the function logs ``entered``
+(every rank, with its pid) and tags rank 0's steps with the entry (``en``: pid.n), so the driver
+tells the entry a fault ended from the one after it. A **soft fault**: rank 1 raises
+``RuntimeError`` in the training function at the first step after the driver created
+``--raise-file`` (renamed away first, so it is raised once), logging ``raised`` with the time.
 """
 
 from __future__ import annotations
@@ -46,12 +61,30 @@ import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any, Optional  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 TENSORS = 25
 SIDE = 2000
+
+NVRX_SETTINGS = {
+    "monitor_thread_interval": 0.05,
+    "monitor_process_interval": 0.05,
+    "heartbeat_interval": 0.05,
+    "progress_watchdog_interval": 0.05,
+    "last_call_wait": 0.05,
+    "termination_grace_time": 1.0,
+    "barrier_timeout": 120.0,
+    "completion_timeout": 120.0,
+    "soft_timeout": 60.0,
+    "hard_timeout": 90.0,
+    "heartbeat_timeout": 30.0,
+}
+"""NVIDIA's Wrapper, tuned for the fastest restart: every polling interval and the last-call wait
+as low as worked here (seconds; its defaults are 1 s each), the timeouts its defaults (no hang is
+injected)."""
 
 
 class Events:
@@ -191,6 +224,131 @@ def busy_until(deadline: float, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.mm(a, b)
 
 
+def log_line(path: Path, event: str, **fields: float | int | str) -> None:
+    """One event line from any rank (an append: short lines from two ranks do not interleave)."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"e": event, "t": time.time(), **fields}) + "\n")
+
+
+class Job:
+    """What a process builds once, before the training function: argument, state, optimizer."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.params = [torch.nn.Parameter(torch.empty(SIDE, SIDE), requires_grad=False) for _ in range(TENSORS)]
+        self.optimizer = Overwrite(self.params)
+        self.state = {f"layer{i}.weight": p.detach() for i, p in enumerate(self.params)}  # model.state_dict()
+        self.ckpt = Checkpoints(args.method, args.dir)
+        self.entries = 0
+        self.events: Events | None = None
+
+    def train(self, attempt: int | None = None) -> None:
+        """The training function: resume from the newest checkpoint, step until the deadline."""
+        args, state, optimizer, ckpt = self.args, self.state, self.optimizer, self.ckpt
+        self.entries += 1
+        if attempt is None:
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        entry = f"{os.getpid()}.{self.entries}"
+        rank = dist.get_rank()
+        if self.events is None:
+            self.events = Events(args.events, attempt)
+        events = self.events
+        events.attempt = attempt
+        log_line(args.events, "entered", rank=rank, pid=os.getpid(), en=entry, a=attempt)
+        if rank == 1:
+            args.pid_file.write_text(str(os.getpid()))
+        began = time.perf_counter()
+        loaded = ckpt.load() if args.method != "none" else None
+        step = 0
+        if loaded is not None:
+            step, saved = loaded
+            for name, tensor in state.items():
+                tensor.copy_(saved[name])
+            check(state, step)
+            events("resumed", step=step, seconds=time.perf_counter() - began, en=entry)
+        else:
+            optimizer.to_step = 0
+            optimizer.step()
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        flag = torch.zeros(1)
+        costs: list[float] = []  # finished saves' costs (see `young_interval`)
+        clean: list[float] = []  # step times before the first save of this attempt: the baseline
+        next_save = step + CLEAN_STEPS
+        saved: dict | None = None  # the last save: step, stall (the call and the fence's wait), excess so far
+        interval = 1
+        first = step + 1
+        while True:
+            step += 1
+            t0 = time.perf_counter()
+            # Raised at a step after the entry's first (a fault asked for during a recovery waits for it).
+            if rank == 1 and args.raise_file is not None and step > first:
+                try:
+                    os.rename(args.raise_file, f"{args.raise_file}.{entry}")
+                except OSError:
+                    pass
+                else:
+                    log_line(args.events, "raised", rank=rank, pid=os.getpid(), en=entry)
+                    raise RuntimeError("bench: a soft fault in rank 1's training function")
+            busy_until(t0 + args.step_seconds, a, b)
+            optimizer.to_step = step
+            fenced = fence_seconds(args.method)
+            optimizer.step()  # rally's fence: waits for the last save's copy if it still runs
+            fence_wait = fence_seconds(args.method) - fenced
+            if saved is not None and saved["fence"] is None:
+                saved["fence"] = fence_wait
+            flag[0] = 1.0 if rank == 0 and time.time() >= args.until else 0.0
+            dist.all_reduce(flag)
+            took = time.perf_counter() - t0
+            events("step", step=step, seconds=took, en=entry)
+            if saved is None:
+                clean.append(took)
+            else:
+                # What the save costs the steps after it beyond the fence's wait: its copy and its
+                # persist compete with the step for the cores (for an overlapped save, most of its cost).
+                clean_step = baseline(clean)
+                saved["excess"] += took - fence_wait - clean_step
+                interval = young_interval([*costs, cost_of(saved)], args.mtbf, clean_step)
+                next_save = saved["step"] + interval
+            if flag[0] > 0:
+                break
+            if args.method != "none" and step >= next_save:
+                if saved is not None:
+                    finish(events, saved, costs, interval)
+                t1 = time.perf_counter()
+                ckpt.save(state, step)
+                saved = {"step": step, "call": time.perf_counter() - t1, "fence": None, "excess": 0.0}
+        if saved is not None:
+            finish(events, saved, costs, interval)
+
+
+def run_nvrx(job: Job) -> None:
+    """The training function under NVIDIA's in-process Wrapper (nvidia-resiliency-ext's sources):
+    each iteration makes its own store and group, as its examples do; LOCAL_RANK unset, so no
+    GPU health check (this job has no GPU)."""
+    from datetime import timedelta
+
+    import nvidia_resiliency_ext.inprocess as inprocess
+
+    os.environ.pop("LOCAL_RANK", None)
+    port = int(os.environ["MASTER_PORT"])
+    timing = {k: timedelta(seconds=v) for k, v in NVRX_SETTINGS.items()}
+
+    def train(call_wrapper: Any = None) -> None:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port + 2 + call_wrapper.iteration,
+                              int(os.environ["WORLD_SIZE"]), is_master=os.environ["RANK"] == "0",
+                              multi_tenant=True, wait_for_workers=True, use_libuv=True)  # fmt: skip
+        dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+        base = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        job.train(attempt=base * 1000 + call_wrapper.iteration)
+        dist.destroy_process_group()
+
+    # The Wrapper hands its CallWrapper to the parameter annotated with that class: a real class
+    # here, not the string this module's `from __future__ import annotations` makes of it.
+    train.__annotations__["call_wrapper"] = Optional[inprocess.CallWrapper]  # noqa: UP045 (it checks typing.Union)
+    inprocess.Wrapper(store_kwargs={"port": port + 1}, **timing)(train)()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--method", required=True, choices=("rally", "torch_save", "dlrover", "none"))
@@ -200,71 +358,26 @@ def main() -> None:
     parser.add_argument("--until", type=float, required=True, help="wall-clock time (epoch) to stop at")
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--mtbf", type=float, default=60.0)
+    parser.add_argument("--setup-seconds", type=float, default=0.0)
+    parser.add_argument("--reenter", choices=("none", "rally", "nvrx"), default="none")
+    parser.add_argument("--raise-file", type=Path, default=None)
     args = parser.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
     torch.set_num_threads(1)
-    events = Events(args.events, attempt)
-    events.started(args.events)
+    Events(args.events, attempt).started(args.events)
+    time.sleep(args.setup_seconds)  # stands for the model's and the data's construction (docstring)
+    job = Job(args)
+    if args.reenter == "nvrx":
+        run_nvrx(job)
+        return
     dist.init_process_group("gloo")
-    if dist.get_rank() == 1:
-        args.pid_file.write_text(str(os.getpid()))
-    params = [torch.nn.Parameter(torch.empty(SIDE, SIDE), requires_grad=False) for _ in range(TENSORS)]
-    optimizer = Overwrite(params)
-    state = {f"layer{i}.weight": p.detach() for i, p in enumerate(params)}  # what model.state_dict() holds
-    ckpt = Checkpoints(args.method, args.dir)
-    began = time.perf_counter()
-    loaded = ckpt.load() if args.method != "none" else None
-    step = 0
-    if loaded is not None:
-        step, saved = loaded
-        for name, tensor in state.items():
-            tensor.copy_(saved[name])
-        check(state, step)
-        events("resumed", step=step, seconds=time.perf_counter() - began)
+    if args.reenter == "rally":
+        from rally import job as rally_job
+
+        rally_job.run(job.train)
     else:
-        optimizer.to_step = 0
-        optimizer.step()
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    flag = torch.zeros(1)
-    costs: list[float] = []  # finished saves' costs (see `young_interval`)
-    clean: list[float] = []  # step times before the first save of this attempt: the baseline
-    next_save = step + CLEAN_STEPS
-    saved: dict | None = None  # the last save: step, stall (the call and the fence's wait), excess so far
-    interval = 1
-    while True:
-        step += 1
-        t0 = time.perf_counter()
-        busy_until(t0 + args.step_seconds, a, b)
-        optimizer.to_step = step
-        fenced = fence_seconds(args.method)
-        optimizer.step()  # rally's fence: waits for the last save's copy if it still runs
-        fence_wait = fence_seconds(args.method) - fenced
-        if saved is not None and saved["fence"] is None:
-            saved["fence"] = fence_wait
-        flag[0] = 1.0 if dist.get_rank() == 0 and time.time() >= args.until else 0.0
-        dist.all_reduce(flag)
-        took = time.perf_counter() - t0
-        events("step", step=step, seconds=took)
-        if saved is None:
-            clean.append(took)
-        else:
-            # What the save costs the steps after it beyond the fence's wait: its copy and its
-            # persist compete with the step for the cores (for an overlapped save, most of its cost).
-            clean_step = baseline(clean)
-            saved["excess"] += took - fence_wait - clean_step
-            interval = young_interval([*costs, cost_of(saved)], args.mtbf, clean_step)
-            next_save = saved["step"] + interval
-        if flag[0] > 0:
-            break
-        if args.method != "none" and step >= next_save:
-            if saved is not None:
-                finish(events, saved, costs, interval)
-            t1 = time.perf_counter()
-            ckpt.save(state, step)
-            saved = {"step": step, "call": time.perf_counter() - t1, "fence": None, "excess": 0.0}
-    if saved is not None:
-        finish(events, saved, costs, interval)
+        job.train()
     dist.destroy_process_group()
 
 
