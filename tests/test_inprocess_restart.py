@@ -10,13 +10,16 @@ job.run existed, gives the same parameters but new pids, so these tests fail wit
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from support.helpers import clean_env, read_events, run_rally
+from support.agents import start_agent, stop_all
+from support.helpers import clean_env, eventually, rally_status, read_events, run_rally
 
 pytestmark = pytest.mark.torch
 
@@ -72,6 +75,11 @@ TRAIN = textwrap.dedent(
                 while kind == "hang":  # in Python: the agent's interrupt raises at the next bytecode
                     time.sleep(1)
                 raise ValueError(f"injected at step {step}")
+        deadline = time.monotonic() + 120
+        while os.environ.get("HOLD") and entries > 1 and not (OUT / "release").exists():
+            assert time.monotonic() < deadline, "never released"  # a test reads rally status meanwhile
+            job.heartbeat(steps)
+            time.sleep(0.05)
         params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
         result = {"digest": hashlib.sha256(params).hexdigest(), "entries": entries, "pid": os.getpid()}
         (OUT / f"result.{ctx.rank}").write_text(json.dumps(result))
@@ -131,6 +139,48 @@ def test_an_exception_re_enters_the_function_in_the_same_processes(
     report = json.loads(next(logs.glob("*/report.json")).read_text())
     assert report["attempts"][0]["recovery"] == "in-process"
     assert report["attempts"][0]["end"]["info"]["traceback"].rstrip().endswith("ValueError: injected at step 5")
+
+
+@pytest.mark.timeout(300)
+def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path) -> None:
+    """`rally status` (its table, --json, and once the job is over) and /metrics tell an in-process
+    restart from a whole one (without the mark, a restart that kept every process looks like any)."""
+    out, logs = tmp_path / "fault", tmp_path / "fault-logs"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    args = ["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs), "--metrics-port", "0", str(script)]
+    agent = start_agent("held", tmp_path, args, {"OUT": str(out), "FAULT": "exception:5:1", "HOLD": "1"})
+    try:
+        served = r"Prometheus metrics at http://\S+:(\d+)/metrics"
+        assert eventually(lambda: re.search(served, agent.output()), 90), agent.output()
+        port = int(re.search(served, agent.output()).group(1))  # type: ignore[union-attr]
+
+        def in_process_record() -> dict | None:  # node 0's view, refreshed every 2 s
+            done = rally_status([str(logs), "--json"], Path("/"))
+            record = json.loads(done.stdout) if done.returncode == 0 else {}
+            nodes = record.get("nodes") or [{}]
+            return record if nodes[0].get("round") == 1 and nodes[0].get("in_process_restarts") == 1 else None
+
+        record = eventually(in_process_record, 120)
+        assert record, rally_status([str(logs), "--json"], Path("/")).stdout + agent.output()
+        assert record["nodes"][0]["restart_count"] == 1
+        assert record["last_restart"]["kind"] == "worker_failed" and record["last_restart"]["recovery"] == "in-process"
+        table = rally_status([str(logs)], Path("/"))
+        assert re.search(r"│ 1 \(1 in-process\)\s*│", table.stdout), table.describe()
+        assert "last restart: round 0 ended (worker_failed, in-process): rank 1" in table.stdout, table.stdout
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        assert re.search(r'^rally_restarts_total\{run_id="[^"]+"\} 1\.0$', metrics, re.M), metrics
+        assert re.search(r'^rally_in_process_restarts_total\{run_id="[^"]+"\} 1\.0$', metrics, re.M), metrics
+        (out / "release").touch()
+        assert agent.wait(120) == 0, agent.output()
+    finally:
+        stop_all([agent])
+    done = rally_status([str(logs)], Path("/"))  # over: from events.jsonl
+    assert "last restart: round 0 ended (worker_failed, in-process): rank 1" in done.stdout, done.describe()
+    record = json.loads(rally_status([str(logs), "--json"], Path("/")).stdout)
+    assert record["source"] == "run_dir" and record["last_restart"]["recovery"] == "in-process", record
 
 
 @pytest.mark.timeout(300)
