@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import textwrap
 import urllib.request
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from support.agents import start_agent, stop_all
-from support.helpers import clean_env, eventually, rally_status, read_events, run_rally
+from support.helpers import clean_env, eventually, free_port, kill_group, rally_status, read_events, run_rally
 
 pytestmark = pytest.mark.torch
 
@@ -283,3 +284,88 @@ def test_a_warm_spare_takes_a_killed_ranks_place(tmp_path: Path, clean_digest: s
     assert [e["pid"] for e in events if e["event"] == "spare_promoted"] == [spares[0]]
     assert len(spares) == 2, "no new spare was started after the first one took a rank's place"
     assert not [e for e in events if e["event"] == "worker_started" and e["round"] == 1], "a worker was forked anyway"
+
+
+# The NCCL path of the teardown between two entries (agent/worker_side/restartable.py `teardown`),
+# on a real NCCL group of two processes, one GPU each: a collective its peer never joins is released
+# by the communicators' abort (else the teardown's synchronize would hang past its bound), the
+# process group is gone, the CUDA context and the tensors the script holds stay, the allocator's
+# cache is given back, and a new round's group on a fresh port works with the same tensors.
+NCCL_TEARDOWN = textwrap.dedent(
+    """
+    import os, time
+    import torch
+    import torch.distributed as dist
+    from rally.agent.worker_side import restartable
+
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    kept = torch.ones(1 << 20, device="cuda")  # the script's model: it survives the teardown
+    dist.all_reduce(kept)
+    torch.cuda.synchronize()
+    assert kept[0].item() == 2
+    cached = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del cached  # freed into the allocator's cache: the teardown gives it back to the device
+    reserved = torch.cuda.memory_reserved()
+    if rank == 1:  # the peer never joins: only the communicator's abort ends this kernel
+        dist.all_reduce(torch.ones(1, device="cuda"))
+    started = time.monotonic()
+    why = restartable.teardown()
+    took = time.monotonic() - started
+    assert why is None, why
+    assert not dist.is_initialized(), "the process group survived the teardown"
+    assert torch.cuda.is_initialized() and kept[0].item() == 2, "the CUDA context or the script's tensor was lost"
+    after = torch.cuda.memory_reserved()
+    assert after <= reserved - (256 << 20), f"the cache was not freed: {reserved} -> {after} bytes reserved"
+    os.environ["MASTER_PORT"] = os.environ["NEXT_PORT"]  # the next round, as the agent gives it
+    dist.init_process_group("nccl")
+    dist.all_reduce(kept)
+    torch.cuda.synchronize()
+    assert kept[0].item() == 4, kept[0].item()
+    dist.destroy_process_group()
+    print(f"teardown ok in {took:.2f} s", flush=True)
+    """
+)
+
+
+def _nccl_missing() -> str | None:
+    """Why the NCCL teardown cannot be tried on this machine, or None."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        return f"torch {torch.__version__} has no NCCL (a CPU build): the NCCL teardown needs CUDA torch and GPUs"
+    if torch.cuda.device_count() < 2:
+        return f"2 CUDA devices needed (NCCL runs one rank per GPU); this machine has {torch.cuda.device_count()}"
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_the_nccl_teardown_aborts_a_blocked_collective_keeps_cuda_and_frees_the_cache(tmp_path: Path) -> None:
+    missing = _nccl_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    script = tmp_path / "nccl_teardown.py"
+    script.write_text(NCCL_TEARDOWN)
+    ports = {"MASTER_PORT": str(free_port()), "NEXT_PORT": str(free_port())}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=clean_env(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), **ports),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_group(proc.pid)
+                proc.wait()
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0 and "teardown ok" in output, f"rank {rank}:\n{output[-5000:]}"
