@@ -48,6 +48,7 @@ TRAIN = textwrap.dedent(
         if OWN_INIT:
             dist.init_process_group("gloo")
         ctx = job.context()
+        print(f"entry {entries} of pid {os.getpid()}", flush=True)  # where its logs go (docs/restartable.md)
         ddp = torch.nn.parallel.DistributedDataParallel(model)  # holds the group: built per entry
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         ckpt = job.load_latest()
@@ -145,12 +146,14 @@ def test_an_exception_re_enters_the_function_in_the_same_processes(
 @pytest.mark.timeout(300)
 def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path) -> None:
     """`rally status` (its table, --json, and once the job is over) and /metrics tell an in-process
-    restart from a whole one (without the mark, a restart that kept every process looks like any)."""
+    restart from a whole one (without the mark, a restart that kept every process looks like any);
+    the re-entered workers' output stays in their first attempt's files, as documented."""
     out, logs = tmp_path / "fault", tmp_path / "fault-logs"
     out.mkdir()
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    args = ["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs), "--metrics-port", "0", str(script)]
+    args = ["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs), "--metrics-port", "0"]
+    args += ["--tee", "3", str(script)]  # the workers' output in files too: where a re-entered one's goes
     agent = start_agent("held", tmp_path, args, {"OUT": str(out), "FAULT": "exception:5:1", "HOLD": "1"})
     try:
         served = r"Prometheus metrics at http://\S+:(\d+)/metrics"
@@ -178,6 +181,12 @@ def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path) -> None:
         assert agent.wait(120) == 0, agent.output()
     finally:
         stop_all([agent])
+    # A re-entered worker's output stays in the files of the attempt its process started in (docs/restartable.md)
+    (run_dir,) = logs.glob("*/")
+    for rank in (0, 1):
+        first = (run_dir / "attempt_0" / str(rank) / "stdout.log").read_text()
+        assert "entry 1 of pid" in first and "entry 2 of pid" in first, first
+        assert not (run_dir / "attempt_1" / str(rank) / "stdout.log").exists()
     done = rally_status([str(logs)], Path("/"))  # over: from events.jsonl
     assert "last restart: round 0 ended (worker_failed, in-process): rank 1" in done.stdout, done.describe()
     record = json.loads(rally_status([str(logs), "--json"], Path("/")).stdout)
