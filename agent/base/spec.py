@@ -30,6 +30,20 @@ class LearningSettings:
 
 
 @dataclass(frozen=True)
+class SchedulerView:
+    """What the scheduler this node runs under tells the agent (launcher/schedulers/: SLURM,
+    Kubernetes' training operator, none), so that no module of the agent reads its variables."""
+
+    name: str = "none"
+    # How to keep this node out of the job when it runs again (SLURM: an `scontrol update ...
+    # ExcNodeList=` command), "" when the scheduler offers no way; said when a node is quarantined.
+    keep_node_out: str = ""
+    # The scheduler tracks a job step by its own cgroups (SLURM): the job's own cgroup must be a v2
+    # child, inside the step's, never a v1 one that would take the workers out of its list.
+    tracks_cgroups: bool = False
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """Everything the agent needs to start, watch and restart this node's workers.
 
@@ -40,6 +54,7 @@ class JobSpec:
     entrypoint: str
     args: tuple[str, ...] = ()
     rally_version: str = ""  # the launcher's (launcher/__init__.py): the agent reads no launcher module
+    scheduler: SchedulerView = SchedulerView()  # what SLURM or Kubernetes says (launcher/schedulers/)
     nproc_per_node: int = 1
     run_id: str = "none"
     role: str = "default"
