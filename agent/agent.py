@@ -114,6 +114,7 @@ class Agent:
         self.reentry = ReentryHub(self.loop.inbox.post)
         self.reentry_budget = ReentryBudget()
         self.parked = False  # this node's workers wait in rally.job.run for the next round
+        self.in_process_restarts = 0  # restarts this node made by re-entering its workers (`rally status`)
         self.spares: list[Worker] = []  # --warm-spares: processes waiting in rally.job.run for a rank's place
         self.spares_started = 0
         self.spare_streams: list = []
@@ -633,6 +634,8 @@ class Agent:
             console.error("root cause: " + explain(end))
         if isinstance(decision, Restart):
             how = "re-entering the training function in every worker" if self.parked else "restarting all workers"
+            if self.parked:
+                self.in_process_restarts += 1
             console.say(f"{how} (restart {decision.restart_count} of {self.spec.max_restarts})")
             self.events.emit(
                 "restart",

@@ -338,8 +338,9 @@ def restart_line(restart: dict | None, ended: bool = False) -> str:
     job never restarted" once it has ended (nothing is "so far" of a job that is over)."""
     if not restart:
         return "the job never restarted" if ended else "no restart so far"
+    how = f", {restart['recovery']}" if restart.get("recovery") else ""  # "in-process": rally.job.run
     return printable(
-        f"last restart: round {restart.get('round')} ended ({restart.get('kind')}): {restart.get('detail')}",
+        f"last restart: round {restart.get('round')} ended ({restart.get('kind')}{how}): {restart.get('detail')}",
         limit=1000,
     )
 

@@ -10,13 +10,17 @@ job.run existed, gives the same parameters but new pids, so these tests fail wit
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from support.helpers import clean_env, read_events, run_rally
+from support.agents import start_agent, stop_all
+from support.helpers import clean_env, eventually, free_port, kill_group, rally_status, read_events, run_rally
 
 pytestmark = pytest.mark.torch
 
@@ -44,6 +48,7 @@ TRAIN = textwrap.dedent(
         if OWN_INIT:
             dist.init_process_group("gloo")
         ctx = job.context()
+        print(f"entry {entries} of pid {os.getpid()}", flush=True)  # where its logs go (docs/restartable.md)
         ddp = torch.nn.parallel.DistributedDataParallel(model)  # holds the group: built per entry
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         ckpt = job.load_latest()
@@ -72,6 +77,11 @@ TRAIN = textwrap.dedent(
                 while kind == "hang":  # in Python: the agent's interrupt raises at the next bytecode
                     time.sleep(1)
                 raise ValueError(f"injected at step {step}")
+        deadline = time.monotonic() + 120
+        while os.environ.get("HOLD") and entries > 1 and not (OUT / "release").exists():
+            assert time.monotonic() < deadline, "never released"  # a test reads rally status meanwhile
+            job.heartbeat(steps)
+            time.sleep(0.05)
         params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
         result = {"digest": hashlib.sha256(params).hexdigest(), "entries": entries, "pid": os.getpid()}
         (OUT / f"result.{ctx.rank}").write_text(json.dumps(result))
@@ -131,6 +141,56 @@ def test_an_exception_re_enters_the_function_in_the_same_processes(
     report = json.loads(next(logs.glob("*/report.json")).read_text())
     assert report["attempts"][0]["recovery"] == "in-process"
     assert report["attempts"][0]["end"]["info"]["traceback"].rstrip().endswith("ValueError: injected at step 5")
+
+
+@pytest.mark.timeout(300)
+def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path) -> None:
+    """`rally status` (its table, --json, and once the job is over) and /metrics tell an in-process
+    restart from a whole one (without the mark, a restart that kept every process looks like any);
+    the re-entered workers' output stays in their first attempt's files, as documented."""
+    out, logs = tmp_path / "fault", tmp_path / "fault-logs"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    args = ["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs), "--metrics-port", "0"]
+    args += ["--tee", "3", str(script)]  # the workers' output in files too: where a re-entered one's goes
+    agent = start_agent("held", tmp_path, args, {"OUT": str(out), "FAULT": "exception:5:1", "HOLD": "1"})
+    try:
+        served = r"Prometheus metrics at http://\S+:(\d+)/metrics"
+        assert eventually(lambda: re.search(served, agent.output()), 90), agent.output()
+        port = int(re.search(served, agent.output()).group(1))  # type: ignore[union-attr]
+
+        def in_process_record() -> dict | None:  # node 0's view, refreshed every 2 s
+            done = rally_status([str(logs), "--json"], Path("/"))
+            record = json.loads(done.stdout) if done.returncode == 0 else {}
+            nodes = record.get("nodes") or [{}]
+            return record if nodes[0].get("round") == 1 and nodes[0].get("in_process_restarts") == 1 else None
+
+        record = eventually(in_process_record, 120)
+        assert record, rally_status([str(logs), "--json"], Path("/")).stdout + agent.output()
+        assert record["nodes"][0]["restart_count"] == 1
+        assert record["last_restart"]["kind"] == "worker_failed" and record["last_restart"]["recovery"] == "in-process"
+        table = rally_status([str(logs)], Path("/"))
+        assert re.search(r"│ 1 \(1 in-process\)\s*│", table.stdout), table.describe()
+        assert "last restart: round 0 ended (worker_failed, in-process): rank 1" in table.stdout, table.stdout
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        assert re.search(r'^rally_restarts_total\{run_id="[^"]+"\} 1\.0$', metrics, re.M), metrics
+        assert re.search(r'^rally_in_process_restarts_total\{run_id="[^"]+"\} 1\.0$', metrics, re.M), metrics
+        (out / "release").touch()
+        assert agent.wait(120) == 0, agent.output()
+    finally:
+        stop_all([agent])
+    # A re-entered worker's output stays in the files of the attempt its process started in (docs/restartable.md)
+    (run_dir,) = logs.glob("*/")
+    for rank in (0, 1):
+        first = (run_dir / "attempt_0" / str(rank) / "stdout.log").read_text()
+        assert "entry 1 of pid" in first and "entry 2 of pid" in first, first
+        assert not (run_dir / "attempt_1" / str(rank) / "stdout.log").exists()
+    done = rally_status([str(logs)], Path("/"))  # over: from events.jsonl
+    assert "last restart: round 0 ended (worker_failed, in-process): rank 1" in done.stdout, done.describe()
+    record = json.loads(rally_status([str(logs), "--json"], Path("/")).stdout)
+    assert record["source"] == "run_dir" and record["last_restart"]["recovery"] == "in-process", record
 
 
 @pytest.mark.timeout(300)
@@ -233,3 +293,88 @@ def test_a_warm_spare_takes_a_killed_ranks_place(tmp_path: Path, clean_digest: s
     assert [e["pid"] for e in events if e["event"] == "spare_promoted"] == [spares[0]]
     assert len(spares) == 2, "no new spare was started after the first one took a rank's place"
     assert not [e for e in events if e["event"] == "worker_started" and e["round"] == 1], "a worker was forked anyway"
+
+
+# The NCCL path of the teardown between two entries (agent/worker_side/restartable.py `teardown`),
+# on a real NCCL group of two processes, one GPU each: a collective its peer never joins is released
+# by the communicators' abort (else the teardown's synchronize would hang past its bound), the
+# process group is gone, the CUDA context and the tensors the script holds stay, the allocator's
+# cache is given back, and a new round's group on a fresh port works with the same tensors.
+NCCL_TEARDOWN = textwrap.dedent(
+    """
+    import os, time
+    import torch
+    import torch.distributed as dist
+    from rally.agent.worker_side import restartable
+
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    kept = torch.ones(1 << 20, device="cuda")  # the script's model: it survives the teardown
+    dist.all_reduce(kept)
+    torch.cuda.synchronize()
+    assert kept[0].item() == 2
+    cached = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del cached  # freed into the allocator's cache: the teardown gives it back to the device
+    reserved = torch.cuda.memory_reserved()
+    if rank == 1:  # the peer never joins: only the communicator's abort ends this kernel
+        dist.all_reduce(torch.ones(1, device="cuda"))
+    started = time.monotonic()
+    why = restartable.teardown()
+    took = time.monotonic() - started
+    assert why is None, why
+    assert not dist.is_initialized(), "the process group survived the teardown"
+    assert torch.cuda.is_initialized() and kept[0].item() == 2, "the CUDA context or the script's tensor was lost"
+    after = torch.cuda.memory_reserved()
+    assert after <= reserved - (256 << 20), f"the cache was not freed: {reserved} -> {after} bytes reserved"
+    os.environ["MASTER_PORT"] = os.environ["NEXT_PORT"]  # the next round, as the agent gives it
+    dist.init_process_group("nccl")
+    dist.all_reduce(kept)
+    torch.cuda.synchronize()
+    assert kept[0].item() == 4, kept[0].item()
+    dist.destroy_process_group()
+    print(f"teardown ok in {took:.2f} s", flush=True)
+    """
+)
+
+
+def _nccl_missing() -> str | None:
+    """Why the NCCL teardown cannot be tried on this machine, or None."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        return f"torch {torch.__version__} has no NCCL (a CPU build): the NCCL teardown needs CUDA torch and GPUs"
+    if torch.cuda.device_count() < 2:
+        return f"2 CUDA devices needed (NCCL runs one rank per GPU); this machine has {torch.cuda.device_count()}"
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_the_nccl_teardown_aborts_a_blocked_collective_keeps_cuda_and_frees_the_cache(tmp_path: Path) -> None:
+    missing = _nccl_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    script = tmp_path / "nccl_teardown.py"
+    script.write_text(NCCL_TEARDOWN)
+    ports = {"MASTER_PORT": str(free_port()), "NEXT_PORT": str(free_port())}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=clean_env(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), **ports),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_group(proc.pid)
+                proc.wait()
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0 and "teardown ok" in output, f"rank {rank}:\n{output[-5000:]}"

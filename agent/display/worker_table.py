@@ -62,10 +62,16 @@ NODE_COLUMNS: list[tuple[str, Callable[[dict, float], str]]] = [
     ("node", lambda n, _: str(n.get("group_rank", ""))),
     ("host", lambda n, _: str(n.get("host", ""))),
     ("round", lambda n, _: str(n.get("round", ""))),
-    ("restarts", lambda n, _: str(n.get("restart_count", ""))),
+    ("restarts", lambda n, _: restarts_cell(n)),
     ("checkpoint", lambda n, _: _checkpoint(n)),
     ("keep-alive", lambda n, now: f"{now - n['updated']:.1f} s ago" if n.get("updated") else "-"),
 ]
+
+
+def restarts_cell(node: dict) -> str:
+    """The job's restarts, and how many of them this node made in-process (rally.job.run): "2 (1 in-process)"."""
+    count, in_process = node.get("restart_count", ""), node.get("in_process_restarts")
+    return f"{count} ({in_process} in-process)" if in_process else str(count)
 
 
 def _checkpoint(node: dict) -> str:

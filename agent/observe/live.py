@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from rally.agent.display.worker_table import hang_line, straggler_line, worker_table
+from rally.agent.display.worker_table import hang_line, restarts_cell, straggler_line, worker_table
 
 REFRESH_PER_SECOND = 2
 
@@ -91,7 +91,7 @@ def render_workers(record: dict) -> Table:
     """This node's workers (agent/display/worker_table.py), with a caption naming the stragglers."""
     title = (
         f"rally · node {record.get('group_rank', '?')} · round {record.get('round', '?')} · "
-        f"restarts {record.get('restart_count', 0)} · world {record.get('world_size', '?')}"
+        f"restarts {restarts_cell({'restart_count': 0, **record})} · world {record.get('world_size', '?')}"
     )
     stragglers = [w for w in record.get("workers", []) if w.get("straggler")]
     caption = "\n".join(straggler_line(w, record.get("host")) for w in stragglers) or None

@@ -13,6 +13,7 @@ every metric carries a `run_id` label, every worker metric also `rank`, `local_r
     rally_build_info{version,torch,python}  1; the versions this agent runs with
     rally_round                          the current rendezvous round
     rally_restarts_total                 job-wide restarts so far (TORCHELASTIC_RESTART_COUNT)
+    rally_in_process_restarts_total      of those, the ones this node made in-process (rally.job.run)
     rally_world_size                     workers in the job
     rally_nodes                          nodes in the current round
     rally_failures_total{kind}           round ends this node saw, by kind (worker_failed, worker_hung, node_lost, ...)
@@ -132,6 +133,12 @@ class AgentCollector(Collector):
         yield self._one(GaugeMetricFamily, "rally_round", "The current rendezvous round.", record.get("round", 0))
         yield self._one(
             CounterMetricFamily, "rally_restarts", "Job-wide restarts so far.", record.get("restart_count", 0)
+        )
+        yield self._one(
+            CounterMetricFamily,
+            "rally_in_process_restarts",
+            "Of rally_restarts_total, those this node made by re-entering its workers (rally.job.run).",
+            record.get("in_process_restarts", 0),
         )
         yield self._one(GaugeMetricFamily, "rally_world_size", "Workers in the job.", record.get("world_size", 0))
         if record.get("group_world_size") is not None:

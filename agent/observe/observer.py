@@ -55,6 +55,14 @@ class ObserverContext(AgentContext, Protocol):
     def assignment(self) -> Assignment | None:
         """The round this node is in (None before the first)."""
 
+    @property
+    def parked(self) -> bool:
+        """This node's workers wait in rally.job.run to re-enter (an in-process restart is under way)."""
+
+    @property
+    def in_process_restarts(self) -> int:
+        """How many of the job's restarts this node made by re-entering its workers (rally.job.run)."""
+
 
 class Observer(Collaborator):
     """The workers' health (heartbeats, hangs, resources: the health monitor of each round),
@@ -130,7 +138,7 @@ class Observer(Collaborator):
         return "nccl" if self.gpu is not None else "gloo"
 
     def restarting(self, rnd: Round, end: RoundEnd) -> None:
-        self.note_restart(rnd.assignment.round, end)
+        self.note_restart(rnd.assignment.round, end, in_process=self.ctx.parked)
 
     def exit(self) -> str | None:
         self.stop()
@@ -283,7 +291,12 @@ class Observer(Collaborator):
     def node_fields(self) -> dict:
         problems = self.gpu_problems()
         total = None if problems is None else len(self.gpu_problems_seen)
-        return {"gpu_problems": problems, "gpu_problems_total": total, "last_restart": self.last_restart}
+        return {
+            "gpu_problems": problems,
+            "gpu_problems_total": total,
+            "last_restart": self.last_restart,
+            "in_process_restarts": self.ctx.in_process_restarts,  # `rally status`: "2 (1 in-process)"
+        }
 
     def _keep_view(self, status: dict) -> None:
         assert self.run_dir is not None
@@ -292,10 +305,13 @@ class Observer(Collaborator):
         except OSError:
             pass  # a full disk or a removed run directory: `rally status RUN_DIR` asks the store instead
 
-    def note_restart(self, round_: int, end: RoundEnd) -> None:
+    def note_restart(self, round_: int, end: RoundEnd, in_process: bool = False) -> None:
         """Round `round_` ended with `end` (a failure or a membership change) and another follows:
-        kept for the status record, so `rally status` can say why the last restart happened."""
+        kept for the status record, so `rally status` can say why the last restart happened, and
+        whether the workers were re-entered in their processes (rally.job.run) or restarted."""
         self.last_restart = {"round": round_, "kind": str(end.kind), "detail": end.detail}
+        if in_process:
+            self.last_restart["recovery"] = "in-process"
 
     def exchange(self, rnd: Round) -> None:
         """From the status thread, with the round (rendezvous.protocol.Round) on its connection:

@@ -224,7 +224,7 @@ def read_endpoint(run_dir: Path) -> dict:
 
 
 def last_restart_from_events(run_dir: Path) -> dict | None:
-    """The newest restart or re-formation in events.jsonl: {round, kind, detail}; None when
+    """The newest restart or re-formation in events.jsonl: {round, kind, detail[, recovery]}; None when
     there was none, or events.jsonl is missing. Only its last MAX_EVENTS_BYTES are read (the
     newest restart is near the end); Unreadable when it is not a regular file."""
     path = run_dir / EVENTS_FILE
@@ -247,6 +247,8 @@ def last_restart_from_events(run_dir: Path) -> dict | None:
                 "kind": kind[:MAX_TEXT] if isinstance(kind, str) and kind else "restart",
                 "detail": detail[:MAX_TEXT] if isinstance(detail, str) else "",
             }
+            if event.get("in_process") is True:  # the workers were re-entered (rally.job.run)
+                last["recovery"] = "in-process"
     return last
 
 

@@ -64,7 +64,7 @@ WORKER: Schema = {
     "section": Text,
     "gpu_utilization": Number,
 }
-LAST_RESTART: Schema = {"round": Whole, "kind": Text, "detail": Text}
+LAST_RESTART: Schema = {"round": Whole, "kind": Text, "detail": Text, "recovery": Text}
 NODE_PREFLIGHT: Schema = {  # agent/checks/preflight.py: this node's numbers of the last check
     "round": Whole,
     "seconds": Number,
@@ -80,6 +80,7 @@ NODE: Schema = {
     "group_rank": Whole,
     "round": Whole,
     "restart_count": Whole,
+    "in_process_restarts": Whole,  # of restart_count, those this node made by re-entering (rally.job.run)
     "world_size": Whole,
     "group_world_size": Whole,
     "updated": Number,
