@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from rally.agent.base.spec import JobSpec
 from rally.launcher import validate
 from rally.launcher.options import Options, RendezvousOptions
+from rally.launcher.path_checks import check_job_paths
 from rally.launcher.secret_warnings import secret_warnings
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf
@@ -27,7 +28,7 @@ from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, bac
 from rally.rendezvous.etcd_conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import RendezvousSettings
-from rally.rendezvous.store import StoreEndpoint, loopback_address
+from rally.rendezvous.store import StoreEndpoint, is_loopback_name, loopback_address
 from rally.rendezvous.token import TokenError, resolve_token
 
 if TYPE_CHECKING:  # imported only inside SLURM (launcher/cli.py)
@@ -59,10 +60,14 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
     notes = list(parsed.notes)
     conf = r.rdzv_conf
     endpoint, settings, preferred_rank = plan_rendezvous(r, spec.run_id, slurm_job)
-    warnings: list[str] = []
+    warnings = check_job_paths(spec, conf)  # before a secret file is read
     try:
         token = resolve_token(
-            conf["token"], conf["token_file"], r.standalone, slurm_job.job_id if slurm_job else None, warnings
+            conf["token"],
+            conf["token_file"],
+            r.standalone or one_local_node(endpoint, settings.max_nodes),
+            slurm_job.job_id if slurm_job else None,
+            warnings,
         )
     except TokenError as exc:
         raise ConfigError(str(exc)) from None
@@ -89,6 +94,15 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
         token=token,
     )
     return Launch(spec, plan, notes, warnings, token if conf["token"] or conf["token_file"] else "")
+
+
+def one_local_node(endpoint: StoreEndpoint, max_nodes: int) -> bool:
+    """A job that can only ever have one node, on a c10d store of this machine: like --standalone,
+    no other agent needs its token, so it gets a random one (rendezvous/token.py), and a local user
+    who reaches the store's port cannot forge its records (its end: "job succeeded", exit 0)."""
+    if max_nodes != 1 or endpoint.etcd or endpoint.file_path:
+        return False
+    return endpoint.host_here or is_loopback_name(endpoint.host)
 
 
 def check_entry_point(o: Options, script: str | None) -> None:
