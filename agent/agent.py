@@ -55,11 +55,11 @@ from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup
 from rally.agent.template.client import TemplateClient
 from rally.agent.worker_exits import WorkerExits
 from rally.rendezvous.backends import OpenedStore
-from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.base.kv import KeyValueStore
+from rally.rendezvous.c10d.store import StoreError, host_tcp_store, listen_address
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousError, Round, RoundEnd
-from rally.rendezvous.store import StoreError, host_tcp_store, listen_address
-from rally.rendezvous.waiting import plural
+from rally.rendezvous.status.waiting import plural
 
 if TYPE_CHECKING:  # torch is imported lazily
     from torch.distributed import TCPStore
@@ -203,7 +203,7 @@ class Agent:
                 return code
 
     def _untrusted_value(self, line: str) -> None:
-        """A value this job did not write was replaced or ignored (rendezvous/kv.py): one line per key."""
+        """A value this job did not write was replaced or ignored (rendezvous/base/kv.py): one line per key."""
         key = line.split("'")[1] if line.count("'") >= 2 else line
         if key not in self.untrusted_seen:
             self.untrusted_seen.add(key)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rally.agent.base.exit_codes import EXIT_PREEMPTED
-from rally.rendezvous.records import Assignment, EndKind, RoundEnd
+from rally.rendezvous.base.records import Assignment, EndKind, RoundEnd
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.display import console
 from rally.agent.guard import processes
 from rally.agent.rounds.workers import WorkerGroup
-from rally.rendezvous.long_wait import LongWait, wait_in_slices
 from rally.rendezvous.protocol import EndKind, Round, RoundEnd
+from rally.rendezvous.status.long_wait import LongWait, wait_in_slices
 
 
 class PreemptionContext(AgentContext, Protocol):

@@ -27,10 +27,10 @@ from rally.agent.guard.processes import describe_exit, exit_status_for_shell
 from rally.agent.rounds.threads import StoreSilent
 from rally.agent.rounds.workers import Worker, WorkerGroup
 from rally.rendezvous.backends import backend_of
-from rally.rendezvous.kv import StoreError, StoreTampered
-from rally.rendezvous.membership import RendezvousError
+from rally.rendezvous.base.kv import StoreError, StoreTampered
+from rally.rendezvous.base.membership import RendezvousError
+from rally.rendezvous.c10d.store import StoreEndpoint, UntrustedValue
 from rally.rendezvous.protocol import Assignment, EndKind, RoundEnd
-from rally.rendezvous.store import StoreEndpoint, UntrustedValue
 
 STDERR_LINES_IN_REPORT = 20
 MAX_TRACEBACK_CHARS = 16_000

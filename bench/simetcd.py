@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from rally.rendezvous.etcd_client import EtcdClient, Member
+from rally.rendezvous.etcd.client import EtcdClient, Member
 
 START_SECONDS = 30.0
 
@@ -176,7 +176,7 @@ class Etcd3gwClient(CountingClient):
     def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         from etcd3gw import exceptions
 
-        from rally.rendezvous.etcd_client import _TryElsewhere
+        from rally.rendezvous.etcd.client import _TryElsewhere
 
         try:
             return self.gw.post(self.gw.get_url(path.removeprefix("/v3")), data=json.dumps(body))

@@ -128,8 +128,8 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
     """One callable per simulated node that blocks until the node has its assignment."""
     nodes = []
     if impl == "rally":
+        from rally.rendezvous.c10d.store import Store
         from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
-        from rally.rendezvous.store import Store
 
         closer_thread = threading.local()
 
@@ -162,8 +162,8 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
             nodes.append(lambda r=rdzv: r.next_round().group_rank)
     elif impl == "etcd":
         from bench.simetcd import CLOSER
-        from rally.rendezvous.etcd_store import EtcdStore
-        from rally.rendezvous.kv import Checked, Seen
+        from rally.rendezvous.base.kv import Checked, Seen
+        from rally.rendezvous.etcd.store import EtcdStore
         from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
 
         class CountingEtcdStore(EtcdStore):
@@ -198,7 +198,7 @@ def build_nodes(impl: str, trial: int, n: int, first: int, clients: list, counte
             rdzv = Rendezvous(store, settings, me)
             nodes.append(lambda r=rdzv: r.next_round().group_rank)
     elif impl == "etcdfloor":
-        from rally.rendezvous.etcd_client import b64
+        from rally.rendezvous.etcd.client import b64
 
         for j, client in enumerate(clients):
             key = b64(f"floor{trial}/{first + j}")

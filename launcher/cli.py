@@ -254,7 +254,7 @@ def _requeue_outside_slurm() -> str:
 
 
 def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  # launcher.config.Launch
-    from rally.rendezvous.store import quiet_torch_logs
+    from rally.rendezvous.c10d.store import quiet_torch_logs
 
     if launch.checkpoint_token:  # the key, never the token, for the holder and the workers: in the environment
         from rally.agent.checkpoint.core import auth

@@ -25,11 +25,11 @@ from rally.launcher.secret_warnings import secret_warnings
 from rally.launcher.validate import ConfigError
 from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
-from rally.rendezvous.etcd_conf import ETCD_CONF_KEYS
+from rally.rendezvous.base.token import TokenError, resolve_token
+from rally.rendezvous.c10d.store import StoreEndpoint, is_loopback_name, loopback_address
+from rally.rendezvous.etcd.conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import RendezvousSettings
-from rally.rendezvous.store import StoreEndpoint, is_loopback_name, loopback_address
-from rally.rendezvous.token import TokenError, resolve_token
 
 if TYPE_CHECKING:  # imported only inside SLURM (launcher/cli.py)
     from rally.launcher.slurm import SlurmJob
@@ -98,7 +98,7 @@ def build_launch(o: Options, script: str | None, script_args: list[str], slurm_j
 
 def one_local_node(endpoint: StoreEndpoint, max_nodes: int) -> bool:
     """A job that can only ever have one node, on a c10d store of this machine: like --standalone,
-    no other agent needs its token, so it gets a random one (rendezvous/token.py), and a local user
+    no other agent needs its token, so it gets a random one (rendezvous/base/token.py), and a local user
     who reaches the store's port cannot forge its records (its end: "job succeeded", exit 0)."""
     if max_nodes != 1 or endpoint.etcd or endpoint.file_path:
         return False

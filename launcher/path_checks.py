@@ -1,6 +1,6 @@
 """At launch, every path the job will write through or read a secret from, judged by one rule.
 
-The rule is ssh's StrictModes, kept in rendezvous/path_trust.py: a path with a directory or link
+The rule is ssh's StrictModes, kept in rendezvous/base/path_trust.py: a path with a directory or link
 on the way that another user (not root) owns, or that everyone can write without the sticky
 bit, is refused here (one line, exit 2) before anything is made; a directory its group can write
 is one warning line. Judged: --log-dir (or, without it, the temporary directory the run
@@ -19,7 +19,7 @@ from typing import Any
 
 from rally.agent.base.spec import JobSpec
 from rally.launcher.validate import ConfigError
-from rally.rendezvous.path_trust import UnsafePath, check_directory, check_secret_file
+from rally.rendezvous.base.path_trust import UnsafePath, check_directory, check_secret_file
 
 
 def check_job_paths(spec: JobSpec, conf: dict[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ Read at launch, after the options are checked (launcher/config.py), and printed 
 * a multi-node job without a job token: what anyone who reaches its store can do, and how to
   set a token.
 
-The per-user secret in ~/.rally is checked where it is read (rendezvous/token.py `user_secret`),
+The per-user secret in ~/.rally is checked where it is read (rendezvous/base/token.py `user_secret`),
 which refuses a directory that is a symlink or another user's and warns of loose modes.
 """
 
@@ -20,8 +20,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from rally.rendezvous.store import StoreEndpoint
-from rally.rendezvous.token import ENV_TOKEN
+from rally.rendezvous.base.token import ENV_TOKEN
+from rally.rendezvous.c10d.store import StoreEndpoint
 
 ARGV_SECRET = (
     "--rdzv-conf {key}=... puts a secret on the command line, which every user of this machine can "
@@ -30,7 +30,7 @@ ARGV_SECRET = (
 
 
 def secret_warnings(conf: dict[str, Any], endpoint: StoreEndpoint, token: str, max_nodes: int) -> list[str]:
-    """Every warning for this launch (`endpoint`: rendezvous.store.StoreEndpoint), in order."""
+    """Every warning for this launch (`endpoint`: rendezvous.c10d.store.StoreEndpoint), in order."""
     lines = []
     if conf.get("token"):
         lines.append(ARGV_SECRET.format(key="token", instead="token_file", also=f" or {ENV_TOKEN}"))

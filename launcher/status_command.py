@@ -17,14 +17,14 @@ shown (each node's status record keeps the newest round end it went round again 
 
 What it reads, anyone who reaches a store without a job token, or writes into a shared --log-dir,
 may have written: so it reads as the agent reads its workers' files. Every record is checked
-against its writer's types (rendezvous/status_schema.py), every file opened without following a
+against its writer's types (rendezvous/status/schema.py), every file opened without following a
 link or blocking and read up to a cap (agent/base/untrusted_files.py), every string escaped before
 it reaches the terminal (agent/display/untrusted_text.py) and rich markup in it never
 interpreted. A store that refuses the connection (the job has ended: its store went with it) is
 said at once, with where the job's run directory is.
 
 It never imports torch for a c10d or etcd store: a c10d store is read through
-rendezvous/wire_store.py (c10d's wire protocol, standard library only), and the command is
+rendezvous/c10d/wire.py (c10d's wire protocol, standard library only), and the command is
 loaded without the run command's modules (launcher/entry.py). Only a FileStore, whose format
 is torch's, is read through torch.
 """
@@ -51,13 +51,13 @@ from rally.agent.display.worker_table import straggler_line, worker_table
 from rally.agent.observe import job_view, run_info
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
-from rally.rendezvous.kv import StoreReader
-from rally.rendezvous.protocol import job_prefix
-from rally.rendezvous.status_schema import MAX_ITEMS, VERDICT, checked
-from rally.rendezvous.store import StoreEndpoint
+from rally.rendezvous.base.keys import job_prefix
+from rally.rendezvous.base.kv import StoreReader
+from rally.rendezvous.c10d.store import StoreEndpoint
+from rally.rendezvous.status.schema import MAX_ITEMS, VERDICT, checked
 
 if TYPE_CHECKING:  # imported where a store is opened: `rally status` loads no more than it needs
-    from rally.rendezvous.token import Signer
+    from rally.rendezvous.base.token import Signer
 
 # How long the first connect to a c10d store may take before the ordinary (retrying) connect
 # takes over; a refusal comes back at once and ends the command.
@@ -117,8 +117,8 @@ def status_command(
 
     RUN_DIR is the run directory a job printed at start (in --log-dir): the job is found from
     what its agent wrote there, and once it is over, its report and last restart are shown."""
-    from rally.rendezvous.store import StoreUnavailable, quiet_torch_logs
-    from rally.rendezvous.store_connect import NoStoreThere
+    from rally.rendezvous.c10d.connect import NoStoreThere
+    from rally.rendezvous.c10d.store import StoreUnavailable, quiet_torch_logs
 
     quiet_torch_logs()
     token = job_token()  # bad input first, before any store or file is looked at
@@ -238,7 +238,7 @@ def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None
 
 def job_token() -> str:
     """RALLY_JOB_TOKEN, to verify records with ("" without it: records are shown unverified)."""
-    from rally.rendezvous.token import TokenError, env_token
+    from rally.rendezvous.base.token import TokenError, env_token
 
     try:
         return env_token()
@@ -248,9 +248,9 @@ def job_token() -> str:
 
 def read_status(where: StoreEndpoint, run_id: str, timeout: float, token: str) -> dict | None:
     """The job's status from its store (StoreUnavailable or NoStoreThere when it cannot be read)."""
-    from rally.rendezvous.status import read_job_status
-    from rally.rendezvous.store_connect import bounded
-    from rally.rendezvous.token import Signer
+    from rally.rendezvous.base.token import Signer
+    from rally.rendezvous.c10d.connect import bounded
+    from rally.rendezvous.status.reader import read_job_status
 
     signer = Signer(token, verify=bool(token))
     # Bounded as a whole: a store that freezes after the connect must not hang the command.
@@ -262,7 +262,7 @@ def read_status(where: StoreEndpoint, run_id: str, timeout: float, token: str) -
 
 
 def open_reader(where: StoreEndpoint, prefix: str, timeout: float, signer: Signer) -> StoreReader:
-    """A reader of the job's keys: a c10d TCPStore through rendezvous/wire_store.py (no torch:
+    """A reader of the job's keys: a c10d TCPStore through rendezvous/c10d/wire.py (no torch:
     its import would be most of the command's time), once the endpoint has answered as a c10d
     store; etcd through its own client (no torch either); a FileStore, whose format is torch's,
     through torch."""
@@ -270,11 +270,11 @@ def open_reader(where: StoreEndpoint, prefix: str, timeout: float, signer: Signe
         if where.file_path:
             _import_store_client()
         return open_endpoint(where, prefix, timeout, timeout, signer).store
-    from rally.rendezvous.store_connect import wait_for_store
-    from rally.rendezvous.wire_store import WireStore
+    from rally.rendezvous.c10d.connect import wait_for_store
+    from rally.rendezvous.c10d.wire import WireStore
 
     describe = f"the rendezvous store at {where}"
-    # wait: bounded, said by rendezvous/store_connect.py _connect: `timeout` (--timeout), with a line
+    # wait: bounded, said by rendezvous/c10d/connect.py _connect: `timeout` (--timeout), with a line
     # every few seconds while the port does not answer
     wait_for_store(where.host, where.port, describe, timeout, timeout)  # NoStoreThere: one line
     return WireStore(where.host, where.port, prefix, timeout, signer)
@@ -325,7 +325,7 @@ def as_record(run_id: str, where: str, status: dict, source: str) -> dict:
 
 
 def terminal_safe(value: object) -> Any:
-    """A checked record (rendezvous/status_schema.py) with every string made printable."""
+    """A checked record (rendezvous/status/schema.py) with every string made printable."""
     if isinstance(value, dict):
         return {k: terminal_safe(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -350,7 +350,7 @@ def show_running(run_id: str, where: str, status: dict, note: str = "") -> None:
         if node.get("gpu_problems"):
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]))
     for node in nodes:
-        if node.get("waiting"):  # what it waits for (rendezvous/waiting.py, agent/rounds/node_waits.py)
+        if node.get("waiting"):  # what it waits for (rendezvous/status/waiting.py, agent/rounds/node_waits.py)
             updated = node.get("updated")
             age = f" ({time.time() - updated:.0f} s ago)" if isinstance(updated, (int, float)) else ""
             out.print(f"{node.get('host')}: {node['waiting']}{age}")

@@ -36,7 +36,7 @@ def _timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> floa
 )
 def store_command(port: int, timeout: float) -> int:
     """A rendezvous store alone, to outlive any compute node (until SIGINT/SIGTERM)."""
-    from rally.rendezvous.store import SERVICE_MARKER_KEY, host_tcp_store, quiet_torch_logs
+    from rally.rendezvous.c10d.store import SERVICE_MARKER_KEY, host_tcp_store, quiet_torch_logs
 
     quiet_torch_logs()
     try:

@@ -191,10 +191,10 @@ def writable_dir(value: object, option: str) -> str:
 
 
 def _trusted(path: Path, option: str) -> bool:
-    """Whether the rule of rendezvous/path_trust.py lets rally make `path`; when it does not,
+    """Whether the rule of rendezvous/base/path_trust.py lets rally make `path`; when it does not,
     nothing is made here and launcher/path_checks.py refuses it (or, for --checkpoint-dir-shared,
     warns), knowing the other options."""
-    from rally.rendezvous.path_trust import UnsafePath, check_directory
+    from rally.rendezvous.base.path_trust import UnsafePath, check_directory
 
     try:
         check_directory(path, option, [])

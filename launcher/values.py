@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rally.launcher.validate import ConfigError
-from rally.rendezvous.etcd_conf import ETCD_CONF_KEYS
+from rally.rendezvous.etcd.conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import READ_TIMEOUT_SECONDS
 from rally.rendezvous.protocol import RendezvousSettings
 
@@ -34,9 +34,9 @@ RDZV_CONF_DEFAULTS: dict[str, Any] = {
     "keep_alive_timeout": None,  # default: interval x max_attempt
     "heartbeat_timeout": None,  # torch's name for the same idea; accepted as an alias
     "store_type": "tcp",
-    "token": None,  # the job's secret (rendezvous/token.py); prefer token_file or RALLY_JOB_TOKEN
+    "token": None,  # the job's secret (rendezvous/base/token.py); prefer token_file or RALLY_JOB_TOKEN
     "token_file": None,
-    **{key: None for key in ETCD_CONF_KEYS},  # TLS and etcd users (rendezvous/etcd_conf.py)
+    **{key: None for key in ETCD_CONF_KEYS},  # TLS and etcd users (rendezvous/etcd/conf.py)
 }
 
 

@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol, runtime_checkable
 
-from rally.rendezvous.kv import Checked, Seen, UntrustedValue
-from rally.rendezvous.records import MAX_COUNT, NodeInfo
-from rally.rendezvous.waiting import HOSTS_SHOWN, forming_text
-from rally.rendezvous.waiting import RendezvousView as Rendezvous
-
-# The arrival keys (rendezvous/protocol.py re-exports them with the rest of the protocol's keys).
-CURRENT_ROUND = "current"  # counter: the round a late joiner starts from
+from rally.rendezvous.base.keys import CURRENT_ROUND
+from rally.rendezvous.base.kv import Checked, Seen, UntrustedValue
+from rally.rendezvous.base.records import MAX_COUNT, NodeInfo
+from rally.rendezvous.status.waiting import HOSTS_SHOWN, forming_text
+from rally.rendezvous.status.waiting import RendezvousView as Rendezvous
 
 
 def node_slot(r: int, idx: int) -> str:

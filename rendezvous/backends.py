@@ -6,7 +6,7 @@ Each backend does two things:
 * `plan(request) -> StoreEndpoint`: from the options (`StoreRequest`), where this node finds
   the store and whether it hosts it; a bad endpoint is `EndpointError`, one line that says what
   to fix (the launcher shows it and exits 2);
-* `open(endpoint, prefix, ...) -> OpenedStore`: a `KeyValueStore` (rendezvous/kv.py) the round
+* `open(endpoint, prefix, ...) -> OpenedStore`: a `KeyValueStore` (rendezvous/base/kv.py) the round
   protocol runs on, the server this process hosts (or None) and the endpoint as bound (a store
   hosted on port 0 reports the port it got; the planned endpoint is never changed).
 
@@ -24,11 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from rally.rendezvous.etcd_client import DEFAULT_ETCD_PORT, Member
-from rally.rendezvous.etcd_conf import etcd_access
-from rally.rendezvous.kv import EndpointError, KeyValueStore
-from rally.rendezvous.store import StoreEndpoint, is_local_host, open_file_store, open_tcp_store
-from rally.rendezvous.token import Signer
+from rally.rendezvous.base.kv import EndpointError, KeyValueStore
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import StoreEndpoint, is_local_host, open_file_store, open_tcp_store
+from rally.rendezvous.etcd.client import DEFAULT_ETCD_PORT, Member
+from rally.rendezvous.etcd.conf import etcd_access
 
 DEFAULT_C10D_PORT = 29400
 DEFAULT_MASTER_PORT = 29500
@@ -286,7 +286,7 @@ class FileBackend(Backend):
 
 
 class EtcdBackend(Backend):
-    """torchrun's etcd backends, both over the etcd v3 API (rendezvous/etcd_store.py)."""
+    """torchrun's etcd backends, both over the etcd v3 API (rendezvous/etcd/store.py)."""
 
     name = "etcd"
     selectable = True
@@ -314,7 +314,7 @@ class EtcdBackend(Backend):
     def open(
         self, endpoint: StoreEndpoint, prefix: str, connect_timeout: float, op_timeout: float, signer: Signer
     ) -> OpenedStore:
-        from rally.rendezvous.etcd_open import open_etcd_store  # values signed with the job token, as on c10d
+        from rally.rendezvous.etcd.open import open_etcd_store  # values signed with the job token, as on c10d
 
         return OpenedStore(
             open_etcd_store(endpoint.etcd, prefix, op_timeout, signer=signer, access=endpoint.etcd_access),

@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from rally.rendezvous.membership import WAIT_SLICE_SECONDS
-from rally.rendezvous.records import EndKind, RoundEnd
+from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS
+from rally.rendezvous.base.records import EndKind, RoundEnd
 from rally.rendezvous.round_channel import RoundChannel
-from rally.rendezvous.waiting import RendezvousView, spare_progress
+from rally.rendezvous.status.waiting import RendezvousView, spare_progress
 
 
 class Rendezvous(RendezvousView, Protocol):

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rally.rendezvous.backends import OpenedStore, backend_of
-from rally.rendezvous.protocol import RendezvousSettings, job_prefix
-from rally.rendezvous.store import StoreEndpoint
-from rally.rendezvous.store_connect import reporting_progress
-from rally.rendezvous.token import Signer
+from rally.rendezvous.base.keys import job_prefix
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.connect import reporting_progress
+from rally.rendezvous.c10d.store import StoreEndpoint
+from rally.rendezvous.protocol import RendezvousSettings
 
 # How long any one store call may take (--rdzv-conf read_timeout).
 READ_TIMEOUT_SECONDS = 60.0
@@ -31,7 +32,7 @@ class RendezvousPlan:
     preferred_rank: int | None = None
     connect_timeout: float = RendezvousSettings.join_timeout
     read_timeout: float = READ_TIMEOUT_SECONDS
-    token: str = ""  # the job's secret: every store value is signed with it (rendezvous/token.py)
+    token: str = ""  # the job's secret: every store value is signed with it (rendezvous/base/token.py)
 
     @property
     def workers_use_rendezvous_store(self) -> bool:
@@ -44,7 +45,7 @@ class RendezvousPlan:
         """Connect to the job's store (hosting it when this is the endpoint's host): the store,
         the server this node hosts or None, and the port it is bound to. StoreUnavailable when
         it cannot be reached. `progress` hears every few seconds what a refused connect still
-        waits for (rendezvous/store_connect.py)."""
+        waits for (rendezvous/c10d/connect.py)."""
         backend = backend_of(self.endpoint)
         with reporting_progress(progress):
             opened = backend.open(

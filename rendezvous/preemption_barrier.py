@@ -7,8 +7,8 @@ node 0 waits for) and `job/requeued` (first wins: the one node that requeues).
 
 from __future__ import annotations
 
-from rally.rendezvous.kv import KeyValueStore
-from rally.rendezvous.records import Assignment, NodeInfo
+from rally.rendezvous.base.kv import KeyValueStore
+from rally.rendezvous.base.records import Assignment, NodeInfo
 
 REQUEUED = "job/requeued"
 

@@ -31,11 +31,11 @@ Running and ending (rendezvous/round_channel.py, one `RoundChannel` per round): 
 
 What else the nodes agree on has a module of its own, each naming its own keys: the hang-stack
 exchange (rendezvous/stack_exchange.py), the preemption barrier (rendezvous/preemption_barrier.py)
-and the status board (rendezvous/status_board.py). A node that took part in a round holds it as
+and the status board (rendezvous/status/board.py). A node that took part in a round holds it as
 one `Round`: its assignment and those parts, bound to the round, on one store connection.
 
-Values are signed (rendezvous/token.py); counters are only hints and wake-ups. Every wait is
-bounded by `join_timeout` and says every few seconds what it waits for (rendezvous/waiting.py).
+Values are signed (rendezvous/base/token.py); counters are only hints and wake-ups. Every wait is
+bounded by `join_timeout` and says every few seconds what it waits for (rendezvous/status/waiting.py).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from functools import partial
 from typing import Protocol, runtime_checkable
 
 from rally.rendezvous import arrival
-from rally.rendezvous.arrival import CURRENT_ROUND, Arrival, closed_key, joined_counter
-from rally.rendezvous.kv import Checked, Seen, StoreTimeout, UntrustedValue
-from rally.rendezvous.kv import KeyValueStore as Store
-from rally.rendezvous.liveness import wait_round_end_or_dead
-from rally.rendezvous.membership import (
+from rally.rendezvous.arrival import Arrival, closed_key, joined_counter
+from rally.rendezvous.base.keys import CURRENT_ROUND, JOB_CLOSED, RALLY_PREFIX
+from rally.rendezvous.base.kv import Checked, Seen, StoreTimeout, UntrustedValue
+from rally.rendezvous.base.kv import KeyValueStore as Store
+from rally.rendezvous.base.membership import (
     JobClosed,
     RendezvousError,
     RendezvousSettings,
@@ -61,8 +61,7 @@ from rally.rendezvous.membership import (
     newest_step,
     resume_step,
 )
-from rally.rendezvous.preemption_barrier import PreemptionBarrier
-from rally.rendezvous.records import (
+from rally.rendezvous.base.records import (
     FAILURE_KINDS,
     FINAL_KINDS,
     MAX_COUNT,
@@ -74,27 +73,12 @@ from rally.rendezvous.records import (
     RoundRecord,
     tampered,
 )
+from rally.rendezvous.liveness import wait_round_end_or_dead
+from rally.rendezvous.preemption_barrier import PreemptionBarrier
 from rally.rendezvous.round_channel import RoundChannel, end_key, lost_counter
 from rally.rendezvous.stack_exchange import STACKS_ROUND_OVER, StackExchange
-from rally.rendezvous.status_board import JOB_STARTED, STATUS_NODES, StatusBoard, status_key
-from rally.rendezvous.waiting import WaitProgress, announce_wait, ended_line, progress_interval, spare_notice
-
-RALLY_PREFIX = "rally/"  # every key rally writes; the static backend's workers write outside it
-
-
-def job_prefix(run_id: str) -> str:
-    """Every key of the job `run_id` lives under this prefix (the store is shared by jobs)."""
-    return f"{RALLY_PREFIX}{run_id}/"
-
-
-# Keys outside the rounds; rendezvous/status.py reads them for `rally status`.
-JOB_CLOSED = "job/closed"  # the job's end (first wins): late joiners and spares stop
-# (The status board's keys, STATUS_NODES, JOB_STARTED and status_key, are rendezvous/status_board.py's.)
-# Kept for the job's whole life, read and written through rendezvous/node_memory.py:
-LEARNED_TIMEOUTS = "job/timeouts"  # --heartbeat-timeout auto: JSON, merged by maximum
-NODE_FAILURES = "job/node_failures"  # root-cause failures by host (JSON; every node writes the same entries)
-QUARANTINED = "job/quarantined"  # host -> why (JSON; written by the quarantined node's own agent)
-PREFLIGHT_VERDICT = "job/preflight"  # the last pre-flight verdict, for `rally status` (JSON; node 0)
+from rally.rendezvous.status.board import JOB_STARTED, STATUS_NODES, StatusBoard, status_key
+from rally.rendezvous.status.waiting import WaitProgress, announce_wait, ended_line, progress_interval, spare_notice
 
 
 def preflight_key(r: int, part: str) -> str:
@@ -133,7 +117,7 @@ class Rendezvous:
         self.me = me
         self.last_round: int | None = None
         self.last_rank: int | None = None
-        self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status_board.py)
+        self.status = StatusBoard(store, me)  # for `rally status` (rendezvous/status/board.py)
         self._ahead: dict[str, Checked | None] = {}  # `_read_ahead`: until the node joins
         # wait: not_a_wait: prints a wait's progress line; not a wait
         self.waiting = WaitProgress(lambda line: announce_wait(self, line), progress_interval(settings.max_nodes))

@@ -19,11 +19,19 @@ from __future__ import annotations
 import time
 from typing import Protocol, runtime_checkable
 
-from rally.rendezvous.arrival import CURRENT_ROUND
-from rally.rendezvous.kv import KeyValueStore, UntrustedValue, opened, opened_text
-from rally.rendezvous.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
-from rally.rendezvous.records import MAX_COUNT, Assignment, EndKind, NodeInfo, RoundEnd, SuccessRecord, parse_master
-from rally.rendezvous.waiting import WaitProgress
+from rally.rendezvous.base.keys import CURRENT_ROUND
+from rally.rendezvous.base.kv import KeyValueStore, UntrustedValue, opened, opened_text
+from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
+from rally.rendezvous.base.records import (
+    MAX_COUNT,
+    Assignment,
+    EndKind,
+    NodeInfo,
+    RoundEnd,
+    SuccessRecord,
+    parse_master,
+)
+from rally.rendezvous.status.waiting import WaitProgress
 
 
 @runtime_checkable

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from rally.rendezvous.kv import KeyValueStore, opened, opened_text
-from rally.rendezvous.membership import WAIT_SLICE_SECONDS
-from rally.rendezvous.records import Assignment, NodeInfo
+from rally.rendezvous.base.kv import KeyValueStore, opened, opened_text
+from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS
+from rally.rendezvous.base.records import Assignment, NodeInfo
 
 # The value of a round's `dump` key once the round is over.
 STACKS_ROUND_OVER = "over"

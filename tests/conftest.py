@@ -1,5 +1,5 @@
-"""Shared fixtures. The SLURM dev-cluster fixture lives in tests/slurm_cluster.py, the uninterrupted
-DDP run the DDP fault tests compare with in tests/ddp_reference.py.
+"""Shared fixtures. The SLURM dev-cluster fixture lives in tests/support/slurm_cluster.py, the uninterrupted
+DDP run the DDP fault tests compare with in tests/support/ddp_reference.py.
 
 `cpu_hog`: faults do not arrive on idle machines. With RALLY_TEST_CPU_HOG=1 every test in a
 module named test_faults_* runs beside one busy-loop process per core (its own process group,
@@ -21,7 +21,7 @@ import pytest
 
 from rally.agent.checkpoint.core.shm import holders_of
 
-pytest_plugins = ["slurm_cluster", "ddp_reference", "fsdp_reference"]
+pytest_plugins = ["support.slurm_cluster", "support.ddp_reference", "support.fsdp_reference"]
 
 _HOG = "while True:\n    pass\n"
 
@@ -106,7 +106,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-# The SLURM tests share one dev cluster of 3 nodes (tests/slurm_cluster.py): under pytest-xdist
+# The SLURM tests share one dev cluster of 3 nodes (tests/support/slurm_cluster.py): under pytest-xdist
 # they run in one worker, one job at a time, as in a single session.
 _SLURM_MODULES = {"test_slurm_cluster", "test_slurm_jobs"}
 

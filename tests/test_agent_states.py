@@ -1,5 +1,5 @@
 """The agent's decisions without processes: what a signal means in each state, the round-end
-kinds, the rendezvous arithmetic (rendezvous/membership.py), and the protocol calls the agent's
+kinds, the rendezvous arithmetic (rendezvous/base/membership.py), and the protocol calls the agent's
 modules make instead of naming store keys (preemption, requeue, straggler medians, hang stacks), over a real
 in-process TCPStore. All in well under a second each."""
 
@@ -12,13 +12,13 @@ import threading
 import pytest
 
 from rally.agent.base.states import AgentState, SignalAction, signal_action
-from rally.rendezvous.membership import assignments_for, counts_entering, newest_step
+from rally.rendezvous.base.membership import assignments_for, counts_entering, newest_step
+from rally.rendezvous.base.records import RoundRecord
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import Store, connect_tcp_store, host_tcp_store
 from rally.rendezvous.preemption_barrier import PreemptionBarrier
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousSettings, Round, RoundEnd
-from rally.rendezvous.records import RoundRecord
 from rally.rendezvous.stack_exchange import StackExchange
-from rally.rendezvous.store import Store, connect_tcp_store, host_tcp_store
-from rally.rendezvous.token import Signer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,10 +16,10 @@ from rally.rendezvous.backends import (
     backend_named,
     open_endpoint,
 )
-from rally.rendezvous.kv import KeyValueStore
-from rally.rendezvous.protocol import job_prefix
-from rally.rendezvous.store import quiet_torch_logs
-from rally.rendezvous.token import Signer
+from rally.rendezvous.base.keys import job_prefix
+from rally.rendezvous.base.kv import KeyValueStore
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import quiet_torch_logs
 
 
 @pytest.mark.timeout(10)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import rally
-from helpers import Result, clean_env, free_port, run_rally, write_probe
+from support.helpers import Result, clean_env, free_port, run_rally, write_probe
 
 # rally's own lines; off a terminal, messages from a running agent carry a timestamp.
 RALLY_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3} )?rally: ")
@@ -89,7 +89,7 @@ def test_bad_flag_exits_2_with_one_line_naming_the_problem(tmp_path: Path, args:
     assert named in line, line
 
 
-# Issue 10: inputs that used to end in a traceback, a hang or a silently wrong job. "{tmp}" is the
+# Inputs that used to end in a traceback, a hang or a silently wrong job. "{tmp}" is the
 # test's directory, which holds train.py, noexec.sh (a script without the x bit), adir/ and afile.
 MORE_BAD_FLAGS = [
     pytest.param(["--signals-to-handle", "SIGKILL", "train.py"], "SIGKILL", id="handle-sigkill"),
@@ -205,7 +205,7 @@ MORE_BAD_FLAGS = [
         "no-such-host.invalid",
         id="status-endpoint-unresolvable",
     ),
-    # issue 21: learned timeouts, GPU reclaim, quarantine, pre-flight
+    # Learned timeouts, GPU reclaim, quarantine, pre-flight
     pytest.param(["--heartbeat-timeout", "sometimes", "train.py"], "or 'auto'", id="heartbeat-timeout-word"),
     pytest.param(["--heartbeat-timeout", "0", "train.py"], "--heartbeat-timeout", id="heartbeat-timeout-zero"),
     pytest.param(
@@ -358,7 +358,7 @@ def test_help_shows_grouped_options_and_examples(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_version_names_rally_torch_and_python(tmp_path: Path) -> None:
-    """Issue 29: what a bug report needs, in one line, without importing torch."""
+    """What a bug report needs, in one line, without importing torch."""
     import platform
     from importlib import metadata
 
@@ -368,7 +368,7 @@ def test_version_names_rally_torch_and_python(tmp_path: Path) -> None:
     assert result.stdout == expected and result.stderr == ""
 
 
-# ------------------------------------------------------------------ the residue of issue 18 (item 13)
+# ------------------------------------------------------------------ what once crashed with a traceback
 LONG_NAME = "x" * 300
 
 

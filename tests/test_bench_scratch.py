@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import eventually, kill_group
+from support.helpers import eventually, kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = """

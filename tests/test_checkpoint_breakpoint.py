@@ -1,4 +1,4 @@
-"""Issue 17, item 7 for sharded jobs: when a job fails for good, the agent first makes the newest
+"""A sharded job's last step is saved before it ends: when a job fails for good, the agent first makes the newest
 sharded (DCP) step that is only in memory durable on disk, bounded by the grace period.
 
 The job is two ranks holding one DTensor (Shard(0) over a gloo CPU mesh; no model, a few bytes).
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, read_events, run_rally, write_probe
 from rally.agent.checkpoint.sharded import files as dcp_files
+from support.helpers import clean_env, read_events, run_rally, write_probe
 
 SCRIPT = """
 import os, signal, sys, time

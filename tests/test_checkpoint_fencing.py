@@ -1,4 +1,4 @@
-"""Fencing by round, end to end (issue 17): a worker of an old round that was frozen (SIGSTOP) in
+"""Fencing by round, end to end: a worker of an old round that was frozen (SIGSTOP) in
 the middle of its copy, then continued (SIGCONT) after the job moved on, must not overwrite or
 publish over the newer round's checkpoint, in memory or on disk.
 
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import kill_group, wait_for
 from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core import checkpoint_file
 from rally.agent.checkpoint.core.client import MemoryTier
 from rally.agent.checkpoint.core.shm import fd_path
 from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.worker_side import job
+from support.helpers import kill_group, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0

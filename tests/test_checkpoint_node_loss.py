@@ -1,10 +1,10 @@
-"""Issue 17, Must show: a DDP job (rally.job.save of the whole state, memory tier on) resumes
+"""A DDP job (rally.job.save of the whole state, memory tier on) resumes
 bit-identical after the loss of a whole node. Two nodes of one worker each and a spare, rally
 agents on 127.0.0.1; the node that does not host the store is SIGKILLed with everything under it
 once a checkpoint is durable. The round resumes from the step every node can load (the survivor
 from its memory, the spare, which holds no copy, from disk), and the final parameters are those of
 an uninterrupted two-rank run (examples/train.py prints their sha256): the session's one run of the
-same job (tests/ddp_reference.py), so this file starts no torch workers for a reference of its own.
+same job (tests/support/ddp_reference.py), so this file starts no torch workers for a reference of its own.
 """
 
 from __future__ import annotations
@@ -14,18 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, c10d_args, start_agent, stop_all
-from ddp_reference import EVERY, STEPS, TRAIN
-from helpers import eventually, free_port, is_alive
 from rally.agent.worker_side import job
+from support.agents import AgentProcess, c10d_args, start_agent, stop_all
+from support.ddp_reference import EVERY, STEPS, TRAIN, params_hash
+from support.helpers import eventually, free_port, is_alive
 
 pytestmark = pytest.mark.torch
-
-
-def params_hash(text: str) -> str:
-    found = re.findall(r"params sha256 ([0-9a-f]{64})", text)
-    assert len(found) == 1, text[-3000:]
-    return found[0]
 
 
 @pytest.mark.timeout(400)

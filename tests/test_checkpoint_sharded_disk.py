@@ -1,8 +1,8 @@
-"""Issue 17, Must show: an FSDP2 job resumes bit-identical after a SIGKILL of one rank from disk
+"""An FSDP2 job resumes bit-identical after a SIGKILL of one rank from disk
 too, with the memory tier off (RALLY_MEMORY_TIER=0: every sharded save is DCP's synchronous save
 published by rally). tests/test_sharded_jobs.py covers the memory tier; the workload is the same
 examples/train_fsdp.py, whose ranks print the sha256 of the full state at every save and resume,
-compared with the session's one uninterrupted run (tests/fsdp_reference.py: the state it saved at
+compared with the session's one uninterrupted run (tests/support/fsdp_reference.py: the state it saved at
 step N is the state a run of N steps ends with).
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_reference import EVERY, TRAIN, digests
-from helpers import clean_env, run_rally
 from rally.agent.checkpoint.sharded import files as dcp_files
+from support.fsdp_reference import EVERY, TRAIN, digests
+from support.helpers import clean_env, run_rally
 
 STEPS = 12  # of the reference's 24
 

@@ -1,4 +1,4 @@
-"""Sharded saves at memory speed (issue 17, item 1 for item 3's states): after the first save of a
+"""Sharded saves at memory speed: after the first save of a
 layout, ``job.save`` of DTensors copies the shards straight into the memory slot
 (agent/checkpoint/sharded/layout.py), and a rank whose disk writer falls behind gives up a step
 still waiting in a slot the next save needs (agent/checkpoint/sharded/persist.py) instead of
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally
 from rally.agent.checkpoint.sharded import files as dcp_files
+from support.helpers import clean_env, run_rally
 
 STEPS = 8
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env
+from support.helpers import clean_env
 
 CHECK = r"""
 import json, os, pickle, sys, warnings

@@ -1,7 +1,7 @@
-"""Issue 27, the checkpoint tier as a security boundary (items 1, 2, 3, 4, 5 and 11).
+"""The checkpoint tier as a security boundary (holder, metadata, planted files, file modes, another job).
 
-The attacker is a real other user (tests/stranger.py: uid 65534, standard library only) wherever
-the finding is about another user; item 11 is the same user's other job. Everything is real: the
+The attacker is a real other user (tests/support/stranger.py: uid 65534, standard library only) wherever
+the finding is about another user; the last cases are the same user's other job. Everything is real: the
 agent's holder process, its socket, memfds, files on disk. Where a case needs torch (DCP's
 metadata, torch.save'd states) one worker subprocess does the loading.
 """
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import eventually, run_rally
 from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint import persist
 from rally.agent.checkpoint.core import checkpoint_file
@@ -31,7 +30,8 @@ from rally.agent.checkpoint.core.client import CheckpointRefused, MemoryTier
 from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import persist as dcp_persist
-from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
+from support.helpers import eventually, run_rally
+from support.stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0
@@ -110,7 +110,7 @@ def start_fake_holder(marker: Path) -> tuple[contextlib.AbstractContextManager, 
     return stranger_process(code), name
 
 
-# --- item 1: the holder cannot be squatted, and the worker checks who answers ----------------
+# --- the holder cannot be squatted, and the worker checks who answers ----------------
 
 
 @pytest.mark.timeout(30)
@@ -220,7 +220,7 @@ print("worker done", flush=True)
 
 @pytest.mark.timeout(90)
 def test_a_job_whose_holder_died_with_its_newest_step_does_not_exit_0(tmp_path: Path) -> None:
-    from helpers import clean_env, run_rally
+    from support.helpers import clean_env, run_rally
 
     script = tmp_path / "train.py"
     script.write_text(HOLDER_DIES)
@@ -263,7 +263,7 @@ print("worker done", flush=True)
 @pytest.mark.torch
 @pytest.mark.timeout(120)
 def test_a_holder_killed_mid_job_turns_the_tier_off_and_the_job_goes_on_from_disk(tmp_path: Path) -> None:
-    from helpers import clean_env, run_rally
+    from support.helpers import clean_env, run_rally
 
     script = tmp_path / "train.py"
     script.write_text(HOLDER_DIES_MID_JOB)
@@ -322,7 +322,7 @@ print("token in env: " + str(any(v == "tok-" + "shared-by-the-nodes" for v in os
 def test_nodes_sharing_only_a_token_file_verify_each_others_checkpoints(tmp_path: Path) -> None:
     """Two launches with different homes (no shared ~/.rally/secret) and one --rdzv-conf token_file:
     what the first wrote (through its holder) the second loads, as a multi-node job's nodes would."""
-    from helpers import clean_env, run_rally
+    from support.helpers import clean_env, run_rally
 
     script, ckpt, token = tmp_path / "train.py", tmp_path / "ckpt", tmp_path / "token"
     script.write_text(SAVE_OR_LOAD)
@@ -341,7 +341,7 @@ def test_nodes_sharing_only_a_token_file_verify_each_others_checkpoints(tmp_path
     assert "token in env: False" in saved.stdout and "token in env: False" in loaded.stdout  # the key, not the token
 
 
-# --- item 2: no code from a squatter's DCP metadata --------------------------------------------
+# --- no code from a squatter's DCP metadata --------------------------------------------
 
 SHARDED_RESUME = """
 import json, os, sys, tempfile
@@ -408,7 +408,7 @@ def test_dcp_metadata_is_read_with_an_allow_list_of_dcps_own_classes(tmp_path: P
     assert not marker.exists()
 
 
-# --- item 3: planted checkpoints --------------------------------------------------------------
+# --- planted checkpoints --------------------------------------------------------------
 
 PLANTED_LOAD = """
 import json, os, sys
@@ -565,7 +565,7 @@ def test_the_launcher_refuses_a_checkpoint_dir_others_can_write_unless_told_it_i
     assert accepted.returncode == 0 and "ran" in accepted.stdout, accepted.stderr[-2000:]
 
 
-# --- items 4 and 5: private sharded files, unpredictable temp names, no links followed ---------
+# --- private sharded files, unpredictable temp names, no links followed ---------
 
 
 def write_part(directory: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -625,7 +625,7 @@ print("planted")
     assert (shared / "trap").stat().st_uid == STRANGER_UID
 
 
-# --- item 11: another job of the same user ------------------------------------------------------
+# --- another job of the same user ------------------------------------------------------
 
 
 @pytest.mark.timeout(30)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, read_events, run_rally, write_probe
+from support.helpers import clean_env, read_events, run_rally, write_probe
 
 TRACER = """
 import sys

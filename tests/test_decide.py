@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rally.agent.decide import Exit, Reform, Restart, decide
-from rally.rendezvous.records import Assignment, EndKind, RoundEnd
+from rally.rendezvous.base.records import Assignment, EndKind, RoundEnd
 
 
 def assignment(restart_count: int) -> Assignment:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally, write_probe
+from support.helpers import clean_env, run_probe, run_rally, write_probe
 
 # Looks like rally's (and python's) own options; must reach the script untouched.
 SCRIPT_ARGS = ["--lr", "0.1", "--nnodes", "5", "--nproc-per-node", "7", "-m", "--help", "--", "two words", ""]
@@ -31,19 +31,13 @@ ARGV_PROBE = """
 """
 
 
-def run_probe(
+def probe_records(
     tmp_path: Path, launcher_args: list[str], nproc: int = 2, env: dict[str, str] | None = None
 ) -> list[dict]:
     """Run rally with these arguments, and return what each local rank's probe recorded."""
-    out = tmp_path / "out"
-    out.mkdir()
-    result = run_rally(
-        ["--standalone", "--nproc-per-node", str(nproc), *launcher_args],
-        cwd=tmp_path,
-        env={**(env or clean_env()), "PROBE_OUT": str(out)},
-    )
+    result = run_probe(tmp_path, launcher_args, nproc=nproc, env=env)
     assert result.returncode == 0, result.describe()
-    records = [json.loads((out / f"argv_{rank}.json").read_text()) for rank in range(nproc)]
+    records = [json.loads((tmp_path / "out" / f"argv_{rank}.json").read_text()) for rank in range(nproc)]
     assert [r["rank"] for r in records] == [str(rank) for rank in range(nproc)]
     return records
 
@@ -51,7 +45,7 @@ def run_probe(
 @pytest.mark.timeout(120)
 def test_script_gets_its_own_path_and_every_argument_untouched(tmp_path: Path) -> None:
     write_probe(tmp_path / "train.py", ARGV_PROBE)
-    for record in run_probe(tmp_path, ["train.py", *SCRIPT_ARGS]):
+    for record in probe_records(tmp_path, ["train.py", *SCRIPT_ARGS]):
         assert record["argv"] == ["train.py", *SCRIPT_ARGS]
         assert record["name"] == "__main__"
 
@@ -61,7 +55,7 @@ def test_module_runs_from_the_working_directory_like_python_dash_m(tmp_path: Pat
     package = tmp_path / "mypkg"
     write_probe(package / "__init__.py", "")
     module_file = write_probe(package / "entry.py", ARGV_PROBE)
-    for record in run_probe(tmp_path, ["-m", "mypkg.entry", *SCRIPT_ARGS]):
+    for record in probe_records(tmp_path, ["-m", "mypkg.entry", *SCRIPT_ARGS]):
         assert record["argv"] == [str(module_file), *SCRIPT_ARGS]
         assert record["name"] == "__main__"
 
@@ -73,7 +67,7 @@ def test_module_is_found_on_pythonpath(tmp_path: Path) -> None:
     module_file = write_probe(elsewhere / "otherpkg" / "entry.py", ARGV_PROBE)
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(elsewhere), env.get("PYTHONPATH")]))
-    for record in run_probe(tmp_path, ["--module", "otherpkg.entry", "--x", "1"], nproc=1, env=env):
+    for record in probe_records(tmp_path, ["--module", "otherpkg.entry", "--x", "1"], nproc=1, env=env):
         assert record["argv"] == [str(module_file), "--x", "1"]
 
 
@@ -108,6 +102,6 @@ def test_no_python_executes_the_program_itself_with_the_arguments(tmp_path: Path
 @pytest.mark.timeout(120)
 def test_run_path_runs_the_file_as_main_with_the_arguments(tmp_path: Path) -> None:
     script = write_probe(tmp_path / "scripts" / "job.py", ARGV_PROBE)
-    for record in run_probe(tmp_path, ["--run-path", str(script), *SCRIPT_ARGS]):
+    for record in probe_records(tmp_path, ["--run-path", str(script), *SCRIPT_ARGS]):
         assert record["argv"] == [str(script), *SCRIPT_ARGS]
         assert record["name"] == "__main__"

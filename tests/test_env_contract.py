@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, read_json_files, run_rally, write_probe
+from support.helpers import clean_env, read_json_files, run_rally, write_probe
 
 TORCHRUN_INTERNAL = {"TORCHELASTIC_SIGNALS_TO_HANDLE"}
 DIFFERENT_EVERY_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PROBE_ERROR_FILE_REAL"}

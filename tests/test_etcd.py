@@ -1,7 +1,7 @@
 """rally's rendezvous on a real 3-member etcd cluster: the store's operations, and whole jobs that
 survive the loss of the etcd leader and of a node.
 
-The cluster (tests/etcd_cluster.py) runs on loopback with ports from the OS; the agents are real
+The cluster (tests/support/etcd_cluster.py) runs on loopback with ports from the OS; the agents are real
 `rally` processes and the workers are stdlib probes that log a timestamped step every 50 ms, so
 a pause in training is measured from the workers' own progress, not from rally's log.
 """
@@ -21,18 +21,18 @@ from typing import Any
 import psutil
 import pytest
 
-from agents import AgentProcess, start_agent, stop_all
-from etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
-from helpers import eventually, free_port, read_events, run_rally, write_probe
-from rally.rendezvous.etcd_client import Member
-from rally.rendezvous.etcd_open import open_etcd_store
-from rally.rendezvous.etcd_store import EtcdStore
+from rally.rendezvous.base.membership import RendezvousSettings
+from rally.rendezvous.base.records import NodeInfo
+from rally.rendezvous.c10d.store import StoreTimeout, StoreUnavailable
+from rally.rendezvous.etcd.client import Member
+from rally.rendezvous.etcd.open import open_etcd_store
+from rally.rendezvous.etcd.store import EtcdStore
 from rally.rendezvous.liveness import silent_peer, wait_round_end_or_dead
-from rally.rendezvous.membership import RendezvousSettings
 from rally.rendezvous.protocol import Rendezvous, RoundEnd
-from rally.rendezvous.records import NodeInfo
 from rally.rendezvous.round_channel import RoundChannel
-from rally.rendezvous.store import StoreTimeout, StoreUnavailable
+from support.agents import AgentProcess, start_agent, stop_all
+from support.etcd_cluster import EtcdCluster, etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from support.helpers import eventually, free_port, read_events, run_rally, write_probe
 from test_bad_input import assert_one_line_only, rally_fails, the_error_line
 
 # The lease TTL in the job tests (rally's default keep_alive_timeout): well above an etcd leader

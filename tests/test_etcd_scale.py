@@ -1,6 +1,6 @@
-"""rally's round protocol on etcd costs each node a constant number of requests, whatever N is
-(issue 22): N simulated nodes (threads, each with its own EtcdStore and HTTP connection) form
-one round on the real 3-member cluster of tests/etcd_cluster.py, every request counted.
+"""rally's round protocol on etcd costs each node a constant number of requests, whatever N is:
+N simulated nodes (threads, each with its own EtcdStore and HTTP connection) form
+one round on the real 3-member cluster of tests/support/etcd_cluster.py, every request counted.
 
 On main the arrival index was a compare-and-swap on one counter: under contention every node
 retried once per other node's success, 25 requests per node at 32 nodes and 89 at 256.
@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from etcd_cluster import EtcdCluster, etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
-from helpers import form_one_round_at_once
-from rally.rendezvous.etcd_client import EtcdClient, Member, b64
-from rally.rendezvous.etcd_store import EtcdStore
-from rally.rendezvous.kv import UntrustedValue
+from rally.rendezvous.base.kv import UntrustedValue
+from rally.rendezvous.etcd.client import EtcdClient, Member, b64
+from rally.rendezvous.etcd.store import EtcdStore
 from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
+from support.etcd_cluster import EtcdCluster, etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
+from support.helpers import form_one_round_at_once
 
 
 class CountingClient(EtcdClient):
@@ -74,14 +74,14 @@ def test_requests_per_node_do_not_grow_with_the_number_of_nodes(etcd):
     # record; a watch that also brings the node's assignment when it was written before the round's
     # record reached the watch, else one read of it after: 17 of 32 nodes and 6 of 256 in one run, by
     # timing), the closer's few more shared: 2.1-2.7 at 32 nodes and 2.0-2.4 at 256 here. 3 before
-    # the first look was the arrival, 7 before issue 31, 9 before the closer alone closed
+    # the first look was the arrival, 7 before the first round's first look was cut, 9 before the closer alone closed
     assert at_32 <= 3.6, f"{at_32:.1f} requests per node at 32 nodes (at most 3, and the closer's share)"
 
 
 @needs_etcd
 @pytest.mark.timeout(60)
 def test_every_read_returns_what_it_read_in_one_request_and_nothing_is_kept_between_calls(etcd):
-    """Issue 28: a read returns its value (`get_if_present`, `read_now`, `wait_and_read`), so the
+    """A read returns its value (`get_if_present`, `read_now`, `wait_and_read`), so the
     protocol never pairs a check with a get, and the store keeps no per-thread cache of its last
     read (once `etcd_recall` served the get after a check from it)."""
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
@@ -124,7 +124,7 @@ def test_every_read_returns_what_it_read_in_one_request_and_nothing_is_kept_betw
 @needs_etcd
 @pytest.mark.timeout(60)
 def test_a_fresh_jobs_first_look_is_its_arrival_and_a_running_jobs_only_a_look(etcd):
-    """Issue 31: in a new job's first round (no `current` hint, no end record) the first look and
+    """In a new job's first round (no `current` hint, no end record) the first look and
     the arrival are one transaction; once anything ended it is only the look, and nothing arrives."""
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     counts, lock = [0], threading.Lock()
@@ -150,7 +150,7 @@ def test_a_fresh_jobs_first_look_is_its_arrival_and_a_running_jobs_only_a_look(e
 @needs_etcd
 @pytest.mark.timeout(60)
 def test_an_arrival_sent_twice_keeps_its_first_place(etcd, monkeypatch):
-    """A request whose reply was lost is sent again (etcd_client.py): the arrival's own key
+    """A request whose reply was lost is sent again (etcd/client.py): the arrival's own key
     already exists then, and the index is the one it got the first time, not a new one."""
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]
     prefix = f"test/{uuid.uuid4().hex}/"
@@ -245,7 +245,7 @@ def test_a_wait_right_after_a_read_that_found_nothing_is_only_a_watch(etcd):
 @needs_etcd
 @pytest.mark.timeout(60)
 def test_an_arrival_is_one_request_that_holds_the_descriptor_and_reads_the_round_record(etcd):
-    """Issue 31: a node's arrival on etcd counts it in, writes its signed descriptor and reads the
+    """A node's arrival on etcd counts it in, writes its signed descriptor and reads the
     round's record in one transaction (before: a count, then a slot claim, then a check); that
     read is the protocol's first look at the record, and the wait after it is only a watch from
     its revision. A place etcd gives cannot be moved, and the closer reads the descriptors

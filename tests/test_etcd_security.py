@@ -1,5 +1,5 @@
-"""etcd as sites run it: TLS with client certificates and etcd users (issue 19 item 8; the
-signed values of issue 18 item 10 are in tests/test_faults_etcd.py).
+"""etcd as sites run it: TLS with client certificates and etcd users (the
+signed values are in tests/test_faults_etcd.py).
 
 The secure member is a real etcd started by the test with `https://` client URLs,
 `--client-cert-auth` and authentication enabled (a root user and a `rally` user whose role may
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from agents import start_agent, stop_all
-from etcd_cluster import ETCD
-from helpers import eventually, free_port, run_rally, write_probe
-from rally.rendezvous.etcd_client import Member
-from rally.rendezvous.etcd_http import EtcdAccess
-from rally.rendezvous.etcd_open import open_etcd_store
+from rally.rendezvous.etcd.client import Member
+from rally.rendezvous.etcd.http import EtcdAccess
+from rally.rendezvous.etcd.open import open_etcd_store
+from support.agents import start_agent, stop_all
+from support.etcd_cluster import ETCD
+from support.helpers import eventually, free_port, run_rally, write_probe
 from test_bad_input import assert_one_line_only, rally_fails, the_error_line
 from test_etcd import PROBE
 
@@ -154,7 +154,7 @@ def job_args(endpoints: str, run_id: str, conf: str, probe: Path, steps: Path, s
     ]  # fmt: skip
 
 
-# ---------------------------------------------------------------- TLS and etcd users (issue 19, item 8)
+# ---------------------------------------------------------------- TLS and etcd users
 @needs_etcdctl
 @pytest.mark.timeout(240)
 def test_a_job_runs_on_etcd_with_tls_client_certificates_and_an_etcd_user(secure_etcd, tmp_path):

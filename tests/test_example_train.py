@@ -1,7 +1,7 @@
 """examples/train.py under rally: a job whose workers are SIGKILLed at random steps loses nothing.
 
 Each attempt starts two workers that import torch, so this file keeps to two seeds of one to three
-random kills each, compared with the session's uninterrupted run (tests/ddp_reference.py).
+random kills each, compared with the session's uninterrupted run (tests/support/ddp_reference.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_reference import EVERY, STEPS, TRAIN, params_hash
-from helpers import clean_env, read_events, start_rally
+from support.ddp_reference import EVERY, STEPS, TRAIN, params_hash
+from support.helpers import clean_env, read_events, start_rally
 
 REPO = Path(__file__).resolve().parents[1]
 

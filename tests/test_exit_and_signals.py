@@ -25,14 +25,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import (
+from support.helpers import (
     ProcessTracker,
+    Result,
     clean_env,
     describe_pids,
     finish,
     is_alive,
     procs,  # noqa: F401 - a fixture
-    run_rally,
+    run_probe,
     start_rally,
     survivors,
     wait_for,
@@ -40,16 +41,10 @@ from helpers import (
 )
 
 
-def run_probe(tmp_path: Path, body: str, *flags: str, nproc: int = 1, timeout: float = 90):
-    out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
+def run_body(tmp_path: Path, body: str, *flags: str, nproc: int = 1, timeout: float = 90) -> Result:
+    """`body` as the workers' script, probe.py, under rally with these flags."""
     write_probe(tmp_path / "probe.py", body)
-    return run_rally(
-        ["--standalone", "--nproc-per-node", str(nproc), *flags, "probe.py"],
-        cwd=tmp_path,
-        env=clean_env(PROBE_OUT=str(out)),
-        timeout=timeout,
-    )
+    return run_probe(tmp_path, [*flags, "probe.py"], nproc=nproc, timeout=timeout)
 
 
 def after_root_cause(stderr: str) -> str:
@@ -61,7 +56,7 @@ def after_root_cause(stderr: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_exits_0_when_every_worker_succeeds(tmp_path: Path) -> None:
-    result = run_probe(tmp_path, "print('done')", nproc=2)
+    result = run_body(tmp_path, "print('done')", nproc=2)
     assert result.returncode == 0, result.describe()
     assert "root cause" not in result.stderr
 
@@ -80,7 +75,7 @@ FAIL_WITH_7 = """
 
 @pytest.mark.timeout(120)
 def test_worker_exit_code_becomes_rallys_and_the_report_names_rank_pid_and_last_stderr_lines(tmp_path: Path) -> None:
-    result = run_probe(tmp_path, FAIL_WITH_7, "--max-restarts", "0", nproc=2)
+    result = run_body(tmp_path, FAIL_WITH_7, "--max-restarts", "0", nproc=2)
     assert result.returncode == 7, result.describe()
     pid = (tmp_path / "out" / "pid_1").read_text()
     report = after_root_cause(result.stderr)
@@ -99,7 +94,7 @@ def test_worker_killed_by_sigkill_makes_rally_exit_137_naming_the_signal(tmp_pat
         import os, signal
         os.kill(os.getpid(), signal.SIGKILL)
     """
-    result = run_probe(tmp_path, body, "--max-restarts", "0")
+    result = run_body(tmp_path, body, "--max-restarts", "0")
     assert result.returncode == 128 + signal.SIGKILL, result.describe()
     assert "SIGKILL" in after_root_cause(result.stderr)
 
@@ -124,7 +119,7 @@ def test_traceback_from_the_record_error_file_is_the_root_cause(tmp_path: Path) 
 
         main()
     """
-    result = run_probe(tmp_path, body, "--max-restarts", "0")
+    result = run_body(tmp_path, body, "--max-restarts", "0")
     assert result.returncode == 1, result.describe()
     report = after_root_cause(result.stderr)
     assert "shard-0042 is missing from the index" in report, result.describe()
@@ -153,7 +148,7 @@ RESTART_TWICE = """
 
 @pytest.mark.timeout(150)
 def test_max_restarts_restarts_the_whole_group_until_it_succeeds(tmp_path: Path) -> None:
-    result = run_probe(tmp_path, RESTART_TWICE, "--max-restarts", "2", "--shutdown-timeout", "5", nproc=2, timeout=120)
+    result = run_body(tmp_path, RESTART_TWICE, "--max-restarts", "2", "--shutdown-timeout", "5", nproc=2, timeout=120)
     assert result.returncode == 0, result.describe()
     for rank in (0, 1):
         assert (tmp_path / "out" / f"seen_{rank}").read_text().split() == ["0", "1", "2"]
@@ -167,7 +162,7 @@ def test_a_failure_with_no_restarts_left_ends_the_job(tmp_path: Path) -> None:
             f.write(os.environ["TORCHELASTIC_RESTART_COUNT"] + "\\n")
         sys.exit(5)
     """
-    result = run_probe(tmp_path, body, "--max-restarts", "1")
+    result = run_body(tmp_path, body, "--max-restarts", "1")
     assert result.returncode == 5, result.describe()
     assert (tmp_path / "out" / "seen").read_text().split() == ["0", "1"]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_rally, write_probe
-from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 from rally.agent.worker_side import job
+from support.helpers import run_rally, write_probe
+from support.job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 

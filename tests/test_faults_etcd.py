@@ -1,7 +1,7 @@
-"""A stranger on etcd (issue 18 item 10, in the fault matrix): values are signed with the job
+"""A stranger on etcd (in the fault matrix): values are signed with the job
 token there as on c10d, so an unsigned round end written mid-run is rejected with one line naming
 the key instead of ending the job "succeeded". Runs on the real 3-member cluster of
-tests/etcd_cluster.py; with RALLY_TEST_CPU_HOG=1 beside a busy loop per core (tests/conftest.py).
+tests/support/etcd_cluster.py; with RALLY_TEST_CPU_HOG=1 beside a busy loop per core (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import uuid
 
 import pytest
 
-from agents import AgentProcess, start_agent, stop_all
-from etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
-from helpers import eventually, write_probe
+from support.agents import AgentProcess, start_agent, stop_all
+from support.etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from support.helpers import eventually, write_probe
 from test_etcd import PROBE
 from test_etcd_security import job_args
 

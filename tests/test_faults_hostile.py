@@ -1,4 +1,4 @@
-"""Fault matrix: a hostile or buggy worker, and what the job started, cannot steer or outlive the agent (issue 18).
+"""Fault matrix: a hostile or buggy worker, and what the job started, cannot steer or outlive the agent.
 
     heartbeat file replaced by a FIFO          -> the agent keeps watching; SIGTERM stops it at once
     a FIFO at TORCHELASTIC_ERROR_FILE          -> the failure is reported (stderr tail), exit 1
@@ -25,9 +25,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from descendants import KINDS as LEAVER_KINDS
-from descendants import round_pids, write_leaver
-from helpers import (  # noqa: F401
+from rally.agent.guard.job_cgroup import JobCgroup
+from support.descendants import KINDS as LEAVER_KINDS
+from support.descendants import round_pids, write_leaver
+from support.helpers import (  # noqa: F401
     ProcessTracker,
     clean_env,
     describe_pids,
@@ -38,8 +39,7 @@ from helpers import (  # noqa: F401
     wait_for,
     write_probe,
 )
-from live_rally import LiveRally
-from rally.agent.guard.job_cgroup import JobCgroup
+from support.live_rally import LiveRally
 
 STANDALONE = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0"]
 

@@ -1,7 +1,7 @@
-"""Fault matrix: another user of the node against the job's local surfaces (issue 27, items 6-10,
-12, 15): the store's lists and keep-alives, the orphan guard, /metrics, the standalone store and
-the job's secrets. The attacker is a real other uid (tests/stranger.py) wherever it is one; it
-speaks c10d's wire protocol with the standard library (tests/stranger_store.py).
+"""Fault matrix: another user of the node against the job's local surfaces:
+the store's lists and keep-alives, the orphan guard, /metrics, the standalone store and
+the job's secrets. The attacker is a real other uid (tests/support/stranger.py) wherever it is one; it
+speaks c10d's wire protocol with the standard library (tests/support/stranger_store.py).
 
 docs/security.md "Local surfaces" lists what these tests prove.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
-from helpers import (  # noqa: F401
+from support.agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
+from support.helpers import (  # noqa: F401
     ProcessTracker,
     clean_env,
     describe_pids,
@@ -30,12 +30,12 @@ from helpers import (  # noqa: F401
     wait_for,
     write_probe,
 )
-from live_rally import LiveRally
-from stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
-from stranger_store import STORE_CLIENT
+from support.live_rally import LiveRally
+from support.stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
+from support.stranger_store import STORE_CLIENT
 from test_faults_trust import RANKS_WORKER, TOKEN
 
-# Raw writes besides tests/stranger_store.py's enveloped `put`: what any TCPStore client can send.
+# Raw writes besides tests/support/stranger_store.py's enveloped `put`: what any TCPStore client can send.
 RAW_PUT = r"""
 def raw_put(port, key, data):
     conn = store(port)
@@ -291,7 +291,7 @@ def test_a_token_on_argv_and_loose_secret_files_get_one_warning_line_each(tmp_pa
 @pytest.mark.same_under_load  # file modes and owners, read once
 @pytest.mark.timeout(30)
 def test_the_per_user_secret_is_refused_when_linked_or_foreign_and_loose_modes_are_named(tmp_path, monkeypatch):
-    from rally.rendezvous.token import TokenError, resolve_token
+    from rally.rendezvous.base.token import TokenError, resolve_token
 
     monkeypatch.delenv("RALLY_JOB_TOKEN", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from agents import cluster, job_args, stop_all, write_script  # noqa: F401 - cluster is a fixture
-from helpers import eventually, read_events
+from support.agents import cluster, job_args, stop_all, write_script  # noqa: F401 - cluster is a fixture
+from support.helpers import eventually, read_events
 
 KEEP_ALIVE_TIMEOUT = 2.0
 

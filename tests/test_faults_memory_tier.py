@@ -1,11 +1,11 @@
-"""Fault matrix, memory tier (issue 17): a DDP job under rally loses nothing to a SIGKILL, from
+"""Fault matrix, memory tier: a DDP job under rally loses nothing to a SIGKILL, from
 memory or from disk, and the agent's death frees the node's copies.
 
 Each rally run starts two workers that import torch (examples/train.py, forked from the agent's
 template), so this file keeps to five runs: a SIGKILLed rank resumed from memory, the same from
 disk (memory tier off), the same on two nodes (two agents on 127.0.0.1, one worker each), a
 SIGKILLed agent, and a job whose disk is full (one worker). The reference hash is the session's
-uninterrupted run of the same job (tests/ddp_reference.py).
+uninterrupted run of the same job (tests/support/ddp_reference.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import c10d_args, start_agent, stop_all
-from ddp_reference import EVERY, STEPS, TRAIN, params_hash
-from helpers import (  # noqa: F401 - procs is a fixture
+from rally.agent.checkpoint.core.shm import holders_of
+from rally.agent.worker_side import job
+from support.agents import c10d_args, start_agent, stop_all
+from support.ddp_reference import EVERY, STEPS, TRAIN, params_hash
+from support.helpers import (  # noqa: F401 - procs is a fixture
     clean_env,
     eventually,
     free_port,
@@ -32,8 +34,6 @@ from helpers import (  # noqa: F401 - procs is a fixture
     start_rally,
     write_probe,
 )
-from rally.agent.checkpoint.core.shm import holders_of
-from rally.agent.worker_side import job
 
 KILL_AT = 17
 

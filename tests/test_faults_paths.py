@@ -2,13 +2,13 @@
 
 rally runs jobs as root and as users on shared machines. Every directory on the way to what it
 writes (--log-dir, the run directory, --checkpoint-dir) or to a secret it reads (token_file,
-password_file) is judged as ssh's StrictModes judges a key's path (rendezvous/path_trust.py):
+password_file) is judged as ssh's StrictModes judges a key's path (rendezvous/base/path_trust.py):
 another user's directory or link, or one everyone may write without the sticky bit, is refused
 with one line and exit 2; a group-writable one is a warning, and the run directory is then
 written through the descriptor rally opened, so renaming it away and planting links in its place
 reaches nothing. And a job that can only have one node gets a random token, as --standalone
 does, so the local user who reaches its store cannot forge its end. The attacker is a real other
-uid (tests/stranger.py).
+uid (tests/support/stranger.py).
 
 docs/fault-matrix.md and docs/security.md "Local surfaces" list what these tests prove.
 """
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ProcessTracker, clean_env, free_port, procs, run_rally, wait_for, write_probe  # noqa: F401
-from live_rally import LiveRally
-from stranger import STRANGER_UID, require_stranger, run_as_stranger
-from stranger_store import STORE_CLIENT
+from support.helpers import ProcessTracker, clean_env, free_port, procs, run_rally, wait_for, write_probe  # noqa: F401
+from support.live_rally import LiveRally
+from support.stranger import STRANGER_UID, require_stranger, run_as_stranger
+from support.stranger_store import STORE_CLIENT
 
 PRECIOUS = "root's own file, not to be rewritten by a job\n"
 
@@ -179,7 +179,9 @@ def test_a_checkpoint_dir_whose_parent_another_user_owns_is_one_line_and_exit_2(
     project = _strangers(shared / "project", 0o755)
     args = ["--standalone", "--checkpoint-dir", str(project / "ck"), "train.py"]
     done = run_rally(args, cwd=shared, env=clean_env(), timeout=90)
-    _one_refusal(done, f"--checkpoint-dir {project / 'ck'}", f"{project} is owned by uid 65534", "checkpoint-dir-shared")
+    _one_refusal(
+        done, f"--checkpoint-dir {project / 'ck'}", f"{project} is owned by uid 65534", "checkpoint-dir-shared"
+    )
     assert "ran" not in done.stdout
 
 

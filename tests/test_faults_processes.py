@@ -25,9 +25,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import c10d_args, start_agent, stop_all
-from descendants import round_pids, write_leaver
-from helpers import (  # noqa: F401
+from support.agents import c10d_args, start_agent, stop_all
+from support.descendants import round_pids, write_leaver
+from support.helpers import (  # noqa: F401
     ProcessTracker,
     clean_env,
     describe_pids,
@@ -39,7 +39,7 @@ from helpers import (  # noqa: F401
     wait_for,
     write_probe,
 )
-from live_rally import LiveRally
+from support.live_rally import LiveRally
 
 # ------------------------------------------------------------------ 1. the real culprit of a collective hang
 

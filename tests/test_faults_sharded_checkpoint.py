@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.worker_side import job
+from support.job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.torch, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import c10d_args
-from helpers import (
+from support.agents import c10d_args
+from support.helpers import (
     ProcessTracker,
     clean_env,
     free_port,
@@ -30,7 +30,7 @@ from helpers import (
     wait_for,
     write_probe,
 )
-from live_rally import LiveRally
+from support.live_rally import LiveRally
 
 FAIL_WHILE_OTHER_IGNORES_SIGTERM = """
 import os, signal, sys, time

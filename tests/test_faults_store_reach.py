@@ -1,4 +1,4 @@
-"""Fault matrix: reaching the store is bounded and never silent (issue 18 item 5, issue 19 item 2).
+"""Fault matrix: reaching the store is bounded and never silent.
 
     a store frozen before an agent connects     -> one line within read_timeout (+ start-up), exit 2
     a store frozen while agents start            -> noticed within read_timeout, the agent stops
@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import (
+from support.helpers import (
     ProcessTracker,
     clean_env,
     free_port,
@@ -35,7 +35,7 @@ from helpers import (
     wait_for,
     write_probe,
 )
-from live_rally import LiveRally
+from support.live_rally import LiveRally
 
 ONE_LINE_WORKER = "print('worker ran', flush=True)\n"
 
@@ -187,7 +187,7 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 @pytest.mark.parametrize("where", ["standalone", "127.0.0.1", "localhost", "127.0.0.2"])
 def test_the_stores_listen_where_their_endpoint_says(tmp_path: Path, procs: ProcessTracker, where: str) -> None:
     """The rendezvous store and the per-round workers' store (MASTER_PORT): loopback stays
-    loopback, 127.0.0.2 is 127.0.0.2 (issue 18 item 8)."""
+    loopback, 127.0.0.2 is 127.0.0.2."""
     write_probe(tmp_path / "probe.py", SLEEPER)
     if where == "standalone":
         args, name = ["--standalone"], "localhost"  # MASTER_ADDR as torchrun gives it

@@ -1,4 +1,4 @@
-"""Nothing outside the job steers it (issue 18, the store's side): a stranger who can reach the
+"""Nothing outside the job steers it (the store's side): a stranger who can reach the
 rendezvous store's port bumps, decrements and deletes keys; two unrelated jobs share a port; an
 agent is frozen; the token comes in every documented way. Real agents, a real `rally store`, a
 real stranger (a TCPStore client without the job's token).
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
-from helpers import eventually, run_rally
+from support.agents import cluster, job_args, write_script  # noqa: F401 - cluster is a fixture
+from support.helpers import eventually, run_rally
 from test_faults_membership import PLAIN_WORKER
 
 TOKEN = "the-job-secret"
@@ -166,8 +166,8 @@ def test_token_and_token_file_in_rdzv_conf_work_and_agree(cluster, tmp_path):
     codes = [by_value.wait(90), by_file.wait(90)]
     assert codes == [0, 0], by_value.output() + by_file.output()
     # the token is really in use: what the job wrote verifies with it, not with another one
-    from rally.rendezvous.store import Store, UntrustedValue, connect_tcp_store
-    from rally.rendezvous.token import Signer
+    from rally.rendezvous.base.token import Signer
+    from rally.rendezvous.c10d.store import Store, UntrustedValue, connect_tcp_store
 
     def reconnect():
         return connect_tcp_store("127.0.0.1", store.port, 5, 5)
@@ -294,7 +294,7 @@ def test_a_frozen_agent_says_it_was_left_behind_not_that_the_store_froze(cluster
 @pytest.mark.timeout(60)
 def test_an_empty_job_token_variable_is_one_line_not_no_token(tmp_path):
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
-    from helpers import clean_env
+    from support.helpers import clean_env
 
     result = run_rally(
         ["--standalone", "--nproc-per-node", "1", str(script)],
@@ -317,7 +317,7 @@ def test_an_empty_job_token_variable_is_one_line_not_no_token(tmp_path):
 # ------------------------------------------------------------------ in-process: replays and node binding
 @pytest.fixture
 def server():
-    from rally.rendezvous.store import host_tcp_store
+    from rally.rendezvous.c10d.store import host_tcp_store
 
     store = host_tcp_store(0, 10, loopback_only=True)
     yield store
@@ -325,9 +325,9 @@ def server():
 
 
 def _node(server, name: str, settings, token: str = TOKEN):
+    from rally.rendezvous.base.token import Signer
+    from rally.rendezvous.c10d.store import Store, connect_tcp_store
     from rally.rendezvous.protocol import NodeInfo, Rendezvous
-    from rally.rendezvous.store import Store, connect_tcp_store
-    from rally.rendezvous.token import Signer
 
     def reconnect():
         return connect_tcp_store("127.0.0.1", server.port, 5, 5)
@@ -351,8 +351,8 @@ FAST = dict(
 @pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 def test_a_record_replayed_from_an_earlier_round_is_named_as_such(server):
+    from rally.rendezvous.c10d.store import UntrustedValue
     from rally.rendezvous.protocol import RendezvousSettings, RoundEnd
-    from rally.rendezvous.store import UntrustedValue
 
     a = _node(server, "a", RendezvousSettings(**FAST))
     a.join_round().channel.end(RoundEnd("worker_failed", "x", "a"))
@@ -369,8 +369,8 @@ def test_a_record_replayed_from_an_earlier_round_is_named_as_such(server):
 @pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 def test_an_assignment_is_bound_to_the_node_it_was_made_for(server):
+    from rally.rendezvous.c10d.store import UntrustedValue
     from rally.rendezvous.protocol import RendezvousSettings
-    from rally.rendezvous.store import UntrustedValue
 
     s = RendezvousSettings(**{**FAST, "max_nodes": 2})
     a, b = _node(server, "a", s), _node(server, "b", s)
@@ -392,8 +392,8 @@ def test_an_assignment_is_bound_to_the_node_it_was_made_for(server):
 @pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 def test_a_deleted_round_end_is_tampering_and_a_moved_round_counter_is_corrected(server):
+    from rally.rendezvous.c10d.store import StoreTampered
     from rally.rendezvous.protocol import RendezvousSettings, RoundEnd
-    from rally.rendezvous.store import StoreTampered
 
     s = RendezvousSettings(**FAST)
     a = _node(server, "a", s)

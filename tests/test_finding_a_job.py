@@ -1,4 +1,4 @@
-"""Finding your job (issue 19, item 5): every mode prints the exact `rally status` command at
+"""Finding your job: every mode prints the exact `rally status` command at
 start; that command, `rally status RUN_DIR` and `--json` show the job and why it last
 restarted; once the job is over, the run directory still tells its outcome and last restart.
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import Result, clean_env, eventually, free_port, run_rally
+from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.helpers import Result, eventually, free_port, rally_status
 
 # Rank 1 of the first attempt fails with exit code 3; after the restart every rank runs until
 # the file `stop` appears.
@@ -29,10 +29,6 @@ while not Path("stop").exists():
     time.sleep(0.05)
 """
 STATUS_LINE = re.compile(r"rally: see this job with: rally status (.+?)  \(or: rally status (\S+)\)")
-
-
-def status(args: list[str], cwd: Path) -> Result:
-    return run_rally(["status", *args], cwd=cwd, env={**clean_env(), "COLUMNS": "200"}, timeout=60)
 
 
 @pytest.mark.timeout(180)
@@ -70,21 +66,21 @@ def test_the_printed_status_command_and_the_run_directory_find_the_job_and_its_l
             )
 
         # The exact command printed, run from another directory: the table and the restart's cause.
-        assert eventually(lambda: shows_the_restart(status(printed_flags, Path("/"))), 30), (
-            status(printed_flags, Path("/")).stdout + agent.output()
+        assert eventually(lambda: shows_the_restart(rally_status(printed_flags, Path("/"))), 30), (
+            rally_status(printed_flags, Path("/")).stdout + agent.output()
         )
 
         # The run directory (and the log dir holding only it) name the same job: node 0 runs
         # here, so its view of the job (agent/observe/job_view.py), refreshed every 2 s, answers.
         def json_of_round_1(where: Path) -> dict | None:
-            done = status([str(where), "--json"], Path("/"))
+            done = rally_status([str(where), "--json"], Path("/"))
             assert done.returncode == 0, done.stderr
             record = json.loads(done.stdout)
             return record if record["round"] == 1 and record["nodes"][0]["round"] == 1 else None
 
         for where in (run_dir, tmp_path / "logs"):
             record = eventually(lambda where=where: json_of_round_1(where), 30)
-            assert record, status([str(where), "--json"], Path("/")).stdout
+            assert record, rally_status([str(where), "--json"], Path("/")).stdout
             assert record["source"] == "view" and 0 <= record["age"] < 10 and len(record["nodes"]) == 1
             assert record["last_restart"]["kind"] == "worker_failed" and record["last_restart"]["round"] == 0
             assert "exit code 3" in record["last_restart"]["detail"], record
@@ -96,11 +92,11 @@ def test_the_printed_status_command_and_the_run_directory_find_the_job_and_its_l
         stop_all([agent])
 
     # Over: the store went with the agent; the run directory still answers, at once.
-    done = status([str(run_dir)], Path("/"))
+    done = rally_status([str(run_dir)], Path("/"))
     assert done.returncode == 0 and done.elapsed < 10, done.describe()
     assert "has ended" in done.stdout and "outcome: succeeded, exit code 0" in done.stdout, done.stdout
     assert "last restart: round 0 ended (worker_failed): rank 1" in done.stdout, done.stdout
-    record = json.loads(status([str(run_dir), "--json"], Path("/")).stdout)
+    record = json.loads(rally_status([str(run_dir), "--json"], Path("/")).stdout)
     assert record["source"] == "run_dir" and record["outcome"] == "succeeded" and record["exit_code"] == 0
     assert record["last_restart"]["kind"] == "worker_failed"
 
@@ -111,19 +107,19 @@ def test_a_directory_that_is_not_a_run_is_one_line_and_exit_2(tmp_path):
         ([str(tmp_path / "missing")], "no such directory"),
         ([str(tmp_path)], "is not a rally run directory"),
     ):
-        done = status(args, tmp_path)
+        done = rally_status(args, tmp_path)
         assert done.returncode == 2 and expected in done.stderr and "Traceback" not in done.stderr, done.describe()
         assert len(done.stderr_lines) == 1, done.stderr
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "endpoint.json").write_text(json.dumps({"run_id": name, "endpoint": "127.0.0.1:1"}))
-    done = status([str(tmp_path)], tmp_path)
+    done = rally_status([str(tmp_path)], tmp_path)
     assert done.returncode == 2 and "holds 2 runs; give one of them" in done.stderr, done.describe()
 
 
 @pytest.mark.timeout(60)
 def test_status_json_of_an_unreachable_store_is_one_line_and_no_traceback(tmp_path):
-    done = status(
+    done = rally_status(
         ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "nobody", "--json", "--timeout", "1"], tmp_path
     )
     assert done.returncode != 0 and done.stdout == "" and "Traceback" not in done.stderr, done.describe()

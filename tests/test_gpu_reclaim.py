@@ -136,7 +136,7 @@ def test_with_nvml_a_killed_cuda_process_leaves_the_gpu_within_the_timeout():
 
 @pytest.mark.timeout(30)
 def test_a_long_wait_for_the_gpus_says_what_still_holds_them_and_for_how_long_at_most():
-    from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS
+    from rally.rendezvous.status.waiting import WAIT_PROGRESS_SECONDS
 
     workers = [_sleeper()]
     lines: list[str] = []

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import OnTerminal, clean_env, eventually, free_port, read_events, run_rally
+from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.helpers import OnTerminal, clean_env, eventually, free_port, read_events, run_rally
 
 HEARTBEATS_THEN_HANG = """
 import os, sys, time

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 from rally.agent.worker_side import heartbeat_file, job, memory_only
+from support.job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -392,10 +392,10 @@ MEMORY_ONLY = """
 def test_a_script_without_checkpoint_dir_keeps_its_checkpoints_in_memory_and_resumes_from_them(
     tmp_path: Path,
 ) -> None:
-    """Issue 29: a script written for rally works under `rally` with no flag. Its saves go to the
+    """A script written for rally works under `rally` with no flag. Its saves go to the
     memory tier only (no file anywhere), a restart resumes from memory, and one line says where
     checkpoints are kept and how to make them durable."""
-    from helpers import clean_env, run_rally
+    from support.helpers import clean_env, run_rally
 
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(MEMORY_ONLY))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rally.agent.observe.job_view import MAX_VIEW_AGE_SECONDS, VIEW_FILE, read_job_view, write_job_view
-from rally.rendezvous.records import EndKind, RoundEnd
+from rally.rendezvous.base.records import EndKind, RoundEnd
 
 NODE = {"host": "node-a", "node_id": "n1", "round": 4, "workers": [{"rank": 0, "pid": 4242, "state": "running"}]}
 

@@ -1,5 +1,5 @@
 """`rally.launch` of a function defined in the script being run (`__main__`), as torch's
-`elastic_launch` runs it (issue 19, item 6); what no worker can import is refused before
+`elastic_launch` runs it; what no worker can import is refused before
 anything starts, with one line.
 
 Each case is a real driver process (the agent runs inside the caller, as in test_python_api.py).
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Result, clean_env, run_rally, write_probe
+from support.helpers import Result, clean_env, run_rally, write_probe
 
 MAIN_FUNCTION = """
     import os, rally

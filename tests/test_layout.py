@@ -1,5 +1,5 @@
 """The code's shape, kept by tests: very large modules flagged, one owner of the store's keys, leaf modules
-that stay leaves, and an agent main loop that fits on one screen (issue 13)."""
+that stay leaves, and an agent main loop that fits on one screen."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from package_graph import cycles, module_graph, rally_imports
+from support.package_graph import cycles, module_graph, rally_imports
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("launcher", "agent", "rendezvous")
 LARGE_MODULE_LINES = 800
-# Methods of rendezvous.store.Store (and EtcdStore) that take a key name first.
+# Methods of rendezvous.c10d.store.Store (and EtcdStore) that take a key name first.
 KEYED_STORE_CALLS = {
     "set", "get", "get_str", "get_unsigned", "add", "check", "counter", "append", "set_once",
     "compare_set", "try_wait", "wait_deleted", "set_leased", "delete_key", "multi_set", "key",
@@ -25,9 +25,9 @@ KEYED_STORE_CALLS = {
 # preemption barrier, the status board; the store implementations below it name their own few.
 PROTOCOL = {
     "rendezvous/protocol.py", "rendezvous/arrival.py", "rendezvous/round_channel.py", "rendezvous/stack_exchange.py",
-    "rendezvous/preemption_barrier.py", "rendezvous/status_board.py",
+    "rendezvous/preemption_barrier.py", "rendezvous/status/board.py",
 }  # fmt: skip
-KEY_OWNERS = PROTOCOL | {"rendezvous/store.py", "rendezvous/etcd_store.py", "rendezvous/etcd_client.py"}
+KEY_OWNERS = PROTOCOL | {"rendezvous/c10d/store.py", "rendezvous/etcd/store.py", "rendezvous/etcd/client.py"}
 
 
 def modules() -> list[Path]:
@@ -114,11 +114,31 @@ def test_every_test_starts_rally_through_the_one_launch_helper() -> None:
     is the only place a test spells out how rally is started."""
     spelled = [
         str(p.relative_to(REPO))
-        for p in sorted((REPO / "tests").glob("*.py"))
-        if p.name not in ("helpers.py", "test_layout.py")
+        for p in sorted((REPO / "tests").rglob("*.py"))
+        if p.relative_to(REPO).as_posix() not in ("tests/support/helpers.py", "tests/test_layout.py")
         and ('"-m", "rally"' in p.read_text() or "rally_argv(" in p.read_text())
     ]
     assert spelled == []
+
+
+@pytest.mark.timeout(30)
+def test_tests_say_what_they_check_not_which_issue_asked() -> None:
+    """A test's name and text say the behaviour it pins; an issue number sends the reader to a
+    tracker the repository does not carry. Support code lives in tests/support/, not beside the tests."""
+    import re
+
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    numbered = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in tests
+        for i, line in enumerate(p.read_text().splitlines(), start=1)
+        if re.search(r"\b[Ii]ssues? \d", line)
+    ]
+    assert numbered == []
+    beside = [
+        p.name for p in (REPO / "tests").glob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py"
+    ]
+    assert beside == [], "support code goes in tests/support/"
 
 
 @pytest.mark.timeout(30)
@@ -157,16 +177,16 @@ def test_every_path_the_code_and_docs_name_exists() -> None:
     assert stale == []
 
 
-# Issue 28: parameters typed bare `Any` hide the coupling between rooms from mypy. What is left
+# Parameters typed bare `Any` hide the coupling between rooms from mypy. What is left
 # is honest (a torch object under a module that must not import torch, DCP's own signatures).
 MAX_BARE_ANY_PARAMETERS = 40
 
 
 @pytest.mark.timeout(30)
 def test_few_parameters_are_typed_bare_any() -> None:
-    """`python tests/bare_any.py -v` lists them: type a new parameter, or use `object` for a value
+    """`python tests/support/bare_any.py -v` lists them: type a new parameter, or use `object` for a value
     not checked yet, instead of `Any`."""
-    from bare_any import bare_any_parameters
+    from support.bare_any import bare_any_parameters
 
     found = bare_any_parameters()
     assert len(found) <= MAX_BARE_ANY_PARAMETERS, "\n".join(found)

@@ -9,13 +9,13 @@ import re
 
 import pytest
 
-from agents import write_script
-from helpers import read_events, run_rally
 from rally.agent.observe.learned_timeouts import LearnedTimeouts, LearningSettings
 from rally.agent.worker_side import heartbeat_file
-from rally.rendezvous.node_memory import load_timeouts, save_timeouts
-from rally.rendezvous.store import Store, connect_tcp_store, host_tcp_store
-from rally.rendezvous.token import Signer
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import Store, connect_tcp_store, host_tcp_store
+from rally.rendezvous.status.job_notes import load_timeouts, save_timeouts
+from support.agents import write_script
+from support.helpers import read_events, run_rally
 
 # 15 beats 0.1 s apart, then (first attempt) a hang; after the restart 3 beats, then a hang again.
 BEATS_THEN_HANG = """

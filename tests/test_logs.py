@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_rally, write_probe
+from support.helpers import run_rally, write_probe
 
 # Each rank writes a distinctive stdout and stderr; the last stdout line has no newline.
 TWO_STREAMS = """
@@ -73,7 +73,7 @@ def test_redirects_3_puts_each_stream_in_its_file_and_nothing_on_the_console(tmp
 
 @pytest.mark.timeout(120)
 def test_tee_3_writes_the_files_and_keeps_rally_s_prefix_on_the_console(tmp_path: Path) -> None:
-    """--tee adds the files; the console is rally's as without it (issue 29: it turned into
+    """--tee adds the files; the console is rally's as without it (it turned into
     torchrun's "[default0]:"), and one line says how to get torchrun's."""
     logs = tmp_path / "logs"
     result = run_two_streams(tmp_path, "--log-dir", str(logs), "--tee", "3")

@@ -1,4 +1,4 @@
-"""Specification of the memory tier (issue 17): a real holder process, real shared memory, real files.
+"""Specification of the memory tier: a real holder process, real shared memory, real files.
 
 The agent's side (`HolderProcess`) starts the holder as rally's agent does; the worker's side
 (`MemoryTier`, what `rally.job` uses) runs in this test process, or in a subprocess where the
@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import eventually
-from helpers import small_disk as mount_small_disk
 from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core import checkpoint_file
 from rally.agent.checkpoint.core import client as ckpt_client
@@ -30,8 +28,10 @@ from rally.agent.checkpoint.holder import DEFAULT_PERSIST_SHARE, PERSIST_SHARE_E
 from rally.agent.checkpoint.node_checkpoints import MEMORY_LIMIT_ENV, HolderProcess
 from rally.agent.checkpoint.slots import COMMITTED, SlotTable
 from rally.agent.worker_side import job
-from rally.rendezvous.membership import resume_step
-from rally.rendezvous.records import NodeInfo
+from rally.rendezvous.base.membership import resume_step
+from rally.rendezvous.base.records import NodeInfo
+from support.helpers import eventually
+from support.helpers import small_disk as mount_small_disk
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0
@@ -234,7 +234,7 @@ def test_a_save_while_the_previous_persists_takes_the_other_slot_and_keeps_the_n
     table.release()
 
 
-# --- how often the disk copy runs (issue 30) ---------------------------------------------------
+# --- how often the disk copy runs ---------------------------------------------------
 
 
 def durable_events(tier: Tier) -> list[dict]:
@@ -308,7 +308,7 @@ def test_a_bad_persist_share_is_one_line_and_the_default(
         tier.agent.stop()
 
 
-# --- fencing by round (issue 18, item 12) ---------------------------------------------------
+# --- fencing by round ---------------------------------------------------
 
 
 @pytest.mark.torch
@@ -378,7 +378,7 @@ def test_too_little_shared_memory_is_one_line_and_saves_go_to_disk(
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MB tmpfs of this test's own (tests/helpers.py)."""
+    """A 2 MB tmpfs of this test's own (tests/support/helpers.py)."""
     with mount_small_disk(tmp_path / "small-disk", "2m") as mount:
         yield mount
 
@@ -498,7 +498,7 @@ def test_a_direct_save_to_a_full_disk_is_one_line_with_the_bytes_needed_and_free
 ) -> None:
     import torch
 
-    monkeypatch.delenv(ckpt_client.HOLDER_ENV, raising=False)  # the disk path: no memory tier (issue 19, item 9),
+    monkeypatch.delenv(ckpt_client.HOLDER_ENV, raising=False)  # the disk path: no memory tier,
     monkeypatch.setattr(ckpt_client, "_tier_resolved", False)  # whatever an earlier test of this process resolved
     with mount_small_disk(tmp_path / "disk", "1m") as disk:
         monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(disk / "ckpt"))

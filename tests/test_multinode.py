@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
-from helpers import eventually, free_port, is_alive
+from support.agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
+from support.helpers import eventually, free_port, is_alive
 
 PROBE = """
 import json, os, sys, time

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_events, read_jsonl, run_rally
 from rally.agent.observe import gpu
 from rally.agent.observe.gpu import DeviceReading
 from rally.agent.observe.stragglers import CentralValues, StepClock, StragglerWatch, job_step_times
 from rally.agent.worker_side import heartbeat_file, job
+from support.helpers import read_events, read_jsonl, run_rally
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024

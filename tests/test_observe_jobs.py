@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rally
-from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import OnTerminal, Result, clean_env, eventually, free_port, read_events, run_rally
+from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.helpers import OnTerminal, clean_env, eventually, free_port, rally_status, read_events, run_rally
 
 # Each rank steps at its own pace (STEP_SECONDS_<rank>, default 0.05 s) until the file `stop`
 # appears; with FAIL_ON_FILE set, rank 1 of the first attempt exits 3 once the file `fail` appears.
@@ -43,10 +43,6 @@ while not Path("stop").exists():
         sys.exit(3)
 print("rank", rank, "stopped at step", step, flush=True)
 """
-
-
-def status_of(*args: str, env: dict[str, str] | None = None) -> Result:
-    return run_rally(["status", *args], cwd=os.getcwd(), env={**(env or clean_env()), "COLUMNS": "200"}, timeout=60)
 
 
 @pytest.mark.timeout(180)
@@ -80,7 +76,7 @@ def test_a_rank_slower_than_the_rest_of_the_job_is_named_though_alone_on_its_nod
         # the straggler before the record a fast `rally status` reads does.
         def named_in_status() -> bool:
             nonlocal status
-            status = status_of("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stragglerjob")
+            status = rally_status(["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stragglerjob"])
             return status.returncode == 0 and "straggler: rank 1" in status.stdout
 
         status = None
@@ -306,12 +302,12 @@ def test_rally_status_inside_a_slurm_step_needs_no_endpoint_or_id(tmp_path):
         own_step = {**slurm, "SLURM_STEP_ID": "7", "SLURM_STEP_NODELIST": "somewhere-else"}
 
         def both_running() -> bool:
-            last[:] = [status_of(env={**env, **own_step})]
+            last[:] = [rally_status([], env={**env, **own_step})]
             return last[0].returncode == 0 and last[0].stdout.count("running") == 2
 
         assert eventually(both_running, 30), last[0].stdout + last[0].stderr
         assert f"job {job_id}.0 at 127.0.0.1:{port}: round 0" in last[0].stdout, last[0].stdout
-        outside = status_of(env=env)
+        outside = rally_status([], env=env)
         assert outside.returncode == 2 and "give --rdzv-endpoint HOST:PORT and --rdzv-id ID" in outside.stderr
         assert "Traceback" not in outside.stderr
         (tmp_path / "stop").touch()

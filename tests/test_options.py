@@ -1,7 +1,6 @@
 """The options model (launcher/options.py): one declaration per option, from which the flags,
 the environment variables, the YAML keys and `rally.launch`'s keyword arguments come; YAML
-values of the wrong type and mistyped flags are one line each, as a newcomer expects
-(issue 19, items 3 and 4)."""
+values of the wrong type and mistyped flags are one line each, as a newcomer expects."""
 
 from __future__ import annotations
 
@@ -15,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally, write_probe
+from support.helpers import clean_env, run_rally, write_probe
 from test_bad_input import assert_one_line_only, rally_fails
 
 
-# ------------------------------------------------------------------ YAML types (issue 19, 3)
+# ------------------------------------------------------------------ YAML types
 def fails_with_file(tmp_path: Path, content: str) -> str:
     config = tmp_path / "job.yaml"
     config.write_text(content + "script: train.py\n")
@@ -84,7 +83,7 @@ def test_mistakes_in_options_checked_together_are_told_in_one_run_each_naming_it
     ], result.describe()
 
 
-# ------------------------------------------------------------------ flags as typed (issue 19, 4)
+# ------------------------------------------------------------------ flags as typed
 @pytest.mark.timeout(120)
 def test_an_unambiguous_prefix_of_a_flag_runs_as_torchrun_accepts_it(tmp_path: Path) -> None:
     probe = write_probe(tmp_path / "hello.py", "import os\nprint('hello from', os.environ['LOCAL_RANK'])\n")

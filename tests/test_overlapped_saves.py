@@ -1,4 +1,4 @@
-"""Specification of overlapped saves (issue 30, item 1): the copy of an optimizer's tensors runs during the next step.
+"""Specification of overlapped saves: the copy of an optimizer's tensors runs during the next step.
 
 A real holder and real shared memory (tests/test_memory_tier.py's harness), the worker's side in
 this process with a real model and a real optimizer (small tensors: each a little over
@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from helpers import eventually
 from rally.agent.checkpoint.core import parallel_copy
 from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.slots import NewestBusy, SlotTable
 from rally.agent.worker_side import job
+from support.helpers import eventually
 from test_memory_tier import LEASE, REPO, Tier, load_slot
 
 torch = pytest.importorskip("torch")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from agents import StoreProcess, c10d_args, stop_all, write_script
-from helpers import eventually, read_events, read_jsonl, run_rally
-from node_checks_helpers import agent, bridged_namespaces, need_root, slow_cpu, slow_link
+from support.agents import StoreProcess, c10d_args, stop_all, write_script
+from support.helpers import eventually, read_events, read_jsonl, run_rally
+from support.node_checks import agent, bridged_namespaces, need_root, slow_cpu, slow_link
 
 # A DDP-style loop over gloo; each node records its steps, then finishes after STEPS steps (20),
 # or at the first step at which any rank saw the file STOP_FILE (the test is done looking).

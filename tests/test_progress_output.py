@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import OnTerminal, clean_env, kill_group, start_rally, write_probe
+from support.helpers import OnTerminal, clean_env, kill_group, start_rally, write_probe
 
 PROGRESS = """
     import os, sys, time

@@ -12,6 +12,16 @@ from dataclasses import replace
 
 import pytest
 
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import (
+    Store,
+    StoreEndpoint,
+    StoreUnavailable,
+    UntrustedValue,
+    connect_tcp_store,
+    host_tcp_store,
+    open_tcp_store,
+)
 from rally.rendezvous.liveness import silent_peer
 from rally.rendezvous.protocol import (
     JobClosed,
@@ -22,16 +32,6 @@ from rally.rendezvous.protocol import (
     Round,
     RoundEnd,
 )
-from rally.rendezvous.store import (
-    Store,
-    StoreEndpoint,
-    StoreUnavailable,
-    UntrustedValue,
-    connect_tcp_store,
-    host_tcp_store,
-    open_tcp_store,
-)
-from rally.rendezvous.token import Signer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -413,7 +413,7 @@ def test_a_forged_job_end_or_round_end_is_one_line_naming_the_key(server):
 
 
 def test_status_skips_records_that_are_not_this_jobs(server):
-    from rally.rendezvous.status import read_job_status
+    from rally.rendezvous.status.reader import read_job_status
 
     s = replace(FAST, min_nodes=1, max_nodes=1)
     a = node(server, "a", s)
@@ -430,7 +430,7 @@ def test_status_skips_records_that_are_not_this_jobs(server):
 def test_token_precedence_and_the_slurm_derivation(tmp_path, monkeypatch):
     import stat
 
-    from rally.rendezvous.token import TokenError, resolve_token
+    from rally.rendezvous.base.token import TokenError, resolve_token
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("RALLY_JOB_TOKEN", raising=False)

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from agents import StoreProcess, c10d_args, stop_all, write_script
-from helpers import run_rally
-from node_checks_helpers import agent, need_root
+from support.agents import StoreProcess, c10d_args, stop_all, write_script
+from support.helpers import run_rally
+from support.node_checks import agent, need_root
 
 # "bad"'s worker fails after 0.5 s; the others train 6 s with three nodes, and with two until the
 # test has seen what it looks for (the file RELEASE, at most 60 s), then finish.

@@ -1,4 +1,4 @@
-"""What the store can hand rally's record parser (rendezvous/records.py): one bounded line, always.
+"""What the store can hand rally's record parser (rendezvous/base/records.py): one bounded line, always.
 
 A forger who reaches the store (no job token) can write any bytes under a record's key. Whatever
 it wrote, StoredRecord.load answers with one UntrustedValue line of bounded length, never a
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from rally.rendezvous.records import NodeInfo, RoundEnd
-from rally.rendezvous.store import UntrustedValue
+from rally.rendezvous.base.records import NodeInfo, RoundEnd
+from rally.rendezvous.c10d.store import UntrustedValue
 
 LINE_LIMIT = 400
 

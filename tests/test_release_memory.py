@@ -1,5 +1,5 @@
-"""A stopped worker's memory is freed by the agent as well as by the worker's own exit (issue 30,
-item 2: the stop of a restart is mostly the kernel tearing the stopped workers' address spaces
+"""A stopped worker's memory is freed by the agent as well as by the worker's own exit (the
+stop of a restart is mostly the kernel tearing the stopped workers' address spaces
 down), and only a worker already killed by its signal is touched (agent/base/linux.py
 `release_memory`)."""
 

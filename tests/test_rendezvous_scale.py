@@ -1,4 +1,4 @@
-"""Rendezvous at thousands of nodes (issue 31): nothing on the critical path grows with N.
+"""Rendezvous at thousands of nodes: nothing on the critical path grows with N.
 
 N nodes (threads, each with its own TCPStore connection) form one round on a real TCPStore,
 every store call counted by node. On main the closer read each node descriptor with a `get` of
@@ -21,14 +21,14 @@ from datetime import timedelta
 
 import pytest
 
-from etcd_cluster import etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
-from helpers import form_one_round_at_once
-from rally.rendezvous.etcd_client import EtcdClient, Member, b64
-from rally.rendezvous.etcd_store import EtcdStore
-from rally.rendezvous.kv import UntrustedValue
+from rally.rendezvous.base.kv import UntrustedValue
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import Store, connect_tcp_store, host_tcp_store
+from rally.rendezvous.etcd.client import EtcdClient, Member, b64
+from rally.rendezvous.etcd.store import EtcdStore
 from rally.rendezvous.protocol import NodeInfo, Rendezvous, RendezvousSettings
-from rally.rendezvous.store import Store, connect_tcp_store, host_tcp_store
-from rally.rendezvous.token import Signer
+from support.etcd_cluster import etcd, etcd_cluster, losing_one_txn_reply, needs_etcd  # noqa: F401 - fixtures
+from support.helpers import form_one_round_at_once
 
 pytestmark = pytest.mark.timeout(60)
 # Each TCPStore client reverse-resolves its peer: one short attempt where a resolver drops queries.
@@ -126,7 +126,7 @@ def test_get_if_present_of_a_key_nobody_waits_for_is_one_request_that_creates_no
 
 
 def test_get_if_present_of_a_key_somebody_waits_for_wakes_no_waiter(server, connections):
-    """Issue 28: torch's libuv server (the default) wakes a key's waiters on every compare_set, set
+    """Torch's libuv server (the default) wakes a key's waiters on every compare_set, set
     or not, so the one-request read would end a wait for `closed` or `end` with the key still
     absent. By default `get_if_present` is a check and a get (two requests) and wakes nobody."""
     prefix = f"rally/{uuid.uuid4().hex}/"
@@ -192,7 +192,7 @@ def test_read_present_on_etcd_is_one_transaction(etcd):
 @needs_etcd
 def test_a_first_wins_write_sent_again_after_a_lost_reply_still_wins(etcd):
     """Under load an etcd request can outlast the client's per-request timeout after etcd applied
-    it; the client sends it again (etcd_client.py). A slot claim sent again finds its own value
+    it; the client sends it again (etcd/client.py). A slot claim sent again finds its own value
     standing: it won (as on c10d). Before, the node took it for another's claim and claimed a
     second slot: at 4,096 simulated nodes one node held two slots and another was left out."""
     members = [Member("127.0.0.1", m.client_port) for m in etcd.members]

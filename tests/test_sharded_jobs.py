@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, c10d_args, start_agent, stop_all
-from fsdp_reference import EVERY, STEPS, TRAIN, digests
-from helpers import eventually, free_port, is_alive
 from rally.agent.checkpoint.sharded import files as dcp_files
+from support.agents import AgentProcess, c10d_args, start_agent, stop_all
+from support.fsdp_reference import EVERY, STEPS, TRAIN, digests
+from support.helpers import eventually, free_port, is_alive
 
 pytestmark = pytest.mark.torch
 
@@ -40,7 +40,7 @@ def assert_no_temps(ckpt: Path) -> None:
 
 @pytest.fixture
 def reference(fsdp_reference: dict[int, str]) -> dict[int, str]:
-    """The session's uninterrupted run (tests/fsdp_reference.py): digests by step, STEPS + 1 the end."""
+    """The session's uninterrupted run (tests/support/fsdp_reference.py): digests by step, STEPS + 1 the end."""
     return fsdp_reference
 
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:  # imported by pytest as a plugin (below), so that its asserts are rewritten
-    from slurm_cluster import SlurmCluster
+    from support.slurm_cluster import SlurmCluster
 
-pytest_plugins = ["slurm_cluster"]
+pytest_plugins = ["support.slurm_cluster"]
 pytestmark = pytest.mark.slurm
 
 # Prints what every node of a step must agree on, as one JSON line per task.

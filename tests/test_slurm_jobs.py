@@ -1,4 +1,4 @@
-"""rally as SLURM users run it, on the real 3-node dev cluster (tests/slurm_cluster.py).
+"""rally as SLURM users run it, on the real 3-node dev cluster (tests/support/slurm_cluster.py).
 
     a. `srun -N2 rally --nproc-per-node 2 ddp.py` without rendezvous flags: one job of 4, node-major
     b. a worker failure on node 2 restarts the workers of both nodes (--max-restarts 1)
@@ -31,16 +31,17 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from helpers import start_rally, wait_for
+from support.ddp_reference import params_hash
+from support.helpers import start_rally, wait_for
 
 if TYPE_CHECKING:  # the fixture comes from the slurm_cluster plugin (tests/conftest.py)
-    from slurm_cluster import SlurmCluster
+    from support.slurm_cluster import SlurmCluster
 
-pytest_plugins = ["slurm_cluster"]
+pytest_plugins = ["support.slurm_cluster"]
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "tests" / "slurm_scripts"
+SCRIPTS = REPO / "tests" / "support" / "slurm_scripts"
 PROBE = SCRIPTS / "probe.py"
 DDP = SCRIPTS / "ddp.py"
 TRAIN = REPO / "examples" / "train.py"
@@ -83,12 +84,12 @@ def task_lines(text: str, task: int) -> list[str]:
 
 
 def probe_records(text: str) -> list[dict]:
-    """The JSON records tests/slurm_scripts/probe.py printed (after any srun/rally prefixes)."""
+    """The JSON records tests/support/slurm_scripts/probe.py printed (after any srun/rally prefixes)."""
     return [json.loads(line.split("PROBE ", 1)[1]) for line in text.splitlines() if "PROBE {" in line]
 
 
 def ddp_results(text: str) -> list[dict[str, str]]:
-    """The RESULT lines of tests/slurm_scripts/ddp.py as dicts of strings."""
+    """The RESULT lines of tests/support/slurm_scripts/ddp.py as dicts of strings."""
     lines = [line.split("RESULT ", 1)[1] for line in text.splitlines() if "RESULT rank=" in line]
     return [dict(kv.split("=", 1) for kv in line.split()) for line in lines]
 
@@ -307,12 +308,6 @@ def test_elastic_job_on_three_nodes_goes_on_with_two_when_a_node_dies(jobs: Jobs
 
 
 # ------------------------------------------------------------------- d: preempt, requeue, resume
-
-
-def params_hash(text: str) -> str:
-    found = re.findall(r"params sha256 ([0-9a-f]{64})", text)
-    assert len(found) == 1, f"expected one final hash in:\n{text[-3000:]}"
-    return found[0]
 
 
 def checkpoint_steps(directory: Path) -> list[int]:

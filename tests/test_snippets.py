@@ -1,5 +1,5 @@
 """Every command and script of the README and the documentation pages that a user would copy
-runs here, as written, so no snippet can drift from the code (issue 29).
+runs here, as written, so no snippet can drift from the code.
 
 A fenced block is marked on the line before it:
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, kill_group
+from support.helpers import clean_env, kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

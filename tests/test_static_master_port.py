@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import start_agent, stop_all, write_script
-from helpers import free_port
+from support.agents import start_agent, stop_all, write_script
+from support.helpers import free_port
 
 WORKER = """
 import json, os, sys

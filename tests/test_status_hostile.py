@@ -1,9 +1,9 @@
-"""`rally status` and job files as a security boundary (issue 27, items 13 and 14), and `rally
-status` as a newcomer meets it (issue 29).
+"""`rally status` and job files as a security boundary, and `rally
+status` as a newcomer meets it.
 
-Another local user (uid 65534, standard library only: tests/stranger.py) writes what `rally
+Another local user (uid 65534, standard library only: tests/support/stranger.py) writes what `rally
 status` reads: node records into a job's store (a store without a job token takes anyone's
-record: tests/stranger_store.py), or a whole run directory into a shared log directory. Then the
+record: tests/support/stranger_store.py), or a whole run directory into a shared log directory. Then the
 job's user runs `rally status`, a real process, and must get the table or one line, escaped,
 never a traceback, a hang, a memory blow-up or the stranger's escape sequences on the terminal:
 
@@ -16,9 +16,9 @@ never a traceback, a hang, a memory blow-up or the stranger's escape sequences o
     report.json a FIFO                                 -> "was not read: ... a FIFO" at once, not a hang
     events.jsonl a link to /dev/zero                   -> "was not read: ... a symbolic link", no MemoryError
     a YAML alias bomb under rdzv-id (432 bytes here,   -> one line in well under a second, not 22 s
-    557 in the issue)                                     and a MemoryError
+    557 as first reported)                                     and a MemoryError
 
-And issue 29: `rally status RUN_DIR` of a job whose agent was killed imports no torch and answers
+And as a newcomer meets it: `rally status RUN_DIR` of a job whose agent was killed imports no torch and answers
 at once; `--rdzv-endpoint` after the job's end is one line at once naming its run directory; with
 a live store no NumPy warning; `--json` gives the round the node records give, and a job that
 ended is never said to have had "no restart so far".
@@ -41,18 +41,14 @@ from pathlib import Path
 
 import pytest
 
-from agents import c10d_args, start_agent, stop_all, write_script
-from helpers import Result, clean_env, free_port, kill_group, run_rally, start_rally, wait_for
-from stranger import require_stranger, run_as_stranger
-from stranger_store import STORE_CLIENT
+from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.helpers import Result, clean_env, free_port, kill_group, rally_status, run_rally, start_rally, wait_for
+from support.stranger import require_stranger, run_as_stranger
+from support.stranger_store import STORE_CLIENT
 
 # A limit on the address space of a `rally status` that reads files only: a reader that follows
 # a link to /dev/zero then fails with a MemoryError at once instead of taking the machine's memory.
 NO_TORCH_ADDRESS_SPACE = 2 << 30
-
-
-def status(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 60) -> Result:
-    return run_rally(["status", *args], cwd=cwd, env={**clean_env(), "COLUMNS": "200", **(env or {})}, timeout=timeout)
 
 
 def no_traceback(done: Result) -> None:
@@ -64,7 +60,7 @@ def no_traceback(done: Result) -> None:
 def store() -> Iterator[int]:
     """A job's TCPStore on loopback, as `rally store` serves one (launcher/store_command.py), hosted
     here: agents, strangers and `rally status` reach it. Its port."""
-    from rally.rendezvous.store import SERVICE_MARKER_KEY, host_tcp_store
+    from rally.rendezvous.c10d.store import SERVICE_MARKER_KEY, host_tcp_store
 
     server = host_tcp_store(0, 30, loopback_only=True)
     server.set(SERVICE_MARKER_KEY, "rally store")
@@ -135,13 +131,13 @@ def stranger_publishes_jobs(port: int, jobs: dict[str, tuple[bytes | str, ...]])
 
 
 def status_of(port: int, run_id: str, *extra: str) -> Result:
-    return status(["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, *extra], Path("/"))
+    return rally_status(["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, *extra], Path("/"))
 
 
 ESC_HOST = "node-a\x1b]0;owned\x07\x1b[2J"  # retitle the window, clear the screen
 ESC_RESTART = {"round": 3, "kind": "worker_failed", "detail": "rank 0\x1b[1A\x1b[2Kall fine"}  # overwrite a line
 
-# One shape each of what crashed `rally status` with a traceback (issue 27, item 13): the
+# One shape each of what crashed `rally status` with a traceback: the
 # records a stranger writes, and what the table must still show.
 CRASHING_SHAPES = {
     "rich_markup": ([node_record(host="[/bold][red]node-a")], "[/bold][red]node-a"),
@@ -371,7 +367,7 @@ def test_escape_sequences_in_a_run_directory_reach_the_terminal_escaped(shared_d
     assert "last restart: round 0 ended (worker_failed): rank 1\\x1b[2J\\x9b31m" in done.stdout, done.stdout
 
 
-# ------------------------------------------------------------------ job files (item 14)
+# ------------------------------------------------------------------ job files
 def alias_bomb() -> str:
     """Nine levels of nine references under rdzv-id: 9**9 = 387 million strings once expanded."""
     lines = ["rdzv-id:", '  - &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
@@ -412,7 +408,7 @@ def test_job_file_values_nested_deep_or_keys_of_a_megabyte_are_one_line_and_quot
         assert expected in done.stderr and len(done.stderr) < 400, done.describe()
 
 
-# ------------------------------------------------------------------ issue 29: after the job, and cost
+# ------------------------------------------------------------------ after the job, and cost
 SLEEPER = """
 import time
 time.sleep(120)
@@ -464,7 +460,7 @@ def test_after_its_agent_is_killed_status_answers_at_once_without_torch_and_poin
         # Measured 0.3 s (0.2 s of CPU); main waited 5 s for the refused store first.
         assert cpu < 1.0 and elapsed < 3, (cpu, elapsed)
 
-        by_endpoint = status(flags, Path("/"))
+        by_endpoint = rally_status(flags, Path("/"))
         assert by_endpoint.returncode == 2 and len(by_endpoint.stderr_lines) == 1, by_endpoint.describe()
         assert by_endpoint.elapsed < 3, by_endpoint.describe()  # measured 0.3 s; main: 5.3 s and no run dir
         line = by_endpoint.stderr
@@ -488,7 +484,7 @@ FAKE_NUMPY = 'raise ModuleNotFoundError("No module named numpy", name="numpy")\n
 @pytest.mark.timeout(120)
 def test_status_with_a_store_imports_no_torch_and_prints_no_numpy_warning(store, tmp_path):
     """Where NumPy is missing (or of another ABI), torch warns at import; `rally status` reads a
-    c10d store without torch (rendezvous/wire_store.py), so there is nothing to warn about."""
+    c10d store without torch (rendezvous/c10d/wire.py), so there is nothing to warn about."""
     require_stranger()
     stranger_publishes(store, "costs", json.dumps(node_record()).encode())
     (tmp_path / "numpy").mkdir()
@@ -546,7 +542,7 @@ def test_status_of_a_running_job_imports_no_torch_and_after_it_names_the_run_dir
         agent.popen.wait(timeout=10)
     finally:
         stop_all([agent])
-    after = status(flags, Path("/"), env={"TMPDIR": str(temp)})
+    after = rally_status(flags, Path("/"), env={**clean_env(), "TMPDIR": str(temp)})
     assert after.returncode == 2 and len(after.stderr_lines) == 1, after.describe()
     assert after.elapsed < 3, after.describe()  # one refused connect
     assert "has ended" in after.stderr and f"rally status {run_dir}" in after.stderr, after.stderr  # main: RUN_DIR

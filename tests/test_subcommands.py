@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally, write_probe
+from support.helpers import clean_env, run_rally, write_probe
 
 STORE_SCRIPT = """
     print("the user's own store script ran")

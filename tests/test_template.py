@@ -15,7 +15,7 @@ Two layers:
   is not used for --no-python or --no-preload; SIGKILL of rally takes the template too.
 
 The rest of the suite runs in either mode: RALLY_TEST_START_MODE=plain|template (see
-tests/helpers.py). Run it once per mode to prove that every env-contract, entry-point, log,
+tests/support/helpers.py). Run it once per mode to prove that every env-contract, entry-point, log,
 signal and restart test passes both ways.
 """
 
@@ -37,7 +37,10 @@ from typing import Any
 import psutil
 import pytest
 
-from helpers import (
+from rally.agent.base.spec import BOOTSTRAP
+from rally.agent.guard import processes
+from rally.agent.template.client import ForkedChild, TemplateClient, template_command
+from support.helpers import (
     REPO,
     clean_env,
     describe_pids,
@@ -50,9 +53,6 @@ from helpers import (
     wait_for,
     write_probe,
 )
-from rally.agent.base.spec import BOOTSTRAP
-from rally.agent.guard import processes
-from rally.agent.template.client import ForkedChild, TemplateClient, template_command
 
 TORCH_CPU_DEFAULT_SEED = 67280421310721  # what a new torch.Generator() starts from
 
@@ -767,7 +767,7 @@ def test_sigkill_of_rally_takes_the_template_and_its_workers(tmp_path: Path, pro
 
 
 def test_the_helpers_hook_maps_start_modes_to_rally_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from helpers import start_mode_env
+    from support.helpers import start_mode_env
 
     monkeypatch.setenv("RALLY_TEST_START_MODE", "plain")
     assert start_mode_env() == {"RALLY_NO_PRELOAD": "1"}

@@ -1,4 +1,4 @@
-"""rally installs beside any current torch (issue 19, item 1): the requirement has a floor and
+"""rally installs beside any current torch: the requirement has a floor and
 no ceiling, the floor is the oldest version .ci/torch-matrix tests, the README says which, the
 CI install still pins the CPU wheel, and what differs between supported torches is detected
 (torch.numa is absent from the oldest) and named in one line.

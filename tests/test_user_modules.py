@@ -2,7 +2,7 @@
 bootstrap.py) are the ones a worker imports, whatever the entry point and start mode.
 
 rally installs one import namespace, `rally.*`, and starts workers by file path, so nothing of
-rally is on a worker's sys.path. The probe project below is the case from issue 9: an RL
+rally is on a worker's sys.path. The probe project below is the case that was reported: an RL
 project whose `agent.py` defines `PPOAgent`, imported by the training script.
 
 Runs: script and `-m`, plain starts (--no-preload) and template starts (--preload). One run
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import rally
-from helpers import REPO, clean_env, run_rally, write_probe
+from support.helpers import REPO, clean_env, run_rally, write_probe
 
 USER_NAMES = ("agent", "launcher", "rendezvous", "job", "bootstrap")
 

@@ -1,4 +1,4 @@
-"""Long waits say what they wait for and until when, for real (issue 19; tests/test_waits.py reads
+"""Long waits say what they wait for and until when, for real (tests/test_waits.py reads
 the code, these run the waits): a wait in slices, a worker template slow to import its preload,
 a node whose node 0 never publishes its workers' store, the store's host waiting for the others
 to read the job's end, and an etcd key never written. Each line comes after one interval
@@ -20,9 +20,20 @@ from pathlib import Path
 
 import pytest
 
-from agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
-from etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
-from helpers import (
+from rally.agent.base.spec import BOOTSTRAP
+from rally.agent.rounds.node_waits import NodeWaits
+from rally.agent.template.client import ForkedChild, TemplateClient
+from rally.rendezvous.base.membership import RendezvousSettings
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d.store import Store, StoreError, StoreTimeout, connect_tcp_store
+from rally.rendezvous.etcd.client import Member
+from rally.rendezvous.etcd.open import open_etcd_store
+from rally.rendezvous.protocol import Assignment, NodeInfo, Rendezvous, Round, RoundChannel
+from rally.rendezvous.status.long_wait import wait_in_slices
+from rally.rendezvous.status.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
+from support.agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
+from support.etcd_cluster import etcd, etcd_cluster, needs_etcd  # noqa: F401 - fixtures
+from support.helpers import (
     ProcessTracker,
     Result,
     clean_env,
@@ -34,18 +45,7 @@ from helpers import (
     wait_for,
     write_probe,
 )
-from live_rally import LiveRally
-from rally.agent.base.spec import BOOTSTRAP
-from rally.agent.rounds.node_waits import NodeWaits
-from rally.agent.template.client import ForkedChild, TemplateClient
-from rally.rendezvous.etcd_client import Member
-from rally.rendezvous.etcd_open import open_etcd_store
-from rally.rendezvous.long_wait import wait_in_slices
-from rally.rendezvous.membership import RendezvousSettings
-from rally.rendezvous.protocol import Assignment, NodeInfo, Rendezvous, Round, RoundChannel
-from rally.rendezvous.store import Store, StoreError, StoreTimeout, connect_tcp_store
-from rally.rendezvous.token import Signer
-from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS, WaitProgress
+from support.live_rally import LiveRally
 
 TOKEN = "wait-lines-token"
 RUN_ID = "testjob"

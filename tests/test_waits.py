@@ -1,10 +1,10 @@
 """Every wait in rally's code has a bound and, when it can last more than a few seconds, a
-progress line (issue 19, "Must show").
+progress line.
 
 The code is read, not run: every call that can block (a store wait, `Event.wait`, a process or
 thread wait, a `select`/`poll`, `sleep`, a blocking `flock`, `subprocess.run`, socket reads) is
 found by its name in the syntax tree of every module of rally, and each one declares what bounds
-it where it is written (issue 28: a rename or a move takes the declaration along), in a comment
+it where it is written (a rename or a move takes the declaration along), in a comment
 directly above the line of the call:
 
     # wait: KIND[, said by WHO]: why it is bounded
@@ -26,7 +26,7 @@ WHO is a function of the same module (`Class.method`), one of another (`agent/x.
 comment lines. A wait that is long and silent today is in KNOWN_SILENT too, with why it may stay so;
 the last test keeps that list honest in both directions.
 
-There is no list of waits here (issue 28): the code is the list. A new wait fails the first test
+There is no list of waits here: the code is the list. A new wait fails the first test
 with its place and what to write above it.
 """
 
@@ -46,8 +46,8 @@ SHORT_SECONDS = 10.0
 # Names of calls that can block. `join` and `get` only count with a timeout or block keyword or
 # on a thread (str.join and dict.get are everywhere); see `_blocking`.
 WAIT_NAMES = {"sleep", "communicate", "select", "poll", "recv", "recv_into", "accept", "flock", "run_blocking"}
-# `tick` is a wait's throttled progress line (rendezvous/waiting.py WaitProgress, rendezvous/long_wait.py
-# LongWait), `wait_in_slices` a wait made in slices that ticks (rendezvous/long_wait.py).
+# `tick` is a wait's throttled progress line (rendezvous/status/waiting.py WaitProgress, rendezvous/status/long_wait.py
+# LongWait), `wait_in_slices` a wait made in slices that ticks (rendezvous/status/long_wait.py).
 ANNOUNCERS = {"say", "warn", "error", "on_status", "announce", "plain_error", "progress", "tick", "wait_in_slices"}
 
 S, B, SL, BG, AK, NW = "short", "bounded", "slice", "background", "after_kill", "not_a_wait"
@@ -60,7 +60,7 @@ MARKER = re.compile(
 Declaration = tuple[str, tuple[str, str] | str | None, str]  # (kind, says or None, why)
 # Long waits with no progress line yet (each also declared at its call, with its bound). Give one
 # its line, then name it in the declaration's `said by` and drop it here; the last test says when.
-# None is left (issue 19): every long wait says what it waits for and until when.
+# None is left: every long wait says what it waits for and until when.
 KNOWN_SILENT: dict[tuple[str, str, str], str] = {}
 # Calls whose callee applies its own bound (a default timeout or slices of one).
 BOUND_INSIDE = {

@@ -1,4 +1,4 @@
-"""Packaging (issue 29): `python -m build` makes an sdist and a wheel from a clean checkout, the
+"""Packaging: `python -m build` makes an sdist and a wheel from a clean checkout, the
 wheel carries exactly the `rally` package, and what it installs runs.
 
 The checkout is the repository's tracked files (`git ls-files`, links kept as links) copied to a
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally
+from support.helpers import clean_env, run_rally
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_ROOTS = {

@@ -1,8 +1,8 @@
-"""rendezvous/wire_store.py against a real TCPStore: what `rally status` reads without torch is what
+"""rendezvous/c10d/wire.py against a real TCPStore: what `rally status` reads without torch is what
 torch's client reads, and a peer that is no rally store never makes it hang, blow up or trust.
 
 One TCPStore server on loopback for the module (torch's own, as an agent hosts it); rally's torch
-client (rendezvous/store.py) writes, the wire reader reads back.
+client (rendezvous/c10d/store.py) writes, the wire reader reads back.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from rally.rendezvous import wire_store
-from rally.rendezvous.kv import StoreUnavailable, UntrustedValue
-from rally.rendezvous.records import NodeInfo
-from rally.rendezvous.status import read_job_status
-from rally.rendezvous.status_board import StatusBoard
-from rally.rendezvous.store import Store, connect_tcp_store, host_tcp_store
-from rally.rendezvous.token import Signer
-from rally.rendezvous.wire_store import WireStore
+from rally.rendezvous.base.kv import StoreUnavailable, UntrustedValue
+from rally.rendezvous.base.records import NodeInfo
+from rally.rendezvous.base.token import Signer
+from rally.rendezvous.c10d import wire as wire_store
+from rally.rendezvous.c10d.store import Store, connect_tcp_store, host_tcp_store
+from rally.rendezvous.c10d.wire import WireStore
+from rally.rendezvous.status.board import StatusBoard
+from rally.rendezvous.status.reader import read_job_status
 
 TOKEN = "the job's secret"
 
@@ -68,7 +68,7 @@ def test_the_wire_reader_reads_what_torch_s_client_wrote_under_the_same_keys(por
 @pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 def test_the_job_s_status_read_without_torch_equals_the_one_read_with_it(port):
-    """rendezvous/status.py through either client: the same nodes, round and end."""
+    """rendezvous/status/reader.py through either client: the same nodes, round and end."""
     agent = writer(port, "rally/board/")
     board = StatusBoard(agent, NodeInfo(node_id="n1", host="node-a", addr="127.0.0.1", nproc=2))
     board.register()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, run_rally, write_probe
+from support.helpers import clean_env, run_rally, write_probe
 
 PROBE = """
     import json, os, sys

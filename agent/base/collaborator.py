@@ -41,7 +41,7 @@ from typing import Protocol, TypeVar
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import EventLoop
 from rally.agent.base.spec import JobSpec
-from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.base.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import NodeInfo, Round, RoundEnd
 

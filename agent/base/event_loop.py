@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rally.rendezvous.records import RoundEnd
+from rally.rendezvous.base.records import RoundEnd
 
 
 @dataclass(frozen=True)

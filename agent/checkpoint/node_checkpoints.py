@@ -71,8 +71,8 @@ from rally.agent.checkpoint.core.shm import socket_address
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import flush as dcp_flush
 from rally.agent.display import console
-from rally.rendezvous.long_wait import LongWait
 from rally.rendezvous.protocol import Round
+from rally.rendezvous.status.long_wait import LongWait
 
 MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
 """Bytes the tier's copies may take on this node in all (default: half of what is available)."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.exit_codes import AgentExit
 from rally.agent.checks.quarantine import EXIT_QUARANTINED, Quarantine
-from rally.rendezvous.kv import KeyValueStore
+from rally.rendezvous.base.kv import KeyValueStore
 from rally.rendezvous.protocol import Round, RoundEnd
 
 if TYPE_CHECKING:  # the default path, without a pre-flight, imports nothing more

@@ -30,9 +30,9 @@ from typing import Any, Protocol
 from rally.agent.base.collaborator import AgentContext
 from rally.agent.display import console
 from rally.agent.template.client import TemplateClient
-from rally.rendezvous.long_wait import wait_in_slices
-from rally.rendezvous.node_memory import save_preflight
 from rally.rendezvous.protocol import FAILURE_KINDS, Assignment, EndKind, Round, RoundEnd, preflight_key
+from rally.rendezvous.status.job_notes import save_preflight
+from rally.rendezvous.status.long_wait import wait_in_slices
 
 PROBE = str(Path(__file__).with_name("preflight_probe.py"))
 # The probe's collective timeout; the probe, and every wait for the others' numbers, ends by then.

@@ -3,7 +3,7 @@
 A node with a bad link, bad memory or a flaky GPU is the root cause of one failure after another;
 without quarantine it joins every round and fails the job again each time. Every agent sees the
 same round end (the first failure job-wide stands, rendezvous/protocol.py), so each one adds it to
-the job's record of root causes by host (`rendezvous/node_memory.py`, keyed by round, so writing
+the job's record of root causes by host (`rendezvous/status/job_notes.py`, keyed by round, so writing
 it twice counts once). A host named as the root cause of K failures within the window is
 quarantined, while the job can run without it (the round's other members are at least MIN):
 
@@ -11,7 +11,7 @@ quarantined, while the job can run without it (the round's other members are at 
   with one line, exit code `EXIT_QUARANTINED`; under SLURM the line names the node as SLURM does,
   so the user can exclude it when the job is requeued. Started again, it leaves at join;
 * the other agents say so in a line and in their report.json (`quarantined`); `rally status`
-  lists it (rendezvous/status.py).
+  lists it (rendezvous/status/reader.py).
 
 Worker failures and hangs count, and node losses where the lost node's host is known.
 """
@@ -24,9 +24,9 @@ from typing import Any
 
 from rally.agent.base.collaborator import AgentContext
 from rally.agent.display import console
-from rally.rendezvous.kv import KeyValueStore
-from rally.rendezvous.node_memory import add_quarantined, load_node_failures, load_quarantined, save_failures
+from rally.rendezvous.base.kv import KeyValueStore
 from rally.rendezvous.protocol import EndKind, Round, RoundEnd
+from rally.rendezvous.status.job_notes import add_quarantined, load_node_failures, load_quarantined, save_failures
 
 # Exit code of an agent whose node is quarantined: neither success nor a job failure.
 EXIT_QUARANTINED = 3

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 from rally.agent.observe.gpu import MIB, DeviceReading
-from rally.rendezvous.long_wait import left_line
-from rally.rendezvous.waiting import WaitProgress
+from rally.rendezvous.status.long_wait import left_line
+from rally.rendezvous.status.waiting import WaitProgress
 
 RECLAIM_POLL_SECONDS = 0.1
 # Memory above the baseline that still counts as free: other processes on a shared GPU move it a little.

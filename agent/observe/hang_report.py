@@ -40,8 +40,8 @@ from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE
 from rally.agent.base.spec import STACK_SIGNAL
 from rally.agent.guard.processes import process_state
 from rally.agent.observe.health import Hang, HealthMonitor
+from rally.rendezvous.c10d.store import StoreError
 from rally.rendezvous.protocol import Assignment, EndKind, Round, RoundEnd
-from rally.rendezvous.store import StoreError
 
 
 class StackSource(Protocol):

@@ -10,7 +10,7 @@ status --rdzv-endpoint` never has): a record the job's key does not verify is no
 The file is the user's own: written atomically (a new file, then a rename) with mode 0600, and
 read only when it is a regular file this user owns that no one else may read or write
 (`read_job_view`), at most MAX_VIEW_BYTES, each node record checked against its writer's types
-(rendezvous/status_schema.py) as a record from the store is, and only while it is fresh (at most
+(rendezvous/status/schema.py) as a record from the store is, and only while it is fresh (at most
 MAX_VIEW_AGE_SECONDS old: node 0 has moved, or the job is between rounds, once it is older; then
 `rally status` asks the store, as before).
 """
@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from rally.agent.base.untrusted_files import open_regular
-from rally.rendezvous.status_schema import MAX_ITEMS, Number, Text, Whole, checked, checked_node
+from rally.rendezvous.status.schema import MAX_ITEMS, Number, Text, Whole, checked, checked_node
 
 VIEW_FILE = "status.json"
 VIEW_VERSION = 1
@@ -39,7 +39,7 @@ HEAD: dict[str, Any] = {"version": Whole, "written": Number, "run_id": Text, "ro
 
 
 def write_job_view(run_dir: Path, run_id: str, status: dict) -> None:
-    """Replace RUN_DIR/status.json with `status` (rendezvous/status.py's `read_job_status`)."""
+    """Replace RUN_DIR/status.json with `status` (rendezvous/status/reader.py's `read_job_status`)."""
     closed = status.get("closed")
     view = {
         "version": VIEW_VERSION,

@@ -13,7 +13,7 @@ longest gap between heartbeats times a safety factor. rally does the same:
   may run once an hour: waiting for several would leave it unguarded for hours). Inside such a
   section only its own deadline counts (none before it is learned), so a long checkpoint never
   trips the step timeout. A longer interval seen later raises a timeout, never lowers it;
-* the values go to the store (`rendezvous/node_memory.py`): a restarted round, or a node that
+* the values go to the store (`rendezvous/status/job_notes.py`): a restarted round, or a node that
   joins later, starts with them instead of learning again. Every node merges by maximum.
 
 The values are printed once when first learned and again whenever they change.
@@ -101,7 +101,7 @@ class LearnedTimeouts:
             previous=current,
         )
 
-    # ------------------------------------------------------------------ the store (rendezvous/node_memory.py)
+    # ------------------------------------------------------------------ the store (rendezvous/status/job_notes.py)
     def to_json(self) -> dict[str, Any]:
         with self._lock:
             self.changed = False

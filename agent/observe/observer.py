@@ -24,8 +24,8 @@ from rally.agent.observe.health import HealthMonitor
 from rally.agent.observe.job_view import write_job_view
 from rally.agent.observe.learned_timeouts import LearnedTimeouts
 from rally.agent.observe.stragglers import CentralValues, StragglerWatch, job_step_times
-from rally.rendezvous.node_memory import load_timeouts, save_timeouts
 from rally.rendezvous.protocol import Assignment, Round, RoundEnd
+from rally.rendezvous.status.job_notes import load_timeouts, save_timeouts
 
 
 class EndedRound(Protocol):
@@ -278,7 +278,7 @@ class Observer(Collaborator):
             return
         summary: CentralValues | None
         if assignment.group_rank == 0:
-            from rally.rendezvous.status import read_job_status
+            from rally.rendezvous.status.reader import read_job_status
 
             try:
                 status = read_job_status(rnd.store)

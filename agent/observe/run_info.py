@@ -28,8 +28,8 @@ from typing import Any
 
 from rally.agent.base.untrusted_files import UntrustedFile, open_for_writing, read_capped, read_json_object
 from rally.agent.display.untrusted_text import printable
-from rally.rendezvous.path_trust import UnsafePath, open_directory
-from rally.rendezvous.store import StoreEndpoint
+from rally.rendezvous.base.path_trust import UnsafePath, open_directory
+from rally.rendezvous.c10d.store import StoreEndpoint
 
 ENDPOINT_FILE = "endpoint.json"
 REPORT_FILE = "report.json"
@@ -50,7 +50,7 @@ MAX_INDEXED_RUNS = 200
 
 
 def status_flags(endpoint: StoreEndpoint, run_id: str) -> list[str] | None:
-    """The flags `rally status` needs for this store (rendezvous.store.StoreEndpoint), or None
+    """The flags `rally status` needs for this store (rendezvous.c10d.store.StoreEndpoint), or None
     for a FileStore, which only `rally status RUN_DIR` can name."""
     if endpoint.file_path:
         return None
@@ -121,7 +121,7 @@ def run_index(base: Path | None = None) -> Path:
 def index_run(run_dir: Path, base: Path | None = None) -> None:
     """Link `run_dir` from this user's index (see `run_dirs_of`), keeping the newest
     MAX_INDEXED_RUNS links. The index is a directory only this user may use (mode 0700, theirs)
-    in a temporary directory whose path no other user can change (rendezvous/path_trust.py),
+    in a temporary directory whose path no other user can change (rendezvous/base/path_trust.py),
     and it is written through its open descriptor: one someone else made, or one another user
     can write in, is left alone and nothing is linked. Best effort: a run is still found by its
     RUN_DIR without it."""

@@ -2,7 +2,7 @@
 
 Its descriptor carries the newest step it saved (`progress`: the crash-loop guard) and its
 `holdings`: the steps in its memory tier and the newest intact step on disk, from which the round
-agrees on the step every member resumes from (rendezvous/membership.py `resume_step`). Knowing that
+agrees on the step every member resumes from (rendezvous/base/membership.py `resume_step`). Knowing that
 a file is intact means reading all of it (a CRC: ~0.5 s for a 400 MB state, once per file
 version), and after a failure the newest file is always one not read yet: the holder made it
 durable while the failed round ran. Read at the next rendezvous, it was most of a restart.

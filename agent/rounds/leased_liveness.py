@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 
 from rally.agent.base.event_loop import Post, StoreLost
+from rally.rendezvous.c10d.store import StoreError
 from rally.rendezvous.protocol import Round
-from rally.rendezvous.store import StoreError
 
 # The ring watcher re-checks whether its round is over at least this often (one watch per slice).
 WATCH_SLICE_SECONDS = 5.0

@@ -1,8 +1,8 @@
 """What this node is waiting for, as the console and `rally status` show it.
 
 A long wait of the agent's (the pre-flight probe, the worker template, node 0's workers' store)
-says every few seconds what it waits for and how long it may still last (rendezvous/long_wait.py,
-rendezvous/waiting.py). The line goes to the console at once; while the round runs, the
+says every few seconds what it waits for and how long it may still last (rendezvous/status/long_wait.py,
+rendezvous/status/waiting.py). The line goes to the console at once; while the round runs, the
 keep-alive thread republishes the node's status record every few seconds (agent/rounds/threads.py),
 so the line goes into that record too (`waiting`, which `rally status` prints per node) for as
 long as the wait lasts. A wait says its line once per interval: a line older than two intervals
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from rally.rendezvous.long_wait import wait_in_slices
 from rally.rendezvous.protocol import Round
-from rally.rendezvous.waiting import WAIT_PROGRESS_SECONDS, WaitProgress, announce_wait
+from rally.rendezvous.status.long_wait import wait_in_slices
+from rally.rendezvous.status.waiting import WAIT_PROGRESS_SECONDS, WaitProgress, announce_wait
 
 # A wait's line stays in the status record this long after it was said (the next comes after one interval).
 FRESH_SECONDS = 2 * WAIT_PROGRESS_SECONDS

@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 from rally.agent.base.event_loop import PeerVerdict, Post, RoundEnded, StoreLost
 from rally.agent.rounds.leased_liveness import keep_alive_with_lease
+from rally.rendezvous.c10d.store import StoreError, UntrustedValue
 from rally.rendezvous.liveness import silent_peer
 from rally.rendezvous.protocol import Assignment, Rendezvous, RendezvousSettings, Round, RoundChannel, RoundEnd
-from rally.rendezvous.store import StoreError, UntrustedValue
 
 # How often a node refreshes its record for `rally status` (the status thread, never the keep-alive's).
 STATUS_INTERVAL_SECONDS = 2.0

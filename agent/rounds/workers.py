@@ -27,7 +27,7 @@ from rally.agent.observe.health import heartbeat_path
 from rally.agent.rounds import logs_specs
 from rally.agent.rounds.logs_specs import StreamPlan
 from rally.agent.rounds.output import ByteSink, OutputStream, WholeWrites, WorkerOutput
-from rally.rendezvous.path_trust import UnsafePath, Walk, open_directory
+from rally.rendezvous.base.path_trust import UnsafePath, Walk, open_directory
 from rally.rendezvous.protocol import Assignment
 
 
@@ -163,7 +163,7 @@ class LogLayout:
     """Where this node's log files go; one run directory per agent, as torchrun does.
 
     The run directory is made (0700) and opened once, through directories rally judged
-    (rendezvous/path_trust.py), and every write of the job goes through that open directory:
+    (rendezvous/base/path_trust.py), and every write of the job goes through that open directory:
     `run_dir` is `/proc/<agent pid>/fd/<n>`, which the kernel resolves to the directory the agent
     holds, not to whatever now has its name. Another user who may rename entries of --log-dir (a
     group-writable project directory) can move the run directory away and put their own, with

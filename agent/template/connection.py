@@ -15,7 +15,7 @@ from typing import Any
 
 from rally.agent.base import linux
 from rally.agent.template import wire as template_wire
-from rally.rendezvous.long_wait import LongWait
+from rally.rendezvous.status.long_wait import LongWait
 
 READY_TIMEOUT = 300.0  # importing torch on a loaded node
 REPLY_TIMEOUT = 30.0
@@ -113,7 +113,7 @@ class Connection:
 
     def _await(self, ops: tuple[str, ...], timeout: float, what: str) -> dict[str, Any]:
         """The next message of one of `ops`, within `timeout`; every few seconds meanwhile,
-        `announce` hears `what` is awaited and for how long at most (rendezvous/long_wait.py)."""
+        `announce` hears `what` is awaited and for how long at most (rendezvous/status/long_wait.py)."""
         wait = LongWait(what, timeout, self.announce)
         while True:
             message = self._read(wait.slice())

@@ -8,7 +8,7 @@ under the **checkpoint key**, and nothing is loaded whose MAC does not verify:
 - the key is derived from the job token the user gave: `--rdzv-conf token=` / `token_file=`
   (the launcher, launcher/cli.py, puts the derived key, never the token, in RALLY_CKPT_KEY for the
   agent, its holder and its workers), else RALLY_JOB_TOKEN, else the per-user secret
-  `~/.rally/secret` (rendezvous/token.py, 0600 in a 0700 directory). Each is the same on every
+  `~/.rally/secret` (rendezvous/base/token.py, 0600 in a 0700 directory). Each is the same on every
   launch, so a requeued or resubmitted job verifies what the earlier one wrote, and nodes that
   share a token file but no home directory verify each other's checkpoints (--standalone's random
   token and SLURM's per-job one never key checkpoints). A file signed under any of these keys is
@@ -58,7 +58,7 @@ def job_keys(environ: dict[str, str] | None = None) -> list[bytes]:
 
     RALLY_CKPT_KEY when the agent set it (then also the per-user secret's key, if readable),
     else the key of RALLY_JOB_TOKEN, then the per-user secret's. NoKey when there is none."""
-    from rally.rendezvous.token import TokenError, user_secret
+    from rally.rendezvous.base.token import TokenError, user_secret
 
     env = os.environ if environ is None else environ
     keys: list[bytes] = []
