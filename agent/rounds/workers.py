@@ -145,7 +145,7 @@ def _stream_plans(
     """Where each worker's streams go: rally's layout (torchrun's default), or --logs-specs'."""
     if spec.logs_specs:
         if logs.custom is None:
-            logs.custom = logs_specs.load(spec.logs_specs, spec, logs.run_dir.parent)
+            logs.custom = logs_specs.load(spec.logs_specs, spec, logs.real_dir().parent)  # it writes by path
         return logs_specs.plans(logs.custom, envs)
     plans = {}
     for local_rank, env in envs.items():
