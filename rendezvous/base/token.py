@@ -101,11 +101,13 @@ def _preview(value: bytes) -> str:
     return text + ("..." if len(value) > 40 else "")
 
 
-def read_token_file(path: str, what: str = "") -> str:
+def read_token_file(path: str, what: str = "", judged: bool = False) -> str:
     """The first line of a secret file, which must lie where only this user or root can change it
-    (rendezvous/base/path_trust.py: its directories, and the file's owner, who would choose the token)."""
+    (rendezvous/base/path_trust.py: its directories, and the file's owner, who would choose the token);
+    `judged`: the caller checked it by its own rules (`user_secret`: ~/.rally's, as ssh's ~/.ssh)."""
     try:
-        check_secret_file(path, what or f"the job token file {path}", [])
+        if not judged:
+            check_secret_file(path, what or f"the job token file {path}", [])
         text = Path(path).expanduser().read_text(encoding="utf-8", errors="strict")
     except UnsafePath as exc:
         raise TokenError(str(exc)) from None
@@ -146,7 +148,7 @@ def user_secret(home: Path | None = None, warnings: list[str] | None = None) -> 
             finally:
                 tmp.unlink()
         _check_own(path, "file", warnings, stat.S_IRGRP | stat.S_IROTH, "read by")
-        return read_token_file(str(path), f"the per-user rally secret {path}")
+        return read_token_file(str(path), judged=True)
     except UnsafePath as exc:
         raise TokenError(f"{exc}; or set {ENV_TOKEN}") from None
     except OSError as exc:
