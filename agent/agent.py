@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.event_log import EventLog
-from rally.agent.base.event_loop import DumpStacks, EventLoop, PeerVerdict, RoundEnded, StoreLost
+from rally.agent.base.event_loop import EventLoop, RoundEnded, StoreLost
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
 from rally.agent.base.spec import JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
@@ -41,14 +41,11 @@ from rally.agent.guard import processes
 from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
 from rally.agent.guard.stopping import stop_workers
 from rally.agent.observe.hang_report import HangReporter
-from rally.agent.observe.health import HealthMonitor, HealthSettings
 from rally.agent.observe.live import LiveView
 from rally.agent.observe.observer import Observer
 from rally.agent.observe.run_info import announce
-from rally.agent.observe.status_record import node_status
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_failure_exit, store_lost_line
-from rally.agent.rounds.holdings import RoundHoldings
 from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
 from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line
 from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup
@@ -110,23 +107,21 @@ class Agent:
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
         self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json", shown=self.logs.shown)
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
-        self.health_settings = HealthSettings.for_job(spec, console.say, self.events.emit)
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
         self.live: LiveView | None = None  # the table on a terminal (agent/observe/live.py)
         self.probe: StoreProbe | None = None  # tells a frozen store from a long wait
-        # The agent's features, each built with this agent as its context (agent/base/collaborator.py).
-        self.observer = Observer(self, self.health_settings.learned)  # stragglers, /metrics, GPUs
-        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
-        self.checks = NodeChecks(self)  # quarantine, pre-flight (agent/checks/node_checks.py)
-        self.exits = WorkerExits(self)  # what a worker's exit means for the round (agent/worker_exits.py)
-        self.hangs = HangReporter(self)  # who really hung, from every node (agent/observe/hang_report.py)
-        self.ckpt = NodeCheckpoints.for_agent(self)  # the memory tier's holder, the disk's steps
-        self.preemption = Preemption(self, requeue)  # called by _on_signals, not at the moments below
-        # The one place a feature is registered: every hook runs in this order (`exit` in reverse).
+        # The agent's features, each built with this agent as its context (agent/base/collaborator.py),
+        # and the one place a feature is named: every hook runs in the list's order (`exit` in reverse).
+        observer = Observer(self)  # the workers' health, stragglers, /metrics, GPUs, the status record
         self.collaborators: list[Collaborator] = [
-            self.checks, self.exits, self.hangs, self.observer, self.ckpt
-        ]  # fmt: skip
+            NodeChecks(self, observer.backend),  # quarantine, pre-flight (agent/checks/node_checks.py)
+            WorkerExits(self, observer),  # what a worker's exit means for the round (agent/worker_exits.py)
+            HangReporter(self, observer),  # who really hung, from every node (agent/observe/hang_report.py)
+            observer,
+            NodeCheckpoints.for_agent(self),  # the memory tier's holder, the disk's steps
+            Preemption(self, requeue),  # a preemption signal: checkpoint, stop, requeue (agent/preemption.py)
+        ]
 
     # ================================================================ the context (agent/base/collaborator.py)
     @property
@@ -136,11 +131,6 @@ class Agent:
     @property
     def hosts_store(self) -> bool:
         return self.store_server is not None
-
-    @property
-    def backend(self) -> str:
-        """The process-group backend this node's workers would use."""
-        return "nccl" if self.observer.gpu is not None else "gloo"
 
     def announce(self, line: str) -> None:
         self.waits.announce(line)
@@ -216,10 +206,10 @@ class Agent:
         if self.store_server is not None:
             console.say(f"hosting the rendezvous store on port {self.opened.port}")
         console.say(announce(self.opened.endpoint, self.spec.run_id, self.logs.run_dir))  # the `rally status` command
-        # the memory tier's steps and the disk's, read cheaply for the restart (agent/rounds/holdings.py)
-        held = RoundHoldings(self.ckpt, single_node=self.plan.settings.max_nodes == 1)
-        settings = self.plan.settings
-        self.rdzv = rdzv = Rendezvous(self.store, settings, self.node, console.say, held.progress, held.holdings)
+        # what this node tells each round about its checkpoints (agent/checkpoint/holdings.py)
+        held = next((h for part in self.collaborators if (h := part.round_holdings()) is not None), None)
+        told = (held.progress, held.holdings) if held is not None else ()
+        self.rdzv = rdzv = Rendezvous(self.store, self.plan.settings, self.node, console.say, *told)
         # The probe first: a store that freezes from here on is noticed within read_timeout.
         prober, watcher, keeper = (self.store_call(self.store.connect_again, waiting=True) for _ in range(3))
         for part in self.collaborators:
@@ -271,7 +261,7 @@ class Agent:
             f"restart {a.restart_count}/{self.spec.max_restarts}"
         )
         post, read_timeout = self.loop.inbox.post, self.plan.read_timeout
-        threads = RoundThreads(post, watcher, keeper, read_timeout, self._status_record, self.observer.exchange)
+        threads = RoundThreads(post, watcher, keeper, read_timeout, self._status_record, self._in_status_thread)
         threads.start()  # keep-alives from the start: a spare judges a round dead by their absence
         for part in self.collaborators:
             part.round_formed(rnd)
@@ -282,7 +272,7 @@ class Agent:
             for part in self.collaborators:  # e.g. the pre-flight may leave a node out (agent/checks/preflight.py)
                 if (end := part.workers_starting(rnd, master)) is not None:
                     return end
-            self._start_workers(a, master)
+            self._start_workers(rnd, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rnd)
         finally:
@@ -312,24 +302,25 @@ class Agent:
         # keep_alive_timeout*4+30
         return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
-    def _start_workers(self, a: Assignment, master: tuple[str, int]) -> None:
-        multi_node = a.group_world_size > 1 or self.plan.settings.max_nodes > 1
+    def _start_workers(self, rnd: Round, master: tuple[str, int]) -> None:
+        assignment = rnd.assignment
+        multi_node = assignment.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
         sink = self.live.sink if self.live is not None else None
-        self.events.emit("workers_starting", round=a.round)  # the restart's breakdown (bench/goodput.py)
-        # the holder's address, none once it died (node_checkpoints.py); not a hook: it adds to the workers' environment
-        env = {**self.base_env, **self.ckpt.env()}
-        self.group = WorkerGroup.start(self.spec, env, a, master, self.logs, multi_node, sink, sink, launch)
-        self.health = HealthMonitor(self.health_settings, gpu=self.observer.read_gpus)
+        self.events.emit("workers_starting", round=assignment.round)  # the restart's breakdown (bench/goodput.py)
+        # what the features add to the workers' environment (the holder's address, none once it died)
+        env = {**self.base_env, **{k: v for part in self.collaborators for k, v in part.worker_env().items()}}
+        self.group = WorkerGroup.start(self.spec, env, assignment, master, self.logs, multi_node, sink, sink, launch)
         for stream in self.group.streams:
             self.loop.watch_stream(stream)
         for worker in self.group.workers:
             self.loop.watch_exit(worker)
             if self.guard is not None:
                 self.guard.guard_group(worker.pid)
-            self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.process.started_at)
             rank, local_rank = worker.global_rank, worker.local_rank
-            self.events.emit("worker_started", round=a.round, rank=rank, local_rank=local_rank, pid=worker.pid)
+            self.events.emit("worker_started", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid)
+        for part in self.collaborators:
+            part.workers_started(rnd, self.group.workers)  # e.g. the health monitor watches them
 
     def _watch_workers(self, rnd: Round) -> RoundEnd:
         """Until the round ends: signals, the threads' news, the collaborators' watch (exits, hangs,
@@ -338,7 +329,9 @@ class Agent:
         assert group is not None
         reported_success = False
         while True:
-            self.loop.pump(self.health.next_due(time.monotonic()))
+            now = time.monotonic()
+            due = [d for part in self.collaborators if (d := part.next_due(now)) is not None]
+            self.loop.pump(min(due) if due else None)
             end = self._on_signals(rnd) or self._on_events(rnd)
             for part in self.collaborators if end is None else ():
                 if (end := part.watch(rnd)) is not None:
@@ -352,18 +345,19 @@ class Agent:
                 self.store_call(rnd.channel.report_success)
 
     def _on_events(self, rnd: Round) -> RoundEnd | None:
-        """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py)."""
+        """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py):
+        the round's end and a lost store here, the rest of this round's to the features that want it."""
         a = rnd.assignment
         for news in self.loop.take_events():
             match news:
                 case RoundEnded(round=a.round, end=end):
                     return end
-                case PeerVerdict(round=a.round, lost_peer=lost_peer):
-                    self.exits.peer_verdict(lost_peer)
                 case StoreLost(error=error) if self.opened is not None:
                     raise AgentExit(EXIT_INFRASTRUCTURE, store_lost_line(error, self.opened.endpoint))
-                case DumpStacks(round=a.round):
-                    self.hangs.answer(rnd)
+                case _ if getattr(news, "round", a.round) == a.round:
+                    for part in self.collaborators:
+                        if isinstance(news, part.wants):
+                            part.on_news(rnd, news)
         return None
 
     def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:
@@ -441,12 +435,17 @@ class Agent:
             # ends it
             self.store_call(lambda: wait_for_readers(rnd, EXIT_BARRIER_SECONDS), waiting=True)
 
-    def _status_record(self, a: Assignment) -> dict:
-        record = node_status(self.host, self.node.node_id, a, self.group, self.health, self.observer)
+    def _status_record(self, assignment: Assignment) -> dict:
+        """The node's status record: the features' fields (the observer's record of the node and its
+        workers among them) and a long wait under way (agent/rounds/node_waits.py)."""
         features = {key: value for part in self.collaborators for key, value in part.status_fields().items()}
-        # a long wait under way (agent/rounds/node_waits.py)
-        waiting = self.waits.fields(a.round, self.rdzv.waiting if self.rdzv else None)
-        return {**record, **features, **waiting}
+        waiting = self.waits.fields(assignment.round, self.rdzv.waiting if self.rdzv else None)
+        return {**features, **waiting}
+
+    def _in_status_thread(self, rnd: Round) -> None:
+        """After each status record the round's status thread publishes (agent/rounds/threads.py)."""
+        for part in self.collaborators:
+            part.in_status_thread(rnd)
 
     # ================================================================ signals
     def _on_signals(self, rnd: Round | None = None) -> RoundEnd | None:
@@ -458,7 +457,8 @@ class Agent:
             action = signal_action(self.state, signum, self.spec.preemption_signals)
             name = processes.signal_name(signum)
             if action is SignalAction.EXIT_PREEMPTED:
-                self.preemption.requeue_once(None)
+                for part in self.collaborators:
+                    part.on_preemption(None, signum)  # e.g. node 0 asks the scheduler to requeue
                 raise AgentExit(EXIT_PREEMPTED, f"preempted ({name}) while waiting for {self.state.waiting_for}")
             if action is SignalAction.EXIT:
                 raise AgentExit(128 + signum, f"stopped by {name} while waiting for {self.state.waiting_for}")
@@ -467,7 +467,8 @@ class Agent:
             if action is SignalAction.PREEMPT and rnd is not None:
                 self.loop.keep_signals(later + signals[i + 1 :])
                 self.state = AgentState.PREEMPTING
-                return self.preemption.run(rnd, signum)
+                ends = (part.on_preemption(rnd, signum) for part in self.collaborators)
+                return next((end for end in ends if end is not None), None)
             if action is not SignalAction.IGNORE:
                 later.append(signum)  # for the main loop (in a blocking call) or the next state
         self.loop.keep_signals(later)
@@ -521,8 +522,9 @@ class Agent:
             self.group = None
 
     def _worker_exited(self, worker: Worker) -> None:
-        """Its pidfd turned readable: the health monitor stops judging it (no hang after an exit)."""
-        self.health.note_exit(worker.local_rank)
+        """Its pidfd turned readable: e.g. the health monitor stops judging it (no hang after an exit)."""
+        for part in self.collaborators:
+            part.worker_exited(worker)
 
     def _reap_orphans(self) -> None:
         """SIGCHLD: an orphan re-parented to us (a subreaper) may have exited; reap it now."""
@@ -530,8 +532,8 @@ class Agent:
 
     def _helper_pids(self) -> frozenset[int]:
         template = self.template.helper_pids() if self.template is not None else set()
-        holder = {self.ckpt.pid} if self.ckpt.pid is not None else set()
-        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | holder)
+        features = {pid for part in self.collaborators for pid in part.helper_pids()}
+        return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | features)
 
 
 def _every(workers: int) -> str:

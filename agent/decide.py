@@ -48,14 +48,14 @@ def exit_status(end: RoundEnd) -> int:
     return int(end.info.get("exit_status", 1)) or 1
 
 
-def decide(end: RoundEnd, a: Assignment, max_restarts: int) -> Decision:
+def decide(end: RoundEnd, assignment: Assignment, max_restarts: int) -> Decision:
     """What this node does after round `a.round` ended with `end` (see the module docstring)."""
     if end.kind is EndKind.SUCCEEDED:
         return Exit(0)
     if end.is_failure:
-        if a.restart_count + 1 > max_restarts:
+        if assignment.restart_count + 1 > max_restarts:
             return Exit(exit_status(end), gave_up=True)
-        return Restart(a.restart_count + 1)
+        return Restart(assignment.restart_count + 1)
     if end.kind is EndKind.PREEMPTED:
         return Exit(EXIT_PREEMPTED)
     if end.kind is EndKind.ABORTED:

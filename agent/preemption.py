@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from rally.agent.base.collaborator import AgentContext
+from rally.agent.base.collaborator import AgentContext, Collaborator
 from rally.agent.base.exit_codes import EXIT_PREEMPTED
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.display import console
@@ -30,9 +30,9 @@ class PreemptionContext(AgentContext, Protocol):
         """This round's workers on this node, None while none run."""
 
 
-class Preemption:
-    """This node's part in a preemption (the agent calls it when its state says a signal preempts);
-    `requeue()`, when given, asks the scheduler to requeue."""
+class Preemption(Collaborator):
+    """This node's part in a preemption (its hook `on_preemption` runs when the agent's state says a
+    signal preempts); `requeue()`, when given, asks the scheduler to requeue."""
 
     def __init__(self, ctx: PreemptionContext, requeue: Callable[[], str] | None):
         self.ctx = ctx
@@ -42,6 +42,13 @@ class Preemption:
         self.loop = ctx.loop
         self.store_call = ctx.store_call
         self.requeue = requeue
+
+    def on_preemption(self, rnd: Round | None, signum: int) -> RoundEnd | None:
+        """In a round: run it (the round's end); without one the agent exits preempted: requeue."""
+        if rnd is None:
+            self.requeue_once(None)
+            return None
+        return self.run(rnd, signum)
 
     def run(self, rnd: Round, signum: int) -> RoundEnd:
         """Warn the workers, wait for their checkpoints (bounded), requeue, end the round."""

@@ -133,7 +133,7 @@ class JobReport:
     attempts: list[AttemptRecord] = field(default_factory=list)
     outcome: str = "running"
     exit_code: int | None = None
-    quarantined: dict[str, str] = field(default_factory=dict)  # host -> why (agent/checks/quarantine.py)
+    notes: dict[str, object] = field(default_factory=dict)  # a feature's own keys (agent/checks/quarantine.py's)
     shown: Callable[[Path], str] = str  # `path` as people see it (agent/rounds/workers.py LogLayout.shown)
 
     def begin(self, assignment: Assignment) -> None:
@@ -176,7 +176,7 @@ class JobReport:
             "outcome": self.outcome,
             "exit_code": self.exit_code,
             "attempts": [asdict(a) for a in self.attempts],
-            "quarantined": self.quarantined,
+            **self.notes,
         }
         tmp = self.path.with_suffix(".json.tmp")
         with open_for_writing(tmp) as f:  # the run directory is the workers' to write in too

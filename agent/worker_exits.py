@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rally.agent.base.collaborator import AgentContext, Collaborator
+from rally.agent.base.event_loop import News, PeerVerdict
 from rally.agent.guard.stopping import read_what_is_left
-from rally.agent.observe.health import HealthMonitor
+from rally.agent.observe.health import HealthMonitor, HealthSource
 from rally.agent.report import failure_end
 from rally.agent.rounds.threads import check_peers
 from rally.agent.rounds.workers import Worker, WorkerGroup
@@ -42,16 +43,17 @@ class ExitsContext(AgentContext, Protocol):
     @property
     def group(self) -> WorkerGroup | None: ...
 
-    @property
-    def health(self) -> HealthMonitor: ...
-
 
 class WorkerExits(Collaborator):
-    """The agent's judge of its workers' exits, for the whole job (the agent's main loop hands it
-    the peer check's answer: `peer_verdict`)."""
+    """The agent's judge of its workers' exits, for the whole job (it asked for the peer check's
+    answer, `PeerVerdict` news, which the agent routes to it: `on_news`)."""
 
-    def __init__(self, ctx: ExitsContext):
+    wants = (PeerVerdict,)
+
+    def __init__(self, ctx: ExitsContext, health: HealthSource):
+        """`health`: who keeps this round's health monitor (the observer)."""
         self.ctx = ctx
+        self.health = health
         self.loop = ctx.loop
         self.store_call = ctx.store_call
         self.emit = ctx.events.emit
@@ -65,7 +67,11 @@ class WorkerExits(Collaborator):
     def watch(self, rnd: Round) -> RoundEnd | None:
         group = self.ctx.group
         assert group is not None  # the watch loop runs while the round's workers do
-        return self.check(rnd, group, self.ctx.health)
+        return self.check(rnd, group, self.health.health)
+
+    def on_news(self, rnd: Round, news: News) -> None:
+        if isinstance(news, PeerVerdict):
+            self.peer_verdict(news.lost_peer)
 
     def peer_verdict(self, verdict: tuple[int, float] | None) -> None:
         """The peer check's answer: (group rank, seconds silent) of a lost peer, or None."""

@@ -221,21 +221,21 @@ class JobResult:
     root_cause: str | None = None
 
 
-def launch_and_run(o: Options, script: str | None, script_args: list[str], given: set[str]) -> JobResult:
+def launch_and_run(options: Options, script: str | None, script_args: list[str], given: set[str]) -> JobResult:
     """Fill in from SLURM what `given` (the options the user set) leaves open, check everything,
     run the agent. Shared by the `rally` command and `rally.launch`."""
-    slurm_job = None if o.no_slurm else _slurm_job()
+    slurm_job = None if options.no_slurm else _slurm_job()
     if slurm_job is not None:
-        changes, taken = slurm_job.overrides(o, given)
-        o = dataclasses.replace(o, **changes)
+        changes, taken = slurm_job.overrides(options, given)
+        options = dataclasses.replace(options, **changes)
         console.say(slurm_job.describe(taken))
-    launch = build_launch(o, script, script_args, slurm_job)
+    launch = build_launch(options, script, script_args, slurm_job)
     for note in launch.notes:
         console.say(note)
     for line in launch.warnings:  # secrets and the store left open to other users (secret_warnings.py)
         console.warn(line)
     requeue = None
-    if o.requeue:
+    if options.requeue:
         requeue = slurm_job.requeue if slurm_job is not None else _requeue_outside_slurm
     return _run_agent(launch, requeue)
 

@@ -51,11 +51,13 @@ class Launch:
     token or SLURM's per-job one: a resubmitted job must verify what the earlier one wrote."""
 
 
-def build_launch(o: Options, script: str | None, script_args: list[str], slurm_job: SlurmJob | None = None) -> Launch:
+def build_launch(
+    options: Options, script: str | None, script_args: list[str], slurm_job: SlurmJob | None = None
+) -> Launch:
     """Check every option together and build the agent's inputs. `slurm_job` (launcher/slurm.py's
     SlurmJob, when rally runs inside SLURM) gives the preferred node rank and the job's token."""
-    check_entry_point(o, script)
-    parsed = o.parse(script, script_args)
+    check_entry_point(options, script)
+    parsed = options.parse(script, script_args)
     spec, r = parsed.spec, parsed.rendezvous
     notes = list(parsed.notes)
     conf = r.rdzv_conf
@@ -105,44 +107,44 @@ def one_local_node(endpoint: StoreEndpoint, max_nodes: int) -> bool:
     return endpoint.host_here or is_loopback_name(endpoint.host)
 
 
-def check_entry_point(o: Options, script: str | None) -> None:
+def check_entry_point(options: Options, script: str | None) -> None:
     """The program to run exists and the entry-point flags fit together."""
     if not script:
         raise ConfigError("no training script given; usage: rally [OPTIONS] SCRIPT [ARGS]... (see rally --help)")
-    if o.module and o.no_python:
+    if options.module and options.no_python:
         raise ConfigError("-m/--module and --no-python cannot be used together")
-    if o.run_path and (o.module or o.no_python):
+    if options.run_path and (options.module or options.no_python):
         raise ConfigError("--run-path cannot be combined with -m/--module or --no-python")
-    if o.no_python:
+    if options.no_python:
         validate.runnable_program(script)
     else:
-        validate.python_script(script, bool(o.module))
-        if not o.module and not Path(script).is_file():
+        validate.python_script(script, bool(options.module))
+        if not options.module and not Path(script).is_file():
             raise ConfigError(f"training script '{script}' does not exist (working directory: {os.getcwd()})")
 
 
 def plan_rendezvous(
-    r: RendezvousOptions, run_id: str, slurm_job: SlurmJob | None
+    rdzv: RendezvousOptions, run_id: str, slurm_job: SlurmJob | None
 ) -> tuple[StoreEndpoint, RendezvousSettings, int | None]:
     """The store (planned by its backend, rendezvous/backends.py), the membership rules and this
     node's preferred rank."""
-    conf = r.rdzv_conf
-    min_nodes, max_nodes = r.nnodes
-    backend = backend_named(r.rdzv_backend, conf["store_type"])
-    endpoint = r.rdzv_endpoint
-    if r.standalone:
+    conf = rdzv.rdzv_conf
+    min_nodes, max_nodes = rdzv.nnodes
+    backend = backend_named(rdzv.rdzv_backend, conf["store_type"])
+    endpoint = rdzv.rdzv_endpoint
+    if rdzv.standalone:
         backend, endpoint, min_nodes, max_nodes = (
             backend_named("c10d", conf["store_type"]),
             HostPort("localhost", 0),
             1,
             1,
         )
-    elif backend.static_ranks and not endpoint and r.master_port is None and max_nodes == 1:
+    elif backend.static_ranks and not endpoint and rdzv.master_port is None and max_nodes == 1:
         # torchrun 2.13 does the same: a single-node static job needs no fixed port (its run id:
         # option_checks.run_id).
         backend, endpoint = backend_named("c10d", conf["store_type"]), HostPort("localhost", 0)
     slurm_rank = slurm_job.node_rank if slurm_job is not None else None
-    preferred_rank = r.node_rank if r.node_rank is not None else (0 if backend.static_ranks else slurm_rank)
+    preferred_rank = rdzv.node_rank if rdzv.node_rank is not None else (0 if backend.static_ranks else slurm_rank)
     if not backend.name.startswith("etcd") and (given := [k for k in ETCD_CONF_KEYS if conf[k] is not None]):
         raise ConfigError(f"--rdzv-conf {given[0]}=... applies to --rdzv-backend etcd only; remove it")
     request = StoreRequest(
@@ -150,9 +152,9 @@ def plan_rendezvous(
         min_nodes,
         max_nodes,
         run_id,
-        r.node_rank,
-        r.master_addr,
-        r.master_port,
+        rdzv.node_rank,
+        rdzv.master_addr,
+        rdzv.master_port,
         conf["is_host"],
         conf["store_type"],
         conf,

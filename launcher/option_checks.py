@@ -107,15 +107,15 @@ def given_text(value: object) -> str | None:
     return str(value) if value else None
 
 
-def as_is(value: object, p: Parsing) -> object:
+def as_is(value: object, parsing: Parsing) -> object:
     return value
 
 
-def as_bool(value: object, p: Parsing) -> bool:
+def as_bool(value: object, parsing: Parsing) -> bool:
     return bool(value)
 
 
-def negated(value: object, p: Parsing) -> bool:
+def negated(value: object, parsing: Parsing) -> bool:
     """--no-prefix fills JobSpec.prefix_output."""
     return not value
 
@@ -123,8 +123,8 @@ def negated(value: object, p: Parsing) -> bool:
 def seconds(zero_ok: bool, minimum: float = 0.0, unset: float | None = None) -> Check:
     """A number of seconds (validate.seconds); None (not given) is `unset`."""
 
-    def check(value: object, p: Parsing) -> float | None:
-        return unset if value is None else validate.seconds(value, p.flag, zero_ok=zero_ok, minimum=minimum)
+    def check(value: object, parsing: Parsing) -> float | None:
+        return unset if value is None else validate.seconds(value, parsing.flag, zero_ok=zero_ok, minimum=minimum)
 
     return check
 
@@ -134,32 +134,32 @@ def always_seconds(zero_ok: bool) -> Check:
     return lambda value, p: validate.seconds(value, p.flag, zero_ok=zero_ok)
 
 
-def positive_seconds(value: object, p: Parsing) -> float | None:
+def positive_seconds(value: object, parsing: Parsing) -> float | None:
     """A timeout that is off unless given; given, above 0 (and finite, as every timeout)."""
     if value is None:
         return None
     if validate.real_number(value) <= 0:
-        raise ConfigError(f"{p.flag} {value}: must be a positive number of seconds")
-    return validate.seconds(value, p.flag, zero_ok=False)
+        raise ConfigError(f"{parsing.flag} {value}: must be a positive number of seconds")
+    return validate.seconds(value, parsing.flag, zero_ok=False)
 
 
-def not_negative(value: object, p: Parsing) -> int:
+def not_negative(value: object, parsing: Parsing) -> int:
     number = validate.whole_number(value)
     if number < 0:
-        raise ConfigError(f"{p.flag} {number}: cannot be negative")
+        raise ConfigError(f"{parsing.flag} {number}: cannot be negative")
     return number
 
 
 def count(least: int) -> Check:
     """A whole number, at least `least`."""
 
-    def check(value: object, p: Parsing) -> int:
+    def check(value: object, parsing: Parsing) -> int:
         try:
             number = validate.whole_number(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{p.flag} {value!r}: expected a whole number, at least {least}") from None
+            raise ConfigError(f"{parsing.flag} {value!r}: expected a whole number, at least {least}") from None
         if number < least:
-            raise ConfigError(f"{p.flag} {value}: must be at least {least}")
+            raise ConfigError(f"{parsing.flag} {value}: must be at least {least}")
         return number
 
     return check
@@ -168,13 +168,13 @@ def count(least: int) -> Check:
 def factor(example: str) -> Check:
     """A finite number above 1."""
 
-    def check(value: object, p: Parsing) -> float:
+    def check(value: object, parsing: Parsing) -> float:
         try:
             number = validate.real_number(value)
         except (TypeError, ValueError):
             number = math.nan
         if not math.isfinite(number) or number <= 1:
-            raise ConfigError(f"{p.flag} {value}: must be a number above 1 ({example})")
+            raise ConfigError(f"{parsing.flag} {value}: must be a number above 1 ({example})")
         return number
 
     return check
@@ -184,15 +184,15 @@ def optional(check: Check) -> Check:
     return lambda value, p: None if value is None else check(value, p)
 
 
-def port(value: object, p: Parsing) -> int:
-    return validate.port(value, p.flag)
+def port(value: object, parsing: Parsing) -> int:
+    return validate.port(value, parsing.flag)
 
 
-def writable_dir(value: object, p: Parsing) -> str:
-    return validate.writable_dir(value, p.flag)
+def writable_dir(value: object, parsing: Parsing) -> str:
+    return validate.writable_dir(value, parsing.flag)
 
 
-def signals(value: object, p: Parsing) -> tuple[int, ...]:
+def signals(value: object, parsing: Parsing) -> tuple[int, ...]:
     """`SIGTERM,USR1,10`: each read by job.to_signal, rally's one reading of a signal's name."""
     from rally.agent.worker_side.job import to_signal
 
@@ -206,13 +206,13 @@ def signals(value: object, p: Parsing) -> tuple[int, ...]:
             out.append(int(to_signal(name)))
         except (KeyError, ValueError):
             raise ConfigError(
-                f"{p.flag}: unknown signal '{name}'{values.suggest(full, signal.Signals.__members__)}"
+                f"{parsing.flag}: unknown signal '{name}'{values.suggest(full, signal.Signals.__members__)}"
             ) from None
-    return validate.handled_signals(tuple(out), p.flag)
+    return validate.handled_signals(tuple(out), parsing.flag)
 
 
 # ------------------------------------------------------------------ the job's size
-def nnodes(value: object, p: Parsing) -> tuple[int, int]:
+def nnodes(value: object, parsing: Parsing) -> tuple[int, int]:
     """`N` or `MIN:MAX` with 0 < MIN <= MAX <= MAX_NODES."""
     low, high = values.parse_nnodes(str(value))
     if high > validate.MAX_NODES:
@@ -220,43 +220,43 @@ def nnodes(value: object, p: Parsing) -> tuple[int, int]:
     return low, high
 
 
-def nproc_per_node(value: object, p: Parsing) -> int:
+def nproc_per_node(value: object, parsing: Parsing) -> int:
     nproc = values.parse_nproc(str(value))
     if nproc > validate.MAX_NPROC_PER_NODE:
         raise ConfigError(f"--nproc-per-node {nproc}: at most {validate.MAX_NPROC_PER_NODE} workers per node")
     return nproc
 
 
-def node_rank(value: object, p: Parsing) -> int | None:
+def node_rank(value: object, parsing: Parsing) -> int | None:
     if value is None:
         return None
-    rank = not_negative(value, p)
-    max_nodes = p.parsed("nnodes")[1]
+    rank = not_negative(value, parsing)
+    max_nodes = parsing.parsed("nnodes")[1]
     if rank >= max_nodes:
         raise ConfigError(f"--node-rank {rank} is not below --nnodes {max_nodes}; node ranks are 0 to {max_nodes - 1}")
     return rank
 
 
 # ------------------------------------------------------------------ rendezvous
-def standalone(value: object, p: Parsing) -> bool:
+def standalone(value: object, parsing: Parsing) -> bool:
     """--standalone runs one node on a private store (as torchrun's does): the rendezvous flags it
     replaces are named in one note, never dropped in silence."""
-    o = p.options
+    o = parsing.options
     if not value:
         return False
-    replaced = [f"--nnodes {o.nnodes}"] if p.parsed("nnodes") != (1, 1) else []
+    replaced = [f"--nnodes {o.nnodes}"] if parsing.parsed("nnodes") != (1, 1) else []
     replaced += [f"--rdzv-endpoint {o.rdzv_endpoint}"] if o.rdzv_endpoint else []
     replaced += [f"--rdzv-backend {o.rdzv_backend}"] if o.rdzv_backend not in ("static", "c10d") else []
     replaced += [f"--rdzv-id {o.rdzv_id}"] if o.rdzv_id != JobSpec.run_id else []
     if replaced:
-        p.notes.append(
+        parsing.notes.append(
             f"--standalone overrides {', '.join(replaced)}: it runs one node on a private store at a free port, "
             "with a random run id; drop --standalone to use them"
         )
     return True
 
 
-def backend(value: object, p: Parsing) -> str:
+def backend(value: object, parsing: Parsing) -> str:
     try:
         backend_named(str(value))
     except EndpointError as exc:
@@ -264,101 +264,101 @@ def backend(value: object, p: Parsing) -> str:
     return str(value)
 
 
-def private_store(p: Parsing) -> bool:
+def private_store(parsing: Parsing) -> bool:
     """A single-node static job without an address runs on a private store at a free port, as
     torchrun 2.13's does (--standalone always does)."""
-    o = p.options
-    static = backend_named(p.parsed("rdzv_backend")).static_ranks
-    return static and not o.rdzv_endpoint and o.master_port is None and p.parsed("nnodes")[1] == 1
+    o = parsing.options
+    static = backend_named(parsing.parsed("rdzv_backend")).static_ranks
+    return static and not o.rdzv_endpoint and o.master_port is None and parsing.parsed("nnodes")[1] == 1
 
 
-def run_id(value: object, p: Parsing) -> str:
+def run_id(value: object, parsing: Parsing) -> str:
     """--rdzv-id: the id every node shares; a private store's job gets a random one."""
     if not str(value).strip():
         raise ConfigError("--rdzv-id is empty; give the id every node of the job shares, e.g. --rdzv-id job42")
-    if p.parsed("standalone") or (str(value) == JobSpec.run_id and private_store(p)):
+    if parsing.parsed("standalone") or (str(value) == JobSpec.run_id and private_store(parsing)):
         return str(uuid.uuid4())
     return str(value)
 
 
-def rdzv_conf(value: object, p: Parsing) -> dict[str, Any]:
+def rdzv_conf(value: object, parsing: Parsing) -> dict[str, Any]:
     conf = values.parse_rdzv_conf(given_text(value) or "")
     validate.check_rdzv_conf(conf)
     return conf
 
 
 # ------------------------------------------------------------------ workers and their output
-def std_map(value: object, p: Parsing) -> dict[int, int]:
+def std_map(value: object, parsing: Parsing) -> dict[int, int]:
     """torchrun's -r/-t, expanded for every local rank."""
-    return values.parse_std_map(str(value), p.flag, p.parsed("nproc_per_node"))
+    return values.parse_std_map(str(value), parsing.flag, parsing.parsed("nproc_per_node"))
 
 
-def ranks_filter(value: object, p: Parsing) -> frozenset[int] | None:
+def ranks_filter(value: object, parsing: Parsing) -> frozenset[int] | None:
     return values.parse_ranks_filter(str(value))
 
 
-def comma_list(value: object, p: Parsing) -> tuple[str, ...]:
+def comma_list(value: object, parsing: Parsing) -> tuple[str, ...]:
     return worker_flags.comma_separated_list(given_text(value))
 
 
-def virtual_local_rank(value: object, p: Parsing) -> bool:
-    worker_flags.check_virtual_local_rank(bool(value), p.parsed("nproc_per_node"))
+def virtual_local_rank(value: object, parsing: Parsing) -> bool:
+    worker_flags.check_virtual_local_rank(bool(value), parsing.parsed("nproc_per_node"))
     return bool(value)
 
 
-def logs_specs(value: object, p: Parsing) -> str | None:
+def logs_specs(value: object, parsing: Parsing) -> str | None:
     name = given_text(value)
     worker_flags.logs_specs_note(name)
     return name
 
 
-def event_log_handler(value: object, p: Parsing) -> str:
+def event_log_handler(value: object, parsing: Parsing) -> str:
     if note := worker_flags.event_log_note(given_text(value)):
-        p.notes.append(note)
+        parsing.notes.append(note)
     return str(value)
 
 
-def numa_binding(value: object, p: Parsing) -> str | None:
+def numa_binding(value: object, parsing: Parsing) -> str | None:
     """Bound only where GPUs exist; every worker's CPUs worked out now, so a node where torch
     cannot is one line at launch."""
     if value is None:
         return None
     mode = str(value)
-    if note := worker_flags.numa_note(mode, p.gpus):
-        p.notes.append(note)
-    if not p.gpus:
+    if note := worker_flags.numa_note(mode, parsing.gpus):
+        parsing.notes.append(note)
+    if not parsing.gpus:
         return None
-    worker_flags.check_numa_binding(mode, p.parsed("nproc_per_node"))
+    worker_flags.check_numa_binding(mode, parsing.parsed("nproc_per_node"))
     return mode
 
 
-def preload(value: object, p: Parsing) -> tuple[str, ...] | None:
+def preload(value: object, parsing: Parsing) -> tuple[str, ...] | None:
     """--preload, given --no-preload, --no-python, -m and the script (launcher/preload.py)."""
-    o = p.options
-    return parse_preload(value, bool(o.no_preload), bool(o.no_python), p.script, bool(o.module))
+    o = parsing.options
+    return parse_preload(value, bool(o.no_preload), bool(o.no_python), parsing.script, bool(o.module))
 
 
-def shutdown_timeout(value: object, p: Parsing) -> float:
+def shutdown_timeout(value: object, parsing: Parsing) -> float:
     """--shutdown-timeout, else torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else JobSpec's default."""
     if value is not None:
-        return validate.seconds(value, p.flag, zero_ok=True)
+        return validate.seconds(value, parsing.flag, zero_ok=True)
     from_env = os.environ.get(SHUTDOWN_TIMEOUT_VARIABLE, "")
     if from_env.strip():
         return validate.seconds(from_env, SHUTDOWN_TIMEOUT_VARIABLE, zero_ok=True)
     return JobSpec.shutdown_timeout
 
 
-def checkpoint_dir(value: object, p: Parsing) -> str | None:
+def checkpoint_dir(value: object, parsing: Parsing) -> str | None:
     """Created 0700; refused with one line if another user may plant checkpoints in it (unless
     --checkpoint-dir-shared); a key to sign checkpoints with must exist (agent/checkpoint/core/auth.py)."""
     if value is None:
         return None
-    validate.private_dir(value, p.flag)
+    validate.private_dir(value, parsing.flag)
     from rally.agent.checkpoint.core import auth
 
     path = Path(str(value)).resolve()
     problem = auth.directory_problem(path)
-    if problem is not None and not p.options.checkpoint_dir_shared:
+    if problem is not None and not parsing.options.checkpoint_dir_shared:
         raise ConfigError(auth.refusal_line(path, problem).removeprefix("rally: "))
     try:
         auth.job_keys()
@@ -368,56 +368,56 @@ def checkpoint_dir(value: object, p: Parsing) -> str | None:
 
 
 # ------------------------------------------------------------------ health
-def heartbeat_timeout(value: object, p: Parsing) -> tuple[float | None, LearningSettings | None]:
+def heartbeat_timeout(value: object, parsing: Parsing) -> tuple[float | None, LearningSettings | None]:
     """Seconds, or `auto` (learned, tuned by --timeout-safety-factor, --timeout-samples and
     --timeout-floor); a typo says what it takes."""
     if value is None:
         return None, None
     if str(value).strip().lower() != AUTO:
         try:
-            return validate.seconds(value, p.flag, zero_ok=False), None
+            return validate.seconds(value, parsing.flag, zero_ok=False), None
         except ConfigError:
             raise ConfigError(
-                f"{p.flag} {value}: expected a number of seconds above 0, or 'auto' to learn it from the job"
+                f"{parsing.flag} {value}: expected a number of seconds above 0, or 'auto' to learn it from the job"
             ) from None
     return None, LearningSettings(
-        factor=p.other("timeout_safety_factor", factor("5: five times the longest interval seen")),
-        samples=p.other("timeout_samples", count(2)),
-        floor=p.other("timeout_floor", always_seconds(True)),
+        factor=parsing.other("timeout_safety_factor", factor("5: five times the longest interval seen")),
+        samples=parsing.other("timeout_samples", count(2)),
+        floor=parsing.other("timeout_floor", always_seconds(True)),
     )
 
 
-def preflight(value: object, p: Parsing) -> bool:
+def preflight(value: object, parsing: Parsing) -> bool:
     """On when asked, and by default for multi-node jobs unless --no-preflight."""
-    if value and p.options.no_preflight:
+    if value and parsing.options.no_preflight:
         raise ConfigError("--preflight and --no-preflight contradict each other; give one of them")
-    return bool(value) or (p.parsed("nnodes")[1] > 1 and not p.options.no_preflight)
+    return bool(value) or (parsing.parsed("nnodes")[1] > 1 and not parsing.options.no_preflight)
 
 
-def straggler_factor(value: object, p: Parsing) -> float:
+def straggler_factor(value: object, parsing: Parsing) -> float:
     number = validate.real_number(value)
     if not math.isfinite(number) or number <= 1:
-        raise ConfigError(f"{p.flag} {value}: must be a number above 1 (1.5: 50% slower than the others' median)")
+        raise ConfigError(f"{parsing.flag} {value}: must be a number above 1 (1.5: 50% slower than the others' median)")
     return number
 
 
-def straggler_window(value: object, p: Parsing) -> int:
+def straggler_window(value: object, parsing: Parsing) -> int:
     window = validate.whole_number(value)
     if window < 2:
-        raise ConfigError(f"{p.flag} {value}: must be at least 2 steps")
+        raise ConfigError(f"{parsing.flag} {value}: must be at least 2 steps")
     return window
 
 
-def metrics_port(value: object, p: Parsing) -> int | None:
+def metrics_port(value: object, parsing: Parsing) -> int | None:
     if value is None:
         return None
     number = validate.whole_number(value)
     if not 0 <= number <= 65535:
-        raise ConfigError(f"{p.flag} {value}: must be a port number 0-65535 (0: any free port)")
+        raise ConfigError(f"{parsing.flag} {value}: must be a port number 0-65535 (0: any free port)")
     return number
 
 
-def metrics_addr(value: object, p: Parsing) -> str:
+def metrics_addr(value: object, parsing: Parsing) -> str:
     return str(value or "0.0.0.0").strip("[]")
 
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rally.agent.base.spec import JobSpec, LearningSettings
+from rally.launcher import __version__, validate
 from rally.launcher import option_checks as checks
-from rally.launcher import validate
 from rally.launcher.option_checks import Check, Parsing, Unavailable
 from rally.launcher.validate import ConfigError, Mistakes
 from rally.launcher.worker_flags import NUMA_MODES
@@ -79,6 +79,7 @@ NOT_AN_OPTION = {
     "entrypoint": "the SCRIPT argument",
     "args": "the script's arguments",
     "python_exec": "$PYTHON_EXEC (option_checks.python_exec)",
+    "rally_version": "launcher/__init__.py's __version__",
     "cwd": "the working directory (the agent's own)",
 }
 
@@ -529,7 +530,13 @@ class Options:
         if mistakes:
             raise Mistakes(mistakes)
         spec, rendezvous = filled(p.done)
-        job = JobSpec(entrypoint=script or "", args=tuple(args), python_exec=checks.python_exec(), **spec)
+        job = JobSpec(
+            entrypoint=script or "",
+            args=tuple(args),
+            python_exec=checks.python_exec(),
+            rally_version=__version__,
+            **spec,
+        )
         return Parsed(job, RendezvousOptions(**rendezvous), p.notes)
 
     @classmethod
@@ -556,8 +563,8 @@ def option_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(Options) if METADATA_KEY in f.metadata]
 
 
-def info(f: dataclasses.Field) -> OptionInfo:
-    return f.metadata[METADATA_KEY]
+def info(option_field: dataclasses.Field) -> OptionInfo:
+    return option_field.metadata[METADATA_KEY]
 
 
 def names() -> list[str]:

@@ -33,19 +33,19 @@ from rally.rendezvous.status.waiting import HOSTS_SHOWN, forming_text
 from rally.rendezvous.status.waiting import RendezvousView as Rendezvous
 
 
-def node_slot(r: int, idx: int) -> str:
-    """Round r's arrival slot idx: the signed descriptor of the one node that claimed it."""
-    return f"{r}/node/{idx}"
+def node_slot(round_no: int, idx: int) -> str:
+    """Round `round_no`'s arrival slot idx: the signed descriptor of the one node that claimed it."""
+    return f"{round_no}/node/{idx}"
 
 
-def joined_counter(r: int) -> str:
-    """Round r's arrival counter: where a node looks for a free slot first; never an index."""
-    return f"{r}/joined"
+def joined_counter(round_no: int) -> str:
+    """Round `round_no`'s arrival counter: where a node looks for a free slot first; never an index."""
+    return f"{round_no}/joined"
 
 
-def closed_key(r: int) -> str:
-    """Round r's record (first wins): written by its closer, waited for by every node."""
-    return f"{r}/closed"
+def closed_key(round_no: int) -> str:
+    """Round `round_no`'s record (first wins): written by its closer, waited for by every node."""
+    return f"{round_no}/closed"
 
 
 @runtime_checkable
@@ -88,8 +88,8 @@ class Arrived:
     newest: int
 
 
-def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> Arrival | None:
-    """Claim this node's arrival slot in round r (its descriptor, written once), or None when all MAX
+def claim_arrival_slot(rdzv: Rendezvous, round_no: int, me: NodeInfo) -> Arrival | None:
+    """Claim this node's arrival slot in round `round_no` (its descriptor, written once), or None when all MAX
     slots hold other nodes (this node is late: a spare). `arrived` is the arrival counter as this
     node's arrival left it (how many had arrived: the protocol's first look at the round, with no
     read of its own).
@@ -100,15 +100,17 @@ def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> Arrival | None
     """
     s = rdzv.settings
     if isinstance(rdzv.store, OrderedArrivals):
-        return _placed(rdzv, r, *rdzv.store.arrive_holding(joined_counter(r), me.to_json(), closed_key(r)))
-    hint = rdzv.store.arrive(joined_counter(r))
+        return _placed(
+            rdzv, round_no, *rdzv.store.arrive_holding(joined_counter(round_no), me.to_json(), closed_key(round_no))
+        )
+    hint = rdzv.store.arrive(joined_counter(round_no))
     # wait: short: 0.01 s: are all slots taken
-    if hint >= s.max_nodes and rdzv.store.try_wait([node_slot(r, i) for i in range(s.max_nodes)], 0.01):
+    if hint >= s.max_nodes and rdzv.store.try_wait([node_slot(round_no, i) for i in range(s.max_nodes)], 0.01):
         return None  # really full
     start = hint if 0 <= hint < s.max_nodes else 0
     for idx in chain(range(start, s.max_nodes), range(start)):  # not a list: O(1) when the hint is free
         try:
-            won, _ = rdzv.store.set_once(node_slot(r, idx), me.to_json())
+            won, _ = rdzv.store.set_once(node_slot(round_no, idx), me.to_json())
         except UntrustedValue as exc:  # a stranger's garbage holds it: not an arrival, not ours
             rdzv.on_status(f"skipping arrival slot {idx}: {exc}")
             continue
@@ -117,13 +119,13 @@ def claim_arrival_slot(rdzv: Rendezvous, r: int, me: NodeInfo) -> Arrival | None
     return None
 
 
-def _placed(rdzv: Rendezvous, r: int, place: int, slot: int, seen: Seen) -> Arrival | None:
+def _placed(rdzv: Rendezvous, round_no: int, place: int, slot: int, seen: Seen) -> Arrival | None:
     """An `OrderedArrivals` arrival at `place`: this node's, or None when it is late (a spare)."""
     if place < rdzv.settings.max_nodes:
         return Arrival(slot, place, place + 1, seen)
     # Past MAX: late, unless arrivals before it were not valid nodes (a stranger's keys, skipped
     # as on c10d): its place among the valid ones decides (one range, only for these nodes).
-    before = valid_arrivals(rdzv, r)
+    before = valid_arrivals(rdzv, round_no)
     return Arrival(slot, before.slots.index(slot), before.count, seen) if slot in before.slots else None
 
 
@@ -143,8 +145,8 @@ def first_look(
     return None, hint, present
 
 
-def valid_arrivals(rdzv: Rendezvous, r: int) -> Arrived:
-    """The claimed slots of round r whose descriptors pass every check, in arrival order.
+def valid_arrivals(rdzv: Rendezvous, round_no: int) -> Arrived:
+    """The claimed slots of round `round_no` whose descriptors pass every check, in arrival order.
 
     The counter (at most MAX) says how many to expect: the closer waits a third of
     `close_timeout` for them (a node counts itself in just before it claims), then takes the
@@ -156,16 +158,16 @@ def valid_arrivals(rdzv: Rendezvous, r: int) -> Arrived:
     """
     s = rdzv.settings
     if isinstance(rdzv.store, OrderedArrivals):
-        return _valid_in_order(rdzv, rdzv.store, r)
-    count = min(rdzv.store.counter(joined_counter(r), MAX_COUNT), s.max_nodes)
-    names = [node_slot(r, i) for i in range(count)]
+        return _valid_in_order(rdzv, rdzv.store, round_no)
+    count = min(rdzv.store.counter(joined_counter(round_no), MAX_COUNT), s.max_nodes)
+    names = [node_slot(round_no, i) for i in range(count)]
     # wait: slice: close_timeout / 3
     everything = rdzv.store.wait_and_read(names, s.close_timeout / 3)
     present = dict(rdzv.store.get_present(names) if everything is None else everything)
     # Slots claimed beyond the count (it was moved back), until the first free one; nodes wait for
     # slots (`claim_arrival_slot`), so each is read as a key with waiters (`get_if_present`).
     while len(names) < s.max_nodes:
-        name = node_slot(r, len(names))
+        name = node_slot(round_no, len(names))
         try:
             value: Checked | None = rdzv.store.get_if_present(name)
         except UntrustedValue as exc:
@@ -188,9 +190,9 @@ def valid_arrivals(rdzv: Rendezvous, r: int) -> Arrived:
     return Arrived(count, indices, nodes, max(indices, default=-1))
 
 
-def _valid_in_order(rdzv: Rendezvous, store: OrderedArrivals, r: int) -> Arrived:
+def _valid_in_order(rdzv: Rendezvous, store: OrderedArrivals, round_no: int) -> Arrived:
     """`valid_arrivals` on a store that orders arrivals: the first MAX valid of them all, one range."""
-    total, found = store.arrivals(joined_counter(r), 0)  # all: a stranger's keys take no place
+    total, found = store.arrivals(joined_counter(round_no), 0)  # all: a stranger's keys take no place
     slots: list[int] = []
     nodes: list[NodeInfo] = []
     for slot, value in found:
@@ -199,7 +201,7 @@ def _valid_in_order(rdzv: Rendezvous, store: OrderedArrivals, r: int) -> Arrived
         try:
             if isinstance(value, UntrustedValue):
                 raise value
-            nodes.append(NodeInfo.load(value, rdzv.store.key(f"{joined_counter(r)} (arrival {slot})")))
+            nodes.append(NodeInfo.load(value, rdzv.store.key(f"{joined_counter(round_no)} (arrival {slot})")))
             slots.append(slot)
         except UntrustedValue as exc:
             rdzv.on_status(f"ignoring a node descriptor: {exc}")
@@ -207,24 +209,24 @@ def _valid_in_order(rdzv: Rendezvous, store: OrderedArrivals, r: int) -> Arrived
     return Arrived(min(total, rdzv.settings.max_nodes), slots, nodes, newest)
 
 
-def wait_for_more(rdzv: Rendezvous, r: int, arrived: Arrived, timeout: float) -> bool:
+def wait_for_more(rdzv: Rendezvous, round_no: int, arrived: Arrived, timeout: float) -> bool:
     """Wait up to `timeout` for a node to arrive after those `arrived` holds (too few were valid)."""
     if isinstance(rdzv.store, OrderedArrivals):
         # wait: slice: the closer's close_timeout
-        return rdzv.store.wait_arrival(joined_counter(r), arrived.newest, timeout)
+        return rdzv.store.wait_arrival(joined_counter(round_no), arrived.newest, timeout)
     # wait: slice: the closer's close_timeout
-    return rdzv.store.try_wait([node_slot(r, arrived.newest + 1)], timeout)
+    return rdzv.store.try_wait([node_slot(round_no, arrived.newest + 1)], timeout)
 
 
-def joined_hosts(rdzv: Rendezvous, r: int, count: int, limit: int) -> list[str]:
+def joined_hosts(rdzv: Rendezvous, round_no: int, count: int, limit: int) -> list[str]:
     """The hosts of the first `limit` claimed slots (for a progress line; unchecked slots skipped),
     read together: every waiting node prints one every few seconds, and at thousands of nodes one
     request each is what the store can take."""
     if isinstance(rdzv.store, OrderedArrivals):
-        where = rdzv.store.key(joined_counter(r))
-        found = [(where, value) for _, value in rdzv.store.arrivals(joined_counter(r), min(count, limit))[1]]
+        where = rdzv.store.key(joined_counter(round_no))
+        found = [(where, value) for _, value in rdzv.store.arrivals(joined_counter(round_no), min(count, limit))[1]]
     else:
-        names = [node_slot(r, i) for i in range(min(count, limit))]
+        names = [node_slot(round_no, i) for i in range(min(count, limit))]
         found = [(rdzv.store.key(name), value) for name, value in rdzv.store.get_present(names).items()]
     hosts = []
     for key, value in found:
@@ -237,12 +239,12 @@ def joined_hosts(rdzv: Rendezvous, r: int, count: int, limit: int) -> list[str]:
     return hosts
 
 
-def forming_line(rdzv: Rendezvous, r: int, count: int, deadline: float, quorum_seen_at: float | None) -> str:
+def forming_line(rdzv: Rendezvous, round_no: int, count: int, deadline: float, quorum_seen_at: float | None) -> str:
     """`round 0: waiting for 1 more node: 1 of 2 joined (node0); join_timeout in 583 s`."""
     s, now = rdzv.settings, time.monotonic()
     last_call = None if quorum_seen_at is None else quorum_seen_at + s.last_call_timeout - now
-    hosts = joined_hosts(rdzv, r, count, HOSTS_SHOWN)
-    return f"round {r}: " + forming_text(count, s.min_nodes, s.max_nodes, hosts, deadline - now, last_call)
+    hosts = joined_hosts(rdzv, round_no, count, HOSTS_SHOWN)
+    return f"round {round_no}: " + forming_text(count, s.min_nodes, s.max_nodes, hosts, deadline - now, last_call)
 
 
 def current_round(rdzv: Rendezvous, hint: int | None = None) -> int:
@@ -250,8 +252,8 @@ def current_round(rdzv: Rendezvous, hint: int | None = None) -> int:
     in order; the `current` counter (`hint`: as the caller just read it) says where to look first
     (anyone can move it), and a search on the signed end records corrects it in O(log) reads."""
 
-    def ended(r: int) -> bool:
-        return r < 0 or rdzv.round_end(r) is not None
+    def ended(round_no: int) -> bool:
+        return round_no < 0 or rdzv.round_end(round_no) is not None
 
     hint = rdzv.store.counter(CURRENT_ROUND, MAX_COUNT) if hint is None else hint
     if ended(hint - 1) and not ended(hint):

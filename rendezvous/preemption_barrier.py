@@ -16,12 +16,12 @@ REQUEUED = "job/requeued"
 class PreemptionBarrier:
     """Round `a.round`'s barrier after a preemption signal, as this node takes part in it."""
 
-    def __init__(self, store: KeyValueStore, me: NodeInfo, a: Assignment):
+    def __init__(self, store: KeyValueStore, me: NodeInfo, assignment: Assignment):
         self.store = store
         self.me = me
-        self.members = a.group_world_size
-        self.done = f"{a.round}/preempt_done"
-        self.all_done = f"{a.round}/preempt_all_done"
+        self.members = assignment.group_world_size
+        self.done = f"{assignment.round}/preempt_done"
+        self.all_done = f"{assignment.round}/preempt_all_done"
 
     def note_checkpointed(self) -> None:
         """This node's workers are done checkpointing after a preemption signal."""

@@ -81,10 +81,10 @@ from rally.rendezvous.status.board import JOB_STARTED, STATUS_NODES, StatusBoard
 from rally.rendezvous.status.waiting import WaitProgress, announce_wait, ended_line, progress_interval, spare_notice
 
 
-def preflight_key(r: int, part: str) -> str:
-    """Round r's pre-flight check (agent/checks/preflight.py): `result/<group rank>` (each node's
+def preflight_key(round_no: int, part: str) -> str:
+    """Round `round_no`'s pre-flight check (agent/checks/preflight.py): `result/<group rank>` (each node's
     numbers), `verdict` (node 0's)."""
-    return f"{r}/preflight/{part}"
+    return f"{round_no}/preflight/{part}"
 
 
 @runtime_checkable
@@ -152,14 +152,14 @@ class Rendezvous:
             raise value
         return None if value is None else RoundEnd.load(value, self.store.key(name))
 
-    def round_record(self, r: int) -> RoundRecord | None:
-        """Round r's record, None while it forms (a key nodes wait for: `get_if_present` as such)."""
-        value = self.store.get_if_present(closed_key(r))
-        return self._record_in(r, Seen({} if value is None else {closed_key(r): value}))
+    def round_record(self, round_no: int) -> RoundRecord | None:
+        """Round `round_no`'s record, None while it forms (a key nodes wait for: `get_if_present` as such)."""
+        value = self.store.get_if_present(closed_key(round_no))
+        return self._record_in(round_no, Seen({} if value is None else {closed_key(round_no): value}))
 
-    def _record_in(self, r: int, seen: Seen) -> RoundRecord | None:
-        """Round r's record as a read or a wait just saw it (`seen`), None when it saw none."""
-        name = closed_key(r)
+    def _record_in(self, round_no: int, seen: Seen) -> RoundRecord | None:
+        """Round `round_no`'s record as a read or a wait just saw it (`seen`), None when it saw none."""
+        name = closed_key(round_no)
         value = seen.values.get(name)
         if value is None:
             return None
@@ -168,17 +168,17 @@ class Rendezvous:
         key = self.store.key(name)
         return RoundRecord.load(value, key).check_members(key, self.settings.max_nodes)
 
-    def _look_again(self, r: int, found: dict[str, Checked] | None) -> Seen:
-        """What a wait for round r's record found, or (it ran out) a fresh read of the record, whose
+    def _look_again(self, round_no: int, found: dict[str, Checked] | None) -> Seen:
+        """What a wait for round `round_no`'s record found, or (it ran out) a fresh read of the record, whose
         point in the store's history the next wait starts from (`read_now`)."""
-        return Seen(found) if found is not None else self.store.read_now([closed_key(r)])
+        return Seen(found) if found is not None else self.store.read_now([closed_key(round_no)])
 
     def _count(self, name: str, limit: int = MAX_COUNT) -> int:
         return self.store.counter(name, limit)
 
-    def round_end(self, r: int) -> RoundEnd | None:
-        """Round r's end record (any round: forming reads the previous ones)."""
-        return self._end_record(end_key(r))
+    def round_end(self, round_no: int) -> RoundEnd | None:
+        """Round `round_no`'s end record (any round: forming reads the previous ones)."""
+        return self._end_record(end_key(round_no))
 
     # ----------------------------------------------------------------- job state
     def job_closed(self) -> RoundEnd | None:
@@ -194,9 +194,9 @@ class Rendezvous:
         if closed is not None:
             raise JobClosed(ended_line(self, closed))
 
-    def _raise_if_final(self, r: int) -> None:
+    def _raise_if_final(self, round_no: int) -> None:
         """A round that ended the job (success, abort, preemption) is never followed by another."""
-        end = self.round_end(r) if r >= 0 else None
+        end = self.round_end(round_no) if round_no >= 0 else None
         if end is not None and end.kind in FINAL_KINDS:
             raise JobClosed(ended_line(self, end))
 
@@ -253,32 +253,32 @@ class Rendezvous:
         })  # fmt: skip
 
     def _join(
-        self, r: int, deadline: float, me: NodeInfo, arrived: tuple[Arrival | None] | None = None
+        self, round_no: int, deadline: float, me: NodeInfo, arrived: tuple[Arrival | None] | None = None
     ) -> Assignment | None:
-        """Take part in forming round r as `me` (`arrived`: this node's arrival, already made by its
+        """Take part in forming round `round_no` as `me` (`arrived`: this node's arrival, already made by its
         first look); its assignment, or None when it came too late (a spare)."""
         s = self.settings
-        (mine,) = arrived if arrived is not None else (arrival.claim_arrival_slot(self, r, me),)
+        (mine,) = arrived if arrived is not None else (arrival.claim_arrival_slot(self, round_no, me),)
         if mine is None:
             return None
         quorum_seen_at: float | None = None
         attempt = 0
         # What the last read of the round's record saw (the arrival's own read where the store makes
         # one, else a read now); every wait after returns what it saw: no read after a wait.
-        seen = mine.seen if mine.seen is not None else self.store.read_now([closed_key(r)])
+        seen = mine.seen if mine.seen is not None else self.store.read_now([closed_key(round_no)])
         # The first pass takes the counter as this node's own arrival left it (the last arrival, the
         # one that closes, reads nothing before it does); later passes read it again.
         count, first = min(max(mine.arrived, mine.place + 1), s.max_nodes), True  # a hint: the closer counts
         self.waiting.begin()
-        while (record := self._record_in(r, seen)) is None:
+        while (record := self._record_in(round_no, seen)) is None:
             if not first:
-                count = min(max(self._count(joined_counter(r)), mine.place + 1), s.max_nodes)
+                count = min(max(self._count(joined_counter(round_no)), mine.place + 1), s.max_nodes)
             first = False
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousError(
                     f"rendezvous timed out after {s.join_timeout:g} s at {self.store.describe}: "
-                    f"{count} of at least {s.min_nodes} nodes joined round {r}, and it did not form; start "
+                    f"{count} of at least {s.min_nodes} nodes joined round {round_no}, and it did not form; start "
                     "the missing nodes or raise join_timeout (--rdzv-conf join_timeout=SECONDS)"
                 )
             if count >= s.min_nodes:
@@ -286,28 +286,28 @@ class Rendezvous:
             # The last call runs out for a full count too: arrivals that are not valid nodes (a
             # stranger's) can make the count MAX with fewer valid descriptors than that.
             over = quorum_seen_at is not None and now >= quorum_seen_at + s.last_call_timeout
-            if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(r)):
+            if count >= s.max_nodes or (count >= s.min_nodes and count >= self._expected(round_no)):
                 defer = attempt == 0 and mine.place + 1 < count
-                attempt, seen = self._try_close(r, attempt, deadline, seen, last_call_over=over, defer=defer)
+                attempt, seen = self._try_close(round_no, attempt, deadline, seen, last_call_over=over, defer=defer)
                 continue
             remaining = deadline - now
             if quorum_seen_at is not None:
                 remaining = min(remaining, quorum_seen_at + s.last_call_timeout - now)
                 if remaining <= 0:
-                    attempt, seen = self._try_close(r, attempt, deadline, seen, last_call_over=True)
+                    attempt, seen = self._try_close(round_no, attempt, deadline, seen, last_call_over=True)
                     continue
-            self.waiting.tick(partial(arrival.forming_line, self, r, count, deadline, quorum_seen_at))
+            self.waiting.tick(partial(arrival.forming_line, self, round_no, count, deadline, quorum_seen_at))
             # The first closer's assignment for this node is written just before the record: a store
             # that watches both on one stream (etcd) returns it with the record.
             # wait: slice, said by Rendezvous._join: slices of WAIT_SLICE_SECONDS up to join_timeout
             found = self.store.wait_and_read(
-                [closed_key(r)],
+                [closed_key(round_no)],
                 min(max(remaining, 0.001), self.waiting.interval),
-                also=[f"{r}/assign/0/{mine.slot}"],
+                also=[f"{round_no}/assign/0/{mine.slot}"],
                 since=seen,
             )
-            seen = self._look_again(r, found)
-        name = f"{r}/assign/{record.attempt}/{mine.slot}"
+            seen = self._look_again(round_no, found)
+        name = f"{round_no}/assign/{record.attempt}/{mine.slot}"
         # Read on the side of the wait (etcd), else one request for it or its absence: nobody waits for it.
         value = seen.values.get(name)
         if value is None:
@@ -317,88 +317,107 @@ class Rendezvous:
         if isinstance(value, UntrustedValue):
             raise value
         return Assignment.load(value, self.store.key(name)).check_for(
-            self.store.key(name), r, self.me, s.max_nodes, record.members
+            self.store.key(name), round_no, self.me, s.max_nodes, record.members
         )
 
-    def _expected(self, r: int) -> int:
-        """How many nodes round r can expect: the last round's members, less the lost, plus joiners."""
-        previous = self.round_record(r - 1) if r > 0 else None
+    def _expected(self, round_no: int) -> int:
+        """How many nodes round `round_no` can expect: the last round's members, less the lost, plus joiners."""
+        previous = self.round_record(round_no - 1) if round_no > 0 else None
         if previous is None:
             return self.settings.max_nodes
-        lost = self._count(lost_counter(r - 1), MAX_COUNT)
-        waiting = self._count(f"{r - 1}/waiting", MAX_COUNT)
+        lost = self._count(lost_counter(round_no - 1), MAX_COUNT)
+        waiting = self._count(f"{round_no - 1}/waiting", MAX_COUNT)
         return max(1, min(self.settings.max_nodes, previous.members - lost + waiting))
 
     def _try_close(
-        self, r: int, attempt: int, deadline: float, seen: Seen, last_call_over: bool = False, defer: bool = False
+        self,
+        round_no: int,
+        attempt: int,
+        deadline: float,
+        seen: Seen,
+        last_call_over: bool = False,
+        defer: bool = False,
     ) -> tuple[int, Seen]:
-        """Close round r as `attempt`'s closer if nobody has and the valid descriptors (not the counter that woke
-        us) meet the rule (`defer`: the completing arrival closes, this node only waits); return the next attempt
-        and what was seen of the round's record (this node's close, another's that the wait saw, or a read);
+        """Close round `round_no` as `attempt`'s closer if nobody has and the valid descriptors (not the counter
+        that woke us) meet the rule (`defer`: the completing arrival closes, this node only waits); return the next
+        attempt and what was seen of the round's record (this node's close, another's that the wait saw, or a read);
         `seen`: the last read of it, which such a wait starts from."""
         s = self.settings
-        won = not defer and self.store.set_once(f"{r}/closer/{attempt}", self.me.node_id)[0]
+        won = not defer and self.store.set_once(f"{round_no}/closer/{attempt}", self.me.node_id)[0]
         if not won:
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             # wait: slice, said by Rendezvous._try_close: last call
-            found = self.store.wait_and_read([closed_key(r)], wait, since=seen)
-            return (attempt, Seen(found)) if found is not None else (attempt + 1, self._look_again(r, None))
-        arrived = arrival.valid_arrivals(self, r)
+            found = self.store.wait_and_read([closed_key(round_no)], wait, since=seen)
+            return (attempt, Seen(found)) if found is not None else (attempt + 1, self._look_again(round_no, None))
+        arrived = arrival.valid_arrivals(self, round_no)
         count, nodes = arrived.count, arrived.nodes
-        required = s.min_nodes if last_call_over else max(s.min_nodes, min(self._expected(r), s.max_nodes))
+        required = s.min_nodes if last_call_over else max(s.min_nodes, min(self._expected(round_no), s.max_nodes))
         if len(nodes) < required:
             if len(nodes) < s.min_nodes:
-                self.on_status(f"round {r}: {len(nodes)} valid node descriptors of {count} arrivals, below the minimum "
-                               f"of {s.min_nodes} nodes; waiting for more")  # fmt: skip
+                self.on_status(
+                    f"round {round_no}: {len(nodes)} valid node descriptors of {count} arrivals, below the minimum "
+                    f"of {s.min_nodes} nodes; waiting for more"
+                )
             wait = min(s.close_timeout, max(deadline - time.monotonic(), 0.001))
             # wait: slice, said by Rendezvous._try_close: close_timeout, then the next attempt
-            arrival.wait_for_more(self, r, arrived, wait)
-            return attempt + 1, self._look_again(r, None)
-        return attempt, self._write_round(r, attempt, arrived.slots, nodes)  # this close, or one that won before it
+            arrival.wait_for_more(self, round_no, arrived, wait)
+            return attempt + 1, self._look_again(round_no, None)
+        return attempt, self._write_round(
+            round_no, attempt, arrived.slots, nodes
+        )  # this close, or one that won before it
 
-    def _write_round(self, r: int, attempt: int, slots: list[int], nodes: list[NodeInfo]) -> Seen:
-        """Write round r's assignments, then its record (first wins); return the record that stands."""
+    def _write_round(self, round_no: int, attempt: int, slots: list[int], nodes: list[NodeInfo]) -> Seen:
+        """Write round `round_no`'s assignments, then its record (first wins); return the record that stands."""
         step = newest_step(nodes)
-        previous, end = (self.round_record(r - 1), self.round_end(r - 1)) if r > 0 else (None, None)
-        for name, found in ((f"{r - 1}/closed", previous), (f"{r - 1}/end", end)):
-            if r > 0 and found is None:  # deleted: that must not reset the restart budget
-                raise tampered(self.store.key(name), f"round {r} cannot form before round {r - 1} closed and ended")
+        previous, end = (
+            (self.round_record(round_no - 1), self.round_end(round_no - 1)) if round_no > 0 else (None, None)
+        )
+        for name, found in ((f"{round_no - 1}/closed", previous), (f"{round_no - 1}/end", end)):
+            if round_no > 0 and found is None:  # deleted: that must not reset the restart budget
+                raise tampered(
+                    self.store.key(name), f"round {round_no} cannot form before round {round_no - 1} closed and ended"
+                )
         counts = counts_entering(previous, end, step)
         record = RoundRecord(len(nodes), *counts, step, attempt, resume_step(nodes))
-        mine = assignments_for(r, nodes, record)
-        self.store.multi_set({f"{r}/assign/{attempt}/{slot}": a.to_json() for slot, a in zip(slots, mine, strict=True)})
-        _, standing = self.store.set_once(closed_key(r), record.to_json())
+        mine = assignments_for(round_no, nodes, record)
+        self.store.multi_set(
+            {f"{round_no}/assign/{attempt}/{slot}": a.to_json() for slot, a in zip(slots, mine, strict=True)}
+        )
+        _, standing = self.store.set_once(closed_key(round_no), record.to_json())
         if not standing:
-            return self._look_again(r, None)
+            return self._look_again(round_no, None)
         # This node's own assignment, as it wrote it: the closer reads nothing back (another
         # attempt's record that stands names other keys, which are read then).
         own = {
-            f"{r}/assign/{attempt}/{slot}": a.to_json().encode()
+            f"{round_no}/assign/{attempt}/{slot}": a.to_json().encode()
             for slot, node, a in zip(slots, nodes, mine, strict=True)
             if node.node_id == self.me.node_id
         }
-        return Seen({closed_key(r): standing.encode(), **own})
+        return Seen({closed_key(round_no): standing.encode(), **own})
 
-    def _wait_as_spare(self, r: int, deadline: float) -> None:
-        """Late for round r: register as waiting, ask a running job below MAX to re-form, wait (until `deadline`)."""
+    def _wait_as_spare(self, round_no: int, deadline: float) -> None:
+        """Late for round `round_no`: register as waiting, ask a running job below MAX to re-form, wait (until
+        `deadline`)."""
         s = self.settings
-        self.store.add(f"{r}/waiting", 1)
+        self.store.add(f"{round_no}/waiting", 1)
         self.waiting.begin()
-        seen = self._look_again(r, None)
-        while (record := self._record_in(r, seen)) is None:
+        seen = self._look_again(round_no, None)
+        while (record := self._record_in(round_no, seen)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RendezvousError(f"round {r} was full and did not form within join_timeout ({s.join_timeout:g} s)")
-            line = f"waiting for round {r} to form (it is full without this node); join_timeout in {left:.0f} s"
+                raise RendezvousError(
+                    f"round {round_no} was full and did not form within join_timeout ({s.join_timeout:g} s)"
+                )
+            line = f"waiting for round {round_no} to form (it is full without this node); join_timeout in {left:.0f} s"
             self.waiting.tick(partial(str, line))
             # wait: slice, said by Rendezvous._wait_as_spare: WAIT_SLICE_SECONDS
-            found = self.store.wait_and_read([closed_key(r)], min(left, self.waiting.interval), since=seen)
+            found = self.store.wait_and_read([closed_key(round_no)], min(left, self.waiting.interval), since=seen)
             self.raise_if_closed()
-            seen = self._look_again(r, found)
+            seen = self._look_again(round_no, found)
         members = record.members
-        running = RoundChannel(self.store, s, self.me, r, members)
+        running = RoundChannel(self.store, s, self.me, round_no, members)
         if running.ended() is None and members < s.max_nodes:
-            self.on_status(f"round {r} is running with {members} nodes; asking it to re-form with this node")
+            self.on_status(f"round {round_no} is running with {members} nodes; asking it to re-form with this node")
             running.end(RoundEnd(EndKind.NODE_JOINED, f"{self.me.host} joined the job", self.me.host))
         elif running.ended() is None:
             self.on_status(spare_notice(self, members))

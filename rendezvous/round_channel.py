@@ -47,14 +47,14 @@ class LeasedStore(Protocol):
     def wait_deleted(self, name: str, timeout: float) -> bool: ...
 
 
-def end_key(r: int) -> str:
-    """Round r's end record (first wins): forming reads the previous rounds' ends too."""
-    return f"{r}/end"
+def end_key(round_no: int) -> str:
+    """Round `round_no`'s end record (first wins): forming reads the previous rounds' ends too."""
+    return f"{round_no}/end"
 
 
-def lost_counter(r: int) -> str:
-    """Round r's count of nodes that will not come back (the next round's closer reads it)."""
-    return f"{r}/lost"
+def lost_counter(round_no: int) -> str:
+    """Round `round_no`'s count of nodes that will not come back (the next round's closer reads it)."""
+    return f"{round_no}/lost"
 
 
 class RoundChannel:
@@ -67,21 +67,23 @@ class RoundChannel:
         store: KeyValueStore,
         settings: RendezvousSettings,
         me: NodeInfo,
-        r: int,
+        round_no: int,
         members: int,
         group_rank: int | None = None,
     ):
         self.store = store
         self.settings = settings
         self.me = me
-        self.r = r
+        self.r = round_no
         self.members = members
         self.group_rank = group_rank
 
     @classmethod
-    def of(cls, store: KeyValueStore, settings: RendezvousSettings, me: NodeInfo, a: Assignment) -> RoundChannel:
-        """The channel of the round `a` assigned this node to."""
-        return cls(store, settings, me, a.round, a.group_world_size, a.group_rank)
+    def of(
+        cls, store: KeyValueStore, settings: RendezvousSettings, me: NodeInfo, assignment: Assignment
+    ) -> RoundChannel:
+        """The channel of the round `assignment` assigned this node to."""
+        return cls(store, settings, me, assignment.round, assignment.group_world_size, assignment.group_rank)
 
     def on(self, store: KeyValueStore) -> RoundChannel:
         """The same round on another connection (for a thread of its own)."""

@@ -23,12 +23,12 @@ STACKS_ROUND_OVER = "over"
 class StackExchange:
     """Round `a.round`'s stack requests and answers, for this node (member `a.group_rank`)."""
 
-    def __init__(self, store: KeyValueStore, me: NodeInfo, a: Assignment):
+    def __init__(self, store: KeyValueStore, me: NodeInfo, assignment: Assignment):
         self.store = store
         self.me = me
-        self.r = a.round
-        self.group_rank = a.group_rank
-        self.members = a.group_world_size
+        self.r = assignment.round
+        self.group_rank = assignment.group_rank
+        self.members = assignment.group_world_size
         self.dump = f"{self.r}/dump"
 
     def request(self, reason: str) -> bool:

@@ -7,6 +7,7 @@ collaborators' events (the observer's `gpu_health_skipped` at start, the judge o
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -39,6 +40,8 @@ class Trace(Collaborator):
     def round_ended(self, rnd, end): self._event("round_ended")
     def restarting(self, rnd, end): self._event("restarting")
     def exit(self): self._event("exit")
+    def workers_started(self, rnd, workers): self._event("workers_started")
+    def worker_env(self): return {"TRACED_BY_" + self.label.upper(): "1"}
 
 
 built = agent.Agent.__init__
@@ -59,6 +62,8 @@ main()
 # Round 0: rank 1 fails at once while rank 0 waits to be stopped; round 1: both succeed.
 SCRIPT = """
 import os, sys, time
+if not (os.environ.get("TRACED_BY_FIRST") and os.environ.get("TRACED_BY_LAST")):
+    sys.exit(3)  # both tracers' worker_env reached the workers
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     if os.environ["RANK"] == "1":
         sys.exit(1)
@@ -67,9 +72,10 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
 
 HOOKS_IN_A_RUN = [
     "start", "joined",
-    "before_round", "round_formed", "workers_starting", "watch", "watch_over", "round_ending", "round_ended",
-    "restarting",
-    "before_round", "round_formed", "workers_starting", "watch", "watch_over", "round_ending", "round_ended",
+    "before_round", "round_formed", "workers_starting", "workers_started", "watch", "watch_over", "round_ending",
+    "round_ended", "restarting",
+    "before_round", "round_formed", "workers_starting", "workers_started", "watch", "watch_over", "round_ending",
+    "round_ended",
     "exit",
 ]  # fmt: skip
 SHOWN = {"gpu_health_skipped", "round_formed", "workers_starting", "worker_started", "worker_exited", "round_ended"}
@@ -113,6 +119,34 @@ def test_every_hook_runs_at_its_moment_in_the_order_registered(tmp_path: Path) -
     # and the agent's own steps fall where agent/base/collaborator.py says:
     assert "round_formed first:round_formed" in shown
     assert "last:workers_starting workers_starting worker_started" in shown
+    assert "worker_started first:workers_started last:workers_started" in shown  # after every worker started
     assert "last:round_ending round_ended first:round_ended" in shown  # the workers were stopped between
     assert "restart first:restarting" in shown
     assert shown.endswith("last:exit first:exit job_end")
+
+
+# What agent/agent.py may name of its features: the registration (the list in Agent.__init__), nothing else.
+REGISTRATION = re.compile(
+    r"        # The agent's features, .*?self\.collaborators: list\[Collaborator\] = \[\n.*?\n        \]\n", re.S
+)
+
+
+@pytest.mark.timeout(30)
+def test_the_agent_names_no_feature_outside_their_registration() -> None:
+    """A feature reaches the agent through hooks (agent/base/collaborator.py): its class is named
+    once, where it is registered, and the agent keeps no attribute of its own for it."""
+    from rally.agent import agent
+    from rally.agent.base.collaborator import Collaborator
+
+    source = Path(agent.__file__).read_text()
+    registration = REGISTRATION.search(source)
+    assert registration is not None, "Agent.__init__ registers its features in one list"
+    body = source[source.index("class Agent") :].replace(registration[0], "")  # the imports name them too
+    features = [
+        name
+        for name, value in vars(agent).items()
+        if isinstance(value, type) and issubclass(value, Collaborator) and value is not Collaborator
+    ]
+    assert len(features) >= 5, features  # checks, exits, hangs, observer, checkpoints, preemption
+    assert sorted(name for name in features if re.search(rf"\b{name}\b", body)) == []
+    assert all(re.search(rf"\b{name}\b", registration[0]) for name in features)

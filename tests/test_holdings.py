@@ -3,7 +3,7 @@
 The newest checkpoint on disk after a failure is always one the agent has not checked yet (its
 holder wrote it during the failed round), and checking it reads all of it (a CRC: ~0.5 s for a
 400 MB state). A one-node job's round cannot resume from a file no newer than the newest step
-in its memory, so those files are not read (agent/rounds/holdings.py). bench/goodput.py shows
+in its memory, so those files are not read (agent/checkpoint/holdings.py). bench/goodput.py shows
 the restart's phases; these tests pin what the descriptor says.
 """
 
@@ -67,8 +67,8 @@ def test_a_one_node_descriptor_does_not_read_the_file_its_memory_holds(tmp_path:
 
     from rally.agent.base.event_log import EventLog
     from rally.agent.checkpoint.core.client import HolderAddress, MemoryTier
+    from rally.agent.checkpoint.holdings import RoundHoldings
     from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
-    from rally.agent.rounds.holdings import RoundHoldings
 
     directory = tmp_path / "ckpt"
     ckpt = NodeCheckpoints(str(directory), EventLog(tmp_path / "events.jsonl"), warn=print)

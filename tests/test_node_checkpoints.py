@@ -26,11 +26,11 @@ def calls_of(path: Path, holder: str) -> set[str]:
 @pytest.mark.timeout(30)
 def test_the_docstring_names_every_call_the_agent_makes_and_no_other() -> None:
     documented = set(re.findall(r"^\s+ckpt\.(\w+)", node_checkpoints.__doc__ or "", re.M))
-    made = calls_of(REPO / "agent/agent.py", "self.ckpt") | calls_of(REPO / "agent/rounds/holdings.py", "self.ckpt")
+    made = calls_of(REPO / "agent/checkpoint/holdings.py", "self.ckpt")
     made.discard("checkpoint_dir")  # an attribute RoundHoldings reads, not a call
     hooks = {name for name in vars(Collaborator) if not name.startswith("_") and name in vars(NodeCheckpoints)}
     registered = re.search(r"self\.collaborators: [^=]*= \[(.*?)\]", (REPO / "agent/agent.py").read_text(), re.S)
-    assert registered is not None and "self.ckpt" in registered[1]  # its hooks are called
+    assert registered is not None and "NodeCheckpoints.for_agent(self)" in registered[1]  # its hooks are called
     assert made | hooks == documented
 
 

@@ -20,6 +20,18 @@ each moment, in the list's order (at `exit`, in reverse: the last registered sto
     exit()                         the agent exits, its workers stopped
     status_fields()                any time: this feature's fields of the node's status record
 
+and, where the agent still needs something of its features, a hook each (none names a feature):
+
+    worker_env()                   the workers' environment: this feature's variables
+    workers_started(rnd, workers)  this round's workers run (their pids, heartbeat files)
+    worker_exited(worker)          a worker's pidfd turned readable
+    next_due(now)                  seconds until this feature wants a turn of the watch loop
+    on_news(rnd, news)             news of a type in `wants` (agent/base/event_loop.py), this round's
+    on_preemption(rnd, signum)     a preemption signal: the round's end (rnd None: the agent exits)
+    in_status_thread(rnd)          the round's status thread published this node's record
+    round_holdings()               what this node tells each round about its checkpoints
+    helper_pids()                  this feature's processes: never the job's, gone when the agent is
+
 A hook that may end the round returns the round's end (`workers_starting`, `watch`): the first
 collaborator to return one ends it and the later ones are not asked. A hook that makes this node
 leave the job raises `AgentExit` (agent/base/exit_codes.py) with the exit code and its one line.
@@ -34,12 +46,12 @@ more of the agent (this round's workers, their health) declares a protocol of it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from rally.agent.base.event_log import EventLog
-from rally.agent.base.event_loop import EventLoop
+from rally.agent.base.event_loop import EventLoop, News
 from rally.agent.base.spec import JobSpec
 from rally.rendezvous.base.kv import KeyValueStore
 from rally.rendezvous.plan import RendezvousPlan
@@ -52,7 +64,34 @@ class JobRecord(Protocol):
     """The agent's report.json as a collaborator may change it (agent/report.py's JobReport is one)."""
 
     outcome: str  # "running" until something decides it: "quarantined", "left out by pre-flight", ...
-    quarantined: dict[str, str]  # host -> why
+    notes: dict[str, object]  # a feature's own keys of report.json (the quarantine's `quarantined`)
+
+
+class Holdings(Protocol):
+    """What this node tells each round about its checkpoints (agent/checkpoint/holdings.py)."""
+
+    def progress(self) -> int | None:
+        """The newest step saved, in memory or on disk (the crash-loop guard)."""
+
+    def holdings(self) -> tuple[list[int], int | None]:
+        """(steps in this node's memory, the newest intact step on disk that can matter)."""
+
+
+class StartedWorker(Protocol):
+    """One of this round's workers as a feature may watch it (agent/rounds/workers.py's Worker is one)."""
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def heartbeat_file(self) -> str | None: ...
+
+    @property
+    def started_at(self) -> float:
+        """When its process started (time.monotonic())."""
 
 
 class AgentContext(Protocol):
@@ -115,7 +154,11 @@ class AgentContext(Protocol):
 
 class Collaborator:
     """A feature of the agent: override the hooks you need (see the module docstring for when each
-    runs). Every hook runs in the agent's main thread."""
+    runs). Every hook runs in the agent's main thread, but `in_status_thread`."""
+
+    # The kinds of news (agent/base/event_loop.py) this feature asked for: `on_news` hears those
+    # of the running round.
+    wants: ClassVar[tuple[type, ...]] = ()
 
     def start(self) -> None:
         """The agent starts: its signal handlers, guard and template are up; the store is not open."""
@@ -159,5 +202,41 @@ class Collaborator:
         return None
 
     def status_fields(self) -> dict[str, object]:
-        """This feature's fields of the node's status record (`rally status`, the live view, /metrics)."""
+        """This feature's fields of the node's status record (`rally status`, the live view, /metrics).
+        Called from the round's status thread as well as the main thread."""
         return {}
+
+    def worker_env(self) -> dict[str, str]:
+        """Variables this feature adds to the environment of the round's workers (read as they start)."""
+        return {}
+
+    def workers_started(self, rnd: Round, workers: Sequence[StartedWorker]) -> None:
+        """This round's workers started (their exits and output are watched already)."""
+
+    def worker_exited(self, worker: StartedWorker) -> None:
+        """A worker's pidfd turned readable: it exited (its exit code is read later)."""
+
+    def next_due(self, now: float) -> float | None:
+        """Seconds until this feature wants a turn of the watch loop (`watch`), None when it waits
+        for nothing: the loop sleeps until the soonest feature's, or until something arrives."""
+        return None
+
+    def on_news(self, rnd: Round, news: News) -> None:
+        """News of a kind in `wants`, posted by the round's threads for this round."""
+
+    def on_preemption(self, rnd: Round | None, signum: int) -> RoundEnd | None:
+        """A preemption signal: with a round, the round's end once this node is ready for it (the
+        first feature to return one ends the round); with None, the agent exits preempted now."""
+        return None
+
+    def in_status_thread(self, rnd: Round) -> None:
+        """The round's status thread published this node's record; `rnd` is on that thread's own
+        connection. Runs in that thread, not the main one."""
+
+    def round_holdings(self) -> Holdings | None:
+        """What this node tells each round about its checkpoints, if this feature keeps them."""
+        return None
+
+    def helper_pids(self) -> frozenset[int]:
+        """This feature's helper processes: never stopped as the job's workers, killed when the agent exits."""
+        return frozenset()

@@ -1,6 +1,6 @@
 """The few Linux calls rally needs that the standard library does not wrap (stdlib only).
 
-Shared by the agent (processes.py) and the worker template (template_server.py), which runs in
+Shared by the agent (agent/guard/processes.py) and the worker template (agent/template/server.py), which runs in
 every worker and so must not import anything heavy.
 """
 

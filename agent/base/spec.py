@@ -39,6 +39,7 @@ class JobSpec:
 
     entrypoint: str
     args: tuple[str, ...] = ()
+    rally_version: str = ""  # the launcher's (launcher/__init__.py): the agent reads no launcher module
     nproc_per_node: int = 1
     run_id: str = "none"
     role: str = "default"
@@ -100,11 +101,6 @@ class JobSpec:
             return [self.entrypoint, *self.args]
         mode = "module" if self.module else "path" if self.run_path else "script"
         return [self.python_exec, "-u", BOOTSTRAP, mode, self.entrypoint, *self.args]
-
-    def uses_torchrun_logs(self) -> bool:
-        """--redirects or --tee given: streams go to files as torchrun's do (the console keeps
-        rally's prefix unless --torchrun-prefix asks for torchrun's)."""
-        return any(self.redirects.values()) or any(self.tee.values())
 
     def shows_on_console(self, local_rank: int) -> bool:
         if self.quiet:

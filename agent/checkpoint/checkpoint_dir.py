@@ -45,7 +45,7 @@ def newest_checkpoint_step(directory: str | os.PathLike[str], above: int | None 
 
     `above`: only steps newer than it count (None if none of them is intact). Checking a file
     reads all of it (a CRC over 400 MB is ~0.5 s), so a caller that holds step `above` in memory
-    anyway (agent/rounds/holdings.py) does not read the older files on a restart's critical path.
+    anyway (agent/checkpoint/holdings.py) does not read the older files on a restart's critical path.
     """
     try:
         found = list_checkpoints(Path(directory))

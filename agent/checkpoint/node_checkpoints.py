@@ -6,12 +6,13 @@ checkpoint object, and the handle of its memory tier's holder process (`HolderPr
 three calls of its own; in the order of a job:
 
     ckpt = NodeCheckpoints.for_agent(agent)   # Agent.__init__: starts the holder (or none), waited for at its first use
-    ckpt.pid                      # any time: the holder's pid, a helper of the agent (never killed as the job's)
-    ckpt.memory_steps()           # at every rendezvous, through agent/rounds/holdings.py: the steps in
-                                  #   this node's memory (with the disk's newest intact step: the resume step)
+    ckpt.helper_pids()            # hook, any time: the holder's pid, a helper of the agent (never killed as the job's)
+    ckpt.round_holdings()         # hook, once the store is open: agent/checkpoint/holdings.py, which at every
+    ckpt.memory_steps()           #   rendezvous reads the steps in this node's memory (with the disk's newest
+                                  #   intact step: the resume step)
     ckpt.workers_starting(rnd, master)  # hook: the round's workers are about to start: saves of rnd's
                                   #   round are accepted from now on, fenced by a lease the agent renews
-    ckpt.env()                    # right after: the holder's address for every worker (none once it died)
+    ckpt.worker_env()             # hook, right after: the holder's address for every worker (none once it died)
     ckpt.watch(rnd)               # hook, each turn of the watch loop: renews the lease (a frozen agent's
                                   #   workers cannot checkpoint)
     ckpt.round_ending(rnd)        # hook, before the round's workers are stopped: a late save is refused
@@ -68,6 +69,7 @@ from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.client import HOLDER_LOST_ENV, SECRET_ENV, CheckpointRefused, HolderAddress, MemoryTier
 from rally.agent.checkpoint.core.shm import socket_address
+from rally.agent.checkpoint.holdings import RoundHoldings
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import flush as dcp_flush
 from rally.agent.display import console
@@ -110,6 +112,7 @@ class NodeCheckpoints(Collaborator):
         self._starting = HolderProcess.spawn(checkpoint_dir, events, warn)  # None: no memory tier on this node
         self._holder: HolderProcess | None = None
         self._ready_lock = threading.Lock()
+        self.single_node = False  # a job of one node at most: the disk's files no newer than the memory are not read
 
     @property
     def holder(self) -> HolderProcess | None:
@@ -125,7 +128,21 @@ class NodeCheckpoints(Collaborator):
         """Built from what a collaborator sees of its agent."""
         spec = ctx.spec
         keep_alive = ctx.plan.settings.keep_alive_timeout
-        return cls(spec.checkpoint_dir, ctx.events, spec.run_id, keep_alive, spec.shutdown_timeout)
+        made = cls(spec.checkpoint_dir, ctx.events, spec.run_id, keep_alive, spec.shutdown_timeout)
+        made.single_node = ctx.plan.settings.max_nodes == 1
+        return made
+
+    # ------------------------------------------------------------------ the agent's other hooks
+    def worker_env(self) -> dict[str, str]:
+        return self.env()  # not a plain hook: it adds to the workers' environment
+
+    def helper_pids(self) -> frozenset[int]:
+        pid = self.pid
+        return frozenset() if pid is None else frozenset({pid})
+
+    def round_holdings(self) -> RoundHoldings:
+        """The memory tier's steps and the disk's, read cheaply for the restart (agent/checkpoint/holdings.py)."""
+        return RoundHoldings(self, self.single_node)
 
     @property
     def pid(self) -> int | None:
@@ -401,13 +418,13 @@ class HolderProcess:
             self.memory = list(reply.get("memory", []))
         return self.memory
 
-    def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
+    def open_round(self, round_no: int, resume_step: int | None, lease: float) -> None:
         if self.last_durable is None and self.checkpoint_dir is not None:  # what earlier runs left (cached)
             self.last_durable = newest_checkpoint_step(self.checkpoint_dir)
         if self.off:
             return
-        self._round, self._lease, self._renewed = r, lease, time.monotonic()
-        self._ask(REPLY_TIMEOUT, op="round", round=r, resume=resume_step, lease=lease)
+        self._round, self._lease, self._renewed = round_no, lease, time.monotonic()
+        self._ask(REPLY_TIMEOUT, op="round", round=round_no, resume=resume_step, lease=lease)
 
     def renew(self) -> None:
         now = time.monotonic()
@@ -415,10 +432,10 @@ class HolderProcess:
             self._renewed = now
             self._send({"op": "renew", "round": self._round, "lease": self._lease})
 
-    def close_round(self, r: int) -> None:
+    def close_round(self, round_no: int) -> None:
         self._round = None
         if not self.off:
-            self._ask(REPLY_TIMEOUT, op="over", round=r)
+            self._ask(REPLY_TIMEOUT, op="over", round=round_no)
 
     def flush(self, timeout: float) -> bool:
         """Wait until the newest copy is durable (or its write failed), at most `timeout`; True if done."""

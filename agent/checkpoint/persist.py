@@ -127,5 +127,5 @@ def _full_line(directory: Path, step: int, needed: int, free: int) -> str:
     )
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"

@@ -106,19 +106,19 @@ class SlotTable:
         self.resumed_at = -RELOAD_PAUSE_SECONDS
 
     # ------------------------------------------------------------------ the agent's side
-    def open_round(self, r: int, resume_step: int | None, lease: float) -> None:
+    def open_round(self, round_no: int, resume_step: int | None, lease: float) -> None:
         with self.cond:
-            self.round, self.round_open, self.resume_step = r, True, resume_step
+            self.round, self.round_open, self.resume_step = round_no, True, resume_step
             self.lease_until = time.monotonic() + lease
 
-    def renew(self, r: int, lease: float) -> None:
+    def renew(self, round_no: int, lease: float) -> None:
         with self.cond:
-            if r == self.round and self.round_open:
+            if round_no == self.round and self.round_open:
                 self.lease_until = time.monotonic() + lease
 
-    def close_round(self, r: int) -> None:
+    def close_round(self, round_no: int) -> None:
         with self.cond:
-            if r == self.round:
+            if round_no == self.round:
                 self.round_open = False
             for keyslots in self.keys.values():  # copies under way now never commit
                 for slot in keyslots.slots:
@@ -134,19 +134,19 @@ class SlotTable:
         return sorted(set.intersection(*sets)) if sets else []
 
     # ------------------------------------------------------------------ the workers' side
-    def _fence(self, r: int) -> None:
-        if self.round is None or r != self.round or not self.round_open:
+    def _fence(self, round_no: int) -> None:
+        if self.round is None or round_no != self.round or not self.round_open:
             raise Refused(
-                f"rally: checkpoint refused: this worker belongs to round {r}, which is over "
+                f"rally: checkpoint refused: this worker belongs to round {round_no}, which is over "
                 f"(the node is in round {self.round}); a worker of an ended round may not save"
             )
         if time.monotonic() > self.lease_until:
             raise Refused(
-                f"rally: checkpoint refused: round {r} is no longer confirmed by its agent (frozen or cut off)"
+                f"rally: checkpoint refused: round {round_no} is no longer confirmed by its agent (frozen or cut off)"
             )
 
     def reserve(
-        self, conn: int, key: str, step: int, size: int, r: int, persist_name: str | None, keep: int,
+        self, conn: int, key: str, step: int, size: int, round_no: int, persist_name: str | None, keep: int,
         spare_newest: bool = False,
     ) -> tuple[int, int]:  # fmt: skip
         """(index, memfd) of a slot for `step` of `key` with room for `size` bytes, marked being written.
@@ -159,7 +159,7 @@ class SlotTable:
                 f"rally: checkpoint refused: a copy of {size} bytes is more than this node's memory ({total} bytes)"
             )
         with self.cond:
-            self._fence(r)
+            self._fence(round_no)
             keyslots = self.keys.setdefault(key, KeySlots())
             index = self._choose(keyslots, spare_newest)
             slot = keyslots.slots[index]
@@ -225,11 +225,11 @@ class SlotTable:
                         os.close(slot.fd)
                         slot.fd = None
 
-    def commit(self, conn: int, key: str, step: int, length: int, r: int) -> Slot:
+    def commit(self, conn: int, key: str, step: int, length: int, round_no: int) -> Slot:
         with self.cond:
             slot = self._writing(conn, key, step)
             try:
-                self._fence(r)
+                self._fence(round_no)
             except Refused:
                 slot.state, slot.writer = FREE, None
                 raise

@@ -13,6 +13,7 @@ Its hooks (agent/base/collaborator.py) run at three moments of the agent's:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rally.agent.base.collaborator import Collaborator
@@ -30,14 +31,15 @@ __all__ = ["EXIT_QUARANTINED", "NodeChecks"]
 class NodeChecks(Collaborator):
     """Quarantine and pre-flight for one agent (`store_call` is the agent's, so store trouble is one line)."""
 
-    def __init__(self, ctx: PreflightContext):
+    def __init__(self, ctx: PreflightContext, backend: Callable[[], str]):
+        """`backend`: the process-group backend the job's workers would use (the observer knows the GPUs)."""
         self.ctx = ctx
         self.quarantine = Quarantine(ctx)
         self.preflight: Preflight | None = None
         if ctx.spec.preflight:
             from rally.agent.checks.preflight import Preflight
 
-            self.preflight = Preflight(ctx)
+            self.preflight = Preflight(ctx, backend)
 
     def joined(self, store: KeyValueStore) -> None:
         if line := self.ctx.store_call(lambda: self.quarantine.at_join(store)):

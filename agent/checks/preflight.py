@@ -24,6 +24,7 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -113,29 +114,26 @@ class PreflightContext(AgentContext, Protocol):
     def template(self) -> TemplateClient | None:
         """The agent's worker template (the probe is forked from it), None without one."""
 
-    @property
-    def backend(self) -> str:
-        """The process-group backend the job's workers would use (nccl with GPUs, else gloo)."""
 
-
-def _numbers(r: dict, compute: float | None, link: float | None) -> str:
+def _numbers(result: dict, compute: float | None, link: float | None) -> str:
     parts = []
-    if r.get("compute") is not None:
-        parts.append(f"compute {r['compute']:.3f} s" + (f" (median {compute:.3f} s)" if compute else ""))
-    if r.get("link") is not None:
-        parts.append(f"link {r['link'] * 1000:.1f} ms" + (f" (median {link * 1000:.1f} ms)" if link else ""))
-    if r.get("allreduce") is not None:
-        parts.append(f"all-reduce {r['allreduce'] * 1000:.1f} ms")
+    if result.get("compute") is not None:
+        parts.append(f"compute {result['compute']:.3f} s" + (f" (median {compute:.3f} s)" if compute else ""))
+    if result.get("link") is not None:
+        parts.append(f"link {result['link'] * 1000:.1f} ms" + (f" (median {link * 1000:.1f} ms)" if link else ""))
+    if result.get("allreduce") is not None:
+        parts.append(f"all-reduce {result['allreduce'] * 1000:.1f} ms")
     return ", ".join(parts) or "no numbers"
 
 
 class Preflight:
     """One agent's pre-flight: probe, publish, (node 0) judge, act on the verdict."""
 
-    def __init__(self, ctx: PreflightContext):
+    def __init__(self, ctx: PreflightContext, backend: Callable[[], str]):
         """Its long waits say every few seconds what they wait for through `ctx.announce`
         (agent/rounds/node_waits.py)."""
         self.ctx = ctx
+        self.backend = backend  # the process-group backend the job's workers would use (nccl with GPUs, else gloo)
         self.spec, self.host, self.events, self.report = ctx.spec, ctx.host, ctx.events, ctx.report
         self.store_call, self.base_env, self.run_dir, self.announce = (
             ctx.store_call, ctx.base_env, ctx.run_dir, ctx.announce
@@ -215,34 +213,35 @@ class Preflight:
         return self._act(rnd, verdict, result, seconds)
 
     # ------------------------------------------------------------------ steps
-    def _probe(self, a: Assignment, master: tuple[str, int]) -> dict:
+    def _probe(self, assignment: Assignment, master: tuple[str, int]) -> dict:
         from rally.agent.base.spec import BOOTSTRAP, shared_worker_env
         from rally.agent.guard import processes
 
-        out = self.run_dir / f"preflight_{a.round}.json"
+        out = self.run_dir / f"preflight_{assignment.round}.json"
         out.unlink(missing_ok=True)
         env = {
             **shared_worker_env(self.spec, self.base_env),
-            "RANK": str(a.group_rank),
-            "WORLD_SIZE": str(a.group_world_size),
+            "RANK": str(assignment.group_rank),
+            "WORLD_SIZE": str(assignment.group_world_size),
             "MASTER_ADDR": master[0],
             "MASTER_PORT": str(master[1]),
             "RALLY_PREFLIGHT_OUT": str(out),
-            "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{a.round}/",
+            "RALLY_PREFLIGHT_PREFIX": f"rally-preflight/{assignment.round}/",
             "RALLY_PREFLIGHT_TIMEOUT": str(PROBE_TIMEOUT_SECONDS),
-            "RALLY_PREFLIGHT_BACKEND": self.ctx.backend,
+            "RALLY_PREFLIGHT_BACKEND": self.backend(),
         }
         template = self.ctx.template or self.own_template
         launch = template.spawn if template is not None else processes.spawn
         asked = time.monotonic()
         with open(
-            self.run_dir / f"preflight_{a.round}.log", "wb"
+            self.run_dir / f"preflight_{assignment.round}.log", "wb"
         ) as log:  # a template still loading torch is waited for here
             child = launch([self.spec.python_exec, "-u", BOOTSTRAP, "script", PROBE], env, None, log, log)
         self.template_wait = time.monotonic() - asked
         try:
             what = (
-                f"pre-flight of round {a.round}: waiting for the probe (pid {child.pid}: compute, all-reduce, links) "
+                f"pre-flight of round {assignment.round}: waiting for the probe "
+                f"(pid {child.pid}: compute, all-reduce, links) "
                 "to finish"
             )
             code = self.store_call(
@@ -262,7 +261,9 @@ class Preflight:
         try:
             return json.loads(out.read_text())
         except (OSError, ValueError):
-            log_path = f"{self.run_dir.resolve()}/preflight_{a.round}.log"  # the real path, not /proc/<pid>/fd/<n>
+            log_path = (
+                f"{self.run_dir.resolve()}/preflight_{assignment.round}.log"  # the real path, not /proc/<pid>/fd/<n>
+            )
             return {"error": f"the probe exited with {code} and wrote no result (see {log_path})"}
 
     def _results(self, rnd: Round, wait: float) -> dict[int, dict | None]:
@@ -363,5 +364,5 @@ class Preflight:
         # wait: slice: 5 s slices for the round's end after a node was left out
         return self.store_call(lambda: rnd.channel.wait_end(5.0), waiting=True)
 
-    def left_out_line(self, a: Assignment, end: RoundEnd) -> str | None:
-        return self.left_out.pop(a.round, None)
+    def left_out_line(self, assignment: Assignment, end: RoundEnd) -> str | None:
+        return self.left_out.pop(assignment.round, None)

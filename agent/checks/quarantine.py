@@ -33,11 +33,11 @@ EXIT_QUARANTINED = 3
 ROOT_CAUSE_KINDS = (EndKind.WORKER_FAILED, EndKind.WORKER_HUNG, EndKind.NODE_LOST)
 
 
-def record_failure(record: dict[str, Any], host: str, r: int, now: float) -> None:
-    """Add round r's failure to `host`'s entries (each round counts once)."""
+def record_failure(record: dict[str, Any], host: str, round_no: int, now: float) -> None:
+    """Add round `round_no`'s failure to `host`'s entries (each round counts once)."""
     entries = record["failures"].setdefault(host, [])
-    if not any(int(e[0]) == r for e in entries if isinstance(e, list) and e):
-        entries.append([r, now])
+    if not any(int(e[0]) == round_no for e in entries if isinstance(e, list) and e):
+        entries.append([round_no, now])
 
 
 def recent_failures(record: dict[str, Any], host: str, window: float, now: float) -> int:
@@ -68,6 +68,9 @@ class Quarantine:
         self.host = ctx.host
         self.events = ctx.events
         self.report = ctx.report
+        # report.json's `quarantined`: host -> why, every node this one saw quarantined in the job
+        self.quarantined: dict[str, str] = {}
+        self.report.notes["quarantined"] = self.quarantined
         self.say = console.say
         self.warn = console.warn
         self.announced: set[str] = set()
@@ -112,18 +115,18 @@ class Quarantine:
             return None
         add_quarantined(store, host, reason)
         rnd.channel.count_lost(1)  # the next round need not wait for this node
-        self.report.quarantined[host] = reason
+        self.quarantined[host] = reason
         self.report.outcome = "quarantined"
         self.events.emit("node_quarantined", round=a.round, node=host, failures=count, reason=reason)
         return excluded_line(host, reason, dict(os.environ))
 
-    def announce(self, store: KeyValueStore, r: int) -> None:
+    def announce(self, store: KeyValueStore, round_no: int) -> None:
         """When a round forms: say which nodes were quarantined since the last one."""
         if not self.enabled:
             return
         for host, reason in load_quarantined(store).items():
             if host not in self.announced and host != self.host:
                 self.announced.add(host)
-                self.report.quarantined[host] = reason
+                self.quarantined[host] = reason
                 self.say(f"node {host} is quarantined ({reason}); the job goes on without it")
-                self.events.emit("node_quarantined", round=r, node=host, reason=reason)
+                self.events.emit("node_quarantined", round=round_no, node=host, reason=reason)

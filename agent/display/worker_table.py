@@ -23,16 +23,16 @@ def _has(key: str) -> Callable[[list[dict]], bool]:
     return lambda workers: any(w.get(key) is not None for w in workers)
 
 
-def _heartbeat(w: dict) -> str:
-    age = w.get("heartbeat_age")
+def _heartbeat(worker: dict) -> str:
+    age = worker.get("heartbeat_age")
     return "-" if age is None else f"{age:.1f} s ago"
 
 
-def step_time_cell(w: dict) -> str:
-    value = w.get("step_time")
+def step_time_cell(worker: dict) -> str:
+    value = worker.get("step_time")
     if value is None:
         return "-"
-    return f"{value:.3f} slow" if w.get("straggler") else f"{value:.3f}"
+    return f"{value:.3f} slow" if worker.get("straggler") else f"{value:.3f}"
 
 
 def _or_dash(key: str, fmt: Callable[[Any], str] = str) -> Cell:

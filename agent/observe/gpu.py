@@ -227,10 +227,10 @@ def _call(nvml: ModuleType, fn: Callable[..., Any], *args: object) -> Any:
         return None
 
 
-def _same(nvml: ModuleType, a: object, b: object) -> bool:
+def _same(nvml: ModuleType, first: object, second: object) -> bool:
     """Two NVML device handles (opaque: only NVML reads them) name the same GPU."""
     try:
-        return _text(nvml.nvmlDeviceGetUUID(a)) == _text(nvml.nvmlDeviceGetUUID(b))
+        return _text(nvml.nvmlDeviceGetUUID(first)) == _text(nvml.nvmlDeviceGetUUID(second))
     except nvml.NVMLError:
         return False
 

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rally.agent.base.collaborator import AgentContext, Collaborator
-from rally.agent.base.event_loop import DumpStacks
+from rally.agent.base.event_loop import DumpStacks, News
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE
 from rally.agent.base.spec import STACK_SIGNAL
 from rally.agent.guard.processes import process_state
-from rally.agent.observe.health import Hang, HealthMonitor
+from rally.agent.observe.health import Hang, HealthSource
 from rally.rendezvous.c10d.store import StoreError
 from rally.rendezvous.protocol import Assignment, EndKind, Round, RoundEnd
 
@@ -87,10 +87,6 @@ class HangContext(AgentContext, Protocol):
     @property
     def group(self) -> RoundWorkers | None:
         """This round's workers on this node, None while none run."""
-
-    @property
-    def health(self) -> HealthMonitor:
-        """The health monitor of this round's workers (heartbeats, output, hang timeouts)."""
 
 
 # How long the node that found a hang waits for the other nodes' snapshots.
@@ -211,9 +207,13 @@ class HangReporter(Collaborator):
     """The agent's side: find a hung worker, snapshot this node's workers, ask the others, write the
     root cause; and answer the other nodes' requests (the agent's main loop calls `answer`)."""
 
-    def __init__(self, ctx: HangContext, wait: float = HANG_REPORT_WAIT_SECONDS):
-        """`wait`: how long the node that found a hang waits for the other nodes' snapshots."""
+    wants = (DumpStacks,)
+
+    def __init__(self, ctx: HangContext, health: HealthSource, wait: float = HANG_REPORT_WAIT_SECONDS):
+        """`health`: who keeps this round's health monitor (heartbeats, output, hang timeouts: the
+        observer); `wait`: how long the node that found a hang waits for the other nodes' snapshots."""
         self.ctx = ctx
+        self.health = health
         self.host = ctx.host
         self.wait = wait
         self.answered: set[int] = set()
@@ -226,7 +226,7 @@ class HangReporter(Collaborator):
         """A worker hung (no heartbeat, no output): the round ends with the culprit named."""
         group = self.ctx.group
         assert group is not None  # the watch loop runs while the round's workers do
-        hangs = self.ctx.health.check({w.local_rank: w.output.last_output_at() for w in group.running()})
+        hangs = self.health.health.check({w.local_rank: w.output.last_output_at() for w in group.running()})
         if not hangs:
             return None
         end = self.report(rnd, hangs[0])
@@ -236,8 +236,8 @@ class HangReporter(Collaborator):
         self.round_over(rnd)
 
     # ------------------------------------------------------------ every node
-    def cross_node(self, a: Assignment) -> bool:
-        return a.group_world_size > 1
+    def cross_node(self, assignment: Assignment) -> bool:
+        return assignment.group_world_size > 1
 
     def start_watching(self, rnd: Round) -> None:
         """Watch the round's stack requests in a thread (own store connection); the main loop answers."""
@@ -267,6 +267,10 @@ class HangReporter(Collaborator):
 
             threading.Thread(target=release, daemon=True).start()
 
+    def on_news(self, rnd: Round, news: News) -> None:
+        if isinstance(news, DumpStacks):
+            self.answer(rnd)
+
     def answer(self, rnd: Round) -> None:
         """Another node found a hang: publish this node's snapshots (once per round)."""
         if rnd.assignment.round in self.answered:
@@ -275,7 +279,7 @@ class HangReporter(Collaborator):
         snapshots = [s.__dict__ for s in self.snapshot_workers(rnd.assignment)]
         self.ctx.store_call(lambda: rnd.stacks.publish(snapshots))
 
-    def snapshot_workers(self, a: Assignment) -> list[Snapshot]:
+    def snapshot_workers(self, assignment: Assignment) -> list[Snapshot]:
         """State first (before SIGCONT or the dump signal touch it), then stacks and heartbeats."""
         group = self.ctx.group
         workers = group.running() if group is not None else []
@@ -289,8 +293,8 @@ class HangReporter(Collaborator):
                 w.pid,
                 states[w.local_rank],
                 stacks.get(w.local_rank, []),
-                self.ctx.health.heartbeat_count(w.local_rank),
-                a.group_rank,
+                self.health.health.heartbeat_count(w.local_rank),
+                assignment.group_rank,
             )
             for w in workers
         ]
@@ -310,7 +314,7 @@ class HangReporter(Collaborator):
             except ProcessLookupError:
                 continue
         asked = [w for w in workers if w.local_rank in marks]
-        deadline = time.monotonic() + self.ctx.health.settings.stack_dump_wait
+        deadline = time.monotonic() + self.health.health.settings.stack_dump_wait
         seen: dict[int, int] = {}
         quiet_since = time.monotonic()
         while asked and time.monotonic() < deadline:
@@ -350,7 +354,7 @@ class HangReporter(Collaborator):
 
     def _describe(
         self,
-        a: Assignment,
+        assignment: Assignment,
         hang: Hang,
         found: StackSource,
         snapshots: list[Snapshot],
@@ -359,11 +363,13 @@ class HangReporter(Collaborator):
     ) -> RoundEnd:
         host = self.host
         if named is None:  # the hung worker exited while it was being looked at
-            culprit = Snapshot(found.global_rank, found.local_rank, host, found.pid, "exited", [], None, a.group_rank)
+            culprit = Snapshot(
+                found.global_rank, found.local_rank, host, found.pid, "exited", [], None, assignment.group_rank
+            )
             why = ""
         else:
             culprit, why = named
-        is_found = culprit.node == a.group_rank and culprit.local_rank == found.local_rank
+        is_found = culprit.node == assignment.group_rank and culprit.local_rank == found.local_rank
         detail = f"rank {culprit.rank} (local rank {culprit.local_rank}, pid {culprit.pid}) on {culprit.host} is hung: "
         if is_found and not why:
             detail += f"it {hang.reason}"

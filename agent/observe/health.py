@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import psutil
 
@@ -164,6 +164,14 @@ def _oom_kill_count(counter: Path | None | bool) -> int:
     return 0
 
 
+class HealthSource(Protocol):
+    """Who keeps the health monitor of this round's workers (agent/observe/observer.py's Observer):
+    a feature that judges the workers reads it from there, rebuilt each round."""
+
+    @property
+    def health(self) -> HealthMonitor: ...
+
+
 class HealthMonitor:
     """Hang checks and resource samples for one round's workers on this node."""
 
@@ -235,22 +243,22 @@ class HealthMonitor:
         return min([s.resource_interval, HEARTBEAT_READ_INTERVAL, *(t / READS_PER_TIMEOUT for t in timeouts)])
 
     @staticmethod
-    def _read(w: _Watched) -> HeartbeatRecord | None:
-        if not w.heartbeat_path:
+    def _read(watched: _Watched) -> HeartbeatRecord | None:
+        if not watched.heartbeat_path:
             return None
         try:
-            return heartbeat_file.read_record(w.heartbeat_path)
+            return heartbeat_file.read_record(watched.heartbeat_path)
         except (heartbeat_file.HeartbeatFileError, OSError):
             return None
 
-    def _hang(self, w: _Watched, now: float, last_output_at: float | None) -> Hang | None:
+    def _hang(self, watched: _Watched, now: float, last_output_at: float | None) -> Hang | None:
         """The first reason this worker counts as hung, or None.
 
         Inside a section with a timeout of its own, only that deadline counts. Otherwise: no
         first beat within --startup-timeout, no new beat within --heartbeat-timeout, or no
         output within --silence-timeout. A section entry or exit is a sign of life too.
         """
-        record, learned = w.record, self.settings.learned
+        record, learned = watched.record, self.settings.learned
         limit, whose = record.section_timeout, "its"
         if limit is None and learned is not None and record.section:
             # --heartbeat-timeout auto: inside a section only its learned deadline counts (none
@@ -260,21 +268,21 @@ class HealthMonitor:
                 return None
         if limit is not None:
             inside = now - record.section_entered_ns / 1e9
-            if inside <= limit or not self._still_in(w, record):
+            if inside <= limit or not self._still_in(watched, record):
                 return None
             return Hang(
-                w.local_rank,
+                watched.local_rank,
                 f"hung in section '{record.section}' for {inside:.1f} s ({whose} timeout is {limit:.3g} s)",
                 inside,
             )
         where = f", in section '{record.section}'" if record.section else ""
-        alive_at = max(w.started_at, record.section_changed_ns / 1e9)
+        alive_at = max(watched.started_at, record.section_changed_ns / 1e9)
         startup = self.settings.startup_timeout
-        if startup and w.heartbeat_path and record.count == 0 and now - alive_at > startup:
+        if startup and watched.heartbeat_path and record.count == 0 and now - alive_at > startup:
             silent = now - alive_at
-            since = "starting" if alive_at == w.started_at else "its last section change"
+            since = "starting" if alive_at == watched.started_at else "its last section change"
             return Hang(
-                w.local_rank,
+                watched.local_rank,
                 f"sent no first heartbeat in {silent:.1f} s since {since} (--startup-timeout {startup:g}){where}",
                 silent,
             )
@@ -284,29 +292,31 @@ class HealthMonitor:
         )
         if timeout is None and learned is not None and learned.heartbeat is not None:
             timeout, flag = learned.heartbeat, f"--heartbeat-timeout auto, learned {learned.heartbeat:.2f} s"
-        if timeout and w.last_beat_at is not None and record.count:
-            silent = now - max(w.last_beat_at, alive_at)
+        if timeout and watched.last_beat_at is not None and record.count:
+            silent = now - max(watched.last_beat_at, alive_at)
             if silent > timeout:
-                return Hang(w.local_rank, f"sent no heartbeat for {silent:.1f} s ({flag}){where}", silent)
-        return self._silence_hang(w, now, max(last_output_at or 0.0, alive_at), where)
+                return Hang(watched.local_rank, f"sent no heartbeat for {silent:.1f} s ({flag}){where}", silent)
+        return self._silence_hang(watched, now, max(last_output_at or 0.0, alive_at), where)
 
-    def _still_in(self, w: _Watched, record: HeartbeatRecord) -> bool:
+    def _still_in(self, watched: _Watched, record: HeartbeatRecord) -> bool:
         """Confirm a section hang with a second read: a read that raced a section change
         could mix two sections' fields, and nobody is killed on a torn read."""
-        again = self._read(w)
+        again = self._read(watched)
         return again is not None and (again.section, again.section_entered_ns) == (
             record.section,
             record.section_entered_ns,
         )
 
-    def _silence_hang(self, w: _Watched, now: float, last_output_at: float | None, where: str = "") -> Hang | None:
+    def _silence_hang(
+        self, watched: _Watched, now: float, last_output_at: float | None, where: str = ""
+    ) -> Hang | None:
         timeout = self.settings.silence_timeout
         if not timeout:
             return None
-        silent = now - max(last_output_at or 0.0, w.started_at)
+        silent = now - max(last_output_at or 0.0, watched.started_at)
         if silent > timeout:
             return Hang(
-                w.local_rank, f"printed nothing for {silent:.1f} s (--silence-timeout {timeout:g}){where}", silent
+                watched.local_rank, f"printed nothing for {silent:.1f} s (--silence-timeout {timeout:g}){where}", silent
             )
         return None
 

@@ -67,15 +67,14 @@ WORKER_GAUGES = (
 )
 
 
-def build_versions() -> dict[str, str]:
-    """rally's, torch's and Python's versions, read without importing torch (the agent never does)."""
-    from rally import __version__
-
+def build_versions(rally_version: str) -> dict[str, str]:
+    """rally's (as the launcher gave it in the job's spec), torch's and Python's versions, read
+    without importing torch (the agent never does)."""
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = ""
-    return {"version": __version__, "torch": torch_version, "python": platform.python_version()}
+    return {"version": rally_version, "torch": torch_version, "python": platform.python_version()}
 
 
 CHECKPOINT_GAUGES = [
@@ -91,14 +90,20 @@ CHECKPOINT_GAUGES = [
 class AgentCollector(Collector):
     """Builds every metric at scrape time from the agent's status record and its round ends."""
 
-    def __init__(self, snapshot: Callable[[], dict | None], round_ends: Callable[[], list[str]], run_id: str = ""):
+    def __init__(
+        self,
+        snapshot: Callable[[], dict | None],
+        round_ends: Callable[[], list[str]],
+        run_id: str = "",
+        rally_version: str = "",
+    ):
         """`snapshot` returns the status record (None before the first round); `round_ends`
         returns the kind of every round end this node has seen, oldest first; `run_id` labels
         every metric, so one Prometheus can tell the jobs of a shared node apart."""
         self.snapshot = snapshot
         self.round_ends = round_ends
         self.run_id = run_id
-        self.versions = build_versions()
+        self.versions = build_versions(rally_version)
 
     def _one(self, family: type, name: str, text: str, value: float) -> Metric:
         metric = family(name, text, labels=["run_id"])
@@ -219,10 +224,11 @@ def serve(
     round_ends: Callable[[], list[str]],
     run_id: str = "",
     addr: str = DEFAULT_ADDRESS,
+    rally_version: str = "",
 ) -> MetricsServer:
     """Start serving; raises OSError with a one-line reason when the address cannot be bound."""
     try:
-        return MetricsServer(port, AgentCollector(snapshot, round_ends, run_id), addr)
+        return MetricsServer(port, AgentCollector(snapshot, round_ends, run_id, rally_version), addr)
     except OSError as exc:
         where = f"--metrics-port {port}" if addr == DEFAULT_ADDRESS else f"--metrics-addr {addr} --metrics-port {port}"
         raise OSError(

@@ -14,15 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from rally.agent.base.collaborator import AgentContext, Collaborator, JobRecord
+from rally.agent.base.collaborator import AgentContext, Collaborator, JobRecord, StartedWorker
 from rally.agent.base.exit_codes import EXIT_BAD_INPUT, AgentExit
 from rally.agent.display import console
 from rally.agent.observe import gpu as gpus
 from rally.agent.observe.gpu_reclaim import gpu_processes_of, wait_reclaimed
-from rally.agent.observe.hang_report import RoundWorkers, StackSource
-from rally.agent.observe.health import HealthMonitor
+from rally.agent.observe.hang_report import StackSource
+from rally.agent.observe.health import HealthMonitor, HealthSettings
 from rally.agent.observe.job_view import write_job_view
 from rally.agent.observe.learned_timeouts import LearnedTimeouts
+from rally.agent.observe.status_record import ShownWorkers, node_status
 from rally.agent.observe.stragglers import CentralValues, StragglerWatch, job_step_times
 from rally.rendezvous.protocol import Assignment, Round, RoundEnd
 from rally.rendezvous.status.job_notes import load_timeouts, save_timeouts
@@ -48,30 +49,33 @@ class ObserverContext(AgentContext, Protocol):
     def report(self) -> RoundsRecord: ...
 
     @property
-    def group(self) -> RoundWorkers | None: ...
+    def group(self) -> ShownWorkers | None: ...
 
     @property
-    def health(self) -> HealthMonitor: ...
+    def assignment(self) -> Assignment | None:
+        """The round this node is in (None before the first)."""
 
 
 class Observer(Collaborator):
-    """Stragglers, /metrics and GPU health for one agent."""
+    """The workers' health (heartbeats, hangs, resources: the health monitor of each round),
+    stragglers, /metrics and GPU health for one agent; it builds the node's status record."""
 
-    def __init__(self, ctx: ObserverContext, timeouts: LearnedTimeouts | None = None):
-        """`timeouts`: the LearnedTimeouts of --heartbeat-timeout auto (agent/observe/learned_timeouts.py),
-        kept in the store. Node 0 keeps the job's view for `rally status RUN_DIR` in the agent's run
-        directory (agent/observe/job_view.py)."""
+    def __init__(self, ctx: ObserverContext, settings: HealthSettings | None = None):
+        """`settings`: the job's health settings (default: from its spec), with the LearnedTimeouts
+        of --heartbeat-timeout auto (agent/observe/learned_timeouts.py), kept in the store. Node 0
+        keeps the job's view for `rally status RUN_DIR` in the agent's run directory
+        (agent/observe/job_view.py)."""
         self.ctx = ctx
         self.spec = ctx.spec
         self.run_dir: Path | None = ctx.run_dir
-        self.timeouts = timeouts
+        self.health_settings = settings or HealthSettings.for_job(ctx.spec, console.say, ctx.events.emit)
+        self.timeouts: LearnedTimeouts | None = self.health_settings.learned
         self.events = ctx.events
         self.host = ctx.host
         self.base_env = ctx.base_env
         self.stragglers = StragglerWatch(ctx.spec.straggler_factor, ctx.spec.straggler_window)
         self.metrics: Any = None
         self.gpu: gpus.NvmlMonitor | None = None
-        self.gpu_skipped: str | None = None
         self.gpu_devices: list[gpus.DeviceReading] | None = None
         self.gpu_xid_problems: list[str] = []  # XIDs are events: remembered once seen
         self.gpu_problems_seen: set[str] = set()  # every distinct problem so far (rally_gpu_problems_total)
@@ -80,6 +84,7 @@ class Observer(Collaborator):
             set()
         )  # this round's workers and their processes seen on GPUs (agent/observe/gpu_reclaim.py)
         self.gpu_baseline: dict[int, int] = {}  # bytes in use per GPU before the round's workers started
+        self.health = HealthMonitor(self.health_settings, gpu=self.read_gpus)  # rebuilt for each round's workers
 
     # ------------------------------------------------------------------ hooks (agent/base/collaborator.py)
     def start(self) -> None:
@@ -93,11 +98,36 @@ class Observer(Collaborator):
         self.load_timeouts()
         return None
 
+    def workers_started(self, rnd: Round, workers: Sequence[StartedWorker]) -> None:
+        self.health = HealthMonitor(self.health_settings, gpu=self.read_gpus)
+        for worker in workers:
+            self.health.watch(worker.local_rank, worker.pid, worker.heartbeat_file, worker.started_at)
+
+    def worker_exited(self, worker: StartedWorker) -> None:
+        self.health.note_exit(worker.local_rank)  # no hang after an exit
+
+    def next_due(self, now: float) -> float | None:
+        return self.health.next_due(now)
+
     def watch(self, rnd: Round) -> RoundEnd | None:
         group = self.ctx.group
         assert group is not None  # the watch loop runs while the round's workers do
-        self.after_check(rnd.assignment, group.workers, self.ctx.health)
+        self.after_check(rnd.assignment, group.workers, self.health)
         return None
+
+    def in_status_thread(self, rnd: Round) -> None:
+        self.exchange(rnd)
+
+    def status_fields(self) -> dict[str, object]:
+        """The node's status record (agent/observe/status_record.py) of the round it is in."""
+        assignment, node = self.ctx.assignment, self.ctx.node
+        if assignment is None:
+            return {}
+        return node_status(self.host, node.node_id, assignment, self.ctx.group, self.health, self)
+
+    def backend(self) -> str:
+        """The process-group backend this node's workers would use (nccl with GPUs, else gloo)."""
+        return "nccl" if self.gpu is not None else "gloo"
 
     def restarting(self, rnd: Round, end: RoundEnd) -> None:
         self.note_restart(rnd.assignment.round, end)
@@ -111,7 +141,6 @@ class Observer(Collaborator):
         """Open NVML and start /metrics (OSError with one line if the port cannot be bound)."""
         self.gpu, reason = gpus.open_monitor()
         if self.gpu is None:
-            self.gpu_skipped = reason
             self.events.emit("gpu_health_skipped", reason=reason)
             if self._gpus_expected():
                 console.warn(f"GPU health checks skipped: {reason}")
@@ -121,7 +150,12 @@ class Observer(Collaborator):
             report = self.ctx.report
             ends = lambda: metrics.round_end_kinds(list(report.attempts))  # noqa: E731
             self.metrics = metrics.serve(
-                self.spec.metrics_port, self.ctx.status_now, ends, self.spec.run_id, self.spec.metrics_addr
+                self.spec.metrics_port,
+                self.ctx.status_now,
+                ends,
+                self.spec.run_id,
+                self.spec.metrics_addr,
+                self.spec.rally_version,
             )
             console.say(f"Prometheus metrics at {self.metrics.url}")
 

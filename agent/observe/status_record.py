@@ -14,7 +14,6 @@ from typing import Protocol
 
 from rally.agent.observe.hang_report import StackSource
 from rally.agent.observe.health import HealthMonitor
-from rally.agent.observe.observer import Observer
 from rally.rendezvous.protocol import Assignment
 
 
@@ -30,8 +29,21 @@ class ShownWorkers(Protocol):
     def workers(self) -> Sequence[ShownWorker]: ...
 
 
+class Observations(Protocol):
+    """What the observer adds to the record (agent/observe/observer.py's Observer is one)."""
+
+    def worker_fields(self, worker: StackSource, health: HealthMonitor) -> dict: ...
+
+    def node_fields(self) -> dict: ...
+
+
 def node_status(
-    host: str, node_id: str, a: Assignment, group: ShownWorkers | None, health: HealthMonitor, observer: Observer
+    host: str,
+    node_id: str,
+    assignment: Assignment,
+    group: ShownWorkers | None,
+    health: HealthMonitor,
+    observer: Observations,
 ) -> dict:
     """`group` is the round's WorkerGroup (or None between rounds), `health` its HealthMonitor,
     `observer` adds step times, stragglers and GPUs (agent/observe/observer.py)."""
@@ -55,11 +67,11 @@ def node_status(
     return {
         "host": host,
         "node_id": node_id,
-        "group_rank": a.group_rank,
-        "round": a.round,
-        "restart_count": a.restart_count,
-        "world_size": a.world_size,
-        "group_world_size": a.group_world_size,
+        "group_rank": assignment.group_rank,
+        "round": assignment.round,
+        "restart_count": assignment.restart_count,
+        "world_size": assignment.world_size,
+        "group_world_size": assignment.group_world_size,
         "updated": time.time(),
         "workers": workers,
         **observer.node_fields(),

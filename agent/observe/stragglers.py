@@ -87,16 +87,16 @@ class CentralValues:
         offset = max(0, (n - 2) // 2)
         return cls(n, offset, tuple(ordered[offset : (n - 1) // 2 + 2]))
 
-    def median_without(self, x: float) -> float | None:
+    def median_without(self, value: float) -> float | None:
         """The median of every value but one equal (or nearest in order) to x; None if none is left."""
         n = self.count
         if n < 2:
             return None
 
-        def remaining(j: int) -> float:
+        def remaining(position: int) -> float:
             # Position j of the list without x: entries below x keep their place, the rest move down.
-            old = self.values[j - self.offset]
-            return old if old < x else self.values[j + 1 - self.offset]
+            old = self.values[position - self.offset]
+            return old if old < value else self.values[position + 1 - self.offset]
 
         low, high = (n - 2) // 2, (n - 1) // 2
         return (remaining(low) + remaining(high)) / 2

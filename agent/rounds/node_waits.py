@@ -38,12 +38,12 @@ class NodeWaits:
         self.last = (time.monotonic(), line)
         self.say(line)
 
-    def fields(self, r: int, *others: WaitProgress | None) -> dict[str, Any]:
-        """{"waiting": line} for round r's status record while a wait is under way: this node's
+    def fields(self, round_no: int, *others: WaitProgress | None) -> dict[str, Any]:
+        """{"waiting": line} for round `round_no`'s status record while a wait is under way: this node's
         own, or one the rendezvous says through `others` (its `WaitProgress`); else nothing."""
         now = time.monotonic()
-        if self.round is None or self.round[0] != r:
-            self.round = (r, now)
+        if self.round is None or self.round[0] != round_no:
+            self.round = (round_no, now)
         lines = [self.last, *(o.last for o in others if o is not None)]
         fresh = [
             seen for seen in lines if seen is not None and self.round[1] <= seen[0] and now - seen[0] < FRESH_SECONDS

@@ -193,19 +193,21 @@ class RoundThreads:
                 return
 
 
-def frozen_line(frozen: float, a: Assignment, settings: RendezvousSettings) -> str:
+def frozen_line(frozen: float, assignment: Assignment, settings: RendezvousSettings) -> str:
     return (
-        f"this node (node {a.group_rank} of round {a.round}) was frozen for {frozen:.1f} s (SIGSTOP, a paused VM or "
+        f"this node (node {assignment.group_rank} of round {assignment.round}) "
+        f"was frozen for {frozen:.1f} s (SIGSTOP, a paused VM or "
         f"a stalled machine), longer than the keep-alive timeout allows ({settings.keep_alive_timeout:g} s): it was "
         "left behind, and the other nodes re-form without it; its workers were stopped (the job never runs twice). "
         "Start it again to rejoin the job"
     )
 
 
-def left_behind_line(a: Assignment, end: RoundEnd) -> str:
+def left_behind_line(assignment: Assignment, end: RoundEnd) -> str:
     """The round ended because the others lost this very node: it was frozen or cut off."""
     return (
-        f"this node (node {a.group_rank} of round {a.round}) was left behind: the other nodes declared it lost "
+        f"this node (node {assignment.group_rank} of round {assignment.round}) "
+        f"was left behind: the other nodes declared it lost "
         f"({end.detail}), so it was frozen (SIGSTOP, a paused VM, a stalled machine) or cut off, and they re-formed "
         "without it; its workers were stopped (the job never runs twice). Start it again to rejoin the job"
     )

@@ -49,6 +49,11 @@ class Worker:
         return self.process.pid
 
     @property
+    def started_at(self) -> float:
+        """When its process started (time.monotonic())."""
+        return self.process.started_at
+
+    @property
     def returncode(self) -> int | None:
         return self.process.returncode
 

@@ -37,10 +37,10 @@ use, with the same size a fresh process would pick).
 The template reaps its children and reports `(pid, wait status)` to the agent; the agent's
 `ForkedChild` behaves like `processes.ChildProcess` (pidfd, poll, wait, returncode, times).
 
-The code is in four modules: `template_wire` (the messages both sides exchange),
-`template_server` (the template process; only the standard library, since it runs in every
-worker), `template_connection` (the agent's end of the socket) and this one, the agent's
-side (`TemplateClient`, `ForkedChild`).
+The code is in four modules of agent/template/: `wire` (the messages both sides exchange),
+`server` (the template process; only the standard library, since it runs in every worker),
+`connection` (the agent's end of the socket) and this one, the agent's side (`TemplateClient`,
+`ForkedChild`).
 """
 
 from __future__ import annotations
@@ -238,7 +238,6 @@ class TemplateClient:
         self.disabled: str | None = None  # why workers start plainly from now on
         self._warned: set[str] = set()
         self.forks = 0
-        self.plain_starts = 0
 
     @classmethod
     def for_job(
@@ -328,7 +327,6 @@ class TemplateClient:
 
         request = bootstrap_request(argv, self.bootstrap)
         if request is None or self.disabled or argv[0] != self.python_exec:
-            self.plain_starts += 1
             return processes.spawn(argv, env, cwd, stdout, stderr)
         different = sorted(
             k
@@ -341,7 +339,6 @@ class TemplateClient:
                 "starting workers plainly: their environment differs from the worker template's in "
                 f"{', '.join(different)}",
             )
-            self.plain_starts += 1
             return processes.spawn(argv, env, cwd, stdout, stderr)
         for attempt in (1, 2):
             connection = self._live_connection()
@@ -364,7 +361,6 @@ class TemplateClient:
                 else:
                     self.warn(f"the worker template failed ({exc}); starting a new one")
                     self.start()
-        self.plain_starts += 1
         return processes.spawn(argv, env, cwd, stdout, stderr)
 
     def _fork(

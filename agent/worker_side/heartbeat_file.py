@@ -81,8 +81,7 @@ class HeartbeatRecord:
     section_changed_ns: int = 0
     intervals: int = 0  # beat intervals the worker measured (what --heartbeat-timeout auto learns from)
     longest_interval_ns: int = 0
-    sections_done: int = 0  # top-level sections without a timeout completed so far
-    done_section: str = ""  # the last of them, how often it completed, and its longest duration
+    done_section: str = ""  # the last top-level section without a timeout completed, how often, its longest
     done_count: int = 0
     done_longest_ns: int = 0
 
@@ -135,10 +134,10 @@ def read_record(path: str | os.PathLike[str]) -> HeartbeatRecord:
     changed, entered, timeout, _, raw_name = SECTION.unpack_from(data, SECTION_OFFSET)
     name = raw_name.rstrip(b"\0").decode("utf-8", errors="replace")
     intervals, longest = LEARN_BEAT.unpack_from(data, LEARN_BEAT_OFFSET)
-    seq, done_count, done_longest, _, done_name = LEARN_SECTION.unpack_from(data, LEARN_SECTION_OFFSET)
+    _, done_count, done_longest, _, done_name = LEARN_SECTION.unpack_from(data, LEARN_SECTION_OFFSET)
     return HeartbeatRecord(
         count, ns, None if step < 0 else step, name, entered, timeout, changed,
-        intervals, longest, seq, done_name.rstrip(b"\0").decode("utf-8", errors="replace"), done_count, done_longest,
+        intervals, longest, done_name.rstrip(b"\0").decode("utf-8", errors="replace"), done_count, done_longest,
     )  # fmt: skip
 
 

@@ -103,8 +103,8 @@ def resume_step(nodes: list[NodeInfo]) -> int | None:
     return max(candidates) if candidates else None
 
 
-def assignments_for(r: int, nodes: list[NodeInfo], record: RoundRecord) -> list[Assignment]:
-    """Each node's assignment for round r (in the order of `nodes`): group rank, rank offset,
+def assignments_for(round_no: int, nodes: list[NodeInfo], record: RoundRecord) -> list[Assignment]:
+    """Each node's assignment for round `round_no` (in the order of `nodes`): group rank, rank offset,
     world size, the member it watches (a ring) and the host of the workers' store (rank 0)."""
     ranks = assign_group_ranks(nodes)
     by_rank = sorted(range(len(nodes)), key=lambda i: ranks[i])
@@ -118,7 +118,7 @@ def assignments_for(r: int, nodes: list[NodeInfo], record: RoundRecord) -> list[
         watch = (ranks[i] + 1) % n if n > 1 else None
         out.append(
             Assignment(
-                round=r,
+                round=round_no,
                 group_rank=ranks[i],
                 group_world_size=n,
                 rank_offset=offsets[i],

@@ -228,12 +228,12 @@ class Assignment(StoredRecord):
         if not self.master_host:
             raise _bad(key, self.WHAT, "master_host is empty")
 
-    def check_for(self, key: str, r: int, me: NodeInfo, max_nodes: int, members: int) -> Assignment:
+    def check_for(self, key: str, round_no: int, me: NodeInfo, max_nodes: int, members: int) -> Assignment:
         """Checks against what this node knows: its id, the round, its own size, the round's record."""
         if self.node_id != me.node_id:
             raise _bad(key, self.WHAT, f"it was made for node {self.node_id[:80]!r}, not this node ({me.node_id})")
-        if self.round != r:
-            raise _bad(key, self.WHAT, f"round {self.round} is not {r}")
+        if self.round != round_no:
+            raise _bad(key, self.WHAT, f"round {self.round} is not {round_no}")
         if not 1 <= self.group_world_size <= max_nodes or self.group_world_size != members:
             raise _bad(
                 key,

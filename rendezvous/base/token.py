@@ -55,7 +55,6 @@ class Signer:
     def __init__(self, token: str = "", verify: bool = True):
         """`verify=False` only strips the envelope (for `rally status` without the token)."""
         self._key = token.encode()
-        self.has_token = bool(token)
         self.verify = verify
 
     def _mac(self, key: str, payload: bytes) -> bytes:

@@ -64,9 +64,11 @@ def load_node_failures(store: StoreReader) -> dict[str, Any]:
     }
 
 
-def _entry(e: object) -> bool:
+def _entry(entry: object) -> bool:
     return (
-        isinstance(e, list) and len(e) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in e)
+        isinstance(entry, list)
+        and len(entry) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in entry)
     )
 
 

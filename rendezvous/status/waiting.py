@@ -49,7 +49,7 @@ class RendezvousView(Protocol):
 
     def on_status(self, line: str) -> None: ...
 
-    def round_end(self, r: int) -> RoundEnd | None: ...
+    def round_end(self, round_no: int) -> RoundEnd | None: ...
 
 
 class WaitProgress:
@@ -74,8 +74,8 @@ class WaitProgress:
             self.emit(text)
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def hosts_text(hosts: list[str], count: int) -> str:
@@ -105,9 +105,9 @@ def forming_text(
     )
 
 
-def spare_line(r: int, members: int, max_nodes: int, join_left: float) -> str:
+def spare_line(round_no: int, members: int, max_nodes: int, join_left: float) -> str:
     return (
-        f"waiting as a spare: round {r} runs with {members} of at most {max_nodes} nodes; this node joins when "
+        f"waiting as a spare: round {round_no} runs with {members} of at most {max_nodes} nodes; this node joins when "
         f"one leaves or the round ends; join_timeout in {join_left:.0f} s"
     )
 
@@ -155,8 +155,8 @@ def spare_notice(rdzv: RendezvousView, members: int) -> str:
     return f"the job is full ({members} of at most {s.max_nodes} nodes); waiting as a spare until a node leaves"
 
 
-def spare_progress(rdzv: RendezvousView, r: int, members: int, deadline: float) -> None:
-    """A spare's progress line while round r runs; past `deadline`, RendezvousError (one line)."""
+def spare_progress(rdzv: RendezvousView, round_no: int, members: int, deadline: float) -> None:
+    """A spare's progress line while round `round_no` runs; past `deadline`, RendezvousError (one line)."""
     s, left = rdzv.settings, deadline - time.monotonic()
     if left <= 0:
         if rdzv.last_round is None:
@@ -165,10 +165,10 @@ def spare_progress(rdzv: RendezvousView, r: int, members: int, deadline: float) 
                 f"this node waited join_timeout ({s.join_timeout:g} s) as its spare",
             ))  # fmt: skip
         raise RendezvousError(
-            f"waited join_timeout ({s.join_timeout:g} s) as a spare of round {r} ({members} nodes) and no node "
+            f"waited join_timeout ({s.join_timeout:g} s) as a spare of round {round_no} ({members} nodes) and no node "
             "left it; raise join_timeout to wait longer"
         )
-    rdzv.waiting.tick(lambda: spare_line(r, members, s.max_nodes, left))
+    rdzv.waiting.tick(lambda: spare_line(round_no, members, s.max_nodes, left))
 
 
 def announce_wait(rdzv: RendezvousView, line: str) -> None:

@@ -33,8 +33,10 @@ def module_of(path: Path) -> str:
 
 @cache
 def modules() -> dict[str, Path]:
-    """Every module of rally's three packages, by its import name."""
-    return {module_of(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+    """Every module of rally's three packages, by its import name, and `rally` itself
+    (rally/__init__.py, which imports the launcher: an import of `rally` is an import of the launcher)."""
+    found = {module_of(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+    return {"rally": REPO / "rally" / "__init__.py", **found}
 
 
 def is_package(module: str) -> bool:

@@ -3,7 +3,7 @@
 torch.distributed.checkpoint stores its index of chunks as a plain pickle, and its
 `FileSystemReader` reads it with `pickle.load`: whoever writes those bytes runs code in the
 reader. rally reads them from a node's memory (agent/checkpoint/sharded/memory.py), from the ranks'
-parts at publication (agent/checkpoint/sharded/persist.py, dcp_flush.py) and from published steps
+parts at publication (agent/checkpoint/sharded/persist.py, flush.py) and from published steps
 (agent/checkpoint/sharded/storage.py). Everywhere, the bytes go through `loads`, whose
 unpickler builds only DCP's metadata dataclasses, `torch.Size`, torch dtypes and layouts and a
 path: anything else (`os.system`, `builtins.eval`, any other class) is refused with one line.

@@ -17,14 +17,25 @@ disk, so every file counts, as before.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
-from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
+
+
+class HeldSteps(Protocol):
+    """Where the steps are (agent/checkpoint/node_checkpoints.py's NodeCheckpoints is one)."""
+
+    @property
+    def checkpoint_dir(self) -> str | None: ...
+
+    def memory_steps(self) -> list[int]: ...
 
 
 class RoundHoldings:
-    """`progress` and `holdings` for `Rendezvous` (rendezvous/protocol.py), read from `ckpt`."""
+    """`progress` and `holdings` for `Rendezvous` (rendezvous/protocol.py), read from `ckpt`: the
+    checkpoint room's answer to the agent's `round_holdings` hook (agent/base/collaborator.py)."""
 
-    def __init__(self, ckpt: NodeCheckpoints, single_node: bool) -> None:
+    def __init__(self, ckpt: HeldSteps, single_node: bool) -> None:
         self.ckpt = ckpt
         self.single_node = single_node
         self._unused: tuple[list[int], int | None] | None = None  # read by `holdings`, not yet by `progress`
