@@ -482,10 +482,19 @@ class Agent:
             f"received {name}: forwarding it to the workers and stopping; they get up to "
             f"{self.spec.shutdown_timeout:g} s to exit (--shutdown-timeout), then SIGKILL; {again} kills them now"
         )
+        group = self.group
         self._stop_workers(signum)
         end = RoundEnd(EndKind.NODE_LEFT, f"{self.host} stopped by {name}", self.host)
+        # report.json lists the workers as they were stopped, as after any other round's end
+        self.report.outcome = f"stopped by {name}"
+        self.report.finish_attempt(group, end)
         with contextlib.suppress(AgentExit):  # best effort: the others find this node gone anyway
             self.store_call(lambda: rnd.channel.leave(end))
+        stopped = len(group.workers) if group is not None else 0
+        console.say(  # the closing line: the user's own Ctrl-C is no error, but they should know how it ended
+            f"stopped by {name}: {_every(stopped)} on this node stopped; exit code {128 + signum}; "
+            f"report: {self.report.path}"
+        )
         raise AgentExit(128 + signum)
 
     # ================================================================ the store

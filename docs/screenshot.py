@@ -3,6 +3,7 @@ would, and screenshot pages with headless Chromium into screenshots/ (kept out o
 
     python docs/screenshot.py                     # README and a few pages
     python docs/screenshot.py checkpoints api     # README and these pages (names under docs/)
+    python docs/screenshot.py --whole slurm       # all of a page, as 1280x1700 views: slurm-0.png, ...
 
 Needs the docs extra (`pip install -e ".[docs]"`) and Debian's Chromium (`apt-get install -y
 chromium`). The site is served on a loopback port of the OS's choosing for the time of the
@@ -73,8 +74,8 @@ def serve(site: Path) -> tuple[http.server.ThreadingHTTPServer, int]:
     return server, server.server_address[1]
 
 
-def screenshot(browser: str, url: str, target: Path, profile: Path) -> None:
-    window = TALL.get(target.stem, WINDOW)
+def screenshot(browser: str, url: str, target: Path, profile: Path, size: tuple[int, int] | None = None) -> None:
+    window = f"{size[0]},{size[1]}" if size else TALL.get(target.stem, WINDOW)
     subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--no-first-run", f"--user-data-dir={profile}", "--hide-scrollbars", f"--window-size={window}",
@@ -84,7 +85,35 @@ def screenshot(browser: str, url: str, target: Path, profile: Path) -> None:
     print(target.relative_to(REPO))
 
 
-def main(pages: list[str]) -> None:
+SLICE = (1280, 1700)  # a laptop's screen: what a reader sees of a page at once
+WHOLE_HEIGHT = 16000  # pixels of a page taken for --whole; a longer page is cut there
+
+
+def whole_page(browser: str, site: Path, port: int, page: str, profile: Path) -> None:
+    """All of a page in screen-sized views. Headless Chromium neither scrolls nor crops, so the
+    page is taken once, tall, and each view is a screenshot of a small HTML page that shows one
+    slice of that picture (no image library needed)."""
+    width, height = SLICE
+    tall = site / f"{page}-whole.png"
+    path = "" if page == "index" else f"{page}/"
+    subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--no-first-run", f"--user-data-dir={profile}", "--hide-scrollbars",
+         f"--window-size={width},{WHOLE_HEIGHT}", f"--screenshot={tall}", f"http://127.0.0.1:{port}/{path}"],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    for i in range(WHOLE_HEIGHT // height):
+        view = site / f"{page}-{i}.html"
+        view.write_text(
+            f'<body style="margin:0"><div style="height:{height}px;overflow:hidden">'
+            f'<img src="{tall.name}" style="margin-top:-{i * height}px"></div></body>'
+        )
+        screenshot(browser, f"http://127.0.0.1:{port}/{view.name}", OUT / f"{page}-{i}.png", profile, SLICE)
+
+
+def main(args: list[str]) -> None:
+    whole = "--whole" in args
+    pages = [a for a in args if a != "--whole"]
     browser = chromium()
     OUT.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rally-docs-") as tmp:
@@ -95,6 +124,9 @@ def main(pages: list[str]) -> None:
         try:
             screenshot(browser, f"http://127.0.0.1:{port}/README.html", OUT / "README.png", profile)
             for page in pages or DEFAULT_PAGES:
+                if whole:
+                    whole_page(browser, site, port, page, profile)
+                    continue
                 path = "" if page == "index" else f"{page}/"
                 screenshot(browser, f"http://127.0.0.1:{port}/{path}", OUT / f"{page}.png", profile)
         finally:

@@ -55,7 +55,15 @@ IMPORTING_CALLERS_MAIN = False
 
 
 class LaunchError(RuntimeError):
-    """The launched job failed; the message names the root cause (exit code in `exit_code`)."""
+    """A job started by `rally.launch` failed, or could not start.
+
+    The message names the root cause as the `rally` command prints it: the rank, the exit, the
+    exception's last line, and the report's path.
+
+    Attributes:
+        exit_code: What the `rally` command would have exited with: 2 for bad input (a misspelled
+            option, a function the workers cannot import), else the failing worker's code.
+    """
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
@@ -65,12 +73,36 @@ class LaunchError(RuntimeError):
 def launch(
     config: Mapping[str, Any] | None, fn: Callable[..., Any], **options: object
 ) -> Callable[..., dict[int, Any]]:
-    """Return a function that runs `fn(*args, **kwargs)` on every worker of a rally job and
-    returns {global rank: return value} of this node's workers.
+    """Run a Python function on every worker of a rally job, like torch's `elastic_launch`.
 
-    `config` and `options` are rally's options by name (`nproc_per_node=2`, `max_restarts=1`,
-    `rdzv_endpoint="node1:29400"`, ...). Without a rendezvous endpoint or master address the
-    job is `--standalone`. A failed job raises `LaunchError` naming the root cause.
+    `launch(config, fn)` returns a function; calling it with `fn`'s arguments runs the job in this
+    process (main thread: the agent handles signals, and the handlers are put back afterwards) and
+    returns each rank's return value. `fn` and its arguments are pickled to the workers, which import
+    `fn` by its module and name: a top-level function of a `.py` file, or of the script you run
+    (keep the launch under `if __name__ == "__main__":`, as with multiprocessing).
+
+    Args:
+        config: rally's options by name, the same names as the flags (`nproc_per_node`,
+            `max_restarts`, `rdzv_endpoint`, ...); None for the defaults. Without a rendezvous
+            endpoint or master address the job is `--standalone`.
+        fn: The function every worker runs.
+        **options: More options by name; they win over `config`.
+
+    Returns:
+        A function that takes `fn`'s arguments, runs the job and returns {global rank: return
+        value} for this node's workers.
+
+    Raises:
+        LaunchError: An unknown option (with the nearest name) or a bad value, a function no worker
+            can import (all before anything starts), or a failed job, naming the root cause.
+
+    Examples:
+        >>> import rally
+        >>> def train(scale):
+        ...     from rally import job
+        ...     return job.context().rank * scale
+        >>> rally.launch({"nproc_per_node": 2}, train)(10)
+        {0: 0, 1: 10}
     """
     try:
         # As for the command: what the caller names wins over PET_*/RALLY_* variables.

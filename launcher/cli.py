@@ -43,6 +43,9 @@ Examples:
 A script named like a command (store, status) runs as `rally ./store` or `rally -- store`.
 
 Precedence: flags > PET_*/RALLY_* environment > --config file > defaults.
+
+\b
+Each error line rally prints, with its cause and fix: docs/troubleshooting.md
 """
 
 
@@ -275,11 +278,22 @@ _AGENT_RAN = False  # main() ends a process that ran the agent with os._exit (se
 
 
 def run(argv: list[str]) -> int:
-    """The `rally` command as a function: returns the exit code instead of exiting.
+    """The `rally` command as a function: it returns the exit code instead of exiting.
 
-    Bad input prints its one `rally: error:` line and returns 2 (EXIT_BAD_INPUT). The agent runs in this
-    process (it must be the main thread: it installs signal handlers); the handlers, the wake-up
-    fd and the signal mask are put back when it returns.
+    The job runs in this process, which must be its main thread (the agent installs signal
+    handlers); the handlers, the wake-up fd and the signal mask are put back when it returns.
+
+    Args:
+        argv: The command's arguments, as after `rally` on a command line.
+
+    Returns:
+        The exit code the command would have exited with: 0, the failing worker's code, 75 when
+        preempted, 2 for bad input (after its one `rally: error:` line), never `sys.exit`.
+
+    Examples:
+        >>> import rally
+        >>> rally.run(["--standalone", "--nproc-per-node", "2", "train.py", "--lr", "0.1"])
+        0
     """
     return in_this_process(lambda: _run_command(list(argv)))
 

@@ -372,6 +372,14 @@ class Options:
         float,
         check=checks.seconds(False),
     )
+    hang_report_after: float = option(
+        spec_default("hang_report_after"),
+        "Health",
+        "Report a rank that has made no progress (heartbeat, output, section) for this many seconds while other "
+        "ranks wait for it in a collective, with its stacks; the job goes on (--heartbeat-timeout or "
+        f"--silence-timeout stop it). Default {spec_default('hang_report_after'):g}; 0: off.",
+        check=checks.always_seconds(True),
+    )
     resource_interval: float = option(
         spec_default("resource_interval"),
         "Health",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import socket
 import tempfile
 import time
@@ -47,7 +48,7 @@ from rich.table import Table
 
 from rally.agent.display import console
 from rally.agent.display.untrusted_text import printable
-from rally.agent.display.worker_table import straggler_line, worker_table
+from rally.agent.display.worker_table import hang_line, straggler_line, worker_table
 from rally.agent.observe import job_view, run_info
 from rally.launcher.validate import ConfigError
 from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
@@ -116,7 +117,8 @@ def status_command(
     """Show the nodes, round, restart count and workers of a running job.
 
     RUN_DIR is the run directory a job printed at start (in --log-dir): the job is found from
-    what its agent wrote there, and once it is over, its report and last restart are shown."""
+    what its agent wrote there, and once it is over, its outcome, root cause and last restart are
+    shown. With nothing named (outside a SLURM job): your recent runs on this machine."""
     from rally.rendezvous.c10d.connect import NoStoreThere
     from rally.rendezvous.c10d.store import StoreUnavailable, quiet_torch_logs
 
@@ -139,6 +141,8 @@ def status_command(
             view, age = seen
             note = f"as of {age:.1f} s ago: node 0's view in {run_dir / job_view.VIEW_FILE} (the store was not asked)"
             return _show_status(str(run_id), str(found or file_store), view, as_json, "view", age, note)
+    elif endpoint is None and run_id is None and not os.environ.get("SLURM_JOB_ID"):
+        return _list_runs(as_json)  # nothing named and not in a SLURM job: this user's recent runs
     else:
         found, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
     where = _where(found, backend, file_store, rdzv_conf)
@@ -178,6 +182,40 @@ def _show_status(
         click.echo(json.dumps(record, default=str))
         return 0
     show_running(run_id, where, status, note)
+    return 0
+
+
+def _list_runs(as_json: bool) -> int:
+    """`rally status` with nothing named: this user's recent runs on this machine, newest first,
+    each with the command that shows it."""
+    runs = run_info.recent_runs()
+    rows = [
+        {
+            "run_id": record["run_id"],
+            "started": record["started"],
+            "outcome": _report_outcome(run_dir),
+            "run_dir": str(run_dir),
+        }
+        for run_dir, record in runs
+    ]
+    if as_json:
+        click.echo(json.dumps({"runs": rows}))
+        return 0
+    where = f"{Path(tempfile.gettempdir()) / 'rally_*'} and {run_info.run_index()}"
+    if not rows:
+        click.echo(
+            printable(
+                f"no runs of yours on this machine (looked in {where}); give RUN_DIR, or --rdzv-endpoint "
+                "HOST:PORT and --rdzv-id ID",
+                limit=2000,
+            )
+        )
+        return 0
+    click.echo(printable(f"your recent runs on this machine, newest first (from {where}):", limit=2000))
+    for row in rows:  # the command that shows each, whole on its own line, to copy
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["started"]))
+        click.echo(printable(f"{started}  {row['outcome']:<10} {row['run_id']}", limit=2000))
+        click.echo(printable(f"    rally status {shlex.quote(row['run_dir'])}", limit=4000))
     return 0
 
 
@@ -349,6 +387,9 @@ def show_running(run_id: str, where: str, status: dict, note: str = "") -> None:
                 out.print(straggler_line(w, node.get("host")))
         if node.get("gpu_problems"):
             out.print(f"unhealthy GPUs on {node.get('host')}: " + "; ".join(node["gpu_problems"]))
+        hang = hang_line(node, time.time())
+        if hang:
+            out.print(hang)
     for node in nodes:
         if node.get("waiting"):  # what it waits for (rendezvous/status/waiting.py, agent/rounds/node_waits.py)
             updated = node.get("updated")
@@ -406,11 +447,15 @@ def _show_finished(run_dir: Path, run_id: str, as_json: bool, heading: str, wher
     }
     if as_json:
         record = {**as_record(run_id, where, status, "run_dir"), "run_dir": str(run_dir), "not_read": problems}
+        record["root_cause"] = run_info.root_cause(report) if status["outcome"] != "succeeded" else None
         click.echo(json.dumps(record, default=str))
         return 0
     click.echo(printable(f"{heading}; from {run_dir}:", limit=2000))
     code = "" if status["exit_code"] is None else f", exit code {status['exit_code']}"
     click.echo(printable(f"outcome: {status['outcome']}{code}", limit=1000))
+    cause = run_info.root_cause(report) if status["outcome"] != "succeeded" else None
+    if cause:
+        click.echo(f"root cause: {cause}")
     unknown = "last restart: unknown (events.jsonl was not read)"
     click.echo(unknown if events_problem else restart_line(restart, ended=True))
     for line in problems:

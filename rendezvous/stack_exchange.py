@@ -1,11 +1,16 @@
 """The hang-stack exchange of one round (agent/observe/hang_report.py): a node that found a hung worker
 asks every node for its workers' stacks, and names the culprit from all of them.
 
-Keys, under `<r>/`:
+A round can see several requests: a hang that ends the round (a hang timeout) asks once, and the
+default hang watch (agent/observe/hang_watch.py) may ask again whenever a rank looks stuck. Keys,
+under `<r>/`:
 
-    dump            set once per round: a request (JSON: who asks, why), or STACKS_ROUND_OVER,
-                    set by any node whose round ended, which releases the watchers
-    stacks/<g>      member g's worker snapshots (JSON list)
+    dumps           a counter: the next request's number n
+    dump/<n>        request n (JSON: who asks, why), or STACKS_ROUND_OVER, set by any node whose
+                    round ended, which releases the watchers (they answer in order, so every
+                    request before it is answered first)
+    dumps_over      set with that STACKS_ROUND_OVER, so nobody asks any more
+    stacks/<n>/<g>  member g's worker snapshots for request n (JSON list)
 """
 
 from __future__ import annotations
@@ -29,30 +34,41 @@ class StackExchange:
         self.r = assignment.round
         self.group_rank = assignment.group_rank
         self.members = assignment.group_world_size
-        self.dump = f"{self.r}/dump"
+        self.counter = f"{self.r}/dumps"
+        self.over = f"{self.r}/dumps_over"
 
-    def request(self, reason: str) -> bool:
-        """Ask every node of the round for its workers' stacks; False when the round is over."""
-        _, standing = self.store.set_once(self.dump, json.dumps({"by": self.me.host, "reason": reason}))
-        return standing != STACKS_ROUND_OVER
+    def _dump(self, n: int) -> str:
+        return f"{self.r}/dump/{n}"
+
+    def request(self, reason: str) -> int | None:
+        """Ask every node of the round for its workers' stacks: the request's number, or None when
+        the round is over."""
+        if self.store.check(self.over):
+            return None
+        n = self.store.add(self.counter, 1) - 1
+        _, standing = self.store.set_once(self._dump(n), json.dumps({"by": self.me.host, "reason": reason}))
+        return None if standing == STACKS_ROUND_OVER else n
 
     def end_requests(self) -> None:
-        """The round is over for this node: wake its request watcher (and nobody asks any more)."""
-        self.store.set_once(self.dump, STACKS_ROUND_OVER)
+        """The round is over for this node: wake the request watchers (and nobody asks any more)."""
+        self.store.set(self.over, "1")
+        n = self.store.add(self.counter, 1) - 1
+        self.store.set_once(self._dump(n), STACKS_ROUND_OVER)
 
-    def wait_request(self, slice_seconds: float = WAIT_SLICE_SECONDS) -> bool:
-        """Block until the dump key is set; True if it is a request (not the round's end)."""
+    def wait_request(self, n: int, slice_seconds: float = WAIT_SLICE_SECONDS) -> bool:
+        """Block until request `n` is made; True if it is a request (not the round's end)."""
+        key = self._dump(n)
         # wait: background: slices
-        while (found := self.store.wait_and_read([self.dump], slice_seconds)) is None:
+        while (found := self.store.wait_and_read([key], slice_seconds)) is None:
             pass
-        return opened_text(found[self.dump], self.store.key(self.dump)) != STACKS_ROUND_OVER
+        return opened_text(found[key], self.store.key(key)) != STACKS_ROUND_OVER
 
-    def publish(self, snapshots: list[dict]) -> None:
-        self.store.set(self._stacks(self.group_rank), json.dumps(snapshots))
+    def publish(self, n: int, snapshots: list[dict]) -> None:
+        self.store.set(self._stacks(n, self.group_rank), json.dumps(snapshots))
 
-    def gather(self, timeout: float) -> dict[int, list[dict]]:
-        """Every node's published snapshots, waiting up to `timeout` for all; missing nodes left out."""
-        names = [self._stacks(g) for g in range(self.members)]
+    def gather(self, n: int, timeout: float) -> dict[int, list[dict]]:
+        """Every node's snapshots for request `n`, waiting up to `timeout` for all; missing nodes left out."""
+        names = [self._stacks(n, g) for g in range(self.members)]
         # wait: short: HANG_REPORT_WAIT_SECONDS (10 s), after the hang was named
         present = self.store.wait_and_read(names, timeout)
         if present is None:  # some never came: those that did
@@ -66,5 +82,5 @@ class StackExchange:
                     continue
         return found
 
-    def _stacks(self, group_rank: int) -> str:
-        return f"{self.r}/stacks/{group_rank}"
+    def _stacks(self, n: int, group_rank: int) -> str:
+        return f"{self.r}/stacks/{n}/{group_rank}"

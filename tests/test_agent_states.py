@@ -19,6 +19,7 @@ from rally.rendezvous.c10d.store import Store, connect_tcp_store, host_tcp_store
 from rally.rendezvous.preemption_barrier import PreemptionBarrier
 from rally.rendezvous.protocol import Assignment, EndKind, NodeInfo, Rendezvous, RendezvousSettings, Round, RoundEnd
 from rally.rendezvous.stack_exchange import StackExchange
+from support.helpers import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -142,18 +143,35 @@ def test_straggler_medians_and_round_ends_go_through_the_protocol(rendezvous) ->
     assert rb.channel.ended_within(1) and b.round_end(2).kind is EndKind.SUCCEEDED
 
 
-def test_hang_stacks_are_asked_for_answered_and_released_once_per_round(rendezvous) -> None:
+def test_hang_stacks_are_asked_for_answered_in_order_and_released_when_the_round_ends(rendezvous) -> None:
+    """A round can see several requests (a hang timeout's, the default hang watch's): each is
+    numbered, answered under its own keys, and a watcher sees them in order, then the round's end."""
     a, b, watcher = rendezvous("a"), rendezvous("b"), rendezvous("b")
     sa, sb = StackExchange(a.store, a.me, member(3, 0, 2)), StackExchange(b.store, b.me, member(3, 1, 2))
-    asked = threading.Event()
+    seen: list[object] = []
     watching = StackExchange(watcher.store, watcher.me, member(3, 1, 2))  # its own connection, as the agent's thread
-    threading.Thread(target=lambda: watching.wait_request(5) and asked.set(), daemon=True).start()
-    assert sa.request("rank 0 on a hung")
-    assert asked.wait(5), "b's watcher saw the request"
-    sa.publish([{"rank": 0}])
-    sb.publish([{"rank": 1}, "not a snapshot"])
-    assert sa.gather(1) == {0: [{"rank": 0}], 1: [{"rank": 1}]}
+
+    def watch() -> None:
+        n = 0
+        while watching.wait_request(n, 5):
+            seen.append(n)
+            n += 1
+        seen.append("over")
+
+    threading.Thread(target=watch, daemon=True).start()
+    assert sa.request("rank 0 on a hung") == 0
+    assert eventually(lambda: seen == [0], 5), "b's watcher saw the request"
+    sa.publish(0, [{"rank": 0}])
+    sb.publish(0, [{"rank": 1}, "not a snapshot"])
+    assert sa.gather(0, 1) == {0: [{"rank": 0}], 1: [{"rank": 1}]}
+    assert sb.request("rank 1 on b looks stuck") == 1  # a second request of the same round
+    assert eventually(lambda: seen == [0, 1], 5), seen
+    sa.publish(1, [{"rank": 0, "beats": 7}])
+    assert sb.gather(1, 0.2) == {0: [{"rank": 0, "beats": 7}]}  # b's answer not in yet: left out
+    sa.end_requests()  # the round is over: the watcher stops, nobody asks any more
+    assert eventually(lambda: seen == [0, 1, "over"], 5), seen
+    assert sb.request("too late") is None
     over = StackExchange(a.store, a.me, member(4, 0, 2))
-    over.end_requests()  # round 4 ended before anyone asked: nobody asks any more
-    assert not StackExchange(b.store, b.me, member(4, 1, 2)).request("too late")
-    assert StackExchange(b.store, b.me, member(4, 1, 2)).wait_request(1) is False
+    over.end_requests()  # round 4 ended before anyone asked
+    assert StackExchange(b.store, b.me, member(4, 1, 2)).request("too late") is None
+    assert StackExchange(b.store, b.me, member(4, 1, 2)).wait_request(0, 1) is False

@@ -16,6 +16,7 @@ learns about is tracked by pid and SIGKILLed at teardown if it is somehow still 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -224,12 +225,22 @@ SHUTDOWN_TIMEOUT = 10
 def test_signal_to_rally_is_forwarded_to_workers_and_nothing_survives(
     tmp_path: Path, procs: ProcessTracker, signum: signal.Signals
 ) -> None:
-    rally, workers, grandchildren = start_signal_job(tmp_path, procs, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
+    rally, workers, grandchildren = start_signal_job(
+        tmp_path, procs, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--log-dir", str(tmp_path / "logs")
+    )
     helpers = [p.pid for p in psutil.Process(rally.pid).children() if p.pid not in workers]
     sent = time.monotonic()
     os.kill(rally.pid, signum)
     result = finish(rally, timeout=SHUTDOWN_TIMEOUT + 20, started=sent)
     assert result.returncode == 128 + signum, result.describe()
+    # a closing line, and report.json lists the workers as they were stopped (main: no line, "workers": [])
+    (report_path,) = (tmp_path / "logs").glob("*/report.json")
+    closing = f"rally: stopped by {signum.name}: all 2 workers on this node stopped; exit code {128 + signum}; report: "
+    assert closing + str(report_path) in result.stderr, result.describe()
+    report = json.loads(report_path.read_text())
+    assert report["outcome"] == f"stopped by {signum.name}" and report["exit_code"] == 128 + signum, report
+    stopped = report["attempts"][-1]["workers"]
+    assert sorted(w["rank"] for w in stopped) == [0, 1] and {w["exit"] for w in stopped} == {signum.name}, stopped
     # The workers die of the signal at once, so rally does not wait out the grace period.
     assert result.elapsed < SHUTDOWN_TIMEOUT, f"took {result.elapsed:.1f} s to stop\n{result.describe()}"
     for rank in range(len(workers)):

@@ -108,6 +108,64 @@ def test_collective_hang_names_the_rank_outside_the_collective_with_its_stack(tm
     print(f"MEASURED collective hang: culprit named {detected:.1f} s after it got stuck (--heartbeat-timeout 2)")
 
 
+QUIET_HANG_ACROSS_NODES = """
+import os, time
+import torch
+import torch.distributed as dist
+from rally import job
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def stuck_reading_data():
+    open(os.path.join(os.environ["PROBE_OUT"], "stuck"), "w").write(str(time.time()))
+    while True:
+        time.sleep(0.1)
+
+for step in range(10**9):
+    if rank == 1 and step == 5:
+        stuck_reading_data()
+    dist.all_reduce(torch.ones(1))
+    job.heartbeat(step)
+    time.sleep(0.05)
+"""
+DEFAULT_REPORT_AFTER = 60  # JobSpec.hang_report_after: no flag is given below
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(360)
+def test_with_no_hang_flag_the_node_waiting_in_a_collective_names_the_rank_on_another_node(tmp_path: Path) -> None:
+    """Two nodes, no hang flag: rank 1 (node 1) stops outside the collective that rank 0 (node 0)
+    waits in. Node 0 sees its rank waiting, asks node 1 for its snapshots through the store, and
+    reports rank 1 with its stack; nobody is stopped (agent/observe/hang_watch.py)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_probe(tmp_path / "hang.py", QUIET_HANG_ACROSS_NODES)
+    args = [*c10d_args(free_port(), "2"), "--nproc-per-node", "1", str(script)]
+    env = {**clean_env(PROBE_OUT=str(out))}
+    agents = [start_agent(f"node{i}", tmp_path, args, env=env) for i in range(2)]
+    try:
+        wait_for(lambda: (out / "stuck").exists(), 150, what="rank 1 to get stuck outside the collective")
+        stuck_at = time.monotonic()
+        wait_for(
+            lambda: any("looks hung" in a.output() for a in agents), DEFAULT_REPORT_AFTER + 60, what="the hang report"
+        )
+        detected = time.monotonic() - stuck_at
+        time.sleep(1)  # the rest of the report's lines
+        logs = [a.output() for a in agents]
+        assert all(a.popen.poll() is None for a in agents), logs  # reported, not stopped
+    finally:
+        stop_all(agents)
+    reporter = next(log for log in logs if "looks hung" in log)
+    report = reporter[reporter.index("looks hung") - 200 :]
+    first = next(line for line in report.splitlines() if "looks hung" in line)
+    assert "rank 1 (local rank 0" in first and "outside the collective that rank 0 waits in (all_reduce" in first, first
+    assert "it is in stuck_reading_data (hang.py:" in first, first
+    assert "line 12 in stuck_reading_data" in report and "rank 0 (node 0" in report, report
+    assert DEFAULT_REPORT_AFTER - 1 < detected < DEFAULT_REPORT_AFTER + 40, detected
+    print(f"MEASURED quiet hang across nodes: reported {detected:.1f} s after it got stuck (no flag)")
+
+
 # ------------------------------------------------------------------ 2. SIGSTOP: root cause, status, no 30 s grace
 
 STOPPED_IN_HANG = """

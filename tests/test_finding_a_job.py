@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from support.agents import c10d_args, start_agent, stop_all, write_script
-from support.helpers import Result, eventually, free_port, rally_status
+from support.helpers import Result, clean_env, eventually, free_port, rally_status, run_rally
 
 # Rank 1 of the first attempt fails with exit code 3; after the restart every rank runs until
 # the file `stop` appears.
@@ -124,3 +124,53 @@ def test_status_json_of_an_unreachable_store_is_one_line_and_no_traceback(tmp_pa
     )
     assert done.returncode != 0 and done.stdout == "" and "Traceback" not in done.stderr, done.describe()
     assert os.linesep not in done.stderr.strip(), done.stderr
+
+
+RAISES_ON_RANK_1 = """
+import os, time
+if os.environ["RANK"] == "1":
+    raise ValueError("learning rate must be positive, got -0.1")
+time.sleep(0.2)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_after_a_failed_job_status_shows_its_root_cause_and_with_no_argument_lists_your_recent_runs(
+    tmp_path: Path,
+) -> None:
+    """`rally status RUN_DIR` of a failed job names the root cause (rank, exit, the exception's last
+    line), not only "outcome: failed"; `rally status` with nothing named lists this user's runs on the
+    machine, newest first, with their outcomes and run directories, instead of an error. TMPDIR is the
+    test's own, so only its runs are found (the default --log-dir and the run index live there)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**clean_env(), "COLUMNS": "250", "TMPDIR": str(tmp)}
+    none = run_rally(["status"], cwd=tmp_path, env=env, timeout=60)
+    assert none.returncode == 0 and "no runs of yours on this machine" in none.stdout, none.describe()
+
+    ok = write_script(tmp_path, "ok.py", "print('fine')\n")
+    bad = write_script(tmp_path, "bad.py", RAISES_ON_RANK_1)
+    first = run_rally(["--standalone", "--no-preload", ok], cwd=tmp_path, env=env, timeout=90)
+    assert first.returncode == 0, first.describe()
+    failed = run_rally(
+        ["--standalone", "--no-preload", "--nproc-per-node", "2", bad], cwd=tmp_path, env=env, timeout=90
+    )
+    assert failed.returncode == 1, failed.describe()
+    run_dir = Path(STATUS_LINE.search(failed.stderr).group(2))  # type: ignore[union-attr]
+
+    done = run_rally(["status", str(run_dir)], cwd=tmp_path, env=env, timeout=60)
+    assert done.returncode == 0 and "outcome: failed, exit code 1" in done.stdout, done.describe()
+    (cause,) = [line for line in done.stdout.splitlines() if line.startswith("root cause: ")]
+    assert "rank 1" in cause and "ValueError: learning rate must be positive, got -0.1" in cause, done.stdout
+    record = json.loads(run_rally(["status", str(run_dir), "--json"], cwd=tmp_path, env=env, timeout=60).stdout)
+    assert "ValueError: learning rate must be positive" in record["root_cause"], record
+
+    listed = run_rally(["status"], cwd=tmp_path, env=env, timeout=60)
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.describe()
+    lines = listed.stdout.splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("    rally status ")]
+    assert len(rows) == 2, listed.stdout
+    assert "failed" in lines[rows[0] - 1] and "succeeded" in lines[rows[1] - 1], listed.stdout  # newest first
+    assert lines[rows[0]] == f"    rally status {run_dir}", listed.stdout  # the command, whole, to copy
+    runs = json.loads(run_rally(["status", "--json"], cwd=tmp_path, env=env, timeout=60).stdout)["runs"]
+    assert [r["outcome"] for r in runs] == ["failed", "succeeded"] and runs[0]["run_dir"] == str(run_dir), runs

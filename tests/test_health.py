@@ -11,8 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from rally.agent.observe.hang_report import Snapshot
+from rally.agent.observe.hang_watch import CONFIRM_SECONDS, HangWatch, stuck_rank
 from support.agents import c10d_args, start_agent, stop_all, write_script
-from support.helpers import OnTerminal, clean_env, eventually, free_port, read_events, run_rally
+from support.helpers import (  # noqa: F401 - procs is a fixture
+    OnTerminal,
+    ProcessTracker,
+    clean_env,
+    eventually,
+    free_port,
+    procs,
+    read_events,
+    run_rally,
+)
+from support.live_rally import LiveRally
 
 HEARTBEATS_THEN_HANG = """
 import os, sys, time
@@ -69,6 +81,10 @@ def test_worker_that_stops_heartbeating_is_caught_with_its_stack_and_the_job_res
     assert code == 0, out
     assert re.search(r"rank 1 .* is hung: it sent no heartbeat for 1\.\d s", out), out
     assert "stuck_in_allreduce" in out  # the stack names the function it is stuck in
+    # printed once (in the root cause; main also echoed the dump among the worker's output), and
+    # without the frames of rally's bootstrap and runpy below the script's own
+    assert len(re.findall(r'File "[^"]*w\.py", line \d+ in stuck_in_allreduce', out)) == 1, out
+    assert "bootstrap.py" not in out and "runpy.py" not in out, out
     hung = [a["end"] for a in _report(tmp_path)["attempts"] if a["end"]["kind"] == "worker_hung"]
     assert hung and any("stuck_in_allreduce" in line for line in hung[0]["info"]["stacks"])
     events = read_events(tmp_path / "logs")
@@ -246,3 +262,181 @@ def test_on_a_terminal_a_live_table_of_the_workers_is_shown(tmp_path):
     text = terminal.text()
     assert "rally · node 0 · round 0" in text, text[-2000:]
     assert re.search(r"┃ rank\s+┃ pid\s+┃ state", text) and "heartbeat" in text, text[-2000:]
+
+
+# --- hangs caught with no flag at all (agent/observe/hang_watch.py) ----------------------------
+
+DEFAULT_REPORT_AFTER = 60  # JobSpec.hang_report_after: the tests below pass no flag, so this is the default
+
+RANK_1_STOPS_IN_STEP_3 = """
+import os, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from rally import job
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def stuck_reading(path):
+    while not path.exists(): time.sleep(0.1)
+
+for step in range(10):
+    if rank == 1 and step == 3:
+        print("stuck now", flush=True)
+        stuck_reading(Path(sys.argv[1]))
+    dist.all_reduce(torch.ones(1))
+    job.heartbeat(step)
+    time.sleep(0.05)
+print("finished", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _status_command(text: str) -> list[str]:
+    """`rally status --rdzv-endpoint ... --rdzv-id ...` as the job printed it at start."""
+    found = re.search(r"rally status (--rdzv-endpoint \S+ --rdzv-id \S+)", text)
+    assert found, text
+    return ["status", *found.group(1).split()]
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_with_no_hang_flag_a_rank_its_peers_wait_for_in_a_collective_is_reported_and_the_job_goes_on(
+    tmp_path: Path, procs: ProcessTracker
+) -> None:
+    """The quickstart's command, no hang flag: rank 1 stops in step 3 while rank 0 waits for it in
+    all_reduce. Within the default bound (plus a look) rally names rank 1 with its file, line and
+    stacks (printed once, without rally's bootstrap frames) on the console, in `rally status`, in
+    events.jsonl and in report.json, and stops nothing: once rank 1 goes on, the job finishes and
+    says the hang is over. On main nothing was said until gloo's own timeout (30 min)."""
+    script = write_script(tmp_path, "w.py", RANK_1_STOPS_IN_STEP_3)
+    release = tmp_path / "release"
+    job = LiveRally(
+        ["--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(script), str(release)],
+        tmp_path, clean_env(COLUMNS="250"), procs,
+    )  # fmt: skip
+    stuck_at = job.wait_line("[1] stuck now", 120)
+    reported_at = job.wait_line("looks hung", DEFAULT_REPORT_AFTER + 60)
+    # the bound, plus one look (stacks within 2 s) and the load of a shared 2-core machine
+    assert DEFAULT_REPORT_AFTER <= reported_at - stuck_at + 1 < DEFAULT_REPORT_AFTER + 20, job.text()[-3000:]
+    text = job.text()
+    line = next(line for line in text.splitlines() if "looks hung" in line)
+    assert "rank 1 (local rank 1" in line and "rank 0 waits in (all_reduce" in line, line
+    assert "it is in stuck_reading (w.py:12)" in line, line
+    assert len(re.findall(r'File "[^"]*w\.py", line 12 in stuck_reading', text)) == 1, text[-3000:]
+    assert "bootstrap.py" not in text and "runpy.py" not in text, text[-3000:]
+
+    def status_with_the_hang() -> str | None:
+        done = run_rally(_status_command(text), cwd=tmp_path, env=clean_env(COLUMNS="250"), timeout=60)
+        assert done.returncode == 0, done.describe()
+        return done.stdout if "hang: rank 1 (local rank 1" in done.stdout else None
+
+    # the node's record reaches the store with its next keep-alive, every few seconds
+    shown = eventually(status_with_the_hang, 30, interval=1)
+    assert shown and "stuck_reading (w.py:12)" in shown, shown
+    (reported,) = [e for e in read_events(tmp_path / "logs") if e["event"] == "hang_reported"]
+    assert reported["rank"] == 1 and reported["where"] == "stuck_reading (w.py:12)", reported
+    assert any("in stuck_reading" in line for line in reported["stacks"]), reported
+    (report_path,) = (tmp_path / "logs").glob("*/report.json")
+    assert [h["rank"] for h in json.loads(report_path.read_text())["hangs"]] == [1]
+
+    release.touch()  # rank 1 goes on: nothing was stopped, the job finishes
+    job.wait_line("the hang reported", 60)
+    code, _ = job.wait_exit(120)
+    assert code == 0, job.text()[-3000:]
+    assert "[0] finished" in job.text() and "[1] finished" in job.text()
+    events = [e["event"] for e in read_events(tmp_path / "logs")]
+    assert "worker_hung" not in events and "restart" not in events and "hang_over" in events, events
+
+
+EVERY_RANK_LOADS_DATA = """
+import time
+import torch
+import torch.distributed as dist
+from rally import job
+
+dist.init_process_group("gloo")
+for step in range(3):
+    dist.all_reduce(torch.ones(1))
+    job.heartbeat(step)
+
+def loading_the_dataset():
+    time.sleep(SECONDS)  # every rank, quiet and outside any collective: a long data-loading phase
+
+loading_the_dataset()
+for step in range(3, 6):
+    dist.all_reduce(torch.ones(1))
+    job.heartbeat(step)
+print("finished", flush=True)
+dist.destroy_process_group()
+""".replace("SECONDS", str(DEFAULT_REPORT_AFTER + 25))
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_a_long_quiet_phase_on_every_rank_with_no_collective_waiting_is_not_reported(tmp_path: Path) -> None:
+    """Every rank sleeps 85 s ("loading data"), longer than the default bound, with nobody waiting
+    in a collective: no report, nothing stopped, the job finishes."""
+    code, out, _ = _run(tmp_path, EVERY_RANK_LOADS_DATA, "--nproc-per-node", "2", timeout=260)
+    assert code == 0, out
+    assert "looks hung" not in out and "is hung" not in out, out
+    assert out.count("] finished") == 2, out
+    events = [e["event"] for e in read_events(tmp_path / "logs")]
+    assert "hang_reported" not in events and "worker_hung" not in events, events
+
+
+def _seen(rank: int, frame: str, quiet: float, cpu: float, state: str = "sleeping", section: str = "") -> Snapshot:
+    stack = ["Current thread 0x1 (most recent call first):", f'  File "{frame}", line 7 in step']
+    return Snapshot(rank, rank, "vm", 100 + rank, state, stack, 3, 0, quiet, section, cpu)
+
+
+IN_ALL_REDUCE = "/site-packages/torch/distributed/distributed_c10d.py"
+
+
+@pytest.mark.timeout(10)
+def test_the_default_watch_wants_a_waiter_a_quiet_rank_outside_and_a_second_look_that_sees_the_same() -> None:
+    """The rule of agent/observe/hang_watch.py, case by case: one look is never enough (a healthy job
+    can be caught with rank 0 in all_reduce while a rank that never prints computes); a rank that
+    moved or used CPU between the looks, sits in a section, or has nobody waiting for it is not hung."""
+    after = 60.0
+    waiter, culprit = _seen(0, IN_ALL_REDUCE, 61, 10.0), _seen(1, "/job/train.py", 61, 20.0)
+    assert stuck_rank([waiter, culprit], after) == (culprit, [waiter])
+    # nobody in a collective (data loading on every rank), a culprit in a section, or quiet too short
+    assert stuck_rank([_seen(0, "/job/load.py", 90, 1), _seen(1, "/job/load.py", 90, 1)], after) is None
+    assert stuck_rank([waiter, _seen(1, "/job/train.py", 61, 20.0, section="eval")], after) is None
+    assert stuck_rank([waiter, _seen(1, "/job/train.py", 59, 20.0)], after) is None
+    assert stuck_rank([_seen(0, IN_ALL_REDUCE, 29, 10.0), culprit], after) is None  # the waiter just got there
+    # a stopped process is a culprit even inside a collective
+    stopped = _seen(1, IN_ALL_REDUCE, 61, 20.0, state="stopped (SIGSTOP)")
+    assert stuck_rank([waiter, stopped], after) == (stopped, [waiter])
+
+    def looks(*second: tuple[Snapshot, list[Snapshot]] | None) -> list[bool]:
+        watch = HangWatch(after)
+        verdicts = [watch.judge(stuck_rank([waiter, culprit], after), 1000.0)]
+        return verdicts + [watch.judge(found, 1000.0 + CONFIRM_SECONDS) for found in second]
+
+    assert looks((culprit, [waiter])) == [False, True]  # the same, idle: reported at the second look
+    busy = _seen(1, "/job/train.py", 66, 20.0 + CONFIRM_SECONDS)  # a core's worth of CPU in between
+    moved = _seen(1, "/job/other.py", 66, 20.0)
+    assert looks((busy, [waiter])) == [False, False] and looks((moved, [waiter])) == [False, False]
+    assert looks(None) == [False, False]
+
+
+@pytest.mark.timeout(10)
+def test_the_live_view_shows_a_reported_hang_under_the_workers_table() -> None:
+    """The live view renders the node's status record (agent/observe/live.py): a hang the default
+    watch reported (the record's `hang`, from HangReporter.status_fields) is a line under the table."""
+    from rich.console import Console
+
+    from rally.agent.observe.live import LiveView
+
+    detail = "rank 1 (local rank 1, pid 7413) on vm looks hung: no progress for 66 s"
+    record = {
+        "host": "vm", "group_rank": 0, "round": 0, "world_size": 2,
+        "workers": [{"rank": r, "local_rank": r, "pid": 7412 + r, "state": "running"} for r in (0, 1)],
+        "hang": {"rank": 1, "host": "vm", "detail": detail, "time": time.time() - 12},
+    }  # fmt: skip
+    console = Console(width=250, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(LiveView(console, lambda: record).render())
+    assert f"hang: {detail} (reported 12 s ago)" in console.export_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.worker_side import heartbeat_file, job, memory_only
+from rally.agent.worker_side import heartbeat_file, job, memory_only, process_memory
 from support.job_env import ckpt_dir, clean_job_env, outside_env  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,13 +153,71 @@ def test_stale_temp_file_is_ignored_by_load_and_removed_by_next_save(ckpt_dir: P
     assert checkpoint_names(ckpt_dir) == ["step_000000000001.pt", "step_000000000002.pt"]
 
 
-@pytest.mark.timeout(10)
-def test_missing_checkpoint_dir_is_a_one_line_error() -> None:
-    for call in (lambda: job.save({}, 1), job.load_latest):
-        with pytest.raises(job.CheckpointDirNotSet) as info:
-            call()
-        message = str(info.value)
-        assert "--checkpoint-dir DIR" in message and "RALLY_CHECKPOINT_DIR" in message and "\n" not in message
+IN_PROCESS = """
+    import torch
+    from rally import job
+
+    assert job.load_latest() is None
+    weights = torch.zeros(4)
+    job.save({"w": weights}, 1)
+    weights += 1  # the script's tensors change in place after a save: the kept copy must not
+    job.save({"w": weights}, 2)
+    weights += 1
+    ckpt = job.load_latest()
+    print("loaded", ckpt.step, ckpt.state["w"].tolist(), ckpt.source, flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_without_a_directory_or_rallys_memory_tier_the_newest_save_is_kept_in_the_process(tmp_path: Path) -> None:
+    """torchrun or plain python with no RALLY_CHECKPOINT_DIR: no traceback (main raised
+    CheckpointDirNotSet on the first load), no file written anywhere, the newest save (a copy)
+    comes back in the same process, and one line says where checkpoints went and how to keep them."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(IN_PROCESS)],
+        env=outside_env(), cwd=tmp_path, capture_output=True, text=True, timeout=50,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "loaded 2 [1.0, 1.0, 1.0, 1.0] process memory" in result.stdout, result.stdout + result.stderr
+    assert result.stderr.count(process_memory.LINE) == 1, result.stderr
+    assert "RALLY_CHECKPOINT_DIR=DIR" in process_memory.LINE and "\n" not in process_memory.LINE
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.rglob("*")), "nothing may be written where nobody chose"
+
+
+def readme_train_py() -> str:
+    """The README's own `train.py` (its `<!-- snippet: file train.py -->` block), as a user copies it."""
+    text = (REPO / "README.md").read_text()
+    after = text.split("<!-- snippet: file train.py -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("\n```", 1)[0] + "\n"
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(240)
+def test_the_readmes_train_py_runs_under_torchrun_and_plain_python_without_a_checkpoint_dir(tmp_path: Path) -> None:
+    """A script written for rally runs on the launcher it replaces: the README's train.py under torch's
+    own torchrun (2 workers) and under plain python (one process, its rendezvous in the environment),
+    with no RALLY_CHECKPOINT_DIR. On main every rank died with a CheckpointDirNotSet traceback."""
+    from support.helpers import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(readme_train_py())
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        env=outside_env(OMP_NUM_THREADS="1"), cwd=tmp_path, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    plain = subprocess.run(
+        [sys.executable, str(script)],
+        env=outside_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"),
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    for name, result in (("torchrun", torchrun), ("python", plain)):
+        assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
+        assert "done at step 49" in result.stdout, f"{name}: {result.stdout}{result.stderr}"
+        assert "Traceback" not in result.stderr, f"{name}: {result.stderr}"
+        assert result.stderr.count(process_memory.LINE) == 1, f"{name}: {result.stderr}"  # rank 0, once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"], "no checkpoint file may appear"
 
 
 WRITER = """

@@ -307,8 +307,8 @@ def test_rally_status_inside_a_slurm_step_needs_no_endpoint_or_id(tmp_path):
 
         assert eventually(both_running, 30), last[0].stdout + last[0].stderr
         assert f"job {job_id}.0 at 127.0.0.1:{port}: round 0" in last[0].stdout, last[0].stdout
-        outside = rally_status([], env=env)
-        assert outside.returncode == 2 and "give --rdzv-endpoint HOST:PORT and --rdzv-id ID" in outside.stderr
+        outside = rally_status([], env=env)  # outside SLURM, nothing named: this user's recent runs
+        assert outside.returncode == 0 and "your recent runs on this machine" in outside.stdout, outside.stderr
         assert "Traceback" not in outside.stderr
         (tmp_path / "stop").touch()
         assert agent.wait(60) == 0, agent.output()

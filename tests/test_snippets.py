@@ -7,6 +7,12 @@ A fenced block is marked on the line before it:
     <!-- snippet: run -->           the block runs there (bash with -euo pipefail, or python)
     <!-- snippet: run TEXT -->      ... and TEXT must be in what it printed (stdout or stderr)
     <!-- snippet: skip REASON -->   it cannot run in a test (another machine, the network, minutes)
+    <!-- snippet: output -->        a `text` block: what the run block before it printed
+
+An `output` block is real output, so it cannot drift: each of its lines must be a line that the
+run block before it printed (stdout or stderr), compared after `shown_as` (the time stamp at the
+start of rally's lines dropped, a decimal number read as any decimal number), where `…` in the page stands
+for any text (a run id, a path). A page may show a few lines of a long output.
 
 Each page runs in a fresh directory holding the README's `train.py` and the page's own `file`
 blocks, with the installed `rally` first on PATH; its `run` blocks run in order and must exit 0
@@ -71,6 +77,44 @@ def blocks_of(page: Path) -> list[Block]:
     return found
 
 
+def _run_before(block: Block) -> Block | None:
+    """The run block whose output `block` (an output block) shows: the nearest run block above it."""
+    above = [b for b in blocks_of(block.page) if b.line < block.line and b.kind == "run"]
+    return above[-1] if above else None
+
+
+STAMP = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} ")  # rally's lines off a terminal (agent/display/console.py)
+
+
+def shown_as(line: str) -> str:
+    """A line of output as an output block may show it: no time stamp, each decimal number (a
+    duration, a loss) as `0.0`; whole numbers (ranks, steps, restarts) stay as they are."""
+    return re.sub(r"\d+\.\d+", "0.0", STAMP.sub("", line.rstrip()))
+
+
+def missing_lines(shown: str, printed: str) -> list[str]:
+    """The lines of an output block that the run did not print (`…` stands for any text)."""
+    printed_lines = {shown_as(line) for line in printed.splitlines()}
+    missing = []
+    for line in shown.splitlines():
+        if not line.strip():
+            continue
+        pattern = re.compile(".*".join(re.escape(part) for part in shown_as(line).split("…")))
+        if not any(pattern.fullmatch(p) for p in printed_lines):
+            missing.append(line)
+    return missing
+
+
+@pytest.mark.timeout(30)
+def test_an_output_block_is_checked_line_by_line() -> None:
+    printed = "12:01:02.345 rally: round 0: node 0 of 1, ranks 0-1 of 2\n[0] done at step 49, loss 0.0555\n"
+    assert not missing_lines("rally: round 0: node 0 of 1, ranks 0-1 of 2\n[0] done at step 49, loss 0.0781\n", printed)
+    assert not missing_lines("rally: round 0: node 0 of 1, ranks … of 2\n", printed)
+    assert missing_lines("rally: round 3: node 0 of 1, ranks 0-1 of 2\n", printed)
+    assert missing_lines("rally: round 0: node 0 of 1, ranks 0-1 of 4 nodes\n", printed)
+    assert missing_lines("[1] done at step 49, loss 0.0555\n", printed)
+
+
 def readme_train_py() -> str:
     (block,) = [b for b in blocks_of(REPO / "README.md") if b.kind == "file" and b.arg == "train.py"]
     return block.body
@@ -89,6 +133,8 @@ def test_every_block_a_user_would_copy_is_marked() -> None:
                 problems.append(f"{block.where()}: file needs a plain file name, not {block.arg!r}")
             elif block.kind == "run" and block.lang not in ("bash", "sh", "python"):
                 problems.append(f"{block.where()}: only bash and python blocks run, not {block.lang!r}")
+            elif block.kind == "output" and (block.lang != "text" or not _run_before(block)):
+                problems.append(f"{block.where()}: an output block is a text block after a run block")
     assert not problems, "\n".join(problems)
 
 
@@ -107,6 +153,23 @@ class Ran:
     returncode: int | None  # None: killed after PAGE_TIMEOUT
     stdout: str
     stderr: str
+
+
+INSTALLS_TORCH = re.compile(r"^\s*pip3? install\b.*\btorch\b(?!-rally)", re.MULTILINE)
+
+
+@pytest.mark.timeout(30)
+def test_no_copy_block_holds_alternatives_to_install_torch() -> None:
+    """A block is copied whole and every line of it runs: alternatives (the CPU build, the CUDA build,
+    a pinned version) each get a block of their own. Getting started had all three in one block, and
+    pasting it installed three torches in turn and ended on the last (2.10.0)."""
+    crowded = [
+        f"{block.where()}: {len(INSTALLS_TORCH.findall(block.body))} torch installs in one block"
+        for page in PAGES
+        for block in blocks_of(page)
+        if block.lang in COPYABLE and len(INSTALLS_TORCH.findall(block.body)) > 1
+    ]
+    assert not crowded, "\n".join(crowded)
 
 
 def run_page(page: Path, directory: Path) -> list[Ran]:
@@ -166,3 +229,13 @@ def test_the_snippets_of_a_page_run_as_written(page: Path, page_runs: dict[Path,
         assert ran.returncode == 0, shown
         assert "Traceback" not in ran.stderr, shown
         assert block.arg in ran.stdout + ran.stderr, f"expected {block.arg!r} in the output of {shown}"
+    ran_by_line = {ran.block.line: ran for ran in page_runs[page].result()}
+    for block in blocks_of(page):
+        if block.kind == "output":
+            run = _run_before(block)
+            assert run is not None and run.line in ran_by_line, f"{block.where()}: its run block did not run"
+            ran = ran_by_line[run.line]
+            missing = missing_lines(block.body, ran.stdout + ran.stderr)
+            printed = f"{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}"
+            lines = "\n".join(missing)
+            assert not missing, f"{block.where()} shows lines the run did not print:\n{lines}\n\nit printed:\n{printed}"

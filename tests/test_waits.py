@@ -66,7 +66,7 @@ KNOWN_SILENT: dict[tuple[str, str, str], str] = {}
 BOUND_INSIDE = {
     "work.wait",
     "self.loop.run_blocking",
-    "rnd.connect_again().stacks.wait_request",
+    "stacks.wait_request",
     "channel.wait_end",
     "self.channel.wait_master",
     "connection.wait_ready",

@@ -64,7 +64,10 @@ class JobRecord(Protocol):
     """The agent's report.json as a collaborator may change it (agent/report.py's JobReport is one)."""
 
     outcome: str  # "running" until something decides it: "quarantined", "left out by pre-flight", ...
-    notes: dict[str, object]  # a feature's own keys of report.json (the quarantine's `quarantined`)
+    notes: dict[str, object]  # a feature's own keys of report.json (the quarantine's `quarantined`, the hangs reported)
+
+    def write(self) -> None:
+        """Write report.json now (a feature that notes something while the job runs)."""
 
 
 class Holdings(Protocol):

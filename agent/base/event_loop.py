@@ -46,9 +46,10 @@ class StoreLost:
 
 @dataclass(frozen=True)
 class DumpStacks:
-    """Another node asks for this node's stacks (agent/observe/hang_report.py)."""
+    """Another node asks for this node's stacks (agent/observe/hang_report.py): request `request` of the round."""
 
     round: int
+    request: int = 0
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,14 @@ def straggler_line(worker: dict, host: str | None) -> str:
         f"straggler: rank {worker['rank']}{where} takes {s['step_time']:.3f} s per step, "
         f"{ratio:.1f}x the median of {others} other ranks ({s['median']:.3f} s)"
     )
+
+
+def hang_line(node: dict, now: float) -> str | None:
+    """The hang a node reported while the job goes on (agent/observe/hang_watch.py), for the live view
+    and `rally status`; None when it reports none."""
+    hang = node.get("hang")
+    if not isinstance(hang, dict) or not hang.get("detail"):
+        return None
+    at = hang.get("time")
+    ago = f" (reported {max(0.0, now - at):.0f} s ago)" if isinstance(at, (int, float)) else ""
+    return f"hang: {hang['detail']}{ago}"

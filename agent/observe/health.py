@@ -298,6 +298,20 @@ class HealthMonitor:
                 return Hang(watched.local_rank, f"sent no heartbeat for {silent:.1f} s ({flag}){where}", silent)
         return self._silence_hang(watched, now, max(last_output_at or 0.0, alive_at), where)
 
+    def quiet_for(self, local_rank: int, last_output_at: float | None, now: float) -> float:
+        """Seconds since the worker last showed progress: a new heartbeat, a line of output, a section
+        entered or left (`job.section`), or its start. 0 for a worker not watched."""
+        w = self.watched.get(local_rank)
+        if w is None:
+            return 0.0
+        signs = [w.started_at, w.last_beat_at or 0.0, w.record.section_changed_ns / 1e9, last_output_at or 0.0]
+        return max(0.0, now - max(signs))
+
+    def section(self, local_rank: int) -> str:
+        """The section the worker was in at the last read of its heartbeat file ("" for none)."""
+        w = self.watched.get(local_rank)
+        return w.record.section if w is not None else ""
+
     def _still_in(self, watched: _Watched, record: HeartbeatRecord) -> bool:
         """Confirm a section hang with a second read: a read that raced a section change
         could mix two sections' fields, and nobody is killed on a torn read."""

@@ -9,6 +9,7 @@ tearing it; rich does all the terminal work.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 
 from rich.console import Console, Group
@@ -16,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from rally.agent.display.worker_table import straggler_line, worker_table
+from rally.agent.display.worker_table import hang_line, straggler_line, worker_table
 
 REFRESH_PER_SECOND = 2
 
@@ -76,11 +77,14 @@ class LiveView:
         self.live.stop()
 
     def render(self) -> Group:
-        """The table, then each worker's latest progress redraw (see ConsoleSink)."""
+        """The table, a hang the node reported (agent/observe/hang_watch.py: as wide as the terminal, not
+        the table), then each worker's latest progress redraw (see ConsoleSink)."""
+        record = self.snapshot() or {}
         progress = [
             Text.from_ansi(line, no_wrap=True, overflow="ellipsis") for line in list(self.sink.progress.values())
         ]
-        return Group(render_workers(self.snapshot() or {}), *progress)
+        hang = hang_line(record, time.time())
+        return Group(render_workers(record), *([Text(hang, style="bold yellow")] if hang else []), *progress)
 
 
 def render_workers(record: dict) -> Table:

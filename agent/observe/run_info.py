@@ -197,6 +197,47 @@ def run_dirs_of(run_id: str, base: Path | None = None) -> list[Path]:
     return sorted(found, key=lambda run_dir: found[run_dir], reverse=True)
 
 
+def recent_runs(base: Path | None = None, limit: int = 20) -> list[tuple[Path, dict]]:
+    """This user's newest `limit` run directories, newest first, with what each agent wrote at start:
+    for `rally status` with no argument. Found as `run_dirs_of` finds one run's (the default
+    --log-dir and this user's index), only directories owned by this user."""
+    base = Path(tempfile.gettempdir()) if base is None else base
+    candidates = list(itertools.islice(base.glob(f"rally_*/*/{ENDPOINT_FILE}"), MAX_RUNS_LISTED))
+    index = run_index(base)
+    try:
+        if _private_dir(index):  # its links are this user's own
+            candidates += itertools.islice(index.glob(f"*/{ENDPOINT_FILE}"), MAX_RUNS_LISTED)
+    except OSError:
+        pass
+    found: dict[Path, tuple[float, dict]] = {}
+    for path in candidates:
+        try:
+            run_dir = path.parent.resolve()
+            if run_dir in found or not all(p.lstat().st_uid == os.geteuid() for p in (path, run_dir)):
+                continue
+            found[run_dir] = (path.lstat().st_mtime, read_endpoint(run_dir))
+        except (OSError, RunDirError):
+            continue
+    newest = sorted(found, key=lambda run_dir: found[run_dir][0], reverse=True)[:limit]
+    return [(run_dir, {**found[run_dir][1], "started": found[run_dir][0]}) for run_dir in newest]
+
+
+def root_cause(report: dict | None) -> str | None:
+    """A failed job's root cause from its report.json (agent/report.py `JobReport.root_cause`): the last
+    round end that was not a success, and the last line its worker wrote to stderr or raised."""
+    attempts = (report or {}).get("attempts")
+    for attempt in reversed(attempts if isinstance(attempts, list) else []):
+        end = attempt.get("end") if isinstance(attempt, dict) else None
+        if not isinstance(end, dict) or end.get("kind") == "succeeded" or not isinstance(end.get("detail"), str):
+            continue
+        info = end["info"] if isinstance(end.get("info"), dict) else {}
+        traceback, tail = info.get("traceback"), info.get("stderr_tail")
+        lines = traceback.splitlines() if isinstance(traceback, str) else tail if isinstance(tail, list) else []
+        last = [line.strip() for line in lines if isinstance(line, str) and line.strip()]
+        return printable(end["detail"][:MAX_TEXT] + (f"; {last[-1][:MAX_TEXT]}" if last else ""), limit=2 * MAX_TEXT)
+    return None
+
+
 def read_endpoint(run_dir: Path) -> dict:
     """What the agent wrote at start (see `announce`), each field of the type it wrote."""
     path = run_dir / ENDPOINT_FILE

@@ -216,6 +216,9 @@ class WorkerOutput:
     stderr_tail: LineTail = field(default_factory=LineTail)
     stderr_file: str | None = None  # set when stderr goes straight to a file (--redirects)
     file_paths: list[str] = field(default_factory=list)  # streams written straight to files
+    # Where the worker's faulthandler writes the stacks the agent asks for (RALLY_STACK_FILE), so
+    # they never reach its console or logs, where they would show a second time beside the report.
+    stack_file: str | None = None
 
     def last_stderr_lines(self, count: int = 20) -> list[str]:
         if self.stderr_file:
@@ -243,6 +246,29 @@ class WorkerOutput:
                 return []
             return [line.decode(errors="replace") for line in data.splitlines()]
         return [line.decode(errors="replace").rstrip("\n") for line in self.stderr_tail.since(mark)]
+
+    def stack_mark(self) -> int:
+        """A position in the worker's stack file (its stderr without one); see `stack_since`."""
+        if self.stack_file:
+            try:
+                return os.path.getsize(self.stack_file)
+            except OSError:
+                return 0
+        return self.stderr_mark()
+
+    def stack_since(self, mark: int) -> list[str]:
+        """The stack dump lines the worker wrote after `mark`."""
+        if not self.stack_file:
+            return self.stderr_since(mark)
+        try:  # the worker's own file: read it as hostile (a FIFO put there never blocks us)
+            fd = open_regular(self.stack_file)
+            try:
+                data = os.pread(fd, 256 * 1024, mark)
+            finally:
+                os.close(fd)
+        except OSError:
+            return []
+        return [line.decode(errors="replace") for line in data.splitlines()]
 
     def last_output_at(self) -> float:
         """Monotonic time of the worker's latest output, on a pipe or in a redirected file."""

@@ -126,6 +126,14 @@ def worker_env(
     return env
 
 
+def stack_file(rank_dir: Path) -> str:
+    """An empty file, this user's only, for the worker's stack dumps (agent/worker_side/bootstrap.py)."""
+    path = rank_dir / "stacks"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    open_for_writing(path).close()
+    return str(path)
+
+
 def virtual_device(local_rank: int, base_env: Mapping[str, str]) -> str:
     """The one GPU a worker sees under --virtual-local-rank (torchrun's mapping)."""
     visible = base_env.get("CUDA_VISIBLE_DEVICES")
@@ -313,6 +321,8 @@ class WorkerGroup:
             if heartbeat:
                 env["RALLY_HEARTBEAT_FILE"] = heartbeat
             output = WorkerOutput()
+            if spec.is_python:
+                output.stack_file = env["RALLY_STACK_FILE"] = stack_file(rank_dir)
             redirect, tee = plan.redirect, plan.tee
             shown = spec.shows_on_console(local_rank)
             tee_prefix = f"[{spec.role}{local_rank}]:".encode()

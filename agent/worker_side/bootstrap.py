@@ -5,7 +5,8 @@ path, not `-m`, so a user package that happens to be called `agent` cannot shado
 the script runs it:
 
 * registers faulthandler on RALLY_STACK_SIGNAL, so the agent can ask a hung worker for the
-  Python stacks of all its threads without the script's help (written to stderr);
+  Python stacks of all its threads without the script's help (written to RALLY_STACK_FILE, a
+  file of the agent's, not to stderr: the agent shows them once, in its report);
 * installs the preemption handler for the signals in RALLY_PREEMPT_SIGNALS, so a forwarded
   SLURM warning signal sets a flag instead of killing a worker that did not ask for it;
 
@@ -42,10 +43,22 @@ def _bind_cpus() -> None:
         apply_from_environment()
 
 
+_stack_file = None  # kept open for faulthandler, which holds only its file descriptor
+
+
 def install_stack_dump() -> None:
+    global _stack_file
     signum = os.environ.get("RALLY_STACK_SIGNAL")
-    if signum:
-        faulthandler.register(int(signum), file=sys.stderr, all_threads=True, chain=False)
+    if not signum:
+        return
+    target = sys.stderr
+    path = os.environ.get("RALLY_STACK_FILE")
+    if path:
+        try:
+            target = _stack_file = open(path, "a")  # noqa: SIM115 - lives as long as the worker
+        except OSError:
+            pass  # stderr, as before: the stacks then also show among the worker's output
+    faulthandler.register(int(signum), file=target, all_threads=True, chain=False)
 
 
 def install_preemption_handler() -> None:

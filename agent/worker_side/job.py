@@ -4,7 +4,7 @@ Import it as `from rally import job`. Importing is cheap and never imports torch
 template process and scripts that only need `context` or `heartbeat` should not pay
 two seconds for it. Torch is imported inside `save` and `load_latest`.
 
-Environment (all optional; outside a launcher the job is rank 0 of 1)::
+Environment (all optional; outside a launcher the job is rank 0 of 1):
 
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
     GROUP_RANK, GROUP_WORLD_SIZE                   torchrun's names, set by rally and torchrun
@@ -51,7 +51,7 @@ from rally.agent.checkpoint.core.checkpoint_file import Checkpoint  # part of th
 from rally.agent.checkpoint.core.client import WHOLE_STATE_KEY, CheckpointRefused  # noqa: F401 - part of this module's API
 from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.sharded import files as dcp_files
-from rally.agent.worker_side import heartbeat_file, memory_only
+from rally.agent.worker_side import heartbeat_file, memory_only, process_memory
 from rally.agent.worker_side.preemption_flag import install_preemption_handler, on_preempt, preempted  # noqa: F401 - part of this module's API
 
 if TYPE_CHECKING:  # torch is the worker's, imported when used
@@ -72,7 +72,21 @@ More than one, so that a newest file damaged after it was written still leaves a
 
 @dataclass(frozen=True)
 class JobContext:
-    """Where this worker sits in the job, read from the launcher's environment by `context`."""
+    """Where this worker sits in the job, as `context()` reads it from the launcher's environment.
+
+    Attributes:
+        rank: The global rank (`RANK`), 0 to `world_size - 1`.
+        local_rank: The rank on this node (`LOCAL_RANK`).
+        world_size: Workers in the job (`WORLD_SIZE`).
+        local_world_size: Workers on this node (`LOCAL_WORLD_SIZE`).
+        group_rank: This node's rank (`GROUP_RANK`).
+        group_world_size: Nodes in the job (`GROUP_WORLD_SIZE`).
+        restart_count: Restarts so far (`TORCHELASTIC_RESTART_COUNT`).
+        max_restarts: The job-wide restart budget (`TORCHELASTIC_MAX_RESTARTS`).
+        run_id: The job's run id (`TORCHELASTIC_RUN_ID`), "local" outside a launcher.
+        checkpoint_dir: `RALLY_CHECKPOINT_DIR` (rally's `--checkpoint-dir`), or None.
+        preempt_signals: The signals rally forwards as a preemption warning.
+    """
 
     rank: int
     local_rank: int
@@ -93,10 +107,23 @@ class JobContext:
 
 
 def context() -> JobContext:
-    """Read the job context from the environment; defaults describe a single process (rank 0 of 1).
+    """Where this worker sits in the job: rank, world size, restart count, checkpoint directory.
 
-    Read afresh on each call (a few microseconds), so a forked worker sees its own environment.
-    Raises `ValueError` with a one-line reason when a variable is malformed.
+    Read afresh from the environment on each call (a few microseconds), so a forked worker sees its
+    own. Outside a launcher the defaults describe a single process, rank 0 of 1.
+
+    Returns:
+        The worker's `JobContext`.
+
+    Raises:
+        ValueError: A variable is malformed (e.g. `RANK=x`); the message names it.
+
+    Examples:
+        >>> from rally import job
+        >>> ctx = job.context()
+        >>> if ctx.rank == 0:
+        ...     print(f"rank 0 of {ctx.world_size}, restart {ctx.restart_count}")
+        rank 0 of 1, restart 0
     """
     ckpt_dir = os.environ.get(CHECKPOINT_DIR_ENV, "")
     return JobContext(
@@ -155,55 +182,78 @@ def _env_int(name: str, default: int) -> int:
 
 
 class CheckpointDirNotSet(RuntimeError):
-    """save/load_latest were called without a checkpoint directory."""
+    """`save` or `load_latest` needed a checkpoint directory and there is none.
+
+    Whole states never need one (the node's memory under rally, the process's memory under torchrun
+    or plain python); a sharded (DTensor) state under rally does, and so does a node with no room
+    in memory. See [Troubleshooting](troubleshooting.md#checkpoint-dir-not-set).
+    """
 
 
 def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None = None) -> Path | None:
-    """Checkpoint `state` as `step`; return the path it is (or will be) durable at on rank 0, else `None`.
-    A DTensor (FSDP2) state, or `sharded=True`: every rank saves its shards
-    (`rally.agent.checkpoint.sharded.storage.save`).
+    """Checkpoint `state` as `step`, at memory speed under rally.
 
-    Under rally (the agent runs a memory tier, see docs/architecture.md) the call returns as soon
-    as the state is copied into node-local shared memory, which the agent's holder process owns:
-    a memory copy's time, not a disk write's. The tensors an optimizer owns (parameters, its
-    state) are copied on a thread while the next step computes, and every optimizer's `step()`
-    waits for that copy first: change saved tensors outside an optimizer only after
-    `wait_saved` (a change seen meanwhile discards that step's copy, with one warning line;
-    "Overlapped saves" in docs/checkpoints.md). The holder then writes it to the checkpoint
-    directory in the background, in the same format, atomically, and keeps the newest `keep`
-    files, so training steps on while the disk works. A save while the previous one is still
-    being written never waits for it. `durable_steps` says which steps are on disk.
-    Local rank 0 of each node makes the node's copy (so a restarted worker on any surviving node
-    reloads from memory); only global rank 0's copy is written to disk. A save from a worker of a
-    round that is over is refused (`CheckpointRefused`). Should /dev/shm be too small, the
-    agent says so once and every save is written straight to disk, as below.
+    Under rally the call returns once the state is copied into the node's shared memory, owned by
+    the agent's holder process; a restarted worker reloads it from there in milliseconds. With
+    `--checkpoint-dir` the holder also writes it to disk in the background (the newest one at a
+    time, atomically, keeping the newest `keep`); `durable_steps` says which steps are on disk.
+    Without one, the copy stays in memory for restarts within the job, and rank 0 says so once.
+    The tensors an optimizer owns are copied while the next step computes, and each optimizer's
+    `step()` waits for that copy: change saved tensors some other way only after `wait_saved`.
 
-    Under rally without a checkpoint directory (no `--checkpoint-dir`) the copy stays in the
-    memory tier only: restarts within the job resume from it, nothing is written, and rank 0 says
-    so once. Returns `None` then.
+    Without rally's memory tier (torchrun, plain python) and with `RALLY_CHECKPOINT_DIR`, global
+    rank 0 writes the file itself: `torch.save` to a temporary file with a footer (length, step, a
+    MAC of every byte), fsync, rename over `step_<step>.pt`. A crash at any moment leaves the old
+    set of checkpoints, or the old set plus the new complete one.
 
-    Without rally's memory tier (torchrun, plain python) only global rank 0 writes, directly:
-    `torch.save` into a temporary file in the same directory, a footer with the payload's
-    length, the step and a MAC of every byte (see `rally.agent.checkpoint.core.checkpoint_file`),
-    flush and fsync, rename over `step_<step:012d>.pt`, fsync the directory. A crash at any
-    moment, even SIGKILL or power loss, leaves either the old set of checkpoints or the old set
-    plus the new complete one.
+    Without the memory tier and without `RALLY_CHECKPOINT_DIR`, each rank keeps a copy of its
+    newest save in its own memory for as long as the process lives, and rank 0 says so once;
+    nothing is written, and a new process (torchrun's restart) starts from scratch on every rank
+    alike. Not a default directory: that would write where nobody chose, and on nodes without a
+    shared working directory rank 0 would resume from a step the others cannot see. A sharded
+    state is not kept then (one line says so).
 
-    The caller is expected to hold the same state on every rank (as DDP guarantees for model and
-    optimizer), so one copy speaks for all. Call it from every rank at the same step anyway: that
-    is harmless and keeps the script free of rank checks.
+    Call it on every rank at the same step: the state is expected to be the same on every rank (as
+    DDP keeps it), so one copy speaks for all and the script needs no rank check. A DTensor (FSDP2)
+    state is saved by every rank, each its shards ([Sharded states](checkpoints.md)).
 
-    Several savers may share a directory (a straggler from an earlier round, two jobs, threads):
-    each locks its temporary file while writing, and a temporary file is deleted by the next
-    `save` only once its writer is dead. After the new checkpoint is durable, older checkpoints
-    are deleted but for the newest `keep - 1` of them (`keep` defaults to RALLY_CHECKPOINT_KEEP,
-    else 3), so a single saver keeps the newest `keep`; files newer than the one just written
-    (a concurrent saver's, or damaged ones this job resumed past) are left alone.
+    Several savers may share a directory (a straggler of an earlier round, two jobs): each locks
+    its temporary file, and a temporary file is removed only once its writer is dead. Older
+    checkpoints are deleted after the new one is durable, never files newer than it.
+
+    Args:
+        state: What to save: any picklable object of tensors, numbers, strings and containers, e.g.
+            `{"model": model.state_dict(), "opt": opt.state_dict()}`.
+        step: The training step, an int >= 0; `load_latest` returns the newest.
+        keep: How many checkpoints to keep on disk (default `RALLY_CHECKPOINT_KEEP`, else 3).
+        sharded: Save per rank through torch.distributed.checkpoint; default: when `state` holds
+            DTensors.
+
+    Returns:
+        On global rank 0, the path the checkpoint is (or will be) durable at; None on the other
+        ranks, and without a checkpoint directory.
+
+    Raises:
+        CheckpointDirNotSet: A sharded state under rally without `--checkpoint-dir`, or no room in
+            the node's memory and no directory.
+        CheckpointRefused: The save came from a worker of a round that is over, or the memory tier's
+            holder is not this node's.
+        ValueError: `step` < 0 or `keep` < 1.
+
+    Examples:
+        >>> for step in range(start, steps):
+        ...     train_one_step(step)
+        ...     if step % 100 == 0 or job.preempted():
+        ...         job.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
     """
     ctx = context()
     resume_prefetch.discard()  # a reload the script did not make: its mapping is let go
     overlap.settle()  # the previous save, if its copy is in flight: published before anything else is saved
-    if sharded if sharded is not None else dcp_files.holds_shards(state):
+    is_sharded = sharded if sharded is not None else dcp_files.holds_shards(state)
+    if ctx.checkpoint_dir is None and _memory_tier(ctx) is None and not memory_only.tier_lost():
+        _save_in_process(ctx, state, step, is_sharded)  # torchrun, plain python: no agent, no directory
+        return None
+    if is_sharded:
         from rally.agent.checkpoint.sharded import storage as dcp_storage  # imports torch.distributed.checkpoint
 
         return dcp_storage.save(state, _require_dir(ctx, sharded=True), step, _resolve_keep(keep))
@@ -237,31 +287,42 @@ def save(state: Any, step: int, *, keep: int | None = None, sharded: bool | None
 def load_latest(
     map_location: MAP_LOCATION = "cpu", *, weights_only: bool = True, into: dict[str, Any] | None = None
 ) -> Checkpoint | None:
-    """Load the newest checkpoint every rank can load, or return `None` when there is none; call it on every rank.
-    `into` (FSDP2: `get_state_dict(model, opt)`): loaded in place, resharded
-    (`rally.agent.checkpoint.sharded.storage.load_newest`).
+    """The newest checkpoint every rank can load, or None when there is none.
 
-    Under rally's memory tier every rank resumes from the step the round agreed on: the newest
-    step that every node holds in memory or that is intact on disk. A worker restarted on a
-    surviving node maps it straight from the node's shared memory (`torch.load(mmap=True)`, no
-    copy until the script copies the tensors into its model); the others read it from disk.
-    `Checkpoint.source` says which.
+    Call it on every rank, before the first collective. Under rally every rank resumes from the
+    step the round agreed on: the newest that every node holds in memory or that is intact on disk.
+    A worker restarted on a surviving node maps it from the node's memory (no copy until the script
+    copies the tensors); the others read it from disk. On disk a file is intact when its footer's
+    length and MAC match: a damaged newest file is skipped with a warning and the next older one is
+    tried, the same on every rank. Rank 0 says in one line where it resumes from. Without the
+    memory tier and without `RALLY_CHECKPOINT_DIR` (torchrun, plain python): this process's newest
+    `save` (`source` "process memory"), else None.
 
-    On disk a file is intact when its footer's length and MAC match (see
-    `rally.agent.checkpoint.core.checkpoint_file`); a damaged newest file (truncated, garbage, empty,
-    unreadable) is skipped with a warning and the next older one is tried. The verdict depends on
-    the bytes alone, so every rank skips the same files and resumes from the same step, and the
-    agent's crash-loop check (`newest_checkpoint_step`) counts the same step. All ranks must
-    see the same directory and should call this before the first collective. The file is mapped
-    (`torch.load(mmap=True)`) and read once, for its MAC; the tensors are read from the page cache
-    when the script copies them.
-    `weights_only=True` (torch's safe loader) accepts tensors, numbers, strings and containers,
-    which covers model and optimizer state dicts; pass `False` for trusted arbitrary pickles.
-    An intact file that torch cannot load is not skipped: the error is raised, the same on every
-    rank. Rank 0 logs one line: where it resumes from, or that it starts from scratch.
+    Args:
+        map_location: Where tensors go, as for `torch.load` (default "cpu").
+        weights_only: torch's safe loader (tensors, numbers, strings, containers: what state dicts
+            hold); False for trusted arbitrary pickles.
+        into: For sharded (FSDP2) states: the state dict to load into, in place and resharded
+            (`get_state_dict(model, opt)`).
+
+    Returns:
+        A `Checkpoint` (`step`, `state`, `path`, `source`: "memory", "disk" or "process memory"), or None.
+
+    Raises:
+        CheckpointDirNotSet: `into` (a sharded state) under rally without `--checkpoint-dir`.
+        CheckpointRefused: The memory tier's holder is not this node's.
+
+    Examples:
+        >>> ckpt = job.load_latest()  # None the first time
+        >>> start = ckpt.step + 1 if ckpt else 0
+        >>> if ckpt:
+        ...     model.load_state_dict(ckpt.state["model"])
+        ...     opt.load_state_dict(ckpt.state["opt"])
     """
     ctx = context()
     memory = _memory_tier(ctx)
+    if ctx.checkpoint_dir is None and memory is None and not memory_only.tier_lost():
+        return _load_in_process(ctx, map_location, weights_only, into)  # torchrun, plain python: no agent, no directory
     if memory is not None:
         overlap.install_fence()  # before the first step: the optimizers are known by the first save
     if ctx.checkpoint_dir is None and memory is not None and into is None:
@@ -348,18 +409,54 @@ def _load_from_memory_only(
     return _from_memory(ctx, None, *found)
 
 
-def wait_saved() -> None:
-    """Wait until the last `save` is done with the state's tensors; call it before changing saved
-    tensors in place outside an optimizer's `step()`.
+def _save_in_process(ctx: JobContext, state: object, step: int, sharded: bool) -> None:
+    """Neither an agent's memory tier nor a directory: the newest save stays in this process
+    (agent/worker_side/process_memory.py says why this and not a default directory)."""
+    if sharded:
+        process_memory.tell_once(process_memory.SHARDED_LINE, ctx.is_rank0, _log)
+        return
+    if step < 0:
+        raise ValueError(f"rally: checkpoint step must be >= 0, got {step}")
+    process_memory.tell_once(process_memory.LINE, ctx.is_rank0, _log)
+    process_memory.save(state, step)
 
-    Under rally's memory tier `save` returns before the tensors an optimizer owns are copied:
-    their copy runs while the next step's forward and backward compute, and every optimizer's
-    `step()` waits for it first (see "Overlapped saves" in docs/checkpoints.md). A script that
-    writes into those tensors some other way (`p.mul_(0.5)`, `load_state_dict`, a manual
-    update) before the next `optimizer.step()` calls this first; otherwise that step's copy is
-    found torn and discarded (one warning line; the previous checkpoint stays). Returns at once
-    when no copy is in flight; costs nothing outside rally. Raises `CheckpointRefused` when
-    the holder refused the save's commit (this worker's round is over).
+
+def _load_in_process(
+    ctx: JobContext, map_location: MAP_LOCATION, weights_only: bool, into: dict[str, Any] | None
+) -> Checkpoint | None:
+    if into is not None:
+        process_memory.tell_once(process_memory.SHARDED_LINE, ctx.is_rank0, _log)
+        return None
+    process_memory.tell_once(process_memory.LINE, ctx.is_rank0, _log)
+    found = process_memory.load(map_location, weights_only)
+    if found is None:
+        if ctx.is_rank0:
+            _log("no checkpoint, starting from scratch")
+        return None
+    step, state = found
+    if ctx.is_rank0:
+        _log(f"resuming from step {step} (from this process's memory)")
+    path = Path(memory_only.NO_DIRECTORY) / f"step_{step:012d}.pt"
+    return Checkpoint(step=step, state=state, path=path, source=process_memory.SOURCE)
+
+
+def wait_saved() -> None:
+    """Wait until the last `save` is done with the state's tensors.
+
+    Under rally's memory tier `save` returns before the tensors an optimizer owns are copied; the
+    copy runs while the next step computes, and each optimizer's `step()` waits for it. A script
+    that changes those tensors some other way (`p.mul_(0.5)`, `load_state_dict`) before the next
+    `optimizer.step()` calls this first; otherwise that step's copy is found torn and discarded,
+    with one warning line ("Overlapped saves" in [Checkpoints](checkpoints.md)). Returns at once
+    when no copy is in flight, and outside rally.
+
+    Raises:
+        CheckpointRefused: The holder refused the save's commit (this worker's round is over).
+
+    Examples:
+        >>> job.save({"model": model.state_dict()}, step)
+        >>> job.wait_saved()
+        >>> model.load_state_dict(averaged)  # safe: the copy is done
     """
     overlap.settle()
 
@@ -367,9 +464,22 @@ def wait_saved() -> None:
 def durable_steps(directory: str | os.PathLike[str] | None = None) -> list[int]:
     """The steps whose checkpoint files are complete on disk, oldest first.
 
-    `save` returns before the disk write under rally's memory tier; this says which steps a
-    lost node, a lost job or a new job would find. Cheap: it checks each file's footer and
-    length, not its MAC (`load_latest` does that). `directory` defaults to the job's.
+    Under rally's memory tier `save` returns before the disk write; this says which steps a lost
+    node, a lost job or a new job would find. Cheap: it checks each file's footer and length, not
+    its MAC (`load_latest` does).
+
+    Args:
+        directory: The checkpoint directory; default: the job's (`RALLY_CHECKPOINT_DIR`).
+
+    Returns:
+        The steps, oldest first; empty when none is complete.
+
+    Raises:
+        CheckpointDirNotSet: No `directory` and no job checkpoint directory.
+
+    Examples:
+        >>> job.durable_steps()
+        [100, 200, 300]
     """
     found = checkpoint_dir.list_checkpoints(Path(directory) if directory is not None else _require_dir(context()))
     return [step for step, path in found if checkpoint_file.is_complete(path)]
@@ -411,15 +521,20 @@ def _resolve_keep(keep: int | None) -> int:
 
 
 def heartbeat(step: int | None = None) -> None:
-    """Tell the agent this worker is making progress; call it once per step. Costs about a microsecond.
+    """Tell the agent this worker is making progress; call it once per step.
 
-    `step` (optional, an int >= 0) is the training step just finished: the agent turns the steps
-    and their times into per-rank step times and names a rank that is persistently slower than the
-    others (a straggler, see --straggler-factor). `heartbeat()` without a step works as before.
+    It costs about a microsecond, never blocks and never imports torch: it writes a counter, the
+    time and the step into the file rally mapped for this worker. rally turns the beats into the
+    hang verdict (`--heartbeat-timeout`) and the steps into per-rank step times, which name a rank
+    that stays slower than the others (a straggler). Outside rally it does nothing.
 
-    The first call maps RALLY_HEARTBEAT_FILE (see `rally.agent.worker_side.heartbeat_file`); later calls write a
-    counter, `time.monotonic_ns()` and the step into it. Without that variable (torchrun, a plain
-    `python script.py`) every call is a no-op. Never imports torch, never blocks.
+    Args:
+        step: The training step just finished (an int >= 0), for step times; optional.
+
+    Examples:
+        >>> for step in range(steps):
+        ...     train_one_step(step)
+        ...     job.heartbeat(step)
     """
     _beat(step)
     overlap.settle_if_copied()  # an overlapped save whose copy is done: published now, not at the next step
@@ -427,19 +542,26 @@ def heartbeat(step: int | None = None) -> None:
 
 @contextlib.contextmanager
 def section(name: str, timeout: float | None = None) -> Iterator[None]:
-    """Mark a named part of the work (`"setup"`, `"step"`, `"checkpoint"`) with its own timeout.
+    """Mark a named part of the work ("setup", "step", "checkpoint"), with its own timeout.
 
-    Inside a section with a `timeout` (seconds), the agent's --startup-timeout,
-    --heartbeat-timeout and --silence-timeout are suspended and the section's own deadline holds
-    instead: a checkpoint save that takes 5 minutes is not a hang, and one that is still running
-    after `timeout` seconds is reported as "hung in section 'checkpoint' for 612 s", with the
-    worker's stacks, and the job restarts as for any hang. Without a `timeout` the section only
-    names where the worker is, and a hang report says which section it was in.
+    Inside a section with a `timeout`, the agent's `--startup-timeout`, `--heartbeat-timeout` and
+    `--silence-timeout` are suspended and the section's deadline holds instead: a save that takes 5
+    minutes is not a hang, and one still running after `timeout` seconds is reported as "hung in
+    section 'checkpoint' for 612 s" with its stacks. Without a `timeout` a section only names where
+    the worker is, which a hang report then says. Sections nest (an inner one without a timeout is
+    `outer/inner` and keeps the outer deadline); entering or leaving one counts as a sign of life.
+    Use it from the training loop's thread. Outside rally it does nothing.
 
-    Sections nest: an inner section without a timeout is named `outer/inner` and keeps the outer
-    deadline; an inner one with a timeout has its own. Entering or leaving a section counts as a
-    sign of life for --startup-timeout and --heartbeat-timeout. Use it from the training loop's
-    thread only. Outside rally (no RALLY_HEARTBEAT_FILE) it does nothing.
+    Args:
+        name: What the worker is doing, shown in hang reports and `rally status`.
+        timeout: Seconds the section may take, or None for no deadline of its own.
+
+    Raises:
+        ValueError: `timeout` is not a positive number of seconds.
+
+    Examples:
+        >>> with job.section("checkpoint", timeout=600):
+        ...     job.save({"model": model.state_dict()}, step)
     """
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise ValueError(

@@ -16,10 +16,19 @@ _in_callbacks = False
 
 
 def preempted() -> bool:
-    """True once a preemption signal (see `install_preemption_handler`) has arrived.
+    """Whether a preemption warning has arrived: save a checkpoint and exit when it turns true.
 
-    Check it in the training loop: save a checkpoint and exit when it turns true, because the
-    scheduler will kill the job soon.
+    rally forwards its `--preemption-signals` (SIGUSR1, SIGUSR2: SLURM's time-limit and preemption
+    warnings) to the workers, where rally's bootstrap turns them into this flag instead of killing
+    the worker; the workers then have `--preemption-grace` seconds to save ([SLURM](slurm.md)).
+
+    Returns:
+        True once such a signal has arrived in this worker; it stays true.
+
+    Examples:
+        >>> if job.preempted():
+        ...     job.save({"model": model.state_dict()}, step)
+        ...     sys.exit(0)
     """
     return _preempted
 
@@ -27,13 +36,17 @@ def preempted() -> bool:
 def on_preempt(callback: Callable[[int], object]) -> None:
     """Call `callback(signum)` each time a preemption signal arrives.
 
-    Callbacks run like any Python signal handler: in the main thread, between two bytecodes of
-    whatever it was doing (possibly in the middle of a training step or inside a collective).
-    So keep them short and do not start collectives or write checkpoints from them; set a flag or
-    log a line, and let the loop act on `preempted`. An exception from a callback is printed
-    to stderr and swallowed, so it cannot kill training at a random point. A signal that arrives
-    while callbacks are running sets the flag but does not run them again re-entrantly.
-    Callbacks registered after a signal are not called for that past signal.
+    Callbacks run as Python signal handlers do: in the main thread, between two bytecodes of
+    whatever it was doing, possibly inside a collective. Keep them short: set a flag or log a line,
+    and let the loop act on `preempted()`; never start a collective or a save from one. An exception
+    from a callback is printed to stderr and swallowed. Callbacks registered after a signal are not
+    called for that past signal.
+
+    Args:
+        callback: Called with the signal's number.
+
+    Examples:
+        >>> job.on_preempt(lambda signum: print(f"got signal {signum}; saving at the next step"))
     """
     _preempt_callbacks.append(callback)
 

@@ -64,9 +64,17 @@ class DamagedCheckpoint(Exception):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint found by `rally.job.load_latest`: the step it was saved at, its state, its
-    file on disk (where it is or will be durable) and where it was read from. Defined here, not in
-    job.py, so that dcp_storage (which job.py imports when asked) need not import job.py."""
+    """A checkpoint that `rally.job.load_latest` found.
+
+    Defined here, not in job.py, so that the sharded storage (which job.py imports when asked) need
+    not import job.py.
+
+    Attributes:
+        step: The step it was saved at.
+        state: What was saved.
+        path: Its file on disk, where it is or will be durable.
+        source: "memory" when mapped from the node's shared memory, "disk" when read from `path`.
+    """
 
     step: int
     state: Any

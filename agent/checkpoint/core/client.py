@@ -75,7 +75,12 @@ REPLY_TIMEOUT = 60.0
 
 
 class CheckpointRefused(RuntimeError):
-    """The holder refused a save, e.g. from a worker of a round that is over."""
+    """rally refused a save or a load: the message says why, on one line.
+
+    Raised when a worker of a round that is over saves (its checkpoint would mix with the new
+    round's), or when the memory tier's socket is not the one this node's agent made. See
+    [Troubleshooting](troubleshooting.md#checkpoint-refused).
+    """
 
 
 @dataclass(frozen=True)
