@@ -67,7 +67,7 @@ def build_launch(
         token = resolve_token(
             conf["token"],
             conf["token_file"],
-            r.standalone or one_local_node(endpoint, settings.max_nodes),
+            r.standalone,
             slurm_job.job_id if slurm_job else None,
             warnings,
         )
@@ -94,14 +94,16 @@ def build_launch(
         connect_timeout=conf["join_timeout"],
         read_timeout=conf["read_timeout"],
         token=token,
+        own_token_when_hosted=one_local_node(endpoint, settings.max_nodes),
     )
     return Launch(spec, plan, notes, warnings, token if conf["token"] or conf["token_file"] else "")
 
 
 def one_local_node(endpoint: StoreEndpoint, max_nodes: int) -> bool:
     """A job that can only ever have one node, on a c10d store of this machine: like --standalone,
-    no other agent needs its token, so it gets a random one (rendezvous/base/token.py), and a local user
-    who reaches the store's port cannot forge its records (its end: "job succeeded", exit 0)."""
+    no other agent needs its token, so when its agent hosts the store it signs with a random one
+    (rendezvous/plan.py), and a local user who reaches the port cannot forge its end ("job
+    succeeded", exit 0)."""
     if max_nodes != 1 or endpoint.etcd or endpoint.file_path:
         return False
     return endpoint.host_here or is_loopback_name(endpoint.host)

@@ -12,9 +12,9 @@ The envelope also names the key a value was signed for, so a genuine value copie
 Where the token comes from, first match wins (`resolve_token`):
   1. `--rdzv-conf token=SECRET` or `--rdzv-conf token_file=PATH` (the file's first line);
   2. the RALLY_JOB_TOKEN environment variable;
-  3. `--standalone`, or any job that can only ever have one node on a store of this machine (max
-     nodes 1, c10d on a loopback or local endpoint: launcher/config.py): a fresh random token, as
-     the store serves this one agent only and a local user must not forge its end;
+  3. `--standalone`: a fresh random token (the store is private to this one agent); the same for
+     a job that can only ever have one node on a c10d store of this machine that its agent hosts
+     itself (rendezvous/plan.py `own_token_when_hosted`), so that a local user cannot forge its end;
   4. inside a SLURM job: HMAC(per-user secret, SLURM_JOB_ID). The per-user secret is
      `~/.rally/secret`, created on first use with mode 0600 in a 0700 directory, so only the
      user's own processes can read it; a job's nodes share it through the (usually shared)
@@ -56,6 +56,10 @@ class Signer:
         """`verify=False` only strips the envelope (for `rally status` without the token)."""
         self._key = token.encode()
         self.verify = verify
+
+    def adopt(self, token: str) -> None:
+        """Sign and verify with `token` from now on (rendezvous/plan.py: a one-node job's own store)."""
+        self._key = token.encode()
 
     def _mac(self, key: str, payload: bytes) -> bytes:
         return hmac.new(self._key, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
