@@ -62,7 +62,7 @@ def build_launch(
     notes = list(parsed.notes)
     conf = r.rdzv_conf
     endpoint, settings, preferred_rank = plan_rendezvous(r, spec.run_id, slurm_job)
-    warnings = check_job_paths(spec, conf)  # before a secret file is read
+    warnings = list(parsed.warnings) + check_job_paths(spec, conf)  # paths before a secret file is read
     try:
         token = resolve_token(
             conf["token"],
@@ -81,11 +81,6 @@ def build_launch(
         )
     # Node rank 0 of a static job is, by definition, reachable at the master address.
     static_master = endpoint.host if backend_named(endpoint.backend).static_ranks and endpoint.host_here else None
-    if any(spec.tee.values()) and spec.prefix_output and not spec.torchrun_prefix:
-        notes.append(
-            f"--tee: console lines keep rally's [rank] prefix; --torchrun-prefix shows torchrun's ([{spec.role}0]: "
-            "on tee'd streams, none on the others)"
-        )
     plan = RendezvousPlan(
         endpoint=endpoint,
         settings=settings,

@@ -60,6 +60,8 @@ class RawOptions(Protocol):
     def checkpoint_dir_shared(self) -> object: ...
     @property
     def no_preflight(self) -> object: ...
+    @property
+    def torchrun_prefix(self) -> object: ...
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Parsing:
     done: dict[str, Any] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # told as `rally: warning:` lines; the job runs
 
     def parsed(self, name: str) -> Any:
         """The checked value of an option declared before this one."""
@@ -115,9 +118,22 @@ def as_bool(value: object, parsing: Parsing) -> bool:
     return bool(value)
 
 
-def negated(value: object, parsing: Parsing) -> bool:
-    """--no-prefix fills JobSpec.prefix_output."""
-    return not value
+def no_prefix(value: object, parsing: Parsing) -> bool:
+    """--no-prefix (or the deprecated --torchrun-prefix, which meant the same console) fills
+    JobSpec.prefix_output."""
+    return not (value or parsing.options.torchrun_prefix)
+
+
+def deprecated_torchrun_prefix(value: object, parsing: Parsing) -> bool:
+    """--torchrun-prefix asked for torchrun's header on --tee'd lines and nothing on the other
+    streams. The header is now the default, so it is kept only as --no-prefix under its old name:
+    scripts and config files that give it still run and print exactly what they printed."""
+    if value:
+        parsing.notes.append(
+            "--torchrun-prefix is deprecated: --tee'd lines carry torchrun's prefix by default; "
+            "it now means --no-prefix (no [rank] on the other streams)"
+        )
+    return bool(value)
 
 
 def seconds(zero_ok: bool, minimum: float = 0.0, unset: float | None = None) -> Check:
@@ -282,7 +298,7 @@ def run_id(value: object, parsing: Parsing) -> str:
 
 
 def rdzv_conf(value: object, parsing: Parsing) -> dict[str, Any]:
-    conf = values.parse_rdzv_conf(given_text(value) or "")
+    conf = values.parse_rdzv_conf(given_text(value) or "", parsing.warnings)
     validate.check_rdzv_conf(conf)
     return conf
 
@@ -418,7 +434,13 @@ def metrics_port(value: object, parsing: Parsing) -> int | None:
 
 
 def metrics_addr(value: object, parsing: Parsing) -> str:
-    return str(value or "0.0.0.0").strip("[]")
+    return str(value or "127.0.0.1").strip("[]")
+
+
+def log_line_prefix_template() -> str | None:
+    """JobSpec.log_line_prefix_template: $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, which torchrun
+    reads (torch/distributed/run.py) instead of a flag; empty is unset, as there."""
+    return os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
 
 
 def python_exec() -> str:

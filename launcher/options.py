@@ -72,6 +72,7 @@ class Parsed:
     spec: JobSpec
     rendezvous: RendezvousOptions
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)
 
 
 # JobSpec's fields that no option fills, and where they come from instead.
@@ -81,6 +82,7 @@ NOT_AN_OPTION = {
     "python_exec": "$PYTHON_EXEC (option_checks.python_exec)",
     "rally_version": "launcher/__init__.py's __version__",
     "cwd": "the working directory (the agent's own)",
+    "log_line_prefix_template": "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (option_checks.log_line_prefix_template)",
 }
 
 
@@ -328,14 +330,16 @@ class Options:
     no_prefix: bool = option(
         False,
         "rally extras",
-        "Do not prefix worker output lines with their rank.",
-        check=checks.negated,
+        "No [rank] prefix on the worker streams torchrun does not tee (--tee'd lines keep torchrun's [role0]:).",
+        check=checks.no_prefix,
         fills="prefix_output",
     )
     torchrun_prefix: bool = option(
         False,
         "rally extras",
-        "Worker console lines as torchrun shows them: [role<local rank>]: on --tee'd streams, none on the others.",
+        "Deprecated: --tee'd lines carry torchrun's prefix by default; this now means --no-prefix.",
+        check=checks.deprecated_torchrun_prefix,
+        read_by="no_prefix",
     )
     quiet: bool = option(
         False, "Logs and output", "Show only rally's own lines on the console, not the workers' output."
@@ -418,8 +422,8 @@ class Options:
     metrics_addr: str = option(
         spec_default("metrics_addr"),
         "Health",
-        "Address the metrics endpoint listens on (default every interface, as node_exporter; 127.0.0.1 keeps "
-        "it on this host).",
+        "Address the metrics endpoint listens on (default 127.0.0.1, this host only; 0.0.0.0, or one "
+        "interface's address, lets a Prometheus on another machine scrape it).",
         metavar="ADDR",
         check=checks.metrics_addr,
     )
@@ -542,10 +546,11 @@ class Options:
             entrypoint=script or "",
             args=tuple(args),
             python_exec=checks.python_exec(),
+            log_line_prefix_template=checks.log_line_prefix_template(),
             rally_version=__version__,
             **spec,
         )
-        return Parsed(job, RendezvousOptions(**rendezvous), p.notes)
+        return Parsed(job, RendezvousOptions(**rendezvous), p.notes, p.warnings)
 
     @classmethod
     def of(cls, given: Mapping[str, Any], where: str = "rally.launch") -> Options:

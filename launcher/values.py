@@ -67,30 +67,56 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+def gpu_driver_present() -> bool:
+    """A GPU driver is installed (NVIDIA's /dev/nvidiactl or nvidia-smi, AMD's /dev/kfd). Without
+    one torch finds no GPU, whatever CUDA_VISIBLE_DEVICES lists: saying so costs no torch import."""
+    return Path("/dev/nvidiactl").exists() or Path("/dev/kfd").exists() or shutil.which("nvidia-smi") is not None
+
+
 def visible_gpu_count() -> int:
-    """GPUs this process may use, without importing torch when the answer is obvious."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    if not shutil.which("nvidia-smi") and not Path("/dev/nvidiactl").exists():
+    """GPUs this process may use, counted as torchrun counts them (torch.cuda.device_count() when
+    torch.cuda.is_available()): only devices that exist, which CUDA_VISIBLE_DEVICES narrows but
+    never adds to. torch is imported only on a node with a GPU driver."""
+    if not gpu_driver_present():
         return 0
     try:
         import torch
 
-        return torch.cuda.device_count()
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # a broken driver means no usable GPU
         return 0
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: taskset, cgroup cpusets), as torch's
+    cpu_count, which torchrun's `cpu` and `auto` use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def accelerator_count() -> int:
+    """`auto`'s devices, as torch.accelerator counts them: CUDA (or ROCm) GPUs, else XPUs (asked of
+    torch only where a GPU's device files are), else none."""
+    gpus = visible_gpu_count()
+    if gpus or not Path("/dev/dri").exists():
+        return gpus
+    from rally.launcher.worker_flags import xpu_count
+
+    return xpu_count()
+
+
 def parse_nproc(text: str) -> int:
-    """int, `cpu`, `gpu` (error without GPUs), or `auto` (GPUs if any, else CPUs)."""
+    """int, `cpu`, `gpu` (error without GPUs), `xpu` (error without XPUs), or `auto` (the
+    accelerators if any, else CPUs): torchrun's determine_local_world_size."""
     value = str(text).strip().lower()
     if value == "cpu":
-        return os.cpu_count() or 1
+        return usable_cpus()
     if value == "gpu":
         count = visible_gpu_count()
         if count == 0:
-            raise ConfigError("--nproc-per-node gpu: no GPU is visible on this node; use a number, 'cpu' or 'auto'")
+            raise ConfigError(
+                "--nproc-per-node gpu: Cuda is not available (torch finds no GPU on this node, whatever "
+                "CUDA_VISIBLE_DEVICES lists); use a number, 'cpu' or 'auto'"
+            )
         return count
     if value == "xpu":
         from rally.launcher.worker_flags import xpu_count
@@ -102,7 +128,7 @@ def parse_nproc(text: str) -> int:
             )
         return count
     if value == "auto":
-        return visible_gpu_count() or os.cpu_count() or 1
+        return accelerator_count() or usable_cpus()
     try:
         number = int(value)
     except ValueError:
@@ -114,20 +140,38 @@ def parse_nproc(text: str) -> int:
     return number
 
 
-def parse_rdzv_conf(text: str) -> dict[str, Any]:
+def unquoted(text: str) -> str:
+    """`text` stripped of blanks and of quote characters at either end."""
+    return text.strip().strip("'\"").strip()
+
+
+def parse_rdzv_conf(text: str, warnings: list[str] | None = None) -> dict[str, Any]:
+    """torchrun's `K=V,...` (torch's _parse_rendezvous_config splits it the same way), checked.
+
+    Quote characters at either end of a key or a value are taken off, and so are quotes around
+    the whole value (its first key and last value then carry them): shells, YAML-to-argv tools
+    and PyTorch's own launcher test pass `'join_timeout=5,timeout=5'` with the quotes in it.
+    torchrun keeps them, so its backend then sees keys it does not know, which it ignores; rally
+    uses the keys as written. A key rally does not know is ignored as torchrun ignores it, with
+    one line in `warnings` naming the closest known key (a typo then costs a warning, not the
+    job); a value a known key cannot take is an error."""
     conf = dict(RDZV_CONF_DEFAULTS)
-    if not text:
-        return conf
-    for item in str(text).split(","):
+    text = str(text or "")
+    given: set[str] = set()
+    for item in text.split(","):
         if not item.strip():
             continue
         if "=" not in item:
             raise ConfigError(
                 f"--rdzv-conf '{item}' is not KEY=VALUE; e.g. --rdzv-conf join_timeout=60,last_call_timeout=5"
             )
-        key, value = (s.strip() for s in item.split("=", 1))
+        key, value = (unquoted(s) for s in item.split("=", 1))
         if key not in RDZV_CONF_DEFAULTS:
-            raise ConfigError(f"--rdzv-conf: unknown key '{key}'{suggest(key, RDZV_CONF_DEFAULTS)}")
+            if warnings is not None:
+                closest = suggest(key, RDZV_CONF_DEFAULTS)
+                warnings.append(f"--rdzv-conf: unknown key '{key}', ignored as torchrun ignores it{closest}")
+            continue
+        given.add(key)
         if key == "is_host":
             if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                 raise ConfigError(f"--rdzv-conf is_host={value}: use true or false")
@@ -154,10 +198,7 @@ def parse_rdzv_conf(text: str) -> dict[str, Any]:
                 raise ConfigError(f"--rdzv-conf {key}={value}: must be positive")
             conf[key] = number
     if conf["timeout"] is not None:  # torch's name for the same wait; two different values are a mistake
-        if (
-            "join_timeout" in {i.split("=", 1)[0].strip() for i in str(text).split(",")}
-            and conf["join_timeout"] != conf["timeout"]
-        ):
+        if "join_timeout" in given and conf["join_timeout"] != conf["timeout"]:
             raise ConfigError(
                 f"--rdzv-conf: timeout={conf['timeout']:g} and join_timeout={conf['join_timeout']:g} name the same "
                 "wait (how long the job may take to form); give one of them"

@@ -10,7 +10,8 @@ Keys, all under `<r>/` (rendezvous/protocol.py names the forming ones):
     lost/<g>, lost      who declared member g lost (first wins); how many will not come back
     master              the workers' store address (node 0 writes it; it must be node 0's host)
     succeeded/<g>       member g's signed success record; all of them end the round
-    acked, all_acked    how many read the end; the last one sets `all_acked` (the exit barrier)
+    acked/<g>           member g's signed record that it read the job's end; all of them open the
+                        exit barrier (a counter and an `all_acked` flag once did: anyone could set it)
     step_times          node 0's median step times for the straggler check
 """
 
@@ -25,6 +26,7 @@ from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS, RendezvousError
 from rally.rendezvous.base.records import (
     MAX_COUNT,
     Assignment,
+    BarrierMark,
     EndKind,
     NodeInfo,
     RoundEnd,
@@ -45,6 +47,36 @@ class LeasedStore(Protocol):
     def set_leased(self, name: str, value: str, lease: int) -> None: ...
 
     def wait_deleted(self, name: str, timeout: float) -> bool: ...
+
+
+# How often a barrier whose keys all exist, one of them forged, reads them again: the forged key's
+# member overwrites it with its genuine record when it gets there.
+MARK_RECHECK_SECONDS = 0.1
+
+
+def wait_all_marked(store: KeyValueStore, names: list[str], timeout: float) -> bool:
+    """True once every key of `names` (member g's is `names[g]`) holds that member's genuine
+    `BarrierMark`; False after `timeout`. A forged, garbage or replayed value counts as no mark
+    (with one line through `store.on_untrusted` where the agent set it): it is read again until its
+    member overwrites it or the time is up, so nobody without the token can open the barrier."""
+    deadline = time.monotonic() + timeout
+    while True:
+        # wait: slice: the caller's timeout
+        found = store.wait_and_read(names, max(deadline - time.monotonic(), 0.01))
+        if found is None:
+            return False
+        try:
+            for member, name in enumerate(names):
+                BarrierMark.load(opened(found[name]), store.key(name)).check_for(store.key(name), member)
+            return True
+        except UntrustedValue as exc:
+            if store.on_untrusted is not None:
+                store.on_untrusted(f"{exc}; not counted: the barrier waits for that node's own record")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        # wait: short: MARK_RECHECK_SECONDS, within the caller's timeout
+        time.sleep(min(MARK_RECHECK_SECONDS, left))
 
 
 def end_key(round_no: int) -> str:
@@ -152,13 +184,15 @@ class RoundChannel:
         return self.end(RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
 
     def acknowledge_end(self) -> None:
-        if self.store.add(self._key("acked"), 1) >= self.members:
-            self.store.set(self._key("all_acked"), "1")
+        """This node read the job's end: its signed record (the exit barrier counts those)."""
+        mine = self._mine()
+        self.store.set(self._key(f"acked/{mine}"), BarrierMark(self.me.node_id, mine).to_json())
 
     def wait_all_acknowledged(self, timeout: float) -> bool:
-        """The store's host waits here before exiting, so no agent loses the store mid-read."""
+        """The store's host waits here before exiting, so no agent loses the store mid-read. True
+        once every member's signed `acked/<g>` record is there (a forged one opens nothing)."""
         # wait: slice: the caller's timeout
-        return self.store.try_wait([self._key("all_acked")], timeout)
+        return wait_all_marked(self.store, [self._key(f"acked/{g}") for g in range(self.members)], timeout)
 
     # ----------------------------------------------------------------- who is alive
     def keep_alive(self) -> None:

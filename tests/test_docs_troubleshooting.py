@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from support.helpers import run_rally
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "troubleshooting.md"
@@ -140,9 +140,7 @@ def test_every_entry_has_an_anchor_and_the_index_links_them() -> None:
 @pytest.mark.timeout(60)
 def test_rally_help_points_at_the_page() -> None:
     """`rally --help` names the page, which exists: an error's next stop is one command away."""
-    done = subprocess.run(
-        [sys.executable, "-m", "rally", "--help"], capture_output=True, text=True, timeout=50, cwd=REPO
-    )
+    done = run_rally(["--help"], cwd=REPO, timeout=50)
     assert done.returncode == 0, done.stderr
     assert "docs/troubleshooting.md" in done.stdout
     assert PAGE.exists()

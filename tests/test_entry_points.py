@@ -105,3 +105,23 @@ def test_run_path_runs_the_file_as_main_with_the_arguments(tmp_path: Path) -> No
     for record in probe_records(tmp_path, ["--run-path", str(script), *SCRIPT_ARGS]):
         assert record["argv"] == [str(script), *SCRIPT_ARGS]
         assert record["name"] == "__main__"
+
+
+@pytest.mark.timeout(150)
+def test_pet_variables_alone_launch_a_job_and_pet_module_with_pet_no_python_is_refused(tmp_path: Path) -> None:
+    """torchrun's options as PET_* variables only, no flag: PET_NO_PYTHON=1 runs the executable
+    on PET_NPROC_PER_NODE workers under PET_RDZV_ID; PET_MODULE=1 beside it is the same one line
+    and exit 2 as -m with --no-python; PET_MODULE=0 is unset."""
+    write_probe(tmp_path / "run.sh", '#!/bin/sh\ntouch "$PROBE_OUT/$RANK-$TORCHELASTIC_RUN_ID"\n', executable=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    pet = {
+        "PET_NNODES": "1", "PET_NPROC_PER_NODE": "3", "PET_RDZV_ID": "pet7", "PET_MONITOR_INTERVAL": "1",
+        "PET_START_METHOD": "spawn", "PET_NO_PYTHON": "1", "PROBE_OUT": str(out),
+    }  # fmt: skip
+    refused = run_rally(["./run.sh"], cwd=tmp_path, env=clean_env(**pet, PET_MODULE="1"))
+    assert refused.returncode == 2 and "cannot be used together" in refused.stderr, refused.describe()
+    assert os.listdir(out) == [], "nothing started"
+    result = run_rally(["./run.sh"], cwd=tmp_path, env=clean_env(**pet, PET_MODULE="0"))
+    assert result.returncode == 0, result.describe()
+    assert sorted(os.listdir(out)) == ["0-pet7", "1-pet7", "2-pet7"]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from support.helpers import clean_env, read_json_files, run_rally, write_probe
+from support.helpers import clean_env, free_port, read_json_files, run_rally, write_probe
 
 TORCHRUN_INTERNAL = {"TORCHELASTIC_SIGNALS_TO_HANDLE"}
 DIFFERENT_EVERY_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PROBE_ERROR_FILE_REAL"}
@@ -161,3 +161,58 @@ def test_torch_sees_itself_launched_by_torchelastic(tmp_path: Path) -> None:
     result = run_rally(["--standalone", "--nproc-per-node", "1", probe], cwd=tmp_path)
     assert result.returncode == 0, result.describe()
     assert re.search(r"^\[0\] is_torchelastic_launched True$", result.stdout, re.MULTILINE), result.describe()
+
+
+@pytest.mark.timeout(120)
+def test_nproc_auto_and_gpu_count_only_devices_that_exist_whatever_cuda_visible_devices_lists(tmp_path: Path) -> None:
+    """As torchrun's determine_local_world_size: on a node without GPUs, `auto` starts one worker
+    per CPU torch counts (torch._utils.cpu_count), and `gpu` is an error ("Cuda is not
+    available"), even when CUDA_VISIBLE_DEVICES names more devices than that."""
+    import torch
+    from torch._utils import cpu_count
+
+    if torch.cuda.is_available():
+        pytest.skip("the case is a node without GPUs")
+    cpus = cpu_count()
+    assert cpus
+    env = clean_env(CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(cpus + 1)))
+    envs = dump_env(tmp_path, "out", ["--standalone", "--nproc-per-node", "auto"], env=env)
+    assert sorted(envs) == list(range(cpus)) and envs[0]["WORLD_SIZE"] == str(cpus)
+    result = run_rally(["--standalone", "--nproc-per-node", "gpu", "--no-python", "true"], cwd=tmp_path, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
+    errors = [line for line in result.stderr_lines if "rally: error:" in line]
+    assert len(errors) == 1 and "gpu: Cuda is not available" in errors[0], result.describe()
+
+
+# torchrun's single-node launch forms: the default (static) backend named by a run id only, the
+# caffe2-era master address/port/node rank, an elastic c10d job of one node out of 1:2 (the
+# quoted --rdzv-conf PyTorch's own launcher test passes), and no --nproc-per-node (1 worker).
+LAUNCH_FORMS = {
+    "rdzv-id-only": lambda port: (["--nnodes=1", "--nproc-per-node=4", "--rdzv-id=job42"], 4),
+    "master-port": lambda port: (
+        ["--nnodes=1", "--nproc-per-node=4", "--master-addr=localhost", f"--master-port={port}", "--node-rank=0"],
+        4,
+    ),
+    "elastic-one-of-two": lambda port: (
+        ["--nnodes=1:2", "--nproc-per-node=4", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
+         "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", "--rdzv-id=job42"],
+        4,
+    ),
+    "default-nproc": lambda port: (["--nnodes=1", "--rdzv-id=job42"], 1),
+}  # fmt: skip
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("form", list(LAUNCH_FORMS))
+def test_each_single_node_launch_form_runs_every_rank_with_the_parent_environment(tmp_path: Path, form: str) -> None:
+    """Each form torchrun accepts starts every rank once, passes the parent's environment through
+    and names the run as given; the master-port form serves the job's store on that port."""
+    port = free_port()
+    args, nproc = LAUNCH_FORMS[form](port)
+    envs = dump_env(tmp_path, "out", args, env=clean_env(TEST_SENTINEL_PARENT="FOOBAR"))
+    assert sorted(envs) == list(range(nproc)), envs.keys()
+    for local_rank, env in envs.items():
+        assert (env["RANK"], env["WORLD_SIZE"], env["TEST_SENTINEL_PARENT"]) == (str(local_rank), str(nproc), "FOOBAR")
+        assert env["TORCHELASTIC_RUN_ID"] == ("none" if form == "master-port" else "job42")
+        if form == "master-port":
+            assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("localhost", str(port)), env

@@ -10,6 +10,10 @@
     SIGKILL of the agent's process group       -> the orphan guard (a session of its own) kills every
                                                   descendant: cgroup v2, v1 freezer, v1 pids, or none
     SIGKILL of the agent, `setsid -f env -i`   -> the job's cgroup finds what shed the token
+    a c10d store claiming a 1 TiB value, or
+    never answering a wait or its cancel       -> one line naming the store, exit 1, within its bound
+    an etcd gateway answering too deep, a list,
+    wrong types, 1 TiB, a never-ending reply   -> one line naming it, exit 2 (1 once the job has begun)
 
 Run beside a CPU hog too (RALLY_TEST_CPU_HOG=1, see conftest.py).
 """
@@ -40,6 +44,8 @@ from support.helpers import (  # noqa: F401
     write_probe,
 )
 from support.live_rally import LiveRally
+from support.stranger import require_stranger, stranger_process
+from support.stranger_store import HOSTILE_C10D, HOSTILE_ETCD
 
 STANDALONE = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0"]
 
@@ -283,3 +289,60 @@ def test_an_empty_cgroup_whose_guard_is_gone_is_removed_by_the_next_agent() -> N
     finally:
         abandoned.remove()
         live.remove()
+
+
+# ------------------------------------------------------------------ a hostile c10d store
+# The endpoint is not this host's to serve (is_host=false): the agent joins what answers there.
+HOSTILE_STORE_ARGS = ["--nnodes", "1", "--rdzv-backend", "c10d", "--nproc-per-node", "1", "--no-preflight"]
+
+
+# Same under load: the store's answer (or its silence) is fixed; the bound is a clock's deadline.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["huge-value", "silent-wait"])
+def test_a_hostile_c10d_store_is_one_line_and_exit_1_never_a_traceback_or_a_hang(tmp_path: Path, mode: str) -> None:
+    """A service on the store's port that speaks c10d, but answers a read with a value it says is
+    1 TiB long (torch's client: std::bad_alloc, a MemoryError traceback in the agent), or never
+    answers a wait nor its CANCEL_WAIT (the agent hung for ever, silent). Now: one line naming the
+    store, exit 1, within the wait's own timeout plus read_timeout (2 s here)."""
+    require_stranger()
+    write_probe(tmp_path / "probe.py", "print('worker ran', flush=True)\n")
+    with stranger_process(HOSTILE_C10D + f"hostile_store({mode!r})\n") as hostile:
+        assert hostile.stdout is not None
+        said = hostile.stdout.readline().split()
+        assert said[:1] == ["listening"], hostile.stderr.read() if hostile.poll() is not None else said
+        args = [*HOSTILE_STORE_ARGS, "--rdzv-endpoint", f"127.0.0.1:{said[1]}"]
+        args += ["--rdzv-conf", "is_host=false,read_timeout=2,join_timeout=20", "probe.py"]
+        result = run_rally(args, cwd=tmp_path, env=clean_env(), timeout=90)
+    assert result.returncode == 1, result.describe()
+    errors = [line for line in result.stderr.splitlines() if "rally: error" in line]
+    assert len(errors) == 1 and f"127.0.0.1:{said[1]}" in errors[0], result.describe()
+    assert "Traceback" not in result.stderr and "worker ran" not in result.stdout, result.describe()
+    assert result.elapsed < 60, result.describe()
+
+
+# ------------------------------------------------------------------ a hostile etcd gateway
+# Same under load: the gateway's reply is fixed; a size cap or the open's deadline decides.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", ["nested-object", "list", "wrong-types", "huge-length", "endless-chunked"])
+def test_a_hostile_etcd_gateway_is_one_line_and_exit_2_never_a_traceback(tmp_path: Path, shape: str) -> None:
+    """What answers on the etcd endpoint replies with JSON nested past the parser, a list, fields
+    of the wrong types (past the first request's check: the store's own reads), a 1 TiB
+    Content-Length, or a chunked reply that never ends. Before: RecursionError, AttributeError,
+    ValueError or MemoryError tracebacks in the agent within a second. Now: one line, exit 2 when
+    the first request fails (etcd cannot be used), 1 when a later one does (the store was lost)."""
+    require_stranger()
+    write_probe(tmp_path / "probe.py", "print('worker ran', flush=True)\n")
+    with stranger_process(HOSTILE_ETCD + f"hostile_etcd({shape!r})\n") as gateway:
+        assert gateway.stdout is not None
+        said = gateway.stdout.readline().split()
+        assert said[:1] == ["listening"], gateway.stderr.read() if gateway.poll() is not None else said
+        args = ["--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{said[1]}"]
+        args += ["--rdzv-id", "hostile", "--rdzv-conf", "read_timeout=3,join_timeout=10", "--nproc-per-node", "1"]
+        result = run_rally([*args, "--no-preflight", "probe.py"], cwd=tmp_path, env=clean_env(), timeout=90)
+    assert result.returncode == (1 if shape == "wrong-types" else 2), result.describe()
+    errors = [line for line in result.stderr.splitlines() if "rally: error" in line]
+    assert len(errors) == 1 and f"127.0.0.1:{said[1]}" in errors[0], result.describe()
+    assert "Traceback" not in result.stderr and "worker ran" not in result.stdout, result.describe()
+    assert result.elapsed < 60, result.describe()

@@ -8,6 +8,7 @@ docs/security.md "Local surfaces" lists what these tests prove.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,16 +25,18 @@ from support.helpers import (  # noqa: F401
     clean_env,
     describe_pids,
     eventually,
+    kill_group,
     procs,
     run_rally,
+    start_rally,
     survivors,
     wait_for,
     write_probe,
 )
 from support.live_rally import LiveRally
 from support.stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_command, stranger_process
-from support.stranger_store import STORE_CLIENT
-from test_faults_trust import RANKS_WORKER, TOKEN
+from support.stranger_store import STORE_CLIENT, STORE_PROXY
+from test_faults_trust import FAST, RANKS_WORKER, TOKEN, _node, server  # noqa: F401 - server is a fixture
 
 # Raw writes besides tests/support/stranger_store.py's enveloped `put`: what any TCPStore client can send.
 RAW_PUT = r"""
@@ -252,6 +255,81 @@ def test_metrics_keep_serving_and_start_no_thread_under_400_half_open_connection
         server.close()
 
 
+CONNECT_CLOSE_FLOOD = """
+import socket, struct, time
+port = {port}
+end = time.monotonic() + {seconds}
+rounds = 0
+while time.monotonic() < end:
+    held = []
+    for _ in range(100):  # more than MAX_CLIENTS (64): the server drops the oldest to make room
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: a reset
+            s.send(b"GET /metrics HTTP/1.1\\r\\n")  # half a request head: readable, never complete
+            held.append(s)
+        except OSError:
+            pass
+    for s in held:
+        s.close()
+    rounds += 1
+print("rounds", rounds, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_connect_close_flood_on_metrics_never_ends_its_server() -> None:
+    """Another user connects 100 clients at a time to /metrics, sends half a request head on each
+    and resets them all, for 4 s. Before: a client the server had dropped to make room, still in
+    the same select()'s answer, was read again: KeyError in `_read`, a traceback on the job's
+    console, and the port closed for the rest of the job. Now: no exception leaves the server's
+    thread and scrapes are answered during and after the flood."""
+    import threading
+    import urllib.request
+
+    from rally.agent.observe import metrics
+
+    require_stranger()
+    failures: list[str] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: failures.append(f"{args.thread.name}: {args.exc_type.__name__}")
+    server = metrics.serve(0, lambda: None, lambda: [], "flood", "127.0.0.1")
+    try:
+        with stranger_process(CONNECT_CLOSE_FLOOD.format(port=server.port, seconds=4)) as attacker:
+            assert attacker.stdout is not None
+            assert attacker.stdout.readline().startswith("rounds"), attacker.stderr.read()
+        for _ in range(3):
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as response:
+                assert b"rally_build_info" in response.read()
+        assert server.server.thread.is_alive()
+        assert failures == [], failures
+    finally:
+        threading.excepthook = hook
+        server.close()
+
+
+@pytest.mark.same_under_load  # a default, read once
+@pytest.mark.timeout(30)
+def test_metrics_listen_on_loopback_unless_opened() -> None:
+    """/metrics said the job's hosts, ranks and restarts to the whole network by default (0.0.0.0).
+    Now the option's default and the server's are loopback; --metrics-addr opens it."""
+    from rally.agent.observe import metrics
+    from rally.launcher.options import Options
+
+    assert Options.of({}).metrics_addr == "127.0.0.1"
+    server = metrics.serve(0, lambda: None, lambda: [], "loopback")
+    try:
+        assert server.server.sock.getsockname()[0] == "127.0.0.1"
+        assert server.url == f"http://127.0.0.1:{server.port}/metrics"
+    finally:
+        server.close()
+    opened = metrics.serve(0, lambda: None, lambda: [], "opened", "0.0.0.0")
+    try:
+        assert opened.server.sock.getsockname()[0] == "0.0.0.0"
+    finally:
+        opened.close()
+
+
 # ------------------------------------------------------------------ 8, 12. secrets and a job without a token
 def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **options: str):
     """build_launch for a 2-node job on `options` (the checks rally runs at start, in-process)."""
@@ -346,7 +424,7 @@ def test_a_multi_node_job_without_a_token_says_at_start_what_a_stranger_can_do(t
 # own: a stranger who lists the keys finds it, here it is left out), and the round's end before
 # the job writes it.
 JOB_KEYS = (
-    "0/alive/0 0/end 0/acked current 0/master 0/closed 0/assign/0/0 0/node/0 0/joined 0/closer/0 "
+    "0/alive/0 0/end 0/acked/0 current 0/master 0/closed 0/assign/0/0 0/node/0 0/joined 0/closer/0 "
     "job/started host status/nodes"
 ).split()
 
@@ -379,3 +457,104 @@ def test_a_strangers_garbage_in_every_key_of_a_standalone_store_ends_nothing(
     assert "Traceback" not in rally.text()
     warned = [line for line in rally.text().splitlines() if "rally: warning: store key" in line]
     assert warned and len(warned) == len({line.split("'")[1] for line in warned}), warned  # one line per key
+
+
+# ------------------------------------------------------------------ barriers that decide
+def _member(group_rank: int, members: int = 2):
+    from rally.rendezvous.base.records import Assignment
+
+    return Assignment(
+        round=0, group_rank=group_rank, group_world_size=members, rank_offset=group_rank, world_size=members,
+        restart_count=0, membership_changes=0, watch_rank=None, watch_host="", master_host="a.addr",
+    )  # fmt: skip
+
+
+# Same under load: the forged keys are written between two calls; a signature check decides.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(60)
+def test_forged_barrier_keys_open_neither_the_preemption_nor_the_exit_barrier(server) -> None:
+    """Another user who reaches the store (no token) sets `0/preempt_all_done`, `0/all_acked` and
+    the counters, and writes rally-format records for node 1 under the empty key, after node 0 did
+    its part. Before: the flag's existence opened the preemption barrier (node 0 requeued while node
+    1 was still saving) and the exit barrier. Now both wait for node 1's own signed record, a forged
+    one is one line naming its key, and node 1's genuine records open them."""
+    from rally.rendezvous.preemption_barrier import PreemptionBarrier
+    from rally.rendezvous.protocol import RendezvousSettings
+    from rally.rendezvous.round_channel import RoundChannel
+
+    require_stranger()
+    settings = RendezvousSettings(**{**FAST, "max_nodes": 2})
+    a, b = _node(server, "a", settings), _node(server, "b", settings)
+    lines: list[str] = []
+    a.store.on_untrusted = lines.append
+    node0 = PreemptionBarrier(a.store, a.me, _member(0)), RoundChannel.of(a.store, settings, a.me, _member(0))
+    node1 = PreemptionBarrier(b.store, b.me, _member(1)), RoundChannel.of(b.store, settings, b.me, _member(1))
+    node0[0].note_checkpointed()
+    node0[1].acknowledge_end()
+    record = json.dumps({"node_id": "b:id", "group_rank": 1}).encode()
+    as_stranger(
+        "".join(f"raw_put({server.port}, 'rally/job/0/{key}', b'1')\n" for key in FLAGS_AND_COUNTERS)
+        + "".join(f"put({server.port}, 'rally/job/0/{key}/1', {record!r})\n" for key in ("preempt_done", "acked"))
+    )
+    assert not node0[0].wait_all_checkpointed(1.0), "a stranger's keys opened the preemption barrier"
+    assert not node0[1].wait_all_acknowledged(1.0), "a stranger's keys opened the exit barrier"
+    assert any("'rally/job/0/preempt_done/1'" in line and "different job token" in line for line in lines), lines
+    node1[0].note_checkpointed()
+    node1[1].acknowledge_end()
+    assert node0[0].wait_all_checkpointed(5) and node0[1].wait_all_acknowledged(5)
+
+
+FLAGS_AND_COUNTERS = ("preempt_all_done", "preempt_done", "all_acked", "acked")
+
+
+# ------------------------------------------------------------------ a stranger's store on the endpoint's port
+ONE_LINE = "print('the job ran', flush=True)\n"
+
+
+@pytest.mark.same_under_load  # who owns a socket, and what a marker is signed with
+@pytest.mark.timeout(180)
+def test_a_store_another_user_listens_on_first_is_joined_only_when_it_proves_it_is_the_jobs(tmp_path: Path) -> None:
+    """Another user listens on the endpoint's port first and relays to a store holding the constant
+    `rally store` marker (unsigned). Before: the root agent, with a job token, joined it without a
+    line and ran the job through the stranger. Now: the listener's owner (uid 65534, from
+    /proc/net/tcp) is neither the job's user nor root, so the unsigned marker is not enough: one
+    line, exit 2, nothing run. A marker signed with the job's token (`rally store` run with
+    RALLY_JOB_TOKEN signs it) proves the store is the job's: the agent joins through the same relay,
+    one line naming the store and its listener."""
+    from rally.rendezvous.c10d.store import SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE, host_tcp_store
+
+    require_stranger()
+    real = host_tcp_store(0, 30, loopback_only=True)
+    real.set(SERVICE_MARKER_KEY, SERVICE_MARKER_VALUE)  # what `rally store` writes without a token
+    script = write_script(tmp_path, "one.py", ONE_LINE)
+    env = clean_env(RALLY_JOB_TOKEN=TOKEN)
+    with stranger_process(STORE_PROXY + f"proxy({real.port})\n") as relay:
+        assert relay.stdout is not None
+        said = relay.stdout.readline().split()
+        assert said[:1] == ["listening"], relay.stderr.read() if relay.poll() is not None else said
+        port = int(said[1])
+        refused = run_rally([*job_args(port, "1"), str(script)], cwd=tmp_path, env=env, timeout=120)
+        assert refused.returncode == 2, refused.describe()
+        errors = [line for line in refused.stderr.splitlines() if "rally: error" in line]
+        assert len(errors) == 1 and f"uid {STRANGER_UID}" in errors[0], refused.describe()
+        assert "not signed with this job's token" in errors[0] and "will not join" in errors[0], errors
+        assert "the job ran" not in refused.stdout and "Traceback" not in refused.stderr, refused.describe()
+    del real
+    log = tmp_path / "store.log"
+    with open(log, "w") as out:
+        signed = start_rally(["store", "--port", "0"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        found = eventually(lambda: re.search(r"listening on port (\d+)", log.read_text()), 60)
+        assert found, log.read_text()
+        with stranger_process(STORE_PROXY + f"proxy({found.group(1)})\n") as relay:
+            assert relay.stdout is not None
+            port = int(relay.stdout.readline().split()[1])
+            joined = run_rally([*job_args(port, "1"), str(script)], cwd=tmp_path, env=env, timeout=120)
+    finally:
+        kill_group(signed.pid)
+        signed.wait(timeout=10)
+    assert joined.returncode == 0 and "the job ran" in joined.stdout, joined.describe()
+    text = joined.stdout + joined.stderr
+    line = [x for x in text.splitlines() if "joined the `rally store`" in x]
+    assert len(line) == 1 and f"127.0.0.1:{port}" in line[0] and f"uid {STRANGER_UID}" in line[0], text
+    assert "signed with this job's token" in line[0], line

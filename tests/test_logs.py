@@ -3,22 +3,24 @@
 torchrun's layout and flags:
     --log-dir D   per-rank files  D/<run-id>_<suffix>/attempt_<n>/<local_rank>/{stdout,stderr}.log
     --redirects B streams (1 stdout, 2 stderr, 3 both) go to those files only
-    --tee B       streams go to the files AND to the console (rally's prefix "[<rank>] " on the
-                  console; with --torchrun-prefix, torchrun's "[<role><local_rank>]:" on tee'd
-                  streams and none on the others)
+    --tee B       streams go to the files AND to the console, each console line with torchrun's
+                  header, byte for byte: "[<role><local_rank>]:", or
+                  $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE with ${role_name}, ${rank}, ${local_rank}
     --local-ranks-filter R,...   only these local ranks reach the console; files are unaffected
-rally's default (no flags): every console line is a whole line prefixed "[<rank>] ", so the
-lines of concurrent workers never mix; --no-prefix passes the bytes through raw.
+rally's addition, on the streams torchrun does not tee (which it passes through bare): every
+console line is a whole line prefixed "[<rank>] ", so the lines of concurrent workers never mix;
+--no-prefix passes those bytes through raw, which is then torchrun's console exactly.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from support.helpers import run_rally, write_probe
+from support.helpers import clean_env, console_lines, run_rally, write_probe
 
 # Each rank writes a distinctive stdout and stderr; the last stdout line has no newline.
 TWO_STREAMS = """
@@ -72,45 +74,113 @@ def test_redirects_3_puts_each_stream_in_its_file_and_nothing_on_the_console(tmp
 
 
 @pytest.mark.timeout(120)
-def test_tee_3_writes_the_files_and_keeps_rally_s_prefix_on_the_console(tmp_path: Path) -> None:
-    """--tee adds the files; the console is rally's as without it (it turned into
-    torchrun's "[default0]:"), and one line says how to get torchrun's."""
+def test_tee_3_writes_the_files_and_prints_torchrun_s_header_on_the_console(tmp_path: Path) -> None:
+    """--tee's console lines are torchrun's by default ("[default0]:out one ..."): log scrapers
+    written against torchrun's output find them; rally's "[0] " is on no worker line."""
     logs = tmp_path / "logs"
     result = run_two_streams(tmp_path, "--log-dir", str(logs), "--tee", "3")
     attempt = run_dir(logs) / "attempt_0"
-    notes = [line for line in result.stderr.splitlines() if "--tee:" in line]
-    assert len(notes) == 1 and "--torchrun-prefix" in notes[0] and "[default0]:" in notes[0], result.describe()
-    assert "[default" not in "\n".join(worker_lines(result.stdout + result.stderr)), result.describe()
+    rally_prefixed = [line for line in worker_lines(result.stdout + result.stderr) if re.match(r"\[\d\] ", line)]
+    assert rally_prefixed == [], result.describe()
     for rank in (0, 1):
         assert (attempt / str(rank) / "stdout.log").read_text() == expected_stdout(rank)
         assert (attempt / str(rank) / "stderr.log").read_text() == expected_stderr(rank)
-        prefix = f"[{rank}] "
-        assert [line for line in result.stdout.splitlines() if line.startswith(prefix)] == [
-            prefix + line for line in expected_stdout(rank).splitlines()
-        ]
-        assert [line for line in result.stderr.splitlines() if line.startswith(prefix)] == [
-            prefix + line for line in expected_stderr(rank).splitlines()
-        ]
+        header = f"[default{rank}]:"
+        assert console_lines(result.stdout, header) == expected_stdout(rank).splitlines()
+        assert console_lines(result.stderr, header) == expected_stderr(rank).splitlines()
 
 
 @pytest.mark.timeout(120)
-def test_torchrun_prefix_shows_torchrun_s_console_with_the_role_name(tmp_path: Path) -> None:
-    """Asked for (--torchrun-prefix), the console is torchrun's: "[role<local rank>]:" on the
-    tee'd stream, the other stream untouched."""
+def test_tee_1_with_role_rank_heads_stdout_as_torchrun_and_keeps_rally_s_prefix_on_stderr(tmp_path: Path) -> None:
+    """`--role rank --tee 1` (torchtitan's run_train.sh): stdout lines are "[rank0]:...", as
+    torchrun prints them; stderr, which torchrun does not tee, keeps rally's "[0] "."""
     logs = tmp_path / "logs"
-    flags = ("--log-dir", str(logs), "--role", "trainer", "--tee", "1", "--torchrun-prefix")
-    result = run_two_streams(tmp_path, *flags)
-    assert "--tee:" not in result.stderr, result.describe()  # asked for: no note
+    result = run_two_streams(tmp_path, "--log-dir", str(logs), "--role", "rank", "--tee", "1")
     attempt = run_dir(logs) / "attempt_0"
     for rank in (0, 1):
-        prefix = f"[trainer{rank}]:"
-        assert [line for line in result.stdout.splitlines() if line.startswith(prefix)] == [
-            prefix + line for line in expected_stdout(rank).splitlines()
-        ]
+        header = f"[rank{rank}]:"
+        assert console_lines(result.stdout, header) == expected_stdout(rank).splitlines()
         assert (attempt / str(rank) / "stdout.log").read_text() == expected_stdout(rank)
         assert not (attempt / str(rank) / "stderr.log").exists(), "--tee 1 copies stdout only"
-        assert f"err one from rank {rank}" in result.stderr, "stderr still reaches the console"
-        assert f"\nerr one from rank {rank}\n" in "\n" + result.stderr, "unprefixed, as torchrun shows it"
+        assert f"[{rank}] err one from rank {rank}" in result.stderr.splitlines(), result.describe()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("template", "role", "header"),
+    [
+        ("[rank${rank}]: ", "default", "[rank{rank}]: "),  # PyTorch's own launcher test's template
+        ("${role_name}/${local_rank}|$rank|${unknown} ", "trainer", "trainer/{rank}|{rank}|${{unknown}} "),
+    ],
+    ids=["rank", "every-name"],
+)
+def test_log_line_prefix_template_heads_tee_d_lines_and_filtered_files(
+    tmp_path: Path, template: str, role: str, header: str
+) -> None:
+    """TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE is read as torchrun reads it: string.Template's
+    safe_substitute with role_name, rank and local_rank (an unknown name stays as written), on
+    the tee'd console lines and the --duplicate-*-filters files."""
+    logs = tmp_path / "logs"
+    write_probe(tmp_path / "two_streams.py", TWO_STREAMS)
+    flags = ["--log-dir", str(logs), "--role", role, "--tee", "3", "--duplicate-stdout-filters", "two"]
+    result = run_rally(
+        ["--standalone", "--nproc-per-node", "2", *flags, "two_streams.py"],
+        cwd=tmp_path,
+        env=clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=template),
+    )
+    assert result.returncode == 0, result.describe()
+    filtered = (run_dir(logs) / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    for rank in (0, 1):
+        head = header.format(rank=rank)
+        assert console_lines(result.stdout, head) == expected_stdout(rank).splitlines()
+        assert console_lines(result.stderr, head) == expected_stderr(rank).splitlines()
+        assert f"{head}out two from rank {rank}" in filtered, filtered
+
+
+# Every line ends with a newline: torchrun's tailer prints an unterminated last line without
+# one, glued to whatever comes next, which rally does not imitate.
+WHOLE_LINES = """
+    import os, sys
+    rank = os.environ["RANK"]
+    print(f"out one from rank {rank}")
+    print(f"err one from rank {rank}", file=sys.stderr)
+    print(f"out two from rank {rank}")
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(180)
+def test_tee_d_console_lines_are_byte_for_byte_torchrun_s(tmp_path: Path) -> None:
+    """The same job under torchrun and under rally, --tee 3 --role rank with a prefix template:
+    the worker lines on each console stream are the same bytes (order between workers aside)."""
+    write_probe(tmp_path / "whole_lines.py", WHOLE_LINES)
+    env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[${role_name} ${rank}/${local_rank}]: ")
+    args = ["--standalone", "--nproc-per-node", "2", "--role", "rank", "--tee", "3", "whole_lines.py"]
+    torchrun = run_rally([], argv=[sys.executable, "-m", "torch.distributed.run", *args], cwd=tmp_path, env=env)
+    rally = run_rally(args, cwd=tmp_path, env=env)
+    for result in (torchrun, rally):
+        assert result.returncode == 0, result.describe()
+    for stream in ("stdout", "stderr"):
+        seen = {
+            name: sorted(line for line in getattr(result, stream).splitlines() if line.startswith("[rank "))
+            for name, result in (("torchrun", torchrun), ("rally", rally))
+        }
+        assert len(seen["torchrun"]) == (4 if stream == "stdout" else 2), torchrun.describe()
+        assert seen["rally"] == seen["torchrun"], f"{stream}: {seen}"
+
+
+@pytest.mark.timeout(120)
+def test_no_prefix_with_tee_is_torchrun_s_console_and_torchrun_prefix_is_its_deprecated_name(tmp_path: Path) -> None:
+    """--no-prefix drops rally's "[0] " from the untee'd stream; the tee'd one keeps torchrun's
+    header. --torchrun-prefix, which asked for exactly that console before it was the default,
+    still runs (config files give it) and says in one line that it now means --no-prefix."""
+    for flag in ("--no-prefix", "--torchrun-prefix"):
+        result = run_two_streams(tmp_path, "--role", "trainer", "--tee", "1", flag, nproc=1)
+        header = "[trainer0]:"
+        assert console_lines(result.stdout, header) == expected_stdout(0).splitlines()
+        assert "err one from rank 0" in result.stderr.splitlines(), "bare, as torchrun shows it: " + result.describe()
+        notes = [line for line in result.stderr_lines if "--torchrun-prefix is deprecated" in line]
+        assert len(notes) == (1 if flag == "--torchrun-prefix" else 0), result.describe()
 
 
 @pytest.mark.timeout(120)

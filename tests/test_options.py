@@ -336,3 +336,42 @@ def test_an_infinite_count_from_rally_launch_is_one_line_not_an_overflow_traceba
 
     with pytest.raises(ConfigError, match=r"^--max-restarts inf: cannot convert float infinity to integer$"):
         Options(max_restarts=float("inf")).parse("train.py", act=False)
+
+
+# ------------------------------------------------------------------ --rdzv-conf as torchrun takes it
+@pytest.mark.timeout(90)
+def test_an_unknown_rdzv_conf_key_is_one_warning_with_the_closest_key_and_the_job_runs(tmp_path: Path) -> None:
+    """torchrun ignores keys its backend does not read; a command that runs under torchrun runs
+    under rally, and the typo is named once with the key it is closest to."""
+    write_probe(tmp_path / "train.py", "print('the job ran')")
+    result = run_rally(["--standalone", "--rdzv-conf", "join_timout=60,read_timeout=30", "train.py"], cwd=tmp_path)
+    assert result.returncode == 0, result.describe()
+    assert "[0] the job ran" in result.stdout.splitlines(), result.describe()
+    warnings = [line for line in result.stderr_lines if "rally: warning:" in line and "--rdzv-conf" in line]
+    assert len(warnings) == 1, result.describe()
+    assert "'join_timout'" in warnings[0] and "did you mean 'join_timeout'?" in warnings[0], warnings[0]
+
+
+@pytest.mark.timeout(90)
+def test_quotes_around_the_rdzv_conf_value_or_a_key_are_taken_off(tmp_path: Path) -> None:
+    """`--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'` with the quotes inside the
+    value (PyTorch's own launcher test passes it so; shells and YAML-to-argv tools do) runs, with
+    the values as written, and so does a quoted key or value."""
+    from rally.launcher.options import Options
+
+    for text in ("'join_timeout=5,last_call_timeout=1,timeout=5'", '"join_timeout"=5,last_call_timeout="1"'):
+        conf = Options(rdzv_conf=text).parse("train.py").rendezvous.rdzv_conf
+        assert (conf["join_timeout"], conf["last_call_timeout"]) == (5, 1), (text, conf)
+    write_probe(tmp_path / "train.py", "print('the job ran')")
+    quoted = "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'"
+    result = run_rally(["--standalone", quoted, "train.py"], cwd=tmp_path)
+    assert result.returncode == 0 and "[0] the job ran" in result.stdout, result.describe()
+    assert "warning" not in result.stderr, result.describe()
+
+
+@pytest.mark.same_under_load
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("conf", ["join_timeout=soon", "'last_call_timeout=-1'", "is_host=maybe", "join_timeout"])
+def test_a_bad_value_of_a_known_rdzv_conf_key_is_still_one_line_and_exit_2(tmp_path: Path, conf: str) -> None:
+    line = assert_one_line_only(rally_fails(tmp_path, "--rdzv-conf", conf, "train.py"))
+    assert "--rdzv-conf" in line and conf.strip("'").split("=")[0] in line, line

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from support.agents import start_agent, stop_all, write_script
-from support.helpers import free_port
+from support.helpers import free_port, run_rally
 
 WORKER = """
 import json, os, sys
@@ -70,3 +70,32 @@ def test_static_two_node_job_uses_the_master_port_and_restarts_cleanly(tmp_path:
             assert "root cause: rank 1" in agent.output() and "exit code 3" in agent.output(), outputs
     finally:
         stop_all(agents)
+
+
+TCP_INIT = """
+import os, sys
+import torch
+import torch.distributed as dist
+
+# As PyTorch's launcher test: the store at --master-port, named by a tcp:// init method.
+dist.init_process_group("gloo", init_method=f"tcp://localhost:{sys.argv[1]}", rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD_SIZE"]))
+total = torch.tensor([1.0])
+dist.all_reduce(total)
+print("sum", int(total.item()))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(180)
+def test_workers_reach_the_master_port_s_store_through_a_tcp_init_method(tmp_path: Path) -> None:
+    """`--master-addr localhost --master-port P` and workers that init_process_group with
+    tcp://localhost:P: they use the store rally serves there (TORCHELASTIC_USE_AGENT_STORE), so
+    no worker tries to bind the port itself."""
+    script = write_script(tmp_path, "tcp_init.py", TCP_INIT)
+    port = free_port()
+    args = ["--nnodes=1", "--nproc-per-node=3", "--master-addr=localhost", f"--master-port={port}", "--run-path"]
+    result = run_rally([*args, str(script), str(port)], cwd=tmp_path, timeout=150)
+    assert result.returncode == 0, result.describe()
+    assert sorted(line for line in result.stdout.splitlines() if "sum" in line) == [f"[{r}] sum 3" for r in range(3)]

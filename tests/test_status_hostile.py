@@ -17,6 +17,9 @@ never a traceback, a hang, a memory blow-up or the stranger's escape sequences o
     events.jsonl a link to /dev/zero                   -> "was not read: ... a symbolic link", no MemoryError
     a YAML alias bomb under rdzv-id (432 bytes here,   -> one line in well under a second, not 22 s
     557 as first reported)                                     and a MemoryError
+    an etcd gateway answering with JSON too deep, a    -> one line, exit 2, within --timeout; not a
+    list, a string, wrong types, a 1 TiB length, a        RecursionError, AttributeError or MemoryError
+    chunked reply that never ends                         traceback, nor 1.4 GB of memory
 
 And as a newcomer meets it: `rally status RUN_DIR` of a job whose agent was killed imports no torch and answers
 at once; `--rdzv-endpoint` after the job's end is one line at once naming its run directory; with
@@ -43,8 +46,8 @@ import pytest
 
 from support.agents import c10d_args, start_agent, stop_all, write_script
 from support.helpers import Result, clean_env, free_port, kill_group, rally_status, run_rally, start_rally, wait_for
-from support.stranger import require_stranger, run_as_stranger
-from support.stranger_store import STORE_CLIENT
+from support.stranger import require_stranger, run_as_stranger, stranger_process
+from support.stranger_store import HOSTILE_ETCD, STORE_CLIENT
 
 # A limit on the address space of a `rally status` that reads files only: a reader that follows
 # a link to /dev/zero then fails with a MemoryError at once instead of taking the machine's memory.
@@ -574,3 +577,37 @@ def test_status_of_a_job_that_ended_gives_the_node_records_round_and_says_it_nev
     assert "job ended at 127.0.0.1" in table.stdout and ": round 0" in table.stdout, table.stdout
     assert "no restart so far" not in table.stdout and "the job never restarted" in table.stdout, table.stdout
     assert "the job has ended (succeeded)" in table.stderr, table.stderr
+
+
+# ------------------------------------------------------------------ a hostile etcd gateway
+HOSTILE_ETCD_SHAPES = ["nested", "list", "string", "wrong-types", "huge-length", "endless-chunked"]
+
+
+# Same under load: the gateway's reply is fixed; a cut at a size or at --timeout decides.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", HOSTILE_ETCD_SHAPES)
+def test_rally_status_against_a_hostile_etcd_gateway_is_one_line_for_every_reply_shape(shape: str) -> None:
+    """What answers on the etcd endpoint replies with JSON nested past the parser, a list, a string,
+    fields of the wrong types, a 1 TiB Content-Length, or a chunked reply that never ends. Before:
+    a RecursionError, AttributeError or MemoryError traceback for each, and the endless reply grew
+    to 1.4 GB. Now: one line, exit 2, within --timeout, in a 2 GiB address space."""
+    require_stranger()
+    with stranger_process(HOSTILE_ETCD + f"hostile_etcd({shape!r})\n") as gateway:
+        assert gateway.stdout is not None
+        said = gateway.stdout.readline().split()
+        assert said[:1] == ["listening"], gateway.stderr.read() if gateway.poll() is not None else said
+        args = ["status", "--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{said[1]}", "--rdzv-id", "x"]
+        # the endless reply is given time to grow: 1.4 GB in the report, past the address space here
+        timeout = "20" if shape == "endless-chunked" else "5"
+        done = run_rally(
+            [*args, "--timeout", timeout],
+            prefix=["prlimit", f"--as={NO_TORCH_ADDRESS_SPACE}"],
+            cwd=Path("/"),
+            env={**clean_env(), "COLUMNS": "200"},
+            timeout=60,
+        )
+    assert done.returncode == 2 and len(done.stderr_lines) == 1, done.describe()
+    assert f"127.0.0.1:{said[1]}" in done.stderr, done.describe()
+    no_traceback(done)
+    assert done.elapsed < 45, done.describe()  # --timeout, plus start-up on a loaded machine

@@ -87,9 +87,7 @@ def test_standalone_names_the_flags_it_overrides_and_one_worker_is_not_all_1_wor
     assert len(overrides) == 1 and "--nnodes 1:2, --rdzv-endpoint node1:29400" in overrides[0], result.describe()
     assert "job succeeded: 1 worker on 1 node finished" in result.stderr, result.describe()
     assert "all 1 workers" not in result.stderr and "1 workers" not in result.stderr
-    tee = [line for line in result.stderr_lines if "--tee:" in line]
-    assert len(tee) == 1 and "rally's [rank] prefix" in tee[0] and "--torchrun-prefix" in tee[0], result.describe()
-    assert "[0] fine" in result.stdout and "[default0]:" not in result.stdout, result.describe()
+    assert "[default0]:fine" in result.stdout.splitlines(), "--tee'd lines are torchrun's: " + result.describe()
 
 
 # Same under load: a check of the command line, before anything starts.

@@ -191,3 +191,24 @@ def test_a_custom_logs_specs_class_decides_where_logs_go_as_under_torchrun(tmp_p
     )
     assert len(consoles["rally"]) == len(consoles["torchrun"]) == 1  # only rank 0's stdout is tee'd
     assert "out of 0" in consoles["rally"][0] and "out of 0" in consoles["torchrun"][0]
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(150)
+def test_torch_s_own_default_logs_specs_runs_the_job_launched_by_torchelastic(tmp_path: Path) -> None:
+    """`--logs-specs default` names torch's DefaultLogsSpecs by its entry point: the job runs,
+    the worker sees itself launched by torchelastic, and its redirected stdout lands where that
+    class puts it (<log-dir>/<run-id>_*/attempt_0/0/stdout.log)."""
+    probe = write_probe(
+        tmp_path / "launched.py",
+        """
+        import torch.distributed as dist
+        print("launched by torchelastic:", dist.is_torchelastic_launched())
+        """,
+    )
+    logs = tmp_path / "logs"
+    args = ["--standalone", "--run-path", "--logs-specs", "default", "--log-dir", str(logs), "--redirects", "3"]
+    result = run_rally([*args, "--rdzv-id", "spec1", str(probe)], cwd=tmp_path)
+    assert result.returncode == 0, result.describe()
+    outputs = list(logs.glob("*_*/attempt_0/0/stdout.log"))
+    assert len(outputs) == 1 and outputs[0].read_text() == "launched by torchelastic: True\n", outputs

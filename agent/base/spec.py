@@ -51,10 +51,12 @@ class JobSpec:
     redirects: dict[int, int] = field(default_factory=dict)
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
+    # rally's "[rank] " on the worker streams torchrun does not tee (--no-prefix: none); --tee'd
+    # lines always carry torchrun's header (agent/rounds/workers.py's tee_prefix)
     prefix_output: bool = True
-    # --torchrun-prefix: console lines as torchrun shows them ("[role<local rank>]:" on --tee'd
-    # streams, nothing on the others) instead of rally's "[rank] " on every line
-    torchrun_prefix: bool = False
+    # $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, read as torchrun reads it: the header of --tee'd
+    # lines from ${role_name}, ${rank}, ${local_rank} (None: torchrun's "[<role><local rank>]:")
+    log_line_prefix_template: str | None = None
     quiet: bool = False  # --quiet: only rally's own lines on the console (log files unchanged)
     shutdown_timeout: float = 30.0
     signals_to_handle: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -78,7 +80,7 @@ class JobSpec:
     straggler_factor: float = DEFAULT_FACTOR  # --straggler-factor: slower than this x the others' median step time
     straggler_window: int = DEFAULT_WINDOW  # --straggler-window: steps a step time is averaged over (and must persist)
     metrics_port: int | None = None  # --metrics-port: serve Prometheus /metrics (0: a free port)
-    metrics_addr: str = "0.0.0.0"  # --metrics-addr: the address /metrics listens on (every interface)
+    metrics_addr: str = "127.0.0.1"  # --metrics-addr: the address /metrics listens on (loopback; 0.0.0.0 opens it)
     checkpoint_dir: str | None = None
     checkpoint_dir_shared: bool = False  # --checkpoint-dir-shared: other users may write it (signed checkpoints only)
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint

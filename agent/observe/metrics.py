@@ -32,9 +32,10 @@ every metric carries a `run_id` label, every worker metric also `rank`, `local_r
     rally_checkpoint_saved_step          the newest step saved on this node, in memory or on disk
     rally_checkpoint_durable_step        the newest step this node made durable on disk
 
-The endpoint listens on every interface by default (`--metrics-addr 0.0.0.0`), as
-node_exporter does, because Prometheus scrapes from another machine; `--metrics-addr
-127.0.0.1` (or one interface's address) keeps it there.
+The endpoint listens on loopback by default (`--metrics-addr 127.0.0.1`): what it says (hosts,
+ranks, restarts, the run id) is nobody else's business until the user opens it, and a Prometheus
+(or a node_exporter-style agent) on the node itself can scrape it there. `--metrics-addr 0.0.0.0`
+(or one interface's address) opens it to a Prometheus on another machine.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from rally.agent.observe.metrics_http import BoundedHttpServer
 WORKER_STATES = ("running", "succeeded", "failed", "stopped")
 # Round ends that count as failures (a node lost counts: the job lost work to it).
 FAILURE_END_KINDS = ("worker_failed", "worker_hung", "node_lost")
-DEFAULT_ADDRESS = "0.0.0.0"  # every interface, as node_exporter: Prometheus scrapes from another machine
+DEFAULT_ADDRESS = "127.0.0.1"  # this host only; --metrics-addr 0.0.0.0 lets a Prometheus elsewhere scrape it
 WILDCARDS = ("", "0.0.0.0", "::")
 
 WORKER_GAUGES = (

@@ -8,6 +8,12 @@ MAX_REQUEST_BYTES) and is dropped after; at most MAX_CLIENTS wait at once, the o
 make room, so a scrape that arrives during a flood is served as soon as its request is in. The
 response is prometheus-client's WSGI app's (content negotiation, gzip), written with a
 SEND_SECONDS bound, then the connection is closed.
+
+One client's error never ends the server: a connection the accept loop dropped (to make room)
+while the same select() also reported it readable is skipped, and anything unexpected while
+serving one connection drops that connection only. (Before, a connect/close flood hit the first
+case: KeyError in `_read`, a traceback on the job's console, the port closed for the rest of the
+job.)
 """
 
 from __future__ import annotations
@@ -75,8 +81,8 @@ class BoundedHttpServer:
                         return
                     if key.fileobj is self.sock:
                         self._accept(selector, waiting)
-                    else:
-                        self._read(selector, waiting, key.fileobj)  # type: ignore[arg-type]
+                    elif key.fileobj in waiting:  # else dropped by _accept since this select() returned
+                        self._serve_one(selector, waiting, key.fileobj)
                 now = time.monotonic()
                 for conn in [c for c, (deadline, _) in waiting.items() if deadline <= now]:
                     _drop(selector, waiting, conn)
@@ -101,6 +107,13 @@ class BoundedHttpServer:
             conn.setblocking(False)
             waiting[conn] = (time.monotonic() + REQUEST_SECONDS, bytearray())
             selector.register(conn, selectors.EVENT_READ)
+
+    def _serve_one(self, selector: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
+        """Read from (and maybe answer) one client; whatever goes wrong with it drops it alone."""
+        try:
+            self._read(selector, waiting, conn)
+        except Exception:  # one client's failure (a reset mid-answer, a head no parser expects)
+            _drop(selector, waiting, conn)
 
     def _read(self, selector: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
         try:
@@ -157,6 +170,10 @@ class BoundedHttpServer:
 
 
 def _drop(selector: selectors.BaseSelector, waiting: dict, conn: socket.socket) -> None:
-    selector.unregister(conn)
-    del waiting[conn]
+    """Forget `conn` and close it; a connection already forgotten is left as it is."""
+    waiting.pop(conn, None)
+    try:
+        selector.unregister(conn)
+    except (KeyError, ValueError):  # not registered, or already closed
+        pass
     conn.close()

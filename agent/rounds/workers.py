@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from string import Template
 from typing import Any, BinaryIO
 
 from rally.agent.base.spec import STACK_SIGNAL, STDERR, STDOUT, JobSpec, shared_worker_env
@@ -140,16 +141,25 @@ def virtual_device(local_rank: int, base_env: Mapping[str, str]) -> str:
     return visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
 
 
-def console_prefix(spec: JobSpec, teed: bool, torchrun_prefix: bytes, rally_prefix: bytes) -> bytes:
-    """What starts each console line of a worker stream: rally's "[rank] " (also on --tee'd
-    streams: --tee adds a file, it does not change the console); torchrun's "[role<local
-    rank>]:" on tee'd streams and nothing on the others when --torchrun-prefix asks for
-    torchrun's console; nothing with --no-prefix."""
-    if not spec.prefix_output:
-        return b""
-    if spec.torchrun_prefix:
-        return torchrun_prefix if teed else b""
-    return rally_prefix
+def tee_prefix(spec: JobSpec, local_rank: int, rank: int) -> bytes:
+    """The header torchrun 2.13 puts on each --tee'd console line (and each filtered-file line):
+    `[<role><local rank>]:` (tail_log.TailLog), or $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE with
+    ${role_name}, ${rank} (global) and ${local_rank} filled by `string.Template.safe_substitute`,
+    as LocalElasticAgent does (an unknown ${name} stays as written; an empty template is unset)."""
+    if spec.log_line_prefix_template:
+        template = Template(spec.log_line_prefix_template)
+        return template.safe_substitute(role_name=spec.role, rank=rank, local_rank=local_rank).encode()
+    return f"[{spec.role}{local_rank}]:".encode()
+
+
+def console_prefix(spec: JobSpec, teed: bool, torchrun_header: bytes, rally_prefix: bytes) -> bytes:
+    """What starts each console line of a worker stream: on a --tee'd stream torchrun's header,
+    exactly as torchrun prints it (log scrapers grep for it); on the others, which torchrun
+    passes through bare, rally's "[rank] " so that concurrent workers' lines stay apart and
+    attributable (nothing with --no-prefix, which is then torchrun's console exactly)."""
+    if teed:
+        return torchrun_header
+    return rally_prefix if spec.prefix_output else b""
 
 
 def _stream_plans(
@@ -325,7 +335,7 @@ class WorkerGroup:
                 output.stack_file = env["RALLY_STACK_FILE"] = stack_file(rank_dir)
             redirect, tee = plan.redirect, plan.tee
             shown = spec.shows_on_console(local_rank)
-            tee_prefix = f"[{spec.role}{local_rank}]:".encode()
+            header = tee_prefix(spec, local_rank, rank)
             rally_prefix = f"[{host}:{rank}] ".encode() if multi_node else f"[{rank}] ".encode()
             fds: dict[int, object] = {}
             for bit, name, console in ((STDOUT, "stdout", console_out), (STDERR, "stderr", console_err)):
@@ -336,7 +346,7 @@ class WorkerGroup:
                     if bit == STDERR:
                         output.stderr_file = str(path)
                     continue
-                prefix = console_prefix(spec, bool(tee & bit), tee_prefix, rally_prefix)
+                prefix = console_prefix(spec, bool(tee & bit), header, rally_prefix)
                 read_end, write_end = os.pipe()
                 os.set_blocking(read_end, False)
                 fds[bit] = write_end
@@ -349,7 +359,7 @@ class WorkerGroup:
                         file=open_for_writing(path) if tee & bit else None,
                         tail=output.stderr_tail if bit == STDERR else None,
                         duplicate=duplicates.get(bit) if tee & bit else None,  # as torchrun: tee'd streams only
-                        duplicate_prefix=tee_prefix,
+                        duplicate_prefix=header,
                     )
                 )
             try:

@@ -316,6 +316,24 @@ class SuccessRecord(StoredRecord):
         return self
 
 
+@dataclass(frozen=True)
+class BarrierMark(StoredRecord):
+    """`<r>/preempt_done/<g>`, `<r>/acked/<g>`: member g did its part before a barrier opens (its
+    workers checkpointed after a preemption signal; it read the job's end). A signed record per
+    member, like success: a counter or a flag, which anyone who reaches the store can bump or set
+    without the token, once opened the barrier for them (node 0 requeued while others still saved)."""
+
+    WHAT = "barrier record"
+
+    node_id: str
+    group_rank: int
+
+    def check_for(self, key: str, group_rank: int) -> BarrierMark:
+        if self.group_rank != group_rank:
+            raise _bad(key, self.WHAT, f"group_rank {self.group_rank} is not {group_rank}")
+        return self
+
+
 def parse_master(text: str, key: str, master_host: str) -> tuple[str, int]:
     """The workers' store address, which must be on the host the assignment named."""
     host, sep, port_text = text.rpartition(":")

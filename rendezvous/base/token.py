@@ -61,6 +61,12 @@ class Signer:
         """Sign and verify with `token` from now on (rendezvous/plan.py: a one-node job's own store)."""
         self._key = token.encode()
 
+    @property
+    def has_token(self) -> bool:
+        """Whether values are signed with a job token (without one, anyone can sign as the job:
+        a taken store port proves nothing, rendezvous/c10d/store.py)."""
+        return bool(self._key)
+
     def _mac(self, key: str, payload: bytes) -> bytes:
         return hmac.new(self._key, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
 

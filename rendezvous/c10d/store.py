@@ -8,7 +8,13 @@ that torch does not already ship. This module hides three awkward corners of the
 * a client blocked in `wait` blocks every other call on the same connection, so each
   thread that waits gets its own connection (`Store.connect_again`);
 * the C++ side logs a warning with a stack trace for every timed-out wait, which is a normal
-  event in a rendezvous; the agent silences it with TORCH_CPP_LOG_LEVEL (see `quiet_torch_logs`).
+  event in a rendezvous; the agent silences it with TORCH_CPP_LOG_LEVEL (see `quiet_torch_logs`);
+* a store that is not one (a hostile service on the port) must cost one line, never a traceback
+  or a hang: torch's client turns a reply that claims a 1 TiB value into `std::bad_alloc`
+  (MemoryError here), and waits for ever for the answer to a wait's CANCEL_WAIT. Every error of
+  torch's client is `StoreUnavailable` with one line (`Store._call`), and the calls that wait on
+  the server (wait, get, multi_get: torch's get waits first) run in a thread bounded by their
+  timeout plus `op_timeout` (`Store._bounded_call`).
 """
 
 from __future__ import annotations
@@ -33,15 +39,25 @@ from rally.rendezvous.base.kv import (
     UntrustedValue,
 )
 from rally.rendezvous.base.token import BadRecord, Signer
-from rally.rendezvous.c10d.connect import CONSTRUCTOR_SLACK_SECONDS, NoStoreThere, bounded, wait_for_store
+from rally.rendezvous.c10d.connect import (
+    CONSTRUCTOR_SLACK_SECONDS,
+    NoStoreThere,
+    bounded,
+    current_progress,
+    wait_for_store,
+)
+from rally.rendezvous.c10d.port_owner import Listener, listener_owners
 
 if TYPE_CHECKING:  # torch is imported lazily: `rally --help` and bad input must not pay 2 s for it.
     from torch.distributed import Store as TorchStore
     from torch.distributed import TCPStore
 
 
-# The key a `rally store` process writes, so an agent on the same host can tell it from a stranger.
+# The key a `rally store` process writes, so an agent on the same host can tell it from a stranger:
+# plain, it is joined only when the port's listener is the agent's own user's or root's; signed
+# with the job token (`rally store` run with RALLY_JOB_TOKEN), it proves the store is the job's.
 SERVICE_MARKER_KEY = "rally/store-service"
+SERVICE_MARKER_VALUE = "rally store"
 # The key (under the job's prefix) the agent that hosts the job's store writes, signed.
 HOST_MARKER_NAME = "host"
 # How long an agent that found the endpoint's port taken waits for the hosting agent's marker.
@@ -53,6 +69,8 @@ ABSENT = b"\x00rally: no such key\x00"
 REPAIR_ATTEMPTS = 3
 # The slices of that wait: between them, a store hosted by another job is recognised by its marker.
 MARKER_SLICE_SECONDS = 0.25
+# A Store's `op_timeout` when its maker does not say (torch's own default, 300 s).
+DEFAULT_OP_TIMEOUT = 300.0
 # Where every job's keys live (rendezvous/protocol.py's job_prefix: rally/<run id>/).
 RALLY_KEY_ROOT = "rally/"
 
@@ -96,7 +114,29 @@ class Store(KeyValueStore):
     _reconnect: Callable[[], TorchStore]
     signer: Signer = field(default_factory=Signer)
     on_untrusted: Callable[[str], None] | None = None  # see KeyValueStore; copied by connect_again
+    op_timeout: float = DEFAULT_OP_TIMEOUT  # the client's own timeout: how long an answer may take
     replaces_untrusted: ClassVar[bool] = True
+
+    def _bounded_call(self, fn: Callable, args: tuple, waits: float) -> Any:
+        """A call that waits on the server for up to `waits` seconds (torch's wait, get, multi_get):
+        in a thread, given `waits` + `op_timeout` in all. torch's client sends CANCEL_WAIT when its
+        wait times out and then waits for ever for the answer, so a store that never gives it would
+        hang the agent; past the bound this connection is dropped for a fresh one and the call is
+        StoreUnavailable with one line. (A store that answers nothing at all is said sooner by the
+        agent's probe on a connection of its own, at read_timeout: agent/rounds/threads.py.)"""
+        bound = waits + self.op_timeout
+        try:
+            # wait: bounded, said by the caller: the call's own timeout + op_timeout, then StoreUnavailable
+            return bounded(lambda: self._call(fn, *args), bound, f"a request to {self.describe}")
+        except NoStoreThere:
+            try:
+                self.raw = self._reconnect()  # the stuck call keeps the old connection (and its lock)
+            except Exception:  # the store is gone too: the line below says what matters
+                pass
+            raise StoreUnavailable(
+                f"{self.describe} did not answer a wait (or its cancel) within {bound:g} s: what listens there is a "
+                "stalled or hostile store"
+            ) from None
 
     def _call(self, fn: Callable, *args):
         from torch.distributed import DistNetworkError, DistStoreError
@@ -113,6 +153,15 @@ class Store(KeyValueStore):
             if "timeout" in str(exc).lower():
                 raise StoreTimeout(_first_line(exc)) from exc
             raise StoreUnavailable(f"{self.describe} failed: {_first_line(exc)}") from exc
+        except MemoryError:  # torch's std::bad_alloc: a reply that claims a value too large to hold
+            raise StoreUnavailable(
+                f"{self.describe} sent a reply no store sends (a value too large to hold in memory): what listens "
+                "there is not a c10d store, or a hostile one"
+            ) from None
+        except Exception as exc:  # anything else torch's client or its bindings raise on a strange reply
+            raise StoreUnavailable(
+                f"{self.describe} sent a reply no store sends ({type(exc).__name__}: {_first_line(exc)[:200]})"
+            ) from exc
 
     def _seal(self, name: str, value: str | bytes) -> bytes:
         return self.signer.seal(self.key(name), value)
@@ -128,7 +177,7 @@ class Store(KeyValueStore):
         self._call(self.raw.set, self.key(name), self._seal(name, value))
 
     def get(self, name: str) -> bytes:
-        return self._open(name, self._call(self.raw.get, self.key(name)))
+        return self._open(name, self._bounded_call(self.raw.get, (self.key(name),), self.op_timeout))
 
     def get_str(self, name: str) -> str:
         try:
@@ -161,7 +210,9 @@ class Store(KeyValueStore):
         """The raw value of `name` over a fresh connection, or None when the store is gone."""
         try:
             self.raw = self._reconnect()
-            return self.raw.get(self.key(name)) if self.raw.check([self.key(name)]) else None
+            if not self.raw.check([self.key(name)]):
+                return None
+            return self._bounded_call(self.raw.get, (self.key(name),), self.op_timeout)
         except Exception:  # the store is really gone: the caller re-raises
             return None
 
@@ -181,7 +232,7 @@ class Store(KeyValueStore):
     def get_unsigned(self, name: str) -> bytes | None:
         """The raw bytes of a key written by `append` (which cannot be signed), None when nobody
         appended: a `check` and a `get`, two requests (a c10d `get` of an absent key blocks)."""
-        return self._call(self.raw.get, self.key(name)) if self.check(name) else None
+        return self._bounded_call(self.raw.get, (self.key(name),), self.op_timeout) if self.check(name) else None
 
     def append(self, name: str, value: str) -> None:
         """Append to a list key (unsigned: only `rally status` reads it, and checks each record)."""
@@ -239,7 +290,7 @@ class Store(KeyValueStore):
         """The checked values of `names` (all of which exist) in one `multi_get`: the closer's read
         of every node descriptor is one request, not one per node. Each value is checked on its
         own, so a stranger's value is its `UntrustedValue` and hides none of the others."""
-        raw = self._call(self.raw.multi_get, [self.key(n) for n in names]) if names else []
+        raw = self._bounded_call(self.raw.multi_get, ([self.key(n) for n in names],), self.op_timeout) if names else []
         values: dict[str, Checked] = {}
         for name, sealed in zip(names, raw, strict=True):
             try:
@@ -249,7 +300,7 @@ class Store(KeyValueStore):
         return values
 
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
-        raw = self._call(self.raw.multi_get, [self.key(n) for n in names])
+        raw = self._bounded_call(self.raw.multi_get, ([self.key(n) for n in names],), self.op_timeout)
         return [self._open(n, value) for n, value in zip(names, raw, strict=True)]
 
     def multi_set(self, items: dict[str, str]) -> None:
@@ -258,7 +309,7 @@ class Store(KeyValueStore):
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         """Block until every key exists (raises StoreTimeout after `timeout` seconds)."""
-        self._call(self.raw.wait, [self.key(n) for n in names], _seconds(timeout))
+        self._bounded_call(self.raw.wait, ([self.key(n) for n in names], _seconds(timeout)), timeout)
 
     def connect_again(self) -> Store:
         """A second connection to the same store, for a thread that blocks in `wait`."""
@@ -266,7 +317,7 @@ class Store(KeyValueStore):
             raw = self._reconnect()
         except Exception as exc:  # torch raises several unrelated types here
             raise StoreUnavailable(f"{self.describe} is gone ({_first_line(exc)})") from exc
-        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer, self.on_untrusted)
+        return Store(raw, self.prefix, self.describe, self._reconnect, self.signer, self.on_untrusted, self.op_timeout)
 
     def delete_keys_outside(self, keep_prefix: str) -> int:
         """Delete every key of the whole store that does not start with `keep_prefix`; return
@@ -298,6 +349,10 @@ def host_tcp_store(port: int, timeout: float, bind: str | None = None, *, loopba
     if bind is not None:
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # As libuv (torch's own store socket) does: a port whose last job's connections are in
+        # TIME_WAIT can be bound again at once (a restarted pod's master, on its fixed port);
+        # on Linux this never lets two listeners share a port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((bind, port))
             sock.listen(512)
@@ -419,7 +474,7 @@ def open_file_store(path: str, prefix: str, op_timeout: float, signer: Signer) -
 
     describe = f"the rendezvous file store at {path}"
     try:
-        return Store(reconnect_file(), prefix, describe, reconnect_file, signer)
+        return Store(reconnect_file(), prefix, describe, reconnect_file, signer, op_timeout=op_timeout)
     except Exception as exc:
         raise StoreUnavailable(f"cannot open {describe}: {_first_line(exc)}") from exc
 
@@ -475,18 +530,74 @@ def open_tcp_store(
             f"could not reach {describe} within {connect_timeout:g} s ({_first_line(exc)}); "
             "check --rdzv-endpoint and that the store's host is up"
         ) from exc
-    store = Store(raw, prefix, describe, reconnect, signer)
+    store = Store(raw, prefix, describe, reconnect, signer, op_timeout=op_timeout)
     if server is not None:
         store.set(HOST_MARKER_NAME, "hosted by an agent of this job")
     elif port_taken:
-        _check_same_job(store, endpoint, port, wait)
+        joined = _check_same_job(store, endpoint, port, wait)
+        if (say := current_progress()) is not None:
+            say(joined)
     return store, server
 
 
-def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: float) -> None:
-    """The port was taken: accept a `rally store` service or this job's own host, nothing else."""
-    if store.raw.check([SERVICE_MARKER_KEY]):
-        return
+def _service_marker(store: Store) -> str | None:
+    """What the `rally store` marker at the store says: None (none there), "plain" (anyone could
+    have written it), "signed" (signed with this job's token: the store is the job's)."""
+    if not store._call(store.raw.check, [SERVICE_MARKER_KEY]):
+        return None
+    if not store.signer.has_token:
+        return "plain"
+    try:
+        value = store._bounded_call(store.raw.get, (SERVICE_MARKER_KEY,), store.op_timeout)
+        store.signer.open(SERVICE_MARKER_KEY, value)
+    except BadRecord:
+        return "plain"
+    return "signed"
+
+
+def _owned_here(owners: list[Listener]) -> bool:
+    """The port's listener was opened by this process's user or by root."""
+    return bool(owners) and all(owner.uid in (0, os.geteuid()) for owner in owners)
+
+
+def _check_same_job(store: Store, endpoint: StoreEndpoint, port: int, wait: float) -> str:
+    """The port was taken: join a `rally store` service or this job's own host, nothing else, and
+    only when its listening socket is this user's or root's (the kernel's socket tables say who
+    opened it, rendezvous/c10d/port_owner.py) or the store proves it is the job's with a marker signed
+    with the job token. The line that says which store this agent joined."""
+    owners = listener_owners(endpoint.host, port)
+    ours = _owned_here(owners)
+    who = ", ".join(str(owner) for owner in owners) or "a socket this host's tables do not show"
+    where = f"{endpoint.host}:{port}"
+    service = _service_marker(store)
+    if service == "signed":
+        return f"joined the `rally store` at {where}, listening at {who}: its marker is signed with this job's token"
+    if service == "plain" and ours:
+        return f"joined the `rally store` service at {where}, listening at {who} (this user's or root's)"
+    if service == "plain":
+        raise StoreUnavailable(
+            _stranger_port_message(
+                endpoint,
+                port,
+                f"it listens as another user ({who}) and its `rally store` marker is not signed with this job's "
+                "token (run `rally store` as this user, or with RALLY_JOB_TOKEN set to the job's token)",
+            )
+        )
+    if not ours and not store.signer.has_token:
+        raise StoreUnavailable(
+            _stranger_port_message(
+                endpoint,
+                port,
+                f"it listens as another user ({who}); without a job token no store proves it is this job's",
+            )
+        )
+    # wait: short: HOST_MARKER_WAIT_SECONDS (10 s) at most, in MARKER_SLICE_SECONDS slices
+    _wait_for_host_marker(store, endpoint, port, wait)
+    return f"joined the rendezvous store at {where} hosted by another agent of this job, listening at {who}"
+
+
+def _wait_for_host_marker(store: Store, endpoint: StoreEndpoint, port: int, wait: float) -> None:
+    """The job's hosting agent signs its marker at once; anything else is not this job's store."""
     deadline = time.monotonic() + wait
     while True:
         left = max(0.01, min(MARKER_SLICE_SECONDS, deadline - time.monotonic()))

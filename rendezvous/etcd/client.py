@@ -252,13 +252,16 @@ class EtcdClient:
                         raise _TryElsewhere("the watch stream ended")
                     if not line.strip():
                         continue
-                    reply = json.loads(line)
+                    reply = _json_object(line)
                     if reply.get("error"):
                         _parse_reply(200, line)  # raises: a refused watch (auth) or try elsewhere
                     result = reply.get("result") or {}
+                    events = result.get("events", []) if isinstance(result, dict) else None
+                    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+                        raise _TryElsewhere("a watch reply of the wrong shape")
                     if result.get("canceled"):
-                        raise _TryElsewhere(result.get("cancel_reason") or "the watch was cancelled")
-                    yield from result.get("events", [])
+                        raise _TryElsewhere(str(result.get("cancel_reason") or "the watch was cancelled")[:200])
+                    yield from events
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     return
@@ -320,6 +323,8 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror  # "Connection refused", not "[Errno 111] Connection refused"
     text = str(exc).strip()
+    if isinstance(exc, HttpError) and text:
+        return text  # its own words: what was wrong with the reply
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -330,10 +335,23 @@ def _summary(failures: dict[Member, str]) -> str:
     return "; ".join(f"{member}: {reason}" for member, reason in failures.items())
 
 
+def _json_object(data: bytes) -> dict[str, Any]:
+    """One JSON object of the gateway's; _TryElsewhere for anything else: no JSON (ValueError, left
+    to the caller), nested deeper than the parser goes (RecursionError), or not an object. What an
+    object holds is checked where it is read (rendezvous/etcd/store.py `_shape_checked`)."""
+    try:
+        reply = json.loads(data) if data else {}
+    except RecursionError:
+        raise _TryElsewhere("a reply nested deeper than any etcd reply") from None
+    if not isinstance(reply, dict):
+        raise _TryElsewhere(f"a reply that is a JSON {type(reply).__name__}, not an object")
+    return reply
+
+
 def _parse_reply(status: int, data: bytes) -> dict[str, Any]:
     """The gateway's JSON reply; errors carry a gRPC code that says whether to try elsewhere."""
     try:
-        reply = json.loads(data) if data else {}
+        reply = _json_object(data)
     except ValueError:
         text = data.decode(errors="replace").strip().splitlines()
         reason = f"HTTP {status}: {text[0][:200]}" if text else f"HTTP {status} with an empty reply"
@@ -343,7 +361,7 @@ def _parse_reply(status: int, data: bytes) -> dict[str, Any]:
     if status == 200 and "error" not in reply:
         return reply
     code = reply.get("code")
-    message = reply.get("message") or reply.get("error") or f"HTTP {status}"
+    message = str(reply.get("message") or reply.get("error") or f"HTTP {status}")[:200]
     if code in RETRYABLE_GRPC_CODES or status >= 500 and code is None:
         raise _TryElsewhere(message)
     raise EtcdError(message, code)

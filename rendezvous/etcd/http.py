@@ -8,6 +8,11 @@ The gateway speaks a small, well-defined subset of HTTP: a reply has a status li
 and a body with Content-Length or chunked transfer encoding (a watch is one chunked stream of
 JSON lines). That subset is all this module reads.
 
+Nothing here trusts the peer further than the gateway's own replies need: a reply's headers (at
+most MAX_HEADERS lines), its body and a watch's line are each at most MAX_REPLY_BYTES, so a
+hostile gateway's 1 TiB Content-Length or never-ending chunked reply is one HttpError, not a
+MemoryError or a process that grows until the kernel stops it (1.4 GB seen before the cap).
+
 `EtcdAccess` is how the cluster is reached: `http` or `https` with a CA, a client certificate
 and key (torchrun's `--rdzv-conf protocol=https,cacert=...,cert=...,key=...`), and etcd's own
 users (`username`, `password`). One SSL context is built per access and shared by every
@@ -22,9 +27,22 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+# The most of one reply (or one line of a watch) read into memory. etcd's own limit on a request
+# is 1.5 MiB and on a reply 2 GiB, but what rally reads is small: the biggest, a range over every
+# node of a 4096-node round, is a few MiB.
+MAX_REPLY_BYTES = 64 << 20
+# The most header lines of one reply (the gateway sends fewer than ten).
+MAX_HEADERS = 100
+
 
 class HttpError(Exception):
     """The connection broke or the reply was not HTTP as the gateway writes it."""
+
+
+def _too_large(size: int) -> HttpError:
+    return HttpError(
+        f"a reply of {size} bytes or more, over the {MAX_REPLY_BYTES >> 20} MiB no etcd reply to rally needs"
+    )
 
 
 @dataclass
@@ -97,6 +115,8 @@ class HttpConnection:
                 )
             reply_headers: dict[bytes, bytes] = {}
             while True:
+                if len(reply_headers) >= MAX_HEADERS:
+                    raise HttpError(f"a reply with more than {MAX_HEADERS} header lines")
                 line = self.reader.readline(65536)
                 if line in (b"\r\n", b"\n"):
                     break
@@ -113,9 +133,15 @@ class HttpConnection:
         status, reply_headers = self._send(path, body, headers, timeout)
         try:
             if b"chunked" in reply_headers.get(b"transfer-encoding", b"").lower():
-                data = b"".join(self._chunks())
+                parts, total = [], 0
+                for chunk in self._chunks():
+                    total += len(chunk)
+                    if total > MAX_REPLY_BYTES:
+                        raise _too_large(total)
+                    parts.append(chunk)
+                data = b"".join(parts)
             else:
-                length = int(reply_headers.get(b"content-length", b"0"))
+                length = _length(reply_headers)
                 data = self.reader.read(length)
                 if len(data) != length:
                     raise HttpError("the connection closed in the middle of a reply")
@@ -127,7 +153,10 @@ class HttpConnection:
         """Start a streaming request (a watch): its status and an iterator of the reply's lines."""
         status, reply_headers = self._send(path, body, headers, timeout)
         if b"chunked" not in reply_headers.get(b"transfer-encoding", b"").lower():
-            length = int(reply_headers.get(b"content-length", b"0") or 0)
+            try:
+                length = _length(reply_headers)
+            except ValueError as exc:
+                raise HttpError(f"a malformed reply ({exc})") from exc
             return status, iter([self.reader.read(length)])
         return status, self._lines()
 
@@ -137,6 +166,8 @@ class HttpConnection:
             if not size_line:
                 raise HttpError("the connection closed in the middle of a reply")
             size = int(size_line.split(b";", 1)[0].strip(), 16)
+            if size > MAX_REPLY_BYTES:
+                raise _too_large(size)
             if size == 0:
                 self.reader.readline(1024)  # the empty trailer
                 return
@@ -151,9 +182,21 @@ class HttpConnection:
         for chunk in self._chunks():
             pending += chunk
             *lines, pending = pending.split(b"\n")
+            if len(pending) > MAX_REPLY_BYTES:  # a line that never ends
+                raise _too_large(len(pending))
             yield from lines
         if pending:
             yield pending
+
+
+def _length(reply_headers: dict[bytes, bytes]) -> int:
+    """A reply's Content-Length, at most MAX_REPLY_BYTES (ValueError when it is no number)."""
+    length = int(reply_headers.get(b"content-length", b"0") or 0)
+    if length < 0:
+        raise ValueError(f"Content-Length {length}")
+    if length > MAX_REPLY_BYTES:
+        raise _too_large(length)
+    return length
 
 
 def _reason(exc: BaseException) -> str:

@@ -40,16 +40,23 @@ runs unchanged on it. Each operation maps onto etcd v3 as follows:
 
 Every key lives under the job's prefix `rally/<run_id>/`, as with the c10d store. etcd keeps
 them after the job: give each job its own `--rdzv-id` (or delete the prefix with etcdctl).
+
+What the gateway answers is read as etcd writes it (`reply["header"]["revision"]`, a kv's
+`value`); a reply of another shape (a hostile or broken gateway: a list where an object goes, a
+number where base64 goes) is `StoreUnavailable` with one line from every public method
+(`_shape_checked`), never the AttributeError, TypeError or KeyError the read would raise.
 """
 
 from __future__ import annotations
 
+import binascii
+import functools
 import math
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from rally.rendezvous.base.kv import Checked, KeyValueStore, Seen, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.base.token import BadRecord, Signer
@@ -83,6 +90,38 @@ def _signed_as(own: str) -> str:
     return own.replace(INCREMENTS, "#")
 
 
+S = TypeVar("S")
+# What reading a reply of the wrong shape raises (binascii.Error: base64 that is not).
+SHAPE_ERRORS = (AttributeError, TypeError, KeyError, IndexError, ValueError, RecursionError, binascii.Error)
+
+
+def _shape_checked(cls: type[S]) -> type[S]:
+    """Every public method of `cls` turns an error of a reply's shape into one StoreUnavailable line
+    (UnicodeDecodeError, which the methods themselves turn into UntrustedValue, is left alone)."""
+
+    def checked(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: EtcdStore, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except UnicodeDecodeError:
+                raise
+            except SHAPE_ERRORS as exc:
+                raise StoreUnavailable(
+                    f"{self.describe} sent a reply of a shape etcd never sends (reading it raised "
+                    f"{type(exc).__name__}, {str(exc)[:120]}): what answers there is not an etcd gateway, "
+                    "or a hostile one"
+                ) from None
+
+        return call
+
+    for name, member in list(vars(cls).items()):
+        if not name.startswith("_") and callable(member):
+            setattr(cls, name, checked(member))
+    return cls
+
+
+@_shape_checked
 class EtcdStore(KeyValueStore):
     """One client of an etcd cluster with every key under `prefix` (see the module docstring)."""
 
