@@ -99,7 +99,8 @@ def explain(end: RoundEnd) -> str:
     if info.get("others"):  # a hang report (agent/observe/hang_report.py): every other rank in one line
         lines += ["the other ranks:", *("  " + line for line in info["others"])]
     elif info.get("traceback"):
-        lines += ["traceback (from its error file):", info["traceback"].rstrip()]
+        source = "raised in rally.job.run's function" if info.get("soft") else "from its error file"
+        lines += [f"traceback ({source}):", info["traceback"].rstrip()]
     elif info.get("stderr_tail"):
         lines += ["last lines of its stderr:", *("  " + line for line in info["stderr_tail"])]
     elif end.kind == EndKind.WORKER_FAILED and int(info.get("returncode") or 0) < 0:
@@ -121,6 +122,7 @@ class AttemptRecord:
     started_at: float
     workers: list[dict] = field(default_factory=list)
     end: dict | None = None
+    recovery: str | None = None  # "in-process": the workers were re-entered, not restarted (rally.job.run)
 
 
 @dataclass
@@ -148,10 +150,12 @@ class JobReport:
             )
         )
 
-    def finish_attempt(self, group: WorkerGroup | None, end: RoundEnd) -> None:
+    def finish_attempt(self, group: WorkerGroup | None, end: RoundEnd, recovery: str | None = None) -> None:
+        """`recovery`: "in-process" when the workers live on into the next round (rally.job.run)."""
         if not self.attempts:
             return
         attempt = self.attempts[-1]
+        attempt.recovery = recovery
         if group is not None:
             attempt.workers = [
                 {

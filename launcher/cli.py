@@ -16,19 +16,23 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 from click.core import ParameterSource
 
 from rally.agent.display import console
 from rally.launcher import __version__, options
+from rally.launcher.checks.validate import Mistakes, mistakes_of
 from rally.launcher.command_errors import run_click
 from rally.launcher.config import ConfigError, build_launch
 from rally.launcher.config_file import FileMistakes, load_config_file
 from rally.launcher.flag_prefixes import expand_prefixes
 from rally.launcher.options import GROUPS, Options
-from rally.launcher.validate import Mistakes, mistakes_of
+from rally.launcher.schedulers import Scheduler, detect
+
+if TYPE_CHECKING:
+    from rally.launcher.schedulers.slurm import SlurmJob
 
 EARLY_BLOCKED_SIGNALS = {signal.SIGUSR1, signal.SIGUSR2}
 
@@ -227,33 +231,27 @@ class JobResult:
 def launch_and_run(options: Options, script: str | None, script_args: list[str], given: set[str]) -> JobResult:
     """Fill in from SLURM what `given` (the options the user set) leaves open, check everything,
     run the agent. Shared by the `rally` command and `rally.launch`."""
-    slurm_job = None if options.no_slurm else _slurm_job()
+    scheduler = _scheduler(options.no_slurm)
+    slurm_job = cast("SlurmJob | None", scheduler if scheduler.name == "slurm" else None)
     if slurm_job is not None:
         changes, taken = slurm_job.overrides(options, given)
         options = dataclasses.replace(options, **changes)
         console.say(slurm_job.describe(taken))
     launch = build_launch(options, script, script_args, slurm_job)
+    launch.spec = dataclasses.replace(launch.spec, scheduler=scheduler.agent_view())
     for note in launch.notes:
         console.say(note)
     for line in launch.warnings:  # secrets and the store left open to other users (secret_warnings.py)
         console.warn(line)
-    requeue = None
-    if options.requeue:
-        requeue = slurm_job.requeue if slurm_job is not None else _requeue_outside_slurm
-    return _run_agent(launch, requeue)
+    return _run_agent(launch, scheduler.requeue if options.requeue else None)
 
 
-def _slurm_job():  # launcher.slurm.SlurmJob | None, imported only here
-    from rally.launcher.slurm import SlurmJob
-
+def _scheduler(no_slurm: bool) -> Scheduler:
+    """The scheduler this node runs under (launcher/schedulers/): SLURM, Kubernetes' operator, none."""
     try:
-        return SlurmJob.from_env(os.environ)
+        return detect(os.environ, no_slurm)
     except ValueError as exc:
         raise ConfigError(f"cannot read the SLURM environment: {exc} (use --no-slurm to ignore it)") from None
-
-
-def _requeue_outside_slurm() -> str:
-    raise RuntimeError("--requeue: not inside a SLURM job (SLURM_JOB_ID is unset)")
 
 
 def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  # launcher.config.Launch

@@ -9,7 +9,7 @@ import click
 
 from rally.agent.base.exit_codes import EXIT_BAD_INPUT
 from rally.agent.display import console
-from rally.launcher.validate import ConfigError
+from rally.launcher.checks.validate import ConfigError
 
 
 def run_click(command: click.Command, args: list[str], prog_name: str = "rally") -> int:

@@ -3,7 +3,7 @@
 Raw values come from the options model (launcher/options.py): on the command line from click
 (flags, then PET_*/RALLY_* environment variables, then the YAML file, then defaults, click's own
 precedence, with the file as its `default_map`), from `rally.launch` as keyword arguments; then
-SLURM fills in what is still unset (launcher/slurm.py). `Options.parse()` checks every value
+SLURM fills in what is still unset (launcher/schedulers/slurm.py). `Options.parse()` checks every value
 and fills the agent's `JobSpec` and the rendezvous flags; `build_launch` plans the rendezvous
 from those (`RendezvousPlan`) and resolves the job's token. Every check raises `ConfigError`
 with a message that says what is wrong and how to fix it.
@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rally.agent.base.spec import JobSpec
-from rally.launcher import validate
+from rally.launcher.checks import validate
+from rally.launcher.checks.validate import ConfigError
+from rally.launcher.checks.values import parse_rdzv_conf
 from rally.launcher.options import Options, RendezvousOptions
 from rally.launcher.path_checks import check_job_paths
 from rally.launcher.secret_warnings import secret_warnings
-from rally.launcher.validate import ConfigError
-from rally.launcher.values import parse_rdzv_conf
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
 from rally.rendezvous.base.token import TokenError, resolve_token
 from rally.rendezvous.c10d.store import StoreEndpoint, is_loopback_name, loopback_address
@@ -32,7 +32,7 @@ from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import RendezvousSettings
 
 if TYPE_CHECKING:  # imported only inside SLURM (launcher/cli.py)
-    from rally.launcher.slurm import SlurmJob
+    from rally.launcher.schedulers.slurm import SlurmJob
 
 __all__ = ["ConfigError", "Launch", "build_launch", "parse_rdzv_conf"]
 
@@ -54,7 +54,7 @@ class Launch:
 def build_launch(
     options: Options, script: str | None, script_args: list[str], slurm_job: SlurmJob | None = None
 ) -> Launch:
-    """Check every option together and build the agent's inputs. `slurm_job` (launcher/slurm.py's
+    """Check every option together and build the agent's inputs. `slurm_job` (launcher/schedulers/slurm.py's
     SlurmJob, when rally runs inside SLURM) gives the preferred node rank and the job's token."""
     check_entry_point(options, script)
     parsed = options.parse(script, script_args)

@@ -18,8 +18,9 @@ from typing import Any
 import yaml
 
 from rally.agent.display.untrusted_text import printable
-from rally.launcher import options, validate
-from rally.launcher.validate import ConfigError
+from rally.launcher import options
+from rally.launcher.checks import validate
+from rally.launcher.checks.validate import ConfigError
 
 EXTRA_KEYS = ("script", "args")
 # A job file's values are scalars or lists of scalars (a mapping holding lists: depth 3).

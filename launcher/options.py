@@ -20,7 +20,7 @@ several when the check returns a tuple; `read_by=` says which option's check rea
 fills nothing itself). Defaults that the agent also needs live in the agent's own types
 (`JobSpec`, `RendezvousSettings`) and are read from there with `spec_default`, so that each
 exists once. Every check has one signature, (value, Parsing) -> the parsed value or
-`ConfigError` (launcher/option_checks.py). `Options.parse()` runs them in declaration order
+`ConfigError` (launcher/checks/option_checks.py). `Options.parse()` runs them in declaration order
 (directories last: checking them creates them), tells every mistake in one run, and names the
 config file and line when the bad value came from one.
 """
@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rally.agent.base.spec import JobSpec, LearningSettings
-from rally.launcher import __version__, validate
-from rally.launcher import option_checks as checks
-from rally.launcher.option_checks import Check, Parsing, Unavailable
-from rally.launcher.validate import ConfigError, Mistakes
-from rally.launcher.worker_flags import NUMA_MODES
+from rally.launcher import __version__
+from rally.launcher.checks import option_checks as checks
+from rally.launcher.checks import validate
+from rally.launcher.checks.option_checks import Check, Parsing, Unavailable
+from rally.launcher.checks.validate import ConfigError, Mistakes
+from rally.launcher.checks.worker_flags import NUMA_MODES
 from rally.rendezvous.backends import HostPort
 
 GROUPS = ("Job", "Rendezvous", "Restarts and shutdown", "Logs and output", "Entry point", "Health", "rally extras")
@@ -81,6 +82,7 @@ NOT_AN_OPTION = {
     "args": "the script's arguments",
     "python_exec": "$PYTHON_EXEC (option_checks.python_exec)",
     "rally_version": "launcher/__init__.py's __version__",
+    "scheduler": "the scheduler's own environment (launcher/schedulers/)",
     "cwd": "the working directory (the agent's own)",
     "log_line_prefix_template": "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (option_checks.log_line_prefix_template)",
 }
@@ -506,6 +508,13 @@ class Options:
         spec_default("crash_loop_limit"),
         "rally extras",
         "Stop after this many restarts in a row without a newer checkpoint in --checkpoint-dir (0: never).",
+        check=checks.not_negative,
+    )
+    warm_spares: int = option(
+        spec_default("warm_spares"),
+        "rally extras",
+        "Keep N extra processes per node that ran the script up to rally.job.run; one takes a dead rank's "
+        "place in an in-process restart (docs/restartable.md).",
         check=checks.not_negative,
     )
     no_slurm: bool = option(

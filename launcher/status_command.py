@@ -5,7 +5,7 @@ CPU, memory, heartbeat age, step and step time, stragglers, GPU problems), refre
 of seconds by its keep-alive thread.
 
 Inside a SLURM job (a batch shell, or `srun --overlap --jobid ID rally status`), the endpoint
-and the run id are computed from SLURM exactly as the agent computes them (launcher/slurm.py),
+and the run id are computed from SLURM exactly as the agent computes them (launcher/schedulers/slurm.py),
 for the step that runs rally: `--slurm-step`, 0 by default, the first `srun` of the job, which
 is what the templates in slurm/ run. The current step's own id is not used: `rally status` run
 through `srun` is a step of its own. The store host is the first host of the job's node list.
@@ -31,7 +31,6 @@ is torch's, is read through torch.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shlex
@@ -50,8 +49,9 @@ from rally.agent.display import console
 from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import hang_line, straggler_line, worker_table
 from rally.agent.observe import job_view, run_info
-from rally.launcher.validate import ConfigError
-from rally.rendezvous.backends import BACKENDS, SELECTABLE, EndpointError, HostPort, backend_named, open_endpoint
+from rally.launcher.checks.validate import ConfigError
+from rally.launcher.schedulers.slurm import inside_a_job
+from rally.rendezvous.backends import BACKENDS, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.base.keys import job_prefix
 from rally.rendezvous.base.kv import StoreReader
 from rally.rendezvous.c10d.store import StoreEndpoint
@@ -84,8 +84,8 @@ PROBE_SECONDS = 2.0
     "backend",
     default="c10d",
     show_default=True,
-    type=click.Choice(list(SELECTABLE), case_sensitive=False),
-    help="etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
+    help="c10d, etcd, etcd-v2, static, or an installed package's (rally.rendezvous_backends); "
+    "etcd: --rdzv-endpoint lists etcd client endpoints HOST[:PORT],...",
 )
 @click.option(
     "--rdzv-conf",
@@ -141,7 +141,7 @@ def status_command(
             view, age = seen
             note = f"as of {age:.1f} s ago: node 0's view in {run_dir / job_view.VIEW_FILE} (the store was not asked)"
             return _show_status(str(run_id), str(found or file_store), view, as_json, "view", age, note)
-    elif endpoint is None and run_id is None and not os.environ.get("SLURM_JOB_ID"):
+    elif endpoint is None and run_id is None and not inside_a_job(os.environ):
         return _list_runs(as_json)  # nothing named and not in a SLURM job: this user's recent runs
     else:
         found, run_id = fill_from_slurm(endpoint, run_id, slurm_step)
@@ -267,7 +267,7 @@ def _where(endpoint: str | HostPort | None, backend: str, file_store: str | None
     try:
         if file_store:
             return BACKENDS["file"].locate(file_store)
-        from rally.launcher.values import parse_rdzv_conf  # its import pulls in the run options' modules
+        from rally.launcher.checks.values import parse_rdzv_conf  # its import pulls in the run options' modules
 
         return backend_named(backend).locate(endpoint or "", parse_rdzv_conf(rdzv_conf) if rdzv_conf else {})
     except (EndpointError, ConfigError) as exc:
@@ -480,11 +480,10 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
     """What is missing of endpoint and run id, taken from SLURM as the agent of `step` takes it."""
     if endpoint and run_id:
         return endpoint, run_id
-    from rally.launcher.slurm import SlurmJob
+    from rally.launcher.schedulers.slurm import SlurmJob
 
-    job_env = {k: v for k, v in os.environ.items() if k not in ("SLURM_STEP_ID", "SLURM_STEPID")}
     try:
-        job = SlurmJob.from_env(job_env)
+        job = SlurmJob.of_step(os.environ, step)
     except ValueError as exc:
         raise click.UsageError(
             f"cannot read the SLURM environment: {exc}; give --rdzv-endpoint and --rdzv-id"
@@ -493,7 +492,6 @@ def fill_from_slurm(endpoint: str | None, run_id: str | None, step: int) -> tupl
         raise click.UsageError(
             "give --rdzv-endpoint HOST:PORT and --rdzv-id ID (only inside a SLURM job step are they taken from SLURM)"
         )
-    job = dataclasses.replace(job, step_id=step)
     return endpoint or job.store_address, run_id or job.run_id
 
 

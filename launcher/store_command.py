@@ -16,7 +16,7 @@ import signal
 import click
 
 from rally.agent.display import console
-from rally.launcher import validate
+from rally.launcher.checks import validate
 
 
 def _timeout(_ctx: click.Context, _param: click.Parameter, value: float) -> float:

@@ -21,13 +21,11 @@ mechanism: the protocol (rendezvous/protocol.py) asks them, whichever way the st
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Protocol, runtime_checkable
 
 from rally.rendezvous.base.keys import CURRENT_ROUND
-from rally.rendezvous.base.kv import Checked, Seen, UntrustedValue
+from rally.rendezvous.base.kv import Checked, OrderedArrivals, Seen, UntrustedValue
 from rally.rendezvous.base.records import MAX_COUNT, NodeInfo
 from rally.rendezvous.status.waiting import HOSTS_SHOWN, forming_text
 from rally.rendezvous.status.waiting import RendezvousView as Rendezvous
@@ -46,22 +44,6 @@ def joined_counter(round_no: int) -> str:
 def closed_key(round_no: int) -> str:
     """Round `round_no`'s record (first wins): written by its closer, waited for by every node."""
     return f"{round_no}/closed"
-
-
-@runtime_checkable
-class OrderedArrivals(Protocol):
-    """A store that orders a counter's increments itself and lets each hold a value (etcd:
-    `EtcdStore.arrive_holding`, `arrivals`, `wait_arrival`)."""
-
-    def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int, Seen]: ...
-
-    def arrive_if_fresh(
-        self, counter: str, value: str, also: str, hint: str, limit: int, ends: Sequence[str]
-    ) -> tuple[tuple[int, int, Seen] | None, int, dict[str, Checked]]: ...
-
-    def arrivals(self, counter: str, limit: int) -> tuple[int, list[tuple[int, Checked]]]: ...
-
-    def wait_arrival(self, counter: str, after: int, timeout: float) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ Each backend does two things:
   protocol runs on, the server this process hosts (or None) and the endpoint as bound (a store
   hosted on port 0 reports the port it got; the planned endpoint is never changed).
 
-A new backend is a class with these methods, registered at the bottom of this file (see
-docs/architecture.md, "Adding a rendezvous backend").
+A backend is a class with these methods, given to `register()`: rally's own at the bottom of this
+file, another package's through the entry-point group `rally.rendezvous_backends` (an entry point
+names the class; it is registered when a backend is first looked up), so an out-of-tree backend is
+a package, not a patch (docs/architecture.md, "Adding a rendezvous backend").
 """
 
 from __future__ import annotations
@@ -336,19 +338,80 @@ class EtcdV2Backend(EtcdBackend):
 
 
 # ------------------------------------------------------------------ the registry
-BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (C10dBackend(), StaticBackend(), FileBackend(), EtcdBackend(), EtcdV2Backend())
-}
-SELECTABLE = tuple(name for name, b in BACKENDS.items() if b.selectable)
+# Installed packages name their backends here (pyproject.toml: [project.entry-points."rally.rendezvous_backends"]
+# NAME = "package.module:BackendClass"), as torchrun's out-of-tree handlers use `torchrun.handlers`.
+ENTRY_POINT_GROUP = "rally.rendezvous_backends"
+BACKENDS: dict[str, Backend] = {}  # by name: rally's own, then the installed packages' once looked up
+BUILT_IN = ("c10d", "static", "file", "etcd", "etcd-v2")
+_installed: dict[str, str] | None = None  # entry point -> why it could not be registered ("" when it was)
+
+
+def register(backend: Backend) -> Backend:
+    """Add `backend` to the registry under its `name` (lower case); a name already taken by another
+    backend is a ValueError, so a package cannot replace rally's own."""
+    name = backend.name.lower()
+    if BACKENDS.get(name, backend) is not backend:
+        raise ValueError(f"rendezvous backend '{name}' is already registered ({type(BACKENDS[name]).__name__})")
+    BACKENDS[name] = backend
+    return backend
+
+
+for _backend in (C10dBackend(), StaticBackend(), FileBackend(), EtcdBackend(), EtcdV2Backend()):
+    register(_backend)
+
+
+def load_installed() -> dict[str, str]:
+    """Register the backends installed packages declare in ENTRY_POINT_GROUP, once per process: an
+    entry point names a backend class (or instance) whose `name` is the entry point's. One that fails
+    to load is remembered with why, and named only when someone asks for it."""
+    global _installed
+    if _installed is None:
+        from importlib.metadata import entry_points
+
+        _installed = {}
+        for point in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                made = point.load()
+                backend = made() if isinstance(made, type) else made
+                if str(backend.name).lower() != point.name.lower():
+                    raise ValueError(f"it is named '{backend.name}', not '{point.name}'")
+                register(backend)
+                _installed[point.name.lower()] = ""
+            except Exception as exc:  # a broken package must not break every other backend
+                _installed[point.name.lower()] = f"{point.value}: {type(exc).__name__}: {exc}"
+    return _installed
+
+
+def selectable() -> tuple[str, ...]:
+    """The names `--rdzv-backend` accepts: rally's own and the installed packages'."""
+    load_installed()
+    return tuple(name for name, b in BACKENDS.items() if b.selectable)
+
+
+def registered(name: str) -> Backend | None:
+    """The backend registered as `name` (installed packages' included), None when there is none.
+    The installed packages are looked for only for a name rally does not know (the scan of every
+    installed distribution's entry points costs tens of milliseconds at each start)."""
+    key = str(name).lower()
+    if key not in BACKENDS:
+        load_installed()
+    return BACKENDS.get(key)
 
 
 def backend_named(name: str, store_type: str = "tcp") -> Backend:
     """The backend `--rdzv-backend NAME` (with `--rdzv-conf store_type`) means, or EndpointError."""
     key = str(name).lower()
-    if key not in SELECTABLE:
-        close = difflib.get_close_matches(key, SELECTABLE, n=1, cutoff=0.5)
+    known = registered(key)
+    if known is None or not known.selectable:
+        choices = selectable()
+        broken = (_installed or {}).get(key)
+        if broken:
+            raise EndpointError(f"--rdzv-backend '{key}': its package could not be loaded ({broken})")
+        close = difflib.get_close_matches(key, choices, n=1, cutoff=0.5)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise EndpointError(f"--rdzv-backend '{key}' is not supported; use c10d, etcd (elastic) or static{hint}")
+        others = [n for n in choices if n not in BUILT_IN]
+        also = f", or an installed one: {', '.join(others)}" if others else ""
+        raise EndpointError(f"--rdzv-backend '{key}' is not supported; use c10d, etcd (elastic) or static{also}{hint}")
     if store_type == "file" and key == "c10d":
         return BACKENDS["file"]
     return BACKENDS[key]
@@ -356,7 +419,10 @@ def backend_named(name: str, store_type: str = "tcp") -> Backend:
 
 def backend_of(endpoint: StoreEndpoint) -> Backend:
     """The backend that planned `endpoint` (and so opens it)."""
-    return BACKENDS[endpoint.backend]
+    backend = registered(endpoint.backend)
+    if backend is None:
+        raise EndpointError(f"no rendezvous backend '{endpoint.backend}' is installed here")
+    return backend
 
 
 def open_endpoint(

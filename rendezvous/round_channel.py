@@ -18,10 +18,9 @@ Keys, all under `<r>/` (rendezvous/protocol.py names the forming ones):
 from __future__ import annotations
 
 import time
-from typing import Protocol, runtime_checkable
 
 from rally.rendezvous.base.keys import CURRENT_ROUND
-from rally.rendezvous.base.kv import KeyValueStore, UntrustedValue, opened, opened_text
+from rally.rendezvous.base.kv import KeyValueStore, LeasedStore, UntrustedValue, opened, opened_text
 from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
 from rally.rendezvous.base.records import (
     MAX_COUNT,
@@ -34,20 +33,6 @@ from rally.rendezvous.base.records import (
     parse_master,
 )
 from rally.rendezvous.status.waiting import WaitProgress
-
-
-@runtime_checkable
-class LeasedStore(Protocol):
-    """What a store whose keys expire by themselves offers (`leased_liveness`: etcd's EtcdStore)."""
-
-    def grant_lease(self, ttl: float) -> int: ...
-
-    def refresh_lease(self, lease: int) -> bool: ...
-
-    def set_leased(self, name: str, value: str, lease: int) -> None: ...
-
-    def wait_deleted(self, name: str, timeout: float) -> bool: ...
-
 
 # How often a barrier whose keys all exist, one of them forged, reads them again: the forged key's
 # member overwrites it with its genuine record when it gets there.

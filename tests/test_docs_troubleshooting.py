@@ -140,7 +140,7 @@ def test_every_entry_has_an_anchor_and_the_index_links_them() -> None:
 @pytest.mark.timeout(60)
 def test_rally_help_points_at_the_page() -> None:
     """`rally --help` names the page, which exists: an error's next stop is one command away."""
-    done = run_rally(["--help"], cwd=REPO, timeout=50)
-    assert done.returncode == 0, done.stderr
+    done = run_rally(["--help"], cwd=REPO, timeout=50)  # the one way a test starts rally (tests/test_layout.py)
+    assert done.returncode == 0, done.describe()
     assert "docs/troubleshooting.md" in done.stdout
     assert PAGE.exists()

@@ -153,7 +153,6 @@ def test_the_circle_check_finds_a_circle() -> None:
 # Paths named as examples, or as files a command writes, not as files of the repository.
 NAMED_BUT_NOT_FILES = {
     "agent/x.py", "agent/m.py", "agent/checkpoint/x.py",  # tests/test_waits.py's examples of its own syntax
-    "rendezvous/redis_store.py",  # docs/architecture.md's example of adding a backend
 }  # fmt: skip
 REPO_PATH = r"(?<![\w./-])(?:agent|launcher|rendezvous|tests|bench|docs|examples|slurm)/[\w/.-]*\.(?:py|md|sh|yml)"
 

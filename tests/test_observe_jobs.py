@@ -267,8 +267,8 @@ def slurm_step_env(job_id: str) -> dict[str, str]:
 
 
 def job_id_with_a_free_store_port() -> tuple[str, int]:
-    """A SLURM job id whose derived store port (launcher/slurm.py) is free here right now."""
-    from rally.launcher.slurm import SlurmJob, expand_hostlist
+    """A SLURM job id whose derived store port (launcher/schedulers/slurm.py) is free here right now."""
+    from rally.launcher.schedulers.slurm import SlurmJob, expand_hostlist
 
     rng = random.Random()
     for _ in range(50):

@@ -151,8 +151,8 @@ def test_every_option_of_the_model_is_a_flag_in_both_spellings_with_its_variable
 def test_defaults_the_agent_also_needs_come_from_the_agents_own_types() -> None:
     from rally.agent.base.spec import DEFAULT_FACTOR, JobSpec
     from rally.agent.observe.health import HealthSettings
+    from rally.launcher.checks.values import RDZV_CONF_DEFAULTS
     from rally.launcher.options import Options
-    from rally.launcher.values import RDZV_CONF_DEFAULTS
     from rally.rendezvous.protocol import RendezvousSettings
 
     o = Options()
@@ -293,9 +293,9 @@ def test_a_raw_value_is_read_as_int_and_float_read_it_and_refused_in_their_words
     what int() and float() read gives their number, anything else their own TypeError, which
     Options.parse shows as `--flag value: ...` (so a message from rally.launch or a YAML date is
     the one it was when the checks called int() and float() on an untyped value)."""
-    from rally.launcher import validate
+    from rally.launcher.checks import validate
+    from rally.launcher.checks.validate import ConfigError
     from rally.launcher.options import Options
-    from rally.launcher.validate import ConfigError
 
     for value in RAW_VALUES:
         assert outcome(validate.whole_number, value) == outcome(int, value), value

@@ -109,15 +109,20 @@ def test_failures_count_once_per_round_and_only_within_the_window():
 
 
 def test_under_slurm_the_line_names_the_node_to_exclude_on_requeue():
+    """SLURM says how to keep the node out (launcher/schedulers/slurm.py `agent_view`); the agent
+    only prints it."""
     from rally.agent.checks.quarantine import excluded_line
+    from rally.launcher.schedulers.slurm import SlurmJob, expand_hostlist
 
-    line = excluded_line(
-        "gpu17.cluster", "the root cause of 2 failures", {"SLURMD_NODENAME": "gpu17", "SLURM_JOB_ID": "4242"}
-    )
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "gpu[17-18]",
+           "SLURM_STEP_NUM_NODES": "2", "SLURMD_NODENAME": "gpu17"}  # fmt: skip
+    slurm = SlurmJob.from_env(env, expand=expand_hostlist)
+    assert slurm is not None
+    line = excluded_line("gpu17.cluster", "the root cause of 2 failures", slurm.agent_view().keep_node_out)
     assert line.startswith(
         "node gpu17.cluster is quarantined (the root cause of 2 failures); this agent leaves the job"
     )
     assert line.endswith(
         "to keep SLURM node gpu17 out when the job is requeued: scontrol update JobId=4242 ExcNodeList=gpu17"
     )
-    assert "SLURM" not in excluded_line("n1", "x", {})
+    assert "SLURM" not in excluded_line("n1", "x")

@@ -1,4 +1,4 @@
-"""Smoke tests of the SLURM dev cluster harness, and of launcher.slurm on real SLURM.
+"""Smoke tests of the SLURM dev cluster harness, and of launcher.schedulers.slurm on real SLURM.
 
 These show that the cluster is a real multi-node SLURM (distinct hosts, real
 job environments) before other tests build on it. Each test's timeout also
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slurm
 
 # Prints what every node of a step must agree on, as one JSON line per task.
 PROBE = (
-    "import json, os, rally.launcher.slurm as s; j = s.SlurmJob.from_env(os.environ); "
+    "import json, os, rally.launcher.schedulers.slurm as s; j = s.SlurmJob.from_env(os.environ); "
     "print(json.dumps(None if j is None else dict(node_rank=j.node_rank, nnodes=j.nnodes, run_id=j.run_id, "
     "step_id=j.step_id, store_host=j.store_host, store_port=j.store_port, host=os.uname().nodename)))"
 )

@@ -1,4 +1,4 @@
-"""launcher.slurm: host lists and SlurmJob, from fabricated SLURM environments (no cluster).
+"""launcher.schedulers.slurm: host lists and SlurmJob, from fabricated SLURM environments (no cluster).
 
 The srun, batch and salloc environments below are the ones measured on the dev
 cluster (/work/shared/slurm-dev-cluster/NOTES.md and a salloc run on
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rally.launcher import slurm
-from rally.launcher.slurm import SlurmJob, expand_hostlist, first_host, hostnames
+from rally.launcher.schedulers import slurm
+from rally.launcher.schedulers.slurm import SlurmJob, expand_hostlist, first_host, hostnames
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -255,7 +255,7 @@ def test_from_env_is_none_outside_a_slurm_node(environ: dict[str, str]) -> None:
 def test_srun_tasks_of_one_step_agree_on_everything_but_their_rank() -> None:
     task0, task1 = job(SRUN_TASK0), job(SRUN_TASK1)
     assert (task0.node_rank, task1.node_rank) == (0, 1)
-    assert dataclasses.replace(task1, node_rank=0) == task0
+    assert dataclasses.replace(task1, node_rank=0, node_name=task0.node_name) == task0
     assert task0.job_id == "9" and task0.step_id == 0 and task0.in_step
     assert task0.run_id == "9.0"
     assert task0.nnodes == 2

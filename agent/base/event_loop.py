@@ -53,13 +53,21 @@ class DumpStacks:
 
 
 @dataclass(frozen=True)
+class WorkerSaid:
+    """A worker inside `rally.job.run` sent a message (agent/rounds/reentry.py): `pid` from the kernel."""
+
+    pid: int
+    message: dict
+
+
+@dataclass(frozen=True)
 class Wake:
     """A call run by `EventLoop.run_blocking` has returned."""
 
 
 # What the agent's threads post to its inbox: each kind a type with named fields, so the main
 # loop matches on them (agent/agent.py `_on_events`) instead of reading positions of a tuple.
-News = RoundEnded | PeerVerdict | StoreLost | DumpStacks | Wake
+News = RoundEnded | PeerVerdict | StoreLost | DumpStacks | WorkerSaid | Wake
 Post = Callable[[News], None]
 
 

@@ -9,7 +9,7 @@ starts, first thing in the bootstrap for template-forked ones), so every thread 
 starts inherits it.
 
 Worker (local rank i) uses GPU i, as torchrun assumes. Without GPUs there is nothing to bind
-near and the launcher says so once (launcher/worker_flags.py).
+near and the launcher says so once (launcher/checks/worker_flags.py).
 """
 
 from __future__ import annotations

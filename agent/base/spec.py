@@ -30,6 +30,20 @@ class LearningSettings:
 
 
 @dataclass(frozen=True)
+class SchedulerView:
+    """What the scheduler this node runs under tells the agent (launcher/schedulers/: SLURM,
+    Kubernetes' training operator, none), so that no module of the agent reads its variables."""
+
+    name: str = "none"
+    # How to keep this node out of the job when it runs again (SLURM: an `scontrol update ...
+    # ExcNodeList=` command), "" when the scheduler offers no way; said when a node is quarantined.
+    keep_node_out: str = ""
+    # The scheduler tracks a job step by its own cgroups (SLURM): the job's own cgroup must be a v2
+    # child, inside the step's, never a v1 one that would take the workers out of its list.
+    tracks_cgroups: bool = False
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """Everything the agent needs to start, watch and restart this node's workers.
 
@@ -40,6 +54,7 @@ class JobSpec:
     entrypoint: str
     args: tuple[str, ...] = ()
     rally_version: str = ""  # the launcher's (launcher/__init__.py): the agent reads no launcher module
+    scheduler: SchedulerView = SchedulerView()  # what SLURM or Kubernetes says (launcher/schedulers/)
     nproc_per_node: int = 1
     run_id: str = "none"
     role: str = "default"
@@ -84,6 +99,7 @@ class JobSpec:
     checkpoint_dir: str | None = None
     checkpoint_dir_shared: bool = False  # --checkpoint-dir-shared: other users may write it (signed checkpoints only)
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
+    warm_spares: int = 0  # extra processes per node waiting in rally.job.run to take a dead rank's place
     python_exec: str = sys.executable
     cwd: str | None = None
     # Modules the worker template imports once (agent/template/client.py); workers are then forked

@@ -18,7 +18,6 @@ Worker failures and hangs count, and node losses where the lost node's host is k
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -46,16 +45,11 @@ def recent_failures(record: dict[str, Any], host: str, window: float, now: float
     )
 
 
-def excluded_line(host: str, reason: str, env: dict[str, str]) -> str:
-    """The one line a quarantined node's agent leaves with; under SLURM, how to keep the node out."""
+def excluded_line(host: str, reason: str, keep_node_out: str = "") -> str:
+    """The one line a quarantined node's agent leaves with, and how the scheduler keeps the node out
+    (`keep_node_out`: SchedulerView's, launcher/schedulers/)."""
     line = f"node {host} is quarantined ({reason}); this agent leaves the job, which goes on without it"
-    node = env.get("SLURMD_NODENAME")
-    if node:
-        job = env.get("SLURM_JOB_ID", "$SLURM_JOB_ID")
-        line += (
-            f"; to keep SLURM node {node} out when the job is requeued: scontrol update JobId={job} ExcNodeList={node}"
-        )
-    return line
+    return f"{line}; {keep_node_out}" if keep_node_out else line
 
 
 class Quarantine:
@@ -83,7 +77,7 @@ class Quarantine:
         if reason is None:
             return None
         self.report.outcome = "quarantined"
-        return excluded_line(self.host, reason, dict(os.environ))
+        return excluded_line(self.host, reason, self.spec.scheduler.keep_node_out)
 
     def after_round(self, rnd: Round, end: RoundEnd, hosts_store: bool) -> str | None:
         """Count the round's root cause; the line to leave with if this node is now quarantined.
@@ -118,7 +112,7 @@ class Quarantine:
         self.quarantined[host] = reason
         self.report.outcome = "quarantined"
         self.events.emit("node_quarantined", round=a.round, node=host, failures=count, reason=reason)
-        return excluded_line(host, reason, dict(os.environ))
+        return excluded_line(host, reason, self.spec.scheduler.keep_node_out)
 
     def announce(self, store: KeyValueStore, round_no: int) -> None:
         """When a round forms: say which nodes were quarantined since the last one."""

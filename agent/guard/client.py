@@ -19,15 +19,16 @@ CGROUP_VARIABLE = "RALLY_JOB_CGROUP"
 CGROUP_CHOICES = {"auto": (V2, FREEZER, PIDS), V2: (V2,), FREEZER: (FREEZER,), PIDS: (PIDS,), "off": ()}
 
 
-def job_cgroup(token: str, guard_pid: int = 0) -> JobCgroup | None:
+def job_cgroup(token: str, guard_pid: int = 0, v2_only: bool = False) -> JobCgroup | None:
     """The job's own cgroup, of the kind RALLY_JOB_CGROUP asks for (an unknown value: auto).
 
-    Under SLURM, auto means v2 only: SLURM's v1 plugins track a step by the members of its own
-    freezer/cpuset cgroups, and a v1 child would take the workers out of that list; a v2 child
-    stays inside the step's cgroup, whose kill is recursive."""
+    With `v2_only` (the scheduler tracks a step by its own cgroups: SLURM, SchedulerView.tracks_cgroups),
+    auto means v2 only: SLURM's v1 plugins track a step by the members of its own freezer/cpuset
+    cgroups, and a v1 child would take the workers out of that list; a v2 child stays inside the
+    step's cgroup, whose kill is recursive."""
     choice = os.environ.get(CGROUP_VARIABLE, "auto").strip().lower()
     kinds = CGROUP_CHOICES.get(choice, CGROUP_CHOICES["auto"])
-    if choice not in (FREEZER, PIDS) and os.environ.get("SLURM_JOB_ID"):
+    if choice not in (FREEZER, PIDS) and v2_only:
         kinds = tuple(k for k in kinds if k == V2)
     group = JobCgroup.create(f"rally-{guard_pid}-{token}", kinds) if kinds else None
     if group is not None:
@@ -38,14 +39,15 @@ def job_cgroup(token: str, guard_pid: int = 0) -> JobCgroup | None:
 class GuardClient:
     """The agent's side: start the guard, tell it about worker groups, stop it at exit."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, v2_only: bool = False):
+        """`v2_only`: the job's cgroup must be v2 (the scheduler tracks steps by cgroups: `job_cgroup`)."""
         self.token = token
         self.helper = HelperProcess(orphan_guard.__file__)  # by file path, in a session of its own
         self.process = self.helper.process
         self._tell(f"token {token}\n")
         # Every process the agent starts from now on (workers, the template) joins the cgroup
         # between fork and exec; everything they start inherits it.
-        self.cgroup = job_cgroup(token, self.process.pid)
+        self.cgroup = job_cgroup(token, self.process.pid, v2_only)
         if self.cgroup is not None:
             self._tell(f"cgroup {self.cgroup.to_line()}\n")
         processes.set_job_cgroup(self.cgroup.procs_file if self.cgroup is not None else None)

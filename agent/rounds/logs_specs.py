@@ -32,7 +32,7 @@ class StreamPlan:
 
 
 def load(name: str, spec: JobSpec, log_dir: Path) -> Any:
-    """Build the named LogsSpecs as torchrun does (launcher/worker_flags.py checked it exists)."""
+    """Build the named LogsSpecs as torchrun does (launcher/checks/worker_flags.py checked it exists)."""
     from torch.distributed.elastic.multiprocessing.api import Std
 
     # wait: not_a_wait: entry points, not select(2)

@@ -292,9 +292,11 @@ class WorkerGroup:
         console_out: ByteSink | None = None,
         console_err: ByteSink | None = None,
         launch: Callable[..., ChildProcess] = spawn,
+        local_ranks: set[int] | None = None,
     ) -> WorkerGroup:
         """Start this node's workers. `launch` has `processes.spawn`'s signature: a plain start by
-        default, or the worker template's `TemplateClient.spawn` (agent/template/client.py)."""
+        default, or the worker template's `TemplateClient.spawn` (agent/template/client.py).
+        `local_ranks`: only these (replacements for dead workers beside surviving ones, rally.job.run)."""
         console_out = console_out or WholeWrites(sys.stdout.buffer)
         console_err = console_err or WholeWrites(sys.stderr.buffer)
         group = cls()
@@ -309,7 +311,7 @@ class WorkerGroup:
                 local_rank,
                 logs.error_file(assignment.round, local_rank),
             )
-            for local_rank in range(spec.nproc_per_node)
+            for local_rank in (range(spec.nproc_per_node) if local_ranks is None else sorted(local_ranks))
         }
         stream_plans, filtered_paths = _stream_plans(spec, logs, assignment.round, envs)
         for bit, name, filters in (
@@ -377,6 +379,17 @@ class WorkerGroup:
             group.streams.extend(output.streams)
         return group
 
+    def replace(self, fresh: WorkerGroup) -> list[Worker]:
+        """Put `fresh`'s workers in the places of the same local ranks; returns the workers replaced."""
+        ranks = {w.local_rank for w in fresh.workers}
+        gone = [w for w in self.workers if w.local_rank in ranks]
+        for worker in gone:
+            worker.process.close()
+        self.workers = sorted([w for w in self.workers if w.local_rank not in ranks] + fresh.workers, key=_local)
+        self.streams.extend(fresh.streams)
+        self.filtered_files.extend(fresh.filtered_files)
+        return gone
+
     def running(self) -> list[Worker]:
         return [w for w in self.workers if w.returncode is None]
 
@@ -391,3 +404,7 @@ class WorkerGroup:
                 stream.finish()
         for filtered in self.filtered_files:
             filtered.close()
+
+
+def _local(worker: Worker) -> int:
+    return worker.local_rank

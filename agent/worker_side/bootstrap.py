@@ -120,11 +120,20 @@ def start_resume_prefetch() -> None:
         resume_prefetch.start()
 
 
+def defer_init_in_spare() -> None:
+    """A warm spare (`--warm-spares`) runs its script up to rally.job.run without a rank."""
+    if os.environ.get("RALLY_REENTRY_SPARE") == "1":  # reentry_wire.SPARE_ENV
+        from rally.agent.worker_side import restartable
+
+        restartable.defer_init_in_spare()
+
+
 def run(mode: str, target: str, args: list[str]) -> None:
     _bind_cpus()
     install_stack_dump()
     install_preemption_handler()
     start_resume_prefetch()
+    defer_init_in_spare()
     runner: Callable[[], object]  # runs the program; what it returns is dropped
     if mode == "module":
         sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file

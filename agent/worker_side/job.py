@@ -53,6 +53,7 @@ from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.worker_side import heartbeat_file, memory_only, process_memory
 from rally.agent.worker_side.preemption_flag import install_preemption_handler, on_preempt, preempted  # noqa: F401 - part of this module's API
+from rally.agent.worker_side.restartable import RoundAborted, run  # noqa: F401 - part of this module's API
 
 if TYPE_CHECKING:  # torch is the worker's, imported when used
     from torch.serialization import MAP_LOCATION

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 from rally.rendezvous.base.token import Signer
 
@@ -117,9 +117,12 @@ class KeyValueStore(ABC):
     # garbage write ends nothing.
     on_untrusted: Callable[[str], None] | None = None
     replaces_untrusted: ClassVar[bool] = False
-    # Keep-alives are counters watched in a ring, unless the store's keys can expire by
-    # themselves (etcd leases): then it offers grant_lease / set_leased / wait_deleted instead.
-    leased_liveness: ClassVar[bool] = False
+
+    @property
+    def leased_liveness(self) -> bool:
+        """Keep-alives are counters watched in a ring, unless the store's keys can expire by
+        themselves (etcd leases): a store that offers `LeasedStore` (below) keeps them as leases."""
+        return isinstance(self, LeasedStore)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}{name}"
@@ -237,3 +240,39 @@ class KeyValueStore(ABC):
             return True
         except StoreTimeout:
             return False
+
+
+# ------------------------------------------------------------------ optional capabilities
+# A store offers more than KeyValueStore by having a capability's methods; the protocol asks
+# `isinstance(store, Capability)`, and nothing else says what a store can do.
+
+
+@runtime_checkable
+class LeasedStore(Protocol):
+    """Keys that expire by themselves (etcd's leases): keep-alives as leased keys instead of counters
+    watched in a ring (rendezvous/round_channel.py, agent/rounds/leased_liveness.py)."""
+
+    def grant_lease(self, ttl: float) -> int: ...
+
+    def refresh_lease(self, lease: int) -> bool: ...
+
+    def set_leased(self, name: str, value: str, lease: int) -> None: ...
+
+    def wait_deleted(self, name: str, timeout: float) -> bool: ...
+
+
+@runtime_checkable
+class OrderedArrivals(Protocol):
+    """A store that orders a counter's increments itself and lets each hold a value (etcd:
+    `EtcdStore.arrive_holding`, `arrivals`, `wait_arrival`): an arrival is one request
+    (rendezvous/arrival.py)."""
+
+    def arrive_holding(self, counter: str, value: str, also: str) -> tuple[int, int, Seen]: ...
+
+    def arrive_if_fresh(
+        self, counter: str, value: str, also: str, hint: str, limit: int, ends: Sequence[str]
+    ) -> tuple[tuple[int, int, Seen] | None, int, dict[str, Checked]]: ...
+
+    def arrivals(self, counter: str, limit: int) -> tuple[int, list[tuple[int, Checked]]]: ...
+
+    def wait_arrival(self, counter: str, after: int, timeout: float) -> bool: ...

@@ -56,7 +56,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 from rally.rendezvous.base.kv import Checked, KeyValueStore, Seen, StoreTimeout, StoreUnavailable, UntrustedValue
 from rally.rendezvous.base.token import BadRecord, Signer
@@ -124,8 +124,6 @@ def _shape_checked(cls: type[S]) -> type[S]:
 @_shape_checked
 class EtcdStore(KeyValueStore):
     """One client of an etcd cluster with every key under `prefix` (see the module docstring)."""
-
-    leased_liveness: ClassVar[bool] = True  # keep-alives are leases that expire by themselves
 
     def __init__(
         self,

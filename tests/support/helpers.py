@@ -5,7 +5,7 @@ session (so a test can always clean it up by process group), workers are plain-P
 scripts written into the test's tmp directory, and "is it gone?" is answered by pid with psutil
 (a zombie counts as gone: it runs no code and holds no resources but its table entry).
 
-Import what you need: ``from helpers import run_rally, write_probe, procs`` (the `procs`
+Import what you need: ``from support.helpers import run_rally, write_probe, procs`` (the `procs`
 fixture must be imported into the test module for pytest to see it).
 """
 

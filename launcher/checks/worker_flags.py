@@ -1,5 +1,5 @@
 """The flags that shape each worker (its local rank and devices, copies of its output, where its
-logs go, its CPUs), torchrun 2.13's newer ones: what their checks (launcher/option_checks.py) need.
+logs go, its CPUs), torchrun 2.13's newer ones: what their checks (launcher/checks/option_checks.py) need.
 
 * `--virtual-local-rank`: every worker sees LOCAL_RANK=0 and one GPU (CUDA_VISIBLE_DEVICES
   narrowed to its own), as torchrun's `_set_local_rank_env`.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from rally.launcher.validate import ConfigError
+from rally.launcher.checks.validate import ConfigError
 
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rally.agent.base.spec import JobSpec, LearningSettings
-from rally.launcher import validate, values, worker_flags
-from rally.launcher.preload import parse_preload
-from rally.launcher.validate import ConfigError
+from rally.launcher.checks import validate, values, worker_flags
+from rally.launcher.checks.preload import parse_preload
+from rally.launcher.checks.validate import ConfigError
 from rally.rendezvous.backends import EndpointError, backend_named
 
 # torchrun's variable for the workers' grace period, read when --shutdown-timeout is not given.
@@ -99,7 +99,7 @@ class Parsing:
 
 
 # A raw value comes from click, a YAML file, the environment or rally.launch: not yet checked, so
-# `object`, which each check narrows (launcher/validate.py's whole_number and real_number, or str()).
+# `object`, which each check narrows (launcher/checks/validate.py's whole_number and real_number, or str()).
 Check = Callable[[object, Parsing], Any]
 
 
@@ -349,7 +349,7 @@ def numa_binding(value: object, parsing: Parsing) -> str | None:
 
 
 def preload(value: object, parsing: Parsing) -> tuple[str, ...] | None:
-    """--preload, given --no-preload, --no-python, -m and the script (launcher/preload.py)."""
+    """--preload, given --no-preload, --no-python, -m and the script (launcher/checks/preload.py)."""
     o = parsing.options
     return parse_preload(value, bool(o.no_preload), bool(o.no_python), parsing.script, bool(o.module))
 

@@ -1,5 +1,5 @@
 """Parsers of option values written as text (as typed, or as YAML gave it) -> the agent's types,
-for the option checks (launcher/option_checks.py) and `rally status` (--rdzv-conf).
+for the option checks (launcher/checks/option_checks.py) and `rally status` (--rdzv-conf).
 
 Every failure is `ConfigError` with one line that says what is wrong and how to fix it.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rally.launcher.validate import ConfigError
+from rally.launcher.checks.validate import ConfigError
 from rally.rendezvous.etcd.conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import READ_TIMEOUT_SECONDS
 from rally.rendezvous.protocol import RendezvousSettings
@@ -99,7 +99,7 @@ def accelerator_count() -> int:
     gpus = visible_gpu_count()
     if gpus or not Path("/dev/dri").exists():
         return gpus
-    from rally.launcher.worker_flags import xpu_count
+    from rally.launcher.checks.worker_flags import xpu_count
 
     return xpu_count()
 
@@ -119,7 +119,7 @@ def parse_nproc(text: str) -> int:
             )
         return count
     if value == "xpu":
-        from rally.launcher.worker_flags import xpu_count
+        from rally.launcher.checks.worker_flags import xpu_count
 
         count = xpu_count()
         if count == 0:

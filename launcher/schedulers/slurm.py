@@ -16,6 +16,7 @@ that `hostnames` asks `scontrol` to expand a host list when it can.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -24,12 +25,24 @@ import subprocess
 import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from rally.rendezvous.backends import BACKENDS, HostPort
+from rally.agent.base.spec import SchedulerView
+from rally.rendezvous.backends import HostPort, registered
 
-if TYPE_CHECKING:
-    from rally.launcher.options import Options
+
+class Options(Protocol):
+    """What SLURM's fill-in reads of the options (launcher/options.py's Options is one)."""
+
+    @property
+    def rdzv_backend(self) -> str: ...
+
+    @property
+    def standalone(self) -> bool: ...
+
+    @property
+    def nproc_per_node(self) -> str | int: ...
+
 
 __all__ = [
     "DESCRIBE_KEYS",
@@ -209,12 +222,17 @@ def first_host(nodelist: str) -> str:
 # ------------------------------------------------------------------- the job
 
 
+def inside_a_job(environ: Mapping[str, str]) -> bool:
+    """This process runs inside a SLURM job (a step, a batch shell or an salloc shell)."""
+    return bool(environ.get("SLURM_JOB_ID"))
+
+
 @dataclass(frozen=True)
 class SlurmJob:
     """What SLURM says about the job step this process runs in.
 
     Guarantees: every node of one `srun` step builds an equal object except
-    for `node_rank` and the per-node counts (GPUs, CPUs), so `run_id`,
+    for `node_rank`, `node_name` and the per-node counts (GPUs, CPUs), so `run_id`,
     `store_host` and `store_port` agree everywhere without communication.
     Two steps of one job get different `run_id` and `store_port` values, so
     they never join each other's rendezvous.
@@ -237,6 +255,8 @@ class SlurmJob:
     gpus_source: str | None
     #: SLURM_CPUS_ON_NODE, or None when unset.
     cpus_on_node: int | None
+    #: This node's name as SLURM knows it (SLURMD_NODENAME), "" when unset.
+    node_name: str = ""
 
     @classmethod
     def from_env(
@@ -305,7 +325,35 @@ class SlurmJob:
             gpus_on_node=gpus,
             gpus_source=gpus_source,
             cpus_on_node=_int(environ, "SLURM_CPUS_ON_NODE"),
+            node_name=_first(environ, "SLURMD_NODENAME") or "",
         )
+
+    @classmethod
+    def of_step(cls, environ: Mapping[str, str], step: int) -> SlurmJob | None:
+        """The job as the agent of step `step` saw it, read from another step's (or the batch
+        shell's) environment: for `rally status` inside the job."""
+        job = cls.from_env({k: v for k, v in environ.items() if k not in ("SLURM_STEP_ID", "SLURM_STEPID")})
+        return None if job is None else dataclasses.replace(job, step_id=step)
+
+    @property
+    def name(self) -> str:
+        return "slurm"
+
+    @property
+    def endpoint(self) -> HostPort:
+        """Where the step's rendezvous store is (the Scheduler seam's name for `store_address`)."""
+        return self.store_address
+
+    def agent_view(self) -> SchedulerView:
+        """What the agent needs of SLURM: how to keep a quarantined node out, and that SLURM tracks
+        the step by its cgroups (so the job's own cgroup is a v2 one inside them)."""
+        keep_out = (
+            f"to keep SLURM node {self.node_name} out when the job is requeued: "
+            f"scontrol update JobId={self.job_id} ExcNodeList={self.node_name}"
+            if self.node_name
+            else ""
+        )
+        return SchedulerView("slurm", keep_out, tracks_cgroups=True)
 
     @property
     def in_step(self) -> bool:
@@ -366,7 +414,7 @@ class SlurmJob:
         if "nnodes" not in given:
             changes["nnodes"] = str(self.nnodes)
             taken += ["nnodes", "node_rank"]
-        chosen = BACKENDS.get(str(options.rdzv_backend).lower())
+        chosen = registered(str(options.rdzv_backend))
         rendezvous_set = (
             any(name in given for name in ("rdzv_endpoint", "master_addr", "master_port"))
             or chosen is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rally.launcher.validate import ConfigError
+from rally.launcher.checks.validate import ConfigError
 
 
 def imports_only_stdlib(script: str) -> bool:

@@ -1,6 +1,6 @@
 """Checks of raw user input at the edge, before anything starts: each failure is one line that fixes it.
 
-The option checks (launcher/option_checks.py) parse values into the agent's types; this module
+The option checks (launcher/checks/option_checks.py) parse values into the agent's types; this module
 holds the errors, and the checks of values that parse but cannot work (an infinite timeout,
 SIGKILL as a signal to forward, a log directory nobody can write, a port above 65535, a config
 file value of the wrong type), so that none of them turns into a traceback, a hang or a silently

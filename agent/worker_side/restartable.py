@@ -1,0 +1,377 @@
+"""`rally.job.run(train, *args, **kwargs)`: a training function that a failure re-enters in the
+same process instead of restarting it (docs/restartable.md).
+
+Outside rally (plain python, torchrun, or a script the agent did not start) `run` calls the
+function once and returns what it returns: nothing else happens. Under rally it connects to the
+agent (agent/base/reentry_wire.py) and loops:
+
+    enter train -> it returns: run returns its value (the process goes on to its end)
+                -> it raises:   tell the agent (the root cause, unless the round already ended),
+                                wait for the agent's "abort", tear torch.distributed down,
+                                say "parked", wait for "enter" with the next round's environment,
+                                and enter again
+    "abort" while train runs: a signal to this process raises `RoundAborted` in the main thread
+                at its next bytecode (a blocked gloo collective returns first, when the peer whose
+                failure ended the round tears its own group down and its connections close)
+
+Who initialises torch.distributed: a script that did it before calling `run` leaves it to
+rally, which initialises it again (same backend, the new round's MASTER_ADDR/PORT, RANK and
+WORLD_SIZE) before each later entry; a function that calls `init_process_group` itself does so
+again on each entry. Either way rally destroys every process group between two entries, so no
+old group, store connection or message can reach the next round.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from rally.agent.base import reentry_wire as wire
+
+T = TypeVar("T")
+
+# A teardown (destroying the process groups; on NCCL aborting communicators first) that takes
+# longer leaves this process's state in doubt: the agent restarts it whole.
+TEARDOWN_SECONDS = 10.0
+CONNECT_SECONDS = 5.0
+
+
+def open_fds() -> set[tuple[int, int]]:
+    """(descriptor, inode) of every open descriptor: a number reused for a new socket (in a worker
+    forked from the template, which imported this module) is a different inode."""
+    found = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    for name in names:
+        try:
+            found.add((int(name), os.stat(f"/proc/self/fd/{name}").st_ino))
+        except (OSError, ValueError):
+            continue  # closed meanwhile (the listing's own descriptor)
+    return found
+
+
+# A script imports rally.job before it makes its process group: the group's connections are
+# newer than this (torch 2.13's DDP keeps a destroyed gloo group alive, connections open).
+_FDS_AT_IMPORT = open_fds()
+
+
+class RoundAborted(BaseException):
+    """Raised in the training function when the agent ends the round: it leaves the function the
+    way an exception does (its `finally` blocks and `with` exits run). A BaseException, so a
+    script's `except Exception` does not swallow it."""
+
+
+class _Link:
+    """This worker's connection to its agent and the control thread that reads it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.messages: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.aborting = threading.Event()
+        self.in_train = False
+        self.main_thread = threading.main_thread().ident
+        self.reader = threading.Thread(target=self._read, name="rally-reentry", daemon=True)
+        self.reader.start()
+
+    @classmethod
+    def from_env(cls) -> _Link | None:
+        name = os.environ.get(wire.SOCKET_ENV)
+        agent_pid = os.environ.get(wire.AGENT_PID_ENV)
+        if not name or not agent_pid or threading.current_thread() is not threading.main_thread():
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(CONNECT_SECONDS)
+        try:
+            sock.connect(wire.address(name))
+            pid, uid, _ = socket_peer(sock)
+        except OSError as exc:
+            sock.close()
+            print(
+                f"rally: job.run: the agent's socket is unreachable ({exc}); a failure restarts the process", flush=True
+            )
+            return None
+        if str(pid) != agent_pid or uid != os.geteuid():
+            sock.close()
+            print(f"rally: job.run: the socket is served by pid {pid}, not by the agent; not using it", flush=True)
+            return None
+        sock.settimeout(None)
+        link = cls(sock)
+        signal.signal(wire.INTERRUPT_SIGNAL, link._interrupt)
+        return link
+
+    # ------------------------------------------------------------ the control thread
+    def _read(self) -> None:
+        while True:
+            try:
+                # wait: not_a_wait: the control thread's whole life; it ends with the agent's end of the socket
+                data = self.sock.recv(wire.MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                self.messages.put(None)  # the agent is gone: the main thread leaves
+                return
+            message = wire.decode(data)
+            if message is None:
+                continue
+            if message["op"] == "abort":
+                self.aborting.set()
+                if self.in_train:  # the main thread is in the function: interrupt it
+                    signal.pthread_kill(self.main_thread or 0, wire.INTERRUPT_SIGNAL)
+            self.messages.put(message)
+
+    def _interrupt(self, signum: int, frame: object) -> None:
+        if self.in_train and self.aborting.is_set():
+            self.in_train = False  # once: the function's own cleanup must not be interrupted again
+            raise RoundAborted("rally ended this round; the function is entered again in the next one")
+
+    # ------------------------------------------------------------ the main thread
+    def send(self, op: str, **fields: object) -> None:
+        try:
+            self.sock.send(wire.encode(op, **fields))
+        except OSError:
+            pass  # the agent is gone; the wait that follows notices
+
+    def wait_for(self, op: str) -> dict[str, Any]:
+        """The next message `op`; SystemExit when the agent is gone (nothing can re-enter us)."""
+        while True:
+            # wait: bounded, said by the agent: it sends `op`, or stops this process, or its death closes the socket
+            message = self.messages.get()
+            if message is None:
+                raise SystemExit(1)
+            if message["op"] == op:
+                return message
+
+
+def socket_peer(sock: socket.socket) -> tuple[int, int, int]:
+    import struct
+
+    size = struct.calcsize("3i")
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, size))
+    return pid, uid, gid
+
+
+def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
+    """Call `train(*args, **kwargs)`; under rally, call it again in this process after a failure
+    anywhere in the job (an exception, a dead rank, a hang), with the next round's environment.
+    Returns what the last entry returned. See the module docstring and docs/restartable.md."""
+    link = _Link.from_env()
+    if link is None:
+        return train(*args, **kwargs)
+    if os.environ.get(wire.SPARE_ENV) == "1":  # a warm spare: wait for a dead rank's place
+        threading.Thread(target=_warm_up, name="rally-spare-warm-up", daemon=True).start()
+        link.send("spare")
+        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+        enter = link.wait_for("enter")
+        _apply(enter.get("env") or {})
+        os.environ.pop(wire.SPARE_ENV, None)
+        if _deferred is not None:
+            _deferred_init()
+    backend = _rally_owned_backend()  # the script initialised torch.distributed: rally does it again
+    entry = 0
+    while True:
+        entry += 1
+        link.aborting.clear()
+        # what a teardown may shut down: what this entry opened, and for the first entry of a
+        # group the script made before calling run, what was opened since `rally.job` was imported
+        opened_since = _FDS_AT_IMPORT if entry == 1 and backend is not None else open_fds()
+        link.in_train = True
+        try:
+            return train(*args, **kwargs)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            link.in_train = False
+            if not link.aborting.is_set() and not isinstance(exc, RoundAborted):
+                link.send("failed", **_failure(exc, entry))
+            del exc  # its traceback holds the function's frames (the model's activations, the old group)
+        finally:
+            link.in_train = False
+        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+        link.wait_for("abort")
+        why = teardown(opened_since)
+        link.send("parked", ok=why is None, why=why or "")
+        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+        enter = link.wait_for("enter")
+        _apply(enter.get("env") or {})
+        if backend is not None:
+            import torch.distributed as dist
+
+            dist.init_process_group(backend=backend)  # env://: the new round's master, rank and world size
+
+
+def _failure(exc: BaseException, entry: int) -> dict[str, Any]:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return {
+        "rank": int(os.environ.get("RANK", "0") or 0),
+        "type": type(exc).__name__,
+        "message": str(exc).splitlines()[0][:500] if str(exc) else "",
+        "traceback": text,
+        "entry": entry,
+    }
+
+
+def _rally_owned_backend() -> str | None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return str(dist.get_backend())
+
+
+def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
+    """Destroy every process group (NCCL: abort its communicators first, keep the CUDA context,
+    free the cached device memory), in a thread bounded by TEARDOWN_SECONDS. None when done,
+    else why not (the process's state is in doubt: the agent restarts it whole). `opened_since`:
+    the descriptors open when the entry began; a TCP connection opened after them and still open
+    once the groups are gone (a group something still references) is shut down."""
+    errors: list[str] = []
+
+    def work() -> None:
+        try:
+            _settle_saves()
+            _close_connections(opened_since)  # first: peers blocked on us are released while we tear down
+            _destroy_process_groups()
+            gc.collect()  # the last entry's objects that held a group (a DDP module's cycles) go now
+            _free_device_memory()
+        except Exception as exc:  # reported to the agent, which restarts this process whole
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=work, name="rally-teardown", daemon=True)
+    thread.start()
+    # wait: short: TEARDOWN_SECONDS (10)
+    thread.join(TEARDOWN_SECONDS)
+    if thread.is_alive():
+        return f"tearing torch.distributed down took more than {TEARDOWN_SECONDS:g} s"
+    return errors[0] if errors else None
+
+
+def _settle_saves() -> None:
+    """A save overlapped with the last step is done (or refused: its round is over) before the groups go."""
+    from rally.agent.checkpoint.core.overlap import overlap
+
+    try:
+        overlap.settle()
+    except Exception:  # refused by the holder: that round is closed; the step is simply not kept
+        pass
+
+
+def _destroy_process_groups() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.is_nccl_available():
+        import torch
+
+        for group in list(c10d._world.pg_map):
+            try:
+                backend = group._get_backend(torch.device("cuda"))
+            except Exception:  # a group without a CUDA backend (gloo only)
+                continue
+            if isinstance(backend, dist.ProcessGroupNCCL):
+                backend.abort()  # releases a kernel waiting on a dead peer; the CUDA context stays
+    dist.destroy_process_group()
+
+
+def _close_connections(opened_since: set[tuple[int, int]] | None) -> None:
+    """Shut down the TCP connections this entry opened that are still open: a destroyed process
+    group that something still references (torch 2.13's DDP keeps its group) keeps its peers'
+    blocked collectives waiting until its connections close. Only shut down, never closed: the
+    group's own code still owns the descriptors. Listening sockets are left alone (gloo's
+    listener aborts the process on an error), and so is everything older than the entry."""
+    import stat
+
+    if opened_since is None:
+        return
+    for fd, _ in sorted(open_fds() - opened_since):
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+            if tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected
+        finally:
+            sock.close()
+
+
+def _free_device_memory() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _apply(env: dict[str, str]) -> None:
+    """The next round's environment: RANK, WORLD_SIZE, MASTER_PORT, RALLY_ROUND and the rest as
+    the agent computed them for a fresh worker; `job.context()` reads them afresh."""
+    for key, value in env.items():
+        if isinstance(key, str) and isinstance(value, str):
+            os.environ[key] = value
+    from rally.agent.checkpoint.core import client as ckpt_client
+    from rally.agent.checkpoint.core import resume_prefetch
+
+    resume_prefetch.discard()  # prepared for an earlier round (a spare's start): this round asks afresh
+    tier = ckpt_client.tier()
+    if tier is not None:  # saves and the resume are fenced by the round the holder has open
+        tier.round = int(os.environ.get("RALLY_ROUND", "0") or 0)
+
+
+_deferred: tuple[tuple[object, ...], dict[str, object]] | None = None
+
+
+def defer_init_in_spare() -> None:
+    """In a warm spare (started by the bootstrap before its script): the script's
+    `init_process_group` at its top only records its arguments, since the spare has no rank yet;
+    `run` makes the group with them once the spare takes a rank's place."""
+    if os.environ.get(wire.SPARE_ENV) != "1":
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    real: Callable[..., None] = distributed_c10d.init_process_group
+
+    def deferred(*args: object, **kwargs: object) -> None:
+        global _deferred
+        if os.environ.get(wire.SPARE_ENV) != "1":  # promoted: the real thing
+            real(*args, **kwargs)
+            return
+        _deferred = (args, kwargs)
+
+    deferred._rally_real = real  # type: ignore[attr-defined]  # for _deferred_init
+    dist.init_process_group = deferred
+    distributed_c10d.init_process_group = deferred
+
+
+def _deferred_init() -> None:
+    import torch.distributed as dist
+
+    assert _deferred is not None
+    args, kwargs = _deferred
+    init: Callable[..., None] = dist.init_process_group
+    init(*args, **kwargs)  # the spare's env var is gone: the real one runs
+
+
+def _warm_up() -> None:
+    """While a spare waits: import what torch imports at an optimizer's first use (torch._dynamo,
+    most of a second), so the rank it becomes does not pay it at its first step."""
+    if "torch" in sys.modules:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # a torch without it: nothing to warm
+            pass
