@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from rally.agent.base.spec import JobSpec
 from rally.launcher.checks import validate
+from rally.launcher.checks.path_checks import check_job_paths
 from rally.launcher.checks.validate import ConfigError
 from rally.launcher.checks.values import parse_rdzv_conf
 from rally.launcher.options import Options, RendezvousOptions
-from rally.launcher.path_checks import check_job_paths
 from rally.launcher.secret_warnings import secret_warnings
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
 from rally.rendezvous.base.token import TokenError, resolve_token

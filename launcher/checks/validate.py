@@ -192,7 +192,7 @@ def writable_dir(value: object, option: str) -> str:
 
 def _trusted(path: Path, option: str) -> bool:
     """Whether the rule of rendezvous/base/path_trust.py lets rally make `path`; when it does not,
-    nothing is made here and launcher/path_checks.py refuses it (or, for --checkpoint-dir-shared,
+    nothing is made here and launcher/checks/path_checks.py refuses it (or, for --checkpoint-dir-shared,
     warns), knowing the other options."""
     from rally.rendezvous.base.path_trust import UnsafePath, check_directory
 

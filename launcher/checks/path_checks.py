@@ -18,7 +18,7 @@ import tempfile
 from typing import Any
 
 from rally.agent.base.spec import JobSpec
-from rally.launcher.validate import ConfigError
+from rally.launcher.checks.validate import ConfigError
 from rally.rendezvous.base.path_trust import UnsafePath, check_directory, check_secret_file
 
 
