@@ -19,9 +19,11 @@ decided by a pure function (agent/decide.py) and applied here.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,7 @@ from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import EventLoop, RoundEnded, StoreLost, WorkerSaid
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
 from rally.agent.base.reentry_wire import SPARE_ENV
-from rally.agent.base.spec import JobSpec
+from rally.agent.base.spec import STACK_SIGNAL, JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
 from rally.agent.checks.node_checks import NodeChecks
@@ -75,6 +77,9 @@ T = TypeVar("T")
 
 # How long the store's host waits for the other agents to read the final state before exiting.
 EXIT_BARRIER_SECONDS = 30.0
+# How often a node whose workers all succeeded looks at the other nodes' success records itself, in
+# case the round's end never reaches its end watcher.
+SUCCESS_RECHECK_SECONDS = 2.0
 
 __all__ = ["Agent", "AgentExit", "EXIT_PREEMPTED"]
 
@@ -160,8 +165,11 @@ class Agent:
     # ================================================================ entry point
     def run(self) -> int:
         processes.become_subreaper()
+        # The signal that asks a worker for its stacks asks the agent too (`kill -SIGRTMIN+2 PID`):
+        # an agent that seems stuck shows where, every thread of it, on its stderr.
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
         self.loop.install_signal_handlers({*self.spec.signals_to_handle, *self.spec.preemption_signals})
-        self.guard = GuardClient(self.token, v2_only=self.spec.scheduler.tracks_cgroups)
+        self.guard = GuardClient(self.token, v2_only=self.spec.scheduler.tracks_cgroups, warn=console.warn)
         # workers are forked from it; it preloads torch meanwhile, saying so should a fork wait for it
         self.template = TemplateClient.started_for_job(self.spec, self.base_env, console.warn, self.waits.announce)
         try:
@@ -532,10 +540,12 @@ class Agent:
         stragglers, the checkpoint lease, in the order registered), success, in that order."""
         a, group = rnd.assignment, self.group
         assert group is not None
-        reported_success = False
+        reported_at: float | None = None  # when this node's success was recorded
         while True:
             now = time.monotonic()
             due = [d for part in self.collaborators if (d := part.next_due(now)) is not None]
+            if reported_at is not None:  # the others' records are looked at again, however the end watcher fares
+                due.append(SUCCESS_RECHECK_SECONDS)
             self.loop.pump(min(due) if due else None)
             end = self._on_signals(rnd) or self._on_events(rnd)
             for part in self.collaborators if end is None else ():
@@ -543,11 +553,17 @@ class Agent:
                     break
             if end is not None:
                 return end
-            if not reported_success and group.all_succeeded():
-                reported_success = True
+            if reported_at is None and group.all_succeeded():
+                reported_at = time.monotonic()
                 if a.group_world_size > 1:
                     console.say(f"{_every(len(group.workers))} on this node finished; waiting for the other nodes")
-                self.store_call(rnd.channel.report_success)
+                # bounded like every store call after the workers' exit: a silent store is one line, exit 1
+                if (end := self.store_call(rnd.channel.report_success, waiting=True)) is not None:
+                    return end  # the last node's record ended the round: no need to hear it from the end watcher
+            elif reported_at is not None and time.monotonic() - reported_at >= SUCCESS_RECHECK_SECONDS:
+                reported_at = time.monotonic()
+                if (end := self.store_call(rnd.channel.all_succeeded, waiting=True)) is not None:
+                    return end
 
     def _on_events(self, rnd: Round) -> RoundEnd | None:
         """What the round's threads posted (agent/rounds/threads.py, agent/observe/hang_report.py):
@@ -609,7 +625,7 @@ class Agent:
         stop_seconds = round(time.monotonic() - stopping, 6)
         self.report.finish_attempt(group, end, "in-process" if self.parked else None)
         self.events.emit("round_ended", round=a.round, kind=end.kind, detail=end.detail, stop_seconds=stop_seconds)
-        self.store_call(rnd.channel.acknowledge_end)
+        self.store_call(rnd.channel.acknowledge_end, waiting=True)  # bounded: a silent store is one line
         for part in self.collaborators:
             part.round_ended(rnd, end)  # e.g. quarantined, or left out by the pre-flight: AgentExit
         if end.is_failure:
@@ -657,7 +673,7 @@ class Agent:
             end = RoundEnd(EndKind.ABORTED, f"restarts exhausted; {end.detail}", end.node, end.info)
         elif end.kind is EndKind.PREEMPTED:
             self.report.outcome = "preempted"
-        self.store_call(lambda: rnd.rendezvous.close_job(end))
+        self.store_call(lambda: rnd.rendezvous.close_job(end), waiting=True)  # bounded: a silent store is one line
         if decision.gave_up:
             console.console().print(self.report.workers_table())
             console.error(

@@ -51,12 +51,23 @@ class Launch:
     token or SLURM's per-job one: a resubmitted job must verify what the earlier one wrote."""
 
 
+def check_environment() -> None:
+    """rally's own environment variables that the agent's helpers read (one line, exit 2, not a helper's traceback)."""
+    from rally.agent.checkpoint.node_checkpoints import MEMORY_LIMIT_ENV, memory_limit_bytes
+
+    try:
+        memory_limit_bytes(os.environ.get(MEMORY_LIMIT_ENV, ""))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_launch(
     options: Options, script: str | None, script_args: list[str], slurm_job: SlurmJob | None = None
 ) -> Launch:
     """Check every option together and build the agent's inputs. `slurm_job` (launcher/schedulers/slurm.py's
     SlurmJob, when rally runs inside SLURM) gives the preferred node rank and the job's token."""
     check_entry_point(options, script)
+    check_environment()
     parsed = options.parse(script, script_args)
     spec, r = parsed.spec, parsed.rendezvous
     notes = list(parsed.notes)

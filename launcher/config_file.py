@@ -89,17 +89,19 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
             "it as UTF-8"
         ) from None
     try:
-        root = yaml.compose(text, Loader=BoundedLoader)  # no alias, no deep nesting: safe_load is then cheap
-        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=BoundedLoader)  # no alias, no deep nesting: constructing is then cheap
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"--config {path}: invalid YAML{where}: {problem}") from None
-    if data is None:
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.tag.endswith(":null")):
         return {}, {}
-    if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
-        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    if not isinstance(root, yaml.MappingNode):
+        got = "list" if isinstance(root, yaml.SequenceNode) else "str"
+        if isinstance(root, yaml.ScalarNode):  # what YAML makes of it (an int, a date): never a traceback
+            got = type(_construct(yaml.SafeLoader(""), root, path, root.start_mark.line + 1, "")).__name__
+        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {got}")
     valid = [*options.names(), *EXTRA_KEYS]
     result: dict[str, Any] = {}
     origins: dict[str, str] = {}
@@ -107,10 +109,10 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     constructor = yaml.SafeLoader("")
     mistakes: list[str] = []  # every key is checked: all of a file's mistakes are told in one run
     for key_node, value_node in root.value:
-        raw_key = constructor.construct_object(key_node, deep=True)
-        value = constructor.construct_object(value_node, deep=True)
         line = key_node.start_mark.line + 1
         try:
+            raw_key = _construct(constructor, key_node, path, line, "")
+            value = _construct(constructor, value_node, path, line, raw_key)
             key, value = checked_entry(path, line, raw_key, value, valid, lines)
         except ConfigError as exc:
             mistakes.append(str(exc))
@@ -121,6 +123,17 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     if mistakes:
         raise FileMistakes(mistakes, result, origins)
     return result, origins
+
+
+def _construct(constructor: yaml.SafeLoader, node: yaml.Node, path: str, line: int, key: object) -> Any:
+    """A node's value as safe_load makes it; a value YAML itself cannot make (a 5000-digit integer,
+    the date 2001-13-45) is one mistake naming its key, never a traceback."""
+    try:
+        return constructor.construct_object(node, deep=True)
+    except (ValueError, OverflowError, yaml.YAMLError) as exc:
+        what = f", '{key}'" if key != "" else ""
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"--config {path}, line {line}{what}: a value YAML cannot read ({reason[:120]})") from None
 
 
 class FileMistakes(validate.Mistakes):

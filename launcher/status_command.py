@@ -49,7 +49,7 @@ from rally.agent.display import console
 from rally.agent.display.untrusted_text import printable
 from rally.agent.display.worker_table import hang_line, straggler_line, worker_table
 from rally.agent.observe import job_view, run_info
-from rally.launcher.checks.validate import ConfigError
+from rally.launcher.checks.validate import ConfigError, seconds
 from rally.launcher.schedulers.slurm import inside_a_job
 from rally.rendezvous.backends import BACKENDS, EndpointError, HostPort, backend_named, open_endpoint
 from rally.rendezvous.base.keys import job_prefix
@@ -123,6 +123,7 @@ def status_command(
     from rally.rendezvous.c10d.store import StoreUnavailable, quiet_torch_logs
 
     quiet_torch_logs()
+    timeout = seconds(timeout, "--timeout", zero_ok=False)  # -1, nan, inf: one line, exit 2 (socket would raise)
     token = job_token()  # bad input first, before any store or file is looked at
     file_store = None
     found: str | HostPort | None = endpoint  # the flag's, the run directory's or SLURM's store host

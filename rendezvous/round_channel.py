@@ -159,10 +159,18 @@ class RoundChannel:
         bump. Each node writes before it reads, so the last to write sees all and ends the round."""
         mine = self._mine()
         self.store.set(self._key(f"succeeded/{mine}"), SuccessRecord(self.me.node_id, mine).to_json())
+        return self.all_succeeded()
+
+    def all_succeeded(self) -> RoundEnd | None:
+        """The round's end once every member has written its success record, else None.
+
+        Read with `get_present`, never decided by a short `wait` alone: a c10d wait that times out
+        says nothing about the keys (the store's answer may simply come later than 10 ms on a
+        loaded machine), and a node that wrongly saw a member missing would leave the round
+        without anyone to end it: the job whose workers all finished and that never ended."""
         names = [self._key(f"succeeded/{g}") for g in range(self.members)]
-        # wait: short: 0.01 s: have all members reported
-        found = self.store.wait_and_read(names, 0.01)
-        if found is None:
+        found = self.store.get_present(names)
+        if len(found) < len(names):
             return None
         for g, name in enumerate(names):
             SuccessRecord.load(opened(found[name]), self.store.key(name)).check_for(self.store.key(name), g)

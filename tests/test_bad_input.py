@@ -206,6 +206,14 @@ MORE_BAD_FLAGS = [
         "no-such-host.invalid",
         id="status-endpoint-unresolvable",
     ),
+    *[
+        pytest.param(
+            ["status", "--timeout", value, "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x"],
+            "--timeout",
+            id=f"status-timeout-{value}",
+        )
+        for value in ("-1", "nan", "inf")
+    ],
     # Learned timeouts, GPU reclaim, quarantine, pre-flight
     pytest.param(["--heartbeat-timeout", "sometimes", "train.py"], "or 'auto'", id="heartbeat-timeout-word"),
     pytest.param(["--heartbeat-timeout", "0", "train.py"], "--heartbeat-timeout", id="heartbeat-timeout-zero"),
@@ -250,6 +258,16 @@ def test_bad_environment_timeout_exits_2_naming_the_variable(tmp_path: Path) -> 
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in line, line
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["1Q", "lots", "0", "-5G"])
+def test_bad_checkpoint_memory_limit_exits_2_naming_the_variable(tmp_path: Path, value: str) -> None:
+    """Before: the checkpoint holder died of int('1Q') with a traceback, and the tier was off."""
+    write_probe(tmp_path / "train.py", "print('the job must not start')")
+    result = run_rally(["train.py"], cwd=tmp_path, env=clean_env(RALLY_CKPT_MEMORY_LIMIT=value))
+    line = assert_one_line_only(result)
+    assert "RALLY_CKPT_MEMORY_LIMIT" in line, line
+
+
 BAD_CONFIG_FILES = [
     pytest.param(b"nproc_per_node: 1\nscript: tr\xe9in.py\n", "UTF-8", id="not-utf8"),
     pytest.param(b"script: 123\n", "'script'", id="script-a-number"),
@@ -262,6 +280,8 @@ BAD_CONFIG_FILES = [
     pytest.param(b"script: train.py\nrdzv_conf: {join_timeout: 5}\n", "'rdzv_conf'", id="rdzv-conf-a-mapping"),
     pytest.param(b"script: train.py\nshutdown_timeout: .inf\n", "--shutdown-timeout", id="timeout-yaml-infinity"),
     pytest.param(b"script: train.py\nsignals_to_handle: SIGKILL\n", "SIGKILL", id="signal-sigkill"),
+    pytest.param(b"script: train.py\nmax_restarts: " + b"9" * 5000 + b"\n", "'max_restarts'", id="5000-digit-int"),
+    pytest.param(b"script: train.py\nrdzv_id: 2001-13-45\n", "'rdzv_id'", id="impossible-date"),
 ]
 
 

@@ -206,7 +206,9 @@ def test_sigkill_of_the_agent_alone_kills_descendants_without_the_token(
 ) -> None:
     rally, pids = _start_leaver(tmp_path, procs, cgroup)
     token = psutil.Process(pids[KINDS.index("worker")]).environ()["RALLY_AGENT_TOKEN"]
-    made = list(Path("/sys/fs/cgroup").glob(f"*/rally-*-{token}"))
+    own = Path(f"/proc/{pids[KINDS.index('worker')]}/cgroup").read_text()
+    assert token not in own, f"the agent's token is in the job's cgroup name, which every user reads: {own}"
+    made = [path for path in Path("/sys/fs/cgroup").glob("*/rally-*-*") if path.name in own]
     assert cgroup != "off" or made == [], made  # off: the descendants the guard saw, no cgroup
     probe = JobCgroup.create(f"probe-{os.getpid()}")
     if probe is not None:

@@ -122,6 +122,21 @@ def test_a_save_returns_with_the_state_in_memory_and_the_holder_makes_it_durable
 
 
 @pytest.mark.torch
+@pytest.mark.timeout(30)
+def test_a_state_that_contains_itself_is_saved_to_memory_as_to_disk(tier: Tier) -> None:
+    """torch.save (the disk path) handles a state that refers to itself; the memory tier's walk of
+    its storages looped for ever on one (the job's save never returned)."""
+    looped = state(1)
+    looped["self"] = looped
+    worker = tier.worker()
+    began = time.monotonic()
+    assert worker.save(looped, "whole", 1, persist=True, keep=3)
+    assert tier.agent.flush(20)
+    assert time.monotonic() - began < 15
+    assert job.durable_steps(tier.checkpoint_dir) == [1]
+
+
+@pytest.mark.torch
 @pytest.mark.timeout(60)
 def test_a_copy_can_be_persisted_under_a_name_of_its_own(tier: Tier) -> None:
     for rank in (0, 1):  # e.g. each rank's shard: its own key, its own file

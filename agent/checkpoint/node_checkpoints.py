@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import secrets
 import select
 import socket
@@ -63,7 +64,7 @@ from typing import Any
 
 from rally.agent.base.collaborator import AgentContext, Collaborator
 from rally.agent.base.event_log import EventLog
-from rally.agent.base.helper_process import HelperProcess
+from rally.agent.base.helper_process import HelperProcess, state_of
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
 from rally.agent.checkpoint.core import client as ckpt_client
@@ -78,6 +79,25 @@ from rally.rendezvous.status.long_wait import LongWait
 
 MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
 """Bytes the tier's copies may take on this node in all (default: half of what is available)."""
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
+
+
+def memory_limit_bytes(text: str) -> int | None:
+    """RALLY_CKPT_MEMORY_LIMIT as bytes: a number of bytes, or with a binary suffix (512M, 1G, 1.5TiB);
+    None when unset. Anything else is a ValueError with the line to show (the launcher: exit 2)."""
+    if not text.strip():
+        return None
+    match = _SIZE.fullmatch(text)
+    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match else 0
+    if not match or not 0 < size < 1 << 62:
+        raise ValueError(
+            f"{MEMORY_LIMIT_ENV}={text[:40]!r}: expected the bytes the in-memory checkpoints may take on this "
+            "node, e.g. 8G, 512M or 1073741824"
+        )
+    return size
+
+
 MEMORY_TIER_ENV = "RALLY_MEMORY_TIER"
 """Set to 0 to turn the memory tier off: every save then goes straight to disk."""
 REPLY_TIMEOUT = 10.0
@@ -92,6 +112,15 @@ def fence_lease(keep_alive_timeout: float) -> float:
     """How long a round's saves are accepted without the agent renewing: twice the keep-alive
     timeout, at least 10 s (a frozen agent's workers stop checkpointing within it)."""
     return max(10.0, 2 * keep_alive_timeout)
+
+
+def _limit_argument(text: str) -> str:
+    """The holder's memory limit argument: bytes, or "" for its default. The launcher refuses a bad
+    value (exit 2); one that reaches here anyway is passed on, and the holder cannot start (one line)."""
+    try:
+        return str(memory_limit_bytes(text) or "")
+    except ValueError:
+        return text
 
 
 class NodeCheckpoints(Collaborator):
@@ -190,7 +219,14 @@ class NodeCheckpoints(Collaborator):
         if holder is None:
             return None
         deadline = time.monotonic() + self.shutdown_timeout
-        holder.flush(self.shutdown_timeout)
+        if not holder.flush(self.shutdown_timeout):
+            holder.unflushed = True  # lost() says which step did not reach the disk
+            if holder.last_saved is None and holder.checkpoint_dir is not None and not holder.died:
+                self.warn(  # it never told of a save: one it took in its last moments may not be on disk
+                    f"the checkpoint holder (pid {holder.pid}) did not make its copies durable at the job's end "
+                    f"({holder.unanswered or 'the flush ran out of time'}); a step saved just before may be missing "
+                    f"from {holder.checkpoint_dir}"
+                )
         try:
             self._flush_sharded(holder, max(0.0, deadline - time.monotonic()))
         finally:
@@ -200,7 +236,7 @@ class NodeCheckpoints(Collaborator):
     def _flush_sharded(self, holder: HolderProcess, seconds: float) -> None:
         """Sharded steps in this node's memory newer than the newest on disk are written by
         agent/checkpoint/sharded/flush.py (a helper: publishing needs torch), at most `seconds`."""
-        if holder.died or self.checkpoint_dir is None or seconds <= 0:
+        if holder.died or holder.unanswered is not None or self.checkpoint_dir is None or seconds <= 0:
             return
         address = holder.address
         directory = Path(self.checkpoint_dir)
@@ -266,6 +302,8 @@ class HolderProcess:
         self.address = address
         self.stopping = False
         self.died = False
+        self.unanswered: str | None = None  # the question the holder left unanswered (stopped, stuck)
+        self.unflushed = False  # the job-end flush did not finish: the newest step may not be durable
         self.events = events
         self.warn = warn
         self.last_saved: int | None = None
@@ -299,10 +337,11 @@ class HolderProcess:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             listener.bind(socket_address(name))
-            limit = os.environ.get(MEMORY_LIMIT_ENV, "")
+            limit = _limit_argument(os.environ.get(MEMORY_LIMIT_ENV, ""))
             helper = HelperProcess(
                 ckpt_holder.__file__, str(listener.fileno()), secrets.token_hex(4), checkpoint_dir or "", limit,
                 stdout=subprocess.PIPE, pass_fds=(listener.fileno(),), env={**os.environ, SECRET_ENV: secret},
+                name="the checkpoint holder", warn=warn,
             )  # fmt: skip
         except OSError as exc:
             warn(f"the in-memory checkpoint tier is off: its socket could not be set up ({exc}); saves go to disk")
@@ -332,16 +371,18 @@ class HolderProcess:
         return {**self.address.env(), **memory_only}
 
     def lost(self) -> str | None:
-        """Why the newest saved step is not durable because the holder died (one line), or None."""
-        if not self.died or self.checkpoint_dir is None:  # memory only: nothing was to reach a disk
+        """Why the newest saved step is not durable because the holder died, stopped answering or
+        did not finish its flush in time (one line), or None."""
+        if not (self.died or self.unflushed) or self.checkpoint_dir is None:  # memory only: nothing to reach a disk
             return None
         on_disk = [s for s in (self.last_durable, newest_checkpoint_step(self.checkpoint_dir)) if s is not None]
         saved, durable = self.last_saved, max(on_disk, default=None)  # another node's holder may have written it
         if saved is None or (durable is not None and durable >= saved):
             return None
+        why = "died" if self.died else f"did not make it durable ({self.unanswered or 'the flush ran out of time'})"
         return (
             f"checkpoint step {saved} never reached {self.checkpoint_dir}: the checkpoint holder (pid {self.pid}) "
-            f"died; the newest step on disk is {durable if durable is not None else 'none'}"
+            f"{why}; the newest step on disk is {durable if durable is not None else 'none'}"
         )
 
     # ------------------------------------------------------------------ talking to the holder
@@ -349,6 +390,15 @@ class HolderProcess:
         return self.helper.send(json.dumps(message))
 
     def _ask(self, wait: float, **message: object) -> dict[str, Any] | None:
+        """The holder's answer to `message` within `wait` s, else None. A holder that left a question
+        unanswered (stopped, stuck) is not asked again: every later question is None at once, and
+        the job's end does not wait for its flush (a finished job must never wait on it)."""
+        if self.unanswered is not None:
+            return None
+        state = state_of(self.pid)
+        if state.startswith("stopped"):  # it cannot answer before someone continues it
+            self._no_answer(str(message.get("op")), f"it is {state}")
+            return None
         with self._lock:
             self._next_id += 1
             ident = self._next_id
@@ -368,11 +418,24 @@ class HolderProcess:
                 except queue.Empty:
                     if long_wait.tick():
                         continue
+                    self._no_answer(str(message.get("op")), f"no answer within {wait:g} s")
                     return None
                 if reply.get("reply") == ident:
                     return reply
                 if long_wait.left() <= 0:
+                    self._no_answer(str(message.get("op")), f"no answer within {wait:g} s")
                     return None
+
+    def _no_answer(self, op: str, why: str) -> None:
+        """Say once that the holder did not answer; from now on nobody waits for it."""
+        if self.unanswered is None and not self.off:
+            self.unanswered = f"it did not answer '{op}': {why}"
+            line = (
+                f"the checkpoint holder (pid {self.pid}) did not answer '{op}' ({why}); the agent no longer waits "
+                "for it"
+            )
+            self.warn(line)
+            self.events.emit("checkpoint_warning", line=line)
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -439,7 +502,7 @@ class HolderProcess:
 
     def flush(self, timeout: float) -> bool:
         """Wait until the newest copy is durable (or its write failed), at most `timeout`; True if done."""
-        if self.off:  # nothing left to write: lost() says what died with it
+        if self.off or self.checkpoint_dir is None:  # nothing left to write, or nowhere: memory only
             return True
         reply = self._ask(timeout + 1.0, op="flush", timeout=timeout)
         return reply is not None and not reply.get("pending", True)

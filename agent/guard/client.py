@@ -5,6 +5,7 @@ runs by file path, so it imports none of this."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from rally.agent.base.helper_process import HelperProcess
 from rally.agent.guard import orphan_guard, processes
@@ -19,7 +20,7 @@ CGROUP_VARIABLE = "RALLY_JOB_CGROUP"
 CGROUP_CHOICES = {"auto": (V2, FREEZER, PIDS), V2: (V2,), FREEZER: (FREEZER,), PIDS: (PIDS,), "off": ()}
 
 
-def job_cgroup(token: str, guard_pid: int = 0, v2_only: bool = False) -> JobCgroup | None:
+def job_cgroup(guard_pid: int = 0, v2_only: bool = False) -> JobCgroup | None:
     """The job's own cgroup, of the kind RALLY_JOB_CGROUP asks for (an unknown value: auto).
 
     With `v2_only` (the scheduler tracks a step by its own cgroups: SLURM, SchedulerView.tracks_cgroups),
@@ -30,7 +31,8 @@ def job_cgroup(token: str, guard_pid: int = 0, v2_only: bool = False) -> JobCgro
     kinds = CGROUP_CHOICES.get(choice, CGROUP_CHOICES["auto"])
     if choice not in (FREEZER, PIDS) and v2_only:
         kinds = tuple(k for k in kinds if k == V2)
-    group = JobCgroup.create(f"rally-{guard_pid}-{token}", kinds) if kinds else None
+    # A name, not a secret: every user reads it in /proc/PID/cgroup, so it carries no part of the token.
+    group = JobCgroup.create(f"rally-{guard_pid}-{os.urandom(6).hex()}", kinds) if kinds else None
     if group is not None:
         remove_abandoned(group)
     return group
@@ -39,15 +41,17 @@ def job_cgroup(token: str, guard_pid: int = 0, v2_only: bool = False) -> JobCgro
 class GuardClient:
     """The agent's side: start the guard, tell it about worker groups, stop it at exit."""
 
-    def __init__(self, token: str, v2_only: bool = False):
-        """`v2_only`: the job's cgroup must be v2 (the scheduler tracks steps by cgroups: `job_cgroup`)."""
+    def __init__(self, token: str, v2_only: bool = False, warn: Callable[[str], None] | None = None):
+        """`v2_only`: the job's cgroup must be v2 (the scheduler tracks steps by cgroups: `job_cgroup`);
+        `warn` hears the one line of a guard that stopped reading or had to be killed at the end."""
         self.token = token
-        self.helper = HelperProcess(orphan_guard.__file__)  # by file path, in a session of its own
+        # by file path, in a session of its own
+        self.helper = HelperProcess(orphan_guard.__file__, name="the orphan guard", warn=warn)
         self.process = self.helper.process
         self._tell(f"token {token}\n")
         # Every process the agent starts from now on (workers, the template) joins the cgroup
         # between fork and exec; everything they start inherits it.
-        self.cgroup = job_cgroup(token, self.process.pid, v2_only)
+        self.cgroup = job_cgroup(self.process.pid, v2_only)
         if self.cgroup is not None:
             self._tell(f"cgroup {self.cgroup.to_line()}\n")
         processes.set_job_cgroup(self.cgroup.procs_file if self.cgroup is not None else None)

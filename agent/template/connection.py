@@ -38,6 +38,10 @@ def status_to_returncode(status: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+MESSAGE_TIMEOUT = 10.0
+"""Seconds one read or write of a message on the template's socket may take (it is readable when read)."""
+
+
 class Connection:
     """One template process and the agent's end of its socket."""
 
@@ -69,6 +73,9 @@ class Connection:
         finally:
             theirs.close()
         self.sock = ours
+        # A message the template began and never finished (stopped, stuck mid-write) fails a read
+        # after this long instead of blocking the agent for ever: the template is then gone.
+        self.sock.settimeout(MESSAGE_TIMEOUT)
         self.announce = announce
         self.preload = ", ".join(init.get("preload") or []) or "nothing"
         self.exits: dict[int, tuple[int, float]] = {}

@@ -92,11 +92,18 @@ class ArchiveTooLarge(ValueError):
 
 
 def storages_of(state: object) -> list[Any]:
-    """The distinct storages, with bytes, of the tensors in `state` (dicts, lists, tuples)."""
+    """The distinct storages, with bytes, of the tensors in `state` (dicts, lists, tuples). Each
+    container is walked once: a state that contains itself (pickle and torch.save handle that)
+    must not walk for ever."""
     found: dict[int, Any] = {}
+    seen: set[int] = set()
     stack = [state]
     while stack:
         item = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
         if isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
