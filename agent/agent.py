@@ -129,7 +129,7 @@ class Agent:
         self.guard: GuardClient | None = None
         self.template: TemplateClient | None = None  # workers are forked from it (agent/template/client.py)
         self.logs = LogLayout.create(spec.log_dir, spec.run_id)
-        self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json")
+        self.report = JobReport(spec.run_id, self.host, self.logs.run_dir / "report.json", shown=self.logs.shown)
         self.events = EventLog(self.logs.run_dir / "events.jsonl")
         self.last_failure: RoundEnd | None = None
         self.assignment: Assignment | None = None
@@ -680,7 +680,8 @@ class Agent:
         if decision.gave_up:
             console.console().print(self.report.workers_table())
             console.error(
-                f"job failed: no restarts left (--max-restarts {self.spec.max_restarts}); report: {self.report.path}"
+                f"job failed: no restarts left (--max-restarts {self.spec.max_restarts}); "
+                f"report: {self.logs.shown(self.report.path)}"
             )
         elif decision.code == EXIT_PREEMPTED:
             console.say(f"stopping: the job was preempted ({end.detail}); exit code {EXIT_PREEMPTED}")

@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def failure_info(worker: Worker, assignment: Assignment) -> dict:
         "duration": round(worker.duration(), 3),
         "traceback": read_error_file(worker.error_file),
         "stderr_tail": worker.output.last_stderr_lines(STDERR_LINES_IN_REPORT),
-        "error_file": worker.error_file,
+        "error_file": worker.error_file_shown or worker.error_file,
         "time": time.time(),
     }
 
@@ -135,6 +136,7 @@ class JobReport:
     outcome: str = "running"
     exit_code: int | None = None
     notes: dict[str, object] = field(default_factory=dict)  # a feature's own keys (agent/checks/quarantine.py's)
+    shown: Callable[[Path], str] = str  # `path` as people see it (agent/rounds/workers.py LogLayout.shown)
 
     def begin(self, assignment: Assignment) -> None:
         self.attempts.append(
@@ -192,7 +194,8 @@ class JobReport:
             if attempt.end:
                 info = attempt.end.get("info") or {}
                 last = [line.strip() for line in info.get("stderr_tail") or [] if line.strip()]
-                return attempt.end["detail"] + (f"; {last[-1]}" if last else "") + f" (full report: {self.path})"
+                where = f" (full report: {self.shown(self.path)})"
+                return attempt.end["detail"] + (f"; {last[-1]}" if last else "") + where
         return None
 
     def workers_table(self) -> Table:

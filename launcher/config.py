@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING
 
 from rally.agent.base.spec import JobSpec
 from rally.launcher.checks import validate
+from rally.launcher.checks.path_checks import check_job_paths
 from rally.launcher.checks.validate import ConfigError
 from rally.launcher.checks.values import parse_rdzv_conf
 from rally.launcher.options import Options, RendezvousOptions
 from rally.launcher.secret_warnings import secret_warnings
 from rally.rendezvous.backends import EndpointError, HostPort, StoreRequest, backend_named
 from rally.rendezvous.base.token import TokenError, resolve_token
-from rally.rendezvous.c10d.store import StoreEndpoint, loopback_address
+from rally.rendezvous.c10d.store import StoreEndpoint, is_loopback_name, loopback_address
 from rally.rendezvous.etcd.conf import ETCD_CONF_KEYS
 from rally.rendezvous.plan import RendezvousPlan
 from rally.rendezvous.protocol import RendezvousSettings
@@ -72,10 +73,14 @@ def build_launch(
     notes = list(parsed.notes)
     conf = r.rdzv_conf
     endpoint, settings, preferred_rank = plan_rendezvous(r, spec.run_id, slurm_job)
-    warnings = list(parsed.warnings)
+    warnings = list(parsed.warnings) + check_job_paths(spec, conf)  # paths before a secret file is read
     try:
         token = resolve_token(
-            conf["token"], conf["token_file"], r.standalone, slurm_job.job_id if slurm_job else None, warnings
+            conf["token"],
+            conf["token_file"],
+            r.standalone,
+            slurm_job.job_id if slurm_job else None,
+            warnings,
         )
     except TokenError as exc:
         raise ConfigError(str(exc)) from None
@@ -95,8 +100,19 @@ def build_launch(
         connect_timeout=conf["join_timeout"],
         read_timeout=conf["read_timeout"],
         token=token,
+        own_token_when_hosted=one_local_node(endpoint, settings.max_nodes),
     )
     return Launch(spec, plan, notes, warnings, token if conf["token"] or conf["token_file"] else "")
+
+
+def one_local_node(endpoint: StoreEndpoint, max_nodes: int) -> bool:
+    """A job that can only ever have one node, on a c10d store of this machine: like --standalone,
+    no other agent needs its token, so when its agent hosts the store it signs with a random one
+    (rendezvous/plan.py), and a local user who reaches the port cannot forge its end ("job
+    succeeded", exit 0)."""
+    if max_nodes != 1 or endpoint.etcd or endpoint.file_path:
+        return False
+    return endpoint.host_here or is_loopback_name(endpoint.host)
 
 
 def check_entry_point(options: Options, script: str | None) -> None:

@@ -7,6 +7,7 @@ handed to the agent, which opens the store and runs the round protocol with it.
 from __future__ import annotations
 
 import importlib
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ class RendezvousPlan:
     connect_timeout: float = RendezvousSettings.join_timeout
     read_timeout: float = READ_TIMEOUT_SECONDS
     token: str = ""  # the job's secret: every store value is signed with it (rendezvous/base/token.py)
+    own_token_when_hosted: bool = False
+    """A job that can only have one node (launcher/config.py `one_local_node`): when this node hosts
+    the store itself, no other agent reads it, so without a given token it signs with a fresh random
+    one, as --standalone does, and a local user who reaches the port cannot forge its end. A store
+    someone else hosts (a `rally store` service several jobs share) keeps the given token, or none."""
 
     @property
     def workers_use_rendezvous_store(self) -> bool:
@@ -47,10 +53,11 @@ class RendezvousPlan:
         it cannot be reached. `progress` hears every few seconds what a refused connect still
         waits for (rendezvous/c10d/connect.py)."""
         backend = backend_of(self.endpoint)
+        signer = Signer(self.token)
         with reporting_progress(progress):
-            opened = backend.open(
-                self.endpoint, job_prefix(run_id), self.connect_timeout, self.read_timeout, Signer(self.token)
-            )
+            opened = backend.open(self.endpoint, job_prefix(run_id), self.connect_timeout, self.read_timeout, signer)
+        if self.own_token_when_hosted and not self.token and opened.server is not None:
+            signer.adopt(secrets.token_hex(32))  # before the job writes its first record
         if not backend.imports_torch:
             # Reaching the store needs no torch, but any node may host the workers' TCPStore in
             # a later round: import it now, beside the rendezvous, not in the middle of a re-form.

@@ -15,7 +15,10 @@ What is compared, and what is deliberately not:
 * Three keys must differ between any two runs and are compared by shape: MASTER_PORT (a free
   port the OS picked: an int in 1..65535), TORCHELASTIC_RUN_ID (a fresh uuid4 under
   --standalone), TORCHELASTIC_ERROR_FILE (a fresh temp directory; the path ends in
-  `<run-id>_<suffix>/attempt_0/<local_rank>/error.json` in both).
+  `<run-id>_<suffix>/attempt_0/<local_rank>/error.json` in both, as the probe resolves it: rally
+  hands the path through the run directory it opened, `/proc/<agent pid>/fd/<n>/attempt_0/...`,
+  so that no one who can rename entries of --log-dir can redirect the write; see
+  docs/security.md).
 * Keys rally adds that torchrun does not are allowed only in rally's own RALLY_ namespace.
 
 Only the two comparison runs and one `is_torchelastic_launched()` check import torch in a
@@ -34,13 +37,14 @@ import pytest
 from support.helpers import clean_env, free_port, read_json_files, run_rally, write_probe
 
 TORCHRUN_INTERNAL = {"TORCHELASTIC_SIGNALS_TO_HANDLE"}
-DIFFERENT_EVERY_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+DIFFERENT_EVERY_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PROBE_ERROR_FILE_REAL"}
 
 ENV_PROBE = """
     import json, os, sys
     out = os.path.join(sys.argv[1], "env_" + os.environ["LOCAL_RANK"] + ".json")
+    real = os.path.realpath(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))  # where it resolves while the job runs
     with open(out, "w") as f:
-        json.dump(dict(os.environ), f)
+        json.dump({**os.environ, "PROBE_ERROR_FILE_REAL": real}, f)
 """
 
 
@@ -105,7 +109,8 @@ def test_rally_workers_get_every_variable_torchrun_workers_get(tmp_path: Path) -
         for env in (t_env, r_env):
             assert_port(env["MASTER_PORT"])
             assert_uuid(env["TORCHELASTIC_RUN_ID"])
-            assert_error_file_shape(env["TORCHELASTIC_ERROR_FILE"], env["TORCHELASTIC_RUN_ID"], local_rank)
+            assert_error_file_shape(env["PROBE_ERROR_FILE_REAL"], env["TORCHELASTIC_RUN_ID"], local_rank)
+        assert Path(r_env["TORCHELASTIC_ERROR_FILE"]).parts[-3:] == ("attempt_0", str(local_rank), "error.json")
 
         extra = sorted(k for k in set(r_env) - set(t_env) - set(parent) if not k.startswith("RALLY_"))
         assert not extra, f"rally adds variables outside its RALLY_ namespace: {extra}"

@@ -81,6 +81,8 @@ def _failing_worker(kind: str) -> str:
 import os, sys
 path = os.environ["TORCHELASTIC_ERROR_FILE"]
 kind = {kind!r}
+if os.path.lexists(path):  # the empty file the agent made for it (a hostile worker replaces it)
+    os.unlink(path)
 if kind == "fifo":
     os.mkfifo(path)
 elif kind == "dev-zero":

@@ -122,7 +122,8 @@ class AgentContext(Protocol):
 
     @property
     def run_dir(self) -> Path:
-        """This run's log directory (events.jsonl, report.json, the workers' logs)."""
+        """This run's log directory (events.jsonl, report.json, the workers' logs), as the agent opened
+        it: `/proc/<agent pid>/fd/<n>` (agent/rounds/workers.py LogLayout); `.resolve()` for people."""
 
     @property
     def events(self) -> EventLog: ...

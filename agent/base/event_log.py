@@ -9,6 +9,7 @@ restart, membership_change, preempted, job_end. The file is appended and flushed
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ class EventLog:
     def __init__(self, path: Path):
         self.path = path
         self.host = socket.gethostname()
-        self._file = open(path, "a", buffering=1)  # lives as long as the agent
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._file = open(os.open(path, flags, 0o600), "a", buffering=1)  # lives as long as the agent
 
     def emit(self, event: str, **fields: object) -> None:
         record = {"time": round(time.time(), 6), "event": event, "host": self.host, **fields}

@@ -79,7 +79,7 @@ def open_for_writing(path: str | os.PathLike[str]) -> BinaryIO:
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     for _ in range(3):
         try:
-            fd = os.open(path, flags | os.O_TRUNC, 0o644)
+            fd = os.open(path, flags | os.O_TRUNC, 0o600)  # logs and reports hold stderr tails
         except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO without a reader; EEXIST: a race
             if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EEXIST):
                 raise

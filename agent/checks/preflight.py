@@ -261,7 +261,9 @@ class Preflight:
         try:
             return json.loads(out.read_text())
         except (OSError, ValueError):
-            log_path = f"{self.run_dir}/preflight_{assignment.round}.log"
+            log_path = (
+                f"{self.run_dir.resolve()}/preflight_{assignment.round}.log"  # the real path, not /proc/<pid>/fd/<n>
+            )
             return {"error": f"the probe exited with {code} and wrote no result (see {log_path})"}
 
     def _results(self, rnd: Round, wait: float) -> dict[int, dict | None]:

@@ -15,6 +15,7 @@ directories (`$TMPDIR/rally-runs-<uid>/`, a link per run, whatever --log-dir it 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import json
@@ -25,8 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rally.agent.base.untrusted_files import UntrustedFile, read_capped, read_json_object
+from rally.agent.base.untrusted_files import UntrustedFile, open_for_writing, read_capped, read_json_object
 from rally.agent.display.untrusted_text import printable
+from rally.rendezvous.base.path_trust import UnsafePath, open_directory
 from rally.rendezvous.c10d.store import StoreEndpoint
 
 ENDPOINT_FILE = "endpoint.json"
@@ -71,7 +73,8 @@ def announce(endpoint: StoreEndpoint, run_id: str, run_dir: Path) -> str:
         "pid": os.getpid(),
     }
     tmp = run_dir / f".{ENDPOINT_FILE}.tmp"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    with open_for_writing(tmp) as f:  # 0600, never through a link a worker left there
+        f.write((json.dumps(record, indent=1) + "\n").encode())
     os.replace(tmp, run_dir / ENDPOINT_FILE)
     index_run(run_dir)
     by_dir = f"rally status {shlex.quote(str(run_dir.resolve()))}"
@@ -117,22 +120,49 @@ def run_index(base: Path | None = None) -> Path:
 
 def index_run(run_dir: Path, base: Path | None = None) -> None:
     """Link `run_dir` from this user's index (see `run_dirs_of`), keeping the newest
-    MAX_INDEXED_RUNS links. The index is a directory only this user may use (mode 0700, theirs):
-    one someone else made, or one another user can write in, is left alone and nothing is
-    linked. Best effort: a run is still found by its RUN_DIR without it."""
-    index = run_index(base)
+    MAX_INDEXED_RUNS links. The index is a directory only this user may use (mode 0700, theirs)
+    in a temporary directory whose path no other user can change (rendezvous/base/path_trust.py),
+    and it is written through its open descriptor: one someone else made, or one another user
+    can write in, is left alone and nothing is linked. Best effort: a run is still found by its
+    RUN_DIR without it."""
+    real = run_dir.resolve()  # the run directory as the agent opened it (/proc/<pid>/fd/<n>)
     try:
-        index.mkdir(mode=0o700, exist_ok=True)
-        if not _private_dir(index):
+        where = open_directory(Path(tempfile.gettempdir()) if base is None else base, "the run index")
+    except (UnsafePath, OSError):
+        return
+    if where.fd is None:
+        return
+    try:
+        name = run_index(base).name
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=where.fd)
+        index = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=where.fd)
+    except OSError:
+        where.close()
+        return
+    try:
+        found = os.fstat(index)
+        if found.st_uid != os.geteuid() or found.st_mode & 0o077:
             return
-        temporary = index / f".{run_dir.name}.{os.getpid()}.tmp"
-        os.symlink(run_dir.resolve(), temporary)
-        os.replace(temporary, index / run_dir.name)
-        links = sorted(index.iterdir(), key=lambda p: _mtime(p), reverse=True)
+        temporary = f".{real.name}.{os.getpid()}.tmp"
+        os.symlink(real, temporary, dir_fd=index)
+        os.replace(temporary, real.name, src_dir_fd=index, dst_dir_fd=index)
+        links = sorted(os.listdir(index), key=lambda n: _mtime_in(index, n), reverse=True)
         for old in links[MAX_INDEXED_RUNS:]:
-            old.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old, dir_fd=index)
     except OSError:
         return
+    finally:
+        os.close(index)
+        where.close()
+
+
+def _mtime_in(directory: int, name: str) -> float:
+    try:
+        return os.stat(name, dir_fd=directory, follow_symlinks=False).st_mtime
+    except OSError:  # gone since it was listed
+        return 0.0
 
 
 def _private_dir(path: Path) -> bool:

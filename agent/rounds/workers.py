@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from rally.agent.observe.health import heartbeat_path
 from rally.agent.rounds import logs_specs
 from rally.agent.rounds.logs_specs import StreamPlan
 from rally.agent.rounds.output import ByteSink, OutputStream, WholeWrites, WorkerOutput
+from rally.rendezvous.base.path_trust import UnsafePath, Walk, open_directory
 from rally.rendezvous.protocol import Assignment
 
 
@@ -41,6 +43,7 @@ class Worker:
     error_file: str
     heartbeat_file: str | None = None
     stopped: bool = False  # the agent stopped it (another worker failed, a signal, the end)
+    error_file_shown: str = ""  # error_file as people see it (LogLayout.shown)
 
     @property
     def pid(self) -> int:
@@ -165,7 +168,7 @@ def _stream_plans(
     """Where each worker's streams go: rally's layout (torchrun's default), or --logs-specs'."""
     if spec.logs_specs:
         if logs.custom is None:
-            logs.custom = logs_specs.load(spec.logs_specs, spec, logs.run_dir.parent)
+            logs.custom = logs_specs.load(spec.logs_specs, spec, logs.real_dir().parent)  # it writes by path
         return logs_specs.plans(logs.custom, envs)
     plans = {}
     for local_rank, env in envs.items():
@@ -180,27 +183,93 @@ def _stream_plans(
 
 @dataclass
 class LogLayout:
-    """Where this node's log files go; one run directory per agent, as torchrun does."""
+    """Where this node's log files go; one run directory per agent, as torchrun does.
+
+    The run directory is made (0700) and opened once, through directories rally judged
+    (rendezvous/base/path_trust.py), and every write of the job goes through that open directory:
+    `run_dir` is `/proc/<agent pid>/fd/<n>`, which the kernel resolves to the directory the agent
+    holds, not to whatever now has its name. Another user who may rename entries of --log-dir (a
+    group-writable project directory) can move the run directory away and put their own, with
+    links, in its place: the agent, its helpers and its workers (TORCHELASTIC_ERROR_FILE, the
+    heartbeat file) still write into the directory rally made. `shown` turns such a path into
+    the directory's real one, for people."""
 
     run_dir: Path
+    fd: int = -1  # the run directory, open (O_PATH) for the agent's lifetime
     custom: Any = None  # --logs-specs: the user's LogsSpecs object, built once (agent/rounds/logs_specs.py)
 
     @classmethod
     def create(cls, log_dir: str | None, run_id: str) -> LogLayout:
         import tempfile
 
-        base = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="rally_"))
-        base.mkdir(parents=True, exist_ok=True)
         safe_run_id = run_id.replace("/", "_")
-        return cls(Path(tempfile.mkdtemp(prefix=f"{safe_run_id}_", dir=base)))
+        if log_dir:
+            base = open_directory(log_dir, f"--log-dir {log_dir}", create=True)
+        else:
+            where = open_directory(tempfile.gettempdir(), "the temporary directory", create=True)
+            base = _made_in(where, "rally_")
+        try:
+            run = _made_in(base, f"{safe_run_id}_")
+        finally:
+            base.close()
+        assert run.fd is not None
+        return cls(Path(f"/proc/{os.getpid()}/fd/{run.fd}"), run.fd)
+
+    def real_dir(self) -> Path:
+        """The run directory's path now (after a rename too), or `run_dir` when it cannot be read."""
+        try:
+            return Path(os.readlink(self.run_dir))
+        except OSError:
+            return self.run_dir
+
+    def shown(self, path: str | Path) -> str:
+        """`path` (under `run_dir`) as a person can use it: under the run directory's real path."""
+        text, prefix = str(path), str(self.run_dir)
+        if text == prefix or text.startswith(prefix + "/"):
+            return str(self.real_dir()) + text[len(prefix) :]
+        return text
 
     def attempt_dir(self, attempt: int) -> Path:
         return self.run_dir / f"attempt_{attempt}"
 
     def rank_dir(self, attempt: int, local_rank: int) -> Path:
         path = self.attempt_dir(attempt) / str(local_rank)
-        path.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)  # inside the run directory, which only rally writes
+        path.mkdir(mode=0o700, exist_ok=True)
         return path
+
+    def error_file(self, attempt: int, local_rank: int) -> str:
+        """The worker's TORCHELASTIC_ERROR_FILE, made empty by the agent (exclusively, 0600, never
+        through a link): torch's `@record` truncates and writes it, an empty one reads as no error."""
+        path = self.rank_dir(attempt, local_rank) / "error.json"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            os.close(os.open(path, flags, 0o600))
+        except FileExistsError:  # a rank directory reused by a restart of the same round number
+            os.unlink(path)
+            os.close(os.open(path, flags, 0o600))
+        return str(path)
+
+
+def _made_in(parent: Walk, prefix: str) -> Walk:
+    """A new private directory named `prefix` + random in the open directory `parent`, opened
+    without following a link and checked to be the one made (this user's, 0700), as mkdtemp."""
+    import secrets
+
+    assert parent.fd is not None
+    for _ in range(100):
+        name = prefix + secrets.token_hex(4)
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent.fd)
+        except FileExistsError:
+            continue
+        fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent.fd)
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077:
+            os.close(fd)
+            raise UnsafePath(f"{parent.real / name} was replaced as soon as rally made it; refusing to write there")
+        return Walk(fd, parent.real / name)
+    raise FileExistsError(f"no free name for a run directory in {parent.real}")
 
 
 @dataclass
@@ -240,7 +309,7 @@ class WorkerGroup:
                 assignment,
                 master,
                 local_rank,
-                str(logs.rank_dir(assignment.round, local_rank) / "error.json"),
+                logs.error_file(assignment.round, local_rank),
             )
             for local_rank in (range(spec.nproc_per_node) if local_ranks is None else sorted(local_ranks))
         }
@@ -303,7 +372,10 @@ class WorkerGroup:
                         os.close(value)
                     else:
                         value.close()  # type: ignore[attr-defined]
-            group.workers.append(Worker(local_rank, rank, process, output, error_file, heartbeat))
+            error_shown = logs.shown(error_file)
+            group.workers.append(
+                Worker(local_rank, rank, process, output, error_file, heartbeat, error_file_shown=error_shown)
+            )
             group.streams.extend(output.streams)
         return group
 

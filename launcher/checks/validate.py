@@ -179,6 +179,8 @@ def writable_dir(value: object, option: str) -> str:
     names_fit(path, option)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{option} {text}: exists and is not a directory; give a directory")
+    if not _trusted(path, option):
+        return text
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -188,11 +190,24 @@ def writable_dir(value: object, option: str) -> str:
     return text
 
 
+def _trusted(path: Path, option: str) -> bool:
+    """Whether the rule of rendezvous/base/path_trust.py lets rally make `path`; when it does not,
+    nothing is made here and launcher/checks/path_checks.py refuses it (or, for --checkpoint-dir-shared,
+    warns), knowing the other options."""
+    from rally.rendezvous.base.path_trust import UnsafePath, check_directory
+
+    try:
+        check_directory(path, option, [])
+    except (UnsafePath, OSError):
+        return False
+    return True
+
+
 def private_dir(value: object, option: str) -> str:
     """`writable_dir`, but a directory it creates is 0700 (only the user may read its checkpoints)."""
     text = str(value)
     try:
-        if text.strip() and not os.path.lexists(text):
+        if text.strip() and not os.path.lexists(text) and _trusted(Path(text), option):
             os.makedirs(text, mode=0o700, exist_ok=True)
     except (OSError, ValueError):
         pass  # writable_dir says what is wrong, in one line

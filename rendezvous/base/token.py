@@ -12,7 +12,9 @@ The envelope also names the key a value was signed for, so a genuine value copie
 Where the token comes from, first match wins (`resolve_token`):
   1. `--rdzv-conf token=SECRET` or `--rdzv-conf token_file=PATH` (the file's first line);
   2. the RALLY_JOB_TOKEN environment variable;
-  3. `--standalone`: a fresh random token (the store is private to this one agent);
+  3. `--standalone`: a fresh random token (the store is private to this one agent); the same for
+     a job that can only ever have one node on a c10d store of this machine that its agent hosts
+     itself (rendezvous/plan.py `own_token_when_hosted`), so that a local user cannot forge its end;
   4. inside a SLURM job: HMAC(per-user secret, SLURM_JOB_ID). The per-user secret is
      `~/.rally/secret`, created on first use with mode 0600 in a 0700 directory, so only the
      user's own processes can read it; a job's nodes share it through the (usually shared)
@@ -29,6 +31,8 @@ import os
 import secrets
 import stat
 from pathlib import Path
+
+from rally.rendezvous.base.path_trust import UnsafePath, check_directory, check_secret_file
 
 ENV_TOKEN = "RALLY_JOB_TOKEN"
 # Every value rally writes is: this tag, the hex HMAC, ".", the key it was signed for, NUL, the
@@ -52,6 +56,10 @@ class Signer:
         """`verify=False` only strips the envelope (for `rally status` without the token)."""
         self._key = token.encode()
         self.verify = verify
+
+    def adopt(self, token: str) -> None:
+        """Sign and verify with `token` from now on (rendezvous/plan.py: a one-node job's own store)."""
+        self._key = token.encode()
 
     @property
     def has_token(self) -> bool:
@@ -102,9 +110,16 @@ def _preview(value: bytes) -> str:
     return text + ("..." if len(value) > 40 else "")
 
 
-def read_token_file(path: str) -> str:
+def read_token_file(path: str, what: str = "", judged: bool = False) -> str:
+    """The first line of a secret file, which must lie where only this user or root can change it
+    (rendezvous/base/path_trust.py: its directories, and the file's owner, who would choose the token);
+    `judged`: the caller checked it by its own rules (`user_secret`: ~/.rally's, as ssh's ~/.ssh)."""
     try:
+        if not judged:
+            check_secret_file(path, what or f"the job token file {path}", [])
         text = Path(path).expanduser().read_text(encoding="utf-8", errors="strict")
+    except UnsafePath as exc:
+        raise TokenError(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TokenError(
             f"cannot read the job token file {path}: {exc}; give a readable file with the secret on its first line"
@@ -118,13 +133,16 @@ def read_token_file(path: str) -> str:
 def user_secret(home: Path | None = None, warnings: list[str] | None = None) -> str:
     """This user's secret in ~/.rally/secret (0600), created atomically on first use.
 
-    As ssh does with ~/.ssh: a ~/.rally that is a symlink or another user's, or a secret that is
+    As ssh does with ~/.ssh: a home directory whose path another user could change
+    (rendezvous/base/path_trust.py), a ~/.rally that is a symlink or another user's, or a secret that is
     a symlink or another user's, is refused (whoever controls it chooses or reads the token); a
     ~/.rally that group or others can write, or a secret they can read, is used with one line
     each in `warnings`."""
     directory = (home or Path.home()) / ".rally"
     path = directory / "secret"
     try:
+        home_lines = warnings if warnings is not None else []
+        check_directory(directory.parent, f"the per-user rally secret's home {directory.parent}", home_lines)
         directory.mkdir(mode=0o700, exist_ok=True)
         _check_own(directory, "directory", warnings, stat.S_IWGRP | stat.S_IWOTH, "written by")
         if not path.exists() and not path.is_symlink():
@@ -139,7 +157,9 @@ def user_secret(home: Path | None = None, warnings: list[str] | None = None) -> 
             finally:
                 tmp.unlink()
         _check_own(path, "file", warnings, stat.S_IRGRP | stat.S_IROTH, "read by")
-        return read_token_file(str(path))
+        return read_token_file(str(path), judged=True)
+    except UnsafePath as exc:
+        raise TokenError(f"{exc}; or set {ENV_TOKEN}") from None
     except OSError as exc:
         raise TokenError(
             f"cannot create the per-user rally secret in {directory}: {exc}; set {ENV_TOKEN} instead"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rally.rendezvous.base.kv import EndpointError
+from rally.rendezvous.base.path_trust import UnsafePath, check_secret_file
 from rally.rendezvous.etcd.http import EtcdAccess
 
 # --rdzv-conf keys for the etcd backends (all text); aliases map torch's etcd-v2 names.
@@ -102,7 +103,10 @@ def _first_line(path: str) -> str:
             f"--rdzv-conf password_file={path}: no such file; give a file with the password on its first line"
         )
     try:
+        check_secret_file(candidate, f"--rdzv-conf password_file={path}", [])  # whoever owns it chooses it
         text = candidate.read_text(encoding="utf-8")
+    except UnsafePath as exc:
+        raise EndpointError(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise EndpointError(f"--rdzv-conf password_file={path}: cannot read it ({exc})") from None
     lines = text.splitlines()
