@@ -757,7 +757,7 @@ class Agent:
         stopped = len(group.workers) if group is not None else 0
         console.say(  # the closing line: the user's own Ctrl-C is no error, but they should know how it ended
             f"stopped by {name}: {_every(stopped)} on this node stopped; exit code {128 + signum}; "
-            f"report: {self.report.path}"
+            f"report: {self.logs.shown(self.report.path)}"
         )
         raise AgentExit(128 + signum)
 
