@@ -23,6 +23,7 @@ import os
 import shlex
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,22 +177,11 @@ def run_dirs_of(run_id: str, base: Path | None = None) -> list[Path]:
     is gone. Found under the default --log-dir (`$TMPDIR/rally_*`, agent/rounds/workers.py
     `LogLayout`) and through this user's index (`index_run`: any --log-dir). Only directories
     owned by this user count (anyone can make one under /tmp), each once."""
-    base = Path(tempfile.gettempdir()) if base is None else base
-    name = f"{glob.escape(run_id.replace('/', '_'))}_*"
-    candidates = list(itertools.islice(base.glob(f"rally_*/{name}/{ENDPOINT_FILE}"), MAX_RUNS_LISTED))
-    index = run_index(base)
-    try:
-        if _private_dir(index):  # its links are this user's own
-            candidates += itertools.islice(index.glob(f"{name}/{ENDPOINT_FILE}"), MAX_RUNS_LISTED)
-    except OSError:
-        pass
     found: dict[Path, float] = {}
-    for path in candidates:
+    for run_dir, started in _own_run_dirs(base, f"{glob.escape(run_id.replace('/', '_'))}_*"):
         try:
-            run_dir = path.parent.resolve()
-            mine = all(p.lstat().st_uid == os.geteuid() for p in (path, run_dir))
-            if mine and read_endpoint(run_dir).get("run_id") == run_id:
-                found[run_dir] = path.lstat().st_mtime
+            if read_endpoint(run_dir).get("run_id") == run_id:
+                found[run_dir] = started
         except (OSError, RunDirError):
             continue
     return sorted(found, key=lambda run_dir: found[run_dir], reverse=True)
@@ -201,25 +191,37 @@ def recent_runs(base: Path | None = None, limit: int = 20) -> list[tuple[Path, d
     """This user's newest `limit` run directories, newest first, with what each agent wrote at start:
     for `rally status` with no argument. Found as `run_dirs_of` finds one run's (the default
     --log-dir and this user's index), only directories owned by this user."""
-    base = Path(tempfile.gettempdir()) if base is None else base
-    candidates = list(itertools.islice(base.glob(f"rally_*/*/{ENDPOINT_FILE}"), MAX_RUNS_LISTED))
-    index = run_index(base)
-    try:
-        if _private_dir(index):  # its links are this user's own
-            candidates += itertools.islice(index.glob(f"*/{ENDPOINT_FILE}"), MAX_RUNS_LISTED)
-    except OSError:
-        pass
     found: dict[Path, tuple[float, dict]] = {}
-    for path in candidates:
+    for run_dir, started in _own_run_dirs(base, "*"):
         try:
-            run_dir = path.parent.resolve()
-            if run_dir in found or not all(p.lstat().st_uid == os.geteuid() for p in (path, run_dir)):
-                continue
-            found[run_dir] = (path.lstat().st_mtime, read_endpoint(run_dir))
+            if run_dir not in found:
+                found[run_dir] = (started, read_endpoint(run_dir))
         except (OSError, RunDirError):
             continue
     newest = sorted(found, key=lambda run_dir: found[run_dir][0], reverse=True)[:limit]
     return [(run_dir, {**found[run_dir][1], "started": found[run_dir][0]}) for run_dir in newest]
+
+
+def _own_run_dirs(base: Path | None, name: str) -> Iterator[tuple[Path, float]]:
+    """Run directories named like `name` (a glob) under the default --log-dir (`$TMPDIR/rally_*`) and
+    through this user's index, each with its endpoint file's mtime (when its agent started). Only
+    directories and endpoint files owned by this user count (anyone can make one under /tmp); one
+    directory may come twice (both ways), each caller keeps the one it wants."""
+    base = Path(tempfile.gettempdir()) if base is None else base
+    candidates = list(itertools.islice(base.glob(f"rally_*/{name}/{ENDPOINT_FILE}"), MAX_RUNS_LISTED))
+    index = run_index(base)
+    try:
+        if _private_dir(index):  # its links are this user's own
+            candidates += itertools.islice(index.glob(f"{name}/{ENDPOINT_FILE}"), MAX_RUNS_LISTED)
+    except OSError:
+        pass
+    for path in candidates:
+        try:
+            run_dir = path.parent.resolve()
+            if all(p.lstat().st_uid == os.geteuid() for p in (path, run_dir)):
+                yield run_dir, path.lstat().st_mtime
+        except OSError:
+            continue
 
 
 def root_cause(report: dict | None) -> str | None:

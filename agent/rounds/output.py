@@ -228,47 +228,25 @@ class WorkerOutput:
     def stderr_mark(self) -> int:
         """A position in stderr; `stderr_since(mark)` returns what the worker wrote after it."""
         if self.stderr_file:
-            try:
-                return os.path.getsize(self.stderr_file)
-            except OSError:
-                return 0
+            return _size_of(self.stderr_file)
         return self.stderr_tail.total
 
     def stderr_since(self, mark: int) -> list[str]:
         if self.stderr_file:
-            try:  # the worker may have replaced its log (a FIFO): read it as hostile
-                fd = open_regular(self.stderr_file)
-                try:
-                    data = os.pread(fd, 256 * 1024, mark)
-                finally:
-                    os.close(fd)
-            except OSError:
-                return []
-            return [line.decode(errors="replace") for line in data.splitlines()]
+            return _lines_after(self.stderr_file, mark)
         return [line.decode(errors="replace").rstrip("\n") for line in self.stderr_tail.since(mark)]
 
     def stack_mark(self) -> int:
         """A position in the worker's stack file (its stderr without one); see `stack_since`."""
         if self.stack_file:
-            try:
-                return os.path.getsize(self.stack_file)
-            except OSError:
-                return 0
+            return _size_of(self.stack_file)
         return self.stderr_mark()
 
     def stack_since(self, mark: int) -> list[str]:
         """The stack dump lines the worker wrote after `mark`."""
-        if not self.stack_file:
-            return self.stderr_since(mark)
-        try:  # the worker's own file: read it as hostile (a FIFO put there never blocks us)
-            fd = open_regular(self.stack_file)
-            try:
-                data = os.pread(fd, 256 * 1024, mark)
-            finally:
-                os.close(fd)
-        except OSError:
-            return []
-        return [line.decode(errors="replace") for line in data.splitlines()]
+        if self.stack_file:
+            return _lines_after(self.stack_file, mark)
+        return self.stderr_since(mark)
 
     def last_output_at(self) -> float:
         """Monotonic time of the worker's latest output, on a pipe or in a redirected file."""
@@ -288,3 +266,25 @@ def _tail_of_file(path: str, count: int) -> list[str]:
     except OSError:
         return []
     return [line.decode(errors="replace") for line in data.splitlines()[-count:]]
+
+
+def _size_of(path: str) -> int:
+    """The size of a worker's file now (0 when it is gone): a mark for `_lines_after`."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _lines_after(path: str, mark: int) -> list[str]:
+    """The lines of a worker's file after byte `mark`, at most 256 KiB of them. The worker may have
+    replaced the file (a FIFO, a link): it is read as hostile, so a FIFO put there never blocks us."""
+    try:
+        fd = open_regular(path)
+        try:
+            data = os.pread(fd, 256 * 1024, mark)
+        finally:
+            os.close(fd)
+    except OSError:
+        return []
+    return [line.decode(errors="replace") for line in data.splitlines()]
