@@ -267,9 +267,25 @@ def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  
 
     global _AGENT_RAN
     _AGENT_RAN = True
-    agent = Agent(launch.spec, launch.plan, base_env, requeue)
+    agent = Agent(launch.spec, launch.plan, base_env, requeue, _held_checkpoint_dir(launch.spec))
     code = agent.run()
     return JobResult(code, agent.report.root_cause() if code else None)
+
+
+def _held_checkpoint_dir(spec):  # rally.agent.base.spec.JobSpec -> HeldDirectory | None
+    """--checkpoint-dir opened (made 0700 when missing) once, for the agent to write through
+    (agent/checkpoint/core/held_dir.py); what cannot be opened is one line, exit 2."""
+    if not spec.checkpoint_dir:
+        return None
+    from rally.agent.checkpoint.core.held_dir import HeldDirectory
+    from rally.rendezvous.base.path_trust import UnsafePath
+
+    try:
+        return HeldDirectory.open(spec.checkpoint_dir, spec.checkpoint_dir_shared)
+    except UnsafePath as exc:  # changed since the launcher's check a moment ago
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {spec.checkpoint_dir}: cannot open or make it: {exc}") from None
 
 
 _AGENT_RAN = False  # main() ends a process that ran the agent with os._exit (see there)

@@ -34,6 +34,8 @@ import os
 import stat
 from pathlib import Path
 
+from rally.agent.checkpoint.core.held_dir import shown
+
 KEY_ENV = "RALLY_CKPT_KEY"
 """The checkpoint key (hex), set by the agent for its workers and its holder."""
 SHARED_ENV = "RALLY_CHECKPOINT_DIR_SHARED"
@@ -156,7 +158,7 @@ def shared_consent(environ: dict[str, str] | None = None) -> bool:
 
 def refusal_line(directory: Path, problem: str) -> str:
     return (
-        f"rally: checkpoint directory {directory} {problem}: another user could plant a checkpoint the job "
+        f"rally: checkpoint directory {shown(directory)} {problem}: another user could plant a checkpoint the job "
         "would load; use a directory only you can write (chmod go-w), or pass --checkpoint-dir-shared to "
         "accept it (only checkpoints signed with your key are loaded then)"
     )
@@ -177,7 +179,7 @@ def make_private_dir(path: Path) -> None:
     an existing one must be a directory (the user's own link to one is followed: it is their choice)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     if not path.is_dir():
-        raise NotADirectoryError(f"rally: {path} exists and is not a directory")
+        raise NotADirectoryError(f"rally: {shown(path)} exists and is not a directory")
 
 
 def private_subdir(path: Path) -> None:
@@ -192,12 +194,14 @@ def private_subdir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:  # ELOOP/ENOTDIR: a link, or not a directory
-        raise PermissionError(f"rally: refusing {path}: it is not a directory of rally's ({exc.strerror})") from None
+        raise PermissionError(
+            f"rally: refusing {shown(path)}: it is not a directory of rally's ({exc.strerror})"
+        ) from None
     try:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid() or info.st_mode & 0o022:
             raise PermissionError(
-                f"rally: refusing {path}: it is not a private directory of this user's (another user's, or "
+                f"rally: refusing {shown(path)}: it is not a private directory of this user's (another user's, or "
                 "writable by others); something else made it"
             )
         if info.st_mode & 0o077:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rally.agent.checkpoint.core.digest import BytesLike, TreeDigest
+from rally.agent.checkpoint.core.held_dir import shown
 from rally.agent.checkpoint.core.shm import storage_bytes
 
 FOOTER = struct.Struct("<8sQQ32s4s")
@@ -383,7 +384,7 @@ def refusal(path: Path, verified: Verified) -> str | None:
 
 def unauthenticated_line(path: Path) -> str:
     return (
-        f"checkpoint {path} was written before rally signed checkpoints: it is unauthenticated, loaded "
+        f"checkpoint {shown(path)} was written before rally signed checkpoints: it is unauthenticated, loaded "
         "because only you can write its directory"
     )
 
