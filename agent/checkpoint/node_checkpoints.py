@@ -67,6 +67,7 @@ from rally.agent.base.event_log import EventLog
 from rally.agent.base.helper_process import HelperProcess, state_of
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
+from rally.agent.checkpoint.core import auth
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.client import HOLDER_LOST_ENV, SECRET_ENV, CheckpointRefused, HolderAddress, MemoryTier
 from rally.agent.checkpoint.core.held_dir import moved_line, shown
@@ -198,12 +199,15 @@ class NodeCheckpoints(Collaborator):
         workers resume from the round's agreed step."""
         a = rnd.assignment
         self.round = a.round
-        self._say_if_moved()
+        self._say_what_was_passed_over()
         if self.holder is not None:
             self.holder.open_round(a.round, a.resume_step, self.lease)
 
-    def _say_if_moved(self) -> None:
-        """One line, once, when --checkpoint-dir's name no longer leads to the directory the job writes through."""
+    def _say_what_was_passed_over(self) -> None:
+        """One line, once, when --checkpoint-dir's name no longer leads to the directory the job writes through;
+        and one per checkpoint the round's resume step passed over because this job must not load it."""
+        for refused in auth.take_refusals():
+            self.warn(refused)
         if self.given_dir is not None and self.checkpoint_dir is not None:
             line = moved_line(self.checkpoint_dir, self.given_dir)
             if line is not None:
@@ -230,7 +234,7 @@ class NodeCheckpoints(Collaborator):
         died (the agent then does not report success), else None."""
         holder = self.holder
         if holder is None:
-            self._say_if_moved()
+            self._say_what_was_passed_over()
             return None
         deadline = time.monotonic() + self.shutdown_timeout
         if not holder.flush(self.shutdown_timeout):
@@ -245,7 +249,7 @@ class NodeCheckpoints(Collaborator):
             self._flush_sharded(holder, max(0.0, deadline - time.monotonic()))
         finally:
             holder.stop()
-        self._say_if_moved()
+        self._say_what_was_passed_over()
         return holder.lost()
 
     def _flush_sharded(self, holder: HolderProcess, seconds: float) -> None:

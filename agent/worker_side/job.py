@@ -374,6 +374,8 @@ def load_latest(
             continue
         if not verified.signed and ctx.is_rank0:
             _log(checkpoint_file.unauthenticated_line(path))
+        elif ctx.is_rank0 and (old := checkpoint_file.old_format_line(path, verified)) is not None:
+            _log(old)
         try:
             state = torch.load(f"/proc/self/fd/{fd}", map_location=map_location, weights_only=weights_only, mmap=True)
         finally:

@@ -250,6 +250,8 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
                 f"checkpoint {shown(path)} was written before rally signed checkpoints: it is unauthenticated, loaded "
                 "because only you can write its directory"
             )
+        if signed and rank == 0 and (old := dcp_files.old_format_line(path)) is not None:
+            _log(old)
         dcp.load(state, storage_reader=SafeMetadataReader(path))  # authenticated above; restricted unpickler
         if rank == 0:
             _log(
