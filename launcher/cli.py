@@ -270,14 +270,20 @@ def _run_agent(  # launch: launcher.config.Launch
         except OSError as exc:
             raise ConfigError(f"--checkpoint-dir {held.given}: cannot read or make its job id: {exc}") from None
         os.environ[auth.JOB_ENV] = auth.job_tag_of(identity).hex()
+    else:  # nothing of an earlier job run in this process (rally.launch, rally.cli.run)
+        os.environ.pop(auth.JOB_ENV, None)
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own
     quiet_torch_logs()
     from rally.agent.agent import Agent
 
     global _AGENT_RAN
     _AGENT_RAN = True
-    agent = Agent(launch.spec, launch.plan, base_env, requeue, held)
-    code = agent.run()
+    try:
+        agent = Agent(launch.spec, launch.plan, base_env, requeue, held)
+        code = agent.run()
+    finally:
+        if held is not None:  # its writers (holder, workers, flush helper) are gone by now
+            held.close()
     return JobResult(code, agent.report.root_cause() if code else None)
 
 
