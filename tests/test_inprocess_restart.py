@@ -26,7 +26,7 @@ pytestmark = pytest.mark.torch
 
 TRAIN = textwrap.dedent(
     """
-    import hashlib, json, os, signal, time
+    import ctypes, hashlib, json, os, signal, time
     from pathlib import Path
     import torch
     import torch.distributed as dist
@@ -75,8 +75,9 @@ TRAIN = textwrap.dedent(
                 (OUT / "fault.done").write_text(str(time.monotonic()))
                 if kind == "sigkill":
                     os.kill(os.getpid(), 9)
-                if kind == "stuck":  # the agent's interrupt never arrives, as in a C call that ignores signals
-                    signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})
+                while kind == "stuck":  # in C holding the GIL, the interrupt blocked: not even the
+                    signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})  # control thread runs
+                    ctypes.PyDLL(None).sleep(3600)  # (another signal, the stack dump's, returns it early)
                 while kind in ("hang", "stuck", "lost"):  # hang: the interrupt raises at the next bytecode;
                     time.sleep(1)  # lost: the test kills this rank's whole node (its agent and workers)
                 raise ValueError(f"injected at step {step}")
@@ -231,9 +232,12 @@ def test_a_hung_rank_is_interrupted_and_every_rank_re_enters(tmp_path: Path, cle
 def test_a_rank_that_cannot_be_interrupted_is_killed_and_replaced_and_the_survivor_re_enters(
     tmp_path: Path, clean_digest: str
 ) -> None:
-    """Rank 1 hangs with the agent's interrupt signal blocked (as in a C call that never returns to
-    Python): after PARK_SECONDS it is killed (the hang's culprit first), which releases rank 0 from
-    its all-reduce; rank 0 re-enters in its own process and a new process takes rank 1's place."""
+    """Rank 1 hangs in a C call that holds the GIL, with the agent's interrupt signal blocked: neither
+    the signal nor its own control thread can get it out. Rank 0, waiting for it in DDP's all-reduce,
+    is released by its control thread (the entry's connections shut down RELEASE_SECONDS after the
+    abort) and parks; rank 1 is killed after PARK_SECONDS and a new process takes its place. Rank 0
+    re-enters in its own process (the heartbeat timeout names it the hung rank: it is the first
+    silent one, and its stack is in autograd's engine, not in a torch.distributed frame)."""
     result, out, logs = _run(tmp_path, "fault", "--heartbeat-timeout", "8", FAULT="stuck:5:1")
     survivor = json.loads((out / "result.0").read_text())
     replaced = json.loads((out / "result.1").read_text())
