@@ -270,8 +270,9 @@ def test_a_lost_node_leaves_the_survivor_re_entering_in_the_smaller_world(tmp_pa
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     store = StoreProcess(tmp_path)
-    # last call 5 s: round 0 is both nodes even when the machine is slow to start the second
-    args = [*c10d_args(store.port, "1:2", extra_conf="last_call_timeout=5"), "--nproc-per-node", "1"]
+    # a long last call: round 0 is both nodes even when the machine is slow to start the second (it
+    # forms as soon as both are there; the round after the loss does not wait for it)
+    args = [*c10d_args(store.port, "1:2", extra_conf="last_call_timeout=20"), "--nproc-per-node", "1"]
     args += ["--max-restarts", "2"]
     env = {"OUT": str(out), "FAULT": "lost:5:1"}
     agents = [

@@ -136,12 +136,12 @@ class _Link:
                 continue
             if message["op"] == "abort":
                 self.aborting.set()
-                if self.in_train:  # the main thread is in the function: interrupt it
-                    signal.pthread_kill(self.main_thread or 0, wire.INTERRUPT_SIGNAL)
-                    # wait: short: RELEASE_SECONDS (1); no message but the abort's can come before we park
-                    if not self.left.wait(RELEASE_SECONDS):
-                        _close_connections(self.opened_since)  # it cannot be interrupted: release its peers
-            self.messages.put(message)
+            self.messages.put(message)  # before a wait below: a main thread out of the function goes on
+            if message["op"] == "abort" and self.in_train:  # the main thread is in the function: interrupt it
+                signal.pthread_kill(self.main_thread or 0, wire.INTERRUPT_SIGNAL)
+                # wait: short: RELEASE_SECONDS (1); no message but the abort's can come before we park
+                if not self.left.wait(RELEASE_SECONDS):
+                    _close_connections(self.opened_since)  # it cannot be interrupted: release its peers
 
     def _interrupt(self, signum: int, frame: object) -> None:
         if self.in_train and self.aborting.is_set():
