@@ -111,6 +111,7 @@ preflight() {
   (( (0x$cap >> 12) & 1 )) || unsuitable "no CAP_NET_ADMIN (needed for network namespaces)"
   [[ "$NNODES" =~ ^[0-9]+$ ]] && [ "$NNODES" -ge 1 ] && [ "$NNODES" -le 50 ] \
     || die "RALLY_DEVCLUSTER_NODES must be 1..50, not '$NNODES'"
+  [[ "$GPUS" =~ ^[0-9]+$ ]] && [ "$GPUS" -le 64 ] || die "RALLY_DEVCLUSTER_GPUS must be 0..64, not '$GPUS'"
 }
 
 install_packages() {
@@ -137,7 +138,8 @@ install_packages() {
 
 # ------------------------------------------------------------------ config
 slurm_conf() {
-  local i
+  local i gres=""
+  [ "$GPUS" -eq 0 ] || gres=" Gres=gpu:$GPUS"
   cat <<EOF
 $MARK (nodes=$NNODES cpus=$CPUS gpus=$GPUS)
 ClusterName=rallydev
@@ -167,8 +169,8 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$LOGDIR/jobcomp.txt
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-# GPUs as a count only (gres.conf names no device files), so that a script asking for
-# --gpus-per-node runs here as written: SLURM sets SLURM_GPUS_ON_NODE, and no GPU exists.
+# GPUs with no device behind them (gres.conf), so that a script asking for --gpus-per-node
+# runs here as written: SLURM sets SLURM_GPUS_ON_NODE and CUDA_VISIBLE_DEVICES, no GPU exists.
 GresTypes=gpu
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=2
@@ -186,7 +188,7 @@ MinJobAge=300
 Waittime=0
 EOF
   for ((i = 1; i <= NNODES; i++)); do
-    echo "NodeName=node$i NodeAddr=$(node_addr "$i") CPUs=$CPUS Gres=gpu:$GPUS RealMemory=4096 State=UNKNOWN"
+    echo "NodeName=node$i NodeAddr=$(node_addr "$i") CPUs=$CPUS$gres RealMemory=4096 State=UNKNOWN"
   done
   echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
 }
@@ -339,10 +341,11 @@ build() {
   make_network
   say "namespaces: $(tr '\n' ' ' <"$ROOT/netns.list")"
   slurm_conf >"$CONF"
+  local n i
   mkdir -p "$ROOT/gpu"
   for ((i = 0; i < GPUS; i++)); do ln -sfn /dev/null "$ROOT/gpu/fake$i"; done
   gres_conf >"$(dirname "$CONF")/gres.conf"
-  local n i; for n in $(nodes); do mkdir -p "$SPOOL/$n"; done
+  for n in $(nodes); do mkdir -p "$SPOOL/$n"; done
   login slurmctld -f "$CONF" -i 9<&-   # (9 is our lock: daemons must not inherit it)
   local deadline=$(( SECONDS + READY_TIMEOUT ))
   until login scontrol ping 2>/dev/null | grep -q 'is UP'; do

@@ -45,5 +45,6 @@ def test_the_plain_script_is_followed_by_the_lines_its_run_printed() -> None:
     page = (REPO / "docs" / "slurm.md").read_text()
     script_at = page.index('--8<-- "slurm/train.sbatch"')
     printed_at = page.index("<!-- snippet: printed ")
-    assert script_at < printed_at < page.index("## What rally takes from SLURM"), "the printed block belongs to the script"
+    next_section = page.index("## What rally takes from SLURM")
+    assert script_at < printed_at < next_section, "the printed block belongs to the script"
     assert "tests/test_slurm_jobs.py" in page[printed_at : page.index("-->", printed_at)]

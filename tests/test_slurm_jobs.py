@@ -476,12 +476,11 @@ def test_the_pages_sbatch_script_runs_as_written_is_warned_requeued_and_resumes(
     assert restart, text
     for run, start in ((first, 0), (restart + second, 11)):
         for node in (0, 1):  # both rallies took everything from SLURM, nproc from the GPUs
-            taken = rf"SLURM job {jid}\.0( \(restart 1\))?: 2 nodes \(node\[1-2\]\), this is node {node}, store node1:\d+, "
-            assert re.search(taken + "nproc 8 from SLURM_GPUS_ON_NODE", run), run
+            taken = rf"SLURM job {jid}\.0( \(restart 1\))?: 2 nodes \(node\[1-2\]\), this is node {node}, "
+            assert re.search(taken + r"store node1:\d+, nproc 8 from SLURM_GPUS_ON_NODE", run), run
             assert f"round 0: node {node} of 2, ranks {8 * node}-{8 * node + 7} of 16, restart 0/3" in run
-        trained = sorted(
-            (int(r), h, int(s)) for r, h, s in re.findall(r"TRAIN rank=(\d+) world=16 host=(node\d) start=(\d+) lr=0\.1", run)
-        )
+        records = re.findall(r"TRAIN rank=(\d+) world=16 host=(node\d) start=(\d+) lr=0\.1", run)
+        trained = sorted((int(r), h, int(s)) for r, h, s in records)
         assert trained == [(r, f"node{1 + r // 8}", start) for r in range(16)], run  # node-major; resumed after 10
     assert first.count("received SIGUSR1 (preemption or time limit)") == 2, first  # both nodes
     assert first.count("preempted at step 10: saved, exiting") == 16
