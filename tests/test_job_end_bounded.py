@@ -8,8 +8,6 @@
                                                   -> one line naming the holder and the step that did not
                                                      reach the disk, exit 1, within the holder's bounds
     the orphan guard or the template SIGSTOPped   -> the job ends 0, within their stop bounds
-    a step past its bound (RALLY_TEST_HOLD_STEP)  -> one line naming the step, the agent's stacks, the
-                                                     job's exit code
 
 and a short soak (`test_short_jobs_end_beside_attacked_neighbours`): short jobs beside jobs whose
 helpers are SIGSTOPped, SIGKILLed and starved; a job that is late gets its agent's stacks dumped
