@@ -427,3 +427,27 @@ def form_one_round_at_once(nodes: Sequence[Any], timeout: float) -> None:
         t.join(timeout)
     assert not errors, errors[:3]
     assert sorted(ranks) == list(range(len(nodes))), "every node got its own group rank"
+
+
+@contextlib.contextmanager
+def over_and_over(steps: Sequence[tuple[Callable[[], None], float]]) -> Iterator[None]:
+    """While the block runs, a daemon thread does each step's action then waits its pause, over and
+    over (a signal every 0.5 ms; SIGSTOP, 60 ms, SIGCONT, 1 ms): a disturbance kept up for the whole
+    block, stopped and joined on the way out."""
+    over = threading.Event()
+
+    def repeat() -> None:
+        while not over.is_set():
+            for act, pause in steps:
+                act()
+                # wait: short: the step's pause, ended at once when the block ends
+                over.wait(pause)
+
+    thread = threading.Thread(target=repeat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        over.set()
+        # wait: short: one round of steps
+        thread.join(timeout=10)
