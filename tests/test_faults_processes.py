@@ -37,6 +37,7 @@ from support.helpers import (  # noqa: F401
     run_rally,
     survivors,
     wait_for,
+    writable_memory_cgroup_v1,
     write_probe,
 )
 from support.live_rally import LiveRally
@@ -371,15 +372,6 @@ ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread (the pid) exits, t
 """
 
 
-def _writable_memory_cgroup_v1() -> Path | None:
-    try:
-        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
-    except (OSError, StopIteration):
-        return None
-    base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
-    return base if (base / "cgroup.procs").exists() and os.access(base, os.W_OK) else None
-
-
 # Same under load: the test takes both samples itself at fixed points (the probe waits on stdin),
 # and the exiting state is held, not raced (see the docstring).
 @pytest.mark.same_under_load
@@ -392,7 +384,7 @@ def test_oom_kill_is_attributed_even_when_the_sample_lands_while_the_worker_exit
     this probe exits first, which holds the process in exactly that state, deterministically."""
     from rally.agent.observe.health import HealthMonitor, HealthSettings
 
-    base = _writable_memory_cgroup_v1()
+    base = writable_memory_cgroup_v1()
     if base is None:
         pytest.skip("no writable cgroup-v1 memory controller here")
     group = base / f"rally-faults-oom-{os.getpid()}"

@@ -23,6 +23,7 @@ from support.helpers import (  # noqa: F401 - procs is a fixture
     procs,
     read_events,
     run_rally,
+    writable_memory_cgroup_v1,
 )
 from support.live_rally import LiveRally
 
@@ -118,19 +119,10 @@ def test_hung_worker_with_no_restarts_left_fails_the_job(tmp_path):
     assert code != 0 and "no restarts left" in out
 
 
-def _memory_cgroup_v1() -> Path | None:
-    try:
-        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
-    except (OSError, StopIteration):
-        return None
-    base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
-    return base if (base / "cgroup.procs").exists() and os.access(base, os.W_OK) else None
-
-
 @pytest.mark.timeout(120)
 def test_worker_killed_by_the_oom_killer_is_reported_as_such(tmp_path):
     """Uses a cgroup-v1 memory limit (the kernel's real OOM killer), as setrlimit gives MemoryError."""
-    base = _memory_cgroup_v1()
+    base = writable_memory_cgroup_v1()
     if base is None:
         pytest.skip("no writable cgroup-v1 memory controller here to set a memory limit")
     group = base / f"rally-test-oom-{os.getpid()}"

@@ -451,3 +451,14 @@ def over_and_over(steps: Sequence[tuple[Callable[[], None], float]]) -> Iterator
         over.set()
         # wait: short: one round of steps
         thread.join(timeout=10)
+
+
+def writable_memory_cgroup_v1() -> Path | None:
+    """This process's cgroup-v1 memory cgroup if the test may make groups in it (a real memory limit,
+    the kernel's OOM killer), else None (cgroup v2 only, or not writable: the test skips)."""
+    try:
+        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
+    except (OSError, StopIteration):
+        return None
+    base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
+    return base if (base / "cgroup.procs").exists() and os.access(base, os.W_OK) else None
