@@ -13,10 +13,8 @@ import contextlib
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import persist as dcp_persist
 from support.helpers import eventually, run_rally
-from support.stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
+from support.stranger import STRANGER_UID, reachable_dir, require_stranger, run_as_stranger, stranger_process
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0
@@ -40,12 +38,8 @@ LEASE = 60.0
 @pytest.fixture
 def open_dir() -> Iterator[Path]:
     """A directory under /tmp that the stranger can reach (tmp_path's parents are 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="rally-trust-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
+    with reachable_dir("rally-trust-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import pytest
 
 from support.helpers import ProcessTracker, clean_env, free_port, procs, run_rally, wait_for, write_probe  # noqa: F401
 from support.live_rally import LiveRally
-from support.stranger import STRANGER_UID, require_stranger, run_as_stranger
+from support.stranger import STRANGER_UID, reachable_dir, require_stranger, run_as_stranger
 from support.stranger_store import STORE_CLIENT
 
 PRECIOUS = "root's own file, not to be rewritten by a job\n"
@@ -67,12 +65,8 @@ print("swapped", flush=True)
 @pytest.fixture
 def shared() -> Iterator[Path]:
     """A directory under /tmp that the other user can reach (tmp_path's parents are 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="rally-paths-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
+    with reachable_dir("rally-paths-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _strangers(path: Path, mode: int) -> Path:

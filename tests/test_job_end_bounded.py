@@ -18,7 +18,6 @@ the longer soak.
 from __future__ import annotations
 
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from support.helpers import (
     ProcessTracker,
     Result,
     clean_env,
+    over_and_over,
     procs,  # noqa: F401 - a fixture
     write_probe,
 )
@@ -51,25 +51,14 @@ def stuttering_store(tmp_path: Path, procs: ProcessTracker) -> Iterator[int]:
     a CI run where a finished job never ended). Yields its port."""
     store = LiveRally(["store", "--port", "0"], tmp_path, clean_env(), procs)
     port = _store_port(store)
-    over = threading.Event()
-
-    def stutter() -> None:
-        while not over.is_set():
-            store.proc.send_signal(signal.SIGSTOP)
-            # wait: short: 60 ms stopped
-            over.wait(0.06)
-            store.proc.send_signal(signal.SIGCONT)
-            # wait: short: 1 ms running
-            over.wait(0.001)
-
-    thread = threading.Thread(target=stutter, daemon=True)
-    thread.start()
+    stutter = [
+        (lambda: store.proc.send_signal(signal.SIGSTOP), 0.06),
+        (lambda: store.proc.send_signal(signal.SIGCONT), 0.001),
+    ]
     try:
-        yield port
+        with over_and_over(stutter):  # 60 ms stopped, 1 ms running
+            yield port
     finally:
-        over.set()
-        # wait: short: one stutter cycle
-        thread.join(timeout=5)
         store.proc.send_signal(signal.SIGCONT)
 
 
