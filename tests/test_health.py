@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,11 @@ from support.helpers import (  # noqa: F401 - procs is a fixture
     clean_env,
     eventually,
     free_port,
+    kill_group,
     procs,
     read_events,
     run_rally,
+    start_rally,
     writable_memory_cgroup_v1,
 )
 from support.live_rally import LiveRally
@@ -298,6 +302,7 @@ def _status_command(text: str) -> list[str]:
 
 @pytest.mark.torch
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("quiet_phase_job")  # started now, so that its 35 s of sleep overlap this test's 60 s wait
 def test_with_no_hang_flag_a_rank_its_peers_wait_for_in_a_collective_is_reported_and_the_job_goes_on(
     tmp_path: Path, procs: ProcessTracker
 ) -> None:
@@ -367,15 +372,48 @@ for step in range(3, 6):
 print("finished", flush=True)
 dist.destroy_process_group()
 """.replace("SECONDS", str(3 * SHORT_REPORT_AFTER + 5))
+QUIET_PHASE_JOB_TIMEOUT = 260.0
+
+
+@pytest.fixture(scope="module")
+def quiet_phase_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, Path, float]]:
+    """The quiet-phase job of the test below (the process, its directory, when it started), started
+    by the no-flag hang test before it, so that the 35 s this job sleeps pass while that test waits
+    its 60 s for the report: both jobs mostly sleep, and the module is ~40 s shorter than with one
+    after the other. Neither job can see the other: each is a standalone job of its own (its own
+    store on a port from the OS, its own run id, log directory and workers). Its output goes to a
+    file, which no pipe left unread can block."""
+    tmp = tmp_path_factory.mktemp("quiet_phase")
+    script = write_script(tmp, "w.py", EVERY_RANK_LOADS_DATA)
+    args = ["--standalone", "--log-dir", str(tmp / "logs"), "--nproc-per-node", "2"]
+    bound = ["--hang-report-after", str(SHORT_REPORT_AFTER)]
+    with open(tmp / "output", "w") as output:
+        proc = start_rally([*args, *bound, str(script)], cwd=tmp, stdout=output, stderr=subprocess.STDOUT)
+    started = time.monotonic()
+    try:
+        yield proc, tmp, started
+    finally:
+        if proc.poll() is None:
+            kill_group(proc.pid)
+        proc.wait()
 
 
 @pytest.mark.torch
 @pytest.mark.timeout(300)
-def test_a_long_quiet_phase_on_every_rank_with_no_collective_waiting_is_not_reported(tmp_path: Path) -> None:
+def test_a_long_quiet_phase_on_every_rank_with_no_collective_waiting_is_not_reported(
+    quiet_phase_job: tuple[subprocess.Popen, Path, float],
+) -> None:
     """Every rank sleeps 35 s ("loading data"), three times the bound (--hang-report-after 10), with
     nobody waiting in a collective: no report, nothing stopped, the job finishes."""
-    bound = ("--hang-report-after", str(SHORT_REPORT_AFTER))
-    code, out, _ = _run(tmp_path, EVERY_RANK_LOADS_DATA, "--nproc-per-node", "2", *bound, timeout=260)
+    proc, tmp_path, started = quiet_phase_job
+    try:
+        # the job's end, within the bound it had when it ran alone (counted from its start)
+        code = proc.wait(timeout=max(QUIET_PHASE_JOB_TIMEOUT - (time.monotonic() - started), 1.0))
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        proc.wait()
+        pytest.fail(f"rally did not finish within {QUIET_PHASE_JOB_TIMEOUT:g} s\n{(tmp_path / 'output').read_text()}")
+    out = (tmp_path / "output").read_text()
     assert code == 0, out
     assert "looks hung" not in out and "is hung" not in out, out
     assert out.count("] finished") == 2, out
