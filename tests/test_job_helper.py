@@ -198,20 +198,35 @@ def readme_train_py() -> str:
 def test_the_readmes_train_py_runs_under_torchrun_and_plain_python_without_a_checkpoint_dir(tmp_path: Path) -> None:
     """A script written for rally runs on the launcher it replaces: the README's train.py under torch's
     own torchrun (2 workers) and under plain python (one process, its rendezvous in the environment),
-    with no RALLY_CHECKPOINT_DIR. On main every rank died with a CheckpointDirNotSet traceback."""
-    from support.helpers import free_port
+    with no RALLY_CHECKPOINT_DIR. On main every rank died with a CheckpointDirNotSet traceback.
+    The two runs go side by side (each its own rendezvous: torchrun's on a port of its choosing, the
+    plain one on a free port), the plain one's start overlapping torchrun's."""
+    from support.helpers import finish, free_port, kill_group
 
     script = tmp_path / "train.py"
     script.write_text(readme_train_py())
-    torchrun = subprocess.run(
+
+    def start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+
+    torchrun_proc = start(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=outside_env(OMP_NUM_THREADS="1"), cwd=tmp_path, capture_output=True, text=True, timeout=150,
-    )  # fmt: skip
-    plain = subprocess.run(
+        outside_env(OMP_NUM_THREADS="1"),
+    )
+    plain_proc = start(
         [sys.executable, str(script)],
-        env=outside_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"),
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        outside_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"),
+    )
+    try:
+        torchrun, plain = finish(torchrun_proc, 150), finish(plain_proc, 60)  # each killed and failed at its bound
+    finally:
+        for proc in (torchrun_proc, plain_proc):
+            if proc.poll() is None:
+                kill_group(proc.pid)
+                proc.wait()
     for name, result in (("torchrun", torchrun), ("python", plain)):
         assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
         assert "done at step 49" in result.stdout, f"{name}: {result.stdout}{result.stderr}"
