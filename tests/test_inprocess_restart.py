@@ -295,8 +295,10 @@ LEAK = textwrap.dedent(
 # malloc_trim after each teardown), per rank: a steady 10-15 KB an entry (0.4-0.7 MB in all) and on
 # rank 0, once, a step of about 0.7 MB at some entry (glibc's in-use bytes step with it). Python's
 # own allocations (tracemalloc) grow by under 10 KB in all, and the same DDP model's group made and
-# destroyed 60 times in a plain two-process loop stays flat (20 KB), so the steady part is a small
-# leak in torch's C++ heap on the fault path, not found yet (not allocator noise). A leak of
+# destroyed 60 times in a plain two-process loop stays flat (20 KB), and the same job without DDP
+# (saves, a barrier, the fault) grows 0-4 KB an entry, so the steady part is a small leak in
+# torch's C++ heap of a DDP module freed after its group was torn down on the fault path, not
+# found yet (not allocator noise: glibc's in-use bytes grow with it; malloc_trim does not help). A leak of
 # anything an entry holds (a group with its buffers, a model's gradients, a traceback's frames)
 # is more than this over 45 entries.
 RSS_SLACK = 2 << 20
