@@ -133,9 +133,10 @@ class Agent:
         # The agent's features, each built with this agent as its context (agent/base/collaborator.py),
         # and the one place a feature is named: every hook runs in the list's order (`exit` in reverse).
         observer = Observer(self)  # the workers' health, stragglers, /metrics, GPUs, the status record
+        self.exits = WorkerExits(self, observer)  # also holds a soft failure in a multi-node round
         self.collaborators: list[Collaborator] = [
             NodeChecks(self, observer.backend),  # quarantine, pre-flight (agent/checks/node_checks.py)
-            WorkerExits(self, observer),  # what a worker's exit means for the round (agent/worker_exits.py)
+            self.exits,  # what a worker's exit means for the round (agent/worker_exits.py)
             HangReporter(self, observer),  # who really hung, from every node (agent/observe/hang_report.py)
             observer,
             NodeCheckpoints.for_agent(self),  # the memory tier's holder, the disk's steps
@@ -607,6 +608,9 @@ class Agent:
         end = soft_failure_end(self.host, worker.global_rank, worker.local_rank, pid, message)
         rank = worker.global_rank
         self.events.emit("worker_raised", round=rnd.assignment.round, rank=rank, pid=pid, cause=end.detail)
+        if lost_peer(message) and rnd.assignment.group_world_size > 1:
+            self.exits.hold(rnd, end)  # a node lost is the cause if one went silent (as for a worker's exit)
+            return None
         return self.store_call(lambda: rnd.channel.end(end))
 
     def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:

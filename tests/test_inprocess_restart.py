@@ -19,18 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from support.agents import start_agent, stop_all
+from support.agents import StoreProcess, c10d_args, start_agent, stop_all
 from support.helpers import clean_env, eventually, free_port, kill_group, rally_status, read_events, run_rally
 
 pytestmark = pytest.mark.torch
 
 TRAIN = textwrap.dedent(
     """
-    import hashlib, json, os, time
+    import ctypes, hashlib, json, os, signal, time
     from pathlib import Path
     import torch
     import torch.distributed as dist
     from rally import job
+    from rally.agent.base.reentry_wire import INTERRUPT_SIGNAL
 
     OUT = Path(os.environ["OUT"])
     FAULT = os.environ.get("FAULT", "")
@@ -74,8 +75,11 @@ TRAIN = textwrap.dedent(
                 (OUT / "fault.done").write_text(str(time.monotonic()))
                 if kind == "sigkill":
                     os.kill(os.getpid(), 9)
-                while kind == "hang":  # in Python: the agent's interrupt raises at the next bytecode
-                    time.sleep(1)
+                while kind == "stuck":  # in C holding the GIL, the interrupt blocked: not even the
+                    signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})  # control thread runs
+                    ctypes.PyDLL(None).sleep(3600)  # (another signal, the stack dump's, returns it early)
+                while kind in ("hang", "stuck", "lost"):  # hang: the interrupt raises at the next bytecode;
+                    time.sleep(1)  # lost: the test kills this rank's whole node (its agent and workers)
                 raise ValueError(f"injected at step {step}")
         deadline = time.monotonic() + 120
         while os.environ.get("HOLD") and entries > 1 and not (OUT / "release").exists():
@@ -222,6 +226,87 @@ def test_a_hung_rank_is_interrupted_and_every_rank_re_enters(tmp_path: Path, cle
     assert "is hung" in result.stderr and "re-entering the training function" in result.stderr, result.describe()
     events = read_events(logs)
     assert [(e["kind"], e["in_process"]) for e in events if e["event"] == "restart"] == [("worker_hung", True)]
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_cannot_be_interrupted_is_killed_and_replaced_and_the_survivor_re_enters(
+    tmp_path: Path, clean_digest: str
+) -> None:
+    """Rank 1 hangs in a C call that holds the GIL, with the agent's interrupt signal blocked: neither
+    the signal nor its own control thread can get it out. Rank 0, waiting for it in DDP's all-reduce,
+    is released by its control thread (the entry's connections shut down RELEASE_SECONDS after the
+    abort) and parks; rank 1 is killed after PARK_SECONDS and a new process takes its place. Rank 0
+    re-enters in its own process (the heartbeat timeout names it the hung rank: it is the first
+    silent one, and its stack is in autograd's engine, not in a torch.distributed frame)."""
+    result, out, logs = _run(tmp_path, "fault", "--heartbeat-timeout", "8", FAULT="stuck:5:1")
+    survivor = json.loads((out / "result.0").read_text())
+    replaced = json.loads((out / "result.1").read_text())
+    assert survivor["digest"] == replaced["digest"] == clean_digest, result.describe()
+    assert survivor["entries"] == 2, result.describe()  # rank 0 stayed in its process and entered again
+    assert {line[2] for line in _steps(out, 0)} == {str(survivor["pid"])}, "the survivor's pid changed"
+    stuck = {line[2] for line in _steps(out, 1)} - {str(replaced["pid"])}
+    assert len(stuck) == 1 and replaced["entries"] == 1, "rank 1 was not replaced by a new process"
+    line = "rank 1 did not leave the training function within 10 s: killing it; a new process takes its place"
+    assert line in result.stderr and "re-entering the training function" in result.stderr, result.describe()
+    assert "restarting the worker processes instead" not in result.stderr, result.describe()
+    events = read_events(logs)
+    assert [(e["kind"], e["in_process"]) for e in events if e["event"] == "restart"] == [("worker_hung", True)]
+    assert [e["replaced"] for e in events if e["event"] == "workers_parked"] == [1], events
+    started = [e for e in events if e["event"] == "worker_started" and e["round"] == 1]
+    assert [(e["rank"], e["pid"]) for e in started] == [(1, replaced["pid"])], started
+    reentered = [e for e in events if e["event"] == "worker_reentered"]
+    assert [(e["rank"], e["pid"]) for e in reentered] == [(0, survivor["pid"])], reentered
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_leaves_the_survivor_re_entering_in_the_smaller_world(tmp_path: Path, clean_digest: str) -> None:
+    """Two nodes (two agents on loopback, one worker each, a standalone `rally store`, --nnodes 1:2).
+    Rank 1's whole node is SIGKILLed (agent and worker) while rank 0 waits for it in DDP's all-reduce:
+    rank 0 re-enters in its own process in a world of one and finishes bit-identical to the clean
+    two-rank run. Every rank trains on the same batch, so DDP's average of identical gradients is
+    each one exactly (halving and doubling are exact): the result does not depend on the world size."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    store = StoreProcess(tmp_path)
+    # a long last call: round 0 is both nodes even when the machine is slow to start the second (it
+    # forms as soon as both are there; the round after the loss does not wait for it)
+    args = [*c10d_args(store.port, "1:2", extra_conf="last_call_timeout=20"), "--nproc-per-node", "1"]
+    args += ["--max-restarts", "2"]
+    env = {"OUT": str(out), "FAULT": "lost:5:1"}
+    agents = [
+        start_agent(f"n{i}", tmp_path, [*args, "--log-dir", str(tmp_path / f"logs{i}"), str(script)], env)
+        for i in (0, 1)
+    ]
+    try:
+        assert eventually(lambda: (out / "fault.done").exists(), 120), "\n".join(a.output() for a in agents)
+        rank1_pid = int(_steps(out, 1)[-1][2])
+        victim = next(a for a in agents if rank1_pid in {p.pid for p in a.descendants()})
+        survivor_agent = next(a for a in agents if a is not victim)
+        victim.kill_node()
+        assert survivor_agent.wait(120) == 0, survivor_agent.output()
+    finally:
+        stop_all(agents)
+        store.stop()
+    text = survivor_agent.output()
+    done = json.loads((out / "result.0").read_text())
+    assert done["digest"] == clean_digest, text
+    assert done["entries"] == 2, text  # entered again in its process, not restarted
+    steps = _steps(out, 0)
+    assert {line[2] for line in steps} == {str(done["pid"])}, "the survivor's pid changed"
+    first, second = [s for s in steps if s[1] == "1"], [s for s in steps if s[1] == "2"]
+    assert {s[4] for s in first} == {"2"} and {s[4] for s in second} == {"1"}, "the world did not shrink to one"
+    assert not (out / "result.1").exists(), "rank 1's node was not lost"
+    # the node's loss is the root cause, not rank 0's "connection closed" that came first; no restart spent
+    assert re.search(r"root cause: node 1 .*sent no keep-alive", text), text
+    assert "re-forming the job" in text and "restart 0/2" in text.split("round 1:")[1], text
+    logs = tmp_path / ("logs0" if survivor_agent is agents[0] else "logs1")
+    events = read_events(logs)
+    ends = [(e["event"], e["kind"], e["in_process"]) for e in events if e["event"] in ("restart", "membership_change")]
+    assert ends == [("membership_change", "node_lost", True)], ends
+    reentered = [e for e in events if e["event"] == "worker_reentered"]
+    assert [(e["rank"], e["pid"]) for e in reentered] == [(0, done["pid"])], reentered
 
 
 LEAK = textwrap.dedent(
