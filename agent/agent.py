@@ -19,6 +19,7 @@ decided by a pure function (agent/decide.py) and applied here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -36,6 +37,7 @@ from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, Age
 from rally.agent.base.reentry_wire import SPARE_ENV
 from rally.agent.base.spec import STACK_SIGNAL, JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
+from rally.agent.checkpoint.core.held_dir import HeldDirectory
 from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
 from rally.agent.checks.node_checks import NodeChecks
 from rally.agent.decide import Exit, Reform, Restart, decide, exit_status
@@ -91,9 +93,18 @@ class Agent:
     store call, this round's workers and their health from it, not from parameters and callbacks."""
 
     def __init__(
-        self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str], requeue: Callable[[], str] | None = None
-    ):
-        """`requeue`, when given, asks the scheduler to requeue this job and returns a message."""
+        self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str], requeue: Callable[[], str] | None = None,
+        checkpoint_dir: HeldDirectory | None = None,
+    ):  # fmt: skip
+        """`requeue`, when given, asks the scheduler to requeue this job and returns a message.
+        `checkpoint_dir`: --checkpoint-dir opened by the launcher (else opened here, raising as it would)."""
+        if checkpoint_dir is None and spec.checkpoint_dir and spec.checkpoint_dir_given is None:
+            checkpoint_dir = HeldDirectory.open(spec.checkpoint_dir, spec.checkpoint_dir_shared)
+        self.held_checkpoint_dir = checkpoint_dir  # open for the agent's lifetime (agent/checkpoint/core/held_dir.py)
+        if checkpoint_dir is not None:  # every write of the job goes through the open directory
+            spec = dataclasses.replace(
+                spec, checkpoint_dir=checkpoint_dir.path, checkpoint_dir_given=checkpoint_dir.given
+            )
         self.spec = spec
         self.plan = plan
         self.token = os.urandom(8).hex()  # marks every process of this agent's workers (orphan_guard.py)
