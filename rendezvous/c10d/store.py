@@ -240,6 +240,10 @@ class Store(KeyValueStore):
     def check(self, name: str) -> bool:
         return bool(self._call(self.raw.check, [self.key(name)]))
 
+    def all_present(self, names: Sequence[str]) -> bool:
+        """Every key of `names` exists: one CHECK request of them all (c10d answers for the set)."""
+        return bool(self._call(self.raw.check, [self.key(name) for name in names])) if names else True
+
     def get_unsigned(self, name: str) -> bytes | None:
         """The raw bytes of a key written by `append` (which cannot be signed), None when nobody
         appended: a `check` and a `get`, two requests (a c10d `get` of an absent key blocks)."""
