@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from rally.agent.base.collaborator import Collaborator
+from rally.agent.base.collaborator import Collaborator, WorkerReentry
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import EventLoop, RoundEnded, StoreLost, WorkerSaid
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
@@ -56,8 +56,7 @@ from rally.agent.rounds.reentry import (
     DEATH_WAIT_SECONDS,
     PARK_GRACE_SECONDS,
     PARK_SECONDS,
-    ReentryBudget,
-    ReentryHub,
+    InProcessRestarts,
     lost_peer,
     soft_failure_end,
 )
@@ -121,15 +120,11 @@ class Agent:
         self.state = AgentState.STARTING
         self.waits = NodeWaits(console.say)  # the line of a long wait, for the console and `rally status`
         self.loop = EventLoop(on_worker_exit=self._worker_exited, on_child_signal=self._reap_orphans)
-        # workers inside rally.job.run connect here; a failure then re-enters them (docs/restartable.md)
-        self.reentry = ReentryHub(self.loop.inbox.post)
-        self.reentry_budget = ReentryBudget()
         self.parked = False  # this node's workers wait in rally.job.run for the next round
         self.in_process_restarts = 0  # restarts this node made by re-entering its workers (`rally status`)
         self.spares: list[Worker] = []  # --warm-spares: processes waiting in rally.job.run for a rank's place
         self.spares_started = 0
         self.spare_streams: list = []
-        self.base_env.update(self.reentry.env())
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
         self.store: KeyValueStore | None = None
@@ -157,7 +152,10 @@ class Agent:
             observer,
             NodeCheckpoints.for_agent(self),  # the memory tier's holder, the disk's steps
             Preemption(self, requeue),  # a preemption signal: checkpoint, stop, requeue (agent/preemption.py)
+            InProcessRestarts(self),  # workers inside rally.job.run connect to it (agent/rounds/reentry.py)
         ]
+        # a failure re-enters the workers inside rally.job.run through it (docs/restartable.md)
+        self.reentry = next((r for part in self.collaborators if (r := part.worker_reentry()) is not None), None)
 
     # ================================================================ the context (agent/base/collaborator.py)
     @property
@@ -202,7 +200,6 @@ class Agent:
             for helper in (self.live, self.template, self.guard):
                 if helper is not None:
                     helper.stop()
-            self.reentry.stop()
         if lost and code == 0:  # a job whose newest checkpoint died with the holder has not succeeded
             for line in lost:
                 console.error(line)
@@ -403,7 +400,7 @@ class Agent:
     def _promote_spare(self, local_rank: int) -> Worker | None:
         """A live spare inside rally.job.run takes `local_rank`'s place, or None when none is ready."""
         for spare in self.spares:
-            if spare.returncode is None and self.reentry.linked(spare.pid):
+            if spare.returncode is None and self.reentry is not None and self.reentry.linked(spare.pid):
                 self.spares.remove(spare)
                 spare.local_rank = local_rank
                 return spare
@@ -422,14 +419,14 @@ class Agent:
         not within PARK_SECONDS is killed (the round's culprit first: its peers blocked on it are
         released when its connections close, and get PARK_GRACE_SECONDS more) and replaced. False,
         with one line when the script uses job.run, when the workers must be restarted whole instead."""
-        group, a = self.group, rnd.assignment
-        if group is None or not any(self.reentry.linked(w.pid) for w in group.workers):
+        group, a, reentry = self.group, rnd.assignment, self.reentry
+        if group is None or reentry is None or not any(reentry.linked(w.pid) for w in group.workers):
             return False  # a script that does not call rally.job.run: whole restarts, as always
-        why = self._reentry_refusal(group)
+        why = self._reentry_refusal(group, reentry)
         if why is None:
             started = time.monotonic()
             for worker in group.running():
-                self.reentry.send(worker.pid, "abort", round=a.round)
+                reentry.send(worker.pid, "abort", round=a.round)
             # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
             unparked = self._wait_parked(group.running(), started + PARK_SECONDS)
             first = [(w, why) for w, why in unparked if w.global_rank == culprit]
@@ -446,19 +443,19 @@ class Agent:
             if any(w.returncode is None for w in group.workers):
                 seconds = round(time.monotonic() - started, 6)
                 self.events.emit("workers_parked", round=a.round, seconds=seconds, replaced=len(unparked))
-                self.reentry_budget.spent(self._saved_step())
+                reentry.spent(self._saved_step())
                 return True
             why = "no worker of this node is left to re-enter"
         console.say(f"restarting the worker processes instead of re-entering them: {why}")
         self.events.emit("reentry_refused", round=a.round, reason=why)
         return False
 
-    def _reentry_refusal(self, group: WorkerGroup) -> str | None:
+    def _reentry_refusal(self, group: WorkerGroup, reentry: WorkerReentry) -> str | None:
         """Why this node's workers must be restarted whole; a dead worker is no reason (it is replaced)."""
         for worker in group.running():
-            if not self.reentry.linked(worker.pid):
+            if not reentry.linked(worker.pid):
                 return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
-        return self.reentry_budget.refusal(self._saved_step())
+        return reentry.refusal(self._saved_step())
 
     def _wait_parked(self, workers: list[Worker], deadline: float) -> list[tuple[Worker, str]]:
         """Until each of `workers` said "parked" or the deadline; those that did not (still inside
@@ -502,8 +499,8 @@ class Agent:
     def _reenter_workers(self, rnd: Round, master: tuple[str, int]) -> None:
         """The parked workers enter their training function again with this round's environment
         (ranks, WORLD_SIZE, MASTER_ADDR/PORT, RALLY_ROUND, ...): what a fresh worker would get."""
-        group, assignment = self.group, rnd.assignment
-        assert group is not None
+        group, assignment, reentry = self.group, rnd.assignment, self.reentry
+        assert group is not None and reentry is not None  # only parked workers are re-entered
         self.events.emit("workers_starting", round=assignment.round, in_process=True)
         env = self._worker_env()
         dead = {w.local_rank for w in group.workers if w.returncode is not None}
@@ -528,7 +525,7 @@ class Agent:
             worker_vars = worker_env(self.spec, env, assignment, master, worker.local_rank, worker.error_file)
             if worker.heartbeat_file:
                 worker_vars["RALLY_HEARTBEAT_FILE"] = worker.heartbeat_file
-            self.reentry.send(worker.pid, "enter", round=assignment.round, env=worker_vars)
+            reentry.send(worker.pid, "enter", round=assignment.round, env=worker_vars)
             rank, local_rank = worker.global_rank, worker.local_rank
             self.events.emit(
                 "worker_reentered", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid

@@ -191,13 +191,19 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         if _deferred is not None:
             _deferred_init()
     backend = _rally_owned_backend()  # the script initialised torch.distributed: rally does it again
+    # what a teardown may shut down: what this entry opened, and when rally makes the group, what
+    # was opened since just before it made it (for the first entry, of a group the script made
+    # before calling run, since `rally.job` was imported)
+    opened_since = _FDS_AT_IMPORT if backend is not None else open_fds()
+    # torch's init_process_group wraps sys.excepthook in a new closure on every call: restored after
+    # each entry, or the chain (and the rank prefix on a crash's lines) grows by one an entry
+    excepthook = sys.excepthook
     entry = 0
     while True:
         entry += 1
         link.aborting.clear()
-        # what a teardown may shut down: what this entry opened, and for the first entry of a
-        # group the script made before calling run, what was opened since `rally.job` was imported
-        opened_since = _FDS_AT_IMPORT if entry == 1 and backend is not None else open_fds()
+        if backend is None:
+            opened_since = open_fds()
         link.opened_since = opened_since
         link.left.clear()
         link.in_train = True
@@ -216,6 +222,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         link.wait_for("abort")
         why = teardown(opened_since)
+        sys.excepthook = excepthook
         link.send("parked", ok=why is None, why=why or "")
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         enter = link.wait_for("enter")
@@ -223,6 +230,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         if backend is not None:
             import torch.distributed as dist
 
+            opened_since = open_fds()
             dist.init_process_group(backend=backend)  # env://: the new round's master, rank and world size
 
 
