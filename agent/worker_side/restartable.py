@@ -30,6 +30,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -63,6 +64,14 @@ def open_fds() -> set[tuple[int, int]]:
 # A script imports rally.job before it makes its process group: the group's connections are
 # newer than this (torch 2.13's DDP keeps a destroyed gloo group alive, connections open).
 _FDS_AT_IMPORT = open_fds()
+
+
+timeline: dict[str, float] = {}
+"""When (time.time()) this process passed each point of its last re-entry: "abort" (the agent's
+abort read), "left" (out of the function), "settled", "closed", "destroyed", "collected" (the
+teardown's steps), "parked", "enter" (the agent's enter read), "initialised" (the new round's
+process group made by rally). Each point is overwritten at each re-entry; read by
+bench/goodput.py's phase breakdown (one dict assignment per point: nothing measurable)."""
 
 
 class RoundAborted(BaseException):
@@ -123,6 +132,8 @@ class _Link:
             message = wire.decode(data)
             if message is None:
                 continue
+            if message["op"] in ("abort", "enter"):
+                timeline[message["op"]] = time.time()
             if message["op"] == "abort":
                 self.aborting.set()
                 if self.in_train:  # the main thread is in the function: interrupt it
@@ -176,6 +187,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         os.environ.pop(wire.SPARE_ENV, None)
         if _deferred is not None:
             _deferred_init()
+            timeline["initialised"] = time.time()
     backend = _rally_owned_backend()  # the script initialised torch.distributed: rally does it again
     entry = 0
     while True:
@@ -191,6 +203,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             raise
         except BaseException as exc:
             link.in_train = False
+            timeline.update(left=time.time())
             if not link.aborting.is_set() and not isinstance(exc, RoundAborted):
                 link.send("failed", **_failure(exc, entry))
             del exc  # its traceback holds the function's frames (the model's activations, the old group)
@@ -199,6 +212,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         link.wait_for("abort")
         why = teardown(opened_since)
+        timeline["parked"] = time.time()
         link.send("parked", ok=why is None, why=why or "")
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         enter = link.wait_for("enter")
@@ -207,6 +221,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             import torch.distributed as dist
 
             dist.init_process_group(backend=backend)  # env://: the new round's master, rank and world size
+            timeline["initialised"] = time.time()
 
 
 def _failure(exc: BaseException, entry: int) -> dict[str, Any]:
@@ -238,10 +253,14 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
     def work() -> None:
         try:
             _settle_saves()
+            timeline["settled"] = time.time()
             _close_connections(opened_since)  # first: peers blocked on us are released while we tear down
+            timeline["closed"] = time.time()
             _destroy_process_groups()
+            timeline["destroyed"] = time.time()
             gc.collect()  # the last entry's objects that held a group (a DDP module's cycles) go now
             _free_device_memory()
+            timeline["collected"] = time.time()
         except Exception as exc:  # reported to the agent, which restarts this process whole
             errors.append(f"{type(exc).__name__}: {exc}")
 

@@ -31,6 +31,7 @@ interval from the stall alone saves far too often). Methods:
 Rank 0 appends one JSON line per event to ``--events``: ``start`` (the script's first line, before
 ``import torch``; every rank writes this one, with its ``rank``), ``resumed`` (the step loaded,
 and how long the load took), ``step`` (every step, with its duration) and ``save`` (the stall).
+Every rank appends ``stepping`` as each entry's first step begins (see `stepping`).
 Rank 1 writes its pid to ``--pid-file`` so the driver can kill it.
 
 **Set-up** (``--setup-seconds``): before the training function, once per process, a sleep that
@@ -230,6 +231,22 @@ def log_line(path: Path, event: str, **fields: float | int | str) -> None:
         f.write(json.dumps({"e": event, "t": time.time(), **fields}) + "\n")
 
 
+def stepping(args: argparse.Namespace, rank: int, entry: str, entered_at: float, loaded_at: float) -> None:
+    """Every rank's ``stepping`` line as an entry's first step begins: when this rank is training
+    again (the driver's fault -> every rank stepping again is the last rank's), with when the entry
+    began and its load ended, and under ``rally.job.run`` its re-entry's timestamps
+    (rally/agent/worker_side/restartable.py ``timeline``) for the phase breakdown."""
+    points: dict[str, float] = {}
+    if args.reenter == "rally":
+        from rally.agent.worker_side import restartable
+
+        points = dict(restartable.timeline)
+    line = {"e": "stepping", "t": time.time(), "rank": rank, "pid": os.getpid(), "en": entry,
+            "entered": entered_at, "loaded": loaded_at, "points": points}  # fmt: skip
+    with open(args.events, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 class Job:
     """What a process builds once, before the training function: argument, state, optimizer."""
 
@@ -254,6 +271,7 @@ class Job:
             self.events = Events(args.events, attempt)
         events = self.events
         events.attempt = attempt
+        entered_at = time.time()
         log_line(args.events, "entered", rank=rank, pid=os.getpid(), en=entry, a=attempt)
         if rank == 1:
             args.pid_file.write_text(str(os.getpid()))
@@ -277,9 +295,12 @@ class Job:
         saved: dict | None = None  # the last save: step, stall (the call and the fence's wait), excess so far
         interval = 1
         first = step + 1
+        loaded_at = time.time()
         while True:
             step += 1
             t0 = time.perf_counter()
+            if step == first:  # every rank: this entry's first step begins (the end of a recovery)
+                stepping(args, rank, entry, entered_at, loaded_at)
             # Raised at a step after the entry's first (a fault asked for during a recovery waits for it).
             if rank == 1 and args.raise_file is not None and step > first:
                 try:
