@@ -295,7 +295,8 @@ REENTRY_PHASES = {
     "teardown": "-> every survivor parked (saves settled, connections shut, groups destroyed, gc)",
     "round": "-> every rank read `enter` (round acknowledged, the next one formed, its store and checkpoint round)",
     "init": "-> every rank inside the function (rally's `init_process_group`: store, full mesh)",
-    "load": "-> every rank's `load_latest` and its copy into the model done",
+    "load": "-> every rank's `load_latest` returned (the memory tier's copy mapped)",
+    "copy": "-> every rank's copy into the model done (the script's own work)",
     "step": "-> every rank's first step begins",
 }
 """An in-process restart as the agent (its events.jsonl) and every rank (rally's re-entry
@@ -317,7 +318,8 @@ def reentry_phases(
         survivors = [e for e in again if e.get("points", {}).get("parked", 0) > at]
         marks = [at, noticed["time"], _last(survivors, "abort", at), _last(survivors, "left", at),
                  _last(survivors, "parked", at), _last(again, "enter", at), max(e["entered"] for e in again),
-                 max(e["loaded"] for e in again), max(e["t"] for e in again)]  # fmt: skip
+                 max(e["called"] for e in again), max(e["loaded"] for e in again),
+                 max(e["t"] for e in again)]  # fmt: skip
         # a phase with no mark (no rank read `enter`: a fresh replacement's entry) counts as 0 s
         filled: list[float] = [at]
         for m in marks[1:]:
@@ -340,28 +342,29 @@ def _last(lines: list[dict[str, Any]], key: str, at: float) -> float | None:
 
 
 def reentry_table(results: dict[str, dict[str, Any]]) -> str:
-    """Fault -> every rank stepping again, phase by phase, per in-process row and fault kind."""
-    lines: list[str] = []
+    """Fault -> every rank stepping again, phase by phase, per in-process row: median (range) per fault kind."""
+    tables = []
     for name, r in results.items():
-        for kind in ("exception", "SIGKILL"):
-            rows = [p for p in r.get("reentry_phases", []) if p["kind"] == kind]
-            if not rows:
-                continue
-            if not lines:
-                lines += ["| in-process restart, phase by phase (the last rank's marks) | fault | median | min - max |",
-                          "|---|---|---|---|"]  # fmt: skip
-            label = LABELS[name]
-            keys = [*REENTRY_PHASES, *(k for k in rows[0] if k.startswith("teardown: ")), "total"]
-            for key in keys:
-                values = [p[key] for p in rows if p.get(key) is not None]
-                if not values:
-                    continue
-                text = REENTRY_PHASES.get(key, f"({key}, the slowest survivor's)")
-                if key == "total":
-                    text = "**fault -> every rank stepping again**"
-                lines.append(f"| {label}: {text} | {kind} | {statistics.median(values):.3f} s | "
-                             f"{min(values):.3f} - {max(values):.3f} s |")  # fmt: skip
-    return "\n".join(lines)
+        phases = r.get("reentry_phases", [])
+        if not phases:
+            continue
+        kinds = [k for k in ("exception", "SIGKILL") if any(p["kind"] == k for p in phases)]
+        heads = " | ".join(f"{k}: median (min - max)" for k in kinds)
+        lines = [f"| {LABELS[name]}: in-process restart, phase by phase (the last rank's marks) | {heads} |"]
+        lines.append("|---|" + "---|" * len(kinds))
+        parts = [k for k in phases[0] if k.startswith("teardown: ")]
+        for key in [*REENTRY_PHASES, *parts, "total"]:
+            text = REENTRY_PHASES.get(key) or f"(of teardown: {key.split(': ')[-1]}, the slowest survivor's)"
+            cells = []
+            for kind in kinds:
+                values = [p[key] for p in phases if p["kind"] == kind and p.get(key) is not None]
+                cells.append(
+                    f"{statistics.median(values):.3f} s ({min(values):.3f} - {max(values):.3f})" if values else "—"
+                )
+            label = "**fault -> every rank stepping again**" if key == "total" else text
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 PHASES = {
