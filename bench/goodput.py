@@ -13,9 +13,14 @@ processes; ``rally_run_spare`` with ``--warm-spares 1`` when rally has that opti
 says it is not available) and NVIDIA's in-process ``Wrapper`` under torchrun (``nvrx``: its sources
 from nvidia-resiliency-ext, found through ``RALLY_BENCH_NVRX_SRC``; without it the row says how to
 get them; an exception is restarted in-process, a SIGKILL by torchrun's whole restart). Per fault:
-fault -> every rank stepping again (rank 0's first step of the next entry of the function: the
-ranks step in lockstep), and whether the survivors' pids stayed the same (both ranks for an
-exception, rank 0 for a SIGKILL).
+fault -> every rank stepping again, and whether the survivors' pids stayed the same (both ranks
+for an exception, rank 0 for a SIGKILL). "Stepping again" is the moment the *last* rank begins
+its first step of the next entry of the function (each rank's ``stepping`` line, after its
+``load_latest`` and its copy into the model): what the job waits for before it trains again.
+It used to be rank 0's first step *done*, which also counted that step's compute and all-reduce
+(0.1-0.2 s of training, not of recovery); that figure stays in goodput_setup.json
+(``first_step_done``). For rally's in-process rows the interval is then broken down phase by
+phase (REENTRY_PHASES) from the agent's events.jsonl and every rank's re-entry timestamps.
 
 The job (bench/workers/goodput.py, its docstring has the details): 2 ranks in lockstep over gloo,
 a 400 MB state (25 x 2000 x 2000 float32) overwritten in place every step, 0.1 s of compute a
@@ -449,9 +454,10 @@ def table(results: dict[str, dict[str, Any]], duration: float, kill_every: float
     what = "exception and SIGKILL of rank 1 alternating" if alternate else "rank 1 SIGKILLed"
     lines = [
         f"| {duration:.0f} s, set-up {setup:.0f} s, {what} every {kill_every:.0f} s | save stall (median) "
-        "| checkpoint every | kill -> script running (launcher) | exception -> every rank stepping again "
-        "| SIGKILL -> every rank stepping again | survivors' pids kept | steps reached | goodput | ÷ torchrun "
-        "| lost to saves | lost to restarts | redone |",
+        "| checkpoint every | kill -> script running (launcher) "
+        "| exception -> every rank stepping again (the last rank's first step begins) "
+        "| SIGKILL -> every rank stepping again (the same) | survivors' pids kept | steps reached | goodput "
+        "| ÷ torchrun | lost to saves | lost to restarts | redone |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
