@@ -331,10 +331,16 @@ def reentry_phases(
             filled.append(max(filled[-1], m if m is not None else filled[-1]))
         phases: dict[str, Any] = {name: filled[i + 1] - filled[i] for i, name in enumerate(REENTRY_PHASES)}
         phases["kind"], phases["total"] = kind, filled[-1] - at
-        parts = {"settle": ("left", "settled"), "close": ("settled", "closed"), "destroy": ("closed", "destroyed"),
+        # the teardown begins once a survivor is out of the function *and* told to abort (a rank whose
+        # collective failed, or that raised, leaves first and waits for the abort)
+        parts = {"settle": ("begun", "settled"), "close": ("settled", "closed"), "destroy": ("closed", "destroyed"),
                  "gc": ("destroyed", "collected"), "say parked": ("collected", "parked")}  # fmt: skip
         for name, (a, b) in parts.items():
-            took = [p[b] - p[a] for e in survivors if (p := e["points"]).get(a, 0) > at and p.get(b, 0) > at]
+            took = []
+            for e in survivors:
+                p = {**e["points"], "begun": max(e["points"].get("left", 0), e["points"].get("abort", 0))}
+                if p.get(a, 0) > at and p.get(b, 0) > at:
+                    took.append(p[b] - p[a])
             phases[f"teardown: {name}"] = max(took) if took else None
         out.append(phases)
     return out

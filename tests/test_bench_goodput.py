@@ -93,3 +93,32 @@ def test_the_ended_entrys_first_step_logged_after_the_fault_is_not_stepping_agai
     r = analyze(events, [(1.2, "exception")], launched=0.0, until=10.0)
     assert r["faults"][0]["first_step_done"] == pytest.approx(0.5)
     assert r["faults"][0]["stepping"] == pytest.approx(0.4)
+
+
+@pytest.mark.timeout(30)
+def test_an_in_process_restart_is_broken_into_phases_that_add_up() -> None:
+    """Each phase ends at the last rank's mark; a spare (no abort, no parking) counts from its enter."""
+    from bench.goodput import REENTRY_PHASES, reentry_phases
+
+    fault = 10.0
+    agent = [{"event": "worker_exited", "time": 10.2}]
+    survivor = {"abort": 10.25, "left": 10.21, "settled": 10.26, "closed": 10.26, "destroyed": 10.27,
+                "collected": 10.28, "parked": 10.28, "enter": 10.32}  # fmt: skip
+    worker = [entered(1.0, 0, 100, 1), entered(1.0, 1, 101, 1)]
+    worker.append({**stepping(10.6, 0, "100.2"), "entered": 10.35, "called": 10.36, "loaded": 10.5,
+                   "points": survivor})  # fmt: skip
+    worker.append({**stepping(10.62, 1, "300.1"), "entered": 10.36, "called": 10.4, "loaded": 10.55,
+                   "points": {"enter": 10.33}})  # fmt: skip
+    (phases,) = reentry_phases(agent, worker, [(fault, "SIGKILL")])
+    assert phases["detect"] == pytest.approx(0.2)
+    assert phases["abort"] == pytest.approx(0.05)
+    assert phases["leave"] == pytest.approx(0.0)  # left (a lost peer's error) before the abort: no time of its own
+    assert phases["teardown"] == pytest.approx(0.03)
+    assert phases["round"] == pytest.approx(0.05)  # to the spare's enter, the later of the two
+    assert phases["init"] == pytest.approx(0.03)
+    assert phases["load"] == pytest.approx(0.04)
+    assert phases["copy"] == pytest.approx(0.15)
+    assert phases["step"] == pytest.approx(0.07)
+    assert phases["teardown: settle"] == pytest.approx(0.01)  # from the abort, not from its earlier leaving
+    assert phases["teardown: gc"] == pytest.approx(0.01)
+    assert sum(phases[k] for k in REENTRY_PHASES) == pytest.approx(phases["total"]) == pytest.approx(0.62)
