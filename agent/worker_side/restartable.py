@@ -208,7 +208,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             raise
         except BaseException as exc:
             link.in_train = False
-            timeline.update(left=time.time())
+            timeline["left"] = time.time()
             if not link.aborting.is_set() and not isinstance(exc, RoundAborted):
                 link.send("failed", **_failure(exc, entry))
             del exc  # its traceback holds the function's frames (the model's activations, the old group)
