@@ -36,7 +36,8 @@
 #
 # Settings (environment), with defaults:
 #   RALLY_DEVCLUSTER_NODES=3          compute nodes node1..nodeN (1..50)
-#   RALLY_DEVCLUSTER_CPUS=4           CPUs each node advertises (may exceed the real cores)
+#   RALLY_DEVCLUSTER_CPUS=32          CPUs each node advertises (may exceed the real cores)
+#   RALLY_DEVCLUSTER_GPUS=8           GPUs each node advertises (a GRES count only: no devices)
 #   RALLY_DEVCLUSTER_CRED_EXPIRE=10   seconds; also the delay before a requeued job restarts
 #   RALLY_DEVCLUSTER_KILLWAIT=5       seconds between SIGTERM and SIGKILL when a job is cancelled
 #   RALLY_DEVCLUSTER_READY_TIMEOUT=30 seconds to wait for the daemons and for all nodes to be idle
@@ -47,7 +48,8 @@ set -euo pipefail
 
 # ------------------------------------------------------------------ settings
 NNODES=${RALLY_DEVCLUSTER_NODES:-3}
-CPUS=${RALLY_DEVCLUSTER_CPUS:-4}
+CPUS=${RALLY_DEVCLUSTER_CPUS:-32}
+GPUS=${RALLY_DEVCLUSTER_GPUS:-8}
 CRED_EXPIRE=${RALLY_DEVCLUSTER_CRED_EXPIRE:-10}
 KILLWAIT=${RALLY_DEVCLUSTER_KILLWAIT:-5}
 READY_TIMEOUT=${RALLY_DEVCLUSTER_READY_TIMEOUT:-30}
@@ -109,6 +111,7 @@ preflight() {
   (( (0x$cap >> 12) & 1 )) || unsuitable "no CAP_NET_ADMIN (needed for network namespaces)"
   [[ "$NNODES" =~ ^[0-9]+$ ]] && [ "$NNODES" -ge 1 ] && [ "$NNODES" -le 50 ] \
     || die "RALLY_DEVCLUSTER_NODES must be 1..50, not '$NNODES'"
+  [[ "$GPUS" =~ ^[0-9]+$ ]] && [ "$GPUS" -le 64 ] || die "RALLY_DEVCLUSTER_GPUS must be 0..64, not '$GPUS'"
 }
 
 install_packages() {
@@ -135,9 +138,10 @@ install_packages() {
 
 # ------------------------------------------------------------------ config
 slurm_conf() {
-  local i
+  local i gres=""
+  [ "$GPUS" -eq 0 ] || gres=" Gres=gpu:$GPUS"
   cat <<EOF
-$MARK (nodes=$NNODES cpus=$CPUS)
+$MARK (nodes=$NNODES cpus=$CPUS gpus=$GPUS)
 ClusterName=rallydev
 # The controller runs in $LOGIN_NS, whose host name is this machine's, so it is
 # named "localhost" with the login address.
@@ -165,6 +169,9 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$LOGDIR/jobcomp.txt
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+# GPUs with no device behind them (gres.conf), so that a script asking for --gpus-per-node
+# runs here as written: SLURM sets SLURM_GPUS_ON_NODE and CUDA_VISIBLE_DEVICES, no GPU exists.
+GresTypes=gpu
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=2
 # Trust the CPU counts below, not the hardware (this machine may have fewer cores).
@@ -181,9 +188,17 @@ MinJobAge=300
 Waittime=0
 EOF
   for ((i = 1; i <= NNODES; i++)); do
-    echo "NodeName=node$i NodeAddr=$(node_addr "$i") CPUs=$CPUS RealMemory=4096 State=UNKNOWN"
+    echo "NodeName=node$i NodeAddr=$(node_addr "$i") CPUs=$CPUS$gres RealMemory=4096 State=UNKNOWN"
   done
   echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+}
+
+# slurmd reads it from slurm.conf's directory. slurmd drops a GPU without a device file
+# ("Removing file-less GPU") and wants a device, so each GPU is a link to /dev/null:
+# nothing opens them (no cgroups here), and SLURM hands them out as CUDA_VISIBLE_DEVICES.
+gres_conf() {
+  [ "$GPUS" -gt 0 ] || { echo "$MARK"; return; }
+  printf '%s\nAutoDetect=off\nName=gpu File=%s/gpu/fake[0-%d]\n' "$MARK" "$ROOT" $((GPUS - 1))
 }
 
 # ------------------------------------------------------------------ health
@@ -313,6 +328,7 @@ RALLY_DEVCLUSTER_EXEC=$WRAPPER
 RALLY_DEVCLUSTER_SLURM_CONF=$CONF
 RALLY_DEVCLUSTER_PARTITION=debug
 RALLY_DEVCLUSTER_CPUS_PER_NODE=$CPUS
+RALLY_DEVCLUSTER_GPUS_PER_NODE=$GPUS
 RALLY_DEVCLUSTER_LOGS=$LOGDIR
 EOF
 }
@@ -325,7 +341,11 @@ build() {
   make_network
   say "namespaces: $(tr '\n' ' ' <"$ROOT/netns.list")"
   slurm_conf >"$CONF"
-  local n i; for n in $(nodes); do mkdir -p "$SPOOL/$n"; done
+  local n i
+  mkdir -p "$ROOT/gpu"
+  for ((i = 0; i < GPUS; i++)); do ln -sfn /dev/null "$ROOT/gpu/fake$i"; done
+  gres_conf >"$(dirname "$CONF")/gres.conf"
+  for n in $(nodes); do mkdir -p "$SPOOL/$n"; done
   login slurmctld -f "$CONF" -i 9<&-   # (9 is our lock: daemons must not inherit it)
   local deadline=$(( SECONDS + READY_TIMEOUT ))
   until login scontrol ping 2>/dev/null | grep -q 'is UP'; do

@@ -1,7 +1,8 @@
 """docs/slurm.md shows the sbatch scripts of slurm/ as they are: each is included in a
 code block with pymdownx.snippets (`--8<-- "slurm/NAME"`), so the page cannot drift from the
-files, and each is valid bash. The templates themselves run on a real SLURM cluster in
-tests/test_slurm_jobs.py; train.sbatch asks for GPUs, so `bash -n` is all it gets here."""
+files, and each is valid bash. The scripts themselves run on a real SLURM cluster in
+tests/test_slurm_jobs.py, train.sbatch as written; that test also checks the lines the page shows
+under it (its `printed` block) against what the run printed."""
 
 from __future__ import annotations
 
@@ -37,3 +38,13 @@ def test_the_plain_script_has_what_the_page_says() -> None:
     text = (REPO / "slurm" / "train.sbatch").read_text()
     for part in ("--nodes=", "--gpus-per-node=", "--time=", "--signal=B:USR1@90", "--requeue", "srun ", "trap "):
         assert part in text, part
+
+
+@pytest.mark.timeout(30)
+def test_the_plain_script_is_followed_by_the_lines_its_run_printed() -> None:
+    page = (REPO / "docs" / "slurm.md").read_text()
+    script_at = page.index('--8<-- "slurm/train.sbatch"')
+    printed_at = page.index("<!-- snippet: printed ")
+    next_section = page.index("## What rally takes from SLURM")
+    assert script_at < printed_at < next_section, "the printed block belongs to the script"
+    assert "tests/test_slurm_jobs.py" in page[printed_at : page.index("-->", printed_at)]

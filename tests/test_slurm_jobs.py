@@ -6,14 +6,17 @@
        included) and the other two go on without it
     d. slurm/elastic-requeue.sbatch: SIGUSR1 to the batch shell -> workers checkpoint -> rally
        requeues the job -> the second run resumes and ends bit-identical to an uninterrupted run
+    e. slurm/train.sbatch, the script docs/slurm.md shows, submitted as written (`sbatch
+       train.sbatch`: 2 nodes x 8 GPUs, the dev cluster's GPUs are a GRES count without devices):
+       16 workers, the warning, requeue, resume; the lines the page shows are lines it printed
     plus one cheap (torch-free) run of slurm/single-node.sbatch and slurm/multi-node.sbatch each.
 
 Workers that import torch cost ~2 s of CPU each and the cluster runs 3 nodes x 4 "CPUs" on 2
 real cores, so only (a), (b) and (d) import torch, each with as few workers as the check needs.
 
-Every job a test starts carries a job name unique to the test; the `jobs` fixture cancels
-whatever still carries it and waits until SLURM has forgotten it, and kills the srun processes
-the test started, whatever the outcome.
+Every job a test starts carries a job name unique to the test (or, for a script submitted as
+written, is remembered by its id); the `jobs` fixture cancels whatever still carries it and waits
+until SLURM has forgotten it, and kills the srun processes the test started, whatever the outcome.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +37,7 @@ import pytest
 
 from support.ddp_reference import params_hash
 from support.helpers import start_rally, wait_for
+from test_snippets import blocks_of, missing_lines
 
 if TYPE_CHECKING:  # the fixture comes from the slurm_cluster plugin (tests/conftest.py)
     from support.slurm_cluster import SlurmCluster
@@ -46,6 +51,7 @@ PROBE = SCRIPTS / "probe.py"
 DDP = SCRIPTS / "ddp.py"
 TRAIN = REPO / "examples" / "train.py"
 TEMPLATES = REPO / "slurm"
+SLURM_PAGE = REPO / "docs" / "slurm.md"
 
 # The `rally` console script of this interpreter: what `srun rally ...` runs on the nodes.
 RALLY = str(Path(sys.executable).with_name("rally")) if Path(sys.executable).with_name("rally").exists() else "rally"
@@ -119,6 +125,7 @@ class Jobs:
     name: str
     tmp: Path
     sruns: list[Srun] = field(default_factory=list)
+    jids: list[str] = field(default_factory=list)  # jobs submitted as written, under their own name
 
     def srun(self, args: Sequence[str], *, tag: str = "srun", env: Mapping[str, str] | None = None) -> Srun:
         out = self.tmp / f"{tag}.out"
@@ -151,6 +158,18 @@ class Jobs:
         assert done.returncode == 0, f"sbatch failed ({done.returncode}): {done.stderr}"
         return done.stdout.strip().split(";")[0]
 
+    def sbatch_as_written(self, script: Path, submit_dir: Path, env: Mapping[str, str] | None = None) -> str:
+        """`sbatch SCRIPT` run in ``submit_dir``, no option added: the script's own name, output
+        file and working directory (the submit directory) hold. Return the job id."""
+        done = subprocess.run(
+            [self.cluster.login_exec, "sbatch", "--parsable", str(script)],
+            cwd=submit_dir, env=job_env(self.cluster, env), capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert done.returncode == 0, f"sbatch failed ({done.returncode}): {done.stderr}"
+        jid = done.stdout.strip().split(";")[0]
+        self.jids.append(jid)
+        return jid
+
     def output(self, jobid: str) -> str:
         path = self.tmp / f"job-{jobid}.out"
         return path.read_text(errors="replace") if path.exists() else ""
@@ -163,10 +182,15 @@ class Jobs:
     def cancel(self) -> None:
         """scancel every job of this test (without waiting)."""
         self.cluster.run_login(["scancel", "-n", self.name], timeout=10)
+        if self.jids:
+            self.cluster.run_login(["scancel", *self.jids], timeout=10)
 
     def ours(self) -> list[str]:
         done = self.cluster.run_login(["squeue", "-h", "-n", self.name, "-o", "%A"], timeout=10)
-        return done.stdout.split()
+        left = done.stdout.split()
+        for jid in self.jids:  # one at a time: squeue fails on the whole list once SLURM forgot one
+            left += [jid] if self.cluster.job_state(jid) else []
+        return left
 
     def cleanup(self) -> None:
         left = self.ours()
@@ -417,3 +441,58 @@ def test_multi_node_template_runs_node_major_and_ends_with_the_workers_exit_code
     assert text.count("root cause: rank 3") == 2  # both nodes name the same failure ...
     assert "srun exited 3" in text  # ... and end with its exit code, which becomes the job's
     assert jobs.show_job(jid)["ExitCode"] == "3:0"
+
+
+# ------------------------------------------------ e: docs/slurm.md's script, submitted as written
+
+
+def printed_block(page: Path) -> str:
+    """The page's one `printed` block: lines of the job output of slurm/train.sbatch."""
+    (block,) = [b for b in blocks_of(page) if b.kind == "printed"]
+    return block.body
+
+
+@pytest.mark.timeout(480)
+def test_the_pages_sbatch_script_runs_as_written_is_warned_requeued_and_resumes(jobs: Jobs, tmp_path: Path) -> None:
+    # What a user does: train.py next to them, `sbatch train.sbatch`, no option added. The dev
+    # cluster's nodes have 32 CPUs and 8 GPUs (a GRES count: nothing to compute on), so the
+    # script's --gpus-per-node=8 --cpus-per-task=32 fit and rally takes nproc 8 from SLURM. The
+    # bare `rally` of the script is this interpreter's, first on PATH.
+    submit = tmp_path / "submit"
+    submit.mkdir()
+    shutil.copy(SCRIPTS / "train.py", submit / "train.py")
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    jid = jobs.sbatch_as_written(TEMPLATES / "train.sbatch", submit, env={"PATH": path})
+    out_file = submit / f"train-{jid}.out"  # --output=%x-%j.out, in the submit directory
+    out = lambda: out_file.read_text(errors="replace") if out_file.exists() else ""  # noqa: E731
+    wait_for(lambda: out().count("TRAIN-HOLD") == 16, 240, 0.2, "16 workers holding at step 10", out)
+
+    # What --signal=B:USR1@90 does 90 s before the time limit: SIGUSR1 to the batch shell only.
+    jobs.cluster.run_login(["scancel", "--signal=USR1", "--batch", jid], timeout=10, check=True)
+    jobs.cluster.wait_job_gone(jid, timeout=300)
+    text = out()
+
+    first, restart, second = text.partition(f"SLURM job {jid}.0 (restart 1): ")
+    assert restart, text
+    for run, start in ((first, 0), (restart + second, 11)):
+        for node in (0, 1):  # both rallies took everything from SLURM, nproc from the GPUs
+            taken = rf"SLURM job {jid}\.0( \(restart 1\))?: 2 nodes \(node\[1-2\]\), this is node {node}, "
+            assert re.search(taken + r"store node1:\d+, nproc 8 from SLURM_GPUS_ON_NODE", run), run
+            assert f"round 0: node {node} of 2, ranks {8 * node}-{8 * node + 7} of 16, restart 0/3" in run
+        records = re.findall(r"TRAIN rank=(\d+) world=16 host=(node\d) start=(\d+) lr=0\.1", run)
+        trained = sorted((int(r), h, int(s)) for r, h, s in records)
+        assert trained == [(r, f"node{1 + r // 8}", start) for r in range(16)], run  # node-major; resumed after 10
+    assert first.count("received SIGUSR1 (preemption or time limit)") == 2, first  # both nodes
+    assert first.count("preempted at step 10: saved, exiting") == 16
+    assert f"rally: requeued SLURM job {jid}; it will resume from the latest checkpoint" in first
+    assert "resuming from step 10" in second and "TRAIN-HOLD" not in second
+    assert sorted(int(r) for r in re.findall(r"TRAIN-DONE rank=(\d+) step=19", second)) == list(range(16)), second
+    assert second.count("job succeeded: 16 workers on 2 nodes finished") == 2
+    job = jobs.show_job(jid)
+    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("COMPLETED", "1", "0:0"), job
+    # RALLY_LOG_DIR: every node's run directory of both runs, where the login node sees them.
+    run_dirs = sorted((submit / "rally-logs").glob(f"{jid}.0_*"))
+    assert len(run_dirs) == 4 and all((d / "report.json").is_file() for d in run_dirs), run_dirs
+
+    missing = missing_lines(printed_block(SLURM_PAGE), text)
+    assert not missing, "docs/slurm.md shows lines this run did not print:\n" + "\n".join(missing) + "\n\n" + text

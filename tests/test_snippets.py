@@ -8,6 +8,8 @@ A fenced block is marked on the line before it:
     <!-- snippet: run TEXT -->      ... and TEXT must be in what it printed (stdout or stderr)
     <!-- snippet: skip REASON -->   it cannot run in a test (another machine, the network, minutes)
     <!-- snippet: output -->        a `text` block: what the run block before it printed
+    <!-- snippet: printed WHERE --> a `text` block of lines a run elsewhere printed (a SLURM job on
+                                    the dev cluster); the test named in WHERE checks each line
 
 An `output` block is real output, so it cannot drift: each of its lines must be a line that the
 run block before it printed (stdout or stderr), compared after `shown_as` (the time stamp at the
@@ -135,6 +137,8 @@ def test_every_block_a_user_would_copy_is_marked() -> None:
                 problems.append(f"{block.where()}: only bash and python blocks run, not {block.lang!r}")
             elif block.kind == "output" and (block.lang != "text" or not _run_before(block)):
                 problems.append(f"{block.where()}: an output block is a text block after a run block")
+            elif block.kind == "printed" and (block.lang != "text" or ".py" not in block.arg):
+                problems.append(f"{block.where()}: a printed block is a text block naming the test that checks it")
     assert not problems, "\n".join(problems)
 
 
