@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import select
 import signal
 import socket
 import sys
@@ -598,10 +597,13 @@ class Agent:
         # A rank that died first caused it (its peers' collectives fail with "connection reset"): the
         # dead rank's exit is the root cause, judged by the exits feature in this same turn of the watch.
         # Its sockets close before it is a zombie, so a lost connection waits a moment for that exit.
-        others = [w for w in group.workers if w is not worker and w.returncode is None]
-        if lost_peer(message) and (pidfds := [w.process.pidfd for w in others if w.process.pidfd >= 0]):
-            # wait: short: DEATH_WAIT_SECONDS (1), woken by the first pidfd that turns readable (an exit)
-            select.select(pidfds, [], [], DEATH_WAIT_SECONDS)
+        others = [w for w in group.workers if w is not worker]
+        deadline = time.monotonic() + (DEATH_WAIT_SECONDS if lost_peer(message) else 0.0)
+        for other in others:
+            left = max(0.0, deadline - time.monotonic())
+            # wait: short: DEATH_WAIT_SECONDS (1) in all, a dying rank's exit after its sockets closed
+            if other.returncode is None and other.process.wait(timeout=left) is not None:
+                return None
         # wait: not_a_wait: WNOHANG
         if any(w.process.poll() is not None for w in others):
             return None
