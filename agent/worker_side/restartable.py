@@ -203,8 +203,9 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         gc.freeze()
         link.in_train = True
         try:
-            return train(*args, **kwargs)
+            return _done(train(*args, **kwargs))
         except (SystemExit, KeyboardInterrupt):
+            gc.unfreeze()
             raise
         except BaseException as exc:
             link.in_train = False
@@ -227,6 +228,14 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
 
             dist.init_process_group(backend=backend)  # env://: the new round's master, rank and world size
             timeline["initialised"] = time.time()
+
+
+def _done(value: T) -> T:
+    """The function is done for good: what `run` froze goes back to the collector, so that the
+    interpreter's last collection at exit finalises it as it would have (a frozen object is never
+    finalised: e.g. a DDP module's gloo group made in an earlier entry would outlive Python)."""
+    gc.unfreeze()
+    return value
 
 
 def _failure(exc: BaseException, entry: int) -> dict[str, Any]:
