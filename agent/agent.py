@@ -19,6 +19,7 @@ decided by a pure function (agent/decide.py) and applied here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -29,13 +30,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from rally.agent.base.collaborator import Collaborator
+from rally.agent.base.collaborator import Collaborator, WorkerReentry
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import EventLoop, RoundEnded, StoreLost, WorkerSaid
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
 from rally.agent.base.reentry_wire import SPARE_ENV
 from rally.agent.base.spec import STACK_SIGNAL, JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
+from rally.agent.checkpoint.core.held_dir import HeldDirectory
 from rally.agent.checkpoint.node_checkpoints import NodeCheckpoints
 from rally.agent.checks.node_checks import NodeChecks
 from rally.agent.decide import Exit, Reform, Restart, decide, exit_status
@@ -54,8 +56,7 @@ from rally.agent.rounds.reentry import (
     DEATH_WAIT_SECONDS,
     PARK_GRACE_SECONDS,
     PARK_SECONDS,
-    ReentryBudget,
-    ReentryHub,
+    InProcessRestarts,
     lost_peer,
     soft_failure_end,
 )
@@ -92,9 +93,18 @@ class Agent:
     store call, this round's workers and their health from it, not from parameters and callbacks."""
 
     def __init__(
-        self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str], requeue: Callable[[], str] | None = None
-    ):
-        """`requeue`, when given, asks the scheduler to requeue this job and returns a message."""
+        self, spec: JobSpec, plan: RendezvousPlan, base_env: dict[str, str], requeue: Callable[[], str] | None = None,
+        checkpoint_dir: HeldDirectory | None = None,
+    ):  # fmt: skip
+        """`requeue`, when given, asks the scheduler to requeue this job and returns a message.
+        `checkpoint_dir`: --checkpoint-dir opened by the launcher (else opened here, raising as it would)."""
+        if checkpoint_dir is None and spec.checkpoint_dir and spec.checkpoint_dir_given is None:
+            checkpoint_dir = HeldDirectory.open(spec.checkpoint_dir, spec.checkpoint_dir_shared)
+        self.held_checkpoint_dir = checkpoint_dir  # open for the agent's lifetime (agent/checkpoint/core/held_dir.py)
+        if checkpoint_dir is not None:  # every write of the job goes through the open directory
+            spec = dataclasses.replace(
+                spec, checkpoint_dir=checkpoint_dir.path, checkpoint_dir_given=checkpoint_dir.given
+            )
         self.spec = spec
         self.plan = plan
         self.token = os.urandom(8).hex()  # marks every process of this agent's workers (orphan_guard.py)
@@ -110,15 +120,11 @@ class Agent:
         self.state = AgentState.STARTING
         self.waits = NodeWaits(console.say)  # the line of a long wait, for the console and `rally status`
         self.loop = EventLoop(on_worker_exit=self._worker_exited, on_child_signal=self._reap_orphans)
-        # workers inside rally.job.run connect here; a failure then re-enters them (docs/restartable.md)
-        self.reentry = ReentryHub(self.loop.inbox.post)
-        self.reentry_budget = ReentryBudget()
         self.parked = False  # this node's workers wait in rally.job.run for the next round
         self.in_process_restarts = 0  # restarts this node made by re-entering its workers (`rally status`)
         self.spares: list[Worker] = []  # --warm-spares: processes waiting in rally.job.run for a rank's place
         self.spares_started = 0
         self.spare_streams: list = []
-        self.base_env.update(self.reentry.env())
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
         self.store: KeyValueStore | None = None
@@ -138,14 +144,18 @@ class Agent:
         # The agent's features, each built with this agent as its context (agent/base/collaborator.py),
         # and the one place a feature is named: every hook runs in the list's order (`exit` in reverse).
         observer = Observer(self)  # the workers' health, stragglers, /metrics, GPUs, the status record
+        self.exits = WorkerExits(self, observer)  # also holds a soft failure in a multi-node round
         self.collaborators: list[Collaborator] = [
             NodeChecks(self, observer.backend),  # quarantine, pre-flight (agent/checks/node_checks.py)
-            WorkerExits(self, observer),  # what a worker's exit means for the round (agent/worker_exits.py)
+            self.exits,  # what a worker's exit means for the round (agent/worker_exits.py)
             HangReporter(self, observer),  # who really hung, from every node (agent/observe/hang_report.py)
             observer,
             NodeCheckpoints.for_agent(self),  # the memory tier's holder, the disk's steps
             Preemption(self, requeue),  # a preemption signal: checkpoint, stop, requeue (agent/preemption.py)
+            InProcessRestarts(self),  # workers inside rally.job.run connect to it (agent/rounds/reentry.py)
         ]
+        # a failure re-enters the workers inside rally.job.run through it (docs/restartable.md)
+        self.reentry = next((r for part in self.collaborators if (r := part.worker_reentry()) is not None), None)
 
     # ================================================================ the context (agent/base/collaborator.py)
     @property
@@ -190,7 +200,6 @@ class Agent:
             for helper in (self.live, self.template, self.guard):
                 if helper is not None:
                     helper.stop()
-            self.reentry.stop()
         if lost and code == 0:  # a job whose newest checkpoint died with the holder has not succeeded
             for line in lost:
                 console.error(line)
@@ -391,7 +400,7 @@ class Agent:
     def _promote_spare(self, local_rank: int) -> Worker | None:
         """A live spare inside rally.job.run takes `local_rank`'s place, or None when none is ready."""
         for spare in self.spares:
-            if spare.returncode is None and self.reentry.linked(spare.pid):
+            if spare.returncode is None and self.reentry is not None and self.reentry.linked(spare.pid):
                 self.spares.remove(spare)
                 spare.local_rank = local_rank
                 return spare
@@ -410,14 +419,14 @@ class Agent:
         not within PARK_SECONDS is killed (the round's culprit first: its peers blocked on it are
         released when its connections close, and get PARK_GRACE_SECONDS more) and replaced. False,
         with one line when the script uses job.run, when the workers must be restarted whole instead."""
-        group, a = self.group, rnd.assignment
-        if group is None or not any(self.reentry.linked(w.pid) for w in group.workers):
+        group, a, reentry = self.group, rnd.assignment, self.reentry
+        if group is None or reentry is None or not any(reentry.linked(w.pid) for w in group.workers):
             return False  # a script that does not call rally.job.run: whole restarts, as always
-        why = self._reentry_refusal(group)
+        why = self._reentry_refusal(group, reentry)
         if why is None:
             started = time.monotonic()
             for worker in group.running():
-                self.reentry.send(worker.pid, "abort", round=a.round)
+                reentry.send(worker.pid, "abort", round=a.round)
             # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
             unparked = self._wait_parked(group.running(), started + PARK_SECONDS)
             first = [(w, why) for w, why in unparked if w.global_rank == culprit]
@@ -434,19 +443,19 @@ class Agent:
             if any(w.returncode is None for w in group.workers):
                 seconds = round(time.monotonic() - started, 6)
                 self.events.emit("workers_parked", round=a.round, seconds=seconds, replaced=len(unparked))
-                self.reentry_budget.spent(self._saved_step())
+                reentry.spent(self._saved_step())
                 return True
             why = "no worker of this node is left to re-enter"
         console.say(f"restarting the worker processes instead of re-entering them: {why}")
         self.events.emit("reentry_refused", round=a.round, reason=why)
         return False
 
-    def _reentry_refusal(self, group: WorkerGroup) -> str | None:
+    def _reentry_refusal(self, group: WorkerGroup, reentry: WorkerReentry) -> str | None:
         """Why this node's workers must be restarted whole; a dead worker is no reason (it is replaced)."""
         for worker in group.running():
-            if not self.reentry.linked(worker.pid):
+            if not reentry.linked(worker.pid):
                 return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
-        return self.reentry_budget.refusal(self._saved_step())
+        return reentry.refusal(self._saved_step())
 
     def _wait_parked(self, workers: list[Worker], deadline: float) -> list[tuple[Worker, str]]:
         """Until each of `workers` said "parked" or the deadline; those that did not (still inside
@@ -490,8 +499,8 @@ class Agent:
     def _reenter_workers(self, rnd: Round, master: tuple[str, int]) -> None:
         """The parked workers enter their training function again with this round's environment
         (ranks, WORLD_SIZE, MASTER_ADDR/PORT, RALLY_ROUND, ...): what a fresh worker would get."""
-        group, assignment = self.group, rnd.assignment
-        assert group is not None
+        group, assignment, reentry = self.group, rnd.assignment, self.reentry
+        assert group is not None and reentry is not None  # only parked workers are re-entered
         self.events.emit("workers_starting", round=assignment.round, in_process=True)
         env = self._worker_env()
         dead = {w.local_rank for w in group.workers if w.returncode is not None}
@@ -516,7 +525,7 @@ class Agent:
             worker_vars = worker_env(self.spec, env, assignment, master, worker.local_rank, worker.error_file)
             if worker.heartbeat_file:
                 worker_vars["RALLY_HEARTBEAT_FILE"] = worker.heartbeat_file
-            self.reentry.send(worker.pid, "enter", round=assignment.round, env=worker_vars)
+            reentry.send(worker.pid, "enter", round=assignment.round, env=worker_vars)
             rank, local_rank = worker.global_rank, worker.local_rank
             self.events.emit(
                 "worker_reentered", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid
@@ -610,6 +619,9 @@ class Agent:
         end = soft_failure_end(self.host, worker.global_rank, worker.local_rank, pid, message)
         rank = worker.global_rank
         self.events.emit("worker_raised", round=rnd.assignment.round, rank=rank, pid=pid, cause=end.detail)
+        if lost_peer(message) and rnd.assignment.group_world_size > 1:
+            self.exits.hold(rnd, end)  # a node lost is the cause if one went silent (as for a worker's exit)
+            return None
         return self.store_call(lambda: rnd.channel.end(end))
 
     def _after_round(self, rnd: Round, end: RoundEnd) -> int | None:

@@ -30,6 +30,7 @@ class HeldFailure:
     node's), held until the peer check answers whether a node went silent meanwhile."""
 
     first: RoundEnd
+    local: RoundEnd  # this node's failure (a worker's exit, or an exception in rally.job.run's function)
     answered: bool = False
     silent: tuple[int, float] | None = None  # (group rank, seconds silent) of a lost peer
 
@@ -85,20 +86,28 @@ class WorkerExits(Collaborator):
             if worker.returncode is not None and worker.local_rank in health.watched:
                 self._note(rnd, worker, health)
         failed = [w for w in group.workers if w.returncode not in (None, 0)]
-        if not failed:
+        if failed:
+            first = min(failed, key=lambda w: w.process.ended_at or 0)
+            read_what_is_left(first.output.streams, self.loop)  # its last words, without waiting
+            end = failure_end(first, a, self.kill_causes.get(first.local_rank))
+            if a.group_world_size == 1:
+                return self.store_call(lambda: rnd.channel.end(end))
+            if self.held is None:
+                self.hold(rnd, end)
+                return None
+        held = self.held
+        if held is None or not held.answered:
             return None
-        first = min(failed, key=lambda w: w.process.ended_at or 0)
-        read_what_is_left(first.output.streams, self.loop)  # its last words, without waiting
-        end = failure_end(first, a, self.kill_causes.get(first.local_rank))
-        if a.group_world_size == 1:
-            return self.store_call(lambda: rnd.channel.end(end))
+        return self._end(rnd, held.first, held.silent, held.local)
+
+    def hold(self, rnd: Round, local: RoundEnd) -> None:
+        """A local failure in a multi-node round: record it as the job's first failure (unless one
+        is), and ask the peer check whether a node went silent; `check` ends the round once it
+        answers. The agent holds an exception of rally.job.run's function that says a peer's
+        connection was lost here too: a node lost is its cause, not the rank that raised it."""
         if self.held is None:
-            self.held = HeldFailure(self.store_call(lambda: rnd.channel.first_failure(end)))
+            self.held = HeldFailure(self.store_call(lambda: rnd.channel.first_failure(local)), local)
             check_peers(self.loop.inbox.post, rnd)
-            return None
-        if not self.held.answered:
-            return None
-        return self._end(rnd, self.held.first, self.held.silent, end)
 
     def _note(self, rnd: Round, worker: Worker, health: HealthMonitor) -> None:
         """Record a worker's exit once; explain a SIGKILL that nobody here sent."""

@@ -243,7 +243,8 @@ def launch_and_run(options: Options, script: str | None, script_args: list[str],
         console.say(note)
     for line in launch.warnings:  # secrets and the store left open to other users (secret_warnings.py)
         console.warn(line)
-    return _run_agent(launch, scheduler.requeue if options.requeue else None)
+    given_id = options.rdzv_id if "rdzv_id" in given else None  # binds the job's checkpoints (auth.job_identity)
+    return _run_agent(launch, scheduler.requeue if options.requeue else None, given_id)
 
 
 def _scheduler(no_slurm: bool) -> Scheduler:
@@ -254,22 +255,52 @@ def _scheduler(no_slurm: bool) -> Scheduler:
         raise ConfigError(f"cannot read the SLURM environment: {exc} (use --no-slurm to ignore it)") from None
 
 
-def _run_agent(launch, requeue: Callable[[], str] | None = None) -> JobResult:  # launcher.config.Launch
+def _run_agent(  # launch: launcher.config.Launch
+    launch, requeue: Callable[[], str] | None = None, given_id: str | None = None
+) -> JobResult:
+    from rally.agent.checkpoint.core import auth
     from rally.rendezvous.c10d.store import quiet_torch_logs
 
     if launch.checkpoint_token:  # the key, never the token, for the holder and the workers: in the environment
-        from rally.agent.checkpoint.core import auth
-
         os.environ[auth.KEY_ENV] = auth.derive(launch.checkpoint_token).hex()
+    held = _held_checkpoint_dir(launch.spec)
+    if held is not None:  # the job every save is bound to (auth.job_identity), for the holder and the workers
+        try:
+            identity = auth.job_identity(held.fd, given_id)
+        except OSError as exc:
+            raise ConfigError(f"--checkpoint-dir {held.given}: cannot read or make its job id: {exc}") from None
+        os.environ[auth.JOB_ENV] = auth.job_tag_of(identity).hex()
+    else:  # nothing of an earlier job run in this process (rally.launch, rally.cli.run)
+        os.environ.pop(auth.JOB_ENV, None)
     base_env = dict(os.environ)  # the workers' environment, before rally touches its own
     quiet_torch_logs()
     from rally.agent.agent import Agent
 
     global _AGENT_RAN
     _AGENT_RAN = True
-    agent = Agent(launch.spec, launch.plan, base_env, requeue)
-    code = agent.run()
+    try:
+        agent = Agent(launch.spec, launch.plan, base_env, requeue, held)
+        code = agent.run()
+    finally:
+        if held is not None:  # its writers (holder, workers, flush helper) are gone by now
+            held.close()
     return JobResult(code, agent.report.root_cause() if code else None)
+
+
+def _held_checkpoint_dir(spec):  # rally.agent.base.spec.JobSpec -> HeldDirectory | None
+    """--checkpoint-dir opened (made 0700 when missing) once, for the agent to write through
+    (agent/checkpoint/core/held_dir.py); what cannot be opened is one line, exit 2."""
+    if not spec.checkpoint_dir:
+        return None
+    from rally.agent.checkpoint.core.held_dir import HeldDirectory
+    from rally.rendezvous.base.path_trust import UnsafePath
+
+    try:
+        return HeldDirectory.open(spec.checkpoint_dir, spec.checkpoint_dir_shared)
+    except UnsafePath as exc:  # changed since the launcher's check a moment ago
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {spec.checkpoint_dir}: cannot open or make it: {exc}") from None
 
 
 _AGENT_RAN = False  # main() ends a process that ran the agent with os._exit (see there)

@@ -86,8 +86,9 @@ def claim_arrival_slot(rdzv: Rendezvous, round_no: int, me: NodeInfo) -> Arrival
             rdzv, round_no, *rdzv.store.arrive_holding(joined_counter(round_no), me.to_json(), closed_key(round_no))
         )
     hint = rdzv.store.arrive(joined_counter(round_no))
-    # wait: short: 0.01 s: are all slots taken
-    if hint >= s.max_nodes and rdzv.store.try_wait([node_slot(round_no, i) for i in range(s.max_nodes)], 0.01):
+    # Past MAX: full, or the counter was moved. Asked once, never waited for (it used to be a
+    # 10 ms wait that, when a slot was free, always ran out): one request on c10d and etcd.
+    if hint >= s.max_nodes and rdzv.store.all_present([node_slot(round_no, i) for i in range(s.max_nodes)]):
         return None  # really full
     start = hint if 0 <= hint < s.max_nodes else 0
     for idx in chain(range(start, s.max_nodes), range(start)):  # not a list: O(1) when the hint is free

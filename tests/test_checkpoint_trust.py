@@ -13,10 +13,8 @@ import contextlib
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import persist as dcp_persist
 from support.helpers import eventually, run_rally
-from support.stranger import STRANGER_UID, require_stranger, run_as_stranger, stranger_process
+from support.stranger import STRANGER_UID, reachable_dir, require_stranger, run_as_stranger, stranger_process
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = 60.0
@@ -40,12 +38,8 @@ LEASE = 60.0
 @pytest.fixture
 def open_dir() -> Iterator[Path]:
     """A directory under /tmp that the stranger can reach (tmp_path's parents are 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="rally-trust-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
+    with reachable_dir("rally-trust-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -659,3 +653,147 @@ def test_a_huge_reserve_is_refused_and_never_latches_the_job_to_disk_only(
     assert eventually(lambda: tier.last_saved == 2, 10)
     assert not any("disk only" in w for w in warnings), warnings
     worker.close()
+
+
+# --- a checkpoint is bound to the job that wrote it (--checkpoint-dir-shared) ---------
+
+RESUME_OR_SAVE = """
+import sys
+from rally import job
+found = job.load_latest()
+print("resumed", found.step if found else None, flush=True)
+if found is None:
+    job.save({"step": int(sys.argv[1])}, int(sys.argv[1]))
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("identity", ["rdzv-id", "directory id"])
+def test_a_checkpoint_of_another_job_moved_into_a_shared_dir_is_refused_and_the_job_resumes_its_own(
+    open_dir: Path, identity: str
+) -> None:
+    """Two jobs of the user keep checkpoints in shared directories (0777, --checkpoint-dir-shared).
+    Another user cannot read the 0600 files, but can rename them: they move job A's step 5 into
+    job B's directory, where B saved only step 1. B used to resume from A's step 5 (the MAC bound
+    key, kind, step and bytes, not the job). Now B refuses it with one line naming why and resumes
+    from its own step 1. The job is the --rdzv-id the user gave, or the random id rally keeps in
+    the directory (.rally-job-id, 0600)."""
+    require_stranger()
+    script = open_dir / "train.py"
+    script.write_text(RESUME_OR_SAVE)
+    dirs = {name: open_dir / name for name in ("a", "b")}
+    for path in dirs.values():
+        path.mkdir()
+        os.chmod(path, 0o777)  # shared scratch: every user may write it (no sticky bit)
+
+    def run(name: str, step: int):
+        named = ["--rdzv-id", f"job-{name}"] if identity == "rdzv-id" else []
+        args = ["--standalone", *named, "--nproc-per-node", "1", "--checkpoint-dir-shared"]
+        done = run_rally(
+            [*args, "--checkpoint-dir", str(dirs[name]), str(script), str(step)], cwd=open_dir, timeout=100
+        )
+        assert done.returncode == 0, done.describe()
+        return done
+
+    run("a", 5)
+    run("b", 1)
+    (a_step,) = [p for p in dirs["a"].iterdir() if p.name.startswith("step_")]
+    if identity == "directory id":
+        for path in dirs.values():
+            kept = path / ".rally-job-id"
+            assert kept.stat().st_mode & 0o777 == 0o600 and kept.stat().st_uid == os.geteuid()
+    moved = run_as_stranger(f"import os; os.rename({str(a_step)!r}, {str(dirs['b'] / a_step.name)!r})", timeout=10)
+    assert moved.returncode == 0, moved.stderr
+    again = run("b", 1)
+    assert "resumed 1" in again.stdout, again.describe()  # main: "resumed 5", A's weights
+    refused = [line for line in again.stderr.splitlines() if "is not loaded" in line]
+    assert len(refused) == 1 and a_step.name in refused[0] and "signed by another job" in refused[0], again.describe()
+
+
+@pytest.mark.timeout(60)
+def test_a_sharded_step_of_another_job_is_refused_in_a_shared_dir_and_an_old_manifest_is_one_line(
+    open_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DCP manifest names its job inside the MAC: another user renames job A's published step
+    into job B's shared directory, and B's check refuses it; B's own step verifies; in a directory
+    only the user can write a step of another of their jobs still loads (nothing else can bring it
+    there); a manifest of the format before (`rally-dcp-3`) verifies, with one line in a shared one."""
+    require_stranger()
+    from rally.agent.checkpoint.core import auth, digest
+
+    monkeypatch.setenv(auth.KEY_ENV, "11" * 32)
+    scratch = open_dir / "scratch"  # a shared scratch directory: every user may write it
+    scratch.mkdir()
+    os.chmod(scratch, 0o777)
+    shared_a, shared_b, private = scratch / "a", scratch / "b", open_dir / "private"
+    for path in (shared_a, shared_b):
+        path.mkdir()
+        os.chmod(path, 0o777)
+    private.mkdir(mode=0o700)
+
+    def publish(directory: Path, step: int, job: str) -> Path:
+        monkeypatch.setenv(auth.JOB_ENV, auth.job_tag_of(job).hex())
+        temp = dcp_files.TempDir(directory, step)
+        data = f"metadata of {job}".encode()
+        (temp.path / ".metadata").write_bytes(data)
+        path = temp.publish({".metadata": (len(data), digest.of(data).hex())})
+        temp.close()
+        return path
+
+    theirs = publish(shared_a, 7, "rdzv:job-a")
+    ours = publish(shared_b, 3, "rdzv:job-b")
+    # A step directory (0700, the user's) cannot be moved to another parent by another user (its
+    # '..' would change), but the checkpoint directories can: B's is put aside and A's takes its name.
+    aside = scratch / "b-old"
+    swap = f"import os; os.rename({str(shared_b)!r}, {str(aside)!r}); os.rename({str(shared_a)!r}, {str(shared_b)!r})"
+    moved = run_as_stranger(swap, timeout=10)
+    assert moved.returncode == 0, moved.stderr
+    # job B reads its directory
+    with pytest.raises(dcp_files.DamagedCheckpoint, match="signed by another job"):
+        dcp_files.verify(shared_b / theirs.name)  # main: verified (True), and B resumed from A's step 7
+    assert dcp_files.newest_intact_step(shared_b) is None
+    assert any("signed by another job" in line for line in auth.take_refusals())
+    ours = aside / ours.name
+    assert dcp_files.verify(ours) is True
+    own_private = publish(private, 9, "rdzv:job-a")
+    monkeypatch.setenv(auth.JOB_ENV, auth.job_tag_of("rdzv:job-b").hex())
+    assert dcp_files.verify(own_private) is True  # a private directory: any job of the user's
+    # the format before: the signed part without a job, under the old format name
+    manifest = json.loads((ours / dcp_files.MANIFEST).read_text())
+    manifest["format"] = "rally-dcp-3"
+    del manifest["job"]
+    signed = {k: manifest[k] for k in ("format", "step", "files")}
+    manifest["mac"] = auth.sign("dcp", 3, json.dumps(signed, sort_keys=True, separators=(",", ":")).encode())
+    (ours / dcp_files.MANIFEST).write_text(json.dumps(manifest))
+    assert dcp_files.verify(ours) is True
+    line = dcp_files.old_format_line(ours)
+    assert line is not None and "before checkpoints were bound to their job" in line
+
+
+@pytest.mark.timeout(30)
+def test_a_whole_state_file_of_the_footer_before_job_binding_still_loads_with_one_line_in_a_shared_dir(
+    open_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files signed before checkpoints were bound to their job (footer END3) stay loadable: the
+    check accepts them, and in a shared directory it says so in one line; in a private one, nothing."""
+    from rally.agent.checkpoint.core import auth, digest
+
+    monkeypatch.setenv(auth.KEY_ENV, "22" * 32)
+    monkeypatch.setenv(auth.JOB_ENV, auth.job_tag_of("rdzv:job-b").hex())
+    payload = b"torch.save bytes" * 64
+    mac = auth.seal(auth.signing_key(), checkpoint_file.MAC_KIND, 4, digest.of(payload))  # no job: format 3
+    old = checkpoint_file.OLD_FOOTER.pack(b"RALLYCK3", len(payload), 4, mac, b"END3")
+    shared, private = open_dir / "shared", open_dir / "private"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    private.mkdir(mode=0o700)
+    for directory, told in ((shared, True), (private, False)):
+        path = directory / "step_000000000004.pt"
+        path.write_bytes(payload + old)
+        fd, verified = checkpoint_file.open_mapped_verified(path)
+        os.close(fd)
+        assert verified.signed and verified.step == 4 and verified.job is None
+        assert checkpoint_file.refusal(path, verified) is None
+        line = checkpoint_file.old_format_line(path, verified)
+        assert (line is not None and "before checkpoints were bound to their job" in line) == told, line

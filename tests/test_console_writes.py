@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import pytest
 
 from rally.agent.rounds.output import WholeWrites
+from support.helpers import over_and_over
 
 PAYLOAD = b"".join(b"line %06d " % i + b"x" * 100 + b"\n" for i in range(20000))  # ~2.2 MB
 
@@ -62,19 +63,11 @@ def signals_every_half_millisecond() -> Iterator[list[int]]:
     counts into. Not SIGALRM: pytest-timeout's own timer uses it."""
     delivered: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: delivered.append(signum))
-    target, stop = threading.get_ident(), threading.Event()
-
-    def send() -> None:
-        while not stop.wait(0.0005):
-            signal.pthread_kill(target, signal.SIGUSR1)
-
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
+    target = threading.get_ident()
     try:
-        yield delivered
+        with over_and_over([(lambda: signal.pthread_kill(target, signal.SIGUSR1), 0.0005)]):
+            yield delivered
     finally:
-        stop.set()
-        sender.join(timeout=10)
         signal.signal(signal.SIGUSR1, previous)
 
 

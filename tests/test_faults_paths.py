@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import pytest
 
 from support.helpers import ProcessTracker, clean_env, free_port, procs, run_rally, wait_for, write_probe  # noqa: F401
 from support.live_rally import LiveRally
-from support.stranger import STRANGER_UID, require_stranger, run_as_stranger
+from support.stranger import STRANGER_UID, reachable_dir, require_stranger, run_as_stranger
 from support.stranger_store import STORE_CLIENT
 
 PRECIOUS = "root's own file, not to be rewritten by a job\n"
@@ -67,12 +65,8 @@ print("swapped", flush=True)
 @pytest.fixture
 def shared() -> Iterator[Path]:
     """A directory under /tmp that the other user can reach (tmp_path's parents are 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="rally-paths-", dir="/tmp"))
-    os.chmod(path, 0o755)
-    try:
+    with reachable_dir("rally-paths-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _strangers(path: Path, mode: int) -> Path:
@@ -136,6 +130,70 @@ def test_a_swapped_run_directory_gets_no_write_of_the_job_through_a_planted_link
         assert stat.S_IMODE((moved / name).stat().st_mode) == 0o600, name
     planted = run / "attempt_1" / "0"
     assert sorted(p.name for p in planted.iterdir()) == ["error.json"], "the agent wrote into the planted directory"
+
+
+# ------------------------------------------------------------------ the checkpoint directory swapped mid-job
+SAVING_WORKER = """
+import os, time
+from rally import job
+job.save({"step": 1}, 1)
+print("saved 1", flush=True)
+deadline = time.time() + 60
+while not os.path.exists(os.environ["GO_FILE"]) and time.time() < deadline:
+    time.sleep(0.05)
+job.save({"step": 2}, 2)
+print("saved 2", flush=True)
+"""
+
+SWAP_CHECKPOINT_DIR = """
+import os
+ck, moved, decoy = {ck!r}, {moved!r}, {decoy!r}
+os.rename(ck, moved)           # the checkpoint directory's parent lets the group rename
+os.symlink(decoy, ck)          # and a link to a directory of the member's choice in its place
+print("swapped", flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_swapped_checkpoint_dir_gets_no_write_of_the_job_through_a_planted_link(
+    shared: Path, procs: ProcessTracker, tier: str
+) -> None:
+    """--checkpoint-dir is in a team's group-writable directory (accepted with a warning); after the
+    first save a member renames it away and plants a link to a root-owned directory in its place.
+    The root job used to write its next checkpoint through the link (the worker's save on disk, or
+    the holder's persister) into that directory, and a later run would resume from whatever the
+    member put at the name. Now: the job writes through the directory it opened at start (found
+    in its renamed place), nothing lands in the linked directory, and one line says the directory
+    was moved."""
+    require_stranger()
+    team = shared / "team"
+    team.mkdir()
+    os.chown(team, 0, STRANGER_UID)  # the other user is in its group
+    team.chmod(0o775)
+    decoy = shared / "roots-dir"
+    decoy.mkdir(mode=0o755)
+    ck, moved, go = team / "ck", team / "moved", shared / "go"
+    write_probe(shared / "worker.py", SAVING_WORKER)
+    env = clean_env(GO_FILE=str(go), **({"RALLY_MEMORY_TIER": "0"} if tier == "disk" else {}))
+    args = ["--standalone", "--checkpoint-dir", str(ck), str(shared / "worker.py")]
+    rally = LiveRally(args, shared, env, procs)
+    rally.wait_line("saved 1", 120)
+    swap = run_as_stranger(SWAP_CHECKPOINT_DIR.format(ck=str(ck), moved=str(moved), decoy=str(decoy)), timeout=30)
+    assert swap.returncode == 0 and "swapped" in swap.stdout, swap.stderr
+    go.touch()
+    code, _ = rally.wait_exit(120)
+    text = rally.text()
+    assert code == 0, text[-4000:]
+    assert "saved 2" in text, text[-4000:]
+    assert list(decoy.iterdir()) == [], f"a write of the job went through the planted link: {list(decoy.iterdir())}"
+    steps = sorted(p.name for p in moved.iterdir() if p.name.startswith("step_"))
+    assert len(steps) == 2 and steps[-1].endswith("2.pt"), steps
+    for name in steps:
+        assert stat.S_IMODE((moved / name).stat().st_mode) == 0o600, name
+    said = [line for line in text.splitlines() if "was moved or replaced while the job ran" in line]
+    assert len(said) == 1 and str(ck) in said[0] and str(moved) in said[0], text[-4000:]
 
 
 # ------------------------------------------------------------------ paths another user can change

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,3 +206,32 @@ def test_the_stores_listen_where_their_endpoint_says(tmp_path: Path, procs: Proc
     assert len(listening) >= 2 and {ip for ip, _ in listening} == {expected}, listening  # and the rendezvous store
     rally.proc.send_signal(signal.SIGTERM)
     rally.wait_exit(30)
+
+
+def _hosted_store() -> tuple[object, object]:
+    from rally.rendezvous.c10d.store import StoreEndpoint, open_tcp_store
+
+    return open_tcp_store(StoreEndpoint("127.0.0.1", 0, True), "rally/reach/", 10.0, 10.0)
+
+
+@pytest.mark.timeout(60)
+def test_the_calls_that_wait_on_the_store_reuse_one_thread_not_one_each() -> None:
+    """get, multi_get and wait are bounded by running in another thread (a hostile store can hang
+    them for ever); that thread is the connection's long-lived one, not one started per call
+    (0.15-0.4 ms each, 10-50 calls per node at a job's start: issue 41's start-up regression)."""
+    store, _server = _hosted_store()
+    store.set("k", "v")  # type: ignore[attr-defined]
+    seen: set[threading.Thread] = set()  # the Thread objects themselves: a finished thread's id is reused
+
+    def note_thread(*_args: object) -> None:
+        seen.add(threading.current_thread())
+
+    threading.settrace(note_thread)  # called once in every thread the threading module starts
+    try:
+        for _ in range(50):
+            assert store.get("k") == b"v"  # type: ignore[attr-defined]
+            assert store.multi_get(["k"]) == [b"v"]  # type: ignore[attr-defined]
+            store.wait(["k"], 5.0)  # type: ignore[attr-defined]
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    assert len(seen) <= 1, f"{len(seen)} threads started for 150 store calls"

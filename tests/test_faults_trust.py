@@ -406,3 +406,34 @@ def test_a_deleted_round_end_is_tampering_and_a_moved_round_counter_is_corrected
     late.store.raw.delete_key("rally/job/1/end")
     with pytest.raises(StoreTampered, match=r"'rally/job/1/end' is missing"):
         late.next_round()
+
+
+# Same under load: in-process, the counter is moved before the call; what is counted is store requests.
+@pytest.mark.same_under_load
+@pytest.mark.timeout(60)
+def test_an_arrival_past_a_moved_counter_asks_whether_the_slots_are_full_without_waiting(server):
+    """A node whose arrival counter reads past MAX (a stranger moved it, or nodes died between
+    their count and their claim) asks once whether every slot is taken. It used to ask with a
+    10 ms store wait, which ran out in full whenever a slot was free; now it is one CHECK
+    request and no wait at all, free slot or full round."""
+    from rally.rendezvous.arrival import claim_arrival_slot
+    from rally.rendezvous.protocol import RendezvousSettings
+
+    s = RendezvousSettings(**{**FAST, "max_nodes": 2})
+    a, b, c = _node(server, "a", s), _node(server, "b", s), _node(server, "c", s)
+    waits: list[float] = []
+    for node in (a, b, c):
+        real = node.store.wait
+
+        def counted(names, timeout, real=real):
+            waits.append(timeout)
+            return real(names, timeout)
+
+        node.store.wait = counted  # the real store's wait, counted
+    a.store.add("0/joined", 7)  # as if 7 nodes had counted themselves in and died before claiming
+    first = claim_arrival_slot(a, 0, a.me)
+    second = claim_arrival_slot(b, 0, b.me)
+    late = claim_arrival_slot(c, 0, c.me)
+    assert first is not None and second is not None and {first.slot, second.slot} == {0, 1}
+    assert late is None  # both slots taken: a spare
+    assert waits == [], waits  # main: one 0.01 s wait per claim past MAX

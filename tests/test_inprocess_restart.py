@@ -19,18 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from support.agents import start_agent, stop_all
+from support.agents import StoreProcess, c10d_args, start_agent, stop_all
 from support.helpers import clean_env, eventually, free_port, kill_group, rally_status, read_events, run_rally
 
 pytestmark = pytest.mark.torch
 
 TRAIN = textwrap.dedent(
     """
-    import hashlib, json, os, time
+    import ctypes, hashlib, json, os, signal, time
     from pathlib import Path
     import torch
     import torch.distributed as dist
     from rally import job
+    from rally.agent.base.reentry_wire import INTERRUPT_SIGNAL
 
     OUT = Path(os.environ["OUT"])
     FAULT = os.environ.get("FAULT", "")
@@ -74,8 +75,11 @@ TRAIN = textwrap.dedent(
                 (OUT / "fault.done").write_text(str(time.monotonic()))
                 if kind == "sigkill":
                     os.kill(os.getpid(), 9)
-                while kind == "hang":  # in Python: the agent's interrupt raises at the next bytecode
-                    time.sleep(1)
+                while kind == "stuck":  # in C holding the GIL, the interrupt blocked: not even the
+                    signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})  # control thread runs
+                    ctypes.PyDLL(None).sleep(3600)  # (another signal, the stack dump's, returns it early)
+                while kind in ("hang", "stuck", "lost"):  # hang: the interrupt raises at the next bytecode;
+                    time.sleep(1)  # lost: the test kills this rank's whole node (its agent and workers)
                 raise ValueError(f"injected at step {step}")
         deadline = time.monotonic() + 120
         while os.environ.get("HOLD") and entries > 1 and not (OUT / "release").exists():
@@ -224,9 +228,90 @@ def test_a_hung_rank_is_interrupted_and_every_rank_re_enters(tmp_path: Path, cle
     assert [(e["kind"], e["in_process"]) for e in events if e["event"] == "restart"] == [("worker_hung", True)]
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_that_cannot_be_interrupted_is_killed_and_replaced_and_the_survivor_re_enters(
+    tmp_path: Path, clean_digest: str
+) -> None:
+    """Rank 1 hangs in a C call that holds the GIL, with the agent's interrupt signal blocked: neither
+    the signal nor its own control thread can get it out. Rank 0, waiting for it in DDP's all-reduce,
+    is released by its control thread (the entry's connections shut down RELEASE_SECONDS after the
+    abort) and parks; rank 1 is killed after PARK_SECONDS and a new process takes its place. Rank 0
+    re-enters in its own process (the heartbeat timeout names it the hung rank: it is the first
+    silent one, and its stack is in autograd's engine, not in a torch.distributed frame)."""
+    result, out, logs = _run(tmp_path, "fault", "--heartbeat-timeout", "8", FAULT="stuck:5:1")
+    survivor = json.loads((out / "result.0").read_text())
+    replaced = json.loads((out / "result.1").read_text())
+    assert survivor["digest"] == replaced["digest"] == clean_digest, result.describe()
+    assert survivor["entries"] == 2, result.describe()  # rank 0 stayed in its process and entered again
+    assert {line[2] for line in _steps(out, 0)} == {str(survivor["pid"])}, "the survivor's pid changed"
+    stuck = {line[2] for line in _steps(out, 1)} - {str(replaced["pid"])}
+    assert len(stuck) == 1 and replaced["entries"] == 1, "rank 1 was not replaced by a new process"
+    line = "rank 1 did not leave the training function within 10 s: killing it; a new process takes its place"
+    assert line in result.stderr and "re-entering the training function" in result.stderr, result.describe()
+    assert "restarting the worker processes instead" not in result.stderr, result.describe()
+    events = read_events(logs)
+    assert [(e["kind"], e["in_process"]) for e in events if e["event"] == "restart"] == [("worker_hung", True)]
+    assert [e["replaced"] for e in events if e["event"] == "workers_parked"] == [1], events
+    started = [e for e in events if e["event"] == "worker_started" and e["round"] == 1]
+    assert [(e["rank"], e["pid"]) for e in started] == [(1, replaced["pid"])], started
+    reentered = [e for e in events if e["event"] == "worker_reentered"]
+    assert [(e["rank"], e["pid"]) for e in reentered] == [(0, survivor["pid"])], reentered
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_leaves_the_survivor_re_entering_in_the_smaller_world(tmp_path: Path, clean_digest: str) -> None:
+    """Two nodes (two agents on loopback, one worker each, a standalone `rally store`, --nnodes 1:2).
+    Rank 1's whole node is SIGKILLed (agent and worker) while rank 0 waits for it in DDP's all-reduce:
+    rank 0 re-enters in its own process in a world of one and finishes bit-identical to the clean
+    two-rank run. Every rank trains on the same batch, so DDP's average of identical gradients is
+    each one exactly (halving and doubling are exact): the result does not depend on the world size."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    store = StoreProcess(tmp_path)
+    # a long last call: round 0 is both nodes even when the machine is slow to start the second (it
+    # forms as soon as both are there; the round after the loss does not wait for it)
+    args = [*c10d_args(store.port, "1:2", extra_conf="last_call_timeout=20"), "--nproc-per-node", "1"]
+    args += ["--max-restarts", "2"]
+    env = {"OUT": str(out), "FAULT": "lost:5:1"}
+    agents = [
+        start_agent(f"n{i}", tmp_path, [*args, "--log-dir", str(tmp_path / f"logs{i}"), str(script)], env)
+        for i in (0, 1)
+    ]
+    try:
+        assert eventually(lambda: (out / "fault.done").exists(), 120), "\n".join(a.output() for a in agents)
+        rank1_pid = int(_steps(out, 1)[-1][2])
+        victim = next(a for a in agents if rank1_pid in {p.pid for p in a.descendants()})
+        survivor_agent = next(a for a in agents if a is not victim)
+        victim.kill_node()
+        assert survivor_agent.wait(120) == 0, survivor_agent.output()
+    finally:
+        stop_all(agents)
+        store.stop()
+    text = survivor_agent.output()
+    done = json.loads((out / "result.0").read_text())
+    assert done["digest"] == clean_digest, text
+    assert done["entries"] == 2, text  # entered again in its process, not restarted
+    steps = _steps(out, 0)
+    assert {line[2] for line in steps} == {str(done["pid"])}, "the survivor's pid changed"
+    first, second = [s for s in steps if s[1] == "1"], [s for s in steps if s[1] == "2"]
+    assert {s[4] for s in first} == {"2"} and {s[4] for s in second} == {"1"}, "the world did not shrink to one"
+    assert not (out / "result.1").exists(), "rank 1's node was not lost"
+    # the node's loss is the root cause, not rank 0's "connection closed" that came first; no restart spent
+    assert re.search(r"root cause: node 1 .*sent no keep-alive", text), text
+    assert "re-forming the job" in text and "restart 0/2" in text.split("round 1:")[1], text
+    logs = tmp_path / ("logs0" if survivor_agent is agents[0] else "logs1")
+    events = read_events(logs)
+    ends = [(e["event"], e["kind"], e["in_process"]) for e in events if e["event"] in ("restart", "membership_change")]
+    assert ends == [("membership_change", "node_lost", True)], ends
+    reentered = [e for e in events if e["event"] == "worker_reentered"]
+    assert [(e["rank"], e["pid"]) for e in reentered] == [(0, done["pid"])], reentered
+
+
 LEAK = textwrap.dedent(
     """
-    import os, threading
+    import collections, ctypes, json, os, sys, threading
     from pathlib import Path
     import torch
     import torch.distributed as dist
@@ -234,30 +319,74 @@ LEAK = textwrap.dedent(
 
     OUT = Path(os.environ["OUT"])
     ENTRIES = int(os.environ["ENTRIES"])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # rally makes it again before each later entry
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ddp = None  # the last entry's wrapper, kept between entries as a script keeps it for evaluation
     entries = 0
 
+    def descriptors():
+        kinds = collections.Counter()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue  # the listing's own descriptor
+            kinds[target.split(":")[0] if ":" in target else target] += 1
+        return dict(kinds)
+
+    def hook_depth():
+        # how many times torch's init_process_group has wrapped sys.excepthook (once per call)
+        hook, depth = sys.excepthook, 0
+        while getattr(hook, "__name__", "") == "_distributed_excepthook":
+            depth += 1
+            hook = next(c.cell_contents for c in hook.__closure__ if callable(c.cell_contents))
+        return depth
+
     def train():
-        global entries
+        global ddp, entries
         entries += 1
         ctx = job.context()
-        fds = len(os.listdir("/proc/self/fd"))
-        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        row = {
+            "entry": entries,
+            "pid": os.getpid(),
+            "fds": descriptors(),
+            "tasks": len(os.listdir("/proc/self/task")),  # every thread, torch's C++ ones too
+            "threads": sorted(t.name for t in threading.enumerate()),
+            "shm": sum("/dev/shm/" in line or "/memfd:" in line for line in open("/proc/self/maps")),
+            "rss": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
+            "excepthook": hook_depth(),
+        }
         with open(OUT / f"entries.{ctx.rank}", "a") as f:
-            f.write(f"{entries} {fds} {threading.active_count()} {rss}\\n")
-        x = torch.ones(1 << 16)
-        for _ in range(3):
-            dist.all_reduce(x)
-        job.save({"x": x}, entries)  # progress: each re-entry follows a newer checkpoint
+            f.write(json.dumps(row) + "\\n")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            ddp(torch.ones(4, 8)).sum().backward()
+            opt.step()
+        job.save({"model": model.state_dict()}, entries)  # progress: each re-entry follows a newer checkpoint
         job.wait_saved()
         dist.barrier()
         if entries < ENTRIES and ctx.rank == 1:
-            raise ValueError(f"entry {entries}")
+            raise ValueError(f"entry {entries}")  # rank 0 waits in the barrier below: rally releases it
         dist.barrier()
 
     job.run(train)
     """
 )
+
+# RSS may grow this much from the 5th entry to the 50th. Measured (2-core machine, load 3-13,
+# malloc_trim after each teardown), per rank: a steady 10-15 KB an entry (0.4-0.7 MB in all) and on
+# rank 0, once, a step of about 0.7 MB at some entry (glibc's in-use bytes step with it). Python's
+# own allocations (tracemalloc) grow by under 10 KB in all, and the same DDP model's group made and
+# destroyed 60 times in a plain two-process loop stays flat (20 KB), and the same job without DDP
+# (saves, a barrier, the fault) grows 0-4 KB an entry, so the steady part is a small leak in
+# torch's C++ heap of a DDP module freed after its group was torn down on the fault path, not
+# found yet (not allocator noise: glibc's in-use bytes grow with it; malloc_trim does not help). A leak of
+# anything an entry holds (a group with its buffers, a model's gradients, a traceback's frames)
+# is more than this over 45 entries.
+RSS_SLACK = 2 << 20
 
 
 @pytest.mark.timeout(300)
@@ -270,14 +399,25 @@ def test_fifty_re_entries_leak_no_descriptors_threads_or_memory(tmp_path: Path) 
     argv = ["--nproc-per-node", "2", "--max-restarts", str(entries), "--log-dir", str(logs), str(script)]
     result = run_rally(argv, cwd=tmp_path, env=clean_env(OUT=str(out), ENTRIES=str(entries)), timeout=280)
     assert result.returncode == 0, result.describe()
+    assert "did not leave the training function" not in result.stderr, result.describe()
     for rank in (0, 1):
-        rows = [list(map(int, line.split())) for line in (out / f"entries.{rank}").read_text().splitlines()]
-        assert [row[0] for row in rows] == list(range(1, entries + 1)), f"rank {rank} was restarted, not re-entered"
+        rows = [json.loads(line) for line in (out / f"entries.{rank}").read_text().splitlines()]
+        assert [row["entry"] for row in rows] == list(range(1, entries + 1)), f"rank {rank} was restarted"
+        assert {row["pid"] for row in rows} == {rows[0]["pid"]}, f"rank {rank} was restarted, not re-entered"
         fifth, last = rows[4], rows[-1]
-        assert last[1] <= fifth[1], f"rank {rank}: open descriptors grew from {fifth[1]} to {last[1]}"
-        assert last[2] <= fifth[2], f"rank {rank}: threads grew from {fifth[2]} to {last[2]}"
-        # RSS: the allocator's arenas move by a few pages; a leak of anything per entry is more
-        assert last[3] <= fifth[3] + (4 << 20), f"rank {rank}: RSS grew from {fifth[3]} to {last[3]}"
+        assert last["fds"] == fifth["fds"], f"rank {rank}: descriptors {fifth['fds']} -> {last['fds']}"
+        assert last["tasks"] == fifth["tasks"], f"rank {rank}: threads went from {fifth['tasks']} to {last['tasks']}"
+        assert last["threads"] == fifth["threads"], (
+            f"rank {rank}: Python threads {fifth['threads']} -> {last['threads']}"
+        )
+        assert last["shm"] == fifth["shm"], (
+            f"rank {rank}: shared-memory mappings went from {fifth['shm']} to {last['shm']}"
+        )
+        # torch's init_process_group wraps sys.excepthook on every call: a chain one longer each entry
+        hooks = last["excepthook"]
+        assert hooks == fifth["excepthook"], f"rank {rank}: sys.excepthook wrapped {hooks} times"
+        growth = last["rss"] - fifth["rss"]
+        assert growth <= RSS_SLACK, f"rank {rank}: RSS grew {growth / 1e6:.2f} MB from the 5th entry to the 50th"
 
 
 @pytest.mark.timeout(300)

@@ -8,8 +8,6 @@
                                                   -> one line naming the holder and the step that did not
                                                      reach the disk, exit 1, within the holder's bounds
     the orphan guard or the template SIGSTOPped   -> the job ends 0, within their stop bounds
-    a step past its bound (RALLY_TEST_HOLD_STEP)  -> one line naming the step, the agent's stacks, the
-                                                     job's exit code
 
 and a short soak (`test_short_jobs_end_beside_attacked_neighbours`): short jobs beside jobs whose
 helpers are SIGSTOPped, SIGKILLed and starved; a job that is late gets its agent's stacks dumped
@@ -20,7 +18,6 @@ the longer soak.
 from __future__ import annotations
 
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +30,7 @@ from support.helpers import (
     ProcessTracker,
     Result,
     clean_env,
+    over_and_over,
     procs,  # noqa: F401 - a fixture
     write_probe,
 )
@@ -53,25 +51,14 @@ def stuttering_store(tmp_path: Path, procs: ProcessTracker) -> Iterator[int]:
     a CI run where a finished job never ended). Yields its port."""
     store = LiveRally(["store", "--port", "0"], tmp_path, clean_env(), procs)
     port = _store_port(store)
-    over = threading.Event()
-
-    def stutter() -> None:
-        while not over.is_set():
-            store.proc.send_signal(signal.SIGSTOP)
-            # wait: short: 60 ms stopped
-            over.wait(0.06)
-            store.proc.send_signal(signal.SIGCONT)
-            # wait: short: 1 ms running
-            over.wait(0.001)
-
-    thread = threading.Thread(target=stutter, daemon=True)
-    thread.start()
+    stutter = [
+        (lambda: store.proc.send_signal(signal.SIGSTOP), 0.06),
+        (lambda: store.proc.send_signal(signal.SIGCONT), 0.001),
+    ]
     try:
-        yield port
+        with over_and_over(stutter):  # 60 ms stopped, 1 ms running
+            yield port
     finally:
-        over.set()
-        # wait: short: one stutter cycle
-        thread.join(timeout=5)
         store.proc.send_signal(signal.SIGCONT)
 
 

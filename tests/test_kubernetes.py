@@ -91,6 +91,12 @@ def run_pods(tmp_path: Path, pods: dict[str, dict[str, str]], attempt: int) -> d
         stop_all(agents)
 
 
+def assert_every_pod_exited(ended: dict[str, tuple[int, AgentProcess]], code: int, why: str) -> None:
+    """Every pod's agent exited with `code` (`why` says what it means), its output shown if not."""
+    for pod, (got, agent) in ended.items():
+        assert got == code, f"pod {pod}: {why}\n{agent.output()}"
+
+
 def records(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "out").read_text().splitlines() if line.strip()]
 
@@ -108,17 +114,14 @@ def assert_one_job_of_four(found: list[dict], pods: list[str]) -> None:
 @pytest.mark.timeout(420)
 def test_static_pytorchjob_pods_form_one_job_and_run_again_after_the_kubelet_restarts_them(tmp_path: Path) -> None:
     pods = static_pods(free_port())
-    first = run_pods(tmp_path, pods, attempt=0)
-    for pod, (code, agent) in first.items():
-        assert code == 7, f"pod {pod}: the failed rank's code on every pod\n{agent.output()}"
+    assert_every_pod_exited(run_pods(tmp_path, pods, attempt=0), 7, "the failed rank's code on every pod")
     failed_run = records(tmp_path)
     assert_one_job_of_four(failed_run, list(pods))
     assert {r["pod"] for r in failed_run if r["GROUP_RANK"] == "0"} == {"master-0"}, "PET_NODE_RANK=0 is node 0"
     assert all(r["MASTER_PORT"] == pods["master-0"]["PET_MASTER_PORT"] for r in failed_run), failed_run
 
-    second = run_pods(tmp_path, pods, attempt=1)  # the kubelet restarts each container, same environment
-    for pod, (code, agent) in second.items():
-        assert code == 0, f"pod {pod} after its restart\n{agent.output()}"
+    # the kubelet restarts each container, same environment
+    assert_every_pod_exited(run_pods(tmp_path, pods, attempt=1), 0, "after its restart")
     rerun = records(tmp_path)[len(failed_run) :]
     assert_one_job_of_four(rerun, list(pods))
     assert all(r["TORCHELASTIC_RESTART_COUNT"] == "0" for r in rerun), "a new container is a new run"
@@ -127,9 +130,7 @@ def test_static_pytorchjob_pods_form_one_job_and_run_again_after_the_kubelet_res
 @pytest.mark.timeout(300)
 def test_elastic_pytorchjob_pods_form_one_job_and_restart_it_after_a_worker_failure(tmp_path: Path) -> None:
     pods = elastic_pods(free_port())
-    ended = run_pods(tmp_path, pods, attempt=0)
-    for pod, (code, agent) in ended.items():
-        assert code == 0, f"pod {pod}\n{agent.output()}"
+    assert_every_pod_exited(run_pods(tmp_path, pods, attempt=0), 0, "the job restarted its workers and finished")
     found = records(tmp_path)
     by_restart = {n: [r for r in found if r["TORCHELASTIC_RESTART_COUNT"] == n] for n in ("0", "1")}
     assert len(found) == 8, found

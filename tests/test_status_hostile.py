@@ -36,7 +36,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +45,7 @@ import pytest
 
 from support.agents import c10d_args, start_agent, stop_all, write_script
 from support.helpers import Result, clean_env, free_port, kill_group, rally_status, run_rally, start_rally, wait_for
-from support.stranger import require_stranger, run_as_stranger, stranger_process
+from support.stranger import reachable_dir, require_stranger, run_as_stranger, stranger_process
 from support.stranger_store import HOSTILE_ETCD, STORE_CLIENT
 
 # A limit on the address space of a `rally status` that reads files only: a reader that follows
@@ -223,10 +222,8 @@ def test_a_record_nested_100_000_deep_in_the_store_is_left_out_not_a_recursion_e
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
     """A directory every user may write in (mode 1777, as /tmp or a shared scratch log dir)."""
-    path = Path(tempfile.mkdtemp(prefix="rally-shared-logs-"))
-    path.chmod(0o1777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with reachable_dir("rally-shared-logs-", 0o1777) as path:
+        yield path
 
 
 def stranger_plants_run(shared: Path, files: str) -> Path:

@@ -31,6 +31,7 @@ and, where the agent still needs something of its features, a hook each (none na
     in_status_thread(rnd)          the round's status thread published this node's record
     round_holdings()               what this node tells each round about its checkpoints
     helper_pids()                  this feature's processes: never the job's, gone when the agent is
+    worker_reentry()               the line to the workers inside `rally.job.run`, if this feature keeps it
 
 A hook that may end the round returns the round's end (`workers_starting`, `watch`): the first
 collaborator to return one ends it and the later ones are not asked. A hook that makes this node
@@ -78,6 +79,24 @@ class Holdings(Protocol):
 
     def holdings(self) -> tuple[list[int], int | None]:
         """(steps in this node's memory, the newest intact step on disk that can matter)."""
+
+
+class WorkerReentry(Protocol):
+    """The agent's line to its workers inside `rally.job.run` and the rule for when a failure may be
+    recovered in-process (agent/rounds/reentry.py's InProcessRestarts is one): what the agent's own
+    parking and re-entering of its workers (agent/agent.py `_park`, `_reenter_workers`) asks of it."""
+
+    def linked(self, pid: int) -> bool:
+        """Worker `pid` is inside `rally.job.run`, connected (it can be re-entered)."""
+
+    def send(self, pid: int, op: str, **fields: object) -> bool:
+        """Say `op` (agent/base/reentry_wire.py: abort, enter) to worker `pid`; False when it is not linked."""
+
+    def refusal(self, checkpoint_step: int | None) -> str | None:
+        """Why the next restart must restart the processes instead, or None when it may be in-process."""
+
+    def spent(self, checkpoint_step: int | None) -> None:
+        """An in-process restart was made (it counts toward the next refusal)."""
 
 
 class StartedWorker(Protocol):
@@ -243,3 +262,8 @@ class Collaborator:
     def helper_pids(self) -> frozenset[int]:
         """This feature's helper processes: never stopped as the job's workers, killed when the agent exits."""
         return frozenset()
+
+    def worker_reentry(self) -> WorkerReentry | None:
+        """The line to the workers inside `rally.job.run`, if this feature keeps it (the agent asks once,
+        as it is built; the first feature to offer one is it)."""
+        return None

@@ -97,6 +97,9 @@ class JobSpec:
     metrics_port: int | None = None  # --metrics-port: serve Prometheus /metrics (0: a free port)
     metrics_addr: str = "127.0.0.1"  # --metrics-addr: the address /metrics listens on (loopback; 0.0.0.0 opens it)
     checkpoint_dir: str | None = None
+    # --checkpoint-dir as the user named it, once the agent holds it open and `checkpoint_dir` is
+    # /proc/<agent pid>/fd/<n> (agent/checkpoint/core/held_dir.py); None before
+    checkpoint_dir_given: str | None = None
     checkpoint_dir_shared: bool = False  # --checkpoint-dir-shared: other users may write it (signed checkpoints only)
     crash_loop_limit: int = 3  # stop after this many failures in a row without a newer checkpoint
     warm_spares: int = 0  # extra processes per node waiting in rally.job.run to take a dead rank's place

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from rally.agent.checkpoint.core.held_dir import shown
 from rally.agent.checkpoint.persist import DiskFull, PersistCancelled, default_name, persist, valid_name
 from rally.agent.checkpoint.slots import NewestBusy, Refused, ShmTooSmall, SlotTable
 
@@ -297,14 +298,14 @@ class Holder:
                 self.emit(
                     ev="warn",
                     line=(
-                        f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: "
+                        f"checkpoint step {slot.step} could not be written to {shown(self.checkpoint_dir)}: "
                         f"{exc.strerror or exc}"
                     ),
                 )
             except Exception as exc:  # a bug must not stop the persister: say it, keep the copies
                 self.emit(
                     ev="warn",
-                    line=f"checkpoint step {slot.step} could not be written to {self.checkpoint_dir}: {exc!r}",
+                    line=f"checkpoint step {slot.step} could not be written to {shown(self.checkpoint_dir)}: {exc!r}",
                 )
             with table.cond:
                 table.persisted(key, index, ok)

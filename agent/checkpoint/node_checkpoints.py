@@ -67,8 +67,10 @@ from rally.agent.base.event_log import EventLog
 from rally.agent.base.helper_process import HelperProcess, state_of
 from rally.agent.checkpoint import holder as ckpt_holder
 from rally.agent.checkpoint.checkpoint_dir import newest_checkpoint_step
+from rally.agent.checkpoint.core import auth
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.client import HOLDER_LOST_ENV, SECRET_ENV, CheckpointRefused, HolderAddress, MemoryTier
+from rally.agent.checkpoint.core.held_dir import moved_line, shown
 from rally.agent.checkpoint.core.shm import socket_address
 from rally.agent.checkpoint.holdings import RoundHoldings
 from rally.agent.checkpoint.sharded import files as dcp_files
@@ -142,6 +144,8 @@ class NodeCheckpoints(Collaborator):
         self._holder: HolderProcess | None = None
         self._ready_lock = threading.Lock()
         self.single_node = False  # a job of one node at most: the disk's files no newer than the memory are not read
+        # --checkpoint-dir as named, when `checkpoint_dir` is the directory held open (core/held_dir.py)
+        self.given_dir: str | None = None
 
     @property
     def holder(self) -> HolderProcess | None:
@@ -159,6 +163,7 @@ class NodeCheckpoints(Collaborator):
         keep_alive = ctx.plan.settings.keep_alive_timeout
         made = cls(spec.checkpoint_dir, ctx.events, spec.run_id, keep_alive, spec.shutdown_timeout)
         made.single_node = ctx.plan.settings.max_nodes == 1
+        made.given_dir = spec.checkpoint_dir_given
         return made
 
     # ------------------------------------------------------------------ the agent's other hooks
@@ -194,8 +199,20 @@ class NodeCheckpoints(Collaborator):
         workers resume from the round's agreed step."""
         a = rnd.assignment
         self.round = a.round
+        self._say_what_was_passed_over()
         if self.holder is not None:
             self.holder.open_round(a.round, a.resume_step, self.lease)
+
+    def _say_what_was_passed_over(self) -> None:
+        """One line, once, when --checkpoint-dir's name no longer leads to the directory the job writes through;
+        and one per checkpoint the round's resume step passed over because this job must not load it."""
+        for refused in auth.take_refusals():
+            self.warn(refused)
+        if self.given_dir is not None and self.checkpoint_dir is not None:
+            line = moved_line(self.checkpoint_dir, self.given_dir)
+            if line is not None:
+                self.warn(line)
+                self.given_dir = None
 
     def watch(self, rnd: Round) -> None:
         """Renew the round's lease (at most every RENEW_INTERVAL): a frozen agent's workers cannot checkpoint."""
@@ -217,6 +234,7 @@ class NodeCheckpoints(Collaborator):
         died (the agent then does not report success), else None."""
         holder = self.holder
         if holder is None:
+            self._say_what_was_passed_over()
             return None
         deadline = time.monotonic() + self.shutdown_timeout
         if not holder.flush(self.shutdown_timeout):
@@ -225,12 +243,13 @@ class NodeCheckpoints(Collaborator):
                 self.warn(  # it never told of a save: one it took in its last moments may not be on disk
                     f"the checkpoint holder (pid {holder.pid}) did not make its copies durable at the job's end "
                     f"({holder.unanswered or 'the flush ran out of time'}); a step saved just before may be missing "
-                    f"from {holder.checkpoint_dir}"
+                    f"from {shown(holder.checkpoint_dir)}"
                 )
         try:
             self._flush_sharded(holder, max(0.0, deadline - time.monotonic()))
         finally:
             holder.stop()
+        self._say_what_was_passed_over()
         return holder.lost()
 
     def _flush_sharded(self, holder: HolderProcess, seconds: float) -> None:
@@ -257,7 +276,9 @@ class NodeCheckpoints(Collaborator):
             "TORCHELASTIC_RUN_ID": self.run_id or os.environ.get("TORCHELASTIC_RUN_ID", "local"),
         }
         command = [sys.executable, str(Path(dcp_flush.__file__).resolve()), str(directory), f"{seconds:.3f}"]
-        self.say(f"writing the newest sharded checkpoint held only in memory to {directory} (up to {seconds:.0f} s)")
+        self.say(
+            f"writing the newest sharded checkpoint held only in memory to {shown(directory)} (up to {seconds:.0f} s)"
+        )
         try:
             # wait: bounded, said by NodeCheckpoints._flush_sharded: the job's end: what is left of
             # --shutdown-timeout, + 5 s
@@ -381,7 +402,8 @@ class HolderProcess:
             return None
         why = "died" if self.died else f"did not make it durable ({self.unanswered or 'the flush ran out of time'})"
         return (
-            f"checkpoint step {saved} never reached {self.checkpoint_dir}: the checkpoint holder (pid {self.pid}) "
+            f"checkpoint step {saved} never reached {shown(self.checkpoint_dir)}: the checkpoint holder "
+            f"(pid {self.pid}) "
             f"{why}; the newest step on disk is {durable if durable is not None else 'none'}"
         )
 
@@ -405,7 +427,7 @@ class HolderProcess:
             if not self._send({**message, "id": ident}):
                 return None
             what = (  # the job-end flush can take --shutdown-timeout; the others answer at once
-                f"waiting for the newest in-memory checkpoint to be written to {self.checkpoint_dir}"
+                f"waiting for the newest in-memory checkpoint to be written to {shown(self.checkpoint_dir)}"
                 if message.get("op") == "flush"
                 else f"waiting for the checkpoint holder (pid {self.pid}) to answer '{message.get('op')}'"
             )

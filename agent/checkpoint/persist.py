@@ -27,6 +27,7 @@ from pathlib import Path
 from rally.agent.checkpoint import checkpoint_dir
 from rally.agent.checkpoint.core import auth, checkpoint_file
 from rally.agent.checkpoint.core.checkpoint_file import FOOTER, READ_CHUNK, Sums
+from rally.agent.checkpoint.core.held_dir import shown
 
 
 class DiskFull(OSError):
@@ -121,7 +122,7 @@ def _free_bytes(directory: Path) -> int | None:
 
 def _full_line(directory: Path, step: int, needed: int, free: int) -> str:
     return (
-        f"checkpoint step {step} could not be written to {directory}: the disk is full "
+        f"checkpoint step {step} could not be written to {shown(directory)}: the disk is full "
         f"({_mb(needed)} needed, {_mb(free)} free); the in-memory copy and the previous "
         "checkpoint on disk are kept: free space there or point --checkpoint-dir elsewhere"
     )

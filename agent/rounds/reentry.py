@@ -1,5 +1,6 @@
 """The agent's end of in-process restarts: the socket that workers inside `rally.job.run` connect
-to (agent/base/reentry_wire.py), and the rule for when a failure may be recovered in-process.
+to (agent/base/reentry_wire.py), and the rule for when a failure may be recovered in-process,
+wired into the agent as one collaborator (`InProcessRestarts`, agent/base/collaborator.py).
 
 A thread accepts the workers' connections and posts what they say to the agent's inbox as
 `WorkerSaid` news, with the pid the kernel gives for the peer (what a worker claims about
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rally.agent.base import reentry_wire as wire
+from rally.agent.base.collaborator import AgentContext, Collaborator, WorkerReentry
 from rally.agent.base.event_loop import News, WorkerSaid
 from rally.rendezvous.base.records import EndKind, RoundEnd
 
@@ -135,6 +137,38 @@ class ReentryHub:
                 message = wire.decode(data)
                 if message is not None:
                     self.post(WorkerSaid(pid, message))
+
+
+class InProcessRestarts(Collaborator):
+    """In-process restarts as a feature of the agent: it owns the hub (its socket's name reaches the
+    workers through `worker_env`, it stops at `exit`) and the budget, and offers both to the agent,
+    which parks and re-enters its own workers, through `worker_reentry`."""
+
+    def __init__(self, ctx: AgentContext) -> None:
+        self.hub = ReentryHub(ctx.loop.inbox.post)
+        self.budget = ReentryBudget()
+
+    def worker_env(self) -> dict[str, str]:
+        return self.hub.env()
+
+    def exit(self) -> str | None:
+        self.hub.stop()  # the workers are stopped: nothing is linked any more
+        return None
+
+    def worker_reentry(self) -> WorkerReentry:
+        return self
+
+    def linked(self, pid: int) -> bool:
+        return self.hub.linked(pid)
+
+    def send(self, pid: int, op: str, **fields: object) -> bool:
+        return self.hub.send(pid, op, **fields)
+
+    def refusal(self, checkpoint_step: int | None) -> str | None:
+        return self.budget.refusal(checkpoint_step)
+
+    def spent(self, checkpoint_step: int | None) -> None:
+        self.budget.spent(checkpoint_step)
 
 
 @dataclass

@@ -296,12 +296,12 @@ class TemplateClient:
     def helper_pids(self) -> set[int]:
         return {self.connection.pid} if self.connection is not None else set()
 
-    def stop(self) -> None:
+    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
         """Stop the template at the agent's exit. Its workers are already stopped by then, so it
-        gets only a moment to leave by itself: one still importing torch cannot notice the
+        gets only a moment (`grace`) to leave by itself: one still importing torch cannot notice the
         closed socket, and under SLURM's KillWait every second of exit counts."""
         if self.connection is not None:
-            self.connection.close(timeout=STOP_GRACE_SECONDS)
+            self.connection.close(timeout=grace)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

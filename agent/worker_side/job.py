@@ -49,6 +49,7 @@ from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.auth import UnsafeDirectory  # noqa: F401 - part of this module's API
 from rally.agent.checkpoint.core.checkpoint_file import Checkpoint  # part of this module's API (load_latest returns it)
 from rally.agent.checkpoint.core.client import WHOLE_STATE_KEY, CheckpointRefused  # noqa: F401 - part of this module's API
+from rally.agent.checkpoint.core.held_dir import shown
 from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.worker_side import heartbeat_file, memory_only, process_memory
@@ -363,22 +364,24 @@ def load_latest(
             continue  # pruned by a saver between listing and opening; an older one is still there
         except checkpoint_file.DamagedCheckpoint as damage:
             if ctx.local_rank == 0:
-                _log(f"warning: checkpoint {path} is damaged ({damage}); trying an older one")
+                _log(f"warning: checkpoint {shown(path)} is damaged ({damage}); trying an older one")
             continue
         refused = checkpoint_file.refusal(path, verified)
         if refused is not None:
             os.close(fd)
             if ctx.local_rank == 0:
-                _log(f"warning: checkpoint {path} is not loaded ({refused}); trying an older one")
+                _log(f"warning: checkpoint {shown(path)} is not loaded ({refused}); trying an older one")
             continue
         if not verified.signed and ctx.is_rank0:
             _log(checkpoint_file.unauthenticated_line(path))
+        elif ctx.is_rank0 and (old := checkpoint_file.old_format_line(path, verified)) is not None:
+            _log(old)
         try:
             state = torch.load(f"/proc/self/fd/{fd}", map_location=map_location, weights_only=weights_only, mmap=True)
         finally:
             os.close(fd)
         if ctx.is_rank0:
-            _log(f"resuming from step {step} ({path})")
+            _log(f"resuming from step {step} ({shown(path)})")
         return Checkpoint(step=step, state=state, path=path)
     if ctx.is_rank0:
         _log("no checkpoint, starting from scratch")

@@ -12,7 +12,10 @@ agent (agent/base/reentry_wire.py) and loops:
                                 and enter again
     "abort" while train runs: a signal to this process raises `RoundAborted` in the main thread
                 at its next bytecode (a blocked gloo collective returns first, when the peer whose
-                failure ended the round tears its own group down and its connections close)
+                failure ended the round tears its own group down and its connections close);
+                a main thread still inside after RELEASE_SECONDS (it cannot be interrupted) has
+                the entry's connections shut down by the control thread, so that no peer waits
+                on it: its peers leave, and the agent kills and replaces it
 
 Who initialises torch.distributed: a script that did it before calling `run` leaves it to
 rally, which initialises it again (same backend, the new round's MASTER_ADDR/PORT, RANK and
@@ -43,6 +46,11 @@ T = TypeVar("T")
 # longer leaves this process's state in doubt: the agent restarts it whole.
 TEARDOWN_SECONDS = 10.0
 CONNECT_SECONDS = 5.0
+# A main thread still inside the function this long after the agent's abort cannot be interrupted
+# (a C call that never returns to Python, the interrupt signal blocked, a collective waiting on
+# such a peer): the control thread shuts the entry's connections down itself, which releases this
+# rank's collectives and its peers' collectives on it. The agent kills what still does not leave.
+RELEASE_SECONDS = 1.0
 
 
 def open_fds() -> set[tuple[int, int]]:
@@ -88,6 +96,9 @@ class _Link:
         self.messages: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self.aborting = threading.Event()
         self.in_train = False
+        self.left = threading.Event()  # the main thread is out of the function (or never in it)
+        self.left.set()
+        self.opened_since: set[tuple[int, int]] | None = None  # the descriptors older than this entry
         self.main_thread = threading.main_thread().ident
         self.reader = threading.Thread(target=self._read, name="rally-reentry", daemon=True)
         self.reader.start()
@@ -136,9 +147,12 @@ class _Link:
                 timeline[message["op"]] = time.time()
             if message["op"] == "abort":
                 self.aborting.set()
-                if self.in_train:  # the main thread is in the function: interrupt it
-                    signal.pthread_kill(self.main_thread or 0, wire.INTERRUPT_SIGNAL)
-            self.messages.put(message)
+            self.messages.put(message)  # before a wait below: a main thread out of the function goes on
+            if message["op"] == "abort" and self.in_train:  # the main thread is in the function: interrupt it
+                signal.pthread_kill(self.main_thread or 0, wire.INTERRUPT_SIGNAL)
+                # wait: short: RELEASE_SECONDS (1); no message but the abort's can come before we park
+                if not self.left.wait(RELEASE_SECONDS):
+                    _close_connections(self.opened_since)  # it cannot be interrupted: release its peers
 
     def _interrupt(self, signum: int, frame: object) -> None:
         if self.in_train and self.aborting.is_set():
@@ -189,13 +203,21 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             _deferred_init()
             timeline["initialised"] = time.time()
     backend = _rally_owned_backend()  # the script initialised torch.distributed: rally does it again
+    # what a teardown may shut down: what this entry opened, and when rally makes the group, what
+    # was opened since just before it made it (for the first entry, of a group the script made
+    # before calling run, since `rally.job` was imported)
+    opened_since = _FDS_AT_IMPORT if backend is not None else open_fds()
+    # torch's init_process_group wraps sys.excepthook in a new closure on every call: restored after
+    # each entry, or the chain (and the rank prefix on a crash's lines) grows by one an entry
+    excepthook = sys.excepthook
     entry = 0
     while True:
         entry += 1
         link.aborting.clear()
-        # what a teardown may shut down: what this entry opened, and for the first entry of a
-        # group the script made before calling run, what was opened since `rally.job` was imported
-        opened_since = _FDS_AT_IMPORT if entry == 1 and backend is not None else open_fds()
+        if backend is None:
+            opened_since = open_fds()
+        link.opened_since = opened_since
+        link.left.clear()
         # What is alive now (torch, the model, the data: ~170,000 objects) lives across entries: the
         # collector stops scanning it, so the teardown's collection of this entry's cycles takes
         # milliseconds instead of the 0.1-0.3 s of a full scan (the last teardown collected what
@@ -215,10 +237,12 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             del exc  # its traceback holds the function's frames (the model's activations, the old group)
         finally:
             link.in_train = False
+            link.left.set()
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         link.wait_for("abort")
         why = teardown(opened_since)
         timeline["parked"] = time.time()
+        sys.excepthook = excepthook
         link.send("parked", ok=why is None, why=why or "")
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         enter = link.wait_for("enter")
@@ -226,6 +250,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         if backend is not None:
             import torch.distributed as dist
 
+            opened_since = open_fds()
             dist.init_process_group(backend=backend)  # env://: the new round's master, rank and world size
             timeline["initialised"] = time.time()
 

@@ -26,6 +26,7 @@ import errno
 import grp
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,19 +94,44 @@ def judge_directory(info: os.stat_result, path: Path, what: str, warnings: list[
         )
 
 
-def open_directory(path: str | os.PathLike[str], what: str, create: bool = False) -> Walk:
+def open_directory(path: str | os.PathLike[str], what: str, create: bool = False, consented: bool = False) -> Walk:
     """Walk `path` from `/`, judging every directory and link on the way (`judge_directory`); the
     directory's descriptor (O_PATH: usable as dir_fd=, with fstat). With `create`, missing
     directories are made (0700) as the walk goes; without it the walk stops at the first missing
     one (fd None: nothing there yet, and everything above it checked). `what` starts each line
-    (e.g. "--log-dir /x"). Raises UnsafePath, or OSError when a part is not a directory."""
+    (e.g. "--log-dir /x"). Raises UnsafePath, or OSError when a part is not a directory.
+
+    `consented`: the user accepted a path other users may change (--checkpoint-dir-shared): what
+    would be refused is a warning line instead, and the directory is still opened (and then
+    written through its descriptor, so nothing renamed in its path reaches the job's writes)."""
     parts = collections.deque(Path(os.path.abspath(path)).parts[1:])
     warnings: list[str] = []
+    if consented:
+        return _consented_walk(parts, path, what, create, warnings)
+    return _walk(parts, path, what, create, warnings, judge_directory)
+
+
+def _consented_walk(
+    parts: collections.deque[str], path: str | os.PathLike[str], what: str, create: bool, warnings: list[str]
+) -> Walk:
+    def judge(info: os.stat_result, at: Path, what: str, warnings: list[str]) -> None:
+        try:
+            judge_directory(info, at, what, warnings)
+        except UnsafePath as exc:
+            warnings.append(str(exc))
+
+    return _walk(parts, path, what, create, warnings, judge, trust_links=True)
+
+
+def _walk(
+    parts: collections.deque[str], path: str | os.PathLike[str], what: str, create: bool, warnings: list[str],
+    judge: Callable[[os.stat_result, Path, str, list[str]], None], trust_links: bool = False,
+) -> Walk:  # fmt: skip
     fd = os.open("/", _WALK_FLAGS)
     real = Path("/")
     links = 0
     try:
-        judge_directory(os.fstat(fd), real, what, warnings)
+        judge(os.fstat(fd), real, what, warnings)
         while parts:
             name = parts.popleft()
             if name in ("", "."):
@@ -129,7 +155,10 @@ def open_directory(path: str | os.PathLike[str], what: str, create: bool = False
                 if not stat.S_ISLNK(info.st_mode):
                     raise NotADirectoryError(errno.ENOTDIR, f"{real / name} is not a directory") from None
                 if not trusted_owner(info.st_uid):
-                    raise _refuse(what, real / name, f"is a link owned by uid {info.st_uid}") from None
+                    refusal = _refuse(what, real / name, f"is a link owned by uid {info.st_uid}")
+                    if not trust_links:
+                        raise refusal from None
+                    warnings.append(str(refusal))
                 links += 1
                 if links > _MAX_LINKS:
                     raise OSError(errno.ELOOP, f"{path}: too many levels of symbolic links") from None
@@ -142,7 +171,7 @@ def open_directory(path: str | os.PathLike[str], what: str, create: bool = False
             os.close(fd)
             fd = child
             real = real.parent if name == ".." else real / name
-            judge_directory(os.fstat(fd), real, what, warnings)
+            judge(os.fstat(fd), real, what, warnings)
         return Walk(fd, real, warnings)
     except BaseException:
         os.close(fd)

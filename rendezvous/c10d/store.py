@@ -13,8 +13,9 @@ that torch does not already ship. This module hides three awkward corners of the
   or a hang: torch's client turns a reply that claims a 1 TiB value into `std::bad_alloc`
   (MemoryError here), and waits for ever for the answer to a wait's CANCEL_WAIT. Every error of
   torch's client is `StoreUnavailable` with one line (`Store._call`), and the calls that wait on
-  the server (wait, get, multi_get: torch's get waits first) run in a thread bounded by their
-  timeout plus `op_timeout` (`Store._bounded_call`).
+  the server (wait, get, multi_get: torch's get waits first) run in another thread, bounded by
+  their timeout plus `op_timeout` (`Store._bounded_call`): the connection's long-lived
+  `CallRunner`, not a thread started per call.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import ipaddress
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,6 +43,7 @@ from rally.rendezvous.base.kv import (
 from rally.rendezvous.base.token import BadRecord, Signer
 from rally.rendezvous.c10d.connect import (
     CONSTRUCTOR_SLACK_SECONDS,
+    CallRunner,
     NoStoreThere,
     bounded,
     current_progress,
@@ -116,10 +119,15 @@ class Store(KeyValueStore):
     on_untrusted: Callable[[str], None] | None = None  # see KeyValueStore; copied by connect_again
     op_timeout: float = DEFAULT_OP_TIMEOUT  # the client's own timeout: how long an answer may take
     replaces_untrusted: ClassVar[bool] = True
+    # makes the calls that wait on the server (`_bounded_call`); its thread leaves with this Store
+    _runner: CallRunner = field(default_factory=CallRunner, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, self._runner.close)
 
     def _bounded_call(self, fn: Callable, args: tuple, waits: float) -> Any:
         """A call that waits on the server for up to `waits` seconds (torch's wait, get, multi_get):
-        in a thread, given `waits` + `op_timeout` in all. torch's client sends CANCEL_WAIT when its
+        in the runner's thread, given `waits` + `op_timeout` in all. torch's client sends CANCEL_WAIT when its
         wait times out and then waits for ever for the answer, so a store that never gives it would
         hang the agent; past the bound this connection is dropped for a fresh one and the call is
         StoreUnavailable with one line. (A store that answers nothing at all is said sooner by the
@@ -127,8 +135,11 @@ class Store(KeyValueStore):
         bound = waits + self.op_timeout
         try:
             # wait: bounded, said by the caller: the call's own timeout + op_timeout, then StoreUnavailable
-            return bounded(lambda: self._call(fn, *args), bound, f"a request to {self.describe}")
+            return self._runner.call(lambda: self._call(fn, *args), bound, f"a request to {self.describe}")
         except NoStoreThere:
+            runner, self._runner = self._runner, CallRunner()  # the stuck call keeps the old runner's thread
+            weakref.finalize(self, self._runner.close)
+            runner.close()
             try:
                 self.raw = self._reconnect()  # the stuck call keeps the old connection (and its lock)
             except Exception:  # the store is gone too: the line below says what matters
@@ -228,6 +239,10 @@ class Store(KeyValueStore):
 
     def check(self, name: str) -> bool:
         return bool(self._call(self.raw.check, [self.key(name)]))
+
+    def all_present(self, names: Sequence[str]) -> bool:
+        """Every key of `names` exists: one CHECK request of them all (c10d answers for the set)."""
+        return bool(self._call(self.raw.check, [self.key(name) for name in names])) if names else True
 
     def get_unsigned(self, name: str) -> bytes | None:
         """The raw bytes of a key written by `append` (which cannot be signed), None when nobody

@@ -577,6 +577,10 @@ class EtcdStore(KeyValueStore):
             revision = revision or int(reply["header"]["revision"])
         return found, revision or 0
 
+    def all_present(self, names: Sequence[str]) -> bool:
+        """Every key of `names` exists: the one transaction of `read_present`."""
+        return len(self.read_present(names)) == len(set(names))
+
     def read_present(self, names: Sequence[str]) -> dict[str, Checked]:
         """The keys of `names` that exist, in one transaction of a range each (a few unrelated keys:
         the end records a node checks before it joins); each value checked on its own."""

@@ -427,3 +427,38 @@ def form_one_round_at_once(nodes: Sequence[Any], timeout: float) -> None:
         t.join(timeout)
     assert not errors, errors[:3]
     assert sorted(ranks) == list(range(len(nodes))), "every node got its own group rank"
+
+
+@contextlib.contextmanager
+def over_and_over(steps: Sequence[tuple[Callable[[], None], float]]) -> Iterator[None]:
+    """While the block runs, a daemon thread does each step's action then waits its pause, over and
+    over (a signal every 0.5 ms; SIGSTOP, 60 ms, SIGCONT, 1 ms): a disturbance kept up for the whole
+    block, stopped and joined on the way out."""
+    over = threading.Event()
+
+    def repeat() -> None:
+        while not over.is_set():
+            for act, pause in steps:
+                act()
+                # wait: short: the step's pause, ended at once when the block ends
+                over.wait(pause)
+
+    thread = threading.Thread(target=repeat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        over.set()
+        # wait: short: one round of steps
+        thread.join(timeout=10)
+
+
+def writable_memory_cgroup_v1() -> Path | None:
+    """This process's cgroup-v1 memory cgroup if the test may make groups in it (a real memory limit,
+    the kernel's OOM killer), else None (cgroup v2 only, or not writable: the test skips)."""
+    try:
+        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x)
+    except (OSError, StopIteration):
+        return None
+    base = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
+    return base if (base / "cgroup.procs").exists() and os.access(base, os.W_OK) else None

@@ -23,7 +23,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +81,16 @@ def stranger_process(code: str, env: dict[str, str] | None = None) -> Iterator[s
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=10)
+
+
+@contextlib.contextmanager
+def reachable_dir(prefix: str, mode: int = 0o755) -> Iterator[Path]:
+    """A fresh directory of ours under /tmp that the other user can reach (a test's tmp_path has
+    0700 parents): `mode` 0o755 lets it look in, 0o1777 write there too (as in /tmp or a shared
+    scratch log directory). Removed with everything in it on the way out."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(mode)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

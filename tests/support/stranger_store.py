@@ -100,8 +100,28 @@ def proxy(target_port, listen_port=0):
 torch TCPStore) from a socket the stranger listens on; it prints `listening PORT` first."""
 
 
-HOSTILE_C10D = r'''
-import socket, struct, sys, threading
+_LISTENER = r'''
+import socket, threading
+
+
+def serve(handle, *args):
+    """Listen on a port of the OS's choosing, print `listening PORT`, then give every connection
+    to `handle(conn, *args)` in a thread of its own, forever (the test ends the process)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    print("listening", server.getsockname()[1], flush=True)
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=handle, args=(conn, *args), daemon=True).start()
+'''
+"""The listening half the hostile servers below share: each adds what it says to a connection."""
+
+
+HOSTILE_C10D = (
+    _LISTENER
+    + r'''
+import struct, sys
 
 VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY, APPEND, MULTI_GET, MULTI_SET = range(12)
 CANCEL_WAIT, PING = 12, 13
@@ -191,21 +211,17 @@ def _client(conn, mode, values):
 
 
 def hostile_store(mode):
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    print("listening", server.getsockname()[1], flush=True)
-    values = {}
-    while True:
-        conn, _ = server.accept()
-        threading.Thread(target=_client, args=(conn, mode, values), daemon=True).start()
+    serve(_client, mode, {})
 '''
+)
 """A hostile c10d store, standard library only: `hostile_store(mode)` answers torch's client as a
 store does, until the query its `mode` is about (see `_client`); it prints `listening PORT` first."""
 
 
-HOSTILE_ETCD = r'''
-import json, socket, sys, threading
+HOSTILE_ETCD = (
+    _LISTENER
+    + r'''
+import json, sys
 
 NESTED = b"[" * 100000 + b"]" * 100000
 SHAPES = {
@@ -252,14 +268,9 @@ def _answer(conn, shape):
 
 def hostile_etcd(shape):
     """An etcd gateway's port that answers every request with the reply `shape` names."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    print("listening", server.getsockname()[1], flush=True)
-    while True:
-        conn, _ = server.accept()
-        threading.Thread(target=_answer, args=(conn, shape), daemon=True).start()
+    serve(_answer, shape)
 '''
+)
 """A hostile etcd gateway, standard library only: `hostile_etcd(shape)` answers every POST with one
 reply shape (nested past any parser, a list, a string, fields of the wrong types, a 1 TiB
 Content-Length, a chunked reply that never ends); it prints `listening PORT` first."""

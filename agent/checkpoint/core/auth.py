@@ -34,10 +34,19 @@ import os
 import stat
 from pathlib import Path
 
+from rally.agent.checkpoint.core.held_dir import shown
+
 KEY_ENV = "RALLY_CKPT_KEY"
 """The checkpoint key (hex), set by the agent for its workers and its holder."""
 SHARED_ENV = "RALLY_CHECKPOINT_DIR_SHARED"
 """1: the user consented to a checkpoint directory other users can write (--checkpoint-dir-shared)."""
+JOB_ENV = "RALLY_CKPT_JOB"
+"""The job's checkpoint tag (hex, `JOB_TAG_SIZE` bytes): set by the launcher for the agent, holder and workers."""
+JOB_TAG_SIZE = 16
+UNBOUND = bytes(JOB_TAG_SIZE)
+"""The tag of a save made outside rally (torchrun, plain python): bound to no job."""
+JOB_ID_FILE = ".rally-job-id"
+"""In the checkpoint directory: the random job identity of a job given no --rdzv-id (0600, made at its first run)."""
 _DERIVE = b"rally checkpoint key v1"
 
 
@@ -99,9 +108,11 @@ def signing_key() -> bytes:
     return keys()[0]
 
 
-def new_mac(key: bytes, kind: str, step: int) -> hmac.HMAC:
-    """A streaming HMAC-SHA256 bound to what is signed (`kind`) and its step."""
-    return hmac.new(key, f"rally/{kind}/{step}\0".encode(), hashlib.sha256)
+def new_mac(key: bytes, kind: str, step: int, job: bytes | None = None) -> hmac.HMAC:
+    """A streaming HMAC-SHA256 bound to what is signed (`kind`), its step and, from format 4 on,
+    the job that wrote it (`job`, its tag; None: a format-3 file, bound to no job)."""
+    bound = "" if job is None else f"/{job.hex()}"
+    return hmac.new(key, f"rally/{kind}/{step}{bound}\0".encode(), hashlib.sha256)
 
 
 def sign(kind: str, step: int, payload: bytes, key: bytes | None = None) -> str:
@@ -115,16 +126,123 @@ def verify(kind: str, step: int, payload: bytes, mac_hex: str) -> bool:
     return any(hmac.compare_digest(sign(kind, step, payload, key), mac_hex) for key in keys())
 
 
-def seal(key: bytes, kind: str, step: int, root: bytes) -> bytes:
-    """The MAC of a checkpoint whose bytes have the digest `root` (agent/checkpoint/core/digest.py)."""
-    mac = new_mac(key, kind, step)
+def seal(key: bytes, kind: str, step: int, root: bytes, job: bytes | None = None) -> bytes:
+    """The MAC of a checkpoint whose bytes have the digest `root` (agent/checkpoint/core/digest.py),
+    written by the job tagged `job`."""
+    mac = new_mac(key, kind, step, job)
     mac.update(root)
     return mac.digest()
 
 
-def sealed(key: bytes, kind: str, step: int, root: bytes, mac: bytes) -> bool:
+def sealed(key: bytes, kind: str, step: int, root: bytes, mac: bytes, job: bytes | None = None) -> bool:
     """Whether `mac` is `seal` of `root` under `key` (compared in constant time)."""
-    return hmac.compare_digest(seal(key, kind, step, root), mac)
+    return hmac.compare_digest(seal(key, kind, step, root, job), mac)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which job wrote a checkpoint
+#
+# Why: in a directory other users may write (--checkpoint-dir-shared) they cannot read the job's
+# 0600 files, but they can rename them. A MAC under the user's key alone lets them move a genuine
+# checkpoint of another of the user's jobs into this job's directory under a newer step's name:
+# the job would resume from the other job's weights. So each save carries its job's tag in the
+# signed part, and a job refuses, in a shared directory, a checkpoint another job signed. In a
+# directory only the user can write nothing else can bring one there: any tag of the user loads
+# (a job resubmitted under another --rdzv-id still finds its own checkpoints).
+
+
+def job_tag_of(identity: str) -> bytes:
+    """The tag of a job identity (the --rdzv-id the user gave, or the directory's random id)."""
+    return hashlib.sha256(f"rally checkpoint job\0{identity}".encode()).digest()[:JOB_TAG_SIZE]
+
+
+def job_tag(environ: dict[str, str] | None = None) -> bytes:
+    """This process's job tag (RALLY_CKPT_JOB), `UNBOUND` outside rally or when it is malformed."""
+    text = (os.environ if environ is None else environ).get(JOB_ENV, "")
+    try:
+        tag = bytes.fromhex(text)
+    except ValueError:
+        return UNBOUND
+    return tag if len(tag) == JOB_TAG_SIZE else UNBOUND
+
+
+def job_identity(dir_fd: int, given: str | None) -> str:
+    """The job's identity for its checkpoints: the --rdzv-id the user gave (the same on every
+    launch of the job, and on every node), else the random id kept in the checkpoint directory
+    (`JOB_ID_FILE`, read through the open directory `dir_fd`; made at the job's first run, 0600,
+    atomically: written under a temporary name, then linked to its name, which fails if another
+    node or launch was first, whose id is then read)."""
+    if given:
+        return f"rdzv:{given}"
+    for _ in range(3):
+        try:
+            return "dir:" + _read_id(dir_fd)
+        except FileNotFoundError:
+            pass
+        temp = f".{JOB_ID_FILE}.{os.urandom(8).hex()}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            os.write(fd, os.urandom(16).hex().encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, JOB_ID_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            pass  # another node or launch made it first: read theirs
+        finally:
+            os.unlink(temp, dir_fd=dir_fd)
+    return "dir:" + _read_id(dir_fd)
+
+
+def _read_id(dir_fd: int) -> str:
+    fd = os.open(JOB_ID_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{JOB_ID_FILE} is not a regular file")
+        return os.read(fd, 256).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+
+
+def other_job(job: bytes | None, directory: Path) -> str | None:
+    """Why a checkpoint signed for the job tagged `job` must not load in `directory`, or None:
+    only in a directory others may write, and only when another job signed it."""
+    if job is None or job == job_tag() or directory_problem(directory) is None:
+        return None
+    return (
+        "signed by another job of yours (another --rdzv-id, or another checkpoint directory's job id), moved "
+        "here by someone who may write this shared directory"
+    )
+
+
+_refusals: list[str] = []
+_said: set[str] = set()
+
+
+def note_refusal(path: object, reason: str) -> None:
+    """Remember, once per file and reason, that a checkpoint was skipped for `reason`: the agent
+    computes the round's resume step from what verifies, so the workers never reach the newer
+    file it skipped, and without this nobody would say why (`take_refusals`)."""
+    line = f"checkpoint {shown(path)} is not loaded ({reason})"  # type: ignore[arg-type]
+    if line not in _said and len(_said) < 1024:
+        _said.add(line)
+        _refusals.append(line)
+
+
+def take_refusals() -> list[str]:
+    """The lines of `note_refusal` not yet taken."""
+    taken = _refusals[:]
+    _refusals.clear()
+    return taken
+
+
+def old_format_line(path: object) -> str:
+    """The one line for a signed checkpoint written before checkpoints were bound to their job."""
+    return (
+        f"checkpoint {shown(path)} was signed before checkpoints were bound to their job: loaded, but "  # type: ignore[arg-type]
+        "any job of yours could have written it"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +274,7 @@ def shared_consent(environ: dict[str, str] | None = None) -> bool:
 
 def refusal_line(directory: Path, problem: str) -> str:
     return (
-        f"rally: checkpoint directory {directory} {problem}: another user could plant a checkpoint the job "
+        f"rally: checkpoint directory {shown(directory)} {problem}: another user could plant a checkpoint the job "
         "would load; use a directory only you can write (chmod go-w), or pass --checkpoint-dir-shared to "
         "accept it (only checkpoints signed with your key are loaded then)"
     )
@@ -177,7 +295,7 @@ def make_private_dir(path: Path) -> None:
     an existing one must be a directory (the user's own link to one is followed: it is their choice)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     if not path.is_dir():
-        raise NotADirectoryError(f"rally: {path} exists and is not a directory")
+        raise NotADirectoryError(f"rally: {shown(path)} exists and is not a directory")
 
 
 def private_subdir(path: Path) -> None:
@@ -192,12 +310,14 @@ def private_subdir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:  # ELOOP/ENOTDIR: a link, or not a directory
-        raise PermissionError(f"rally: refusing {path}: it is not a directory of rally's ({exc.strerror})") from None
+        raise PermissionError(
+            f"rally: refusing {shown(path)}: it is not a directory of rally's ({exc.strerror})"
+        ) from None
     try:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid() or info.st_mode & 0o022:
             raise PermissionError(
-                f"rally: refusing {path}: it is not a private directory of this user's (another user's, or "
+                f"rally: refusing {shown(path)}: it is not a private directory of this user's (another user's, or "
                 "writable by others); something else made it"
             )
         if info.st_mode & 0o077:

@@ -5,16 +5,18 @@ is (a flipped byte inside a tensor loads "fine"), on the torch version and on ti
 that each try to load the newest file could disagree on the step they resume from. A footer
 written at save time gives one verdict for every reader, the agent's crash-loop check included:
 
-    [ torch.save payload (N bytes) ][ footer: b"RALLYCK3" | N (u64) | step (u64) | mac (32 B) | b"END3" ]
+    [ torch.save payload (N bytes) ][ footer: b"RALLYCK4" | N (u64) | step (u64) | job (16 B) | mac (32 B) | b"END4" ]
 
 A file is intact and **authentic** only if it is a regular file, ends with that footer, is exactly
-N + 60 bytes long and `mac`, an HMAC-SHA256 under the job's checkpoint key
-(agent/checkpoint/core/auth.py) of the step and the digest of the N bytes (agent/checkpoint/core/digest.py:
-SHA-256 leaves hashed on a few threads, then a root), verifies. One pass over the bytes; no CRC,
-since a MAC over every byte rejects any damage a CRC would. Files written before authentication
-end in the 24-byte footer `b"RALLYCKP" | N | crc32 | b"END1"` (no step, no MAC): intact when
-the CRC-32 matches, but unauthenticated, and loaded only from a directory only the job's user can
-write (rally.job.load_latest says so).
+N + 76 bytes long and `mac`, an HMAC-SHA256 under the job's checkpoint key
+(agent/checkpoint/core/auth.py) of the step, the writing job's tag and the digest of the N bytes
+(agent/checkpoint/core/digest.py: SHA-256 leaves hashed on a few threads, then a root), verifies;
+in a directory other users may write, the tag must be this job's (auth.other_job). Files of the
+format before (`RALLYCK3 ... END3`, 60 bytes: no job) still load, with one line in such a directory.
+One pass over the bytes; no CRC, since a MAC over every byte rejects any damage a CRC would.
+Files written before authentication end in the 24-byte footer
+`b"RALLYCKP" | N | crc32 | b"END1"` (no step, no MAC): intact when the CRC-32 matches, but
+unauthenticated, and loaded only from a directory only the job's user can write (rally.job.load_latest says so).
 Anything else (truncated, zero length, garbage, unreadable, a directory, FIFO or symlink under a
 checkpoint's name, a file written by plain torch.save) is damaged and skipped. torch.load
 ignores the bytes after its zip archive, so an intact file still loads with plain `torch.load(path)`.
@@ -43,10 +45,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rally.agent.checkpoint.core.digest import BytesLike, TreeDigest
+from rally.agent.checkpoint.core.held_dir import shown
 from rally.agent.checkpoint.core.shm import storage_bytes
 
-FOOTER = struct.Struct("<8sQQ32s4s")
-FOOTER_MAGIC, FOOTER_END = b"RALLYCK3", b"END3"
+FOOTER = struct.Struct("<8sQQ16s32s4s")
+FOOTER_MAGIC, FOOTER_END = b"RALLYCK4", b"END4"
+OLD_FOOTER = struct.Struct("<8sQQ32s4s")
+"""The footer before checkpoints were bound to their job: signed, any job of the user's."""
+OLD_MAGIC, OLD_END = b"RALLYCK3", b"END3"
 LEGACY_FOOTER = struct.Struct("<8sQI4s")
 """The footer before checkpoints were signed: intact, never authentic."""
 LEGACY_MAGIC, LEGACY_END = b"RALLYCKP", b"END1"
@@ -85,10 +91,12 @@ class Checkpoint:
 @dataclass(frozen=True)
 class Verified:
     """What a check of a file found: `signed` by this job's key (False: a legacy, unauthenticated
-    file), and the step its footer signs (None for a legacy file)."""
+    file), the step its footer signs (None for a legacy file), and the tag of the job that signed
+    it (None: a legacy file, or one signed before checkpoints were bound to their job)."""
 
     signed: bool
     step: int | None
+    job: bytes | None = None
 
 
 class Sums:
@@ -100,7 +108,7 @@ class Sums:
     def __init__(self, step: int) -> None:
         from rally.agent.checkpoint.core import auth, digest
 
-        self.step, self.key = step, auth.signing_key()
+        self.step, self.key, self.job = step, auth.signing_key(), auth.job_tag()
         self.tree = digest.TreeDigest()
 
     @property
@@ -113,8 +121,8 @@ class Sums:
     def footer(self) -> bytes:
         from rally.agent.checkpoint.core import auth
 
-        mac = auth.seal(self.key, MAC_KIND, self.step, self.tree.root())
-        return FOOTER.pack(FOOTER_MAGIC, self.length, self.step, mac, FOOTER_END)
+        mac = auth.seal(self.key, MAC_KIND, self.step, self.tree.root(), self.job)
+        return FOOTER.pack(FOOTER_MAGIC, self.length, self.step, self.job, mac, FOOTER_END)
 
 
 class _ChecksumWriter:
@@ -277,14 +285,20 @@ def _verify_mapped(fd: int) -> Verified:
         raise DamagedCheckpoint(f"only {size} bytes, no rally footer")
     try:
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data:
-            signed = size >= FOOTER.size and data[size - 4 : size] == FOOTER_END
-            if signed:
-                magic, length, step, mac, end = FOOTER.unpack_from(data, size - FOOTER.size)
+            tail = data[size - 4 : size]
+            signed = (size >= FOOTER.size and tail == FOOTER_END) or (size >= OLD_FOOTER.size and tail == OLD_END)
+            job: bytes | None = None
+            if signed and tail == FOOTER_END:
+                magic, length, step, job, mac, end = FOOTER.unpack_from(data, size - FOOTER.size)
                 footer_size, crc = FOOTER.size, None
+            elif signed:
+                magic, length, step, mac, end = OLD_FOOTER.unpack_from(data, size - OLD_FOOTER.size)
+                footer_size, crc = OLD_FOOTER.size, None
             else:
                 magic, length, crc, end = LEGACY_FOOTER.unpack_from(data, size - LEGACY_FOOTER.size)
                 footer_size, step, mac = LEGACY_FOOTER.size, None, b""
-            if (magic, end) not in ((FOOTER_MAGIC, FOOTER_END), (LEGACY_MAGIC, LEGACY_END)):
+            known = ((FOOTER_MAGIC, FOOTER_END), (OLD_MAGIC, OLD_END), (LEGACY_MAGIC, LEGACY_END))
+            if (magic, end) not in known:
                 raise DamagedCheckpoint("no rally footer: truncated, or not written by rally.job.save")
             if length != size - footer_size:
                 raise DamagedCheckpoint(f"length {size - footer_size} bytes, the footer says {length}")
@@ -299,14 +313,14 @@ def _verify_mapped(fd: int) -> Verified:
     except auth.NoKey as exc:
         raise DamagedCheckpoint(str(exc)) from None
     if signed:
-        if not any(auth.sealed(key, MAC_KIND, step, root, mac) for key in keys):
+        if not any(auth.sealed(key, MAC_KIND, step, root, mac, job) for key in keys):
             raise DamagedCheckpoint(
                 "not signed with this job's checkpoint key (damaged, or written by another user or under "
                 "another job token)"
             )
     elif actual != crc:
         raise DamagedCheckpoint(f"checksum mismatch: crc32 {actual:08x}, the footer says {crc:08x}")
-    return Verified(signed, step)
+    return Verified(signed, step, job)
 
 
 def is_complete(path: Path) -> bool:
@@ -321,9 +335,13 @@ def is_complete(path: Path) -> bool:
         if not stat.S_ISREG(info.st_mode) or info.st_size < LEGACY_FOOTER.size:
             return False
         if info.st_size >= FOOTER.size:
-            magic, length, _, _, end = FOOTER.unpack(os.pread(fd, FOOTER.size, info.st_size - FOOTER.size))
+            magic, length, _, _, _, end = FOOTER.unpack(os.pread(fd, FOOTER.size, info.st_size - FOOTER.size))
             if (magic, end) == (FOOTER_MAGIC, FOOTER_END):
                 return length == info.st_size - FOOTER.size
+        if info.st_size >= OLD_FOOTER.size:
+            magic, length, _, _, end = OLD_FOOTER.unpack(os.pread(fd, OLD_FOOTER.size, info.st_size - OLD_FOOTER.size))
+            if (magic, end) == (OLD_MAGIC, OLD_END):
+                return length == info.st_size - OLD_FOOTER.size
         magic, length, _, end = LEGACY_FOOTER.unpack(
             os.pread(fd, LEGACY_FOOTER.size, info.st_size - LEGACY_FOOTER.size)
         )
@@ -352,7 +370,12 @@ def is_intact(path: Path) -> bool:
         try:
             fd, verified = open_mapped_verified(path)
             os.close(fd)
-            verdict = refusal(path, verified) is None
+            refused = refusal(path, verified)
+            if refused is not None:
+                from rally.agent.checkpoint.core import auth
+
+                auth.note_refusal(path, refused)
+            verdict = refused is None
         except (DamagedCheckpoint, FileNotFoundError):
             verdict = False
         if len(_verdicts) >= _VERDICT_CACHE_LIMIT:
@@ -374,16 +397,26 @@ def refusal(path: Path, verified: Verified) -> str | None:
         named = _NAME_STEP.match(path.name)
         if named and int(named.group(1)) != verified.step:
             return f"signed for step {verified.step}, not for the step its name says (renamed)"
-        return None
+        return auth.other_job(verified.job, path.parent)
     problem = auth.directory_problem(path.parent)
     if problem is None:
         return None
     return f"written before checkpoints were signed, and {path.parent} {problem}: an unauthenticated file is not loaded"
 
 
+def old_format_line(path: Path, verified: Verified) -> str | None:
+    """One line when a signed file of the format before job binding is loaded from a directory
+    others may write (where the binding matters); None otherwise."""
+    from rally.agent.checkpoint.core import auth
+
+    if not verified.signed or verified.job is not None or auth.directory_problem(path.parent) is None:
+        return None
+    return auth.old_format_line(path)
+
+
 def unauthenticated_line(path: Path) -> str:
     return (
-        f"checkpoint {path} was written before rally signed checkpoints: it is unauthenticated, loaded "
+        f"checkpoint {shown(path)} was written before rally signed checkpoints: it is unauthenticated, loaded "
         "because only you can write its directory"
     )
 

@@ -26,6 +26,9 @@ Why an HMAC: a CRC says "whole", not "ours", and `.metadata` is a pickle. The ma
 `mac` (agent/checkpoint/core/auth.py) covers the step and every file's digest (agent/checkpoint/core/digest.py:
 SHA-256 leaves on a few threads, then a root; no CRC beside it, the MAC'd digest rejects any
 damage), so a directory verifies only if the job's key signed exactly these bytes as this step.
+The manifest (`rally-dcp-4`) also names the job that wrote it (its tag, auth.job_tag) inside the
+signed part: in a directory other users may write, a step another of the user's jobs signed is
+refused (auth.other_job); `rally-dcp-3` manifests (signed, no job) still load, with one line there.
 Manifests written before (`rally-dcp-1`: CRCs only) are unauthenticated: loaded only from a directory only the job's
 user can write. Nothing here follows a symlink: the step directory and its files must be what
 they are (lstat), and files are opened with O_NOFOLLOW.
@@ -55,7 +58,9 @@ from rally.agent.checkpoint.core.checkpoint_file import DamagedCheckpoint, fsync
 from rally.agent.checkpoint.core.shm import own_key, replica_key  # noqa: F401 - the sharded path names its slots through these
 
 MANIFEST = "rally.json"
-MANIFEST_FORMAT = "rally-dcp-3"
+MANIFEST_FORMAT = "rally-dcp-4"
+OLD_FORMAT = "rally-dcp-3"
+"""Signed, but bound to no job (before checkpoints were bound to their job)."""
 LEGACY_FORMAT = "rally-dcp-1"
 """Manifests written before checkpoints were signed: CRCs only, no MAC."""
 MAC_KIND = "dcp"
@@ -72,6 +77,10 @@ SLOT_HEADER = struct.Struct("<8sQQQ")
 SLOT_MAGIC = b"RALLYDCP"
 KEY_RE = re.compile(r"^dcp(r?)(\d+)of(\d+)$")
 """The holder's keys of sharded copies: `dcp<rank>of<world>` (own), `dcpr<rank>of<world>` (replica)."""
+
+
+class ForeignStep(DamagedCheckpoint):
+    """A genuine step another job of the user's signed, in a directory others may write: not loaded."""
 
 
 def step_name(step: int) -> str:
@@ -159,7 +168,9 @@ class TempDir:
 
 def _signed_part(manifest: dict[str, Any]) -> bytes:
     return json.dumps(
-        {k: manifest.get(k) for k in ("format", "step", "files")}, sort_keys=True, separators=(",", ":")
+        {k: manifest.get(k) for k in ("format", "step", "files", "job") if k in manifest},
+        sort_keys=True,
+        separators=(",", ":"),
     ).encode()
 
 
@@ -174,6 +185,7 @@ def publish_dir(directory: Path, temp: Path, step: int, files: dict[str, FileSum
         "format": MANIFEST_FORMAT,
         "step": step,
         "files": {n: {"size": s, "digest": d} for n, (s, d) in sorted(files.items())},
+        "job": auth.job_tag().hex(),
     }
     manifest["mac"] = auth.sign(MAC_KIND, step, _signed_part(manifest))
     fd = os.open(temp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -264,17 +276,17 @@ def read_manifest(path: Path) -> Manifest:
         fmt = manifest.get("format")
         files: dict[str, FileCheck] = {
             str(n): (int(v["size"]), None, str(v["digest"]))
-            if fmt == MANIFEST_FORMAT
+            if fmt in (MANIFEST_FORMAT, OLD_FORMAT)
             else (int(v["size"]), int(v["crc32"]), None)
             for n, v in manifest["files"].items()
         }
-        if fmt not in (MANIFEST_FORMAT, LEGACY_FORMAT) or ".metadata" not in files:
+        if fmt not in (MANIFEST_FORMAT, OLD_FORMAT, LEGACY_FORMAT) or ".metadata" not in files:
             raise ValueError
     except FileNotFoundError:
         raise DamagedCheckpoint(f"no {MANIFEST}: not a complete rally checkpoint") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise DamagedCheckpoint(f"{MANIFEST} is unreadable or malformed") from None
-    signed = fmt == MANIFEST_FORMAT
+    signed = fmt in (MANIFEST_FORMAT, OLD_FORMAT)
     if signed:
         step = manifest.get("step")
         try:
@@ -288,6 +300,13 @@ def read_manifest(path: Path) -> Manifest:
             )
         if step_named and int(step_named.group(1)) != step:
             raise DamagedCheckpoint(f"signed for step {step}, not for the step its name says (renamed)")
+        if fmt == MANIFEST_FORMAT:
+            try:
+                job = bytes.fromhex(str(manifest.get("job")))
+            except ValueError:
+                raise DamagedCheckpoint(f"{MANIFEST} names no job") from None
+            if (other := auth.other_job(job, path.parent)) is not None:
+                raise ForeignStep(other)
     else:
         problem = auth.directory_problem(path.parent)
         if problem is not None:
@@ -363,6 +382,22 @@ def verify(path: Path, share: int = 0, shares: int = 1) -> bool:
     return manifest.signed
 
 
+def old_format_line(path: Path) -> str | None:
+    """One line when the step directory `path`, verified, is signed in the format before job
+    binding and lies in a directory others may write (where the binding matters); else None."""
+    if auth.directory_problem(path.parent) is None:
+        return None
+    try:
+        fd = os.open(path / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            fmt = json.loads(os.read(fd, 1 << 20)).get("format")
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return auth.old_format_line(path) if fmt == OLD_FORMAT else None
+
+
 _verdicts: dict[tuple[object, ...], bool] = {}
 
 
@@ -381,6 +416,9 @@ def is_intact(path: Path) -> bool:
         try:
             verify(path)
             verdict = True
+        except ForeignStep as refused:
+            auth.note_refusal(path, str(refused))
+            verdict = False
         except DamagedCheckpoint:
             verdict = False
         if len(_verdicts) >= _VERDICT_CACHE_LIMIT:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rally.agent.checkpoint.core.client import CheckpointRefused, HolderAddress, MemoryTier
+from rally.agent.checkpoint.core.held_dir import shown
 from rally.agent.checkpoint.sharded import files as dcp_files
 
 WAIT_NEWEST_SHARE = 0.6
@@ -158,7 +159,7 @@ def flush(holder: HolderAddress, directory: Path, seconds: float, keep: int) -> 
         return {"written": sorted(written)}  # published by another node's helper
     return {
         "warn": f"sharded checkpoint step {newest} stays in memory only: "
-        f"not every rank's part reached {directory} within {seconds:.0f} s"
+        f"not every rank's part reached {shown(directory)} within {seconds:.0f} s"
     }
 
 
@@ -172,7 +173,7 @@ def main(argv: list[str]) -> int:
         result = flush(holder, directory, seconds, max(keep, 1))
     except Exception as exc:  # one line for the agent to print, never a traceback at the job's end
         result = {
-            "warn": f"the newest sharded checkpoint in memory could not be written to {directory}: "
+            "warn": f"the newest sharded checkpoint in memory could not be written to {shown(directory)}: "
             f"{type(exc).__name__}: {exc}"
         }
     print(json.dumps(result), flush=True)

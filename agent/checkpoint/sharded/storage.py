@@ -39,6 +39,7 @@ from rally.agent.checkpoint.core import auth, digest, resume_prefetch
 from rally.agent.checkpoint.core import client as ckpt_client
 from rally.agent.checkpoint.core.checkpoint_file import Checkpoint, DamagedCheckpoint
 from rally.agent.checkpoint.core.digest import BytesLike
+from rally.agent.checkpoint.core.held_dir import shown
 from rally.agent.checkpoint.core.torch_internals import StorageInfo, StoragePrefix
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import memory as dcp_memory
@@ -194,7 +195,7 @@ def save(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
         error = _os_error_within(error)
         others = f" (and on {len(failure.failures) - 1} more ranks)" if len(failure.failures) > 1 else ""
         raise ShardedSaveFailed(
-            f"rally: sharded checkpoint of step {step} in {directory} failed on rank {rank}{others}: "
+            f"rally: sharded checkpoint of step {step} in {shown(directory)} failed on rank {rank}{others}: "
             f"{type(error).__name__}: {error}"
         ) from failure
     except BaseException:
@@ -241,17 +242,20 @@ def load_newest(state: dict[str, Any], directory: Path) -> Checkpoint | None:
         reasons = _reasons_of_every_rank(reason, world)
         if any(reasons):
             if rank == 0:
-                _log(f"warning: checkpoint {path} is damaged ({next(r for r in reasons if r)}); trying an older one")
+                broken = next(r for r in reasons if r)
+                _log(f"warning: checkpoint {shown(path)} is damaged ({broken}); trying an older one")
             continue
         if not signed and rank == 0:
             _log(
-                f"checkpoint {path} was written before rally signed checkpoints: it is unauthenticated, loaded "
+                f"checkpoint {shown(path)} was written before rally signed checkpoints: it is unauthenticated, loaded "
                 "because only you can write its directory"
             )
+        if signed and rank == 0 and (old := dcp_files.old_format_line(path)) is not None:
+            _log(old)
         dcp.load(state, storage_reader=SafeMetadataReader(path))  # authenticated above; restricted unpickler
         if rank == 0:
             _log(
-                f"resuming from step {step} ({path}, sharded, world size "
+                f"resuming from step {step} ({shown(path)}, sharded, world size "
                 f"{world}){f'; not from memory: {why}' if why else ''}"
             )
         return Checkpoint(step=step, state=state, path=path)
