@@ -13,9 +13,14 @@ processes; ``rally_run_spare`` with ``--warm-spares 1`` when rally has that opti
 says it is not available) and NVIDIA's in-process ``Wrapper`` under torchrun (``nvrx``: its sources
 from nvidia-resiliency-ext, found through ``RALLY_BENCH_NVRX_SRC``; without it the row says how to
 get them; an exception is restarted in-process, a SIGKILL by torchrun's whole restart). Per fault:
-fault -> every rank stepping again (rank 0's first step of the next entry of the function: the
-ranks step in lockstep), and whether the survivors' pids stayed the same (both ranks for an
-exception, rank 0 for a SIGKILL).
+fault -> every rank stepping again, and whether the survivors' pids stayed the same (both ranks
+for an exception, rank 0 for a SIGKILL). "Stepping again" is the moment the *last* rank begins
+its first step of the next entry of the function (each rank's ``stepping`` line, after its
+``load_latest`` and its copy into the model): what the job waits for before it trains again.
+It used to be rank 0's first step *done*, which also counted that step's compute and all-reduce
+(0.1-0.2 s of training, not of recovery); that figure stays in goodput_setup.json
+(``first_step_done``). For rally's in-process rows the interval is then broken down phase by
+phase (REENTRY_PHASES) from the agent's events.jsonl and every rank's re-entry timestamps.
 
 The job (bench/workers/goodput.py, its docstring has the details): 2 ranks in lockstep over gloo,
 a 400 MB state (25 x 2000 x 2000 float32) overwritten in place every step, 0.1 s of compute a
@@ -199,6 +204,8 @@ def run_once(
     result = analyze(events, faults, launched, until)
     if name == "rally":  # where rally's share went, from its agent's own event log
         result["phases"] = restart_phases(agent_events(run / "logs"), events, [t for t, _ in faults])
+    if REENTER.get(name) == "rally":  # where an in-process restart went: the agent's and the ranks' marks
+        result["reentry_phases"] = reentry_phases(agent_events(run / "logs"), events, faults)
     if code != 0:
         result["error"] = f"exit {code}: {job.tail(6)}"
     return result
@@ -213,6 +220,7 @@ def analyze(
     entered last before it, and every rank steps again at rank 0's first step of another entry
     (the ranks step in lockstep: rank 0's step ends with an all-reduce of every rank's)."""
     entered = [e for e in events if e["e"] == "entered"]
+    starts = [e for e in events if e["e"] == "stepping"]
     events = [e for e in events if e.get("rank", 0) == 0]  # rank 0's view (every rank logs its start)
     steps = [e for e in events if e["e"] == "step" and e["t"] <= until]
     saves = [e for e in events if e["e"] == "save" and e["t"] <= until]
@@ -223,6 +231,7 @@ def analyze(
         # after the fault: rank 1 raises before rank 0's all-reduce of the step before returns).
         ended = next((e["en"] for e in reversed(entered) if e["rank"] == 0 and e["t"] < at), None)
         stepping = next((e for e in steps if e["t"] > at and e.get("en") != ended), None)
+        again = every_rank_stepping(starts, entered, at)
         start = next((e for e in events if e["e"] == "start" and e["at"] > at), None)
         if start is not None and (stepping is None or start["at"] < stepping["t"]):
             launcher_share.append(start["at"] - at)  # a new process's first line (a whole restart)
@@ -243,7 +252,8 @@ def analyze(
         per_fault.append({
             "kind": kind,
             "at": at - launched,
-            "stepping": None if stepping is None else stepping["t"] - at,
+            "stepping": None if again is None else max(e["t"] for e in again) - at,
+            "first_step_done": None if stepping is None else stepping["t"] - at,
             "pids_kept": all(kept) if kept else None,
         })  # fmt: skip
     intervals = [e["steps"] for e in events if e["e"] == "interval"]
@@ -265,6 +275,107 @@ def analyze(
         "redone_steps": redone,
         "redone_seconds": redone * step_time,
     }
+
+
+def every_rank_stepping(
+    starts: list[dict[str, Any]], entered: list[dict[str, Any]], at: float
+) -> list[dict[str, Any]] | None:
+    """Each rank's first ``stepping`` (an entry's first step beginning) of an entry other than the
+    one it was in at the fault `at`; None unless every rank of the world at the fault has one."""
+    ranks = {e["rank"] for e in entered if e["t"] < at}
+    found = []
+    for rank in sorted(ranks):
+        was_in = next((e["en"] for e in reversed(entered) if e["rank"] == rank and e["t"] < at), None)
+        first = next((e for e in starts if e["rank"] == rank and e["t"] > at and e["en"] != was_in), None)
+        if first is None:
+            return None
+        found.append(first)
+    return found or None
+
+
+REENTRY_PHASES = {
+    "detect": "fault -> the agent knows (`worker_raised`: the exception's message; `worker_exited`: the pidfd)",
+    "abort": "-> every survivor read the agent's abort (round ended in the store, decided)",
+    "leave": "-> every survivor left the training function (interrupted, or its collective released)",
+    "teardown": "-> every survivor parked (saves settled, connections shut, groups destroyed, gc)",
+    "round": "-> every rank read `enter` (round acknowledged, the next one formed, its store and checkpoint round)",
+    "init": "-> every rank inside the function (rally's `init_process_group`: store, full mesh)",
+    "load": "-> every rank's `load_latest` returned (the memory tier's copy mapped)",
+    "copy": "-> every rank's copy into the model done (the script's own work)",
+    "step": "-> every rank's first step begins",
+}
+"""An in-process restart as the agent (its events.jsonl) and every rank (rally's re-entry
+`timeline`, the bench worker's ``stepping`` line) lived it; each mark is the last rank's."""
+
+
+def reentry_phases(
+    agent: list[dict[str, Any]], worker: list[dict[str, Any]], faults: list[tuple[float, str]]
+) -> list[dict[str, Any]]:
+    """Each in-process restart's seconds per phase (REENTRY_PHASES), with the teardown's parts."""
+    entered = [e for e in worker if e["e"] == "entered"]
+    starts = [e for e in worker if e["e"] == "stepping"]
+    out = []
+    for at, kind in faults:
+        again = every_rank_stepping(starts, entered, at)
+        noticed = next((e for e in agent if e["time"] >= at and e["event"] in ("worker_raised", "worker_exited")), None)
+        if again is None or noticed is None:
+            continue
+        survivors = [e for e in again if e.get("points", {}).get("parked", 0) > at]
+        marks = [at, noticed["time"], _last(survivors, "abort", at), _last(survivors, "left", at),
+                 _last(survivors, "parked", at), _last(again, "enter", at), max(e["entered"] for e in again),
+                 max(e["called"] for e in again), max(e["loaded"] for e in again),
+                 max(e["t"] for e in again)]  # fmt: skip
+        # a phase with no mark (no rank read `enter`: a fresh replacement's entry) counts as 0 s
+        filled: list[float] = [at]
+        for m in marks[1:]:
+            filled.append(max(filled[-1], m if m is not None else filled[-1]))
+        phases: dict[str, Any] = {name: filled[i + 1] - filled[i] for i, name in enumerate(REENTRY_PHASES)}
+        phases["kind"], phases["total"] = kind, filled[-1] - at
+        # the teardown begins once a survivor is out of the function *and* told to abort (a rank whose
+        # collective failed, or that raised, leaves first and waits for the abort)
+        parts = {"settle": ("begun", "settled"), "close": ("settled", "closed"), "destroy": ("closed", "destroyed"),
+                 "gc": ("destroyed", "collected"), "say parked": ("collected", "parked")}  # fmt: skip
+        for name, (a, b) in parts.items():
+            took = []
+            for e in survivors:
+                p = {**e["points"], "begun": max(e["points"].get("left", 0), e["points"].get("abort", 0))}
+                if p.get(a, 0) > at and p.get(b, 0) > at:
+                    took.append(p[b] - p[a])
+            phases[f"teardown: {name}"] = max(took) if took else None
+        out.append(phases)
+    return out
+
+
+def _last(lines: list[dict[str, Any]], key: str, at: float) -> float | None:
+    """The latest of the ranks' re-entry mark `key` after the fault at `at` (None: no rank has one)."""
+    values = [p[key] for e in lines if (p := e.get("points", {})).get(key, 0) > at]
+    return max(values) if values else None
+
+
+def reentry_table(results: dict[str, dict[str, Any]]) -> str:
+    """Fault -> every rank stepping again, phase by phase, per in-process row: median (range) per fault kind."""
+    tables = []
+    for name, r in results.items():
+        phases = r.get("reentry_phases", [])
+        if not phases:
+            continue
+        kinds = [k for k in ("exception", "SIGKILL") if any(p["kind"] == k for p in phases)]
+        heads = " | ".join(f"{k}: median (min - max)" for k in kinds)
+        lines = [f"| {LABELS[name]}: in-process restart, phase by phase (the last rank's marks) | {heads} |"]
+        lines.append("|---|" + "---|" * len(kinds))
+        parts = [k for k in phases[0] if k.startswith("teardown: ")]
+        for key in [*REENTRY_PHASES, *parts, "total"]:
+            text = REENTRY_PHASES.get(key) or f"(of teardown: {key.split(': ')[-1]}, the slowest survivor's)"
+            cells = []
+            for kind in kinds:
+                values = [p[key] for p in phases if p["kind"] == kind and p.get(key) is not None]
+                cells.append(
+                    f"{statistics.median(values):.3f} s ({min(values):.3f} - {max(values):.3f})" if values else "—"
+                )
+            label = "**fault -> every rank stepping again**" if key == "total" else text
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 PHASES = {
@@ -349,9 +460,10 @@ def table(results: dict[str, dict[str, Any]], duration: float, kill_every: float
     what = "exception and SIGKILL of rank 1 alternating" if alternate else "rank 1 SIGKILLed"
     lines = [
         f"| {duration:.0f} s, set-up {setup:.0f} s, {what} every {kill_every:.0f} s | save stall (median) "
-        "| checkpoint every | kill -> script running (launcher) | exception -> every rank stepping again "
-        "| SIGKILL -> every rank stepping again | survivors' pids kept | steps reached | goodput | ÷ torchrun "
-        "| lost to saves | lost to restarts | redone |",
+        "| checkpoint every | kill -> script running (launcher) "
+        "| exception -> every rank stepping again (the last rank's first step begins) "
+        "| SIGKILL -> every rank stepping again (the same) | survivors' pids kept | steps reached | goodput "
+        "| ÷ torchrun | lost to saves | lost to restarts | redone |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -426,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         text += f"\n\n{faults}"
     if phases := phase_table(results.get("rally", {}).get("phases", [])):
         text += f"\n\n{phases}"
+    if reentry := reentry_table(results):
+        text += f"\n\n{reentry}"
     args_given = argv if argv is not None else sys.argv[1:]
     header = common.run_header("Goodput benchmark", "bench.goodput", args_given, started, load_start)
     print(header + "\n\n" + text)

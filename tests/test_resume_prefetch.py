@@ -118,6 +118,34 @@ def test_a_restarted_worker_finds_its_resume_step_mapped_before_it_asks(holder: 
     assert got["left"] is False  # given once
 
 
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_reentry_maps_the_new_rounds_resume_step_as_it_is_told_to_enter(holder: Holder, tmp_path: Path) -> None:
+    """In `rally.job.run` a process re-enters without restarting (agent/worker_side/restartable.py):
+    the agent's "enter" comes after it opened the round, so the resume step is mapped while the
+    process group forms, not inside `load_latest` (a first start prepared nothing)."""
+    got = holder.run_worker(
+        tmp_path,
+        MAPPED_KB
+        + """
+    import json, torch
+    from rally import job
+    from rally.agent.checkpoint.core import resume_prefetch
+    from rally.agent.worker_side import restartable
+    assert resume_prefetch._thread is None  # a first start: nothing prepared
+    restartable._apply({"RALLY_ROUND": "1"})  # what a worker does with the agent's "enter"
+    assert resume_prefetch._thread is not None, "no prefetch on a re-entry"
+    resume_prefetch._thread.join(60)
+    before = sum(mapped_kb().values())
+    first = job.load_latest()
+    print(json.dumps({"before_kb": before, "first": [first.step, first.source, first.state["step"]]}))
+""",
+        restart_count=0,
+    )
+    assert got["before_kb"] >= ELEMENTS * 4 // 1024, f"the copy was not mapped before load_latest: {got}"
+    assert got["first"] == [2, "memory", 2]
+
+
 NO_PREFETCH = """
     import json
     from rally.agent.checkpoint.core import resume_prefetch

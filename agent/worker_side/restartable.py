@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -71,6 +72,14 @@ def open_fds() -> set[tuple[int, int]]:
 # A script imports rally.job before it makes its process group: the group's connections are
 # newer than this (torch 2.13's DDP keeps a destroyed gloo group alive, connections open).
 _FDS_AT_IMPORT = open_fds()
+
+
+timeline: dict[str, float] = {}
+"""When (time.time()) this process passed each point of its last re-entry: "abort" (the agent's
+abort read), "left" (out of the function), "settled", "closed", "destroyed", "collected" (the
+teardown's steps), "parked", "enter" (the agent's enter read), "initialised" (the new round's
+process group made by rally). Each point is overwritten at each re-entry; read by
+bench/goodput.py's phase breakdown (one dict assignment per point: nothing measurable)."""
 
 
 class RoundAborted(BaseException):
@@ -134,6 +143,8 @@ class _Link:
             message = wire.decode(data)
             if message is None:
                 continue
+            if message["op"] in ("abort", "enter"):
+                timeline[message["op"]] = time.time()
             if message["op"] == "abort":
                 self.aborting.set()
             self.messages.put(message)  # before a wait below: a main thread out of the function goes on
@@ -190,6 +201,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         os.environ.pop(wire.SPARE_ENV, None)
         if _deferred is not None:
             _deferred_init()
+            timeline["initialised"] = time.time()
     backend = _rally_owned_backend()  # the script initialised torch.distributed: rally does it again
     # what a teardown may shut down: what this entry opened, and when rally makes the group, what
     # was opened since just before it made it (for the first entry, of a group the script made
@@ -206,13 +218,20 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             opened_since = open_fds()
         link.opened_since = opened_since
         link.left.clear()
+        # What is alive now (torch, the model, the data: ~170,000 objects) lives across entries: the
+        # collector stops scanning it, so the teardown's collection of this entry's cycles takes
+        # milliseconds instead of the 0.1-0.3 s of a full scan (the last teardown collected what
+        # earlier entries left, so nothing frozen here is their garbage).
+        gc.freeze()
         link.in_train = True
         try:
-            return train(*args, **kwargs)
+            return _done(train(*args, **kwargs))
         except (SystemExit, KeyboardInterrupt):
+            gc.unfreeze()
             raise
         except BaseException as exc:
             link.in_train = False
+            timeline["left"] = time.time()
             if not link.aborting.is_set() and not isinstance(exc, RoundAborted):
                 link.send("failed", **_failure(exc, entry))
             del exc  # its traceback holds the function's frames (the model's activations, the old group)
@@ -222,6 +241,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         link.wait_for("abort")
         why = teardown(opened_since)
+        timeline["parked"] = time.time()
         sys.excepthook = excepthook
         link.send("parked", ok=why is None, why=why or "")
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
@@ -232,6 +252,15 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
 
             opened_since = open_fds()
             dist.init_process_group(backend=backend)  # env://: the new round's master, rank and world size
+            timeline["initialised"] = time.time()
+
+
+def _done(value: T) -> T:
+    """The function is done for good: what `run` froze goes back to the collector, so that the
+    interpreter's last collection at exit finalises it as it would have (a frozen object is never
+    finalised: e.g. a DDP module's gloo group made in an earlier entry would outlive Python)."""
+    gc.unfreeze()
+    return value
 
 
 def _failure(exc: BaseException, entry: int) -> dict[str, Any]:
@@ -263,10 +292,14 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
     def work() -> None:
         try:
             _settle_saves()
+            timeline["settled"] = time.time()
             _close_connections(opened_since)  # first: peers blocked on us are released while we tear down
+            timeline["closed"] = time.time()
             _destroy_process_groups()
+            timeline["destroyed"] = time.time()
             gc.collect()  # the last entry's objects that held a group (a DDP module's cycles) go now
             _free_device_memory()
+            timeline["collected"] = time.time()
         except Exception as exc:  # reported to the agent, which restarts this process whole
             errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -355,6 +388,8 @@ def _apply(env: dict[str, str]) -> None:
     tier = ckpt_client.tier()
     if tier is not None:  # saves and the resume are fenced by the round the holder has open
         tier.round = int(os.environ.get("RALLY_ROUND", "0") or 0)
+        # the round's resume step is fixed: mapped and faulted in while the process group forms
+        resume_prefetch.again()
 
 
 _deferred: tuple[tuple[object, ...], dict[str, object]] | None = None

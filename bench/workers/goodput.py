@@ -31,6 +31,7 @@ interval from the stall alone saves far too often). Methods:
 Rank 0 appends one JSON line per event to ``--events``: ``start`` (the script's first line, before
 ``import torch``; every rank writes this one, with its ``rank``), ``resumed`` (the step loaded,
 and how long the load took), ``step`` (every step, with its duration) and ``save`` (the stall).
+Every rank appends ``stepping`` as each entry's first step begins (see `stepping`).
 Rank 1 writes its pid to ``--pid-file`` so the driver can kill it.
 
 **Set-up** (``--setup-seconds``): before the training function, once per process, a sleep that
@@ -230,12 +231,32 @@ def log_line(path: Path, event: str, **fields: float | int | str) -> None:
         f.write(json.dumps({"e": event, "t": time.time(), **fields}) + "\n")
 
 
+def stepping(args: argparse.Namespace, rank: int, entry: str, marks: tuple[float, float, float]) -> None:
+    """Every rank's ``stepping`` line as an entry's first step begins: when this rank is training
+    again (the driver's fault -> every rank stepping again is the last rank's), with when the entry
+    began, its load call returned and the copy into the model ended (`marks`), and under
+    ``rally.job.run`` its re-entry's timestamps (rally/agent/worker_side/restartable.py
+    ``timeline``) for the phase breakdown."""
+    entered_at, called_at, loaded_at = marks
+    points: dict[str, float] = {}
+    if args.reenter == "rally":
+        from rally.agent.worker_side import restartable
+
+        points = dict(restartable.timeline)
+    line = {"e": "stepping", "t": time.time(), "rank": rank, "pid": os.getpid(), "en": entry,
+            "entered": entered_at, "called": called_at, "loaded": loaded_at, "points": points}  # fmt: skip
+    with open(args.events, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 class Job:
     """What a process builds once, before the training function: argument, state, optimizer."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.params = [torch.nn.Parameter(torch.empty(SIDE, SIDE), requires_grad=False) for _ in range(TENSORS)]
+        # initialised, as a model's construction does (torch.empty alone would leave the pages for the
+        # first load or step to fault in: a cost a real model pays in its set-up)
+        self.params = [torch.nn.Parameter(torch.zeros(SIDE, SIDE), requires_grad=False) for _ in range(TENSORS)]
         self.optimizer = Overwrite(self.params)
         self.state = {f"layer{i}.weight": p.detach() for i, p in enumerate(self.params)}  # model.state_dict()
         self.ckpt = Checkpoints(args.method, args.dir)
@@ -254,11 +275,13 @@ class Job:
             self.events = Events(args.events, attempt)
         events = self.events
         events.attempt = attempt
+        entered_at = time.time()
         log_line(args.events, "entered", rank=rank, pid=os.getpid(), en=entry, a=attempt)
         if rank == 1:
             args.pid_file.write_text(str(os.getpid()))
         began = time.perf_counter()
         loaded = ckpt.load() if args.method != "none" else None
+        called_at = time.time()
         step = 0
         if loaded is not None:
             step, saved = loaded
@@ -277,9 +300,12 @@ class Job:
         saved: dict | None = None  # the last save: step, stall (the call and the fence's wait), excess so far
         interval = 1
         first = step + 1
+        loaded_at = time.time()
         while True:
             step += 1
             t0 = time.perf_counter()
+            if step == first:  # every rank: this entry's first step begins (the end of a recovery)
+                stepping(args, rank, entry, (entered_at, called_at, loaded_at))
             # Raised at a step after the entry's first (a fault asked for during a recovery waits for it).
             if rank == 1 and args.raise_file is not None and step > first:
                 try:

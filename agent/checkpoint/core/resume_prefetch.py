@@ -64,11 +64,11 @@ _thread: threading.Thread | None = None
 _ready: tuple[int, Any] | None = None  # (the round's resume step, its state mapped from this node's copy)
 _slot_ready: tuple[str, int, memoryview] | None = None  # (key, step, mapping) of this rank's sharded copy
 _discarded = False
+_generation = 0  # one per start: a thread of an earlier start (a re-entry's previous round) never lands
 
 
 def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
     """Start preparing the resume step in the background when this worker may reload one; True if started."""
-    global _thread
     if not environ.get(client.HOLDER_ENV) or environ.get(PREFETCH_ENV, "1") == "0":
         return False
     try:
@@ -77,12 +77,31 @@ def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
         return False
     if not restarted:
         return False
-    _thread = threading.Thread(target=_prepare, daemon=True, name="rally-resume-prefetch")
-    _thread.start()
+    _launch()
     return True
 
 
-def _prepare() -> None:
+def again(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
+    """A re-entry in this process (`rally.job.run`, agent/worker_side/restartable.py): the agent
+    opened the new round, its resume step fixed, before it said "enter", so the step is mapped
+    while the process group forms rather than after. True if started."""
+    if not environ.get(client.HOLDER_ENV) or environ.get(PREFETCH_ENV, "1") == "0":
+        return False
+    _launch()
+    return True
+
+
+def _launch() -> None:
+    global _thread, _generation, _ready, _slot_ready, _discarded
+    with _lock:
+        _generation += 1
+        _ready, _slot_ready, _discarded = None, None, False
+        generation = _generation
+    _thread = threading.Thread(target=_prepare, args=(generation,), daemon=True, name="rally-resume-prefetch")
+    _thread.start()
+
+
+def _prepare(generation: int) -> None:
     global _ready
     try:
         tier = client.tier()
@@ -90,7 +109,7 @@ def _prepare() -> None:
             return
         step, fd = tier.resume(client.WHOLE_STATE_KEY)
         if fd is None:
-            _prepare_sharded(tier)
+            _prepare_sharded(tier, generation)
             return
         try:
             if step is None or not _torch_imported(client.REPLY_TIMEOUT):
@@ -102,7 +121,7 @@ def _prepare() -> None:
             os.close(fd)  # the mapping keeps the copy
         fault_in(storages_of(state))
         with _lock:
-            if not _discarded:
+            if not _discarded and generation == _generation:
                 _ready = (step, state)
     except Exception:  # noqa: BLE001 - the script's own load_latest takes the ordinary path and says what is wrong
         return
@@ -124,7 +143,7 @@ def _torch_imported(timeout: float) -> bool:
         time.sleep(0.01)
 
 
-def _prepare_sharded(tier: client.MemoryTier) -> None:
+def _prepare_sharded(tier: client.MemoryTier, generation: int) -> None:
     """A sharded job (`job.save` of DTensors): map and fault in this rank's own newest copy.
     Which step the ranks resume from is decided in `load_latest` (agent/checkpoint/sharded/storage.py);
     it is the newest every rank holds, so this rank's newest is the likely one. Imports no torch."""
@@ -139,7 +158,7 @@ def _prepare_sharded(tier: client.MemoryTier) -> None:
         return
     populate(ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes)
     with _lock:
-        if not _discarded:
+        if not _discarded and generation == _generation:
             _slot_ready = (key, step, view)
 
 
