@@ -218,7 +218,7 @@ def _hosted_store() -> tuple[object, object]:
 def test_the_calls_that_wait_on_the_store_reuse_one_thread_not_one_each() -> None:
     """get, multi_get and wait are bounded by running in another thread (a hostile store can hang
     them for ever); that thread is the connection's long-lived one, not one started per call
-    (0.15-0.4 ms each, 10-50 calls per node at a job's start: a cost seen at every job's start)."""
+    (0.15-0.4 ms each, 10-50 calls per node at every job's start)."""
     store, _server = _hosted_store()
     store.set("k", "v")  # type: ignore[attr-defined]
     seen: set[threading.Thread] = set()  # the Thread objects themselves: a finished thread's id is reused
