@@ -85,6 +85,7 @@ NOT_AN_OPTION = {
     "scheduler": "the scheduler's own environment (launcher/schedulers/)",
     "cwd": "the working directory (the agent's own)",
     "log_line_prefix_template": "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (option_checks.log_line_prefix_template)",
+    "checkpoint_dir_given": "--checkpoint-dir's name as given, kept by the agent beside the open directory",
 }
 
 
