@@ -76,6 +76,16 @@ def _strangers(path: Path, mode: int) -> Path:
     return path
 
 
+def _team_dir(shared: Path) -> Path:
+    """A team's group-writable directory (root's, 0775, the other user in its group): accepted with
+    one warning, and the place from which that user can swap what the job made inside it."""
+    team = shared / "team"
+    team.mkdir()
+    os.chown(team, 0, STRANGER_UID)
+    team.chmod(0o775)
+    return team
+
+
 def _one_refusal(done, *needles: str) -> str:
     assert done.returncode == 2, done.describe()
     assert "Traceback" not in done.stderr, done.describe()
@@ -98,10 +108,7 @@ def test_a_swapped_run_directory_gets_no_write_of_the_job_through_a_planted_link
     member's directory. Now: one warning naming the directory; every write of the job, the agent's
     and the worker's, lands in the directory rally made, files 0600."""
     require_stranger()
-    team = shared / "team"
-    team.mkdir()
-    os.chown(team, 0, STRANGER_UID)  # the other user is in its group
-    team.chmod(0o775)
+    team = _team_dir(shared)
     target = shared / "precious.txt"
     target.write_text(PRECIOUS)
     go = shared / "go"
@@ -168,10 +175,7 @@ def test_a_swapped_checkpoint_dir_gets_no_write_of_the_job_through_a_planted_lin
     in its renamed place), nothing lands in the linked directory, and one line says the directory
     was moved."""
     require_stranger()
-    team = shared / "team"
-    team.mkdir()
-    os.chown(team, 0, STRANGER_UID)  # the other user is in its group
-    team.chmod(0o775)
+    team = _team_dir(shared)
     decoy = shared / "roots-dir"
     decoy.mkdir(mode=0o755)
     ck, moved, go = team / "ck", team / "moved", shared / "go"

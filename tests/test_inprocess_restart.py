@@ -112,6 +112,19 @@ def _steps(out: Path, rank: int) -> list[list[str]]:
     return [line.split() for line in (out / f"steps.{rank}").read_text().splitlines()]
 
 
+def _rank_1_replaced_and_rank_0_re_entered(result, out: Path, clean_digest: str) -> tuple[dict, dict]:
+    """Rank 0 entered twice in one process, rank 1 ran in two processes (the new one entered once),
+    and both ended bit-identical to the clean run; their result records."""
+    survivor = json.loads((out / "result.0").read_text())
+    replaced = json.loads((out / "result.1").read_text())
+    assert survivor["digest"] == replaced["digest"] == clean_digest, result.describe()
+    assert survivor["entries"] == 2, result.describe()  # rank 0 stayed in its process and entered again
+    assert {line[2] for line in _steps(out, 0)} == {str(survivor["pid"])}, "the survivor's pid changed"
+    gone = {line[2] for line in _steps(out, 1)} - {str(replaced["pid"])}
+    assert len(gone) == 1 and replaced["entries"] == 1, "rank 1 was not replaced by a new process"
+    return survivor, replaced
+
+
 @pytest.fixture(scope="module")
 def clean_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     _, out, _ = _run(tmp_path_factory.mktemp("clean"), "clean")
@@ -200,13 +213,7 @@ def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_killed_rank_is_replaced_and_the_survivor_re_enters(tmp_path: Path, clean_digest: str) -> None:
     result, out, logs = _run(tmp_path, "fault", FAULT="sigkill:5:1")
-    survivor = json.loads((out / "result.0").read_text())
-    replaced = json.loads((out / "result.1").read_text())
-    assert survivor["digest"] == replaced["digest"] == clean_digest, result.describe()
-    assert survivor["entries"] == 2, result.describe()  # rank 0 stayed in its process and entered again
-    assert {line[2] for line in _steps(out, 0)} == {str(survivor["pid"])}, "the survivor's pid changed"
-    killed = {line[2] for line in _steps(out, 1)} - {str(replaced["pid"])}
-    assert len(killed) == 1 and replaced["entries"] == 1, "rank 1 was not replaced by a new process"
+    survivor, replaced = _rank_1_replaced_and_rank_0_re_entered(result, out, clean_digest)
     assert "failed with SIGKILL" in result.stderr and "re-entering the training function" in result.stderr
     events = read_events(logs)
     assert [e["in_process"] for e in events if e["event"] == "restart"] == [True]
@@ -239,13 +246,7 @@ def test_a_rank_that_cannot_be_interrupted_is_killed_and_replaced_and_the_surviv
     re-enters in its own process (the heartbeat timeout names it the hung rank: it is the first
     silent one, and its stack is in autograd's engine, not in a torch.distributed frame)."""
     result, out, logs = _run(tmp_path, "fault", "--heartbeat-timeout", "8", FAULT="stuck:5:1")
-    survivor = json.loads((out / "result.0").read_text())
-    replaced = json.loads((out / "result.1").read_text())
-    assert survivor["digest"] == replaced["digest"] == clean_digest, result.describe()
-    assert survivor["entries"] == 2, result.describe()  # rank 0 stayed in its process and entered again
-    assert {line[2] for line in _steps(out, 0)} == {str(survivor["pid"])}, "the survivor's pid changed"
-    stuck = {line[2] for line in _steps(out, 1)} - {str(replaced["pid"])}
-    assert len(stuck) == 1 and replaced["entries"] == 1, "rank 1 was not replaced by a new process"
+    survivor, replaced = _rank_1_replaced_and_rank_0_re_entered(result, out, clean_digest)
     line = "rank 1 did not leave the training function within 10 s: killing it; a new process takes its place"
     assert line in result.stderr and "re-entering the training function" in result.stderr, result.describe()
     assert "restarting the worker processes instead" not in result.stderr, result.describe()
