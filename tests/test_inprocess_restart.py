@@ -312,7 +312,7 @@ def test_a_lost_node_leaves_the_survivor_re_entering_in_the_smaller_world(tmp_pa
 
 LEAK = textwrap.dedent(
     """
-    import collections, ctypes, json, os, sys, threading
+    import collections, ctypes, gc, json, os, sys, threading
     from pathlib import Path
     import torch
     import torch.distributed as dist
@@ -357,6 +357,7 @@ LEAK = textwrap.dedent(
             "shm": sum("/dev/shm/" in line or "/memfd:" in line for line in open("/proc/self/maps")),
             "rss": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
             "excepthook": hook_depth(),
+            "frozen": gc.get_freeze_count(),  # what rally's gc.freeze keeps: never collected while train runs
         }
         with open(OUT / f"entries.{ctx.rank}", "a") as f:
             f.write(json.dumps(row) + "\\n")
@@ -377,17 +378,26 @@ LEAK = textwrap.dedent(
     """
 )
 
-# RSS may grow this much from the 5th entry to the 50th. Measured (2-core machine, load 3-13,
-# malloc_trim after each teardown), per rank: a steady 10-15 KB an entry (0.4-0.7 MB in all) and on
-# rank 0, once, a step of about 0.7 MB at some entry (glibc's in-use bytes step with it). Python's
-# own allocations (tracemalloc) grow by under 10 KB in all, and the same DDP model's group made and
-# destroyed 60 times in a plain two-process loop stays flat (20 KB), and the same job without DDP
-# (saves, a barrier, the fault) grows 0-4 KB an entry, so the steady part is a small leak in
-# torch's C++ heap of a DDP module freed after its group was torn down on the fault path, not
-# found yet (not allocator noise: glibc's in-use bytes grow with it; malloc_trim does not help). A leak of
-# anything an entry holds (a group with its buffers, a model's gradients, a traceback's frames)
-# is more than this over 45 entries.
-RSS_SLACK = 2 << 20
+# torch's c10d flight recorder keeps the last TORCH_FR_BUFFER_SIZE collectives of the process
+# (2000 by default), each with its Python stack (~1.7 KB), in one ring that no group's destruction
+# frees: a job fills it at the same pace with or without re-entries (8 collectives an entry here:
+# 12-14 KB an entry for 250 entries). A ring of 16 is full by the 3rd entry, so what grows from
+# the 5th is what re-entries leave.
+FLIGHT_RECORDER_RING = "16"
+# Objects rally's gc.freeze (job.run, at each entry) may add from the 5th entry to the 50th.
+# Measured: 0-28 (a cache filled once, after the 5th); before the collection ahead of each
+# freeze, every re-entry froze the cycles it made for good (the resume prefetch's torch.load
+# class, a ctypes library), 20-23 objects an entry: about 1,000.
+FROZEN_SLACK = 100
+# RSS may grow this much from the 5th entry to the 50th. What still grows (measured on this 2-core
+# machine, per rank, 45 entries): a steady 5-9 KB an entry (0.25-0.4 MB) that slows down (5 KB an
+# entry from the 100th), glibc arena pages held by what torch and glibc keep of every round for
+# good (heaptrack: ~0.4 KB an entry in all: 184 B of each ProcessGroupGloo's constructor, 56 B of
+# the flight recorder's status per group, `setenv`'s old strings), which malloc_trim cannot hand
+# back; and on rank 0, in about half the runs, once, a step of 0.6-0.9 MB (a new 1 MiB mapping,
+# an arena of Python's allocator). Before the fixes it grew 0.7-1.5 MB (15-30 KB an entry), and
+# 0.4 MB more with torch's default flight-recorder ring.
+RSS_SLACK = 1536 << 10
 
 
 @pytest.mark.timeout(300)
@@ -398,7 +408,8 @@ def test_fifty_re_entries_leak_no_descriptors_threads_or_memory(tmp_path: Path) 
     script = tmp_path / "leak.py"
     script.write_text(LEAK)
     argv = ["--nproc-per-node", "2", "--max-restarts", str(entries), "--log-dir", str(logs), str(script)]
-    result = run_rally(argv, cwd=tmp_path, env=clean_env(OUT=str(out), ENTRIES=str(entries)), timeout=280)
+    env = clean_env(OUT=str(out), ENTRIES=str(entries), TORCH_FR_BUFFER_SIZE=FLIGHT_RECORDER_RING)
+    result = run_rally(argv, cwd=tmp_path, env=env, timeout=280)
     assert result.returncode == 0, result.describe()
     assert "did not leave the training function" not in result.stderr, result.describe()
     for rank in (0, 1):
@@ -417,6 +428,8 @@ def test_fifty_re_entries_leak_no_descriptors_threads_or_memory(tmp_path: Path) 
         # torch's init_process_group wraps sys.excepthook on every call: a chain one longer each entry
         hooks = last["excepthook"]
         assert hooks == fifth["excepthook"], f"rank {rank}: sys.excepthook wrapped {hooks} times"
+        frozen = last["frozen"] - fifth["frozen"]
+        assert frozen <= FROZEN_SLACK, f"rank {rank}: {frozen} more objects frozen at the 50th entry than at the 5th"
         growth = last["rss"] - fifth["rss"]
         assert growth <= RSS_SLACK, f"rank {rank}: RSS grew {growth / 1e6:.2f} MB from the 5th entry to the 50th"
 
