@@ -350,6 +350,9 @@ class Agent:
     def launch(
         self, assignment: Assignment, master: tuple[str, int], local_ranks: set[int] | None = None, **extra: str
     ) -> WorkerGroup:
+        """Start workers (`local_ranks`: only these) from the template, output to the live view. Public:
+        the in-process restart starts a dead rank's replacement and the warm spares through it
+        (agent/rounds/parking.py's ParkingContext)."""
         multi_node = assignment.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
         sink = self.live.sink if self.live is not None else None
@@ -639,6 +642,7 @@ class Agent:
         processes.reap_zombies(self.helper_pids() | {w.pid for w in (self.group.workers if self.group else [])})
 
     def helper_pids(self) -> frozenset[int]:
+        """The agent's own processes and its features': never stopped as the job's workers."""
         template = self.template.helper_pids() if self.template is not None else set()
         features = {pid for part in self.collaborators for pid in part.helper_pids()}
         return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | features)
