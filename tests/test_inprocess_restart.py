@@ -385,18 +385,19 @@ LEAK = textwrap.dedent(
 # the 5th is what re-entries leave.
 FLIGHT_RECORDER_RING = "16"
 # Objects rally's gc.freeze (job.run, at each entry) may add from the 5th entry to the 50th.
-# Measured: 0-28 (a cache filled once, after the 5th); before the collection ahead of each
+# Measured: -12 to +28 (caches filled once, after the 5th); before the collection ahead of each
 # freeze, every re-entry froze the cycles it made for good (the resume prefetch's torch.load
 # class, a ctypes library), 20-23 objects an entry: about 1,000.
 FROZEN_SLACK = 100
 # RSS may grow this much from the 5th entry to the 50th. What still grows (measured on this 2-core
-# machine, per rank, 45 entries): a steady 5-9 KB an entry (0.25-0.4 MB) that slows down (5 KB an
+# machine, per rank, 45 entries): a steady 8-10 KB an entry (0.38-0.45 MB) that slows down (5 KB an
 # entry from the 100th), glibc arena pages held by what torch and glibc keep of every round for
 # good (heaptrack: ~0.4 KB an entry in all: 184 B of each ProcessGroupGloo's constructor, 56 B of
 # the flight recorder's status per group, `setenv`'s old strings), which malloc_trim cannot hand
-# back; and on rank 0, in about half the runs, once, a step of 0.6-0.9 MB (a new 1 MiB mapping,
-# an arena of Python's allocator). Before the fixes it grew 0.7-1.5 MB (15-30 KB an entry), and
-# 0.4 MB more with torch's default flight-recorder ring.
+# back; and on rank 0, in 5 runs of 7, once, a step of 0.6-0.9 MB (a new 1 MiB mapping, the size
+# of one of Python's allocator arenas; glibc's bytes in use step ~70 KB at the same entry).
+# Before the fixes it grew 0.7-1.5 MB (15-30 KB an entry), and 0.4 MB more with torch's default
+# flight-recorder ring.
 RSS_SLACK = 1536 << 10
 
 
