@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import linecache
 import os
 import queue
 import signal
@@ -132,10 +133,14 @@ class _Link:
 
     # ------------------------------------------------------------ the control thread
     def _read(self) -> None:
+        # One buffer for every message: recv(MAX_MESSAGE) allocated 1 MiB per message and shrank it,
+        # in this thread's glibc arena, whose heap crept up by 3-6 KB an entry around the small pieces
+        # left (tests/test_inprocess_restart.py's 50 re-entries). Only its written pages are resident.
+        buffer = memoryview(bytearray(wire.MAX_MESSAGE))
         while True:
             try:
                 # wait: not_a_wait: the control thread's whole life; it ends with the agent's end of the socket
-                data = self.sock.recv(wire.MAX_MESSAGE)
+                data = bytes(buffer[: self.sock.recv_into(buffer)])
             except OSError:
                 data = b""
             if not data:
@@ -274,7 +279,12 @@ def _done(value: T) -> T:
 
 
 def _failure(exc: BaseException, entry: int) -> dict[str, Any]:
+    cached = set(linecache.cache)
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # The source files read for the report's lines stay out of linecache (read again when needed):
+    # kept, they were ~0.7 MB of strings for life after a collective's error (distributed_c10d.py).
+    for name in set(linecache.cache) - cached:
+        linecache.cache.pop(name, None)
     return {
         "rank": int(os.environ.get("RANK", "0") or 0),
         "type": type(exc).__name__,
@@ -395,7 +405,8 @@ def _return_free_memory() -> None:
     """Give the pages the entry freed back to the kernel (glibc's malloc_trim: tens of microseconds
     here). Each entry's gloo threads and activations allocate in glibc's per-thread arenas, which
     keep freed pages resident: without it the worker's RSS crept up by 13-29 KB an entry, with it
-    8-10 KB, where glibc's bytes in use grew by 2 (tests/test_inprocess_restart.py's 50 re-entries)."""
+    8-10 KB, where glibc's bytes in use grew by 2 (tests/test_inprocess_restart.py's 50 re-entries;
+    5-7 KB once the control thread's buffer below was made once)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 
