@@ -312,7 +312,7 @@ def test_a_lost_node_leaves_the_survivor_re_entering_in_the_smaller_world(tmp_pa
 
 LEAK = textwrap.dedent(
     """
-    import collections, ctypes, gc, json, os, sys, threading
+    import collections, ctypes, gc, json, os, sys, threading, time
     from pathlib import Path
     import torch
     import torch.distributed as dist
@@ -336,6 +336,16 @@ LEAK = textwrap.dedent(
             kinds[target.split(":")[0] if ":" in target else target] += 1
         return dict(kinds)
 
+    def tasks():
+        # every thread, torch's C++ ones too. At the 5th and the last entry the fewest of 10 looks
+        # 20 ms apart: a thread that finished (the last teardown's, joined) may not have left the
+        # kernel's list yet on a loaded machine (up to 7 reads in 50 counted one more).
+        counts = [len(os.listdir("/proc/self/task"))]
+        while entries in (5, ENTRIES) and len(counts) < 10:
+            time.sleep(0.02)
+            counts.append(len(os.listdir("/proc/self/task")))
+        return min(counts)
+
     def hook_depth():
         # how many times torch's init_process_group has wrapped sys.excepthook (once per call)
         hook, depth = sys.excepthook, 0
@@ -352,7 +362,7 @@ LEAK = textwrap.dedent(
             "entry": entries,
             "pid": os.getpid(),
             "fds": descriptors(),
-            "tasks": len(os.listdir("/proc/self/task")),  # every thread, torch's C++ ones too
+            "tasks": tasks(),
             "threads": sorted(t.name for t in threading.enumerate()),
             "shm": sum("/dev/shm/" in line or "/memfd:" in line for line in open("/proc/self/maps")),
             "rss": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
