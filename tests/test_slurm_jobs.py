@@ -2,6 +2,7 @@
 
     a. `srun -N2 rally --nproc-per-node 2 ddp.py` without rendezvous flags: one job of 4, node-major
     b. a worker failure on node 2 restarts the workers of both nodes (--max-restarts 1)
+       (one job shows both: its restart is the job of 4 of (a))
     c. --nnodes 2:3 on 3 nodes: a whole node dies (every process of its namespace, slurmd
        included) and the other two go on without it
     d. slurm/elastic-requeue.sbatch: SIGUSR1 to the batch shell -> workers checkpoint -> rally
@@ -12,7 +13,7 @@
     plus one cheap (torch-free) run of slurm/single-node.sbatch and slurm/multi-node.sbatch each.
 
 Workers that import torch cost ~2 s of CPU each and the cluster runs 3 nodes x 4 "CPUs" on 2
-real cores, so only (a), (b) and (d) import torch, each with as few workers as the check needs.
+real cores, so only (a, b) and (d) import torch, each with as few workers as the check needs.
 
 Every job a test starts carries a job name unique to the test (or, for a script submitted as
 written, is remembered by its id); the `jobs` fixture cancels whatever still carries it and waits
@@ -218,32 +219,13 @@ def jobs(slurm_cluster: SlurmCluster, request: pytest.FixtureRequest, tmp_path: 
 # --------------------------------------------------------------------------------- a, b: srun
 
 
+# One job proves both (a) and (b), so that the torch workers start once: the first attempt fails
+# on node 2 (b), and the restart is the whole job of (a), a world of 4 formed from SLURM alone.
 @pytest.mark.torch
 @pytest.mark.timeout(240)
-def test_srun_two_nodes_without_rendezvous_flags_forms_one_job_with_node_major_ranks(jobs: Jobs) -> None:
-    run = jobs.srun(["-N2", "--ntasks-per-node=1", RALLY, "--nproc-per-node", "2", str(DDP)], tag="ddp")
-    code = run.wait(200)
-    text = run.text()
-    assert code == 0, text
-    results = sorted(ddp_results(text), key=lambda r: int(r["rank"]))
-    assert [r["rank"] for r in results] == ["0", "1", "2", "3"], text
-    assert {r["world"] for r in results} == {"4"}
-    assert {r["sum"] for r in results} == {"6"}  # 0+1+2+3: one all_reduce over both nodes
-    assert [r["host"] for r in results] == ["node1", "node1", "node2", "node2"]  # node-major
-    # Both agents took everything from SLURM: one run id <job>.0, the store on node1.
-    for task in (0, 1):
-        lines = "\n".join(task_lines(text, task))
-        assert re.search(rf"SLURM job \d+\.0: 2 nodes \(node\[1-2\]\), this is node {task}, store node1:\d+", lines), (
-            text
-        )
-        assert f"ranks {2 * task}-{2 * task + 1} of 4" in lines
-        assert "job succeeded: 4 workers on 2 nodes" in lines
-    assert "hosting the rendezvous store" in "\n".join(task_lines(text, 0))
-
-
-@pytest.mark.torch
-@pytest.mark.timeout(240)
-def test_worker_failure_on_node2_restarts_both_nodes_and_the_job_completes(jobs: Jobs) -> None:
+def test_srun_two_nodes_without_rendezvous_flags_forms_one_job_and_a_failure_on_node2_restarts_both(
+    jobs: Jobs,
+) -> None:
     run = jobs.srun(
         [
             "-N2",
@@ -266,15 +248,25 @@ def test_worker_failure_on_node2_restarts_both_nodes_and_the_job_completes(jobs:
     assert sorted(starts) == sorted(
         [(str(r), f"node{1 + r // 2}", "0") for r in range(4)] + [(str(r), f"node{1 + r // 2}", "1") for r in range(4)]
     ), text
-    results = ddp_results(text)
-    assert sorted(r["rank"] for r in results) == ["0", "1", "2", "3"], text
-    assert {r["restart"] for r in results} == {"1"} and {r["sum"] for r in results} == {"6"}
-    assert {r["host"] for r in results} == {"node1", "node2"}
-    for task in (0, 1):  # each node's agent saw the same root cause and went round once
+    # (a) The restart is one job of 4 over both nodes: one all_reduce, ranks node-major.
+    results = sorted(ddp_results(text), key=lambda r: int(r["rank"]))
+    assert [r["rank"] for r in results] == ["0", "1", "2", "3"], text
+    assert {r["world"] for r in results} == {"4"}
+    assert {r["restart"] for r in results} == {"1"} and {r["sum"] for r in results} == {"6"}  # 0+1+2+3
+    assert [r["host"] for r in results] == ["node1", "node1", "node2", "node2"]  # node-major
+    # Both agents took everything from SLURM: one run id <job>.0, the store on node1.
+    for task in (0, 1):
         lines = "\n".join(task_lines(text, task))
+        assert re.search(rf"SLURM job \d+\.0: 2 nodes \(node\[1-2\]\), this is node {task}, store node1:\d+", lines), (
+            text
+        )
+        assert f"ranks {2 * task}-{2 * task + 1} of 4" in lines
+        assert "job succeeded: 4 workers on 2 nodes" in lines
+        # (b) each node's agent saw the same root cause and went round once
         assert "root cause: rank 2 (local rank 0" in lines and "on node2 failed with exit code 7" in lines, text
         assert "restarting all workers (restart 1 of 1)" in lines
         assert re.search(rf"round \d+: node {task} of 2, ranks .* restart 1/1", lines), lines
+    assert "hosting the rendezvous store" in "\n".join(task_lines(text, 0))
 
 
 # ------------------------------------------------------------------------------ c: a node dies
