@@ -313,13 +313,12 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
 
 
 def _settle_saves() -> None:
-    """A save overlapped with the last step is done (or refused: its round is over) before the groups go."""
+    """A save overlapped with the last step and still undecided is dropped before the groups go:
+    its round is over (the holder voided it), and decided on the next entry it would reach the
+    next round (agent/checkpoint/core/overlap.py `drop_at_round_end`)."""
     from rally.agent.checkpoint.core.overlap import overlap
 
-    try:
-        overlap.settle()
-    except Exception:  # refused by the holder: that round is closed; the step is simply not kept
-        pass
+    overlap.drop_at_round_end()
 
 
 def _destroy_process_groups() -> None:
