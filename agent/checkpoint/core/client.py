@@ -157,6 +157,13 @@ class MemoryTier:
                         raise CheckpointRefused(
                             f"rally: the checkpoint holder of this node is unreachable ({exc})"
                         ) from None
+                except BaseException:
+                    # Interrupted between the request and its answer (rally.job.run's abort raises
+                    # at any bytecode): the answer still comes, and on this connection the next
+                    # request, of the next round, would read it as its own. A new connection
+                    # instead; what this one was writing is dropped (its round is over).
+                    self.close()
+                    raise
         raise AssertionError("unreachable")
 
     def _connect(self) -> None:
