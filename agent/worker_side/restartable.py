@@ -213,7 +213,6 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
     entry = 0
     while True:
         entry += 1
-        link.aborting.clear()
         if backend is None:
             opened_since = open_fds()
         link.opened_since = opened_since
@@ -223,8 +222,14 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         # milliseconds instead of the 0.1-0.3 s of a full scan (the last teardown collected what
         # earlier entries left, so nothing frozen here is their garbage).
         gc.freeze()
-        link.in_train = True
         try:
+            # In the try: from here on the interrupt may raise. The control thread sets `aborting`
+            # before it looks at `in_train`, and this thread sets `in_train` before it looks at
+            # `aborting`: an abort that came before the entry (the round ended as it began) is seen
+            # by one of the two, never by neither.
+            link.in_train = True
+            if link.aborting.is_set():
+                raise RoundAborted("rally ended this round before the function was entered")
             return _done(train(*args, **kwargs))
         except (SystemExit, KeyboardInterrupt):
             gc.unfreeze()
@@ -240,6 +245,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             link.left.set()
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
         link.wait_for("abort")
+        link.aborting.clear()  # this round's abort is taken; the next one may come as soon as "enter"
         why = teardown(opened_since)
         timeline["parked"] = time.time()
         sys.excepthook = excepthook
