@@ -38,7 +38,8 @@ BROKEN_TEARDOWN = textwrap.dedent(
 
 @pytest.mark.timeout(400)
 def test_a_failed_teardown_replaces_that_process_said_in_one_line_and_the_others_re_enter(
-    tmp_path: Path, clean_digest: str  # noqa: F811
+    tmp_path: Path,
+    clean_digest: str,  # noqa: F811
 ) -> None:
     out, logs = tmp_path / "fault", tmp_path / "fault-logs"
     out.mkdir()
