@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rally.agent.rounds.reentry import BURST_LIMIT, BURST_SECONDS
-from support.helpers import clean_env, read_events, run_rally
+from support.helpers import clean_env, rally_status, read_events, run_rally
 
 TRAIN = textwrap.dedent(
     """
@@ -86,6 +86,8 @@ def test_fast_failures_without_progress_fall_back_to_a_whole_restart_said_in_one
     assert restarts == [(n, n <= BURST_LIMIT) for n in range(1, failures + 1)], restarts
     refused = [e for e in events if e["event"] == "reentry_refused"]
     assert [e["reason"] for e in refused] == [why.split(": ", 1)[1]], refused
+    shown = rally_status([str(logs)], Path("/"))  # the job is over: from events.jsonl, a whole restart last
+    assert f"last restart: round {BURST_LIMIT} ended (worker_failed): rank 1" in shown.stdout, shown.describe()
     report = json.loads(next(logs.glob("*/report.json")).read_text())
     assert [a.get("recovery") for a in report["attempts"][:failures]] == ["in-process"] * BURST_LIMIT + [None]
     for rank in (0, 1):  # BURST_LIMIT + 1 entries in the first processes, then one in new ones
