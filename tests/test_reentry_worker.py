@@ -107,3 +107,23 @@ def test_an_abort_that_comes_right_after_enter_is_not_lost(agent: Agent) -> None
         parked = agent.said(timeout=5)
         assert parked["op"] == "parked" and parked["ok"], parked
         assert time.monotonic() - started < 5, "the worker left only when its function returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_parked_worker_answers_the_abort_of_a_round_it_was_not_entered_in(agent: Agent) -> None:
+    """A round can end while the agent forms it, before it sends the parked workers "enter"
+    (another node lost while this one waits for the workers' store, the pre-flight leaving a
+    node out): the agent then parks its workers again. A parked worker ignored that abort, so
+    the agent waited PARK_SECONDS (10 s) for a "parked" that never came, killed every worker and
+    restarted them all."""
+    assert agent.said()["op"] == "failed"
+    agent.tell("abort", round=0)
+    assert agent.said()["op"] == "parked"
+    agent.tell("abort", round=1)  # round 1 ended before its "enter"
+    parked = agent.said(timeout=5)
+    assert parked["op"] == "parked" and parked["ok"], parked
+    agent.tell("enter", round=2, env={"RALLY_ROUND": "2"})  # and the worker still enters round 2
+    time.sleep(0.5)  # in the function by now
+    agent.tell("abort", round=2)
+    parked = agent.said(timeout=5)
+    assert parked["op"] == "parked" and parked["ok"], parked

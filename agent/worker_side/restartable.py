@@ -166,15 +166,27 @@ class _Link:
         except OSError:
             pass  # the agent is gone; the wait that follows notices
 
-    def wait_for(self, op: str) -> dict[str, Any]:
-        """The next message `op`; SystemExit when the agent is gone (nothing can re-enter us)."""
+    def wait_for(self, *ops: str) -> dict[str, Any]:
+        """The next message that is one of `ops`; SystemExit when the agent is gone (nothing can re-enter us)."""
         while True:
             # wait: bounded, said by the agent: it sends `op`, or stops this process, or its death closes the socket
             message = self.messages.get()
             if message is None:
                 raise SystemExit(1)
-            if message["op"] == op:
+            if message["op"] in ops:
                 return message
+
+    def wait_for_enter(self) -> dict[str, Any]:
+        """The next "enter", parked meanwhile: an "abort" (the round the agent was forming for this
+        worker ended before it was re-entered in it) is answered "parked" at once, as the worker
+        is, rather than left unanswered until the agent kills it for not leaving."""
+        while True:
+            # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+            message = self.wait_for("enter", "abort")
+            if message["op"] == "enter":
+                return message
+            self.aborting.clear()
+            self.send("parked", ok=True, why="")
 
 
 def socket_peer(sock: socket.socket) -> tuple[int, int, int]:
@@ -251,7 +263,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         sys.excepthook = excepthook
         link.send("parked", ok=why is None, why=why or "")
         # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
-        enter = link.wait_for("enter")
+        enter = link.wait_for_enter()
         _apply(enter.get("env") or {})
         if backend is not None:
             import torch.distributed as dist
