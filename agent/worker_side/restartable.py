@@ -402,6 +402,10 @@ def _apply(env: dict[str, str]) -> None:
     from rally.agent.checkpoint.core import resume_prefetch
 
     resume_prefetch.discard()  # prepared for an earlier round (a spare's start): this round asks afresh
+    if env.get(ckpt_client.HOLDER_LOST_ENV) == "1":  # the holder died: no address, as a new worker gets
+        for key in (ckpt_client.HOLDER_ENV, ckpt_client.HOLDER_PID_ENV, ckpt_client.SECRET_ENV):
+            os.environ.pop(key, None)
+        ckpt_client.forget_tier()
     tier = ckpt_client.tier()
     if tier is not None:  # saves and the resume are fenced by the round the holder has open
         tier.round = int(os.environ.get("RALLY_ROUND", "0") or 0)

@@ -414,6 +414,15 @@ def persists() -> bool:
     return os.environ.get(MEMORY_ONLY_ENV) != "1"
 
 
+def forget_tier() -> None:
+    """Let go of this process's connection to the holder: the next `tier()` reads the environment
+    again (rally.job.run's next round, whose holder died: RALLY_CKPT_HOLDER_LOST)."""
+    global _tier, _tier_resolved
+    if _tier is not None:
+        _tier.close()
+    _tier, _tier_resolved = None, False
+
+
 def tier() -> MemoryTier | None:
     """This process's connection to the holder, made once; None outside rally's memory tier.
 
