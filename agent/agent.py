@@ -30,11 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from rally.agent.base.collaborator import Collaborator, WorkerReentry
+from rally.agent.base.collaborator import Collaborator
 from rally.agent.base.event_log import EventLog
 from rally.agent.base.event_loop import EventLoop, RoundEnded, StoreLost, WorkerSaid
 from rally.agent.base.exit_codes import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, AgentExit
-from rally.agent.base.reentry_wire import SPARE_ENV
 from rally.agent.base.spec import STACK_SIGNAL, JobSpec
 from rally.agent.base.states import AgentState, SignalAction, signal_action
 from rally.agent.checkpoint.core.held_dir import HeldDirectory
@@ -52,16 +51,9 @@ from rally.agent.observe.run_info import announce
 from rally.agent.preemption import Preemption
 from rally.agent.report import JobReport, explain, store_failure_exit, store_lost_line
 from rally.agent.rounds.node_waits import NodeWaits, wait_for_readers
-from rally.agent.rounds.reentry import (
-    DEATH_WAIT_SECONDS,
-    PARK_GRACE_SECONDS,
-    PARK_SECONDS,
-    InProcessRestarts,
-    lost_peer,
-    soft_failure_end,
-)
+from rally.agent.rounds.reentry import DEATH_WAIT_SECONDS, InProcessRestarts, lost_peer, soft_failure_end
 from rally.agent.rounds.threads import RoundThreads, StoreProbe, left_behind_line
-from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup, worker_env
+from rally.agent.rounds.workers import LogLayout, Worker, WorkerGroup
 from rally.agent.template.client import TemplateClient
 from rally.agent.worker_exits import WorkerExits
 from rally.rendezvous.backends import OpenedStore
@@ -122,9 +114,6 @@ class Agent:
         self.loop = EventLoop(on_worker_exit=self._worker_exited, on_child_signal=self._reap_orphans)
         self.parked = False  # this node's workers wait in rally.job.run for the next round
         self.in_process_restarts = 0  # restarts this node made by re-entering its workers (`rally status`)
-        self.spares: list[Worker] = []  # --warm-spares: processes waiting in rally.job.run for a rank's place
-        self.spares_started = 0
-        self.spare_streams: list = []
         self.group: WorkerGroup | None = None
         self.opened: OpenedStore | None = None  # the rendezvous store as bound (rendezvous/backends.py)
         self.store: KeyValueStore | None = None
@@ -152,9 +141,9 @@ class Agent:
             observer,
             NodeCheckpoints.for_agent(self),  # the memory tier's holder, the disk's steps
             Preemption(self, requeue),  # a preemption signal: checkpoint, stop, requeue (agent/preemption.py)
-            InProcessRestarts(self),  # workers inside rally.job.run connect to it (agent/rounds/reentry.py)
+            InProcessRestarts(self),  # workers in rally.job.run connect to it; warm spares (agent/rounds/reentry.py)
         ]
-        # a failure re-enters the workers inside rally.job.run through it (docs/restartable.md)
+        # a failure parks the workers inside rally.job.run and re-enters them through it (docs/restartable.md)
         self.reentry = next((r for part in self.collaborators if (r := part.worker_reentry()) is not None), None)
 
     # ================================================================ the context (agent/base/collaborator.py)
@@ -193,10 +182,9 @@ class Agent:
             code = exc.code
         finally:
             self._stop_workers(signal.SIGTERM)
-            self._stop_spares()
             # the newest in-memory checkpoint made durable: a step lost with the holder is a line
             lost = [line for part in reversed(self.collaborators) if (line := part.exit()) is not None]
-            processes.kill_descendants(self._helper_pids())  # nothing of the job outlives the agent
+            processes.kill_descendants(self.helper_pids())  # nothing of the job outlives the agent
             for helper in (self.live, self.template, self.guard):
                 if helper is not None:
                     helper.stop()
@@ -310,10 +298,7 @@ class Agent:
             for part in self.collaborators:  # e.g. the pre-flight may leave a node out (agent/checks/preflight.py)
                 if (end := part.workers_starting(rnd, master)) is not None:
                     return end
-            if self.parked:
-                self._reenter_workers(rnd, master)
-            else:
-                self._start_workers(rnd, master)
+            self._start_workers(rnd, master)
             self.state = AgentState.RUNNING
             return self._watch_workers(rnd)
         finally:
@@ -344,28 +329,37 @@ class Agent:
         return self.store_call(lambda: rnd.wait_master(timeout), waiting=True)
 
     def _start_workers(self, rnd: Round, master: tuple[str, int]) -> None:
+        """A new process for each local rank, or the workers parked at the last round's end entering
+        their training function again (agent/rounds/parking.py)."""
         assignment = rnd.assignment
-        self.events.emit("workers_starting", round=assignment.round)  # the restart's breakdown (bench/goodput.py)
-        self.group = self._launch(assignment, master)
-        self._watch_started(assignment, self.group)
+        if self.parked and self.reentry is not None:
+            self.reentry.reenter(rnd, master)  # a dead rank's place taken by a warm spare or a new process
+        else:
+            self.events.emit("workers_starting", round=assignment.round)  # the restart's breakdown (bench/goodput.py)
+            self.group = self.launch(assignment, master)
+            self.watch_started(assignment, self.group)
+        assert self.group is not None
         for part in self.collaborators:
-            part.workers_started(rnd, self.group.workers)  # e.g. the health monitor watches them
-        self._refill_spares(assignment, master)
+            part.workers_started(rnd, self.group.workers)  # e.g. the health monitor watches them (again)
+        self.parked = False
 
-    def _worker_env(self) -> dict[str, str]:
+    def workers_env(self) -> dict[str, str]:
         """What the features add to the workers' environment (the holder's address, none once it died)."""
         return {**self.base_env, **{k: v for part in self.collaborators for k, v in part.worker_env().items()}}
 
-    def _launch(
+    def launch(
         self, assignment: Assignment, master: tuple[str, int], local_ranks: set[int] | None = None, **extra: str
     ) -> WorkerGroup:
+        """Start workers (`local_ranks`: only these) from the template, output to the live view. Public:
+        the in-process restart starts a dead rank's replacement and the warm spares through it
+        (agent/rounds/parking.py's ParkingContext)."""
         multi_node = assignment.group_world_size > 1 or self.plan.settings.max_nodes > 1
         launch = self.template.spawn if self.template is not None else processes.spawn
         sink = self.live.sink if self.live is not None else None
-        env, logs, spec = {**self._worker_env(), **extra}, self.logs, self.spec
+        env, logs, spec = {**self.workers_env(), **extra}, self.logs, self.spec
         return WorkerGroup.start(spec, env, assignment, master, logs, multi_node, sink, sink, launch, local_ranks)
 
-    def _watch_started(self, assignment: Assignment, group: WorkerGroup) -> None:
+    def watch_started(self, assignment: Assignment, group: WorkerGroup) -> None:
         """Watch new workers' output and exits; the orphan guard learns their process groups."""
         for stream in group.streams:
             self.loop.watch_stream(stream)
@@ -375,175 +369,6 @@ class Agent:
                 self.guard.guard_group(worker.pid)
             rank, local_rank = worker.global_rank, worker.local_rank
             self.events.emit("worker_started", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid)
-
-    def _refill_spares(self, assignment: Assignment, master: tuple[str, int]) -> None:
-        """--warm-spares: start spares until N live ones wait (each runs the script up to rally.job.run,
-        in the background: the round does not wait for them)."""
-        self.spares = [s for s in self.spares if s.returncode is None]
-        while len(self.spares) < self.spec.warm_spares:
-            place = self.spec.nproc_per_node + self.spares_started  # its own log directory, never a rank's
-            self.spares_started += 1
-            spare = self._launch(assignment, master, {place}, **{SPARE_ENV: "1"})
-            for stream in spare.streams:
-                stream.prefix = b"[spare] " if stream.prefix else b""
-                self.loop.watch_stream(stream)
-            for worker in spare.workers:
-                self.loop.watch_exit(worker)
-                if self.guard is not None:
-                    self.guard.guard_group(worker.pid)
-                self.events.emit("spare_started", round=assignment.round, pid=worker.pid)
-            self.spares.extend(spare.workers)
-            self.spare_streams.extend(spare.streams)
-            if not spare.workers:
-                break  # never loop on a start that started nothing
-
-    def _promote_spare(self, local_rank: int) -> Worker | None:
-        """A live spare inside rally.job.run takes `local_rank`'s place, or None when none is ready."""
-        for spare in self.spares:
-            if spare.returncode is None and self.reentry is not None and self.reentry.linked(spare.pid):
-                self.spares.remove(spare)
-                spare.local_rank = local_rank
-                return spare
-        return None
-
-    def _stop_spares(self) -> None:
-        spares = [s for s in self.spares if s.returncode is None]
-        if spares:
-            group = WorkerGroup(workers=spares, streams=self.spare_streams)
-            stop_workers(group, signal.SIGTERM, 5.0, self.loop, self.guard, self._helper_pids(), ())
-        self.spares = []
-
-    def _park(self, rnd: Round, culprit: object = None) -> bool:
-        """Every worker of this node leaves its training function and tears torch.distributed down,
-        staying alive in rally.job.run for the next round (docs/restartable.md). A worker that does
-        not within PARK_SECONDS is killed (the round's culprit first: its peers blocked on it are
-        released when its connections close, and get PARK_GRACE_SECONDS more) and replaced. False,
-        with one line when the script uses job.run, when the workers must be restarted whole instead."""
-        group, a, reentry = self.group, rnd.assignment, self.reentry
-        if group is None or reentry is None or not any(reentry.linked(w.pid) for w in group.workers):
-            return False  # a script that does not call rally.job.run: whole restarts, as always
-        why = self._reentry_refusal(group, reentry)
-        if why is None:
-            started = time.monotonic()
-            for worker in group.running():
-                reentry.send(worker.pid, "abort", round=a.round)
-            # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
-            unparked = self._wait_parked(group.running(), started + PARK_SECONDS)
-            first = [(w, why) for w, why in unparked if w.global_rank == culprit]
-            if first and len(unparked) > 1:  # the hung culprit holds the others in a collective
-                worker, reason = first[0]
-                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
-                self._kill_worker(worker)
-                late = [w for w, why in unparked if w is not worker and w.returncode is None]
-                # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
-                unparked = self._wait_parked(late, time.monotonic() + PARK_GRACE_SECONDS)
-            for worker, reason in unparked:
-                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
-                self._kill_worker(worker)
-            if any(w.returncode is None for w in group.workers):
-                seconds = round(time.monotonic() - started, 6)
-                self.events.emit("workers_parked", round=a.round, seconds=seconds, replaced=len(unparked))
-                reentry.spent(self._saved_step())
-                return True
-            why = "no worker of this node is left to re-enter"
-        console.say(f"restarting the worker processes instead of re-entering them: {why}")
-        self.events.emit("reentry_refused", round=a.round, reason=why)
-        return False
-
-    def _reentry_refusal(self, group: WorkerGroup, reentry: WorkerReentry) -> str | None:
-        """Why this node's workers must be restarted whole; a dead worker is no reason (it is replaced)."""
-        for worker in group.running():
-            if not reentry.linked(worker.pid):
-                return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
-        return reentry.refusal(self._saved_step())
-
-    def _wait_parked(self, workers: list[Worker], deadline: float) -> list[tuple[Worker, str]]:
-        """Until each of `workers` said "parked" or the deadline; those that did not (still inside
-        the function, or their teardown failed: their state is in doubt), with why."""
-        waiting = {w.pid: w for w in workers}
-        unparked: list[tuple[Worker, str]] = []
-        kept: list = []
-        try:
-            while waiting:
-                now = time.monotonic()
-                if now >= deadline:
-                    late = f"did not leave the training function within {PARK_SECONDS:g} s"
-                    return unparked + [(worker, late) for worker in waiting.values()]
-                self.loop.pump(deadline - now)
-                for news in self.loop.take_events():
-                    match news:
-                        case WorkerSaid(pid=pid, message={"op": "parked"} as said) if pid in waiting:
-                            worker = waiting.pop(pid)
-                            if not said.get("ok"):
-                                why = f"could not tear torch.distributed down ({said.get('why')})"
-                                unparked.append((worker, why))
-                        case StoreLost():
-                            kept.append(news)
-                        case _:
-                            pass  # of the round that ended (its end, a consequence of its abort)
-                for pid, worker in list(waiting.items()):
-                    if worker.returncode is not None:  # died while leaving: replaced like any dead rank
-                        del waiting[pid]
-            return unparked
-        finally:
-            self.loop.events.extend(kept)  # e.g. a lost store: the main loop acts on it next
-
-    def _kill_worker(self, worker: Worker) -> None:
-        """SIGKILL a worker that cannot be re-entered (its process group: what it started goes too)."""
-        worker.stopped = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(worker.pid, signal.SIGKILL)
-        # wait: short: KILL_WAIT_SECONDS (5) after the SIGKILL above
-        worker.process.wait(timeout=processes.KILL_WAIT_SECONDS)
-
-    def _reenter_workers(self, rnd: Round, master: tuple[str, int]) -> None:
-        """The parked workers enter their training function again with this round's environment
-        (ranks, WORLD_SIZE, MASTER_ADDR/PORT, RALLY_ROUND, ...): what a fresh worker would get."""
-        group, assignment, reentry = self.group, rnd.assignment, self.reentry
-        assert group is not None and reentry is not None  # only parked workers are re-entered
-        self.events.emit("workers_starting", round=assignment.round, in_process=True)
-        env = self._worker_env()
-        dead = {w.local_rank for w in group.workers if w.returncode is not None}
-        promoted: list[Worker] = []
-        for local_rank in sorted(dead):  # a warm spare takes the place: it ran the script up to job.run
-            spare = self._promote_spare(local_rank)
-            if spare is not None:
-                ours = {id(s) for s in spare.output.streams}
-                self.spare_streams = [s for s in self.spare_streams if id(s) not in ours]
-                group.replace(WorkerGroup(workers=[spare], streams=list(spare.output.streams)))
-                promoted.append(spare)
-                dead.discard(local_rank)
-                self.events.emit("spare_promoted", round=assignment.round, local_rank=local_rank, pid=spare.pid)
-        if dead:  # no spare: a new process runs the script up to job.run and joins
-            fresh = self._launch(assignment, master, dead)
-            group.replace(fresh)
-            self._watch_started(assignment, fresh)
-        for worker in group.workers:
-            if worker.local_rank in dead:
-                continue
-            worker.global_rank = assignment.rank_offset + worker.local_rank
-            worker_vars = worker_env(self.spec, env, assignment, master, worker.local_rank, worker.error_file)
-            if worker.heartbeat_file:
-                worker_vars["RALLY_HEARTBEAT_FILE"] = worker.heartbeat_file
-            reentry.send(worker.pid, "enter", round=assignment.round, env=worker_vars)
-            rank, local_rank = worker.global_rank, worker.local_rank
-            self.events.emit(
-                "worker_reentered", round=assignment.round, rank=rank, local_rank=local_rank, pid=worker.pid
-            )
-            if any(worker is spare for spare in promoted):  # its output now carries its rank
-                for stream in worker.output.streams:
-                    stream.prefix = f"[{rank}] ".encode() if stream.prefix else b""
-        for part in self.collaborators:
-            part.workers_started(rnd, group.workers)  # e.g. the health monitor watches them again
-        self.parked = False
-        self._refill_spares(assignment, master)
-
-    def _saved_step(self) -> int | None:
-        """The newest step saved this job (the checkpoint feature's status field), for the re-entry budget."""
-        steps = [
-            v for part in self.collaborators if isinstance(v := part.status_fields().get("checkpoint_saved_step"), int)
-        ]
-        return max(steps, default=None)
 
     def _watch_workers(self, rnd: Round) -> RoundEnd:
         """Until the round ends: signals, the threads' news, the collaborators' watch (exits, hangs,
@@ -632,7 +457,8 @@ class Agent:
             part.round_ending(rnd)  # e.g. from now on a save of this round's workers is refused
         decision = decide(end, a, self.spec.max_restarts)
         stopping = time.monotonic()
-        self.parked = isinstance(decision, Restart | Reform) and self._park(rnd, end.info.get("rank"))
+        reentry = self.reentry if isinstance(decision, Restart | Reform) else None
+        self.parked = reentry is not None and reentry.park(rnd, end.info.get("rank"))
         if not self.parked:
             self._stop_workers(signal.SIGTERM)
         stop_seconds = round(time.monotonic() - stopping, 6)
@@ -800,7 +626,7 @@ class Agent:
     def _stop_workers(self, signum: int) -> None:
         if self.group is not None:
             self.state = AgentState.STOPPING  # a signal now cuts the grace short and waits its turn
-            spec, helpers = self.spec, self._helper_pids()
+            spec, helpers = self.spec, self.helper_pids()
             stop_workers(
                 self.group, signum, spec.shutdown_timeout, self.loop, self.guard, helpers, spec.preemption_signals
             )
@@ -813,9 +639,10 @@ class Agent:
 
     def _reap_orphans(self) -> None:
         """SIGCHLD: an orphan re-parented to us (a subreaper) may have exited; reap it now."""
-        processes.reap_zombies(self._helper_pids() | {w.pid for w in (self.group.workers if self.group else [])})
+        processes.reap_zombies(self.helper_pids() | {w.pid for w in (self.group.workers if self.group else [])})
 
-    def _helper_pids(self) -> frozenset[int]:
+    def helper_pids(self) -> frozenset[int]:
+        """The agent's own processes and its features': never stopped as the job's workers."""
         template = self.template.helper_pids() if self.template is not None else set()
         features = {pid for part in self.collaborators for pid in part.helper_pids()}
         return frozenset(({self.guard.pid} if self.guard is not None else set()) | template | features)

@@ -31,7 +31,7 @@ and, where the agent still needs something of its features, a hook each (none na
     in_status_thread(rnd)          the round's status thread published this node's record
     round_holdings()               what this node tells each round about its checkpoints
     helper_pids()                  this feature's processes: never the job's, gone when the agent is
-    worker_reentry()               the line to the workers inside `rally.job.run`, if this feature keeps it
+    worker_reentry()               parks and re-enters the workers inside `rally.job.run`, if this feature does
 
 A hook that may end the round returns the round's end (`workers_starting`, `watch`): the first
 collaborator to return one ends it and the later ones are not asked. A hook that makes this node
@@ -82,21 +82,16 @@ class Holdings(Protocol):
 
 
 class WorkerReentry(Protocol):
-    """The agent's line to its workers inside `rally.job.run` and the rule for when a failure may be
-    recovered in-process (agent/rounds/reentry.py's InProcessRestarts is one): what the agent's own
-    parking and re-entering of its workers (agent/agent.py `_park`, `_reenter_workers`) asks of it."""
+    """An in-process restart as the agent asks for it (agent/rounds/parking.py's WorkerParking is one):
+    this node's workers parked in `rally.job.run` as a round ends, re-entered in the next round."""
 
-    def linked(self, pid: int) -> bool:
-        """Worker `pid` is inside `rally.job.run`, connected (it can be re-entered)."""
+    def park(self, rnd: Round, culprit: object = None) -> bool:
+        """Park this round's workers (`culprit`: the global rank that ended the round, if one did);
+        False, with one line when the script uses `rally.job.run`, when they must be restarted whole."""
 
-    def send(self, pid: int, op: str, **fields: object) -> bool:
-        """Say `op` (agent/base/reentry_wire.py: abort, enter) to worker `pid`; False when it is not linked."""
-
-    def refusal(self, checkpoint_step: int | None) -> str | None:
-        """Why the next restart must restart the processes instead, or None when it may be in-process."""
-
-    def spent(self, checkpoint_step: int | None) -> None:
-        """An in-process restart was made (it counts toward the next refusal)."""
+    def reenter(self, rnd: Round, master: tuple[str, int]) -> None:
+        """The parked workers enter their training function again in round `rnd` (the dead ones
+        replaced); the agent's worker group is this round's after it."""
 
 
 class StartedWorker(Protocol):
@@ -264,6 +259,6 @@ class Collaborator:
         return frozenset()
 
     def worker_reentry(self) -> WorkerReentry | None:
-        """The line to the workers inside `rally.job.run`, if this feature keeps it (the agent asks once,
-        as it is built; the first feature to offer one is it)."""
+        """The parking and re-entry of the workers inside `rally.job.run`, if this feature does them (the
+        agent asks once, as it is built; the first feature to offer one is it)."""
         return None

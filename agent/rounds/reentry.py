@@ -15,24 +15,22 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rally.agent.base import reentry_wire as wire
-from rally.agent.base.collaborator import AgentContext, Collaborator, WorkerReentry
+from rally.agent.base.collaborator import Collaborator, StartedWorker, WorkerReentry
 from rally.agent.base.event_loop import News, WorkerSaid
+from rally.agent.rounds.parking import ParkingContext, WorkerParking
+from rally.agent.rounds.warm_spares import WarmSpares
 from rally.rendezvous.base.records import EndKind, RoundEnd
+from rally.rendezvous.protocol import Round
 
 # BURST_LIMIT in-process restarts in a row, each this soon after the previous one with no newer
 # checkpoint step between them, are a loop the function cannot get out of: the next one restarts
 # the processes. (One alone proves nothing: the holder's news of a save may lag the failure.)
 BURST_SECONDS = 10.0
 BURST_LIMIT = 3
-# How long the agent waits for every worker to leave the function and tear torch.distributed
-# down before it restarts them whole (a worker stuck in C code that never returns to Python).
-PARK_SECONDS = 10.0
-# After the round's culprit was killed for not leaving, the ranks its death released have this long.
-PARK_GRACE_SECONDS = 2.0
 SEND_SECONDS = 2.0
 # A soft failure that says a peer's connection was lost waits this long for a local rank's exit
 # (a killed rank's sockets close before it becomes a zombie): then that death is the root cause.
@@ -141,22 +139,36 @@ class ReentryHub:
 
 class InProcessRestarts(Collaborator):
     """In-process restarts as a feature of the agent: it owns the hub (its socket's name reaches the
-    workers through `worker_env`, it stops at `exit`) and the budget, and offers both to the agent,
-    which parks and re-enters its own workers, through `worker_reentry`."""
+    workers through `worker_env`, it stops at `exit`), the budget and the warm spares (refilled once
+    a round's workers run, stopped at `exit`), and offers the agent the parking and re-entry of its
+    workers (agent/rounds/parking.py) through `worker_reentry`."""
 
-    def __init__(self, ctx: AgentContext) -> None:
+    def __init__(self, ctx: ParkingContext) -> None:
         self.hub = ReentryHub(ctx.loop.inbox.post)
         self.budget = ReentryBudget()
+        self.spares = WarmSpares(ctx, self.hub.linked)
+        self.parking = WorkerParking(ctx, self, self.spares)
+        self.master: tuple[str, int] | None = None  # this round's workers' store, where spares start too
 
     def worker_env(self) -> dict[str, str]:
         return self.hub.env()
 
+    def workers_starting(self, rnd: Round, master: tuple[str, int]) -> RoundEnd | None:
+        self.master = master
+        return None
+
+    def workers_started(self, rnd: Round, workers: Sequence[StartedWorker]) -> None:
+        """Registered last, so every other feature saw the workers first: the spares start behind them."""
+        assert self.master is not None  # workers_starting came first
+        self.spares.refill(rnd.assignment, self.master)
+
     def exit(self) -> str | None:
+        self.spares.stop()  # the agent's workers are stopped; its spares go before the other features' exit
         self.hub.stop()  # the workers are stopped: nothing is linked any more
         return None
 
     def worker_reentry(self) -> WorkerReentry:
-        return self
+        return self.parking
 
     def linked(self, pid: int) -> bool:
         return self.hub.linked(pid)

@@ -181,7 +181,8 @@ class _Link:
         worker ended before it was re-entered in it) is answered "parked" at once, as the worker
         is, rather than left unanswered until the agent kills it for not leaving."""
         while True:
-            # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+            # wait: bounded, said by agent/rounds/parking.py WorkerParking.park: the agent sends it as the round
+            # ends, or stops us
             message = self.wait_for("enter", "abort")
             if message["op"] == "enter":
                 return message
@@ -207,7 +208,8 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
     if os.environ.get(wire.SPARE_ENV) == "1":  # a warm spare: wait for a dead rank's place
         threading.Thread(target=_warm_up, name="rally-spare-warm-up", daemon=True).start()
         link.send("spare")
-        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+        # wait: bounded, said by agent/rounds/parking.py WorkerParking.park: the agent sends it as the round
+        # ends, or stops us
         enter = link.wait_for("enter")
         _apply(enter.get("env") or {})
         os.environ.pop(wire.SPARE_ENV, None)
@@ -255,14 +257,16 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         finally:
             link.in_train = False
             link.left.set()
-        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+        # wait: bounded, said by agent/rounds/parking.py WorkerParking.park: the agent sends it as the round
+        # ends, or stops us
         link.wait_for("abort")
         link.aborting.clear()  # this round's abort is taken; the next one may come as soon as "enter"
         why = teardown(opened_since)
         timeline["parked"] = time.time()
         sys.excepthook = excepthook
         link.send("parked", ok=why is None, why=why or "")
-        # wait: bounded, said by agent/agent.py Agent._park: the agent sends it as the round ends, or stops us
+        # wait: bounded, said by agent/rounds/parking.py WorkerParking.park: the agent sends it as the round
+        # ends, or stops us
         enter = link.wait_for_enter()
         _apply(enter.get("env") or {})
         if backend is not None:

@@ -16,10 +16,13 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 TCP_TABLES = (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6))
-TCP_LISTEN = "0A"  # the kernel's TCP_LISTEN state, in hex as the tables write it
+TCP_LISTEN = b"0A"  # the kernel's TCP_LISTEN state, in hex as the tables write it
+TCP_SYN_RECV = b"03"  # a connection being accepted
 # The most of a table read: a host with a million sockets has ~150 MB of them; the listeners of
 # a port are found long before (the kernel writes listening sockets first, bucket by bucket).
 MAX_TABLE_BYTES = 64 << 20
@@ -56,21 +59,41 @@ def listeners(port: int) -> list[Listener]:
     for path, family in TCP_TABLES:
         try:
             with open(path, "rb") as table:
-                text = table.read(MAX_TABLE_BYTES).decode("ascii", "replace")
+                lines = list(listening_lines(table))
         except OSError:  # no IPv6 here, or no /proc: nothing known from this table
             continue
-        for line in text.splitlines()[1:]:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != TCP_LISTEN:
-                continue
-            address, _, port_hex = fields[1].partition(":")
+        for fields in lines:
+            address, _, port_hex = fields[1].partition(b":")
             try:
                 if int(port_hex, 16) != port:
                     continue
-                found.append(Listener(_address(address, family), port, int(fields[7]), int(fields[9])))
-            except (ValueError, OSError):
+                found.append(Listener(_address(address.decode("ascii"), family), port, int(fields[7]), int(fields[9])))
+            except (ValueError, OSError, UnicodeError):
                 continue
     return found
+
+
+def listening_lines(table: BinaryIO) -> Iterator[list[bytes]]:
+    """The fields of each listening socket's line of one table, read no further than those lines.
+
+    The kernel writes a table's listening sockets first (its listening hash, then the established
+    one) and makes the table a page at a time, as it is read: stopping at the first connection
+    spares it the walk of the established hash, most of the cost (a whole table took 4 ms of system
+    time with 500 connections, more with thousands). A SYN_RECV line does not end them (a kernel
+    before 4.4 lists a listener's pending connections right after it)."""
+    table.readline()  # the header
+    read = 0
+    for line in table:
+        read += len(line)
+        if read > MAX_TABLE_BYTES:
+            return
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        if fields[3] == TCP_LISTEN:
+            yield fields
+        elif fields[3] != TCP_SYN_RECV:
+            return
 
 
 def _targets(host: str) -> set[str]:
