@@ -1,5 +1,5 @@
-"""A worker whose state is in doubt after a failure is not re-entered (issue 39's Must 4,
-docs/restartable.md): its teardown between two entries failed (here destroying the process group
+"""A worker whose state is in doubt after a failure is not re-entered (docs/restartable.md):
+its teardown between two entries failed (here destroying the process group
 raises what a sticky CUDA error raises there: every CUDA call fails once one kernel faulted), so
 rally kills that process and a new one takes its rank, saying why in one line; the ranks whose
 teardown succeeded re-enter in their own processes, and the job ends bit-identical to a clean run.

@@ -1,4 +1,4 @@
-"""In-process restarts are bounded and honest (issue 39's Must 4, docs/restartable.md): they spend
+"""In-process restarts are bounded and honest (docs/restartable.md): they spend
 the job's one restart budget, and a loop of fast failures that saves nothing newer falls back to
 restarting the processes, said in one line and recorded as a whole restart.
 

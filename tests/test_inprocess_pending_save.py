@@ -5,7 +5,7 @@ saving thread at the next optimizer step's fence, the next save, `wait_saved()` 
 When another rank fails right after this rank's save, the next fence of this rank's round never
 comes: the decision is left to whatever comes after the re-entry, when the worker already has the
 next round's number. The holder must never take that old save as a step of the new round, and the
-new round must not pay for it (an old round's message reaching a new round, issue 39's Must 4).
+new round must not pay for it (an old round's message reaching a new round).
 
 Real rally, two ranks on gloo, the node's memory tier: rank 0 (the node's saver) saves every step,
 its weight large enough to be copied in the background; rank 1 raises right after step FAULT_AT's
