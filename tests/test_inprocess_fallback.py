@@ -37,6 +37,8 @@ TRAIN = textwrap.dedent(
             f.write(f"{entries} {os.getpid()}\\n")
         failed = OUT / "failures"
         if rank == 1:
+            while entries == 1 and not (OUT / "entries.0").exists():  # rank 0 in rally.job.run too: a rank
+                time.sleep(0.01)  # not yet there when another fails is restarted whole, with every other
             n = len(failed.read_text()) if failed.exists() else 0
             if n < FAILURES:
                 with open(failed, "a") as f:
@@ -90,10 +92,13 @@ def test_fast_failures_without_progress_fall_back_to_a_whole_restart_said_in_one
     assert f"last restart: round {BURST_LIMIT} ended (worker_failed): rank 1" in shown.stdout, shown.describe()
     report = json.loads(next(logs.glob("*/report.json")).read_text())
     assert [a.get("recovery") for a in report["attempts"][:failures]] == ["in-process"] * BURST_LIMIT + [None]
-    for rank in (0, 1):  # BURST_LIMIT + 1 entries in the first processes, then one in new ones
+    # rank 1 entered BURST_LIMIT + 1 times in its first process, then once in a new one; so did rank 0,
+    # but for the entries whose round ended before it was back in the function (it then left at once)
+    assert [e for e, _ in _entries(out, 1)] == [*range(1, BURST_LIMIT + 2), 1], text
+    for rank in (0, 1):
         entries = _entries(out, rank)
-        assert [e for e, _ in entries] == [*range(1, BURST_LIMIT + 2), 1], (rank, entries, text)
-        assert len({p for _, p in entries[:-1]}) == 1 and entries[-1][1] != entries[0][1], (rank, entries)
+        assert len({p for _, p in entries[:-1]}) == 1 and entries[-1] == (1, entries[-1][1]), (rank, entries)
+        assert entries[-1][1] != entries[0][1], (rank, entries)
 
 
 @pytest.mark.timeout(200)
@@ -106,6 +111,6 @@ def test_in_process_restarts_spend_the_jobs_restart_budget(tmp_path: Path) -> No
     events = read_events(logs)
     assert [(e["restart_count"], e["in_process"]) for e in events if e["event"] == "restart"] == [(1, True), (2, True)]
     assert len((out / "failures").read_text()) == 3
-    assert [e for e, _ in _entries(out, 0)] == [1, 2, 3], text  # every failure re-entered, none restarted
+    assert [e for e, _ in _entries(out, 1)] == [1, 2, 3], text  # every failure re-entered, none restarted
     report = json.loads(next(logs.glob("*/report.json")).read_text())
     assert report["outcome"] == "failed", report
