@@ -50,6 +50,8 @@ def test_script_gets_its_own_path_and_every_argument_untouched(tmp_path: Path) -
         assert record["name"] == "__main__"
 
 
+# Same start either way: with -m rally's default is the template already (launcher/checks/preload.py).
+@pytest.mark.same_start_either_way
 @pytest.mark.timeout(120)
 def test_module_runs_from_the_working_directory_like_python_dash_m(tmp_path: Path) -> None:
     package = tmp_path / "mypkg"
@@ -60,6 +62,8 @@ def test_module_runs_from_the_working_directory_like_python_dash_m(tmp_path: Pat
         assert record["name"] == "__main__"
 
 
+# Same start either way: with -m rally's default is the template already (launcher/checks/preload.py).
+@pytest.mark.same_start_either_way
 @pytest.mark.timeout(120)
 def test_module_is_found_on_pythonpath(tmp_path: Path) -> None:
     elsewhere = tmp_path / "lib"
@@ -71,6 +75,8 @@ def test_module_is_found_on_pythonpath(tmp_path: Path) -> None:
         assert record["argv"] == [str(module_file), "--x", "1"]
 
 
+# Same start either way: --no-python starts every worker plainly, whatever the start mode.
+@pytest.mark.same_start_either_way
 @pytest.mark.timeout(120)
 def test_no_python_executes_the_program_itself_with_the_arguments(tmp_path: Path) -> None:
     write_probe(
@@ -107,6 +113,8 @@ def test_run_path_runs_the_file_as_main_with_the_arguments(tmp_path: Path) -> No
         assert record["name"] == "__main__"
 
 
+# Same start either way: PET_NO_PYTHON=1 starts every worker plainly, whatever the start mode.
+@pytest.mark.same_start_either_way
 @pytest.mark.timeout(150)
 def test_pet_variables_alone_launch_a_job_and_pet_module_with_pet_no_python_is_refused(tmp_path: Path) -> None:
     """torchrun's options as PET_* variables only, no flag: PET_NO_PYTHON=1 runs the executable

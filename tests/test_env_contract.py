@@ -148,6 +148,8 @@ def test_omp_num_threads_set_by_the_user_is_left_alone(tmp_path: Path) -> None:
     assert [env["OMP_NUM_THREADS"] for env in envs.values()] == ["3", "3"]
 
 
+# Same start either way: the script imports torch, so rally's default is the template already.
+@pytest.mark.same_start_either_way
 @pytest.mark.torch
 @pytest.mark.timeout(120)
 def test_torch_sees_itself_launched_by_torchelastic(tmp_path: Path) -> None:

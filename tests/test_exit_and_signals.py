@@ -100,6 +100,8 @@ def test_worker_killed_by_sigkill_makes_rally_exit_137_naming_the_signal(tmp_pat
     assert "SIGKILL" in after_root_cause(result.stderr)
 
 
+# Same start either way: the script imports torch, so rally's default is the template already.
+@pytest.mark.same_start_either_way
 @pytest.mark.torch
 @pytest.mark.timeout(120)
 def test_traceback_from_the_record_error_file_is_the_root_cause(tmp_path: Path) -> None:

@@ -62,6 +62,9 @@ def _agent_args(port: int, nnodes: str, read_timeout: float) -> list[str]:
             "--local-addr", "127.0.0.1", "--rdzv-conf", conf, "--nproc-per-node", "1", "probe.py"]  # fmt: skip
 
 
+# Same under load: the store is frozen before the agent starts; its answer never comes, and
+# read_timeout, a clock's deadline, ends the wait.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(120)
 def test_an_agent_started_against_a_frozen_store_stops_within_read_timeout(
     tmp_path: Path, frozen_store: tuple[int, subprocess.Popen]
@@ -98,6 +101,9 @@ def test_a_store_frozen_while_an_agent_starts_is_noticed(
     assert ended - frozen < 3 + 20, f"stopped {ended - frozen:.1f} s after the freeze\n{agent.text()}"
 
 
+# Same under load: the store is frozen before `rally status` starts; its answer never comes, and
+# --timeout, a clock's deadline, ends the wait.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 def test_rally_status_against_a_frozen_store_fails_within_its_timeout(
     tmp_path: Path, frozen_store: tuple[int, subprocess.Popen]
@@ -118,6 +124,9 @@ def test_rally_status_against_a_frozen_store_fails_within_its_timeout(
     assert result.elapsed < 2 + 25, result.describe()  # --timeout, plus start-up on a loaded machine
 
 
+# Same under load: the HTTP server never answers the store's handshake (it waits for a request
+# line, and the handshake has no newline); the first answer's 5 s deadline, a clock's, decides.
+@pytest.mark.same_under_load
 @pytest.mark.timeout(90)
 def test_a_master_port_held_by_an_http_server_fails_fast_with_one_line(tmp_path: Path, procs: ProcessTracker) -> None:
     port = free_port()
@@ -214,6 +223,9 @@ def _hosted_store() -> tuple[object, object]:
     return open_tcp_store(StoreEndpoint("127.0.0.1", 0, True), "rally/reach/", 10.0, 10.0)
 
 
+# Same under load: in-process, it counts the threads the store's calls start, which no
+# scheduling changes (each call answers long before its 10 s bound).
+@pytest.mark.same_under_load
 @pytest.mark.timeout(60)
 def test_the_calls_that_wait_on_the_store_reuse_one_thread_not_one_each() -> None:
     """get, multi_get and wait are bounded by running in another thread (a hostile store can hang

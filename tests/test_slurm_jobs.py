@@ -2,6 +2,7 @@
 
     a. `srun -N2 rally --nproc-per-node 2 ddp.py` without rendezvous flags: one job of 4, node-major
     b. a worker failure on node 2 restarts the workers of both nodes (--max-restarts 1)
+       (one job shows both: its restart is the job of 4 of (a))
     c. --nnodes 2:3 on 3 nodes: a whole node dies (every process of its namespace, slurmd
        included) and the other two go on without it
     d. slurm/elastic-requeue.sbatch: SIGUSR1 to the batch shell -> workers checkpoint -> rally
@@ -12,7 +13,7 @@
     plus one cheap (torch-free) run of slurm/single-node.sbatch and slurm/multi-node.sbatch each.
 
 Workers that import torch cost ~2 s of CPU each and the cluster runs 3 nodes x 4 "CPUs" on 2
-real cores, so only (a), (b) and (d) import torch, each with as few workers as the check needs.
+real cores, so only (a, b) and (d) import torch, each with as few workers as the check needs.
 
 Every job a test starts carries a job name unique to the test (or, for a script submitted as
 written, is remembered by its id); the `jobs` fixture cancels whatever still carries it and waits
@@ -28,7 +29,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +65,9 @@ _JOB_VARS = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
 }  # fmt: skip
+
+# How often a test polls squeue for a job's state.
+POLL_S = 0.2
 
 # srun -l puts "<task>: " before every line of the task's output.
 LABEL = re.compile(r"^\s*(\d+): ", re.MULTILINE)
@@ -179,6 +184,20 @@ class Jobs:
         done = self.cluster.run_login(["scontrol", "show", "job", "-o", jobid], timeout=10, check=True)
         return dict(word.split("=", 1) for word in done.stdout.split() if "=" in word)
 
+    def release_requeued(self, jobid: str, started_again: Callable[[], bool], timeout: float) -> None:
+        """Let the requeued ``jobid`` start again at once: SLURM gives a requeued job a begin time
+        about 10 s ahead (measured here: requeued at :23, eligible at :34), a wait that shows nothing
+        of rally's; ``StartTime=now`` ends it. Done once the job is PENDING (every process of the
+        first run is gone); nothing to do once ``started_again()``."""
+        deadline = time.monotonic() + timeout
+        while (state := self.cluster.job_state(jobid)) != "PENDING":
+            if started_again() or not state:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {jobid} not PENDING for its requeue after {timeout}s (state: {state})")
+            time.sleep(POLL_S)
+        self.cluster.run_login(["scontrol", "update", f"JobId={jobid}", "StartTime=now"], timeout=10, check=True)
+
     def cancel(self) -> None:
         """scancel every job of this test (without waiting)."""
         self.cluster.run_login(["scancel", "-n", self.name], timeout=10)
@@ -218,32 +237,13 @@ def jobs(slurm_cluster: SlurmCluster, request: pytest.FixtureRequest, tmp_path: 
 # --------------------------------------------------------------------------------- a, b: srun
 
 
+# One job proves both (a) and (b), so that the torch workers start once: the first attempt fails
+# on node 2 (b), and the restart is the whole job of (a), a world of 4 formed from SLURM alone.
 @pytest.mark.torch
 @pytest.mark.timeout(240)
-def test_srun_two_nodes_without_rendezvous_flags_forms_one_job_with_node_major_ranks(jobs: Jobs) -> None:
-    run = jobs.srun(["-N2", "--ntasks-per-node=1", RALLY, "--nproc-per-node", "2", str(DDP)], tag="ddp")
-    code = run.wait(200)
-    text = run.text()
-    assert code == 0, text
-    results = sorted(ddp_results(text), key=lambda r: int(r["rank"]))
-    assert [r["rank"] for r in results] == ["0", "1", "2", "3"], text
-    assert {r["world"] for r in results} == {"4"}
-    assert {r["sum"] for r in results} == {"6"}  # 0+1+2+3: one all_reduce over both nodes
-    assert [r["host"] for r in results] == ["node1", "node1", "node2", "node2"]  # node-major
-    # Both agents took everything from SLURM: one run id <job>.0, the store on node1.
-    for task in (0, 1):
-        lines = "\n".join(task_lines(text, task))
-        assert re.search(rf"SLURM job \d+\.0: 2 nodes \(node\[1-2\]\), this is node {task}, store node1:\d+", lines), (
-            text
-        )
-        assert f"ranks {2 * task}-{2 * task + 1} of 4" in lines
-        assert "job succeeded: 4 workers on 2 nodes" in lines
-    assert "hosting the rendezvous store" in "\n".join(task_lines(text, 0))
-
-
-@pytest.mark.torch
-@pytest.mark.timeout(240)
-def test_worker_failure_on_node2_restarts_both_nodes_and_the_job_completes(jobs: Jobs) -> None:
+def test_srun_two_nodes_without_rendezvous_flags_forms_one_job_and_a_failure_on_node2_restarts_both(
+    jobs: Jobs,
+) -> None:
     run = jobs.srun(
         [
             "-N2",
@@ -266,15 +266,25 @@ def test_worker_failure_on_node2_restarts_both_nodes_and_the_job_completes(jobs:
     assert sorted(starts) == sorted(
         [(str(r), f"node{1 + r // 2}", "0") for r in range(4)] + [(str(r), f"node{1 + r // 2}", "1") for r in range(4)]
     ), text
-    results = ddp_results(text)
-    assert sorted(r["rank"] for r in results) == ["0", "1", "2", "3"], text
-    assert {r["restart"] for r in results} == {"1"} and {r["sum"] for r in results} == {"6"}
-    assert {r["host"] for r in results} == {"node1", "node2"}
-    for task in (0, 1):  # each node's agent saw the same root cause and went round once
+    # (a) The restart is one job of 4 over both nodes: one all_reduce, ranks node-major.
+    results = sorted(ddp_results(text), key=lambda r: int(r["rank"]))
+    assert [r["rank"] for r in results] == ["0", "1", "2", "3"], text
+    assert {r["world"] for r in results} == {"4"}
+    assert {r["restart"] for r in results} == {"1"} and {r["sum"] for r in results} == {"6"}  # 0+1+2+3
+    assert [r["host"] for r in results] == ["node1", "node1", "node2", "node2"]  # node-major
+    # Both agents took everything from SLURM: one run id <job>.0, the store on node1.
+    for task in (0, 1):
         lines = "\n".join(task_lines(text, task))
+        assert re.search(rf"SLURM job \d+\.0: 2 nodes \(node\[1-2\]\), this is node {task}, store node1:\d+", lines), (
+            text
+        )
+        assert f"ranks {2 * task}-{2 * task + 1} of 4" in lines
+        assert "job succeeded: 4 workers on 2 nodes" in lines
+        # (b) each node's agent saw the same root cause and went round once
         assert "root cause: rank 2 (local rank 0" in lines and "on node2 failed with exit code 7" in lines, text
         assert "restarting all workers (restart 1 of 1)" in lines
         assert re.search(rf"round \d+: node {task} of 2, ranks .* restart 1/1", lines), lines
+    assert "hosting the rendezvous store" in "\n".join(task_lines(text, 0))
 
 
 # ------------------------------------------------------------------------------ c: a node dies
@@ -379,6 +389,7 @@ def test_elastic_requeue_template_checkpoints_requeues_and_resumes_bit_identical
 
         # What --signal=B:USR1@90 does before the time limit: SIGUSR1 to the batch shell only.
         jobs.cluster.run_login(["scancel", "--signal=USR1", "--batch", jid], timeout=10, check=True)
+        jobs.release_requeued(jid, lambda: "SLURM_RESTART_COUNT=1" in out(), 120)
         wait_for(lambda: "SLURM_RESTART_COUNT=1" in out(), 120, 0.2, "the requeued run to start", out)
         jobs.cluster.wait_job_gone(jid, timeout=240)
         text = out()
@@ -469,6 +480,7 @@ def test_the_pages_sbatch_script_runs_as_written_is_warned_requeued_and_resumes(
 
     # What --signal=B:USR1@90 does 90 s before the time limit: SIGUSR1 to the batch shell only.
     jobs.cluster.run_login(["scancel", "--signal=USR1", "--batch", jid], timeout=10, check=True)
+    jobs.release_requeued(jid, lambda: f"SLURM job {jid}.0 (restart 1)" in out(), 120)
     jobs.cluster.wait_job_gone(jid, timeout=300)
     text = out()
 
