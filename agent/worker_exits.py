@@ -68,6 +68,7 @@ class WorkerExits(Collaborator):
         self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
         self.noted: set[int] = set()  # pids whose end is in events.jsonl (this round)
         self.ending: list[Worker] = []  # the round's workers, from its end until they are stopped
+        self.ending_round = 0  # the round of `ending`
 
     # ------------------------------------------------------------ hooks (agent/base/collaborator.py)
     def round_formed(self, rnd: Round) -> None:
@@ -78,6 +79,7 @@ class WorkerExits(Collaborator):
         the same wake-up, or first) is recorded now, as its own exit: nothing stopped it."""
         group = self.ctx.group
         self.ending = list(group.workers) if group is not None else []
+        self.ending_round = rnd.assignment.round
         for worker in self.ending:
             # wait: not_a_wait: WNOHANG (reaps an exit the event loop has not handled yet)
             if worker.process.poll() is not None and worker.pid not in self.noted:
@@ -85,6 +87,15 @@ class WorkerExits(Collaborator):
 
     def round_ended(self, rnd: Round, end: RoundEnd) -> None:
         """The round's workers are stopped: each one the agent stopped is recorded, with why."""
+        self._stopped(rnd.assignment.round, end.detail)
+
+    def exit(self) -> str | None:
+        """A feature before this one left at `round_ended` (a quarantined node): its stops too."""
+        if self.ending:
+            self._stopped(self.ending_round, "the agent exits")
+        return None
+
+    def _stopped(self, round_: int, reason: str) -> None:
         ending, self.ending = self.ending, []
         for worker in ending:
             if worker.returncode is None or worker.pid in self.noted:
@@ -92,13 +103,13 @@ class WorkerExits(Collaborator):
             self.noted.add(worker.pid)
             self.emit(
                 "worker_stopped",
-                round=rnd.assignment.round,
+                round=round_,
                 rank=worker.global_rank,
                 pid=worker.pid,
                 exit=worker.describe_exit(),
                 returncode=worker.returncode,
                 duration=round(worker.duration(), 3),
-                reason=end.detail,
+                reason=reason,
             )
 
     def watch(self, rnd: Round) -> RoundEnd | None:
