@@ -111,29 +111,40 @@ def pytest_configure(config: pytest.Config) -> None:
 _SLURM_MODULES = {"test_slurm_cluster", "test_slurm_jobs"}
 
 
-# The modules that take longest in .ci/run's main pass, longest first (measured with --durations):
-# they start first, so that the pass does not end with one worker alone on a long module while the
-# other is idle (the longest first, then whatever is free to the worker that is free: within a
-# module's length of even). A module that grows long belongs here; one that is gone is ignored.
+# The modules that take longest in .ci/run's main pass, longest first (measured per module: the sum
+# of its tests' wall times in a whole main pass at -n 3): they start first, so that the pass does not
+# end with one worker alone on a long module while the others are idle (the longest first, then
+# whatever is free to the worker that is free: within a module's length of even). A module that
+# grows long belongs here; one that is gone is ignored.
 _LONGEST_FIRST = (
     "test_inprocess_restart",
-    "test_health",
-    "test_snippets",
-    "test_template",
+    "test_health",  # one test waits out the real 60 s default hang bound
+    "test_faults_hostile",
     "test_checkpoint_trust",
-    "test_faults_membership",
-    "test_faults_processes",
-    "test_faults_local",
-    "test_wait_lines",
+    "test_bad_input",
+    "test_multinode",
+    "test_template",
+    "test_job_end_bounded",
+    "test_faults_memory_tier",
+    "test_logs",
+    "test_faults_trust",
     "test_preflight",
     "test_sharded_jobs",
-    "test_kubernetes",
+    "test_env_contract",
+    "test_faults_local",
+    "test_exit_and_signals",
+    "test_faults_membership",
+    "test_faults_store_reach",
+    "test_status_hostile",
+    "test_wait_lines",
+    "test_snippets",
+    "test_faults_processes",
 )
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's; without it, never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under pytest-xdist (.ci/run's main pass: `-n 2`) each test module runs whole in one
+    """Under pytest-xdist (.ci/run's main pass: `-n 3`) each test module runs whole in one
     worker, so a module-scoped fixture (one store, one job, one built wheel) is still made once;
     the SLURM modules share one worker (the one cluster). The modules of _LONGEST_FIRST go first,
     in its order, then those with more tests."""

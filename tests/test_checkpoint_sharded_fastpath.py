@@ -131,3 +131,24 @@ def test_rank_zero_stops_waiting_for_a_part_another_rank_gave_up(tmp_path: Path)
     assert writer.wait(30)
     assert writer.last_error is None
     assert sorted(p.name for p in other.iterdir()) == ["__0.skipped"]
+
+
+@pytest.mark.timeout(60)
+def test_a_step_saved_in_one_round_is_written_into_that_rounds_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rally.job.run re-enters the function in the same process with the next round's RALLY_ROUND,
+    while the writer may still have steps of the old round to write: such a step's part went into
+    the new round's temporary directory of that step, where the new round's ranks write theirs
+    when they save it again, and rank 0 published a step made of both rounds' parts."""
+    from rally.agent.checkpoint.sharded import persist as dcp_persist
+
+    monkeypatch.setenv("RALLY_ROUND", "3")
+    saved_in = tmp_path / dcp_persist.temp_name(5)
+    writer = dcp_persist.Persister()
+    with writer.cond:  # the writer starts on the step only once the worker is in round 4
+        writer.submit(tmp_path, 5, 3, 1, 2, b"metadata", b"shards of rank 1 in round 3")
+        monkeypatch.setenv("RALLY_ROUND", "4")
+    assert writer.wait(30) and writer.last_error is None
+    assert not (tmp_path / dcp_persist.temp_name(5)).exists(), "round 3's part is in round 4's directory"
+    assert (saved_in / "__1_0.distcp").read_bytes() == b"shards of rank 1 in round 3"

@@ -342,6 +342,44 @@ def test_a_worker_of_a_round_that_is_over_cannot_save(tier: Tier) -> None:
     assert tier.agent.memory_steps() == [] and not tier.checkpoint_dir.exists()
 
 
+class Interrupted(BaseException):
+    """What rally.job.run's abort raises in a worker's main thread (RoundAborted), at any bytecode."""
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_a_request_interrupted_before_its_answer_leaves_no_answer_for_the_next_one(tier: Tier) -> None:
+    """The agent's abort (rally.job.run) raises in the main thread wherever it is, also while it
+    waits for the holder's answer (a reserve that allocates a large slot takes a while). That
+    answer arrives later: on a connection kept, the next request, in the next round, read it as
+    its own (here the resume of round 1 read the answer to `held`: no agreed step, so the round's
+    checkpoint was not loaded from memory) and every later one the answer before its own."""
+    worker = tier.worker()
+    assert worker.save(state(1), "whole", 1, persist=False, keep=3)  # the connection is open
+    os.kill(tier.agent.pid, signal.SIGSTOP)  # a holder that answers late
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            worker.held("")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.kill(tier.agent.pid, signal.SIGCONT)
+    time.sleep(0.3)  # the late answer, if the connection is still open, is in its buffer by now
+    tier.agent.close_round(0)
+    tier.agent.open_round(1, 1, LEASE)
+    worker.round = 1
+    step, fd = worker.resume("whole")
+    assert step == 1, f"round 1's resume read another answer (step {step})"
+    assert same(load_slot(fd), state(1))
+    assert worker.held("whole") == {"whole": [1]}
+
+
 # --- the round agrees on a step --------------------------------------------------------------
 
 

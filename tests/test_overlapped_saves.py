@@ -140,6 +140,31 @@ def test_the_next_optimizer_step_waits_for_the_copy_and_the_resume_is_the_saved_
 
 
 @pytest.mark.timeout(60)
+def test_a_save_undecided_when_its_round_ends_is_dropped_and_never_reaches_the_next_round(
+    tier: Tier, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """rally.job.run between two entries (agent/worker_side/restartable.py): step 3's save is
+    copied but undecided when the agent ends round 0 (it closes the round at the holder before
+    it aborts the function). The worker's teardown drops it; before, it stayed pending into round
+    1, where the first optimizer step's fence committed it with round 1's number, the holder
+    refused it (its slot was voided with round 0) and round 1's next save raised that refusal.
+    The holder never holds step 3, and round 1 resumes from and saves after step 2."""
+    from rally.agent.worker_side import restartable
+
+    training, saved = overlapped_third_save(tier)
+    worker = overlap.pending.tier
+    tier.agent.close_round(0)  # the agent's round_ending, before its "abort" reaches the worker
+    assert restartable.teardown() is None  # what the worker does before it says "parked"
+    assert bits_equal(resumed(tier, 2), saved[2])  # round 1 opens with step 2 as its resume step
+    worker.round = 1  # the "enter" of round 1 (restartable._apply)
+    training.step()  # round 1's first optimizer step: its fence has nothing of round 0 to decide
+    assert worker.save(training.state(4), "whole", 4, persist=False, keep=3)  # raised CheckpointRefused before
+    job.wait_saved()
+    assert tier.agent.memory_steps() == [2, 4], "step 3, saved in round 0, was held in round 1"
+    assert "discarded" not in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
 def test_a_copy_split_over_helper_threads_resumes_the_saved_step_bit_for_bit(
     tier: Tier, monkeypatch: pytest.MonkeyPatch
 ) -> None:

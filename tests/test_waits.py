@@ -72,6 +72,7 @@ BOUND_INSIDE = {
     "connection.wait_ready",
     "self._wait_for_all_nodes",
     "self._wait_as_spare",
+    "link.wait_for_enter",
 }
 
 

@@ -166,15 +166,28 @@ class _Link:
         except OSError:
             pass  # the agent is gone; the wait that follows notices
 
-    def wait_for(self, op: str) -> dict[str, Any]:
-        """The next message `op`; SystemExit when the agent is gone (nothing can re-enter us)."""
+    def wait_for(self, *ops: str) -> dict[str, Any]:
+        """The next message that is one of `ops`; SystemExit when the agent is gone (nothing can re-enter us)."""
         while True:
             # wait: bounded, said by the agent: it sends `op`, or stops this process, or its death closes the socket
             message = self.messages.get()
             if message is None:
                 raise SystemExit(1)
-            if message["op"] == op:
+            if message["op"] in ops:
                 return message
+
+    def wait_for_enter(self) -> dict[str, Any]:
+        """The next "enter", parked meanwhile: an "abort" (the round the agent was forming for this
+        worker ended before it was re-entered in it) is answered "parked" at once, as the worker
+        is, rather than left unanswered until the agent kills it for not leaving."""
+        while True:
+            # wait: bounded, said by agent/rounds/parking.py WorkerParking.park: the agent sends it as the round
+            # ends, or stops us
+            message = self.wait_for("enter", "abort")
+            if message["op"] == "enter":
+                return message
+            self.aborting.clear()
+            self.send("parked", ok=True, why="")
 
 
 def socket_peer(sock: socket.socket) -> tuple[int, int, int]:
@@ -214,7 +227,6 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
     entry = 0
     while True:
         entry += 1
-        link.aborting.clear()
         if backend is None:
             opened_since = open_fds()
         link.opened_since = opened_since
@@ -224,8 +236,14 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         # milliseconds instead of the 0.1-0.3 s of a full scan (the last teardown collected what
         # earlier entries left, so nothing frozen here is their garbage).
         gc.freeze()
-        link.in_train = True
         try:
+            # In the try: from here on the interrupt may raise. The control thread sets `aborting`
+            # before it looks at `in_train`, and this thread sets `in_train` before it looks at
+            # `aborting`: an abort that came before the entry (the round ended as it began) is seen
+            # by one of the two, never by neither.
+            link.in_train = True
+            if link.aborting.is_set():
+                raise RoundAborted("rally ended this round before the function was entered")
             return _done(train(*args, **kwargs))
         except (SystemExit, KeyboardInterrupt):
             gc.unfreeze()
@@ -242,13 +260,14 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         # wait: bounded, said by agent/rounds/parking.py WorkerParking.park: the agent sends it as the round
         # ends, or stops us
         link.wait_for("abort")
+        link.aborting.clear()  # this round's abort is taken; the next one may come as soon as "enter"
         why = teardown(opened_since)
         timeline["parked"] = time.time()
         sys.excepthook = excepthook
         link.send("parked", ok=why is None, why=why or "")
         # wait: bounded, said by agent/rounds/parking.py WorkerParking.park: the agent sends it as the round
         # ends, or stops us
-        enter = link.wait_for("enter")
+        enter = link.wait_for_enter()
         _apply(enter.get("env") or {})
         if backend is not None:
             import torch.distributed as dist
@@ -316,13 +335,12 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
 
 
 def _settle_saves() -> None:
-    """A save overlapped with the last step is done (or refused: its round is over) before the groups go."""
+    """A save overlapped with the last step and still undecided is dropped before the groups go:
+    its round is over (the holder voided it), and decided on the next entry it would reach the
+    next round (agent/checkpoint/core/overlap.py `drop_at_round_end`)."""
     from rally.agent.checkpoint.core.overlap import overlap
 
-    try:
-        overlap.settle()
-    except Exception:  # refused by the holder: that round is closed; the step is simply not kept
-        pass
+    overlap.drop_at_round_end()
 
 
 def _destroy_process_groups() -> None:
@@ -388,6 +406,10 @@ def _apply(env: dict[str, str]) -> None:
     from rally.agent.checkpoint.core import resume_prefetch
 
     resume_prefetch.discard()  # prepared for an earlier round (a spare's start): this round asks afresh
+    if env.get(ckpt_client.HOLDER_LOST_ENV) == "1":  # the holder died: no address, as a new worker gets
+        for key in (ckpt_client.HOLDER_ENV, ckpt_client.HOLDER_PID_ENV, ckpt_client.SECRET_ENV):
+            os.environ.pop(key, None)
+        ckpt_client.forget_tier()
     tier = ckpt_client.tier()
     if tier is not None:  # saves and the resume are fenced by the round the holder has open
         tier.round = int(os.environ.get("RALLY_ROUND", "0") or 0)

@@ -1,5 +1,5 @@
 """A session fixture's value made once per test run, also when pytest-xdist runs the suite in
-several worker processes (.ci/run's main pass: `-n 2`).
+several worker processes (.ci/run's main pass: `-n 3`).
 
 Each xdist worker is a pytest session of its own, so a plain session fixture would be made once
 per worker: the uninterrupted reference runs (tests/support/ddp_reference.py, tests/support/fsdp_reference.py)

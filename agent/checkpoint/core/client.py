@@ -157,6 +157,13 @@ class MemoryTier:
                         raise CheckpointRefused(
                             f"rally: the checkpoint holder of this node is unreachable ({exc})"
                         ) from None
+                except BaseException:
+                    # Interrupted between the request and its answer (rally.job.run's abort raises
+                    # at any bytecode): the answer still comes, and on this connection the next
+                    # request, of the next round, would read it as its own. A new connection
+                    # instead; what this one was writing is dropped (its round is over).
+                    self.close()
+                    raise
         raise AssertionError("unreachable")
 
     def _connect(self) -> None:
@@ -405,6 +412,15 @@ _tier_resolved = False
 def persists() -> bool:
     """Whether this job's holder writes its copies to disk (the agent was given --checkpoint-dir)."""
     return os.environ.get(MEMORY_ONLY_ENV) != "1"
+
+
+def forget_tier() -> None:
+    """Let go of this process's connection to the holder: the next `tier()` reads the environment
+    again (rally.job.run's next round, whose holder died: RALLY_CKPT_HOLDER_LOST)."""
+    global _tier, _tier_resolved
+    if _tier is not None:
+        _tier.close()
+    _tier, _tier_resolved = None, False
 
 
 def tier() -> MemoryTier | None:

@@ -114,17 +114,17 @@ class PendingCopy:
         if self.error is None:
             self.tier.copied(self.key, self.step)  # the holder's persister may use the memory bandwidth again
 
-    def finish(self, intact: bool) -> BaseException | None:
-        """The copy thread's second part, once the saver's thread has decided: commit or abort;
-        a refusal of the commit (this worker's round is over) is returned."""
+    def finish(self, intact: bool, refused: Callable[[BaseException], None]) -> None:
+        """The copy thread's second part, once the saver's thread has decided: commit or abort.
+        A refusal of the commit (this worker's round is over) goes to `refused` before `done` is
+        set, so that whoever waits for `done` sees it."""
         try:
             if intact:
                 self.tier.commit(self.key, self.step, self.length)
             else:
                 self.tier.abort(self.key, self.step)
-            return None
-        except Exception as refused:  # CheckpointRefused: raised by the next save
-            return refused
+        except Exception as error:  # CheckpointRefused: raised by the next save
+            refused(error)
         finally:
             self.done.set()
 
@@ -246,6 +246,32 @@ class Overlap:
         except Exception as error:  # nobody is left to raise it to
             print(f"rally: warning: the last checkpoint was not kept: {error}", file=sys.stderr, flush=True)
 
+    def drop_at_round_end(self) -> None:
+        """This process's round is over and the thread that saved has left the training function
+        (`rally.job.run` between two entries, agent/worker_side/restartable.py): a save still
+        undecided is dropped, and what an earlier decision of that round was refused stays with it.
+
+        Decided later, on the next entry, such a save would reach the next round: judged torn
+        by the resume's in-place load (a warning blaming the script), or committed and refused
+        (its slot was voided when the agent closed the round before it aborted the function:
+        agent/checkpoint/slots.py), that refusal raised by a save of the next round. Dropping it
+        is what the holder has done already: the round's resume step is older, as when a worker
+        is killed before its save is decided."""
+        pending = self.pending
+        if pending is not None:
+            # wait: short: a memory copy under way after a reserve, as in settle (the teardown is bounded too)
+            pending.copied.wait()
+            self.pending = None
+            self._queue.put(lambda: pending.finish(False, self._defer))  # the holder lets the slot go
+            self.finishing = pending
+        finishing = self.finishing
+        if finishing is not None:
+            # wait: short: one round trip to the holder (an abort or a commit); its socket times out after
+            # client.REPLY_TIMEOUT
+            finishing.done.wait()
+            self.finishing = None
+        self.deferred = None
+
     def _decide(self, pending: PendingCopy) -> None:
         changed = [tensor for tensor, version in pending.watched if in_place_version(tensor) != version]
         intact = pending.error is None and not changed
@@ -257,14 +283,11 @@ class Overlap:
             self.deferred = pending.error
         elif changed:
             self._warn_discarded(pending, changed[0])
-        self.finishing = pending
+        self._queue.put(lambda: pending.finish(intact, self._defer))
+        self.finishing = pending  # after the put: an interrupt between the two leaves nothing to wait for
 
-        def finish() -> None:
-            refused = pending.finish(intact)
-            if refused is not None:
-                self.deferred = refused
-
-        self._queue.put(finish)
+    def _defer(self, error: BaseException) -> None:
+        self.deferred = error
 
     def _warn_discarded(self, pending: PendingCopy, tensor: torch.Tensor) -> None:
         self.discarded += 1

@@ -134,7 +134,9 @@ class Persister:
                 # wait: slice, said by the job: a save while MAX_PENDING (2) steps wait for this worker's own disk
                 # write, in POLL_SLICE (1 s) slices
                 self.cond.wait(POLL_SLICE)  # woken when a step is written; the slice only re-checks
-            self.pending.append((directory, step, keep, rank, world, meta, data))
+            # the round's directory is named now: rally.job.run may enter the next round (a new
+            # RALLY_ROUND) before this step is written, and its part must not join that round's
+            self.pending.append((directory, step, keep, rank, world, meta, data, temp_name(step)))
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="rally-dcp-persist", daemon=False)
                 self.thread.start()
@@ -160,13 +162,13 @@ class Persister:
                     job[6].data.release()
             if dropped:
                 self.cond.notify_all()
-        for directory, step, _, rank, *_ in dropped:
+        for directory, step, _, rank, _, _, _, name in dropped:
             if rank == 0 and len(self.skipped) == len(dropped):  # the first time only
                 line = (f"rally: the disk is slower than the sharded saves: step {step} and later ones that find "
                         "the writer still busy are not written to it; the newest step always is")  # fmt: skip
                 print(line, file=sys.stderr, flush=True)
             with contextlib.suppress(OSError):
-                temp = directory / temp_name(step)
+                temp = directory / name
                 auth.make_private_dir(directory)
                 auth.private_subdir(temp)
                 _touch_private(temp / f"__{rank}.skipped")
@@ -217,9 +219,9 @@ class Persister:
                     self._staging = source.mapping
             try:
                 if isinstance(source, _FromSlot):
-                    job = (*job[:6], self._stage(source))
-                directory, step, keep, rank, world, meta, data = job
-                persist_part(directory, step, keep, rank, world, meta, data, pause=self._step_aside)
+                    job = (*job[:6], self._stage(source), *job[7:])
+                directory, step, keep, rank, world, meta, data, name = job
+                persist_part(directory, step, keep, rank, world, meta, data, pause=self._step_aside, temp_dir=name)
             except _Skipped as skip:  # said by rank 0 alone: the other ranks' skips say the same
                 if job[3] == 0:
                     line = f"rally: sharded step {job[1]} not written to disk: {skip}; a newer step follows"
@@ -269,10 +271,12 @@ def persist_part(
     meta: Any,
     data: Any,
     pause: Callable[[], None] | None = None,
+    temp_dir: str | None = None,
 ) -> None:
-    """Write this rank's part of `step`; on rank 0 also wait for the others and publish."""
+    """Write this rank's part of `step`; on rank 0 also wait for the others and publish. `temp_dir`:
+    the name of the step's temporary directory in the round that saved it (default: this round's)."""
     auth.make_private_dir(directory)
-    temp = directory / temp_name(step)
+    temp = directory / (temp_dir or temp_name(step))
     auth.private_subdir(temp)  # exclusively, or ours already (another rank's): never a link, never another user's
     lock = lock_dir(temp) if rank == 0 else None
     try:
