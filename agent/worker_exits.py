@@ -6,6 +6,12 @@ a multi-node round it is first recorded as the job's first failure (first wins, 
 names the same root cause) and held until the peer check (`round_threads.check_peers`) answers
 whether a peer went silent meanwhile: then that node's loss is the cause, and the failure here a
 consequence ("connection closed" a moment after a peer died).
+
+Every worker's end is in events.jsonl, whichever comes first: its own exit (`worker_exited`) or the
+round's end. The round can end (a node declared lost by the keep-alive watcher, another node's
+failure) in the same wake-up as a worker's exit, or before a worker notices a dead peer at all (a
+loaded machine); such an exit is recorded as the round ends (`round_ending`), and a worker the
+agent then stopped as `worker_stopped`, with the round's end that stopped it (`round_ended`).
 """
 
 from __future__ import annotations
@@ -60,10 +66,51 @@ class WorkerExits(Collaborator):
         self.emit = ctx.events.emit
         self.kill_causes: dict[int, str] = {}  # local rank -> why its worker was SIGKILLed
         self.held: HeldFailure | None = None  # this round's local failure, until the peer check answers
+        self.noted: set[int] = set()  # pids whose end is in events.jsonl (this round)
+        self.ending: list[Worker] = []  # the round's workers, from its end until they are stopped
+        self.ending_round = 0  # the round of `ending`
 
     # ------------------------------------------------------------ hooks (agent/base/collaborator.py)
     def round_formed(self, rnd: Round) -> None:
-        self.held = None
+        self.held, self.noted = None, set()
+
+    def round_ending(self, rnd: Round) -> None:
+        """A worker that exited on its own but was never judged (the news of the round's end came in
+        the same wake-up, or first) is recorded now, as its own exit: nothing stopped it."""
+        group = self.ctx.group
+        self.ending = list(group.workers) if group is not None else []
+        self.ending_round = rnd.assignment.round
+        for worker in self.ending:
+            # wait: not_a_wait: WNOHANG (reaps an exit the event loop has not handled yet)
+            if worker.process.poll() is not None and worker.pid not in self.noted:
+                self._note(rnd, worker, self.health.health)
+
+    def round_ended(self, rnd: Round, end: RoundEnd) -> None:
+        """The round's workers are stopped: each one the agent stopped is recorded, with why."""
+        self._stopped(rnd.assignment.round, end.detail)
+
+    def exit(self) -> str | None:
+        """A feature before this one left at `round_ended` (a quarantined node): its stops too."""
+        if self.ending:
+            self._stopped(self.ending_round, "the agent exits")
+        return None
+
+    def _stopped(self, round_: int, reason: str) -> None:
+        ending, self.ending = self.ending, []
+        for worker in ending:
+            if worker.returncode is None or worker.pid in self.noted:
+                continue  # parked for an in-process restart, or its exit is recorded
+            self.noted.add(worker.pid)
+            self.emit(
+                "worker_stopped",
+                round=round_,
+                rank=worker.global_rank,
+                pid=worker.pid,
+                exit=worker.describe_exit(),
+                returncode=worker.returncode,
+                duration=round(worker.duration(), 3),
+                reason=reason,
+            )
 
     def watch(self, rnd: Round) -> RoundEnd | None:
         group = self.ctx.group
@@ -116,6 +163,7 @@ class WorkerExits(Collaborator):
             if cause:
                 self.kill_causes[worker.local_rank] = cause
         health.forget(worker.local_rank)
+        self.noted.add(worker.pid)
         self.emit(
             "worker_exited",
             round=rnd.assignment.round,

@@ -102,11 +102,21 @@ def test_a_dead_node_is_the_root_cause_costs_no_restart_and_the_job_reforms_at_o
     assert not any(re.search(r"root cause: rank \d", line) for line in cause), output
     survivor.popen.send_signal(signal.SIGTERM)
     assert survivor.wait(30) == 128 + signal.SIGTERM
-    # The secondary failure really happened: the survivor's worker died of the lost peer in round 0.
+    # The survivor's round-0 worker ended one of two ways, both recorded, and the node was the root
+    # cause either way (above): usually it dies of the lost peer first (gloo's "connection closed", an
+    # exit code of its own: a failure held until the peer check names the silent node); on a loaded
+    # machine its death can come after the keep-alive watcher's verdict, which ends the round, and the
+    # agent stops it for the lost node. The order is the machine's, not a promise of rally's.
     logs = tmp_path / f"logs{survivor.name[1:]}"
     events = read_events(logs)
-    exits = [e for e in events if e["event"] == "worker_exited" and e["round"] == 0]
-    assert exits and exits[0]["returncode"] not in (0, None) and not exits[0]["exit"].startswith("SIG"), events
+    ends = [e for e in events if e["event"] in ("worker_exited", "worker_stopped") and e["round"] == 0]
+    assert len(ends) == 1, events
+    end = ends[0]
+    if end["event"] == "worker_exited":
+        assert end["returncode"] not in (0, None) and not end["exit"].startswith("SIG"), events
+    else:
+        assert "node 0" in end["reason"] and "was lost" in end["reason"], events
+    print(f"node death: the survivor's round-0 worker {'failed' if end['event'] == 'worker_exited' else 'was stopped'}")
     assert [e["event"] for e in events if e["event"] in ("restart", "membership_change")] == ["membership_change"]
 
 

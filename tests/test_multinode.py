@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
-from support.helpers import eventually, free_port, is_alive
+from support.helpers import eventually, free_port, is_alive, read_events
 
 PROBE = """
 import json, os, sys, time
@@ -157,9 +157,10 @@ def _store_host(agents: list[AgentProcess]) -> AgentProcess:
 
 
 @pytest.mark.timeout(120)
-def test_dead_node_is_dropped_and_survivors_continue_without_spending_a_restart(job):
+def test_dead_node_is_dropped_and_survivors_continue_without_spending_a_restart(job, tmp_path):
     args = [*c10d_args(job.port, "2:3"), "--nproc-per-node", "1"]
-    agents = [job.start(f"n{i}", args, ["until-world", "2"]) for i in range(3)]
+    logs = {f"n{i}": tmp_path / f"logs{i}" for i in range(3)}
+    agents = [job.start(name, [*args, "--log-dir", str(log)], ["until-world", "2"]) for name, log in logs.items()]
     assert eventually(lambda: len(job.records()) == 3, 60), [a.output() for a in agents]
     victim = next(a for a in agents if a is not _store_host(agents))
     victim_pids = victim.kill_node()
@@ -170,6 +171,16 @@ def test_dead_node_is_dropped_and_survivors_continue_without_spending_a_restart(
     second = [r for r in job.records() if r["WORLD_SIZE"] == "2"]
     assert len(second) == 2 and {r["TORCHELASTIC_RESTART_COUNT"] for r in second} == {"0"}
     assert all("sent no keep-alive" in a.output() for a in survivors)
+    # Every worker's end is in events.jsonl: round 0's never noticed the dead node (no collective),
+    # so the agent stopped it, and says so and why; round 1's exited by itself.
+    for survivor in survivors:
+        events = read_events(logs[survivor.name])
+        started = {e["pid"] for e in events if e["event"] == "worker_started"}
+        ended = {e["pid"] for e in events if e["event"] in ("worker_exited", "worker_stopped")}
+        assert len(started) == 2 and started == ended, events
+        stopped = [e for e in events if e["event"] == "worker_stopped"]
+        assert [e["round"] for e in stopped] == [0] and "was lost" in stopped[0]["reason"], events
+        assert stopped[0]["exit"].startswith("SIG"), stopped  # SIGTERM (or SIGKILL after the grace)
 
 
 @pytest.mark.timeout(120)

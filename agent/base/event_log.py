@@ -2,8 +2,11 @@
 
 Each line has `time` (Unix seconds), `event`, `host` and the event's own fields. Events:
 round_formed, workers_starting (the round's workers are about to be forked), worker_started,
-worker_exited, worker_hung, round_ended (with `stop_seconds`, the time its workers took to stop),
-restart, membership_change, preempted, job_end. The file is appended and flushed per event, so it survives a crash.
+worker_exited (a worker's own exit), worker_stopped (the agent stopped it at the round's end;
+`reason`: that end), worker_hung, round_ended (with `stop_seconds`, the time its workers took to
+stop), restart, membership_change, preempted, job_end. The end of each worker of a round that ended
+is one worker_exited or worker_stopped (workers stopped as the agent itself exits, on a signal or an
+error, have none: job_end says why). The file is appended and flushed per event, so it survives a crash.
 """
 
 from __future__ import annotations
