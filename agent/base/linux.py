@@ -17,12 +17,30 @@ PR_SET_CHILD_SUBREAPER = 36
 
 # Loaded at import, not on first use: prctl is also called between fork and exec
 # (processes._die_with_parent), where loading a library is not safe.
+# One handle for the process: each ctypes.CDLL makes classes of its own (reference cycles), so one
+# made per call is garbage, which job.run's gc.freeze at the next entry would keep for good.
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+# glibc's malloc_trim; None under another C library
+_malloc_trim = getattr(_libc, "malloc_trim", None)
 
 
 def prctl(option: int, value: int) -> int:
     """prctl(2) with one argument; returns its result (-1 with errno set on failure)."""
     return _libc.prctl(option, value, 0, 0, 0)
+
+
+def madvise(address: int, length: int, advice: int) -> bool:
+    """madvise(2) over [address, address + length), `address` page-aligned; False on failure
+    (errno set: EINVAL where the kernel does not know the advice)."""
+    return bool(_libc.madvise(address, length, advice) == 0)
+
+
+def malloc_trim() -> None:
+    """Give the pages freed in glibc's arenas back to the kernel (malloc_trim(0)); nothing under
+    another C library."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def readable(fd: int, timeout: float | None) -> bool:

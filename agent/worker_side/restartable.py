@@ -26,7 +26,6 @@ old group, store connection or message can reach the next round.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import linecache
 import os
@@ -40,6 +39,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rally.agent.base import linux
 from rally.agent.base import reentry_wire as wire
 
 T = TypeVar("T")
@@ -414,19 +414,13 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# glibc's malloc_trim, looked up once (each ctypes.CDLL makes classes of its own: cycles); None
-# under another C library.
-_malloc_trim: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
-
-
 def _return_free_memory() -> None:
     """Give the pages the entry freed back to the kernel (glibc's malloc_trim: tens of microseconds
     here). Each entry's gloo threads and activations allocate in glibc's per-thread arenas, which
     keep freed pages resident: without it the worker's RSS crept up by 13-29 KB an entry, with it
     8-10 KB, where glibc's bytes in use grew by 2 (tests/test_inprocess_restart.py's 50 re-entries;
     5-7 KB once the control thread's buffer below was made once)."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+    linux.malloc_trim()
 
 
 def _apply(env: dict[str, str]) -> None:

@@ -50,16 +50,13 @@ import threading
 import time
 from typing import Any
 
+from rally.agent.base import linux
 from rally.agent.checkpoint.core import client, shm
 from rally.agent.checkpoint.core.shm import fd_path, storages_of
 
 PREFETCH_ENV = "RALLY_RESUME_PREFETCH"
 MADV_POPULATE_READ = 22  # linux/mman.h; not in Python's mmap module before 3.13
 PAGE = os.sysconf("SC_PAGE_SIZE")
-# Made once: every ctypes.CDLL makes classes of its own (reference cycles), and one made per call
-# was garbage that job.run's gc.freeze at the next entry kept for the rest of the process.
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 JOIN_SECONDS = 5.0
 """How long `load_latest` waits for the thread (its work is one answer of the holder and ~50 ms per 400 MB)."""
 
@@ -184,7 +181,7 @@ def populate(address: int, length: int) -> bool:
     readable, shared with the holder's memfd (no copy even in a private mapping); False where the
     kernel has no such advice (before 5.14)."""
     start = address // PAGE * PAGE
-    return bool(_libc.madvise(start, address + length - start, MADV_POPULATE_READ) == 0)
+    return linux.madvise(start, address + length - start, MADV_POPULATE_READ)
 
 
 def take(map_location: Any) -> tuple[int, Any] | None:
