@@ -21,6 +21,7 @@ import pytest
 
 from support.agents import StoreProcess, c10d_args, start_agent, stop_all
 from support.helpers import clean_env, eventually, free_port, kill_group, rally_status, read_events, run_rally
+from support.once_per_run import once_per_run
 
 pytestmark = pytest.mark.torch
 
@@ -127,8 +128,14 @@ def _rank_1_replaced_and_rank_0_re_entered(result, out: Path, clean_digest: str)
 
 @pytest.fixture(scope="module")
 def clean_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    _, out, _ = _run(tmp_path_factory.mktemp("clean"), "clean")
-    return json.loads((out / "result.0").read_text())["digest"]
+    """The uninterrupted run's digest, made once per test run: tests/test_inprocess_doubt.py
+    compares against the same clean run of TRAIN (one torch job, not one per module)."""
+
+    def run() -> str:
+        _, out, _ = _run(tmp_path_factory.mktemp("clean"), "clean")
+        return json.loads((out / "result.0").read_text())["digest"]
+
+    return str(once_per_run(tmp_path_factory, "inprocess-clean-digest", run))
 
 
 @pytest.mark.timeout(400)
