@@ -566,8 +566,10 @@ import json, os, sys, time
 out, rank, count = os.environ["PROBE_OUT"], os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
 cmdline = open("/proc/self/cmdline", "rb").read().split(b"\\0")[:-1]
 record = {"pid": os.getpid(), "ppid": os.getppid(), "cmdline": [a.decode() for a in cmdline]}
-with open(os.path.join(out, f"round{count}_rank{rank}.json"), "w") as f:
+path = os.path.join(out, f"round{count}_rank{rank}.json")
+with open(path + ".tmp", "w") as f:  # renamed whole: the test polls for these files
     json.dump(record, f)
+os.replace(path + ".tmp", path)
 fail_until = int(os.environ.get("PROBE_FAIL_UNTIL", "0"))
 if int(count) < fail_until:
     if rank == "1":  # after rank 0 wrote its record: no test may depend on which worker starts first
