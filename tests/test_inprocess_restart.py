@@ -27,7 +27,7 @@ pytestmark = pytest.mark.torch
 
 TRAIN = textwrap.dedent(
     """
-    import ctypes, hashlib, json, os, signal, time
+    import ctypes, glob, hashlib, json, os, signal, time
     from pathlib import Path
     import torch
     import torch.distributed as dist
@@ -43,10 +43,21 @@ TRAIN = textwrap.dedent(
     if not OWN_INIT:
         dist.init_process_group("gloo")  # rally makes it again before each later entry
     entries = 0
+    gloo_threads = []  # at each entry's start: an old round's group left alive shows here
+
+    def gloo_runloops():
+        names = []
+        for path in glob.glob("/proc/self/task/*/comm"):
+            try:
+                names.append(Path(path).read_text().strip())
+            except OSError:
+                pass  # the thread ended meanwhile
+        return names.count("pt_gloo_runloop")
 
     def train(steps):
         global entries
         entries += 1
+        gloo_threads.append(gloo_runloops())
         if OWN_INIT:
             dist.init_process_group("gloo")
         ctx = job.context()
@@ -88,7 +99,8 @@ TRAIN = textwrap.dedent(
             job.heartbeat(steps)
             time.sleep(0.05)
         params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-        result = {"digest": hashlib.sha256(params).hexdigest(), "entries": entries, "pid": os.getpid()}
+        result = {"digest": hashlib.sha256(params).hexdigest(), "entries": entries, "pid": os.getpid(),
+                  "gloo_threads": gloo_threads}
         (OUT / f"result.{ctx.rank}").write_text(json.dumps(result))
         if OWN_INIT:
             dist.destroy_process_group()
@@ -153,6 +165,11 @@ def test_an_exception_re_enters_the_function_in_the_same_processes(
         first, second = [s for s in steps if s[1] == "1"], [s for s in steps if s[1] == "2"]
         assert second[0][0] == "4", "the second entry did not resume from the step-3 checkpoint"
         assert first[-1][5] != second[0][5], "the second entry reused the old round's MASTER_PORT"
+        # no thread of the first round's group at the second entry (the function's own group is not
+        # made yet; rally's is the new round's: 2 threads, or fewer not yet named). torch.distributed.nn
+        # .functional, imported at the optimizer's first step, held the first round's group in its
+        # functions' defaults (4 here before).
+        assert done["gloo_threads"][1] <= (0 if own_init else 2), f"rank {rank}: {done['gloo_threads']}"
     # the exception, with its rank and traceback, is the root cause
     assert "root cause: rank 1 (local rank 1, pid" in result.stderr, result.describe()
     assert "raised ValueError: injected at step 5" in result.stderr

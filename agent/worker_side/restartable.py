@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 from rally.agent.base import linux
 from rally.agent.base import reentry_wire as wire
+from rally.agent.worker_side import group_keeper
 
 T = TypeVar("T")
 
@@ -248,6 +249,9 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         if entry > 1:
             gc.collect(1)
         gc.freeze()
+        # rally keeps a reference to every group made from now on (the function's own too): the
+        # function dropping its last one never destroys a gloo group with the GIL held
+        group_keeper.install()
         try:
             # In the try: from here on the interrupt may raise. The control thread sets `aborting`
             # before it looks at `in_train`, and this thread sets `in_train` before it looks at
@@ -259,6 +263,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             return _done(train(*args, **kwargs))
         except (SystemExit, KeyboardInterrupt):
             gc.unfreeze()
+            group_keeper.release()
             raise
         except BaseException as exc:
             link.in_train = False
@@ -292,8 +297,11 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
 def _done(value: T) -> T:
     """The function is done for good: what `run` froze goes back to the collector, so that the
     interpreter's last collection at exit finalises it as it would have (a frozen object is never
-    finalised: e.g. a DDP module's gloo group made in an earlier entry would outlive Python)."""
+    finalised: e.g. a DDP module's gloo group made in an earlier entry would outlive Python).
+    rally's references to the entry's groups go now: a group the function destroyed is joined
+    here with the GIL released (agent/worker_side/group_keeper.py), not as its frame was cleared."""
     gc.unfreeze()
+    group_keeper.release()
     return value
 
 
@@ -335,8 +343,12 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
             _close_connections(opened_since)  # first: peers blocked on us are released while we tear down
             timeline["closed"] = time.time()
             _destroy_process_groups()
+            group_keeper.unpin_defaults()  # torch.distributed.nn.functional's group.WORLD defaults
             timeline["destroyed"] = time.time()
-            gc.collect()  # the last entry's objects that held a group (a DDP module's cycles) go now
+            # the last entry's objects that held a group (a DDP module's cycles) go now; rally still
+            # holds each group, so none is destroyed inside the collection with the GIL held
+            gc.collect()
+            group_keeper.release()  # the groups destroyed now, their threads joined without the GIL
             _free_device_memory()
             _return_free_memory()
             timeline["collected"] = time.time()
