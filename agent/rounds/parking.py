@@ -142,7 +142,6 @@ class WorkerParking:
         if rnd.assignment.group_world_size == 1:
             return None
         self.ctx.store_call(lambda: rnd.channel.publish_reentry(None))
-        # wait: slice, said by rendezvous/round_channel.py RoundChannel.reentry_refusal: up to AGREE_SECONDS
         other = self.ctx.store_call(lambda: rnd.channel.reentry_refusal(AGREE_SECONDS), waiting=True)
         if other is None:
             return None
