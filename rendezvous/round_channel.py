@@ -24,7 +24,7 @@ import json
 import time
 
 from rally.rendezvous.base.keys import CURRENT_ROUND
-from rally.rendezvous.base.kv import KeyValueStore, LeasedStore, UntrustedValue, opened, opened_text
+from rally.rendezvous.base.kv import Checked, KeyValueStore, LeasedStore, UntrustedValue, opened, opened_text
 from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
 from rally.rendezvous.base.records import (
     MAX_COUNT,
@@ -68,6 +68,18 @@ def wait_all_marked(store: KeyValueStore, names: list[str], timeout: float) -> b
             return False
         # wait: short: MARK_RECHECK_SECONDS, within the caller's timeout
         time.sleep(min(MARK_RECHECK_SECONDS, left))
+
+
+def _reentry_record(value: Checked | None, group_rank: int) -> dict | None:
+    """Member `group_rank`'s answer after parking, None while it has none of its own there (absent,
+    not this job's, or another member's record copied to its key)."""
+    if value is None or isinstance(value, UntrustedValue):
+        return None
+    try:
+        record = json.loads(opened(value))
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("group_rank") == group_rank else None
 
 
 def end_key(round_no: int) -> str:
@@ -211,11 +223,8 @@ class RoundChannel:
             lost = {g: self._key(f"lost/{g}") for g in pending}
             found = self.store.read_present([*answers.values(), *lost.values()])
             for g in list(pending):
-                value = found.get(answers[g])
-                if value is not None and not isinstance(value, UntrustedValue):
-                    record = json.loads(opened_text(value, self.store.key(answers[g])))
-                    if record.get("group_rank") != g:
-                        continue  # another member's record copied here: the member's own is awaited
+                record = _reentry_record(found.get(answers[g]), g)
+                if record is not None:
                     if record.get("refusal"):
                         return g, str(record.get("host") or ""), str(record["refusal"])
                     pending.remove(g)
@@ -224,8 +233,13 @@ class RoundChannel:
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 return None
-            # wait: slice: REENTRY_SLICE_SECONDS, up to the caller's timeout
-            self.store.try_wait([answers[g] for g in pending], min(REENTRY_SLICE_SECONDS, left))
+            missing = [answers[g] for g in pending if answers[g] not in found]
+            if missing:
+                # wait: slice: REENTRY_SLICE_SECONDS, up to the caller's timeout
+                self.store.try_wait(missing, min(REENTRY_SLICE_SECONDS, left))
+            else:  # only values this job did not write: read again until the members' own replace them
+                # wait: short: REENTRY_SLICE_SECONDS
+                time.sleep(min(REENTRY_SLICE_SECONDS, left))
         return None
 
     # ----------------------------------------------------------------- who is alive
