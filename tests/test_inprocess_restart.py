@@ -425,8 +425,8 @@ FLIGHT_RECORDER_RING = "16"
 # class, a ctypes library), 20-23 objects an entry: about 1,000.
 FROZEN_SLACK = 100
 # Anonymous RSS may grow this much from the 5th entry to the 50th: NOT the issue's "no higher",
-# which torch 2.13 does not allow. Measured on this 2-core machine (per rank, 45 entries, 5 runs
-# of this test under the shared load): +244 to +408 KiB, 5-9 KB an entry. What grows (an
+# which torch 2.13 does not allow. Measured on this 2-core machine (per rank, 45 entries, 6 runs
+# of this test under the shared load): +232 to +408 KiB, 5-9 KB an entry. What grows (an
 # LD_PRELOAD tracker of the allocations made after the 5th entry still live at the 50th, and
 # /proc/self/smaps per mapping): glibc's bytes in use, by ~0.63 KB an entry, all kept for good by
 # torch and glibc (bench/torch_gloo_leak.py shows torch's share without rally: 412 B a group):
@@ -439,7 +439,7 @@ FROZEN_SLACK = 100
 # thread's last frame (+12 KiB each for 4-5 stacks, bounded).
 # The bound still catches rally's own leaks: rank 0's error at the 10th entry made its failure
 # report read torch's distributed_c10d.py whole into linecache, and Python's allocator kept the
-# 0.6-0.7 MB high-water mark for life (+1084 KiB at the 50th, measured on that code). Before the
+# 0.6-0.7 MB high-water mark for life (+1060 to +1084 KiB at the 50th in 3 runs of that code). Before the
 # earlier fixes it grew 0.7-1.5 MB (15-30 KB an entry), 0.4 MB more with torch's default
 # flight-recorder ring. Not measured: the libraries' code and unwind tables a first error path
 # faults in (RssFile, 1-3 MB once; shared with every process mapping them, dropped when memory
