@@ -344,6 +344,7 @@ LEAK = textwrap.dedent(
 
     OUT = Path(os.environ["OUT"])
     ENTRIES = int(os.environ["ENTRIES"])
+    TORCH_ERROR_ENTRY = 10
     dist.init_process_group("gloo")  # rally makes it again before each later entry
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -378,6 +379,14 @@ LEAK = textwrap.dedent(
             hook = next(c.cell_contents for c in hook.__closure__ if callable(c.cell_contents))
         return depth
 
+    def anonymous_rss():
+        # the resident memory the process holds (heap, arenas, stacks): RssAnon, in bytes. Not the
+        # pages of the libraries' code and unwind tables that a first error path faults in (RssFile:
+        # 1-3 MB at the entry whose collective first fails; shared, and dropped when memory is short)
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+
     def train():
         global ddp, entries
         entries += 1
@@ -389,7 +398,7 @@ LEAK = textwrap.dedent(
             "tasks": tasks(),
             "threads": sorted(t.name for t in threading.enumerate()),
             "shm": sum("/dev/shm/" in line or "/memfd:" in line for line in open("/proc/self/maps")),
-            "rss": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
+            "rss": anonymous_rss(),
             "excepthook": hook_depth(),
             "frozen": gc.get_freeze_count(),  # what rally's gc.freeze keeps: never collected while train runs
         }
@@ -404,8 +413,17 @@ LEAK = textwrap.dedent(
         job.save({"model": model.state_dict()}, entries)  # progress: each re-entry follows a newer checkpoint
         job.wait_saved()
         dist.barrier()
-        if entries < ENTRIES and ctx.rank == 1:
+        if entries == TORCH_ERROR_ENTRY and ctx.rank == 0:
+            # once, rank 0 fails first, inside torch.distributed (an invalid root): its failure
+            # report's traceback has frames of distributed_c10d.py, as a collective's error has
+            dist.broadcast(torch.zeros(1), src=ctx.world_size)
+        if entries < ENTRIES and ctx.rank == 1 and entries != TORCH_ERROR_ENTRY:
             raise ValueError(f"entry {entries}")  # rank 0 waits in the barrier below: rally releases it
+        if entries <= 5 and ctx.rank == 0:
+            # up to the 5th entry, rank 0 waits outside any collective (rally's abort interrupts
+            # the sleep): its barrier's own error on rank 1's teardown, which now and then comes
+            # before the abort, would make its first failure report before the 5th entry
+            time.sleep(60)
         dist.barrier()
 
     job.run(train)
@@ -423,17 +441,27 @@ FLIGHT_RECORDER_RING = "16"
 # freeze, every re-entry froze the cycles it made for good (the resume prefetch's torch.load
 # class, a ctypes library), 20-23 objects an entry: about 1,000.
 FROZEN_SLACK = 100
-# RSS may grow this much from the 5th entry to the 50th. What still grows (measured on this 2-core
-# machine, per rank, 45 entries): a steady 5-7 KB an entry (0.22-0.34 MB) that slows down, glibc
-# arena pages held by what torch and glibc keep of every round for good (heaptrack: ~0.4 KB an
-# entry in all: 184 B of each ProcessGroupGloo's constructor, 56 B of the flight recorder's status
-# per group, `setenv`'s old strings), which malloc_trim cannot hand back; and on rank 0, once, a
-# step of 0.6-0.9 MB in Python's allocator arenas at the first entry whose barrier fails before
-# the agent's abort arrives: formatting that error's traceback reads torch's distributed_c10d.py
-# (~6,000 lines) and the arenas keep the high-water mark (in most runs; 0.81-1.05 MB in all).
-# Before the fixes it grew 0.7-1.5 MB (15-30 KB an entry), 0.4 MB more with torch's default
-# flight-recorder ring.
-RSS_SLACK = 1280 << 10
+# Anonymous RSS may grow this much from the 5th entry to the 50th: NOT the issue's "no higher",
+# which torch 2.13 does not allow. Measured on this 2-core machine (per rank, 45 entries, 6 runs
+# of this test under the shared load): +232 to +408 KiB, 5-9 KB an entry. What grows (an
+# LD_PRELOAD tracker of the allocations made after the 5th entry still live at the 50th, and
+# /proc/self/smaps per mapping): glibc's bytes in use, by ~0.63 KB an entry, all kept for good by
+# torch and glibc (bench/torch_gloo_leak.py shows torch's share without rally: 412 B a group):
+# 2 x 130 B of c10d's RankLocal<WorkRegistry> map (an entry per gloo worker thread that ran a
+# collective, keyed by a thread id never reused), 184 B of ProcessGroupGloo's constructor, 56 B
+# of the flight recorder per group, and 135 B of `setenv`'s strings for the round's new
+# MASTER_PORT, RALLY_ROUND, ... (glibc never frees them). Each such chunk pins its page in the
+# glibc arena of the thread that made it (the arenas of the rounds' gloo threads: +50 to +250 KiB;
+# the main heap: +4 to +76); and cached thread stacks keep up to 16 KiB more below an exited
+# thread's last frame (+12 KiB each for 4-5 stacks, bounded).
+# The bound still catches rally's own leaks: rank 0's error at the 10th entry made its failure
+# report read torch's distributed_c10d.py whole into linecache, and Python's allocator kept the
+# 0.6-0.7 MB high-water mark for life (+1060 to +1084 KiB at the 50th in 3 runs of that code). Before the
+# earlier fixes it grew 0.7-1.5 MB (15-30 KB an entry), 0.4 MB more with torch's default
+# flight-recorder ring. Not measured: the libraries' code and unwind tables a first error path
+# faults in (RssFile, 1-3 MB once; shared with every process mapping them, dropped when memory
+# is short).
+RSS_SLACK = 640 << 10
 
 
 @pytest.mark.timeout(300)
@@ -448,6 +476,8 @@ def test_fifty_re_entries_leak_no_descriptors_threads_or_memory(tmp_path: Path) 
     result = run_rally(argv, cwd=tmp_path, env=env, timeout=280)
     assert result.returncode == 0, result.describe()
     assert "did not leave the training function" not in result.stderr, result.describe()
+    raised = [(e["round"], e["rank"]) for e in read_events(logs) if e["event"] == "worker_raised"]
+    assert (9, 0) in raised, f"rank 0's error in torch.distributed at the 10th entry was not reported: {raised}"
     for rank in (0, 1):
         rows = [json.loads(line) for line in (out / f"entries.{rank}").read_text().splitlines()]
         assert [row["entry"] for row in rows] == list(range(1, entries + 1)), f"rank {rank} was restarted"
@@ -467,7 +497,10 @@ def test_fifty_re_entries_leak_no_descriptors_threads_or_memory(tmp_path: Path) 
         frozen = last["frozen"] - fifth["frozen"]
         assert frozen <= FROZEN_SLACK, f"rank {rank}: {frozen} more objects frozen at the 50th entry than at the 5th"
         growth = last["rss"] - fifth["rss"]
-        assert growth <= RSS_SLACK, f"rank {rank}: RSS grew {growth / 1e6:.2f} MB from the 5th entry to the 50th"
+        assert growth <= RSS_SLACK, (
+            f"rank {rank}: anonymous RSS grew {growth >> 10} KiB from the 5th entry to the 50th "
+            f"({RSS_SLACK >> 10} allowed)"
+        )
 
 
 @pytest.mark.timeout(300)
