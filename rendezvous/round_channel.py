@@ -13,14 +13,18 @@ Keys, all under `<r>/` (rendezvous/protocol.py names the forming ones):
     acked/<g>           member g's signed record that it read the job's end; all of them open the
                         exit barrier (a counter and an `all_acked` flag once did: anyone could set it)
     step_times          node 0's median step times for the straggler check
+    reentry/<g>         after an in-process restart's parking (agent/rounds/parking.py): member g
+                        re-enters its workers (an empty reason), or why every node must restart
+                        its processes instead
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 from rally.rendezvous.base.keys import CURRENT_ROUND
-from rally.rendezvous.base.kv import KeyValueStore, LeasedStore, UntrustedValue, opened, opened_text
+from rally.rendezvous.base.kv import Checked, KeyValueStore, LeasedStore, UntrustedValue, opened, opened_text
 from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS, RendezvousError, RendezvousSettings
 from rally.rendezvous.base.records import (
     MAX_COUNT,
@@ -37,6 +41,8 @@ from rally.rendezvous.status.waiting import WaitProgress
 # How often a barrier whose keys all exist, one of them forged, reads them again: the forged key's
 # member overwrites it with its genuine record when it gets there.
 MARK_RECHECK_SECONDS = 0.1
+# How often a node waiting for the others' in-process answers looks for a member declared lost.
+REENTRY_SLICE_SECONDS = 0.2
 
 
 def wait_all_marked(store: KeyValueStore, names: list[str], timeout: float) -> bool:
@@ -62,6 +68,18 @@ def wait_all_marked(store: KeyValueStore, names: list[str], timeout: float) -> b
             return False
         # wait: short: MARK_RECHECK_SECONDS, within the caller's timeout
         time.sleep(min(MARK_RECHECK_SECONDS, left))
+
+
+def _reentry_record(value: Checked | None, group_rank: int) -> dict | None:
+    """Member `group_rank`'s answer after parking, None while it has none of its own there (absent,
+    not this job's, or another member's record copied to its key)."""
+    if value is None or isinstance(value, UntrustedValue):
+        return None
+    try:
+        record = json.loads(opened(value))
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("group_rank") == group_rank else None
 
 
 def end_key(round_no: int) -> str:
@@ -186,6 +204,43 @@ class RoundChannel:
         once every member's signed `acked/<g>` record is there (a forged one opens nothing)."""
         # wait: slice: the caller's timeout
         return wait_all_marked(self.store, [self._key(f"acked/{g}") for g in range(self.members)], timeout)
+
+    # ----------------------------------------------------------------- in-process or whole
+    def publish_reentry(self, refusal: str | None) -> None:
+        """This node parked its workers to re-enter them (`refusal` None), or restarts them whole
+        and says why: then every node must (agent/rounds/parking.py)."""
+        record = {"group_rank": self._mine(), "host": self.me.host, "refusal": refusal or ""}
+        self.store.set(self._key(f"reentry/{self._mine()}"), json.dumps(record))
+
+    def reentry_refusal(self, timeout: float) -> tuple[int, str, str] | None:
+        """(group rank, host, why) of another member that restarts its processes instead of
+        re-entering them; None once every other member not declared lost said it re-enters, or
+        after `timeout` (a member that said nothing by then is left to the next round's forming)."""
+        mine, deadline = self._mine(), time.monotonic() + timeout
+        pending = [g for g in range(self.members) if g != mine]
+        while pending:
+            answers = {g: self._key(f"reentry/{g}") for g in pending}
+            lost = {g: self._key(f"lost/{g}") for g in pending}
+            found = self.store.read_present([*answers.values(), *lost.values()])
+            for g in list(pending):
+                record = _reentry_record(found.get(answers[g]), g)
+                if record is not None:
+                    if record.get("refusal"):
+                        return g, str(record.get("host") or ""), str(record["refusal"])
+                    pending.remove(g)
+                elif lost[g] in found:  # declared lost: it re-enters nothing
+                    pending.remove(g)
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return None
+            missing = [answers[g] for g in pending if answers[g] not in found]
+            if missing:
+                # wait: slice: REENTRY_SLICE_SECONDS, up to the caller's timeout
+                self.store.try_wait(missing, min(REENTRY_SLICE_SECONDS, left))
+            else:  # only values this job did not write: read again until the members' own replace them
+                # wait: short: REENTRY_SLICE_SECONDS
+                time.sleep(min(REENTRY_SLICE_SECONDS, left))
+        return None
 
     # ----------------------------------------------------------------- who is alive
     def keep_alive(self) -> None:

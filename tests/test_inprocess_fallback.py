@@ -1,6 +1,8 @@
 """In-process restarts are bounded and honest (docs/restartable.md): they spend
 the job's one restart budget, and a loop of fast failures that saves nothing newer falls back to
-restarting the processes, said in one line and recorded as a whole restart.
+restarting the processes, said in one line and recorded as a whole restart; and in a job of
+several nodes one node's whole restart (here a rank whose teardown failed: its state in doubt) is
+every node's.
 
 Real rally, two workers inside `rally.job.run`, a script without torch (the rule is the agent's;
 a worker's entry costs milliseconds, so the failures come well within BURST_SECONDS): rank 1
@@ -11,12 +13,14 @@ waits in the function for it each time.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from rally.agent.rounds.reentry import BURST_LIMIT, BURST_SECONDS
+from support.agents import StoreProcess, c10d_args, start_agent, stop_all
 from support.helpers import clean_env, rally_status, read_events, run_rally
 
 TRAIN = textwrap.dedent(
@@ -114,3 +118,82 @@ def test_in_process_restarts_spend_the_jobs_restart_budget(tmp_path: Path) -> No
     assert [e for e, _ in _entries(out, 1)] == [1, 2, 3], text  # every failure re-entered, none restarted
     report = json.loads(next(logs.glob("*/report.json")).read_text())
     assert report["outcome"] == "failed", report
+
+
+DOUBT = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+    from rally import job
+    from rally.agent.worker_side import restartable
+
+    OUT = Path(os.environ["OUT"])
+    failed = OUT / "failed"
+    if os.environ["RANK"] == "1" and not failed.exists():  # rank 1's first process: its teardown fails
+        def _broken():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        restartable._destroy_process_groups = _broken
+
+    def train():
+        rank = job.context().rank
+        with open(OUT / f"entries.{rank}", "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        if rank == 1 and not failed.exists():
+            while not (OUT / "entries.0").exists():  # rank 0 in rally.job.run too
+                time.sleep(0.01)
+            failed.touch()
+            raise ValueError("injected failure")
+        if rank == 1:
+            (OUT / "finish").touch()
+        deadline = time.monotonic() + 60
+        while not (OUT / "finish").exists():  # rank 0: in the function while rank 1 fails
+            assert time.monotonic() < deadline, "rank 1 never finished"
+            time.sleep(0.02)
+
+    job.run(train)
+    """
+)
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_in_doubt_on_one_node_restarts_every_node_whole(tmp_path: Path) -> None:
+    """Two nodes (two agents on loopback, one worker each, a standalone `rally store`): rank 1 raises,
+    then its teardown fails (its state is in doubt). Its node restarts its worker and says why; the
+    other node, whose rank 0 parked fine, restarts its worker too (they shared one world), saying
+    which node and why: one whole restart of the job, counted once on each node."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(DOUBT)
+    store = StoreProcess(tmp_path)
+    args = [*c10d_args(store.port, "2"), "--nproc-per-node", "1", "--max-restarts", "2"]
+    agents = [
+        start_agent(f"n{i}", tmp_path, [*args, "--log-dir", str(tmp_path / f"logs{i}"), str(script)], {"OUT": str(out)})
+        for i in (0, 1)
+    ]
+    try:
+        codes = [agent.wait(150) for agent in agents]
+    finally:
+        stop_all(agents)
+        store.stop()
+    text = "\n".join(agent.output() for agent in agents)
+    assert codes == [0, 0], text
+    for rank in (0, 1):  # a new process for each rank, on both nodes
+        pids = (out / f"entries.{rank}").read_text().split()
+        assert len(pids) == 2 and pids[0] != pids[1], (rank, pids, text)
+    why = (
+        "rank 1's state is in doubt: it could not tear torch.distributed down (RuntimeError: CUDA error: an "
+        "illegal memory access was encountered)"
+    )
+    instead = "restarting the worker processes instead of re-entering them: "
+    outputs = {i: agent.output() for i, agent in enumerate(agents)}
+    doubting = next(i for i, output in outputs.items() if f"{instead}{why}" in output)
+    other = outputs[1 - doubting]
+    assert re.search(rf"{re.escape(instead)}node 1 \([^)]*\) restarts its workers: {re.escape(why)}", other), text
+    for i in (0, 1):
+        assert "re-entering the training function" not in outputs[i], text
+        events = read_events(tmp_path / f"logs{i}")
+        restarts = [(e["restart_count"], e["in_process"]) for e in events if e["event"] == "restart"]
+        assert restarts == [(1, False)], (i, restarts)
+        assert len([e for e in events if e["event"] == "reentry_refused"]) == 1, (i, events)

@@ -30,6 +30,9 @@ from rally.rendezvous.protocol import Assignment, Round
 PARK_SECONDS = 10.0
 # After the round's culprit was killed for not leaving, the ranks its death released have this long.
 PARK_GRACE_SECONDS = 2.0
+# In a job of several nodes, how long a node whose workers parked waits for every other node's word
+# that it re-enters its own too: their parking's bound, with its kills' waits, and a margin.
+AGREE_SECONDS = PARK_SECONDS + PARK_GRACE_SECONDS + 2 * processes.KILL_WAIT_SECONDS + 5.0
 
 
 class ReentryLine(Protocol):
@@ -73,40 +76,77 @@ class WorkerParking:
 
     def park(self, rnd: Round, culprit: object = None) -> bool:
         """Every worker of this node leaves its training function and tears torch.distributed down,
-        staying alive in rally.job.run for the next round (docs/restartable.md). A worker that does
-        not within PARK_SECONDS is killed (the round's culprit first: its peers blocked on it are
-        released when its connections close, and get PARK_GRACE_SECONDS more) and replaced. False,
-        with one line when the script uses job.run, when the workers must be restarted whole instead."""
-        group, a, reentry = self.ctx.group, rnd.assignment, self.line
-        if group is None or not any(reentry.linked(w.pid) for w in group.workers):
+        staying alive in rally.job.run for the next round (docs/restartable.md). False, with one line
+        when the script uses job.run, when the workers must be restarted whole instead: a live rank
+        not inside job.run, the re-entry budget spent, a worker whose teardown failed (its state is
+        in doubt), none left, or another node that restarts its workers (`_told`): one node's whole
+        restart is every node's."""
+        group, a = self.ctx.group, rnd.assignment
+        if group is None or not any(self.line.linked(w.pid) for w in group.workers):
+            self._tell(rnd, "no worker of this node is inside rally.job.run")
             return False  # a script that does not call rally.job.run: whole restarts, as always
         why = self._reentry_refusal(group)
+        started, replaced = time.monotonic(), 0
         if why is None:
-            started = time.monotonic()
-            for worker in group.running():
-                reentry.send(worker.pid, "abort", round=a.round)
-            # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
-            unparked = self._wait_parked(group.running(), started + PARK_SECONDS)
-            first = [(w, why) for w, why in unparked if w.global_rank == culprit]
-            if first and len(unparked) > 1:  # the hung culprit holds the others in a collective
-                worker, reason = first[0]
-                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
-                _kill_worker(worker)
-                late = [w for w, why in unparked if w is not worker and w.returncode is None]
-                # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
-                unparked = self._wait_parked(late, time.monotonic() + PARK_GRACE_SECONDS)
-            for worker, reason in unparked:
-                console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
-                _kill_worker(worker)
-            if any(w.returncode is None for w in group.workers):
+            why, replaced = self._leave(rnd, group, culprit)
+        if why is not None:
+            self._tell(rnd, why)
+        else:
+            why = self._told(rnd)
+            if why is None:
                 seconds = round(time.monotonic() - started, 6)
-                self.ctx.events.emit("workers_parked", round=a.round, seconds=seconds, replaced=len(unparked))
-                reentry.spent(self._saved_step())
+                self.ctx.events.emit("workers_parked", round=a.round, seconds=seconds, replaced=replaced)
+                self.line.spent(self._saved_step())
                 return True
-            why = "no worker of this node is left to re-enter"
         console.say(f"restarting the worker processes instead of re-entering them: {why}")
         self.ctx.events.emit("reentry_refused", round=a.round, reason=why)
         return False
+
+    def _leave(self, rnd: Round, group: WorkerGroup, culprit: object) -> tuple[str | None, int]:
+        """Abort every worker and wait for each to park. One that does not within PARK_SECONDS is
+        killed (the round's culprit first: its peers blocked on it are released when its
+        connections close, and get PARK_GRACE_SECONDS more) and replaced at the re-entry. (why the
+        workers must be restarted whole instead, or None; how many were killed to be replaced)."""
+        started = time.monotonic()
+        for worker in group.running():
+            self.line.send(worker.pid, "abort", round=rnd.assignment.round)
+        # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
+        unparked, doubt = self._wait_parked(group.running(), started + PARK_SECONDS)
+        first = [(w, late) for w, late in unparked if w.global_rank == culprit]
+        if doubt is None and first and len(unparked) > 1:  # the hung culprit holds the others in a collective
+            worker, reason = first[0]
+            console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
+            _kill_worker(worker)
+            late = [w for w, _ in unparked if w is not worker and w.returncode is None]
+            # wait: short: PARK_SECONDS (10), or PARK_GRACE_SECONDS (2) after the culprit's kill
+            unparked, doubt = self._wait_parked(late, time.monotonic() + PARK_GRACE_SECONDS)
+        if doubt is not None:
+            return doubt, 0  # every worker is stopped and restarted: none is killed alone
+        for worker, reason in unparked:
+            console.say(f"rank {worker.global_rank} {reason}: killing it; a new process takes its place")
+            _kill_worker(worker)
+        if not any(w.returncode is None for w in group.workers):
+            return "no worker of this node is left to re-enter", len(unparked)
+        return None, len(unparked)
+
+    def _tell(self, rnd: Round, why: str) -> None:
+        """In a job of several nodes, the others learn that this node restarts its workers, and why."""
+        if rnd.assignment.group_world_size > 1:
+            self.ctx.store_call(lambda: rnd.channel.publish_reentry(why))
+
+    def _told(self, rnd: Round) -> str | None:
+        """In a job of several nodes: this node re-enters its workers, if every other node does too.
+        It says so and waits (at most AGREE_SECONDS) for the others' word; why another restarts its
+        workers (a rank of its in doubt had a process group with ranks of every node; its budget
+        spent) is why this one does too, so the restart is whole for every node or for none."""
+        if rnd.assignment.group_world_size == 1:
+            return None
+        self.ctx.store_call(lambda: rnd.channel.publish_reentry(None))
+        other = self.ctx.store_call(lambda: rnd.channel.reentry_refusal(AGREE_SECONDS), waiting=True)
+        if other is None:
+            return None
+        g, host, why = other
+        return f"node {g}{f' ({host})' if host else ''} restarts its workers: {why}"
 
     def _reentry_refusal(self, group: WorkerGroup) -> str | None:
         """Why this node's workers must be restarted whole; a dead worker is no reason (it is replaced)."""
@@ -115,27 +155,27 @@ class WorkerParking:
                 return f"rank {worker.global_rank} (pid {worker.pid}) is not inside rally.job.run"
         return self.line.refusal(self._saved_step())
 
-    def _wait_parked(self, workers: list[Worker], deadline: float) -> list[tuple[Worker, str]]:
-        """Until each of `workers` said "parked" or the deadline; those that did not (still inside
-        the function, or their teardown failed: their state is in doubt), with why."""
+    def _wait_parked(self, workers: list[Worker], deadline: float) -> tuple[list[tuple[Worker, str]], str | None]:
+        """Until each of `workers` said "parked" or the deadline: those still inside the function,
+        with why; and, as soon as one says its teardown failed, why its state is in doubt (then
+        nothing else matters: every worker is restarted whole)."""
         loop = self.ctx.loop
         waiting = {w.pid: w for w in workers}
-        unparked: list[tuple[Worker, str]] = []
         kept: list = []
         try:
             while waiting:
                 now = time.monotonic()
                 if now >= deadline:
                     late = f"did not leave the training function within {PARK_SECONDS:g} s"
-                    return unparked + [(worker, late) for worker in waiting.values()]
+                    return [(worker, late) for worker in waiting.values()], None
                 loop.pump(deadline - now)
                 for news in loop.take_events():
                     match news:
                         case WorkerSaid(pid=pid, message={"op": "parked"} as said) if pid in waiting:
                             worker = waiting.pop(pid)
-                            if not said.get("ok"):
-                                why = f"could not tear torch.distributed down ({said.get('why')})"
-                                unparked.append((worker, why))
+                            if not said.get("ok"):  # a failed NCCL abort, a sticky CUDA error, a stuck teardown
+                                what = f"could not tear torch.distributed down ({said.get('why')})"
+                                return [], f"rank {worker.global_rank}'s state is in doubt: it {what}"
                         case StoreLost():
                             kept.append(news)
                         case _:
@@ -143,7 +183,7 @@ class WorkerParking:
                 for pid, worker in list(waiting.items()):
                     if worker.returncode is not None:  # died while leaving: replaced like any dead rank
                         del waiting[pid]
-            return unparked
+            return [], None
         finally:
             loop.events.extend(kept)  # e.g. a lost store: the main loop acts on it next
 

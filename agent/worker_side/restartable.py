@@ -45,7 +45,7 @@ from rally.agent.base import reentry_wire as wire
 T = TypeVar("T")
 
 # A teardown (destroying the process groups; on NCCL aborting communicators first) that takes
-# longer leaves this process's state in doubt: the agent restarts it whole.
+# longer leaves this process's state in doubt: the agent restarts every worker process, on every node.
 TEARDOWN_SECONDS = 10.0
 CONNECT_SECONDS = 5.0
 # A main thread still inside the function this long after the agent's abort cannot be interrupted
@@ -323,7 +323,7 @@ def _rally_owned_backend() -> str | None:
 def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
     """Destroy every process group (NCCL: abort its communicators first, keep the CUDA context,
     free the cached device memory), in a thread bounded by TEARDOWN_SECONDS. None when done,
-    else why not (the process's state is in doubt: the agent restarts it whole). `opened_since`:
+    else why not (the process's state is in doubt: the job's processes restart). `opened_since`:
     the descriptors open when the entry began; a TCP connection opened after them and still open
     once the groups are gone (a group something still references) is shut down."""
     errors: list[str] = []
@@ -340,7 +340,7 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
             _free_device_memory()
             _return_free_memory()
             timeline["collected"] = time.time()
-        except Exception as exc:  # reported to the agent, which restarts this process whole
+        except Exception as exc:  # reported to the agent, which restarts the job's processes
             errors.append(f"{type(exc).__name__}: {exc}")
 
     thread = threading.Thread(target=work, name="rally-teardown", daemon=True)
