@@ -53,7 +53,7 @@ class Launch:
 
 def check_environment() -> None:
     """rally's own environment variables that the agent's helpers read (one line, exit 2, not a helper's traceback)."""
-    from rally.agent.checkpoint.node_checkpoints import MEMORY_LIMIT_ENV, memory_limit_bytes
+    from rally.agent.checkpoint.memory_limit import MEMORY_LIMIT_ENV, memory_limit_bytes
 
     try:
         memory_limit_bytes(os.environ.get(MEMORY_LIMIT_ENV, ""))

@@ -110,7 +110,14 @@ def test_tee_1_with_role_rank_heads_stdout_as_torchrun_and_keeps_rally_s_prefix_
     ("template", "role", "header"),
     [
         ("[rank${rank}]: ", "default", "[rank{rank}]: "),  # PyTorch's own launcher test's template
-        ("${role_name}/${local_rank}|$rank|${unknown} ", "trainer", "trainer/{rank}|{rank}|${{unknown}} "),
+        # Not in the parity pass (.ci/run): the agent renders the prefix as it reads the workers'
+        # pipes, whichever way they started; "rank" runs there and shows a forked worker's lines headed.
+        pytest.param(
+            "${role_name}/${local_rank}|$rank|${unknown} ",
+            "trainer",
+            "trainer/{rank}|{rank}|${{unknown}} ",
+            marks=pytest.mark.same_start_as_a_sibling,
+        ),
     ],
     ids=["rank", "every-name"],
 )

@@ -50,7 +50,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import secrets
 import select
 import socket
@@ -73,32 +72,12 @@ from rally.agent.checkpoint.core.client import HOLDER_LOST_ENV, SECRET_ENV, Chec
 from rally.agent.checkpoint.core.held_dir import moved_line, shown
 from rally.agent.checkpoint.core.shm import socket_address
 from rally.agent.checkpoint.holdings import RoundHoldings
+from rally.agent.checkpoint.memory_limit import MEMORY_LIMIT_ENV, memory_limit_bytes  # noqa: F401 - part of this module's API
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.checkpoint.sharded import flush as dcp_flush
 from rally.agent.display import console
 from rally.rendezvous.protocol import Round
 from rally.rendezvous.status.long_wait import LongWait
-
-MEMORY_LIMIT_ENV = "RALLY_CKPT_MEMORY_LIMIT"
-"""Bytes the tier's copies may take on this node in all (default: half of what is available)."""
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
-
-
-def memory_limit_bytes(text: str) -> int | None:
-    """RALLY_CKPT_MEMORY_LIMIT as bytes: a number of bytes, or with a binary suffix (512M, 1G, 1.5TiB);
-    None when unset. Anything else is a ValueError with the line to show (the launcher: exit 2)."""
-    if not text.strip():
-        return None
-    match = _SIZE.fullmatch(text)
-    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match else 0
-    if not match or not 0 < size < 1 << 62:
-        raise ValueError(
-            f"{MEMORY_LIMIT_ENV}={text[:40]!r}: expected the bytes the in-memory checkpoints may take on this "
-            "node, e.g. 8G, 512M or 1073741824"
-        )
-    return size
-
 
 MEMORY_TIER_ENV = "RALLY_MEMORY_TIER"
 """Set to 0 to turn the memory tier off: every save then goes straight to disk."""

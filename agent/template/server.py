@@ -62,9 +62,11 @@ def _worker_side_modules(environ: Mapping[str, str]) -> list[str]:
     """rally's own modules that bootstrap.run imports in every worker of this environment before
     the script's first line: imported once here, they are not imported again by each forked
     worker on a restart's critical path (30-80 ms of it on a busy machine). The same modules
-    end up in the worker either way; only when they are imported changes. `job` is what the
-    preemption handler installs from (RALLY_PREEMPT_SIGNALS: set by default, SIGUSR1 and
-    SIGUSR2): 22 modules, 40-60 ms per worker at a load of 8 on 2 cores, before any script line."""
+    end up in the worker either way; only when they are imported changes. The preemption handler
+    (RALLY_PREEMPT_SIGNALS: set by default, SIGUSR1 and SIGUSR2) installs from `preemption_flag`, a
+    part of `job`, which is imported whole here: a script started from the template imports torch,
+    and nearly always rally.job too (22 modules, 40-60 ms per worker at a load of 8 on 2 cores).
+    A plainly started worker imports only `preemption_flag` (bootstrap.install_preemption_handler)."""
     modules = []
     if environ.get("RALLY_PREEMPT_SIGNALS"):  # bootstrap.install_preemption_handler
         modules.append("rally.agent.worker_side.job")

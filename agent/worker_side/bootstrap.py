@@ -65,9 +65,11 @@ def install_preemption_handler() -> None:
     names = os.environ.get("RALLY_PREEMPT_SIGNALS")
     if not names:
         return
-    from rally.agent.worker_side import job
+    # Only the flag's module (standard library), not all of rally.job: a script that never imports
+    # rally.job does not pay for its checkpoint modules before its first line.
+    from rally.agent.worker_side import preemption_flag
 
-    job.install_preemption_handler([int(s) for s in job.parse_signals(names)])
+    preemption_flag.install_preemption_handler([int(s) for s in preemption_flag.parse_signals(names)])
 
 
 def _strip_own_frames(tb):  # traceback objects

@@ -53,7 +53,14 @@ from rally.agent.checkpoint.core.held_dir import shown
 from rally.agent.checkpoint.core.overlap import overlap
 from rally.agent.checkpoint.sharded import files as dcp_files
 from rally.agent.worker_side import heartbeat_file, memory_only, process_memory
-from rally.agent.worker_side.preemption_flag import install_preemption_handler, on_preempt, preempted  # noqa: F401 - part of this module's API
+from rally.agent.worker_side.preemption_flag import (  # noqa: F401 - part of this module's API
+    PREEMPT_SIGNALS_ENV,
+    install_preemption_handler,
+    on_preempt,
+    parse_signals,
+    preempted,
+    to_signal,
+)
 from rally.agent.worker_side.restartable import RoundAborted, run  # noqa: F401 - part of this module's API
 
 if TYPE_CHECKING:  # torch is the worker's, imported when used
@@ -62,7 +69,6 @@ if TYPE_CHECKING:  # torch is the worker's, imported when used
 CHECKPOINT_DIR_ENV = "RALLY_CHECKPOINT_DIR"
 CHECKPOINT_KEEP_ENV = "RALLY_CHECKPOINT_KEEP"
 HEARTBEAT_FILE_ENV = "RALLY_HEARTBEAT_FILE"
-PREEMPT_SIGNALS_ENV = "RALLY_PREEMPT_SIGNALS"
 
 DEFAULT_CHECKPOINT_KEEP = 3
 """Checkpoints kept by `save` when neither `keep` nor RALLY_CHECKPOINT_KEEP says otherwise.
@@ -141,32 +147,6 @@ def context() -> JobContext:
         checkpoint_dir=Path(ckpt_dir) if ckpt_dir else None,
         preempt_signals=parse_signals(os.environ.get(PREEMPT_SIGNALS_ENV, "")),
     )
-
-
-def to_signal(item: str) -> signal.Signals:
-    """`"SIGUSR1"`, `"usr1"` or `"10"` as a signal: rally's one reading of a signal's name
-    (flags, config, RALLY_PREEMPT_SIGNALS). KeyError or ValueError when there is no such signal."""
-    name = item.strip().upper()
-    return (
-        signal.Signals(int(name))
-        if name.isdigit()
-        else signal.Signals[name if name.startswith("SIG") else "SIG" + name]
-    )
-
-
-def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """Parse `"SIGUSR1,TERM,12"` into signals; the format of RALLY_PREEMPT_SIGNALS."""
-    signals: list[signal.Signals] = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        try:
-            signals.append(to_signal(item))
-        except (KeyError, ValueError):
-            raise ValueError(
-                f"rally: unknown signal {item!r} in {PREEMPT_SIGNALS_ENV}; use names like SIGUSR1,SIGTERM"
-            ) from None
-    return tuple(signals)
 
 
 def _env_int(name: str, default: int) -> int:

@@ -209,8 +209,8 @@ def writable_dir(value: object, parsing: Parsing) -> str:
 
 
 def signals(value: object, parsing: Parsing) -> tuple[int, ...]:
-    """`SIGTERM,USR1,10`: each read by job.to_signal, rally's one reading of a signal's name."""
-    from rally.agent.worker_side.job import to_signal
+    """`SIGTERM,USR1,10`: each read by preemption_flag.to_signal, rally's one reading of a signal's name."""
+    from rally.agent.worker_side.preemption_flag import to_signal
 
     out = []
     for name in str(value).split(","):
