@@ -180,8 +180,13 @@ def _start_leaver(tmp_path: Path, procs: ProcessTracker, cgroup: str) -> tuple[L
     return rally, pids
 
 
+# Under load, not "freezer": the guard's notice of the agent's end, the part a busy CPU can delay,
+# is the same code for every kind ("auto", the first kind the machine allows, proves it there), and
+# the v1 freezer's kill, members frozen before they are killed, is the kernel's and races nothing
+# (test_the_job_cgroup_kills_a_tree_that_left_its_session_and_environment, same_under_load). "pids"
+# stays: its kill is a loop of this process's until the cgroup is empty; "off", the guard's own poll.
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("cgroup", ["auto", "freezer", "pids", "off"])
+@pytest.mark.parametrize("cgroup", ["auto", pytest.param("freezer", marks=pytest.mark.same_under_load), "pids", "off"])
 def test_sigkill_of_the_agents_process_group_leaves_no_descendant(
     tmp_path: Path, procs: ProcessTracker, cgroup: str
 ) -> None:
