@@ -44,6 +44,7 @@ from rally.agent.display import console
 from rally.agent.guard import processes
 from rally.agent.guard.client import TOKEN_VARIABLE, GuardClient
 from rally.agent.guard.stopping import stop_workers
+from rally.agent.observe.exit_watch import ExitWatch
 from rally.agent.observe.hang_report import HangReporter
 from rally.agent.observe.live import LiveView
 from rally.agent.observe.observer import Observer
@@ -137,7 +138,8 @@ class Agent:
         self.collaborators: list[Collaborator] = [
             NodeChecks(self, observer.backend),  # quarantine, pre-flight (agent/checks/node_checks.py)
             self.exits,  # what a worker's exit means for the round (agent/worker_exits.py)
-            HangReporter(self, observer),  # who really hung, from every node (agent/observe/hang_report.py)
+            hangs := HangReporter(self, observer),  # who really hung, from every node (agent/observe/hang_report.py)
+            ExitWatch(self, hangs),  # a worker that never ends after it is done (agent/observe/exit_watch.py)
             observer,
             NodeCheckpoints.for_agent(self),  # the memory tier's holder, the disk's steps
             Preemption(self, requeue),  # a preemption signal: checkpoint, stop, requeue (agent/preemption.py)
@@ -413,8 +415,6 @@ class Agent:
                 case WorkerSaid(pid=pid, message={"op": "failed"} as message):
                     if (raised := self._soft_failure(rnd, pid, message)) is not None:
                         return raised
-                case WorkerSaid():
-                    pass
                 case _ if getattr(news, "round", a.round) == a.round:
                     for part in self.collaborators:
                         if isinstance(news, part.wants):

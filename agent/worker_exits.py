@@ -132,7 +132,7 @@ class WorkerExits(Collaborator):
         for worker in group.workers:
             if worker.returncode is not None and worker.local_rank in health.watched:
                 self._note(rnd, worker, health)
-        failed = [w for w in group.workers if w.returncode not in (None, 0)]
+        failed = [w for w in group.workers if w.returncode is not None and not w.succeeded]
         if failed:
             first = min(failed, key=lambda w: w.process.ended_at or 0)
             read_what_is_left(first.output.streams, self.loop)  # its last words, without waiting

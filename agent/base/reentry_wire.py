@@ -8,6 +8,8 @@ credentials (its pid), never by what it says. Each message is one JSON object wi
 
     worker -> agent   failed   an exception escaped the training function (rank, type, text, traceback)
                       parked   torch.distributed is torn down; waiting for the next round (ok, why)
+                      returned the training function returned for good: `run` returns, the process
+                               should end (agent/observe/exit_watch.py ends one that lingers)
     agent  -> worker  abort    leave the function now (the round is over)
                       enter    enter it again with this environment (the next round's)
 

@@ -43,6 +43,9 @@ class Worker:
     error_file: str
     heartbeat_file: str | None = None
     stopped: bool = False  # the agent stopped it (another worker failed, a signal, the end)
+    # its training function returned for good (rally.job.run), then the agent stopped it for not
+    # exiting (agent/observe/exit_watch.py): whatever its exit code, it succeeded
+    stuck_after_return: bool = False
     error_file_shown: str = ""  # error_file as people see it (LogLayout.shown)
 
     @property
@@ -62,11 +65,15 @@ class Worker:
         end = self.process.ended_at or time.monotonic()
         return end - self.process.started_at
 
+    @property
+    def succeeded(self) -> bool:
+        return self.returncode == 0 or (self.stuck_after_return and self.returncode is not None)
+
     def state(self) -> str:
         code = self.returncode
         if code is None:
             return "stopped (SIGSTOP)" if process_state(self.pid) == "stopped (SIGSTOP)" else "running"
-        if code == 0:
+        if self.succeeded:
             return "succeeded"
         return "stopped" if self.stopped else "failed"
 
@@ -394,7 +401,7 @@ class WorkerGroup:
         return [w for w in self.workers if w.returncode is None]
 
     def all_succeeded(self) -> bool:
-        return all(w.returncode == 0 for w in self.workers)
+        return all(w.succeeded for w in self.workers)
 
     def close(self) -> None:
         for worker in self.workers:

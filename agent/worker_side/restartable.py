@@ -5,7 +5,9 @@ Outside rally (plain python, torchrun, or a script the agent did not start) `run
 function once and returns what it returns: nothing else happens. Under rally it connects to the
 agent (agent/base/reentry_wire.py) and loops:
 
-    enter train -> it returns: run returns its value (the process goes on to its end)
+    enter train -> it returns: tell the agent "returned" (for good: the agent ends a process
+                                that lingers long after it, agent/observe/exit_watch.py), and
+                                run returns its value (the process goes on to its end)
                 -> it raises:   tell the agent (the root cause, unless the round already ended),
                                 wait for the agent's "abort", tear torch.distributed down,
                                 say "parked", wait for "enter" with the next round's environment,
@@ -261,7 +263,7 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             link.in_train = True
             if link.aborting.is_set():
                 raise RoundAborted("rally ended this round before the function was entered")
-            return _done(train(*args, **kwargs))
+            return _done(train(*args, **kwargs), link)
         except (SystemExit, KeyboardInterrupt):
             gc.unfreeze()
             group_keeper.release()
@@ -295,12 +297,15 @@ def run(train: Callable[..., T], /, *args: object, **kwargs: object) -> T:
             timeline["initialised"] = time.time()
 
 
-def _done(value: T) -> T:
-    """The function is done for good: what `run` froze goes back to the collector, so that the
+def _done(value: T, link: _Link) -> T:
+    """The function is done for good: the agent is told (a process still alive long after this is
+    stuck on its way out, e.g. in a process group's destructor, and the agent ends it as a
+    success: agent/observe/exit_watch.py); what `run` froze goes back to the collector, so that the
     interpreter's last collection at exit finalises it as it would have (a frozen object is never
     finalised: e.g. a DDP module's gloo group made in an earlier entry would outlive Python).
     rally's references to the entry's groups go now: a group the function destroyed is joined
     here with the GIL released (agent/worker_side/group_keeper.py), not as its frame was cleared."""
+    link.send("returned")
     gc.unfreeze()
     group_keeper.release()
     return value
