@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from rally.agent.observe.exit_watch import SHARE_OF_HANG_BOUND
-from support.agents import write_script
+from support.agents import c10d_args, start_agent, stop_all, write_script
 from support.helpers import (  # noqa: F401 - procs is a fixture
     ProcessTracker,
     clean_env,
+    free_port,
     is_alive,
     procs,
     read_events,
@@ -148,3 +149,46 @@ def test_a_rank_that_ends_slowly_but_within_the_bound_is_left_alone_while_a_stuc
     assert [e["rank"] for e in events if e["event"] == "stuck_after_return"] == [2], events
     exits = {e["rank"]: e["returncode"] for e in events if e["event"] == "worker_exited"}
     assert exits[1] == 0 and exits[0] == 0 and exits[2] == -signal.SIGTERM, exits
+
+
+TRAINS_LONGER_ON_RANK_1 = """
+import os, threading, time
+from rally import job
+
+def train():
+    if os.environ["RANK"] == "1":
+        time.sleep(TRAIN)  # rank 1 trains on after rank 0's function returned
+    print("trained", flush=True)
+
+def left_behind_by_a_data_loader():
+    time.sleep(3600)
+
+job.run(train)
+if os.environ["RANK"] == "0":
+    threading.Thread(target=left_behind_by_a_data_loader).start()  # not a daemon: the exit waits for it
+print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_on_several_nodes_a_returned_rank_is_stopped_only_once_every_node_is_done(tmp_path: Path) -> None:
+    """Two nodes: rank 0's function returns at once and its process never exits, while rank 1 on the
+    other node trains for twice the bound. Rank 0 is left alone until rank 1 is done too (the other
+    node's status record says so), then stopped; both nodes exit 0."""
+    train = 2 * BOUND
+    script = write_script(tmp_path, "w.py", TRAINS_LONGER_ON_RANK_1.replace("TRAIN", str(train)))
+    args = [*c10d_args(free_port(), "2"), "--nproc-per-node", "1", "--hang-report-after", str(HANG_REPORT_AFTER)]
+    logs = [tmp_path / f"logs{i}" for i in range(2)]
+    agents = [start_agent(f"n{i}", tmp_path, [*args, "--log-dir", str(log), str(script)]) for i, log in enumerate(logs)]
+    try:
+        codes = [agent.wait(120) for agent in agents]
+        outputs = "\n".join(agent.output() for agent in agents)
+        assert codes == [0, 0], outputs[-4000:]
+        events = [e for log in logs for e in read_events(log)]
+        (stuck,) = [e for e in events if e["event"] == "stuck_after_return"]
+        assert stuck["rank"] == 0, stuck
+        (rank_1_exit,) = [e["time"] for e in events if e["event"] == "worker_exited" and e["rank"] == 1]
+        assert stuck["time"] >= rank_1_exit and stuck["seconds"] >= train, (stuck, rank_1_exit)
+        assert [e["outcome"] for e in events if e["event"] == "job_end"] == ["succeeded", "succeeded"], outputs
+    finally:
+        stop_all(agents)
