@@ -384,7 +384,9 @@ class Options:
         "Health",
         "Report a rank that has made no progress (heartbeat, output, section) for this many seconds while other "
         "ranks wait for it in a collective, with its stacks; the job goes on (--heartbeat-timeout or "
-        f"--silence-timeout stop it). Default {spec_default('hang_report_after'):g}; 0: off.",
+        "--silence-timeout stop it). Half of it: how long a rank may live on once done (its rally.job.run "
+        "function returned, or every other rank exited 0) before it is reported with its stacks (and, after a "
+        f"return, stopped as a success). Default {spec_default('hang_report_after'):g}; 0: both off.",
         check=checks.always_seconds(True),
     )
     resource_interval: float = option(

@@ -88,7 +88,7 @@ class JobSpec:
     preflight_every_round: bool = False  # --preflight-every-round
     silence_timeout: float | None = None
     # --hang-report-after: report (never stop) a rank stuck while others wait for it in a collective; 0: off
-    # (agent/observe/hang_watch.py, which says why 60 s)
+    # (agent/observe/hang_watch.py, which says why 60 s); half of it bounds a rank alive once done (exit_watch.py)
     hang_report_after: float = 60.0
     resource_interval: float = RESOURCE_INTERVAL_SECONDS
     startup_timeout: float | None = None  # --startup-timeout: the first heartbeat is due within this
