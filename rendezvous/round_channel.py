@@ -10,6 +10,8 @@ Keys, all under `<r>/` (rendezvous/protocol.py names the forming ones):
     lost/<g>, lost      who declared member g lost (first wins); how many will not come back
     master              the workers' store address (node 0 writes it; it must be node 0's host)
     succeeded/<g>       member g's signed success record; all of them end the round
+    done/<g>            member g's workers are all done: each exited 0 or its rally.job.run function
+                        returned for good (agent/observe/exit_watch.py stops one that then lingers)
     acked/<g>           member g's signed record that it read the job's end; all of them open the
                         exit barrier (a counter and an `all_acked` flag once did: anyone could set it)
     step_times          node 0's median step times for the straggler check
@@ -193,6 +195,35 @@ class RoundChannel:
         for g, name in enumerate(names):
             SuccessRecord.load(opened(found[name]), self.store.key(name)).check_for(self.store.key(name), g)
         return self.end(RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
+
+    def report_done(self) -> None:
+        """This node's workers are all done, some still alive after their function returned for good:
+        a signed mark, read by the other nodes' `others_done`."""
+        mine = self._mine()
+        self.store.set(self._key(f"done/{mine}"), BarrierMark(self.me.node_id, mine).to_json())
+
+    def others_done(self) -> tuple[bool, bool]:
+        """Whether every other member is done (its success record or its `done` mark), and whether
+        every other member succeeded (its workers all exited 0): one read of their records, as
+        `all_succeeded` makes. A value this job did not write counts as none."""
+        others = [g for g in range(self.members) if g != self._mine()]
+        succeeded = {g: self._key(f"succeeded/{g}") for g in others}
+        done = {g: self._key(f"done/{g}") for g in others}
+        found = self.store.get_present([*succeeded.values(), *done.values()])
+
+        def holds(name: str, g: int, record: type[SuccessRecord] | type[BarrierMark]) -> bool:
+            if name not in found:
+                return False
+            key = self.store.key(name)
+            try:
+                record.load(opened(found[name]), key).check_for(key, g)
+            except UntrustedValue:
+                return False
+            return True
+
+        exited = {g for g in others if holds(succeeded[g], g, SuccessRecord)}
+        finished = all(g in exited or holds(done[g], g, BarrierMark) for g in others)
+        return finished, len(exited) == len(others)
 
     def acknowledge_end(self) -> None:
         """This node read the job's end: its signed record (the exit barrier counts those)."""

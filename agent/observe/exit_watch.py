@@ -19,10 +19,10 @@ collective. Two cases, timed from the moment the rank is done, bounded by half o
 
 A rank that used more than IDLE_SHARE of a core over the bound is working, not stuck: its clock
 starts again (a stuck exit waits on a lock or a socket and uses nothing). "Every other rank" is
-job-wide: each node's status record says which of its ranks returned (`returned`), and its workers'
-states which exited 0 (agent/observe/status_record.py); a node reads the others' records (the
-status board, refreshed every few seconds) only while its own workers are done but for the ones
-timed here.
+job-wide, read from the records nodes already leave for the round's end: a node whose workers all
+exited 0 has its success record, and one whose workers are all done, some alive after their
+return, its `done` mark (rendezvous/round_channel.py). A node writes and reads them from its status
+thread, every few seconds, and only while its own workers are done but for the ones timed here.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from rally.agent.display import console
 from rally.agent.guard import processes
 from rally.agent.observe.hang_report import StackSource, cpu_seconds, top_frame
 from rally.agent.observe.hang_watch import IDLE_SHARE
-from rally.rendezvous.protocol import Assignment, Round
+from rally.rendezvous.protocol import Round
 
 # The bound, as a share of --hang-report-after (60 s: 30 s). Shorter than the hang watch's: a done
 # rank has no reason to wait at all, while a rank in a job may work alone for a while; long enough
@@ -96,25 +96,6 @@ class Clock:
         return False
 
 
-def others_done(status: dict | None, a: Assignment) -> tuple[bool, bool]:
-    """From the status board (rendezvous/status/reader.py): whether every other node of this round
-    has only workers that exited 0 or returned (rally.job.run), and only workers that exited 0."""
-    nodes = {
-        n.get("group_rank"): n
-        for n in (status or {}).get("nodes", [])
-        if n.get("round") == a.round and n.get("group_rank") != a.group_rank and n.get("workers")
-    }
-    if len(nodes) < a.group_world_size - 1:
-        return False, False  # a node that published nothing of this round yet
-    exited = all(w.get("state") == "succeeded" for n in nodes.values() for w in n["workers"])
-    finished = all(
-        w.get("state") == "succeeded" or w.get("rank") in (n.get("returned") or [])
-        for n in nodes.values()
-        for w in n["workers"]
-    )
-    return finished, exited
-
-
 class ExitWatch(Collaborator):
     """The agent's side: time the ranks that are done, report (and, for rally.job.run, stop) those
     that do not end. See the module docstring."""
@@ -129,34 +110,32 @@ class ExitWatch(Collaborator):
         self.clocks: dict[int, Clock] = {}
         self.done: set[int] = set()  # pids reported (a plain script's) or stopped (returned)
         self.kill_at: dict[int, float] = {}  # pid -> when SIGKILL follows its SIGTERM
-        self.others: tuple[bool, bool] = (False, False)  # others_done, as last read
+        self.others: tuple[bool, bool] = (False, False)  # RoundChannel.others_done, as last read
         self.look = False  # the status thread reads the other nodes' records
+        self.done_here = False  # this node's workers are all done, some alive after their return
+        self.told = False  # its `done` mark is written
         self.timed: list[int] = []  # pids whose clock runs: the job is done but for them
 
     # ------------------------------------------------------------ hooks (agent/base/collaborator.py)
     def round_formed(self, rnd: Round) -> None:
         self.returned, self.clocks, self.done, self.kill_at = {}, {}, set(), {}
         self.others, self.look, self.timed = (False, False), False, []
+        self.done_here = self.told = False
 
     def on_news(self, rnd: Round, news: News) -> None:
         if isinstance(news, WorkerSaid) and news.message.get("op") == "returned":
             self.returned[news.pid] = now = time.monotonic()
             self.clocks[news.pid] = Clock(now, cpu_seconds(news.pid))
 
-    def status_fields(self) -> dict[str, object]:
-        """The ranks of this node whose function returned and that still run, for the other nodes."""
-        group, returned = self.ctx.group, dict(self.returned)
-        ranks = [w.global_rank for w in list(group.workers if group else []) if w.pid in returned]
-        return {"returned": ranks} if ranks else {}
-
     def in_status_thread(self, rnd: Round) -> None:
-        if self.look:
-            from rally.rendezvous.status.reader import read_job_status
-
-            try:
-                self.others = others_done(read_job_status(rnd.store), rnd.assignment)
-            except (ValueError, TypeError, KeyError, AttributeError):
-                pass  # a record that is not JSON (store contents are not trusted): the next look
+        """In a job of several nodes, while this node's workers are done but for those timed here:
+        say so (once), and read whether the others are. A store error skips this turn."""
+        if not self.look:
+            return
+        if self.done_here and not self.told:
+            rnd.channel.report_done()
+            self.told = True
+        self.others = rnd.channel.others_done()
 
     def next_due(self, now: float) -> float | None:
         times = [t - now for t in self.kill_at.values()]
@@ -170,11 +149,12 @@ class ExitWatch(Collaborator):
         if self.bound <= 0 or group is None:
             return None
         now = time.monotonic()
-        for pid, at in list(self.kill_at.items()):
-            if now >= at:  # the SIGTERM's grace is over
-                del self.kill_at[pid]
-                processes.send_to_group(pid, signal.SIGKILL)
         a, workers = rnd.assignment, list(group.workers)
+        for worker in workers:
+            if worker.pid in self.kill_at and now >= self.kill_at[worker.pid]:  # the SIGTERM's grace is over
+                del self.kill_at[worker.pid]
+                if worker.returncode is None:  # not reaped: its pid is still its own
+                    processes.send_to_group(worker.pid, signal.SIGKILL)
         alive = [w for w in workers if w.returncode is None and not w.stuck_after_return]
         returned = [w for w in alive if w.pid in self.returned]
         ended_well = [w for w in workers if w.returncode == 0 or w.stuck_after_return]
@@ -182,7 +162,7 @@ class ExitWatch(Collaborator):
         # this node's part: its ranks all done but for those timed here
         here = bool(returned) and len(ended_well) + len(returned) == len(workers)
         alone = len(plain) == 1 and len(ended_well) == len(workers) - 1 and a.world_size > 1
-        self.look = (here or alone) and a.group_world_size > 1
+        self.look, self.done_here = (here or alone) and a.group_world_size > 1, here
         finished, exited = self.others if a.group_world_size > 1 else (True, True)
         self.timed = []
         if here and finished:
@@ -211,7 +191,7 @@ class ExitWatch(Collaborator):
         detail = (
             f"rank {worker.global_rank} (local rank {worker.local_rank}, pid {worker.pid}) on {self.ctx.host} is "
             f"still alive {seconds:.0f} s after its training function returned (rally.job.run), every other rank "
-            f"done: it is stuck in {where}"
+            f"done: it is stuck {where}"
         )
         action = (
             f"stopping it (SIGTERM, SIGKILL after {grace:g} s, --shutdown-timeout): its function succeeded, and "
@@ -228,7 +208,7 @@ class ExitWatch(Collaborator):
         stack, where = self.where(worker)
         detail = (
             f"rank {worker.global_rank} (local rank {worker.local_rank}, pid {worker.pid}) on {self.ctx.host} is "
-            f"still running {seconds:.0f} s after every other rank exited 0: it is in {where}"
+            f"still running {seconds:.0f} s after every other rank exited 0: it is {where}"
         )
         action = (
             "said once; the job waits for it, as torchrun's would: --silence-timeout S stops a rank S s "
@@ -240,9 +220,12 @@ class ExitWatch(Collaborator):
 
     def where(self, worker: DoneWorker) -> tuple[list[str], str]:
         """Its stacks (taken as the hang report takes them: into the agent's capture, not its output)
-        and where its main thread is."""
+        and where its main thread is ("in fn (file:line)")."""
         stack = self.stacks.collect_stacks([worker]).get(worker.local_rank, [])
-        return stack, top_frame(stack)
+        return (
+            stack,
+            f"in {top_frame(stack)}" if stack else "with no Python stack (in C code, or past the interpreter's end)",
+        )
 
     def say(
         self, rnd: Round, event: str, worker: DoneWorker, detail: str, action: str, stack: list[str], seconds: float

@@ -93,7 +93,6 @@ NODE: Schema = {
     "checkpoint_durable_step": Whole,
     "waiting": Text,
     "hang": {"rank": Whole, "host": Text, "detail": Text, "time": Number},  # agent/observe/hang_watch.py
-    "returned": ListOf(Whole),  # ranks whose rally.job.run function returned, still alive (agent/observe/exit_watch.py)
 }
 # The job's last pre-flight verdict (rendezvous/status/job_notes.py), as far as `rally status` shows it.
 VERDICT: Schema = {"round": Whole, "summary": Text, "nodes": ListOf({"host": Text, "line": Text})}
