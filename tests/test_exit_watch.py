@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rally.agent.observe.exit_watch import SHARE_OF_HANG_BOUND
+from rally.agent.observe.exit_watch import SHARE_OF_HANG_BOUND, Clock
+from rally.agent.observe.hang_watch import IDLE_SHARE
 from support.agents import c10d_args, start_agent, stop_all, write_script
 from support.helpers import (  # noqa: F401 - procs is a fixture
     ProcessTracker,
@@ -192,3 +193,18 @@ def test_on_several_nodes_a_returned_rank_is_stopped_only_once_every_node_is_don
         assert [e["outcome"] for e in events if e["event"] == "job_end"] == ["succeeded", "succeeded"], outputs
     finally:
         stop_all(agents)
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_that_works_after_it_is_done_is_not_stuck_and_its_clock_starts_again() -> None:
+    """The watch's clock (agent/observe/exit_watch.py): due once the bound passed with the rank idle
+    (a stuck exit waits on a lock or a socket); a rank that used more than IDLE_SHARE of a core
+    meanwhile is working (an upload, a last save) and is timed again from now; no CPU reading (the
+    process went away) leaves it to the bound alone."""
+    assert not Clock(100.0, 5.0).due(30.0, 129.0, 5.0)  # the bound has not passed
+    assert Clock(100.0, 5.0).due(30.0, 130.0, 5.0 + IDLE_SHARE * 30.0)  # idle enough
+    busy = Clock(100.0, 5.0)
+    assert not busy.due(30.0, 130.0, 5.0 + IDLE_SHARE * 30.0 + 1.0)
+    assert (busy.since, busy.cpu, busy.started) == (130.0, 5.0 + IDLE_SHARE * 30.0 + 1.0, 100.0)
+    assert busy.due(30.0, 160.0, busy.cpu)  # idle from then on: due a bound later
+    assert Clock(100.0, None).due(30.0, 130.0, 9.0) and Clock(100.0, 5.0).due(30.0, 130.0, None)

@@ -85,11 +85,11 @@ class Clock:
     def __post_init__(self) -> None:
         self.started = self.since  # `since` starts again after a busy stretch; this does not
 
-    def due(self, pid: int, bound: float, now: float) -> bool:
-        """`bound` seconds passed and the rank sat idle meanwhile; a busy one starts a new clock."""
+    def due(self, bound: float, now: float, cpu: float | None) -> bool:
+        """`bound` seconds passed and the rank sat idle meanwhile (`cpu`: its CPU seconds now, None
+        when unknown); a busy one starts a new clock."""
         if now - self.since < bound:
             return False
-        cpu = cpu_seconds(pid)
         if self.cpu is None or cpu is None or cpu - self.cpu <= IDLE_SHARE * (now - self.since):
             return True
         self.since, self.cpu = now, cpu
@@ -169,14 +169,14 @@ class ExitWatch(Collaborator):
             for worker in returned:
                 if worker.pid in self.done:
                     continue
-                if self.clocks[worker.pid].due(worker.pid, self.bound, now):
+                if self.clocks[worker.pid].due(self.bound, now, cpu_seconds(worker.pid)):
                     self.stop(rnd, worker, now)
                 else:
                     self.timed.append(worker.pid)
         elif alone and exited and plain[0].pid not in self.done:
             worker = plain[0]
             clock = self.clocks.setdefault(worker.pid, Clock(now, cpu_seconds(worker.pid)))
-            if clock.due(worker.pid, self.bound, now):
+            if clock.due(self.bound, now, cpu_seconds(worker.pid)):
                 self.report_alone(rnd, worker, now - clock.started)
             else:
                 self.timed.append(worker.pid)
