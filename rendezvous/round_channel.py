@@ -47,11 +47,18 @@ MARK_RECHECK_SECONDS = 0.1
 REENTRY_SLICE_SECONDS = 0.2
 
 
-def wait_all_marked(store: KeyValueStore, names: list[str], timeout: float) -> bool:
-    """True once every key of `names` (member g's is `names[g]`) holds that member's genuine
-    `BarrierMark`; False after `timeout`. A forged, garbage or replayed value counts as no mark
-    (with one line through `store.on_untrusted` where the agent set it): it is read again until its
-    member overwrites it or the time is up, so nobody without the token can open the barrier."""
+def wait_all_marked(
+    store: KeyValueStore,
+    names: list[str],
+    timeout: float,
+    members: list[int] | None = None,
+    record: type[BarrierMark] | type[SuccessRecord] = BarrierMark,
+) -> bool:
+    """True once every key of `names` (member g's is `names[g]`, or `names[i]` is member
+    `members[i]`'s) holds that member's genuine `record`; False after `timeout`. A forged, garbage
+    or replayed value counts as no mark (with one line through `store.on_untrusted` where the agent
+    set it): it is read again until its member overwrites it or the time is up, so nobody without
+    the token can open the barrier."""
     deadline = time.monotonic() + timeout
     while True:
         # wait: slice: the caller's timeout
@@ -59,8 +66,8 @@ def wait_all_marked(store: KeyValueStore, names: list[str], timeout: float) -> b
         if found is None:
             return False
         try:
-            for member, name in enumerate(names):
-                BarrierMark.load(opened(found[name]), store.key(name)).check_for(store.key(name), member)
+            for member, name in zip(members if members is not None else range(len(names)), names, strict=True):
+                record.load(opened(found[name]), store.key(name)).check_for(store.key(name), member)
             return True
         except UntrustedValue as exc:
             if store.on_untrusted is not None:
@@ -197,33 +204,20 @@ class RoundChannel:
         return self.end(RoundEnd(EndKind.SUCCEEDED, "all workers finished successfully"))
 
     def report_done(self) -> None:
-        """This node's workers are all done, some still alive after their function returned for good:
-        a signed mark, read by the other nodes' `others_done`."""
+        """This node's workers are all done (each exited 0 or its rally.job.run function returned for
+        good): a signed mark, which the other nodes' `wait_others` waits for."""
         mine = self._mine()
         self.store.set(self._key(f"done/{mine}"), BarrierMark(self.me.node_id, mine).to_json())
 
-    def others_done(self) -> tuple[bool, bool]:
-        """Whether every other member is done (its success record or its `done` mark), and whether
-        every other member succeeded (its workers all exited 0): one read of their records, as
-        `all_succeeded` makes. A value this job did not write counts as none."""
+    def wait_others(self, kind: str, timeout: float) -> bool:
+        """True once every other member's genuine `done` mark (`kind` "done": its workers all exited
+        0 or returned for good) or success record ("succeeded") is there; False after `timeout`."""
         others = [g for g in range(self.members) if g != self._mine()]
-        succeeded = {g: self._key(f"succeeded/{g}") for g in others}
-        done = {g: self._key(f"done/{g}") for g in others}
-        found = self.store.get_present([*succeeded.values(), *done.values()])
-
-        def holds(name: str, g: int, record: type[SuccessRecord] | type[BarrierMark]) -> bool:
-            if name not in found:
-                return False
-            key = self.store.key(name)
-            try:
-                record.load(opened(found[name]), key).check_for(key, g)
-            except UntrustedValue:
-                return False
-            return True
-
-        exited = {g for g in others if holds(succeeded[g], g, SuccessRecord)}
-        finished = all(g in exited or holds(done[g], g, BarrierMark) for g in others)
-        return finished, len(exited) == len(others)
+        names = [self._key(f"{kind}/{g}") for g in others]
+        # wait: slice: the caller's timeout
+        return wait_all_marked(
+            self.store, names, timeout, others, SuccessRecord if kind == "succeeded" else BarrierMark
+        )
 
     def acknowledge_end(self) -> None:
         """This node read the job's end: its signed record (the exit barrier counts those)."""

@@ -19,7 +19,7 @@ import pytest
 
 from rally.agent.observe.exit_watch import SHARE_OF_HANG_BOUND, Clock
 from rally.agent.observe.hang_watch import IDLE_SHARE
-from support.agents import c10d_args, start_agent, stop_all, write_script
+from support.agents import AgentProcess, c10d_args, start_agent, stop_all, write_script
 from support.helpers import (  # noqa: F401 - procs is a fixture
     ProcessTracker,
     clean_env,
@@ -28,6 +28,7 @@ from support.helpers import (  # noqa: F401 - procs is a fixture
     procs,
     read_events,
     survivors,
+    wait_for,
 )
 from support.live_rally import LiveRally
 
@@ -164,23 +165,31 @@ def train():
 def left_behind_by_a_data_loader():
     time.sleep(3600)
 
-job.run(train)
+RUN
 if os.environ["RANK"] == "0":
     threading.Thread(target=left_behind_by_a_data_loader).start()  # not a daemon: the exit waits for it
 print("done", flush=True)
 """
 
 
+def _two_nodes(tmp_path: Path, train: float, run: str) -> tuple[list[Path], list[AgentProcess]]:
+    """Two agents of one c10d job, one worker each, running TRAINS_LONGER_ON_RANK_1; their log directories."""
+    body = TRAINS_LONGER_ON_RANK_1.replace("TRAIN", str(train)).replace("RUN", run)
+    script = write_script(tmp_path, "w.py", body)
+    args = [*c10d_args(free_port(), "2"), "--nproc-per-node", "1", "--hang-report-after", str(HANG_REPORT_AFTER)]
+    logs = [tmp_path / f"logs{i}" for i in range(2)]
+    return logs, [
+        start_agent(f"n{i}", tmp_path, [*args, "--log-dir", str(log), str(script)]) for i, log in enumerate(logs)
+    ]
+
+
 @pytest.mark.timeout(150)
 def test_on_several_nodes_a_returned_rank_is_stopped_only_once_every_node_is_done(tmp_path: Path) -> None:
     """Two nodes: rank 0's function returns at once and its process never exits, while rank 1 on the
     other node trains for twice the bound. Rank 0 is left alone until rank 1 is done too (the other
-    node's status record says so), then stopped; both nodes exit 0."""
+    node's success record says so), then stopped; both nodes exit 0."""
     train = 2 * BOUND
-    script = write_script(tmp_path, "w.py", TRAINS_LONGER_ON_RANK_1.replace("TRAIN", str(train)))
-    args = [*c10d_args(free_port(), "2"), "--nproc-per-node", "1", "--hang-report-after", str(HANG_REPORT_AFTER)]
-    logs = [tmp_path / f"logs{i}" for i in range(2)]
-    agents = [start_agent(f"n{i}", tmp_path, [*args, "--log-dir", str(log), str(script)]) for i, log in enumerate(logs)]
+    logs, agents = _two_nodes(tmp_path, train, "job.run(train)")
     try:
         codes = [agent.wait(120) for agent in agents]
         outputs = "\n".join(agent.output() for agent in agents)
@@ -189,8 +198,28 @@ def test_on_several_nodes_a_returned_rank_is_stopped_only_once_every_node_is_don
         (stuck,) = [e for e in events if e["event"] == "stuck_after_return"]
         assert stuck["rank"] == 0, stuck
         (rank_1_exit,) = [e["time"] for e in events if e["event"] == "worker_exited" and e["rank"] == 1]
-        assert stuck["time"] >= rank_1_exit and stuck["seconds"] >= train, (stuck, rank_1_exit)
+        assert stuck["time"] >= rank_1_exit and stuck["seconds"] >= train - 2, (stuck, rank_1_exit)  # start skew
         assert [e["outcome"] for e in events if e["event"] == "job_end"] == ["succeeded", "succeeded"], outputs
+    finally:
+        stop_all(agents)
+
+
+@pytest.mark.timeout(150)
+def test_on_several_nodes_a_plain_rank_is_reported_only_once_every_other_node_exited_0(tmp_path: Path) -> None:
+    """The plain script on two nodes: rank 0 never exits, rank 1 on the other node trains for twice
+    the bound. Rank 0 is reported a bound after rank 1's exit (not its own node's), and both agents
+    still wait."""
+    logs, agents = _two_nodes(tmp_path, 2 * BOUND, "train()")
+    try:
+
+        def reported() -> list[dict]:
+            return [e for log in logs for e in read_events(log) if e["event"] == "alive_after_peers"]
+
+        (said,) = wait_for(reported, 90, what="the report", show=lambda: "\n".join(a.output() for a in agents))
+        events = [e for log in logs for e in read_events(log)]
+        (rank_1_exit,) = [e["time"] for e in events if e["event"] == "worker_exited" and e["rank"] == 1]
+        assert said["rank"] == 0 and said["time"] - rank_1_exit >= BOUND - 0.5, (said, rank_1_exit)
+        assert [a.popen.poll() for a in agents] == [None, None]
     finally:
         stop_all(agents)
 

@@ -454,22 +454,27 @@ def test_token_precedence_and_the_slurm_derivation(tmp_path, monkeypatch):
 
 def test_a_node_hears_the_others_done_only_from_their_own_signed_records(server):
     """The exit watch (agent/observe/exit_watch.py) stops a rank stuck after its function returned
-    only once every other node is done: its `done` mark or its success record, each verified on
-    read. A stranger's value, or one member's record copied to another's key, counts as none."""
+    only once every other node is done (its `done` mark), and reports a plain script's last rank only
+    once every other node succeeded (its success record), each verified on read. A stranger's value,
+    or one member's record copied to another's key, counts as none."""
     s = replace(FAST, min_nodes=2, max_nodes=2)
     a, b = node(server, "a", s, token="secret"), node(server, "b", s, token="secret")
     fa, fb = form([a, b])
     ours, theirs = (Round(a, fa), Round(b, fb)) if fa.group_rank == 0 else (Round(b, fb), Round(a, fa))
-    assert ours.channel.others_done() == (False, False)
+
+    def heard() -> tuple[bool, bool]:
+        return ours.channel.wait_others("done", 0.3), ours.channel.wait_others("succeeded", 0.3)
+
+    assert heard() == (False, False)
     stranger = connect(server, token="guess")
     stranger.set("0/done/1", BarrierMark("b:id", 1).to_json())
     stranger.set("0/succeeded/1", SuccessRecord("b:id", 1).to_json())
-    assert ours.channel.others_done() == (False, False)
+    assert heard() == (False, False)
     ours.channel.report_done()  # node 0's genuine mark, copied to node 1's key: a replay
     ours.rendezvous.store.set("0/done/1", ours.rendezvous.store.get("0/done/0"))
-    assert ours.channel.others_done() == (False, False)
+    assert heard() == (False, False)
     theirs.channel.report_done()
-    assert ours.channel.others_done() == (True, False)
+    assert heard() == (True, False)
     assert theirs.channel.report_success() is None  # node 0 has not succeeded: the round goes on
-    assert ours.channel.others_done() == (True, True)
-    assert theirs.channel.others_done() == (True, False)  # node 0: done, not succeeded
+    assert heard() == (True, True)
+    assert theirs.channel.wait_others("done", 0.3) and not theirs.channel.wait_others("succeeded", 0.3)

@@ -61,13 +61,22 @@ class WorkerSaid:
 
 
 @dataclass(frozen=True)
+class PeersDone:
+    """Every other node's ranks are done (agent/observe/exit_watch.py): `kind` "done", each exited 0
+    or returned from its rally.job.run function; "succeeded", each exited 0."""
+
+    round: int
+    kind: str
+
+
+@dataclass(frozen=True)
 class Wake:
     """A call run by `EventLoop.run_blocking` has returned."""
 
 
 # What the agent's threads post to its inbox: each kind a type with named fields, so the main
 # loop matches on them (agent/agent.py `_on_events`) instead of reading positions of a tuple.
-News = RoundEnded | PeerVerdict | StoreLost | DumpStacks | WorkerSaid | Wake
+News = RoundEnded | PeerVerdict | StoreLost | DumpStacks | WorkerSaid | PeersDone | Wake
 Post = Callable[[News], None]
 
 

@@ -19,34 +19,35 @@ collective. Two cases, timed from the moment the rank is done, bounded by half o
 
 A rank that used more than IDLE_SHARE of a core over the bound is working, not stuck: its clock
 starts again (a stuck exit waits on a lock or a socket and uses nothing). "Every other rank" is
-job-wide, read from the records nodes already leave for the round's end: a node whose workers all
-exited 0 has its success record, and one whose workers are all done, some alive after their
-return, its `done` mark (rendezvous/round_channel.py). A node writes and reads them from its status
-thread, every few seconds, and only while its own workers are done but for the ones timed here.
+job-wide, from signed records beside the success records nodes leave for the round's end
+(rendezvous/round_channel.py): a node whose workers are all done (exited 0 or returned) writes its
+`done` mark. A node with a rank timed here waits for every other node's `done` marks (a returned
+rank) or success records (a plain script's) in a thread of its own: a store wait, no polling.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from rally.agent.base.collaborator import AgentContext, Collaborator
-from rally.agent.base.event_loop import News, WorkerSaid
+from rally.agent.base.event_loop import News, PeersDone, WorkerSaid
 from rally.agent.display import console
 from rally.agent.guard import processes
 from rally.agent.observe.hang_report import StackSource, cpu_seconds, top_frame
 from rally.agent.observe.hang_watch import IDLE_SHARE
+from rally.rendezvous.base.membership import WAIT_SLICE_SECONDS
+from rally.rendezvous.c10d.store import StoreError
 from rally.rendezvous.protocol import Round
 
 # The bound, as a share of --hang-report-after (60 s: 30 s). Shorter than the hang watch's: a done
 # rank has no reason to wait at all, while a rank in a job may work alone for a while; long enough
 # for a slow but healthy exit (a checkpoint's last write, a process group's orderly teardown).
 SHARE_OF_HANG_BOUND = 0.5
-# While its own ranks are done, how often a node of several looks for the other nodes' records.
-LOOK_SECONDS = 1.0
 
 
 class DoneWorker(StackSource, Protocol):
@@ -100,7 +101,7 @@ class ExitWatch(Collaborator):
     """The agent's side: time the ranks that are done, report (and, for rally.job.run, stop) those
     that do not end. See the module docstring."""
 
-    wants = (WorkerSaid,)
+    wants = (WorkerSaid, PeersDone)
 
     def __init__(self, ctx: ExitWatchContext, stacks: Stacks) -> None:
         self.ctx = ctx
@@ -110,38 +111,30 @@ class ExitWatch(Collaborator):
         self.clocks: dict[int, Clock] = {}
         self.done: set[int] = set()  # pids reported (a plain script's) or stopped (returned)
         self.kill_at: dict[int, float] = {}  # pid -> when SIGKILL follows its SIGTERM
-        self.others: tuple[bool, bool] = (False, False)  # RoundChannel.others_done, as last read
-        self.look = False  # the status thread reads the other nodes' records
-        self.done_here = False  # this node's workers are all done, some alive after their return
-        self.told = False  # its `done` mark is written
+        self.heard: set[str] = set()  # "done", "succeeded": every other node's records are there
+        self.waiting: set[str] = set()  # the kinds of records a thread of ours waits for
+        self.over = threading.Event()  # the round's watch is over: our waits end
+        self.told = False  # this node's `done` mark is written
         self.timed: list[int] = []  # pids whose clock runs: the job is done but for them
 
     # ------------------------------------------------------------ hooks (agent/base/collaborator.py)
     def round_formed(self, rnd: Round) -> None:
         self.returned, self.clocks, self.done, self.kill_at = {}, {}, set(), {}
-        self.others, self.look, self.timed = (False, False), False, []
-        self.done_here = self.told = False
+        self.heard, self.waiting, self.over, self.told, self.timed = set(), set(), threading.Event(), False, []
+
+    def watch_over(self, rnd: Round) -> None:
+        self.over.set()
 
     def on_news(self, rnd: Round, news: News) -> None:
-        if isinstance(news, WorkerSaid) and news.message.get("op") == "returned":
+        if isinstance(news, PeersDone):
+            self.heard.add(news.kind)
+        elif isinstance(news, WorkerSaid) and news.message.get("op") == "returned":
             self.returned[news.pid] = now = time.monotonic()
             self.clocks[news.pid] = Clock(now, cpu_seconds(news.pid))
-
-    def in_status_thread(self, rnd: Round) -> None:
-        """In a job of several nodes, while this node's workers are done but for those timed here:
-        say so (once), and read whether the others are. A store error skips this turn."""
-        if not self.look:
-            return
-        if self.done_here and not self.told:
-            rnd.channel.report_done()
-            self.told = True
-        self.others = rnd.channel.others_done()
 
     def next_due(self, now: float) -> float | None:
         times = [t - now for t in self.kill_at.values()]
         times += [self.clocks[pid].since + self.bound - now for pid in self.timed]
-        if self.look:
-            times.append(LOOK_SECONDS)
         return max(0.0, min(times)) if times else None
 
     def watch(self, rnd: Round) -> None:
@@ -159,11 +152,19 @@ class ExitWatch(Collaborator):
         returned = [w for w in alive if w.pid in self.returned]
         ended_well = [w for w in workers if w.returncode == 0 or w.stuck_after_return]
         plain = [w for w in alive if w.pid not in self.returned]
-        # this node's part: its ranks all done but for those timed here
-        here = bool(returned) and len(ended_well) + len(returned) == len(workers)
+        # this node's part: its ranks all done (some alive after their return), or one plain rank left
+        done = len(ended_well) + len(returned) == len(workers)
+        here = bool(returned) and done
         alone = len(plain) == 1 and len(ended_well) == len(workers) - 1 and a.world_size > 1
-        self.look, self.done_here = (here or alone) and a.group_world_size > 1, here
-        finished, exited = self.others if a.group_world_size > 1 else (True, True)
+        several = a.group_world_size > 1
+        if several and done and not self.told:
+            self.ctx.store_call(rnd.channel.report_done)
+            self.told = True
+        if several and here:
+            self.hear_from_others(rnd, "done")
+        if several and alone:
+            self.hear_from_others(rnd, "succeeded")
+        finished, exited = ("done" in self.heard, "succeeded" in self.heard) if several else (True, True)
         self.timed = []
         if here and finished:
             for worker in returned:
@@ -181,6 +182,28 @@ class ExitWatch(Collaborator):
             else:
                 self.timed.append(worker.pid)
         return None
+
+    def hear_from_others(self, rnd: Round, kind: str) -> None:
+        """Wait (once per round and kind, in a thread on a connection of its own) for every other
+        node's `kind` records; `PeersDone` tells the main loop. A store lost ends the wait: the
+        round's own threads report that."""
+        if kind in self.waiting:
+            return
+        self.waiting.add(kind)
+        over, post, number = self.over, self.ctx.loop.inbox.post, rnd.assignment.round
+
+        def wait() -> None:
+            try:
+                channel = rnd.connect_again().channel
+                while not over.is_set():
+                    # wait: background: WAIT_SLICE_SECONDS slices until the others' records are there or the round ends
+                    if channel.wait_others(kind, WAIT_SLICE_SECONDS):
+                        post(PeersDone(number, kind))
+                        return
+            except StoreError:
+                pass
+
+        threading.Thread(target=wait, name=f"rally-exit-watch-{kind}", daemon=True).start()
 
     # ------------------------------------------------------------ what is said and done
     def stop(self, rnd: Round, worker: DoneWorker, now: float) -> None:
