@@ -187,7 +187,7 @@ def _two_nodes(tmp_path: Path, train: float, run: str) -> tuple[list[Path], list
 def test_on_several_nodes_a_returned_rank_is_stopped_only_once_every_node_is_done(tmp_path: Path) -> None:
     """Two nodes: rank 0's function returns at once and its process never exits, while rank 1 on the
     other node trains for twice the bound. Rank 0 is left alone until rank 1 is done too (the other
-    node's success record says so), then stopped; both nodes exit 0."""
+    node's signed `done` mark says so), then stopped; both nodes exit 0."""
     train = 2 * BOUND
     logs, agents = _two_nodes(tmp_path, train, "job.run(train)")
     try:
@@ -207,8 +207,8 @@ def test_on_several_nodes_a_returned_rank_is_stopped_only_once_every_node_is_don
 @pytest.mark.timeout(150)
 def test_on_several_nodes_a_plain_rank_is_reported_only_once_every_other_node_exited_0(tmp_path: Path) -> None:
     """The plain script on two nodes: rank 0 never exits, rank 1 on the other node trains for twice
-    the bound. Rank 0 is reported a bound after rank 1's exit (not its own node's), and both agents
-    still wait."""
+    the bound. Rank 0, alone on its node from the start, is reported a bound after rank 1's exit on
+    the other node, and both agents still wait."""
     logs, agents = _two_nodes(tmp_path, 2 * BOUND, "train()")
     try:
 
