@@ -454,7 +454,7 @@ FROZEN_SLACK = 100
 # at work when measured); no thread stack grows.
 # The bound catches what the code did before: a new thread an entry for the teardown and another
 # for the resume prefetch spread what each round keeps over ten glibc arenas, a page pinned per
-# chunk: +104 to +408 KiB, its larger rank above this bound in 12 of 14 runs (agent/base/kept_threads.py).
+# chunk: +104 to +408 KiB, its larger rank above this bound in 17 of 19 runs (agent/base/kept_threads.py).
 # And rally's own leaks: rank 0's error at the 10th entry made its failure report read torch's
 # distributed_c10d.py whole into linecache, and Python's allocator kept the 0.6-0.7 MB high-water
 # mark for life (+1060 to +1084 KiB at the 50th in 3 runs of that code). Not measured: the
