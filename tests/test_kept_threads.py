@@ -4,6 +4,7 @@ spread what rounds keep over glibc's arenas: tests/test_inprocess_restart.py's m
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -15,13 +16,11 @@ from rally.agent.base.kept_threads import Pool
 def test_calls_one_after_another_run_in_the_same_kept_thread() -> None:
     pool = Pool("test-kept")
     seen: list[int | None] = []
-    before = threading.active_count()
     for _ in range(5):
         call = pool.start(lambda: seen.append(threading.get_ident()))
         call.join(5)
         assert not call.is_alive()
     assert len(seen) == 5 and len(set(seen)) == 1, f"a new thread per call: {seen}"
-    assert threading.active_count() == before + 1
     assert [t.name for t in threading.enumerate() if t.ident == seen[0]] == ["test-kept"]
 
 
@@ -51,3 +50,16 @@ def test_a_call_given_while_another_runs_is_not_delayed_by_it() -> None:
     third = pool.start(lambda: idents.append(threading.get_ident()))
     third.join(5)
     assert idents[-1] in idents[:2]
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_child_runs_its_calls_in_threads_of_its_own() -> None:
+    pool = Pool("test-kept-fork")
+    pool.start(lambda: None).join(5)  # an idle kept thread in this process, none in a child
+    pid = os.fork()
+    if pid == 0:  # the child: its call must run, not wait for the parent's thread
+        ran = threading.Event()
+        pool.start(ran.set).join(5)
+        os._exit(0 if ran.is_set() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's call waited for a thread that only the parent has"

@@ -15,6 +15,7 @@ threads as calls ever ran at once (one, in practice).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -43,6 +44,11 @@ class Pool:
         self.name = name
         self._idle: list[_Inbox] = []
         self._lock = threading.Lock()
+        # a forked child has none of the parent's threads: the idle ones it would hand calls to are gone
+        os.register_at_fork(after_in_child=self._forget_threads)
+
+    def _forget_threads(self) -> None:
+        self._idle, self._lock = [], threading.Lock()
 
     def start(self, target: Callable[[], object]) -> Call:
         """Run `target()` in an idle thread of the pool, or in a new one if none is idle."""
