@@ -5,7 +5,7 @@ call.
 Why: every new thread takes one of glibc's malloc arenas (the one an exited thread left) and a
 cached stack, and leaves its small allocations there; a few that live for good (torch's, glibc's)
 then pin a page each in arenas that the other threads of later rounds allocate in. Two new threads
-an entry made a worker's anonymous RSS grow by 5-9 KB an entry over 50 re-entries; kept, the
+an entry made a worker's anonymous RSS grow by 2-9 KB an entry over 50 re-entries; kept, the
 arenas and stacks each call uses stay the same ones (tests/test_inprocess_restart.py, docs/restartable.md).
 
 A call is handed to an idle thread of its pool, or to a new one when all are busy (a call still

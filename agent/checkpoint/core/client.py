@@ -128,10 +128,10 @@ class MemoryTier:
         self._inline = False  # an overlapped save found no room: the next save reserves before it returns
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        # Every answer is received here, a mapping made once (its pages resident once written):
-        # socket.recv_fds allocated MAX_PACKET per answer and shrank it, in the calling thread's glibc
-        # arena, whose heap crept up around the small pieces left between (a re-entered worker's RSS)
-        self._buffer = mmap.mmap(-1, MAX_PACKET)
+        # Every answer is received here, private anonymous memory mapped once (its pages resident once
+        # written): socket.recv_fds allocated MAX_PACKET per answer and shrank it, in the calling
+        # thread's glibc arena, whose heap crept up around the small pieces left (a re-entered worker's RSS)
+        self._buffer = mmap.mmap(-1, MAX_PACKET, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     @classmethod
     def from_env(cls) -> MemoryTier | None:
