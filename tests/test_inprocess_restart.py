@@ -454,8 +454,9 @@ FROZEN_SLACK = 100
 # Anonymous RSS may grow this much from the 5th entry to the 50th: NOT the issue's "no higher",
 # which torch 2.13 does not allow. Measured on this 2-core machine (per rank, 45 entries, 20 runs
 # of this test, two at a time): +60 to +104 KiB, 1.3-2.3 KB an entry, about what glibc's bytes in
-# use grow by (+48 to +83 KB, mallinfo2) plus a few pages; the bound is that and half as much again. What is kept for good is torch's and glibc's
-# (bench/torch_gloo_leak.py shows torch's share without rally: 412 B a group): 2 x 130 B of c10d's
+# use grow by (+48 to +83 KB, mallinfo2) plus a few pages; the bound is that and half as much
+# again. What is kept for good is torch's and glibc's (bench/torch_gloo_leak.py shows torch's
+# share without rally: 412 B a group): 2 x 130 B of c10d's
 # RankLocal<WorkRegistry> map (an entry per gloo worker thread that ran a collective, keyed by a
 # thread id never reused), 184 B of ProcessGroupGloo's constructor, 56 B of the flight recorder per
 # group, and 135 B of `setenv`'s strings for the round's new MASTER_PORT, RALLY_ROUND, ... (glibc
