@@ -466,7 +466,7 @@ FROZEN_SLACK = 100
 # The bound catches what the code did before: a new thread an entry for the teardown and another
 # for the resume prefetch spread what each round keeps over ten glibc arenas, a page pinned per
 # chunk (agent/base/kept_threads.py), and each answer of the checkpoint holder was received into a
-# new 64 KiB allocation: +104 to +408 KiB, its larger rank above this bound in 18 of 19 runs.
+# new 64 KiB allocation: up to +408 KiB, its larger rank above this bound in 22 of 24 runs.
 # And rally's own leaks: rank 0's error at the 10th entry made its failure report read torch's
 # distributed_c10d.py whole into linecache, and Python's allocator kept the 0.6-0.7 MB high-water
 # mark for life (+1060 to +1084 KiB at the 50th in 3 runs of that code). Not measured: the
