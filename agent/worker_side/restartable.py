@@ -42,7 +42,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rally.agent.base import linux
+from rally.agent.base import kept_threads, linux
 from rally.agent.base import reentry_wire as wire
 from rally.agent.worker_side import group_keeper
 
@@ -384,13 +384,15 @@ def teardown(opened_since: set[tuple[int, int]] | None = None) -> str | None:
         except Exception as exc:  # reported to the agent, which restarts the job's processes
             errors.append(f"{type(exc).__name__}: {exc}")
 
-    thread = threading.Thread(target=work, name="rally-teardown", daemon=True)
-    thread.start()
-    # wait: short: TEARDOWN_SECONDS (10)
-    thread.join(TEARDOWN_SECONDS)
-    if thread.is_alive():
+    call = _teardowns.start(work)
+    call.join(TEARDOWN_SECONDS)
+    if call.is_alive():
         return f"tearing torch.distributed down took more than {TEARDOWN_SECONDS:g} s"
     return errors[0] if errors else None
+
+
+# Every teardown of the process runs in one kept thread, not a new thread per entry (agent/base/kept_threads.py)
+_teardowns = kept_threads.Pool("rally-teardown")
 
 
 def _settle_saves() -> None:

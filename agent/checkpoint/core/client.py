@@ -31,6 +31,7 @@ fill it, commit its length; or abort.
 
 from __future__ import annotations
 
+import array
 import functools
 import json
 import mmap
@@ -127,6 +128,10 @@ class MemoryTier:
         self._inline = False  # an overlapped save found no room: the next save reserves before it returns
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        # Every answer is received here, private anonymous memory mapped once (its pages resident once
+        # written): socket.recv_fds allocated MAX_PACKET per answer and shrank it, in the calling
+        # thread's glibc arena, whose heap crept up around the small pieces left (a re-entered worker's RSS)
+        self._buffer = mmap.mmap(-1, MAX_PACKET, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     @classmethod
     def from_env(cls) -> MemoryTier | None:
@@ -145,7 +150,7 @@ class MemoryTier:
                         self._connect()
                     assert self._sock is not None
                     self._sock.sendall(json.dumps(message).encode())
-                    data, fds, _, _ = socket.recv_fds(self._sock, MAX_PACKET, 4)
+                    data, fds = self._receive(self._sock, 4)
                     if not data:
                         for fd in fds:
                             os.close(fd)
@@ -192,7 +197,7 @@ class MemoryTier:
                     f"(pid {self.holder.pid}, uid {os.geteuid()}): refusing it; nothing was sent"
                 )
             sock.sendall(json.dumps({"op": "hello", "secret": self.holder.secret}).encode())
-            data, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 1)
+            data, fds = self._receive(sock, 1)
             for fd in fds:
                 os.close(fd)
             if not data or not json.loads(data).get("ok"):
@@ -201,6 +206,15 @@ class MemoryTier:
             sock.close()
             raise
         self._sock = sock
+
+    def _receive(self, sock: socket.socket, max_fds: int) -> tuple[bytes, list[int]]:
+        """One answer and the descriptors that came with it (as socket.recv_fds), into `_buffer`."""
+        fds = array.array("i")
+        size, ancillary, _, _ = sock.recvmsg_into([self._buffer], socket.CMSG_LEN(max_fds * fds.itemsize))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+        return self._buffer[:size], list(fds)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -50,7 +50,7 @@ import threading
 import time
 from typing import Any
 
-from rally.agent.base import linux
+from rally.agent.base import kept_threads, linux
 from rally.agent.checkpoint.core import client, shm
 from rally.agent.checkpoint.core.shm import fd_path, storages_of
 
@@ -61,7 +61,9 @@ JOIN_SECONDS = 5.0
 """How long `load_latest` waits for the thread (its work is one answer of the holder and ~50 ms per 400 MB)."""
 
 _lock = threading.Lock()
-_thread: threading.Thread | None = None
+_thread: kept_threads.Call | None = None  # the last start's call: join() and is_alive() as a thread's
+# one kept thread for every re-entry's prefetch, not a new one per entry (agent/base/kept_threads.py)
+_threads = kept_threads.Pool("rally-resume-prefetch")
 _ready: tuple[int, Any] | None = None  # (the round's resume step, its state mapped from this node's copy)
 _slot_ready: tuple[str, int, memoryview] | None = None  # (key, step, mapping) of this rank's sharded copy
 _discarded = False
@@ -98,8 +100,7 @@ def _launch() -> None:
         _generation += 1
         _ready, _slot_ready, _discarded = None, None, False
         generation = _generation
-    _thread = threading.Thread(target=_prepare, args=(generation,), daemon=True, name="rally-resume-prefetch")
-    _thread.start()
+    _thread = _threads.start(lambda: _prepare(generation))
 
 
 def _prepare(generation: int) -> None:
