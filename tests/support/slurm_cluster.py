@@ -44,6 +44,11 @@ UP_TIMEOUT_S = 300.0
 DOWN_TIMEOUT_S = 120.0
 #: How often the job helpers poll ``squeue``: SLURM has no cheap way to wait for a job.
 POLL_INTERVAL_S = 0.2
+CONTROLLER_BUSY_S = 60.0  # how long squeue may fail before the controller counts as down
+#: squeue's states of a job that is over (JOB STATE CODES in squeue(1)); REQUEUED is not one.
+FINAL_JOB_STATES = frozenset(
+    "BOOT_FAIL CANCELLED COMPLETED DEADLINE FAILED NODE_FAIL OUT_OF_MEMORY PREEMPTED REVOKED TIMEOUT".split()
+)
 #: devcluster.sh's exit status for "this machine cannot run the cluster".
 EX_UNSUITABLE = 3
 #: Environment variable that keeps the cluster up after the session.
@@ -151,10 +156,23 @@ class SlurmCluster:
         return path.read_text() if path.exists() else ""
 
     def job_state(self, jobid: str) -> str:
-        """The job's squeue state (PENDING, RUNNING, COMPLETING, ...), or "" once it is gone."""
-        done = self.run_login(["squeue", "-h", "-j", jobid, "-o", "%T"], 10.0)
-        # squeue fails with "Invalid job id" once the controller forgot the job: gone too.
-        return done.stdout.strip() if done.returncode == 0 else ""
+        """The job's squeue state (PENDING, RUNNING, COMPLETING, REQUEUED, ...), or "" once it is
+        over (a final state such as COMPLETED, or forgotten by the controller)."""
+        # `-t all`: by default squeue lists only pending, running and completing jobs, so a job
+        # between its requeue and PENDING (REQUEUED) looked gone for a poll or two. squeue fails
+        # with "Invalid job id" once the controller forgot the job: gone too. Any other failure is
+        # the controller too busy to answer (16 workers stopping on two cores), not the job's end.
+        deadline = time.monotonic() + CONTROLLER_BUSY_S
+        while True:
+            done = self.run_login(["squeue", "-h", "-t", "all", "-j", jobid, "-o", "%T"], 10.0)
+            if done.returncode == 0:
+                state = done.stdout.strip()
+                return "" if state in FINAL_JOB_STATES else state
+            if "Invalid job id" in done.stderr:
+                return ""
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"squeue -j {jobid} kept failing for {CONTROLLER_BUSY_S}s: {done.stderr.strip()}")
+            time.sleep(POLL_INTERVAL_S)
 
     def wait_job_state(self, jobid: str, state: str, timeout: float) -> None:
         """Wait until the job is in ``state``; TimeoutError says where it is instead."""
