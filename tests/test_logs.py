@@ -58,6 +58,7 @@ def run_two_streams(tmp_path: Path, *flags: str, nproc: int = 2):
     write_probe(tmp_path / "two_streams.py", TWO_STREAMS)
     result = run_rally(["--standalone", "--nproc-per-node", str(nproc), *flags, "two_streams.py"], cwd=tmp_path)
     assert result.returncode == 0, result.describe()
+    assert "root cause" not in result.stderr, result.describe()  # every worker succeeded: nothing to blame
     return result
 
 
