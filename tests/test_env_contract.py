@@ -167,6 +167,10 @@ def test_torch_sees_itself_launched_by_torchelastic(tmp_path: Path) -> None:
     assert re.search(r"^\[0\] is_torchelastic_launched True$", result.stdout, re.MULTILINE), result.describe()
 
 
+# Not in the parity pass (.ci/run): its workers start as test_rank_variables_...[4-trainer]'s (the
+# environment probe); how many the agent starts, and its refusal of `gpu` (no worker starts), are
+# the agent's, whichever way a worker starts.
+@pytest.mark.same_start_as_a_sibling
 @pytest.mark.timeout(120)
 def test_nproc_auto_and_gpu_count_only_devices_that_exist_whatever_cuda_visible_devices_lists(tmp_path: Path) -> None:
     """As torchrun's determine_local_world_size: on a node without GPUs, `auto` starts one worker
