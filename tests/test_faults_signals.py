@@ -129,7 +129,11 @@ def _blocks(pid: int, signum: int) -> bool:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("when", ["start-up", "rendezvous"])
+# "rendezvous" is same under load: the signal is sent once the agent says it hosts the store, when
+# its handler has been in place since before the store opened (agent/agent.py installs it first),
+# and the agent waits in the rendezvous for ever, so whenever the signal comes it finds the same
+# wait. "start-up", a signal landing while the launcher still blocks it, stays in the CPU-hog pass.
+@pytest.mark.parametrize("when", ["start-up", pytest.param("rendezvous", marks=pytest.mark.same_under_load)])
 def test_a_preemption_signal_is_not_lost_at_start_up_or_in_the_rendezvous(
     tmp_path: Path, procs: ProcessTracker, when: str
 ) -> None:

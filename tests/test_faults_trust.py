@@ -68,15 +68,24 @@ def error_lines(text: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ 1. faked success
-# Same under load: the job's end is decided by signed records, never the counter the stranger bumps.
+# Same under load: the job's end is decided by signed records, never the counter the stranger bumps;
+# where the token is read from, and what it signs.
+# The job's token comes in both documented ways of --rdzv-conf, token= on one node and token_file=
+# on the other (7. below): that was a job of its own (two more agents and a store), checked here
+# on this one's records.
 @pytest.mark.same_under_load
 @pytest.mark.timeout(180)
 def test_a_strangers_success_counter_ends_nothing(cluster, tmp_path):
     store = cluster.store()
     script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
-    env = {"RALLY_JOB_TOKEN": TOKEN, "SLOW_RANK_SECONDS": "5", "OTHER_RANK_SECONDS": "1"}
+    secret = tmp_path / "secret.txt"
+    secret.write_text(TOKEN + "\n")
+    env = {"SLOW_RANK_SECONDS": "5", "OTHER_RANK_SECONDS": "1"}
     client = stranger(store.port)  # connected first: a client's connect can take seconds (DNS)
-    agents = [cluster.agent(f"n{i}", [*job_args(store.port, "2"), str(script)], env=env) for i in range(2)]
+    agents = [
+        cluster.agent(f"n{i}", [*job_args(store.port, "2", extra=conf), str(script)], env=env)
+        for i, conf in enumerate((f"token={TOKEN}", f"token_file={secret}"))
+    ]
     assert eventually(lambda: len(cluster.records()) == 2, 90), "\n".join(a.output() for a in agents)
     client.add("rally/testjob/0/succeeded", 1)  # before rank 0 ends: its node's report made it 2 of 2
     faked_at = time.monotonic()
@@ -88,6 +97,20 @@ def test_a_strangers_success_counter_ends_nothing(cluster, tmp_path):
     assert time.monotonic() - faked_at > 3, "the job ended before rank 1 finished"
     for agent in agents:
         assert "job succeeded: 2 workers on 2 nodes finished" in agent.output(), agent.output()
+    _the_job_signed_with(store.port, TOKEN)
+
+
+def _the_job_signed_with(port: int, token: str) -> None:
+    """What the job wrote verifies with `token`, not with another one: the token was really in use."""
+    from rally.rendezvous.base.token import Signer
+    from rally.rendezvous.c10d.store import Store, UntrustedValue, connect_tcp_store
+
+    def reconnect():
+        return connect_tcp_store("127.0.0.1", port, 5, 5)
+
+    assert Store(reconnect(), "rally/testjob/", "the store", reconnect, Signer(token)).get("0/closed")
+    with pytest.raises(UntrustedValue, match="different job token"):
+        Store(reconnect(), "rally/testjob/", "the store", reconnect, Signer("other")).get("0/closed")
 
 
 # ------------------------------------------------------------------ 2. duplicate ranks
@@ -153,28 +176,8 @@ def test_deleting_a_rounds_record_is_tampering_not_a_fresh_restart_budget(cluste
 
 
 # ------------------------------------------------------------------ 7. the documented token flags
-# Same under load: where the token is read from, and what it signs.
-@pytest.mark.same_under_load
-@pytest.mark.timeout(180)
-def test_token_and_token_file_in_rdzv_conf_work_and_agree(cluster, tmp_path):
-    store = cluster.store()
-    script = write_script(tmp_path, "ranks.py", RANKS_WORKER)
-    secret = tmp_path / "secret.txt"
-    secret.write_text(TOKEN + "\n")
-    by_value = cluster.agent("n0", [*job_args(store.port, "2", extra=f"token={TOKEN}"), str(script)])
-    by_file = cluster.agent("n1", [*job_args(store.port, "2", extra=f"token_file={secret}"), str(script)])
-    codes = [by_value.wait(90), by_file.wait(90)]
-    assert codes == [0, 0], by_value.output() + by_file.output()
-    # the token is really in use: what the job wrote verifies with it, not with another one
-    from rally.rendezvous.base.token import Signer
-    from rally.rendezvous.c10d.store import Store, UntrustedValue, connect_tcp_store
-
-    def reconnect():
-        return connect_tcp_store("127.0.0.1", store.port, 5, 5)
-
-    assert Store(reconnect(), "rally/testjob/", "the store", reconnect, Signer(TOKEN)).get("0/closed")
-    with pytest.raises(UntrustedValue, match="different job token"):
-        Store(reconnect(), "rally/testjob/", "the store", reconnect, Signer("other")).get("0/closed")
+# token= and token_file= in --rdzv-conf, on one job's two nodes, which agree: checked on the job of
+# 1. above (test_a_strangers_success_counter_ends_nothing).
 
 
 # ------------------------------------------------------------------ 9. waits are bounded and say what they wait for

@@ -19,8 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from support.agents import StoreProcess, c10d_args, start_agent, stop_all
-from support.helpers import clean_env, eventually, free_port, kill_group, rally_status, read_events, run_rally
+from support.agents import AgentProcess, StoreProcess, c10d_args, start_agent, stop_all
+from support.helpers import (
+    clean_env,
+    eventually,
+    free_port,
+    kill_group,
+    rally_status,
+    read_events,
+    run_rally,
+    start_rally,
+)
 from support.once_per_run import once_per_run
 
 pytestmark = pytest.mark.torch
@@ -150,16 +159,14 @@ def clean_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(once_per_run(tmp_path_factory, "inprocess-clean-digest", run))
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("own_init", [False, True], ids=["rally-initialises", "function-initialises"])
-def test_an_exception_re_enters_the_function_in_the_same_processes(
-    tmp_path: Path, clean_digest: str, own_init: bool
-) -> None:
-    result, out, logs = _run(tmp_path, "fault", FAULT="exception:5:1", OWN_INIT="1" if own_init else "0")
+def _the_exception_re_entered(stderr: str, describe: str, out: Path, logs: Path, clean_digest: str, own_init: bool):
+    """FAULT=exception:5:1: every rank entered the function again in its own process, resumed
+    from the step-3 checkpoint with a new round's group, and ended bit-identical to the clean run;
+    the exception is the root cause (rally's `stderr`), one in-process restart in the events."""
     for rank in (0, 1):
         done = json.loads((out / f"result.{rank}").read_text())
-        assert done["digest"] == clean_digest, f"rank {rank} did not resume bit-identically\n{result.describe()}"
-        assert done["entries"] == 2, result.describe()  # entered again, not restarted
+        assert done["digest"] == clean_digest, f"rank {rank} did not resume bit-identically\n{describe}"
+        assert done["entries"] == 2, describe  # entered again, not restarted
         steps = _steps(out, rank)
         assert {line[2] for line in steps} == {str(done["pid"])}, "a survivor's pid changed"
         first, second = [s for s in steps if s[1] == "1"], [s for s in steps if s[1] == "2"]
@@ -171,10 +178,10 @@ def test_an_exception_re_enters_the_function_in_the_same_processes(
         # functions' defaults (4 here before).
         assert done["gloo_threads"][1] <= (0 if own_init else 2), f"rank {rank}: {done['gloo_threads']}"
     # the exception, with its rank and traceback, is the root cause
-    assert "root cause: rank 1 (local rank 1, pid" in result.stderr, result.describe()
-    assert "raised ValueError: injected at step 5" in result.stderr
-    assert 'raise ValueError(f"injected at step {step}")' in result.stderr
-    assert "re-entering the training function in every worker (restart 1 of 2)" in result.stderr
+    assert "root cause: rank 1 (local rank 1, pid" in stderr, describe
+    assert "raised ValueError: injected at step 5" in stderr
+    assert 'raise ValueError(f"injected at step {step}")' in stderr
+    assert "re-entering the training function in every worker (restart 1 of 2)" in stderr
     events = read_events(logs)
     restarts = [e for e in events if e["event"] == "restart"]
     assert [e["in_process"] for e in restarts] == [True], restarts
@@ -184,22 +191,41 @@ def test_an_exception_re_enters_the_function_in_the_same_processes(
     assert report["attempts"][0]["end"]["info"]["traceback"].rstrip().endswith("ValueError: injected at step 5")
 
 
-@pytest.mark.timeout(300)
-def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path) -> None:
+# The same fault with rally initialising the group (OWN_INIT unset) was this test's other
+# parametrization, a job of its own: it is checked on test_status_and_metrics_mark_an_in_process_restart's
+# job, which is that job (the same script and fault; only held at its end until the test has read
+# `rally status`, and its output tee'd to files), so one torch job of two workers is spared.
+@pytest.mark.timeout(400)
+def test_an_exception_re_enters_the_function_in_the_same_processes(tmp_path: Path, clean_digest: str) -> None:
+    result, out, logs = _run(tmp_path, "fault", FAULT="exception:5:1", OWN_INIT="1")
+    _the_exception_re_entered(result.stderr, result.describe(), out, logs, clean_digest, own_init=True)
+
+
+@pytest.mark.timeout(400)
+def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path, clean_digest: str) -> None:
     """`rally status` (its table, --json, and once the job is over) and /metrics tell an in-process
     restart from a whole one (without the mark, a restart that kept every process looks like any);
-    the re-entered workers' output stays in their first attempt's files, as documented."""
+    the re-entered workers' output stays in their first attempt's files, as documented. And what
+    test_an_exception_re_enters_the_function_in_the_same_processes checks, with rally initialising
+    the group (_the_exception_re_entered, on rally's stderr)."""
     out, logs = tmp_path / "fault", tmp_path / "fault-logs"
     out.mkdir()
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     args = ["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs), "--metrics-port", "0"]
     args += ["--tee", "3", str(script)]  # the workers' output in files too: where a re-entered one's goes
-    agent = start_agent("held", tmp_path, args, {"OUT": str(out), "FAULT": "exception:5:1", "HOLD": "1"})
+    stdout, stderr = tmp_path / "held.log", tmp_path / "held.stderr"
+    with open(stdout, "w") as out_file, open(stderr, "w") as err_file:  # the child keeps its own descriptors
+        env = clean_env(OUT=str(out), FAULT="exception:5:1", HOLD="1")
+        agent = AgentProcess("held", start_rally(args, cwd=tmp_path, env=env, stdout=out_file, stderr=err_file), stdout)
+
+    def output() -> str:
+        return stdout.read_text(errors="replace") + stderr.read_text(errors="replace")
+
     try:
         served = r"Prometheus metrics at http://\S+:(\d+)/metrics"
-        assert eventually(lambda: re.search(served, agent.output()), 90), agent.output()
-        port = int(re.search(served, agent.output()).group(1))  # type: ignore[union-attr]
+        assert eventually(lambda: re.search(served, output()), 90), output()
+        port = int(re.search(served, output()).group(1))  # type: ignore[union-attr]
 
         def in_process_record() -> dict | None:  # node 0's view, refreshed every 2 s
             done = rally_status([str(logs), "--json"], Path("/"))
@@ -208,7 +234,7 @@ def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path) -> None:
             return record if nodes[0].get("round") == 1 and nodes[0].get("in_process_restarts") == 1 else None
 
         record = eventually(in_process_record, 120)
-        assert record, rally_status([str(logs), "--json"], Path("/")).stdout + agent.output()
+        assert record, rally_status([str(logs), "--json"], Path("/")).stdout + output()
         assert record["nodes"][0]["restart_count"] == 1
         assert record["last_restart"]["kind"] == "worker_failed" and record["last_restart"]["recovery"] == "in-process"
         table = rally_status([str(logs)], Path("/"))
@@ -219,9 +245,10 @@ def test_status_and_metrics_mark_an_in_process_restart(tmp_path: Path) -> None:
         assert re.search(r'^rally_restarts_total\{run_id="[^"]+"\} 1\.0$', metrics, re.M), metrics
         assert re.search(r'^rally_in_process_restarts_total\{run_id="[^"]+"\} 1\.0$', metrics, re.M), metrics
         (out / "release").touch()
-        assert agent.wait(120) == 0, agent.output()
+        assert agent.wait(120) == 0, output()
     finally:
         stop_all([agent])
+    _the_exception_re_entered(stderr.read_text(errors="replace"), output()[-8000:], out, logs, clean_digest, False)
     # A re-entered worker's output stays in the files of the attempt its process started in (docs/restartable.md)
     (run_dir,) = logs.glob("*/")
     for rank in (0, 1):

@@ -472,38 +472,22 @@ def test_the_preemption_handler_module_is_imported_in_the_template_not_in_each_w
     assert json.loads(out) == {"imported": True, "in_the_template": True}
 
 
+# Which of the bootstrap's modules a forked worker finds imported in the template (gc.freeze's
+# permanent generation, which gc.get_objects() leaves out), as one JSON line.
 PREIMPORTED_BOTH = """
 import gc, json, sys
-import torch  # rally's default: the template preloads torch for a script that imports it
 frozen = lambda name: name in sys.modules and not any(o is sys.modules[name].__dict__ for o in gc.get_objects())
 print(json.dumps({name: frozen(name) for name in ("rally.agent.worker_side.job",
-                                                  "rally.agent.checkpoint.core.resume_prefetch")}))
+                                                  "rally.agent.checkpoint.core.resume_prefetch")}), flush=True)
 """
 
-
-@pytest.mark.torch
-@pytest.mark.same_under_load
-@pytest.mark.timeout(120)
-def test_rally_workers_find_the_bootstraps_modules_imported_by_the_template(tmp_path: Path) -> None:
-    """End to end, rally's defaults: RALLY_PREEMPT_SIGNALS and RALLY_CKPT_HOLDER are in each
-    worker's environment, not the template's, so the template imports the modules they need at
-    its first fork; before that fix each worker imported them (30 ms of its start, measured
-    fork -> first line 40 ms -> 8 ms)."""
-    write_probe(tmp_path / "preimported.py", PREIMPORTED_BOTH)
-    result = run_rally(
-        ["--standalone", "--nproc-per-node", "2", "preimported.py"], cwd=tmp_path, env=rally_env(tmp_path), timeout=110
-    )
-    assert result.returncode == 0, result.describe()
-    records = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("[")]
-    both = {"rally.agent.worker_side.job": True, "rally.agent.checkpoint.core.resume_prefetch": True}
-    assert records == [both, both], result.describe()
-
-
-WARMED = """
+WARMED = (
+    PREIMPORTED_BOTH
+    + """
 import os, sys, time
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 print(f"attempt {attempt}: dynamo {'torch._dynamo' in sys.modules}", flush=True)
-import torch
+import torch  # rally's default: the template preloads torch for a script that imports it
 if attempt == "0":
     time.sleep(12)  # the template idles meanwhile (WARM_AFTER_IDLE_SECONDS, 10 s)
     sys.exit(3)
@@ -511,6 +495,7 @@ started = time.perf_counter()
 torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1).zero_grad()
 print(f"optimizer's first use {time.perf_counter() - started:.3f} s", flush=True)
 """
+)
 
 
 @pytest.mark.torch
@@ -518,7 +503,13 @@ print(f"optimizer's first use {time.perf_counter() - started:.3f} s", flush=True
 def test_the_idle_template_imports_torch_dynamo_so_a_restarted_worker_finds_it_imported(tmp_path: Path) -> None:
     """torch imports torch._dynamo at an optimizer's first use (0.7-0.9 s here, in every worker
     start): the template imports it once it idles after the first round's forks, not before
-    them (a script without an optimizer would wait for it), and the next round's workers have it."""
+    them (a script without an optimizer would wait for it), and the next round's workers have it.
+
+    And, end to end with rally's defaults, the bootstrap's modules: RALLY_PREEMPT_SIGNALS and
+    RALLY_CKPT_HOLDER are in each worker's environment, not the template's, so the template imports
+    the modules they need at its first fork; before that fix each worker imported them (30 ms of its
+    start, measured fork -> first line 40 ms -> 8 ms). Both rounds' workers find them imported in
+    the template (that was a job of its own: two workers of one round)."""
     write_probe(tmp_path / "warmed.py", WARMED)
     result = run_rally(
         ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "warmed.py"],
@@ -530,6 +521,9 @@ def test_the_idle_template_imports_torch_dynamo_so_a_restarted_worker_finds_it_i
     assert "[0] attempt 0: dynamo False" in result.stdout, result.describe()
     assert "[0] attempt 1: dynamo True" in result.stdout, result.describe()
     assert "warning" not in result.stderr, result.describe()
+    records = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("[0] {")]
+    both = {"rally.agent.worker_side.job": True, "rally.agent.checkpoint.core.resume_prefetch": True}
+    assert records == [both, both], result.describe()  # round 0's worker (the first fork) and round 1's
 
 
 def test_template_command_line_has_room_for_the_workers_exactly() -> None:

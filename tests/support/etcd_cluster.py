@@ -4,7 +4,12 @@ Ports come from the OS (bind port 0, read it, release it) for every member's cli
 URL; data directories live in pytest's tmp; each member runs in its own session and is stopped
 by pid / process group, never by name. `EtcdCluster.kill(member)` SIGKILLs one member (the
 leader, in the fail-over test) and `restart(member)` brings it back with its data directory,
-so the session-scoped cluster is whole again for the next test.
+so the cluster is whole again for the next test.
+
+One cluster per test module, stopped when the module ends: an idle member still costs ~1 % of a
+core (raft heartbeats), and a session-scoped cluster lived on beside every later module of its
+pytest-xdist worker (10 minutes and more of .ci/run's main pass, ~20 CPU-seconds per cluster),
+against a second or so of CPU to start one per module (4 modules of the main pass use it).
 """
 
 from __future__ import annotations
@@ -156,9 +161,9 @@ def _distinct_free_ports(count: int) -> list[int]:
     return ports
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    """Three etcd members on 127.0.0.1, started once per test session."""
+    """Three etcd members on 127.0.0.1, started once per test module (see the module's docstring)."""
     if ETCD is None:
         pytest.skip("etcd is not installed (Debian: apt-get install etcd-server etcd-client)")
     root = tmp_path_factory.mktemp("etcd")
@@ -178,7 +183,7 @@ def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdClust
 
 @pytest.fixture
 def etcd(etcd_cluster: EtcdCluster) -> EtcdCluster:
-    """The session's cluster, whole again (every member up, one leader) before each test."""
+    """The module's cluster, whole again (every member up, one leader) before each test."""
     for member in etcd_cluster.members:
         if member.process is None or member.process.poll() is not None:
             etcd_cluster.restart(member)
