@@ -139,7 +139,8 @@ class _Link:
     def _read(self) -> None:
         # One buffer for every message: recv(MAX_MESSAGE) allocated 1 MiB per message and shrank it,
         # in this thread's glibc arena, whose heap crept up by 3-6 KB an entry around the small pieces
-        # left (tests/test_inprocess_restart.py's 50 re-entries). Only its written pages are resident.
+        # left (tests/test_inprocess_restart.py's 50 re-entries). bytearray zero-fills it: all of it is
+        # resident, once, for the worker's life.
         buffer = memoryview(bytearray(wire.MAX_MESSAGE))
         while True:
             try:
