@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import linecache
+import mmap
 import os
 import queue
 import signal
@@ -139,9 +140,10 @@ class _Link:
     def _read(self) -> None:
         # One buffer for every message: recv(MAX_MESSAGE) allocated 1 MiB per message and shrank it,
         # in this thread's glibc arena, whose heap crept up by 3-6 KB an entry around the small pieces
-        # left (tests/test_inprocess_restart.py's 50 re-entries). bytearray zero-fills it: all of it is
-        # resident, once, for the worker's life.
-        buffer = memoryview(bytearray(wire.MAX_MESSAGE))
+        # left (tests/test_inprocess_restart.py's 50 re-entries). An anonymous mapping, not a bytearray
+        # (which zero-fills, so all 1 MiB of it was resident): only the pages a message is written to
+        # are, and the agent's messages ("abort", "enter") fit in the first one.
+        buffer = memoryview(mmap.mmap(-1, wire.MAX_MESSAGE))
         while True:
             try:
                 # wait: not_a_wait: the control thread's whole life; it ends with the agent's end of the socket
