@@ -479,24 +479,20 @@ FLIGHT_RECORDER_RING = "16"
 # class, a ctypes library), 20-23 objects an entry: about 1,000.
 FROZEN_SLACK = 100
 # Anonymous RSS may grow this much from the 5th entry to the 50th: NOT the issue's "no higher",
-# which torch 2.13 does not allow. Measured on this 2-core machine (per rank, 45 entries, 20 runs
-# of this test, two at a time): +60 to +104 KiB, 1.3-2.3 KB an entry, about what glibc's bytes in
-# use grow by (+48 to +83 KB, mallinfo2) plus a few pages; the bound is that and half as much
-# again. What is kept for good is torch's and glibc's (bench/torch_gloo_leak.py shows torch's
-# share without rally: 412 B a group): 2 x 130 B of c10d's
-# RankLocal<WorkRegistry> map (an entry per gloo worker thread that ran a collective, keyed by a
-# thread id never reused), 184 B of ProcessGroupGloo's constructor, 56 B of the flight recorder per
-# group, and 135 B of `setenv`'s strings for the round's new MASTER_PORT, RALLY_ROUND, ... (glibc
-# never frees them). Where (/proc/self/smaps per mapping): the main heap +56 to +84 KiB; the six
-# arenas the rounds' gloo threads take in turn within 40 KiB each of the 5th entry's (another one is
-# at work when measured); no thread stack grows.
-# The bound catches what the code did before: a new thread an entry for the teardown and another
-# for the resume prefetch spread what each round keeps over ten glibc arenas, a page pinned per
-# chunk (agent/base/kept_threads.py), and each answer of the checkpoint holder was received into a
-# new 64 KiB allocation: up to +408 KiB, its larger rank above this bound in 22 of 24 runs.
-# And rally's own leaks: rank 0's error at the 10th entry made its failure report read torch's
-# distributed_c10d.py whole into linecache, and Python's allocator kept the 0.6-0.7 MB high-water
-# mark for life (+1060 to +1084 KiB at the 50th in 3 runs of that code). Not measured: the
+# which torch 2.13 does not allow (every entry makes a new gloo group, and torch keeps 512 B of each).
+# Measured on this 2-core machine (per rank, 45 entries, 20 runs of this test, two at a time):
+# +60 to +104 KiB, 1.3-2.3 KB an entry: what is kept plus the pages it pins, half as much again
+# allowed. What each entry keeps, by call site (`python -m bench.reentry_heap`, heaptrack): torch
+# 512 B (c10d's RankLocal<WorkRegistry>, ProcessGroupGloo's constructor, the flight recorder),
+# glibc's setenv 135 B (the round's MASTER_PORT, RALLY_ROUND, TORCHELASTIC_RESTART_COUNT; never
+# freed), Python objects 0 B.
+# The bound catches what the code did before (bench/results/restartable-history.md): a new thread an
+# entry for the teardown and another for the resume prefetch spread what each round keeps over ten
+# glibc arenas, a page pinned per chunk (agent/base/kept_threads.py), and each answer of the
+# checkpoint holder was received into a new 64 KiB allocation: up to +408 KiB, its larger rank
+# above this bound in 22 of 24 runs. And rank 0's error at the 10th entry made its failure report
+# read torch's distributed_c10d.py whole into linecache, whose high-water mark Python's allocator
+# kept for life (+1060 to +1084 KiB at the 50th in 3 runs of that code). Not measured: the
 # libraries' code and unwind tables a first error path faults in (RssFile, 1-3 MB once; shared with
 # every process mapping them, dropped when memory is short).
 RSS_SLACK = 160 << 10
