@@ -68,6 +68,7 @@ _JOB_VARS = {
 
 # How often a test polls squeue for a job's state.
 POLL_S = 0.2
+CREDENTIAL_SECOND_S = 2.0  # after a requeue, before releasing the job (Jobs.release_requeued)
 
 # srun -l puts "<task>: " before every line of the task's output.
 LABEL = re.compile(r"^\s*(\d+): ", re.MULTILINE)
@@ -185,10 +186,14 @@ class Jobs:
         return dict(word.split("=", 1) for word in done.stdout.split() if "=" in word)
 
     def release_requeued(self, jobid: str, started_again: Callable[[], bool], timeout: float) -> None:
-        """Let the requeued ``jobid`` start again at once: SLURM gives a requeued job a begin time
-        about 10 s ahead (measured here: requeued at :23, eligible at :34), a wait that shows nothing
-        of rally's; ``StartTime=now`` ends it. Done once the job is PENDING (every process of the
-        first run is gone); nothing to do once ``started_again()``."""
+        """Let the requeued ``jobid`` start again soon: SLURM gives a requeued job a begin time
+        cred_expire ahead (the dev cluster's 10 s: requeued at :23, eligible at :34), a wait that
+        shows nothing of rally's; ``StartTime=now`` ends it. Done once the job is PENDING (every
+        process of the first run is gone) and CREDENTIAL_SECOND_S later: the nodes' slurmd revoked
+        the first run's credential, and refuse a new one made within the same second of the
+        revocation (credential times are whole seconds): "Killing non-startable batch JobId=1: Job
+        credential revoked", the requeued job FAILED at once, in 3 of 9 runs released at PENDING.
+        Nothing to do once ``started_again()``."""
         deadline = time.monotonic() + timeout
         while (state := self.cluster.job_state(jobid)) != "PENDING":
             if started_again() or not state:
@@ -196,6 +201,7 @@ class Jobs:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {jobid} not PENDING for its requeue after {timeout}s (state: {state})")
             time.sleep(POLL_S)
+        time.sleep(CREDENTIAL_SECOND_S)
         self.cluster.run_login(["scontrol", "update", f"JobId={jobid}", "StartTime=now"], timeout=10, check=True)
 
     def cancel(self) -> None:
