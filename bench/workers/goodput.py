@@ -16,10 +16,13 @@ Checkpoints follow Young's interval for a failure every ``--mtbf`` seconds: ever
 the run goes (the first save after CLEAN_STEPS steps, which give the baseline step time). A save's
 **stall** is the time in the call plus, for rally (whose copy overlaps the next step,
 agent/checkpoint/core/overlap.py), the time the next optimizer step's fence waited for that copy;
-its **cost** is the stall plus how much longer than the baseline the steps until the next save
+its **cost** is the stall plus how much longer than the baseline the OVERLAP_STEPS steps after it
 took in all (each step's difference with its sign: noise cancels; its copy and its background
-persist compete with the steps for the cores: for an overlapped save that is most of it, and an
-interval from the stall alone saves far too often). Methods:
+persist compete with those steps for the cores: for an overlapped save that is most of it, and an
+interval from the stall alone saves far too often). Only those few steps: counted up to the next
+save, any drift of the steady steps from the baseline was charged to the save once a step, so a
+longer interval made a dearer save and a longer interval again (a loop that settled at ~2 x mtbf x
+drift / step², 30-80 steps, in some attempts and not others). Methods:
 
 - ``rally``: ``rally.job.save(state, step)`` / ``load_latest()`` (the memory tier, persisted in
   the background to ``--checkpoint-dir``);
@@ -172,6 +175,10 @@ class Overwrite(torch.optim.Optimizer):
 
 # Steps without a save at the start of every attempt: the baseline a save's cost is measured against.
 CLEAN_STEPS = 10
+# Steps after a save whose excess over the baseline is the save's (its overlapped copy, its persist):
+# measured (kept runs, 150 s, a save every 1-34 steps), a save slows the first step after it (by
+# 4-30 ms) and no later one beyond the steps' own noise; 5 leaves room for a slower disk.
+OVERLAP_STEPS = 5
 
 
 def baseline(clean: list[float]) -> float:
@@ -185,9 +192,10 @@ def baseline(clean: list[float]) -> float:
 
 def cost_of(saved: dict) -> float:
     """A save's cost to the run: the stall (the call, and the next optimizer step's wait for an
-    overlapped copy) plus how much longer than the baseline the steps until the next save took,
-    in all: each step's difference counted with its sign, so that the steps' own noise cancels
-    (counting only the slower steps made noise a cost: 0.9 ms a step in a run with no saves)."""
+    overlapped copy) plus how much longer than the baseline the OVERLAP_STEPS steps after it took
+    (fewer if the next save came sooner), in all: each step's difference counted with its sign, so
+    that the steps' own noise cancels (counting only the slower steps made noise a cost: 0.9 ms a
+    step in a run with no saves)."""
     return max(0.0, saved["call"] + (saved["fence"] or 0.0) + saved["excess"])
 
 
@@ -297,7 +305,7 @@ class Job:
         costs: list[float] = []  # finished saves' costs (see `young_interval`)
         clean: list[float] = []  # step times before the first save of this attempt: the baseline
         next_save = step + CLEAN_STEPS
-        saved: dict | None = None  # the last save: step, stall (the call and the fence's wait), excess so far
+        saved: dict | None = None  # the last save: step, stall (the call and the fence's wait), excess, steps counted
         interval = 1
         first = step + 1
         loaded_at = time.time()
@@ -332,7 +340,9 @@ class Job:
                 # What the save costs the steps after it beyond the fence's wait: its copy and its
                 # persist compete with the step for the cores (for an overlapped save, most of its cost).
                 clean_step = baseline(clean)
-                saved["excess"] += took - fence_wait - clean_step
+                if saved["counted"] < OVERLAP_STEPS:
+                    saved["excess"] += took - fence_wait - clean_step
+                    saved["counted"] += 1
                 interval = young_interval([*costs, cost_of(saved)], args.mtbf, clean_step)
                 next_save = saved["step"] + interval
             if flag[0] > 0:
@@ -342,7 +352,7 @@ class Job:
                     finish(events, saved, costs, interval)
                 t1 = time.perf_counter()
                 ckpt.save(state, step)
-                saved = {"step": step, "call": time.perf_counter() - t1, "fence": None, "excess": 0.0}
+                saved = {"step": step, "call": time.perf_counter() - t1, "fence": None, "excess": 0.0, "counted": 0}
         if saved is not None:
             finish(events, saved, costs, interval)
 
