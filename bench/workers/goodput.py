@@ -204,11 +204,23 @@ def young_interval(costs: list[float], mtbf: float, per_step: float) -> int:
     return max(1, round(math.sqrt(2 * statistics.median(costs) * mtbf) / per_step))
 
 
-def finish(events: Events, saved: dict, costs: list[float], interval: int) -> None:
-    """Record a save once the next one is made (or the run ends): its stall and its whole cost."""
+def finish(events: Events, saved: dict, costs: list[float], interval: int, skipped: int) -> None:
+    """Record a save once the next one is made (or the run ends): its stall, its whole cost, and
+    how many saves this process has skipped by then (`skipped_saves`: a fence settled this one)."""
     costs.append(cost_of(saved))
-    events("save", step=saved["step"], seconds=costs[-1], stall=saved["call"] + (saved["fence"] or 0.0))
+    events("save", step=saved["step"], seconds=costs[-1], stall=saved["call"] + (saved["fence"] or 0.0),
+           skipped=skipped)  # fmt: skip
     events("interval", steps=interval)
+
+
+def skipped_saves(method: str) -> int:
+    """How many of rally's saves this process skipped to spare the newest step (its holder was
+    persisting the other slot: agent/checkpoint/core/overlap.py); 0 elsewhere."""
+    if method != "rally":
+        return 0
+    from rally.agent.checkpoint.core.overlap import overlap
+
+    return overlap.skipped
 
 
 def fence_seconds(method: str) -> float:
@@ -349,12 +361,12 @@ class Job:
                 break
             if args.method != "none" and step >= next_save:
                 if saved is not None:
-                    finish(events, saved, costs, interval)
+                    finish(events, saved, costs, interval, skipped_saves(args.method))
                 t1 = time.perf_counter()
                 ckpt.save(state, step)
                 saved = {"step": step, "call": time.perf_counter() - t1, "fence": None, "excess": 0.0, "counted": 0}
         if saved is not None:
-            finish(events, saved, costs, interval)
+            finish(events, saved, costs, interval, skipped_saves(args.method))
 
 
 def run_nvrx(job: Job) -> None:
