@@ -30,7 +30,7 @@ from rally.agent.checkpoint.slots import COMMITTED, SlotTable
 from rally.agent.worker_side import job
 from rally.rendezvous.base.membership import resume_step
 from rally.rendezvous.base.records import NodeInfo
-from support.helpers import eventually
+from support.helpers import eventually, stop_every_thread
 from support.helpers import small_disk as mount_small_disk
 
 REPO = Path(__file__).resolve().parents[1]
@@ -356,7 +356,7 @@ def test_a_request_interrupted_before_its_answer_leaves_no_answer_for_the_next_o
     checkpoint was not loaded from memory) and every later one the answer before its own."""
     worker = tier.worker()
     assert worker.save(state(1), "whole", 1, persist=False, keep=3)  # the connection is open
-    os.kill(tier.agent.pid, signal.SIGSTOP)  # a holder that answers late
+    stop_every_thread(tier.agent.pid)  # a holder that answers late
 
     def interrupt(signum: int, frame: object) -> None:
         raise Interrupted

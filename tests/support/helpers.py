@@ -304,6 +304,28 @@ def wait_for(
     return value
 
 
+def stop_every_thread(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it is stopped. The kill returns before that:
+    the kernel wakes one thread to begin the stop, and on a loaded machine the others run on till
+    it gets a core (one of a holder's threads answered a request sent after the kill so)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def running() -> list[str]:
+        found = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                continue  # a thread that ended meanwhile
+            if state not in ("T", "t"):
+                found.append(f"{task.name}: {state}")
+        return found
+
+    wait_for(
+        lambda: not running(), timeout, 0.005, what=f"every thread of pid {pid} to stop", show=lambda: str(running())
+    )
+
+
 def is_alive(pid: int) -> bool:
     """True if `pid` is a running (non-zombie) process."""
     try:
