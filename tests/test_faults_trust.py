@@ -50,7 +50,7 @@ import json, os, time
 with open(os.environ["PROBE_OUT"], "a") as f:
     f.write(json.dumps({"t": time.time(), "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
                         "round": int(os.environ["RALLY_ROUND"])}) + "\\n")
-time.sleep(0.3)
+time.sleep(float(os.environ.get("FAIL_AFTER", "0.3")))
 raise SystemExit(1)
 """
 
@@ -141,9 +141,10 @@ def test_a_decremented_arrival_counter_never_gives_two_nodes_one_rank(cluster, t
 def test_deleting_a_rounds_record_is_tampering_not_a_fresh_restart_budget(cluster, tmp_path):
     store = cluster.store()
     script = write_script(tmp_path, "fail.py", FAILING_WORKER)
-    agent = cluster.agent(
-        "n0", [*job_args(store.port, "1"), "--max-restarts", "2", str(script)], env={"RALLY_JOB_TOKEN": TOKEN}
-    )
+    # The stranger deletes a round's record 0.3 s after it appears, and only a deletion before the
+    # agent reads it again (the round's end) is seen: its client is made and its thread started before
+    # the agent, and each worker lives 2 s. Started after the agent, with workers of 0.3 s, a busy CPU
+    # (.ci/run's CPU-hog pass) once had it miss round 0's record: the agent formed round 1 first.
     client = stranger(store.port)
     stop = threading.Event()
     deleted: list[str] = []
@@ -161,6 +162,11 @@ def test_deleting_a_rounds_record_is_tampering_not_a_fresh_restart_budget(cluste
 
     deleter = threading.Thread(target=delete_closed_records, daemon=True)
     deleter.start()
+    agent = cluster.agent(
+        "n0",
+        [*job_args(store.port, "1"), "--max-restarts", "2", str(script)],
+        env={"RALLY_JOB_TOKEN": TOKEN, "FAIL_AFTER": "2"},
+    )
     try:
         code = agent.wait(90)
     finally:
