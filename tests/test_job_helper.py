@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,6 +196,18 @@ def readme_train_py() -> str:
 
 @pytest.mark.torch
 @pytest.mark.timeout(240)
+def torch_aborted_at_exit(result: Any) -> bool:
+    """torch 2.13's own abort as a gloo worker exits after its last step and destroy_process_group
+    ("terminate called without an active exception", SIGABRT): 1 run in 8-12 of the README's
+    train.py under torchrun, and as often with every rally.job call taken out of it (plain DDP, 2
+    of 16 runs, 2026-12-04). Not the script's failure: the run is made once more."""
+    return (
+        result.returncode != 0
+        and "done at step 49" in result.stdout
+        and "terminate called without an active exception" in result.stderr
+    )
+
+
 def test_the_readmes_train_py_runs_under_torchrun_and_plain_python_without_a_checkpoint_dir(tmp_path: Path) -> None:
     """A script written for rally runs on the launcher it replaces: the README's train.py under torch's
     own torchrun (2 workers) and under plain python (one process, its rendezvous in the environment),
@@ -212,16 +225,25 @@ def test_the_readmes_train_py_runs_under_torchrun_and_plain_python_without_a_che
             start_new_session=True,
         )  # fmt: skip
 
-    torchrun_proc = start(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        outside_env(OMP_NUM_THREADS="1"),
-    )
+    torchrun_argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
+    torchrun_proc = start(torchrun_argv, outside_env(OMP_NUM_THREADS="1"))
     plain_proc = start(
         [sys.executable, str(script)],
         outside_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"),
     )
     try:
         torchrun, plain = finish(torchrun_proc, 150), finish(plain_proc, 60)  # each killed and failed at its bound
+        if torch_aborted_at_exit(torchrun):
+            torchrun_proc = start(torchrun_argv, outside_env(OMP_NUM_THREADS="1"))  # once more (see above)
+            torchrun = finish(torchrun_proc, 150)
     finally:
         for proc in (torchrun_proc, plain_proc):
             if proc.poll() is None:
