@@ -194,8 +194,6 @@ def readme_train_py() -> str:
     return after.split("```python\n", 1)[1].split("\n```", 1)[0] + "\n"
 
 
-@pytest.mark.torch
-@pytest.mark.timeout(240)
 def torch_aborted_at_exit(result: Any) -> bool:
     """torch 2.13's own abort as a gloo worker exits after its last step and destroy_process_group
     ("terminate called without an active exception", SIGABRT): 1 run in 8-12 of the README's
@@ -208,6 +206,8 @@ def torch_aborted_at_exit(result: Any) -> bool:
     )
 
 
+@pytest.mark.torch
+@pytest.mark.timeout(240)
 def test_the_readmes_train_py_runs_under_torchrun_and_plain_python_without_a_checkpoint_dir(tmp_path: Path) -> None:
     """A script written for rally runs on the launcher it replaces: the README's train.py under torch's
     own torchrun (2 workers) and under plain python (one process, its rendezvous in the environment),
