@@ -162,12 +162,12 @@ def test_deleting_a_rounds_record_is_tampering_not_a_fresh_restart_budget(cluste
 
     deleter = threading.Thread(target=delete_closed_records, daemon=True)
     deleter.start()
-    agent = cluster.agent(
-        "n0",
-        [*job_args(store.port, "1"), "--max-restarts", "2", str(script)],
-        env={"RALLY_JOB_TOKEN": TOKEN, "FAIL_AFTER": "2"},
-    )
     try:
+        agent = cluster.agent(
+            "n0",
+            [*job_args(store.port, "1"), "--max-restarts", "2", str(script)],
+            env={"RALLY_JOB_TOKEN": TOKEN, "FAIL_AFTER": "2"},
+        )
         code = agent.wait(90)
     finally:
         stop.set()
