@@ -77,12 +77,13 @@ def holder(tmp_path: Path) -> Iterator[Holder]:
 
 # Inside the worker: {inode: kB mapped} of the memory tier's memfds of a key (whole: DDP's state).
 MAPPED_KB = """
-    def mapped_kb(key="whole"):
+    def mapped_kb(key="whole"):  # the reload's mappings: private ones (a slot's own, to save into, is shared)
         found, inode = {}, None
         for line in open("/proc/self/smaps"):
             fields = line.split()
             if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: range perms offset dev inode path
-                inode = fields[4] if "memfd:rally-ckpt-" in line and f"-{key}." in line else None
+                private = fields[1].endswith("p")
+                inode = fields[4] if private and "memfd:rally-ckpt-" in line and f"-{key}." in line else None
             elif inode and line.startswith("Rss:"):
                 found[inode] = found.get(inode, 0) + int(fields[1])
         return found

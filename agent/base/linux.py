@@ -36,6 +36,30 @@ def madvise(address: int, length: int, advice: int) -> bool:
     return bool(_libc.madvise(address, length, advice) == 0)
 
 
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # linux/mman.h, Linux 5.14+; not in Python's mmap before 3.13
+POPULATE_CHUNK = 8 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def populate(address: int, length: int, *, write: bool) -> bool:
+    """Map every page of [address, address + length) now (`madvise(MADV_POPULATE_READ/WRITE)`),
+    8 MB at a time; False where the kernel has no such advice (before 5.14).
+
+    Why in chunks, from ctypes: one madvise over a 400 MB slot holds the process's mmap lock for
+    its whole 0.1-0.3 s, and every mmap and brk of the other threads (a training step's large
+    allocations) waits for it; between chunks they get in (measured: a 1 MB allocation's worst
+    wait 0.10 s whole, 0.016 s in chunks). ctypes lets go of the GIL during each call, where
+    Python's own `mmap(..., MAP_POPULATE)` holds it for the whole populate, stopping every
+    other thread of the process, the training thread first."""
+    start = address // PAGE * PAGE
+    end = address + length
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    for chunk in range(start, end, POPULATE_CHUNK):
+        if not madvise(chunk, min(POPULATE_CHUNK, end - chunk), advice):
+            return False
+    return True
+
+
 def malloc_trim() -> None:
     """Give the pages freed in glibc's arenas back to the kernel (malloc_trim(0)); nothing under
     another C library."""

@@ -18,7 +18,8 @@ It talks JSON lines on two channels:
 - **an abstract Unix socket, with the workers** (agent/checkpoint/core/client.py; SOCK_SEQPACKET, one
   request or answer per packet): `reserve` a slot, `commit` or `abort` it (`copied`: an
   overlapped save's copy is done, its commit decided later), `resume`
-  (which step, and from where). A slot's memfd travels with the answer. The agent creates and
+  (which step, and from where), `next_slots` (the memfds the next saves will write, for the worker
+  to map before it saves). A slot's memfd travels with the answer. The agent creates and
   binds the socket under a random name before this process starts and hands it over as an
   inherited descriptor (no name on any command line, and nobody can bind it first); the holder
   listens on it, so the workers' SO_PEERCRED names this process. A connection is served only
@@ -208,7 +209,7 @@ class Holder:
                 slot = table.commit(conn_id, str(msg["key"]), int(msg["step"]), int(msg["length"]), int(msg["round"]))
                 return {"ok": True, "news": (str(msg["key"]), slot.step)}, []
             if op == "abort":
-                table.abort(conn_id, str(msg["key"]), int(msg["step"]))
+                table.abort(conn_id, str(msg["key"]), int(msg["step"]), ended=msg.get("ended") is True)
                 return {"ok": True}, []
             if op == "copied":
                 table.copied(conn_id, str(msg["key"]), int(msg["step"]))
@@ -218,6 +219,9 @@ class Holder:
             if op == "slot":
                 found = table.committed_slot(str(msg["key"]), int(msg["step"]))
                 return {"ok": True, "length": found[1] if found else 0}, [found[0]] if found else []
+            if op == "next_slots":
+                nexts = table.next_slots(str(msg["key"]))
+                return {"ok": True, "slots": [index for index, _ in nexts]}, [fd for _, fd in nexts]
             if op == "resume":
                 newest, newest_index, newest_fd = table.resume(str(msg["key"]))
                 return {"ok": True, "step": newest, "slot": newest_index}, [] if newest_fd is None else [newest_fd]

@@ -14,12 +14,23 @@ read in one place (agent/checkpoint/holder.py does the sockets and the persister
   run, and closes it (`over`) before it stops them. A reserve or commit from another round, a
   closed round or after the lease ran out (a frozen agent) is refused: a worker of a round that
   is over cannot checkpoint.
-- **Fenced slots are never written again.** A copy under way when its round closes is void, and
-  its memfd is not reused: the fenced writer (a frozen worker that runs on later) may still copy
-  into its mapping, which must not land in the newer round's copy.
+- **Fenced slots are not written again till their writer lets go.** A copy under way when its
+  round closes is void, and its memfd is not reused: the fenced writer (a frozen worker that runs
+  on later) may still copy into its mapping, which must not land in the newer round's copy. Unless
+  that writer aborts the copy itself, on its connection, saying the copy has ended (rally.job.run's
+  survivor between two entries, agent/checkpoint/core/overlap.py `drop_at_round_end`): the slot is
+  written again then, through the mapping the worker already has.
 - **Reloaded slots are never written again.** `resume` hands a worker the slot's memfd for
   `torch.load(mmap=True)`; the next save that lands on that slot gets a fresh memfd (the old
   one's pages live as long as the worker keeps tensors from it, then the kernel frees them).
+- **Fresh memory is made before it is asked for.** A reloaded slot's fresh memfd is allocated in
+  the background when a worker reloads it, and for the whole-state key (`whole`, which every rank
+  of a node reloads after any restart) as soon as the round ends, for its newest committed step;
+  a fenced slot's when the next round opens and its writer has not let go
+  (agent/checkpoint/fresh_memory.py). So the first saves after a restart do not stall on it, and
+  most of it runs while the workers stop and start rather than beside their reload. Sharded keys
+  (a rank's own copy, its peer's replica) are not guessed at: a replica is read only when a peer
+  is lost, and memory made for it would double what the node holds.
 - **An overlapped save spares the newest step.** Its slot stays written for a whole training step
   (till the next optimizer step's fence decides its commit), so it asks not to take the newest
   committed step's slot: while the other slot is being persisted it is skipped instead, and a
@@ -44,12 +55,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rally.agent.checkpoint.core.shm import SLOTS_PER_KEY, memfd_name, valid_key
+from rally.agent.checkpoint.core.shm import SLOTS_PER_KEY, WHOLE_STATE_KEY, memfd_name, valid_key
+from rally.agent.checkpoint.fresh_memory import FreshMemory
 
 FREE, WRITING, COMMITTED = "free", "writing", "committed"
 PAGE = 4096
 RELOAD_PAUSE_SECONDS = 1.0
 """How long after a worker's resume the persister leaves memory bandwidth to the reload."""
+PREPARE_WAIT_SECONDS = 0.05
+"""A reserve whose slot's fresh memfd is being made waits for it in slices this long (re-checking its round)."""
+NEXT_SLOTS_WAIT_SECONDS = 5.0
+"""How long `next_slots` waits for fresh memfds still being made (~0.1 s per 400 MB; more under load)."""
 
 
 class Refused(Exception):
@@ -76,6 +92,7 @@ class Slot:
     keep: int = 3
     persisted: bool = False
     loaded: bool = False  # a worker mapped it: never write into this memfd again
+    fenced: tuple[int, int] | None = None  # (connection, step) whose copy a round's end voided; its abort frees it
     copied: bool = False  # its writer's copy is done, its commit still to be decided (an overlapped save)
 
 
@@ -104,12 +121,17 @@ class SlotTable:
         self.disk_only: str | None = None
         self.durable: dict[str, int] = {}
         self.resumed_at = -RELOAD_PAUSE_SECONDS
+        self.fresh = FreshMemory(token, self.cond)
 
     # ------------------------------------------------------------------ the agent's side
     def open_round(self, round_no: int, resume_step: int | None, lease: float) -> None:
         with self.cond:
             self.round, self.round_open, self.resume_step = round_no, True, resume_step
             self.lease_until = time.monotonic() + lease
+            for key, keyslots in self.keys.items():  # fenced slots whose writers did not let go: dead or frozen
+                for index, slot in enumerate(keyslots.slots):
+                    if slot.fenced is not None and slot.loaded:
+                        self._prepare_fresh(key, index, slot.size)
 
     def renew(self, round_no: int, lease: float) -> None:
         with self.cond:
@@ -120,12 +142,17 @@ class SlotTable:
         with self.cond:
             if round_no == self.round:
                 self.round_open = False
-            for keyslots in self.keys.values():  # copies under way now never commit
+            for key, keyslots in self.keys.items():  # copies under way now never commit
                 for slot in keyslots.slots:
                     if slot.state == WRITING:
                         # Its writer (frozen, perhaps) still maps the memfd and may copy on into it
-                        # when it runs again: the next save of this slot gets a fresh memfd.
+                        # when it runs again: the next save of this slot gets a fresh memfd, unless
+                        # the writer aborts this copy first (`abort`).
+                        slot.fenced = (slot.writer, slot.step)  # type: ignore[assignment]
                         slot.state, slot.writer, slot.loaded = FREE, None, True
+                newest = keyslots.committed()[:1]
+                if key == WHOLE_STATE_KEY and newest:  # every rank reloads its newest: the slot will need fresh memory
+                    self._prepare_fresh(key, newest[0][1], keyslots.slots[newest[0][1]].size)
 
     def memory_steps(self) -> list[int]:
         """Steps every key on this node holds committed (what this node can resume from memory)."""
@@ -159,13 +186,25 @@ class SlotTable:
                 f"rally: checkpoint refused: a copy of {size} bytes is more than this node's memory ({total} bytes)"
             )
         with self.cond:
-            self._fence(round_no)
-            keyslots = self.keys.setdefault(key, KeySlots())
-            index = self._choose(keyslots, spare_newest)
+            while True:
+                self._fence(round_no)
+                keyslots = self.keys.setdefault(key, KeySlots())
+                index = self._choose(keyslots, spare_newest)
+                if not self.fresh.preparing((key, index)):
+                    break
+                self.cond.wait(PREPARE_WAIT_SECONDS)  # half made already: cheaper than making another
             slot = keyslots.slots[index]
             if slot.fd is None or slot.loaded or slot.size < size or slot.size > 2 * size:
-                self._allocate(key, index, size, slot)
+                prepared = self.fresh.take((key, index), size)
+                if prepared is not None:
+                    if slot.fd is not None:
+                        os.close(slot.fd)
+                    slot.fd, slot.size = prepared
+                    slot.loaded = False
+                else:
+                    self._allocate(key, index, size, slot)
             else:  # back to its full size: only the tail cut off at the last commit is new
+                self.fresh.discard((key, index))  # prepared for a reload that read the disk instead
                 start = slot.length & ~(PAGE - 1)
                 os.posix_fallocate(slot.fd, start, slot.size - start)
             keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, slot.fd, conn, persist_name, keep)
@@ -181,20 +220,33 @@ class SlotTable:
             raise NewestBusy("rally: checkpoint skipped: the other copy is being written to disk")
         return (preferred or candidates)[0]
 
-    def _allocate(self, key: str, index: int, size: int, slot: Slot) -> None:
-        """A fresh memfd of `size` bytes for the slot (the old one let go), its pages taken now."""
-        held = sum(s.size for k in self.keys.values() for s in k.slots) - slot.size
+    def _room(self, freed: int) -> int | None:
+        """Bytes a new copy may take, once `freed` bytes the holder holds are let go; None: no limit known."""
+        held = sum(s.size for k in self.keys.values() for s in k.slots) + self.fresh.held() - freed
         free = available_memory()
         allowed = [
             limit
             for limit in (
-                (free + slot.size) // 2 if free is not None else None,
+                (free + freed) // 2 if free is not None else None,
                 self.memory_limit and self.memory_limit - held,
             )
             if limit is not None
         ]
-        if allowed and size > min(allowed):
-            self.disk_only = self._too_small_line(size, min(allowed))
+        return min(allowed) if allowed else None
+
+    def _prepare_fresh(self, key: str, index: int, size: int) -> None:
+        """Have a fresh memfd made for a slot that will need one, if it fits now (else its save makes it)."""
+        room = self._room(0)
+        if room is None or size <= room:
+            self.fresh.prepare((key, index), size)
+
+    def _allocate(self, key: str, index: int, size: int, slot: Slot) -> None:
+        """A fresh memfd of `size` bytes for the slot (the old one let go), its pages taken now."""
+        room = self._room(slot.size)
+        if room is not None and size > room and self.fresh.drop_all():  # prepared for slots that may never be saved
+            room = self._room(slot.size)
+        if room is not None and size > room:
+            self.disk_only = self._too_small_line(size, room)
             raise ShmTooSmall(self.disk_only)
         if slot.fd is not None:
             os.close(slot.fd)
@@ -219,6 +271,7 @@ class SlotTable:
     def release(self) -> None:
         """Let go of every slot's memory (the holder is stopping)."""
         with self.cond:
+            self.fresh.stop()
             for keyslots in self.keys.values():
                 for slot in keyslots.slots:
                     if slot.fd is not None:
@@ -259,14 +312,27 @@ class SlotTable:
             except Refused:
                 return  # committed or aborted already
 
-    def abort(self, conn: int, key: str, step: int) -> None:
+    def abort(self, conn: int, key: str, step: int, ended: bool = False) -> None:
+        """`ended`: the writer says its copy is over (see `_unfence`)."""
         with self.cond:
             try:
                 slot = self._writing(conn, key, step)
             except Refused:
+                if ended:
+                    self._unfence(conn, key, step)
                 return
             slot.state, slot.writer = FREE, None
             self.cond.notify_all()
+
+    def _unfence(self, conn: int, key: str, step: int) -> None:
+        """The writer of a copy a round's end voided aborts it, saying its copy has ended (an
+        overlapped save's copy thread, agent/checkpoint/core/overlap.py): nothing of it writes into
+        the slot any more, which may be written again. A plain abort may come from a thread that
+        was interrupted while others still copy (a sharded save's exchange): it frees nothing."""
+        for index, slot in enumerate(self.keys.get(key, KeySlots()).slots):
+            if slot.fenced == (conn, step) and slot.state == FREE:
+                slot.fenced, slot.loaded = None, False
+                self.fresh.discard((key, index))
 
     def _writing(self, conn: int, key: str, step: int) -> Slot:
         for slot in self.keys.get(key, KeySlots()).slots:
@@ -294,9 +360,33 @@ class SlotTable:
                 return step, None, None
             for s, index in keyslots.committed():
                 if s == step:
-                    keyslots.slots[index].loaded = True
-                    return step, index, keyslots.slots[index].fd
+                    slot = keyslots.slots[index]
+                    slot.loaded = True
+                    self._prepare_fresh(key, index, slot.size)
+                    return step, index, slot.fd
             return step, None, None
+
+    def next_slots(self, key: str) -> list[tuple[int, int]]:
+        """(index, memfd) of each slot of `key` the next saves may write: a fresh memfd made for a
+        reloaded or fenced slot (waited for while it is being made), or a free slot's own. A worker
+        maps them before its first save (agent/checkpoint/core/resume_prefetch.py): mapping a new
+        memfd's pages costs about as much again as making them, and at the save it is a stall."""
+        deadline = time.monotonic() + NEXT_SLOTS_WAIT_SECONDS
+        with self.cond:
+            keyslots = self.keys.get(key)
+            if keyslots is None:
+                return []
+            places = [(key, index) for index in range(len(keyslots.slots))]
+            while any(map(self.fresh.preparing, places)) and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(min(left, PREPARE_WAIT_SECONDS))  # wait: bounded: NEXT_SLOTS_WAIT_SECONDS
+            found = []
+            for index, slot in enumerate(keyslots.slots):
+                fd = self.fresh.ready_fd((key, index))
+                if fd is None and slot.fd is not None and not slot.loaded and slot.state == FREE:
+                    fd = slot.fd  # at its full size (a committed one is cut to its archive's end)
+                if fd is not None:
+                    found.append((index, fd))
+            return found
 
     def held(self, prefix: str) -> dict[str, list[int]]:
         """Committed steps of every key starting with `prefix` (sharded states: a rank's own
@@ -315,6 +405,7 @@ class SlotTable:
                 slot = keyslots.slots[index]
                 if s == step and slot.fd is not None:
                     slot.loaded = True
+                    self._prepare_fresh(key, index, slot.size)
                     return slot.fd, slot.length
             return None
 

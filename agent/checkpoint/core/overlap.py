@@ -121,8 +121,8 @@ class PendingCopy:
         try:
             if intact:
                 self.tier.commit(self.key, self.step, self.length)
-            else:
-                self.tier.abort(self.key, self.step)
+            else:  # called once the copy has ended (`copied`): the slot may be written again
+                self.tier.abort(self.key, self.step, ended=True)
         except Exception as error:  # CheckpointRefused: raised by the next save
             refused(error)
         finally:

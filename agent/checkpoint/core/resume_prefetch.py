@@ -55,7 +55,6 @@ from rally.agent.checkpoint.core import client, shm
 from rally.agent.checkpoint.core.shm import fd_path, storages_of
 
 PREFETCH_ENV = "RALLY_RESUME_PREFETCH"
-MADV_POPULATE_READ = 22  # linux/mman.h; not in Python's mmap module before 3.13
 PAGE = os.sysconf("SC_PAGE_SIZE")
 JOIN_SECONDS = 5.0
 """How long `load_latest` waits for the thread (its work is one answer of the holder and ~50 ms per 400 MB)."""
@@ -64,6 +63,7 @@ _lock = threading.Lock()
 _thread: kept_threads.Call | None = None  # the last start's call: join() and is_alive() as a thread's
 # one kept thread for every re-entry's prefetch, not a new one per entry (agent/base/kept_threads.py)
 _threads = kept_threads.Pool("rally-resume-prefetch")
+_premaps = kept_threads.Pool("rally-slot-premap")  # the next saves' slots, mapped after the reload is prepared
 _ready: tuple[int, Any] | None = None  # (the round's resume step, its state mapped from this node's copy)
 _slot_ready: tuple[str, int, memoryview] | None = None  # (key, step, mapping) of this rank's sharded copy
 _discarded = False
@@ -125,7 +125,18 @@ def _prepare(generation: int) -> None:
         with _lock:
             if not _discarded and generation == _generation:
                 _ready = (step, state)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # the node's copy is local rank 0's to save (job.save)
+            _premaps.start(lambda: _premap(tier, client.WHOLE_STATE_KEY))  # once the reload is ready
     except Exception:  # noqa: BLE001 - the script's own load_latest takes the ordinary path and says what is wrong
+        return
+
+
+def _premap(tier: client.MemoryTier, key: str) -> None:
+    """Map the slots the next saves of `key` will write (client.MemoryTier.premap), beside the
+    reload: the reload's own thread is not held up by it. Best effort: a save maps what is missing."""
+    try:
+        tier.premap(key)
+    except Exception:  # noqa: BLE001 - the save maps its slot itself, and reports what is wrong
         return
 
 
@@ -162,6 +173,7 @@ def _prepare_sharded(tier: client.MemoryTier, generation: int) -> None:
     with _lock:
         if not _discarded and generation == _generation:
             _slot_ready = (key, step, view)
+    _premaps.start(lambda: _premap(tier, key))  # once the reload is ready
 
 
 def fault_in(storages: list[Any]) -> None:
@@ -178,11 +190,10 @@ def fault_in(storages: list[Any]) -> None:
 
 
 def populate(address: int, length: int) -> bool:
-    """`madvise(MADV_POPULATE_READ)` over the pages of [address, address + length): mapped
-    readable, shared with the holder's memfd (no copy even in a private mapping); False where the
-    kernel has no such advice (before 5.14)."""
-    start = address // PAGE * PAGE
-    return linux.madvise(start, address + length - start, MADV_POPULATE_READ)
+    """The pages of [address, address + length) mapped readable now (agent/base/linux.py's
+    `populate`), shared with the holder's memfd (no copy even in a private mapping); False where
+    the kernel has no such advice (before 5.14)."""
+    return linux.populate(address, length, write=False)
 
 
 def take(map_location: Any) -> tuple[int, Any] | None:
