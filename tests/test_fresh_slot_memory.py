@@ -17,7 +17,7 @@ from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core.client import MemoryTier
 from rally.agent.checkpoint.core.shm import SlotMaps
 from rally.agent.checkpoint.node_checkpoints import HolderProcess
-from rally.agent.checkpoint.slots import SlotTable
+from rally.agent.checkpoint.slots import NewestBusy, SlotTable
 from support.helpers import eventually
 
 LEASE = 60.0
@@ -70,23 +70,40 @@ def test_a_copy_a_round_end_voided_is_written_again_once_its_writer_says_the_cop
     assert again == index and inode(fd) == voided
 
 
-def test_the_slot_every_rank_reloads_has_fresh_memory_made_before_the_save_that_needs_it(table: SlotTable) -> None:
-    """Reloaded, a slot is never written again. Its fresh memfd is made once the round ends (the
-    newest step of `whole` is the likely resume step), handed out by `next_slots` for the worker
-    to map, and taken by the save that lands on that slot."""
+def test_the_slot_every_rank_reloads_has_fresh_memory_made_once_training_is_back(table: SlotTable) -> None:
+    """Reloaded, a slot is never written again. Its fresh memfd is not made while the workers
+    restart (the node's cores are theirs) but from the round's first save on, handed out by
+    `next_slots` for the worker to map, and taken by the save that lands on that slot."""
     save(table, 1)
     reloaded, _ = save(table, 2)
     table.close_round(0)
-    made = eventually(lambda: table.fresh.ready_fd((WHOLE, reloaded)), timeout=10)
-    assert made is not None, "no fresh memory made for the slot the round's resume reloads"
     table.open_round(1, 2, LEASE)
     step, index, _ = table.resume(WHOLE)
     assert (step, index) == (2, reloaded)
-    assert (reloaded, made) in table.next_slots(WHOLE)
-    other, _ = save(table, 3, round_no=1)  # the other slot, written in place
+    assert table.fresh.held() == 0, "fresh memory made during the restart"
+    other, _ = save(table, 3, round_no=1)  # the other slot, written in place; training is back
     assert other != reloaded
+    made = eventually(lambda: table.fresh.ready_fd((WHOLE, reloaded)), timeout=10)
+    assert made is not None, "no fresh memory made for the reloaded slot"
+    assert (reloaded, made) in table.next_slots(WHOLE)
     index, fd = table.reserve(1, WHOLE, 4, SIZE, 1, None, 3)
     assert index == reloaded and fd == made
+
+
+def test_an_overlapped_save_on_a_slot_whose_memory_is_being_made_is_skipped_not_stalled(table: SlotTable) -> None:
+    """The newest step stays; the next save tries again. A synchronous save waits for the memory."""
+    save(table, 1)
+    reloaded, _ = save(table, 2)
+    table.close_round(0)
+    table.open_round(1, 2, LEASE)
+    table.resume(WHOLE)
+    with table.cond:  # the allocator thread needs the table's lock to finish: it is held here
+        save(table, 3, round_no=1)
+        with pytest.raises(NewestBusy, match="still being made"):
+            table.reserve(1, WHOLE, 4, SIZE, 1, None, 3, spare_newest=True)
+    assert table.memory_steps() == [2, 3]
+    index, _ = table.reserve(1, WHOLE, 4, SIZE, 1, None, 3)
+    assert index == reloaded
 
 
 def test_memory_made_ahead_gives_way_to_a_copy_that_needs_the_room() -> None:
@@ -98,8 +115,10 @@ def test_memory_made_ahead_gives_way_to_a_copy_that_needs_the_room() -> None:
         save(table, 1)
         reloaded, _ = save(table, 2)
         table.close_round(0)
-        assert eventually(lambda: table.fresh.ready_fd((WHOLE, reloaded)), timeout=10) is not None
         table.open_round(1, 2, LEASE)
+        table.resume(WHOLE)
+        save(table, 3, round_no=1)
+        assert eventually(lambda: table.fresh.ready_fd((WHOLE, reloaded)), timeout=10) is not None
         assert table.fresh.held() == SIZE
         table.reserve(2, "other", 1, SIZE, 1, None, 3)  # 3 x SIZE held already: only with the made memory given back
         assert table.fresh.held() == 0 and table.disk_only is None
@@ -110,8 +129,9 @@ def test_memory_made_ahead_gives_way_to_a_copy_that_needs_the_room() -> None:
 @pytest.mark.torch
 @pytest.mark.timeout(60)
 def test_a_worker_maps_its_next_slots_before_it_saves(tmp_path: Path) -> None:
-    """`premap` (the resume prefetch's, after the reload is prepared) maps the memfd the next save
-    will write into: that save finds its mapping made, faulted in already."""
+    """A restarted worker maps the memfd its saves will write into on a thread of its own, from the
+    round's first save on (the resume prefetch asks for it): the save that lands on the reloaded
+    slot finds its mapping made, faulted in already."""
     agent = HolderProcess.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "events.jsonl"), print)
     assert isinstance(agent, HolderProcess)
     try:
@@ -128,12 +148,13 @@ def test_a_worker_maps_its_next_slots_before_it_saves(tmp_path: Path) -> None:
         step, fd = worker.resume(WHOLE)  # the reload: slot of step 2, never written again
         assert step == 2 and fd is not None
         os.close(fd)
-        worker.premap(WHOLE)
-        premapped = dict(worker.maps._maps)
-        assert worker.save(state, WHOLE, 3, persist=False, keep=3)  # the other slot
+        worker.premap_wanted.add(WHOLE)  # as the resume prefetch asks
+        assert worker.save(state, WHOLE, 3, persist=False, keep=3)  # the other slot; starts the premap
+        assert worker.premapping is not None and worker.premapping.join(30) is None
+        premapped = {slot: mapped for slot, (_, mapped) in worker.maps._maps.items()}
         assert worker.save(state, WHOLE, 4, persist=False, keep=3)  # the reloaded one's fresh memfd
-        assert any(worker.maps._maps[slot][1] is mapped for slot, (_, mapped) in premapped.items())
-        assert {slot: m for slot, (_, m) in worker.maps._maps.items()} == {s: m for s, (_, m) in premapped.items()}
+        assert worker.held(WHOLE).get(WHOLE) == [3, 4]
+        assert {slot: mapped for slot, (_, mapped) in worker.maps._maps.items()} == premapped
     finally:
         agent.stop()
 

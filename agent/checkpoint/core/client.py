@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rally.agent.base import kept_threads
 from rally.agent.checkpoint.core import layout
 from rally.agent.checkpoint.core.overlap import NoRoomInMemory, PendingCopy, SaveSkipped, in_place_version, overlap
 from rally.agent.checkpoint.core.shm import (
@@ -125,6 +126,9 @@ class MemoryTier:
         self._sizes: dict[str, tuple[int, int]] = {}  # key -> (bytes of tensors, archive length) at the last save
         self._layouts: dict[str, layout.Layout] = {}  # key -> the last archive's layout, for the fast path
         self._inline = False  # an overlapped save found no room: the next save reserves before it returns
+        self.premap_wanted: set[str] = set()  # keys whose next slots to map after their next reserve (`premap`)
+        self.premapping: kept_threads.Call | None = None  # the last premap started
+        self._reserved: set[str] = set()  # keys this process has saved
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         # Every answer is received here, private anonymous memory mapped once (its pages resident once
@@ -240,18 +244,36 @@ class MemoryTier:
             op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep,
             spare_newest=spare_newest,
         )  # fmt: skip
+        if key not in self._reserved:  # a key's first save: the holder is making its other slot
+            self._reserved.add(key)
+            self.premap_wanted.add(key)
+        if key in self.premap_wanted:  # the round's first save: the holder has started making fresh memory
+            self.premap_wanted.discard(key)
+            self.premapping = _premaps.start(functools.partial(self._premap_quietly, key))
         if answer.get("disk_only"):
             return None
         if answer.get("busy"):
             raise SaveSkipped(answer.get("error", "rally: checkpoint skipped"))
         self._checked(answer, fds)
-        return self.maps.mapping(f"{key}.{answer['slot']}", fds[0])
+        mapped = self.maps.mapping(f"{key}.{answer['slot']}", fds[0], wait=not spare_newest)
+        if mapped is None:  # the premap thread is mapping this slot: skipped rather than a stall
+            self.abort(key, step, ended=True)
+            raise SaveSkipped("rally: checkpoint skipped: the slot is still being mapped")
+        return mapped
+
+    def _premap_quietly(self, key: str) -> None:
+        try:
+            self.premap(key)
+        except Exception:  # noqa: BLE001 - best effort: a save maps what is missing, and says what is wrong
+            return
 
     def premap(self, key: str) -> None:
         """Map, and fault in, the slots the next saves of `key` will write, before they come: a
         fresh memfd's 100,000 pages per 400 MB take ~0.15 s to map on a quiet machine (several
         times that beside training), which the first saves after a restart used to stall on.
-        The resume prefetch calls it once the reload is prepared (agent/checkpoint/core/resume_prefetch.py)."""
+        Run on a thread of its own after the round's first reserve of `key` (`premap_wanted`, set
+        by the resume prefetch, agent/checkpoint/core/resume_prefetch.py): the holder starts making
+        the fresh memory then, and this waits for it."""
         answer, fds = self.request(op="next_slots", key=key)
         slots = answer.get("slots") if answer.get("ok") else None
         if not isinstance(slots, list) or len(slots) != len(fds):
@@ -437,6 +459,10 @@ def _room(length: int, tensors: int) -> int:
 
 _tier: MemoryTier | None = None
 _tier_resolved = False
+
+
+_premaps = kept_threads.Pool("rally-slot-premap")
+"""One kept thread maps the next slots (`MemoryTier.premap`), the same for every re-entry."""
 
 
 def persists() -> bool:

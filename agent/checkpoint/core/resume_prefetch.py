@@ -63,7 +63,6 @@ _lock = threading.Lock()
 _thread: kept_threads.Call | None = None  # the last start's call: join() and is_alive() as a thread's
 # one kept thread for every re-entry's prefetch, not a new one per entry (agent/base/kept_threads.py)
 _threads = kept_threads.Pool("rally-resume-prefetch")
-_premaps = kept_threads.Pool("rally-slot-premap")  # the next saves' slots, mapped after the reload is prepared
 _ready: tuple[int, Any] | None = None  # (the round's resume step, its state mapped from this node's copy)
 _slot_ready: tuple[str, int, memoryview] | None = None  # (key, step, mapping) of this rank's sharded copy
 _discarded = False
@@ -126,17 +125,8 @@ def _prepare(generation: int) -> None:
             if not _discarded and generation == _generation:
                 _ready = (step, state)
         if os.environ.get("LOCAL_RANK", "0") == "0":  # the node's copy is local rank 0's to save (job.save)
-            _premaps.start(lambda: _premap(tier, client.WHOLE_STATE_KEY))  # once the reload is ready
+            tier.premap_wanted.add(client.WHOLE_STATE_KEY)  # mapped once training is back (its first save)
     except Exception:  # noqa: BLE001 - the script's own load_latest takes the ordinary path and says what is wrong
-        return
-
-
-def _premap(tier: client.MemoryTier, key: str) -> None:
-    """Map the slots the next saves of `key` will write (client.MemoryTier.premap), beside the
-    reload: the reload's own thread is not held up by it. Best effort: a save maps what is missing."""
-    try:
-        tier.premap(key)
-    except Exception:  # noqa: BLE001 - the save maps its slot itself, and reports what is wrong
         return
 
 
@@ -173,7 +163,7 @@ def _prepare_sharded(tier: client.MemoryTier, generation: int) -> None:
     with _lock:
         if not _discarded and generation == _generation:
             _slot_ready = (key, step, view)
-    _premaps.start(lambda: _premap(tier, key))  # once the reload is ready
+    tier.premap_wanted.add(key)  # mapped once training is back (its first save)
 
 
 def fault_in(storages: list[Any]) -> None:

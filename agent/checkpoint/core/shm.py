@@ -197,8 +197,9 @@ class SlotMaps:
         # second waits for the first's mapping (half faulted in already) rather than make another
         self._lock = threading.Lock()
 
-    def mapping(self, slot: str, fd: int) -> mmap.mmap:
+    def mapping(self, slot: str, fd: int, wait: bool = True) -> mmap.mmap | None:
         """Slot `slot`'s memfd `fd` mapped read-write (`fd` is closed: the mapping keeps the memory).
+        `wait=False`: None rather than wait while another thread maps (the premap).
 
         When the holder replaced the slot (a new memfd), the old mapping is closed, which frees
         the old memory once the holder has let go of it too.
@@ -206,8 +207,12 @@ class SlotMaps:
         try:
             info = os.fstat(fd)
             ident = (info.st_dev, info.st_ino)
-            with self._lock:
+            if not self._lock.acquire(blocking=wait):
+                return None
+            try:
                 return self._mapped(slot, fd, ident, info.st_size)
+            finally:
+                self._lock.release()
         finally:
             os.close(fd)
 
