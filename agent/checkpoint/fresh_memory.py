@@ -104,7 +104,9 @@ class FreshMemory:
         while True:
             with self.cond:
                 while not self.queue and not self.stopping:
-                    self.cond.wait()
+                    # wait: background: the allocator thread, idle till a slot needs fresh memory, in 1 s
+                    # slices; it ends when the holder stops
+                    self.cond.wait(1.0)
                 if self.stopping:
                     return
                 place = self.queue.popleft()

@@ -26,11 +26,12 @@ read in one place (agent/checkpoint/holder.py does the sockets and the persister
 - **Fresh memory is made in the background, once training is back.** At a round's first save of
   a key, the holder starts making fresh memfds for that key's slots that need one (reloaded, or
   fenced by a writer that did not let go; agent/checkpoint/fresh_memory.py), and the saving worker
-  maps them on a thread of its own (`next_slots`). An overlapped save that lands on such a slot
-  before its memory is ready is skipped, as when the other copy is being persisted (the newest
-  step stays, the next save tries again): a few steps' saves skipped instead of a stall of
-  0.2-1 s per slot. A synchronous save waits for it. Not earlier: while the workers restart, the
-  node's cores are theirs.
+  maps them on a thread of its own (`next_slots`). An overlapped save that lands on a reloaded or
+  fenced slot before its memory is ready (made, and mapped) is skipped, as when the other copy is
+  being persisted (the newest step stays, the next save tries again): a few steps' saves skipped
+  instead of a stall of 0.2-1 s per slot. Any other save waits for it (a key's second save, whose
+  slot is being made for the first time). Not earlier: while the workers restart, the node's cores
+  are theirs.
 - **An overlapped save spares the newest step.** Its slot stays written for a whole training step
   (till the next optimizer step's fence decides its commit), so it asks not to take the newest
   committed step's slot: while the other slot is being persisted it is skipped instead, and a
@@ -190,9 +191,11 @@ class SlotTable:
                     self._prepare_for(key, keyslots, size, index)
                 if not self.fresh.preparing((key, index)):
                     break
-                if spare_newest:  # an overlapped save: rather skipped than a stall (the newest step stays)
+                if spare_newest and keyslots.slots[index].loaded:  # after a restart: rather skipped than a stall
                     raise NewestBusy("rally: checkpoint skipped: the slot's fresh memory is still being made")
-                self.cond.wait(PREPARE_WAIT_SECONDS)  # half made already: cheaper than making another
+                # wait: short: 50 ms slices while the slot's fresh memfd is made (~0.1 s per 400 MB, one
+                # allocation), half made already: cheaper than making another
+                self.cond.wait(PREPARE_WAIT_SECONDS)
             slot = keyslots.slots[index]
             if slot.fd is None or slot.loaded or slot.size < size or slot.size > 2 * size:
                 prepared = self.fresh.take((key, index), size)
@@ -390,7 +393,9 @@ class SlotTable:
                 return []
             places = [(key, index) for index in range(len(keyslots.slots))]
             while any(map(self.fresh.preparing, places)) and (left := deadline - time.monotonic()) > 0:
-                self.cond.wait(min(left, PREPARE_WAIT_SECONDS))  # wait: bounded: NEXT_SLOTS_WAIT_SECONDS
+                # wait: background: for the worker's premap thread (nobody waits on it), in 50 ms slices,
+                # NEXT_SLOTS_WAIT_SECONDS (5 s) at most
+                self.cond.wait(min(left, PREPARE_WAIT_SECONDS))
             found = []
             for index, slot in enumerate(keyslots.slots):
                 fd = self.fresh.ready_fd((key, index))

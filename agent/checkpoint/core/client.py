@@ -129,6 +129,7 @@ class MemoryTier:
         self.premap_wanted: set[str] = set()  # keys whose next slots to map after their next reserve (`premap`)
         self.premapping: kept_threads.Call | None = None  # the last premap started
         self._reserved: set[str] = set()  # keys this process has saved
+        self._skip_while_premapped = False  # the last premap renews a restart's slots: overlapped saves skip meanwhile
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         # Every answer is received here, private anonymous memory mapped once (its pages resident once
@@ -244,18 +245,21 @@ class MemoryTier:
             op="reserve", key=key, step=step, size=size, round=self.round, persist=persist, keep=keep,
             spare_newest=spare_newest,
         )  # fmt: skip
+        restarted = key in self.premap_wanted  # asked by the resume prefetch: slots to renew after a restart
         if key not in self._reserved:  # a key's first save: the holder is making its other slot
             self._reserved.add(key)
             self.premap_wanted.add(key)
         if key in self.premap_wanted:  # the round's first save: the holder has started making fresh memory
             self.premap_wanted.discard(key)
             self.premapping = _premaps.start(functools.partial(self._premap_quietly, key))
+            self._skip_while_premapped = restarted
         if answer.get("disk_only"):
             return None
         if answer.get("busy"):
             raise SaveSkipped(answer.get("error", "rally: checkpoint skipped"))
         self._checked(answer, fds)
-        mapped = self.maps.mapping(f"{key}.{answer['slot']}", fds[0], wait=not spare_newest)
+        skip = spare_newest and self._skip_while_premapped  # after a restart: rather skipped than a stall
+        mapped = self.maps.mapping(f"{key}.{answer['slot']}", fds[0], wait=not skip)
         if mapped is None:  # the premap thread is mapping this slot: skipped rather than a stall
             self.abort(key, step, ended=True)
             raise SaveSkipped("rally: checkpoint skipped: the slot is still being mapped")
