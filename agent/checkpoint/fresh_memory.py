@@ -8,10 +8,12 @@ and the one a killed worker was writing), so the first two saves of every round 
 it, and a job that sizes its checkpoint interval from what saves cost (Young's formula) then saved
 rarely for its first seconds, just when the next fault is as likely as ever.
 
-So the table asks for the fresh memfd the moment it knows a slot will need one: when a round closes
-on a copy under way, and when a worker reloads a slot. One thread allocates it (outside the table's
-lock: requests go on meanwhile), and the save that comes for the slot takes it ready. A save that
-comes while its memfd is still being made waits for it rather than making another.
+So the table asks for the fresh memfds a key's slots lack at the round's first save of that key
+(agent/checkpoint/slots.py `_prepare_for`): once the job trains again, not during the restart,
+whose cores are the workers'. One thread allocates them (outside the table's lock: requests go on
+meanwhile), and the save that comes for a slot takes its memfd ready. A save that comes while it
+is still being made is skipped if it is an overlapped save of a restarted slot (the newest step
+stays), and otherwise waits for it rather than make another.
 
 Prepared memory is the holder's like any slot's: it counts against the node's limits when it is
 asked for (not asked for when it would not fit), and it is given back when the table needs the room

@@ -376,16 +376,16 @@ class SlotTable:
                 return step, None, None
             for s, index in keyslots.committed():
                 if s == step:
-                    slot = keyslots.slots[index]
-                    slot.loaded = True
-                    return step, index, slot.fd
+                    keyslots.slots[index].loaded = True
+                    return step, index, keyslots.slots[index].fd
             return step, None, None
 
     def next_slots(self, key: str) -> list[tuple[int, int]]:
         """(index, memfd) of each slot of `key` the next saves may write: a fresh memfd made for a
         reloaded or fenced slot (waited for while it is being made), or a free slot's own. A worker
-        maps them before its first save (agent/checkpoint/core/resume_prefetch.py): mapping a new
-        memfd's pages costs about as much again as making them, and at the save it is a stall."""
+        maps them on a thread of its own after its round's first save (client.MemoryTier.premap):
+        mapping a new memfd's pages costs about as much again as making them, and at a save it is
+        a stall."""
         deadline = time.monotonic() + NEXT_SLOTS_WAIT_SECONDS
         with self.cond:
             keyslots = self.keys.get(key)

@@ -48,7 +48,6 @@ from rally.agent.base import kept_threads
 from rally.agent.checkpoint.core import layout
 from rally.agent.checkpoint.core.overlap import NoRoomInMemory, PendingCopy, SaveSkipped, in_place_version, overlap
 from rally.agent.checkpoint.core.shm import (
-    WHOLE_STATE_KEY,  # noqa: F401 - this module's name for it (job, memory_only, resume_prefetch)
     ArchiveTooLarge,
     SlotMaps,
     archive_size,
@@ -57,6 +56,8 @@ from rally.agent.checkpoint.core.shm import (
     write_archive,
 )
 
+WHOLE_STATE_KEY = "whole"
+"""The key of a state every rank holds alike (DDP), saved once per node by `rally.job.save`."""
 HOLDER_ENV = "RALLY_CKPT_HOLDER"
 """The holder's socket's name (random); set by the agent in every worker's environment when the tier runs."""
 HOLDER_PID_ENV = "RALLY_CKPT_HOLDER_PID"

@@ -44,8 +44,6 @@ from rally.agent.checkpoint.core.torch_internals import no_record_crc
 
 SOCKET_PREFIX = "rally-ckpt-"
 SLOTS_PER_KEY = 2
-WHOLE_STATE_KEY = "whole"
-"""The key of a state every rank holds alike (DDP), saved once per node by `rally.job.save`."""
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -193,8 +191,8 @@ class SlotMaps:
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}
-        # a save's copy thread and the resume prefetch's premap may map one slot at once: the
-        # second waits for the first's mapping (half faulted in already) rather than make another
+        # a save's copy thread and the premap thread (client.MemoryTier.premap) may map one slot at
+        # once: the second waits for the first's mapping (half faulted in already) rather than make another
         self._lock = threading.Lock()
 
     def mapping(self, slot: str, fd: int, wait: bool = True) -> mmap.mmap | None:
