@@ -175,3 +175,16 @@ def test_a_slots_mapping_is_faulted_in_at_once() -> None:
             rss = int(fields[1])
     assert rss == 8 * SIZE // 1024
     mapped.close()
+
+
+def test_memory_made_ahead_never_takes_the_room_of_the_save_that_asked_for_it() -> None:
+    """A key's first save makes the other slot in the background, but only once its own copy has
+    its memory: a node with room for one copy keeps that copy in memory, as before."""
+    table = SlotTable(os.urandom(8).hex(), memory_limit=SIZE)
+    table.open_round(0, None, LEASE)
+    try:
+        save(table, 1)
+        assert table.disk_only is None and table.memory_steps() == [1]
+        assert table.fresh.held() == 0  # no room for the other slot: not made
+    finally:
+        table.release()

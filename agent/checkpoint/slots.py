@@ -186,9 +186,6 @@ class SlotTable:
                 self._fence(round_no)
                 keyslots = self.keys.setdefault(key, KeySlots())
                 index = self._choose(keyslots, spare_newest)
-                if key not in self.saved_in_round:  # the job trains again: make what this key's slots lack
-                    self.saved_in_round.add(key)
-                    self._prepare_for(key, keyslots, size, index)
                 if not self.fresh.preparing((key, index)):
                     break
                 if spare_newest and keyslots.slots[index].loaded:  # after a restart: rather skipped than a stall
@@ -211,6 +208,9 @@ class SlotTable:
                 start = slot.length & ~(PAGE - 1)
                 os.posix_fallocate(slot.fd, start, slot.size - start)
             keyslots.slots[index] = Slot(WRITING, step, 0, slot.size, slot.fd, conn, persist_name, keep)
+            if key not in self.saved_in_round:  # the job trains again: make what this key's other slots lack
+                self.saved_in_round.add(key)
+                self._prepare_for(key, keyslots, size)  # after this copy has its memory, never before
             return index, slot.fd  # type: ignore[return-value]
 
     def _choose(self, keyslots: KeySlots, spare_newest: bool = False) -> int:
@@ -237,17 +237,18 @@ class SlotTable:
         ]
         return min(allowed) if allowed else None
 
-    def _prepare_for(self, key: str, keyslots: KeySlots, size: int, chosen: int) -> None:
+    def _prepare_for(self, key: str, keyslots: KeySlots, size: int) -> None:
         """Fresh memory for each of `key`'s slots that will need it: reloaded, or fenced with a
         writer that did not let go, or never made (a key's first save: the other slot, of this
-        save's `size`; the `chosen` one is made by this save). Asked at the round's first save of
-        the key, not when the slot is reloaded or fenced: then the node's cores are the restart's
+        save's `size`). Asked at the round's first save of the key, once that save's own slot has
+        its memory (made ahead, memory counts against the node's room: it must not take that
+        save's), and not when a slot is reloaded or fenced: then the node's cores are the restart's
         (measured: 0.1 s more from an exception to every rank stepping again with it made beside
         the reload)."""
         for index, slot in enumerate(keyslots.slots):
             if slot.loaded and slot.size > 0:
                 self._prepare_fresh(key, index, slot.size)
-            elif slot.fd is None and index != chosen:
+            elif slot.fd is None:
                 self._prepare_fresh(key, index, size)
 
     def _prepare_fresh(self, key: str, index: int, size: int) -> None:
