@@ -484,8 +484,8 @@ FROZEN_SLACK = 100
 # +60 to +104 KiB, 1.3-2.3 KB an entry: what is kept plus the pages it pins, half as much again
 # allowed. What each entry keeps, by call site (`python -m bench.reentry_heap`, heaptrack): torch
 # 512 B (c10d's RankLocal<WorkRegistry>, ProcessGroupGloo's constructor, the flight recorder),
-# glibc's setenv 135 B (the round's MASTER_PORT, RALLY_ROUND, TORCHELASTIC_RESTART_COUNT; never
-# freed), Python objects 0 B.
+# everything else 0 B: Python objects, rally's code, and the round's new MASTER_PORT, RALLY_ROUND and
+# TORCHELASTIC_RESTART_COUNT (135 B an entry kept by glibc's setenv until agent/worker_side/round_env.py).
 # The bound catches what the code did before (bench/results/restartable-history.md): a new thread an
 # entry for the teardown and another for the resume prefetch spread what each round keeps over ten
 # glibc arenas, a page pinned per chunk (agent/base/kept_threads.py), and each answer of the

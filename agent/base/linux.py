@@ -23,11 +23,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 # glibc's malloc_trim; None under another C library
 _malloc_trim = getattr(_libc, "malloc_trim", None)
+_libc.putenv.argtypes = [ctypes.c_void_p]
 
 
 def prctl(option: int, value: int) -> int:
     """prctl(2) with one argument; returns its result (-1 with errno set on failure)."""
     return _libc.prctl(option, value, 0, 0, 0)
+
+
+def putenv_pointer(entry: ctypes.Array[ctypes.c_char]) -> bool:
+    """putenv(3) of the "KEY=value\\0" in `entry`: the C environment points into that buffer
+    (nothing is copied), which must stay alive while it does; False on failure (ENOMEM)."""
+    return bool(_libc.putenv(ctypes.addressof(entry)) == 0)
 
 
 def madvise(address: int, length: int, advice: int) -> bool:

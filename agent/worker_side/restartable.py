@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 from rally.agent.base import kept_threads, linux
 from rally.agent.base import reentry_wire as wire
-from rally.agent.worker_side import group_keeper
+from rally.agent.worker_side import group_keeper, round_env
 
 T = TypeVar("T")
 
@@ -471,10 +471,11 @@ def _return_free_memory() -> None:
 
 def _apply(env: dict[str, str]) -> None:
     """The next round's environment: RANK, WORLD_SIZE, MASTER_PORT, RALLY_ROUND and the rest as
-    the agent computed them for a fresh worker; `job.context()` reads them afresh."""
+    the agent computed them for a fresh worker; `job.context()` reads them afresh. Set through
+    agent/worker_side/round_env.py: glibc's setenv would keep every round's new values for good."""
     for key, value in env.items():
         if isinstance(key, str) and isinstance(value, str):
-            os.environ[key] = value
+            round_env.set_variable(key, value)
     from rally.agent.checkpoint.core import client as ckpt_client
     from rally.agent.checkpoint.core import resume_prefetch
 
