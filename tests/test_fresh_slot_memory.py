@@ -8,6 +8,7 @@ process (`HolderProcess`, as the agent starts it) and `MemoryTier`, as `rally.jo
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from rally.agent.base.event_log import EventLog
 from rally.agent.checkpoint.core.client import MemoryTier
+from rally.agent.checkpoint.core.overlap import SaveSkipped
 from rally.agent.checkpoint.core.shm import SlotMaps
 from rally.agent.checkpoint.node_checkpoints import HolderProcess
 from rally.agent.checkpoint.slots import NewestBusy, SlotTable
@@ -155,6 +157,62 @@ def test_a_worker_maps_its_next_slots_before_it_saves(tmp_path: Path) -> None:
         assert worker.save(state, WHOLE, 4, persist=False, keep=3)  # the reloaded one's fresh memfd
         assert worker.held(WHOLE).get(WHOLE) == [3, 4]
         assert {slot: mapped for slot, (_, mapped) in worker.maps._maps.items()} == premapped
+    finally:
+        agent.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_overlapped_save_is_skipped_while_a_restarts_premap_still_maps_its_slot(tmp_path: Path) -> None:
+    """After a restart, an overlapped save (the copy thread's reserve, `spare_newest`) whose slot
+    the premap thread is still mapping is skipped and its reservation let go, not stalled behind
+    that mapping; once the premap is over, the same save is made. Not after a key's first save,
+    whose premap maps the other slot for the first time: there the next save waits for it."""
+    agent = HolderProcess.start(str(tmp_path / "ckpt"), EventLog(tmp_path / "events.jsonl"), print)
+    assert isinstance(agent, HolderProcess)
+    try:
+        agent.open_round(0, None, LEASE)
+        worker = MemoryTier(agent.address, 0)
+        assert worker.reserve(WHOLE, 1, SIZE, False, 3) is not None  # the key's first save: a premap starts
+        worker.commit(WHOLE, 1, SIZE // 2)
+        waited: list[object] = []
+        with worker.maps._lock:  # that premap's mapping, still under way
+            second = threading.Thread(
+                target=lambda: waited.append(worker.reserve(WHOLE, 2, SIZE, False, 3, spare_newest=True)), daemon=True
+            )
+            second.start()
+            second.join(0.5)
+            assert second.is_alive(), f"the key's second save did not wait for its slot's first mapping: {waited}"
+        second.join(10)
+        assert len(waited) == 1 and waited[0] is not None, waited
+        worker.commit(WHOLE, 2, SIZE // 2)
+        assert worker.premapping is not None and worker.premapping.join(30) is None
+        agent.close_round(0)
+        agent.open_round(1, 2, LEASE)
+        worker.round = 1
+        step, fd = worker.resume(WHOLE)
+        assert step == 2 and fd is not None
+        os.close(fd)
+        worker.premap_wanted.add(WHOLE)  # as the resume prefetch asks
+        outcome: list[object] = []
+
+        def overlapped_save() -> None:
+            try:
+                outcome.append(worker.reserve(WHOLE, 3, SIZE, False, 3, spare_newest=True))
+            except SaveSkipped as exc:
+                outcome.append(exc)
+
+        with worker.maps._lock:  # a mapping under way (the premap's, as it maps the reloaded slot's fresh memfd)
+            copy = threading.Thread(target=overlapped_save, daemon=True)
+            copy.start()
+            copy.join(10)
+            assert not copy.is_alive(), "the overlapped save waited for the premap's mapping"
+            assert worker.premapping is not None and worker.premapping.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], SaveSkipped), outcome
+        assert worker.premapping.join(30) is None and not worker.premapping.is_alive()
+        target = worker.reserve(WHOLE, 3, SIZE, False, 3, spare_newest=True)  # the reservation was let go
+        assert target is not None
+        worker.commit(WHOLE, 3, SIZE // 2)
+        assert worker.held(WHOLE).get(WHOLE) == [2, 3]
     finally:
         agent.stop()
 

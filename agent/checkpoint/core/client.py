@@ -130,7 +130,8 @@ class MemoryTier:
         self.premap_wanted: set[str] = set()  # keys whose next slots to map after their next reserve (`premap`)
         self.premapping: kept_threads.Call | None = None  # the last premap started
         self._reserved: set[str] = set()  # keys this process has saved
-        self._skip_while_premapped = False  # the last premap renews a restart's slots: overlapped saves skip meanwhile
+        # the premap renewing a restart's slots: overlapped saves skip while it runs
+        self._restart_premap: kept_threads.Call | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         # Every answer is received here, private anonymous memory mapped once (its pages resident once
@@ -253,13 +254,14 @@ class MemoryTier:
         if key in self.premap_wanted:  # the round's first save: the holder has started making fresh memory
             self.premap_wanted.discard(key)
             self.premapping = _premaps.start(functools.partial(self._premap_quietly, key))
-            self._skip_while_premapped = restarted
+            self._restart_premap = self.premapping if restarted else None
         if answer.get("disk_only"):
             return None
         if answer.get("busy"):
             raise SaveSkipped(answer.get("error", "rally: checkpoint skipped"))
         self._checked(answer, fds)
-        skip = spare_newest and self._skip_while_premapped  # after a restart: rather skipped than a stall
+        # after a restart, while its premap maps: rather skipped than a stall
+        skip = spare_newest and self._restart_premap is not None and self._restart_premap.is_alive()
         mapped = self.maps.mapping(f"{key}.{answer['slot']}", fds[0], wait=not skip)
         if mapped is None:  # the premap thread is mapping this slot: skipped rather than a stall
             self.abort(key, step, ended=True)
