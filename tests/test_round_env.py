@@ -4,7 +4,6 @@ keeping every value for the life of the process, and seen alike by Python, C and
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 import textwrap
@@ -13,15 +12,13 @@ import pytest
 
 from rally.agent.worker_side import round_env
 
-pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's setenv is what this avoids"
-)
+pytestmark = pytest.mark.skipif(not round_env.GLIBC, reason="glibc's setenv is what this avoids")
 
 # In a fresh interpreter: glibc's bytes in use (mallinfo2) before and after 2,000 rounds' worth of new
 # values of one variable, set by `os.environ` and by round_env; then every view of the variable.
 PROBE = textwrap.dedent(
     """
-    import ctypes, json, os, subprocess, sys
+    import ctypes, json, os, subprocess
     from rally.agent.worker_side import round_env
 
     class MallInfo2(ctypes.Structure):

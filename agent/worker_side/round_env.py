@@ -4,15 +4,16 @@
 it made: a pointer getenv returned earlier may still be in use, so every distinct value is kept
 (in a search tree, for reuse) for the life of the process. A worker that `rally.job.run`
 re-enters is given a new MASTER_PORT, RALLY_ROUND and TORCHELASTIC_RESTART_COUNT every round:
-three strings kept for good per entry (134 B measured by `python -m bench.reentry_heap`), for as
+three strings kept for good per entry (135 B measured by `python -m bench.reentry_heap`), for as
 many entries as the job's restart budget allows.
 
 Here each such variable has one buffer of rally's, put into the C environment with putenv(3)
 (which stores the pointer, copying nothing) and rewritten in place the next round. Python's
 `os.environ` mapping is updated beside it, so both views agree: `os.environ`, `getenv` from C
-(torch, NCCL, gloo) and the environment a child process inherits. Linux with glibc only (musl's
-setenv frees the old value already); elsewhere, or for a value too long for its buffer the
-first time, plain `os.environ` assignment.
+(torch, NCCL, gloo) and the environment a child process inherits. A value too long for its
+buffer gets a larger one. Linux with glibc only (musl's setenv frees the old value already);
+elsewhere, and for what `os.environ` itself refuses (a key with "=", a NUL), plain `os.environ`
+assignment.
 """
 
 from __future__ import annotations
